@@ -1,0 +1,103 @@
+"""Typed requests and outputs of the engine, and the errors it raises.
+
+These are plain dataclasses so they cross the process boundary as msgpack maps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engines.config import ConfigError
+
+Mode = Literal["text", "audio"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class ChannelSampling:
+    """Sampling of one channel (MODEL_CONTRACT.md section 3 defaults)."""
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    repetition_penalty: float = 1.1
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0):
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (self.repetition_penalty > 0):
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    text: ChannelSampling = field(default_factory=ChannelSampling)
+    audio: ChannelSampling = field(default_factory=ChannelSampling)
+    greedy: bool = False  # argmax on both channels (lowest index wins ties); penalties still apply
+    min_new_tokens: int = 0  # eosp is masked until this many rows were generated
+    max_new_tokens: int = 500
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+
+    @classmethod
+    def greedy_params(cls, max_new_tokens: int = 500, min_new_tokens: int = 0) -> SamplingParams:
+        return cls(greedy=True, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One generated row of one request, emitted by `Engine.step()`."""
+
+    request_id: str
+    text_token: int
+    audio_token: int
+    mode: Mode  # mode in which this row was generated
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters for tests and metrics."""
+
+    steps: int = 0
+    prefilled_rows: int = 0  # rows run through the model as prompt (not generated)
+    decoded_rows: int = 0
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+class EngineError(Exception):
+    """Base of the errors the engine raises to its caller; `code` is stable for clients."""
+
+    code = "engine_error"
+
+
+class InvalidRequestError(EngineError):
+    code = "invalid_request"
+
+
+class QueueFullError(EngineError):
+    code = "server_busy"
+
+
+class RequestTooLargeError(EngineError):
+    code = "request_too_large"
+
+
+class UnknownRequestError(EngineError):
+    code = "unknown_request"

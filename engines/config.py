@@ -1,0 +1,171 @@
+"""Frozen, validated configuration: the model's shape and the engine's limits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype {name!r} not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the MOSS-Speech language model (MODEL_CONTRACT.md section 1)."""
+
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    vocab_size: int = 151680  # text channel
+    audio_vocab_size: int = 16512  # audio channel
+    num_shared_layers: int = 32
+    num_modality_layers: int = 4  # per tail: text and audio
+    max_position_embeddings: int = 40960
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "vocab_size", "audio_vocab_size", "num_shared_layers",
+                  "num_modality_layers", "max_position_embeddings"):
+            v = getattr(self, f)
+            _require(isinstance(v, int) and v > 0, f"ModelConfig.{f} must be a positive int, got {v!r}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                 f"num_key_value_heads ({self.num_key_value_heads})")
+        _require(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        _require(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        # Real special ids must exist in both vocabularies.
+        _require(self.vocab_size > 151667, f"vocab_size {self.vocab_size} cannot hold modality_pad 151667")
+        _require(self.audio_vocab_size > 16384, f"audio_vocab_size {self.audio_vocab_size} cannot hold eosp 16384")
+        parse_dtype(self.torch_dtype)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Shared trunk plus both tails: 40 at full size (config.json's num_hidden_layers says 36)."""
+        return self.num_shared_layers + 2 * self.num_modality_layers
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.num_shared_layers + self.num_modality_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return parse_dtype(self.torch_dtype)
+
+    def kv_bytes_per_row(self, dtype: torch.dtype | None = None) -> int:
+        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return self.num_attention_layers * 2 * self.num_key_value_heads * self.head_dim * elem
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        """Read a checkpoint's config.json; unknown keys are ignored, missing ones are an error."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON ({e})") from None
+        known = {f.name for f in fields(cls)}
+        required = known - {"max_position_embeddings", "torch_dtype", "rope_theta", "rms_norm_eps"}
+        missing = sorted(required - raw.keys())
+        if missing:
+            raise ConfigError(f"{path}: missing keys {missing}")
+        if "num_hidden_layers" in raw and raw["num_hidden_layers"] != raw["num_shared_layers"] + raw["num_modality_layers"]:
+            raise ConfigError(
+                f"{path}: num_hidden_layers {raw['num_hidden_layers']} != num_shared_layers "
+                f"{raw['num_shared_layers']} + num_modality_layers {raw['num_modality_layers']}")
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def to_json_dict(self) -> dict:
+        d = asdict(self)
+        d["num_hidden_layers"] = self.num_hidden_layers
+        d["architectures"] = ["MossSpeechForCausalLM"]
+        return d
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Small dims, real vocab sizes and special ids: runs on a laptop CPU.
+    "tiny-random": ModelConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_shared_layers=2, num_modality_layers=2, max_position_embeddings=8192,
+        torch_dtype="float32",
+    ),
+    # Real dims, random weights: for GPU benchmarks.
+    "full-random": ModelConfig(),
+}
+
+
+def model_config_for(name_or_path: str) -> ModelConfig:
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    return ModelConfig.from_json(name_or_path)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of one engine process."""
+
+    block_size: int = 16  # rows per KV block
+    kv_cache_bytes: int = 256 * 1024 * 1024  # KV pool size across all layers
+    max_running: int = 64  # sequences decoded together
+    prefill_token_budget: int = 512  # rows per step (decodes + prefill chunks)
+    max_waiting: int = 256  # bounded admission queue
+    max_model_len: int = 8192  # rows per conversation (history + answer)
+    device: str = "cpu"
+    dtype: str = "float32"
+    cuda_graphs: bool = True  # used on CUDA devices only
+
+    def __post_init__(self) -> None:
+        for f in ("block_size", "kv_cache_bytes", "max_running", "prefill_token_budget", "max_model_len"):
+            v = getattr(self, f)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                     f"EngineConfig.{f} must be a positive int, got {v!r}")
+        _require(isinstance(self.max_waiting, int) and self.max_waiting >= 0,
+                 f"EngineConfig.max_waiting must be an int >= 0, got {self.max_waiting!r}")
+        _require(self.prefill_token_budget > self.max_running,
+                 f"prefill_token_budget ({self.prefill_token_budget}) must exceed max_running "
+                 f"({self.max_running}) so prefill always makes progress beside full decode")
+        parse_dtype(self.dtype)
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"EngineConfig.device {self.device!r}: {e}") from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    def num_blocks(self, model: ModelConfig) -> int:
+        per_block = model.kv_bytes_per_row(self.torch_dtype) * self.block_size
+        n = self.kv_cache_bytes // per_block
+        if n < 1:
+            raise ConfigError(f"kv_cache_bytes {self.kv_cache_bytes} holds no block of {per_block} bytes")
+        return n

@@ -1,0 +1,56 @@
+"""`moss-speech` command line: each subcommand lives in the module that owns it.
+
+A command module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only
+when its subcommand runs, so `generate` never imports the server and `serve` never imports
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command path, module, help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("serve",), "server.commands.serve", "serve the realtime API and the web page"),
+    (("generate",), "engines.commands.generate", "generate one answer and print both channels"),
+    (("write-checkpoint",), "engines.loader.random_checkpoint", "write a random checkpoint in the real layout"),
+    (("bench", "engine"), "engines.commands.bench_engine", "time prefill and decode against their floors"),
+    (("bench", "codec"), "engines.codec.commands.bench_codec", "time codec chunks at several batch sizes"),
+    (("bench", "capacity"), "server.loadtest.capacity", "raise concurrency until TTFA or underruns break"),
+    (("codec", "decode"), "engines.codec.commands.decode", "codes -> 24 kHz WAV"),
+    (("codec", "encode"), "engines.codec.commands.encode", "WAV -> 12.5 Hz codes"),
+    (("loadtest",), "server.loadtest.run", "simulated users against a running server"),
+]
+
+
+def _match(argv: list[str]) -> tuple[tuple[str, ...], str] | None:
+    for path, module, _ in COMMANDS:
+        if tuple(argv[: len(path)]) == path:
+            return path, module
+    return None
+
+
+def _usage() -> str:
+    lines = ["usage: moss-speech COMMAND [options]", "", "commands:"]
+    lines += [f"  {' '.join(path):<18} {help_text}" for path, _, help_text in COMMANDS]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    found = _match(argv)
+    if found is None:
+        print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    path, module = found
+    mod = importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog="moss-speech " + " ".join(path))
+    mod.add_arguments(parser)
+    args = parser.parse_args(argv[len(path):])
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
