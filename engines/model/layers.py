@@ -1,0 +1,91 @@
+"""Building blocks of the serving model: parameters are allocated uninitialised (the loader fills them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.config import ModelConfig
+from engines.model.attention import paged_attention, write_kv
+from engines.model.batch import ForwardBatch
+from engines.model.rope import apply_rope
+
+
+def _empty(shape: tuple[int, ...], device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer without init work (weights come from the loader)."""
+
+    def __init__(self, out_features: int, in_features: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = _empty((out_features, in_features), device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = _empty((num, dim), device, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.weight = _empty((dim,), device, dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Rounding order of the reference: normalise in float32, round to the activation dtype,
+        # then multiply by the weight in that dtype (in bf16 this is two roundings, not one).
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Qwen3 decoder layer with fused qkv and gate_up projections, over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.ffn = config.intermediate_size
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, device, dtype)
+        self.qkv_proj = Linear(self.q_size + 2 * self.kv_size, h, device, dtype)
+        self.q_norm = RMSNorm(d, eps, device, dtype)
+        self.k_norm = RMSNorm(d, eps, device, dtype)
+        self.o_proj = Linear(h, self.q_size, device, dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps, device, dtype)
+        self.gate_up_proj = Linear(2 * self.ffn, h, device, dtype)
+        self.down_proj = Linear(h, self.ffn, device, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+                batch: ForwardBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden]; kv_layer: [2, num_blocks, block_size, kv_heads, head_dim].
+
+        Every row writes its K/V. With `out_rows` ([R]) only those rows go through o_proj and the MLP
+        and [R, hidden] is returned (the last layer of a tail feeds only the rows that need logits).
+        """
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        write_kv(k, v, kv_layer[0], kv_layer[1], batch.slot_mapping)
+        attn = paged_attention(q, kv_layer[0], kv_layer[1], batch).reshape(t, self.q_size)  # [T, q]
+        if out_rows is not None:
+            x, attn = x[out_rows], attn[out_rows]
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.ffn, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)

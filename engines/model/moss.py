@@ -1,0 +1,82 @@
+"""MOSS-Speech serving model: shared trunk, then a text tail and an audio tail on the same hidden states."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engines.config import ModelConfig
+from engines.model.batch import ForwardBatch
+from engines.model.layers import DecoderLayer, Embedding, Linear, RMSNorm
+from engines.model.rope import rope_cos_sin, rope_inv_freq
+from engines.tokens import MODALITY_PAD
+
+
+class MossSpeechModel(nn.Module):
+    """Parameters are allocated uninitialised; fill them with engines.loader.checkpoint.
+
+    `layers` is flat in KV-cache order: shared 0..S-1, text tail S..S+M-1, audio tail S+M..S+2M-1.
+    """
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        dtype = dtype or config.dtype
+        h = config.hidden_size
+        self.embed_tokens = Embedding(config.vocab_size, h, device, dtype)
+        self.audio_embed = Embedding(config.audio_vocab_size, h, device, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_attention_layers))
+        self.text_norm = RMSNorm(h, config.rms_norm_eps, device, dtype)
+        self.audio_norm = RMSNorm(h, config.rms_norm_eps, device, dtype)
+        self.text_lm_head = Linear(config.vocab_size, h, device, dtype)
+        self.audio_lm_head = Linear(config.audio_vocab_size, h, device, dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta).to(device),
+                             persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def tail_layer_ranges(self) -> tuple[range, range, range]:
+        """Layer indices (into `layers` and the KV cache) of the shared trunk, text tail, audio tail."""
+        s, m = self.config.num_shared_layers, self.config.num_modality_layers
+        return range(s), range(s, s + m), range(s + m, s + 2 * m)
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, 2] -> [T, hidden]: text embedding unless the text token is modality_pad."""
+        text_ids, audio_ids = rows[:, 0], rows[:, 1]
+        is_audio = text_ids == MODALITY_PAD
+        # Text rows may carry any audio id the sampler kept; only audio rows' ids are looked up for real.
+        audio_ids = torch.where(is_audio, audio_ids, torch.zeros_like(audio_ids))
+        return torch.where(is_audio[:, None], self.audio_embed(audio_ids), self.embed_tokens(text_ids))
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """kv_cache: [num_attention_layers, 2, num_blocks, block_size, kv_heads, head_dim].
+
+        Returns [2, R, hidden] at batch.logits_rows: 0 = text tail after text_norm, 1 = audio tail after audio_norm.
+        """
+        shared, text_tail, audio_tail = self.tail_layer_ranges()
+        x = self.embed(batch.rows)  # [T, hidden]
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)  # [T, head_dim]
+        for i in shared:
+            x = self.layers[i](x, cos, sin, kv_cache[i], batch)
+        outs = []
+        for tail, norm in ((text_tail, self.text_norm), (audio_tail, self.audio_norm)):
+            h = x
+            for i in tail:
+                last = i == tail[-1]
+                h = self.layers[i](h, cos, sin, kv_cache[i], batch, batch.logits_rows if last else None)
+            outs.append(norm(h))
+        return torch.stack(outs)  # [2, R, hidden]
+
+    def text_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab_size] float32 (head in the model dtype, then upcast)."""
+        return self.text_lm_head(h).float()
+
+    def audio_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, audio_vocab_size] float32."""
+        return self.audio_lm_head(h).float()
