@@ -1,0 +1,34 @@
+"""Causal Whisper-VQ speech encoder of the MOSS-Speech codec: 16 kHz PCM -> 12.5 Hz codes (0..16383).
+
+Public API::
+
+    from engines.codec.encoder import SpeechEncoder
+    enc = SpeechEncoder.load("tiny-random" | "full-random" | "/path/to/MOSS-Speech-Codec",
+                             device="cpu" | "cuda", dtype=None | "float32" | "bfloat16")
+    codes = enc.encode(pcm)                  # whole utterance, float32 np.ndarray / tensor in [-1, 1]
+    s = enc.open_stream()                    # one per user session
+    codes = s.push(piece)                    # any piece size; codes as soon as they are determined
+    codes = s.finalize()                     # last partial 80 ms completed with silence; stream closes
+    out = enc.batch().step([(s1, p1), (s2, p2)])   # several sessions in one forward, same result as alone
+
+Streaming equals whole-utterance encoding (same codes); the pre-VQ features agree to float rounding
+(tested at atol 1e-4 in float32). Write a random codec encoder in the real layout with
+`write_random_encoder(dir, ENCODER_PRESETS["tiny-random"])`. Module docstrings of mel.py and model.py
+list where this differs from the reference encoder (causal log-mel floor, strictly causal attention).
+"""
+
+from engines.codec.encoder.config import EncoderConfig
+from engines.codec.encoder.encoder import (
+    EncoderBatch,
+    EncoderInputError,
+    EncoderStream,
+    SpeechEncoder,
+    StreamClosedError,
+)
+from engines.codec.encoder.presets import ENCODER_PRESETS, encoder_preset
+from engines.codec.encoder.weights import EncoderCheckpointError, write_random_encoder
+
+__all__ = [
+    "ENCODER_PRESETS", "EncoderBatch", "EncoderCheckpointError", "EncoderConfig", "EncoderInputError",
+    "EncoderStream", "SpeechEncoder", "StreamClosedError", "encoder_preset", "write_random_encoder",
+]

@@ -1,0 +1,182 @@
+"""SpeechEncoder (weights + batched runner), EncoderStream (one session), EncoderBatch (many at once)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engines.codec.encoder.config import EncoderConfig
+from engines.codec.encoder.mel import MelFrontend, MelState
+from engines.codec.encoder.model import StreamingRunner, TrunkState, WhisperVQTrunk
+from engines.codec.encoder.presets import ENCODER_PRESETS
+from engines.codec.encoder.weights import PREFIX, load_state, random_state
+from engines.config import parse_dtype
+
+
+class EncoderInputError(ValueError):
+    """PCM handed to the encoder is not a finite 1-D float signal."""
+
+
+class StreamClosedError(RuntimeError):
+    """push()/finalize() on a stream that was already finalized."""
+
+
+def _as_pcm(pcm: np.ndarray | torch.Tensor) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(pcm)) if isinstance(pcm, np.ndarray) else pcm
+    if not isinstance(t, torch.Tensor):
+        raise EncoderInputError(f"PCM must be a numpy array or tensor, got {type(pcm).__name__}")
+    if t.ndim != 1:
+        raise EncoderInputError(f"PCM must be 1-D mono samples, got shape {tuple(t.shape)}")
+    if not (t.is_floating_point()):
+        raise EncoderInputError(f"PCM must be float samples in [-1, 1], got dtype {t.dtype}")
+    t = t.to(torch.float32)
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise EncoderInputError("PCM contains NaN or infinite samples")
+    return t
+
+
+class SpeechEncoder:
+    """Causal Whisper-VQ speech encoder: 16 kHz PCM -> 12.5 Hz codes in [0, codebook_size)."""
+
+    def __init__(self, cfg: EncoderConfig, state: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        trunk = WhisperVQTrunk(cfg)
+        trunk.load_state_dict(state, strict=True)
+        self.trunk = trunk.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.frontend = MelFrontend(cfg, device)
+        self.runner = StreamingRunner(self.trunk, dtype, device)
+
+    @classmethod
+    def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
+             dtype: str | torch.dtype | None = None, seed: int = 0) -> SpeechEncoder:
+        """A preset name (random weights, seeded) or a codec directory (config.json + model.safetensors)."""
+        dev = torch.device(device)
+        name = str(path_or_preset)
+        if name in ENCODER_PRESETS:
+            cfg = ENCODER_PRESETS[name]
+            tdtype = parse_dtype(dtype or cfg.torch_dtype)
+            full = random_state(cfg, seed=seed, device=dev, dtype=tdtype)
+            state = {k[len(PREFIX):]: v for k, v in full.items() if k[len(PREFIX):] in _trunk_names(cfg)}
+        else:
+            cfg = EncoderConfig.from_dir(path_or_preset)
+            tdtype = parse_dtype(dtype or cfg.torch_dtype)
+            state = load_state(path_or_preset, cfg, dev)
+        return cls(cfg, state, dev, tdtype)
+
+    def open_stream(self) -> EncoderStream:
+        return EncoderStream(self)
+
+    def batch(self) -> EncoderBatch:
+        return EncoderBatch(self)
+
+    def encode(self, pcm: np.ndarray | torch.Tensor) -> list[int]:
+        """Whole-utterance encode: one forward over all frames, tail padded as in `finalize()`."""
+        s = self.open_stream()
+        return s.push(pcm) + s.finalize()
+
+    def codes_for_samples(self, n_samples: int) -> int:
+        """Codes a finalized stream of n samples yields: one per started 80 ms."""
+        return -(-n_samples // self.cfg.samples_per_code)
+
+
+_TRUNK_NAMES: dict[EncoderConfig, set[str]] = {}
+
+
+def _trunk_names(cfg: EncoderConfig) -> set[str]:
+    if cfg not in _TRUNK_NAMES:
+        _TRUNK_NAMES[cfg] = set(WhisperVQTrunk(cfg).to("meta").state_dict())
+    return _TRUNK_NAMES[cfg]
+
+
+class EncoderStream:
+    """One session's encoder state. Codes come out as soon as they are determined.
+
+    Code k covers the 80 ms of samples [1280 k, 1280 k + 1280); it is determined once sample
+    1280 k + 1160 has arrived (the centred 25 ms mel window of the group's last 50 Hz frame).
+    """
+
+    def __init__(self, encoder: SpeechEncoder) -> None:
+        self.encoder = encoder
+        self.mel: MelState = encoder.frontend.new_state()
+        self.trunk: TrunkState = encoder.runner.new_state()
+        self.codes_out = 0
+        self.closed = False
+        self.last_features: torch.Tensor | None = None  # [n, d] float32 pre-VQ features of the last codes
+
+    @property
+    def samples_seen(self) -> int:
+        return self.mel.samples_seen
+
+    def push(self, pcm: np.ndarray | torch.Tensor) -> list[int]:
+        """Append 16 kHz mono float32 samples; return the codes that became determined."""
+        return EncoderBatch(self.encoder).step([(self, pcm)])[0]
+
+    def finalize(self) -> list[int]:
+        """Flush: the last partial 80 ms group is completed with silence (zeros); then the stream closes.
+
+        After finalize, the stream has produced ceil(samples / 1280) codes in total.
+        """
+        if self.closed:
+            raise StreamClosedError("stream already finalized")
+        pad = self.tail_padding()
+        codes = self.push(torch.zeros(pad)) if pad else []
+        self.closed = True
+        return codes
+
+    def tail_padding(self) -> int:
+        """Zeros needed for the last started code to be determined."""
+        cfg = self.encoder.cfg
+        total = self.encoder.codes_for_samples(self.samples_seen)
+        if total == 0:
+            return 0
+        # Determined when mel frame 8(total-1)+6 is complete: its window ends n_fft/2 samples after its centre.
+        need = cfg.hop_length * (2 * cfg.pooling_kernel_size * (total - 1) + 2 * cfg.pooling_kernel_size - 2) \
+            + cfg.n_fft // 2
+        return max(0, need - self.samples_seen)
+
+
+class EncoderBatch:
+    """Steps many streams in one forward: each stream's result equals stepping it alone."""
+
+    def __init__(self, encoder: SpeechEncoder) -> None:
+        self.encoder = encoder
+
+    @torch.no_grad()
+    def step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
+        enc = self.encoder
+        streams = [s for s, _ in items]
+        if len({id(s) for s in streams}) != len(streams):
+            raise ValueError("a stream appears twice in one step")
+        for s in streams:
+            if s.closed:
+                raise StreamClosedError("push on a finalized stream")
+            if s.encoder is not enc:
+                raise ValueError("stream belongs to another encoder")
+        pcms = [_as_pcm(p) for _, p in items]
+        pending = enc.frontend.frames([s.mel for s in streams], pcms)  # per stream [n_i, n_mels]
+        codes: list[list[int]] = [[] for _ in streams]
+        feats: list[list[torch.Tensor]] = [[] for _ in streams]
+        seg = enc.runner.mel_per_segment
+        # Rounds: no stream may run past its 30 s segment end inside one forward.
+        while any(p.shape[0] for p in pending):
+            take = [min(p.shape[0], seg - s.trunk.mel_in_segment) for s, p in zip(streams, pending, strict=True)]
+            counts, pooled = enc.runner.run([s.trunk for s in streams],
+                                            [p[:n] for p, n in zip(pending, take, strict=True)])
+            ids = enc.runner.quantize(pooled).tolist()
+            start = 0
+            for i, (s, n, c) in enumerate(zip(streams, take, counts, strict=True)):
+                codes[i].extend(ids[start:start + c])
+                feats[i].append(pooled[start:start + c])
+                start += c
+                pending[i] = pending[i][n:]
+                if s.trunk.mel_in_segment == seg:
+                    enc.runner.reset_segment(s.trunk)
+        for i, s in enumerate(streams):
+            s.codes_out += len(codes[i])
+            s.last_features = torch.cat(feats[i]) if feats[i] else None
+        return codes
