@@ -98,7 +98,8 @@ class ModelConfig:
         missing = sorted(required - raw.keys())
         if missing:
             raise ConfigError(f"{path}: missing keys {missing}")
-        if "num_hidden_layers" in raw and raw["num_hidden_layers"] != raw["num_shared_layers"] + raw["num_modality_layers"]:
+        layers = raw["num_shared_layers"] + raw["num_modality_layers"]
+        if "num_hidden_layers" in raw and raw["num_hidden_layers"] != layers:
             raise ConfigError(
                 f"{path}: num_hidden_layers {raw['num_hidden_layers']} != num_shared_layers "
                 f"{raw['num_shared_layers']} + num_modality_layers {raw['num_modality_layers']}")

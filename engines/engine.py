@@ -1,0 +1,150 @@
+"""The engine: one step is schedule -> run -> sample -> emit.
+
+Callers add requests (rows of the token grid), feed more input to live ones, abort them, and
+call `step()` in a loop; each step returns at most one new row per running request.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engines.api import EngineStats, InvalidRequestError, SamplingParams, StepOutput
+from engines.config import EngineConfig, ModelConfig, model_config_for
+from engines.runner import ModelRunner
+from engines.scheduler.scheduler import ScheduledChunk, Scheduler
+from engines.scheduler.sequence import Sequence
+from engines.tokens import MODALITY_PAD, TEXT_STOP_TOKENS, Row
+
+
+def _check_rows(rows: Seq[Row] | torch.Tensor, mc: ModelConfig) -> list[Row]:
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 2 or rows.shape[1] != 2:
+            raise InvalidRequestError(f"rows must have shape [L, 2], got {tuple(rows.shape)}")
+        rows = rows.tolist()
+    out = []
+    for i, r in enumerate(rows):
+        try:
+            t, a = int(r[0]), int(r[1])
+        except (TypeError, ValueError, IndexError):
+            raise InvalidRequestError(f"row {i} is not a (text, audio) pair: {r!r}") from None
+        if not (0 <= t < mc.vocab_size and 0 <= a < mc.audio_vocab_size):
+            raise InvalidRequestError(
+                f"row {i} = ({t}, {a}) outside vocabularies (text < {mc.vocab_size}, audio < {mc.audio_vocab_size})")
+        out.append((t, a))
+    return out
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, seed: int = 0):
+        self.model_config = model_config
+        self.config = config
+        num_blocks = config.num_blocks(model_config)
+        self.scheduler = Scheduler(config, num_blocks)
+        self.runner = ModelRunner(model, model_config, config, num_blocks)
+        self._rng = random.Random(seed)
+        self._stats = EngineStats(total_blocks=num_blocks)
+
+    @classmethod
+    def from_name(cls, name_or_path: str, config: EngineConfig, seed: int = 0) -> Engine:
+        """`tiny-random` / `full-random` build random weights on the device; anything else is a checkpoint dir."""
+        from engines.loader.checkpoint import load_model, random_model
+
+        mc = model_config_for(name_or_path)
+        if name_or_path in ("tiny-random", "full-random"):
+            model = random_model(mc, device=config.device, dtype=config.torch_dtype, seed=seed)
+        else:
+            model = load_model(name_or_path, device=config.device, dtype=config.torch_dtype)
+        return cls(model, mc, config, seed=seed)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, rows: Seq[Row] | torch.Tensor, params: SamplingParams | None = None,
+                    conversation_id: str | None = None, input_done: bool = True) -> None:
+        params = params or SamplingParams()
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self.scheduler.add(request_id, _check_rows(rows, self.model_config), params, seed, conversation_id,
+                           input_done)
+
+    def append_input(self, request_id: str, rows: Seq[Row] | torch.Tensor, input_done: bool = True) -> None:
+        self.scheduler.append_input(request_id, _check_rows(rows, self.model_config), input_done)
+
+    def abort(self, request_id: str) -> bool:
+        """Takes effect at the next step, which emits a finished output with reason "abort"."""
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s._aborts or any(q.generating or q.num_pending for q in s.running))
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [StepOutput(s.request_id, -1, -1, s.mode, True, "abort") for s in sched.finished]
+        if sched.chunks:
+            _, hidden = self.runner.forward(sched.chunks)
+            tokens = self.runner.sample(sched.chunks, hidden)
+            outputs += self._emit(sched.chunks, tokens)
+        self._stats.steps += 1
+        return outputs
+
+    def _emit(self, chunks: list[ScheduledChunk], tokens: list[tuple[int, int]]) -> list[StepOutput]:
+        for c in chunks:
+            c.seq.num_computed += c.num_rows
+            if c.seq.num_generated:
+                self._stats.decoded_rows += c.num_rows
+            else:
+                self._stats.prefilled_rows += c.num_rows
+        outputs = []
+        sampled = [c.seq for c in chunks if c.needs_logits]
+        for seq, (text, audio) in zip(sampled, tokens, strict=True):
+            if seq.num_generated == 0:
+                seq.start()
+            mode = seq.mode
+            if mode == "audio":
+                text = MODALITY_PAD
+            seq.rows.append((text, audio))
+            seq.num_generated += 1
+            if text in TEXT_STOP_TOKENS:
+                seq.finish_reason = "stop"
+            elif seq.num_generated >= seq.params.max_new_tokens:
+                seq.finish_reason = "length"
+            else:
+                seq.update_mode()
+            outputs.append(StepOutput(seq.request_id, text, audio, mode, seq.finish_reason is not None,
+                                      seq.finish_reason))
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+        return outputs
+
+    # ---- conversations and introspection -------------------------------------------------
+
+    def conversation_rows(self, conversation_id: str) -> int:
+        conv = self.scheduler.conversations.get(conversation_id)
+        return len(conv.rows) if conv else 0
+
+    def conversation_history(self, conversation_id: str) -> list[Row]:
+        conv = self.scheduler.conversations.get(conversation_id)
+        return list(conv.rows) if conv else []
+
+    def truncate_conversation(self, conversation_id: str, num_rows: int) -> None:
+        self.scheduler.truncate_conversation(conversation_id, num_rows)
+
+    def release_conversation(self, conversation_id: str) -> None:
+        self.scheduler.release_conversation(conversation_id)
+
+    def live_request(self, request_id: str) -> Sequence | None:
+        return self.scheduler.requests.get(request_id)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.running = len(self.scheduler.running)
+        s.waiting = len(self.scheduler.waiting)
+        s.free_blocks = self.scheduler.pool.num_free
+        return EngineStats(**vars(s))
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

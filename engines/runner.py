@@ -1,0 +1,129 @@
+"""Model runner: turns scheduled chunks into one forward pass over the paged cache, then samples.
+
+It owns the device state: the KV cache tensor, and per-slot "seen" masks holding each running
+sequence's token history for the repetition penalty (updated on the device as rows are run, so
+sampling never walks the history on the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.config import EngineConfig, ModelConfig
+from engines.model.batch import ForwardBatch
+from engines.sampler.sampler import (
+    AUDIO_CHANNEL,
+    TEXT_CHANNEL,
+    ChannelTensors,
+    mask_audio_logits,
+    sample_channel,
+)
+from engines.scheduler.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, num_blocks: int):
+        self.model = model
+        self.mc = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.kv_cache = torch.zeros(
+            model_config.num_attention_layers, 2, num_blocks, config.block_size,
+            model_config.num_key_value_heads, model_config.head_dim, dtype=self.dtype, device=self.device,
+        )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
+        self.text_seen = torch.zeros(config.max_running, model_config.vocab_size, dtype=torch.bool, device=self.device)
+        self.audio_seen = torch.zeros(config.max_running, model_config.audio_vocab_size, dtype=torch.bool,
+                                      device=self.device)
+
+    # ---- run -----------------------------------------------------------------------------
+
+    def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        bs = self.block_size
+        rows, positions, slots, qstart, ctx, tables, logits_rows = [], [], [], [0], [], [], []
+        for c in chunks:
+            seq = c.seq
+            end = c.start + c.num_rows
+            rows.extend(seq.rows[c.start:end])
+            for p in range(c.start, end):
+                positions.append(p)
+                slots.append(seq.block_ids[p // bs] * bs + p % bs)
+            qstart.append(qstart[-1] + c.num_rows)
+            ctx.append(end)
+            tables.append(seq.block_ids[: -(-end // bs)])
+            if c.needs_logits:
+                logits_rows.append(qstart[-1] - 1)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        return ForwardBatch(
+            rows=as_long(rows).view(-1, 2),
+            positions=as_long(positions),
+            slot_mapping=as_long(slots),
+            query_start=as_long(qstart),
+            context_lens=as_long(ctx),
+            block_tables=as_long([t + [0] * (width - len(t)) for t in tables]),
+            logits_rows=as_long(logits_rows),
+            max_query_len=max(c.num_rows for c in chunks),
+            max_context_len=max(ctx),
+            is_decode=all(c.num_rows == 1 for c in chunks),
+        )
+
+    def _mark_seen(self, chunks: list[ScheduledChunk], batch: ForwardBatch) -> None:
+        """Add every row run this step (and, on a sequence's first run, its cached history) to its slot's history."""
+        slot_of_row = []
+        for c in chunks:
+            seq = c.seq
+            if not seq.history_marked:
+                self.text_seen[seq.slot].zero_()
+                self.audio_seen[seq.slot].zero_()
+                if c.start > 0:
+                    hist = torch.tensor(seq.rows[: c.start], dtype=torch.long, device=self.device)
+                    self.text_seen[seq.slot, hist[:, 0]] = True
+                    self.audio_seen[seq.slot, hist[:, 1]] = True
+                seq.history_marked = True
+            slot_of_row += [seq.slot] * c.num_rows
+        slot_t = torch.tensor(slot_of_row, dtype=torch.long, device=self.device)
+        self.text_seen[slot_t, batch.rows[:, 0]] = True
+        self.audio_seen[slot_t, batch.rows[:, 1]] = True
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+        batch = self.build_batch(chunks)
+        self._mark_seen(chunks, batch)
+        hidden = self.model(batch, self.kv_cache)  # [2, R, hidden]: text tail, audio tail at logits rows
+        return batch, hidden
+
+    # ---- sample --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[tuple[int, int]]:
+        """(text, audio) token per chunk that needs logits, in chunk order. Text logits only for text-mode rows."""
+        seqs = [c.seq for c in chunks if c.needs_logits]
+        if not seqs:
+            return []
+        dev = self.device
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
+        steps = torch.tensor([s.num_generated for s in seqs], dtype=torch.long, device=dev)
+        greedy = [s.params.greedy for s in seqs]
+
+        audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32
+        min_new = torch.tensor([s.params.min_new_tokens for s in seqs], dtype=torch.long, device=dev)
+        audio_logits = mask_audio_logits(audio_logits, steps, min_new)
+        audio_tokens = sample_channel(
+            audio_logits, self.audio_seen[slots], ChannelTensors.build([s.params.audio for s in seqs], greedy, dev),
+            seeds, steps, AUDIO_CHANNEL)
+
+        text_idx = [i for i, s in enumerate(seqs) if s.mode == "text"]
+        text_tokens = torch.full_like(audio_tokens, -1)
+        if text_idx:
+            sel = torch.tensor(text_idx, dtype=torch.long, device=dev)
+            text_logits = self.model.text_logits(hidden[0].index_select(0, sel))  # [Rt, vocab] float32
+            text_tokens[sel] = sample_channel(
+                text_logits, self.text_seen[slots[sel]],
+                ChannelTensors.build([seqs[i].params.text for i in text_idx], [greedy[i] for i in text_idx], dev),
+                seeds[sel], steps[sel], TEXT_CHANNEL)
+        pairs = torch.stack([text_tokens, audio_tokens], dim=1).tolist()  # the one host sync of the step
+        return [(t, a) for t, a in pairs]

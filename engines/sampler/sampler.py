@@ -1,0 +1,106 @@
+"""Dual-channel sampler (MODEL_CONTRACT.md section 3), batched with per-row parameters.
+
+Per channel, in order: float32 -> mask -> repetition penalty over the channel's whole history
+-> temperature -> top-k -> top-p -> sample (greedy: argmax, lowest index wins ties).
+
+Randomness is counter-based: the noise for a candidate token is a hash of (seed, generation
+step, channel, token id). A seeded request therefore reproduces whatever else shares its batch,
+and sampling needs no generator state, no host sync and no per-row launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.api import ChannelSampling
+from engines.tokens import AUDIO_SAMPLEABLE, EOSP
+
+TEXT_CHANNEL = 0
+AUDIO_CHANNEL = 1
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class ChannelTensors:
+    temperature: torch.Tensor  # [B] float32
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    penalty: torch.Tensor  # [B] float32
+    greedy: torch.Tensor  # [B] bool
+    max_top_k: int  # host-side: top-k width for the whole batch, 0 = some row has top-k off
+
+    @classmethod
+    def build(cls, params: list[ChannelSampling], greedy: list[bool], device: torch.device) -> ChannelTensors:
+        ks = [p.top_k for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
+            penalty=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor([g or p.temperature == 0 for g, p in zip(greedy, params, strict=True)],
+                                dtype=torch.bool, device=device),
+            max_top_k=0 if any(k == 0 for k in ks) else max(ks),
+        )
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply), on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor, channel: int) -> torch.Tensor:
+    """[B] int64 seeds and steps -> [B] 32-bit keys unique per (seed, step, channel)."""
+    k = _mix32((steps * 2 + channel) & _M32)
+    k = _mix32(k ^ ((seeds >> 32) & _M32))
+    return _mix32(k ^ (seeds & _M32))
+
+
+def exponential_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise per candidate: keys [B], token_ids [B, K] -> [B, K] float32."""
+    x = _mix32(_mix32(token_ids & _M32) ^ keys[:, None])
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 bits
+    return -torch.log(u)
+
+
+def mask_audio_logits(logits: torch.Tensor, num_generated: torch.Tensor, min_new_tokens: torch.Tensor) -> torch.Tensor:
+    """Ids >= 16385 are never sampled; eosp waits until min_new_tokens rows were generated."""
+    logits[:, AUDIO_SAMPLEABLE:] = float("-inf")
+    block_eosp = num_generated < min_new_tokens  # [B]
+    logits[:, EOSP] = torch.where(block_eosp, torch.full_like(logits[:, EOSP], float("-inf")), logits[:, EOSP])
+    return logits
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL-style: seen tokens' positive logits are divided by the penalty, negative ones multiplied."""
+    p = penalty[:, None]
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalized, logits)
+
+
+def sample_channel(logits: torch.Tensor, seen: torch.Tensor, t: ChannelTensors,
+                   seeds: torch.Tensor, steps: torch.Tensor, channel: int) -> torch.Tensor:
+    """logits [B, V] (already masked), seen [B, V] bool -> tokens [B] int64."""
+    logits = apply_repetition_penalty(logits.float(), seen, t.penalty)
+    greedy_tokens = torch.argmax(logits, dim=-1)
+    scaled = logits / torch.where(t.greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
+    if t.max_top_k > 0:
+        vals, idx = torch.topk(scaled, min(t.max_top_k, scaled.shape[-1]), dim=-1)  # sorted, descending
+    else:
+        vals, idx = torch.sort(scaled, dim=-1, descending=True)
+    pos = torch.arange(vals.shape[-1], device=vals.device)[None, :]
+    k = torch.where(t.top_k > 0, t.top_k, torch.full_like(t.top_k, vals.shape[-1]))
+    vals = vals.masked_fill(pos >= k[:, None], float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    # top-p: drop a token when the mass strictly above it already reaches top_p (the first always stays).
+    mass_above = torch.cumsum(probs, dim=-1) - probs
+    probs = probs.masked_fill(mass_above >= t.top_p[:, None], 0.0)
+    noise = exponential_noise(row_keys(seeds, steps, channel), idx)
+    choice = torch.argmax(probs / noise, dim=-1, keepdim=True)  # exponential race == multinomial draw
+    sampled = torch.gather(idx, -1, choice).squeeze(-1)
+    return torch.where(t.greedy, greedy_tokens, sampled)

@@ -1,0 +1,234 @@
+"""Continuous batching with chunked prefill and admission by reservation.
+
+Every step: all generating sequences decode one row; the rest of the row budget goes to prefill
+chunks, oldest first (running sequences with pending input, then newly admitted ones). A request
+is admitted only when its whole KV need (history + prompt + output budget) can be reserved, so
+nothing running is ever preempted. Aborts take effect at the next step boundary.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engines.api import (
+    InvalidRequestError,
+    QueueFullError,
+    RequestTooLargeError,
+    SamplingParams,
+)
+from engines.config import EngineConfig
+from engines.kv.block_pool import BlockPool
+from engines.scheduler.sequence import Conversation, Sequence, blocks_for
+from engines.tokens import Row
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_rows: int  # rows run this step: seq.rows[start:start+num_rows]
+    start: int
+    needs_logits: bool  # the chunk ends the prompt (or is a decode row): sample after it
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    finished: list[Sequence]  # aborted since the last step (emitted with finish_reason "abort")
+
+    @property
+    def num_rows(self) -> int:
+        return sum(c.num_rows for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.conversations: dict[str, Conversation] = {}
+        self._aborts: set[str] = set()
+        self._free_slots = list(range(config.max_running - 1, -1, -1))
+        self._arrivals = 0
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add(self, request_id: str, rows: list[Row], params: SamplingParams, seed: int,
+            conversation_id: str | None, input_done: bool) -> Sequence:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already live")
+        if not rows and conversation_id is None:
+            raise InvalidRequestError("a request needs at least one row")
+        conv = None
+        history: list[Row] = []
+        if conversation_id is not None:
+            conv = self.conversations.get(conversation_id)
+            if conv is None:
+                conv = Conversation(conversation_id)
+            elif conv.busy:
+                raise InvalidRequestError(f"conversation {conversation_id!r} already has a live request")
+            history = conv.rows
+        if not history and not rows:
+            raise InvalidRequestError("a request needs at least one row")
+        total = len(history) + len(rows) + params.max_new_tokens
+        if total > self.config.max_model_len:
+            raise RequestTooLargeError(
+                f"history {len(history)} + prompt {len(rows)} + max_new_tokens {params.max_new_tokens} rows "
+                f"exceed max_model_len {self.config.max_model_len}")
+        if blocks_for(total, self.block_size) > self.pool.num_blocks:
+            raise RequestTooLargeError(
+                f"{total} rows need {blocks_for(total, self.block_size)} KV blocks; "
+                f"the pool has {self.pool.num_blocks}")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        seq = Sequence(
+            request_id=request_id, params=params, seed=seed, rows=history + list(rows),
+            num_computed=conv.num_computed if conv else 0, block_ids=conv.block_ids if conv else [],
+            prompt_len=len(history) + len(rows), input_done=input_done, conversation=conv,
+        )
+        if conv is not None:
+            conv.busy = True
+            self.conversations[conversation_id] = conv
+        self.requests[request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def append_input(self, request_id: str, rows: list[Row], input_done: bool) -> None:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.finish_reason is not None or request_id in self._aborts:
+            raise InvalidRequestError(f"no live request {request_id!r}")
+        if seq.input_done:
+            raise InvalidRequestError(f"request {request_id!r} already has its whole input")
+        total = len(seq.rows) + len(rows) + seq.params.max_new_tokens
+        if total > self.config.max_model_len:
+            raise RequestTooLargeError(f"{total} rows exceed max_model_len {self.config.max_model_len}")
+        if seq.slot >= 0:  # admitted: its reservation must grow with the prompt
+            extra = blocks_for(total, self.block_size) - len(seq.block_ids) - seq.reserved_blocks
+            if extra > 0:
+                if not self.pool.reserve(extra):
+                    raise QueueFullError(f"KV cache cannot hold {len(rows)} more rows for {request_id!r}")
+                seq.reserved_blocks += extra
+        seq.rows.extend(rows)
+        seq.prompt_len = len(seq.rows)
+        seq.input_done = input_done
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.finish_reason is not None:
+            return False
+        self._aborts.add(request_id)
+        return True
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        finished = self._apply_aborts()
+        budget = self.config.prefill_token_budget
+        chunks: list[ScheduledChunk] = []
+        # Decodes first: one row per generating sequence, never starved by prefill.
+        for seq in self.running:
+            if seq.generating:
+                chunks.append(ScheduledChunk(seq, 1, seq.num_computed, True))
+                budget -= 1
+        # Then prefill of running sequences with pending input, oldest first.
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.generating and seq.num_pending > 0:
+                budget -= self._add_prefill(chunks, seq, budget)
+        # Then admit waiting requests while their reservation fits.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            need = seq.blocks_needed(self.block_size)
+            if not self.pool.reserve(need):
+                break  # FIFO: nothing jumps the queue
+            self.waiting.popleft()
+            seq.reserved_blocks = need
+            seq.slot = self._free_slots.pop()
+            seq.arrival = self._arrivals
+            self._arrivals += 1
+            self.running.append(seq)
+            if seq.num_pending > 0:
+                budget -= self._add_prefill(chunks, seq, budget)
+        for c in chunks:
+            self._ensure_blocks(c.seq, c.start + c.num_rows)
+        return SchedulerOutput(chunks, finished)
+
+    def _add_prefill(self, chunks: list[ScheduledChunk], seq: Sequence, budget: int) -> int:
+        n = min(seq.num_pending, budget)
+        ends_prompt = seq.num_computed + n == len(seq.rows)
+        chunks.append(ScheduledChunk(seq, n, seq.num_computed, ends_prompt and seq.input_done))
+        return n
+
+    def _ensure_blocks(self, seq: Sequence, rows: int) -> None:
+        need = blocks_for(rows, self.block_size) - len(seq.block_ids)
+        if need > 0:
+            seq.block_ids.extend(self.pool.allocate_reserved(need))
+            seq.reserved_blocks -= need
+
+    def _apply_aborts(self) -> list[Sequence]:
+        out = []
+        for rid in sorted(self._aborts):
+            seq = self.requests.get(rid)
+            if seq is None or seq.finish_reason is not None:
+                continue
+            seq.finish_reason = "abort"
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self.finish(seq)
+            out.append(seq)
+        self._aborts.clear()
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence: its history stays with its conversation, everything else returns to the pool."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+        self.pool.unreserve(seq.reserved_blocks)
+        seq.reserved_blocks = 0
+        conv = seq.conversation
+        if conv is not None:
+            conv.rows = seq.rows
+            conv.num_computed = seq.num_computed
+            conv.block_ids = seq.block_ids
+            conv.busy = False
+        else:
+            self.pool.release(seq.block_ids)
+        seq.block_ids = []
+        self.requests.pop(seq.request_id, None)
+
+    # ---- conversations -------------------------------------------------------------------
+
+    def truncate_conversation(self, conversation_id: str, num_rows: int) -> None:
+        conv = self._idle_conversation(conversation_id)
+        if not 0 <= num_rows <= len(conv.rows):
+            raise InvalidRequestError(f"cannot truncate {len(conv.rows)} rows to {num_rows}")
+        keep = blocks_for(num_rows, self.block_size)
+        self.pool.release(conv.block_ids[keep:])
+        conv.block_ids = conv.block_ids[:keep]
+        conv.rows = conv.rows[:num_rows]
+        conv.num_computed = min(conv.num_computed, num_rows)
+
+    def release_conversation(self, conversation_id: str) -> None:
+        conv = self._idle_conversation(conversation_id)
+        self.pool.release(conv.block_ids)
+        del self.conversations[conversation_id]
+
+    def _idle_conversation(self, conversation_id: str) -> Conversation:
+        conv = self.conversations.get(conversation_id)
+        if conv is None:
+            raise InvalidRequestError(f"unknown conversation {conversation_id!r}")
+        if conv.busy:
+            raise InvalidRequestError(f"conversation {conversation_id!r} has a live request")
+        return conv
+
+    def check_integrity(self) -> None:
+        tables = [s.block_ids for s in self.requests.values()]
+        tables += [c.block_ids for c in self.conversations.values() if not c.busy]
+        self.pool.check_integrity(tables, sum(s.reserved_blocks for s in self.requests.values()))

@@ -1,0 +1,72 @@
+"""State of one request (and of a conversation's cached history) inside the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engines.api import FinishReason, Mode, SamplingParams
+from engines.tokens import EOSP, MODALITY_PAD, SOSP, Row
+
+
+def blocks_for(rows: int, block_size: int) -> int:
+    return -(-rows // block_size)
+
+
+@dataclass(eq=False)  # identity semantics: lists of live objects are searched by `in`
+class Conversation:
+    """Rows and KV blocks kept between turns; rows[:num_computed] have KV in `block_ids`."""
+
+    conversation_id: str
+    rows: list[Row] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    busy: bool = False  # a live request is extending it
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    params: SamplingParams
+    seed: int
+    rows: list[Row]  # the whole history: cached turns + this prompt + generated rows
+    num_computed: int  # rows whose KV is written
+    block_ids: list[int]
+    prompt_len: int  # rows before the first generated one (grows while input is open)
+    reserved_blocks: int = 0  # reservation not yet turned into blocks
+    input_done: bool = True
+    conversation: Conversation | None = None
+    slot: int = -1  # row in the per-sequence device buffers (repetition history)
+    num_generated: int = 0
+    mode: Mode = "text"
+    finish_reason: FinishReason | None = None
+    arrival: int = 0  # admission order
+    history_marked: bool = False  # the runner has loaded this sequence's history into its repetition buffers
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.rows) - self.num_computed
+
+    @property
+    def generating(self) -> bool:
+        """Prompt complete: each step runs exactly the last generated row."""
+        return self.input_done and self.num_generated > 0
+
+    def blocks_needed(self, block_size: int) -> int:
+        """Blocks this sequence may still need beyond what it holds (history + prompt + output budget)."""
+        remaining_out = self.params.max_new_tokens - self.num_generated
+        total = len(self.rows) + remaining_out
+        return max(0, blocks_for(total, block_size) - len(self.block_ids))
+
+    def update_mode(self) -> None:
+        """MODEL_CONTRACT §3: before each forward, sosp in text mode enters audio; eosp in audio mode leaves it."""
+        text, audio = self.rows[-1]
+        if self.mode == "text" and text == SOSP:
+            self.mode = "audio"
+        elif self.mode == "audio" and audio == EOSP:
+            self.mode = "text"
+
+    def start(self) -> None:
+        """Mode from the last prompt row (text wins a tie), then the before-forward rule."""
+        self.mode = "audio" if self.rows[-1][0] == MODALITY_PAD else "text"
+        self.update_mode()
+
