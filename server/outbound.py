@@ -1,0 +1,111 @@
+"""A session's bounded outbound stream: server events and answer audio, in order, for one transport.
+
+The session puts items without waiting (it runs inside the engine's receive loop and must never
+block it); the transport awaits `get()`. When a client does not read, the queue fills; instead of
+growing memory the stream drops what is queued, keeps one final `error` event (code
+`slow_consumer`) and ends, and the transport closes the connection after sending it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AudioOut:
+    """Answer audio for a transport that plays PCM itself (WebRTC): int16 LE mono, 24 kHz."""
+
+    response_id: str
+    item_id: str
+    pcm24k: bytes
+    index: int  # chunk number within the response
+
+    @property
+    def samples(self) -> int:
+        return len(self.pcm24k) // 2
+
+
+# An outbound item is a server event (a JSON-ready dict) or AudioOut (track transports only).
+OutItem = dict[str, Any] | AudioOut
+
+
+@dataclass
+class _Entry:
+    item: OutItem
+    response_id: str | None  # set for answer audio (either form) so barge-in can flush it
+    samples: int  # 24 kHz samples of answer audio this entry carries
+
+
+class Outbound:
+    def __init__(self, maxsize: int, on_taken: Callable[[str, int], None] | None = None,
+                 overflow_event: Callable[[], dict[str, Any]] | None = None) -> None:
+        if maxsize < 1:
+            raise ValueError(f"outbound queue size must be >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self._q: deque[_Entry] = deque()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self.overflowed = False
+        self._on_taken = on_taken  # (response_id, samples) when answer audio leaves the queue
+        self._overflow_event = overflow_event
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, item: OutItem, response_id: str | None = None, samples: int = 0) -> bool:
+        """Queue an item; False if the stream is closed or just overflowed (and is now closing)."""
+        if self._closed:
+            return False
+        if len(self._q) >= self.maxsize:
+            self.overflowed = True
+            self._q.clear()
+            if self._overflow_event is not None:
+                self._q.append(_Entry(self._overflow_event(), None, 0))
+            self.close()
+            return False
+        self._q.append(_Entry(item, response_id, samples))
+        self._wake.set()
+        return True
+
+    def put_final(self, item: OutItem) -> None:
+        """Queue one last item even when full (e.g. the error that explains a close), then close."""
+        if self._closed:
+            return
+        self._q.append(_Entry(item, None, 0))
+        self.close()
+
+    def drop_audio(self, response_id: str) -> int:
+        """Barge-in: remove queued answer audio of one response; returns the samples dropped."""
+        kept: deque[_Entry] = deque()
+        dropped = 0
+        for e in self._q:
+            if e.response_id == response_id and e.samples:
+                dropped += e.samples
+            else:
+                kept.append(e)
+        self._q = kept
+        return dropped
+
+    def close(self) -> None:
+        """No more puts; `get()` drains what is queued, then returns None."""
+        self._closed = True
+        self._wake.set()
+
+    async def get(self) -> OutItem | None:
+        while not self._q:
+            if self._closed:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+        e = self._q.popleft()
+        if e.samples and e.response_id is not None and self._on_taken is not None:
+            self._on_taken(e.response_id, e.samples)
+        return e.item

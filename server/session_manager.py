@@ -1,0 +1,84 @@
+"""Creates sessions under the server's limits and tracks them for metrics and graceful drain.
+
+Transports call `manager.create(audio_out=...)` (raises ServerBusy / EngineUnavailable / Draining with a
+stable `code`), then `await session.start()`. The manager forgets a session when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from server import events as ev
+from server.session import AudioOutMode, EngineLink, Session, SessionLimits, SessionObserver
+
+log = logging.getLogger("server.sessions")
+
+
+class SessionRefused(Exception):
+    code = "session_refused"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ServerBusy(SessionRefused):
+    code = "server_busy"
+
+
+class EngineUnavailable(SessionRefused):
+    code = "engine_unavailable"
+
+
+class Draining(SessionRefused):
+    code = "server_shutting_down"
+
+
+class SessionManager:
+    def __init__(self, engine: EngineLink, *, max_sessions: int, limits: SessionLimits, model: str,
+                 vad_factory: Callable[[], Any] | None = None, observer: SessionObserver | None = None) -> None:
+        self.engine = engine
+        self.max_sessions = max_sessions
+        self.limits = limits
+        self.model = model
+        self.vad_factory = vad_factory
+        self.observer = observer
+        self.sessions: dict[str, Session] = {}
+        self.draining = False
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def create(self, audio_out: AudioOutMode = "events") -> Session:
+        if self.draining:
+            raise Draining("the server is shutting down")
+        if len(self.sessions) >= self.max_sessions:
+            raise ServerBusy(f"the server is at its limit of {self.max_sessions} sessions; retry later")
+        if not self.engine.ready:
+            raise EngineUnavailable("the engine is not ready (starting or restarting); retry shortly")
+        sid = ev.new_id("sess")
+        s = Session(sid, self.engine, model=self.model, limits=self.limits, audio_out=audio_out,
+                    vad_factory=self.vad_factory, observer=self.observer, on_closed=self._forget)
+        self.sessions[sid] = s
+        return s
+
+    def get(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def _forget(self, s: Session) -> None:
+        self.sessions.pop(s.id, None)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop accepting sessions; let answers in progress finish (up to timeout_s), then close all."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(s.response_active for s in self.sessions.values()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for s in list(self.sessions.values()):
+            s._error("server_shutting_down", "the server is shutting down", etype="server_error")
+            await s.close("server_shutdown", 1001)
+        log.info("drained")
