@@ -23,9 +23,12 @@ def pcm16_to_float32(data: bytes | bytearray | memoryview) -> np.ndarray:
 
 
 def float32_to_pcm16(samples: np.ndarray) -> bytes:
-    """float samples (clipped to [-1, 1]) -> little-endian signed 16-bit PCM, rounded to nearest."""
-    x = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
-    return np.round(x * 32767.0).astype("<i2").tobytes()
+    """float samples -> little-endian signed 16-bit PCM: x * 32768 rounded, saturated to the int16 range.
+
+    The inverse of `pcm16_to_float32`, so a round trip is within half a step (1.0 saturates to 32767).
+    """
+    x = np.round(np.asarray(samples, dtype=np.float64) * 32768.0)
+    return np.clip(x, -32768, 32767).astype("<i2").tobytes()
 
 
 def _decode_frames(raw: bytes, width: int) -> np.ndarray:

@@ -1,0 +1,281 @@
+"""Causal speech encoder: streaming == whole, batched == alone, emission timing, loader checks, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import wave
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engines.codec.encoder import (
+    ENCODER_PRESETS,
+    EncoderCheckpointError,
+    EncoderConfig,
+    EncoderInputError,
+    SpeechEncoder,
+    StreamClosedError,
+    write_random_encoder,
+)
+from engines.codec.encoder.mel import mel_filterbank
+from engines.config import ConfigError
+
+SR = 16000
+FEATURE_ATOL = 1e-4  # pre-VQ features, float32: streaming vs whole and batched vs alone
+
+
+@pytest.fixture(scope="module")
+def enc() -> SpeechEncoder:
+    return SpeechEncoder.load("tiny-random", device="cpu")
+
+
+def speech_like(seconds: float, seed: int = 0) -> np.ndarray:
+    """A chirp with noise and an amplitude envelope (incl. a quiet start), float32 at 16 kHz."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * SR)) / SR
+    env = np.clip(t / 0.3, 0.02, 1.0) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
+    x = env * (0.3 * np.sin(2 * np.pi * 180 * t * (1 + 0.4 * t)) + 0.05 * rng.standard_normal(t.size))
+    return x.astype(np.float32)
+
+
+def stream_encode(enc: SpeechEncoder, pcm: np.ndarray, sizes) -> tuple[list[int], torch.Tensor]:
+    s = enc.open_stream()
+    codes, feats, i, k = [], [], 0, 0
+    while i < pcm.size:
+        n = sizes[k % len(sizes)]
+        codes += s.push(pcm[i:i + n])
+        if s.last_features is not None:
+            feats.append(s.last_features)
+        i += n
+        k += 1
+    codes += s.finalize()
+    if s.last_features is not None:
+        feats.append(s.last_features)
+    return codes, torch.cat(feats)
+
+
+def whole_encode(enc: SpeechEncoder, pcm: np.ndarray) -> tuple[list[int], torch.Tensor]:
+    return stream_encode(enc, pcm, [pcm.size])
+
+
+@pytest.mark.parametrize("sizes", [[320], [800], [2192], [37], [1, 5000, 17, 640, 0, 1279]],
+                         ids=["20ms", "50ms", "137ms", "37samples", "irregular"])
+def test_streaming_equals_whole(enc, sizes):
+    pcm = speech_like(2.3)
+    whole, wf = whole_encode(enc, pcm)
+    assert len(whole) == -(-pcm.size // 1280) == 29
+    assert len(set(whole)) > 10, "random codebook should give varied codes, or the comparison is vacuous"
+    codes, f = stream_encode(enc, pcm, sizes)
+    assert codes == whole
+    torch.testing.assert_close(f, wf, atol=FEATURE_ATOL, rtol=0)
+
+
+def test_streaming_equals_whole_across_30s_segment(enc):
+    pcm = speech_like(31.0, seed=3)  # crosses the 1500-frame position limit: model state restarts at 30 s
+    whole, wf = whole_encode(enc, pcm)
+    assert len(whole) == 388
+    codes, f = stream_encode(enc, pcm, [8000, 4321])
+    assert codes == whole
+    torch.testing.assert_close(f, wf, atol=FEATURE_ATOL, rtol=0)
+
+
+def test_code_emitted_as_soon_as_determined(enc):
+    pcm = speech_like(0.5)
+    s = enc.open_stream()
+    # Code k needs sample 1280 k + 1160: the 25 ms window of mel frame 8k+6 (conv2 stride 2, pool 4).
+    assert s.push(pcm[:1159]) == []
+    assert len(s.push(pcm[1159:1160])) == 1
+    assert s.push(pcm[1160:2439]) == []
+    assert len(s.push(pcm[2439:2440])) == 1
+
+
+@pytest.mark.parametrize("n", [0, 1, 1160, 1280, 1281, 5000])
+def test_finalize_pads_last_group_with_silence(enc, n):
+    pcm = speech_like(1.0)[:n]
+    s = enc.open_stream()
+    codes = s.push(pcm) + s.finalize()
+    assert len(codes) == -(-n // 1280)
+    # The padding is silence: encoding the zero-padded signal gives the same codes.
+    padded = np.concatenate([pcm, np.zeros(s.tail_padding() + (-n) % 1280 + 200, np.float32)])
+    assert enc.encode(padded)[: len(codes)] == codes
+    with pytest.raises(StreamClosedError):
+        s.push(pcm)
+    with pytest.raises(StreamClosedError):
+        s.finalize()
+
+
+def test_batched_step_equals_each_alone(enc):
+    pcms = [speech_like(1.7, seed=1), speech_like(0.9, seed=2), speech_like(2.1, seed=3)]
+    sizes = [[320], [137, 2000], [960, 0, 50]]
+    alone = [stream_encode(enc, p, sz) for p, sz in zip(pcms, sizes, strict=True)]
+    streams = [enc.open_stream() for _ in pcms]
+    pos = [0, 0, 0]
+    codes = [[], [], []]
+    feats = [[], [], []]
+    batch = enc.batch()
+    k = 0
+    while any(p < pcm.size for p, pcm in zip(pos, pcms, strict=True)):
+        items, idx = [], []
+        for i, (pcm, sz) in enumerate(zip(pcms, sizes, strict=True)):
+            if pos[i] < pcm.size:
+                n = sz[k % len(sz)]
+                items.append((streams[i], pcm[pos[i]:pos[i] + n]))
+                idx.append(i)
+                pos[i] += n
+        for i, out in zip(idx, batch.step(items), strict=True):
+            codes[i] += out
+            if streams[i].last_features is not None:
+                feats[i].append(streams[i].last_features)
+        k += 1
+    for i, s in enumerate(streams):
+        codes[i] += s.finalize()
+        if s.last_features is not None:
+            feats[i].append(s.last_features)
+        assert codes[i] == alone[i][0]
+        torch.testing.assert_close(torch.cat(feats[i]), alone[i][1], atol=FEATURE_ATOL, rtol=0)
+
+
+def test_batch_refuses_duplicate_stream(enc):
+    s = enc.open_stream()
+    with pytest.raises(ValueError, match="twice"):
+        enc.batch().step([(s, np.zeros(10, np.float32)), (s, np.zeros(10, np.float32))])
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (np.array([0.0, np.nan], np.float32), "NaN"),
+    (np.array([np.inf], np.float32), "NaN or infinite"),
+    (np.zeros((2, 10), np.float32), "1-D"),
+    (np.zeros(10, np.int16), "float"),
+])
+def test_bad_pcm_refused(enc, bad, msg):
+    with pytest.raises(EncoderInputError, match=msg):
+        enc.open_stream().push(bad)
+
+
+def test_bfloat16_runs_and_keeps_timing():
+    enc16 = SpeechEncoder.load("tiny-random", device="cpu", dtype="bfloat16")
+    codes = enc16.encode(speech_like(1.0))
+    assert len(codes) == 13 and all(0 <= c < 16384 for c in codes)
+
+
+def test_mel_filterbank_is_slaney():
+    fb = mel_filterbank(16000, 400, 128)
+    assert fb.shape == (128, 201) and (fb >= 0).all()
+    peaks = fb.argmax(axis=1)
+    assert (np.diff(peaks) >= 0).all() and peaks[-1] > 190
+    # Slaney normalisation: every triangle has unit area in Hz (check where filters span many FFT bins).
+    area = fb.sum(axis=1) * (8000 / 200)
+    # FFT-bin sampling of a triangle spanning ~5 bins moves its sum by up to ~10%.
+    np.testing.assert_allclose(area[80:], 1.0, rtol=0.1)
+    assert abs(area[80:].mean() - 1.0) < 0.01
+
+
+def test_mel_frontend_puts_a_tone_in_its_band(enc):
+    t = np.arange(SR) / SR
+    frames = enc.frontend.frames([enc.frontend.new_state()], [torch.from_numpy(
+        (0.5 * np.sin(2 * np.pi * 1000 * t)).astype(np.float32))])[0]
+    assert frames.shape == (100 - 1, 128)  # frame t needs samples up to 160 t + 200
+    fb = mel_filterbank(16000, 400, 128)
+    assert int(frames[50].argmax()) == int(fb[:, 25].argmax())  # FFT bin 25 = 1000 Hz
+
+
+# ---- checkpoint layout and loader --------------------------------------------------------------------
+
+
+def test_written_checkpoint_loads_and_matches_preset(enc, tmp_path):
+    cfg = ENCODER_PRESETS["tiny-random"]
+    (tmp_path / "config.json").write_text(json.dumps({"decoder_section": {"kept": True}}))
+    write_random_encoder(tmp_path, cfg, seed=0)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["decoder_section"] == {"kept": True} and raw["quantize_position"] == cfg.num_layers
+    assert EncoderConfig.from_dir(tmp_path) == cfg
+    keys = load_file(str(tmp_path / "model.safetensors")).keys()
+    assert "encoder.layers.0.self_attn.k_proj.weight" in keys and "encoder.codebook.weight" in keys
+    assert "encoder.layers.0.self_attn.k_proj.bias" not in keys
+    loaded = SpeechEncoder.load(tmp_path)
+    pcm = speech_like(1.0)
+    assert loaded.encode(pcm) == enc.encode(pcm)
+
+
+def test_loader_lists_every_bad_key(tmp_path):
+    cfg = ENCODER_PRESETS["tiny-random"]
+    write_random_encoder(tmp_path, cfg)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["encoder.layers.1.fc2.bias"]
+    state["encoder.layers.0.fc1.weight"] = torch.zeros(3, 3)
+    state["encoder.mystery.weight"] = torch.zeros(1)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(EncoderCheckpointError) as e:
+        SpeechEncoder.load(tmp_path)
+    msg = str(e.value)
+    assert "missing 1: ['encoder.layers.1.fc2.bias']" in msg
+    assert "unexpected 1: ['encoder.mystery.weight']" in msg
+    assert "encoder.layers.0.fc1.weight: (3, 3) != expected (128, 64)" in msg
+
+
+def test_loader_skips_known_unused_and_foreign_tensors(enc, tmp_path):
+    cfg = ENCODER_PRESETS["tiny-random"]
+    write_random_encoder(tmp_path, cfg)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["encoder.ema_count"] = torch.ones(16384)
+    state["encoder.layers.2.fc1.weight"] = torch.zeros(128, 64)  # a layer past the quantizer
+    state["decoder.something"] = torch.zeros(2)  # another codec part
+    save_file(state, str(tmp_path / "model.safetensors"))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["encoder_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    pcm = speech_like(0.6)
+    assert SpeechEncoder.load(tmp_path).encode(pcm) == enc.encode(pcm)
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"encoder_causal_convolution": False}, "causal convs"),
+    ({"encoder_causal_attention": False, "quantize_causal_encoder": False}, "causal"),
+    ({"pooling_type": "max"}, "pooling_type"),
+    ({"pooling_position": 1}, "pooling_position"),
+    ({"encoder_attention_heads": 5}, "multiple of num_heads"),
+])
+def test_config_refuses_non_streaming_variants(tmp_path, change, msg):
+    write_random_encoder(tmp_path, ENCODER_PRESETS["tiny-random"])
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=msg):
+        SpeechEncoder.load(tmp_path)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        SpeechEncoder.load(tmp_path)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+
+
+def test_cli_encode_stereo_48k(enc, tmp_path, capsys):
+    import soxr
+
+    from engines.codec.commands import encode as cmd
+
+    t = np.arange(48000) / 48000
+    left = 0.4 * np.sin(2 * np.pi * 300 * t)
+    right = 0.2 * np.sin(2 * np.pi * 700 * t)
+    frames = np.round(np.stack([left, right], axis=1) * 32767).astype("<i2")
+    path = tmp_path / "in.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(48000)
+        w.writeframes(frames.tobytes())
+    mono = (frames.astype(np.float32) / 32768.0).mean(axis=1)
+    expect = enc.encode(soxr.resample(mono, 48000, 16000, quality="HQ").astype(np.float32))
+    for stream in (False, True):
+        parser = argparse.ArgumentParser()
+        cmd.add_arguments(parser)
+        argv = ["--audio", str(path)] + (["--stream"] if stream else [])
+        assert cmd.run(parser.parse_args(argv)) == 0
+        out = capsys.readouterr().out.split()
+        assert [int(c) for c in out] == expect
