@@ -52,6 +52,8 @@ import numpy as np
 
 from engines.service import messages as m
 from server import events as ev
+from server.audio.pcm import float32_to_pcm16, pcm16_to_float32
+from server.audio.resample import AudioError, Resampler, resample
 from server.outbound import AudioOut, Outbound
 from server.protocol import ProtocolError, SessionConfig, parse_response_create, parse_session_update
 
@@ -114,23 +116,6 @@ class _Response:
     ttfa_ms: float | None = None
 
 
-def _as_pcm16(pcm: np.ndarray) -> np.ndarray:
-    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2")
-
-
-def _resample(pcm: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
-    # Thin seam onto server.audio (owned by another helper); soxr directly until it lands.
-    try:
-        from server.audio.resample import resample  # type: ignore[attr-defined]
-    except ImportError:  # pragma: no cover - fallback while server/audio is being written
-        import soxr
-
-        def resample(x: np.ndarray, a: int, b: int) -> np.ndarray:
-            return soxr.resample(x, a, b).astype(np.float32) if a != b else x
-
-    return resample(pcm, rate_in, rate_out)
-
-
 class Session:
     def __init__(
         self,
@@ -176,6 +161,7 @@ class Session:
         self._in_speech = False
         self._silence_run = 0  # samples of silence since the last speech window
         self._audio_ms_total = 0.0  # ms of input audio received (for audio_start_ms/audio_end_ms)
+        self._resamplers: dict[int, Resampler] = {}
         self.usage_totals = {"input_rows": 0, "output_rows": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -272,20 +258,21 @@ class Session:
 
     async def _on_append(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id", "audio"})
-        pcm16 = _decode_pcm16(event.get("audio"), "audio")
-        pcm = pcm16.astype(np.float32) / 32768.0
+        pcm = _decode_pcm16(event.get("audio"), "audio")
         await self._input_audio(pcm, CLIENT_RATE, client_samples=len(pcm))
 
     async def _on_commit(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id"})
         if self._buffer_samples_16k == 0 and not (self.config.turn_detection and self._prefix_samples):
             raise ProtocolError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
+        await self._flush_resamplers()
         if self.config.turn_detection is not None and not self._in_speech:
             await self._flush_prefix_to_engine()
         await self._commit_turn(auto_response=False)
 
     async def _on_clear(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id"})
+        self._resamplers.clear()
         if self._buffer_samples_16k:
             await self._engine_input(m.ClearUserAudio(session_id=self.id))
         self._buffer_samples_16k = 0
@@ -334,9 +321,8 @@ class Session:
             if self._buffer_samples_16k:
                 raise ProtocolError("input_audio_buffer_not_empty", "commit or clear the input audio buffer "
                                     "before adding an audio item")
-            pcm16 = _decode_pcm16(part.get("audio"), "item.content[0].audio")
-            pcm = _resample(pcm16.astype(np.float32) / 32768.0, CLIENT_RATE, ENGINE_IN_RATE)
-            await self._engine_input(m.AppendUserAudio(session_id=self.id, pcm16k=_as_pcm16(pcm).tobytes()))
+            pcm = resample(_decode_pcm16(part.get("audio"), "item.content[0].audio"), CLIENT_RATE, ENGINE_IN_RATE)
+            await self._engine_input(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
             msg = m.CommitUserAudio(session_id=self.id, item_id=item_id)
             out_part = {"type": "input_audio", "transcript": part.get("transcript")}
         else:
@@ -403,19 +389,37 @@ class Session:
             raise ProtocolError("input_audio_buffer_too_large",
                                 f"the uncommitted input audio would exceed {self.limits.max_input_buffer_seconds:g} s;"
                                 " commit or clear it")
+        try:
+            pcm16k = self._resampler(rate).process(pcm)
+        except AudioError as e:
+            raise ProtocolError("invalid_audio", str(e)) from None
         self._buffer_samples_client += client_samples
-        pcm16k = _resample(pcm, rate, ENGINE_IN_RATE) if rate != ENGINE_IN_RATE else pcm
         self._audio_ms_total += len(pcm16k) * 1000.0 / ENGINE_IN_RATE
         if self.config.turn_detection is None:
             await self._send_user_audio(pcm16k)
         else:
             await self._vad_feed(pcm16k)
 
+    def _resampler(self, rate: int) -> Resampler:
+        # One streaming resampler per input rate, so chunk seams carry no filter edge effects.
+        r = self._resamplers.get(rate)
+        if r is None:
+            r = self._resamplers[rate] = Resampler(rate, ENGINE_IN_RATE)
+        return r
+
+    async def _flush_resamplers(self) -> None:
+        """Client commit without VAD: the filter's tail belongs to this turn."""
+        for rate, r in list(self._resamplers.items()):
+            tail = r.flush()
+            del self._resamplers[rate]
+            if self.config.turn_detection is None:
+                await self._send_user_audio(tail)
+
     async def _send_user_audio(self, pcm16k: np.ndarray) -> None:
         if len(pcm16k) == 0:
             return
         self._buffer_samples_16k += len(pcm16k)
-        await self._engine_input(m.AppendUserAudio(session_id=self.id, pcm16k=_as_pcm16(pcm16k).tobytes()))
+        await self._engine_input(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm16k)))
 
     def _reset_vad(self) -> None:
         self._vad_pending = np.zeros(0, np.float32)
@@ -725,6 +729,7 @@ def _check_keys(d: dict[str, Any], allowed: set[str], prefix: str = "") -> None:
 
 
 def _decode_pcm16(data: Any, param: str) -> np.ndarray:
+    """base64 PCM16 LE -> float32 [n] in [-1, 1)."""
     if not isinstance(data, str):
         raise ProtocolError("invalid_audio", "audio must be a base64 string of PCM16 little-endian samples", param)
     try:
@@ -733,4 +738,4 @@ def _decode_pcm16(data: Any, param: str) -> np.ndarray:
         raise ProtocolError("invalid_audio", "audio is not valid base64", param) from None
     if len(raw) % 2:
         raise ProtocolError("invalid_audio", "audio has an odd number of bytes (PCM16 needs 2 per sample)", param)
-    return np.frombuffer(raw, dtype="<i2")
+    return pcm16_to_float32(raw)

@@ -1,0 +1,53 @@
+"""`moss-speech serve`: the realtime API (and the web page) under uvicorn, with the engine process it supervises.
+
+Every flag has a `MOSS_*` environment variable (see server/settings.py); flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pydantic import ValidationError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="tiny-random (default) or a MOSS-Speech checkpoint directory [MOSS_MODEL]")
+    p.add_argument("--codec", help="tiny-random (default) or a MOSS-Speech-Codec directory [MOSS_CODEC]")
+    p.add_argument("--device", help="engine device: auto, cpu, cuda, cuda:N [MOSS_DEVICE]")
+    p.add_argument("--host", help="bind address (default 127.0.0.1) [MOSS_HOST]")
+    p.add_argument("--port", type=int, help="port (default 8000) [MOSS_PORT]")
+    p.add_argument("--api-key", dest="api_keys", action="append",
+                   help="accepted API key; repeat for several (default: none required) [MOSS_API_KEYS]")
+    p.add_argument("--allowed-origin", dest="allowed_origins", action="append",
+                   help="allowed browser Origin; repeat for several (default: any) [MOSS_ALLOWED_ORIGINS]")
+    p.add_argument("--max-sessions", type=int, help="concurrent sessions (default 64) [MOSS_MAX_SESSIONS]")
+    p.add_argument("--max-message-bytes", type=int, help="largest WebSocket message (default 1 MiB)")
+    p.add_argument("--max-input-buffer-seconds", type=float, help="uncommitted input audio limit (default 60)")
+    p.add_argument("--output-queue-size", type=int, help="outbound events per session before 'slow_consumer'")
+    p.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, wait this long for answers (default 10)")
+    p.add_argument("--engine-endpoint", help="ZeroMQ endpoint of the engine (default: a private ipc socket)")
+    p.add_argument("--no-spawn-engine", dest="spawn_engine", action="store_const", const=False,
+                   help="connect to an engine already running at --engine-endpoint instead of starting one")
+    p.add_argument("--no-vad", dest="vad", action="store_const", const=False, help="disable server_vad")
+    p.add_argument("--log-level", help="debug, info, warning, error (default info) [MOSS_LOG_LEVEL]")
+    p.add_argument("--log-format", choices=("kv", "json"), help="key=value (default) or JSON lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from server.app import create_app
+    from server.logs import setup_logging
+    from server.serving import DrainingServer, uvicorn_config
+    from server.settings import Settings
+
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as e:
+        print(f"moss-speech serve: invalid settings:\n{e}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    app = create_app(settings)
+    server = DrainingServer(uvicorn_config(app, settings.host, settings.port, settings.log_level))
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,251 @@
+"""The server's side of the engine process: spawn, readiness, supervision, and message routing.
+
+The engine binds a ZeroMQ ROUTER on `endpoint`; each server process connects one DEALER, so several
+servers (or uvicorn workers) can share one engine. Frames are msgpack messages of
+engines.service.messages. Incoming messages go to the session named by their `session_id`.
+
+Supervision: a Ping every `ping_interval_s`; if the spawned process exits, or no Pong arrives for
+`ping_timeout_s`, the engine is declared lost: every registered session gets `on_engine_lost()` (it
+emits an `error` event and ends), the process is killed if still there, and a new one is started with
+backoff. A fresh DEALER is used for every engine generation so no stale frames reach the new engine.
+With `spawn=False` the server only connects to an engine someone else runs (and supervises).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engines.service import messages as m
+
+log = logging.getLogger("server.engine")
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # An engine must not outlive a server that was SIGKILLed (it would hold the GPU).
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def engine_command(model: str, codec: str, device: str, endpoint: str) -> list[str]:
+    return [sys.executable, "-m", "engines.service.process", "--model", model, "--codec", codec,
+            "--device", device, "--endpoint", endpoint]
+
+
+class EngineClient:
+    def __init__(
+        self,
+        endpoint: str,
+        command: list[str] | None,
+        *,
+        ready_timeout_s: float = 300.0,
+        ping_interval_s: float = 1.0,
+        ping_timeout_s: float = 30.0,
+        restart_backoff_s: float = 0.5,
+        on_stats: Callable[[dict[str, Any]], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.command = command  # None: connect to an engine run elsewhere
+        self.ready_timeout_s = ready_timeout_s
+        self.ping_interval_s = ping_interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self.restart_backoff_s = restart_backoff_s
+        self._on_stats = on_stats
+        self._on_lost = on_lost
+        self.ready = False
+        self.stats: dict[str, Any] = {}
+        self.restarts = 0
+        self.proc: asyncio.subprocess.Process | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._sessions: dict[str, Any] = {}
+        self._nonce = 0
+        self._last_pong = 0.0
+        self._pong_waiters: dict[int, asyncio.Future[m.Pong]] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._recv_task: asyncio.Task[Any] | None = None
+        self._stopping = False
+
+    # ---- sessions ----------------------------------------------------------------------------
+
+    def register(self, session_id: str, session: Any) -> None:
+        self._sessions[session_id] = session
+
+    def unregister(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    async def send(self, msg: Any) -> None:
+        sock = self._sock
+        if sock is None or not self.ready:
+            log.debug("engine not ready, dropped %s", type(msg).__name__)
+            return
+        await sock.send(m.encode(msg))
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start (or connect to) the engine and wait until it answers; then supervise it."""
+        await self._start_generation()
+        self._tasks.append(asyncio.create_task(self._supervise(), name="engine-supervisor"))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.ready = False
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        await self._close_socket()
+        await self._kill_process()
+        self._ctx.term()
+
+    async def _start_generation(self) -> None:
+        if self.command is not None:
+            log.info("starting engine: %s", " ".join(self.command))
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.command, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._recv_task = asyncio.create_task(self._recv_loop(sock), name="engine-recv")
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            if self.proc is not None and self.proc.returncode is not None:
+                await self._close_socket()
+                raise EngineStartError(f"engine process exited with code {self.proc.returncode} while loading")
+            if time.monotonic() > deadline:
+                await self._close_socket()
+                await self._kill_process()
+                raise EngineStartError(f"engine did not answer within {self.ready_timeout_s:g} s at {self.endpoint}")
+            pong = await self._ping(sock, timeout=0.25)
+            if pong is not None:
+                break
+        self._last_pong = time.monotonic()
+        self.ready = True
+        log.info("engine ready pid=%s endpoint=%s stats=%s", self.proc.pid if self.proc else None, self.endpoint,
+                 self.stats)
+
+    async def _ping(self, sock: zmq.asyncio.Socket, timeout: float) -> m.Pong | None:
+        self._nonce += 1
+        nonce = self._nonce
+        fut: asyncio.Future[m.Pong] = asyncio.get_running_loop().create_future()
+        self._pong_waiters[nonce] = fut
+        try:
+            await sock.send(m.encode(m.Ping(nonce=nonce)))
+            return await asyncio.wait_for(fut, timeout)
+        except (TimeoutError, zmq.ZMQError):
+            return None
+        finally:
+            self._pong_waiters.pop(nonce, None)
+
+    async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                msg = m.decode(frames[-1])
+            except m.MessageError as e:
+                log.warning("%s", e)
+                continue
+            if isinstance(msg, m.Pong):
+                self._last_pong = time.monotonic()
+                self.stats = dict(msg.stats)
+                if self._on_stats is not None:
+                    self._on_stats(self.stats)
+                fut = self._pong_waiters.get(msg.nonce)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+                continue
+            sid = getattr(msg, "session_id", None)
+            session = self._sessions.get(sid) if sid is not None else None
+            if session is None:
+                if isinstance(msg, m.Error):
+                    log.warning("engine error session_id=%s code=%s message=%s", sid, msg.code, msg.message)
+                continue
+            try:
+                session.on_engine_message(msg)
+            except Exception:  # noqa: BLE001 - one broken session must not stop routing for the others
+                log.exception("session_id=%s failed to handle %s", sid, type(msg).__name__)
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.ping_interval_s)
+            if self._sock is None:
+                continue
+            died = self.proc is not None and self.proc.returncode is not None
+            if not died:
+                await self._ping(self._sock, timeout=min(self.ping_interval_s, 1.0))
+                died = self.proc is not None and self.proc.returncode is not None
+            silent = time.monotonic() - self._last_pong > self.ping_timeout_s
+            if died or silent:
+                why = f"exited with code {self.proc.returncode}" if died and self.proc else "stopped answering"
+                await self._engine_lost(why)
+
+    async def _engine_lost(self, why: str) -> None:
+        log.error("engine lost (%s): ending %d session(s) and restarting", why, len(self._sessions))
+        self.ready = False
+        for session in list(self._sessions.values()):
+            try:
+                session.on_engine_lost()
+            except Exception:  # noqa: BLE001
+                log.exception("session failed to handle engine loss")
+        self._sessions.clear()
+        if self._on_lost is not None:
+            self._on_lost()
+        await self._close_socket()
+        await self._kill_process()
+        backoff = self.restart_backoff_s
+        while not self._stopping:
+            try:
+                await self._start_generation()
+                self.restarts += 1
+                return
+            except EngineStartError as e:
+                log.error("engine restart failed: %s; retrying in %.1f s", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    async def _close_socket(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._recv_task
+            self._recv_task = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def _kill_process(self) -> None:
+        p = self.proc
+        if p is None or self.command is None:
+            return
+        if p.returncode is None:
+            p.terminate()
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+        self.proc = None

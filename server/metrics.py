@@ -1,0 +1,53 @@
+"""Prometheus metrics of one server process (a registry per app, so tests can run several apps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+RTF_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttfa_seconds = Histogram("moss_ttfa_seconds", "Committed turn to first answer audio sent",
+                                      buckets=TTFA_BUCKETS, registry=r)
+        self.rtf_hist = Histogram("moss_rtf", "Answer wall time / answer audio duration, per response",
+                                  buckets=RTF_BUCKETS, registry=r)
+        self.active_sessions = Gauge("moss_active_sessions", "Open realtime sessions", registry=r)
+        self.queue_depth = Gauge("moss_outbound_queue_depth", "Outbound items queued, summed over sessions",
+                                 registry=r)
+        self.errors = Counter("moss_errors", "Error events sent to clients, by code", ["code"], registry=r)
+        self.engine_up = Gauge("moss_engine_up", "1 when the engine process answers pings", registry=r)
+        self.engine_restarts = Counter("moss_engine_restarts", "Engine processes lost and restarted", registry=r)
+        self.kv_blocks_free = Gauge("moss_kv_blocks_free", "Free KV blocks in the engine", registry=r)
+        self.kv_blocks_used = Gauge("moss_kv_blocks_used", "Used KV blocks in the engine", registry=r)
+        self.engine_running = Gauge("moss_engine_running_requests", "Requests being decoded", registry=r)
+        self.engine_waiting = Gauge("moss_engine_waiting_requests", "Requests waiting for admission", registry=r)
+
+    # SessionObserver
+    def error(self, code: str) -> None:
+        self.errors.labels(code=code).inc()
+
+    def ttfa(self, seconds: float) -> None:
+        self.ttfa_seconds.observe(seconds)
+
+    def rtf(self, value: float) -> None:
+        self.rtf_hist.observe(value)
+
+    def engine_stats(self, stats: dict[str, Any]) -> None:
+        free, total = stats.get("kv_free"), stats.get("kv_total")
+        if isinstance(free, int | float):
+            self.kv_blocks_free.set(free)
+            if isinstance(total, int | float):
+                self.kv_blocks_used.set(total - free)
+        for key, gauge in (("running", self.engine_running), ("waiting", self.engine_waiting)):
+            if isinstance(stats.get(key), int | float):
+                gauge.set(stats[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

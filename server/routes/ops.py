@@ -1,0 +1,41 @@
+"""`/health` and `/metrics`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 when the engine answers pings and the server accepts sessions; 503 otherwise (with why)."""
+    st = request.app.state
+    engine = st.engine
+    body = {
+        "status": "ok",
+        "engine_alive": bool(engine.ready),
+        "model_loaded": bool(engine.ready),
+        "model": st.settings.model,
+        "codec": st.settings.codec,
+        "random_weights": st.settings.model == "tiny-random",
+        "sessions": len(st.sessions),
+        "max_sessions": st.settings.max_sessions,
+        "draining": st.sessions.draining,
+        "engine_restarts": engine.restarts,
+        "engine": engine.stats,
+    }
+    if not engine.ready or st.sessions.draining:
+        body["status"] = "draining" if st.sessions.draining else "engine_unavailable"
+        return JSONResponse(body, status_code=503)
+    return JSONResponse(body)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    st = request.app.state
+    st.metrics.queue_depth.set(sum(len(s.outbound) for s in st.sessions.sessions.values()))
+    st.metrics.engine_up.set(1 if st.engine.ready else 0)
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)

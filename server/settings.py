@@ -1,0 +1,75 @@
+"""Server settings: environment variables with the `MOSS_` prefix, overridden by `moss-speech serve` flags.
+
+Lists (api_keys, allowed_origins, engine_command) are given in the environment as JSON
+(`MOSS_API_KEYS='["k1","k2"]'`) or comma separated (`MOSS_API_KEYS=k1,k2`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split(v: Any) -> Any:
+    if isinstance(v, str):
+        v = v.strip()
+        if v.startswith("["):
+            import json
+
+            return json.loads(v)
+        return [x.strip() for x in v.split(",") if x.strip()]
+    return v
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MOSS_", extra="forbid")
+
+    # What to serve
+    model: str = "tiny-random"  # tiny-random or a MOSS-Speech checkpoint directory
+    codec: str = "tiny-random"  # tiny-random or a MOSS-Speech-Codec directory
+    device: str = "auto"  # passed to the engine: auto, cpu, cuda, cuda:N
+    model_name: str = "moss-speech"  # the `model` reported to clients (session.model)
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: str = "info"
+    log_format: str = Field("kv", pattern="^(kv|json)$")
+
+    # Access
+    api_keys: Annotated[list[str], NoDecode] = []  # empty: no key required
+    allowed_origins: Annotated[list[str], NoDecode] = []  # empty: any Origin (and none) accepted; "*" too
+
+    # Limits
+    max_sessions: int = Field(64, ge=1)
+    max_message_bytes: int = Field(1 << 20, ge=1024)  # a WebSocket message above this closes with 1009
+    max_input_buffer_seconds: float = Field(60.0, gt=0)
+    output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
+    drain_timeout_s: float = Field(10.0, ge=0)
+
+    # Engine process
+    engine_endpoint: str | None = None  # default: an ipc:// socket in the temp directory, unique per server
+    spawn_engine: bool = True  # False: connect to an engine started elsewhere at engine_endpoint
+    engine_command: Annotated[list[str] | None, NoDecode] = None  # replaces the engine command (tests, wrappers)
+    engine_ready_timeout_s: float = Field(600.0, gt=0)
+    engine_ping_interval_s: float = Field(1.0, gt=0)
+    engine_ping_timeout_s: float = Field(30.0, gt=0)
+
+    # Turn detection
+    vad: bool = True  # False: server_vad is refused (clients must commit)
+
+    @field_validator("api_keys", "allowed_origins", "engine_command", mode="before")
+    @classmethod
+    def _lists(cls, v: Any) -> Any:
+        return _split(v)
+
+    def resolved_endpoint(self) -> str:
+        if self.engine_endpoint:
+            return self.engine_endpoint
+        name = f"moss-speech-engine-{os.getpid()}-{secrets.token_hex(4)}.sock"
+        return "ipc://" + os.path.join(tempfile.gettempdir(), name)

@@ -1,0 +1,32 @@
+"""Streaming voice activity detection with Silero VAD (the model bundled in the `silero-vad` package).
+
+One detector per session (the model is stateful across windows); it runs on CPU on 512-sample
+windows of 16 kHz audio (32 ms), about a millisecond each. Thresholds and timing live in the session.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+VAD_RATE = 16000
+VAD_WINDOW = 512  # the only window size Silero accepts at 16 kHz
+
+
+class SileroVad:
+    window = VAD_WINDOW
+
+    def __init__(self) -> None:
+        from silero_vad import load_silero_vad
+
+        self._model = load_silero_vad()
+
+    def prob(self, chunk: np.ndarray) -> float:
+        """Speech probability of one window: float32 [512] at 16 kHz."""
+        if chunk.shape != (VAD_WINDOW,):
+            raise ValueError(f"VAD window must be {VAD_WINDOW} samples at {VAD_RATE} Hz, got shape {chunk.shape}")
+        with torch.inference_mode():
+            return float(self._model(torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.float32)), VAD_RATE))
+
+    def reset(self) -> None:
+        self._model.reset_states()

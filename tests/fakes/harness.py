@@ -1,0 +1,79 @@
+"""A real server (uvicorn on 127.0.0.1, port chosen by the OS) in a background thread, for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from server.app import create_app
+from server.serving import DrainingServer, uvicorn_config
+from server.settings import Settings
+
+FAKE_ENGINE = [sys.executable, "-m", "tests.fakes.fake_engine", "--model", "x", "--codec", "x", "--device", "cpu"]
+
+
+class RunningServer:
+    def __init__(self, settings: Settings) -> None:
+        self.app = create_app(settings)
+        self.server = DrainingServer(uvicorn_config(self.app, "127.0.0.1", 0, "warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.http = f"http://127.0.0.1:{self.port}"
+        self.ws = f"ws://127.0.0.1:{self.port}/v1/realtime"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.http + "/health", timeout=10)
+
+    def wait_engine(self, ready: bool = True, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = self.health()
+            if (r.status_code == 200) == ready:
+                return r.json()
+            time.sleep(0.1)
+        raise AssertionError(f"engine ready={ready} not reached in {timeout} s: {self.health().json()}")
+
+
+def fake_settings(**kw: Any) -> Settings:
+    base: dict[str, Any] = {"engine_command": FAKE_ENGINE, "engine_ping_interval_s": 0.2,
+                            "engine_ping_timeout_s": 5.0, "engine_ready_timeout_s": 60.0, "drain_timeout_s": 2.0}
+    base.update(kw)
+    return Settings(**base)
+
+
+async def recv_event(ws: Any, timeout: float = 30.0) -> dict[str, Any]:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_until(ws: Any, etype: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """All events up to and including the first of type `etype`."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = await recv_event(ws, max(0.01, deadline - time.monotonic()))
+        out.append(ev)
+        if ev["type"] == etype:
+            return out
+
+
+async def send(ws: Any, etype: str, **fields: Any) -> None:
+    await ws.send(json.dumps({"type": etype, **fields}))
