@@ -130,8 +130,8 @@ def test_batched_step_equals_each_alone(enc):
             if streams[i].last_features is not None:
                 feats[i].append(streams[i].last_features)
         k += 1
-    for i, s in enumerate(streams):
-        codes[i] += s.finalize()
+    for i, (s, tail) in enumerate(zip(streams, batch.finalize(streams), strict=True)):
+        codes[i] += tail
         if s.last_features is not None:
             feats[i].append(s.last_features)
         assert codes[i] == alone[i][0]

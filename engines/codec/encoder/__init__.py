@@ -10,6 +10,12 @@ Public API::
     codes = s.push(piece)                    # any piece size; codes as soon as they are determined
     codes = s.finalize()                     # last partial 80 ms completed with silence; stream closes
     out = enc.batch().step([(s1, p1), (s2, p2)])   # several sessions in one forward, same result as alone
+    out = enc.batch().finalize([s1, s2])
+    s.codes_out, s.samples_seen, s.last_features   # progress; pre-VQ features [n, d] of the last codes
+
+Timing: code k covers samples [1280 k, 1280 k + 1280) and is known once sample 1280 k + 1160 has
+arrived. A finalized stream of n samples has produced ceil(n / 1280) codes. Every 30 s (1500 frames at
+50 Hz) the trunk restarts (positions, conv, KV), like the reference's 30 s windows.
 
 Streaming equals whole-utterance encoding (same codes); the pre-VQ features agree to float rounding
 (tested at atol 1e-4 in float32). Write a random codec encoder in the real layout with

@@ -45,8 +45,9 @@ class SpeechEncoder:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
-        trunk = WhisperVQTrunk(cfg)
-        trunk.load_state_dict(state, strict=True)
+        with torch.device("meta"):  # no throwaway random init of ~340M parameters at full size
+            trunk = WhisperVQTrunk(cfg)
+        trunk.load_state_dict(state, strict=True, assign=True)
         self.trunk = trunk.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.frontend = MelFrontend(cfg, device)
         self.runner = StreamingRunner(self.trunk, dtype, device)
@@ -121,12 +122,7 @@ class EncoderStream:
 
         After finalize, the stream has produced ceil(samples / 1280) codes in total.
         """
-        if self.closed:
-            raise StreamClosedError("stream already finalized")
-        pad = self.tail_padding()
-        codes = self.push(torch.zeros(pad)) if pad else []
-        self.closed = True
-        return codes
+        return EncoderBatch(self.encoder).finalize([self])[0]
 
     def tail_padding(self) -> int:
         """Zeros needed for the last started code to be determined."""
@@ -180,3 +176,13 @@ class EncoderBatch:
             s.codes_out += len(codes[i])
             s.last_features = torch.cat(feats[i]) if feats[i] else None
         return codes
+
+    def finalize(self, streams: list[EncoderStream]) -> list[list[int]]:
+        """Finalize several streams in one forward (see `EncoderStream.finalize`)."""
+        for s in streams:
+            if s.closed:
+                raise StreamClosedError("stream already finalized")
+        out = self.step([(s, torch.zeros(s.tail_padding())) for s in streams])
+        for s in streams:
+            s.closed = True
+        return out
