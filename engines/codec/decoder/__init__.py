@@ -1,0 +1,34 @@
+"""Speech out: streaming codec decoder (codes -> 80-bin mel by flow matching -> 24 kHz PCM by a vocoder).
+
+Public API (what the engine/server uses):
+
+    from engines.codec.decoder import CodecDecoder, CodecTask, Voice, BadCodesError
+
+    dec = CodecDecoder.load("tiny-random" | "full-random" | "/path/to/MOSS-Speech-Codec",
+                            device="cuda", vocoder="bigvgan" | "hift")
+    # A preset has BigVGAN and HiFT with random weights; a real codec directory has HiFT (`flow/hift.pt`)
+    # and BigVGAN only if `bigvgan/` holds a generator trained on the codec mel (else ConfigError).
+
+    s = dec.open_stream(session_id, voice=None, seed=1234)  # voice: Voice (None = built-in / empty prompt)
+    pcm = s.push(codes)      # float32 np.ndarray at 24 kHz, possibly empty; codes: ints in [0, 16384)
+    pcm = s.finalize()       # last partial chunk (no lookahead) + held crossfade tail
+    s.close()                # frees the session state
+    pcm = dec.decode(codes, voice=None, seed=1234)  # offline: identical result to push-all + finalize
+
+    task = CodecTask(dec, max_batch=64)  # one queue of 5-code chunks for all sessions
+    task.open(sid, voice=None, seed=0); task.submit(sid, codes); task.finish(sid); task.close(sid)
+    out = task.step()        # {sid: pcm} for up to max_batch sessions, decoded as one batch
+
+Streaming schedule: 5 codes per chunk + 3 lookahead codes (the first chunk needs 8 codes), 4 mel frames
+per code, 1920 samples per code; a stream of N codes yields exactly N x 1920 samples over push + finalize.
+Bad codes (negative, >= 16384, non-integer, not 1-D) raise BadCodesError (a ValueError).
+Voices: `Voice.random(seed)`, `Voice.empty()`, `Voice.from_wav(path, encode=..., campplus=...)`.
+"""
+
+from engines.codec.decoder.codec_decoder import BadCodesError, CodecDecoder, DecodeStream, validate_codes
+from engines.codec.decoder.mel import CODEC_MEL, MelMismatchError, MelSpec
+from engines.codec.decoder.task import CodecTask
+from engines.codec.decoder.voice import Voice
+
+__all__ = ["BadCodesError", "CODEC_MEL", "CodecDecoder", "CodecTask", "DecodeStream", "MelMismatchError", "MelSpec",
+           "Voice", "validate_codes"]

@@ -1,0 +1,279 @@
+"""CodecDecoder: load the flow + a vocoder, open per-session streams, decode chunks of many sessions at once."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engines.codec.decoder.checkpoint import CheckpointError, load_checked, read_state_dict
+from engines.codec.decoder.config import CodecDecoderConfig
+from engines.codec.decoder.flow import FlowModel, FlowState, PreparedVoice
+from engines.codec.decoder.mel import MelSpec, check_same_mel
+from engines.codec.decoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, VocoderState, WindowedVocoder
+from engines.codec.decoder.voice import Voice
+from engines.config import ConfigError
+from engines.tokens import NUM_AUDIO_CODES
+
+VOCODERS = ("bigvgan", "hift")
+
+
+class BadCodesError(ValueError):
+    """Codes given to the decoder are not a 1-D sequence of ints in [0, 16384)."""
+
+
+def validate_codes(codes) -> list[int]:
+    if isinstance(codes, torch.Tensor):
+        codes = codes.detach().cpu().numpy()
+    arr = np.asarray(codes)
+    if arr.ndim != 1:
+        raise BadCodesError(f"codes must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise BadCodesError(f"codes must be integers, got dtype {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= NUM_AUDIO_CODES:
+            bad = lo if lo < 0 else hi
+            raise BadCodesError(f"audio code {bad} outside [0, {NUM_AUDIO_CODES}) (eosp 16384 and above are not "
+                                f"speech codes)")
+    return [int(c) for c in arr]
+
+
+def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
+    """Unloaded modules (weight norm not folded yet)."""
+    return (FlowModel(cfg.flow, cfg.stream), HiFTVocoder(cfg.hift),
+            BigVGANVocoder(cfg.bigvgan) if with_bigvgan else None)
+
+
+def _bigvgan_mel(h: dict, source: str) -> MelSpec:
+    try:
+        return MelSpec(sample_rate=int(h["sampling_rate"]), n_mels=int(h["num_mels"]), hop=int(h["hop_size"]),
+                       n_fft=int(h["n_fft"]), win=int(h["win_size"]), fmin=float(h["fmin"]),
+                       fmax=float(h["fmax"]) if h.get("fmax") is not None else int(h["sampling_rate"]) / 2)
+    except KeyError as e:
+        raise ConfigError(f"{source}: missing mel field {e}") from None
+
+
+@dataclass
+class Job:
+    """One chunk of one session: n codes, the real lookahead codes after them, and whether it is the last."""
+
+    stream: DecodeStream
+    codes: list[int]
+    look: list[int]
+    final: bool
+
+
+@dataclass
+class DecodeStream:
+    """Per-session state. `push` / `finalize` decode at batch 1; the CodecTask batches many streams."""
+
+    decoder: CodecDecoder
+    session_id: str
+    flow_state: FlowState
+    voc_state: VocoderState
+    gen: torch.Generator
+    pending: list[int] = field(default_factory=list)
+    finished: bool = False
+    closed: bool = False
+    samples_out: int = 0
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"stream {self.session_id} is closed")
+        if self.finished:
+            raise RuntimeError(f"stream {self.session_id} was finalized")
+
+    def add(self, codes) -> None:
+        self._check_open()
+        self.pending.extend(validate_codes(codes))
+
+    def take_jobs(self, finishing: bool = False) -> list[Job]:
+        """Chunks that can be decoded now (in order). With finishing, everything left, the last one final."""
+        st = self.decoder.cfg.stream
+        C, la = st.chunk_codes, self.decoder.cfg.flow.pre_lookahead
+        jobs = []
+        while len(self.pending) >= C + la:
+            jobs.append(Job(self, self.pending[:C], self.pending[C:C + la], False))
+            del self.pending[:C]
+        if finishing:
+            self._check_open()
+            while self.pending:
+                n = min(C, len(self.pending))
+                jobs.append(Job(self, self.pending[:n], self.pending[n:n + la], False))
+                del self.pending[:n]
+            if jobs:
+                jobs[-1].final = True
+            else:
+                jobs.append(Job(self, [], [], True))  # only the held tail (if any) is left
+            self.finished = True
+        return jobs
+
+    def push(self, codes) -> np.ndarray:
+        """Add codes; returns the PCM (float32, 24 kHz) that became final, possibly empty."""
+        self.add(codes)
+        return self._run(self.take_jobs())
+
+    def finalize(self) -> np.ndarray:
+        """Decode what is left (the last chunk without lookahead) and release the held tail."""
+        return self._run(self.take_jobs(finishing=True))
+
+    def _run(self, jobs: list[Job]) -> np.ndarray:
+        outs = [self.decoder.run_jobs([j])[0] for j in jobs]
+        return np.concatenate(outs) if outs else np.zeros(0, dtype=np.float32)
+
+    def close(self) -> None:
+        self.closed = True
+        self.flow_state = self.voc_state = None  # type: ignore[assignment]
+        self.pending = []
+
+    def state_bytes(self) -> int:
+        return self.flow_state.nbytes()
+
+
+class CodecDecoder:
+    """Flow + vocoder on one device. See engines/codec/decoder/__init__.py for the public API."""
+
+    def __init__(self, cfg: CodecDecoderConfig, flow: FlowModel, vocoder: Vocoder, source: str,
+                 default_voice: Voice) -> None:
+        check_same_mel(cfg.flow.mel, vocoder.mel, vocoder.name)
+        if flow.device.type == "cpu":
+            # Mish/softplus on very negative inputs yields denormal floats, which are ~50x slower on x86 CPUs.
+            # The engine process owns its threads, so flushing them process-wide is acceptable.
+            torch.set_flush_denormal(True)
+        self.cfg, self.flow, self.source = cfg, flow.eval(), source
+        self.vocoder = vocoder.eval()
+        self.windowed = WindowedVocoder(vocoder, cfg.stream)
+        self.default_voice = default_voice
+        self._voices: OrderedDict[str, PreparedVoice] = OrderedDict()
+
+    @property
+    def device(self) -> torch.device:
+        return self.flow.device
+
+    @property
+    def sample_rate(self) -> int:
+        return self.cfg.flow.mel.sample_rate
+
+    @property
+    def samples_per_code(self) -> int:
+        return self.cfg.flow.token_mel_ratio * self.cfg.flow.mel.hop
+
+    # ---- loading -----------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
+             seed: int = 0) -> CodecDecoder:
+        """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py)."""
+        from engines.codec.presets import DECODER_PRESETS
+
+        if vocoder not in VOCODERS:
+            raise ConfigError(f"vocoder {vocoder!r} not one of {VOCODERS}")
+        device = torch.device(device)
+        if str(codec) in DECODER_PRESETS:
+            cfg = DECODER_PRESETS[str(codec)]
+            torch.manual_seed(seed)
+            flow, hift, big = build_modules(cfg, with_bigvgan=vocoder == "bigvgan")
+            voc = big if vocoder == "bigvgan" else hift
+            voc.fold_weight_norm()
+            voice = Voice.random(seed=1234, n_mels=cfg.flow.output_size, spk_dim=cfg.flow.spk_embed_dim)
+            return cls(cfg, flow.to(device), voc.to(device), f"preset {codec} (random weights)", voice)
+        root = Path(codec)
+        if not root.is_dir():
+            raise ConfigError(f"codec {codec!r} is neither a preset nor a directory")
+        cfg_file = root / "flow" / "decoder.json"
+        cfg = CodecDecoderConfig.from_json(cfg_file) if cfg_file.is_file() else CodecDecoderConfig()
+        flow_file = root / "flow" / "flow.pt"
+        if vocoder == "bigvgan":
+            hp_file = root / "bigvgan" / "config.json"
+            if not hp_file.is_file():
+                raise ConfigError(f"{root}: no BigVGAN vocoder (bigvgan/config.json) trained on the codec mel; "
+                                  f"use vocoder='hift' for the public codec")
+            try:
+                h = json.loads(hp_file.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{hp_file}: invalid JSON ({e})") from None
+            check_same_mel(cfg.flow.mel, _bigvgan_mel(h, str(hp_file)), f"bigvgan ({hp_file})")
+        flow, hift, big = build_modules(cfg, with_bigvgan=vocoder == "bigvgan")
+        load_checked(flow, read_state_dict(flow_file), str(flow_file))
+        if vocoder == "hift":
+            hift_file = root / "flow" / "hift.pt"
+            load_checked(hift.generator, read_state_dict(hift_file), str(hift_file), strip_prefix="generator.",
+                         weight_norm_aliases=True)
+            hift.fold_weight_norm()
+            voc: Vocoder = hift
+        else:
+            gen_file = root / "bigvgan" / "bigvgan_generator.pt"
+            if not gen_file.is_file():
+                raise CheckpointError(f"codec checkpoint {gen_file} does not exist")
+            raw = torch.load(gen_file, map_location="cpu", weights_only=True)
+            sd = raw.get("generator", raw) if isinstance(raw, dict) else raw
+            load_checked(big.generator, sd, str(gen_file))
+            big.fold_weight_norm()
+            voc = big
+        default_voice = Voice.empty(cfg.flow.output_size, cfg.flow.spk_embed_dim)
+        return cls(cfg, flow.to(device), voc.to(device), str(root), default_voice)
+
+    # ---- sessions ----------------------------------------------------------------------------------------
+    def prepared(self, voice: Voice) -> PreparedVoice:
+        pv = self._voices.get(voice.name)
+        if pv is None:
+            if voice.codes.shape[0] > self.cfg.stream.max_prompt_codes:
+                raise ConfigError(f"voice {voice.name}: prompt of {voice.codes.shape[0]} codes exceeds "
+                                  f"{self.cfg.stream.max_prompt_codes}")
+            validate_codes(voice.codes)
+            pv = self.flow.prepare_voice(voice.codes, voice.mel, voice.xvector)
+            self._voices[voice.name] = pv
+            while len(self._voices) > 32:
+                self._voices.popitem(last=False)
+        return pv
+
+    def open_stream(self, session_id: str, voice: Voice | None = None, seed: int = 0) -> DecodeStream:
+        voice = voice or self.default_voice
+        pv = self.prepared(voice)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        fs = self.flow.new_state(pv, gen)
+        vs = self.windowed.new_state(pv.mel, gen)
+        return DecodeStream(self, session_id, fs, vs, gen)
+
+    def decode(self, codes, voice: Voice | None = None, seed: int = 0) -> np.ndarray:
+        """Offline decode: the streaming algorithm over all codes in one call (same chunk schedule)."""
+        s = self.open_stream("offline", voice, seed)
+        s.add(codes)
+        out = [s._run(s.take_jobs()), s.finalize()]
+        s.close()
+        return np.concatenate(out)
+
+    # ---- batched chunk decoding --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_jobs(self, jobs: list[Job]) -> list[np.ndarray]:
+        """Decode jobs of distinct sessions together (grouped by chunk length). Returns PCM per job, in order."""
+        if len({id(j.stream) for j in jobs}) != len(jobs):
+            raise ValueError("run_jobs takes at most one chunk per session (chunks of a session are sequential)")
+        results: list[torch.Tensor | None] = [None] * len(jobs)
+        groups: dict[int, list[int]] = {}
+        for i, j in enumerate(jobs):
+            groups.setdefault(len(j.codes), []).append(i)
+        la = self.cfg.flow.pre_lookahead
+        for n, idx in groups.items():
+            js = [jobs[i] for i in idx]
+            if n == 0:  # tail flush only
+                for i, j in zip(idx, js, strict=True):
+                    t = j.stream.voc_state.tail
+                    results[i] = t.float() if t is not None else torch.zeros(0)
+                    j.stream.voc_state.tail = None
+                continue
+            codes = torch.tensor([j.codes + j.look + [0] * (la - len(j.look)) for j in js], dtype=torch.long)
+            gens = [j.stream.gen for j in js]
+            mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens)
+            outs = self.windowed.push(mel, [j.stream.voc_state for j in js], gens, [j.final for j in js])
+            for i, o in zip(idx, outs, strict=True):
+                results[i] = o
+        pcm = [r.cpu().numpy().astype(np.float32, copy=False) for r in results]  # type: ignore[union-attr]
+        for j, p in zip(jobs, pcm, strict=True):
+            j.stream.samples_out += p.shape[0]
+        return pcm

@@ -1,0 +1,204 @@
+"""Upsampling conformer encoder of the flow (codes -> 4 hidden frames per code), run chunk by chunk.
+
+Layout follows the published checkpoint keys (`encoder.embed.out.{0,1}`, `encoder.pre_lookahead_layer.conv{1,2}`,
+`encoder.encoders.N.{self_attn.linear_{q,k,v,out,pos},pos_bias_{u,v},feed_forward.w_{1,2},norm_mha,norm_ff}`,
+`encoder.up_layer.conv`, `encoder.up_embed.out.{0,1}`, `encoder.up_encoders.N...`, `encoder.after_norm`).
+Streaming is exact by construction: every chunk attends to the prompt, a fixed window of previous chunks
+and itself, and the two convolutions carry their left context in small caches, so decoding a chunk costs the
+same however long the answer is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.codec.decoder.config import FlowConfig
+
+
+def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """positions [R] (signed) -> [R, dim], sin on even and cos on odd channels (ESPnet rel-pos table)."""
+    div = torch.exp(torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    ang = positions.to(torch.float32)[:, None] * div[None]
+    out = torch.empty(positions.shape[0], dim, device=positions.device, dtype=torch.float32)
+    out[:, 0::2] = torch.sin(ang)
+    out[:, 1::2] = torch.cos(ang)
+    return out
+
+
+@dataclass
+class KV:
+    """Keys/values a chunk may attend to, besides itself. Padded across a batch; `valid` marks real keys."""
+
+    k: torch.Tensor  # [B, L, H, dk]
+    v: torch.Tensor  # [B, L, H, dk]
+    pos: torch.Tensor  # [B, L] absolute positions (long)
+    valid: torch.Tensor  # [B, L] bool
+
+
+class LinearEmbed(nn.Module):
+    """Linear + LayerNorm, scaled by sqrt(d) the way the rel-pos encoding layer does."""
+
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.out = nn.Sequential(nn.Linear(d_in, d), nn.LayerNorm(d, eps=1e-5))
+        self.xscale = math.sqrt(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x) * self.xscale
+
+
+class RelPosSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.h, self.dk = heads, d // heads
+        self.linear_q = nn.Linear(d, d)
+        self.linear_k = nn.Linear(d, d)
+        self.linear_v = nn.Linear(d, d)
+        self.linear_out = nn.Linear(d, d)
+        self.linear_pos = nn.Linear(d, d, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.dk))
+        self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.dk))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, prefix: KV | None, dist_range: tuple[int, int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D], pos [B, T]; returns output [B, T, D] and this chunk's k, v [B, T, H, dk]."""
+        B, T, D = x.shape
+        q = self.linear_q(x).view(B, T, self.h, self.dk)
+        k_new = self.linear_k(x).view(B, T, self.h, self.dk)
+        v_new = self.linear_v(x).view(B, T, self.h, self.dk)
+        if prefix is None:
+            k, v, kpos = k_new, v_new, pos
+            valid = None
+        else:
+            k = torch.cat([prefix.k, k_new], 1)
+            v = torch.cat([prefix.v, v_new], 1)
+            kpos = torch.cat([prefix.pos, pos], 1)
+            valid = torch.cat([prefix.valid, torch.ones(B, T, dtype=torch.bool, device=x.device)], 1)
+        ac = torch.einsum("bthd,blhd->bhtl", q + self.pos_bias_u, k)
+        # Relative term for every distance (query pos - key pos) in the host-known range, then gathered.
+        lo, hi = dist_range
+        rel = torch.arange(lo, hi + 1, device=x.device)
+        p = self.linear_pos(sinusoid(rel, D).to(x.dtype)).view(-1, self.h, self.dk)  # [R, H, dk]
+        bd_all = torch.einsum("bthd,rhd->bhtr", q + self.pos_bias_v, p)  # [B, H, T, R]
+        idx = (pos[:, :, None] - kpos[:, None, :] - lo).clamp(0, hi - lo)  # [B, T, L]
+        bd = bd_all.gather(-1, idx[:, None].expand(B, self.h, T, idx.shape[-1]))
+        scores = (ac + bd) / math.sqrt(self.dk)
+        if valid is not None:
+            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        attn = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhtl,blhd->bthd", attn, v).reshape(B, T, D)
+        return self.linear_out(out), k_new, v_new
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d: int, ffn: int) -> None:
+        super().__init__()
+        self.w_1 = nn.Linear(d, ffn)
+        self.w_2 = nn.Linear(ffn, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(F.silu(self.w_1(x)))
+
+
+class ConformerLayer(nn.Module):
+    """Pre-norm attention + feed-forward (the checkpoint's conformer has no conv module and no macaron FFN)."""
+
+    def __init__(self, d: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.self_attn = RelPosSelfAttention(d, heads)
+        self.feed_forward = FeedForward(d, ffn)
+        self.norm_mha = nn.LayerNorm(d, eps=1e-12)
+        self.norm_ff = nn.LayerNorm(d, eps=1e-12)
+
+    def forward(self, x, pos, prefix, dist_range):
+        a, k, v = self.self_attn(self.norm_mha(x), pos, prefix, dist_range)
+        x = x + a
+        x = x + self.feed_forward(self.norm_ff(x))
+        return x, k, v
+
+
+class PreLookahead(nn.Module):
+    """conv1 reads `lookahead` codes to the right; conv2 (kernel 3) reads two conv1 outputs to the left."""
+
+    def __init__(self, d: int, lookahead: int) -> None:
+        super().__init__()
+        self.lookahead = lookahead
+        self.conv1 = nn.Conv1d(d, d, lookahead + 1)
+        self.conv2 = nn.Conv1d(d, d, 3)
+
+    def forward(self, x: torch.Tensor, left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, n + lookahead, D] (absent lookahead already zeroed), left [B, 2, D] previous conv1 outputs.
+        Returns [B, n, D] and the new left cache."""
+        h = F.leaky_relu(self.conv1(x.transpose(1, 2)))  # [B, D, n]
+        h = torch.cat([left.transpose(1, 2), h], dim=2)
+        out = self.conv2(h).transpose(1, 2)  # [B, n, D]
+        n = out.shape[1]
+        return out + x[:, :n], h[:, :, -2:].transpose(1, 2)
+
+
+class Upsample(nn.Module):
+    """Nearest repeat x stride, then a causal conv of kernel 2*stride+1 (its left context is cached)."""
+
+    def __init__(self, d: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv1d(d, d, 2 * stride + 1)
+
+    def forward(self, x: torch.Tensor, left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, n, D], left [B, 2*stride, D] -> [B, n*stride, D] and the new left cache."""
+        up = x.repeat_interleave(self.stride, dim=1)
+        h = torch.cat([left, up], dim=1)
+        return self.conv(h.transpose(1, 2)).transpose(1, 2), h[:, -2 * self.stride:]
+
+
+@dataclass
+class EncoderCache:
+    """Per-batch-row left state of the two convolutions."""
+
+    pre: torch.Tensor  # [B, 2, D]
+    up: torch.Tensor  # [B, 2*ratio, D]
+
+
+class UpsampleConformerEncoder(nn.Module):
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.cfg = cfg
+        self.embed = LinearEmbed(cfg.input_size, d)
+        self.pre_lookahead_layer = PreLookahead(d, cfg.pre_lookahead)
+        self.encoders = nn.ModuleList(ConformerLayer(d, cfg.heads, cfg.ffn) for _ in range(cfg.num_blocks))
+        self.up_layer = Upsample(d, cfg.token_mel_ratio)
+        self.up_embed = LinearEmbed(d, d)
+        self.up_encoders = nn.ModuleList(ConformerLayer(d, cfg.heads, cfg.ffn) for _ in range(cfg.num_up_blocks))
+        self.after_norm = nn.LayerNorm(d, eps=1e-5)
+
+    def empty_cache(self, batch: int, device, dtype) -> EncoderCache:
+        d = self.cfg.d_model
+        return EncoderCache(torch.zeros(batch, 2, d, device=device, dtype=dtype),
+                            torch.zeros(batch, 2 * self.cfg.token_mel_ratio, d, device=device, dtype=dtype))
+
+    def forward_chunk(self, tok: torch.Tensor, lookahead_valid: torch.Tensor, cache: EncoderCache,
+                      pos: torch.Tensor, up_pos: torch.Tensor,
+                      prefixes: list[KV | None], up_prefixes: list[KV | None],
+                      dist_range: tuple[int, int], up_dist_range: tuple[int, int]):
+        """tok [B, n + lookahead, input] token embeddings; lookahead_valid [B, n + lookahead] bool.
+        pos [B, n] code positions; up_pos [B, n*ratio] frame positions.
+        Returns hidden [B, n*ratio, D], new cache, and per layer (k, v) of this chunk for both stacks."""
+        x = self.embed(tok) * lookahead_valid[..., None].to(tok.dtype)
+        x, pre = self.pre_lookahead_layer(x, cache.pre)
+        kvs = []
+        for layer, prefix in zip(self.encoders, prefixes, strict=True):
+            x, k, v = layer(x, pos, prefix, dist_range)
+            kvs.append((k, v))
+        x, up = self.up_layer(x, cache.up)
+        x = self.up_embed(x)
+        up_kvs = []
+        for layer, prefix in zip(self.up_encoders, up_prefixes, strict=True):
+            x, k, v = layer(x, up_pos, prefix, up_dist_range)
+            up_kvs.append((k, v))
+        return self.after_norm(x), EncoderCache(pre, up), kvs, up_kvs

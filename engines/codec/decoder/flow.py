@@ -1,0 +1,233 @@
+"""Token -> mel flow (`CausalMaskedDiffWithXvec` layout), decoded chunk by chunk for many sessions at once.
+
+Per chunk of n codes (n = 5 except a final partial chunk) with up to 3 lookahead codes:
+  1. embedding + upsampling conformer encoder (prompt + window attention, cached) -> mu [80, 4n]
+  2. Euler solve of the CFM ODE (cosine time schedule, classifier-free guidance) over a window made of the
+     previous chunk's last `est_ctx_frames` frames (their stored x_t trajectories, fixed) and the new frames
+     (fresh per-session noise). Only the new frames are integrated.
+State kept per session is bounded (window of KV, trajectories of one chunk), so a chunk costs the same at
+any point of an answer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.codec.decoder.config import FlowConfig, StreamConfig
+from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEncoder
+from engines.codec.decoder.estimator import CausalConditionalDecoder
+from engines.codec.decoder.mel import SILENCE_LOG_MEL
+
+
+class _CFM(nn.Module):
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        self.estimator = CausalConditionalDecoder(cfg)
+
+
+@dataclass
+class PreparedVoice:
+    """Everything about a voice the flow needs, computed once per voice (`FlowModel.prepare_voice`)."""
+
+    n_codes: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per encoder layer: k, v [P, H, dk]
+    up_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per up layer: k, v [4P, H, dk]
+    mu: torch.Tensor  # [80, 4P]
+    mel: torch.Tensor  # [80, 4P]
+    spks: torch.Tensor  # [80] projected x-vector
+
+
+@dataclass
+class FlowState:
+    """One session's flow state between chunks (no batch dimension)."""
+
+    voice: PreparedVoice
+    pre: torch.Tensor  # [2, D] last conv1 outputs of the lookahead layer
+    up: torch.Tensor  # [2*ratio, D] last repeated frames before the upsample conv
+    codes_done: int = 0
+    win_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [<=W, H, dk] per layer
+    win_up_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    ctx_traj: torch.Tensor | None = None  # [steps, 80, C] x_t of the context frames at every Euler step
+    ctx_mu: torch.Tensor | None = None  # [80, C]
+    ctx_cond: torch.Tensor | None = None  # [80, C]
+
+    def nbytes(self) -> int:
+        ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond]
+        ts += [t for kv in self.win_kv + self.win_up_kv for t in kv]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _pad_stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """rows of [L_i, ...] -> [B, length, ...] zero padded at the end."""
+    return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, length - r.shape[0])) for r in rows])
+
+
+class FlowModel(nn.Module):
+    def __init__(self, cfg: FlowConfig, stream: StreamConfig) -> None:
+        super().__init__()
+        self.cfg, self.stream = cfg, stream
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoder(cfg)
+        self.encoder_proj = nn.Linear(cfg.d_model, cfg.output_size)
+        self.decoder = _CFM(cfg)
+        t = torch.linspace(0, 1, cfg.n_timesteps + 1, dtype=torch.float64)
+        self.t_span = (1 - torch.cos(t * 0.5 * math.pi)).tolist()  # cosine schedule, host floats
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input_embedding.weight.dtype
+
+    # ---- voice -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare_voice(self, codes: torch.Tensor, mel: torch.Tensor, xvector: torch.Tensor) -> PreparedVoice:
+        """codes [P] long, mel [80, 4P], xvector [spk_embed_dim] -> cached encoder KV of the prompt and more."""
+        dev, dt = self.device, self.dtype
+        spks = self.spk_embed_affine_layer(F.normalize(xvector.to(dev, dt)[None], dim=1))[0]
+        P = int(codes.shape[0])
+        r = self.cfg.token_mel_ratio
+        if P == 0:
+            L = len(self.encoder.encoders)
+            Lu = len(self.encoder.up_encoders)
+            h, d = self.cfg.heads, self.cfg.d_model // self.cfg.heads
+            empty = torch.zeros(0, h, d, device=dev, dtype=dt)
+            z = torch.zeros(self.cfg.output_size, 0, device=dev, dtype=dt)
+            return PreparedVoice(0, [(empty, empty)] * L, [(empty, empty)] * Lu, z, z, spks)
+        la = self.cfg.pre_lookahead
+        tok = self.input_embedding(F.pad(codes.to(dev), (0, la)))[None]
+        valid = torch.zeros(1, P + la, dtype=torch.bool, device=dev)
+        valid[:, :P] = True
+        cache = self.encoder.empty_cache(1, dev, dt)
+        pos = torch.arange(P, device=dev)[None]
+        up_pos = torch.arange(P * r, device=dev)[None]
+        nl, nu = len(self.encoder.encoders), len(self.encoder.up_encoders)
+        hid, _, kvs, up_kvs = self.encoder.forward_chunk(
+            tok, valid, cache, pos, up_pos, [None] * nl, [None] * nu, (-(P - 1), P - 1), (-(P * r - 1), P * r - 1))
+        mu = self.encoder_proj(hid)[0].transpose(0, 1)
+        return PreparedVoice(P, [(k[0], v[0]) for k, v in kvs], [(k[0], v[0]) for k, v in up_kvs],
+                             mu.contiguous(), mel.to(dev, dt), spks)
+
+    def new_state(self, voice: PreparedVoice, gen: torch.Generator) -> FlowState:
+        cfg, C = self.cfg, self.stream.est_ctx_frames
+        dev, dt = self.device, self.dtype
+        cache = self.encoder.empty_cache(1, dev, dt)
+        # Context of the first chunk: the prompt's last C frames on their ideal flow path toward the prompt
+        # mel (left-padded with silence when the prompt is shorter).
+        n_have = min(C, voice.mel.shape[1])
+        target = torch.full((cfg.output_size, C), SILENCE_LOG_MEL, device=dev, dtype=dt)
+        mu = torch.zeros(cfg.output_size, C, device=dev, dtype=dt)
+        cond = torch.zeros(cfg.output_size, C, device=dev, dtype=dt)
+        if n_have:
+            target[:, C - n_have:] = voice.mel[:, -n_have:]
+            mu[:, C - n_have:] = voice.mu[:, -n_have:]
+            cond[:, C - n_have:] = voice.mel[:, -n_have:]
+        z = torch.randn(cfg.output_size, C, generator=gen, device=dev, dtype=dt)
+        t = torch.tensor(self.t_span[:-1], device=dev, dtype=dt)[:, None, None]
+        traj = (1 - (1 - cfg.sigma_min) * t) * z + t * target  # [steps, 80, C]
+        return FlowState(voice, cache.pre[0], cache.up[0], ctx_traj=traj, ctx_mu=mu, ctx_cond=cond)
+
+    # ---- one chunk for a batch of sessions ---------------------------------------------------------------
+    def _prefixes(self, states: list[FlowState], up: bool, dt) -> list[KV]:
+        r = self.cfg.token_mel_ratio if up else 1
+        n_layers = len(self.encoder.up_encoders if up else self.encoder.encoders)
+        dev = self.device
+        lens, pos_rows = [], []
+        for s in states:
+            P = s.voice.n_codes * r
+            W = (s.win_up_kv if up else s.win_kv)[0][0].shape[0] if (s.win_up_kv if up else s.win_kv) else 0
+            first_win = (P + s.codes_done * r) - W
+            pos_rows.append(list(range(P)) + list(range(first_win, first_win + W)))
+            lens.append(P + W)
+        Lmax = max(lens)
+        pos = torch.tensor([p + [0] * (Lmax - len(p)) for p in pos_rows], device=dev, dtype=torch.long)
+        valid = torch.tensor([[True] * n + [False] * (Lmax - n) for n in lens], device=dev, dtype=torch.bool)
+        out = []
+        for li in range(n_layers):
+            ks, vs = [], []
+            for s in states:
+                pk, pv = (s.voice.up_kv if up else s.voice.kv)[li]
+                win = s.win_up_kv if up else s.win_kv
+                if win:
+                    wk, wv = win[li]
+                    pk, pv = torch.cat([pk, wk]), torch.cat([pv, wv])
+                ks.append(pk)
+                vs.append(pv)
+            out.append(KV(_pad_stack(ks, Lmax).to(dt), _pad_stack(vs, Lmax).to(dt), pos, valid))
+        return out, pos_rows
+
+    @torch.inference_mode()
+    def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
+                     gens: list[torch.Generator]) -> torch.Tensor:
+        """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored).
+        Returns mel [B, 80, n * ratio] and advances every state."""
+        cfg, st = self.cfg, self.stream
+        dev, dt = self.device, self.dtype
+        la, r = cfg.pre_lookahead, cfg.token_mel_ratio
+        tok = self.input_embedding(codes.to(dev))
+        valid = torch.tensor([[True] * n + [i < nl for i in range(la)] for nl in n_look], device=dev)
+        cache = EncoderCache(torch.stack([s.pre for s in states]), torch.stack([s.up for s in states]))
+        prefixes, kpos = self._prefixes(states, False, dt)
+        up_prefixes, up_kpos = self._prefixes(states, True, dt)
+        q0 = [s.voice.n_codes + s.codes_done for s in states]
+        pos = torch.tensor([[q + i for i in range(n)] for q in q0], device=dev)
+        up_pos = torch.tensor([[q * r + i for i in range(n * r)] for q in q0], device=dev)
+        hi = max([q + n - 1 - (kp[0] if kp else q) for q, kp in zip(q0, kpos, strict=True)] + [n - 1])
+        up_hi = max([q * r + n * r - 1 - (kp[0] if kp else q * r) for q, kp in zip(q0, up_kpos, strict=True)]
+                    + [n * r - 1])
+        hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
+            tok, valid, cache, pos, up_pos, prefixes, up_prefixes, (-(n - 1), hi), (-(n * r - 1), up_hi))
+        mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
+        Fr = n * r
+        # Keep at most `enc_left_chunks` chunks of this session's own keys.
+        keep, keep_up = st.enc_left_chunks * st.chunk_codes, st.enc_left_chunks * st.chunk_codes * r
+        for b, s in enumerate(states):
+            s.pre, s.up = cache.pre[b], cache.up[b]
+            s.win_kv = [(torch.cat([s.win_kv[i][0], k[b]])[-keep:], torch.cat([s.win_kv[i][1], v[b]])[-keep:])
+                        if s.win_kv else (k[b], v[b]) for i, (k, v) in enumerate(kvs)]
+            s.win_up_kv = [(torch.cat([s.win_up_kv[i][0], k[b]])[-keep_up:],
+                            torch.cat([s.win_up_kv[i][1], v[b]])[-keep_up:])
+                           if s.win_up_kv else (k[b], v[b]) for i, (k, v) in enumerate(up_kvs)]
+            s.codes_done += n
+        return self._solve(states, mu, Fr, gens)
+
+    def _solve(self, states: list[FlowState], mu: torch.Tensor, Fr: int, gens: list[torch.Generator]) -> torch.Tensor:
+        cfg, C = self.cfg, self.stream.est_ctx_frames
+        dev, dt = self.device, self.dtype
+        B, W = len(states), C + Fr
+        z = torch.stack([torch.randn(cfg.output_size, Fr, generator=g, device=dev, dtype=dt) for g in gens])
+        ctx_traj = torch.stack([s.ctx_traj for s in states])  # [B, steps, 80, C]
+        mu_w = torch.cat([torch.stack([s.ctx_mu for s in states]), mu], dim=2)
+        cond_w = torch.cat([torch.stack([s.ctx_cond for s in states]),
+                            torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)], dim=2)
+        spks = torch.stack([s.voice.spks for s in states])
+        # Context frames attend only to context; new frames attend to everything in the window.
+        idx = torch.arange(W, device=dev)
+        mask = (idx[None, :] < C) | (idx[:, None] >= C)
+        est = self.decoder.estimator
+        zeros_mu, zeros_spk = torch.zeros_like(mu_w), torch.zeros_like(spks)
+        x = z
+        traj = []
+        for s in range(cfg.n_timesteps):
+            t0, t1 = self.t_span[s], self.t_span[s + 1]
+            traj.append(x)
+            xw = torch.cat([ctx_traj[:, s], x], dim=2)
+            t = torch.full((2 * B,), t0, device=dev, dtype=dt)
+            v = est(torch.cat([xw, xw]), torch.cat([mu_w, zeros_mu]), t, torch.cat([spks, zeros_spk]),
+                    torch.cat([cond_w, zeros_mu]), mask)
+            v = (1.0 + cfg.cfg_rate) * v[:B] - cfg.cfg_rate * v[B:]
+            x = x + (t1 - t0) * v[:, :, C:]
+        traj_t = torch.stack(traj, dim=1)  # [B, steps, 80, Fr]
+        full_traj = torch.cat([ctx_traj, traj_t], dim=3)[..., -C:]
+        full_mu, full_cond = mu_w[..., -C:], cond_w[..., -C:]
+        for b, s in enumerate(states):
+            s.ctx_traj, s.ctx_mu, s.ctx_cond = full_traj[b], full_mu[b], full_cond[b]
+        return x

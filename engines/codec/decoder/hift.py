@@ -1,0 +1,150 @@
+"""HiFT vocoder (neural source filter + iSTFT head), the codec's own `flow/hift.pt`.
+
+Key layout: `f0_predictor.condnet.{0,2,4,6,8}` (weight-normed convs, ELU between) + `f0_predictor.classifier`,
+`m_source.l_linear`, `conv_pre`, `ups.N`, `source_downs.N` (plain convs), `source_resblocks.N`, `resblocks.N`
+(`convs1/convs2.M` weight-normed, `activations1/2.M.alpha` Snake), `conv_post`. Weight norm is accepted both as
+`weight_g/weight_v` and as `parametrizations.weight.original0/1`, and folded into plain weights after loading.
+
+Streaming differences from a one-shot call: the harmonic phases start from a per-session carried phase (so
+overlapping windows share the same sine source) and all noise comes from the session's generator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from engines.codec.decoder.config import HiFTConfig
+
+
+def _pad(k: int, d: int) -> int:
+    return (k * d - d) // 2
+
+
+class Snake(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(ch))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.alpha[None, :, None]
+        return x + (1.0 / (a + 1e-9)) * torch.sin(a * x).pow(2)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, ch: int, k: int, dilations: tuple[int, ...]) -> None:
+        super().__init__()
+        self.convs1 = nn.ModuleList(weight_norm(nn.Conv1d(ch, ch, k, dilation=d, padding=_pad(k, d)))
+                                    for d in dilations)
+        self.convs2 = nn.ModuleList(weight_norm(nn.Conv1d(ch, ch, k, padding=_pad(k, 1))) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(ch) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(ch) for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
+            x = x + c2(a2(c1(a1(x))))
+        return x
+
+
+class F0Predictor(nn.Module):
+    def __init__(self, n_mels: int, ch: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [weight_norm(nn.Conv1d(n_mels if i == 0 else ch, ch, 3, padding=1)), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(ch, 1)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [B, 80, T] -> f0 [B, T] in Hz (non-negative)."""
+        return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
+
+
+class _Source(nn.Module):
+    def __init__(self, n_harm: int) -> None:
+        super().__init__()
+        self.l_linear = nn.Linear(n_harm + 1, 1)
+
+
+class HiFTGenerator(nn.Module):
+    def __init__(self, cfg: HiFTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        c0, n_fft = cfg.base_channels, cfg.istft_n_fft
+        self.f0_predictor = F0Predictor(cfg.mel.n_mels, cfg.f0_channels)
+        self.m_source = _Source(cfg.nb_harmonics)
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.mel.n_mels, c0, 7, padding=3))
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(c0 // 2 ** i, c0 // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes, strict=True)))
+        down_rates = [1] + list(cfg.upsample_rates[::-1][:-1])
+        cum = [math.prod(down_rates[: i + 1]) for i in range(len(down_rates))][::-1]
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (u, k, d) in enumerate(zip(cum, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilations,
+                                          strict=True)):
+            ch = c0 // 2 ** (i + 1)
+            self.source_downs.append(nn.Conv1d(n_fft + 2, ch, 1) if u == 1 else
+                                     nn.Conv1d(n_fft + 2, ch, u * 2, u, padding=u // 2))
+            self.source_resblocks.append(ResBlock(ch, k, d))
+        self.resblocks = nn.ModuleList(
+            ResBlock(c0 // 2 ** (i + 1), k, d) for i in range(len(self.ups))
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilations, strict=True))
+        self.conv_post = weight_norm(nn.Conv1d(c0 // 2 ** len(self.ups), n_fft + 2, 7, padding=3))
+        self.register_buffer("stft_window", torch.hann_window(n_fft), persistent=False)
+
+    def fold_weight_norm(self) -> None:
+        for m in self.modules():
+            if parametrize.is_parametrized(m, "weight"):
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+
+    @property
+    def n_harmonics(self) -> int:
+        return self.cfg.nb_harmonics + 1
+
+    def _source(self, f0: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """f0 [B, T] Hz; phase0 [B, H] cycles; noise [B, H, S] standard normal -> source [B, S] and the
+        phase (cycles) just before sample `keep_at`, for the next window."""
+        cfg = self.cfg
+        f0s = f0.repeat_interleave(cfg.mel.hop, dim=1)[:, None]  # [B, 1, S]
+        harm = torch.arange(1, self.n_harmonics + 1, device=f0.device, dtype=f0.dtype)[None, :, None]
+        inc = f0s * harm / cfg.mel.sample_rate  # cycles per sample [B, H, S]
+        cyc = torch.cumsum(inc, dim=-1) + phase0[:, :, None]
+        sine = cfg.nsf_alpha * torch.sin(2 * math.pi * torch.remainder(cyc, 1.0))
+        uv = (f0s > cfg.voiced_threshold).to(f0.dtype)
+        amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        sine = sine * uv + amp * noise
+        src = torch.tanh(self.m_source.l_linear(sine.transpose(1, 2))).squeeze(-1)  # [B, S]
+        nxt = torch.remainder(cyc[:, :, keep_at - 1], 1.0) if keep_at > 0 else phase0
+        return src, nxt
+
+    def forward(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel [B, 80, T] -> wav [B, T * hop] and the carried phase at `keep_at` samples."""
+        cfg = self.cfg
+        n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
+        f0 = self.f0_predictor(mel)
+        src, nxt = self._source(f0, phase0, noise, keep_at)
+        spec = torch.stft(src, n_fft, hop, n_fft, window=self.stft_window, return_complex=True)
+        s_stft = torch.cat([spec.real, spec.imag], dim=1)  # [B, n_fft + 2, S / hop + 1]
+        x = self.conv_pre(mel)
+        nk = len(cfg.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            x = sum(self.resblocks[i * nk + j](x) for j in range(nk)) / nk
+        x = self.conv_post(F.leaky_relu(x))
+        half = n_fft // 2 + 1
+        mag = torch.exp(x[:, :half]).clamp(max=1e2)
+        ph = torch.sin(x[:, half:])
+        wav = torch.istft(torch.complex(mag * torch.cos(ph), mag * torch.sin(ph)), n_fft, hop, n_fft,
+                          window=self.stft_window)
+        return wav.clamp(-cfg.audio_limit, cfg.audio_limit), nxt

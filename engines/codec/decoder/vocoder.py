@@ -1,0 +1,138 @@
+"""mel -> 24 kHz PCM behind one interface, streamed in overlapping windows with crossfaded seams.
+
+Each chunk's mel is vocoded together with the last `voc_ctx_frames` frames before it (left context). The
+last `crossfade_frames` of every window are held back: they lack right context, so the next window renders
+them again and the two renderings are crossfaded (Hann ramps). `finalize` releases the held tail. Output
+length is exactly frames x hop samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engines.codec.decoder.config import BigVGANConfig, HiFTConfig, StreamConfig
+from engines.codec.decoder.hift import HiFTGenerator
+from engines.codec.decoder.mel import SILENCE_LOG_MEL, MelSpec
+
+
+@dataclass
+class VocoderState:
+    ctx_mel: torch.Tensor  # [80, M] left context for the next window
+    tail: torch.Tensor | None = None  # [X] held-back samples of the previous window
+    phase: torch.Tensor | None = None  # [H] HiFT harmonic phases (cycles) at the next window start
+
+
+class Vocoder(nn.Module):
+    """Base: subclasses implement `render(mel, states, gens, keep_at)` -> wav [B, T * hop]."""
+
+    name = "vocoder"
+    mel: MelSpec
+
+    def init_state(self, prompt_mel: torch.Tensor, ctx: int, gen: torch.Generator) -> VocoderState:
+        dev, dt = prompt_mel.device, prompt_mel.dtype
+        ctx_mel = torch.full((self.mel.n_mels, ctx), SILENCE_LOG_MEL, device=dev, dtype=dt)
+        n = min(ctx, prompt_mel.shape[1])
+        if n:
+            ctx_mel[:, ctx - n:] = prompt_mel[:, -n:]
+        return VocoderState(ctx_mel)
+
+    def render(self, mel: torch.Tensor, states: list[VocoderState], gens: list[torch.Generator], keep_at: int
+               ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fold_weight_norm(self) -> None:
+        raise NotImplementedError
+
+
+class HiFTVocoder(Vocoder):
+    name = "hift"
+
+    def __init__(self, cfg: HiFTConfig) -> None:
+        super().__init__()
+        self.mel = cfg.mel
+        self.generator = HiFTGenerator(cfg)
+
+    def fold_weight_norm(self) -> None:
+        self.generator.fold_weight_norm()
+
+    def init_state(self, prompt_mel, ctx, gen):
+        st = super().init_state(prompt_mel, ctx, gen)
+        H = self.generator.n_harmonics
+        ph = torch.rand(H, generator=gen, device=prompt_mel.device, dtype=prompt_mel.dtype)
+        ph[0] = 0.0  # the fundamental starts at zero phase, overtones at random phases
+        st.phase = ph
+        return st
+
+    def render(self, mel, states, gens, keep_at):
+        H, S = self.generator.n_harmonics, mel.shape[2] * self.mel.hop
+        noise = torch.stack([torch.randn(H, S, generator=g, device=mel.device, dtype=mel.dtype) for g in gens])
+        wav, nxt = self.generator(mel, torch.stack([s.phase for s in states]), noise, keep_at)
+        for b, s in enumerate(states):
+            s.phase = nxt[b]
+        return wav
+
+
+class BigVGANVocoder(Vocoder):
+    """The `bigvgan` package's generator configured for the codec mel. No sampling, so no RNG use."""
+
+    name = "bigvgan"
+
+    def __init__(self, cfg: BigVGANConfig) -> None:
+        super().__init__()
+        from bigvgan.bigvgan import BigVGAN  # lazy: only this vocoder needs the package
+        from bigvgan.env import AttrDict
+
+        self.mel = cfg.mel
+        self.generator = BigVGAN(AttrDict(cfg.h_params()), use_cuda_kernel=False)
+
+    def fold_weight_norm(self) -> None:
+        self.generator.remove_weight_norm()
+
+    def render(self, mel, states, gens, keep_at):
+        return self.generator(mel)[:, 0]
+
+
+def crossfade_windows(n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hann fade-in and fade-out ramps of n samples that sum to one."""
+    w = torch.hann_window(2 * n, periodic=False, device=device, dtype=torch.float64)[:n]
+    fade_in = (w / (w + w.flip(0))).to(dtype)
+    return fade_in, 1 - fade_in
+
+
+class WindowedVocoder:
+    """Streams a Vocoder: left mel context, held tail and crossfade per session."""
+
+    def __init__(self, vocoder: Vocoder, stream: StreamConfig) -> None:
+        self.vocoder, self.stream = vocoder, stream
+        self.hop = vocoder.mel.hop
+        self.hold = stream.crossfade_frames * self.hop
+
+    def new_state(self, prompt_mel: torch.Tensor, gen: torch.Generator) -> VocoderState:
+        return self.vocoder.init_state(prompt_mel, self.stream.voc_ctx_frames, gen)
+
+    @torch.inference_mode()
+    def push(self, mel: torch.Tensor, states: list[VocoderState], gens: list[torch.Generator], final: list[bool]
+             ) -> list[torch.Tensor]:
+        """mel [B, 80, F] new frames -> per session the PCM that is now final (float32 [samples])."""
+        M, hop, X = self.stream.voc_ctx_frames, self.hop, self.hold
+        Fr = mel.shape[2]
+        win = torch.cat([torch.stack([s.ctx_mel for s in states]), mel], dim=2)  # [B, 80, M + F]
+        # Next window starts F frames later: that is where the carried state must point.
+        wav = self.vocoder.render(win, states, gens, keep_at=Fr * hop)
+        fade_in, fade_out = crossfade_windows(X, wav.device, wav.dtype)
+        start, end = M * hop - X, (M + Fr) * hop
+        out = []
+        for b, s in enumerate(states):
+            y = wav[b]
+            pieces = []
+            if s.tail is not None:  # the first window has no seam: the answer starts at its frame M
+                pieces.append(s.tail * fade_out + y[start:start + X] * fade_in)
+            cut = end if final[b] else end - X
+            pieces.append(y[start + X:cut])
+            s.tail = None if final[b] else y[end - X:end]
+            s.ctx_mel = win[b, :, -M:]
+            out.append(torch.cat(pieces).float())
+        return out
