@@ -1,0 +1,128 @@
+"""`moss-speech bench capacity`: raise concurrency until p95 TTFA passes its budget or underruns appear.
+
+Capacity (DESIGN.md, Measures) is the largest number of concurrent sessions with p95 TTFA under the budget,
+no underruns, no errors and every turn answered. The server paces audio at real time, so a generation RTF
+above 1 shows up to the listener as underruns: the underrun criterion is how the client sees RTF >= 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from server.loadtest.run import add_common_arguments, prepare, run_level
+
+TTFA_METRICS = ("ttfa_commit_ms", "ttfa_ms", "server_ttfa_ms")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p)
+    p.add_argument("--start", type=int, default=1, help="first concurrency level (default 1)")
+    p.add_argument("--step", type=int, default=1, help="added sessions per level (default 1)")
+    p.add_argument("--max", type=int, default=8, help="last concurrency level tried (default 8)")
+    p.add_argument("--ttfa-budget-ms", type=float, default=200.0, help="p95 TTFA budget (default 200)")
+    p.add_argument("--ttfa-metric", choices=TTFA_METRICS, default="ttfa_commit_ms",
+                   help="ttfa_commit_ms (default): from the commit (commit sent, or the server's "
+                        "input_audio_buffer.committed received) to the first audio delta, DESIGN.md's TTFA seen "
+                        "from the client; ttfa_ms: from speech end (includes VAD silence); server_ttfa_ms: the "
+                        "server's own number")
+    p.add_argument("--level-duration", type=float, default=180.0, help="bound on each level in seconds (180)")
+    p.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the curve and capacity here")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write capacity.png and ttfa_cdf.png here")
+
+
+def levels(start: int, step: int, maximum: int) -> list[int]:
+    if start < 1 or step < 1 or maximum < start:
+        raise ValueError(f"need 1 <= --start <= --max and --step >= 1, got start {start}, step {step}, max {maximum}")
+    return list(range(start, maximum + 1, step))
+
+
+def verdict(report: dict[str, Any], metric: str, budget_ms: float) -> list[str]:
+    """Why this level is over capacity (empty list: it is within)."""
+    why = []
+    p95 = report["metrics"][metric]["p95"]
+    if p95 is None:
+        why.append(f"no {metric} measured")
+    elif p95 > budget_ms:
+        why.append(f"p95 {metric} {p95:.0f} ms > {budget_ms:.0f} ms")
+    if report["underruns"]["total"]:
+        why.append(f"{report['underruns']['total']} underruns in {report['underruns']['turns_with_underruns']} turns")
+    if report["errors"]["total"]:
+        why.append(f"{report['errors']['total']} errors {report['errors']['by_code']}")
+    t = report["turns"]
+    if t["ok"] != t["planned"]:
+        why.append(f"{t['ok']} of {t['planned']} turns answered cleanly ({t['timeout']} timeout, {t['cut']} cut)")
+    return why
+
+
+def _row(n: int, rep: dict[str, Any], metric: str, why: list[str]) -> str:
+    m = rep["metrics"][metric]
+    f = lambda v: "-" if v is None else f"{v:.0f}"
+    u = rep["underruns"]
+    return (f"{n:>8} {f(m['p50']):>7} {f(m['p95']):>7} {f(m['p99']):>7} {u['turns_with_underruns']:>6}/{u['turns']:<5}"
+            f" {rep['errors']['total']:>6}  " + ("ok" if not why else "OVER: " + "; ".join(why)))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = levels(args.start, args.step, args.max)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prepared = prepare(args, plan[0], args.level_duration)
+    if isinstance(prepared, int):
+        return prepared
+    _, utt, hw = prepared
+    metric = args.ttfa_metric
+    print(f"capacity: hardware {hw['gpu']}; {args.transport}, {args.turn_detection}; prompt {utt.duration_s:.2f} s "
+          f"of speech (~{utt.duration_s * 12.5:.0f} rows) per turn, {args.turns} turns per session; answers <= "
+          f"{args.max_output_tokens} rows; floor: real time = one decode step per session every 80 ms "
+          f"(12.5 codes/s); criteria: p95 {metric} <= {args.ttfa_budget_ms:.0f} ms, no underruns, no errors")
+    print(f"{'sessions':>8} {'p50':>7} {'p95':>7} {'p99':>7} {'underrun turns':>12} {'errors':>6}  verdict")
+    curve: list[dict[str, Any]] = []
+    reports: list[dict[str, Any]] = []
+    capacity = 0
+    failed = False
+    for n in plan:
+        cfg, _, _ = prepare(args, n, args.level_duration)  # per-level config (sessions, workers)
+        rep = run_level(cfg, utt, hw, progress=not args.quiet)
+        why = verdict(rep, metric, args.ttfa_budget_ms)
+        print(_row(n, rep, metric, why), flush=True)
+        reports.append(rep)
+        curve.append({"sessions": n, "within": not why, "reasons": why,
+                      **{k: rep[k] for k in ("metrics", "underruns", "errors", "turns", "wall_s", "client_lag_ms")}})
+        # Capacity is the last level of the unbroken run of passing levels from the start.
+        if not why and not failed:
+            capacity = n
+        failed = failed or bool(why)
+        if failed and not args.keep_going:
+            break
+    tried = ", ".join(str(pt["sessions"]) for pt in curve)
+    if capacity:
+        print(f"capacity: {capacity} concurrent sessions (levels tried: {tried})")
+    else:
+        print(f"capacity: below {plan[0]} sessions: the first level already fails (levels tried: {tried})")
+    if not failed:
+        print(f"note: every level up to --max {plan[-1]} passed; capacity is at least {capacity}")
+    out = {"tool": "moss-speech bench capacity", "hardware": hw, "ttfa_metric": metric,
+           "ttfa_budget_ms": args.ttfa_budget_ms, "capacity": capacity,
+           "capacity_is_lower_bound": not failed, "curve": curve,
+           "config": reports[0]["config"] if reports else None, "audio": reports[0]["audio"] if reports else None}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"report: {args.json}")
+    if args.plots and curve:
+        from server.loadtest import plots
+
+        d = Path(args.plots)
+        plots.capacity_curve(curve, d / "capacity.png", f"capacity on {hw['gpu']}: {capacity} sessions", metric)
+        plots.ttfa_cdf({f"{r['sessions']['planned']} sessions": [t[metric] for t in r["turn_records"]
+                                                                 if t[metric] is not None] for r in reports},
+                       d / "ttfa_cdf.png", f"{metric} per load level, {hw['gpu']}")
+        print(f"plots: {d}/capacity.png {d}/ttfa_cdf.png")
+    return 0
