@@ -19,6 +19,7 @@ from server.routes import ops, realtime_ws
 from server.session import SessionLimits
 from server.session_manager import SessionManager
 from server.settings import Settings
+from server.webrtc import routes as webrtc_routes
 
 log = logging.getLogger("server.app")
 
@@ -67,4 +68,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions = sessions
     app.include_router(ops.router)
     app.include_router(realtime_ws.router)
+    webrtc_routes.install(app, settings, sessions)  # POST /v1/realtime/calls, /v1/info, the page at /
     return app

@@ -63,6 +63,13 @@ class Settings(BaseSettings):
     # Turn detection
     vad: bool = True  # False: server_vad is refused (clients must commit)
 
+    # WebRTC (server/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
+    # '[{"urls":"stun:s.example.org:3478"},{"urls":"turn:t.example.org:3478","username":"u","credential":"p"}]'
+    ice_servers: list[dict[str, Any]] = []  # empty: host candidates only (localhost, LAN)
+    max_calls: int = Field(16, ge=0)  # concurrent WebRTC calls (each is also a session)
+    ice_timeout_s: float = Field(20.0, ge=1, le=600)  # a call whose ICE has not connected by then is closed
+    webrtc_prebuffer_ms: int = Field(60, ge=0, le=1000)  # outbound jitter buffer before an answer plays
+
     @field_validator("api_keys", "allowed_origins", "engine_command", mode="before")
     @classmethod
     def _lists(cls, v: Any) -> Any:

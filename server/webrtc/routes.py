@@ -10,20 +10,18 @@
 
 Errors are JSON `{"error": {"type", "code", "message"}}`: 400 bad offer (the reason), 401 bad key,
 403 origin not allowed, 404 unknown call, 413 offer too large, 415 not application/sdp, 503 call or session
-limit reached / engine not ready (with Retry-After). The control WebSocket `/v1/realtime?call_id=ID` is
-served by `serve_control_socket`, which the WebSocket route calls when the query names a call.
+limit reached / engine not ready (with Retry-After). The control WebSocket `/v1/realtime?call_id=ID`
+(server/routes/realtime_ws.py) finds the call in `app.state.calls` and binds to it with `Call.bind`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import logging
 from typing import Any
 
 from aiortc import RTCPeerConnection, RTCSessionDescription
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
@@ -48,8 +46,9 @@ def _error(status: int, code: str, message: str, etype: str = "invalid_request_e
 class WebRTCService:
     """Owns the call registry; the route functions below are thin wrappers around it."""
 
-    def __init__(self, settings: Any, sessions: SessionManager, config: WebRTCConfig) -> None:
+    def __init__(self, settings: Any, sessions: SessionManager, config: WebRTCConfig, metrics: Any = None) -> None:
         self.settings = settings
+        self.metrics = metrics  # server.metrics.Metrics when present: calls count as active sessions
         self.sessions = sessions
         self.config = config
         self.calls = CallRegistry(config.max_calls)
@@ -105,7 +104,7 @@ class WebRTCService:
             return _error(503, e.code, e.message, etype="server_error", headers={"Retry-After": "5"})
         call_id = new_call_id()
         call = Call(call_id, pc, session, prebuffer_ms=self.config.prebuffer_ms,
-                    ice_timeout_s=self.config.ice_timeout_s, on_closed=self.calls.remove)
+                    ice_timeout_s=self.config.ice_timeout_s, on_closed=self._closed)
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
             pc.addTrack(call.track)
@@ -122,10 +121,17 @@ class WebRTCService:
             return _error(503, "engine_unavailable", f"could not open a session: {e}", etype="server_error",
                           headers={"Retry-After": "5"})
         self.calls.add(call)
+        if self.metrics is not None:
+            self.metrics.active_sessions.inc()
         call.start()
         log.info("call %s: answered (session %s)", call_id, session.id)
         return Response(pc.localDescription.sdp, status_code=201, media_type="application/sdp",
                         headers={"Location": f"/v1/realtime/calls/{call_id}"})
+
+    def _closed(self, call: Call) -> None:
+        if self.calls.get(call.call_id) is call and self.metrics is not None:
+            self.metrics.active_sessions.dec()
+        self.calls.remove(call)
 
     def _call_or_404(self, call_id: str) -> Call | JSONResponse:
         call = self.calls.get(call_id)
@@ -176,46 +182,12 @@ class WebRTCService:
         await call.session.handle_client_event(event)
         return Response(status_code=204)
 
-    async def serve_control_socket(self, websocket: WebSocket, call_id: str, subprotocol: str | None = None) -> None:
-        """`/v1/realtime?call_id=ID`: a WebSocket bound to a call's session (events both ways, no audio).
-
-        The caller (the WebSocket route) has already checked the key and Origin.
-        """
-        call = self.calls.get(call_id)
-        if call is None:
-            await websocket.close(code=4404, reason=f"no active call with id {call_id}"[:120])
-            return
-        await websocket.accept(subprotocol=subprotocol)
-        lock = asyncio.Lock()
-
-        async def send(text: str) -> None:
-            async with lock:
-                await websocket.send_text(text)
-
-        call.bind(send)
-        try:
-            while not call.closed:
-                msg = await websocket.receive()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                text = msg.get("text")
-                if text is None and msg.get("bytes") is not None:
-                    text = msg["bytes"].decode("utf-8", "replace")
-                if text is not None:
-                    await call.session.handle_client_text(text)
-        except WebSocketDisconnect:
-            pass
-        finally:
-            call.unbind(send)
-            if call.closed:
-                with contextlib.suppress(Exception):
-                    await websocket.close(code=1000, reason="call ended")
-
 
 def install(app: FastAPI, settings: Any, sessions: SessionManager) -> WebRTCService:
     """Add the WebRTC routes, `/v1/info` and the page to `app`; returns the service (also app.state.webrtc)."""
-    svc = WebRTCService(settings, sessions, WebRTCConfig.from_settings(settings))
+    svc = WebRTCService(settings, sessions, WebRTCConfig.from_settings(settings), getattr(app.state, "metrics", None))
     app.state.webrtc = svc
+    app.state.calls = svc.calls  # the control WebSocket's lookup of `?call_id=`
     app.add_api_route("/v1/realtime/calls", svc.create_call, methods=["POST"], status_code=201)
     app.add_api_route("/v1/realtime/calls/{call_id}", svc.call_state, methods=["GET"])
     app.add_api_route("/v1/realtime/calls/{call_id}", svc.hangup, methods=["DELETE"], status_code=204)
