@@ -1,0 +1,338 @@
+"""The /v1/realtime protocol, limits and supervision, against a real server with the scripted fake engine.
+
+The fake engine (tests/fakes/fake_engine.py) has fixed, documented rules, so these tests check what the
+server does with engine messages (event shapes, routing, errors, limits, restarts) independently of
+the model. End-to-end tests with the real engine are in test_server_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+
+from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SLOW_ENGINE = ["env", "FAKE_ENGINE_CHUNKS=400", "FAKE_ENGINE_STEP_S=0.03", sys.executable, "-m",
+               "tests.fakes.fake_engine", "--model", "x", "--codec", "x", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    settings = fake_settings(api_keys=[KEY], allowed_origins=["http://good.example"], max_sessions=3,
+                             max_message_bytes=64 * 1024, max_input_buffer_seconds=5.0)
+    with RunningServer(settings) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def slow_srv():
+    """An engine whose answers last 12 s, for cancel / disconnect / kill mid-answer."""
+    with RunningServer(fake_settings(engine_command=SLOW_ENGINE)) as s:
+        yield s
+
+
+def connect(url: str, **kw):
+    kw.setdefault("additional_headers", AUTH)
+    return websockets.connect(url, max_size=None, **kw)
+
+
+async def open_session(ws, turn_detection=None):
+    created = await recv_event(ws)
+    assert created["type"] == "session.created"
+    await send(ws, "session.update",
+               session={"type": "realtime", "audio": {"input": {"turn_detection": turn_detection}}})
+    updated = await recv_event(ws)
+    assert updated["type"] == "session.updated", updated
+    return updated["session"]
+
+
+def tone_b64(seconds: float, rate: int = 24000) -> str:
+    t = np.arange(int(seconds * rate)) / rate
+    return base64.b64encode((0.2 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()).decode()
+
+
+async def text_turn(ws, text: str, modality: str = "text") -> list[dict]:
+    await send(ws, "conversation.item.create",
+               item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+    await send(ws, "response.create", response={"output_modalities": [modality]})
+    return await recv_until(ws, "response.done")
+
+
+def by_type(events: list[dict], etype: str) -> list[dict]:
+    return [e for e in events if e["type"] == etype]
+
+
+async def test_text_turn_then_second_turn_prefills_only_new_rows(srv):
+    async with connect(srv.ws + "?model=gpt-realtime") as ws:
+        session = await open_session(ws)
+        assert session["type"] == "realtime" and session["audio"]["input"]["turn_detection"] is None
+        first = await text_turn(ws, "hello there friend")
+        types = [e["type"] for e in first]
+        assert types[:2] == ["conversation.item.added", "conversation.item.done"]
+        assert "response.created" in types and "response.output_audio.delta" not in types
+        assert all("event_id" in e and "type" in e for e in first)
+        deltas = by_type(first, "response.output_text.delta")
+        done_text = by_type(first, "response.output_text.done")[0]["text"]
+        assert deltas and "".join(d["delta"] for d in deltas) == done_text
+        resp = first[-1]["response"]
+        assert resp["status"] == "completed" and resp["output"][0]["content"][0] == {"type": "output_text",
+                                                                                     "text": done_text}
+        # The fake engine adds words + 4 rows per text item; nothing else was in the history.
+        assert resp["usage"]["prefilled_rows"] == 3 + 4
+        assert resp["usage"]["input_token_details"]["cached_tokens"] == 0
+        history = resp["usage"]["total_tokens"]
+
+        second = await text_turn(ws, "and again")
+        usage = second[-1]["response"]["usage"]
+        assert usage["prefilled_rows"] == 2 + 4  # only the new item
+        assert usage["input_token_details"]["cached_tokens"] == history
+
+
+async def test_audio_turn_with_client_commit(srv):
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        for _ in range(10):
+            await send(ws, "input_audio_buffer.append", audio=tone_b64(0.1))
+        await send(ws, "input_audio_buffer.commit", event_id="c1")
+        evs = await recv_until(ws, "conversation.item.done")
+        committed = by_type(evs, "input_audio_buffer.committed")[0]
+        item = by_type(evs, "conversation.item.added")[0]["item"]
+        assert item["id"] == committed["item_id"] and item["role"] == "user"
+        assert item["content"][0]["type"] == "input_audio"
+        await send(ws, "response.create")
+        evs = await recv_until(ws, "response.done")
+        audio = b"".join(base64.b64decode(e["delta"]) for e in by_type(evs, "response.output_audio.delta"))
+        resp = evs[-1]["response"]
+        assert len(audio) // 2 == resp["usage"]["audio_samples"] > 0
+        # Fake engine: 16000 samples -> 12 full codes + a partial one closed by the commit, + 4 commit rows.
+        assert resp["usage"]["prefilled_rows"] == 12 + 1 + 4
+        assert resp["ttfa_ms"] is not None and resp["ttfa_ms"] > 0
+        first_delta = by_type(evs, "response.output_audio.delta")[0]
+        assert set(first_delta) == {"event_id", "type", "response_id", "item_id", "output_index", "content_index",
+                                    "delta"}
+        transcript = by_type(evs, "response.output_audio_transcript.done")[0]["transcript"]
+        assert transcript == "".join(e["delta"] for e in by_type(evs, "response.output_audio_transcript.delta"))
+        # A second commit with nothing appended is a client error; the session survives.
+        await send(ws, "input_audio_buffer.commit", event_id="c2")
+        err = await recv_event(ws)
+        assert err["error"]["code"] == "input_audio_buffer_commit_empty" and err["error"]["event_id"] == "c2"
+
+
+@pytest.mark.parametrize("raw, code, param", [
+    ("{not json", "invalid_json", None),
+    (json.dumps({"type": "response.frobnicate", "event_id": "e1"}), "unknown_event", "type"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "@@not base64@@"}), "invalid_audio", "audio"),
+    (json.dumps({"type": "session.update", "session": {"type": "realtime", "temperature": 0.5}}),
+     "unknown_parameter", "session.temperature"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "semantic_vad"}}}}}), "unsupported_turn_detection", "session.audio.input.turn_detection.type"),
+    (json.dumps({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}),
+     "unsupported_parameter", "session.tools"),
+    (json.dumps({"type": "response.cancel"}), "response_cancel_not_active", None),
+    (json.dumps({"type": "conversation.item.create", "item": {"type": "function_call"}}),
+     "unsupported_item_type", "item.type"),
+])
+async def test_client_mistakes_get_error_events_and_session_survives(srv, raw, code, param):
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        await ws.send(raw)
+        err = await recv_event(ws)
+        assert err["type"] == "error", err
+        assert err["error"]["code"] == code and err["error"]["param"] == param, err
+        if '"event_id": "e1"' in raw:
+            assert err["error"]["event_id"] == "e1"
+        evs = await text_turn(ws, "still there")
+        assert evs[-1]["response"]["status"] == "completed"
+
+
+async def test_input_buffer_limit(srv):
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        for _ in range(2):
+            await send(ws, "input_audio_buffer.append", audio=tone_b64(1.0))
+        # 5 s limit: 2 s + 1 s fits twice... the fourth second-long append pushes over 5 s on the sixth.
+        for _ in range(3):
+            await send(ws, "input_audio_buffer.append", audio=tone_b64(1.0))
+        await send(ws, "input_audio_buffer.append", audio=tone_b64(1.0), event_id="over")
+        err = await recv_event(ws)
+        assert err["error"]["code"] == "input_audio_buffer_too_large" and err["error"]["event_id"] == "over"
+        await send(ws, "input_audio_buffer.clear")
+        assert (await recv_event(ws))["type"] == "input_audio_buffer.cleared"
+
+
+async def test_oversized_message_closes_1009_and_others_keep_working(srv):
+    async with connect(srv.ws) as other:
+        await open_session(other)
+        async with connect(srv.ws) as ws:
+            await open_session(ws)
+            await send(ws, "input_audio_buffer.append", audio=tone_b64(2.0))  # ~128 KB > 64 KiB
+            with pytest.raises(websockets.ConnectionClosed) as e:
+                while True:
+                    await recv_event(ws)
+            assert e.value.rcvd.code == 1009
+        evs = await text_turn(other, "are you fine")
+        assert evs[-1]["response"]["status"] == "completed"
+
+
+async def test_auth_and_origin_refused_at_handshake(srv):
+    for headers, status in [({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                            ({**AUTH, "Origin": "http://evil.example"}, 403)]:
+        with pytest.raises(websockets.InvalidStatus) as e:
+            async with websockets.connect(srv.ws, additional_headers=headers):
+                pass
+        assert e.value.response.status_code == status
+    # Browsers put the key in a subprotocol; the server answers with "realtime".
+    async with websockets.connect(srv.ws, subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"],
+                                  additional_headers={"Origin": "http://good.example"}) as ws:
+        assert ws.subprotocol == "realtime"
+        assert (await recv_event(ws))["type"] == "session.created"
+
+
+async def test_too_many_sessions_server_busy_then_recovers(srv):
+    async with connect(srv.ws) as a, connect(srv.ws) as b, connect(srv.ws) as c:
+        for ws in (a, b, c):
+            assert (await recv_event(ws))["type"] == "session.created"
+        async with connect(srv.ws) as d:
+            err = await recv_event(d)
+            assert err["type"] == "error" and err["error"]["code"] == "server_busy"
+            with pytest.raises(websockets.ConnectionClosed) as e:
+                await recv_event(d)
+            assert e.value.rcvd.code == 1013
+        assert (await text_turn(a, "one more"))[-1]["response"]["status"] == "completed"
+    deadline = time.monotonic() + 10
+    while srv.health().json()["sessions"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    async with connect(srv.ws) as ws:
+        assert (await recv_event(ws))["type"] == "session.created"
+
+
+def engine_stats(s: RunningServer) -> dict:
+    return s.health().json()["engine"]
+
+
+async def wait_running(s: RunningServer, n: int, timeout: float = 5.0) -> None:
+    """Engine stats come from the last Pong (every 0.2 s here)."""
+    deadline = time.monotonic() + timeout
+    while engine_stats(s)["running"] != n:
+        assert time.monotonic() < deadline, engine_stats(s)
+        await asyncio.sleep(0.05)
+
+
+async def wait_engine_idle(s: RunningServer, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = engine_stats(s)
+        if (st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"]) \
+                or time.monotonic() > deadline:
+            return st
+        await asyncio.sleep(0.1)
+
+
+async def test_cancel_mid_answer(slow_srv):
+    async with connect(slow_srv.ws) as ws:
+        await open_session(ws)
+        await send(ws, "conversation.item.create",
+                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "talk"}]})
+        await send(ws, "response.create")
+        await recv_until(ws, "response.output_audio.delta")
+        await wait_running(slow_srv, 1)
+        await send(ws, "response.cancel")
+        evs = await recv_until(ws, "response.done", timeout=5)
+        resp = evs[-1]["response"]
+        assert resp["status"] == "cancelled" and resp["status_details"]["reason"] == "client_cancelled"
+        assert resp["usage"]["audio_samples"] < 400 * 9600
+        await wait_running(slow_srv, 0)
+    st = await wait_engine_idle(slow_srv)
+    assert st["sessions"] == 0 and st["kv_free"] == st["kv_total"]
+
+
+async def test_disconnect_mid_answer_aborts_engine_request(slow_srv):
+    async with connect(slow_srv.ws) as ws:
+        await open_session(ws)
+        await send(ws, "conversation.item.create",
+                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "talk"}]})
+        await send(ws, "response.create")
+        await recv_until(ws, "response.output_audio.delta")
+        await wait_running(slow_srv, 1)
+    st = await wait_engine_idle(slow_srv)
+    assert st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"]
+
+
+async def test_engine_killed_clients_get_error_and_restart_works(slow_srv):
+    async with connect(slow_srv.ws) as ws, connect(slow_srv.ws) as idle:
+        await open_session(ws)
+        await open_session(idle)
+        await send(ws, "conversation.item.create",
+                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "talk"}]})
+        await send(ws, "response.create")
+        await recv_until(ws, "response.output_audio.delta")
+        os.kill(slow_srv.app.state.engine.proc.pid, signal.SIGKILL)
+        for client, active in ((ws, True), (idle, False)):
+            evs = []
+            with pytest.raises(websockets.ConnectionClosed) as e:
+                while True:
+                    evs.append(await recv_event(client, timeout=15))
+            assert e.value.rcvd.code == 1011
+            errors = [x for x in evs if x["type"] == "error"]
+            assert errors and errors[-1]["error"]["code"] == "engine_unavailable"
+            if active:
+                done = by_type(evs, "response.done")[0]["response"]
+                assert done["status"] == "failed" and done["status_details"]["error"]["code"] == "engine_unavailable"
+    health = slow_srv.wait_engine(ready=True)
+    assert health["engine_restarts"] >= 1
+    async with connect(slow_srv.ws) as ws:
+        await open_session(ws)
+        await send(ws, "conversation.item.create",
+                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+        await send(ws, "response.create", response={"max_output_tokens": 10})
+        evs = await recv_until(ws, "response.done")
+        assert evs[-1]["response"]["status"] == "incomplete"
+        assert evs[-1]["response"]["status_details"]["reason"] == "max_output_tokens"
+        assert by_type(evs, "response.output_audio.delta")
+
+
+async def test_health_and_metrics(srv):
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        await text_turn(ws, "metrics please", modality="audio")
+        await ws.send("{")
+        await recv_event(ws)
+    h = srv.health()
+    assert h.status_code == 200 and h.json()["engine_alive"] and h.json()["random_weights"]
+    text = httpx.get(srv.http + "/metrics", timeout=10).text
+    assert "moss_ttfa_seconds_count" in text
+    count = [ln for ln in text.splitlines() if ln.startswith("moss_ttfa_seconds_count")][0]
+    assert float(count.split()[-1]) >= 1
+    assert 'moss_errors_total{code="invalid_json"}' in text
+    assert "moss_kv_blocks_free 4096.0" in text or "moss_kv_blocks_free" in text
+    assert "moss_active_sessions" in text and "moss_engine_up 1.0" in text
+
+
+async def test_sigterm_drains_answers_then_closes():
+    with RunningServer(fake_settings(drain_timeout_s=10.0)) as s:
+        async with connect(s.ws) as ws:
+            await open_session(ws)
+            await send(ws, "conversation.item.create",
+                       item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]})
+            await send(ws, "response.create")
+            await recv_until(ws, "response.created")
+            s.server.handle_exit(signal.SIGTERM, None)
+            evs = []
+            with pytest.raises(websockets.ConnectionClosed) as e:
+                while True:
+                    evs.append(await recv_event(ws))
+            assert e.value.rcvd.code == 1001
+            assert by_type(evs, "response.done")[0]["response"]["status"] == "completed"
+            assert evs[-1]["type"] == "error" and evs[-1]["error"]["code"] == "server_shutting_down"
