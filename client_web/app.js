@@ -211,7 +211,7 @@ function sessionConfig() {
     output_modalities: [modality],
     audio: { input: { turn_detection: td } },
     // Sampling is not part of the Realtime GA session; the server takes it under its own extension key.
-    moss: { temperature: Number($("temperature").value), top_p: Number($("top-p").value) },
+    moss: { sampling: { temperature: Number($("temperature").value), top_p: Number($("top-p").value) } },
   };
 }
 
