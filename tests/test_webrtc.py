@@ -487,3 +487,47 @@ def test_frame_to_mono_downmixes_stereo_s16():
     frame.planes[0].update(left_right.tobytes())
     frame.sample_rate = 48000
     np.testing.assert_allclose(frame_to_mono(frame), [0.0, 1000 / 32768, 0.0, -1.0], atol=1e-6)
+
+
+# ---- in the real app: control WebSocket bound to a call --------------------------------------------
+
+
+@pytest.mark.timeout(90)
+async def test_control_websocket_bound_to_a_call_in_the_real_app():
+    """The app factory with the engine process (scripted fake): events mirrored to `/v1/realtime?call_id=`,
+    a turn driven from that socket is answered on the call's audio track."""
+    import websockets
+
+    from tests.fakes.harness import RunningServer, fake_settings, recv_until, send
+
+    srv = await asyncio.to_thread(lambda: RunningServer(fake_settings()).__enter__())
+    try:
+        await asyncio.to_thread(srv.wait_engine)
+        async with httpx.AsyncClient(timeout=10) as http:
+            info = (await http.get(srv.http + "/v1/info")).json()
+            assert info["random_weights"] is True
+            client = Client(srv.http, mic=None)
+            await client.connect(http)
+            await client.wait_event("session.created", 10)
+            with pytest.raises(websockets.InvalidStatus) as bad:
+                async with websockets.connect(srv.ws + "?call_id=rtc_unknown"):
+                    pass
+            assert bad.value.response.status_code == 404
+            async with websockets.connect(f"{srv.ws}?call_id={client.call_id}") as ws:
+                await send(ws, "session.update", session={"audio": {"input": {"turn_detection": None}}})
+                await recv_until(ws, "session.updated", 10)
+                await client.wait_event("session.updated", 5)  # the data channel sees the same events
+                t0 = time.monotonic()
+                await send(ws, "conversation.item.create", item={
+                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+                await send(ws, "response.create")
+                events = await recv_until(ws, "response.done", 20)
+                assert not any(e["type"] == "response.output_audio.delta" for e in events)
+                await client.wait_event("output_audio_buffer.stopped", 10)
+                assert client.first_audible_after(t0) is not None
+            r = await http.delete(f"{srv.http}/v1/realtime/calls/{client.call_id}")
+            assert r.status_code == 204
+            assert len(srv.app.state.calls) == 0
+            await client.close()
+    finally:
+        await asyncio.to_thread(srv.__exit__, None, None, None)
