@@ -42,7 +42,16 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch  # only to pick the device; the server never touches tensors
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def engine_command(model: str, codec: str, device: str, endpoint: str) -> list[str]:
+    device = resolve_device(device)
     return [sys.executable, "-m", "engines.service.process", "--model", model, "--codec", codec,
             "--device", device, "--endpoint", endpoint]
 
