@@ -6,6 +6,8 @@ windows of 16 kHz audio (32 ms), about a millisecond each. Thresholds and timing
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -19,7 +21,9 @@ class SileroVad:
     def __init__(self) -> None:
         from silero_vad import load_silero_vad
 
-        self._model = load_silero_vad()
+        with warnings.catch_warnings():  # the package's own deprecation noise (importlib path, jit.load)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._model = load_silero_vad()
 
     def prob(self, chunk: np.ndarray) -> float:
         """Speech probability of one window: float32 [512] at 16 kHz."""

@@ -1,0 +1,183 @@
+"""The transport-agnostic Session in-process: Silero VAD turns, barge-in, track audio, slow consumers.
+
+An in-memory engine link records what the session sends; engine replies are injected with
+`on_engine_message`, so the order of engine inputs can be asserted exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.service import messages as m
+from server.audio.pcm import read_wav
+from server.outbound import AudioOut
+from server.session import Session, SessionLimits
+from server.vad import SileroVad
+
+WAV = Path(__file__).parent / "data" / "speech_en_16k.wav"
+CHUNK = np.full(9600, 1000, dtype="<i2").tobytes()  # 0.4 s of answer audio
+
+
+class Link:
+    ready = True
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.registered: dict = {}
+
+    async def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def register(self, sid, s) -> None:
+        self.registered[sid] = s
+
+    def unregister(self, sid) -> None:
+        self.registered.pop(sid, None)
+
+    def of(self, cls) -> list:
+        return [x for x in self.sent if isinstance(x, cls)]
+
+
+def drain(s: Session) -> list:
+    out = []
+    while len(s.outbound):
+        out.append(s.outbound._q.popleft().item)
+    return out
+
+
+def types(items: list) -> list[str]:
+    return [x["type"] if isinstance(x, dict) else "AUDIO" for x in items]
+
+
+@pytest.fixture(scope="module")
+def speech24k() -> np.ndarray:
+    x, rate = read_wav(WAV, target_rate=24000)
+    assert rate == 24000
+    return x
+
+
+async def feed(s: Session, pcm: np.ndarray, rate: int = 24000, ms: int = 20) -> None:
+    step = rate * ms // 1000
+    for i in range(0, len(pcm), step):
+        await s.feed_audio(pcm[i:i + step], rate)
+
+
+def silence(seconds: float, rate: int = 24000) -> np.ndarray:
+    return np.zeros(int(seconds * rate), np.float32)
+
+
+async def new_session(audio_out="events", **limits) -> tuple[Session, Link]:
+    link = Link()
+    s = Session("sess_test", link, audio_out=audio_out, vad_factory=SileroVad, limits=SessionLimits(**limits))
+    await s.start()
+    assert types(drain(s)) == ["session.created"]
+    return s, link
+
+
+async def test_server_vad_turn_streams_only_speech_and_commits(speech24k):
+    s, link = await new_session()
+    lead = silence(1.0)
+    await feed(s, np.concatenate([lead, speech24k, silence(1.0)]))
+    evs = drain(s)
+    t = types(evs)
+    assert t[:2] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"], t
+    assert t[2:4] == ["input_audio_buffer.committed", "conversation.item.added"]
+    assert "response.created" in t
+    started, stopped = evs[0], evs[1]
+    assert started["item_id"] == stopped["item_id"] == evs[2]["item_id"]
+    # Positions are in input audio time: speech begins after the 1 s lead (minus the prefix padding).
+    assert 1000 - 300 - 64 <= started["audio_start_ms"] <= 1000 + 500
+    assert started["audio_start_ms"] < stopped["audio_end_ms"] <= 1000 + len(speech24k) * 1000 // 24000 + 100
+    # Engine inputs: audio only from the speech (with ~300 ms prefix), then commit, then the response.
+    kinds = [type(x).__name__ for x in link.sent]
+    assert kinds[0] == "OpenSession" and kinds[-2:] == ["CommitUserAudio", "CreateResponse"]
+    assert set(kinds[1:-2]) == {"AppendUserAudio"}
+    sent16k = sum(len(x.pcm16k) // 2 for x in link.of(m.AppendUserAudio))
+    fed16k = (2.0 * 24000 + len(speech24k)) * 16000 // 24000
+    assert sent16k < fed16k - 0.5 * 16000  # the leading silence was not streamed
+    assert link.of(m.CommitUserAudio)[0].item_id == evs[2]["item_id"]
+
+
+async def test_barge_in_cancels_truncates_flushes_and_holds_new_speech(speech24k):
+    s, link = await new_session()
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
+    drain(s)
+    rid = link.of(m.CreateResponse)[0].response_id
+    s.on_engine_message(m.ResponseStarted("sess_test", rid, prompt_rows=40))
+    for i in range(5):
+        s.on_engine_message(m.AudioChunk("sess_test", rid, CHUNK, i))
+    # The transport took the events up to and including the first audio delta.
+    while True:
+        item = await s.outbound.get()
+        if isinstance(item, dict) and item["type"] == "response.output_audio.delta":
+            break
+    n_before = len(link.sent)
+    await feed(s, np.concatenate([silence(0.2), speech24k[: 24000]]))  # the user talks over the answer
+    new = link.sent[n_before:]
+    assert isinstance(new[0], m.CancelResponse) and new[0].response_id == rid
+    assert isinstance(new[1], m.TruncateResponse) and new[1].response_id == rid
+    assert 0 <= new[1].audio_samples_played <= 9600  # at most what was sent
+    assert not any(isinstance(x, m.AppendUserAudio) for x in new)  # held until the answer has ended
+    evs = drain(s)
+    assert "response.output_audio.delta" not in types(evs)  # queued answer audio was dropped
+    assert "input_audio_buffer.speech_started" in types(evs)
+    s.on_engine_message(m.ResponseDone("sess_test", rid, "cancelled", reason="client_cancelled", output_rows=25))
+    await asyncio.sleep(0.01)  # held inputs go out on the loop
+    assert any(isinstance(x, m.AppendUserAudio) for x in link.sent[n_before + 2:])
+    done = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected"
+
+
+async def test_track_mode_audio_and_played_position(speech24k):
+    s, link = await new_session(audio_out="track")
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    await s.handle_client_event({"type": "response.create"})
+    rid = link.of(m.CreateResponse)[0].response_id
+    s.on_engine_message(m.ResponseStarted("sess_test", rid, prompt_rows=10))
+    s.on_engine_message(m.AudioChunk("sess_test", rid, CHUNK, 0))
+    s.on_engine_message(m.AudioChunk("sess_test", rid, CHUNK, 1))
+    items = []
+    while len(s.outbound):
+        items.append(await s.outbound.get())
+    audio = [x for x in items if isinstance(x, AudioOut)]
+    assert [a.index for a in audio] == [0, 1] and audio[0].pcm24k == CHUNK
+    assert "response.output_audio.delta" not in types(items)
+    s.audio_played(rid, 12000)
+    item_id = audio[0].item_id
+    await s.handle_client_event({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                                 "audio_end_ms": 300})
+    tr = link.of(m.TruncateResponse)[0]
+    assert tr.audio_samples_played == 300 * 24
+    assert types(drain(s))[-1] == "conversation.item.truncated"
+
+
+async def test_slow_consumer_is_closed_with_error():
+    s, link = await new_session(output_queue_size=8)
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    await s.handle_client_event({"type": "response.create"})
+    rid = link.of(m.CreateResponse)[0].response_id
+    for i in range(20):
+        s.on_engine_message(m.AudioChunk("sess_test", rid, CHUNK, i))
+    await asyncio.sleep(0.01)
+    assert s.closed and s.close_code == 1008
+    items = [await s.outbound.get(), await s.outbound.get()]
+    assert items[0]["type"] == "error" and items[0]["error"]["code"] == "slow_consumer" and items[1] is None
+    assert isinstance(link.sent[-1], m.CloseSession) and isinstance(link.sent[-2], m.CancelResponse)
+
+
+async def test_feed_audio_at_48k_reaches_engine_at_16k():
+    s, link = await new_session()
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    await feed(s, silence(1.0, 48000) + 0.1, rate=48000)
+    await s.handle_client_event({"type": "input_audio_buffer.commit"})
+    total = sum(len(x.pcm16k) // 2 for x in link.of(m.AppendUserAudio))
+    assert total == 16000
+    assert isinstance(link.sent[-1], m.CommitUserAudio)
