@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import wave
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,27 +60,19 @@ def _trim(pcm: np.ndarray, rate: int, threshold: float = 0.02) -> np.ndarray:
 
 
 def load_utterance(path: str | Path | None) -> Utterance:
-    """Mono PCM16 WAV of any rate -> 24 kHz int16, trimmed. `None` means the repository's sample."""
+    """Integer-PCM WAV of any rate and channel count -> 24 kHz mono int16, trimmed. `None`: the repository's
+    sample."""
+    from server.audio.pcm import float32_to_pcm16, read_wav
+    from server.audio.resample import AudioError as PcmError
+
     if path is None:
         if not DEFAULT_WAV.is_file():
             raise AudioError(f"no --audio given and the default sample {DEFAULT_WAV} is not there; "
-                             "pass --audio speech.wav (mono or stereo PCM16)")
+                             "pass --audio speech.wav (integer PCM)")
         path = DEFAULT_WAV
-    path = Path(path)
     try:
-        with wave.open(str(path), "rb") as w:
-            if w.getsampwidth() != 2:
-                raise AudioError(f"{path}: only 16-bit PCM WAV is supported, got {8 * w.getsampwidth()}-bit")
-            rate, channels = w.getframerate(), w.getnchannels()
-            raw = w.readframes(w.getnframes())
-    except (wave.Error, EOFError) as e:
-        raise AudioError(f"{path}: not a PCM WAV file ({e})") from e
-    except FileNotFoundError as e:
-        raise AudioError(f"{path}: no such file") from e
-    pcm = np.frombuffer(raw, dtype="<i2").reshape(-1, channels).astype(np.float32).mean(axis=1)  # [samples]
-    if rate != SAMPLE_RATE:
-        import soxr
-
-        pcm = soxr.resample(pcm, rate, SAMPLE_RATE)
-    pcm16 = np.clip(np.round(pcm), -32768, 32767).astype("<i2")
+        x, _ = read_wav(path, target_rate=SAMPLE_RATE)  # [samples] float32
+    except PcmError as e:
+        raise AudioError(str(e)) from None
+    pcm16 = np.frombuffer(float32_to_pcm16(x), dtype="<i2")
     return Utterance(pcm=_trim(pcm16, SAMPLE_RATE), source=str(path))

@@ -80,7 +80,7 @@ class PlaybackBuffer:
             return
         lead = self.play_end - t
         self.min_lead_s = lead if self.min_lead_s is None else min(self.min_lead_s, lead)
-        if lead < 0:
+        if lead < -0.5 / self.sample_rate:  # late by more than half a sample (float noise is not a hole)
             self.underruns += 1
             self.stall_s += -lead
             self.play_end = t + dur
