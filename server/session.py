@@ -384,6 +384,8 @@ class Session:
     # ---- input audio and turns ---------------------------------------------------------------
 
     async def _input_audio(self, pcm: np.ndarray, rate: int, client_samples: int) -> None:
+        if self.config.turn_detection is not None and not self._in_speech:
+            self._buffer_samples_client = 0  # server_vad between turns buffers nothing (a live mic idles here)
         limit = int(self.limits.max_input_buffer_seconds * CLIENT_RATE)
         if self._buffer_samples_client + client_samples > limit:
             raise ProtocolError("input_audio_buffer_too_large",

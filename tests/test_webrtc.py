@@ -531,3 +531,24 @@ async def test_control_websocket_bound_to_a_call_in_the_real_app():
             await client.close()
     finally:
         await asyncio.to_thread(srv.__exit__, None, None, None)
+
+
+async def test_idle_live_mic_under_server_vad_never_hits_the_input_buffer_limit():
+    """A WebRTC mic streams silence between turns; under server_vad that is not buffered input, so the
+    uncommitted-audio limit must not end a call after a quiet minute (here: a 1 s limit, 3 s of silence)."""
+    from server.session import Session, SessionLimits
+    from tests.webrtc_support import vad_factory
+
+    s = Session("s1", ScriptedEngine(), limits=SessionLimits(max_input_buffer_seconds=1.0), audio_out="track",
+                vad_factory=vad_factory)
+    await s.start()
+    for _ in range(150):
+        await s.feed_audio(np.zeros(320, np.float32), 16000)
+    # Push-to-talk (no VAD) does buffer everything, and the limit applies.
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    from server.protocol import ProtocolError
+
+    with pytest.raises(ProtocolError, match="exceed"):
+        for _ in range(150):
+            await s.feed_audio(np.zeros(320, np.float32), 16000)
+    await s.close()

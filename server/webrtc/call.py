@@ -21,7 +21,9 @@ from typing import Any
 from aiortc import RTCPeerConnection
 from aiortc.mediastreams import MediaStreamTrack
 
+from server.events import error_event
 from server.outbound import AudioOut
+from server.protocol import ProtocolError
 from server.session import Session
 from server.webrtc.tracks import OutboundAudioTrack, pump_inbound
 
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 EVENT_CHANNEL = "oai-events"
 _MAX_PENDING_EVENTS = 256  # events queued before the data channel opens (session.created and friends)
+_FEED_ERROR_EVERY_S = 5.0
 
 
 EventSink = Callable[[str], Awaitable[None]]
@@ -52,6 +55,7 @@ class Call:
         self._sinks: set[EventSink] = set()  # bound control WebSockets
         self._tasks: set[asyncio.Task] = set()
         self._closing: asyncio.Task | None = None
+        self._last_feed_error = -_FEED_ERROR_EVERY_S
         pc.on("track", self._on_track)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
@@ -78,7 +82,17 @@ class Call:
     def _on_track(self, track: MediaStreamTrack) -> None:
         if track.kind != "audio":
             return
-        self._spawn(pump_inbound(track, self.session.feed_audio), "inbound")
+        self._spawn(pump_inbound(track, self._feed), "inbound")
+
+    async def _feed(self, pcm: Any, rate: int) -> None:
+        try:
+            await self.session.feed_audio(pcm, rate)
+        except ProtocolError as e:
+            # e.g. push-to-talk never committed: the mic keeps flowing, so report once in a while and drop audio
+            now = time.monotonic()
+            if now - self._last_feed_error >= _FEED_ERROR_EVERY_S:
+                self._last_feed_error = now
+                await self._emit(error_event(e.code, e.message, param=e.param))
 
     def _on_datachannel(self, channel: Any) -> None:
         if channel.label != EVENT_CHANNEL:
@@ -103,9 +117,7 @@ class Call:
             if not isinstance(event, dict):
                 raise ValueError("an event must be a JSON object")
         except ValueError as e:
-            await self._emit({"type": "error", "event_id": _event_id(),
-                              "error": {"type": "invalid_request_error", "code": "invalid_json",
-                                        "message": f"data channel message is not a JSON event: {e}"}})
+            await self._emit(error_event("invalid_json", f"data channel message is not a JSON event: {e}"))
             return
         if event.get("type") == "output_audio_buffer.clear":
             # WebRTC-only client event (as in OpenAI's WebRTC flow): stop the answer audio now.
