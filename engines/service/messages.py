@@ -41,6 +41,10 @@ class OpenSession:
     session_id: str
     instructions: str | None = None  # system prompt; None = the contract's default for the modality
     voice_wav: bytes | None = None  # optional speaker prompt as a WAV file's bytes
+    # Added by the engine service: the session's sampling, used to open the engine request for user
+    # speech before CreateResponse arrives (incremental prefill). A CreateResponse with other
+    # settings still works, but its user turn is prefilled again. None = defaults / last used.
+    sampling: Sampling | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class UpdateSession:
     session_id: str
     instructions: str | None = None
     voice_wav: bytes | None = None
+    sampling: Sampling | None = None  # see OpenSession.sampling
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,7 @@ def decode(data: bytes) -> Any:
         cls = MESSAGE_TYPES[d.pop("type")]
     except Exception as e:  # noqa: BLE001 - any malformed frame is one error kind
         raise MessageError(f"malformed engine message: {e}") from None
-    if cls is CreateResponse and isinstance(d.get("sampling"), dict):
+    if cls in (CreateResponse, OpenSession, UpdateSession) and isinstance(d.get("sampling"), dict):
         d["sampling"] = Sampling(**d["sampling"])
     try:
         return cls(**d)

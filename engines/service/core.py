@@ -1,0 +1,494 @@
+"""The engine service without its socket: session messages in, engine calls, session messages out.
+
+`Service.handle(client, msg)` and `Service.step()` return `(client, message)` pairs to send; the
+client is the ZeroMQ identity that opened the session (process.py routes them). Everything here
+runs on one thread, between engine steps.
+
+Rules the server can rely on:
+- Every message about an unknown session, or a session opened by another client, gets
+  `Error(code="invalid_request")`. Engine errors keep their `code` (engines/api.py). No error ends
+  a session.
+- Every CreateResponse ends in exactly one `ResponseDone` (status completed / incomplete
+  (max_output_tokens) / cancelled / failed); a refused one gets an `Error` with its response_id
+  first, then `ResponseDone(status="failed")`.
+- CancelResponse of a live response aborts it (the KV keeps the rows generated so far, closed as
+  in PromptBuilder.assistant_close_rows); a cancel of a response that already finished is ignored.
+- TruncateResponse keeps only the speech the user heard: `audio_samples_played // 1920` whole
+  codes (sessions.Answer.cut); rows after the last heard code are dropped from the KV and the
+  span and turn are closed (eosp, `<|im_end|>\\n`) before the next turn. It applies to the live
+  response (which it aborts) or to the latest finished one; once a later response has started it
+  is refused. A user turn already prefilled after that answer is re-prefilled after the cut.
+- Audio responses stream `AudioChunk` (PCM16 24 kHz) as soon as the decoder yields PCM; text-mode
+  rows of any response stream as `TextDelta` (control tokens skipped); text responses get no audio.
+- User audio is encoded as it arrives and prefilled in the engine while the user talks;
+  `UserAudioProgress` follows each append that yielded codes. Text items (AddUserText) wait and
+  go in with the next response, after any user speech already in the engine.
+- The system turn goes in with the first rows sent: `instructions`, else the default prompt for
+  the first response's modality (the spoken one when user speech comes first). New instructions
+  after that are added as another system turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from engines.api import ChannelSampling, EngineError, SamplingParams, StepOutput
+from engines.config import ConfigError
+from engines.service import messages as m
+from engines.service.prompt import PromptBuilder
+from engines.service.sessions import Answer, ResponseState, Session, Turn
+from engines.service.tokenizer import IncrementalDetokenizer, TextTokenizer
+from engines.tokens import Row
+
+log = logging.getLogger("engines.service")
+
+Out = tuple[bytes, Any]
+
+
+class ServiceError(Exception):
+    def __init__(self, code: str, message: str, response_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.response_id = response_id
+
+
+def sampling_params(s: m.Sampling) -> SamplingParams:
+    """One setting for both channels; invalid values raise ConfigError."""
+    ch = ChannelSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                         repetition_penalty=s.repetition_penalty)
+    return SamplingParams(text=ch, audio=ch, greedy=s.greedy, min_new_tokens=s.min_new_tokens,
+                          max_new_tokens=s.max_new_tokens, seed=s.seed)
+
+
+def pcm16_bytes(pcm: np.ndarray) -> bytes:
+    return (np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def pcm_from_bytes(data: bytes) -> np.ndarray:
+    if len(data) % 2:
+        raise ServiceError("invalid_request", f"PCM16 audio has an odd byte count ({len(data)})")
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+class Service:
+    def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None) -> None:
+        """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize()`.
+        `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
+        `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
+        decoded in one batch per step."""
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer)
+        self.encoder = encoder
+        self.decoder = decoder
+        self.sessions: dict[str, Session] = {}
+        self._requests: dict[str, tuple[Session, Turn]] = {}
+        self._finished_ids: deque[str] = deque(maxlen=64)
+        self._out: list[Out] = []
+
+    # ---- entry points -------------------------------------------------------------------
+
+    def handle(self, client: bytes, msg: Any) -> list[Out]:
+        sid = getattr(msg, "session_id", None)
+        try:
+            handler = getattr(self, "_on_" + type(msg).__name__, None)
+            if handler is None:
+                raise ServiceError("invalid_request", f"{type(msg).__name__} is not a request to the engine")
+            handler(client, msg)
+        except ServiceError as e:
+            self._send(client, m.Error(sid, e.code, str(e), e.response_id))
+        except EngineError as e:
+            self._send(client, m.Error(sid, e.code, str(e), getattr(msg, "response_id", None)))
+        except (ConfigError, ValueError) as e:
+            self._send(client, m.Error(sid, "invalid_request", str(e), getattr(msg, "response_id", None)))
+        return self._take()
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> list[Out]:
+        """One engine step; its rows become deltas, audio chunks and completions."""
+        outputs: list[StepOutput] = self.engine.step()
+        finished: list[tuple[Session, Turn, StepOutput]] = []
+        live: list[tuple[Session, ResponseState]] = []
+        for o in outputs:
+            entry = self._requests.get(o.request_id)
+            if entry is None:
+                continue
+            s, t = entry
+            r = t.response
+            if r is not None and o.finish_reason != "abort":  # an abort output carries no row
+                r.add_row(o.text_token, o.audio_token, o.mode)
+                if o.mode == "text" and not r.cancelled:
+                    self._text(s, r, r.detok.push(o.text_token))
+                live.append((s, r))
+            if o.finished:
+                finished.append((s, t, o))
+        self._decode(live)
+        for s, t, o in finished:
+            try:
+                self._finish(s, t, o)
+            except (EngineError, ServiceError) as e:
+                self._send(s.owner, m.Error(s.session_id, e.code, str(e)))
+        return self._take()
+
+    def stats(self) -> dict[str, Any]:
+        st = self.engine.stats()
+        return {"running": st.running, "waiting": st.waiting, "kv_free": st.free_blocks, "kv_total": st.total_blocks,
+                "steps": st.steps, "prefilled_rows": st.prefilled_rows, "decoded_rows": st.decoded_rows,
+                "sessions": len(self.sessions)}
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _send(self, client: bytes, msg: Any) -> None:
+        self._out.append((client, msg))
+
+    def _take(self) -> list[Out]:
+        out, self._out = self._out, []
+        return out
+
+    def _session(self, client: bytes, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise ServiceError("invalid_request", f"unknown session {sid!r}")
+        if s.owner != client:
+            raise ServiceError("invalid_request", f"session {sid!r} belongs to another client")
+        return s
+
+    def _system_rows(self, s: Session, modality: m.Modality) -> list[Row]:
+        if s.system_sent:
+            return []
+        return self.prompts.system_rows(s.instructions, modality)
+
+    def _text(self, s: Session, r: ResponseState, delta: str) -> None:
+        if delta:
+            r.text.append(delta)
+            self._send(s.owner, m.TextDelta(s.session_id, r.response_id, delta))
+
+    def _audio(self, s: Session, r: ResponseState, pcm: np.ndarray | None) -> None:
+        if pcm is None or len(pcm) == 0:
+            return
+        if r.ttfa_ms is None:
+            r.ttfa_ms = r.elapsed_ms()
+        self._send(s.owner, m.AudioChunk(s.session_id, r.response_id, pcm16_bytes(pcm), r.chunks))
+        r.chunks += 1
+        r.audio_samples += len(pcm)
+
+    def _decode(self, items: list[tuple[Session, ResponseState]]) -> None:
+        """Give each live audio response's new codes to its decoder stream (one batched call if offered)."""
+        for _, r in items:
+            if r.cancelled:
+                r.new_codes = []  # nobody will hear it
+        work = [(s, r) for s, r in items if r.decoder_stream is not None and r.new_codes]
+        if not work:
+            return
+        if hasattr(self.decoder, "run_jobs"):
+            pcms = self._decode_batched([r for _, r in work])
+        else:
+            pcms = [r.decoder_stream.push(r.new_codes) for _, r in work]
+        for (s, r), pcm in zip(work, pcms, strict=True):
+            r.new_codes = []
+            self._audio(s, r, pcm)
+
+    def _decode_batched(self, rs: list[ResponseState]) -> list[np.ndarray]:
+        """Ready 5-code chunks of all responses through the codec together: round k decodes the k-th
+        ready chunk of every stream (a stream's chunks are sequential, so one per stream per call)."""
+        jobs = []
+        for r in rs:
+            r.decoder_stream.add(r.new_codes)
+            jobs.append(r.decoder_stream.take_jobs())
+        pcms: list[list[np.ndarray]] = [[] for _ in rs]
+        for k in range(max(len(j) for j in jobs)):
+            idx = [i for i, j in enumerate(jobs) if len(j) > k]
+            for i, pcm in zip(idx, self.decoder.run_jobs([jobs[i][k] for i in idx]), strict=True):
+                pcms[i].append(pcm)
+        return [np.concatenate(p) if p else np.zeros(0, np.float32) for p in pcms]
+
+    # ---- session lifecycle --------------------------------------------------------------
+
+    def _on_OpenSession(self, client: bytes, msg: m.OpenSession) -> None:
+        if msg.session_id in self.sessions:
+            raise ServiceError("invalid_request", f"session {msg.session_id!r} is already open")
+        if self.engine.conversation_rows(msg.session_id):
+            raise ServiceError("invalid_request", f"session {msg.session_id!r} is still closing")
+        s = Session(msg.session_id, client, instructions=msg.instructions, voice_wav=msg.voice_wav,
+                    sampling=sampling_params(msg.sampling) if msg.sampling else None)
+        self.sessions[msg.session_id] = s
+        self._send(client, m.SessionReady(msg.session_id))
+
+    def _on_UpdateSession(self, client: bytes, msg: m.UpdateSession) -> None:
+        s = self._session(client, msg.session_id)
+        if msg.sampling is not None:
+            s.sampling = sampling_params(msg.sampling)
+        if msg.instructions is not None and msg.instructions != s.instructions:
+            s.instructions = msg.instructions
+            if s.system_sent:
+                s.pending_rows += self.prompts.text_turn_rows("system", msg.instructions)
+        if msg.voice_wav is not None:
+            s.voice_wav = msg.voice_wav
+        self._send(client, m.SessionReady(msg.session_id))
+
+    def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:
+        s = self._session(client, msg.session_id)
+        del self.sessions[msg.session_id]
+        t = s.active
+        if t is not None:
+            t.undo = "close"
+            self.engine.abort(t.request_id)  # blocks go back when the abort is reported
+        elif self.engine.conversation_rows(s.conversation_id):
+            self.engine.release_conversation(s.conversation_id)
+
+    def _on_Ping(self, client: bytes, msg: m.Ping) -> None:
+        self._send(client, m.Pong(msg.nonce, self.stats()))
+
+    # ---- user input ---------------------------------------------------------------------
+
+    def _on_AppendUserAudio(self, client: bytes, msg: m.AppendUserAudio) -> None:
+        s = self._session(client, msg.session_id)
+        if self.encoder is None:
+            raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
+        pcm = pcm_from_bytes(msg.pcm16k)
+        if s.encoder_stream is None:
+            s.encoder_stream = self.encoder.open_stream()
+        codes = s.encoder_stream.push(pcm)
+        if codes:
+            self._user_codes(s, list(codes), commit=False)
+
+    def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
+        s = self._session(client, msg.session_id)
+        codes = list(s.encoder_stream.finalize()) if s.encoder_stream is not None else []
+        s.encoder_stream = None
+        if s.turn_codes + len(codes) == 0:
+            raise ServiceError("invalid_request", "the input audio buffer holds no speech to commit")
+        self._user_codes(s, codes, commit=True)
+        s.turn_codes = 0
+
+    def _on_ClearUserAudio(self, client: bytes, msg: m.ClearUserAudio) -> None:
+        s = self._session(client, msg.session_id)
+        s.encoder_stream = None
+        s.pending_codes = []
+        s.turn_codes = 0
+        t = s.active
+        if t is not None and t.audio_open and t.undo in (None, "requeue"):
+            t.undo = "clear"
+            self.engine.abort(t.request_id)
+
+    def _on_AddUserText(self, client: bytes, msg: m.AddUserText) -> None:
+        s = self._session(client, msg.session_id)
+        if msg.role == "system" and not s.system_sent and s.instructions is None:
+            s.instructions = msg.text  # the first system item is the system prompt
+            return
+        s.pending_rows += self.prompts.text_turn_rows(msg.role, msg.text)
+
+    def _user_codes(self, s: Session, codes: list[int], commit: bool) -> None:
+        s.pending_codes += codes
+        s.pending_commit = s.pending_commit or commit
+        s.turn_codes += len(codes)
+        sent = self._pump(s)
+        self._send(s.owner, m.UserAudioProgress(s.session_id, s.turn_codes, sent))
+
+    def _pump(self, s: Session) -> int:
+        """Move pending speech codes into the engine; returns the rows of the user turn sent so far."""
+        t = s.active
+        if t is None and s.pending_codes:
+            lead = s.close_rows + self._system_rows(s, "audio") + s.pending_rows
+            rows = lead + self.prompts.audio_turn_open_rows() + self.prompts.audio_code_rows(s.pending_codes)
+            if s.pending_commit:
+                rows += self.prompts.audio_turn_close_rows()
+            rid = s.new_request_id()
+            params = s.sampling or SamplingParams()
+            base = self.engine.conversation_rows(s.conversation_id)
+            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=False)
+            t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
+                     system_included=not s.system_sent, codes=list(s.pending_codes),
+                     audio_open=not s.pending_commit, committed=s.pending_commit, rows_added=len(rows),
+                     user_rows_start=len(lead))
+            s.active = t
+            self._requests[rid] = (s, t)
+            s.close_rows, s.pending_rows, s.system_sent = [], [], True
+            s.pending_codes, s.pending_commit = [], False
+        elif t is not None and t.audio_open and t.undo is None:
+            rows = self.prompts.audio_code_rows(s.pending_codes)
+            if s.pending_commit:
+                rows += self.prompts.audio_turn_close_rows()
+            if rows:
+                self.engine.append_input(t.request_id, rows, input_done=False)
+                t.rows_added += len(rows)
+                t.codes += s.pending_codes
+            if s.pending_commit:
+                t.audio_open, t.committed = False, True
+            s.pending_codes, s.pending_commit = [], False
+        elif s.pending_commit:
+            # A response or an undo is in flight: the committed turn waits whole.
+            s.pending_rows += self.prompts.user_audio_turn_rows(s.pending_codes)
+            s.pending_codes, s.pending_commit = [], False
+        t = s.active
+        if t is None or t.response is not None or not t.codes:
+            return 0
+        return t.rows_added - t.user_rows_start
+
+    # ---- responses ----------------------------------------------------------------------
+
+    def _on_CreateResponse(self, client: bytes, msg: m.CreateResponse) -> None:
+        s = self._session(client, msg.session_id)
+        try:
+            self._create(s, msg)
+        except (ServiceError, EngineError, ConfigError) as e:
+            code = e.code if isinstance(e, ServiceError | EngineError) else "invalid_request"
+            self._send(client, m.Error(s.session_id, code, str(e), msg.response_id))
+            self._send(client, m.ResponseDone(s.session_id, msg.response_id, "failed", reason=code))
+
+    def _create(self, s: Session, msg: m.CreateResponse) -> None:
+        params = sampling_params(msg.sampling)
+        t = s.active
+        if t is not None and (t.undo is not None or (t.response is not None and t.response.cancelled)):
+            s.deferred.append(msg)  # runs when the abort in flight is reported
+            return
+        if t is not None and t.response is not None:
+            raise ServiceError("invalid_request", f"response {t.response.response_id!r} is still in progress")
+        if t is not None and t.audio_open:
+            raise ServiceError("invalid_request", "commit or clear the input audio buffer before creating a response")
+        if t is not None and params != t.params:
+            # The open request was admitted with other settings (its KV reservation depends on
+            # max_new_tokens): prefill the user turn again with the new ones.
+            s.sampling = params
+            t.undo = "requeue"
+            self.engine.abort(t.request_id)
+            s.deferred.append(msg)
+            return
+        prefix = self.prompts.assistant_prefix_rows(msg.modality)
+        if t is not None:
+            rows = s.pending_rows + prefix
+            self.engine.append_input(t.request_id, rows, input_done=True)
+            t.carried_rows = t.carried_rows + s.pending_rows
+            s.pending_rows = []
+            t.rows_added += len(rows)
+        else:
+            rows = s.close_rows + self._system_rows(s, msg.modality) + s.pending_rows + prefix
+            rid = s.new_request_id()
+            base = self.engine.conversation_rows(s.conversation_id)
+            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=True)
+            t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
+                     system_included=not s.system_sent, rows_added=len(rows))
+            s.active = t
+            self._requests[rid] = (s, t)
+            s.close_rows, s.pending_rows, s.system_sent = [], [], True
+        s.sampling = params
+        s.answer = None
+        r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added,
+                          cached_rows=t.base_rows, prefix_last_row=prefix[-1],
+                          detok=IncrementalDetokenizer(self.tokenizer))
+        if msg.modality == "audio" and self.decoder is not None:
+            r.decoder_stream = self.decoder.open_stream(s.session_id, seed=params.seed or 0)
+        t.response = r
+        self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
+
+    def _on_CancelResponse(self, client: bytes, msg: m.CancelResponse) -> None:
+        s = self._session(client, msg.session_id)
+        t = s.active
+        if t is not None and t.response is not None and t.response.response_id == msg.response_id:
+            if not t.response.cancelled:
+                t.response.cancelled = True
+                self.engine.abort(t.request_id)
+            return
+        if msg.response_id in self._finished_ids or any(d.response_id == msg.response_id for d in s.deferred):
+            s.deferred = [d for d in s.deferred if d.response_id != msg.response_id]
+            return  # finished already (a benign race), or not started: nothing to stop
+        raise ServiceError("invalid_request", f"no response {msg.response_id!r} in this session", msg.response_id)
+
+    def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:
+        s = self._session(client, msg.session_id)
+        t = s.active
+        if t is not None and t.response is not None and t.response.response_id == msg.response_id:
+            t.response.truncate_samples = msg.audio_samples_played
+            if not t.response.cancelled:
+                t.response.cancelled = True
+                self.engine.abort(t.request_id)
+            return
+        a = s.answer
+        if a is None or a.response_id != msg.response_id:
+            raise ServiceError("invalid_request", f"response {msg.response_id!r} is not the latest answer of this "
+                               "session (only that one can be truncated)", msg.response_id)
+        keep = a.cut(msg.audio_samples_played)
+        if keep is None:
+            return
+        cut_rows, last = a.gen_start + keep, a.last_row(keep)
+        a.rows, a.code_idx = a.rows[:keep], [i for i in a.code_idx if i < keep]
+        if t is None:
+            self.engine.truncate_conversation(s.conversation_id, cut_rows)
+            s.close_rows = self.prompts.assistant_close_rows(last)
+            return
+        # A user turn after the answer is already in the engine: undo it, cut, prefill it again.
+        t.cut_rows, t.cut_last_row = cut_rows, last
+        if t.undo is None:
+            t.undo = "requeue"
+            self.engine.abort(t.request_id)
+
+    # ---- completion ---------------------------------------------------------------------
+
+    def _finish(self, s: Session, t: Turn, o: StepOutput) -> None:
+        self._requests.pop(t.request_id, None)
+        if s.active is t:
+            s.active = None
+        if t.undo == "close" or self.sessions.get(s.session_id) is not s:
+            self.engine.release_conversation(s.conversation_id)
+            return
+        if t.undo is not None and t.response is None:
+            self._undo(s, t)
+        elif t.response is not None:
+            self._finish_response(s, t, t.response, o)
+        self._pump(s)
+        deferred, s.deferred = s.deferred, []
+        for d in deferred:
+            self._on_CreateResponse(s.owner, d)
+
+    def _undo(self, s: Session, t: Turn) -> None:
+        if t.cut_rows is not None:
+            self.engine.truncate_conversation(s.conversation_id, t.cut_rows)
+            s.close_rows = self.prompts.assistant_close_rows(t.cut_last_row)
+        else:
+            self.engine.truncate_conversation(s.conversation_id, t.base_rows)
+            s.close_rows = t.close_rows
+            if t.system_included:
+                s.system_sent = False
+        restored = list(t.carried_rows)
+        if t.undo == "requeue":
+            if t.committed:
+                restored += self.prompts.user_audio_turn_rows(t.codes)
+            else:
+                s.pending_codes = t.codes + s.pending_codes
+        s.pending_rows = restored + s.pending_rows
+
+    def _finish_response(self, s: Session, t: Turn, r: ResponseState, o: StepOutput) -> None:
+        if r.decoder_stream is not None:
+            if not r.cancelled:
+                self._decode([(s, r)])
+                self._audio(s, r, r.decoder_stream.finalize())
+            if hasattr(r.decoder_stream, "close"):
+                r.decoder_stream.close()  # its flow/vocoder state is no longer needed
+            r.decoder_stream = None
+        self._text(s, r, r.detok.flush())
+        gen_start = self.engine.conversation_rows(s.conversation_id) - len(r.rows)
+        a = Answer(r.response_id, gen_start, r.rows, r.code_idx, r.prefix_last_row)
+        keep = a.cut(r.truncate_samples) if r.truncate_samples is not None else None
+        if keep is not None:
+            self.engine.truncate_conversation(s.conversation_id, gen_start + keep)
+            a.rows, a.code_idx = a.rows[:keep], [i for i in a.code_idx if i < keep]
+        s.close_rows = self.prompts.assistant_close_rows(a.last_row(len(a.rows)))
+        s.answer = a
+        self._finished_ids.append(r.response_id)
+        reason = o.finish_reason
+        status, why = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
+                       "abort": ("cancelled", "client_cancelled")}.get(reason, ("failed", reason))
+        if r.cancelled:
+            status, why = "cancelled", "client_cancelled"
+        self._send(s.owner, m.ResponseDone(
+            s.session_id, r.response_id, status, reason=why, output_rows=len(r.rows), prompt_rows=r.prompt_rows,
+            cached_rows=r.cached_rows, audio_samples=r.audio_samples, text="".join(r.text),
+            engine_ttfa_ms=r.ttfa_ms))
+

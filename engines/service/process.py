@@ -1,0 +1,199 @@
+"""The engine process: owns the GPU, serves session messages over a ZeroMQ ROUTER socket.
+
+    python -m engines.service.process --model tiny-random|PATH --codec tiny-random|PATH \\
+        --device cpu|cuda[:N] --endpoint ipc:///tmp/moss.sock|tcp://127.0.0.1:PORT \\
+        [--vocoder bigvgan|hift] [--ready-file PATH]
+
+Wire: clients connect DEALER sockets (several server processes may share one engine); each frame
+is one msgpack message of engines.service.messages (a REQ-style empty delimiter frame is accepted
+and echoed). Replies about a session go to the client that opened it; Pong and errors about
+malformed frames go to the sender. A bad message never ends the process: it is answered with
+`Error` (see core.py for the per-message rules).
+
+Readiness: the model, tokenizer and codec are loaded BEFORE the socket is bound, so the first
+`Pong` means "ready" (a Ping sent earlier waits in the client's queue until then). Also, once
+bound, the process logs `engine ready endpoint=...` on stderr and, with `--ready-file`, writes
+that file (JSON: pid, endpoint, model, codec, device).
+
+Loop: poll without blocking while the engine has work, else wait up to 50 ms; each iteration
+drains every waiting message, then runs one engine step and sends what it produced. SIGTERM or
+SIGINT ends the loop after the current step. An exception inside an engine step leaves the
+engine's state unknown: every session with a live response gets `Error(engine_error)` and
+`ResponseDone(failed)`, and the process exits with status 1 so the supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from engines.service import messages as m
+from engines.service.core import Out, Service
+
+log = logging.getLogger("engines.service")
+
+IDLE_POLL_MS = 50
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-random", help="tiny-random | full-random | checkpoint dir")
+    p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec dir | none")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's, float32 on CPU)")
+    p.add_argument("--endpoint", default="ipc:///tmp/moss-speech-engine.sock")
+    p.add_argument("--vocoder", default=None, choices=["bigvgan", "hift"],
+                   help="default: hift for a codec dir without bigvgan/, else bigvgan")
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size (default: EngineConfig's)")
+    p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_service(args: argparse.Namespace) -> Service:
+    from engines.config import EngineConfig, model_config_for
+    from engines.engine import Engine
+    from engines.service.tokenizer import load_tokenizer
+
+    dtype = args.dtype or ("float32" if args.device == "cpu" else model_config_for(args.model).torch_dtype)
+    kw: dict[str, Any] = {"device": args.device, "dtype": dtype}
+    if args.kv_cache_gib is not None:
+        kw["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
+    if args.max_running is not None:
+        kw["max_running"] = args.max_running
+        kw["prefill_token_budget"] = max(EngineConfig.prefill_token_budget, 2 * args.max_running)
+    if args.max_model_len is not None:
+        kw["max_model_len"] = args.max_model_len
+    t0 = time.monotonic()
+    engine = Engine.from_name(args.model, EngineConfig(**kw), seed=args.seed)
+    tokenizer = load_tokenizer(args.model)
+    encoder = decoder = None
+    if args.codec != "none":
+        from engines.codec.decoder.codec_decoder import CodecDecoder
+        from engines.codec.encoder import SpeechEncoder
+
+        vocoder = args.vocoder
+        if vocoder is None:
+            vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
+        encoder = SpeechEncoder.load(args.codec, device=args.device)
+        decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed)
+    if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
+        log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)
+    log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
+             time.monotonic() - t0)
+    return Service(engine, tokenizer, encoder, decoder)
+
+
+class EngineServer:
+    """The ROUTER socket around a Service."""
+
+    def __init__(self, service: Service, endpoint: str, ctx: zmq.Context | None = None) -> None:
+        self.service = service
+        self.endpoint = endpoint
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self._envelopes: dict[bytes, list[bytes]] = {}  # identity -> frames between it and the payload
+        self.stopping = False
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def _send(self, outs: list[Out]) -> None:
+        for client, msg in outs:
+            frames = [client, *self._envelopes.get(client, []), m.encode(msg)]
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:  # a client that stopped reading: drop rather than stall every session
+                log.warning("dropped %s for a client that does not read", type(msg).__name__)
+
+    def _recv_all(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            client, payload = frames[0], frames[-1]
+            self._envelopes[client] = frames[1:-1]
+            try:
+                msg = m.decode(payload)
+            except m.MessageError as e:
+                self._send([(client, m.Error(None, "invalid_request", str(e)))])
+                continue
+            try:
+                outs = self.service.handle(client, msg)
+            except Exception as e:  # noqa: BLE001 - a bug on one message must not take the engine down
+                log.exception("error handling %s", type(msg).__name__)
+                outs = [(client, m.Error(getattr(msg, "session_id", None), "engine_error",
+                                         f"{type(e).__name__}: {e}", getattr(msg, "response_id", None)))]
+            self._send(outs)
+
+    def run_once(self, timeout_ms: int | None = None) -> None:
+        if timeout_ms is None:
+            timeout_ms = 0 if self.service.has_work() else IDLE_POLL_MS
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            self._recv_all()
+        if self.service.has_work():
+            try:
+                outs = self.service.step()
+            except Exception:
+                log.exception("engine step failed; failing live responses and exiting")
+                self._send(self._fail_all())
+                raise
+            self._send(outs)
+
+    def _fail_all(self) -> list[Out]:
+        outs: list[Out] = []
+        for s in self.service.sessions.values():
+            r = s.active.response if s.active is not None else None
+            if r is not None:
+                outs.append((s.owner, m.Error(s.session_id, "engine_error", "engine step failed", r.response_id)))
+                outs.append((s.owner, m.ResponseDone(s.session_id, r.response_id, "failed", reason="engine_error")))
+        return outs
+
+    def serve_forever(self) -> None:
+        while not self.stopping:
+            self.run_once()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engines.service.process", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
+    service = build_service(args)
+    server = EngineServer(service, args.endpoint)
+
+    def stop(signum: int, _frame: Any) -> None:
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    if args.ready_file:
+        Path(args.ready_file).write_text(json.dumps({"pid": os.getpid(), "endpoint": args.endpoint,
+                                                     "model": args.model, "codec": args.codec,
+                                                     "device": args.device}))
+    log.info("engine ready endpoint=%s", args.endpoint)
+    try:
+        server.serve_forever()
+    except Exception:  # noqa: BLE001 - logged in run_once; the supervisor restarts us
+        return 1
+    finally:
+        server.close()
+    log.info("engine stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
