@@ -27,6 +27,15 @@ SR = 16000
 FEATURE_ATOL = 1e-4  # pre-VQ features, float32: streaming vs whole and batched vs alone
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only contend (10x slower on a loaded 2-core box); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def enc() -> SpeechEncoder:
     return SpeechEncoder.load("tiny-random", device="cpu")
@@ -279,3 +288,20 @@ def test_cli_encode_stereo_48k(enc, tmp_path, capsys):
         assert cmd.run(parser.parse_args(argv)) == 0
         out = capsys.readouterr().out.split()
         assert [int(c) for c in out] == expect
+
+
+def test_kv_slots_are_returned(enc):
+    import gc
+
+    base = enc.runner.kv.in_use
+    a, b, c = enc.open_stream(), enc.open_stream(), enc.open_stream()
+    assert enc.runner.kv.in_use == base + 3
+    a.push(speech_like(0.3))
+    a.finalize()
+    b.close()
+    del c
+    gc.collect()
+    assert enc.runner.kv.in_use == base
+    # A reused slot holds stale rows from its last owner; they must not leak into the new stream.
+    pcm = speech_like(0.7, seed=5)
+    assert enc.encode(pcm) == SpeechEncoder.load("tiny-random").encode(pcm)

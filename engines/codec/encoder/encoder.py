@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,8 @@ class EncoderStream:
         self.encoder = encoder
         self.mel: MelState = encoder.frontend.new_state()
         self.trunk: TrunkState = encoder.runner.new_state()
+        # The KV slot goes back to the pool on finalize/close, or when the stream is dropped.
+        self._release = weakref.finalize(self, encoder.runner.release, self.trunk)
         self.codes_out = 0
         self.closed = False
         self.last_features: torch.Tensor | None = None  # [n, d] float32 pre-VQ features of the last codes
@@ -123,6 +126,11 @@ class EncoderStream:
         After finalize, the stream has produced ceil(samples / 1280) codes in total.
         """
         return EncoderBatch(self.encoder).finalize([self])[0]
+
+    def close(self) -> None:
+        """Drop the stream without flushing (e.g. the user's turn was cancelled); frees its KV slot."""
+        self.closed = True
+        self._release()
 
     def tail_padding(self) -> int:
         """Zeros needed for the last started code to be determined."""
@@ -184,5 +192,5 @@ class EncoderBatch:
                 raise StreamClosedError("stream already finalized")
         out = self.step([(s, torch.zeros(s.tail_padding())) for s in streams])
         for s in streams:
-            s.closed = True
+            s.close()
         return out

@@ -5,8 +5,11 @@ stride 2, causal) -> GELU -> + learned positions -> `num_layers` pre-LN Whisper 
 self-attention -> average pool x4 -> nearest codebook entry. 100 Hz mel -> 50 Hz -> 12.5 Hz codes.
 
 Every step flattens the new frames of all streams into one token matrix (no padding): the convs run as
-one im2col matmul each, the blocks' projections and MLPs as one matmul each; only attention runs per
-stream, against that stream's KV cache. Positions restart every `max_source_positions` frames (30 s), as
+one im2col matmul each, the blocks' projections and MLPs as one matmul each. Attention pads only the
+queries ([streams, max new frames]) and reads each stream's KV slot (kv_pool.py) with one batched call
+per layer, so a step costs the same number of kernel launches at batch 1 and 64.
+
+Positions restart every `max_source_positions` frames (30 s), as
 the reference encodes long audio in independent 30 s windows: at that boundary the stream's conv, KV
 and pooling state is reset.
 
@@ -19,13 +22,14 @@ approximation of the offline encoder.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engines.codec.encoder.config import EncoderConfig
+from engines.codec.encoder.kv_pool import KVPool
 
 
 class SelfAttention(nn.Module):
@@ -65,14 +69,27 @@ class WhisperVQTrunk(nn.Module):
 class TrunkState:
     """One stream's state between steps (everything lives on the encoder's device)."""
 
+    slot: int  # this stream's rows in the KV pool
     mel_tail: torch.Tensor  # [2, n_mels] last mel frames: conv1's left context
     h1_tail: torch.Tensor  # [k, d] conv1 outputs not yet consumed by conv2, from index 2*pos - 2 on
-    pos: int = 0  # 50 Hz frames produced in this segment
+    pos: int = 0  # 50 Hz frames produced in this segment = rows in the KV cache
     mel_in_segment: int = 0
-    kv_len: int = 0
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [heads, capacity, head_dim]
-    values: list[torch.Tensor] = field(default_factory=list)
     pool_buf: torch.Tensor | None = None  # [<pool, d] trunk outputs waiting for their group to close
+
+
+@dataclass
+class _Plan:
+    """Where each new token of a step goes: its stream row b, index i within the stream, cache row."""
+
+    tok_b: torch.Tensor  # [N]
+    tok_i: torch.Tensor  # [N]
+    tok_slot: torch.Tensor  # [N]
+    tok_pos: torch.Tensor  # [N] position in the segment (= KV row)
+    slots: torch.Tensor | slice  # [B] KV slots of the streams with new tokens (slice when consecutive)
+    mask: torch.Tensor  # [B, 1, n_max, t_max] causal: key j visible to query i iff j <= past_b + i
+    batch: int
+    n_max: int
+    t_max: int
 
 
 class StreamingRunner:
@@ -95,22 +112,29 @@ class StreamingRunner:
         # VQ in float32 whatever the trunk dtype: the argmin is the output, keep it stable.
         self.codebook = t.codebook.weight.float()  # [V, d]
         self.codebook_sq = self.codebook.square().sum(dim=1)  # [V]
+        self.kv = KVPool(cfg, dtype, device)
 
     @property
     def mel_per_segment(self) -> int:
         return 2 * self.cfg.max_source_positions  # conv2 has stride 2
 
     def new_state(self) -> TrunkState:
+        """A fresh stream state holding a KV slot; give it back with `release`."""
         cfg = self.cfg
         return TrunkState(
+            slot=self.kv.acquire(),
             mel_tail=torch.zeros(2, cfg.num_mel_bins, dtype=self.dtype, device=self.device),
             h1_tail=torch.zeros(2, cfg.d_model, dtype=self.dtype, device=self.device),
         )
 
+    def release(self, st: TrunkState) -> None:
+        self.kv.release(st.slot)
+
     def reset_segment(self, st: TrunkState) -> None:
-        fresh = self.new_state()
-        st.mel_tail, st.h1_tail, st.pos, st.mel_in_segment = fresh.mel_tail, fresh.h1_tail, 0, 0
-        st.kv_len, st.keys, st.values, st.pool_buf = 0, [], [], None
+        # Rows past `pos` are masked out, so the slot's old rows need no clearing.
+        st.mel_tail = torch.zeros_like(st.mel_tail)
+        st.h1_tail = torch.zeros(2, self.cfg.d_model, dtype=self.dtype, device=self.device)
+        st.pos, st.mel_in_segment, st.pool_buf = 0, 0, None
 
     @torch.no_grad()
     def run(self, states: list[TrunkState], mels: list[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
@@ -132,7 +156,7 @@ class StreamingRunner:
             return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
         h1 = F.gelu(F.linear(torch.cat(cols), self.w1, self.trunk.conv1.bias))  # [N1, d]
         # conv2 (k3, stride 2, causal): output j uses conv1 outputs 2j-2 .. 2j.
-        cols, n2, pos = [], [], []
+        cols, n2, past = [], [], []
         start = 0
         for st, n in zip(states, n1, strict=True):
             y = torch.cat([st.h1_tail, h1[start:start + n]])  # [k + n, d]
@@ -142,15 +166,16 @@ class StreamingRunner:
                 cols.append(y.unfold(0, 3, 2)[:c].reshape(c, -1))  # [c, d * 3]
             st.h1_tail = y[2 * c:]
             n2.append(c)
-            pos.append(torch.arange(st.pos, st.pos + c, device=self.device))
+            past.append(st.pos)
             st.pos += c
         counts = [0] * len(states)
         if not cols:
             return counts, torch.zeros(0, cfg.d_model, device=self.device)
+        plan = self._plan(states, n2, past)
         x = F.gelu(F.linear(torch.cat(cols), self.w2, self.trunk.conv2.bias))  # [N2, d]
-        x = x + self.trunk.embed_positions(torch.cat(pos))
+        x = x + self.trunk.embed_positions(plan.tok_pos)
         for li, layer in enumerate(self.trunk.layers):
-            x = x + self._attention(li, layer, states, n2, x)
+            x = x + self._attention(li, layer, plan, x)
             h = F.layer_norm(x, (cfg.d_model,), layer.final_layer_norm.weight, layer.final_layer_norm.bias,
                              cfg.layer_norm_eps)
             x = x + layer.fc2(F.gelu(layer.fc1(h)))
@@ -171,50 +196,48 @@ class StreamingRunner:
             return counts, torch.zeros(0, cfg.d_model, device=self.device)
         return counts, torch.cat(pooled)
 
-    def _attention(self, li: int, layer: EncoderLayer, states: list[TrunkState], n2: list[int],
-                   x: torch.Tensor) -> torch.Tensor:
+    def _plan(self, states: list[TrunkState], n2: list[int], past: list[int]) -> _Plan:
+        active = [b for b, n in enumerate(n2) if n]
+        tok_b, tok_i, tok_slot, tok_pos = [], [], [], []
+        for row, b in enumerate(active):
+            n = n2[b]
+            tok_b += [row] * n
+            tok_i += range(n)
+            tok_slot += [states[b].slot] * n
+            tok_pos += range(past[b], past[b] + n)
+        slots = [states[b].slot for b in active]
+        n_max = max(n2[b] for b in active)
+        t_max = max(past[b] + n2[b] for b in active)
+        past_t = torch.tensor([past[b] for b in active])
+        qpos = past_t[:, None] + torch.arange(n_max)[None, :]  # [B, n_max]
+        mask = torch.arange(t_max)[None, None, :] <= qpos[:, :, None]  # [B, n_max, t_max]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        dev = self.device
+
+        def t(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.long).to(dev, non_blocking=True)
+
+        return _Plan(tok_b=t(tok_b), tok_i=t(tok_i), tok_slot=t(tok_slot), tok_pos=t(tok_pos),
+                     slots=slice(slots[0], slots[0] + len(slots)) if consecutive else t(slots),
+                     mask=mask[:, None].to(dev, non_blocking=True), batch=len(active), n_max=n_max, t_max=t_max)
+
+    def _attention(self, li: int, layer: EncoderLayer, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         hds, hd = cfg.num_heads, cfg.head_dim
         h = F.layer_norm(x, (cfg.d_model,), layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
                          cfg.layer_norm_eps)
         w, b = self.qkv[li]
-        qkv = F.linear(h, w, b).view(-1, 3, hds, hd)  # [N2, 3, heads, head_dim]
-        outs, start = [], 0
-        for st, n in zip(states, n2, strict=True):
-            if n == 0:
-                continue
-            q, k, v = qkv[start:start + n].permute(1, 2, 0, 3).unbind(0)  # each [heads, n, head_dim]
-            start += n
-            past = st.kv_len  # updated once the last layer has appended
-            keys, values = self._append_kv(st, li, k, v, past)
-            total = past + n
-            qpos = torch.arange(past, total, device=self.device)
-            mask = torch.arange(total, device=self.device)[None, :] <= qpos[:, None]  # [n, total] causal
-            o = F.scaled_dot_product_attention(q[None], keys[None, :, :total], values[None, :, :total],
-                                               attn_mask=mask[None, None])  # [1, heads, n, head_dim]
-            outs.append(o[0].permute(1, 0, 2).reshape(n, cfg.d_model))
-            if li == len(self.trunk.layers) - 1:
-                st.kv_len = total
-        return layer.self_attn.out_proj(torch.cat(outs))
-
-    def _append_kv(self, st: TrunkState, li: int, k: torch.Tensor, v: torch.Tensor,
-                   past: int) -> tuple[torch.Tensor, torch.Tensor]:
-        need = past + k.shape[1]
-        if li >= len(st.keys):
-            cap = max(need, 64)
-            st.keys.append(k.new_empty(k.shape[0], cap, k.shape[2]))
-            st.values.append(v.new_empty(v.shape[0], cap, v.shape[2]))
-        elif st.keys[li].shape[1] < need:
-            # Grow by doubling (capped at a segment) so appends stay amortised O(1).
-            cap = min(max(need, 2 * st.keys[li].shape[1]), self.cfg.max_source_positions)
-            for buf in (st.keys, st.values):
-                old = buf[li]
-                grown = old.new_empty(old.shape[0], cap, old.shape[2])
-                grown[:, :past] = old[:, :past]
-                buf[li] = grown
-        st.keys[li][:, past:need] = k
-        st.values[li][:, past:need] = v
-        return st.keys[li], st.values[li]
+        q, k, v = F.linear(h, w, b).view(-1, 3, hds, hd).unbind(1)  # each [N, heads, head_dim]
+        keys, values = self.kv.keys[li], self.kv.values[li]  # [slots, heads, positions, head_dim]
+        keys[plan.tok_slot, :, plan.tok_pos] = k
+        values[plan.tok_slot, :, plan.tok_pos] = v
+        kb = keys[plan.slots, :, :plan.t_max]  # [B, heads, t_max, head_dim]
+        vb = values[plan.slots, :, :plan.t_max]
+        qb = q.new_zeros(plan.batch, plan.n_max, hds, hd)
+        qb[plan.tok_b, plan.tok_i] = q
+        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb, vb, attn_mask=plan.mask)  # [B, heads, n_max, hd]
+        o = o.transpose(1, 2)[plan.tok_b, plan.tok_i]  # [N, heads, head_dim]
+        return layer.self_attn.out_proj(o.reshape(-1, cfg.d_model))
 
     def quantize(self, feats: torch.Tensor) -> torch.Tensor:
         """Nearest codebook entry (squared L2; the |x|^2 term is constant per row). [n, d] -> [n] int64."""

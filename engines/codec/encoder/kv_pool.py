@@ -1,0 +1,59 @@
+"""KV cache slots for encoder streams: one fixed-size slot per open stream, shared tensors per layer.
+
+Each layer holds keys and values as [slots, heads, max_source_positions, head_dim], so one step can
+write the new rows of all streams with one indexed store and attend with one batched call (a view,
+not a copy, when the streams of the step hold consecutive slots; lowest free slots are handed out first
+to make that the common case). A slot is 1500 rows x 2 x d_model per layer: 123 MB per stream at full
+size in bf16 (16 layers). The pool doubles when full; freed slots are reused.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from engines.codec.encoder.config import EncoderConfig
+
+
+class KVPool:
+    def __init__(self, cfg: EncoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []  # per layer [slots, heads, positions, head_dim]
+        self.values: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self.in_use = 0
+
+    def acquire(self) -> int:
+        if not self._free:
+            self._grow(max(1, 2 * self.capacity))
+        self.in_use += 1
+        return heapq.heappop(self._free)
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+        self.in_use -= 1
+
+    def reserve(self, slots: int) -> None:
+        """Allocate room for `slots` streams up front (avoids growth copies while serving)."""
+        if slots > self.capacity:
+            self._grow(slots)
+
+    def _grow(self, capacity: int) -> None:
+        cfg = self.cfg
+        shape = (capacity, cfg.num_heads, cfg.max_source_positions, cfg.head_dim)
+        # Zeros, not empty: masked-out rows still enter the weighted sum (as 0 x value), NaN garbage would not.
+        for buf in (self.keys, self.values):
+            for li in range(cfg.num_layers):
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if li < len(buf):
+                    grown[: self.capacity] = buf[li]
+                    buf[li] = grown
+                else:
+                    buf.append(grown)
+        self._free.extend(range(self.capacity, capacity))
+        heapq.heapify(self._free)
+        self.capacity = capacity
