@@ -1,0 +1,93 @@
+"""`moss-speech bench codec`: time per 5-code chunk at several batch sizes, and real-time streams it supports.
+
+A stream needs one chunk per 0.4 s (5 codes at 12.5 Hz), so streams supported = 0.4 s / (step time / batch).
+Timing uses CUDA events on GPU and perf_counter on CPU; a step is the codec task decoding one steady-state
+chunk for every session of the batch (flow + vocoder + crossfade, PCM copied to the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec directory")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--vocoder", default="bigvgan", choices=["bigvgan", "hift"])
+    p.add_argument("--batches", default="1,16,64", help="comma separated batch sizes")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per batch size")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steady-state steps per batch size")
+    p.add_argument("--json", default=None, help="write results here")
+
+
+def hardware(device: torch.device) -> dict:
+    hw = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+          "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        hw.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
+    return hw
+
+
+def _time_step(task, sessions, chunk, rng, device) -> float:
+    for sid in sessions:
+        task.submit(sid, rng.integers(0, 16384, chunk))
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        out = task.step()
+        end.record()
+        torch.cuda.synchronize(device)
+        ms = start.elapsed_time(end)
+    else:
+        t0 = time.perf_counter()
+        out = task.step()
+        ms = (time.perf_counter() - t0) * 1e3
+    assert len(out) == len(sessions)
+    return ms
+
+
+def run(args: argparse.Namespace) -> int:
+    from engines.codec.decoder import CodecDecoder, CodecTask
+
+    device = torch.device(args.device)
+    dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder)
+    chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
+    hw = hardware(device)
+    print(f"hardware: {hw}")
+    print(f"codec {dec.source}, vocoder {args.vocoder}, dtype {dec.flow.dtype}, chunk {chunk} codes = "
+          f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
+    rng = np.random.default_rng(0)
+    results = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        task = CodecTask(dec, max_batch=b)
+        sessions = [f"s{i}" for i in range(b)]
+        for i, sid in enumerate(sessions):
+            task.open(sid, seed=i)
+            task.submit(sid, rng.integers(0, 16384, la))  # lookahead codes, so every later chunk is ready
+        for _ in range(args.warmup):
+            _time_step(task, sessions, chunk, rng, device)
+        times = [_time_step(task, sessions, chunk, rng, device) for _ in range(args.iters)]
+        ms = statistics.median(times)
+        per_chunk = ms / b
+        streams = 0.4 / (per_chunk / 1e3)
+        row = {"batch": b, "step_ms_median": round(ms, 3), "step_ms_min": round(min(times), 3),
+               "ms_per_chunk": round(per_chunk, 3), "streams_supported": int(streams),
+               "state_bytes_per_session": task.streams[sessions[0]].state_bytes()}
+        results.append(row)
+        print(f"batch {b:3d}: step {ms:8.2f} ms (min {min(times):.2f}), {per_chunk:7.3f} ms per chunk, "
+              f"real-time streams supported: {int(streams)}")
+        for sid in sessions:
+            task.close(sid)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder, "results": results}, f, indent=1)
+    return 0
