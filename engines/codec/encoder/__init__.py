@@ -17,8 +17,12 @@ Timing: code k covers samples [1280 k, 1280 k + 1280) and is known once sample 1
 arrived. A finalized stream of n samples has produced ceil(n / 1280) codes. Every 30 s (1500 frames at
 50 Hz) the trunk restarts (positions, conv, KV), like the reference's 30 s windows.
 
-Streaming equals whole-utterance encoding (same codes); the pre-VQ features agree to float rounding
-(tested at atol 1e-4 in float32). Write a random codec encoder in the real layout with
+Streaming equals whole-utterance encoding (same codes) in float32 (the default, as in the codec's
+config): the pre-VQ features agree to float rounding (tested at atol 1e-4; ~1e-5 measured at full size).
+bfloat16 is not chunking-invariant: different piece sizes give different matmul shapes and bf16 rounding
+moves features by ~1% (full-random, 80 ms pieces: 1 code in 25 flipped). Use float32 where streaming
+must equal offline; the encoder is ~0.34 B parameters, so float32 costs little.
+Write a random codec encoder in the real layout with
 `write_random_encoder(dir, ENCODER_PRESETS["tiny-random"])`. Module docstrings of mel.py and model.py
 list where this differs from the reference encoder (causal log-mel floor, strictly causal attention).
 """
