@@ -351,13 +351,13 @@ def test_errors_answer_and_session_survives() -> None:
     assert big[0].code == "request_too_large" and big[1].status == "failed" and big[0].response_id == "r1"
     assert of(send(svc, m.AppendUserAudio("s", b"\x00")), m.Error)[0].code == "invalid_request"  # odd PCM bytes
     send(svc, m.AddUserText("s", "i", "hi"))
-    send(svc, m.CreateResponse("s", "r2", "text", greedy(50)))
+    send(svc, m.CreateResponse("s", "r2", "text", greedy(4)))
     again = send(svc, m.CreateResponse("s", "r3", "text", greedy(2)))
     assert again[0].code == "invalid_request"
     assert again[1] == m.ResponseDone("s", "r3", "failed", reason="invalid_request")
     assert of(send(svc, m.CancelResponse("s", "unknown")), m.Error)
     done = of(run(svc), m.ResponseDone)
-    assert [d.response_id for d in done] == ["r2"] and done[0].output_rows == 50
+    assert [d.response_id for d in done] == ["r2"] and done[0].output_rows == 4
     svc.engine.check_integrity()
 
 

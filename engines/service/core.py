@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from engines.api import ChannelSampling, EngineError, SamplingParams, StepOutput
+from engines.codec.audio_io import float32_to_pcm16, pcm16_to_float32
 from engines.config import ConfigError
 from engines.service import messages as m
 from engines.service.prompt import PromptBuilder
@@ -65,16 +66,6 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
                           max_new_tokens=s.max_new_tokens, seed=s.seed)
 
 
-def pcm16_bytes(pcm: np.ndarray) -> bytes:
-    return (np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-def pcm_from_bytes(data: bytes) -> np.ndarray:
-    if len(data) % 2:
-        raise ServiceError("invalid_request", f"PCM16 audio has an odd byte count ({len(data)})")
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-
-
 class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize()`.
@@ -94,19 +85,45 @@ class Service:
     # ---- entry points -------------------------------------------------------------------
 
     def handle(self, client: bytes, msg: Any) -> list[Out]:
+        handler = getattr(self, "_on_" + type(msg).__name__, None)
+        if handler is None:
+            self._send(client, m.Error(getattr(msg, "session_id", None), "invalid_request",
+                                       f"{type(msg).__name__} is not a request to the engine"))
+        else:
+            self._guard(client, msg, handler, client, msg)
+        return self._take()
+
+    def handle_many(self, items: list[tuple[bytes, Any]]) -> list[Out]:
+        """Like `handle` for each, in order, but speech of several sessions arriving together is
+        encoded in one batched encoder step (consecutive AppendUserAudio of distinct sessions)."""
+        out: list[Out] = []
+        run: list[tuple[bytes, m.AppendUserAudio]] = []
+        for client, msg in items:
+            if isinstance(msg, m.AppendUserAudio) and all(x.session_id != msg.session_id for _, x in run):
+                run.append((client, msg))
+                continue
+            if run:
+                out += self._append_batch(run)
+                run = []
+            if isinstance(msg, m.AppendUserAudio):
+                run.append((client, msg))
+            else:
+                out += self.handle(client, msg)
+        if run:
+            out += self._append_batch(run)
+        return out
+
+    def _guard(self, client: bytes, msg: Any, fn: Any, *args: Any) -> None:
+        """Run fn; an error becomes an Error message to the client (the session survives)."""
         sid = getattr(msg, "session_id", None)
         try:
-            handler = getattr(self, "_on_" + type(msg).__name__, None)
-            if handler is None:
-                raise ServiceError("invalid_request", f"{type(msg).__name__} is not a request to the engine")
-            handler(client, msg)
+            fn(*args)
         except ServiceError as e:
             self._send(client, m.Error(sid, e.code, str(e), e.response_id))
         except EngineError as e:
             self._send(client, m.Error(sid, e.code, str(e), getattr(msg, "response_id", None)))
         except (ConfigError, ValueError) as e:
             self._send(client, m.Error(sid, "invalid_request", str(e), getattr(msg, "response_id", None)))
-        return self._take()
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -175,7 +192,7 @@ class Service:
             return
         if r.ttfa_ms is None:
             r.ttfa_ms = r.elapsed_ms()
-        self._send(s.owner, m.AudioChunk(s.session_id, r.response_id, pcm16_bytes(pcm), r.chunks))
+        self._send(s.owner, m.AudioChunk(s.session_id, r.response_id, float32_to_pcm16(pcm), r.chunks))
         r.chunks += 1
         r.audio_samples += len(pcm)
 
@@ -249,15 +266,35 @@ class Service:
     # ---- user input ---------------------------------------------------------------------
 
     def _on_AppendUserAudio(self, client: bytes, msg: m.AppendUserAudio) -> None:
-        s = self._session(client, msg.session_id)
-        if self.encoder is None:
-            raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
-        pcm = pcm_from_bytes(msg.pcm16k)
-        if s.encoder_stream is None:
-            s.encoder_stream = self.encoder.open_stream()
+        s, pcm = self._audio_input(client, msg)
         codes = s.encoder_stream.push(pcm)
         if codes:
             self._user_codes(s, list(codes), commit=False)
+
+    def _audio_input(self, client: bytes, msg: m.AppendUserAudio) -> tuple[Session, np.ndarray]:
+        s = self._session(client, msg.session_id)
+        if self.encoder is None:
+            raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
+        pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
+        if s.encoder_stream is None:
+            s.encoder_stream = self.encoder.open_stream()
+        return s, pcm
+
+    def _append_batch(self, run: list[tuple[bytes, m.AppendUserAudio]]) -> list[Out]:
+        if len(run) == 1 or not hasattr(self.encoder, "batch"):
+            return [o for client, msg in run for o in self.handle(client, msg)]
+        ready: list[tuple[bytes, m.AppendUserAudio, Session, np.ndarray]] = []
+        for client, msg in run:
+            got: list = []
+            self._guard(client, msg, lambda c=client, x=msg, g=got: g.append(self._audio_input(c, x)))
+            if got:
+                ready.append((client, msg, *got[0]))
+        if ready:
+            codes = self.encoder.batch().step([(s.encoder_stream, pcm) for _, _, s, pcm in ready])
+            for (client, msg, s, _), c in zip(ready, codes, strict=True):
+                if c:
+                    self._guard(client, msg, self._user_codes, s, list(c), False)
+        return self._take()
 
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)

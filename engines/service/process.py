@@ -17,7 +17,8 @@ that file (JSON: pid, endpoint, model, codec, device).
 
 Loop: poll without blocking while the engine has work, else wait up to 50 ms; each iteration
 drains every waiting message, then runs one engine step and sends what it produced. SIGTERM or
-SIGINT ends the loop after the current step. An exception inside an engine step leaves the
+SIGINT ends the loop after the current step. When idle (at most every 10 s, after work) the KV
+pool's integrity is checked. An exception inside an engine step (or a failed check) leaves the
 engine's state unknown: every session with a live response gets `Error(engine_error)` and
 `ResponseDone(failed)`, and the process exits with status 1 so the supervisor restarts it.
 """
@@ -42,6 +43,8 @@ from engines.service.core import Out, Service
 log = logging.getLogger("engines.service")
 
 IDLE_POLL_MS = 50
+INTEGRITY_EVERY_S = 10.0
+MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot stall decoding
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,6 +108,8 @@ class EngineServer:
         self.sock.bind(endpoint)
         self._envelopes: dict[bytes, list[bytes]] = {}  # identity -> frames between it and the payload
         self.stopping = False
+        self._last_check = 0.0
+        self._busy_since_check = False
 
     def close(self) -> None:
         self.sock.close(0)
@@ -118,25 +123,28 @@ class EngineServer:
                 log.warning("dropped %s for a client that does not read", type(msg).__name__)
 
     def _recv_all(self) -> None:
-        while True:
+        """Drain the socket; decoded messages are handled together (speech is encoded in one batch)."""
+        items: list[tuple[bytes, Any]] = []
+        while len(items) < MAX_DRAIN:
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             client, payload = frames[0], frames[-1]
             self._envelopes[client] = frames[1:-1]
             try:
-                msg = m.decode(payload)
+                items.append((client, m.decode(payload)))
             except m.MessageError as e:
                 self._send([(client, m.Error(None, "invalid_request", str(e)))])
-                continue
-            try:
-                outs = self.service.handle(client, msg)
-            except Exception as e:  # noqa: BLE001 - a bug on one message must not take the engine down
-                log.exception("error handling %s", type(msg).__name__)
-                outs = [(client, m.Error(getattr(msg, "session_id", None), "engine_error",
-                                         f"{type(e).__name__}: {e}", getattr(msg, "response_id", None)))]
-            self._send(outs)
+        if not items:
+            return
+        try:
+            outs = self.service.handle_many(items)
+        except Exception as e:  # noqa: BLE001 - a bug on some message must not take the engine down
+            log.exception("error handling %d messages", len(items))
+            outs = [(client, m.Error(getattr(msg, "session_id", None), "engine_error", f"{type(e).__name__}: {e}",
+                                     getattr(msg, "response_id", None))) for client, msg in items]
+        self._send(outs)
 
     def run_once(self, timeout_ms: int | None = None) -> None:
         if timeout_ms is None:
@@ -151,6 +159,15 @@ class EngineServer:
                 self._send(self._fail_all())
                 raise
             self._send(outs)
+            self._busy_since_check = True
+        elif self._busy_since_check and time.monotonic() - self._last_check > INTEGRITY_EVERY_S:
+            # Idle: verify the KV pool's books (free + used == total) once in a while.
+            self._last_check, self._busy_since_check = time.monotonic(), False
+            try:
+                self.service.engine.check_integrity()
+            except Exception:
+                log.exception("KV integrity check failed; exiting so the supervisor restarts the engine")
+                raise
 
     def _fail_all(self) -> list[Out]:
         outs: list[Out] = []
@@ -172,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
-    service = build_service(args)
+    from engines.config import ConfigError
+
+    try:
+        service = build_service(args)
+    except (ConfigError, OSError) as e:
+        log.error("cannot start the engine: %s", e)
+        return 2
     server = EngineServer(service, args.endpoint)
 
     def stop(signum: int, _frame: Any) -> None:

@@ -1,0 +1,182 @@
+"""Engine service end to end: real tiny engine, real tiny codec (encoder + decoder), real socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from engines.api import SamplingParams
+from engines.codec.audio_io import float32_to_pcm16, read_wav
+from engines.codec.decoder.codec_decoder import CodecDecoder
+from engines.codec.encoder import SpeechEncoder
+from engines.config import EngineConfig
+from engines.engine import Engine
+from engines.service import messages as m
+from engines.service.core import Service
+from engines.service.prompt import PromptBuilder
+from engines.service.tokenizer import StandInTokenizer
+from engines.tokens import EOSP, MODALITY_PAD
+
+ROOT = Path(__file__).resolve().parents[1]
+WAV = ROOT / "tests" / "data" / "speech_en_16k.wav"
+PB = PromptBuilder(StandInTokenizer())
+N_OUT = 8  # answer rows: 8 codes = the first chunk (5 + 3 lookahead), then the final one
+
+
+def engine() -> Engine:
+    return Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 * 1024 * 1024, max_model_len=2048), seed=0)
+
+
+def question_pcm(seconds: float = 1.5) -> bytes:
+    pcm, rate = read_wav(WAV)
+    assert rate == 16000
+    return float32_to_pcm16(pcm[: int(seconds * rate)])
+
+
+@pytest.fixture(scope="module")
+def codec() -> tuple[SpeechEncoder, CodecDecoder]:
+    return SpeechEncoder.load("tiny-random"), CodecDecoder.load("tiny-random")
+
+
+def test_spoken_turn_incremental_prefill_equals_prefill_at_once(codec) -> None:
+    enc, dec = codec
+    svc = Service(engine(), StandInTokenizer(), enc, dec)
+    greedy = m.Sampling(greedy=True, max_new_tokens=N_OUT, min_new_tokens=N_OUT)
+    svc.handle(b"c", m.OpenSession("s", sampling=greedy))
+    pcm = question_pcm(1.0)
+    out = []
+    for k, i in enumerate(range(0, len(pcm), 640)):  # 20 ms pieces, as a client sends them
+        out += svc.handle_many([(b"c", m.AppendUserAudio("s", pcm[i:i + 640]))])
+        if k % 10 == 9:  # the engine steps every 200 ms here (a busy loop steps far more often)
+            while svc.has_work():
+                out += svc.step()
+    while svc.has_work():  # the engine keeps up while the turn detector waits for silence
+        out += svc.step()
+    before = svc.engine.stats().prefilled_rows
+    codes_before = [x for _, x in out if isinstance(x, m.UserAudioProgress)][-1].codes
+    out += svc.handle(b"c", m.CommitUserAudio("s", "item"))
+    out += svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
+    while svc.has_work():
+        out += svc.step()
+    msgs = [x for _, x in out]
+    errors = [x for x in msgs if isinstance(x, m.Error)]
+    assert not errors
+    done = [x for x in msgs if isinstance(x, m.ResponseDone)][0]
+    # Speech codes of the whole utterance (the encoder's streaming == whole is tested in its suite).
+    codes = enc.encode(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0)
+    assert [x for x in msgs if isinstance(x, m.UserAudioProgress)][-1].codes == len(codes)
+    prompt = PB.system_rows(None, "audio") + PB.user_audio_turn_rows(codes) + PB.assistant_prefix_rows("audio")
+    hist = svc.engine.conversation_history("s")
+    assert hist[:len(prompt)] == prompt and done.prompt_rows == len(prompt)
+    # Everything said so far was already in the KV: at end of turn only the codes of the last
+    # partial 80 ms, the closing rows and the assistant prefix were left to prefill.
+    tail = len(codes) - codes_before + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
+    assert before == len(prompt) - tail and len(codes) - codes_before <= 1
+    assert svc.engine.stats().prefilled_rows - before == tail
+    # Same greedy answer as prefilling the whole turn at once on a fresh engine.
+    ref = engine()
+    ref.add_request("ref", prompt, SamplingParams.greedy_params(N_OUT, N_OUT))
+    ref_rows = []
+    while ref.has_work():
+        ref_rows += [(o.text_token, o.audio_token) for o in ref.step()]
+    assert hist[len(prompt):] == ref_rows and len(ref_rows) == N_OUT
+    # The answer's codes went through the real codec: 1920 samples of 24 kHz PCM per code.
+    chunks = [x for x in msgs if isinstance(x, m.AudioChunk)]
+    assert [c.index for c in chunks] == list(range(len(chunks))) and len(chunks) >= 2
+    assert all(t == MODALITY_PAD and a != EOSP for t, a in ref_rows)
+    assert done.audio_samples == sum(len(c.pcm24k) // 2 for c in chunks) == N_OUT * 1920
+    assert done.engine_ttfa_ms is not None and done.engine_ttfa_ms > 0
+
+
+def test_encoder_batches_sessions_like_alone(codec) -> None:
+    enc, _ = codec
+    pcm = question_pcm(0.6)
+    batched = Service(engine(), StandInTokenizer(), enc, None)
+    alone = Service(engine(), StandInTokenizer(), enc, None)
+    for svc in (batched, alone):
+        svc.handle(b"c", m.OpenSession("a"))
+        svc.handle(b"c", m.OpenSession("b"))
+    for i in range(0, len(pcm), 1280):
+        piece_b = pcm[i:i + 1280][::-1]  # another signal for the second session
+        outs = batched.handle_many([(b"c", m.AppendUserAudio("a", pcm[i:i + 1280])),
+                                    (b"c", m.AppendUserAudio("b", piece_b))])
+        outs += alone.handle(b"c", m.AppendUserAudio("a", pcm[i:i + 1280]))
+        outs += alone.handle(b"c", m.AppendUserAudio("b", piece_b))
+        assert not [x for _, x in outs if isinstance(x, m.Error)]
+    for sid in ("a", "b"):
+        assert batched.sessions[sid].active.codes == alone.sessions[sid].active.codes
+        assert len(batched.sessions[sid].active.codes) >= 5  # 0.6 s, less the encoder's lookahead
+
+
+def _recv(sock: zmq.Socket, timeout_s: float = 60.0):
+    if not sock.poll(int(timeout_s * 1000)):
+        raise TimeoutError("no message from the engine process")
+    return m.decode(sock.recv())
+
+
+def test_engine_process_over_zmq(tmp_path) -> None:
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    ready = tmp_path / "ready.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "engines.service.process", "--model", "tiny-random",
+                             "--codec", "tiny-random", "--endpoint", endpoint, "--ready-file", str(ready),
+                             "--kv-cache-gib", "0.01"], cwd=ROOT, env=env)
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (a, b):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+        a.send(m.encode(m.Ping(1)))  # queued until the engine binds: the first Pong means loaded
+        pong = _recv(a, 120)
+        assert isinstance(pong, m.Pong) and pong.nonce == 1 and pong.stats["kv_free"] == pong.stats["kv_total"]
+        assert json.loads(ready.read_text())["pid"] == proc.pid
+        a.send(b"\x93not a message")
+        assert _recv(a).code == "invalid_request"
+        a.send(m.encode(m.OpenSession("s1")))
+        assert _recv(a) == m.SessionReady("s1")
+        b.send(m.encode(m.AddUserText("s1", "i", "hijack")))
+        err = _recv(b)
+        assert isinstance(err, m.Error) and err.code == "invalid_request"
+        pcm = question_pcm(0.5)
+        for i in range(0, len(pcm), 640):
+            a.send(m.encode(m.AppendUserAudio("s1", pcm[i:i + 640])))
+        a.send(m.encode(m.CommitUserAudio("s1", "item")))
+        a.send(m.encode(m.CreateResponse("s1", "r1", "text", m.Sampling(greedy=True, max_new_tokens=4))))
+        got = []
+        while not got or not isinstance(got[-1], m.ResponseDone):
+            got.append(_recv(a))
+        assert not [x for x in got if isinstance(x, m.Error)]
+        assert [x for x in got if isinstance(x, m.UserAudioProgress)][-1].codes == 7  # 0.5 s at 12.5 Hz
+        done = got[-1]
+        assert done.response_id == "r1" and done.output_rows == 4 and done.prompt_rows > 7
+        assert done.text == "".join(x.text for x in got if isinstance(x, m.TextDelta))
+        assert not [x for x in got if isinstance(x, m.AudioChunk)]  # text answer: no audio
+        a.send(m.encode(m.CloseSession("s1")))
+        a.send(m.encode(m.Ping(2)))
+        pong = _recv(a)
+        assert pong.nonce == 2 and pong.stats["kv_free"] == pong.stats["kv_total"] and pong.stats["sessions"] == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        a.close(0)
+        b.close(0)
+        ctx.term()
+
+
+def test_engine_process_refuses_bad_arguments(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "engines.service.process", "--model", str(tmp_path / "missing"),
+                        "--codec", "none", "--endpoint", f"ipc://{tmp_path}/x.sock"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no config.json" in r.stderr and "Traceback" not in r.stderr
