@@ -259,6 +259,40 @@ def test_client_counts_refused_connections_as_errors(scripted_server):
     assert rep["sessions"]["connected"] == 0 and rep["turns"]["recorded"] == 0
 
 
+def test_client_webrtc_commit_turn_against_scripted_engine(scripted_server):
+    _, rep = _run_against(scripted_server.http, sessions=1, turns=2, turn_detection="commit", transport="webrtc",
+                          api_key="secret")
+    assert rep["errors"]["total"] == 0, rep["errors"]
+    assert rep["turns"]["ok"] == 2
+    for r in rep["turn_records"]:
+        # Heard on the track between the first audible frame and output_audio_buffer.stopped: about the 1.6 s sent.
+        assert 1.2 <= r["audio_s"] <= 1.7 and r["ttfa_ms"] > 0 and r["response_status"] == "completed"
+
+
+def test_webrtc_is_refused_clearly_without_the_endpoint(capsys):
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        from moss_speech.cli import main
+
+        rc = main(["loadtest", "--url", f"http://127.0.0.1:{httpd.server_port}", "--transport", "webrtc"])
+    finally:
+        httpd.shutdown()
+    assert rc == 2
+    assert "no WebRTC endpoint (POST /v1/realtime/calls answered 404)" in capsys.readouterr().err
+
+
 # ---- CI smoke: the real server with the tiny model, driven by the CLI -----------------------------------------------
 
 def _free_port() -> int:

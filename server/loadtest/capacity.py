@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from server.loadtest.run import add_common_arguments, prepare, run_level
+from server.loadtest.run import add_common_arguments, make_config, prepare, run_level
 
 TTFA_METRICS = ("ttfa_commit_ms", "ttfa_ms", "server_ttfa_ms")
 
@@ -31,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server's own number")
     p.add_argument("--level-duration", type=float, default=180.0, help="bound on each level in seconds (180)")
     p.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the unrecorded 1-session turn that first wakes the server (VAD model, kernels)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the curve and capacity here")
     p.add_argument("--plots", default=None, metavar="DIR", help="write capacity.png and ttfa_cdf.png here")
 
@@ -82,14 +85,16 @@ def run(args: argparse.Namespace) -> int:
           f"of speech (~{utt.duration_s * 12.5:.0f} rows) per turn, {args.turns} turns per session; answers <= "
           f"{args.max_output_tokens} rows; floor: real time = one decode step per session every 80 ms "
           f"(12.5 codes/s); criteria: p95 {metric} <= {args.ttfa_budget_ms:.0f} ms, no underruns, no errors")
+    if args.warmup:
+        warm = run_level(replace(make_config(args, 1, args.level_duration), turns=1), utt, hw, progress=False)
+        print(f"warm-up: 1 turn, {warm['turns']['ok']} ok, errors {warm['errors']['by_code'] or 0} (not recorded)")
     print(f"{'sessions':>8} {'p50':>7} {'p95':>7} {'p99':>7} {'underrun turns':>12} {'errors':>6}  verdict")
     curve: list[dict[str, Any]] = []
     reports: list[dict[str, Any]] = []
     capacity = 0
     failed = False
     for n in plan:
-        cfg, _, _ = prepare(args, n, args.level_duration)  # per-level config (sessions, workers)
-        rep = run_level(cfg, utt, hw, progress=not args.quiet)
+        rep = run_level(make_config(args, n, args.level_duration), utt, hw, progress=not args.quiet)
         why = verdict(rep, metric, args.ttfa_budget_ms)
         print(_row(n, rep, metric, why), flush=True)
         reports.append(rep)

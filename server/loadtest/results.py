@@ -16,6 +16,7 @@ CONNECTION_CLOSED = "connection_closed"
 TURN_TIMEOUT = "turn_timeout"
 NO_AUDIO = "no_audio"
 BAD_EVENT = "bad_server_event"
+CLIENT_BUG = "loadtest_client_error"
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 from server.loadtest.config import LoadConfig
 from server.loadtest.results import (
     BAD_EVENT,
+    CLIENT_BUG,
     CONNECT_FAILED,
     CONNECTION_CLOSED,
     NO_AUDIO,
@@ -49,6 +50,10 @@ class _Turn:
     first_chunk_samples: int = 0
     done_t: float | None = None
     closed: bool = False
+    # WebRTC: the answer is heard on the track, between output_audio_buffer.started and .stopped
+    audio_started: bool = False
+    audio_stopped: bool = False
+    pending_done: tuple[dict[str, Any], float] | None = None
 
 
 def session_update_event(cfg: LoadConfig) -> dict[str, Any]:
@@ -73,6 +78,8 @@ def append_message(frame_b64: str) -> str:
 
 
 class SimulatedUser:
+    mic_is_track = False  # True: the transport pulls microphone frames itself (a WebRTC track) at real time
+
     def __init__(self, cfg: LoadConfig, index: int, speech_msgs: list[str], silence_msg: str, speech_s: float,
                  collector: Collector, run_t0: float, deadline: float) -> None:
         self.cfg = cfg
@@ -105,6 +112,9 @@ class SimulatedUser:
     async def close(self) -> None:
         raise NotImplementedError
 
+    async def before_commit(self) -> None:
+        """Commit mode: wait until the server has the utterance (WebRTC audio trails the data channel)."""
+
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def run(self) -> None:
         c = self.collector
@@ -116,10 +126,10 @@ class SimulatedUser:
                 await self._handshake()
             except SessionFailed:
                 raise
-            except (TimeoutError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - sockets, HTTP, SDP: whatever stops a session from starting
                 raise SessionFailed(CONNECT_FAILED, f"{type(e).__name__}: {e}") from e
             c.sessions_connected += 1
-            if self.cfg.turn_detection == "server_vad":
+            if self.cfg.turn_detection == "server_vad" and not self.mic_is_track:
                 mic = asyncio.create_task(self._mic_loop(continuous=True))
             for k in range(self.cfg.turns):
                 if self.loop.time() >= self.deadline or not await self._one_turn(k):
@@ -130,6 +140,9 @@ class SimulatedUser:
         except asyncio.CancelledError:
             self._cut_open_turn()
             raise
+        except Exception as e:  # noqa: BLE001 - a bug or an unforeseen failure must show in the report, not vanish
+            self._cut_open_turn()
+            c.error(CLIENT_BUG, f"{type(e).__name__}: {e}")
         finally:
             self._closing = True
             if mic is not None:
@@ -179,14 +192,9 @@ class SimulatedUser:
             else:
                 self.max_lag_s = max(self.max_lag_s, -delay)
             try:
-                if self._speech_queue:
-                    await self.send_mic_frame(self._speech_queue.pop())
-                    if not self._speech_queue and self._speech_done is not None and not self._speech_done.done():
-                        self._speech_done.set_result(self.loop.time())
-                elif continuous:
-                    await self.send_mic_frame(self.silence_msg)
-                else:
+                if not self._speech_queue and not continuous:
                     return
+                await self.send_mic_frame(self.next_mic_frame())
             except Exception as e:  # noqa: BLE001 - any send failure ends this user's microphone
                 self.on_closed(f"sending audio failed: {type(e).__name__}: {e}")
                 return
@@ -197,9 +205,18 @@ class SimulatedUser:
             raise SessionFailed(CONNECTION_CLOSED, self.closed_reason, counted=True)
         self._speech_queue = list(reversed(self.speech_msgs))
         self._speech_done = self.loop.create_future()
-        if self.cfg.turn_detection == "commit":
+        if self.cfg.turn_detection == "commit" and not self.mic_is_track:
             await self._mic_loop(continuous=False)
         return await self._speech_done
+
+    def next_mic_frame(self) -> Any:
+        """For transports whose track pulls frames: the next utterance frame, or silence."""
+        if not self._speech_queue:
+            return self.silence_msg
+        frame = self._speech_queue.pop()
+        if not self._speech_queue and self._speech_done is not None and not self._speech_done.done():
+            self._speech_done.set_result(self.loop.time())
+        return frame
 
     # ---- one turn -------------------------------------------------------------------------------------------
     async def _one_turn(self, k: int) -> bool:
@@ -209,6 +226,7 @@ class SimulatedUser:
         self.turn = t
         t.speech_end = await self._speak()
         if self.cfg.turn_detection == "commit":
+            await self.before_commit()
             t.commit_t = self.loop.time()
             await self.send_event({"type": "input_audio_buffer.commit"})
             await self.send_event({"type": "response.create"})
