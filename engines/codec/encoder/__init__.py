@@ -11,6 +11,8 @@ Public API::
     codes = s.finalize()                     # last partial 80 ms completed with silence; stream closes
     out = enc.batch().step([(s1, p1), (s2, p2)])   # several sessions in one forward, same result as alone
     out = enc.batch().finalize([s1, s2])
+    s.close()                                # abandon without flushing (frees the stream's KV slot)
+    enc.reserve(64)                          # preallocate KV slots for 64 concurrent streams
     s.codes_out, s.samples_seen, s.last_features   # progress; pre-VQ features [n, d] of the last codes
 
 Timing: code k covers samples [1280 k, 1280 k + 1280) and is known once sample 1280 k + 1160 has

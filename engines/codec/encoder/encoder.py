@@ -70,6 +70,10 @@ class SpeechEncoder:
             state = load_state(path_or_preset, cfg, dev)
         return cls(cfg, state, dev, tdtype)
 
+    def reserve(self, streams: int) -> None:
+        """Preallocate KV slots for this many concurrent streams (else the pool doubles as needed)."""
+        self.runner.kv.reserve(streams)
+
     def open_stream(self) -> EncoderStream:
         return EncoderStream(self)
 
