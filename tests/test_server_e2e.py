@@ -23,7 +23,7 @@ from tests.fakes.harness import RunningServer, recv_event, recv_until, send
 
 WAV = Path(__file__).parent / "data" / "speech_en_16k.wav"
 SAMPLES_PER_CODE = 1920  # 24 kHz / 12.5 Hz
-ROWS = 12  # answer length cap for these tests
+ROWS = 6  # answer length cap for these tests (CPU time)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ async def test_openai_sdk_realtime_client(srv):
         await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
                                            "audio": {"input": {"turn_detection": None,
                                                                "format": {"type": "audio/pcm", "rate": 24000}}}})
-        for chunk in b64_chunks(speech24k()):
+        for chunk in b64_chunks(speech24k()[: 36000]):  # 1.5 s is enough here
             await conn.input_audio_buffer.append(audio=chunk)
         await conn.input_audio_buffer.commit()
         await conn.response.create(response={"max_output_tokens": ROWS})
@@ -196,7 +196,7 @@ async def test_engine_killed_mid_session_then_new_session_works(srv):
         await recv_event(ws)
         await send(ws, "conversation.item.create", item={"type": "message", "role": "user",
                                                          "content": [{"type": "input_text", "text": "Hi."}]})
-        await send(ws, "response.create", response={"max_output_tokens": ROWS})
+        await send(ws, "response.create", response={"max_output_tokens": ROWS, "output_modalities": ["text"]})
         evs = await recv_until(ws, "response.done", timeout=180)
         assert evs[-1]["response"]["status"] in ("completed", "incomplete")
-        assert by_type(evs, "response.output_audio.delta")
+        assert evs[-1]["response"]["usage"]["output_tokens"] > 0
