@@ -85,8 +85,8 @@ class Engine:
         sched = self.scheduler.schedule()
         outputs = [StepOutput(s.request_id, -1, -1, s.mode, True, "abort") for s in sched.finished]
         if sched.chunks:
-            _, hidden = self.runner.forward(sched.chunks)
-            tokens = self.runner.sample(sched.chunks, hidden)
+            hidden, audio_logits = self.runner.forward(sched.chunks)
+            tokens = self.runner.sample(sched.chunks, hidden, audio_logits)
             outputs += self._emit(sched.chunks, tokens)
         self._stats.steps += 1
         return outputs

@@ -29,13 +29,22 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        # One block past the pool: padding rows of CUDA-graph batches write there.
+        self.pad_block = num_blocks
         self.kv_cache = torch.zeros(
-            model_config.num_attention_layers, 2, num_blocks, config.block_size,
+            model_config.num_attention_layers, 2, num_blocks + 1, config.block_size,
             model_config.num_key_value_heads, model_config.head_dim, dtype=self.dtype, device=self.device,
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.text_seen = torch.zeros(config.max_running, model_config.vocab_size, dtype=torch.bool, device=self.device)
         self.audio_seen = torch.zeros(config.max_running, model_config.audio_vocab_size, dtype=torch.bool,
                                       device=self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            from engines.graphs import CudaGraphDecoder
+
+            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_running,
+                                           -(-config.max_model_len // config.block_size), self.pad_block)
+            self.graphs.capture()
 
     # ---- run -----------------------------------------------------------------------------
 
@@ -55,6 +64,9 @@ class ModelRunner:
             if c.needs_logits:
                 logits_rows.append(qstart[-1] - 1)
         width = max(len(t) for t in tables)
+        num_decode = 0
+        while num_decode < len(chunks) and chunks[num_decode].num_rows == 1:
+            num_decode += 1
         dev = self.device
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         return ForwardBatch(
@@ -67,7 +79,10 @@ class ModelRunner:
             logits_rows=as_long(logits_rows),
             max_query_len=max(c.num_rows for c in chunks),
             max_context_len=max(ctx),
-            is_decode=all(c.num_rows == 1 for c in chunks),
+            is_decode=num_decode == len(chunks),
+            num_decode_seqs=num_decode,
+            query_start_host=qstart,
+            context_lens_host=ctx,
         )
 
     def _mark_seen(self, chunks: list[ScheduledChunk], batch: ForwardBatch) -> None:
@@ -89,16 +104,19 @@ class ModelRunner:
         self.audio_seen[slot_t, batch.rows[:, 1]] = True
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [2, R, hidden] (text tail, audio tail) at the logits rows; audio logits when a graph ran."""
         batch = self.build_batch(chunks)
         self._mark_seen(chunks, batch)
-        hidden = self.model(batch, self.kv_cache)  # [2, R, hidden]: text tail, audio tail at logits rows
-        return batch, hidden
+        if self.graphs is not None and batch.is_decode and self.graphs.bucket(batch.num_seqs) is not None:
+            return self.graphs.replay(batch)
+        return self.model(batch, self.kv_cache), None
 
     # ---- sample --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[tuple[int, int]]:
+    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+               audio_logits: torch.Tensor | None = None) -> list[tuple[int, int]]:
         """(text, audio) token per chunk that needs logits, in chunk order. Text logits only for text-mode rows."""
         seqs = [c.seq for c in chunks if c.needs_logits]
         if not seqs:
@@ -109,7 +127,9 @@ class ModelRunner:
         steps = torch.tensor([s.num_generated for s in seqs], dtype=torch.long, device=dev)
         greedy = [s.params.greedy for s in seqs]
 
-        audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32
+        if audio_logits is None:
+            audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32
+        audio_logits = audio_logits.clone()  # masked in place below; a graph's output buffer stays intact
         min_new = torch.tensor([s.params.min_new_tokens for s in seqs], dtype=torch.long, device=dev)
         audio_logits = mask_audio_logits(audio_logits, steps, min_new)
         audio_tokens = sample_channel(

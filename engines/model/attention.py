@@ -27,6 +27,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q: [T, heads, head_dim] -> [T, heads, head_dim] in q's dtype. Row r of sequence i sees key positions
     0..positions[r] of that sequence, read through block_tables[i]. Scores and softmax in float32.
     """
+    if q.is_cuda:
+        from engines.kernels.attention_gpu import paged_attention_cuda
+
+        return paged_attention_cuda(q, k_cache, v_cache, batch, scale)
     t, heads, d = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     groups = heads // kvh

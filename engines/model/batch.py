@@ -24,6 +24,11 @@ class ForwardBatch:
     max_query_len: int  # host copies of the maxima, so kernels need no device sync
     max_context_len: int
     is_decode: bool = False  # every sequence has exactly one new row
+    # Sequences 0..num_decode_seqs-1 have one new row each (the runner puts them first), so a
+    # decode kernel can take them together; the rest are prefill chunks.
+    num_decode_seqs: int = 0
+    query_start_host: list[int] | None = None  # host copies, so prefill never syncs to read them
+    context_lens_host: list[int] | None = None
 
     @property
     def num_rows(self) -> int:

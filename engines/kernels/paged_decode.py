@@ -1,0 +1,103 @@
+"""Triton paged attention for rows that are the last position of their sequence (decode rows).
+
+Split-KV ("flash decoding"): grid (seqs, kv_heads, splits). Each program takes one KV head's
+query group over a slice of the sequence's context, reading K/V straight from the paged cache
+through the block table, and keeps an online softmax; a second kernel merges the splits. The
+split slice is computed in the kernel from the sequence's context length, so the launch shape
+depends only on the batch size and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NUM_SPLITS = 16
+TILE = 64
+
+
+@triton.jit
+def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
+                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  TILE_N: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(CTX + b)
+    per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), TILE_N) * TILE_N
+    start = s * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    g_mask = offs_g < G
+    heads = kvh * G + offs_g
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for t0 in range(start, end, TILE_N):
+        offs_t = t0 + tl.arange(0, TILE_N)
+        t_mask = offs_t < end
+        blk = tl.load(BT + b * stride_bt + offs_t // PAGE, mask=t_mask, other=0)
+        row = blk.to(tl.int64) * stride_kb + (offs_t % PAGE) * stride_ks + kvh * stride_kh
+        k = tl.load(K + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)  # [TILE, D]
+        v = tl.load(V + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale  # [GP, TILE] float32
+        qk = tl.where(t_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    H = tl.num_programs(1) * G
+    base = (b * H + heads) * SPLITS + s  # [GP]
+    tl.store(M_OUT + base, m, mask=g_mask)
+    tl.store(L_OUT + base, l_sum, mask=g_mask)
+    tl.store(ACC_OUT + base[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_ot, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    base = (b * H + h) * SPLITS
+    m = tl.load(M_IN + base + offs_s)
+    l_sum = tl.load(L_IN + base + offs_s)
+    acc = tl.load(ACC_IN + (base + offs_s)[:, None] * D + offs_d[None, :])
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # empty splits weigh nothing
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+    tl.store(OUT + b * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, heads, D] (one row per sequence, at its last position) -> [B, heads, D].
+
+    k_cache, v_cache: [num_blocks, block_size, kv_heads, D]; block_tables [B, max_blocks]; context_lens [B].
+    """
+    b, heads, d = q.shape
+    page, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = heads // kvh
+    q = q.contiguous()
+    m = torch.empty(b, heads, NUM_SPLITS, device=q.device, dtype=torch.float32)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(b, heads, NUM_SPLITS, d, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    _split_kernel[(b, kvh, NUM_SPLITS)](
+        q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE, SPLITS=NUM_SPLITS,
+        num_warps=4, num_stages=2,
+    )
+    _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=NUM_SPLITS, num_warps=4)
+    return out
