@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from engines.api import SamplingParams
-from engines.codec.audio_io import float32_to_pcm16, read_wav
+from engines.codec.audio_io import float32_to_pcm16, read_wav, write_wav
 from engines.codec.decoder.codec_decoder import CodecDecoder
 from engines.codec.encoder import SpeechEncoder
 from engines.config import EngineConfig
@@ -180,3 +180,26 @@ def test_engine_process_refuses_bad_arguments(tmp_path) -> None:
                         "--codec", "none", "--endpoint", f"ipc://{tmp_path}/x.sock"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_voice_prompt_from_wav(codec, tmp_path) -> None:
+    from engines.service.process import voice_loader
+
+    enc, dec = codec
+    svc = Service(engine(), StandInTokenizer(), enc, dec, voice_loader(enc, "tiny-random"))
+    pcm, rate = read_wav(WAV)
+    wav = tmp_path / "voice.wav"
+    write_wav(wav, pcm[:rate], rate)
+    out = [x for _, x in svc.handle(b"c", m.OpenSession("bad", voice_wav=b"RIFF nonsense"))]
+    assert out[0].code == "invalid_request" and "voice_wav" in out[0].message and "bad" not in svc.sessions
+    assert [x for _, x in svc.handle(b"c", m.OpenSession("s", voice_wav=wav.read_bytes()))] == [m.SessionReady("s")]
+    voice = svc.sessions["s"].voice
+    assert voice.name.startswith("wav-") and voice.codes.numel() > 5 and voice.mel.shape[1] == 4 * voice.codes.numel()
+    svc.handle(b"c", m.AddUserText("s", "i", "hi"))
+    svc.handle(b"c", m.CreateResponse("s", "r", "audio", m.Sampling(greedy=True, max_new_tokens=6, min_new_tokens=6)))
+    msgs = []
+    while svc.has_work():
+        msgs += [x for _, x in svc.step()]
+    done = msgs[-1]
+    assert isinstance(done, m.ResponseDone) and done.audio_samples == 6 * 1920
+    assert not [x for x in msgs if isinstance(x, m.Error)]

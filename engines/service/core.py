@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,12 +68,15 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 
 
 class Service:
-    def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None) -> None:
+    def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
+                 voice_loader: Callable[[bytes], Any] | None = None) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize()`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
-        decoded in one batch per step."""
+        decoded in one batch per step. `voice_loader`: WAV bytes -> the decoder's speaker prompt
+        (raises ValueError for a bad recording); without it a session's voice_wav is refused."""
         self.engine = engine
+        self.voice_loader = voice_loader
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
         self.encoder = encoder
@@ -234,12 +238,14 @@ class Service:
         if self.engine.conversation_rows(msg.session_id):
             raise ServiceError("invalid_request", f"session {msg.session_id!r} is still closing")
         s = Session(msg.session_id, client, instructions=msg.instructions, voice_wav=msg.voice_wav,
-                    sampling=sampling_params(msg.sampling) if msg.sampling else None)
+                    sampling=sampling_params(msg.sampling) if msg.sampling else None,
+                    voice=self._voice(msg.voice_wav))
         self.sessions[msg.session_id] = s
         self._send(client, m.SessionReady(msg.session_id))
 
     def _on_UpdateSession(self, client: bytes, msg: m.UpdateSession) -> None:
         s = self._session(client, msg.session_id)
+        voice = self._voice(msg.voice_wav)  # first: a bad update changes nothing
         if msg.sampling is not None:
             s.sampling = sampling_params(msg.sampling)
         if msg.instructions is not None and msg.instructions != s.instructions:
@@ -247,8 +253,15 @@ class Service:
             if s.system_sent:
                 s.pending_rows += self.prompts.text_turn_rows("system", msg.instructions)
         if msg.voice_wav is not None:
-            s.voice_wav = msg.voice_wav
+            s.voice_wav, s.voice = msg.voice_wav, voice  # from the next response on
         self._send(client, m.SessionReady(msg.session_id))
+
+    def _voice(self, wav: bytes | None) -> Any:
+        if wav is None:
+            return None
+        if self.voice_loader is None:
+            raise ServiceError("invalid_request", "this engine cannot use voice prompts (no codec loaded)")
+        return self.voice_loader(wav)
 
     def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:
         s = self._session(client, msg.session_id)
@@ -421,7 +434,7 @@ class Service:
                           cached_rows=t.base_rows, prefix_last_row=prefix[-1],
                           detok=IncrementalDetokenizer(self.tokenizer))
         if msg.modality == "audio" and self.decoder is not None:
-            r.decoder_stream = self.decoder.open_stream(s.session_id, seed=params.seed or 0)
+            r.decoder_stream = self.decoder.open_stream(s.session_id, voice=s.voice, seed=params.seed or 0)
         t.response = r
         self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
 

@@ -26,12 +26,16 @@ engine's state unknown: every session with a live response gets `Error(engine_er
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import logging
 import os
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +93,35 @@ def build_service(args: argparse.Namespace) -> Service:
             vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
         encoder = SpeechEncoder.load(args.codec, device=args.device)
         decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed)
+    voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)
     log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
              time.monotonic() - t0)
-    return Service(engine, tokenizer, encoder, decoder)
+    return Service(engine, tokenizer, encoder, decoder, voices)
+
+
+def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
+    """WAV bytes -> a decoder Voice: codes by our speech encoder, x-vector by the codec's campplus.onnx
+    when the codec directory has it (random presets: zero x-vector). Named by content, so the
+    decoder's voice cache serves sessions that send the same recording."""
+    campplus = Path(codec) / "flow" / "campplus.onnx"
+    campplus_path = campplus if campplus.is_file() else None
+
+    def load(wav: bytes) -> Any:
+        from engines.codec.decoder.voice import Voice
+
+        digest = hashlib.sha1(wav).hexdigest()[:16]
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                path = Path(d) / "voice.wav"
+                path.write_bytes(wav)
+                voice = Voice.from_wav(path, encode=encoder.encode, campplus=campplus_path)
+        except Exception as e:  # noqa: BLE001 - any unreadable recording is one client error
+            raise ValueError(f"voice_wav is not a usable recording: {type(e).__name__}: {e}") from None
+        return dataclasses.replace(voice, name=f"wav-{digest}")
+
+    return load
 
 
 class EngineServer:

@@ -118,6 +118,7 @@ class Session:
     owner: bytes  # the client (ZeroMQ identity) that opened it; every reply goes there
     instructions: str | None = None
     voice_wav: bytes | None = None
+    voice: Any = None  # the decoder's speaker prompt made from voice_wav (None: the codec's default)
     sampling: SamplingParams | None = None  # last used; incremental prefill opens requests with it
     system_sent: bool = False
     close_rows: list[Row] = field(default_factory=list)
