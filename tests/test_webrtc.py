@@ -552,3 +552,20 @@ async def test_idle_live_mic_under_server_vad_never_hits_the_input_buffer_limit(
         for _ in range(150):
             await s.feed_audio(np.zeros(320, np.float32), 16000)
     await s.close()
+
+
+async def test_voice_prompt_upload_reaches_the_engine(engine):
+    app = build_app(engine)
+    wav = SPEECH_WAV.read_bytes()
+    async with _asgi(app) as http:
+        r = await http.post("/v1/realtime/calls", content=await _offer_sdp(),
+                            headers={"Content-Type": "application/sdp"})
+        call_id = r.headers["location"].rsplit("/", 1)[1]
+        bad = await http.post(f"/v1/realtime/calls/{call_id}/voice", content=b"not a wav",
+                              headers={"Content-Type": "audio/wav"})
+        assert bad.status_code == 400 and "WAV" in bad.json()["error"]["message"]
+        ok = await http.post(f"/v1/realtime/calls/{call_id}/voice", content=wav, headers={"Content-Type": "audio/wav"})
+        assert ok.status_code == 204
+        updates = [x for x in engine.received if isinstance(x, m.UpdateSession)]
+        assert len(updates) == 1 and updates[0].voice_wav == wav
+        await app.state.webrtc.calls.close_all()
