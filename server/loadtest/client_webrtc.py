@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
@@ -43,6 +43,27 @@ def unavailable_reason(cfg: LoadConfig) -> str | None:
         return (f"the server has no WebRTC endpoint (POST /v1/realtime/calls answered {r.status_code}); "
                 "use --transport ws")
     return None
+
+
+_ice_cache: dict[str, list[RTCIceServer]] = {}
+
+
+async def server_ice_servers(cfg: LoadConfig) -> list[RTCIceServer]:
+    """The STUN/TURN servers the server hands to browsers (GET /v1/info), so a remote test can cross NAT the
+    same way; none (host candidates only, e.g. loopback) when it lists none. Fetched once per process."""
+    url = cfg.http_url("/v1/info")
+    if url not in _ice_cache:
+        servers: list[RTCIceServer] = []
+        try:
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.get(url, headers=cfg.auth_headers)
+            for s in (r.json().get("ice_servers") or []) if r.status_code == 200 else []:
+                servers.append(RTCIceServer(urls=s["urls"], username=s.get("username"),
+                                            credential=s.get("credential")))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            servers = []
+        _ice_cache[url] = servers
+    return _ice_cache[url]
 
 
 class _MicTrack(MediaStreamTrack):
@@ -90,8 +111,8 @@ class WebRtcUser(SimulatedUser):
 
     async def open(self) -> None:
         self._tasks = []
-        # No ICE servers: loopback / LAN host candidates (aiortc would otherwise add a public STUN server).
-        self.pc = pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        # An explicit list even when empty: aiortc would otherwise add a public STUN server.
+        self.pc = pc = RTCPeerConnection(RTCConfiguration(iceServers=await server_ice_servers(self.cfg)))
         pc.addTrack(_MicTrack(self))
         self.channel = ch = pc.createDataChannel(EVENT_CHANNEL)
         opened = self.loop.create_future()
