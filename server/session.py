@@ -148,7 +148,12 @@ class Session:
         self._items: list[str] = []  # conversation item ids in order
         self._response: _Response | None = None
         self._last_response: _Response | None = None  # for conversation.item.truncate after it ended
-        self._held: list[Any] = []  # engine inputs held while an answer is generated
+        # Conversation inputs for the engine, in order, held while the engine generates an answer
+        # (from CreateResponse sent until its ResponseDone); see _engine_input.
+        self._held: deque[Any] = deque()
+        self._engine_busy = False
+        self._flushing = False
+        self._auto_response_pending = False  # a VAD turn ended while a cancelled answer was still finishing
         # Input audio: samples at 16 kHz sent to the engine since the last commit/clear
         self._buffer_samples_16k = 0
         self._buffer_samples_client = 0  # client-rate samples appended since the last commit (limit check)
@@ -505,8 +510,11 @@ class Session:
         self._turn_committed_at = time.monotonic()
         self._emit(ev.event("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id))
         self._add_item(item_id, "user", [{"type": "input_audio", "transcript": None}])
-        if auto_response and self._response is None:
-            await self._create_response(parse_response_create(None, self.config))
+        if auto_response:
+            if self._response is None:
+                await self._create_response(parse_response_create(None, self.config))
+            elif self._response.cancel_sent:  # barge-in: answer once the interrupted one has ended
+                self._auto_response_pending = True
 
     def _add_item(self, item_id: str, role: str, content: list[dict[str, Any]]) -> None:
         prev = self._items[-1] if self._items else None
@@ -526,8 +534,8 @@ class Session:
         self._response = r
         sampling = opts["sampling"]
         self._emit(ev.event("response.created", response=ev.response_obj(r, self.id, "in_progress")))
-        await self.engine.send(m.CreateResponse(session_id=self.id, response_id=r.id, modality=r.modality,
-                                                sampling=sampling))
+        await self._engine_input(m.CreateResponse(session_id=self.id, response_id=r.id, modality=r.modality,
+                                                  sampling=sampling))
         self.log.info("response created id=%s modality=%s", r.id, r.modality)
 
     async def _cancel_response(self, reason: str, played_samples: int | None) -> None:
@@ -536,6 +544,9 @@ class Session:
             return
         r.cancel_sent = True
         r.cancel_reason = reason
+        if self._unsend_create(r.id):  # the engine never saw it: end it here
+            self._finish_response(r, "cancelled", reason)
+            return
         await self.engine.send(m.CancelResponse(session_id=self.id, response_id=r.id))
         if played_samples is not None:
             dropped = self.outbound.drop_audio(r.id)
@@ -672,18 +683,13 @@ class Session:
                       None if r.ttfa_ms is None else round(r.ttfa_ms, 1))
         self._last_response = r
         self._response = None
+        self._engine_busy = False
+        loop = asyncio.get_running_loop()
         if self._held:
-            held, self._held = self._held, []
-            asyncio.get_running_loop().create_task(self._send_held(held))
-
-    async def _send_held(self, held: list[Any]) -> None:
-        for msg in held:
-            if self.closed:
-                return
-            if self._response is not None:  # a new answer started meanwhile: keep holding, in order
-                self._held.append(msg)
-                continue
-            await self.engine.send(msg)
+            loop.create_task(self._flush_held())
+        if self._auto_response_pending:
+            self._auto_response_pending = False
+            loop.create_task(self._create_response(parse_response_create(None, self.config)))
 
     def _prev_of(self, item_id: str) -> str | None:
         i = self._items.index(item_id) if item_id in self._items else 0
@@ -692,11 +698,34 @@ class Session:
     # ---- outbound helpers --------------------------------------------------------------------
 
     async def _engine_input(self, msg: Any) -> None:
-        """Conversation input for the engine; held while an answer is generated (see module doc)."""
-        if self._response is not None or self._held:
+        """Conversation input (user audio, items, CreateResponse) for the engine, strictly in order; held
+        from a CreateResponse until its answer has ended (see module doc)."""
+        if self._engine_busy or self._held or self._flushing:
             self._held.append(msg)
         else:
-            await self.engine.send(msg)
+            await self._send_ordered(msg)
+
+    async def _send_ordered(self, msg: Any) -> None:
+        if isinstance(msg, m.CreateResponse):
+            self._engine_busy = True
+        await self.engine.send(msg)
+
+    async def _flush_held(self) -> None:
+        if self._flushing:
+            return
+        self._flushing = True
+        try:
+            while self._held and not self._engine_busy and not self.closed:
+                await self._send_ordered(self._held.popleft())
+        finally:
+            self._flushing = False
+
+    def _unsend_create(self, response_id: str) -> bool:
+        for msg in self._held:
+            if isinstance(msg, m.CreateResponse) and msg.response_id == response_id:
+                self._held.remove(msg)
+                return True
+        return False
 
     def _emit(self, event: dict[str, Any]) -> None:
         if not self.outbound.put(event):

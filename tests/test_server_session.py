@@ -181,3 +181,27 @@ async def test_feed_audio_at_48k_reaches_engine_at_16k():
     total = sum(len(x.pcm16k) // 2 for x in link.of(m.AppendUserAudio))
     assert total == 16000
     assert isinstance(link.sent[-1], m.CommitUserAudio)
+
+
+async def test_turn_ending_before_interrupted_answer_ends_gets_answered_after_it(speech24k):
+    s, link = await new_session()
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
+    rid = link.of(m.CreateResponse)[0].response_id
+    s.on_engine_message(m.ResponseStarted("sess_test", rid, prompt_rows=40))
+    s.on_engine_message(m.AudioChunk("sess_test", rid, CHUNK, 0))
+    drain(s)
+    n_before = len(link.sent)
+    # A whole new user turn (speech, then silence) before the engine reports the cancelled answer done.
+    await feed(s, np.concatenate([speech24k, silence(1.0)]))
+    new = link.sent[n_before:]
+    assert [type(x).__name__ for x in new] == ["CancelResponse", "TruncateResponse"]
+    assert "input_audio_buffer.speech_stopped" in types(drain(s))
+    s.on_engine_message(m.ResponseDone("sess_test", rid, "cancelled", reason="client_cancelled"))
+    await asyncio.sleep(0.05)
+    after = [type(x).__name__ for x in link.sent[n_before + 2:]]
+    # Held in order: the new turn's audio, its commit, then the answer to it.
+    assert after[-2:] == ["CommitUserAudio", "CreateResponse"] and set(after[:-2]) == {"AppendUserAudio"}
+    evs = drain(s)
+    t = types(evs)
+    assert t.count("response.created") == 1 and t.index("response.done") < t.index("response.created")
+    assert link.of(m.CreateResponse)[-1].response_id != rid
