@@ -37,7 +37,7 @@ serve: $(STAMP)
 
 test: $(DEV_STAMP) $(SYS_STAMP)
 	$(BIN)/ruff check engines server tests
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --ignore=tests/gpu
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check engines server tests

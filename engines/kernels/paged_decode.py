@@ -21,7 +21,7 @@ TILE = 64
 def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  TILE_N: tl.constexpr, SPLITS: tl.constexpr):
+                  TILE_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -46,13 +46,13 @@ def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
         row = blk.to(tl.int64) * stride_kb + (offs_t % PAGE) * stride_ks + kvh * stride_kh
         k = tl.load(K + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)  # [TILE, D]
         v = tl.load(V + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale  # [GP, TILE] float32
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, TILE] float32
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
 
     H = tl.num_programs(1) * G
@@ -97,6 +97,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE, SPLITS=NUM_SPLITS,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
         num_warps=4, num_stages=2,
     )
     _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=NUM_SPLITS, num_warps=4)

@@ -1,0 +1,168 @@
+"""`moss-speech bench engine`: prefill and decode step times, engine TTFA, next to the HF-style baseline
+and the physical floors measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from engines.api import ChannelSampling, SamplingParams
+from engines.bench.hardware import device_name, measure_bandwidth, measure_matmul, median, sync, timed
+from engines.bench.hf_baseline import HFStyleModel
+from engines.config import EngineConfig
+from engines.engine import Engine
+from engines.tokens import AUDIO_PAD, EOSP, SOSP
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-random")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=1024, help="rows of context per sequence for decode timing")
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
+    p.add_argument("--kv-gib", type=float, default=None, help="KV pool size (default: fits the largest batch)")
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def _rows(rng: random.Random, n: int) -> list[tuple[int, int]]:
+    """n rows of random text ending in sosp: generation runs in audio mode (the voice path)."""
+    return [(rng.randrange(200, 150000), AUDIO_PAD) for _ in range(n - 1)] + [(SOSP, AUDIO_PAD)]
+
+
+def _audio_forever(n: int, seed: int = 0) -> SamplingParams:
+    # min_new_tokens = max_new_tokens keeps eosp masked, so the stream stays in audio mode.
+    ch = ChannelSampling()
+    return SamplingParams(text=ch, audio=ch, max_new_tokens=n, min_new_tokens=n, seed=seed)
+
+
+def _drain(engine: Engine) -> None:
+    for rid in list(engine.scheduler.requests):
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+
+
+def weight_bytes(model: torch.nn.Module, with_text_head: bool) -> int:
+    """Bytes a decode step must read: every layer, norm and the heads it uses (embeddings: a few rows only)."""
+    skip = {"embed_tokens.weight", "audio_embed.weight"} | (set() if with_text_head else {"text_lm_head.weight"})
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in skip)
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2)
+
+
+def _baseline_decode_ms(model, batch: int, ctx: int, repeats: int, device: torch.device) -> float:
+    base = HFStyleModel(model, batch, ctx + repeats + 8)
+    rows = torch.tensor([[(SOSP, AUDIO_PAD)]] * batch, device=device)
+    pos = iter(range(ctx, ctx + 1000))
+    return median(timed(lambda: base.forward(rows, next(pos)), device, repeats=repeats, warmup=2)) * 1e3
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    batches = [int(b) for b in args.batches.split(",")]
+    max_b = max(batches)
+    ctx = args.context
+    steps = args.steps
+    max_len = max(ctx, args.prefill) + steps + 64
+    rng = random.Random(0)
+
+    bw = measure_bandwidth(device, 2 << 30 if device.type == "cuda" else 256 << 20)
+    mm = measure_matmul(device, 8192 if device.type == "cuda" else 1024,
+                        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    print(f"device: {device_name(device)}  bandwidth {bw / 1e12:.2f} TB/s  matmul {mm / 1e12:.1f} TFLOP/s")
+
+    probe = EngineConfig(device=args.device, dtype=dtype)
+    from engines.config import model_config_for
+    mc = model_config_for(args.model)
+    kv_bytes = int(args.kv_gib * 2**30) if args.kv_gib else (max_b * (max_len + probe.block_size) + 4096) * \
+        mc.kv_bytes_per_row(probe.torch_dtype)
+    cfg = EngineConfig(device=args.device, dtype=dtype, kv_cache_bytes=kv_bytes, max_running=max_b,
+                       prefill_token_budget=max(args.prefill, max_b + 1) + max_b, max_model_len=max_len + 64,
+                       max_waiting=max_b + 8, cuda_graphs=not args.no_graphs)
+    engine = Engine.from_name(args.model, cfg, seed=0)
+    model = engine.runner.model
+    w_audio, w_text = weight_bytes(model, False), weight_bytes(model, True)
+    kv_row = mc.kv_bytes_per_row(cfg.torch_dtype)
+    res: dict = {"device": device_name(device), "model": args.model, "dtype": dtype,
+                 "hbm_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": mm, "weight_bytes_decode_audio": w_audio,
+                 "weight_bytes_decode_text": w_text, "kv_bytes_per_row": kv_row, "context_rows": ctx,
+                 "cuda_graphs": engine.runner.graphs is not None}
+
+    # Prefill of N rows (the step that runs them and samples the first row).
+    def prefill_once():
+        engine.add_request("p", _rows(rng, args.prefill), _audio_forever(8))
+        engine.step()
+        sync(device)
+
+    def prefill_timed():
+        t = timed(prefill_once, device, repeats=1, warmup=0)[0]
+        _drain(engine)
+        return t
+    prefill_timed()
+    res["prefill_512_ms"] = median([prefill_timed() for _ in range(5)]) * 1e3
+    flops = 2 * matmul_params(model) * args.prefill + 2 * mc.hidden_size * mc.audio_vocab_size
+    flops += 4 * mc.num_attention_layers * mc.num_attention_heads * mc.head_dim * args.prefill ** 2 / 2
+    res["floor_prefill_512_ms"] = flops / mm * 1e3
+
+    # Engine TTFA: prefill + decode until 8 audio codes (first codec chunk with its lookahead).
+    def ttfa_once() -> float:
+        engine.add_request("t", _rows(rng, args.prefill), _audio_forever(64))
+        codes = 0
+
+        def until_8():
+            nonlocal codes
+            while codes < 8:
+                codes += sum(1 for o in engine.step() if o.mode == "audio" and o.audio_token < EOSP)
+        t = timed(until_8, device, repeats=1, warmup=0)[0]
+        _drain(engine)
+        return t
+    ttfa_once()
+    res["engine_ttfa_ms"] = median([ttfa_once() for _ in range(3)]) * 1e3
+
+    # Decode steps at each batch size with `ctx`-row contexts.
+    res["decode_step_ms"], res["floor_decode_step_ms"] = {}, {}
+    for b in batches:
+        for i in range(b):
+            engine.add_request(f"d{i}", _rows(rng, ctx - 1), _audio_forever(steps + 8, seed=i))
+        while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
+            engine.step()
+        times = timed(engine.step, device, repeats=steps, warmup=2)
+        res["decode_step_ms"][str(b)] = median(times) * 1e3
+        res["floor_decode_step_ms"][str(b)] = (w_audio + b * (ctx + 4) * kv_row) / bw * 1e3
+        _drain(engine)
+        print(f"decode batch {b:3d}: {res['decode_step_ms'][str(b)]:8.2f} ms  "
+              f"(floor {res['floor_decode_step_ms'][str(b)]:.2f} ms)")
+    engine.check_integrity()
+
+    if not args.no_baseline:
+        res["baseline_decode_step_ms"] = {}
+        for b in sorted({batches[0], max_b}):
+            res["baseline_decode_step_ms"][str(b)] = _baseline_decode_ms(model, b, ctx, min(steps, 10), device)
+        base = HFStyleModel(model, 1, args.prefill + 8)
+        prows = torch.tensor([_rows(rng, args.prefill)], device=device)
+        res["baseline_prefill_512_ms"] = median(timed(lambda: base.forward(prows, 0), device, repeats=5)) * 1e3
+        del base
+
+    res["ratio_decode_to_floor"] = {b: res["decode_step_ms"][b] / res["floor_decode_step_ms"][b]
+                                    for b in res["decode_step_ms"]}
+    res["ratio_prefill_to_floor"] = res["prefill_512_ms"] / res["floor_prefill_512_ms"]
+    res["kv_bytes_per_session_1k_rows"] = kv_row * 1024
+    print(f"prefill {args.prefill}: {res['prefill_512_ms']:.2f} ms (floor {res['floor_prefill_512_ms']:.2f} ms)"
+          + (f", baseline {res['baseline_prefill_512_ms']:.2f} ms" if "baseline_prefill_512_ms" in res else ""))
+    print(f"engine TTFA (prefill {args.prefill} + 8 audio codes): {res['engine_ttfa_ms']:.2f} ms")
+    if "baseline_decode_step_ms" in res:
+        print("baseline decode:", {k: round(v, 2) for k, v in res["baseline_decode_step_ms"].items()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
