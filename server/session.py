@@ -234,9 +234,16 @@ class Session:
             await handler(self, event)
         except ProtocolError as e:
             self._error(e.code, e.message, param=e.param, event_id=client_event_id)
+        except Exception as e:  # noqa: BLE001 - a server bug on one event must not end the conversation
+            self.log.exception("failed to handle %s", etype)
+            self._error("server_error", f"internal error handling {etype}: {type(e).__name__}",
+                        event_id=client_event_id, etype="server_error")
 
     async def feed_audio(self, pcm: np.ndarray, rate: int) -> None:
-        """Microphone audio from a track transport: float32 mono in [-1, 1] at `rate` Hz."""
+        """Microphone audio from a track transport: float32 mono in [-1, 1] at `rate` Hz.
+
+        Raises ProtocolError (e.g. `input_audio_buffer_too_large`) for audio the session refuses; the
+        transport decides how to report it (an `append` event gets an `error` event instead)."""
         if self.closed:
             return
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
