@@ -205,3 +205,35 @@ async def test_turn_ending_before_interrupted_answer_ends_gets_answered_after_it
     t = types(evs)
     assert t.count("response.created") == 1 and t.index("response.done") < t.index("response.created")
     assert link.of(m.CreateResponse)[-1].response_id != rid
+
+
+async def test_sampling_voice_prompt_and_instructions_reach_the_engine(tmp_path, speech24k):
+    import base64
+
+    from engines.codec.audio_io import write_wav
+
+    s, link = await new_session()
+    write_wav(tmp_path / "v.wav", speech24k[:24000], 24000)
+    wav = (tmp_path / "v.wav").read_bytes()
+    await s.handle_client_event({"type": "session.update", "session": {
+        "instructions": "Be brief.", "audio": {"input": {"turn_detection": None}},
+        "moss": {"sampling": {"temperature": 0.9, "top_k": 5, "seed": 7},
+                 "voice_prompt": {"wav": base64.b64encode(wav).decode()}}}})
+    upd = link.of(m.UpdateSession)[0]
+    assert upd.instructions == "Be brief." and upd.voice_wav == wav
+    session = drain(s)[-1]["session"]
+    assert session["moss"]["sampling"]["temperature"] == 0.9 and session["moss"]["voice_prompt"] is True
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    await s.handle_client_event({"type": "response.create", "response": {
+        "max_output_tokens": 33, "output_modalities": ["text"], "moss": {"sampling": {"greedy": True}}}})
+    cr = link.of(m.CreateResponse)[0]
+    assert cr.modality == "text"
+    assert (cr.sampling.temperature, cr.sampling.top_k, cr.sampling.seed) == (0.9, 5, 7)
+    assert cr.sampling.greedy and cr.sampling.max_new_tokens == 33
+    # A voice prompt that is not a WAV file is refused by name; the session keeps its settings.
+    await s.handle_client_event({"type": "session.update", "event_id": "v", "session": {
+        "moss": {"voice_prompt": {"wav": base64.b64encode(b"not a wav").decode()}}}})
+    err = drain(s)[-1]
+    assert err["error"]["code"] == "invalid_audio" and err["error"]["param"] == "session.moss.voice_prompt.wav"
+    assert s.config.voice_prompt_wav == wav
