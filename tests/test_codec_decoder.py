@@ -153,7 +153,7 @@ def test_state_is_bounded(hift_dec):
         sizes.append(s.state_bytes())
     enc_left = hift_dec.cfg.stream.enc_left_chunks
     assert len(set(sizes[enc_left + 1:])) == 1  # constant once the attention window is full
-    assert s.flow_state.win_kv[0][0].shape[0] == enc_left * 5
+    assert s.flow_state.win_kv.shape[2] == enc_left * 5
 
 
 @pytest.mark.parametrize("bad", [[1, 16384], [-1, 3], np.array([1.0, 2.0]), [[1, 2], [3, 4]], [True, False]])

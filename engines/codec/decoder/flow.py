@@ -12,7 +12,7 @@ any point of an answer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,8 @@ class PreparedVoice:
     """Everything about a voice the flow needs, computed once per voice (`FlowModel.prepare_voice`)."""
 
     n_codes: int
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per encoder layer: k, v [P, H, dk]
-    up_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per up layer: k, v [4P, H, dk]
+    kv: torch.Tensor  # [layers, 2 (k, v), P, H, dk] encoder keys/values of the prompt
+    up_kv: torch.Tensor  # [up_layers, 2, 4P, H, dk]
     mu: torch.Tensor  # [80, 4P]
     mel: torch.Tensor  # [80, 4P]
     spks: torch.Tensor  # [80] projected x-vector
@@ -50,21 +50,20 @@ class FlowState:
     pre: torch.Tensor  # [2, D] last conv1 outputs of the lookahead layer
     up: torch.Tensor  # [2*ratio, D] last repeated frames before the upsample conv
     codes_done: int = 0
-    win_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [<=W, H, dk] per layer
-    win_up_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    win_kv: torch.Tensor | None = None  # [layers, 2, <=W, H, dk] this session's latest keys/values
+    win_up_kv: torch.Tensor | None = None  # [up_layers, 2, <=W*ratio, H, dk]
     ctx_traj: torch.Tensor | None = None  # [steps, 80, C] x_t of the context frames at every Euler step
     ctx_mu: torch.Tensor | None = None  # [80, C]
     ctx_cond: torch.Tensor | None = None  # [80, C]
 
     def nbytes(self) -> int:
-        ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond]
-        ts += [t for kv in self.win_kv + self.win_up_kv for t in kv]
+        ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond, self.win_kv, self.win_up_kv]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def _pad_stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-    """rows of [L_i, ...] -> [B, length, ...] zero padded at the end."""
-    return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, length - r.shape[0])) for r in rows])
+def _stack_kv(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """per layer (k, v) [B, T, H, dk] -> [B, layers, 2, T, H, dk]."""
+    return torch.stack([torch.stack([k, v], dim=1) for k, v in kvs], dim=1)
 
 
 class FlowModel(nn.Module):
@@ -96,12 +95,8 @@ class FlowModel(nn.Module):
         P = int(codes.shape[0])
         r = self.cfg.token_mel_ratio
         if P == 0:
-            L = len(self.encoder.encoders)
-            Lu = len(self.encoder.up_encoders)
-            h, d = self.cfg.heads, self.cfg.d_model // self.cfg.heads
-            empty = torch.zeros(0, h, d, device=dev, dtype=dt)
             z = torch.zeros(self.cfg.output_size, 0, device=dev, dtype=dt)
-            return PreparedVoice(0, [(empty, empty)] * L, [(empty, empty)] * Lu, z, z, spks)
+            return PreparedVoice(0, self._empty_kv(False), self._empty_kv(True), z, z, spks)
         la = self.cfg.pre_lookahead
         tok = self.input_embedding(F.pad(codes.to(dev), (0, la)))[None]
         valid = torch.zeros(1, P + la, dtype=torch.bool, device=dev)
@@ -113,8 +108,12 @@ class FlowModel(nn.Module):
         hid, _, kvs, up_kvs = self.encoder.forward_chunk(
             tok, valid, cache, pos, up_pos, [None] * nl, [None] * nu, (-(P - 1), P - 1), (-(P * r - 1), P * r - 1))
         mu = self.encoder_proj(hid)[0].transpose(0, 1)
-        return PreparedVoice(P, [(k[0], v[0]) for k, v in kvs], [(k[0], v[0]) for k, v in up_kvs],
-                             mu.contiguous(), mel.to(dev, dt), spks)
+        return PreparedVoice(P, _stack_kv(kvs)[0], _stack_kv(up_kvs)[0], mu.contiguous(), mel.to(dev, dt), spks)
+
+    def _empty_kv(self, up: bool) -> torch.Tensor:
+        n = len(self.encoder.up_encoders if up else self.encoder.encoders)
+        h = self.cfg.heads
+        return torch.zeros(n, 2, 0, h, self.cfg.d_model // h, device=self.device, dtype=self.dtype)
 
     def new_state(self, voice: PreparedVoice, gen: torch.Generator) -> FlowState:
         cfg, C = self.cfg, self.stream.est_ctx_frames
@@ -133,36 +132,29 @@ class FlowModel(nn.Module):
         z = torch.randn(cfg.output_size, C, generator=gen, device=dev, dtype=dt)
         t = torch.tensor(self.t_span[:-1], device=dev, dtype=dt)[:, None, None]
         traj = (1 - (1 - cfg.sigma_min) * t) * z + t * target  # [steps, 80, C]
-        return FlowState(voice, cache.pre[0], cache.up[0], ctx_traj=traj, ctx_mu=mu, ctx_cond=cond)
+        return FlowState(voice, cache.pre[0], cache.up[0], win_kv=self._empty_kv(False),
+                         win_up_kv=self._empty_kv(True), ctx_traj=traj, ctx_mu=mu, ctx_cond=cond)
 
     # ---- one chunk for a batch of sessions ---------------------------------------------------------------
-    def _prefixes(self, states: list[FlowState], up: bool, dt) -> list[KV]:
+    def _prefixes(self, states: list[FlowState], up: bool) -> tuple[list[KV], list[list[int]]]:
+        """Prompt + window keys/values of every session, padded into one tensor: O(batch) ops, not O(batch x
+        layers). Also returns each session's key positions."""
         r = self.cfg.token_mel_ratio if up else 1
-        n_layers = len(self.encoder.up_encoders if up else self.encoder.encoders)
-        dev = self.device
-        lens, pos_rows = [], []
+        rows, pos_rows = [], []
         for s in states:
-            P = s.voice.n_codes * r
-            W = (s.win_up_kv if up else s.win_kv)[0][0].shape[0] if (s.win_up_kv if up else s.win_kv) else 0
-            first_win = (P + s.codes_done * r) - W
+            pk = s.voice.up_kv if up else s.voice.kv  # [layers, 2, P, H, dk]
+            win = s.win_up_kv if up else s.win_kv  # [layers, 2, W, H, dk]
+            P, W = pk.shape[2], win.shape[2]
+            rows.append(torch.cat([pk, win], dim=2) if P and W else (win if W else pk))
+            first_win = P + s.codes_done * r - W
             pos_rows.append(list(range(P)) + list(range(first_win, first_win + W)))
-            lens.append(P + W)
-        Lmax = max(lens)
+        Lmax = max(len(p) for p in pos_rows)
+        X = torch.stack([F.pad(x, (0, 0, 0, 0, 0, Lmax - x.shape[2])) for x in rows])  # [B, layers, 2, L, H, dk]
+        dev = self.device
         pos = torch.tensor([p + [0] * (Lmax - len(p)) for p in pos_rows], device=dev, dtype=torch.long)
-        valid = torch.tensor([[True] * n + [False] * (Lmax - n) for n in lens], device=dev, dtype=torch.bool)
-        out = []
-        for li in range(n_layers):
-            ks, vs = [], []
-            for s in states:
-                pk, pv = (s.voice.up_kv if up else s.voice.kv)[li]
-                win = s.win_up_kv if up else s.win_kv
-                if win:
-                    wk, wv = win[li]
-                    pk, pv = torch.cat([pk, wk]), torch.cat([pv, wv])
-                ks.append(pk)
-                vs.append(pv)
-            out.append(KV(_pad_stack(ks, Lmax).to(dt), _pad_stack(vs, Lmax).to(dt), pos, valid))
-        return out, pos_rows
+        valid = torch.tensor([[True] * len(p) + [False] * (Lmax - len(p)) for p in pos_rows], device=dev,
+                             dtype=torch.bool)
+        return [KV(X[:, i, 0], X[:, i, 1], pos, valid) for i in range(X.shape[1])], pos_rows
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
@@ -170,13 +162,13 @@ class FlowModel(nn.Module):
         """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored).
         Returns mel [B, 80, n * ratio] and advances every state."""
         cfg, st = self.cfg, self.stream
-        dev, dt = self.device, self.dtype
+        dev = self.device
         la, r = cfg.pre_lookahead, cfg.token_mel_ratio
         tok = self.input_embedding(codes.to(dev))
         valid = torch.tensor([[True] * n + [i < nl for i in range(la)] for nl in n_look], device=dev)
         cache = EncoderCache(torch.stack([s.pre for s in states]), torch.stack([s.up for s in states]))
-        prefixes, kpos = self._prefixes(states, False, dt)
-        up_prefixes, up_kpos = self._prefixes(states, True, dt)
+        prefixes, kpos = self._prefixes(states, False)
+        up_prefixes, up_kpos = self._prefixes(states, True)
         q0 = [s.voice.n_codes + s.codes_done for s in states]
         pos = torch.tensor([[q + i for i in range(n)] for q in q0], device=dev)
         up_pos = torch.tensor([[q * r + i for i in range(n * r)] for q in q0], device=dev)
@@ -189,13 +181,11 @@ class FlowModel(nn.Module):
         Fr = n * r
         # Keep at most `enc_left_chunks` chunks of this session's own keys.
         keep, keep_up = st.enc_left_chunks * st.chunk_codes, st.enc_left_chunks * st.chunk_codes * r
+        new_kv, new_up_kv = _stack_kv(kvs), _stack_kv(up_kvs)  # [B, layers, 2, T, H, dk]
         for b, s in enumerate(states):
             s.pre, s.up = cache.pre[b], cache.up[b]
-            s.win_kv = [(torch.cat([s.win_kv[i][0], k[b]])[-keep:], torch.cat([s.win_kv[i][1], v[b]])[-keep:])
-                        if s.win_kv else (k[b], v[b]) for i, (k, v) in enumerate(kvs)]
-            s.win_up_kv = [(torch.cat([s.win_up_kv[i][0], k[b]])[-keep_up:],
-                            torch.cat([s.win_up_kv[i][1], v[b]])[-keep_up:])
-                           if s.win_up_kv else (k[b], v[b]) for i, (k, v) in enumerate(up_kvs)]
+            s.win_kv = torch.cat([s.win_kv, new_kv[b]], dim=2)[:, :, -keep:]
+            s.win_up_kv = torch.cat([s.win_up_kv, new_up_kv[b]], dim=2)[:, :, -keep_up:]
             s.codes_done += n
         return self._solve(states, mu, Fr, gens)
 
