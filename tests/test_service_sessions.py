@@ -76,7 +76,7 @@ class FakeDecoder:
     def __init__(self) -> None:
         self.streams: list[FakeDecoderStream] = []
 
-    def open_stream(self, session_id: str, seed: int = 0) -> FakeDecoderStream:
+    def open_stream(self, session_id: str, voice=None, seed: int = 0) -> FakeDecoderStream:
         s = FakeDecoderStream([])
         self.streams.append(s)
         return s
@@ -395,3 +395,24 @@ def test_text_items_of_any_role_become_turns(role: str) -> None:
     h = svc.engine.conversation_history("s")
     start = len(PB.system_rows(None, "text"))
     assert h[start:start + len(rows)] == rows
+
+
+def test_decoder_fault_fails_only_that_response() -> None:
+    svc = make_service()
+
+    class Broken(FakeDecoderStream):
+        def push(self, codes: list[int]) -> np.ndarray:
+            raise RuntimeError("boom")
+
+    svc.decoder.open_stream = lambda session_id, voice=None, seed=0: Broken([])
+    send(svc, m.OpenSession("s"))
+    send(svc, m.AddUserText("s", "i", "talk"))
+    send(svc, m.CreateResponse("s", "r1", "audio", greedy(20, min_new=20)))
+    out = run(svc)
+    err = of(out, m.Error)[0]
+    assert err.code == "engine_error" and "boom" in err.message and err.response_id == "r1"
+    done = of(out, m.ResponseDone)[0]
+    assert done.status == "failed" and done.output_rows < 20
+    send(svc, m.CreateResponse("s", "r2", "text", greedy(2)))
+    assert of(run(svc), m.ResponseDone)[0].status == "incomplete"
+    svc.engine.check_integrity()

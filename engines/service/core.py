@@ -208,13 +208,27 @@ class Service:
         work = [(s, r) for s, r in items if r.decoder_stream is not None and r.new_codes]
         if not work:
             return
-        if hasattr(self.decoder, "run_jobs"):
-            pcms = self._decode_batched([r for _, r in work])
-        else:
-            pcms = [r.decoder_stream.push(r.new_codes) for _, r in work]
+        try:
+            if hasattr(self.decoder, "run_jobs"):
+                pcms = self._decode_batched([r for _, r in work])
+            else:
+                pcms = [r.decoder_stream.push(r.new_codes) for _, r in work]
+        except Exception as e:  # noqa: BLE001 - the speech decoder failing ends these answers, not the engine
+            log.exception("speech decoder failed for %d responses", len(work))
+            for s, r in work:
+                self._fail(s, r, f"speech decoder failed: {type(e).__name__}: {e}")
+            return
         for (s, r), pcm in zip(work, pcms, strict=True):
             r.new_codes = []
             self._audio(s, r, pcm)
+
+    def _fail(self, s: Session, r: ResponseState, why: str) -> None:
+        """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
+        self._send(s.owner, m.Error(s.session_id, "engine_error", why, r.response_id))
+        r.failed, r.cancelled, r.decoder_stream, r.new_codes = why, True, None, []
+        t = s.active
+        if t is not None and t.response is r:
+            self.engine.abort(t.request_id)
 
     def _decode_batched(self, rs: list[ResponseState]) -> list[np.ndarray]:
         """Ready 5-code chunks of all responses through the codec together: round k decodes the k-th
@@ -269,6 +283,8 @@ class Service:
         t = s.active
         if t is not None:
             t.undo = "close"
+            if t.response is not None:
+                t.response.cancelled = True  # nothing more goes to a closed session
             self.engine.abort(t.request_id)  # blocks go back when the abort is reported
         elif self.engine.conversation_rows(s.conversation_id):
             self.engine.release_conversation(s.conversation_id)
@@ -388,8 +404,14 @@ class Service:
         s = self._session(client, msg.session_id)
         try:
             self._create(s, msg)
-        except (ServiceError, EngineError, ConfigError) as e:
-            code = e.code if isinstance(e, ServiceError | EngineError) else "invalid_request"
+        except Exception as e:  # noqa: BLE001 - whatever the fault, this response ends with ResponseDone
+            if isinstance(e, ServiceError | EngineError):
+                code = e.code
+            elif isinstance(e, ValueError):  # ConfigError included: bad sampling values
+                code = "invalid_request"
+            else:
+                code = "engine_error"
+                log.exception("CreateResponse %s failed", msg.response_id)
             self._send(client, m.Error(s.session_id, code, str(e), msg.response_id))
             self._send(client, m.ResponseDone(s.session_id, msg.response_id, "failed", reason=code))
 
@@ -412,6 +434,26 @@ class Service:
             s.deferred.append(msg)
             return
         prefix = self.prompts.assistant_prefix_rows(msg.modality)
+        stream = None
+        if msg.modality == "audio" and self.decoder is not None:
+            stream = self.decoder.open_stream(s.session_id, voice=s.voice, seed=params.seed or 0)
+        try:
+            t = self._submit_response(s, t, params, msg, prefix)
+        except BaseException:
+            if stream is not None and hasattr(stream, "close"):
+                stream.close()
+            raise
+        s.sampling = params
+        s.answer = None
+        r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added,
+                          cached_rows=t.base_rows, prefix_last_row=prefix[-1],
+                          detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
+        t.response = r
+        self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
+
+    def _submit_response(self, s: Session, t: Turn | None, params: SamplingParams, msg: m.CreateResponse,
+                         prefix: list[Row]) -> Turn:
+        """The response's rows into the engine: appended to the open user turn, or a new request."""
         if t is not None:
             rows = s.pending_rows + prefix
             self.engine.append_input(t.request_id, rows, input_done=True)
@@ -428,15 +470,7 @@ class Service:
             s.active = t
             self._requests[rid] = (s, t)
             s.close_rows, s.pending_rows, s.system_sent = [], [], True
-        s.sampling = params
-        s.answer = None
-        r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added,
-                          cached_rows=t.base_rows, prefix_last_row=prefix[-1],
-                          detok=IncrementalDetokenizer(self.tokenizer))
-        if msg.modality == "audio" and self.decoder is not None:
-            r.decoder_stream = self.decoder.open_stream(s.session_id, voice=s.voice, seed=params.seed or 0)
-        t.response = r
-        self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
+        return t
 
     def _on_CancelResponse(self, client: bytes, msg: m.CancelResponse) -> None:
         s = self._session(client, msg.session_id)
@@ -536,7 +570,7 @@ class Service:
         status, why = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
                        "abort": ("cancelled", "client_cancelled")}.get(reason, ("failed", reason))
         if r.cancelled:
-            status, why = "cancelled", "client_cancelled"
+            status, why = ("failed", "engine_error") if r.failed else ("cancelled", "client_cancelled")
         self._send(s.owner, m.ResponseDone(
             s.session_id, r.response_id, status, reason=why, output_rows=len(r.rows), prompt_rows=r.prompt_rows,
             cached_rows=r.cached_rows, audio_samples=r.audio_samples, text="".join(r.text),

@@ -50,6 +50,7 @@ class ResponseState:
     audio_samples: int = 0
     ttfa_ms: float | None = None
     cancelled: bool = False
+    failed: str | None = None  # a server-side fault stopped it (ResponseDone status "failed")
     truncate_samples: int | None = None  # TruncateResponse received while still running
 
     def add_row(self, text: int, audio: int, mode: str) -> None:
