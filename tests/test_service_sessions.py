@@ -308,6 +308,7 @@ def test_clear_user_audio_undoes_its_prefill() -> None:
     send(svc, m.ClearUserAudio("s"))
     run(svc)
     assert eng.conversation_rows("s") == 0 and eng.stats().free_blocks == eng.stats().total_blocks
+    eng.check_integrity()
     assert of(send(svc, m.CommitUserAudio("s", "i")), m.Error)[0].code == "invalid_request"  # nothing to commit
     send(svc, m.AddUserText("s", "i", "typed"))
     send(svc, m.CreateResponse("s", "r", "text", greedy(2)))
@@ -416,3 +417,14 @@ def test_decoder_fault_fails_only_that_response() -> None:
     send(svc, m.CreateResponse("s", "r2", "text", greedy(2)))
     assert of(run(svc), m.ResponseDone)[0].status == "incomplete"
     svc.engine.check_integrity()
+
+
+def test_close_after_cleared_speech_forgets_the_conversation() -> None:
+    svc = make_service()
+    send(svc, m.OpenSession("s"))
+    send(svc, m.AppendUserAudio("s", speech(0.3)))
+    send(svc, m.ClearUserAudio("s"))
+    run(svc)
+    send(svc, m.CloseSession("s"))
+    assert "s" not in svc.engine.scheduler.conversations and not svc.sessions
+    assert send(svc, m.OpenSession("s")) == [m.SessionReady("s")]  # the id can be used again

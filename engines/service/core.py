@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.api import ChannelSampling, EngineError, SamplingParams, StepOutput
+from engines.api import ChannelSampling, EngineError, InvalidRequestError, SamplingParams, StepOutput
 from engines.codec.audio_io import float32_to_pcm16, pcm16_to_float32
 from engines.config import ConfigError
 from engines.service import messages as m
@@ -286,8 +286,14 @@ class Service:
             if t.response is not None:
                 t.response.cancelled = True  # nothing more goes to a closed session
             self.engine.abort(t.request_id)  # blocks go back when the abort is reported
-        elif self.engine.conversation_rows(s.conversation_id):
+        else:
+            self._release(s)
+
+    def _release(self, s: Session) -> None:
+        try:
             self.engine.release_conversation(s.conversation_id)
+        except InvalidRequestError:
+            pass  # never reached the engine
 
     def _on_Ping(self, client: bytes, msg: m.Ping) -> None:
         self._send(client, m.Pong(msg.nonce, self.stats()))
@@ -520,7 +526,7 @@ class Service:
         if s.active is t:
             s.active = None
         if t.undo == "close" or self.sessions.get(s.session_id) is not s:
-            self.engine.release_conversation(s.conversation_id)
+            self._release(s)
             return
         if t.undo is not None and t.response is None:
             self._undo(s, t)

@@ -6,6 +6,9 @@ the wire it is a msgpack map with a `type` field naming the class.
 
 PCM on the wire: little-endian int16 mono. User audio is 16 kHz (the server resamples);
 answer audio is 24 kHz (the codec's rate).
+
+What the engine does with each message (one ResponseDone per CreateResponse, error codes,
+truncation rule, readiness) is written down in engines/service/core.py and process.py.
 """
 
 from __future__ import annotations
