@@ -278,3 +278,14 @@ def test_cli_decode_writes_exact_length_wav(tmp_path):
     np.save(tmp_path / "c.npy", np.array([3, 16384]))
     args.codes = str(tmp_path / "c.npy")
     assert decode.run(args) == 2
+
+
+def test_bf16_estimator_runs_close_to_float32():
+    codes = _codes(13, seed=4)
+    f32 = CodecDecoder.load("tiny-random", vocoder="hift")
+    ref = f32.decode(codes, seed=0)
+    other_seed = f32.decode(codes, seed=1)
+    bf = CodecDecoder.load("tiny-random", vocoder="hift", estimator_dtype="bfloat16").decode(codes, seed=0)
+    assert bf.shape == ref.shape and np.isfinite(bf).all()
+    # bf16 rounding must move the waveform far less than changing the session's noise does.
+    assert np.abs(ref - bf).max() < 0.1 * np.abs(ref - other_seed).max()

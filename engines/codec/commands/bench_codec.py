@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed steps per batch size")
     p.add_argument("--warmup", type=int, default=3, help="untimed steady-state steps per batch size")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay the flow's Euler solve as CUDA graphs")
+    p.add_argument("--estimator-dtype", default="float32", choices=["float32", "bfloat16"])
 
 
 def hardware(device: torch.device) -> dict:
@@ -59,11 +61,13 @@ def run(args: argparse.Namespace) -> int:
     from engines.codec.decoder import CodecDecoder, CodecTask
 
     device = torch.device(args.device)
-    dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder)
+    dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
+                            estimator_dtype=args.estimator_dtype)
     chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
     hw = hardware(device)
     print(f"hardware: {hw}")
-    print(f"codec {dec.source}, vocoder {args.vocoder}, dtype {dec.flow.dtype}, chunk {chunk} codes = "
+    print(f"codec {dec.source}, vocoder {args.vocoder}, cuda graphs {dec.flow.graphs is not None}, "
+          f"dtype {dec.flow.dtype}, estimator {args.estimator_dtype}, chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     rng = np.random.default_rng(0)
     results = []
@@ -89,5 +93,7 @@ def run(args: argparse.Namespace) -> int:
             task.close(sid)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder, "results": results}, f, indent=1)
+            json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder,
+                       "cuda_graphs": dec.flow.graphs is not None,
+                       "estimator_dtype": args.estimator_dtype, "results": results}, f, indent=1)
     return 0

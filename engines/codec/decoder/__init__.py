@@ -5,7 +5,8 @@ Public API (what the engine/server uses):
     from engines.codec.decoder import CodecDecoder, CodecTask, Voice, BadCodesError
 
     dec = CodecDecoder.load("tiny-random" | "full-random" | "/path/to/MOSS-Speech-Codec",
-                            device="cuda", vocoder="bigvgan" | "hift")
+                            device="cuda", vocoder="bigvgan" | "hift",
+                            cuda_graphs=False, estimator_dtype="float32" | "bfloat16")
     # A preset has BigVGAN and HiFT with random weights; a real codec directory has HiFT (`flow/hift.pt`)
     # and BigVGAN only if `bigvgan/` holds a generator trained on the codec mel (else ConfigError).
 

@@ -16,7 +16,7 @@ from engines.codec.decoder.flow import FlowModel, FlowState, PreparedVoice
 from engines.codec.decoder.mel import MelSpec, check_same_mel
 from engines.codec.decoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, VocoderState, WindowedVocoder
 from engines.codec.decoder.voice import Voice
-from engines.config import ConfigError
+from engines.config import ConfigError, parse_dtype
 from engines.tokens import NUM_AUDIO_CODES
 
 VOCODERS = ("bigvgan", "hift")
@@ -166,8 +166,21 @@ class CodecDecoder:
     # ---- loading -----------------------------------------------------------------------------------------
     @classmethod
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
-             seed: int = 0) -> CodecDecoder:
-        """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py)."""
+             seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32") -> CodecDecoder:
+        """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py).
+        cuda_graphs: replay the flow's Euler solve as CUDA graphs (CUDA devices only).
+        estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
+        encoder and vocoder stay float32."""
+        dec = cls._load(codec, device, vocoder, seed)
+        dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
+        if cuda_graphs and dec.device.type == "cuda":
+            from engines.codec.decoder.graphs import EulerGraphs
+
+            dec.flow.graphs = EulerGraphs(dec.flow)
+        return dec
+
+    @classmethod
+    def _load(cls, codec: str | Path, device: str | torch.device, vocoder: str, seed: int) -> CodecDecoder:
         from engines.codec.presets import DECODER_PRESETS
 
         if vocoder not in VOCODERS:

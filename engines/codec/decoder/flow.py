@@ -77,6 +77,7 @@ class FlowModel(nn.Module):
         self.decoder = _CFM(cfg)
         t = torch.linspace(0, 1, cfg.n_timesteps + 1, dtype=torch.float64)
         self.t_span = (1 - torch.cos(t * 0.5 * math.pi)).tolist()  # cosine schedule, host floats
+        self.graphs = None  # EulerGraphs when CUDA graphs are enabled (CodecDecoder.load(cuda_graphs=True))
 
     @property
     def device(self) -> torch.device:
@@ -192,18 +193,36 @@ class FlowModel(nn.Module):
     def _solve(self, states: list[FlowState], mu: torch.Tensor, Fr: int, gens: list[torch.Generator]) -> torch.Tensor:
         cfg, C = self.cfg, self.stream.est_ctx_frames
         dev, dt = self.device, self.dtype
-        B, W = len(states), C + Fr
+        B = len(states)
         z = torch.stack([torch.randn(cfg.output_size, Fr, generator=g, device=dev, dtype=dt) for g in gens])
         ctx_traj = torch.stack([s.ctx_traj for s in states])  # [B, steps, 80, C]
         mu_w = torch.cat([torch.stack([s.ctx_mu for s in states]), mu], dim=2)
         cond_w = torch.cat([torch.stack([s.ctx_cond for s in states]),
                             torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)], dim=2)
         spks = torch.stack([s.voice.spks for s in states])
+        if self.graphs is not None and dev.type == "cuda":
+            x, traj_t = self.graphs.run(z, ctx_traj, mu_w, cond_w, spks)
+        else:
+            x, traj_t = self.euler(z, ctx_traj, mu_w, cond_w, spks)
+        full_traj = torch.cat([ctx_traj, traj_t], dim=3)[..., -C:]
+        full_mu, full_cond = mu_w[..., -C:], cond_w[..., -C:]
+        for b, s in enumerate(states):
+            s.ctx_traj, s.ctx_mu, s.ctx_cond = full_traj[b], full_mu[b], full_cond[b]
+        return x
+
+    def euler(self, z: torch.Tensor, ctx_traj: torch.Tensor, mu_w: torch.Tensor, cond_w: torch.Tensor,
+              spks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Integrate the new frames: z [B, 80, F] noise; ctx_traj [B, steps, 80, C]; mu_w, cond_w [B, 80, C + F];
+        spks [B, 80]. Returns the mel [B, 80, F] and the new frames' x_t at every step [B, steps, 80, F]."""
+        cfg, C = self.cfg, self.stream.est_ctx_frames
+        B, W, dev, dt = z.shape[0], mu_w.shape[2], z.device, z.dtype
         # Context frames attend only to context; new frames attend to everything in the window.
         idx = torch.arange(W, device=dev)
         mask = (idx[None, :] < C) | (idx[:, None] >= C)
         est = self.decoder.estimator
         zeros_mu, zeros_spk = torch.zeros_like(mu_w), torch.zeros_like(spks)
+        edt = est.final_proj.weight.dtype
+        mu2, spk2, cond2 = (torch.cat(p).to(edt) for p in ([mu_w, zeros_mu], [spks, zeros_spk], [cond_w, zeros_mu]))
         x = z
         traj = []
         for s in range(cfg.n_timesteps):
@@ -211,13 +230,8 @@ class FlowModel(nn.Module):
             traj.append(x)
             xw = torch.cat([ctx_traj[:, s], x], dim=2)
             t = torch.full((2 * B,), t0, device=dev, dtype=dt)
-            v = est(torch.cat([xw, xw]), torch.cat([mu_w, zeros_mu]), t, torch.cat([spks, zeros_spk]),
-                    torch.cat([cond_w, zeros_mu]), mask)
+            # Unconditional half: no mu, speaker or cond. The estimator may run in bf16; x stays in float32.
+            v = est(torch.cat([xw, xw]).to(edt), mu2, t.to(edt), spk2, cond2, mask).to(dt)
             v = (1.0 + cfg.cfg_rate) * v[:B] - cfg.cfg_rate * v[B:]
             x = x + (t1 - t0) * v[:, :, C:]
-        traj_t = torch.stack(traj, dim=1)  # [B, steps, 80, Fr]
-        full_traj = torch.cat([ctx_traj, traj_t], dim=3)[..., -C:]
-        full_mu, full_cond = mu_w[..., -C:], cond_w[..., -C:]
-        for b, s in enumerate(states):
-            s.ctx_traj, s.ctx_mu, s.ctx_cond = full_traj[b], full_mu[b], full_cond[b]
-        return x
+        return x, torch.stack(traj, dim=1)
