@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def make_case(seed: int, block_size: int, q_lens: list[int], ctx_lens: list[int], dtype, heads=32, kvh=8, d=128):

@@ -1,0 +1,62 @@
+"""Where a step's time goes: `python3 -m engines.bench.profile_step --model full-random` on a GPU.
+
+Prints the split between the captured graph, the host work around it, and a prefill step's kernels.
+A development tool for the optimisation notes (docs/PERF_NOTES.md), not part of the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engines.bench.hardware import median, timed
+from engines.commands.bench_engine import _audio_forever, _drain, _rows
+from engines.config import EngineConfig, model_config_for
+from engines.engine import Engine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="full-random")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    mc = model_config_for(a.model)
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_bytes=mc.kv_bytes_per_row() * 80_000,
+                       max_running=64, prefill_token_budget=600, max_model_len=2048)
+    engine = Engine.from_name(a.model, cfg)
+    rng = random.Random(0)
+
+    # Prefill of 512 rows: the model alone, then the whole engine step, then its kernels.
+    def prefill_step():
+        engine.add_request("p", _rows(rng, 512), _audio_forever(8))
+        engine.step()
+    prefill_step()
+    _drain(engine)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill_step()
+        torch.cuda.synchronize()
+    _drain(engine)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+
+    for i in range(a.batch):
+        engine.add_request(f"d{i}", _rows(rng, a.context - 1), _audio_forever(200, seed=i))
+    while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
+        engine.step()
+    b = engine.runner.graphs.bucket(a.batch)
+    replay = median(timed(engine.runner.graphs.graphs[b].replay, dev, repeats=20)) * 1e3
+    step = median(timed(engine.step, dev, repeats=20)) * 1e3
+    print(f"batch {a.batch}: graph replay {replay:.2f} ms, whole engine step {step:.2f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
