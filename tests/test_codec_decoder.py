@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from engines.codec.audio_io import write_wav
 from engines.codec.decoder import BadCodesError, CodecDecoder, CodecTask, MelMismatchError, MelSpec, Voice
 from engines.codec.decoder.checkpoint import CheckpointError
 from engines.codec.decoder.config import HiFTConfig
@@ -247,16 +248,12 @@ def test_voice_from_wav_with_fake_encoder(tmp_path, hift_dec):
 
     sr = 16000
     t = np.arange(int(0.9 * sr)) / sr
-    pcm = (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
+    pcm = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
     path = tmp_path / "v.wav"
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sr)
-        w.writeframes(pcm.tobytes())
+    write_wav(path, pcm, sr)
     v = Voice.from_wav(path, encode=lambda x: list(range(len(x) // 1280)), campplus=None)
     assert v.codes.shape[0] == 11 and v.mel.shape == (80, 44) and torch.count_nonzero(v.xvector) == 0
-    fb = kaldi_fbank(torch.from_numpy(pcm.astype(np.float32) / 32768))
+    fb = kaldi_fbank(torch.from_numpy(pcm))
     assert fb.shape == (1 + (len(pcm) - 400) // 160, 80) and torch.isfinite(fb).all()
     # The 220 Hz tone's band is the loudest.
     assert int(fb.mean(0).argmax()) < 20

@@ -6,22 +6,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 
 from engines.codec.decoder import CodecDecoder, Voice
 from engines.codec.decoder.encoder import sinusoid
+from tests.test_codec_decoder import _one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 TOL = 1e-4  # float32, different op order (dense vs gathered relative term, padded keys)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _segment_front(enc, emb: torch.Tensor) -> torch.Tensor:

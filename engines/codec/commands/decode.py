@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import wave
 from pathlib import Path
 
 import numpy as np
 
+from engines.codec.audio_io import write_wav
 from engines.config import ConfigError
 
 
@@ -36,15 +36,6 @@ def read_codes(path: str | Path) -> np.ndarray:
         return np.array([int(t) for t in text], dtype=np.int64)
     except ValueError as e:
         raise BadCodesError(f"{path}: not a list of integers ({e})") from None
-
-
-def write_wav(path: str | Path, pcm: np.ndarray, sample_rate: int) -> None:
-    data = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(data.tobytes())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,6 @@ A voice is computed once and cached by the decoder (by name). Sources:
 from __future__ import annotations
 
 import math
-import wave
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engines.codec.audio_io import read_wav
 from engines.codec.decoder.mel import CODEC_MEL, log_mel
 from engines.config import ConfigError
 
@@ -53,7 +53,8 @@ class Voice:
     def from_wav(cls, path: str | Path, *, encode: Callable[[np.ndarray], Sequence[int]],
                  campplus: str | Path | None, max_codes: int = 375) -> Voice:
         """encode: 16 kHz float32 mono -> 12.5 Hz codes. campplus: path to campplus.onnx (None: zero x-vector)."""
-        wav, sr = read_wav(path)
+        samples, sr = read_wav(path)
+        wav = torch.from_numpy(samples)
         w16 = resample(wav, sr, 16000)
         w24 = resample(wav, sr, CODEC_MEL.sample_rate)
         codes = torch.as_tensor(list(encode(w16.numpy())), dtype=torch.long)[-max_codes:]
@@ -62,16 +63,6 @@ class Voice:
         codes, mel = codes[codes.shape[0] - n:], mel[:, mel.shape[1] - 4 * n:]  # keep the latest aligned part
         xvec = campplus_xvector(w16, campplus) if campplus is not None else torch.zeros(192)
         return cls(str(path), codes, mel.float(), xvec)
-
-
-def read_wav(path: str | Path) -> tuple[torch.Tensor, int]:
-    """PCM16 WAV -> (mono float32 [-1, 1], sample rate)."""
-    with wave.open(str(path), "rb") as w:
-        if w.getsampwidth() != 2:
-            raise ConfigError(f"{path}: only 16-bit PCM WAV is supported (got {8 * w.getsampwidth()}-bit)")
-        ch, sr = w.getnchannels(), w.getframerate()
-        data = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
-    return torch.from_numpy(data.reshape(-1, ch).mean(axis=1)), sr
 
 
 def resample(x: torch.Tensor, sr_in: int, sr_out: int) -> torch.Tensor:
