@@ -268,10 +268,15 @@ def test_cli_decode_writes_exact_length_wav(tmp_path):
     codes_file.write_text("1, 2 3\n4,5 6 7 8 9 10 11")
     out = tmp_path / "o.wav"
     args = SimpleNamespace(codec="tiny-random", codes=str(codes_file), out=str(out), vocoder="hift", stream=True,
-                           device="cpu", seed=0)
+                           device="cpu", seed=0, voice=None)
     assert decode.run(args) == 0
     with wave.open(str(out)) as w:
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()) == (24000, 1, 2, 11 * SPC)
+    # A WAV voice prompt goes through the codec's encoder; the output length does not depend on it.
+    args.voice, args.stream = str(out), False
+    assert decode.run(args) == 0
+    with wave.open(str(out)) as w:
+        assert w.getnframes() == 11 * SPC
     np.save(tmp_path / "c.npy", np.array([3, 16384]))
     args.codes = str(tmp_path / "c.npy")
     assert decode.run(args) == 2

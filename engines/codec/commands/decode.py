@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="feed codes 5 at a time, as the engine does")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0, help="session seed for all sampled noise")
+    p.add_argument("--voice", default=None, help="speaker prompt WAV (codes from the codec's encoder; x-vector from "
+                   "flow/campplus.onnx when the codec has one, else zero)")
 
 
 def read_codes(path: str | Path) -> np.ndarray:
@@ -38,19 +40,30 @@ def read_codes(path: str | Path) -> np.ndarray:
         raise BadCodesError(f"{path}: not a list of integers ({e})") from None
 
 
+def _voice(args: argparse.Namespace):
+    from engines.codec.decoder import Voice
+    from engines.codec.encoder import SpeechEncoder
+
+    enc = SpeechEncoder.load(args.codec, device=args.device)
+    campplus = Path(args.codec) / "flow" / "campplus.onnx"
+    return Voice.from_wav(args.voice, encode=lambda pcm: enc.encode(pcm),
+                          campplus=campplus if campplus.is_file() else None)
+
+
 def run(args: argparse.Namespace) -> int:
     from engines.codec.decoder import CodecDecoder
 
     try:
         codes = read_codes(args.codes)
         dec = CodecDecoder.load(args.codec, device=args.device, vocoder=args.vocoder)
+        voice = _voice(args) if getattr(args, "voice", None) else None
         if args.stream:
-            s = dec.open_stream("cli", seed=args.seed)
+            s = dec.open_stream("cli", voice=voice, seed=args.seed)
             step = dec.cfg.stream.chunk_codes
             parts = [s.push(codes[i:i + step]) for i in range(0, len(codes), step)] + [s.finalize()]
             pcm = np.concatenate(parts)
         else:
-            pcm = dec.decode(codes, seed=args.seed)
+            pcm = dec.decode(codes, voice=voice, seed=args.seed)
     except (ValueError, ConfigError) as e:  # BadCodesError and ConfigError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

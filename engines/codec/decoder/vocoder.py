@@ -8,6 +8,9 @@ length is exactly frames x hop samples.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +89,13 @@ class BigVGANVocoder(Vocoder):
         from bigvgan.env import AttrDict
 
         self.mel = cfg.mel
-        self.generator = BigVGAN(AttrDict(cfg.h_params()), use_cuda_kernel=False)
+        with warnings.catch_warnings():  # the package uses the deprecated weight_norm API; nothing to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            self.generator = BigVGAN(AttrDict(cfg.h_params()), use_cuda_kernel=False)
 
     def fold_weight_norm(self) -> None:
-        self.generator.remove_weight_norm()
+        with contextlib.redirect_stdout(io.StringIO()):  # the package prints a line here
+            self.generator.remove_weight_norm()
 
     def render(self, mel, states, gens, keep_at):
         return self.generator(mel)[:, 0]
