@@ -49,6 +49,16 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add fused with the next norm on GPU."""
+        if x.is_cuda:
+            from engines.kernels.fused import add_rmsnorm
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+        return self(x), x
+
 
 class DecoderLayer(nn.Module):
     """Qwen3 decoder layer with fused qkv and gate_up projections, over the paged KV cache."""
@@ -69,23 +79,41 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(2 * self.ffn, h, device, dtype)
         self.down_proj = Linear(h, self.ffn, device, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                batch: ForwardBatch, out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, hidden]; kv_layer: [2, num_blocks, block_size, kv_heads, head_dim].
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, batch: ForwardBatch, out_rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x + residual (residual None for the first layer); returns (mlp_out, residual),
+        whose sum is the layer's output, so the add can fuse into the next norm.
 
-        Every row writes its K/V. With `out_rows` ([R]) only those rows go through o_proj and the MLP
-        and [R, hidden] is returned (the last layer of a tail feeds only the rows that need logits).
+        x: [T, hidden]; kv_layer: [2, num_blocks, block_size, kv_heads, head_dim]. Every row writes its K/V.
+        With `out_rows` ([R]) only those rows go through o_proj and the MLP and [R, hidden] comes back
+        (the last layer of a tail feeds only the rows that need logits).
         """
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, q + 2 kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        write_kv(k, v, kv_layer[0], kv_layer[1], batch.slot_mapping)
+        h, residual = self.input_layernorm.add(x, residual)
+        qkv = self.qkv_proj(h)  # [T, q + 2 kv]
+        if qkv.is_cuda:
+            from engines.kernels.fused import qk_norm_rope_write_kv
+
+            q = qk_norm_rope_write_kv(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, kv_layer[0],
+                                      kv_layer[1], batch.slot_mapping, self.num_heads, self.num_kv_heads,
+                                      self.q_norm.eps)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rope(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+            write_kv(k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_layer[0], kv_layer[1],
+                     batch.slot_mapping)
         attn = paged_attention(q, kv_layer[0], kv_layer[1], batch).reshape(t, self.q_size)  # [T, q]
         if out_rows is not None:
-            x, attn = x[out_rows], attn[out_rows]
-        x = x + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.ffn, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+            residual, attn = residual[out_rows], attn[out_rows]
+        h, residual = self.post_attention_layernorm.add(self.o_proj(attn), residual)
+        gate_up = self.gate_up_proj(h)  # [T, 2 ffn]
+        if gate_up.is_cuda:
+            from engines.kernels.fused import silu_mul
+
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.ffn, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act), residual

@@ -62,15 +62,16 @@ class MossSpeechModel(nn.Module):
         shared, text_tail, audio_tail = self.tail_layer_ranges()
         x = self.embed(batch.rows)  # [T, hidden]
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)  # [T, head_dim]
+        residual = None
         for i in shared:
-            x = self.layers[i](x, cos, sin, kv_cache[i], batch)
+            x, residual = self.layers[i](x, residual, cos, sin, kv_cache[i], batch)
         outs = []
         for tail, norm in ((text_tail, self.text_norm), (audio_tail, self.audio_norm)):
-            h = x
+            h, r = x, residual
             for i in tail:
                 last = i == tail[-1]
-                h = self.layers[i](h, cos, sin, kv_cache[i], batch, batch.logits_rows if last else None)
-            outs.append(norm(h))
+                h, r = self.layers[i](h, r, cos, sin, kv_cache[i], batch, batch.logits_rows if last else None)
+            outs.append(norm.add(h, r)[0])
         return torch.stack(outs)  # [2, R, hidden]
 
     def text_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -75,3 +75,60 @@ def test_decode_kernel_gqa_group_of_tiny_model():
     q, cache, batch = make_case(3, 16, [1, 1, 1], [33, 1, 250], torch.float32, heads=4, kvh=2, d=16)
     out = paged_attention(q, cache[0], cache[1], batch)
     assert rel_err(out, torch_reference(q, cache, batch)) < 1e-5
+
+
+def _torch_rmsnorm(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_add_rmsnorm_matches_torch(dtype):
+    from engines.kernels.fused import add_rmsnorm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for t, n in [(1, 4096), (37, 4096), (5, 64)]:
+        x = torch.randn(t, n, device="cuda", generator=g).to(dtype)
+        r = torch.randn(t, n, device="cuda", generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(dtype)
+        out, res = add_rmsnorm(x, r, w, 1e-6)
+        assert torch.equal(res, x + r)
+        assert rel_err(out, _torch_rmsnorm(x + r, w, 1e-6)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+        out0, _ = add_rmsnorm(x, None, w, 1e-6)
+        assert rel_err(out0, _torch_rmsnorm(x, w, 1e-6)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fused_qk_norm_rope_kv_write_matches_torch(block_size):
+    from engines.kernels.fused import qk_norm_rope_write_kv
+    from engines.model.attention import write_kv
+    from engines.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t, h, kvh, d, dtype = 19, 32, 8, 128, torch.bfloat16
+    qkv = torch.randn(t, (h + 2 * kvh) * d, device="cuda", generator=g).to(dtype)
+    qw = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    kw = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    pos = torch.randint(0, 5000, (t,), device="cuda", generator=g)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(d, 1e6).cuda(), dtype)
+    slots = torch.randperm(64 * block_size, device="cuda", generator=g)[:t]
+    caches = [torch.full((64, block_size, kvh, d), float("nan"), device="cuda", dtype=dtype) for _ in range(4)]
+    q = qk_norm_rope_write_kv(qkv, qw, kw, cos, sin, caches[0], caches[1], slots, h, kvh, 1e-6)
+    q_ref, k_ref, v_ref = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q_ref = apply_rope(_torch_rmsnorm(q_ref.reshape(t, h, d), qw, 1e-6), cos, sin)
+    k_ref = apply_rope(_torch_rmsnorm(k_ref.reshape(t, kvh, d), kw, 1e-6), cos, sin)
+    write_kv(k_ref, v_ref.reshape(t, kvh, d), caches[2], caches[3], slots)
+    assert rel_err(q, q_ref) < 1e-2
+    written = caches[0].view(-1, kvh, d)[slots]
+    assert torch.isfinite(written).all()
+    assert rel_err(written, caches[2].view(-1, kvh, d)[slots]) < 1e-2
+    assert torch.equal(caches[1].view(-1, kvh, d)[slots], caches[3].view(-1, kvh, d)[slots])
+
+
+def test_fused_silu_mul_matches_torch():
+    from engines.kernels.fused import silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gu = torch.randn(7, 2 * 12288, device="cuda", generator=g).to(torch.bfloat16)
+    gate, up = gu.split(12288, dim=-1)
+    assert rel_err(silu_mul(gu), torch.nn.functional.silu(gate) * up) < 1e-2
