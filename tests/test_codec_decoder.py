@@ -291,3 +291,28 @@ def test_bf16_estimator_runs_close_to_float32():
     assert bf.shape == ref.shape and np.isfinite(bf).all()
     # bf16 rounding must move the waveform far less than changing the session's noise does.
     assert np.abs(ref - bf).max() < 0.1 * np.abs(ref - other_seed).max()
+
+
+def test_campplus_xvector_through_onnxruntime(tmp_path):
+    """A stand-in campplus.onnx (max over time of the fbank, then a fixed 80 x 192 matrix) checks the feature
+    normalisation, the onnxruntime call and the output shape; the real CAM++ network is not available here."""
+    from onnx import TensorProto, helper, save
+
+    from engines.codec.decoder.voice import campplus_xvector, kaldi_fbank
+
+    w = np.random.default_rng(0).standard_normal((80, 192)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMax", ["input"], ["m"], axes=[1], keepdims=0),
+         helper.make_node("MatMul", ["m", "w"], ["output"])],
+        "campplus_standin",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, None, 80])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 192])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [80, 192], w.reshape(-1).tolist())])
+    path = tmp_path / "campplus.onnx"
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), str(path))
+    wav = torch.from_numpy(np.random.default_rng(1).standard_normal(16000).astype(np.float32) * 0.1)
+    got = campplus_xvector(wav, path)
+    fb = kaldi_fbank(wav)
+    want = (fb - fb.mean(0, keepdim=True)).amax(0).numpy() @ w
+    assert got.shape == (192,)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-3)
