@@ -750,7 +750,7 @@ class Session:
                               etype="server_error")
 
     def _slow_consumer(self) -> None:
-        if self.closed or not self.outbound.overflowed:
+        if self.closed or not self.outbound.overflowed or self.close_code == 1008:
             return
         if self._observer is not None:
             self._observer.error("slow_consumer")

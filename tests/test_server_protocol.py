@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -318,6 +319,51 @@ async def test_health_and_metrics(srv):
     assert 'moss_errors_total{code="invalid_json"}' in text
     assert "moss_kv_blocks_free 4096.0" in text or "moss_kv_blocks_free" in text
     assert "moss_active_sessions" in text and "moss_engine_up 1.0" in text
+
+
+def test_client_that_does_not_read_is_closed_as_slow_consumer():
+    """A raw sans-I/O client that stops reading (asyncio clients keep reading into memory on their own)."""
+    from websockets.client import ClientProtocol
+    from websockets.frames import Opcode
+    from websockets.uri import parse_uri
+
+    engine = ["env", "FAKE_ENGINE_CHUNKS=3000", "FAKE_ENGINE_STEP_S=0.002", *SLOW_ENGINE[3:]]
+    with RunningServer(fake_settings(engine_command=engine, output_queue_size=16)) as s:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # back up the server's socket quickly
+        sock.connect(("127.0.0.1", s.port))
+        sock.settimeout(10)
+        p = ClientProtocol(parse_uri(s.ws), max_size=None)
+        p.send_request(p.connect())
+        sock.sendall(b"".join(p.data_to_send()))
+        while p.handshake_exc is None and p.state.name != "OPEN":
+            p.receive_data(sock.recv(65536))
+        assert p.handshake_exc is None
+        for ev in ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "x"}]}}, {"type": "response.create", "response": {
+                    "max_output_tokens": 100000}}):
+            p.send_text(json.dumps(ev).encode())
+        sock.sendall(b"".join(p.data_to_send()))
+        deadline = time.monotonic() + 30
+        while not s.app.state.sessions.sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while s.app.state.sessions.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)  # not reading
+        assert not s.app.state.sessions.sessions, "the session was not closed"
+        texts, close = [], None
+        while close is None:
+            data = sock.recv(1 << 20)
+            if not data:
+                break
+            p.receive_data(data)
+            for f in p.events_received():
+                if getattr(f, "opcode", None) == Opcode.TEXT:
+                    texts.append(json.loads(f.data))
+                elif getattr(f, "opcode", None) == Opcode.CLOSE:
+                    close = p.close_rcvd
+        sock.close()
+        assert close is not None and close.code == 1008
+        assert texts[-1]["type"] == "error" and texts[-1]["error"]["code"] == "slow_consumer"
 
 
 async def test_sigterm_drains_answers_then_closes():
