@@ -15,7 +15,7 @@ from engines.codec.decoder import BadCodesError, CodecDecoder, CodecTask, MelMis
 from engines.codec.decoder.checkpoint import CheckpointError
 from engines.codec.decoder.config import HiFTConfig
 from engines.codec.decoder.vocoder import HiFTVocoder
-from engines.codec.presets import DECODER_PRESETS, write_random_decoder
+from engines.codec.presets import DECODER_PRESETS, write_random_codec, write_random_decoder
 
 SPC = 1920  # samples per code
 # Streamed vs offline run the same ops on the same shapes: equal up to float noise.
@@ -316,3 +316,12 @@ def test_campplus_xvector_through_onnxruntime(tmp_path):
     want = (fb - fb.mean(0, keepdim=True)).amax(0).numpy() @ w
     assert got.shape == (192,)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-3)
+
+
+def test_whole_random_codec_dir_serves_both_halves(tmp_path):
+    from engines.codec.encoder import SpeechEncoder
+
+    write_random_codec(tmp_path, "tiny-random", seed=0)
+    codes = SpeechEncoder.load(tmp_path).encode(np.zeros(16000, dtype=np.float32))
+    pcm = CodecDecoder.load(tmp_path, vocoder="hift").decode(codes)
+    assert len(codes) > 0 and pcm.shape == (len(codes) * SPC,)

@@ -60,3 +60,12 @@ def write_random_decoder(path: str | Path, preset: str = "tiny-random", seed: in
     if cfg != CodecDecoderConfig():
         (path / "flow" / "decoder.json").write_text(json.dumps(cfg.to_json_dict(), indent=1))
     return path
+
+
+def write_random_codec(path: str | Path, preset: str = "tiny-random", seed: int = 0) -> Path:
+    """A whole random codec directory: the encoder's files (engines/codec/encoder) and the decoder's."""
+    from engines.codec.encoder import encoder_preset
+    from engines.codec.encoder.weights import write_random_encoder
+
+    write_random_encoder(path, encoder_preset(preset), seed=seed)
+    return write_random_decoder(path, preset, seed=seed)
