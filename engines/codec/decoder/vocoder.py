@@ -24,7 +24,7 @@ from engines.codec.decoder.mel import SILENCE_LOG_MEL, MelSpec
 @dataclass
 class VocoderState:
     ctx_mel: torch.Tensor  # [80, M] left context for the next window
-    tail: torch.Tensor | None = None  # [X] held-back samples of the previous window
+    tail: torch.Tensor | None = None  # [X] held-back samples of the previous window (float32, host)
     phase: torch.Tensor | None = None  # [H] HiFT harmonic phases (cycles) at the next window start
 
 
@@ -122,12 +122,13 @@ class WindowedVocoder:
     @torch.inference_mode()
     def push(self, mel: torch.Tensor, states: list[VocoderState], gens: list[torch.Generator], final: list[bool]
              ) -> list[torch.Tensor]:
-        """mel [B, 80, F] new frames -> per session the PCM that is now final (float32 [samples])."""
+        """mel [B, 80, F] new frames -> per session the PCM that is now final (float32 [samples], host)."""
         M, hop, X = self.stream.voc_ctx_frames, self.hop, self.hold
         Fr = mel.shape[2]
         win = torch.cat([torch.stack([s.ctx_mel for s in states]), mel], dim=2)  # [B, 80, M + F]
         # Next window starts F frames later: that is where the carried state must point.
-        wav = self.vocoder.render(win, states, gens, keep_at=Fr * hop)
+        # One device -> host copy per batch; seams are cut and crossfaded on the host.
+        wav = self.vocoder.render(win, states, gens, keep_at=Fr * hop).float().cpu()
         fade_in, fade_out = crossfade_windows(X, wav.device, wav.dtype)
         start, end = M * hop - X, (M + Fr) * hop
         out = []
@@ -140,5 +141,5 @@ class WindowedVocoder:
             pieces.append(y[start + X:cut])
             s.tail = None if final[b] else y[end - X:end]
             s.ctx_mel = win[b, :, -M:]
-            out.append(torch.cat(pieces).float())
+            out.append(torch.cat(pieces))
         return out
