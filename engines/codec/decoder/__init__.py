@@ -24,6 +24,22 @@ Streaming schedule: 5 codes per chunk + 3 lookahead codes (the first chunk needs
 per code, 1920 samples per code; a stream of N codes yields exactly N x 1920 samples over push + finalize.
 Bad codes (negative, >= 16384, non-integer, not 1-D) raise BadCodesError (a ValueError).
 Voices: `Voice.random(seed)`, `Voice.empty()`, `Voice.from_wav(path, encode=..., campplus=...)`.
+Random codec directories: `engines.codec.presets.write_random_codec(dir, "tiny-random")`.
+
+Where this differs from the reference (CosyVoice2-style) streaming, by design or for lack of facts:
+- Flow encoder: each chunk attends to the whole prompt, the previous `enc_left_chunks` (4) chunks and itself
+  (the reference re-encodes all tokens so far each chunk). The prompt and the answer are separate segments
+  for the lookahead and upsampling convolutions, so a voice's encoder state is computed once and shared.
+  Streaming equals a dense full-sequence pass with that mask (tests/test_codec_decoder_encoder_oracle.py).
+- CFM estimator: each chunk is integrated over a window of the previous chunk's last 20 frames (their stored
+  x_t trajectories, fixed) plus its own frames, with a block-causal mask. The first chunk's context is the
+  prompt's last 20 frames placed on the straight flow path toward the prompt mel.
+- Vocoder: 8 frames of left mel context per window; the last 2 frames (40 ms) are held back and crossfaded
+  with the next window. HiFT harmonic phases are carried across windows; noise comes from the session RNG.
+- "Offline" (`decode`) is the same chunk schedule in one call, so streamed == offline to float rounding.
+- Key names/shapes follow the public CosyVoice2 layout with MOSS sizes (vocab 20480, upsample stride 4,
+  up-conv kernel 9); they were not checked against the real MOSS-Speech-Codec files. The loader names every
+  missing, unexpected or mis-shaped key. The Kaldi fbank feeding campplus.onnx is our own implementation.
 """
 
 from engines.codec.decoder.codec_decoder import BadCodesError, CodecDecoder, DecodeStream, validate_codes
