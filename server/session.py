@@ -134,6 +134,8 @@ class Session:
         self.limits = limits or SessionLimits()
         self.audio_out = audio_out
         self.config = SessionConfig(model=model)
+        if vad_factory is None:  # no server_vad here: clients commit their turns
+            self.config = SessionConfig(model=model, turn_detection=None)
         self._vad_factory = vad_factory
         self._vad = None  # created lazily: only server_vad sessions pay for it
         self._observer = observer
@@ -174,6 +176,8 @@ class Session:
     async def start(self) -> None:
         self.engine.register(self.id, self)
         self._started = True
+        if self.config.turn_detection is not None:
+            await self._ensure_vad()
         await self.engine.send(m.OpenSession(session_id=self.id, instructions=self.config.instructions))
         self._emit(ev.session_event("session.created", self.id, self.config))
         self.log.info("session opened audio_out=%s", self.audio_out)
@@ -259,6 +263,10 @@ class Session:
     async def _on_session_update(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id", "session"})
         new = parse_session_update(event.get("session"), self.config)
+        if new.turn_detection is not None and self._vad_factory is None:
+            raise ProtocolError("server_vad_unavailable", "server_vad is disabled on this server; use "
+                                "turn_detection null and input_audio_buffer.commit",
+                                "session.audio.input.turn_detection")
         old = self.config
         self.config = new
         if new.turn_detection != old.turn_detection:
@@ -447,18 +455,18 @@ class Session:
     async def _vad_feed(self, pcm16k: np.ndarray) -> None:
         td = self.config.turn_detection
         assert td is not None
-        if self._vad is None:
-            if self._vad_factory is None:
-                raise ProtocolError("server_vad_unavailable", "server_vad is not available on this server")
-            self._vad = self._vad_factory()
-        win = self._vad.window
+        vad = await self._ensure_vad()
+        win = vad.window
         buf = np.concatenate([self._vad_pending, pcm16k]) if len(self._vad_pending) else pcm16k
         n_full = len(buf) // win * win
         self._vad_pending = buf[n_full:].copy()
-        for start in range(0, n_full, win):
+        if n_full == 0:
+            return
+        # The model runs in a worker thread (torch releases the GIL) so other sessions' audio keeps flowing.
+        probs = await asyncio.to_thread(vad.probs, buf[:n_full].reshape(-1, win))
+        for k, start in enumerate(range(0, n_full, win)):
             chunk = buf[start:start + win]
-            prob = self._vad.prob(chunk)
-            speech = prob >= td.threshold
+            speech = probs[k] >= td.threshold
             if not self._in_speech:
                 self._prefix.append(chunk)
                 self._prefix_samples += len(chunk)
@@ -477,6 +485,15 @@ class Session:
                         await self._speech_stopped(td)
             if self.closed:
                 return
+
+    async def _ensure_vad(self) -> Any:
+        if self._vad is None:
+            if self._vad_factory is None:
+                raise ProtocolError("server_vad_unavailable", "server_vad is not available on this server")
+            vad = await asyncio.to_thread(self._vad_factory)  # loading takes tens of ms
+            if self._vad is None:
+                self._vad = vad
+        return self._vad
 
     async def _flush_prefix_to_engine(self) -> None:
         if self._prefix:

@@ -32,5 +32,9 @@ class SileroVad:
         with torch.inference_mode():
             return float(self._model(torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.float32)), VAD_RATE))
 
+    def probs(self, windows: np.ndarray) -> list[float]:
+        """Consecutive windows [n, 512] of one stream, in order (the model state carries across)."""
+        return [self.prob(w) for w in windows]
+
     def reset(self) -> None:
         self._model.reset_states()
