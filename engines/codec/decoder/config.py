@@ -101,6 +101,8 @@ class BigVGANConfig:
 
     upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
     upsample_kernel_sizes: tuple[int, ...] = (16, 10, 8, 6)
+    # No public BigVGAN is trained on the codec mel, so "full-random" size is our choice: 512 channels
+    # (BigVGAN-base class); the public 24 kHz v2 models use 1536.
     upsample_initial_channel: int = 512
     resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
     resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
