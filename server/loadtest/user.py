@@ -54,6 +54,7 @@ class _Turn:
     audio_started: bool = False
     audio_stopped: bool = False
     pending_done: tuple[dict[str, Any], float] | None = None
+    response_reason: str | None = None  # response.done status_details.reason
 
 
 def session_update_event(cfg: LoadConfig) -> dict[str, Any]:
@@ -265,7 +266,9 @@ class SimulatedUser:
             rec.vad_delay_ms = (t.commit_t - t.speech_end) * 1000
         rec.absorb_playback(t.buf)
         if rec.error_code is None and not t.closed:
-            if rec.response_status != "completed":
+            # An answer cut at the length we asked for (--max-output-tokens) is a normal end, not an error.
+            cut_by_us = rec.response_status == "incomplete" and t.response_reason == "max_output_tokens"
+            if rec.response_status != "completed" and not cut_by_us:
                 rec.error_code = f"response_{rec.response_status}"
                 self.collector.error(rec.error_code, f"response.done with status {rec.response_status}")
             elif rec.audio_s == 0:
@@ -319,6 +322,7 @@ class SimulatedUser:
             if resp.get("id") not in (None, t.response_id):
                 return
             t.rec.response_status = resp.get("status")
+            t.response_reason = (resp.get("status_details") or {}).get("reason")
             ttfa = resp.get("ttfa_ms")
             t.rec.server_ttfa_ms = float(ttfa) if isinstance(ttfa, int | float) else None
             t.done_t = now
