@@ -15,6 +15,7 @@ from engines.sampler.sampler import (
     AUDIO_CHANNEL,
     TEXT_CHANNEL,
     ChannelTensors,
+    batch_top_k,
     mask_audio_logits,
     sample_channel,
 )
@@ -67,16 +68,16 @@ class ModelRunner:
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].num_rows == 1:
             num_decode += 1
-        dev = self.device
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        t, b = len(positions), len(chunks)
+        flat = [x for r in rows for x in r] + positions + slots + qstart + ctx + logits_rows
+        for tbl in tables:
+            flat += tbl + [0] * (width - len(tbl))
+        buf = self._upload(torch.tensor(flat, dtype=torch.long))
+        sizes = [2 * t, t, t, b + 1, b, len(logits_rows), b * width]
+        r, pos, slot, qs, cl, lr, bt = torch.split(buf, sizes)
         return ForwardBatch(
-            rows=as_long(rows).view(-1, 2),
-            positions=as_long(positions),
-            slot_mapping=as_long(slots),
-            query_start=as_long(qstart),
-            context_lens=as_long(ctx),
-            block_tables=as_long([t + [0] * (width - len(t)) for t in tables]),
-            logits_rows=as_long(logits_rows),
+            rows=r.view(t, 2), positions=pos, slot_mapping=slot, query_start=qs, context_lens=cl,
+            block_tables=bt.view(b, width), logits_rows=lr,
             max_query_len=max(c.num_rows for c in chunks),
             max_context_len=max(ctx),
             is_decode=num_decode == len(chunks),
@@ -84,6 +85,12 @@ class ModelRunner:
             query_start_host=qstart,
             context_lens_host=ctx,
         )
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """One host-to-device copy from pinned memory: no stream sync, unlike a copy from pageable memory."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _mark_seen(self, chunks: list[ScheduledChunk], batch: ForwardBatch) -> None:
         """Add every row run this step (and, on a sequence's first run, its cached history) to its slot's history."""
@@ -94,12 +101,12 @@ class ModelRunner:
                 self.text_seen[seq.slot].zero_()
                 self.audio_seen[seq.slot].zero_()
                 if c.start > 0:
-                    hist = torch.tensor(seq.rows[: c.start], dtype=torch.long, device=self.device)
+                    hist = self._upload(torch.tensor(seq.rows[: c.start], dtype=torch.long))
                     self.text_seen[seq.slot, hist[:, 0]] = True
                     self.audio_seen[seq.slot, hist[:, 1]] = True
                 seq.history_marked = True
             slot_of_row += [seq.slot] * c.num_rows
-        slot_t = torch.tensor(slot_of_row, dtype=torch.long, device=self.device)
+        slot_t = self._upload(torch.tensor(slot_of_row, dtype=torch.long))
         self.text_seen[slot_t, batch.rows[:, 0]] = True
         self.audio_seen[slot_t, batch.rows[:, 1]] = True
 
@@ -121,29 +128,39 @@ class ModelRunner:
         seqs = [c.seq for c in chunks if c.needs_logits]
         if not seqs:
             return []
-        dev = self.device
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=dev)
-        steps = torch.tensor([s.num_generated for s in seqs], dtype=torch.long, device=dev)
-        greedy = [s.params.greedy for s in seqs]
+        n = len(seqs)
+        ints = self._upload(torch.tensor(
+            [s.slot for s in seqs] + [s.seed for s in seqs] + [s.num_generated for s in seqs]
+            + [s.params.min_new_tokens for s in seqs] + [s.params.audio.top_k for s in seqs]
+            + [s.params.text.top_k for s in seqs]
+            + [int(s.params.greedy or s.params.audio.temperature == 0) for s in seqs]
+            + [int(s.params.greedy or s.params.text.temperature == 0) for s in seqs], dtype=torch.long))
+        floats = self._upload(torch.tensor(
+            [[getattr(getattr(s.params, ch), f) for s in seqs]
+             for ch in ("audio", "text") for f in ("temperature", "top_p", "repetition_penalty")],
+            dtype=torch.float32))
+        slots, seeds, steps, min_new, audio_k, text_k, audio_greedy, text_greedy = ints.view(8, n)
+        audio_t = ChannelTensors(floats[0], floats[1], audio_k, floats[2], audio_greedy.bool(),
+                                 batch_top_k([s.params.audio.top_k for s in seqs]))
+        text_t = ChannelTensors(floats[3], floats[4], text_k, floats[5], text_greedy.bool(),
+                                batch_top_k([s.params.text.top_k for s in seqs]))
 
         if audio_logits is None:
             audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32
         audio_logits = audio_logits.clone()  # masked in place below; a graph's output buffer stays intact
-        min_new = torch.tensor([s.params.min_new_tokens for s in seqs], dtype=torch.long, device=dev)
         audio_logits = mask_audio_logits(audio_logits, steps, min_new)
-        audio_tokens = sample_channel(
-            audio_logits, self.audio_seen[slots], ChannelTensors.build([s.params.audio for s in seqs], greedy, dev),
-            seeds, steps, AUDIO_CHANNEL)
+        audio_tokens = sample_channel(audio_logits, self.audio_seen[slots], audio_t, seeds, steps, AUDIO_CHANNEL)
 
         text_idx = [i for i, s in enumerate(seqs) if s.mode == "text"]
         text_tokens = torch.full_like(audio_tokens, -1)
-        if text_idx:
-            sel = torch.tensor(text_idx, dtype=torch.long, device=dev)
+        if len(text_idx) == n:
+            text_tokens = sample_channel(self.model.text_logits(hidden[0]), self.text_seen[slots], text_t, seeds,
+                                         steps, TEXT_CHANNEL)
+        elif text_idx:
+            sel = self._upload(torch.tensor(text_idx, dtype=torch.long))
             text_logits = self.model.text_logits(hidden[0].index_select(0, sel))  # [Rt, vocab] float32
-            text_tokens[sel] = sample_channel(
-                text_logits, self.text_seen[slots[sel]],
-                ChannelTensors.build([seqs[i].params.text for i in text_idx], [greedy[i] for i in text_idx], dev),
-                seeds[sel], steps[sel], TEXT_CHANNEL)
+            sub = ChannelTensors(*(x[sel] if isinstance(x, torch.Tensor) else x for x in vars(text_t).values()))
+            text_tokens[sel] = sample_channel(text_logits, self.text_seen[slots[sel]], sub, seeds[sel], steps[sel],
+                                              TEXT_CHANNEL)
         pairs = torch.stack([text_tokens, audio_tokens], dim=1).tolist()  # the one host sync of the step
         return [(t, a) for t, a in pairs]

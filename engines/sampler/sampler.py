@@ -22,6 +22,11 @@ AUDIO_CHANNEL = 1
 _M32 = 0xFFFFFFFF
 
 
+def batch_top_k(ks: list[int]) -> int:
+    """Top-k width for a batch; 0 when some row has top-k off (the sampler then sorts the whole vocabulary)."""
+    return 0 if any(k == 0 for k in ks) else max(ks)
+
+
 @dataclass
 class ChannelTensors:
     temperature: torch.Tensor  # [B] float32
@@ -41,7 +46,7 @@ class ChannelTensors:
             penalty=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
             greedy=torch.tensor([g or p.temperature == 0 for g, p in zip(greedy, params, strict=True)],
                                 dtype=torch.bool, device=device),
-            max_top_k=0 if any(k == 0 for k in ks) else max(ks),
+            max_top_k=batch_top_k(ks),
         )
 
 
