@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_codes(path: str | Path) -> np.ndarray:
-    from engines.codec.decoder.codec_decoder import BadCodesError
+    from engines.codec.decoder.codes import BadCodesError
 
     path = Path(path)
     if not path.is_file():

@@ -42,8 +42,10 @@ Where this differs from the reference (CosyVoice2-style) streaming, by design or
   missing, unexpected or mis-shaped key. The Kaldi fbank feeding campplus.onnx is our own implementation.
 """
 
-from engines.codec.decoder.codec_decoder import BadCodesError, CodecDecoder, DecodeStream, validate_codes
+from engines.codec.decoder.codec_decoder import CodecDecoder
+from engines.codec.decoder.codes import BadCodesError, validate_codes
 from engines.codec.decoder.mel import CODEC_MEL, MelMismatchError, MelSpec
+from engines.codec.decoder.stream import DecodeStream
 from engines.codec.decoder.task import CodecTask
 from engines.codec.decoder.voice import Voice
 

@@ -4,43 +4,22 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engines.codec.decoder.checkpoint import CheckpointError, load_checked, read_state_dict
+from engines.codec.decoder.codes import validate_codes
 from engines.codec.decoder.config import CodecDecoderConfig
-from engines.codec.decoder.flow import FlowModel, FlowState, PreparedVoice
+from engines.codec.decoder.flow import FlowModel, PreparedVoice
 from engines.codec.decoder.mel import MelSpec, check_same_mel
-from engines.codec.decoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, VocoderState, WindowedVocoder
+from engines.codec.decoder.stream import DecodeStream, Job
+from engines.codec.decoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
 from engines.codec.decoder.voice import Voice
 from engines.config import ConfigError, parse_dtype
-from engines.tokens import NUM_AUDIO_CODES
 
 VOCODERS = ("bigvgan", "hift")
-
-
-class BadCodesError(ValueError):
-    """Codes given to the decoder are not a 1-D sequence of ints in [0, 16384)."""
-
-
-def validate_codes(codes) -> list[int]:
-    if isinstance(codes, torch.Tensor):
-        codes = codes.detach().cpu().numpy()
-    arr = np.asarray(codes)
-    if arr.ndim != 1:
-        raise BadCodesError(f"codes must be a 1-D sequence, got shape {arr.shape}")
-    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
-        raise BadCodesError(f"codes must be integers, got dtype {arr.dtype}")
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= NUM_AUDIO_CODES:
-            bad = lo if lo < 0 else hi
-            raise BadCodesError(f"audio code {bad} outside [0, {NUM_AUDIO_CODES}) (eosp 16384 and above are not "
-                                f"speech codes)")
-    return [int(c) for c in arr]
 
 
 def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
@@ -56,83 +35,6 @@ def _bigvgan_mel(h: dict, source: str) -> MelSpec:
                        fmax=float(h["fmax"]) if h.get("fmax") is not None else int(h["sampling_rate"]) / 2)
     except KeyError as e:
         raise ConfigError(f"{source}: missing mel field {e}") from None
-
-
-@dataclass
-class Job:
-    """One chunk of one session: n codes, the real lookahead codes after them, and whether it is the last."""
-
-    stream: DecodeStream
-    codes: list[int]
-    look: list[int]
-    final: bool
-
-
-@dataclass
-class DecodeStream:
-    """Per-session state. `push` / `finalize` decode at batch 1; the CodecTask batches many streams."""
-
-    decoder: CodecDecoder
-    session_id: str
-    flow_state: FlowState
-    voc_state: VocoderState
-    gen: torch.Generator
-    pending: list[int] = field(default_factory=list)
-    finished: bool = False
-    closed: bool = False
-    samples_out: int = 0
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"stream {self.session_id} is closed")
-        if self.finished:
-            raise RuntimeError(f"stream {self.session_id} was finalized")
-
-    def add(self, codes) -> None:
-        self._check_open()
-        self.pending.extend(validate_codes(codes))
-
-    def take_jobs(self, finishing: bool = False) -> list[Job]:
-        """Chunks that can be decoded now (in order). With finishing, everything left, the last one final."""
-        st = self.decoder.cfg.stream
-        C, la = st.chunk_codes, self.decoder.cfg.flow.pre_lookahead
-        jobs = []
-        while len(self.pending) >= C + la:
-            jobs.append(Job(self, self.pending[:C], self.pending[C:C + la], False))
-            del self.pending[:C]
-        if finishing:
-            self._check_open()
-            while self.pending:
-                n = min(C, len(self.pending))
-                jobs.append(Job(self, self.pending[:n], self.pending[n:n + la], False))
-                del self.pending[:n]
-            if jobs:
-                jobs[-1].final = True
-            else:
-                jobs.append(Job(self, [], [], True))  # only the held tail (if any) is left
-            self.finished = True
-        return jobs
-
-    def push(self, codes) -> np.ndarray:
-        """Add codes; returns the PCM (float32, 24 kHz) that became final, possibly empty."""
-        self.add(codes)
-        return self._run(self.take_jobs())
-
-    def finalize(self) -> np.ndarray:
-        """Decode what is left (the last chunk without lookahead) and release the held tail."""
-        return self._run(self.take_jobs(finishing=True))
-
-    def _run(self, jobs: list[Job]) -> np.ndarray:
-        outs = [self.decoder.run_jobs([j])[0] for j in jobs]
-        return np.concatenate(outs) if outs else np.zeros(0, dtype=np.float32)
-
-    def close(self) -> None:
-        self.closed = True
-        self.flow_state = self.voc_state = None  # type: ignore[assignment]
-        self.pending = []
-
-    def state_bytes(self) -> int:
-        return self.flow_state.nbytes()
 
 
 class CodecDecoder:

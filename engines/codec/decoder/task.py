@@ -12,7 +12,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from engines.codec.decoder.codec_decoder import CodecDecoder, DecodeStream, Job
+from engines.codec.decoder.codec_decoder import CodecDecoder
+from engines.codec.decoder.stream import DecodeStream, Job
 from engines.codec.decoder.voice import Voice
 
 

@@ -1,0 +1,93 @@
+"""Per-session decode stream: pending codes, the chunk schedule, and the session's flow/vocoder state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engines.codec.decoder.codes import validate_codes
+from engines.codec.decoder.flow import FlowState
+from engines.codec.decoder.vocoder import VocoderState
+
+if TYPE_CHECKING:
+    from engines.codec.decoder.codec_decoder import CodecDecoder
+
+
+@dataclass
+class Job:
+    """One chunk of one session: n codes, the real lookahead codes after them, and whether it is the last."""
+
+    stream: DecodeStream
+    codes: list[int]
+    look: list[int]
+    final: bool
+
+
+@dataclass
+class DecodeStream:
+    """Per-session state. `push` / `finalize` decode at batch 1; the CodecTask batches many streams."""
+
+    decoder: CodecDecoder
+    session_id: str
+    flow_state: FlowState
+    voc_state: VocoderState
+    gen: torch.Generator
+    pending: list[int] = field(default_factory=list)
+    finished: bool = False
+    closed: bool = False
+    samples_out: int = 0
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"stream {self.session_id} is closed")
+        if self.finished:
+            raise RuntimeError(f"stream {self.session_id} was finalized")
+
+    def add(self, codes) -> None:
+        self._check_open()
+        self.pending.extend(validate_codes(codes))
+
+    def take_jobs(self, finishing: bool = False) -> list[Job]:
+        """Chunks that can be decoded now (in order). With finishing, everything left, the last one final."""
+        st = self.decoder.cfg.stream
+        C, la = st.chunk_codes, self.decoder.cfg.flow.pre_lookahead
+        jobs = []
+        while len(self.pending) >= C + la:
+            jobs.append(Job(self, self.pending[:C], self.pending[C:C + la], False))
+            del self.pending[:C]
+        if finishing:
+            self._check_open()
+            while self.pending:
+                n = min(C, len(self.pending))
+                jobs.append(Job(self, self.pending[:n], self.pending[n:n + la], False))
+                del self.pending[:n]
+            if jobs:
+                jobs[-1].final = True
+            else:
+                jobs.append(Job(self, [], [], True))  # only the held tail (if any) is left
+            self.finished = True
+        return jobs
+
+    def push(self, codes) -> np.ndarray:
+        """Add codes; returns the PCM (float32, 24 kHz) that became final, possibly empty."""
+        self.add(codes)
+        return self._run(self.take_jobs())
+
+    def finalize(self) -> np.ndarray:
+        """Decode what is left (the last chunk without lookahead) and release the held tail."""
+        return self._run(self.take_jobs(finishing=True))
+
+    def _run(self, jobs: list[Job]) -> np.ndarray:
+        outs = [self.decoder.run_jobs([j])[0] for j in jobs]
+        return np.concatenate(outs) if outs else np.zeros(0, dtype=np.float32)
+
+    def close(self) -> None:
+        self.closed = True
+        self.flow_state = self.voc_state = None  # type: ignore[assignment]
+        self.pending = []
+
+    def state_bytes(self) -> int:
+        return self.flow_state.nbytes()
