@@ -11,6 +11,11 @@ import warnings
 import numpy as np
 import torch
 
+# The package's own deprecation noise when it loads its model (loaded in worker threads, where
+# catch_warnings would race): importlib path and torch.jit.load.
+warnings.filterwarnings("ignore", category=DeprecationWarning, module="silero_vad")
+warnings.filterwarnings("ignore", message=".*torch.jit.load.*is deprecated", category=DeprecationWarning)
+
 VAD_RATE = 16000
 VAD_WINDOW = 512  # the only window size Silero accepts at 16 kHz
 
@@ -21,7 +26,7 @@ class SileroVad:
     def __init__(self) -> None:
         from silero_vad import load_silero_vad
 
-        with warnings.catch_warnings():  # the package's own deprecation noise (importlib path, jit.load)
+        with warnings.catch_warnings():  # also here: test runners reset the module-level filters
             warnings.simplefilter("ignore", DeprecationWarning)
             self._model = load_silero_vad()
 
