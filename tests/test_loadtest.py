@@ -269,6 +269,21 @@ def test_client_webrtc_commit_turn_against_scripted_engine(scripted_server):
         assert 1.2 <= r["audio_s"] <= 1.7 and r["ttfa_ms"] > 0 and r["response_status"] == "completed"
 
 
+def test_capacity_cli_with_worker_processes(scripted_server, tmp_path):
+    from moss_speech.cli import main
+
+    out = tmp_path / "cap.json"
+    # A budget no CI machine misses: this checks the level loop, worker processes and the report, not speed.
+    rc = main(["bench", "capacity", "--url", scripted_server.http, "--api-key", "secret", "--start", "1", "--max", "2",
+               "--turns", "1", "--turn-detection", "commit", "--workers", "2", "--ttfa-budget-ms", "60000",
+               "--think-ms", "0", "--quiet", "--json", str(out), "--plots", str(tmp_path)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["capacity"] == 2 and d["capacity_is_lower_bound"] is True
+    assert [(p["sessions"], p["turns"]["ok"], p["errors"]["total"]) for p in d["curve"]] == [(1, 1, 0), (2, 2, 0)]
+    assert (tmp_path / "capacity.png").is_file() and (tmp_path / "ttfa_cdf.png").is_file()
+
+
 def test_webrtc_is_refused_clearly_without_the_endpoint(capsys):
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer

@@ -124,12 +124,7 @@ class WebRtcUser(SimulatedUser):
 
         @ch.on("message")
         def _message(msg: str | bytes) -> None:
-            now = self.loop.time()
-            try:
-                evt: Any = json.loads(msg)
-            except (TypeError, ValueError):
-                evt = msg
-            self.on_event(evt, now)
+            self.on_message(msg, self.loop.time())
 
         @ch.on("close")
         def _closed() -> None:

@@ -36,12 +36,7 @@ class WsUser(SimulatedUser):
         assert self.ws is not None
         try:
             async for msg in self.ws:
-                now = self.loop.time()
-                try:
-                    evt: Any = json.loads(msg)
-                except (TypeError, ValueError):
-                    evt = msg
-                self.on_event(evt, now)
+                self.on_message(msg, self.loop.time())
             self.on_closed(f"server closed the connection (code {self.ws.close_code}, {self.ws.close_reason!r})")
         except ConnectionClosed as e:
             self.on_closed(f"connection lost: {e}")

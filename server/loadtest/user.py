@@ -278,6 +278,14 @@ class SimulatedUser:
         self.collector.turn(rec)
 
     # ---- receiving ------------------------------------------------------------------------------------------
+    def on_message(self, raw: str | bytes, now: float) -> None:
+        """A raw text message from the server (a JSON event, or garbage that counts as a bad event)."""
+        try:
+            evt: Any = json.loads(raw)
+        except (TypeError, ValueError):
+            evt = raw
+        self.on_event(evt, now)
+
     def on_event(self, evt: Any, now: float) -> None:
         if not isinstance(evt, dict) or not isinstance(evt.get("type"), str):
             self.collector.error(BAD_EVENT, f"not an event: {str(evt)[:200]}")
