@@ -85,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
           f"of speech (~{utt.duration_s * 12.5:.0f} rows) per turn, {args.turns} turns per session; answers <= "
           f"{args.max_output_tokens} rows; floor: real time = one decode step per session every 80 ms "
           f"(12.5 codes/s); criteria: p95 {metric} <= {args.ttfa_budget_ms:.0f} ms, no underruns, no errors")
+    health = (hw.get("/health") or {}).get("body") if isinstance(hw.get("/health"), dict) else None
+    limit = health.get("max_sessions") if isinstance(health, dict) else None
+    if isinstance(limit, int) and limit < plan[-1]:
+        print(f"warning: the server accepts at most {limit} sessions (MOSS_MAX_SESSIONS; MOSS_MAX_CALLS for WebRTC): "
+              f"levels above it will fail with server_busy, not for lack of GPU", file=sys.stderr)
     if args.warmup:
         warm = run_level(replace(make_config(args, 1, args.level_duration), turns=1), utt, hw, progress=False)
         print(f"warm-up: 1 turn, {warm['turns']['ok']} ok, errors {warm['errors']['by_code'] or 0} (not recorded)")
