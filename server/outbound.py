@@ -38,11 +38,11 @@ class _Entry:
     item: OutItem
     response_id: str | None  # set for answer audio (either form) so barge-in can flush it
     samples: int  # 24 kHz samples of answer audio this entry carries
+    on_taken: Callable[[], None] | None = None  # runs when the transport takes the item (it leaves the server)
 
 
 class Outbound:
-    def __init__(self, maxsize: int, on_taken: Callable[[str, int], None] | None = None,
-                 overflow_event: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, maxsize: int, overflow_event: Callable[[], dict[str, Any]] | None = None) -> None:
         if maxsize < 1:
             raise ValueError(f"outbound queue size must be >= 1, got {maxsize}")
         self.maxsize = maxsize
@@ -50,7 +50,6 @@ class Outbound:
         self._wake = asyncio.Event()
         self._closed = False
         self.overflowed = False
-        self._on_taken = on_taken  # (response_id, samples) when answer audio leaves the queue
         self._overflow_event = overflow_event
 
     def __len__(self) -> int:
@@ -60,7 +59,8 @@ class Outbound:
     def closed(self) -> bool:
         return self._closed
 
-    def put(self, item: OutItem, response_id: str | None = None, samples: int = 0) -> bool:
+    def put(self, item: OutItem, response_id: str | None = None, samples: int = 0,
+            on_taken: Callable[[], None] | None = None) -> bool:
         """Queue an item; False if the stream is closed or just overflowed (and is now closing)."""
         if self._closed:
             return False
@@ -71,7 +71,7 @@ class Outbound:
                 self._q.append(_Entry(self._overflow_event(), None, 0))
             self.close()
             return False
-        self._q.append(_Entry(item, response_id, samples))
+        self._q.append(_Entry(item, response_id, samples, on_taken))
         self._wake.set()
         return True
 
@@ -106,6 +106,6 @@ class Outbound:
             self._wake.clear()
             await self._wake.wait()
         e = self._q.popleft()
-        if e.samples and e.response_id is not None and self._on_taken is not None:
-            self._on_taken(e.response_id, e.samples)
+        if e.on_taken is not None:
+            e.on_taken()
         return e.item

@@ -141,8 +141,7 @@ class Session:
         self._observer = observer
         self._on_closed = on_closed
         self.log = logging.LoggerAdapter(log, {"session_id": session_id})
-        self.outbound = Outbound(self.limits.output_queue_size, on_taken=self._audio_taken,
-                                 overflow_event=self._overflow_error)
+        self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self._overflow_error)
         self.closed = False
         self.close_code = 1000
         self._closed_event = asyncio.Event()
@@ -587,10 +586,7 @@ class Session:
         by_clock = int((time.monotonic() - r.first_audio_at) * ANSWER_RATE)
         return min(r.audio_samples_sent, by_clock)
 
-    def _audio_taken(self, response_id: str, samples: int) -> None:
-        r = self._response if self._response and self._response.id == response_id else None
-        if r is None:
-            return
+    def _audio_taken(self, r: _Response, samples: int) -> None:
         if r.first_audio_at is None:
             r.first_audio_at = time.monotonic()
             r.ttfa_ms = (r.first_audio_at - r.turn_start) * 1000.0
@@ -643,7 +639,8 @@ class Session:
             else:
                 item = ev.event("response.output_audio.delta", response_id=r.id, item_id=r.item_id, output_index=0,
                                 content_index=0, delta=base64.b64encode(msg.pcm24k).decode("ascii"))
-            if not self.outbound.put(item, response_id=r.id, samples=samples):
+            if not self.outbound.put(item, response_id=r.id, samples=samples,
+                                     on_taken=lambda: self._audio_taken(r, samples)):
                 self._slow_consumer()
         elif isinstance(msg, m.ResponseDone):
             status = msg.status
@@ -693,18 +690,23 @@ class Session:
         if done is not None:
             self.usage_totals["input_rows"] += done.prompt_rows
             self.usage_totals["output_rows"] += done.output_rows
-            if self._observer is not None and r.first_audio_at is not None and done.audio_samples:
-                wall = time.monotonic() - r.first_audio_at
-                self._observer.rtf(wall / (done.audio_samples / ANSWER_RATE))
         details = None
         if status != "completed":
             details = {"type": status, "reason": reason}
             if error is not None:
                 details["error"] = error
         resp = ev.response_obj(r, self.id, status, output=output, usage=usage, status_details=details)
-        self._emit(ev.event("response.done", response=resp))
-        self.log.info("response done id=%s status=%s reason=%s ttfa_ms=%s", r.id, status, reason,
-                      None if r.ttfa_ms is None else round(r.ttfa_ms, 1))
+        audio_samples = done.audio_samples if done is not None else 0
+
+        def sent() -> None:
+            # Queued behind the answer's audio: by now the first audio has left, so TTFA is known.
+            resp["ttfa_ms"] = None if r.ttfa_ms is None else round(r.ttfa_ms, 2)
+            if self._observer is not None and r.first_audio_at is not None and audio_samples:
+                self._observer.rtf((time.monotonic() - r.first_audio_at) / (audio_samples / ANSWER_RATE))
+            self.log.info("response done id=%s status=%s reason=%s ttfa_ms=%s", r.id, status, reason,
+                          resp["ttfa_ms"])
+
+        self._emit(ev.event("response.done", response=resp), on_taken=sent)
         self._last_response = r
         self._response = None
         self._engine_busy = False
@@ -751,8 +753,8 @@ class Session:
                 return True
         return False
 
-    def _emit(self, event: dict[str, Any]) -> None:
-        if not self.outbound.put(event):
+    def _emit(self, event: dict[str, Any], on_taken: Callable[[], None] | None = None) -> None:
+        if not self.outbound.put(event, on_taken=on_taken):
             self._slow_consumer()
 
     def _error(self, code: str, message: str, *, param: str | None = None, event_id: Any = None,
