@@ -212,6 +212,40 @@ def test_plots_are_written(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+async def test_user_attributes_events_to_the_turn_answer():
+    """Event bookkeeping without a server: an answer created mid-utterance is ignored, audio is counted only for
+    the turn's own response, and a late chunk is an underrun."""
+    from server.loadtest.user import SimulatedUser, _Turn
+
+    c = Collector()
+    cfg = LoadConfig(url="http://h:1", prebuffer_ms=0)
+    user = SimulatedUser(cfg, 0, [], "", 1.0, c, run_t0=0.0, deadline=1e9)
+    t = _Turn(rec=TurnRecord(session=0, turn=0), buf=PlaybackBuffer())
+    user.turn = t
+    delta = lambda rid, n: {"type": "response.output_audio.delta", "response_id": rid,
+                            "delta": base64.b64encode(bytes(2 * n)).decode()}
+    user.on_event({"type": "response.created", "response": {"id": "early"}}, 0.5)  # the user is still speaking
+    user.on_event(delta("early", 480), 0.6)
+    t.speech_end = 1.0
+    user.on_event({"type": "input_audio_buffer.committed"}, 1.3)
+    user.on_event({"type": "response.created", "response": {"id": "r1"}}, 1.31)
+    user.on_event(delta("r1", 9600), 1.40)  # 400 ms
+    user.on_event(delta("early", 480), 1.45)
+    user.on_event(delta("r1", 9600), 1.80)  # on time
+    user.on_event(delta("r1", 9600), 2.30)  # the buffer ran dry at 2.20: a 100 ms hole
+    user.on_event({"type": "error", "error": {"code": "some_code", "message": "m"}}, 2.4)
+    user.on_event({"type": "response.done", "response": {"id": "r1", "status": "completed", "ttfa_ms": 85.0}}, 2.5)
+    assert t.done.is_set() and t.response_id == "r1" and c.extra_responses == 1
+    user._finish(t)
+    (rec,) = c.records
+    assert rec.deltas == 3 and rec.audio_s == pytest.approx(1.2)
+    assert rec.ttfa_ms == pytest.approx(400.0) and rec.ttfa_commit_ms == pytest.approx(100.0)
+    assert rec.vad_delay_ms == pytest.approx(300.0) and rec.server_ttfa_ms == 85.0
+    assert rec.underruns == 1 and rec.stall_ms == pytest.approx(100.0)
+    assert rec.gaps_ms == pytest.approx([400.0, 500.0]) and rec.rtf == pytest.approx(0.9 / 0.8)
+    assert rec.status == "error" and rec.error_code == "some_code" and c.errors == {"some_code": 1}
+
+
 # ---- the client against the real server code, scripted engine (fast, deterministic answers) --------------------
 
 def _run_against(url: str, **kw):
@@ -364,7 +398,9 @@ def test_smoke_loadtest_cli_against_tiny_model(tiny_server, tmp_path):
     assert rep["sessions"] == {"planned": 3, "started": 3, "connected": 3, "ended": 3}
     assert rep["turns"] == {"planned": 6, "recorded": 6, "ok": 6, "error": 0, "timeout": 0, "cut": 0}
     assert Counter(r["session"] for r in rep["turn_records"]) == {0: 2, 1: 2, 2: 2}
+    fields = set(TurnRecord.__dataclass_fields__) - {"gaps_ms"}
     for r in rep["turn_records"]:
+        assert set(r) == fields
         assert r["ttfa_ms"] > 0 and r["audio_s"] > 0 and r["deltas"] >= 1
         assert r["response_status"] in ("completed", "incomplete")  # incomplete: cut at --max-output-tokens
     for name in METRICS:

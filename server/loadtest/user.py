@@ -312,7 +312,9 @@ class SimulatedUser:
         if etype == "input_audio_buffer.committed" and self.cfg.turn_detection == "server_vad" and t.commit_t is None:
             t.commit_t = now
         elif etype == "response.created":
-            if t.response_id is None:
+            # Only the answer to the whole utterance counts: one created while the user is still speaking (the
+            # VAD took a pause for the end of the turn) is left alone, and the user's speech barges in on it.
+            if t.response_id is None and t.speech_end is not None:
                 t.response_id = (evt.get("response") or {}).get("id")
             else:
                 self.collector.extra_responses += 1
