@@ -55,7 +55,7 @@ def main() -> None:
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
 if __name__ == "__main__":
