@@ -6,7 +6,6 @@ Answers are capped at a few rows (max_output_tokens) to keep the CPU suite fast.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import signal
@@ -19,7 +18,7 @@ import websockets
 
 from server.audio.pcm import float32_to_pcm16, read_wav
 from server.settings import Settings
-from tests.fakes.harness import RunningServer, recv_event, recv_until, send
+from tests.fakes.harness import RunningServer, recv_event, recv_until, send, start_answer, user_text
 
 WAV = Path(__file__).parent / "data" / "speech_en_16k.wav"
 SAMPLES_PER_CODE = 1920  # 24 kHz / 12.5 Hz
@@ -52,17 +51,7 @@ def engine_stats(s: RunningServer, after: float | None = None) -> dict:
     """Pong stats; with `after`, wait for a Pong newer than that time."""
     if after is not None:
         time.sleep(max(0.0, after + 0.6 - time.monotonic()))
-    return s.health().json()["engine"]
-
-
-async def wait_kv_back(s: RunningServer, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = engine_stats(s)
-        if (st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"]) \
-                or time.monotonic() > deadline:
-            return st
-        await asyncio.sleep(0.2)
+    return s.engine_stats()
 
 
 async def test_spoken_turn_with_server_vad(srv):
@@ -99,8 +88,7 @@ async def test_text_turns_second_reuses_cached_history(srv):
         await recv_event(ws)
         results = []
         for text in ("Hello, who are you?", "Tell me more."):
-            await send(ws, "conversation.item.create", item={"type": "message", "role": "user",
-                                                             "content": [{"type": "input_text", "text": text}]})
+            await user_text(ws, text)
             before = engine_stats(srv, after=time.monotonic())["prefilled_rows"]
             await send(ws, "response.create")
             evs = await recv_until(ws, "response.done", timeout=180)
@@ -152,12 +140,8 @@ async def _start_long_answer(ws) -> str:
     await recv_event(ws)
     await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
     await recv_event(ws)
-    await send(ws, "conversation.item.create", item={"type": "message", "role": "user",
-                                                     "content": [{"type": "input_text", "text": "Talk a lot."}]})
     # min_output_tokens keeps the random model from stopping early: the answer is still running when cancelled.
-    await send(ws, "response.create", response={"max_output_tokens": 400, "moss": {"sampling": {
-        "min_output_tokens": 400}}})
-    evs = await recv_until(ws, "response.output_audio.delta", timeout=180)
+    evs = await start_answer(ws, "Talk a lot.", max_output_tokens=400, moss={"sampling": {"min_output_tokens": 400}})
     return by_type(evs, "response.created")[0]["response"]["id"]
 
 
@@ -169,7 +153,7 @@ async def test_cancel_mid_answer_frees_kv(srv):
         resp = evs[-1]["response"]
         assert resp["status"] == "cancelled" and resp["status_details"]["reason"] == "client_cancelled"
         assert resp["usage"]["output_tokens"] < 400
-    st = await wait_kv_back(srv)
+    st = await srv.wait_engine_idle()
     assert st["running"] == 0 and st["kv_free"] == st["kv_total"], st
 
 
@@ -177,7 +161,7 @@ async def test_disconnect_mid_answer_frees_kv(srv):
     async with websockets.connect(srv.ws, max_size=None) as ws:
         await _start_long_answer(ws)
         assert engine_stats(srv, after=time.monotonic())["running"] == 1
-    st = await wait_kv_back(srv)
+    st = await srv.wait_engine_idle()
     assert st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"], st
 
 
@@ -194,8 +178,7 @@ async def test_engine_killed_mid_session_then_new_session_works(srv):
     assert srv.wait_engine(ready=True, timeout=300)["engine_restarts"] >= 1
     async with websockets.connect(srv.ws, max_size=None) as ws:
         await recv_event(ws)
-        await send(ws, "conversation.item.create", item={"type": "message", "role": "user",
-                                                         "content": [{"type": "input_text", "text": "Hi."}]})
+        await user_text(ws, "Hi.")
         await send(ws, "response.create", response={"max_output_tokens": ROWS, "output_modalities": ["text"]})
         evs = await recv_until(ws, "response.done", timeout=180)
         assert evs[-1]["response"]["status"] in ("completed", "incomplete")

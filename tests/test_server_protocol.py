@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import websockets
 
-from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send
+from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, start_answer, user_text
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -65,8 +65,7 @@ def tone_b64(seconds: float, rate: int = 24000) -> str:
 
 
 async def text_turn(ws, text: str, modality: str = "text") -> list[dict]:
-    await send(ws, "conversation.item.create",
-               item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+    await user_text(ws, text)
     await send(ws, "response.create", response={"output_modalities": [modality]})
     return await recv_until(ws, "response.done")
 
@@ -219,35 +218,18 @@ async def test_too_many_sessions_server_busy_then_recovers(srv):
         assert (await recv_event(ws))["type"] == "session.created"
 
 
-def engine_stats(s: RunningServer) -> dict:
-    return s.health().json()["engine"]
-
-
 async def wait_running(s: RunningServer, n: int, timeout: float = 5.0) -> None:
     """Engine stats come from the last Pong (every 0.2 s here)."""
     deadline = time.monotonic() + timeout
-    while engine_stats(s)["running"] != n:
-        assert time.monotonic() < deadline, engine_stats(s)
+    while s.engine_stats()["running"] != n:
+        assert time.monotonic() < deadline, s.engine_stats()
         await asyncio.sleep(0.05)
-
-
-async def wait_engine_idle(s: RunningServer, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = engine_stats(s)
-        if (st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"]) \
-                or time.monotonic() > deadline:
-            return st
-        await asyncio.sleep(0.1)
 
 
 async def test_cancel_mid_answer(slow_srv):
     async with connect(slow_srv.ws) as ws:
         await open_session(ws)
-        await send(ws, "conversation.item.create",
-                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "talk"}]})
-        await send(ws, "response.create")
-        await recv_until(ws, "response.output_audio.delta")
+        await start_answer(ws, "talk")
         await wait_running(slow_srv, 1)
         await send(ws, "response.cancel")
         evs = await recv_until(ws, "response.done", timeout=5)
@@ -255,19 +237,16 @@ async def test_cancel_mid_answer(slow_srv):
         assert resp["status"] == "cancelled" and resp["status_details"]["reason"] == "client_cancelled"
         assert resp["usage"]["audio_samples"] < 400 * 9600
         await wait_running(slow_srv, 0)
-    st = await wait_engine_idle(slow_srv)
+    st = await slow_srv.wait_engine_idle()
     assert st["sessions"] == 0 and st["kv_free"] == st["kv_total"]
 
 
 async def test_disconnect_mid_answer_aborts_engine_request(slow_srv):
     async with connect(slow_srv.ws) as ws:
         await open_session(ws)
-        await send(ws, "conversation.item.create",
-                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "talk"}]})
-        await send(ws, "response.create")
-        await recv_until(ws, "response.output_audio.delta")
+        await start_answer(ws, "talk")
         await wait_running(slow_srv, 1)
-    st = await wait_engine_idle(slow_srv)
+    st = await slow_srv.wait_engine_idle()
     assert st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"]
 
 
@@ -275,10 +254,7 @@ async def test_engine_killed_clients_get_error_and_restart_works(slow_srv):
     async with connect(slow_srv.ws) as ws, connect(slow_srv.ws) as idle:
         await open_session(ws)
         await open_session(idle)
-        await send(ws, "conversation.item.create",
-                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "talk"}]})
-        await send(ws, "response.create")
-        await recv_until(ws, "response.output_audio.delta")
+        await start_answer(ws, "talk")
         os.kill(slow_srv.app.state.engine.proc.pid, signal.SIGKILL)
         for client, active in ((ws, True), (idle, False)):
             evs = []
@@ -295,8 +271,7 @@ async def test_engine_killed_clients_get_error_and_restart_works(slow_srv):
     assert health["engine_restarts"] >= 1
     async with connect(slow_srv.ws) as ws:
         await open_session(ws)
-        await send(ws, "conversation.item.create",
-                   item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+        await user_text(ws, "hi")
         await send(ws, "response.create", response={"max_output_tokens": 10})
         evs = await recv_until(ws, "response.done")
         assert evs[-1]["response"]["status"] == "incomplete"
@@ -370,8 +345,7 @@ async def test_sigterm_drains_answers_then_closes():
     with RunningServer(fake_settings(drain_timeout_s=10.0)) as s:
         async with connect(s.ws) as ws:
             await open_session(ws)
-            await send(ws, "conversation.item.create",
-                       item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]})
+            await user_text(ws, "x")
             await send(ws, "response.create")
             await recv_until(ws, "response.created")
             s.server.handle_exit(signal.SIGTERM, None)

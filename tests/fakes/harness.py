@@ -43,6 +43,20 @@ class RunningServer:
     def health(self) -> httpx.Response:
         return httpx.get(self.http + "/health", timeout=10)
 
+    def engine_stats(self) -> dict[str, Any]:
+        """The engine's stats from its last Pong (one ping interval old at most)."""
+        return self.health().json()["engine"]
+
+    async def wait_engine_idle(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until no request runs, no session is open and every KV block is free; returns the stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.engine_stats()
+            if (st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"]) \
+                    or time.monotonic() > deadline:
+                return st
+            await asyncio.sleep(0.1)
+
     def wait_engine(self, ready: bool = True, timeout: float = 60.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -77,3 +91,15 @@ async def recv_until(ws: Any, etype: str, timeout: float = 30.0) -> list[dict[st
 
 async def send(ws: Any, etype: str, **fields: Any) -> None:
     await ws.send(json.dumps({"type": etype, **fields}))
+
+
+async def user_text(ws: Any, text: str) -> None:
+    await send(ws, "conversation.item.create",
+               item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+
+
+async def start_answer(ws: Any, text: str, **response: Any) -> list[dict[str, Any]]:
+    """A text turn and a response; returns the events up to the first audio delta."""
+    await user_text(ws, text)
+    await send(ws, "response.create", **({"response": response} if response else {}))
+    return await recv_until(ws, "response.output_audio.delta", timeout=180)
