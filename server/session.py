@@ -271,8 +271,8 @@ class Session:
         if new.turn_detection != old.turn_detection:
             self._reset_vad()
         if (new.instructions, new.voice_prompt_wav) != (old.instructions, old.voice_prompt_wav):
-            await self.engine.send(m.UpdateSession(session_id=self.id, instructions=new.instructions,
-                                                   voice_wav=new.voice_prompt_wav))
+            await self._engine_input(m.UpdateSession(session_id=self.id, instructions=new.instructions,
+                                                     voice_wav=new.voice_prompt_wav))
         self._emit(ev.session_event("session.updated", self.id, self.config))
 
     async def _on_append(self, event: dict[str, Any]) -> None:
