@@ -248,11 +248,19 @@ async def test_user_attributes_events_to_the_turn_answer():
 
 # ---- the client against the real server code, scripted engine (fast, deterministic answers) --------------------
 
-def _run_against(url: str, **kw):
+@pytest.fixture(scope="module")
+def short_wav(tmp_path_factory) -> Path:
+    """0.4 s of tone: enough for commit-mode turns (no VAD involved), and quick to speak at real time."""
+    rate = 16000
+    t = np.arange(int(0.4 * rate)) / rate
+    return _write_wav(tmp_path_factory.mktemp("wav") / "short.wav", 0.3 * np.sin(2 * np.pi * 220 * t), rate)
+
+
+def _run_against(url: str, audio: Path | None = None, **kw):
     from server.loadtest.driver import run_load
 
     cfg = LoadConfig(url=url, **{"duration_s": 60.0, "think_ms": 100.0, **kw})
-    utt = load_utterance(None)
+    utt = load_utterance(audio)
     collector, wall = run_load(cfg, utt, progress=False)
     return cfg, build_report(cfg, collector, wall, {"gpu": "unknown", "source": None}, utt)
 
@@ -266,9 +274,10 @@ def scripted_server():
         yield srv
 
 
-def test_client_commit_turns_against_scripted_engine(scripted_server):
+def test_client_commit_turns_against_scripted_engine(scripted_server, short_wav):
     # The scripted engine answers every response with 4 chunks of 9600 samples (tests/fakes/fake_engine.py).
-    _, rep = _run_against(scripted_server.http, sessions=2, turns=2, turn_detection="commit", api_key="secret")
+    _, rep = _run_against(scripted_server.http, short_wav, sessions=2, turns=2, turn_detection="commit",
+                          api_key="secret")
     assert rep["errors"]["total"] == 0, rep["errors"]
     assert rep["turns"]["ok"] == 4 and rep["sessions"]["connected"] == 2
     for r in rep["turn_records"]:
@@ -286,16 +295,16 @@ def test_client_server_vad_turn_against_scripted_engine(scripted_server):
     assert r["ttfa_ms"] == pytest.approx(r["vad_delay_ms"] + r["ttfa_commit_ms"], abs=1e-6)
 
 
-def test_client_counts_refused_connections_as_errors(scripted_server):
-    _, rep = _run_against(scripted_server.http, sessions=2, turns=1, api_key="wrong")
+def test_client_counts_refused_connections_as_errors(scripted_server, short_wav):
+    _, rep = _run_against(scripted_server.http, short_wav, sessions=2, turns=1, api_key="wrong")
     assert rep["errors"]["by_code"] == {"connect_failed": 2}
     assert "HTTP 401" in rep["errors"]["samples"]["connect_failed"]
     assert rep["sessions"]["connected"] == 0 and rep["turns"]["recorded"] == 0
 
 
-def test_client_webrtc_commit_turn_against_scripted_engine(scripted_server):
-    _, rep = _run_against(scripted_server.http, sessions=1, turns=1, turn_detection="commit", transport="webrtc",
-                          api_key="secret")
+def test_client_webrtc_commit_turn_against_scripted_engine(scripted_server, short_wav):
+    _, rep = _run_against(scripted_server.http, short_wav, sessions=1, turns=1, turn_detection="commit",
+                          transport="webrtc", api_key="secret")
     assert rep["errors"]["total"] == 0, rep["errors"]
     assert rep["turns"]["ok"] == 1
     for r in rep["turn_records"]:
@@ -303,13 +312,14 @@ def test_client_webrtc_commit_turn_against_scripted_engine(scripted_server):
         assert 1.2 <= r["audio_s"] <= 1.7 and r["ttfa_ms"] > 0 and r["response_status"] == "completed"
 
 
-def test_capacity_cli_with_worker_processes(scripted_server, tmp_path):
+def test_capacity_cli_with_worker_processes(scripted_server, short_wav, tmp_path):
     from moss_speech.cli import main
 
     out = tmp_path / "cap.json"
     # A budget no CI machine misses: this checks the level loop, worker processes and the report, not speed.
     rc = main(["bench", "capacity", "--url", scripted_server.http, "--api-key", "secret", "--start", "1", "--max", "2",
-               "--turns", "1", "--turn-detection", "commit", "--workers", "2", "--ttfa-budget-ms", "60000",
+               "--turns", "1", "--turn-detection", "commit", "--audio", str(short_wav), "--workers", "2",
+               "--ttfa-budget-ms", "60000",
                "--think-ms", "0", "--quiet", "--json", str(out), "--plots", str(tmp_path)])
     assert rc == 0
     d = json.loads(out.read_text())
