@@ -356,3 +356,24 @@ async def test_sigterm_drains_answers_then_closes():
             assert e.value.rcvd.code == 1001
             assert by_type(evs, "response.done")[0]["response"]["status"] == "completed"
             assert evs[-1]["type"] == "error" and evs[-1]["error"]["code"] == "server_shutting_down"
+
+
+async def test_two_servers_share_one_engine(tmp_path):
+    import subprocess
+
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    engine = subprocess.Popen([*SLOW_ENGINE[3:], "--endpoint", endpoint],
+                              env={**os.environ, "FAKE_ENGINE_CHUNKS": "6"})
+    try:
+        settings = fake_settings(spawn_engine=False, engine_endpoint=endpoint)
+        with RunningServer(settings) as a, RunningServer(settings) as b:
+            async with connect(a.ws) as wa, connect(b.ws) as wb:
+                await open_session(wa)
+                await open_session(wb)
+                ra, rb = await asyncio.gather(text_turn(wa, "one two"), text_turn(wb, "one two three four"))
+            # Each answer went to the server that asked, with its own history (words + 4 rows).
+            assert ra[-1]["response"]["usage"]["prefilled_rows"] == 2 + 4
+            assert rb[-1]["response"]["usage"]["prefilled_rows"] == 4 + 4
+    finally:
+        engine.terminate()
+        engine.wait(10)
