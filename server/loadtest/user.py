@@ -25,6 +25,7 @@ from server.loadtest.results import (
 from server.loadtest.stats import PlaybackBuffer, b64_decoded_len
 
 HANDSHAKE_TIMEOUT_S = 15.0
+HANDSHAKE_EVENTS = ("session.created", "session.updated")
 
 
 class SessionFailed(Exception):
@@ -94,6 +95,7 @@ class SimulatedUser:
         self.loop = asyncio.get_running_loop()
         self.turn: _Turn | None = None
         self._waiters: dict[str, asyncio.Future] = {}
+        self._seen: dict[str, dict[str, Any]] = {}  # first handshake events, whenever they arrived
         self._speech_queue: list[str] = []
         self._speech_done: asyncio.Future | None = None
         self.max_lag_s = 0.0
@@ -162,6 +164,8 @@ class SimulatedUser:
         await self._wait_for("session.updated")
 
     async def _wait_for(self, etype: str) -> dict[str, Any]:
+        if etype in self._seen:  # it came before we asked (WebRTC flushes queued events when the channel opens)
+            return self._seen[etype]
         fut = self.loop.create_future()
         self._waiters[etype] = fut
         try:
@@ -291,6 +295,8 @@ class SimulatedUser:
             self.collector.error(BAD_EVENT, f"not an event: {str(evt)[:200]}")
             return
         etype = evt["type"]
+        if etype in HANDSHAKE_EVENTS:
+            self._seen.setdefault(etype, evt)
         fut = self._waiters.get(etype)
         if fut is not None and not fut.done():
             fut.set_result(evt)
