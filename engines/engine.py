@@ -68,8 +68,11 @@ class Engine:
         self.scheduler.add(request_id, _check_rows(rows, self.model_config), params, seed, conversation_id,
                            input_done)
 
-    def append_input(self, request_id: str, rows: Seq[Row] | torch.Tensor, input_done: bool = True) -> None:
-        self.scheduler.append_input(request_id, _check_rows(rows, self.model_config), input_done)
+    def append_input(self, request_id: str, rows: Seq[Row] | torch.Tensor, input_done: bool = True,
+                     params: SamplingParams | None = None) -> None:
+        """More rows for a request whose input is open; `params` (optional) replaces its sampling settings."""
+        self.scheduler.append_input(request_id, _check_rows(rows, self.model_config), input_done, params,
+                                    params.seed if params is not None else None)
 
     def abort(self, request_id: str) -> bool:
         """Takes effect at the next step, which emits a finished output with reason "abort"."""

@@ -217,3 +217,17 @@ def test_block_pool_integrity_detects_corruption():
     pool.release(blocks)
     with pytest.raises(KVIntegrityError):
         pool.release(blocks[:1])
+
+
+def test_append_input_can_replace_sampling_params_and_reservation_follows():
+    engine, _ = make_engine(block_size=4, blocks=64)
+    engine.add_request("a", prompt(3), SamplingParams.greedy_params(40), input_done=False)
+    engine.step()
+    pool = engine.scheduler.pool
+    assert pool.reserved + pool.num_used == 11  # ceil((3 + 40) / 4)
+    engine.append_input("a", prompt(2, base=3000), input_done=True, params=SamplingParams.greedy_params(5))
+    assert pool.reserved + pool.num_used == 3  # ceil((5 + 5) / 4)
+    engine.check_integrity()
+    out = run_to_end(engine)
+    assert len(out["a"]) == 5
+    assert pool.num_free == 64

@@ -96,21 +96,31 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
-    def append_input(self, request_id: str, rows: list[Row], input_done: bool) -> None:
+    def append_input(self, request_id: str, rows: list[Row], input_done: bool,
+                     params: SamplingParams | None = None, seed: int | None = None) -> None:
+        """More prompt rows for a request whose input is still open; `params` replaces its sampling
+        settings (the reservation follows the new output budget)."""
         seq = self.requests.get(request_id)
         if seq is None or seq.finish_reason is not None or request_id in self._aborts:
             raise InvalidRequestError(f"no live request {request_id!r}")
         if seq.input_done:
             raise InvalidRequestError(f"request {request_id!r} already has its whole input")
-        total = len(seq.rows) + len(rows) + seq.params.max_new_tokens
+        new_params = params or seq.params
+        total = len(seq.rows) + len(rows) + new_params.max_new_tokens
         if total > self.config.max_model_len:
             raise RequestTooLargeError(f"{total} rows exceed max_model_len {self.config.max_model_len}")
-        if seq.slot >= 0:  # admitted: its reservation must grow with the prompt
+        if seq.slot >= 0:  # admitted: its reservation follows the prompt and the output budget
             extra = blocks_for(total, self.block_size) - len(seq.block_ids) - seq.reserved_blocks
             if extra > 0:
                 if not self.pool.reserve(extra):
                     raise QueueFullError(f"KV cache cannot hold {len(rows)} more rows for {request_id!r}")
                 seq.reserved_blocks += extra
+            elif extra < 0:
+                self.pool.unreserve(-extra)
+                seq.reserved_blocks += extra
+        seq.params = new_params
+        if seed is not None:
+            seq.seed = seed
         seq.rows.extend(rows)
         seq.prompt_len = len(seq.rows)
         seq.input_done = input_done
