@@ -166,7 +166,7 @@ class Session:
         self._prefix_samples = 0
         self._in_speech = False
         self._silence_run = 0  # samples of silence since the last speech window
-        self._audio_ms_total = 0.0  # ms of input audio received (for audio_start_ms/audio_end_ms)
+        self._vad_pos = 0  # 16 kHz samples classified by the VAD so far (audio_start_ms / audio_end_ms)
         self._resamplers: dict[int, Resampler] = {}
         self.usage_totals = {"input_rows": 0, "output_rows": 0}
 
@@ -415,7 +415,6 @@ class Session:
         except AudioError as e:
             raise ProtocolError("invalid_audio", str(e)) from None
         self._buffer_samples_client += client_samples
-        self._audio_ms_total += len(pcm16k) * 1000.0 / ENGINE_IN_RATE
         if self.config.turn_detection is None:
             await self._send_user_audio(pcm16k)
         else:
@@ -465,6 +464,7 @@ class Session:
         probs = await asyncio.to_thread(vad.probs, buf[:n_full].reshape(-1, win))
         for k, start in enumerate(range(0, n_full, win)):
             chunk = buf[start:start + win]
+            self._vad_pos += win
             speech = probs[k] >= td.threshold
             if not self._in_speech:
                 self._prefix.append(chunk)
@@ -473,7 +473,7 @@ class Session:
                 while self._prefix and self._prefix_samples - len(self._prefix[0]) >= keep:
                     self._prefix_samples -= len(self._prefix.popleft())
                 if speech:
-                    await self._speech_started(td.prefix_padding_ms)
+                    await self._speech_started()
             else:
                 await self._send_user_audio(chunk)
                 if speech:
@@ -481,7 +481,7 @@ class Session:
                 else:
                     self._silence_run += len(chunk)
                     if self._silence_run * 1000 >= td.silence_duration_ms * ENGINE_IN_RATE:
-                        await self._speech_stopped(td)
+                        await self._speech_stopped()
             if self.closed:
                 return
 
@@ -501,24 +501,27 @@ class Session:
             self._prefix_samples = 0
             await self._send_user_audio(pcm)
 
-    async def _speech_started(self, prefix_padding_ms: int) -> None:
+    async def _speech_started(self) -> None:
         self._in_speech = True
         self._silence_run = 0
         td = self.config.turn_detection
         if self._response is not None and td is not None and td.interrupt_response:
             await self._cancel_response("turn_detected", self._played_samples(self._response))
-        # The prefix ring holds prefix_padding_ms + the window that triggered; send all of it.
-        prefix_ms = self._prefix_samples * 1000 // ENGINE_IN_RATE
+        # The prefix ring holds up to prefix_padding_ms before the window that triggered, and that window:
+        # the turn's audio (and audio_start_ms, as in the GA API) begins where the ring begins.
+        start_ms = (self._vad_pos - self._prefix_samples) * 1000 // ENGINE_IN_RATE
         await self._flush_prefix_to_engine()
         self._input_item_id = ev.new_id("item")
-        self._emit(ev.event("input_audio_buffer.speech_started",
-                            audio_start_ms=max(0, int(self._audio_ms_total) - prefix_ms + prefix_padding_ms),
+        self._emit(ev.event("input_audio_buffer.speech_started", audio_start_ms=start_ms,
                             item_id=self._input_item_id))
 
-    async def _speech_stopped(self, td: Any) -> None:
+    async def _speech_stopped(self) -> None:
+        td = self.config.turn_detection
+        assert td is not None
         self._in_speech = False
         self._silence_run = 0
-        end_ms = max(0, int(self._audio_ms_total - td.silence_duration_ms))
+        # The end of the audio sent for the turn, trailing silence included (GA semantics).
+        end_ms = self._vad_pos * 1000 // ENGINE_IN_RATE
         self._emit(ev.event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=self._input_item_id))
         await self._commit_turn(auto_response=td.create_response)
 

@@ -89,9 +89,14 @@ async def test_server_vad_turn_streams_only_speech_and_commits(speech24k):
     assert "response.created" in t
     started, stopped = evs[0], evs[1]
     assert started["item_id"] == stopped["item_id"] == evs[2]["item_id"]
-    # Positions are in input audio time: speech begins after the 1 s lead (minus the prefix padding).
-    assert 1000 - 300 - 64 <= started["audio_start_ms"] <= 1000 + 500
-    assert started["audio_start_ms"] < stopped["audio_end_ms"] <= 1000 + len(speech24k) * 1000 // 24000 + 100
+    # Positions are in input audio time and mark the audio sent for the turn: from the prefix padding
+    # (300 ms) before the detected speech, after the 1 s lead, to the end of the trailing silence (500 ms);
+    # exactly the audio streamed to the engine.
+    speech_ms = len(speech24k) * 1000 // 24000
+    assert 1000 - 300 - 64 <= started["audio_start_ms"] <= 1000 + 300
+    assert started["audio_start_ms"] + 500 < stopped["audio_end_ms"] <= 1000 + speech_ms + 500 + 64
+    sent_ms = sum(len(x.pcm16k) // 2 for x in link.of(m.AppendUserAudio)) * 1000 // 16000
+    assert abs((stopped["audio_end_ms"] - started["audio_start_ms"]) - sent_ms) <= 32
     # Engine inputs: audio only from the speech (with ~300 ms prefix), then commit, then the response.
     kinds = [type(x).__name__ for x in link.sent]
     assert kinds[0] == "OpenSession" and kinds[-2:] == ["CommitUserAudio", "CreateResponse"]
