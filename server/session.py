@@ -340,7 +340,11 @@ class Session:
             if self._buffer_samples_16k:
                 raise ProtocolError("input_audio_buffer_not_empty", "commit or clear the input audio buffer "
                                     "before adding an audio item")
-            pcm = resample(_decode_pcm16(part.get("audio"), "item.content[0].audio"), CLIENT_RATE, ENGINE_IN_RATE)
+            try:
+                pcm = resample(_decode_pcm16(part.get("audio"), "item.content[0].audio"), CLIENT_RATE,
+                               ENGINE_IN_RATE)
+            except AudioError as e:
+                raise ProtocolError("invalid_audio", str(e), "item.content[0].audio") from None
             await self._engine_input(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
             msg = m.CommitUserAudio(session_id=self.id, item_id=item_id)
             out_part = {"type": "input_audio", "transcript": part.get("transcript")}

@@ -141,6 +141,8 @@ async def test_audio_turn_with_client_commit(srv):
     (json.dumps({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}),
      "unsupported_parameter", "session.tools"),
     (json.dumps({"type": "response.cancel"}), "response_cancel_not_active", None),
+    (json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": ""}]}}), "invalid_audio", "item.content[0].audio"),
     (json.dumps({"type": "conversation.item.create", "item": {"type": "function_call"}}),
      "unsupported_item_type", "item.type"),
 ])
