@@ -379,3 +379,16 @@ async def test_two_servers_share_one_engine(tmp_path):
     finally:
         engine.terminate()
         engine.wait(10)
+
+
+async def test_audio_item_create(srv):
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        await send(ws, "conversation.item.create", item={"id": "my_item", "type": "message", "role": "user",
+                                                         "content": [{"type": "input_audio", "audio": tone_b64(1.0)}]})
+        evs = await recv_until(ws, "conversation.item.done")
+        assert evs[0]["type"] == "conversation.item.added" and evs[0]["item"]["id"] == "my_item"
+        assert evs[0]["item"]["content"][0]["type"] == "input_audio"
+        await send(ws, "response.create")
+        done = (await recv_until(ws, "response.done"))[-1]["response"]
+        assert done["usage"]["prefilled_rows"] == 12 + 1 + 4  # same rows as 1 s appended and committed
