@@ -132,3 +132,56 @@ def test_fused_silu_mul_matches_torch():
     gu = torch.randn(7, 2 * 12288, device="cuda", generator=g).to(torch.bfloat16)
     gate, up = gu.split(12288, dim=-1)
     assert rel_err(silu_mul(gu), torch.nn.functional.silu(gate) * up) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_gemm_every_tiling_matches_f_linear(dtype):
+    from engines.kernels import skinny_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    # a model shape, then ragged N and K (masked tails); fp16 checks one tiling (compiles are slow)
+    configs = skinny_gemm.CANDIDATES if dtype == torch.bfloat16 else skinny_gemm.CANDIDATES[:1]
+    for n, k in [(4096, 4096), (200, 1000)]:
+        w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
+        for m in (1, 3, 16):
+            x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+            ref = torch.nn.functional.linear(x.float(), w.float())
+            for cfg in configs:
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # poisoned
+                try:
+                    skinny_gemm.launch(x, w, cfg, out)
+                except Exception as e:  # a tiling too large for this GPU is skipped by the tuner too
+                    if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
+                        continue
+                    raise
+                assert torch.isfinite(out).all(), (n, k, m, cfg)
+                assert rel_err(out, ref) < 1e-2, (n, k, m, cfg)  # bf16 output rounding: ~3e-3 expected
+
+
+def test_skinny_gemm_tuned_linear_replays_in_a_cuda_graph():
+    from engines.kernels import skinny_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    w = torch.randn(6144, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(4, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    skinny_gemm.tune(w)
+    key = (6144, 4096, torch.bfloat16)
+    assert "cublas" in skinny_gemm.timings[key] and key in skinny_gemm._choice
+    cfg = skinny_gemm.timings[key]  # force the kernel into the graph whatever the tuner chose
+    cfg = min((c for c in cfg if c != "cublas"), key=cfg.__getitem__)
+    skinny_gemm.launch(x, w, cfg)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = skinny_gemm.launch(x, w, cfg)
+        out_linear = skinny_gemm.linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        x.copy_(torch.randn(4, 4096, device="cuda", generator=g).to(torch.bfloat16))  # fresh inputs each replay
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        assert rel_err(out, ref) < 1e-2
+        assert rel_err(out_linear, ref) < 1e-2

@@ -1,0 +1,64 @@
+"""Skinny GEMM vs cuBLAS on the model's decode shapes: `python3 -m engines.bench.skinny_gemm [--json PATH]`.
+
+Times every candidate tiling (weights rotated over copies larger than L2) and reports bandwidth
+against the measured copy bandwidth. A development tool for docs/PERF_NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engines.bench.hardware import device_name, measure_bandwidth
+from engines.kernels import skinny_gemm
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+          "audio_head": (16512, 4096)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    bw = measure_bandwidth(dev, 1 << 30)
+    print(f"{device_name(dev)}: copy bandwidth {bw / 1e12:.2f} TB/s")
+    report = {"device": device_name(dev), "copy_bandwidth_bytes_per_s": bw, "shapes": {}}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        nbytes = w.numel() * 2
+        choice = skinny_gemm.tune(w)
+        t = skinny_gemm.timings[(n, k, torch.bfloat16)]
+        ranked = sorted(((v, c) for c, v in t.items()), key=lambda vc: vc[0])
+        best_t, best_c = next((v, c) for v, c in ranked if c != "cublas")
+        copies = [w] + [torch.randn_like(w) for _ in range(max(0, math.ceil((256 << 20) / nbytes) - 1))]
+        rows = {}
+        for m in (1, 2, 4, 8, 16):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            tc = skinny_gemm._time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
+            tt = skinny_gemm._time_per_call(lambda ww, x=x, c=best_c: skinny_gemm.launch(x, ww, c), copies,
+                                            rounds=10)
+            rows[m] = {"cublas_us": tc * 1e6, "triton_us": tt * 1e6, "cublas_frac_bw": nbytes / tc / bw,
+                       "triton_frac_bw": nbytes / tt / bw}
+        del copies
+        report["shapes"][name] = {"n": n, "k": k, "choice": list(choice) if choice else None,
+                                  "best_triton": list(best_c), "by_rows": rows,
+                                  "tune_us": {str(c): v * 1e6 for c, v in t.items()}}
+        print(f"{name} {n}x{k}: choice {choice}, best triton {best_c} {best_t * 1e6:.1f} us "
+              f"({nbytes / best_t / bw:.0%} of copy bw), cublas {t['cublas'] * 1e6:.1f} us "
+              f"({nbytes / t['cublas'] / bw:.0%})")
+        for m, r in rows.items():
+            print(f"   M={m:2d}: cublas {r['cublas_us']:7.1f} us ({r['cublas_frac_bw']:.0%})  "
+                  f"triton {r['triton_us']:7.1f} us ({r['triton_frac_bw']:.0%})")
+        print("   top5:", ", ".join(f"{c}={v * 1e6:.1f}" for v, c in ranked[:5]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
