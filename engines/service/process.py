@@ -54,7 +54,7 @@ MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random", help="tiny-random | full-random | checkpoint dir")
     p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec dir | none")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto (cuda when there is a GPU)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's, float32 on CPU)")
     p.add_argument("--endpoint", default="ipc:///tmp/moss-speech-engine.sock")
     p.add_argument("--vocoder", default=None, choices=["bigvgan", "hift"],
@@ -71,6 +71,10 @@ def build_service(args: argparse.Namespace) -> Service:
     from engines.engine import Engine
     from engines.service.tokenizer import load_tokenizer
 
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("float32" if args.device == "cpu" else model_config_for(args.model).torch_dtype)
     kw: dict[str, Any] = {"device": args.device, "dtype": dtype}
     if args.kv_cache_gib is not None:
