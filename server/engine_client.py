@@ -104,7 +104,10 @@ class EngineClient:
         if sock is None or not self.ready:
             log.debug("engine not ready, dropped %s", type(msg).__name__)
             return
-        await sock.send(m.encode(msg))
+        try:
+            await sock.send(m.encode(msg))
+        except zmq.ZMQError as e:  # the socket was closed under us: the engine is being replaced
+            log.debug("send of %s failed: %s", type(msg).__name__, e)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
