@@ -38,4 +38,5 @@ async def metrics(request: Request) -> Response:
     st = request.app.state
     st.metrics.queue_depth.set(sum(len(s.outbound) for s in st.sessions.sessions.values()))
     st.metrics.engine_up.set(1 if st.engine.ready else 0)
+    st.metrics.active_sessions.set(len(st.sessions))  # WebSocket and WebRTC sessions alike
     return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -70,19 +70,15 @@ async def realtime(ws: WebSocket) -> None:
         st.metrics.error(e.code)
         await _send_and_close(ws, ev.error_event(e.code, e.message, etype="server_error"), 1013)
         return
-    st.metrics.active_sessions.inc()
     try:
-        try:
-            await session.start()
-        except Exception as e:  # noqa: BLE001 - e.g. the engine went away or VAD failed to load
-            session.log.exception("session start failed")
-            await session.close("start_failed", 1011)
-            await _send_and_close(ws, ev.error_event("server_error", f"session could not start: {type(e).__name__}",
-                                                     etype="server_error"), 1011)
-            return
-        await _pump(ws, session, settings.max_message_bytes)
-    finally:
-        st.metrics.active_sessions.dec()
+        await session.start()
+    except Exception as e:  # noqa: BLE001 - e.g. the engine went away or VAD failed to load
+        session.log.exception("session start failed")
+        await session.close("start_failed", 1011)
+        await _send_and_close(ws, ev.error_event("server_error", f"session could not start: {type(e).__name__}",
+                                                 etype="server_error"), 1011)
+        return
+    await _pump(ws, session, settings.max_message_bytes)
 
 
 async def _send_and_close(ws: WebSocket, event: dict[str, Any], code: int) -> None:
