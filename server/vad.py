@@ -6,6 +6,7 @@ windows of 16 kHz audio (32 ms), about a millisecond each. Thresholds and timing
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 # catch_warnings would race): importlib path and torch.jit.load.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="silero_vad")
 warnings.filterwarnings("ignore", message=".*torch.jit.load.*is deprecated", category=DeprecationWarning)
+
+_LOAD_LOCK = threading.Lock()
 
 VAD_RATE = 16000
 VAD_WINDOW = 512  # the only window size Silero accepts at 16 kHz
@@ -26,7 +29,8 @@ class SileroVad:
     def __init__(self) -> None:
         from silero_vad import load_silero_vad
 
-        with warnings.catch_warnings():  # also here: test runners reset the module-level filters
+        # Sessions load concurrently in worker threads; catch_warnings is process-wide, so one at a time.
+        with _LOAD_LOCK, warnings.catch_warnings():  # test runners reset the module-level filters
             warnings.simplefilter("ignore", DeprecationWarning)
             self._model = load_silero_vad()
 
