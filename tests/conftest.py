@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engines.config import PRESETS, ModelConfig
 
@@ -20,3 +21,13 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     from engines.loader.random_checkpoint import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), "tiny-random", seed=0, num_shards=2)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors gain nothing from intra-op threads, and OpenMP barriers stall badly on an oversubscribed
+    2-core CI box (10x slower); modules that opt in run on one thread, restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

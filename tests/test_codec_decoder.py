@@ -24,14 +24,7 @@ STREAM_TOL = 1e-6
 BATCH_TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny convolutions gain nothing from a second thread, and OpenMP barriers stall badly when the CI box is
-    # oversubscribed; restore the setting for the other test modules.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

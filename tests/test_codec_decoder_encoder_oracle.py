@@ -6,12 +6,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 from engines.codec.decoder import CodecDecoder, Voice
 from engines.codec.decoder.encoder import sinusoid
-from tests.test_codec_decoder import _one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 TOL = 1e-4  # float32, different op order (dense vs gathered relative term, padded keys)
 

@@ -27,13 +27,7 @@ SR = 16000
 FEATURE_ATOL = 1e-4  # pre-VQ features, float32: streaming vs whole and batched vs alone
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only contend (10x slower on a loaded 2-core box); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from engines.codec.melscale import mel_filterbank
 from engines.config import ConfigError
 
 
@@ -57,31 +58,9 @@ def check_same_mel(flow_mel: MelSpec, vocoder_mel: MelSpec, vocoder_name: str) -
             f"({flow_mel.describe()}); a vocoder must be trained on the flow's mel definition")
 
 
-def _hz_to_mel_slaney(f: np.ndarray) -> np.ndarray:
-    f = np.asarray(f, dtype=np.float64)
-    lin = f / (200.0 / 3)
-    logstep = math.log(6.4) / 27.0
-    return np.where(f >= 1000.0, 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) / logstep, lin)
-
-
-def _mel_to_hz_slaney(m: np.ndarray) -> np.ndarray:
-    m = np.asarray(m, dtype=np.float64)
-    logstep = math.log(6.4) / 27.0
-    return np.where(m >= 15.0, 1000.0 * np.exp(logstep * (m - 15.0)), m * (200.0 / 3))
-
-
 def slaney_mel_filters(spec: MelSpec) -> np.ndarray:
     """[n_mels, n_fft // 2 + 1] triangular filters, Slaney scale and area normalisation (librosa's default)."""
-    fft_freqs = np.linspace(0, spec.sample_rate / 2, spec.n_fft // 2 + 1)
-    mel_pts = np.linspace(_hz_to_mel_slaney(spec.fmin), _hz_to_mel_slaney(spec.fmax), spec.n_mels + 2)
-    hz_pts = _mel_to_hz_slaney(mel_pts)
-    fdiff = np.diff(hz_pts)
-    ramps = hz_pts[:, None] - fft_freqs[None, :]
-    lower = -ramps[:-2] / fdiff[:-1, None]
-    upper = ramps[2:] / fdiff[1:, None]
-    weights = np.maximum(0, np.minimum(lower, upper))
-    weights *= (2.0 / (hz_pts[2: spec.n_mels + 2] - hz_pts[: spec.n_mels]))[:, None]
-    return weights.astype(np.float32)
+    return mel_filterbank(spec.sample_rate, spec.n_fft, spec.n_mels, spec.fmin, spec.fmax)
 
 
 def log_mel(wav: torch.Tensor, spec: MelSpec = CODEC_MEL) -> torch.Tensor:
