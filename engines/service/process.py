@@ -96,7 +96,10 @@ def build_service(args: argparse.Namespace) -> Service:
         if vocoder is None:
             vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
         encoder = SpeechEncoder.load(args.codec, device=args.device)
-        decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed)
+        on_gpu = args.device.startswith("cuda")
+        # On the GPU the flow's Euler solve is launch-bound: replay it as CUDA graphs, estimator in bf16.
+        decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
+                                    cuda_graphs=on_gpu, estimator_dtype="bfloat16" if on_gpu else "float32")
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)
