@@ -25,32 +25,38 @@ MAX_ROWS = 16  # one tensor-core tile of rows; larger batches go to cuBLAS
 _L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies over this many bytes when timing (H100 L2: 50 MB)
 _WIN_MARGIN = 0.98  # take the Triton kernel only where it beats cuBLAS by at least 2%
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages)
-CANDIDATES: tuple[tuple[int, int, int, int], ...] = (
-    (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 4, 4), (16, 1024, 4, 3), (16, 512, 8, 4),
-    (32, 256, 4, 4), (32, 256, 4, 5), (32, 512, 4, 3), (32, 512, 8, 3), (32, 128, 4, 6),
-    (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 4),
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K keeps every SM streaming when N / BLOCK_N
+# is about one wave (o_proj, down: 4096 rows); its partial sums go through a float32 buffer and a reduce.
+Config = tuple[int, int, int, int, int]
+CANDIDATES: tuple[Config, ...] = (
+    (16, 256, 4, 4, 1), (16, 512, 4, 3, 1), (16, 512, 4, 4, 1), (16, 512, 8, 4, 1),
+    (32, 256, 4, 4, 1), (32, 256, 4, 5, 1), (32, 512, 4, 3, 1), (32, 128, 4, 6, 1),
+    (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (64, 256, 8, 4, 1),
+    (16, 256, 4, 4, 2), (16, 512, 4, 3, 2), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (64, 256, 4, 4, 4),
+    (64, 128, 4, 4, 2), (32, 512, 4, 3, 4),
 )
 
 # (N, K, dtype) -> chosen config, or None for cuBLAS
-_choice: dict[tuple[int, int, torch.dtype], tuple[int, int, int, int] | None] = {}
-# per tuned shape: {"cublas": s, config: s}, seconds per call (for the benchmark notes)
+_choice: dict[tuple[int, int, torch.dtype], Config | None] = {}
+# per tuned shape: {"cublas": s, config: s}, seconds per call inside a CUDA graph (for the benchmark notes)
 timings: dict[tuple[int, int, torch.dtype], dict] = {}
 
 
 @triton.jit
-def _skinny_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                   SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
     w_ptrs = W + offs_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K_SPLIT, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             if EVEN_N:
@@ -64,8 +70,21 @@ def _skinny_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: t
         acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=out_mask)
+    else:  # Y is the float32 partial buffer [SPLIT_K, M, N]
+        tl.store(Y + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(P, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(P + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(P + s * MN + offs, mask=mask, other=0.0)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -74,37 +93,49 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             torch.float16) and x.dtype == weight.dtype and weight.stride(1) == 1)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int],
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given."""
-    block_n, block_k, warps, stages = config
+    block_n, block_k, warps, stages, split = config
     m, k = x.shape
     n = weight.shape[0]
+    if split > 1 and k % (split * block_k):
+        raise ValueError(f"split-K {split} x {block_k} does not divide K={k}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, num_warps=warps, num_stages=stages)
+    dst = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    _skinny_kernel[(triton.cdiv(n, block_n), split)](
+        x, weight, dst, m, n, k, k // split if split > 1 else k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
+        SPLIT_K=split, num_warps=warps, num_stages=stages)
+    if split > 1:
+        _split_reduce_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return out
 
 
-def _time_per_call(fn, copies: list[torch.Tensor], rounds: int = 6) -> float:
+def _time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
+    """Seconds per call with the calls replayed from a CUDA graph, as the decode step runs them (eager timing
+    would measure Triton's host-side launch cost instead of the kernel)."""
     for w in copies[:2]:
-        fn(w)
+        fn(w)  # compiles, and fails here (not inside the capture) when a tiling does not fit
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for w in copies:
+                fn(w)
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(rounds):
-        for w in copies:
-            fn(w)
+    for _ in range(3):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e-3 / (rounds * len(copies))
+    return start.elapsed_time(end) * 1e-3 / (3 * rounds * len(copies))
 
 
-def tune(weight: torch.Tensor, rows: int = 1) -> tuple[int, int, int, int] | None:
+def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
     """Time every candidate and cuBLAS on this weight's shape; remember and return the winner (None: cuBLAS)."""
     n, k = weight.shape
     key = (n, k, weight.dtype)
@@ -115,6 +146,8 @@ def tune(weight: torch.Tensor, rows: int = 1) -> tuple[int, int, int, int] | Non
     out = torch.empty(rows, n, device=weight.device, dtype=weight.dtype)
     result = {"cublas": _time_per_call(lambda w: F.linear(x, w), copies)}
     for cfg in CANDIDATES:
+        if cfg[4] > 1 and k % (cfg[4] * cfg[1]):
+            continue
         try:
             result[cfg] = _time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out), copies)
         except Exception:  # a tiling that does not fit this GPU (shared memory) is just skipped

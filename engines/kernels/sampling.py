@@ -1,0 +1,49 @@
+"""The sampler's counter-based noise in one kernel (GPU only; engines/sampler/sampler.py dispatches).
+
+The torch path computes the per-row key and the per-candidate exponential noise with ~40 elementwise
+int64 ops, each a launch of a few microseconds at decode batch sizes. This kernel does the same integer
+hash in int64 (bit-identical) and the same float32 log (libdevice logf, as torch's CUDA log), in one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_noise_kernel(SEEDS, STEPS, IDS, OUT, K, stride_ids, CHANNEL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    seed = tl.load(SEEDS + row).to(tl.int64)
+    step = tl.load(STEPS + row).to(tl.int64)
+    key = _mix32((step * 2 + CHANNEL) & 0xFFFFFFFF)
+    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF))
+    key = _mix32(key ^ (seed & 0xFFFFFFFF))
+    ids = tl.load(IDS + row * stride_ids + offs, mask=mask, other=0).to(tl.int64)
+    x = _mix32(_mix32(ids & 0xFFFFFFFF) ^ key)
+    u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    tl.store(OUT + row * K + offs, -libdevice.log(u), mask=mask)
+
+
+def race_noise(seeds: torch.Tensor, steps: torch.Tensor, channel: int, token_ids: torch.Tensor) -> torch.Tensor:
+    """== exponential_noise(row_keys(seeds, steps, channel), token_ids): [B] seeds/steps, [B, K] ids -> [B, K]."""
+    b, k = token_ids.shape
+    out = torch.empty(b, k, device=token_ids.device, dtype=torch.float32)
+    if b and k:
+        block = min(1024, triton.next_power_of_2(k))
+        _race_noise_kernel[(b, triton.cdiv(k, block))](seeds, steps, token_ids, out, k, token_ids.stride(0),
+                                                        CHANNEL=channel, BLOCK=block, num_warps=4)
+    return out
