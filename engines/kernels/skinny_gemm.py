@@ -25,15 +25,14 @@ MAX_ROWS = 16  # one tensor-core tile of rows; larger batches go to cuBLAS
 _L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies over this many bytes when timing (H100 L2: 50 MB)
 _WIN_MARGIN = 0.98  # take the Triton kernel only where it beats cuBLAS by at least 2%
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K keeps every SM streaming when N / BLOCK_N
-# is about one wave (o_proj, down: 4096 rows); its partial sums go through a float32 buffer and a reduce.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K (partial sums through a float32 buffer and a
+# reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape (PERF_NOTES).
 Config = tuple[int, int, int, int, int]
 CANDIDATES: tuple[Config, ...] = (
-    (16, 256, 4, 4, 1), (16, 512, 4, 3, 1), (16, 512, 4, 4, 1), (16, 512, 8, 4, 1),
-    (32, 256, 4, 4, 1), (32, 256, 4, 5, 1), (32, 512, 4, 3, 1), (32, 128, 4, 6, 1),
-    (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (64, 256, 8, 4, 1),
-    (16, 256, 4, 4, 2), (16, 512, 4, 3, 2), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (64, 256, 4, 4, 4),
-    (64, 128, 4, 4, 2), (32, 512, 4, 3, 4),
+    (16, 256, 4, 4, 1), (16, 256, 4, 6, 1), (16, 512, 4, 3, 1), (16, 512, 4, 4, 1),
+    (32, 128, 4, 6, 1), (32, 128, 4, 8, 1), (32, 256, 4, 4, 1), (32, 256, 4, 5, 1), (32, 256, 4, 6, 1),
+    (32, 512, 4, 3, 1), (64, 128, 4, 4, 1), (64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (64, 256, 8, 4, 1),
+    (32, 256, 4, 4, 2), (64, 128, 4, 4, 2),
 )
 
 # (N, K, dtype) -> chosen config, or None for cuBLAS
