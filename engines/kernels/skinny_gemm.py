@@ -139,7 +139,8 @@ def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
     n, k = weight.shape
     key = (n, k, weight.dtype)
     nbytes = weight.numel() * weight.element_size()
-    extra = max(0, math.ceil(_L2_DEFEAT_BYTES / nbytes) - 1)
+    # at most 16 copies: a weight too small to defeat L2 with them is cheap whichever kernel runs it
+    extra = min(15, max(0, math.ceil(_L2_DEFEAT_BYTES / nbytes) - 1))
     copies = [weight] + [torch.randn_like(weight) for _ in range(extra)]
     x = torch.randn(rows, k, device=weight.device, dtype=weight.dtype)
     out = torch.empty(rows, n, device=weight.device, dtype=weight.dtype)
