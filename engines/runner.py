@@ -114,14 +114,10 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [2, R, hidden] (text tail, audio tail) at the logits rows; audio logits when a graph ran."""
         batch = self.build_batch(chunks)
-        if self.graphs is not None and batch.is_decode and self.graphs.bucket(batch.num_seqs) is not None:
-            out = self.graphs.replay(batch)
-        else:
-            out = self.model(batch, self.kv_cache), None
-        # The model never reads the seen masks, so their update is issued after the forward: on the graph path
-        # its host work overlaps the replay instead of delaying the launch (the sampler reads them next).
         self._mark_seen(chunks, batch)
-        return out
+        if self.graphs is not None and batch.is_decode and self.graphs.bucket(batch.num_seqs) is not None:
+            return self.graphs.replay(batch)
+        return self.model(batch, self.kv_cache), None
 
     # ---- sample --------------------------------------------------------------------------
 

@@ -42,18 +42,9 @@ timings: dict[tuple[int, int, torch.dtype], dict] = {}
 
 
 @triton.jit
-def _silu_mul(g, u):
-    dt = g.dtype
-    g = g.to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    return (s * u.to(tl.float32)).to(dt)
-
-
-@triton.jit
 def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
-    # SILU_MUL: X is gate_up [M, 2K] and the operand is silu(gate) * up, rounded as fused.silu_mul rounds it
+                   SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,8 +58,6 @@ def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, B
     for k0 in range(0, K_SPLIT, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            if SILU_MUL:
-                x = _silu_mul(x, tl.load(x_ptrs + K, mask=m_ok[:, None], other=0.0))
             if EVEN_N:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
@@ -76,8 +65,6 @@ def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, B
         else:
             k_ok = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if SILU_MUL:
-                x = _silu_mul(x, tl.load(x_ptrs + K, mask=m_ok[:, None] & k_ok[None, :], other=0.0))
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
         w_ptrs += BLOCK_K
@@ -105,12 +92,10 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             torch.float16) and x.dtype == weight.dtype and weight.stride(1) == 1)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None,
-           silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given.
-    silu_mul: x is gate_up [M, 2K] and silu(gate) * up is the operand (the MLP's act fused into down_proj)."""
+def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given."""
     block_n, block_k, warps, stages, split = config
-    m, k = x.shape[0], weight.shape[1]
+    m, k = x.shape
     n = weight.shape[0]
     if split > 1 and k % (split * block_k):
         raise ValueError(f"split-K {split} x {block_k} does not divide K={k}")
@@ -122,7 +107,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
     _skinny_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, dst, m, n, k, k // split if split > 1 else k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
-        SPLIT_K=split, SILU_MUL=silu_mul, num_warps=warps, num_stages=stages)
+        SPLIT_K=split, num_warps=warps, num_stages=stages)
     if split > 1:
         _split_reduce_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return out
@@ -175,17 +160,12 @@ def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
     return choice
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """F.linear(x, weight) for decode-sized x, through the tuned kernel where it beats cuBLAS.
-    silu_mul: x is gate_up [M, 2K]; computes F.linear(silu(gate) * up, weight) without the act round trip."""
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for decode-sized x, through the tuned kernel where it beats cuBLAS."""
     key = (weight.shape[0], weight.shape[1], weight.dtype)
-    if key not in _choice and not torch.cuda.is_current_stream_capturing():
+    if key not in _choice:
+        if torch.cuda.is_current_stream_capturing():
+            return F.linear(x, weight)  # untuned shape inside a capture: no timing possible here
         tune(weight)
-    cfg = _choice.get(key)  # untuned shape inside a capture: cuBLAS (no timing possible there)
-    if cfg is not None:
-        return launch(x, weight, cfg, silu_mul=silu_mul)
-    if silu_mul:
-        from engines.kernels.fused import silu_mul as act
-
-        x = act(x)
-    return F.linear(x, weight)
+    cfg = _choice[key]
+    return F.linear(x, weight) if cfg is None else launch(x, weight, cfg)

@@ -115,11 +115,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add(self.o_proj(attn), residual)
         gate_up = self.gate_up_proj(h)  # [T, 2 ffn]
         if gate_up.is_cuda:
-            from engines.kernels import skinny_gemm
             from engines.kernels.fused import silu_mul
-
-            if skinny_gemm.supported(gate_up, self.down_proj.weight):  # act fused into down_proj's operand load
-                return skinny_gemm.linear(gate_up, self.down_proj.weight, silu_mul=True), residual
 
             act = silu_mul(gate_up)
         else:
