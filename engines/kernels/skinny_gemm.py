@@ -1,8 +1,8 @@
 """Skinny GEMM for decode batches: y = x @ W.T with x [M <= 16, K] and W [N, K] (bf16/fp16, row-major).
 
 At decode sizes a linear layer is a pass over its weight: time = bytes / bandwidth. cuBLAS picks
-GEMM tilings meant for larger M and reaches ~77% of copy bandwidth on this model's shapes (~53% on
-o_proj). This kernel gives each program BLOCK_N weight rows and streams them along K with a
+GEMM tilings meant for larger M and reaches 73-95% of copy bandwidth on this model's shapes (o_proj
+the worst; docs/PERF_NOTES.md). This kernel gives each program BLOCK_N weight rows and streams them along K with a
 software-pipelined loop (M padded to the 16 rows of one tensor-core tile), so the whole GPU is busy
 reading the weight once.
 
