@@ -69,12 +69,15 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 
 class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
-                 voice_loader: Callable[[bytes], Any] | None = None) -> None:
+                 voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize()`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
         decoded in one batch per step. `voice_loader`: WAV bytes -> the decoder's speaker prompt
-        (raises ValueError for a bad recording); without it a session's voice_wav is refused."""
+        (raises ValueError for a bad recording); without it a session's voice_wav is refused.
+        `decode_interval_s`: chunks of answers that already play are decoded at most this often, in one
+        batch, so the language model keeps stepping ahead of real time between codec calls; an answer's
+        first chunk is decoded at once (it decides TTFA). 0 decodes every step."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -83,6 +86,9 @@ class Service:
         self.decoder = decoder
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, tuple[Session, Turn]] = {}
+        self.decode_interval_s = decode_interval_s
+        self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes
+        self._last_decode = 0.0
         self._finished_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
 
@@ -130,7 +136,7 @@ class Service:
             self._send(client, m.Error(sid, "invalid_request", str(e), getattr(msg, "response_id", None)))
 
     def has_work(self) -> bool:
-        return self.engine.has_work()
+        return self.engine.has_work() or bool(self._to_decode)
 
     def step(self) -> list[Out]:
         """One engine step; its rows become deltas, audio chunks and completions."""
@@ -150,7 +156,7 @@ class Service:
                 live.append((s, r))
             if o.finished:
                 finished.append((s, t, o))
-        self._decode(live)
+        self._decode_due(live)
         for s, t, o in finished:
             try:
                 self._finish(s, t, o)
@@ -199,6 +205,17 @@ class Service:
         self._send(s.owner, m.AudioChunk(s.session_id, r.response_id, float32_to_pcm16(pcm), r.chunks))
         r.chunks += 1
         r.audio_samples += len(pcm)
+
+    def _decode_due(self, live: list[tuple[Session, ResponseState]]) -> None:
+        """Decode now when an answer still waits for its first audio or the interval has passed; else hold."""
+        for s, r in live:
+            self._to_decode[id(r)] = (s, r)
+        now = time.monotonic()
+        first = any(r.ttfa_ms is None for _, r in self._to_decode.values())
+        if self._to_decode and (first or now - self._last_decode >= self.decode_interval_s):
+            items, self._to_decode = list(self._to_decode.values()), {}
+            self._last_decode = now
+            self._decode(items)
 
     def _decode(self, items: list[tuple[Session, ResponseState]]) -> None:
         """Give each live audio response's new codes to its decoder stream (one batched call if offered)."""
@@ -555,6 +572,7 @@ class Service:
         s.pending_rows = restored + s.pending_rows
 
     def _finish_response(self, s: Session, t: Turn, r: ResponseState, o: StepOutput) -> None:
+        self._to_decode.pop(id(r), None)
         if r.decoder_stream is not None:
             if not r.cancelled:
                 self._decode([(s, r)])

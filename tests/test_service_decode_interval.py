@@ -1,0 +1,49 @@
+"""Codec calls batched on an interval: first chunk at once, later ones held, the same PCM in the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.codec.decoder.codec_decoder import CodecDecoder
+from engines.config import EngineConfig
+from engines.engine import Engine
+from engines.service import messages as m
+from engines.service.core import Service
+from engines.service.tokenizer import StandInTokenizer
+
+ROWS = 23  # first chunk (5 + 3 lookahead), then three more, then the final partial one
+
+
+@pytest.fixture(scope="module")
+def decoder() -> CodecDecoder:
+    return CodecDecoder.load("tiny-random")
+
+
+def answer(decoder: CodecDecoder, interval_s: float) -> tuple[list[int], list[m.AudioChunk], m.ResponseDone]:
+    engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+    svc = Service(engine, StandInTokenizer(), None, decoder, decode_interval_s=interval_s)
+    greedy = m.Sampling(greedy=True, max_new_tokens=ROWS, min_new_tokens=ROWS)
+    svc.handle(b"c", m.OpenSession("s", sampling=greedy))
+    svc.handle(b"c", m.AddUserText("s", "i", "hello"))
+    svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
+    chunks_at_step, msgs, step = [], [], 0
+    while svc.has_work():
+        out = [x for _, x in svc.step()]
+        msgs += out
+        chunks_at_step += [step for x in out if isinstance(x, m.AudioChunk)]
+        step += 1
+    done = next(x for x in msgs if isinstance(x, m.ResponseDone))
+    return chunks_at_step, [x for x in msgs if isinstance(x, m.AudioChunk)], done
+
+
+def test_first_chunk_at_once_then_held_until_interval_and_same_audio(decoder):
+    steps0, chunks0, done0 = answer(decoder, 0.0)
+    steps_long, chunks_long, done_long = answer(decoder, 3600.0)  # no interval passes during the answer
+    assert done0.status == done_long.status and done0.output_rows == done_long.output_rows == ROWS
+    # The first audio is not delayed by the interval.
+    assert steps_long[0] == steps0[0]
+    # Every later chunk waited: the held codes are decoded together when the answer finishes, then the flush.
+    assert len(chunks0) > 3 and len(chunks_long) == 3
+    assert steps_long[1] == steps_long[2] == steps0[-1]
+    assert b"".join(c.pcm24k for c in chunks_long) == b"".join(c.pcm24k for c in chunks0)
+    assert done_long.audio_samples == done0.audio_samples == ROWS * 1920  # every row a code: eosp is masked
