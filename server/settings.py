@@ -26,8 +26,16 @@ def _split(v: Any) -> Any:
     return v
 
 
+RANDOM_PRESETS = {"tiny-random", "full-random"}
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOSS_", extra="forbid")
+
+    @property
+    def random_weights(self) -> bool:
+        """True when the model or the codec is a random preset: answers are noise (the log and page say so)."""
+        return bool({self.model, self.codec} & RANDOM_PRESETS)
 
     # What to serve
     model: str = "tiny-random"  # tiny-random or a MOSS-Speech checkpoint directory

@@ -49,3 +49,11 @@ def test_each_log_line_names_its_session():
     assert json.loads(_Formatter("json").format(rec))["session_id"] == "sess_1"
     plain = logging.LogRecord("server.engine", logging.INFO, __file__, 1, "ready", (), None)
     assert "session_id=-" in _Formatter("kv").format(plain)
+
+
+def test_random_weights_flag_covers_both_random_presets_and_the_codec():
+    from server.settings import Settings
+
+    assert Settings(model="full-random", codec="/models/codec").random_weights
+    assert Settings(model="/models/moss", codec="tiny-random").random_weights
+    assert not Settings(model="/models/moss", codec="/models/codec").random_weights

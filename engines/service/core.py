@@ -59,6 +59,14 @@ class ServiceError(Exception):
         self.response_id = response_id
 
 
+def _device_name(device: str) -> str:
+    """The GPU's name for /health (load tests print it), or "cpu"."""
+    import torch
+
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
 def sampling_params(s: m.Sampling) -> SamplingParams:
     """One setting for both channels; invalid values raise ConfigError."""
     ch = ChannelSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -87,6 +95,7 @@ class Service:
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, tuple[Session, Turn]] = {}
         self.decode_interval_s = decode_interval_s
+        self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
         self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes
         self._last_decode = 0.0
         self._finished_ids: deque[str] = deque(maxlen=64)
@@ -168,7 +177,7 @@ class Service:
         st = self.engine.stats()
         return {"running": st.running, "waiting": st.waiting, "kv_free": st.free_blocks, "kv_total": st.total_blocks,
                 "steps": st.steps, "prefilled_rows": st.prefilled_rows, "decoded_rows": st.decoded_rows,
-                "sessions": len(self.sessions)}
+                "sessions": len(self.sessions), "device_name": self.device_name}
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ async def health(request: Request) -> JSONResponse:
         "model_loaded": bool(engine.ready),
         "model": st.settings.model,
         "codec": st.settings.codec,
-        "random_weights": st.settings.model == "tiny-random",
+        "random_weights": st.settings.random_weights,
         "sessions": len(st.sessions),
         "max_sessions": st.settings.max_sessions,
         "draining": st.sessions.draining,

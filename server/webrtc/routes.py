@@ -58,7 +58,7 @@ class WebRTCService:
         return {
             "model": getattr(self.settings, "model_name", "moss-speech"),
             "weights": weights,
-            "random_weights": weights == RANDOM_MODEL,
+            "random_weights": bool(getattr(self.settings, "random_weights", weights == RANDOM_MODEL)),
             "ice_servers": [s.to_json() for s in self.config.ice_servers],
             "max_calls": self.config.max_calls,
             "api_key_required": bool(getattr(self.settings, "api_keys", [])),
