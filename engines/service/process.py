@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--encode-every-ms", type=float, default=80.0,
+                   help="hold user audio until this much is pending, then encode (batched across sessions)")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="batch codec calls for playing answers at most this often (first chunks go at once)")
 
@@ -108,7 +110,8 @@ def build_service(args: argparse.Namespace) -> Service:
     log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
              time.monotonic() - t0)
     return Service(engine, tokenizer, encoder, decoder, voices,
-                   decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000)
+                   decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
+                   encode_min_samples=int(getattr(args, "encode_every_ms", 0.0) * 16))
 
 
 def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:

@@ -1,4 +1,4 @@
-"""Codec calls batched on an interval: first chunk at once, later ones held, the same PCM in the end."""
+"""Service batching: codec calls on an interval (first chunk at once) and user audio encoded in 80 ms groups."""
 
 from __future__ import annotations
 
@@ -47,3 +47,47 @@ def test_first_chunk_at_once_then_held_until_interval_and_same_audio(decoder):
     assert steps_long[1] == steps_long[2] == steps0[-1]
     assert b"".join(c.pcm24k for c in chunks_long) == b"".join(c.pcm24k for c in chunks0)
     assert done_long.audio_samples == done0.audio_samples == ROWS * 1920  # every row a code: eosp is masked
+
+
+def test_holding_user_audio_until_80ms_gives_the_same_codes_and_answer():
+    from engines.codec.audio_io import float32_to_pcm16, read_wav
+    from engines.codec.encoder import SpeechEncoder
+    from tests.test_service_e2e import WAV
+
+    enc = SpeechEncoder.load("tiny-random")
+    pcm, _ = read_wav(WAV)
+    pcm16 = float32_to_pcm16(pcm[:16000])
+    greedy = m.Sampling(greedy=True, max_new_tokens=6)
+
+    pushes = []
+
+    class CountingEncoder:  # the real encoder, counting the pieces it is asked to encode
+        def open_stream(self):
+            stream = enc.open_stream()
+            real_push = stream.push
+
+            def push(pcm):
+                pushes[-1] += 1
+                return real_push(pcm)
+            stream.push = push
+            return stream
+
+    def run(min_samples: int) -> tuple[list, int]:
+        pushes.append(0)
+        engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+        svc = Service(engine, StandInTokenizer(), CountingEncoder(), None, encode_min_samples=min_samples)
+        svc.handle(b"c", m.OpenSession("s", sampling=greedy))
+        for i in range(0, len(pcm16), 640):  # 20 ms pieces
+            svc.handle(b"c", m.AppendUserAudio("s", pcm16[i:i + 640]))
+            while svc.has_work():
+                svc.step()
+        svc.handle(b"c", m.CommitUserAudio("s", "i"))
+        svc.handle(b"c", m.CreateResponse("s", "r", "text", greedy))
+        while svc.has_work():
+            svc.step()
+        return engine.conversation_history("s"), pushes[-1]
+
+    every_piece, n_every = run(0)
+    held, n_held = run(1280)
+    assert held == every_piece  # same codes in the same rows, same greedy answer
+    assert n_every == 50 + 1 and n_held == 12 + 1  # 20 ms pieces vs 80 ms groups, + the flush at commit
