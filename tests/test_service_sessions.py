@@ -428,3 +428,20 @@ def test_close_after_cleared_speech_forgets_the_conversation() -> None:
     send(svc, m.CloseSession("s"))
     assert "s" not in svc.engine.scheduler.conversations and not svc.sessions
     assert send(svc, m.OpenSession("s")) == [m.SessionReady("s")]  # the id can be used again
+
+
+def test_new_sampling_for_a_spoken_answer_goes_in_with_the_closing_rows() -> None:
+    svc = make_service()
+    eng = svc.engine
+    send(svc, m.OpenSession("s", sampling=greedy(5)))
+    send(svc, m.AppendUserAudio("s", speech(0.3)))
+    send(svc, m.CommitUserAudio("s", "i"))
+    run(svc)
+    prefilled = eng.stats().prefilled_rows
+    out = send(svc, m.CreateResponse("s", "r", "audio", greedy(3)))  # other settings, same spoken prompt
+    out += run(svc)
+    done = of(out, m.ResponseDone)[0]
+    assert done.output_rows == 3  # the new max_new_tokens applies
+    # No second prefill of the user turn: only the assistant prefix went in with the response.
+    assert eng.stats().prefilled_rows - prefilled == len(PB.assistant_prefix_rows("audio"))
+    eng.check_integrity()

@@ -483,9 +483,9 @@ class Service:
             raise ServiceError("invalid_request", f"response {t.response.response_id!r} is still in progress")
         if t is not None and t.audio_open:
             raise ServiceError("invalid_request", "commit or clear the input audio buffer before creating a response")
-        if t is not None and params != t.params:
-            # The open request was admitted with other settings (its KV reservation depends on
-            # max_new_tokens): prefill the user turn again with the new ones.
+        if t is not None and params != t.params and not self._prompt_settled(s, t, msg.modality):
+            # The open request's system turn was chosen for the other modality: prefill the user turn
+            # again (same rows, the system prompt for this answer) with the new settings.
             s.sampling = params
             t.undo = "requeue"
             self.engine.abort(t.request_id)
@@ -509,12 +509,21 @@ class Service:
         t.response = r
         self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
 
+    @staticmethod
+    def _prompt_settled(s: Session, t: Turn, modality: m.Modality) -> bool:
+        """True when the open turn's rows fit this answer as they are: no default system prompt went in
+        with it, or it was the spoken one and the answer is spoken. New sampling settings then go in with
+        the closing rows (Engine.append_input(params=)) instead of a second prefill."""
+        return not t.system_included or s.instructions is not None or modality == "audio"
+
     def _submit_response(self, s: Session, t: Turn | None, params: SamplingParams, msg: m.CreateResponse,
                          prefix: list[Row]) -> Turn:
         """The response's rows into the engine: appended to the open user turn, or a new request."""
         if t is not None:
             rows = s.pending_rows + prefix
-            self.engine.append_input(t.request_id, rows, input_done=True)
+            self.engine.append_input(t.request_id, rows, input_done=True,
+                                     params=params if params != t.params else None)
+            t.params = params
             t.carried_rows = t.carried_rows + s.pending_rows
             s.pending_rows = []
             t.rows_added += len(rows)
