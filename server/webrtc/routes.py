@@ -133,18 +133,19 @@ class WebRTCService:
             self.metrics.active_sessions.dec()
         self.calls.remove(call)
 
-    def _call_or_404(self, call_id: str) -> Call | JSONResponse:
+    def _call_or_error(self, request: Request, call_id: str) -> Call | Response:
+        """The call, or the response refusing the request (auth/origin, then unknown id -> 404)."""
+        denied = self.access_error(request.headers, request.query_params)
+        if denied is not None:
+            return denied
         call = self.calls.get(call_id)
         if call is None:
             return _error(404, "call_not_found", f"no active call with id {call_id!r}")
         return call
 
     async def call_state(self, request: Request, call_id: str) -> Response:
-        denied = self.access_error(request.headers, request.query_params)
-        if denied is not None:
-            return denied
-        call = self._call_or_404(call_id)
-        if isinstance(call, JSONResponse):
+        call = self._call_or_error(request, call_id)
+        if not isinstance(call, Call):
             return call
         t = call.track.stats
         return JSONResponse({
@@ -155,21 +156,15 @@ class WebRTCService:
         })
 
     async def hangup(self, request: Request, call_id: str) -> Response:
-        denied = self.access_error(request.headers, request.query_params)
-        if denied is not None:
-            return denied
-        call = self._call_or_404(call_id)
-        if isinstance(call, JSONResponse):
+        call = self._call_or_error(request, call_id)
+        if not isinstance(call, Call):
             return call
         await call.close("hung up by the client")
         return Response(status_code=204)
 
     async def set_voice(self, request: Request, call_id: str) -> Response:
-        denied = self.access_error(request.headers, request.query_params)
-        if denied is not None:
-            return denied
-        call = self._call_or_404(call_id)
-        if isinstance(call, JSONResponse):
+        call = self._call_or_error(request, call_id)
+        if not isinstance(call, Call):
             return call
         wav = await request.body()
         # Through HTTP rather than the data channel: a WAV is larger than an SCTP message may be (256 KiB).
