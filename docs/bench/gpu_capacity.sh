@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# GPU capacity run: server with full-size random weights + capacity sweep against it (run from repo root).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
+export MOSS_ENGINE_COMMAND='["python3","-m","engines.service.process","--model","full-random","--codec","full-random","--device","cuda","--kv-cache-gib","24","--max-running","128","--max-model-len","4096"]'
+python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 > $OUT/server.log 2>&1 &
+SERVER=$!
+for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+curl -s http://127.0.0.1:8000/health; echo
+timeout ${CAP_TIMEOUT:-420} python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start ${CAP_START:-16} --step ${CAP_STEP:-16} --max ${CAP_MAX:-128} \
+  --turns 2 --ramp 16 --max-output-tokens 50 --level-duration 60 --json $OUT/capacity.json --plots $OUT 2>&1 | tail -40
+kill $SERVER; sleep 3; tail -5 $OUT/server.log
