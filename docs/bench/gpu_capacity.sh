@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU capacity run: server with full-size random weights + capacity sweep against it (run from repo root).
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
 export MOSS_ENGINE_COMMAND='["python3","-m","engines.service.process","--model","full-random","--codec","full-random","--device","cuda","--kv-cache-gib","24","--max-running","128","--max-model-len","4096"]'
