@@ -129,6 +129,11 @@ class Engine:
         conv = self.scheduler.conversations.get(conversation_id)
         return len(conv.rows) if conv else 0
 
+    def conversation_unrun_rows(self, conversation_id: str) -> int:
+        """History rows without KV yet (an answer's last sampled row): the next turn prefills them too."""
+        conv = self.scheduler.conversations.get(conversation_id)
+        return len(conv.rows) - conv.num_computed if conv else 0
+
     def conversation_history(self, conversation_id: str) -> list[Row]:
         conv = self.scheduler.conversations.get(conversation_id)
         return list(conv.rows) if conv else []

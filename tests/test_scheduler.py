@@ -173,6 +173,7 @@ def test_conversation_keeps_history_blocks_and_prefills_only_new_rows():
     engine.add_request("t1", prompt(10), SamplingParams.greedy_params(6), conversation_id="c")
     run_to_end(engine)
     assert engine.conversation_rows("c") == 16
+    assert engine.conversation_unrun_rows("c") == 1  # the last sampled row has no KV yet
     held = len(engine.scheduler.conversations["c"].block_ids)
     assert engine.scheduler.pool.num_used == held == 4  # 15 computed rows -> 4 blocks
     model.batches.clear()

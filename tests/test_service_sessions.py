@@ -138,7 +138,8 @@ def test_text_turn_then_second_turn_prefills_only_new_rows() -> None:
     new = PB.assistant_close_rows(hist[-1]) + PB.text_turn_rows("user", "More") + PB.assistant_prefix_rows("text")
     assert PB.assistant_close_rows(hist[-1])[0] == (IM_END, AUDIO_PAD)
     done2 = of(run(svc), m.ResponseDone)[0]
-    assert done2.cached_rows == len(hist) and done2.prompt_rows == len(new)
+    # turn 1's last sampled row had no KV yet: it is prefilled (and counted) with turn 2
+    assert done2.cached_rows == len(hist) - 1 and done2.prompt_rows == len(new) + 1
     # Only the new rows (and the first answer's last row, sampled but never run) went through prefill.
     assert eng.stats().prefilled_rows - before == len(new) + 1
     assert eng.conversation_history("s")[:len(hist) + len(new)] == hist + new

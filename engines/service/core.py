@@ -427,11 +427,12 @@ class Service:
             rid = s.new_request_id()
             params = s.sampling or SamplingParams()
             base = self.engine.conversation_rows(s.conversation_id)
+            rerun = self.engine.conversation_unrun_rows(s.conversation_id)
             self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=False)
             t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
                      system_included=not s.system_sent, codes=list(s.pending_codes),
                      audio_open=not s.pending_commit, committed=s.pending_commit, rows_added=len(rows),
-                     user_rows_start=len(lead))
+                     rerun_rows=rerun, user_rows_start=len(lead))
             s.active = t
             self._requests[rid] = (s, t)
             s.close_rows, s.pending_rows, s.system_sent = [], [], True
@@ -503,8 +504,8 @@ class Service:
             raise
         s.sampling = params
         s.answer = None
-        r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added,
-                          cached_rows=t.base_rows, prefix_last_row=prefix[-1],
+        r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added + t.rerun_rows,
+                          cached_rows=t.base_rows - t.rerun_rows, prefix_last_row=prefix[-1],
                           detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
         t.response = r
         self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
@@ -531,9 +532,10 @@ class Service:
             rows = s.close_rows + self._system_rows(s, msg.modality) + s.pending_rows + prefix
             rid = s.new_request_id()
             base = self.engine.conversation_rows(s.conversation_id)
+            rerun = self.engine.conversation_unrun_rows(s.conversation_id)
             self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=True)
             t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
-                     system_included=not s.system_sent, rows_added=len(rows))
+                     system_included=not s.system_sent, rows_added=len(rows), rerun_rows=rerun)
             s.active = t
             self._requests[rid] = (s, t)
             s.close_rows, s.pending_rows, s.system_sent = [], [], True

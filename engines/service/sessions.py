@@ -106,6 +106,7 @@ class Turn:
     audio_open: bool = False  # user audio span started and not yet committed
     committed: bool = False
     rows_added: int = 0
+    rerun_rows: int = 0  # history rows never run yet (the previous answer's last sampled row): prefilled with this turn
     user_rows_start: int = 0  # rows before the user speech turn in this request
     response: ResponseState | None = None
     undo: UndoKind | None = None  # abort in flight to undo this turn
