@@ -19,9 +19,10 @@ def decoder() -> CodecDecoder:
     return CodecDecoder.load("tiny-random")
 
 
-def answer(decoder: CodecDecoder, interval_s: float) -> tuple[list[int], list[m.AudioChunk], m.ResponseDone]:
+def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False
+           ) -> tuple[list[int], list[m.AudioChunk], m.ResponseDone]:
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
-    svc = Service(engine, StandInTokenizer(), None, decoder, decode_interval_s=interval_s)
+    svc = Service(engine, StandInTokenizer(), None, decoder, decode_interval_s=interval_s, codec_thread=thread)
     greedy = m.Sampling(greedy=True, max_new_tokens=ROWS, min_new_tokens=ROWS)
     svc.handle(b"c", m.OpenSession("s", sampling=greedy))
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))
@@ -47,6 +48,14 @@ def test_first_chunk_at_once_then_held_until_interval_and_same_audio(decoder):
     assert steps_long[1] == steps_long[2] == steps0[-1]
     assert b"".join(c.pcm24k for c in chunks_long) == b"".join(c.pcm24k for c in chunks0)
     assert done_long.audio_samples == done0.audio_samples == ROWS * 1920  # every row a code: eosp is masked
+
+
+def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
+    _, chunks0, done0 = answer(decoder, 0.0)
+    _, chunks_t, done_t = answer(decoder, 0.0, thread=True)
+    assert [c.index for c in chunks_t] == list(range(len(chunks_t)))
+    assert b"".join(c.pcm24k for c in chunks_t) == b"".join(c.pcm24k for c in chunks0)
+    assert done_t.audio_samples == done0.audio_samples and done_t.output_rows == done0.output_rows == ROWS
 
 
 def test_holding_user_audio_until_80ms_gives_the_same_codes_and_answer():

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from engines.api import ChannelSampling, EngineError, InvalidRequestError, SamplingParams, StepOutput
 from engines.codec.audio_io import float32_to_pcm16, pcm16_to_float32
@@ -61,8 +62,6 @@ class ServiceError(Exception):
 
 def _device_name(device: str) -> str:
     """The GPU's name for /health (load tests print it), or "cpu"."""
-    import torch
-
     dev = torch.device(device)
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
@@ -78,7 +77,7 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
-                 encode_min_samples: int = 0) -> None:
+                 encode_min_samples: int = 0, codec_thread: bool = False) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize()`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -89,7 +88,9 @@ class Service:
         first chunk is decoded at once (it decides TTFA). 0 decodes every step.
         `encode_min_samples`: user audio is held per session until this much (16 kHz samples) is pending,
         then encoded (batched across sessions); 1280 = one code's 80 ms. Codes are the same either way
-        (the encoder streams exactly); this only saves encoder steps on 20 ms pieces. Commit flushes."""
+        (the encoder streams exactly); this only saves encoder steps on 20 ms pieces. Commit flushes.
+        `codec_thread`: decode speech on a worker thread (its own CUDA stream on a GPU) while the engine
+        steps; the PCM is the same, only when it leaves changes."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -101,6 +102,11 @@ class Service:
         self.decode_interval_s = decode_interval_s
         self.encode_min_samples = encode_min_samples
         self._held_pcm: dict[str, list[np.ndarray]] = {}  # user audio waiting for encode_min_samples
+        self._codec = None
+        if codec_thread and decoder is not None:
+            from engines.service.codec_worker import CodecWorker
+
+            self._codec = CodecWorker(self._decode_pcm, torch.device(getattr(decoder, "device", "cpu")))
         self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
         self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes
         self._last_decode = 0.0
@@ -151,10 +157,11 @@ class Service:
             self._send(client, m.Error(sid, "invalid_request", str(e), getattr(msg, "response_id", None)))
 
     def has_work(self) -> bool:
-        return self.engine.has_work() or bool(self._to_decode)
+        return self.engine.has_work() or bool(self._to_decode) or (self._codec is not None and self._codec.busy())
 
     def step(self) -> list[Out]:
         """One engine step; its rows become deltas, audio chunks and completions."""
+        self._collect_decoded()
         outputs: list[StepOutput] = self.engine.step()
         finished: list[tuple[Session, Turn, StepOutput]] = []
         live: list[tuple[Session, ResponseState]] = []
@@ -225,6 +232,8 @@ class Service:
         """Decode now when an answer still waits for its first audio or the interval has passed; else hold."""
         for s, r in live:
             self._to_decode[id(r)] = (s, r)
+        if self._codec is not None and not self._codec.idle:
+            return  # the worker is busy: keep collecting, the next batch will be larger
         now = time.monotonic()
         first = any(r.ttfa_ms is None for _, r in self._to_decode.values())
         if self._to_decode and (first or now - self._last_decode >= self.decode_interval_s):
@@ -232,27 +241,47 @@ class Service:
             self._last_decode = now
             self._decode(items)
 
-    def _decode(self, items: list[tuple[Session, ResponseState]]) -> None:
-        """Give each live audio response's new codes to its decoder stream (one batched call if offered)."""
-        for _, r in items:
+    def _decode(self, items: list[tuple[Session, ResponseState]], sync: bool = False) -> None:
+        """Give each live audio response's new codes to its decoder stream (one batched call if offered):
+        on the codec worker when there is one (unless `sync`), else here."""
+        work = []
+        for s, r in items:
             if r.cancelled:
                 r.new_codes = []  # nobody will hear it
-        work = [(s, r) for s, r in items if r.decoder_stream is not None and r.new_codes]
+            elif r.decoder_stream is not None and r.new_codes:
+                work.append((s, r, r.decoder_stream, r.new_codes))
+                r.new_codes = []
         if not work:
             return
-        try:
-            if hasattr(self.decoder, "run_jobs"):
-                pcms = self._decode_batched([r for _, r in work])
-            else:
-                pcms = [r.decoder_stream.push(r.new_codes) for _, r in work]
-        except Exception as e:  # noqa: BLE001 - the speech decoder failing ends these answers, not the engine
-            log.exception("speech decoder failed for %d responses", len(work))
-            for s, r in work:
-                self._fail(s, r, f"speech decoder failed: {type(e).__name__}: {e}")
+        if self._codec is not None and not sync:
+            self._codec.submit(work)
+        else:
+            try:
+                self._deliver(work, self._decode_pcm(work))
+            except Exception as e:  # noqa: BLE001 - see _deliver
+                self._deliver(work, e)
+
+    def _decode_pcm(self, work: list) -> list[np.ndarray]:
+        """PCM of each (session, response, stream, codes) item; touches only the decoder streams."""
+        if hasattr(self.decoder, "run_jobs"):
+            return self._decode_batched([(stream, codes) for _, _, stream, codes in work])
+        return [stream.push(codes) for _, _, stream, codes in work]
+
+    def _deliver(self, work: list, result: list[np.ndarray] | Exception) -> None:
+        if isinstance(result, Exception):  # the speech decoder failing ends these answers, not the engine
+            log.error("speech decoder failed for %d responses: %r", len(work), result)
+            for s, r, _, _ in work:
+                if not r.cancelled:
+                    self._fail(s, r, f"speech decoder failed: {type(result).__name__}: {result}")
             return
-        for (s, r), pcm in zip(work, pcms, strict=True):
-            r.new_codes = []
-            self._audio(s, r, pcm)
+        for (s, r, _, _), pcm in zip(work, result, strict=True):
+            if not r.cancelled:
+                self._audio(s, r, pcm)
+
+    def _collect_decoded(self) -> None:
+        if self._codec is not None:
+            for work, result in self._codec.take_results():
+                self._deliver(work, result)
 
     def _fail(self, s: Session, r: ResponseState, why: str) -> None:
         """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
@@ -262,14 +291,14 @@ class Service:
         if t is not None and t.response is r:
             self.engine.abort(t.request_id)
 
-    def _decode_batched(self, rs: list[ResponseState]) -> list[np.ndarray]:
-        """Ready 5-code chunks of all responses through the codec together: round k decodes the k-th
-        ready chunk of every stream (a stream's chunks are sequential, so one per stream per call)."""
+    def _decode_batched(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
+        """Ready 5-code chunks of all (stream, new codes) items through the codec together: round k decodes
+        the k-th ready chunk of every stream (a stream's chunks are sequential, so one per stream per call)."""
         jobs = []
-        for r in rs:
-            r.decoder_stream.add(r.new_codes)
-            jobs.append(r.decoder_stream.take_jobs())
-        pcms: list[list[np.ndarray]] = [[] for _ in rs]
+        for stream, codes in items:
+            stream.add(codes)
+            jobs.append(stream.take_jobs())
+        pcms: list[list[np.ndarray]] = [[] for _ in items]
         for k in range(max(len(j) for j in jobs)):
             idx = [i for i, j in enumerate(jobs) if len(j) > k]
             for i, pcm in zip(idx, self.decoder.run_jobs([jobs[i][k] for i in idx]), strict=True):
@@ -619,9 +648,12 @@ class Service:
 
     def _finish_response(self, s: Session, t: Turn, r: ResponseState, o: StepOutput) -> None:
         self._to_decode.pop(id(r), None)
+        if self._codec is not None:  # the worker must be done with this stream before it is finalized
+            self._codec.flush()
+            self._collect_decoded()
         if r.decoder_stream is not None:
             if not r.cancelled:
-                self._decode([(s, r)])
+                self._decode([(s, r)], sync=True)
                 self._audio(s, r, r.decoder_stream.finalize())
             if hasattr(r.decoder_stream, "close"):
                 r.decoder_stream.close()  # its flow/vocoder state is no longer needed

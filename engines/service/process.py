@@ -47,6 +47,7 @@ from engines.service.core import Out, Service
 log = logging.getLogger("engines.service")
 
 IDLE_POLL_MS = 50
+WAIT_POLL_MS = 2
 INTEGRITY_EVERY_S = 10.0
 MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot stall decoding
 
@@ -66,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--encode-every-ms", type=float, default=80.0,
                    help="hold user audio until this much is pending, then encode (batched across sessions)")
+    p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
+                   help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="batch codec calls for playing answers at most this often (first chunks go at once)")
 
@@ -111,7 +114,8 @@ def build_service(args: argparse.Namespace) -> Service:
              time.monotonic() - t0)
     return Service(engine, tokenizer, encoder, decoder, voices,
                    decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
-                   encode_min_samples=int(getattr(args, "encode_every_ms", 0.0) * 16))
+                   encode_min_samples=int(getattr(args, "encode_every_ms", 0.0) * 16),
+                   codec_thread=getattr(args, "codec_thread", False))
 
 
 def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
@@ -189,7 +193,10 @@ class EngineServer:
 
     def run_once(self, timeout_ms: int | None = None) -> None:
         if timeout_ms is None:
-            timeout_ms = 0 if self.service.has_work() else IDLE_POLL_MS
+            if self.service.engine.has_work():
+                timeout_ms = 0
+            else:  # only the codec worker (or held audio) is busy: wait a little instead of spinning on the GIL
+                timeout_ms = WAIT_POLL_MS if self.service.has_work() else IDLE_POLL_MS
         if self.sock.poll(timeout_ms, zmq.POLLIN):
             self._recv_all()
         if self.service.has_work():
