@@ -79,8 +79,7 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        s = self.scheduler
-        return bool(s.waiting or s._aborts or any(q.generating or q.num_pending for q in s.running))
+        return self.scheduler.has_work()
 
     # ---- the step ------------------------------------------------------------------------
 

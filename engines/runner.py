@@ -14,8 +14,8 @@ from engines.model.batch import ForwardBatch
 from engines.sampler.sampler import (
     AUDIO_CHANNEL,
     TEXT_CHANNEL,
+    ChannelColumns,
     ChannelTensors,
-    batch_top_k,
     mask_audio_logits,
     sample_channel,
 )
@@ -129,21 +129,16 @@ class ModelRunner:
         if not seqs:
             return []
         n = len(seqs)
+        greedy = [s.params.greedy for s in seqs]
+        audio_cols = ChannelColumns.of([s.params.audio for s in seqs], greedy)
+        text_cols = ChannelColumns.of([s.params.text for s in seqs], greedy)
         ints = self._upload(torch.tensor(
-            [s.slot for s in seqs] + [s.seed for s in seqs] + [s.num_generated for s in seqs]
-            + [s.params.min_new_tokens for s in seqs] + [s.params.audio.top_k for s in seqs]
-            + [s.params.text.top_k for s in seqs]
-            + [int(s.params.greedy or s.params.audio.temperature == 0) for s in seqs]
-            + [int(s.params.greedy or s.params.text.temperature == 0) for s in seqs], dtype=torch.long))
-        floats = self._upload(torch.tensor(
-            [[getattr(getattr(s.params, ch), f) for s in seqs]
-             for ch in ("audio", "text") for f in ("temperature", "top_p", "repetition_penalty")],
-            dtype=torch.float32))
-        slots, seeds, steps, min_new, audio_k, text_k, audio_greedy, text_greedy = ints.view(8, n)
-        audio_t = ChannelTensors(floats[0], floats[1], audio_k, floats[2], audio_greedy.bool(),
-                                 batch_top_k([s.params.audio.top_k for s in seqs]))
-        text_t = ChannelTensors(floats[3], floats[4], text_k, floats[5], text_greedy.bool(),
-                                batch_top_k([s.params.text.top_k for s in seqs]))
+            [[s.slot for s in seqs], [s.seed for s in seqs], [s.num_generated for s in seqs],
+             [s.params.min_new_tokens for s in seqs]] + audio_cols.ints + text_cols.ints, dtype=torch.long))
+        floats = self._upload(torch.tensor(audio_cols.floats + text_cols.floats, dtype=torch.float32))
+        slots, seeds, steps, min_new = ints[:4]
+        audio_t = ChannelTensors.from_columns(floats[:3], ints[4:6], audio_cols.max_top_k)
+        text_t = ChannelTensors.from_columns(floats[3:], ints[6:8], text_cols.max_top_k)
 
         if audio_logits is None:
             audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32

@@ -28,6 +28,25 @@ def batch_top_k(ks: list[int]) -> int:
 
 
 @dataclass
+class ChannelColumns:
+    """One channel's per-row parameters on the host, ready to go to the device in one copy with others."""
+
+    floats: list[list[float]]  # [3][B]: temperature, top_p, repetition penalty
+    ints: list[list[int]]  # [2][B]: top_k, greedy (temperature 0 counts as greedy)
+    max_top_k: int
+
+    @classmethod
+    def of(cls, params: list[ChannelSampling], greedy: list[bool]) -> ChannelColumns:
+        ks = [p.top_k for p in params]
+        return cls(
+            floats=[[p.temperature for p in params], [p.top_p for p in params],
+                    [p.repetition_penalty for p in params]],
+            ints=[ks, [int(g or p.temperature == 0) for g, p in zip(greedy, params, strict=True)]],
+            max_top_k=batch_top_k(ks),
+        )
+
+
+@dataclass
 class ChannelTensors:
     temperature: torch.Tensor  # [B] float32
     top_p: torch.Tensor  # [B] float32
@@ -37,17 +56,15 @@ class ChannelTensors:
     max_top_k: int  # host-side: top-k width for the whole batch, 0 = some row has top-k off
 
     @classmethod
+    def from_columns(cls, floats: torch.Tensor, ints: torch.Tensor, max_top_k: int) -> ChannelTensors:
+        """floats [3, B] and ints [2, B] laid out as ChannelColumns, already on the device."""
+        return cls(floats[0], floats[1], ints[0], floats[2], ints[1].bool(), max_top_k)
+
+    @classmethod
     def build(cls, params: list[ChannelSampling], greedy: list[bool], device: torch.device) -> ChannelTensors:
-        ks = [p.top_k for p in params]
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
-            penalty=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor([g or p.temperature == 0 for g, p in zip(greedy, params, strict=True)],
-                                dtype=torch.bool, device=device),
-            max_top_k=batch_top_k(ks),
-        )
+        cols = ChannelColumns.of(params, greedy)
+        return cls.from_columns(torch.tensor(cols.floats, dtype=torch.float32, device=device),
+                                torch.tensor(cols.ints, dtype=torch.long, device=device), cols.max_top_k)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

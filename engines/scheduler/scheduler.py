@@ -134,6 +134,10 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------
 
+    def has_work(self) -> bool:
+        """Something to run or report: waiting requests, pending aborts, or running rows to compute."""
+        return bool(self.waiting or self._aborts or any(q.generating or q.num_pending for q in self.running))
+
     def schedule(self) -> SchedulerOutput:
         finished = self._apply_aborts()
         budget = self.config.prefill_token_budget
