@@ -12,7 +12,7 @@ import torch
 from engines.api import ChannelSampling, SamplingParams
 from engines.bench.hardware import device_name, measure_bandwidth, measure_matmul, median, sync, timed
 from engines.bench.hf_baseline import HFStyleModel
-from engines.config import EngineConfig
+from engines.config import EngineConfig, model_config_for, parse_dtype
 from engines.engine import Engine
 from engines.tokens import AUDIO_PAD, EOSP, SOSP
 
@@ -81,11 +81,9 @@ def run(args: argparse.Namespace) -> int:
                         torch.bfloat16 if device.type == "cuda" else torch.float32)
     print(f"device: {device_name(device)}  bandwidth {bw / 1e12:.2f} TB/s  matmul {mm / 1e12:.1f} TFLOP/s")
 
-    probe = EngineConfig(device=args.device, dtype=dtype)
-    from engines.config import model_config_for
     mc = model_config_for(args.model)
-    kv_bytes = int(args.kv_gib * 2**30) if args.kv_gib else (max_b * (max_len + probe.block_size) + 4096) * \
-        mc.kv_bytes_per_row(probe.torch_dtype)
+    kv_bytes = int(args.kv_gib * 2**30) if args.kv_gib else (max_b * (max_len + EngineConfig.block_size) + 4096) * \
+        mc.kv_bytes_per_row(parse_dtype(dtype))
     cfg = EngineConfig(device=args.device, dtype=dtype, kv_cache_bytes=kv_bytes, max_running=max_b,
                        prefill_token_budget=max(args.prefill, max_b + 1) + max_b, max_model_len=max_len + 64,
                        max_waiting=max_b + 8, cuda_graphs=not args.no_graphs)
