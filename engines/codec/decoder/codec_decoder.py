@@ -75,6 +75,7 @@ class CodecDecoder:
         encoder and vocoder stay float32."""
         dec = cls._load(codec, device, vocoder, seed)
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
+        dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         if cuda_graphs and dec.device.type == "cuda":
             from engines.codec.decoder.graphs import EulerGraphs
 

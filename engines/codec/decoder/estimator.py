@@ -7,6 +7,12 @@ Key layout of the checkpoint (`decoder.estimator.` prefix in flow.pt): `time_mlp
 block is `norm1`, `attn1.to_{q,k,v}`, `attn1.to_out.0`, `norm3`, `ff.net.0.proj`, `ff.net.2`.
 The estimator always sees a fixed window (context frames + current chunk), so it needs no cache of its own:
 the context frames' x_t trajectories are kept by the flow.
+
+Inference layout (GPU launch count, see docs/PERF_NOTES.md "Codec estimator: kernel count"): the time
+conditioning of every resnet is a table per Euler step (`time_table`), q/k/v run as one GEMM over a
+concatenated weight (`fuse`), the attention mask is an additive float mask built once per solve
+(`window_mask`), and LayerNorm tails are fused Triton kernels on CUDA (engines/kernels/codec_fused.py).
+`forward` (arbitrary t, bool mask) is kept for tests and runs the same core.
 """
 
 from __future__ import annotations
@@ -21,13 +27,42 @@ from engines.codec.decoder.config import FlowConfig
 
 
 class CausalConv1d(nn.Conv1d):
+    def __init__(self, dim: int, dim_out: int, kernel: int) -> None:
+        # Padding on both sides then dropping the tail equals left padding: one kernel instead of pad + conv.
+        super().__init__(dim, dim_out, kernel, padding=kernel - 1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+        return super().forward(x)[..., :x.shape[-1]]
 
 
 class _Transpose(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
+
+
+def layernorm_mish(x: torch.Tensor, norm: nn.LayerNorm, row: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, C, T] -> mish(LayerNorm over C) (+ row [B|1, C] over T) (+ residual [B, C, T]); one kernel on CUDA."""
+    if x.is_cuda:
+        from engines.kernels.codec_fused import layernorm_mish as fused
+
+        return fused(x, norm.weight, norm.bias, norm.eps, row, residual)
+    y = F.mish(norm(x.transpose(1, 2)).transpose(1, 2))
+    if row is not None:
+        y = y + row[:, :, None]
+    return y + residual if residual is not None else y
+
+
+def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LayerNorm(x + residual), x + residual) for x [B, T, C]; one kernel on CUDA."""
+    if x.is_cuda:
+        from engines.kernels.codec_fused import add_layernorm as fused
+
+        return fused(x, residual, norm.weight, norm.bias, norm.eps)
+    if residual is not None:
+        x = x + residual
+    return norm(x), x
 
 
 class CausalBlock1D(nn.Module):
@@ -37,8 +72,9 @@ class CausalBlock1D(nn.Module):
         self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), _Transpose(), nn.LayerNorm(dim_out), _Transpose(),
                                    nn.Mish())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
+    def forward(self, x: torch.Tensor, row: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        return layernorm_mish(self.block[0](x), self.block[2], row, residual)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -49,9 +85,9 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x) + self.mlp(t)[:, :, None]
-        return self.block2(h) + self.res_conv(x)
+    def forward(self, x: torch.Tensor, t_row: torch.Tensor) -> torch.Tensor:
+        """x [B, dim, T]; t_row [B|1, dim_out] = self.mlp(time embedding), precomputed per Euler step."""
+        return self.block2(self.block1(x, row=t_row), residual=self.res_conv(x))
 
 
 class _GELUProj(nn.Module):
@@ -71,10 +107,15 @@ class _Attention(nn.Module):
         self.to_k = nn.Linear(d, heads * head_dim, bias=False)
         self.to_v = nn.Linear(d, heads * head_dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, d)])
+        # [3 * heads * head_dim, d]: to_q, to_k, to_v stacked (built by CausalConditionalDecoder.fuse; a plain
+        # attribute, so the checkpoint keeps its separate q/k/v keys).
+        self.qkv_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d]; mask additive float [T, T] (0 = may attend, -inf = not)."""
         B, T, _ = x.shape
-        q, k, v = (m(x).view(B, T, self.h, self.dh).transpose(1, 2) for m in (self.to_q, self.to_k, self.to_v))
+        qkv = F.linear(x, self.qkv_weight).view(B, T, 3, self.h, self.dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, dh]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.to_out[0](o.transpose(1, 2).reshape(B, T, self.h * self.dh))
 
@@ -88,12 +129,13 @@ class TransformerBlock(nn.Module):
         self.ff = nn.Module()
         self.ff.net = nn.ModuleList([_GELUProj(d, 4 * d), nn.Dropout(0.0), nn.Linear(4 * d, d)])
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn1(self.norm1(x), mask)
-        h = self.norm3(x)
-        for m in self.ff.net:
-            h = m(h)
-        return x + h
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's input is x + pending (pending None: just x); returns (x, ff_out) whose sum is its output,
+        so each residual add fuses with the next LayerNorm."""
+        h, x = add_layernorm(x, pending, self.norm1)
+        h, x = add_layernorm(x, self.attn1(h, mask), self.norm3)
+        return x, self.ff.net[2](self.ff.net[0](h))
 
 
 class _TimeMLP(nn.Module):
@@ -112,6 +154,24 @@ def timestep_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torc
     freq = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000.0) / (half - 1)))
     ang = scale * t.float()[:, None] * freq[None]
     return torch.cat([ang.sin(), ang.cos()], dim=-1)
+
+
+def window_mask(W: int, ctx: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [W, W] of the estimator window: context frames attend only to context, new frames
+    to everything. Stored with its rows padded to a multiple of 16 elements so the memory-efficient SDPA kernel
+    takes it as is (no per-call bool -> float conversion or alignment copy)."""
+    idx = torch.arange(W, device=device)
+    allowed = (idx[None, :] < ctx) | (idx[:, None] >= ctx)
+    return bool_to_additive(allowed, dtype)
+
+
+def bool_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [T, T] (True = may attend) -> float [T, T] of 0 / -inf, rows padded in storage to 16 elements."""
+    T = mask.shape[0]
+    Tp = -(-T // 16) * 16
+    out = torch.full((T, Tp), float("-inf"), device=mask.device, dtype=dtype)
+    out[:, :T].masked_fill_(mask, 0.0)
+    return out[:, :T]
 
 
 class CausalConditionalDecoder(nn.Module):
@@ -134,26 +194,77 @@ class CausalConditionalDecoder(nn.Module):
                                                        CausalConv1d(c, c, 3)])])
         self.final_block = CausalBlock1D(c, c)
         self.final_proj = nn.Conv1d(c, cfg.output_size, 1)
+        self._fused_key: tuple | None = None
+        self._tables: dict[tuple, torch.Tensor] = {}
+
+    def _resnets(self) -> list[CausalResnetBlock1D]:
+        return [self.down_blocks[0][0], *(m[0] for m in self.mid_blocks), self.up_blocks[0][0]]
+
+    def _weights_key(self) -> tuple:
+        # Changes when any weight is replaced, moved, cast or written in place (load_state_dict bumps _version).
+        return tuple((p.data_ptr(), p.dtype, p._version) for p in self.parameters())
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Build the inference-only tensors derived from the weights (fused q/k/v). Call after loading or changing
+        dtype/device; `forward`/`run` also rebuild them when they notice the weights changed."""
+        key = self._weights_key()
+        if key == self._fused_key:
+            return
+        for m in self.modules():
+            if isinstance(m, _Attention):
+                m.qkv_weight = torch.cat([m.to_q.weight, m.to_k.weight, m.to_v.weight]).detach()
+        self._tables.clear()
+        self._fused_key = key
+
+    def time_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """t [N] -> every resnet's time projection [n_resnets, N, C] (in the estimator dtype)."""
+        dt = self.final_proj.weight.dtype
+        temb = self.time_mlp(timestep_embedding(t, self.in_channels).to(dt))
+        return torch.stack([r.mlp(temb) for r in self._resnets()])
+
+    @torch.no_grad()
+    def time_table(self, t_span: list[float], t_dtype: torch.dtype) -> torch.Tensor:
+        """[steps, n_resnets, 1, C]: time_rows of each Euler step's start time t_span[s] (rounded to t_dtype, then to
+        the estimator dtype, as a per-row t would be). Cached; rebuilt when the weights change."""
+        self.fuse()
+        key = (tuple(t_span[:-1]), t_dtype)
+        tab = self._tables.get(key)
+        if tab is None:
+            dev = self.final_proj.weight.device
+            t = torch.tensor(t_span[:-1], device=dev, dtype=t_dtype).to(self.final_proj.weight.dtype)
+            tab = self.time_rows(t).transpose(0, 1)[:, :, None].contiguous()
+            self._tables[key] = tab
+        return tab
 
     @staticmethod
-    def _attend(x: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
-        x = x.transpose(1, 2)
+    def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
+        """[B, C, T] through the transformer blocks -> [B, C, T]."""
+        x, pending = h.transpose(1, 2), None
         for b in blocks:
-            x = b(x, mask)
-        return x.transpose(1, 2)
+            x, pending = b(x, pending, mask)
+        # The last residual add writes straight into [B, C, T] layout (one kernel, no transpose copy).
+        out = torch.empty(h.shape, device=h.device, dtype=h.dtype)
+        torch.add(x, pending, out=out.transpose(1, 2))
+        return out
+
+    def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """h [B, 320, T] = cat(x, mu, spks, cond) in the estimator dtype; rows [n_resnets, B|1, C] (`time_rows` or
+        a `time_table` step); mask additive [T, T] (`window_mask`) -> velocity [B, 80, T]."""
+        resnet, blocks, down = self.down_blocks[0]
+        h = self._attend(resnet(h, rows[0]), blocks, mask)
+        skip = h
+        h = down(h)
+        for i, (resnet, blocks) in enumerate(self.mid_blocks):
+            h = self._attend(resnet(h, rows[1 + i]), blocks, mask)
+        resnet, blocks, up = self.up_blocks[0]
+        h = self._attend(resnet(torch.cat([h, skip], dim=1), rows[-1]), blocks, mask)
+        h = up(h)
+        return self.final_proj(self.final_block(h))
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         """x, mu, cond [B, 80, T]; t [B]; spks [B, 80]; mask [T, T] bool (True = may attend) -> [B, 80, T]."""
-        temb = self.time_mlp(timestep_embedding(t, self.in_channels).to(x.dtype))
+        self.fuse()
         h = torch.cat([x, mu, spks[:, :, None].expand_as(x), cond], dim=1)
-        resnet, blocks, down = self.down_blocks[0]
-        h = self._attend(resnet(h, temb), blocks, mask)
-        skip = h
-        h = down(h)
-        for resnet, blocks in self.mid_blocks:
-            h = self._attend(resnet(h, temb), blocks, mask)
-        resnet, blocks, up = self.up_blocks[0]
-        h = self._attend(resnet(torch.cat([h, skip], dim=1), temb), blocks, mask)
-        h = up(h)
-        return self.final_proj(self.final_block(h))
+        return self.run(h, self.time_rows(t), bool_to_additive(mask, h.dtype))

@@ -20,7 +20,7 @@ from torch import nn
 
 from engines.codec.decoder.config import FlowConfig, StreamConfig
 from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEncoder
-from engines.codec.decoder.estimator import CausalConditionalDecoder
+from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mask
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
 
 
@@ -216,22 +216,29 @@ class FlowModel(nn.Module):
         spks [B, 80]. Returns the mel [B, 80, F] and the new frames' x_t at every step [B, steps, 80, F]."""
         cfg, C = self.cfg, self.stream.est_ctx_frames
         B, W, dev, dt = z.shape[0], mu_w.shape[2], z.device, z.dtype
-        # Context frames attend only to context; new frames attend to everything in the window.
-        idx = torch.arange(W, device=dev)
-        mask = (idx[None, :] < C) | (idx[:, None] >= C)
         est = self.decoder.estimator
-        zeros_mu, zeros_spk = torch.zeros_like(mu_w), torch.zeros_like(spks)
         edt = est.final_proj.weight.dtype
-        mu2, spk2, cond2 = (torch.cat(p).to(edt) for p in ([mu_w, zeros_mu], [spks, zeros_spk], [cond_w, zeros_mu]))
-        x = z
+        table = est.time_table(self.t_span, dt)  # [steps, n_resnets, 1, C]: the time conditioning of every step
+        # Context frames attend only to context; new frames attend to everything in the window.
+        mask = window_mask(W, C, dev, edt)
+        # The estimator input cat(x, mu, spks, cond) for [conditional; unconditional] rows: only x changes per step,
+        # so the rest is written once. The unconditional half has no mu, speaker or cond.
+        n = cfg.output_size
+        h = torch.zeros(2, B, 4 * n, W, device=dev, dtype=edt)
+        h[0, :, n:2 * n] = mu_w
+        h[0, :, 2 * n:3 * n] = spks[:, :, None]
+        h[0, :, 3 * n:] = cond_w
+        x_in = h[:, :, :n]  # [2, B, 80, W] view
+        h = h.view(2 * B, 4 * n, W)
+        x = z  # the ODE state stays in the flow dtype (float32); the estimator may run in bf16
         traj = []
         for s in range(cfg.n_timesteps):
             t0, t1 = self.t_span[s], self.t_span[s + 1]
             traj.append(x)
-            xw = torch.cat([ctx_traj[:, s], x], dim=2)
-            t = torch.full((2 * B,), t0, device=dev, dtype=dt)
-            # Unconditional half: no mu, speaker or cond. The estimator may run in bf16; x stays in float32.
-            v = est(torch.cat([xw, xw]).to(edt), mu2, t.to(edt), spk2, cond2, mask).to(dt)
-            v = (1.0 + cfg.cfg_rate) * v[:B] - cfg.cfg_rate * v[B:]
-            x = x + (t1 - t0) * v[:, :, C:]
+            x_in[:, :, :, :C] = ctx_traj[:, s]
+            x_in[:, :, :, C:] = x
+            v = est.run(h, table[s], mask)[:, :, C:]  # [2B, 80, F]
+            # x += dt * ((1 + r) v_cond - r v_uncond), as two fused multiply-adds in the flow dtype.
+            x = torch.add(x, v[:B], alpha=(t1 - t0) * (1.0 + cfg.cfg_rate))
+            x = torch.add(x, v[B:], alpha=-(t1 - t0) * cfg.cfg_rate)
         return x, torch.stack(traj, dim=1)
