@@ -75,6 +75,7 @@ class EngineStats:
     steps: int = 0
     prefilled_rows: int = 0  # rows run through the model as prompt (not generated)
     decoded_rows: int = 0
+    overlapped_steps: int = 0  # launched before the previous step's tokens were read
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0

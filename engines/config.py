@@ -143,6 +143,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     cuda_graphs: bool = True  # used on CUDA devices only
+    # Launch the next all-audio decode step before reading this one's tokens, so the GPU never waits for
+    # the host between steps (Engine.step); tokens are identical either way.
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         for f in ("block_size", "kv_cache_bytes", "max_running", "prefill_token_budget", "max_model_len"):

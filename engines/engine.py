@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from engines.api import EngineStats, InvalidRequestError, SamplingParams, StepOutput
 from engines.config import EngineConfig, ModelConfig, model_config_for
-from engines.runner import ModelRunner
+from engines.runner import ModelRunner, PendingTokens
 from engines.scheduler.scheduler import ScheduledChunk, Scheduler
 from engines.scheduler.sequence import Sequence
 from engines.tokens import MODALITY_PAD, TEXT_STOP_TOKENS, Row
@@ -37,6 +38,15 @@ def _check_rows(rows: Seq[Row] | torch.Tensor, mc: ModelConfig) -> list[Row]:
     return out
 
 
+@dataclass
+class _Launched:
+    """A step on the device whose tokens the host has not read yet."""
+
+    chunks: list[ScheduledChunk]
+    tokens: PendingTokens
+    ahead: bool  # launched before the previous step's tokens were read (Scheduler.schedule_ahead)
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, seed: int = 0):
         self.model_config = model_config
@@ -46,6 +56,7 @@ class Engine:
         self.runner = ModelRunner(model, model_config, config, num_blocks)
         self._rng = random.Random(seed)
         self._stats = EngineStats(total_blocks=num_blocks)
+        self._inflight: _Launched | None = None
 
     @classmethod
     def from_name(cls, name_or_path: str, config: EngineConfig, seed: int = 0) -> Engine:
@@ -79,21 +90,45 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        sched = self.scheduler.schedule()
-        outputs = [StepOutput(s.request_id, -1, -1, s.mode, True, "abort") for s in sched.finished]
-        if sched.chunks:
-            hidden, audio_logits = self.runner.forward(sched.chunks)
-            tokens = self.runner.sample(sched.chunks, hidden, audio_logits)
-            outputs += self._emit(sched.chunks, tokens)
-        self._stats.steps += 1
-        return outputs
+        """Emits one step's rows. While every sequence decodes audio, the next step is launched before this
+        one's tokens are read (its input rows stay on the device), so the GPU never idles on the host."""
+        outputs: list[StepOutput] = []
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            sched = self.scheduler.schedule()
+            outputs = [StepOutput(s.request_id, -1, -1, s.mode, True, "abort") for s in sched.finished]
+            if not sched.chunks:
+                return outputs
+            launched = self._launch(sched.chunks, None)
+        if self.config.overlap:
+            ahead = self.scheduler.schedule_ahead(launched.chunks)
+            if ahead is not None:
+                self._inflight = self._launch(ahead, launched)
+                self._stats.overlapped_steps += 1
+        return outputs + self._emit(launched)
 
-    def _emit(self, chunks: list[ScheduledChunk], tokens: list[tuple[int, int]]) -> list[StepOutput]:
+    def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None) -> _Launched:
+        rows = after.tokens.audio_rows() if after is not None else None
+        hidden, audio_logits = self.runner.forward(chunks, rows)
+        tokens = self.runner.sample(chunks, hidden, audio_logits, ahead=int(after is not None))
+        self._stats.steps += 1
+        return _Launched(chunks, tokens, after is not None)
+
+    def _emit(self, launched: _Launched) -> list[StepOutput]:
+        chunks, tokens = launched.chunks, launched.tokens.get()
+        if launched.ahead:
+            # Keep the rows whose assumption held: the sequence is live, its previous row was kept, and it
+            # is still in audio mode. The others are run again by a normal step. A sequence aborted since the
+            # launch gets no more rows, as if this step had not started yet.
+            keep = [i for i, c in enumerate(chunks) if c.seq.finish_reason is None
+                    and c.seq.num_computed == c.start and c.seq.mode == "audio"
+                    and not self.scheduler.aborting(c.seq.request_id)]
+            chunks, tokens = [chunks[i] for i in keep], [tokens[i] for i in keep]
         for c in chunks:
             c.seq.num_computed += c.num_rows
             if c.seq.num_generated:

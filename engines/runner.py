@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engines.config import EngineConfig, ModelConfig
+from engines.kernels.tiles import tile_map
 from engines.model.batch import ForwardBatch
 from engines.sampler.sampler import (
     AUDIO_CHANNEL,
@@ -20,6 +21,37 @@ from engines.sampler.sampler import (
     sample_channel,
 )
 from engines.scheduler.scheduler import ScheduledChunk
+from engines.tokens import MODALITY_PAD, Row
+
+
+class PendingTokens:
+    """A launched step's sampled (text, audio) pairs: on the device at once, on the host when read.
+
+    The device-to-host copy is queued behind the step, so reading waits for this step only, while a
+    step launched after it keeps the GPU busy.
+    """
+
+    def __init__(self, pairs: torch.Tensor) -> None:
+        self.device_pairs = pairs  # [R, 2] int64
+        self._event = None
+        if pairs.is_cuda:
+            self._host = torch.empty(pairs.shape, dtype=pairs.dtype, pin_memory=True)
+            self._host.copy_(pairs, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = pairs
+
+    def get(self) -> list[Row]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [(t, a) for t, a in self._host.tolist()]
+
+    def audio_rows(self) -> torch.Tensor:
+        """The rows audio-mode sequences feed back: (modality pad, sampled audio code). [R, 2] on the device."""
+        rows = self.device_pairs.clone()
+        rows[:, 0] = MODALITY_PAD
+        return rows
 
 
 class ModelRunner:
@@ -39,23 +71,27 @@ class ModelRunner:
         self.text_seen = torch.zeros(config.max_running, model_config.vocab_size, dtype=torch.bool, device=self.device)
         self.audio_seen = torch.zeros(config.max_running, model_config.audio_vocab_size, dtype=torch.bool,
                                       device=self.device)
-        self.graphs = None
+        self.graphs = self.mixed_graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
-            from engines.graphs import CudaGraphDecoder
+            from engines.graphs import CudaGraphDecoder, CudaGraphMixed
 
-            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_running,
-                                           -(-config.max_model_len // config.block_size), self.pad_block)
+            max_blocks = -(-config.max_model_len // config.block_size)
+            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_running, max_blocks, self.pad_block)
             self.graphs.capture()
+            self.mixed_graphs = CudaGraphMixed(model, self.kv_cache, config.prefill_token_budget, config.max_running,
+                                               max_blocks, self.pad_block, self.graphs.pool)
 
     # ---- run -----------------------------------------------------------------------------
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+    def build_batch(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None) -> ForwardBatch:
+        """device_rows: the new rows already on the device (a step launched before its input rows were read)."""
         bs = self.block_size
         rows, positions, slots, qstart, ctx, tables, logits_rows = [], [], [], [0], [], [], []
         for c in chunks:
             seq = c.seq
             end = c.start + c.num_rows
-            rows.extend(seq.rows[c.start:end])
+            if device_rows is None:
+                rows.extend(seq.rows[c.start:end])
             for p in range(c.start, end):
                 positions.append(p)
                 slots.append(seq.block_ids[p // bs] * bs + p % bs)
@@ -72,11 +108,19 @@ class ModelRunner:
         flat = [x for r in rows for x in r] + positions + slots + qstart + ctx + logits_rows
         for tbl in tables:
             flat += tbl + [0] * (width - len(tbl))
+        n_tiles = 0
+        if num_decode < b and self.device.type == "cuda":
+            seqs, firsts = tile_map([c.num_rows for c in chunks], num_decode)
+            n_tiles = len(seqs)
+            flat += seqs + firsts
         buf = self._upload(torch.tensor(flat, dtype=torch.long))
-        sizes = [2 * t, t, t, b + 1, b, len(logits_rows), b * width]
-        r, pos, slot, qs, cl, lr, bt = torch.split(buf, sizes)
+        sizes = [2 * t, t, t, b + 1, b, len(logits_rows), b * width, 2 * n_tiles]
+        if device_rows is not None:
+            sizes[0] = 0
+        r, pos, slot, qs, cl, lr, bt, tiles = torch.split(buf, sizes)
         return ForwardBatch(
-            rows=r.view(t, 2), positions=pos, slot_mapping=slot, query_start=qs, context_lens=cl,
+            rows=r.view(t, 2) if device_rows is None else device_rows,
+            positions=pos, slot_mapping=slot, query_start=qs, context_lens=cl,
             block_tables=bt.view(b, width), logits_rows=lr,
             max_query_len=max(c.num_rows for c in chunks),
             max_context_len=max(ctx),
@@ -84,6 +128,7 @@ class ModelRunner:
             num_decode_seqs=num_decode,
             query_start_host=qstart,
             context_lens_host=ctx,
+            tiles=tiles.view(2, n_tiles) if n_tiles else None,
         )
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
@@ -111,29 +156,35 @@ class ModelRunner:
         self.audio_seen[slot_t, batch.rows[:, 1]] = True
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [2, R, hidden] (text tail, audio tail) at the logits rows; audio logits when a graph ran."""
-        batch = self.build_batch(chunks)
+        batch = self.build_batch(chunks, device_rows)
         self._mark_seen(chunks, batch)
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(batch.num_seqs) is not None:
             return self.graphs.replay(batch)
+        if self.mixed_graphs is not None and not batch.is_decode and self.mixed_graphs.key(
+                batch.num_rows, batch.num_seqs) is not None:
+            return self.mixed_graphs.replay(batch)
         return self.model(batch, self.kv_cache), None
 
     # ---- sample --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-               audio_logits: torch.Tensor | None = None) -> list[tuple[int, int]]:
-        """(text, audio) token per chunk that needs logits, in chunk order. Text logits only for text-mode rows."""
+    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, audio_logits: torch.Tensor | None = None,
+               ahead: int = 0) -> PendingTokens:
+        """(text, audio) token per chunk that needs logits, in chunk order. Text logits only for text-mode rows.
+        ahead: rows each sequence will have generated before this step's (1 for a step launched before the
+        previous step's tokens were read)."""
         seqs = [c.seq for c in chunks if c.needs_logits]
-        if not seqs:
-            return []
         n = len(seqs)
+        if not n:
+            return PendingTokens(torch.zeros(0, 2, dtype=torch.long))
         greedy = [s.params.greedy for s in seqs]
         audio_cols = ChannelColumns.of([s.params.audio for s in seqs], greedy)
         text_cols = ChannelColumns.of([s.params.text for s in seqs], greedy)
         ints = self._upload(torch.tensor(
-            [[s.slot for s in seqs], [s.seed for s in seqs], [s.num_generated for s in seqs],
+            [[s.slot for s in seqs], [s.seed for s in seqs], [s.num_generated + ahead for s in seqs],
              [s.params.min_new_tokens for s in seqs]] + audio_cols.ints + text_cols.ints, dtype=torch.long))
         floats = self._upload(torch.tensor(audio_cols.floats + text_cols.floats, dtype=torch.float32))
         slots, seeds, steps, min_new = ints[:4]
@@ -157,5 +208,4 @@ class ModelRunner:
             sub = ChannelTensors(*(x[sel] if isinstance(x, torch.Tensor) else x for x in vars(text_t).values()))
             text_tokens[sel] = sample_channel(text_logits, self.text_seen[slots[sel]], sub, seeds[sel], steps[sel],
                                               TEXT_CHANNEL)
-        pairs = torch.stack([text_tokens, audio_tokens], dim=1).tolist()  # the one host sync of the step
-        return [(t, a) for t, a in pairs]
+        return PendingTokens(torch.stack([text_tokens, audio_tokens], dim=1))

@@ -123,16 +123,16 @@ def test_seeded_sampling_reproduces_and_seeds_differ():
 
 
 class ScriptedModel(torch.nn.Module):
-    """Greedy decoding yields script[i] at generated row i (text, audio)."""
+    """Greedy decoding yields script[i] at generated row i (text, audio), read from the row's position (a step
+    may be launched ahead and dropped, so counting calls would not do)."""
 
-    def __init__(self, script):
+    def __init__(self, script, prompt_len):
         super().__init__()
         self.script = script
-        self.calls = 0
+        self.prompt_len = prompt_len
 
     def forward(self, batch, kv_cache):
-        self.step = self.calls
-        self.calls += 1
+        self.step = int(batch.positions[batch.logits_rows[-1]]) - (self.prompt_len - 1)
         return torch.zeros(2, batch.logits_rows.shape[0], MC.hidden_size)
 
     def _one_hot(self, n, tok):
@@ -149,7 +149,7 @@ class ScriptedModel(torch.nn.Module):
 
 def run_script(prompt, script, **params):
     cfg = EngineConfig(block_size=4, kv_cache_bytes=MC.kv_bytes_per_row() * 512)
-    model = ScriptedModel(script)
+    model = ScriptedModel(script, len(prompt))
     engine = Engine(model, MC, cfg)
     engine.add_request("r", prompt, SamplingParams(greedy=True, max_new_tokens=len(script), **params))
     out = []

@@ -1,17 +1,19 @@
-"""CUDA attention over the paged cache: Triton split-KV kernel for decode rows, SDPA for prefill chunks.
+"""CUDA attention over the paged cache: Triton split-KV kernel for decode rows, Triton varlen tiles for
+prefill chunks (engines/kernels/paged_prefill.py).
 
-Decode rows come first in the batch (the runner orders them), so one kernel launch covers them
-all without any host sync: that part is what CUDA graphs capture. Prefill chunks gather their
-sequence's K/V from the cache and run torch's fused attention (flash when the chunk has no cached
-prefix, memory-efficient with an offset causal mask when it has one).
+Decode rows come first in the batch (the runner orders them). Neither kernel needs a host sync or a
+per-sequence launch, so decode steps and mixed prefill steps can both be captured in CUDA graphs.
 """
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
-import torch.nn.functional as F
 
 from engines.kernels.paged_decode import paged_decode_attention
+from engines.kernels.paged_prefill import paged_varlen_attention
+from engines.kernels.tiles import tile_map
 from engines.model.batch import ForwardBatch
 
 
@@ -19,29 +21,18 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          scale: float | None = None) -> torch.Tensor:
     t, heads, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    nd = batch.num_decode_seqs
-    if nd == batch.num_seqs:
+    b = batch.num_seqs
+    if batch.num_decode_seqs == b:
         return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+    # The decode kernel takes every sequence's row at its index (right for the decode rows, which come
+    # first; scratch for the others), then the tiles rewrite all rows of the prefill chunks. Both launches
+    # have shapes fixed by the padded batch, so a mixed step can be captured in a CUDA graph.
+    q = q.contiguous()
     out = torch.empty_like(q)
-    if nd:
-        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, batch.block_tables[:nd],
-                                          batch.context_lens[:nd], scale)
-    starts, ctxs = batch.query_start_host, batch.context_lens_host
-    if starts is None or ctxs is None:
-        starts, ctxs = batch.query_start.tolist(), batch.context_lens.tolist()
-    page, kvh = k_cache.shape[1], k_cache.shape[2]
-    for i in range(nd, batch.num_seqs):
-        lo, hi, ctx = starts[i], starts[i + 1], ctxs[i]
-        n = hi - lo
-        blocks = batch.block_tables[i, : -(-ctx // page)]
-        keys = k_cache[blocks].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
-        values = v_cache[blocks].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-        qi = q[lo:hi].transpose(0, 1)[None]  # [1, heads, n, d]
-        if n == ctx:
-            o = F.scaled_dot_product_attention(qi, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # rows are the last n positions: row r sees keys 0..ctx-n+r
-            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
-            o = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[lo:hi] = o[0].transpose(0, 1)
-    return out
+    out[:b] = paged_decode_attention(q[:b], k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+    tiles = batch.tiles
+    if tiles is None:
+        lens = [hi - lo for lo, hi in pairwise(batch.query_start_host)]
+        tiles = torch.tensor(tile_map(lens, batch.num_decode_seqs), dtype=torch.long).to(q.device)
+    return paged_varlen_attention(q, k_cache, v_cache, tiles, batch.query_start, batch.positions, batch.context_lens,
+                                  batch.block_tables, scale, out)

@@ -29,6 +29,9 @@ class ForwardBatch:
     num_decode_seqs: int = 0
     query_start_host: list[int] | None = None  # host copies, so prefill never syncs to read them
     context_lens_host: list[int] | None = None
+    # [2, n_tiles] long: (sequence, first new row) of each prefill tile, padded with sequence -1
+    # (engines/kernels/paged_prefill.py); None for decode-only batches and on the CPU path.
+    tiles: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -132,6 +132,10 @@ class Scheduler:
         self._aborts.add(request_id)
         return True
 
+    def aborting(self, request_id: str) -> bool:
+        """Abort asked for, not yet applied (it is applied by the next `schedule`)."""
+        return request_id in self._aborts
+
     # ---- the step ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
@@ -170,6 +174,26 @@ class Scheduler:
         for c in chunks:
             self._ensure_blocks(c.seq, c.start + c.num_rows)
         return SchedulerOutput(chunks, finished)
+
+    def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
+        """The decode step after `chunks` (launched, tokens not read yet), or None when it cannot be known
+        without those tokens. Known when every running sequence is in `chunks` as an audio-mode decode
+        that cannot hit its row limit, and nothing waits or is aborted: then each decodes one more row.
+        A sequence whose in-flight row turns out to end it or switch its mode drops its row of this
+        step (Engine._emit); the row's KV write is then beyond its computed rows, or rewritten as is."""
+        if self._aborts or self.waiting or len(chunks) != len(self.running):
+            return None
+        running = {id(s) for s in self.running}
+        for c in chunks:
+            s = c.seq
+            if not (c.num_rows == 1 and c.needs_logits and id(s) in running and s.generating
+                    and s.num_computed == c.start and s.finish_reason is None and s.mode == "audio"
+                    and s.num_generated + 2 <= s.params.max_new_tokens):
+                return None
+        ahead = [ScheduledChunk(c.seq, 1, c.start + 1, True) for c in chunks]
+        for c in ahead:
+            self._ensure_blocks(c.seq, c.start + 1)
+        return ahead
 
     def _add_prefill(self, chunks: list[ScheduledChunk], seq: Sequence, budget: int) -> int:
         n = min(seq.num_pending, budget)

@@ -61,3 +61,16 @@ def test_gpu_greedy_tokens_equal_cpu_dense_reference(tiny_checkpoint):
     dense = dense_from_checkpoint(tiny_checkpoint)
     for i, (rid, rows) in enumerate(prompts.items()):
         assert got[rid] == dense_greedy(dense, rows, 40, min_new_tokens=40 if i % 2 else 0), rid
+
+
+def test_overlapped_graph_decode_emits_the_same_rows(tiny_checkpoint):
+    """The next audio step launched before this one's tokens are read (graphs on) == one step at a time."""
+    from tests.test_engine_overlap import make_engine, requests
+    from tests.test_engine_overlap import run as run_overlap
+
+    reqs = requests(3)
+    ref = run_overlap(make_engine(tiny_checkpoint, overlap=False, device="cuda", cuda_graphs=False), reqs)
+    eng = make_engine(tiny_checkpoint, overlap=True, device="cuda")
+    assert eng.runner.graphs is not None
+    assert run_overlap(eng, reqs) == ref
+    assert eng.stats().overlapped_steps > 0

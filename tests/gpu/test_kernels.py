@@ -63,18 +63,37 @@ def test_decode_kernel_matches_torch(block_size, dtype, bound):
         assert rel_err(out, torch_reference(q, cache, batch)) < bound  # bf16 inputs: ~4e-3 expected
 
 
+MIXED_CASES = [([1, 1, 40, 23], [300, 9, 40, 140]),  # decode rows, a fresh prefill, a chunk on a cached prefix
+               ([512], [512]),  # one long fresh prefill: 16 tiles
+               ([1, 33, 65, 1000], [4000, 1000, 65, 1130])]
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_mixed_decode_and_prefill_with_cached_prefix(block_size):
-    # two decode rows, a fresh prefill (no prefix), a chunk on top of a cached prefix
-    q, cache, batch = make_case(7, block_size, [1, 1, 40, 23], [300, 9, 40, 140], torch.bfloat16)
-    out = paged_attention(q, cache[0], cache[1], batch)
-    assert rel_err(out, torch_reference(q, cache, batch)) < 1e-2
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_mixed_decode_and_prefill_with_cached_prefix(block_size, dtype, bound):
+    """Varlen tile kernel (prefill rows) + split-KV kernel (decode rows) against the float64 torch path."""
+    for seed, (q_lens, ctx) in enumerate(MIXED_CASES):
+        q, cache, batch = make_case(7 + seed, block_size, q_lens, ctx, dtype)
+        out = paged_attention(q, cache[0], cache[1], batch)
+        assert rel_err(out, torch_reference(q, cache, batch)) < bound, (q_lens, ctx)
 
 
-def test_decode_kernel_gqa_group_of_tiny_model():
-    q, cache, batch = make_case(3, 16, [1, 1, 1], [33, 1, 250], torch.float32, heads=4, kvh=2, d=16)
+def test_varlen_tiles_padded_as_in_a_cuda_graph():
+    """A tile list padded with sequence -1 (as the mixed-step graphs pass it) gives the same rows."""
+    from engines.kernels.tiles import tile_map
+
+    q_lens, ctx = [1, 70, 5], [50, 300, 5]
+    q, cache, batch = make_case(11, 16, q_lens, ctx, torch.float32)
+    batch.tiles = torch.tensor(tile_map(q_lens, 1, num_tiles=9), dtype=torch.long, device="cuda")
     out = paged_attention(q, cache[0], cache[1], batch)
     assert rel_err(out, torch_reference(q, cache, batch)) < 1e-5
+
+
+def test_decode_and_varlen_kernels_gqa_group_of_tiny_model():
+    for q_lens, ctx in (([1, 1, 1], [33, 1, 250]), ([1, 40], [33, 90])):
+        q, cache, batch = make_case(3, 16, q_lens, ctx, torch.float32, heads=4, kvh=2, d=16)
+        out = paged_attention(q, cache[0], cache[1], batch)
+        assert rel_err(out, torch_reference(q, cache, batch)) < 1e-5
 
 
 def _torch_rmsnorm(x, w, eps):

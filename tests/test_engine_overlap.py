@@ -1,0 +1,99 @@
+"""Overlapped decode (the next audio step launched before this one's tokens are read) changes nothing:
+the same rows, modes and finish reasons per request as one step at a time, and every KV block back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engines.api import ChannelSampling, SamplingParams
+from engines.config import EngineConfig
+from engines.engine import Engine
+from engines.loader.checkpoint import load_model
+from engines.tokens import AUDIO_PAD, EOSP, IM_END, IM_START, SOSP, text_rows
+
+
+def make_engine(ckpt, overlap: bool, device: str = "cpu", cuda_graphs: bool = True) -> Engine:
+    model = load_model(ckpt, device=device)
+    mc = model.config
+    # Make eosp the likeliest audio code, so each answer leaves audio mode right when min_new_tokens allows
+    # it: sequences switch modes at different steps while the others keep decoding audio.
+    orig = model.audio_logits
+    bias = torch.zeros(mc.audio_vocab_size, device=device)
+    bias[EOSP] = 60.0
+    model.audio_logits = lambda h: orig(h) + bias
+    cfg = EngineConfig(block_size=4, kv_cache_bytes=mc.kv_bytes_per_row() * 2048, max_running=6,
+                       prefill_token_budget=40, overlap=overlap, device=device, cuda_graphs=cuda_graphs)
+    return Engine(model, mc, cfg)
+
+
+def requests(seed: int) -> dict[str, tuple[list, SamplingParams, int]]:
+    rng = random.Random(seed)
+    out = {}
+    for i in range(7):
+        rows = text_rows([IM_START] + [rng.randrange(200, 150000) for _ in range(rng.randint(2, 12))] + [IM_END])
+        rows += text_rows([IM_START, rng.randrange(200, 150000)]) + [(SOSP, AUDIO_PAD)]
+        max_new = rng.randint(6, 30)
+        min_new = rng.randint(2, max_new - 3)
+        if i % 2:
+            params = SamplingParams.greedy_params(max_new_tokens=max_new, min_new_tokens=min_new)
+        else:
+            ch = ChannelSampling(temperature=0.9, top_k=40)
+            params = SamplingParams(text=ch, audio=ch, max_new_tokens=max_new, min_new_tokens=min_new, seed=100 + i)
+        out[f"r{i}"] = (rows, params, rng.randint(0, 25))  # joins at that step
+    return out
+
+
+def run(engine: Engine, reqs, abort_at: dict[str, int] | None = None) -> dict[str, list]:
+    got: dict[str, list] = {rid: [] for rid in reqs}
+    step = 0
+    while step < 400 and (step <= 25 or engine.has_work()):
+        for rid, (rows, params, at) in reqs.items():
+            if at == step:
+                engine.add_request(rid, rows, params, conversation_id=f"c-{rid}")
+        for rid, at in (abort_at or {}).items():
+            if at == step:
+                engine.abort(rid)
+        for o in engine.step():
+            got[o.request_id].append((o.text_token, o.audio_token, o.mode, o.finish_reason))
+        step += 1
+        engine.check_integrity()
+    assert not engine.has_work()
+    return got
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_overlapped_decode_emits_the_same_rows(tiny_checkpoint, one_torch_thread, seed):
+    reqs = requests(seed)
+    plain = make_engine(tiny_checkpoint, overlap=False)
+    ref = run(plain, reqs)
+    eng = make_engine(tiny_checkpoint, overlap=True)
+    got = run(eng, reqs)
+    assert got == ref
+    modes = {rid: {r[2] for r in rows} for rid, rows in ref.items()}
+    assert all(m == {"audio", "text"} for m in modes.values()), "every answer should switch modes"
+    assert eng.stats().overlapped_steps > 0 and plain.stats().overlapped_steps == 0
+    # The overlapped engine may hold one extra block per conversation (a dropped row's KV); all else is free.
+    for e in (plain, eng):
+        held = sum(len(c.block_ids) for c in e.scheduler.conversations.values())
+        assert e.stats().free_blocks + held == e.stats().total_blocks
+        for cid in list(e.scheduler.conversations):
+            e.release_conversation(cid)
+        assert e.stats().free_blocks == e.stats().total_blocks
+        e.check_integrity()
+
+
+def test_abort_while_a_step_is_in_flight(tiny_checkpoint, one_torch_thread):
+    reqs = requests(2)
+    eng = make_engine(tiny_checkpoint, overlap=True)
+    got = run(eng, reqs, abort_at={rid: at + 4 for rid, (_, _, at) in reqs.items()})
+    for rows in got.values():
+        assert rows[-1][3] in ("abort", "length", "stop")
+        assert sum(1 for r in rows if r[3] is not None) == 1  # exactly one finished row
+    assert any(rows[-1][3] == "abort" for rows in got.values())
+    for cid in list(eng.scheduler.conversations):
+        eng.release_conversation(cid)
+    assert eng.stats().free_blocks == eng.stats().total_blocks
+    eng.check_integrity()
