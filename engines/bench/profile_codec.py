@@ -1,0 +1,115 @@
+"""Where a codec chunk's time goes: `python3 -m engines.bench.profile_codec --codec full-random` on a GPU.
+
+Splits one steady-state 5-code chunk into its stages (flow encoder, Euler solve, vocoder) with the device
+synchronised around each, counts the kernels of one eager estimator call, and optionally times the Euler
+solve with the estimator under torch.compile. A development tool for docs/PERF_NOTES.md, not the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engines.bench.hardware import median
+
+
+def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
+    """Median ms per stage, measured by wrapping the stage methods with synchronised timers."""
+    flow, win = dec.flow, dec.windowed
+    acc: dict[str, list[float]] = {"total": [], "solve": [], "vocoder": []}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            torch.cuda.synchronize()
+            acc[name].append((time.perf_counter() - t0) * 1e3)
+            return out
+        return wrapper
+
+    orig_solve, orig_push = flow._solve, win.push
+    flow._solve, win.push = timed("solve", orig_solve), timed("vocoder", orig_push)
+    try:
+        chunk = dec.cfg.stream.chunk_codes
+        for _ in range(iters):
+            for sid in sessions:
+                task.submit(sid, rng.integers(0, 16384, chunk))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            task.step()
+            torch.cuda.synchronize()
+            acc["total"].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        flow._solve, win.push = orig_solve, orig_push
+    out = {k: median(v[2:]) for k, v in acc.items()}
+    out["flow_encoder_and_host"] = out["total"] - out["solve"] - out["vocoder"]
+    return out
+
+
+def _estimator_kernels(dec, batch: int) -> tuple[int, float]:
+    """Kernels launched by one eager estimator call (CFG doubles the batch) and their summed GPU time (us)."""
+    f = dec.flow
+    est = f.decoder.estimator
+    C, W = dec.cfg.stream.est_ctx_frames, dec.cfg.stream.est_ctx_frames + 4 * dec.cfg.stream.chunk_codes
+    dt = est.final_proj.weight.dtype
+    x = torch.randn(2 * batch, 80, W, device="cuda", dtype=dt)
+    t = torch.full((2 * batch,), 0.3, device="cuda", dtype=dt)
+    spk = torch.randn(2 * batch, 80, device="cuda", dtype=dt)
+    idx = torch.arange(W, device="cuda")
+    mask = (idx[None, :] < C) | (idx[:, None] >= C)
+    with torch.inference_mode():
+        est(x, x, t, spk, x, mask)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            est(x, x, t, spk, x, mask)
+            torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return len(evs), sum(e.device_time for e in evs)
+
+
+def main() -> None:
+    from engines.codec.decoder import CodecDecoder, CodecTask
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--codec", default="full-random")
+    p.add_argument("--vocoder", default="hift")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--compile", action="store_true", help="also time the estimator under torch.compile")
+    a = p.parse_args()
+    dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
+                            estimator_dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    la = dec.cfg.flow.pre_lookahead
+    for b in [int(x) for x in a.batches.split(",")]:
+        n, us = _estimator_kernels(dec, b)
+        print(f"batch {b}: one eager estimator call = {n} kernels, {us / 1e3:.2f} ms GPU time "
+              f"(x {dec.cfg.flow.n_timesteps} Euler steps per chunk)")
+        task = CodecTask(dec, max_batch=b)
+        sessions = [f"s{i}" for i in range(b)]
+        for i, sid in enumerate(sessions):
+            task.open(sid, seed=i)
+            task.submit(sid, rng.integers(0, 16384, la))
+        st = _stage_times(dec, task, sessions, rng, a.iters)
+        print(f"batch {b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in st.items()))
+        if a.compile:
+            est = dec.flow.decoder.estimator
+            t0 = time.perf_counter()
+            est.forward = torch.compile(est.forward, dynamic=False)
+            dec.flow.graphs = type(dec.flow.graphs)(dec.flow)  # fresh graphs and pool
+            st = _stage_times(dec, task, sessions, rng, a.iters)
+            print(f"batch {b} compiled (first use incl. compile+capture {time.perf_counter() - t0:.1f} s): "
+                  + ", ".join(f"{k} {v:.2f} ms" for k, v in st.items()))
+            del est.forward
+            dec.flow.graphs = type(dec.flow.graphs)(dec.flow)
+        for sid in sessions:
+            task.close(sid)
+
+
+if __name__ == "__main__":
+    main()
