@@ -107,6 +107,8 @@ def build_service(args: argparse.Namespace) -> Service:
         # On the GPU the flow's Euler solve is launch-bound: replay it as CUDA graphs, estimator in bf16.
         decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
                                     cuda_graphs=on_gpu, estimator_dtype="bfloat16" if on_gpu else "float32")
+        # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
+        decoder.capture_graphs(engine.config.max_running)
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)

@@ -82,6 +82,14 @@ class CodecDecoder:
             dec.flow.graphs = EulerGraphs(dec.flow)
         return dec
 
+    def capture_graphs(self, max_batch: int) -> int:
+        """With CUDA graphs on, capture the Euler solve's steady-state graphs for every batch bucket up to
+        `max_batch` sessions now (seconds), instead of on first use inside an answer. Returns graphs captured
+        (0 without CUDA graphs)."""
+        if self.flow.graphs is None:
+            return 0
+        return self.flow.graphs.capture_steady_state(max_batch)
+
     @classmethod
     def _load(cls, codec: str | Path, device: str | torch.device, vocoder: str, seed: int) -> CodecDecoder:
         from engines.codec.presets import DECODER_PRESETS

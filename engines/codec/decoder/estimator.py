@@ -254,7 +254,7 @@ class CausalConditionalDecoder(nn.Module):
         resnet, blocks, down = self.down_blocks[0]
         h = self._attend(resnet(h, rows[0]), blocks, mask)
         skip = h
-        h = down(h)
+        h = down(h).contiguous()  # feeds two convs (block1, res_conv): one copy here instead of one in each
         for i, (resnet, blocks) in enumerate(self.mid_blocks):
             h = self._attend(resnet(h, rows[1 + i]), blocks, mask)
         resnet, blocks, up = self.up_blocks[0]
