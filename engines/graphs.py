@@ -175,23 +175,46 @@ class CudaGraphMixed:
         tiles[:, :k].copy_(batch.tiles, non_blocking=True)
         tiles[0, k:] = -1
 
+    def _capture(self, t: int, b: int, static: ForwardBatch) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: compiles kernels and settles the allocator outside the capture
+                self._run(static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self._run(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graphs[(t, b)] = (graph, out)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every (rows, sequences) size up front, on an all-padding batch (writes only the spare
+        block), so no user's step pays a capture."""
+        for t in self.row_sizes:
+            for b in self.seq_sizes:
+                if b > t or (t, b) in self.graphs:
+                    continue
+                static, n_tiles = self._batch(t, b)
+                self.rows[:t] = 0
+                self.positions[:t] = 0
+                self.slots[:t] = self.pad_slot
+                self.query_start[: b + 1] = 0
+                self.context_lens[:b] = 1
+                self.block_tables[:b] = self.pad_block
+                self.logits_rows[:b] = 0
+                self.tiles[0, :n_tiles] = -1
+                self._capture(t, b, static)
+        torch.cuda.synchronize()
+
     @torch.inference_mode()
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [2, R, h], audio_logits [R, A]) of a batch with prefill chunks; it must fit (`key`)."""
         t, b = self.key(batch.num_rows, batch.num_seqs)
         static, n_tiles = self._batch(t, b)
         self._load(batch, t, b, n_tiles)
-        if (t, b) not in self.graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up on the real batch (rewrites the same K/V): compiles, allocates
-                    self._run(static)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = self._run(static)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graphs[(t, b)] = (graph, out)
+        if (t, b) not in self.graphs:  # warm-up runs the real batch: it rewrites the same K/V
+            self._capture(t, b, static)
         graph, (hidden, audio_logits) = self.graphs[(t, b)]
         graph.replay()
         r = batch.logits_rows.shape[0]

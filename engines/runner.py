@@ -80,6 +80,7 @@ class ModelRunner:
             self.graphs.capture()
             self.mixed_graphs = CudaGraphMixed(model, self.kv_cache, config.prefill_token_budget, config.max_running,
                                                max_blocks, self.pad_block, self.graphs.pool)
+            self.mixed_graphs.capture_all()
 
     # ---- run -----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ def _varlen_kernel(Q, K, V, OUT, TILES, QSTART, POS, CTX, BT, scale, stride_tile
                    PREC: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
+    scale_log2 = scale * 1.4426950408889634  # softmax with exp2: e^x = 2^(x log2 e)
     s = tl.load(TILES + tile)
     if s >= 0:
         r0 = tl.load(TILES + stride_tiles + tile)
@@ -48,13 +49,13 @@ def _varlen_kernel(Q, K, V, OUT, TILES, QSTART, POS, CTX, BT, scale, stride_tile
             kv_row = blk.to(tl.int64) * stride_kb + (offs_t % PAGE) * stride_ks + kvh * stride_kh
             k = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)  # [BN, D]
             v = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BM, BN] float32
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BM, BN] float32, log2 units
             allowed = (offs_t[None, :] <= pos[:, None]) & t_mask[None, :]
             qk = tl.where(allowed, qk, float("-inf"))
             m_new = tl.maximum(m, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
             l_sum = l_sum * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m = m_new

@@ -5,7 +5,7 @@ Plain Python: the runner builds the tile list on every device, the kernel itself
 
 from __future__ import annotations
 
-BLOCK_M = 32  # query rows per tile
+BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per inner step
 
 
