@@ -41,6 +41,7 @@ class EulerGraphs:
         self.pool = g.pool()
         return g, static, out
 
+    @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
     def capture_steady_state(self, max_batch: int) -> int:
         """Capture the graph of the steady-state window (est_ctx_frames + a full chunk's frames) for every bucket
         up to the one holding `max_batch` sessions. Returns how many graphs were newly captured."""
