@@ -10,5 +10,5 @@ SERVER=$!
 for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
 curl -s http://127.0.0.1:8000/health; echo
 timeout ${CAP_TIMEOUT:-420} python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start ${CAP_START:-16} --step ${CAP_STEP:-16} --max ${CAP_MAX:-128} \
-  --turns 2 --ramp 16 --max-output-tokens 50 --level-duration 60 --json $OUT/capacity.json --plots $OUT 2>&1 | tail -40
+  --turns 2 --ramp 16 --max-output-tokens 50 --level-duration ${CAP_LEVEL_S:-60} --json $OUT/capacity.json --plots $OUT 2>&1 | tail -40
 kill $SERVER; sleep 3; tail -5 $OUT/server.log
