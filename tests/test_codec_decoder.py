@@ -98,6 +98,44 @@ def test_same_seed_same_pcm_and_seed_matters(hift_dec):
     assert np.abs(a - c).max() > 1e-4
 
 
+def test_hift_istft_equals_torch_istft():
+    from engines.codec.decoder.hift import istft
+
+    n_fft, hop, win = 16, 4, torch.hann_window(16)
+    g = torch.Generator().manual_seed(0)
+    spec = torch.complex(torch.randn(3, 9, 41, generator=g), torch.randn(3, 9, 41, generator=g))
+    spec[:, 0].imag = 0  # DC and Nyquist bins of a real signal's spectrum are real
+    spec[:, -1].imag = 0
+    want = torch.istft(spec, n_fft, hop, n_fft, window=win)
+    got = istft(spec, n_fft, hop, win)
+    assert got.shape == want.shape == (3, 40 * hop)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_hift_noise_as_input_gives_the_pcm_of_the_inline_draw_and_torch_istft(hift_dec, monkeypatch):
+    """The graph-ready HiFT (noise drawn by render with each session's generator, graph-safe iSTFT) decodes the same
+    PCM, for the same seed, as the previous form: noise drawn inline per session and torch.istft."""
+    import engines.codec.decoder.hift as hift_mod
+
+    codes = _codes(17, seed=8)
+    got = _stream(hift_dec, codes, [5, 3, 7], seed=21)
+    gen = hift_dec.vocoder.generator
+
+    def previous_render(mel, states, gens, keep_at):
+        H, S = gen.n_harmonics, mel.shape[2] * hift_dec.vocoder.mel.hop
+        noise = torch.stack([torch.randn(H, S, generator=g, device=mel.device, dtype=mel.dtype) for g in gens])
+        wav, nxt = gen(mel, torch.stack([s.phase for s in states]), noise, keep_at)
+        for b, s in enumerate(states):
+            s.phase = nxt[b]
+        return wav
+
+    monkeypatch.setattr(hift_mod, "istft", lambda spec, n_fft, hop, w: torch.istft(spec, n_fft, hop, n_fft, window=w))
+    monkeypatch.setattr(hift_dec.vocoder, "render", previous_render)
+    want = _stream(hift_dec, codes, [5, 3, 7], seed=21)
+    assert [p.shape for p in got] == [p.shape for p in want]
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=1e-6, rtol=0)
+
+
 def test_batch_equals_alone_with_different_voices(hift_dec):
     voices = [None, Voice.random(seed=5, n_codes=3), Voice.random(seed=6, n_codes=11), Voice.empty()]
     lengths = [13, 27, 9, 21]

@@ -62,13 +62,40 @@ def test_full_random_chunk_runs_bf16():
 def test_precaptured_graphs_serve_steady_chunks_and_match_eager():
     eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
-    assert dec.capture_graphs(3) == 3  # buckets 1, 2, 4
+    assert dec.capture_graphs(3) == 6  # buckets 1, 2, 4 of the Euler solve and of the vocoder
     assert dec.capture_graphs(3) == 0  # already there
-    steady = set(dec.flow.graphs.graphs)
+    steady, voc_steady = set(dec.flow.graphs.graphs), set(dec.vocoder.graphs.graphs)
     codes = _codes(20, 5)  # four full chunks: only the steady-state window
     s = dec.open_stream("p", seed=2)
     got = np.concatenate([s.push(codes[i:i + 5]) for i in range(0, 20, 5)])
     assert set(dec.flow.graphs.graphs) == steady  # no capture while decoding
+    assert set(dec.vocoder.graphs.graphs) == voc_steady
     e = eager.open_stream("p", seed=2)
     want = np.concatenate([e.push(codes[i:i + 5]) for i in range(0, 20, 5)])
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("codec", ["tiny-random", "full-random"])
+def test_vocoder_graph_replay_equals_eager(codec):
+    """The HiFT generator replayed from a graph (padded batch 3 -> 4) gives the eager result on the same inputs, and
+    the graph reads its noise input (a different noise changes the output)."""
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True)
+    voc, g = dec.vocoder, dec.vocoder.generator
+    st = dec.cfg.stream
+    T = st.voc_ctx_frames + st.chunk_codes * dec.cfg.flow.token_mel_ratio
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mel = torch.randn(3, 80, T, device="cuda", generator=gen) - 5
+    phase = torch.rand(3, g.n_harmonics, device="cuda", generator=gen)
+    noise = voc.noise([gen] * 3, T, "cuda", torch.float32)
+    keep = (T - st.voc_ctx_frames) * voc.mel.hop
+    with torch.inference_mode():
+        want = g(mel, phase, noise, keep)
+        got = voc.graphs.run([mel, phase, noise], (keep,))
+        again = voc.graphs.run([mel, phase, noise], (keep,))
+        other = voc.graphs.run([mel, phase, noise + 1.0], (keep,))
+    assert len(voc.graphs.graphs) == 1
+    for a, b, c in zip(want, got, again, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        torch.testing.assert_close(c, b, atol=0, rtol=0)
+    assert (other[0] - got[0]).abs().max() > 1e-6

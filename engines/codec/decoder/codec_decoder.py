@@ -70,25 +70,31 @@ class CodecDecoder:
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
              seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32") -> CodecDecoder:
         """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py).
-        cuda_graphs: replay the flow's Euler solve as CUDA graphs (CUDA devices only).
+        cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32."""
         dec = cls._load(codec, device, vocoder, seed)
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         if cuda_graphs and dec.device.type == "cuda":
-            from engines.codec.decoder.graphs import EulerGraphs
+            from engines.codec.decoder.graphs import EulerGraphs, VocoderGraphs
 
             dec.flow.graphs = EulerGraphs(dec.flow)
+            if isinstance(dec.vocoder, HiFTVocoder):
+                st = dec.cfg.stream
+                dec.vocoder.graphs = VocoderGraphs(dec.vocoder.generator, st.voc_ctx_frames,
+                                                   st.chunk_codes * dec.cfg.flow.token_mel_ratio)
         return dec
 
     def capture_graphs(self, max_batch: int) -> int:
-        """With CUDA graphs on, capture the Euler solve's steady-state graphs for every batch bucket up to
-        `max_batch` sessions now (seconds), instead of on first use inside an answer. Returns graphs captured
+        """With CUDA graphs on, capture the steady-state graphs (Euler solve, HiFT vocoder) for every batch bucket
+        up to `max_batch` sessions now (seconds), instead of on first use inside an answer. Returns graphs captured
         (0 without CUDA graphs)."""
-        if self.flow.graphs is None:
-            return 0
-        return self.flow.graphs.capture_steady_state(max_batch)
+        n = 0
+        for g in (self.flow.graphs, getattr(self.vocoder, "graphs", None)):
+            if g is not None:
+                n += g.capture_steady_state(max_batch)
+        return n
 
     @classmethod
     def _load(cls, codec: str | Path, device: str | torch.device, vocoder: str, seed: int) -> CodecDecoder:

@@ -1,80 +1,129 @@
-"""CUDA graphs for the flow's Euler solve (10 steps x ~1000 small kernels per chunk: launch-bound at small batch).
+"""CUDA graphs for the codec's launch-bound stages: the flow's Euler solve (10 steps x ~800 small kernels per chunk)
+and the HiFT vocoder (~600 small kernels per window). Both are launch-bound at streaming batch sizes.
 
-One graph per (padded batch, window length). Batches are padded up to the next bucket by repeating the last
-row (rows are independent, so real rows are unchanged) and outputs are sliced back. Opt-in
-(`CodecDecoder.load(..., cuda_graphs=True)`); the eager path is the reference. Graphs are captured on first use;
-`capture_steady_state` captures the steady-state window of every bucket ahead of time (the engine process does
-it at load), so no user's answer pays a capture.
+One graph per (padded batch, input shapes, static arguments). Batches are padded up to the next bucket by repeating
+the last row (rows are independent, so real rows are unchanged) and outputs are sliced back. Opt-in
+(`CodecDecoder.load(..., cuda_graphs=True)`); the eager path is the reference and runs the very same function.
+Graphs are captured on first use; `capture_steady_state` captures the steady-state window of every bucket ahead of
+time (the engine process does it at load), so no user's answer pays a capture. Anything random is drawn outside
+the graph with each session's generator and passed in as an input.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class EulerGraphs:
-    def __init__(self, flow) -> None:
-        self.flow = flow
+def bucket(b: int) -> int:
+    for s in BUCKETS:
+        if b <= s:
+            return s
+    return b
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """Every bucket up to and including the one holding `max_batch` rows."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    top = bucket(max_batch)
+    return [b for b in BUCKETS if b < top] + [top]
+
+
+class BucketGraphs:
+    """Replays `fn(*tensors, *static) -> tuple of tensors` (every tensor batch-first) as one CUDA graph per key."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+        self.fn = fn
         self.pool = None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
 
     @staticmethod
-    def _bucket(b: int) -> int:
-        for s in BUCKETS:
-            if b <= s:
-                return s
-        return b
+    def key(inputs: Sequence[torch.Tensor], static: tuple) -> tuple:
+        return (inputs[0].shape[0], *(tuple(t.shape[1:]) for t in inputs), *static)
 
-    def _capture(self, inputs: list[torch.Tensor]):
-        static = [t.clone() for t in inputs]
+    def _capture(self, inputs: Sequence[torch.Tensor], static: tuple):
+        static_in = [t.clone() for t in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy inits and allocator state outside the graph
-                self.flow.euler(*static)
+            for _ in range(2):  # warm-up: lazy inits (cuFFT plans, allocator state) outside the graph
+                self.fn(*static_in, *static)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = self.flow.euler(*static)
+            out = self.fn(*static_in, *static)
         self.pool = g.pool()
-        return g, static, out
+        return g, static_in, out
+
+    def ensure(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> bool:
+        """Capture the graph for these (already bucket-sized) inputs unless it exists. True if newly captured."""
+        k = self.key(inputs, static)
+        if k in self.graphs:
+            return False
+        self.graphs[k] = self._capture(inputs, static)
+        return True
+
+    def run(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> tuple[torch.Tensor, ...]:
+        B = inputs[0].shape[0]
+        Bp = bucket(B)
+        if Bp != B:
+            inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
+        self.ensure(inputs, static)
+        g, static_in, out = self.graphs[self.key(inputs, static)]
+        for dst, src in zip(static_in, inputs, strict=True):
+            dst.copy_(src)
+        g.replay()
+        return tuple(o[:B].clone() for o in out)
+
+
+class EulerGraphs(BucketGraphs):
+    def __init__(self, flow) -> None:
+        super().__init__(flow.euler)
+        self.flow = flow
 
     @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
     def capture_steady_state(self, max_batch: int) -> int:
         """Capture the graph of the steady-state window (est_ctx_frames + a full chunk's frames) for every bucket
         up to the one holding `max_batch` sessions. Returns how many graphs were newly captured."""
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         flow = self.flow
         cfg, st = flow.cfg, flow.stream
         F, C = st.chunk_codes * cfg.token_mel_ratio, st.est_ctx_frames
-        top = self._bucket(max_batch)
-        n = 0
-        for Bp in [b for b in BUCKETS if b < top] + [top]:
-            if (Bp, F) in self.graphs:
-                continue
-            n_mel, kw = cfg.output_size, {"device": flow.device, "dtype": flow.dtype}
+        n, n_mel, kw = 0, cfg.output_size, {"device": flow.device, "dtype": flow.dtype}
+        for Bp in buckets_up_to(max_batch):
             # z, ctx_traj, mu_w, cond_w, spks: shapes as in FlowModel._solve (values are replaced at every replay).
             inputs = [torch.zeros(Bp, n_mel, F, **kw), torch.zeros(Bp, cfg.n_timesteps, n_mel, C, **kw),
                       torch.zeros(Bp, n_mel, C + F, **kw), torch.zeros(Bp, n_mel, C + F, **kw),
                       torch.zeros(Bp, n_mel, **kw)]
-            self.graphs[(Bp, F)] = self._capture(inputs)
-            n += 1
+            n += self.ensure(inputs)
         return n
 
-    def run(self, z, ctx_traj, mu_w, cond_w, spks) -> tuple[torch.Tensor, torch.Tensor]:
-        B = z.shape[0]
-        Bp = self._bucket(B)
-        inputs = [z, ctx_traj, mu_w, cond_w, spks]
-        if Bp != B:
-            inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
-        key = (Bp, z.shape[2])
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(inputs)
-        g, static, out = self.graphs[key]
-        for dst, src in zip(static, inputs, strict=True):
-            dst.copy_(src)
-        g.replay()
-        return out[0][:B].clone(), out[1][:B].clone()
+    def run(self, z, ctx_traj, mu_w, cond_w, spks) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, traj = super().run([z, ctx_traj, mu_w, cond_w, spks])
+        return x, traj
+
+
+class VocoderGraphs(BucketGraphs):
+    """HiFT's generator: inputs mel [B, 80, T], phase0 [B, H], noise [B, H, T * hop]; static keep_at (samples)."""
+
+    def __init__(self, generator, ctx_frames: int, chunk_frames: int) -> None:
+        super().__init__(generator)
+        self.generator, self.ctx_frames, self.chunk_frames = generator, ctx_frames, chunk_frames
+
+    @torch.inference_mode()  # as run_jobs
+    def capture_steady_state(self, max_batch: int) -> int:
+        """The steady-state window (voc_ctx_frames + a full chunk's frames, carried phase at the chunk's end) for
+        every bucket up to the one holding `max_batch` sessions. Returns how many graphs were newly captured."""
+        gen = self.generator
+        w = gen.conv_pre.weight
+        cfg, H = gen.cfg, gen.n_harmonics
+        T, hop = self.ctx_frames + self.chunk_frames, cfg.mel.hop
+        n, kw = 0, {"device": w.device, "dtype": w.dtype}
+        for Bp in buckets_up_to(max_batch):
+            inputs = [torch.zeros(Bp, cfg.mel.n_mels, T, **kw), torch.zeros(Bp, H, **kw),
+                      torch.zeros(Bp, H, T * hop, **kw)]
+            n += self.ensure(inputs, (self.chunk_frames * hop,))
+        return n

@@ -6,7 +6,9 @@ Key layout: `f0_predictor.condnet.{0,2,4,6,8}` (weight-normed convs, ELU between
 `weight_g/weight_v` and as `parametrizations.weight.original0/1`, and folded into plain weights after loading.
 
 Streaming differences from a one-shot call: the harmonic phases start from a per-session carried phase (so
-overlapping windows share the same sine source) and all noise comes from the session's generator.
+overlapping windows share the same sine source) and all noise comes from the session's generator. The generator
+takes that noise as an input (`HiFTVocoder.render` draws it), so its forward is deterministic and can be replayed
+as a CUDA graph (engines/codec/decoder/graphs.py) with the same result as eager.
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ from engines.codec.decoder.config import HiFTConfig
 
 def _pad(k: int, d: int) -> int:
     return (k * d - d) // 2
+
+
+def istft(spec: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> torch.Tensor:
+    """spec [B, n_fft // 2 + 1, N] complex -> [B, (N - 1) * hop]: torch.istft(center=True) as irfft + overlap-add.
+    torch.istft checks the window envelope with a host sync, which a CUDA graph capture refuses; the periodic Hann
+    window with hop < n_fft never fails that check, so this skips it."""
+    N = spec.shape[2]
+    L = n_fft + hop * (N - 1)
+    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[:, None]  # [B, n_fft, N]
+    y = F.fold(frames, (1, L), (1, n_fft), stride=(1, hop))[:, 0, 0]  # [B, L]
+    env = F.fold((window * window)[None, :, None].expand(1, n_fft, N), (1, L), (1, n_fft), stride=(1, hop))[0, 0, 0]
+    c = n_fft // 2
+    return y[:, c:L - c] / env[c:L - c]
 
 
 class Snake(nn.Module):
@@ -145,6 +160,5 @@ class HiFTGenerator(nn.Module):
         half = n_fft // 2 + 1
         mag = torch.exp(x[:, :half]).clamp(max=1e2)
         ph = torch.sin(x[:, half:])
-        wav = torch.istft(torch.complex(mag * torch.cos(ph), mag * torch.sin(ph)), n_fft, hop, n_fft,
-                          window=self.stft_window)
+        wav = istft(torch.complex(mag * torch.cos(ph), mag * torch.sin(ph)), n_fft, hop, self.stft_window)
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit), nxt

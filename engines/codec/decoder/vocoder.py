@@ -57,6 +57,7 @@ class HiFTVocoder(Vocoder):
         super().__init__()
         self.mel = cfg.mel
         self.generator = HiFTGenerator(cfg)
+        self.graphs = None  # VocoderGraphs when CUDA graphs are enabled (CodecDecoder.load(cuda_graphs=True))
 
     def fold_weight_norm(self) -> None:
         self.generator.fold_weight_norm()
@@ -69,10 +70,17 @@ class HiFTVocoder(Vocoder):
         st.phase = ph
         return st
 
+    def noise(self, gens: list[torch.Generator], frames: int, device, dtype) -> torch.Tensor:
+        """The source noise of one window per session, from each session's own generator: [B, H, frames * hop]."""
+        H, S = self.generator.n_harmonics, frames * self.mel.hop
+        return torch.stack([torch.randn(H, S, generator=g, device=device, dtype=dtype) for g in gens])
+
     def render(self, mel, states, gens, keep_at):
-        H, S = self.generator.n_harmonics, mel.shape[2] * self.mel.hop
-        noise = torch.stack([torch.randn(H, S, generator=g, device=mel.device, dtype=mel.dtype) for g in gens])
-        wav, nxt = self.generator(mel, torch.stack([s.phase for s in states]), noise, keep_at)
+        inputs = [mel, torch.stack([s.phase for s in states]), self.noise(gens, mel.shape[2], mel.device, mel.dtype)]
+        if self.graphs is not None and mel.device.type == "cuda":
+            wav, nxt = self.graphs.run(inputs, (keep_at,))
+        else:
+            wav, nxt = self.generator(*inputs, keep_at)
         for b, s in enumerate(states):
             s.phase = nxt[b]
         return wav
