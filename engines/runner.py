@@ -163,7 +163,10 @@ class ModelRunner:
         batch = self.build_batch(chunks, device_rows)
         self._mark_seen(chunks, batch)
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(batch.num_seqs) is not None:
-            return self.graphs.replay(batch)
+            hidden, audio_logits = self.graphs.replay(batch)  # one row per sequence
+            if batch.logits_rows.shape[0] != batch.num_seqs:  # 1-row prefill chunks of open inputs: no sample
+                hidden, audio_logits = hidden[:, batch.logits_rows], audio_logits[batch.logits_rows]
+            return hidden, audio_logits
         if self.mixed_graphs is not None and not batch.is_decode and self.mixed_graphs.key(
                 batch.num_rows, batch.num_seqs) is not None:
             return self.mixed_graphs.replay(batch)

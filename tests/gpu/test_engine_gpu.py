@@ -11,7 +11,7 @@ from engines.api import SamplingParams
 from engines.config import EngineConfig
 from engines.engine import Engine
 from engines.loader.checkpoint import load_model
-from engines.tokens import AUDIO_PAD, IM_END, IM_START, SOSP, audio_span_rows, text_rows
+from engines.tokens import AUDIO_PAD, IM_END, IM_START, MODALITY_PAD, SOSP, audio_span_rows, text_rows
 from tests.reference.dense_generate import dense_greedy
 from tests.reference.dense_model import dense_from_checkpoint
 
@@ -74,3 +74,23 @@ def test_overlapped_graph_decode_emits_the_same_rows(tiny_checkpoint):
     assert eng.runner.graphs is not None
     assert run_overlap(eng, reqs) == ref
     assert eng.stats().overlapped_steps > 0
+
+
+def test_one_row_prefill_chunks_beside_decodes_in_a_graph(tiny_checkpoint):
+    """A request whose input arrives one row per step (a user still speaking) runs 1-row prefill chunks that
+    need no sample, in the same decode-shaped step as others' decode rows: the graph path must sample only
+    the rows that need it, and emit what eager does."""
+    outs = []
+    for graphs in (False, True):
+        rng = random.Random(4)
+        eng = make(tiny_checkpoint, "float32", graphs=graphs)
+        eng.add_request("talker", prompt(rng, True), SamplingParams.greedy_params(30, 30))
+        eng.add_request("listener", prompt(rng, False)[:5], SamplingParams.greedy_params(30), input_done=False)
+        got = []
+        for i in range(60):
+            if i < 20 and eng.live_request("listener") is not None:
+                eng.append_input("listener", [(MODALITY_PAD, 100 + i)], input_done=i == 19)
+            got += [(o.request_id, o.text_token, o.audio_token) for o in eng.step()]
+            eng.check_integrity()
+        outs.append(got)
+    assert outs[0] == outs[1] and len(outs[0]) > 30
