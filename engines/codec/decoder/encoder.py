@@ -40,6 +40,27 @@ class KV:
     valid: torch.Tensor  # [B, L] bool
 
 
+@dataclass
+class AttnContext:
+    """What every layer of one stack shares for a chunk, computed once per stack (not per layer)."""
+
+    table: torch.Tensor  # [R, D] sinusoid of every query-key distance in the host-known range (activation dtype)
+    idx: torch.Tensor  # [B, 1, T, L + T] row of `table` for each (query, key): distance - lo, clamped
+    masked: torch.Tensor | None  # [B, 1, 1, L + T] bool, True for batch padding among the prefix keys
+
+    @classmethod
+    def build(cls, pos: torch.Tensor, prefix: KV | None, dist_range: tuple[int, int], d: int, dtype: torch.dtype
+              ) -> AttnContext:
+        """pos [B, T] query positions; prefix: the keys every layer attends to besides the chunk (their positions and
+        validity are the same in every layer of a stack)."""
+        lo, hi = dist_range
+        table = sinusoid(torch.arange(lo, hi + 1, device=pos.device), d).to(dtype)
+        kpos = pos if prefix is None else torch.cat([prefix.pos, pos], 1)
+        idx = (pos[:, :, None] - kpos[:, None, :] - lo).clamp(0, hi - lo)[:, None]
+        masked = None if prefix is None else F.pad(~prefix.valid, (0, pos.shape[1]))[:, None, None]
+        return cls(table, idx, masked)
+
+
 class LinearEmbed(nn.Module):
     """Linear + LayerNorm, scaled by sqrt(d) the way the rel-pos encoding layer does."""
 
@@ -64,32 +85,26 @@ class RelPosSelfAttention(nn.Module):
         self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.dk))
         self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.dk))
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, prefix: KV | None, dist_range: tuple[int, int]
+    def forward(self, x: torch.Tensor, ctx: AttnContext, prefix: KV | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, D], pos [B, T]; returns output [B, T, D] and this chunk's k, v [B, T, H, dk]."""
+        """x [B, T, D]; returns output [B, T, D] and this chunk's k, v [B, T, H, dk]."""
         B, T, D = x.shape
         q = self.linear_q(x).view(B, T, self.h, self.dk)
         k_new = self.linear_k(x).view(B, T, self.h, self.dk)
         v_new = self.linear_v(x).view(B, T, self.h, self.dk)
         if prefix is None:
-            k, v, kpos = k_new, v_new, pos
-            valid = None
+            k, v = k_new, v_new
         else:
             k = torch.cat([prefix.k, k_new], 1)
             v = torch.cat([prefix.v, v_new], 1)
-            kpos = torch.cat([prefix.pos, pos], 1)
-            valid = torch.cat([prefix.valid, torch.ones(B, T, dtype=torch.bool, device=x.device)], 1)
         ac = torch.einsum("bthd,blhd->bhtl", q + self.pos_bias_u, k)
         # Relative term for every distance (query pos - key pos) in the host-known range, then gathered.
-        lo, hi = dist_range
-        rel = torch.arange(lo, hi + 1, device=x.device)
-        p = self.linear_pos(sinusoid(rel, D).to(x.dtype)).view(-1, self.h, self.dk)  # [R, H, dk]
+        p = self.linear_pos(ctx.table).view(-1, self.h, self.dk)  # [R, H, dk]
         bd_all = torch.einsum("bthd,rhd->bhtr", q + self.pos_bias_v, p)  # [B, H, T, R]
-        idx = (pos[:, :, None] - kpos[:, None, :] - lo).clamp(0, hi - lo)  # [B, T, L]
-        bd = bd_all.gather(-1, idx[:, None].expand(B, self.h, T, idx.shape[-1]))
+        bd = bd_all.gather(-1, ctx.idx.expand(B, self.h, T, ctx.idx.shape[-1]))
         scores = (ac + bd) / math.sqrt(self.dk)
-        if valid is not None:
-            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        if ctx.masked is not None:
+            scores = scores.masked_fill(ctx.masked, float("-inf"))
         attn = torch.softmax(scores, dim=-1)
         out = torch.einsum("bhtl,blhd->bthd", attn, v).reshape(B, T, D)
         return self.linear_out(out), k_new, v_new
@@ -115,8 +130,8 @@ class ConformerLayer(nn.Module):
         self.norm_mha = nn.LayerNorm(d, eps=1e-12)
         self.norm_ff = nn.LayerNorm(d, eps=1e-12)
 
-    def forward(self, x, pos, prefix, dist_range):
-        a, k, v = self.self_attn(self.norm_mha(x), pos, prefix, dist_range)
+    def forward(self, x, ctx, prefix):
+        a, k, v = self.self_attn(self.norm_mha(x), ctx, prefix)
         x = x + a
         x = x + self.feed_forward(self.norm_ff(x))
         return x, k, v
@@ -188,17 +203,21 @@ class UpsampleConformerEncoder(nn.Module):
                       dist_range: tuple[int, int], up_dist_range: tuple[int, int]):
         """tok [B, n + lookahead, input] token embeddings; lookahead_valid [B, n + lookahead] bool.
         pos [B, n] code positions; up_pos [B, n*ratio] frame positions.
+        The prefixes of one stack share positions and validity (only k/v differ per layer).
         Returns hidden [B, n*ratio, D], new cache, and per layer (k, v) of this chunk for both stacks."""
-        x = self.embed(tok) * lookahead_valid[..., None].to(tok.dtype)
+        d, dt = self.cfg.d_model, tok.dtype
+        x = self.embed(tok) * lookahead_valid[..., None].to(dt)
         x, pre = self.pre_lookahead_layer(x, cache.pre)
         kvs = []
+        ctx = AttnContext.build(pos, prefixes[0] if prefixes else None, dist_range, d, dt)
         for layer, prefix in zip(self.encoders, prefixes, strict=True):
-            x, k, v = layer(x, pos, prefix, dist_range)
+            x, k, v = layer(x, ctx, prefix)
             kvs.append((k, v))
         x, up = self.up_layer(x, cache.up)
         x = self.up_embed(x)
         up_kvs = []
+        ctx = AttnContext.build(up_pos, up_prefixes[0] if up_prefixes else None, up_dist_range, d, dt)
         for layer, prefix in zip(self.up_encoders, up_prefixes, strict=True):
-            x, k, v = layer(x, up_pos, prefix, up_dist_range)
+            x, k, v = layer(x, ctx, prefix)
             up_kvs.append((k, v))
         return self.after_norm(x), EncoderCache(pre, up), kvs, up_kvs
