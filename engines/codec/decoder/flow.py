@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +65,11 @@ class FlowState:
 def _stack_kv(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """per layer (k, v) [B, T, H, dk] -> [B, layers, 2, T, H, dk]."""
     return torch.stack([torch.stack([k, v], dim=1) for k, v in kvs], dim=1)
+
+
+def _first_key(kpos: np.ndarray, kvalid: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """[B, 1] position of each session's first prefix key, or `own` [B, 1] (its first query) if it has none."""
+    return np.where(kvalid[:, :1], kpos[:, :1], own) if kpos.shape[1] else own
 
 
 class FlowModel(nn.Module):
@@ -137,25 +143,25 @@ class FlowModel(nn.Module):
                          win_up_kv=self._empty_kv(True), ctx_traj=traj, ctx_mu=mu, ctx_cond=cond)
 
     # ---- one chunk for a batch of sessions ---------------------------------------------------------------
-    def _prefixes(self, states: list[FlowState], up: bool) -> tuple[list[KV], list[list[int]]]:
-        """Prompt + window keys/values of every session, padded into one tensor: O(batch) ops, not O(batch x
-        layers). Also returns each session's key positions."""
+    def _prefixes(self, states: list[FlowState], up: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """Prompt + window keys/values of every session, padded into one tensor [B, layers, 2, L, H, dk]: O(batch)
+        ops, not O(batch x layers). Also each session's key positions [B, L] and validity [B, L] (host arrays)."""
         r = self.cfg.token_mel_ratio if up else 1
-        rows, pos_rows = [], []
+        rows, P, W, first = [], [], [], []
         for s in states:
             pk = s.voice.up_kv if up else s.voice.kv  # [layers, 2, P, H, dk]
             win = s.win_up_kv if up else s.win_kv  # [layers, 2, W, H, dk]
-            P, W = pk.shape[2], win.shape[2]
-            rows.append(torch.cat([pk, win], dim=2) if P and W else (win if W else pk))
-            first_win = P + s.codes_done * r - W
-            pos_rows.append(list(range(P)) + list(range(first_win, first_win + W)))
-        Lmax = max(len(p) for p in pos_rows)
+            P.append(pk.shape[2])
+            W.append(win.shape[2])
+            rows.append(torch.cat([pk, win], dim=2) if P[-1] and W[-1] else (win if W[-1] else pk))
+            first.append(P[-1] + s.codes_done * r - W[-1])
+        p, w, f = (np.asarray(a, dtype=np.int64)[:, None] for a in (P, W, first))
+        Lmax = int((p + w).max())
+        i = np.arange(Lmax, dtype=np.int64)[None]
+        valid = i < p + w
+        pos = np.where(valid, np.where(i < p, i, f + i - p), 0)  # prompt positions, then the window's
         X = torch.stack([F.pad(x, (0, 0, 0, 0, 0, Lmax - x.shape[2])) for x in rows])  # [B, layers, 2, L, H, dk]
-        dev = self.device
-        pos = torch.tensor([p + [0] * (Lmax - len(p)) for p in pos_rows], device=dev, dtype=torch.long)
-        valid = torch.tensor([[True] * len(p) + [False] * (Lmax - len(p)) for p in pos_rows], device=dev,
-                             dtype=torch.bool)
-        return [KV(X[:, i, 0], X[:, i, 1], pos, valid) for i in range(X.shape[1])], pos_rows
+        return X, pos, valid
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
@@ -165,19 +171,28 @@ class FlowModel(nn.Module):
         cfg, st = self.cfg, self.stream
         dev = self.device
         la, r = cfg.pre_lookahead, cfg.token_mel_ratio
-        tok = self.input_embedding(codes.to(dev))
-        valid = torch.tensor([[True] * n + [i < nl for i in range(la)] for nl in n_look], device=dev)
+        B = len(states)
         cache = EncoderCache(torch.stack([s.pre for s in states]), torch.stack([s.up for s in states]))
-        prefixes, kpos = self._prefixes(states, False)
-        up_prefixes, up_kpos = self._prefixes(states, True)
-        q0 = [s.voice.n_codes + s.codes_done for s in states]
-        pos = torch.tensor([[q + i for i in range(n)] for q in q0], device=dev)
-        up_pos = torch.tensor([[q * r + i for i in range(n * r)] for q in q0], device=dev)
-        hi = max([q + n - 1 - (kp[0] if kp else q) for q, kp in zip(q0, kpos, strict=True)] + [n - 1])
-        up_hi = max([q * r + n * r - 1 - (kp[0] if kp else q * r) for q, kp in zip(q0, up_kpos, strict=True)]
-                    + [n * r - 1])
+        X, kpos, kvalid = self._prefixes(states, False)
+        upX, up_kpos, up_kvalid = self._prefixes(states, True)
+        q0 = np.asarray([s.voice.n_codes + s.codes_done for s in states], dtype=np.int64)[:, None]  # [B, 1]
+        pos = q0 + np.arange(n)[None]  # [B, n]
+        up_pos = q0 * r + np.arange(n * r)[None]  # [B, n * r]
+        valid = np.concatenate([np.ones((B, n), dtype=bool), np.arange(la)[None] < np.asarray(n_look)[:, None]], 1)
+        # Widest distance (query - key) in the chunk: from its last query to its first key (prompt start, else
+        # window start, else the chunk itself).
+        hi = int(max((pos[:, -1:] - _first_key(kpos, kvalid, q0)).max(), n - 1))
+        up_hi = int(max((up_pos[:, -1:] - _first_key(up_kpos, up_kvalid, q0 * r)).max(), n * r - 1))
+        # Every index tensor of the chunk in one host -> device copy.
+        parts = [codes.cpu().numpy(), valid, pos, up_pos, kpos, kvalid, up_kpos, up_kvalid]
+        flat = torch.from_numpy(np.concatenate([a.astype(np.int64).ravel() for a in parts])).to(dev)
+        t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = (
+            x.view(a.shape) for x, a in zip(flat.split([a.size for a in parts]), parts, strict=True))
+        prefixes = [KV(X[:, i, 0], X[:, i, 1], t_kpos, t_kvalid.bool()) for i in range(X.shape[1])]
+        up_prefixes = [KV(upX[:, i, 0], upX[:, i, 1], t_up_kpos, t_up_kvalid.bool()) for i in range(upX.shape[1])]
+        tok = self.input_embedding(t_codes)
         hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
-            tok, valid, cache, pos, up_pos, prefixes, up_prefixes, (-(n - 1), hi), (-(n * r - 1), up_hi))
+            tok, t_valid.bool(), cache, t_pos, t_up_pos, prefixes, up_prefixes, (-(n - 1), hi), (-(n * r - 1), up_hi))
         mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
         Fr = n * r
         # Keep at most `enc_left_chunks` chunks of this session's own keys.
