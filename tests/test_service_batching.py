@@ -19,8 +19,8 @@ def decoder() -> CodecDecoder:
     return CodecDecoder.load("tiny-random")
 
 
-def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False
-           ) -> tuple[list[int], list[m.AudioChunk], m.ResponseDone]:
+def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False, then_create: bool = False
+           ) -> tuple[list[int], list[m.AudioChunk], m.ResponseDone, list]:
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
     svc = Service(engine, StandInTokenizer(), None, decoder, decode_interval_s=interval_s, codec_thread=thread)
     greedy = m.Sampling(greedy=True, max_new_tokens=ROWS, min_new_tokens=ROWS)
@@ -33,27 +33,38 @@ def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False
         msgs += out
         chunks_at_step += [step for x in out if isinstance(x, m.AudioChunk)]
         step += 1
+        if then_create and svc.sessions["s"].completing is not None:
+            # asked while the answer's last audio is still decoding: it must wait for that answer's ResponseDone
+            msgs += [x for _, x in svc.handle(b"c", m.CreateResponse("s", "r2", "text", greedy))]
+            then_create = False
     done = next(x for x in msgs if isinstance(x, m.ResponseDone))
-    return chunks_at_step, [x for x in msgs if isinstance(x, m.AudioChunk)], done
+    return chunks_at_step, [x for x in msgs if isinstance(x, m.AudioChunk)], done, msgs
 
 
 def test_first_chunk_at_once_then_held_until_interval_and_same_audio(decoder):
-    steps0, chunks0, done0 = answer(decoder, 0.0)
-    steps_long, chunks_long, done_long = answer(decoder, 3600.0)  # no interval passes during the answer
+    steps0, chunks0, done0, _ = answer(decoder, 0.0)
+    steps_long, chunks_long, done_long, _ = answer(decoder, 3600.0)  # no interval passes during the answer
     assert done0.status == done_long.status and done0.output_rows == done_long.output_rows == ROWS
     # The first audio is not delayed by the interval.
     assert steps_long[0] == steps0[0]
-    # Every later chunk waited: the held codes are decoded together when the answer finishes, then the flush.
-    assert len(chunks0) > 3 and len(chunks_long) == 3
-    assert steps_long[1] == steps_long[2] == steps0[-1]
+    # Every later chunk waited: the held codes are decoded with the final flush when the answer finishes.
+    assert len(chunks0) > 3 and len(chunks_long) == 2
+    assert steps_long[1] == steps0[-1]
     assert b"".join(c.pcm24k for c in chunks_long) == b"".join(c.pcm24k for c in chunks0)
     assert done_long.audio_samples == done0.audio_samples == ROWS * 1920  # every row a code: eosp is masked
 
 
 def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
-    _, chunks0, done0 = answer(decoder, 0.0)
-    _, chunks_t, done_t = answer(decoder, 0.0, thread=True)
+    _, chunks0, done0, _ = answer(decoder, 0.0)
+    _, chunks_t, done_t, msgs = answer(decoder, 0.0, thread=True, then_create=True)
     assert [c.index for c in chunks_t] == list(range(len(chunks_t)))
+    # The last audio is finalized on the worker; ResponseDone follows it, and a response asked for meanwhile
+    # starts only after that (its first message comes after the first answer's ResponseDone).
+    kinds = [(type(x).__name__, getattr(x, "response_id", None)) for x in msgs]
+    done_at = kinds.index(("ResponseDone", "r"))
+    assert all(i < done_at for i, k in enumerate(kinds) if k == ("AudioChunk", "r"))
+    r2 = [i for i, k in enumerate(kinds) if k[1] == "r2"]
+    assert r2 and min(r2) > done_at
     assert b"".join(c.pcm24k for c in chunks_t) == b"".join(c.pcm24k for c in chunks0)
     assert done_t.audio_samples == done0.audio_samples and done_t.output_rows == done0.output_rows == ROWS
 

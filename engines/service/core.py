@@ -34,6 +34,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,17 @@ class ServiceError(Exception):
         super().__init__(message)
         self.code = code
         self.response_id = response_id
+
+
+@dataclass
+class _DecodeWork:
+    """Codes of one answer for its decoder stream; `final`: then finalize and close the stream."""
+
+    session: Session
+    response: ResponseState
+    stream: Any
+    codes: list[int]
+    final: bool = False
 
 
 def _device_name(device: str) -> str:
@@ -249,7 +261,7 @@ class Service:
             if r.cancelled:
                 r.new_codes = []  # nobody will hear it
             elif r.decoder_stream is not None and r.new_codes:
-                work.append((s, r, r.decoder_stream, r.new_codes))
+                work.append(_DecodeWork(s, r, r.decoder_stream, r.new_codes))
                 r.new_codes = []
         if not work:
             return
@@ -261,22 +273,33 @@ class Service:
             except Exception as e:  # noqa: BLE001 - see _deliver
                 self._deliver(work, e)
 
-    def _decode_pcm(self, work: list) -> list[np.ndarray]:
-        """PCM of each (session, response, stream, codes) item; touches only the decoder streams."""
+    def _decode_pcm(self, work: list[_DecodeWork]) -> list[np.ndarray]:
+        """PCM of each item; touches only the decoder streams (it runs on the codec worker)."""
         if hasattr(self.decoder, "run_jobs"):
-            return self._decode_batched([(stream, codes) for _, _, stream, codes in work])
-        return [stream.push(codes) for _, _, stream, codes in work]
+            pcm = self._decode_batched([(w.stream, w.codes) for w in work])
+        else:
+            pcm = [w.stream.push(w.codes) for w in work]
+        for i, w in enumerate(work):
+            if w.final:
+                if not w.response.cancelled:
+                    pcm[i] = np.concatenate([pcm[i], w.stream.finalize()])
+                if hasattr(w.stream, "close"):
+                    w.stream.close()  # its flow/vocoder state is no longer needed
+        return pcm
 
-    def _deliver(self, work: list, result: list[np.ndarray] | Exception) -> None:
+    def _deliver(self, work: list[_DecodeWork], result: list[np.ndarray] | Exception) -> None:
         if isinstance(result, Exception):  # the speech decoder failing ends these answers, not the engine
             log.error("speech decoder failed for %d responses: %r", len(work), result)
-            for s, r, _, _ in work:
-                if not r.cancelled:
-                    self._fail(s, r, f"speech decoder failed: {type(result).__name__}: {result}")
-            return
-        for (s, r, _, _), pcm in zip(work, result, strict=True):
-            if not r.cancelled:
-                self._audio(s, r, pcm)
+            for w in work:
+                if not w.response.cancelled:
+                    self._fail(w.session, w.response, f"speech decoder failed: {type(result).__name__}: {result}")
+        else:
+            for w, pcm in zip(work, result, strict=True):
+                if not w.response.cancelled:
+                    self._audio(w.session, w.response, pcm)
+        for w in work:
+            if w.final:
+                self._complete(w.session, w.response)
 
     def _collect_decoded(self) -> None:
         if self._codec is not None:
@@ -506,8 +529,9 @@ class Service:
     def _create(self, s: Session, msg: m.CreateResponse) -> None:
         params = sampling_params(msg.sampling)
         t = s.active
-        if t is not None and (t.undo is not None or (t.response is not None and t.response.cancelled)):
-            s.deferred.append(msg)  # runs when the abort in flight is reported
+        if s.completing is not None or (
+                t is not None and (t.undo is not None or (t.response is not None and t.response.cancelled))):
+            s.deferred.append(msg)  # runs when the abort in flight is reported, or the last answer is done
             return
         if t is not None and t.response is not None:
             raise ServiceError("invalid_request", f"response {t.response.response_id!r} is still in progress")
@@ -578,6 +602,9 @@ class Service:
                 t.response.cancelled = True
                 self.engine.abort(t.request_id)
             return
+        if s.completing is not None and s.completing.response_id == msg.response_id:
+            s.completing.cancelled = True  # its last audio is still decoding: drop it
+            return
         if msg.response_id in self._finished_ids or any(d.response_id == msg.response_id for d in s.deferred):
             s.deferred = [d for d in s.deferred if d.response_id != msg.response_id]
             return  # finished already (a benign race), or not started: nothing to stop
@@ -596,6 +623,8 @@ class Service:
         if a is None or a.response_id != msg.response_id:
             raise ServiceError("invalid_request", f"response {msg.response_id!r} is not the latest answer of this "
                                "session (only that one can be truncated)", msg.response_id)
+        if s.completing is not None and s.completing.response_id == msg.response_id:
+            s.completing.cancelled = True  # the client stopped playing it: its last audio need not be sent
         keep = a.cut(msg.audio_samples_played)
         if keep is None:
             return
@@ -648,16 +677,14 @@ class Service:
 
     def _finish_response(self, s: Session, t: Turn, r: ResponseState, o: StepOutput) -> None:
         self._to_decode.pop(id(r), None)
-        if self._codec is not None:  # the worker must be done with this stream before it is finalized
-            self._codec.flush()
-            self._collect_decoded()
-        if r.decoder_stream is not None:
-            if not r.cancelled:
-                self._decode([(s, r)], sync=True)
-                self._audio(s, r, r.decoder_stream.finalize())
-            if hasattr(r.decoder_stream, "close"):
-                r.decoder_stream.close()  # its flow/vocoder state is no longer needed
-            r.decoder_stream = None
+        stream, r.decoder_stream = r.decoder_stream, None
+        final = None
+        if stream is not None:
+            # The answer's last codes, its final partial chunk and the vocoder tail. On the codec worker
+            # this queues behind the stream's earlier batches, and the engine keeps stepping meanwhile (a
+            # long answer's undecoded codes are seconds of codec work); ResponseDone follows the audio.
+            final = _DecodeWork(s, r, stream, [] if r.cancelled else r.new_codes, final=True)
+            r.new_codes = []
         self._text(s, r, r.detok.flush())
         gen_start = self.engine.conversation_rows(s.conversation_id) - len(r.rows)
         a = Answer(r.response_id, gen_start, r.rows, r.code_idx, r.prefix_last_row)
@@ -671,10 +698,33 @@ class Service:
         reason = o.finish_reason
         status, why = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
                        "abort": ("cancelled", "client_cancelled")}.get(reason, ("failed", reason))
+        r.done = (status, why)
+        if final is None:
+            self._complete(s, r)
+        elif self._codec is not None:
+            s.completing = r
+            self._codec.submit([final])
+        else:
+            try:
+                self._deliver([final], self._decode_pcm([final]))
+            except Exception as e:  # noqa: BLE001 - see _deliver
+                self._deliver([final], e)
+
+    def _complete(self, s: Session, r: ResponseState) -> None:
+        """ResponseDone once the answer's last audio is out; then any response asked for meanwhile."""
+        status, why = r.done
         if r.cancelled:
             status, why = ("failed", "engine_error") if r.failed else ("cancelled", "client_cancelled")
+        if self.sessions.get(s.session_id) is not s:  # closed meanwhile: nobody to tell
+            return
         self._send(s.owner, m.ResponseDone(
             s.session_id, r.response_id, status, reason=why, output_rows=len(r.rows), prompt_rows=r.prompt_rows,
             cached_rows=r.cached_rows, audio_samples=r.audio_samples, text="".join(r.text),
             engine_ttfa_ms=r.ttfa_ms))
+        if s.completing is r:
+            s.completing = None
+            if s.active is None and self.sessions.get(s.session_id) is s:
+                deferred, s.deferred = s.deferred, []
+                for d in deferred:
+                    self._on_CreateResponse(s.owner, d)
 

@@ -52,6 +52,7 @@ class ResponseState:
     cancelled: bool = False
     failed: str | None = None  # a server-side fault stopped it (ResponseDone status "failed")
     truncate_samples: int | None = None  # TruncateResponse received while still running
+    done: Any = None  # ResponseDone, built once its last audio is out (Service._complete)
 
     def add_row(self, text: int, audio: int, mode: str) -> None:
         if mode == "audio" and 0 <= audio < NUM_AUDIO_CODES:
@@ -131,7 +132,10 @@ class Session:
     turn_codes: int = 0  # speech codes of the current user turn (progress reports)
     active: Turn | None = None
     answer: Answer | None = None  # the latest finished response, if nothing followed it yet
-    deferred: list[CreateResponse] = field(default_factory=list)  # waiting for an undo to finish
+    deferred: list[CreateResponse] = field(default_factory=list)  # waiting for an undo or a completion
+    # A finished answer whose last audio is still being decoded on the codec worker: its ResponseDone
+    # (and any response asked for meanwhile) waits for it.
+    completing: ResponseState | None = None
     next_request: int = 0
 
     @property
