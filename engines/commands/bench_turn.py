@@ -39,8 +39,9 @@ def _speechlike(seconds: float, rng: np.random.Generator) -> np.ndarray:
     return (0.2 * env * (np.sin(2 * np.pi * 180 * t) + 0.3 * rng.standard_normal(t.size))).astype(np.float32)
 
 
-def _turns(svc, sids: list[str], pcm: np.ndarray, incremental: bool) -> list[float]:
-    """All sessions speak the same turn at the same time; TTFA (ms) of each, from the common commit."""
+def _turns(svc, sids: list[str], pcm: np.ndarray, incremental: bool, stages: dict | None = None) -> list[float]:
+    """All sessions speak the same turn at the same time; TTFA (ms) of each, from the common commit.
+    `stages` collects each response's stage times (ResponseState.marks) by stage name."""
     client = b"bench"
     for sid in sids:
         svc.handle(client, m.OpenSession(sid))
@@ -65,6 +66,10 @@ def _turns(svc, sids: list[str], pcm: np.ndarray, incremental: bool) -> list[flo
         for _, msg in svc.step():
             if isinstance(msg, m.AudioChunk) and msg.session_id not in ttfa:
                 ttfa[msg.session_id] = (time.monotonic() - t0) * 1e3
+                t = svc.sessions[msg.session_id].active
+                if stages is not None and t is not None and t.response is not None:
+                    for k, v in t.response.marks.items():
+                        stages.setdefault(k, []).append(v)
     for sid in sids:
         svc.handle(client, m.CloseSession(sid))
     while svc.has_work():
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         for secs in [float(s) for s in args.turn_seconds.split(",")]:
             pcm = _speechlike(secs, rng)
             for mode, inc in (("incremental", True), ("at_end_of_turn", False)):
-                runs = [_turns(svc, [f"{mode}-{secs}-{i}-{k}" for k in range(n)], pcm, inc)
+                stages: dict[str, list[float]] = {}
+                runs = [_turns(svc, [f"{mode}-{secs}-{i}-{k}" for k in range(n)], pcm, inc, stages)
                         for i in range(args.repeats)]
                 ms = median([x for r in runs for x in r])
                 worst = max(x for r in runs for x in r)
@@ -97,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
                 res.setdefault("ttfa_max_ms", {})[key] = worst
                 per_run = [round(median(r)) for r in runs]
                 res.setdefault("ttfa_median_per_repeat_ms", {})[key] = per_run
+                st = {k: round(median(v), 1) for k, v in stages.items()}
+                res.setdefault("stage_median_ms", {})[key] = st
                 print(f"{n:3d} sessions, turn {secs:4.1f} s, {mode:15s}: TTFA median {ms:8.1f} ms, max {worst:8.1f} ms"
-                      f" (per repeat: {per_run})")
+                      f" (per repeat: {per_run}); stage medians from CreateResponse {st}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -9,6 +9,7 @@ pairs on its own thread; the worker never touches session state, only the decode
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,9 @@ class CodecWorker:
         self._results: deque[tuple[list, Any]] = deque()
         self._in_flight = 0
         self._closed = False
+        self.batches = 0  # counters for the engine process's load log
+        self.items = 0
+        self.busy_s = 0.0
         self._thread = threading.Thread(target=self._run, name="codec-worker", daemon=True)
         self._thread.start()
 
@@ -68,6 +72,7 @@ class CodecWorker:
                 if self._closed and not self._jobs:
                     return
                 items = self._jobs.popleft()
+            t0 = time.perf_counter()
             try:
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
@@ -77,6 +82,9 @@ class CodecWorker:
             except Exception as e:  # noqa: BLE001 - handed back: the Service fails those answers
                 result = e
             with self._cv:
+                self.batches += 1
+                self.items += len(items)
+                self.busy_s += time.perf_counter() - t0
                 self._results.append((items, result))
                 self._in_flight -= 1
                 self._cv.notify_all()

@@ -185,6 +185,9 @@ class Service:
             r = t.response
             if r is not None and o.finish_reason != "abort":  # an abort output carries no row
                 r.add_row(o.text_token, o.audio_token, o.mode)
+                r.mark("first_row")
+                if len(r.code_idx) >= 8:
+                    r.mark("first_chunk_codes")  # 5 codes + 3 lookahead: the first chunk can be decoded
                 if o.mode == "text" and not r.cancelled:
                     self._text(s, r, r.detok.push(o.text_token))
                 live.append((s, r))
@@ -263,6 +266,8 @@ class Service:
             elif r.decoder_stream is not None and r.new_codes:
                 work.append(_DecodeWork(s, r, r.decoder_stream, r.new_codes))
                 r.new_codes = []
+                if len(r.code_idx) >= 8:
+                    r.mark("first_chunk_sent")
         if not work:
             return
         if self._codec is not None and not sync:
@@ -715,6 +720,8 @@ class Service:
         status, why = r.done
         if r.cancelled:
             status, why = ("failed", "engine_error") if r.failed else ("cancelled", "client_cancelled")
+        if r.ttfa_ms is not None:
+            log.info("response %s: first audio at %.1f ms; stages %s", r.response_id, r.ttfa_ms, r.marks)
         if self.sessions.get(s.session_id) is not s:  # closed meanwhile: nobody to tell
             return
         self._send(s.owner, m.ResponseDone(

@@ -49,6 +49,7 @@ log = logging.getLogger("engines.service")
 IDLE_POLL_MS = 50
 WAIT_POLL_MS = 2
 INTEGRITY_EVERY_S = 10.0
+LOAD_LOG_S = 5.0
 MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot stall decoding
 
 
@@ -143,6 +144,46 @@ def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
     return load
 
 
+class _LoadLog:
+    """Where the engine loop's time goes, logged every LOAD_LOG_S while busy (for load tests)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.t0, self.steps, self.step_s, self.step_max, self.handle_s = now, 0, 0.0, 0.0, 0.0
+        codec = self.service._codec
+        self.codec0 = (codec.batches, codec.items, codec.busy_s) if codec is not None else None
+
+    def handled(self, dt: float) -> None:
+        self.handle_s += dt
+
+    def stepped(self, dt: float) -> None:
+        self.steps += 1
+        self.step_s += dt
+        self.step_max = max(self.step_max, dt)
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        span = now - self.t0
+        if span < LOAD_LOG_S:
+            return
+        if self.steps:
+            st = self.service.engine.stats()
+            codec = self.service._codec
+            extra = ""
+            if codec is not None and self.codec0 is not None:
+                b, n, busy = (codec.batches - self.codec0[0], codec.items - self.codec0[1],
+                              codec.busy_s - self.codec0[2])
+                extra = f"; codec {b} batches, {n} items, busy {100 * busy / span:.0f}%"
+            log.info("load: %d loop steps in %.1f s (%.1f ms mean, %.1f ms max), handling messages %.0f%%, "
+                     "stepping %.0f%%; running %d, waiting %d%s", self.steps, span, 1e3 * self.step_s / self.steps,
+                     1e3 * self.step_max, 100 * self.handle_s / span, 100 * self.step_s / span, st.running,
+                     st.waiting, extra)
+        self._reset(now)
+
+
 class EngineServer:
     """The ROUTER socket around a Service."""
 
@@ -157,6 +198,7 @@ class EngineServer:
         self.stopping = False
         self._last_check = 0.0
         self._busy_since_check = False
+        self._load = _LoadLog(service)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -200,8 +242,11 @@ class EngineServer:
             else:  # only the codec worker (or held audio) is busy: wait a little instead of spinning on the GIL
                 timeout_ms = WAIT_POLL_MS if self.service.has_work() else IDLE_POLL_MS
         if self.sock.poll(timeout_ms, zmq.POLLIN):
+            t0 = time.perf_counter()
             self._recv_all()
+            self._load.handled(time.perf_counter() - t0)
         if self.service.has_work():
+            t0 = time.perf_counter()
             try:
                 outs = self.service.step()
             except Exception:
@@ -209,7 +254,9 @@ class EngineServer:
                 self._send(self._fail_all())
                 raise
             self._send(outs)
+            self._load.stepped(time.perf_counter() - t0)
             self._busy_since_check = True
+            self._load.maybe_log()
         elif self._busy_since_check and time.monotonic() - self._last_check > INTEGRITY_EVERY_S:
             # Idle: verify the KV pool's books (free + used == total) once in a while.
             self._last_check, self._busy_since_check = time.monotonic(), False

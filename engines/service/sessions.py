@@ -53,6 +53,11 @@ class ResponseState:
     failed: str | None = None  # a server-side fault stopped it (ResponseDone status "failed")
     truncate_samples: int | None = None  # TruncateResponse received while still running
     done: Any = None  # ResponseDone, built once its last audio is out (Service._complete)
+    marks: dict[str, float] = field(default_factory=dict)  # ms since t0 when each stage first happened
+
+    def mark(self, stage: str) -> None:
+        """Time to this stage (first time only): where a slow time to first audio went."""
+        self.marks.setdefault(stage, round(self.elapsed_ms(), 1))
 
     def add_row(self, text: int, audio: int, mode: str) -> None:
         if mode == "audio" and 0 <= audio < NUM_AUDIO_CODES:
