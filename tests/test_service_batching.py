@@ -58,6 +58,7 @@ def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
     _, chunks0, done0, _ = answer(decoder, 0.0)
     _, chunks_t, done_t, msgs = answer(decoder, 0.0, thread=True, then_create=True)
     assert [c.index for c in chunks_t] == list(range(len(chunks_t)))
+    assert len(chunks_t) >= ROWS // 5  # chunk by chunk as the worker decodes them, not all at the end
     # The last audio is finalized on the worker; ResponseDone follows it, and a response asked for meanwhile
     # starts only after that (its first message comes after the first answer's ResponseDone).
     kinds = [(type(x).__name__, getattr(x, "response_id", None)) for x in msgs]

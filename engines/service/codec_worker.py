@@ -1,9 +1,11 @@
-"""Speech decoding off the engine loop: one thread (and, on a GPU, its own CUDA stream) runs codec batches
-while the language model keeps stepping, so a codec call no longer stalls every stream's next row.
+"""Speech decoding off the engine loop: one thread (and, on a GPU, its own CUDA stream) turns answers' codes
+into PCM while the language model keeps stepping.
 
-The Service hands over a batch of (session, response, codes) items and later collects `(items, result)`
-pairs on its own thread; the worker never touches session state, only the decoder streams it was given
-(each stream is used by one thread at a time: the Service flushes the worker before it finalizes one).
+The engine loop hands over codes as they are sampled (`push`) and collects PCM as it comes (`take_results`);
+it never waits for the codec. The worker runs rounds: each round decodes at most one 5-code chunk of every
+answer that has one ready, in one batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once, so an
+answer's audio flows chunk by chunk however far the language model is ahead. Answers that have not played
+anything yet go first. A decoder stream is only touched by this thread once handed over.
 """
 
 from __future__ import annotations
@@ -11,20 +13,36 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
+@dataclass(eq=False)
+class _Answer:
+    key: Any  # the caller's handle for this answer (returned with its results)
+    stream: Any  # decoder stream (engines.codec.decoder.DecodeStream or anything with push/finalize)
+    since: float  # when its first codes arrived (round order among answers in the same state)
+    new_codes: list[int] = field(default_factory=list)  # pushed, not yet given to the stream
+    jobs: deque = field(default_factory=deque)  # chunks ready to decode, in order
+    final: bool = False  # no more codes: finish the stream after its last chunk
+    finishing: bool = False  # the stream's last jobs were taken
+    cancelled: bool = False  # decode nothing more; close the stream
+    closed: bool = False
+    chunks_out: int = 0
+
+
 class CodecWorker:
-    def __init__(self, compute: Callable[[list], Any], device: torch.device) -> None:
-        self._compute = compute
+    def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256) -> None:
+        self.decoder = decoder
+        self.max_batch = max_batch
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._cv = threading.Condition()
-        self._jobs: deque[list] = deque()
-        self._results: deque[tuple[list, Any]] = deque()
-        self._in_flight = 0
+        self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left
+        self._results: deque[tuple[Any, np.ndarray | Exception, bool]] = deque()
+        self._running = False
         self._closed = False
         self.batches = 0  # counters for the engine process's load log
         self.items = 0
@@ -32,32 +50,42 @@ class CodecWorker:
         self._thread = threading.Thread(target=self._run, name="codec-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, items: list) -> None:
+    # ---- engine-loop side ----------------------------------------------------------------
+
+    def push(self, key: Any, stream: Any, codes: list[int], final: bool = False) -> None:
+        """More codes of an answer (`final`: its last ones; a result with final=True then ends it)."""
         with self._cv:
-            self._jobs.append(items)
-            self._in_flight += 1
+            a = self._answers.get(id(key))
+            if a is None:
+                a = self._answers[id(key)] = _Answer(key, stream, time.monotonic())
+            a.new_codes += codes
+            a.final = a.final or final
             self._cv.notify_all()
 
-    @property
-    def idle(self) -> bool:
+    def cancel(self, key: Any) -> None:
+        """Decode no more of this answer (its final result, if pushed, still comes, empty)."""
         with self._cv:
-            return self._in_flight == 0
+            a = self._answers.get(id(key))
+            if a is not None:
+                a.cancelled = True
+                self._cv.notify_all()
 
-    def busy(self) -> bool:
-        """Work queued, running, or results not yet collected."""
-        with self._cv:
-            return self._in_flight > 0 or bool(self._results)
-
-    def take_results(self) -> list[tuple[list, Any]]:
+    def take_results(self) -> list[tuple[Any, np.ndarray | Exception, bool]]:
+        """(key, PCM or the decoder's exception, final) in the order they were produced."""
         with self._cv:
             out = list(self._results)
             self._results.clear()
             return out
 
-    def flush(self) -> None:
-        """Wait until every submitted batch has run."""
+    def busy(self) -> bool:
+        """Answers with work left, a round running, or results not yet collected."""
         with self._cv:
-            self._cv.wait_for(lambda: self._in_flight == 0)
+            return bool(self._answers) or self._running or bool(self._results)
+
+    def flush(self) -> None:
+        """Wait until every pushed code is decoded (tests and shutdown)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._running and not any(self._has_work(a) for a in self._answers.values()))
 
     def close(self) -> None:
         with self._cv:
@@ -65,26 +93,93 @@ class CodecWorker:
             self._cv.notify_all()
         self._thread.join(timeout=5)
 
+    # ---- worker side ---------------------------------------------------------------------
+
+    @staticmethod
+    def _has_work(a: _Answer) -> bool:
+        if a.cancelled:
+            return not a.closed or (a.final and not a.finishing)
+        return bool(a.new_codes or a.jobs or (a.final and not a.finishing))
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._closed)
-                if self._closed and not self._jobs:
+                self._cv.wait_for(lambda: self._closed or any(self._has_work(a) for a in self._answers.values()))
+                if self._closed:
                     return
-                items = self._jobs.popleft()
+                answers = [a for a in self._answers.values() if self._has_work(a)]
+                taken = [(a, a.new_codes, a.final and not a.finishing) for a in answers]
+                for a in answers:
+                    a.new_codes = []
+                    a.finishing = a.finishing or a.final
+                self._running = True
             t0 = time.perf_counter()
             try:
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
-                        result: Any = self._compute(items)
+                        posts, done = self._round(taken)
                 else:
-                    result = self._compute(items)
+                    posts, done = self._round(taken)
+            finally:
+                with self._cv:
+                    self.busy_s += time.perf_counter() - t0
+                    self._results.extend(posts)
+                    for a in done:
+                        self._answers.pop(id(a.key), None)
+                    self._running = False
+                    self._cv.notify_all()
+
+    def _round(self, taken: list[tuple[_Answer, list[int], bool]]) -> tuple[list, list[_Answer]]:
+        """Give new codes to their streams, then decode one ready chunk of each answer (new answers first)."""
+        posts: list[tuple[Any, np.ndarray | Exception, bool]] = []
+        done: list[_Answer] = []
+        ready: list[_Answer] = []
+        for a, codes, finishing in taken:
+            try:
+                if a.cancelled:
+                    a.jobs.clear()
+                    if not a.closed and hasattr(a.stream, "close"):
+                        a.stream.close()
+                    a.closed = True
+                    if a.final:
+                        posts.append((a.key, np.zeros(0, np.float32), True))
+                        done.append(a)
+                    continue
+                if not hasattr(self.decoder, "run_jobs"):  # a plain decoder: no batching
+                    pcm = a.stream.push(codes)
+                    if finishing:
+                        pcm = np.concatenate([pcm, a.stream.finalize()])
+                    posts.append((a.key, pcm, finishing))
+                    if finishing:
+                        done.append(a)
+                    continue
+                if codes:
+                    a.stream.add(codes)
+                a.jobs.extend(a.stream.take_jobs(finishing=finishing))
+                if a.jobs:
+                    ready.append(a)
+            except Exception as e:  # noqa: BLE001 - bad codes or a broken stream end this answer only
+                posts.append((a.key, e, True))
+                done.append(a)
+        ready.sort(key=lambda a: (a.chunks_out > 0, a.since))
+        batch = ready[: self.max_batch]
+        if batch:
+            jobs = [a.jobs.popleft() for a in batch]
+            try:
+                pcms = self.decoder.run_jobs(jobs)
             except Exception as e:  # noqa: BLE001 - handed back: the Service fails those answers
-                result = e
-            with self._cv:
-                self.batches += 1
-                self.items += len(items)
-                self.busy_s += time.perf_counter() - t0
-                self._results.append((items, result))
-                self._in_flight -= 1
-                self._cv.notify_all()
+                for a in batch:
+                    a.jobs.clear()
+                    posts.append((a.key, e, True))
+                    done.append(a)
+                return posts, done
+            self.batches += 1
+            self.items += len(batch)
+            for a, job, pcm in zip(batch, jobs, pcms, strict=True):
+                a.chunks_out += 1
+                posts.append((a.key, pcm, job.final))
+                if job.final:
+                    if hasattr(a.stream, "close"):
+                        a.stream.close()
+                    done.append(a)
+        return posts, done

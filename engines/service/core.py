@@ -118,7 +118,8 @@ class Service:
         if codec_thread and decoder is not None:
             from engines.service.codec_worker import CodecWorker
 
-            self._codec = CodecWorker(self._decode_pcm, torch.device(getattr(decoder, "device", "cpu")))
+            self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")))
+        self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
         self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes
         self._last_decode = 0.0
@@ -244,11 +245,19 @@ class Service:
         r.audio_samples += len(pcm)
 
     def _decode_due(self, live: list[tuple[Session, ResponseState]]) -> None:
-        """Decode now when an answer still waits for its first audio or the interval has passed; else hold."""
+        """With the codec worker: hand over new codes at once (it batches by rounds). Without: decode now when
+        an answer still waits for its first audio or the interval has passed; else hold."""
+        if self._codec is not None:
+            for s, r in live:
+                if r.decoder_stream is not None and r.new_codes and not r.cancelled:
+                    self._codec_owner[id(r)] = s
+                    self._codec.push(r, r.decoder_stream, r.new_codes)
+                    r.new_codes = []
+                    if len(r.code_idx) >= 8:
+                        r.mark("first_chunk_sent")
+            return
         for s, r in live:
             self._to_decode[id(r)] = (s, r)
-        if self._codec is not None and not self._codec.idle:
-            return  # the worker is busy: keep collecting, the next batch will be larger
         now = time.monotonic()
         first = any(r.ttfa_ms is None for _, r in self._to_decode.values())
         if self._to_decode and (first or now - self._last_decode >= self.decode_interval_s):
@@ -256,9 +265,8 @@ class Service:
             self._last_decode = now
             self._decode(items)
 
-    def _decode(self, items: list[tuple[Session, ResponseState]], sync: bool = False) -> None:
-        """Give each live audio response's new codes to its decoder stream (one batched call if offered):
-        on the codec worker when there is one (unless `sync`), else here."""
+    def _decode(self, items: list[tuple[Session, ResponseState]]) -> None:
+        """Give each live audio response's new codes to its decoder stream (one batched call if offered)."""
         work = []
         for s, r in items:
             if r.cancelled:
@@ -270,16 +278,13 @@ class Service:
                     r.mark("first_chunk_sent")
         if not work:
             return
-        if self._codec is not None and not sync:
-            self._codec.submit(work)
-        else:
-            try:
-                self._deliver(work, self._decode_pcm(work))
-            except Exception as e:  # noqa: BLE001 - see _deliver
-                self._deliver(work, e)
+        try:
+            self._deliver(work, self._decode_pcm(work))
+        except Exception as e:  # noqa: BLE001 - see _deliver
+            self._deliver(work, e)
 
     def _decode_pcm(self, work: list[_DecodeWork]) -> list[np.ndarray]:
-        """PCM of each item; touches only the decoder streams (it runs on the codec worker)."""
+        """PCM of each item (decoded here: the path without a codec worker)."""
         if hasattr(self.decoder, "run_jobs"):
             pcm = self._decode_batched([(w.stream, w.codes) for w in work])
         else:
@@ -307,9 +312,22 @@ class Service:
                 self._complete(w.session, w.response)
 
     def _collect_decoded(self) -> None:
-        if self._codec is not None:
-            for work, result in self._codec.take_results():
-                self._deliver(work, result)
+        if self._codec is None:
+            return
+        for r, result, final in self._codec.take_results():
+            s = self._codec_owner.get(id(r))
+            if s is None:
+                continue
+            if isinstance(result, Exception):  # the speech decoder failing ends this answer, not the engine
+                log.error("speech decoder failed for %s: %r", r.response_id, result)
+                if not r.cancelled:
+                    self._fail(s, r, f"speech decoder failed: {type(result).__name__}: {result}")
+                final = final and s.completing is r
+            elif not r.cancelled:
+                self._audio(s, r, result)
+            if final:
+                del self._codec_owner[id(r)]
+                self._complete(s, r)
 
     def _fail(self, s: Session, r: ResponseState, why: str) -> None:
         """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
@@ -708,7 +726,10 @@ class Service:
             self._complete(s, r)
         elif self._codec is not None:
             s.completing = r
-            self._codec.submit([final])
+            self._codec_owner[id(r)] = s
+            self._codec.push(r, stream, final.codes, final=True)
+            if r.cancelled:
+                self._codec.cancel(r)
         else:
             try:
                 self._deliver([final], self._decode_pcm([final]))

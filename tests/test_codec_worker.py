@@ -1,0 +1,140 @@
+"""The codec worker's rounds: one chunk per answer per batch, answers without audio first, results per chunk,
+finals, cancels and decoder failures (fake decoder; the real one is covered by test_service_batching)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from engines.codec.decoder.stream import Job
+from engines.service.codec_worker import CodecWorker
+
+CHUNK, LOOK = 5, 3
+
+
+class FakeStream:
+    """Chunks of 5 codes once 3 lookahead codes follow; finishing takes the rest (last one final)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.pending, self.closed = name, [], False
+
+    def add(self, codes):
+        self.pending += codes
+
+    def take_jobs(self, finishing=False):
+        jobs = []
+        while len(self.pending) >= CHUNK + LOOK:
+            jobs.append(Job(self, self.pending[:CHUNK], self.pending[CHUNK:CHUNK + LOOK], False))
+            del self.pending[:CHUNK]
+        if finishing:
+            while self.pending:
+                jobs.append(Job(self, self.pending[:CHUNK], [], False))
+                del self.pending[:CHUNK]
+            if jobs:
+                jobs[-1].final = True
+            else:
+                jobs.append(Job(self, [], [], True))
+        return jobs
+
+    def close(self):
+        self.closed = True
+
+
+class FakeDecoder:
+    """PCM of a chunk = its codes as floats; records each batch (stream names); can be held or made to fail."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = False
+
+    def run_jobs(self, jobs):
+        self.gate.wait(5)
+        if len({id(j.stream) for j in jobs}) != len(jobs):
+            raise AssertionError("two chunks of one stream in a batch")
+        self.batches.append([j.stream.name for j in jobs])
+        if self.fail:
+            raise RuntimeError("decoder broke")
+        return [np.asarray(j.codes, np.float32) for j in jobs]
+
+
+def collect(worker: CodecWorker, until, timeout=5.0):
+    out = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out += worker.take_results()
+        if until(out):
+            return out
+        time.sleep(0.002)
+    raise AssertionError(f"timed out; got {out}")
+
+
+def test_chunks_come_out_one_round_at_a_time_and_final_closes():
+    dec = FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"))
+    a = FakeStream("a")
+    w.push("A", a, list(range(23)))  # 3 chunks ready (5+3, 10+3, 15+3)
+    w.push("A", a, [], final=True)
+    res = collect(w, lambda o: any(f for _, _, f in o))
+    pcm = np.concatenate([p for _, p, _ in res])
+    assert pcm.tolist() == list(range(23))  # every code once, in order
+    assert len(res) == 5 and [f for _, _, f in res] == [False] * 4 + [True]  # one result per chunk
+    assert all(b == ["a"] for b in dec.batches) and a.closed
+    assert not w.busy()
+    w.close()
+
+
+def test_answers_without_audio_go_first_and_share_rounds():
+    dec = FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"), max_batch=1)
+    dec.gate.clear()  # hold the first round while both answers queue up
+    a, b = FakeStream("a"), FakeStream("b")
+    w.push("A", a, list(range(43)))  # 7 chunks ready
+    time.sleep(0.05)
+    w.push("B", b, list(range(8)))  # its first chunk
+    dec.gate.set()
+    collect(w, lambda o: sum(1 for k, _, _ in o if k == "B") == 1)
+    first_b = next(i for i, bt in enumerate(dec.batches) if bt == ["b"])
+    assert first_b == 1  # right after the round that was running when it arrived (A's first chunk)
+    w.close()
+
+    dec = FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"))
+    w.push("A", FakeStream("a"), list(range(13)))  # 2 chunks ready each
+    w.push("B", FakeStream("b"), list(range(13)))
+    collect(w, lambda o: len(o) == 4)
+    assert sorted(sorted(b) for b in dec.batches) in ([["a", "b"], ["a", "b"]], [["a"], ["a", "b"], ["b"]])
+    w.close()
+
+
+def test_cancel_decodes_nothing_more_and_final_still_ends_it():
+    dec = FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"))
+    dec.gate.clear()
+    a = FakeStream("a")
+    w.push("A", a, list(range(43)))
+    time.sleep(0.05)
+    w.cancel("A")
+    w.push("A", a, [], final=True)
+    dec.gate.set()
+    res = collect(w, lambda o: any(f for _, _, f in o))
+    assert len(dec.batches) <= 1 and a.closed  # at most the round already running
+    assert res[-1][2] and len(res[-1][1]) == 0
+    assert not w.busy()
+    w.close()
+
+
+def test_decoder_failure_ends_the_answers_of_that_batch():
+    dec = FakeDecoder()
+    dec.fail = True
+    w = CodecWorker(dec, torch.device("cpu"))
+    w.push("A", FakeStream("a"), list(range(8)))
+    res = collect(w, lambda o: len(o) == 1)
+    key, err, final = res[0]
+    assert key == "A" and isinstance(err, RuntimeError) and final
+    assert not w.busy()
+    w.close()
