@@ -92,6 +92,17 @@ def build_service(args: argparse.Namespace) -> Service:
         kw["prefill_token_budget"] = max(EngineConfig.prefill_token_budget, 2 * args.max_running)
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
+    if args.device.startswith("cuda"):
+        import torch
+
+        # The language model's steps (and the speech encoder) run on a high-priority stream, so they never
+        # queue behind the codec worker's kernels (default, lowest priority) for SMs: a decode step is a few
+        # ms of GPU work that every session waits for.
+        torch.cuda.set_stream(torch.cuda.Stream(torch.device(args.device),
+                                                priority=torch.cuda.Stream.priority_range()[1]))
+    # The codec worker thread runs Python between its GPU waits; a short switch interval keeps the engine
+    # loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
+    sys.setswitchinterval(0.0005)
     t0 = time.monotonic()
     engine = Engine.from_name(args.model, EngineConfig(**kw), seed=args.seed)
     tokenizer = load_tokenizer(args.model)
