@@ -4,7 +4,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
-export MOSS_ENGINE_COMMAND='["python3","-m","engines.service.process","--model","full-random","--codec","full-random","--device","cuda","--kv-cache-gib","24","--max-running","128","--max-model-len","4096"]'
+export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"24\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\"]"
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 > $OUT/server.log 2>&1 &
 SERVER=$!
 for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
