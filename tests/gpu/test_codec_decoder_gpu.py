@@ -62,16 +62,17 @@ def test_full_random_chunk_runs_bf16():
 def test_precaptured_graphs_serve_steady_chunks_and_match_eager():
     eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
-    assert dec.capture_graphs(3) == 6  # buckets 1, 2, 4 of the Euler solve and of the vocoder
+    assert dec.capture_graphs(3, partial_chunks=False) == 6  # buckets 1, 2, 4 of the Euler solve and the vocoder
+    assert dec.capture_graphs(3) == 6 * (dec.cfg.stream.chunk_codes - 1)  # then every shorter last chunk
     assert dec.capture_graphs(3) == 0  # already there
     steady, voc_steady = set(dec.flow.graphs.graphs), set(dec.vocoder.graphs.graphs)
-    codes = _codes(20, 5)  # four full chunks: only the steady-state window
+    codes = _codes(22, 5)  # full chunks, then a last chunk of 2 codes at finalize
     s = dec.open_stream("p", seed=2)
-    got = np.concatenate([s.push(codes[i:i + 5]) for i in range(0, 20, 5)])
+    got = np.concatenate([s.push(codes[i:i + 5]) for i in range(0, 20, 5)] + [s.push(codes[20:]), s.finalize()])
     assert set(dec.flow.graphs.graphs) == steady  # no capture while decoding
     assert set(dec.vocoder.graphs.graphs) == voc_steady
     e = eager.open_stream("p", seed=2)
-    want = np.concatenate([e.push(codes[i:i + 5]) for i in range(0, 20, 5)])
+    want = np.concatenate([e.push(codes[i:i + 5]) for i in range(0, 20, 5)] + [e.push(codes[20:]), e.finalize()])
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
 
 
@@ -94,8 +95,11 @@ def test_vocoder_graph_replay_equals_eager(codec):
         again = voc.graphs.run([mel, phase, noise], (keep,))
         other = voc.graphs.run([mel, phase, noise + 1.0], (keep,))
     assert len(voc.graphs.graphs) == 1
+    # cuDNN / cuFFT may pick other algorithms inside a capture than eagerly: at full size (float32, ~30 conv
+    # layers) samples then differ by up to ~1e-4 (measured 8.4e-5 on an H200), at tiny size by < 1e-5.
+    tol = 1e-5 if codec == "tiny-random" else 3e-4
     for a, b, c in zip(want, got, again, strict=True):
         assert a.shape == b.shape
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        torch.testing.assert_close(b, a, atol=tol, rtol=0)
         torch.testing.assert_close(c, b, atol=0, rtol=0)
     assert (other[0] - got[0]).abs().max() > 1e-6

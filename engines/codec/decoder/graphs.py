@@ -86,19 +86,20 @@ class EulerGraphs(BucketGraphs):
         self.flow = flow
 
     @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
-    def capture_steady_state(self, max_batch: int) -> int:
-        """Capture the graph of the steady-state window (est_ctx_frames + a full chunk's frames) for every bucket
-        up to the one holding `max_batch` sessions. Returns how many graphs were newly captured."""
+    def capture_steady_state(self, max_batch: int, frames: Sequence[int] | None = None) -> int:
+        """Capture the graphs of the windows est_ctx_frames + F (F in `frames`; default a full chunk's frames)
+        for every bucket up to the one holding `max_batch` sessions. Returns how many were newly captured."""
         flow = self.flow
         cfg, st = flow.cfg, flow.stream
-        F, C = st.chunk_codes * cfg.token_mel_ratio, st.est_ctx_frames
+        C = st.est_ctx_frames
         n, n_mel, kw = 0, cfg.output_size, {"device": flow.device, "dtype": flow.dtype}
-        for Bp in buckets_up_to(max_batch):
-            # z, ctx_traj, mu_w, cond_w, spks: shapes as in FlowModel._solve (values are replaced at every replay).
-            inputs = [torch.zeros(Bp, n_mel, F, **kw), torch.zeros(Bp, cfg.n_timesteps, n_mel, C, **kw),
-                      torch.zeros(Bp, n_mel, C + F, **kw), torch.zeros(Bp, n_mel, C + F, **kw),
-                      torch.zeros(Bp, n_mel, **kw)]
-            n += self.ensure(inputs)
+        for F in frames or (st.chunk_codes * cfg.token_mel_ratio,):
+            for Bp in buckets_up_to(max_batch):
+                # z, ctx_traj, mu_w, cond_w, spks: shapes as in FlowModel._solve (values replaced at every replay).
+                inputs = [torch.zeros(Bp, n_mel, F, **kw), torch.zeros(Bp, cfg.n_timesteps, n_mel, C, **kw),
+                          torch.zeros(Bp, n_mel, C + F, **kw), torch.zeros(Bp, n_mel, C + F, **kw),
+                          torch.zeros(Bp, n_mel, **kw)]
+                n += self.ensure(inputs)
         return n
 
     def run(self, z, ctx_traj, mu_w, cond_w, spks) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
@@ -114,16 +115,18 @@ class VocoderGraphs(BucketGraphs):
         self.generator, self.ctx_frames, self.chunk_frames = generator, ctx_frames, chunk_frames
 
     @torch.inference_mode()  # as run_jobs
-    def capture_steady_state(self, max_batch: int) -> int:
-        """The steady-state window (voc_ctx_frames + a full chunk's frames, carried phase at the chunk's end) for
-        every bucket up to the one holding `max_batch` sessions. Returns how many graphs were newly captured."""
+    def capture_steady_state(self, max_batch: int, frames: Sequence[int] | None = None) -> int:
+        """The windows voc_ctx_frames + F (F in `frames`, default a full chunk's frames; carried phase at the
+        chunk's end) for every bucket up to the one holding `max_batch` sessions. Returns graphs newly captured."""
         gen = self.generator
         w = gen.conv_pre.weight
         cfg, H = gen.cfg, gen.n_harmonics
-        T, hop = self.ctx_frames + self.chunk_frames, cfg.mel.hop
+        hop = cfg.mel.hop
         n, kw = 0, {"device": w.device, "dtype": w.dtype}
-        for Bp in buckets_up_to(max_batch):
-            inputs = [torch.zeros(Bp, cfg.mel.n_mels, T, **kw), torch.zeros(Bp, H, **kw),
-                      torch.zeros(Bp, H, T * hop, **kw)]
-            n += self.ensure(inputs, (self.chunk_frames * hop,))
+        for F in frames or (self.chunk_frames,):
+            T = self.ctx_frames + F
+            for Bp in buckets_up_to(max_batch):
+                inputs = [torch.zeros(Bp, cfg.mel.n_mels, T, **kw), torch.zeros(Bp, H, **kw),
+                          torch.zeros(Bp, H, T * hop, **kw)]
+                n += self.ensure(inputs, (F * hop,))
         return n
