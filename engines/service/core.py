@@ -72,6 +72,9 @@ class _DecodeWork:
     final: bool = False
 
 
+SLOW_STEP_S = 0.1
+
+
 def _device_name(device: str) -> str:
     """The GPU's name for /health (load tests print it), or "cpu"."""
     dev = torch.device(device)
@@ -174,8 +177,11 @@ class Service:
 
     def step(self) -> list[Out]:
         """One engine step; its rows become deltas, audio chunks and completions."""
+        t0 = time.perf_counter()
         self._collect_decoded()
+        t1 = time.perf_counter()
         outputs: list[StepOutput] = self.engine.step()
+        t2 = time.perf_counter()
         finished: list[tuple[Session, Turn, StepOutput]] = []
         live: list[tuple[Session, ResponseState]] = []
         for o in outputs:
@@ -195,11 +201,17 @@ class Service:
             if o.finished:
                 finished.append((s, t, o))
         self._decode_due(live)
+        t3 = time.perf_counter()
         for s, t, o in finished:
             try:
                 self._finish(s, t, o)
             except (EngineError, ServiceError) as e:
                 self._send(s.owner, m.Error(s.session_id, e.code, str(e)))
+        t4 = time.perf_counter()
+        if t4 - t0 > SLOW_STEP_S:  # every session waits for this loop: say where a slow step went
+            log.warning("slow step %.0f ms: collect audio %.0f, engine %.0f (%d rows), rows %.0f, finish %.0f (%d)",
+                        1e3 * (t4 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), len(outputs), 1e3 * (t3 - t2),
+                        1e3 * (t4 - t3), len(finished))
         return self._take()
 
     def stats(self) -> dict[str, Any]:

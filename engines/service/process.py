@@ -238,6 +238,7 @@ class EngineServer:
                 self._send([(client, m.Error(None, "invalid_request", str(e)))])
         if not items:
             return
+        t0 = time.perf_counter()
         try:
             outs = self.service.handle_many(items)
         except Exception as e:  # noqa: BLE001 - a bug on some message must not take the engine down
@@ -245,6 +246,11 @@ class EngineServer:
             outs = [(client, m.Error(getattr(msg, "session_id", None), "engine_error", f"{type(e).__name__}: {e}",
                                      getattr(msg, "response_id", None))) for client, msg in items]
         self._send(outs)
+        if time.perf_counter() - t0 > 0.1:  # the engine loop waits for this: say what was slow to handle
+            kinds: dict[str, int] = {}
+            for _, msg in items:
+                kinds[type(msg).__name__] = kinds.get(type(msg).__name__, 0) + 1
+            log.warning("slow message handling %.0f ms: %s", 1e3 * (time.perf_counter() - t0), kinds)
 
     def run_once(self, timeout_ms: int | None = None) -> None:
         if timeout_ms is None:

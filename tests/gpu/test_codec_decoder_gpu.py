@@ -101,5 +101,5 @@ def test_vocoder_graph_replay_equals_eager(codec):
     for a, b, c in zip(want, got, again, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, atol=tol, rtol=0)
-        torch.testing.assert_close(c, b, atol=0, rtol=0)
+        torch.testing.assert_close(c, b, atol=tol, rtol=0)  # F.fold adds with atomics: not bitwise repeatable
     assert (other[0] - got[0]).abs().max() > 1e-6
