@@ -15,7 +15,13 @@ from engines.codec.decoder.config import CodecDecoderConfig
 from engines.codec.decoder.flow import FlowModel, PreparedVoice
 from engines.codec.decoder.mel import MelSpec, check_same_mel
 from engines.codec.decoder.stream import DecodeStream, Job
-from engines.codec.decoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
+from engines.codec.decoder.vocoder import (
+    BigVGANVocoder,
+    HiFTVocoder,
+    Vocoder,
+    WindowedVocoder,
+    wait_releasing_gil,
+)
 from engines.codec.decoder.voice import Voice
 from engines.config import ConfigError, parse_dtype
 
@@ -206,6 +212,7 @@ class CodecDecoder:
             outs = self.windowed.push(mel, [j.stream.voc_state for j in js], gens, [j.final for j in js])
             for i, o in zip(idx, outs, strict=True):
                 results[i] = o
+        wait_releasing_gil(self.device)
         pcm = [r.cpu().numpy().astype(np.float32, copy=False) for r in results]  # type: ignore[union-attr]
         for j, p in zip(jobs, pcm, strict=True):
             j.stream.samples_out += p.shape[0]

@@ -116,6 +116,16 @@ def crossfade_windows(n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor
     return fade_in, 1 - fade_in
 
 
+def wait_releasing_gil(device: torch.device) -> None:
+    """Wait for the current stream's work before a device-to-host read. Decoding runs on a worker thread beside
+    the engine loop: an event wait lets other Python threads run, where the read's own wait may hold the GIL
+    for the whole decode."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record()
+        ev.synchronize()
+
+
 class WindowedVocoder:
     """Streams a Vocoder: left mel context, held tail and crossfade per session."""
 
@@ -136,7 +146,9 @@ class WindowedVocoder:
         win = torch.cat([torch.stack([s.ctx_mel for s in states]), mel], dim=2)  # [B, 80, M + F]
         # Next window starts F frames later: that is where the carried state must point.
         # One device -> host copy per batch; seams are cut and crossfaded on the host.
-        wav = self.vocoder.render(win, states, gens, keep_at=Fr * hop).float().cpu()
+        wav = self.vocoder.render(win, states, gens, keep_at=Fr * hop).float()
+        wait_releasing_gil(wav.device)
+        wav = wav.cpu()
         fade_in, fade_out = crossfade_windows(X, wav.device, wav.dtype)
         start, end = M * hop - X, (M + Fr) * hop
         out = []
