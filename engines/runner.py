@@ -81,6 +81,8 @@ class ModelRunner:
             self.mixed_graphs = CudaGraphMixed(model, self.kv_cache, config.prefill_token_budget, config.max_running,
                                                max_blocks, self.pad_block, self.graphs.pool)
             self.mixed_graphs.capture_all()
+            with torch.inference_mode():  # the text head runs outside the graphs: tune its GEMM now, not mid-answer
+                model.text_logits(torch.zeros(1, model_config.hidden_size, device=self.device, dtype=self.dtype))
 
     # ---- run -----------------------------------------------------------------------------
 

@@ -115,6 +115,10 @@ def build_service(args: argparse.Namespace) -> Service:
         if vocoder is None:
             vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
         encoder = SpeechEncoder.load(args.codec, device=args.device)
+        if args.device.startswith("cuda"):
+            # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
+            # engine loop for the allocation and copy.
+            encoder.reserve(engine.config.max_running)
         on_gpu = args.device.startswith("cuda")
         # On the GPU the flow's Euler solve is launch-bound: replay it as CUDA graphs, estimator in bf16.
         decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
