@@ -299,3 +299,19 @@ def test_kv_slots_are_returned(enc):
     # A reused slot holds stale rows from its last owner; they must not leak into the new stream.
     pcm = speech_like(0.7, seed=5)
     assert enc.encode(pcm) == SpeechEncoder.load("tiny-random").encode(pcm)
+
+
+def test_reserved_kv_slots_serve_that_many_streams_without_growing():
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    pool = e.runner.kv
+    e.reserve(3)
+    assert pool.capacity == 3
+    streams = [e.open_stream() for _ in range(3)]
+    for s in streams:
+        s.push(speech_like(0.2, seed=1))
+    assert pool.capacity == 3 and pool.in_use == 3  # no growth (a growth copies every layer's cache)
+    extra = e.open_stream()
+    extra.push(speech_like(0.1))
+    assert pool.capacity == 6  # the fourth doubles the pool
+    e.reserve(2)
+    assert pool.capacity == 6  # reserving less never shrinks
