@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engines.codec.decoder.codec_decoder import CodecDecoder
@@ -112,3 +114,41 @@ def test_holding_user_audio_until_80ms_gives_the_same_codes_and_answer():
     held, n_held = run(1280)
     assert held == every_piece  # same codes in the same rows, same greedy answer
     assert n_every == 50 + 1 and n_held == 12 + 1  # 20 ms pieces vs 80 ms groups, + the flush at commit
+
+
+@pytest.mark.parametrize("then", ["cancel", "close"])
+def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
+    """Right after an answer ends its last audio is still on the codec worker: cancelling it drops that audio
+    (ResponseDone says cancelled, no chunk follows), closing the session ends quietly; blocks all return."""
+    engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+    svc = Service(engine, StandInTokenizer(), None, decoder, codec_thread=True)
+    greedy = m.Sampling(greedy=True, max_new_tokens=ROWS, min_new_tokens=ROWS)
+    svc.handle(b"c", m.OpenSession("s", sampling=greedy))
+    svc.handle(b"c", m.AddUserText("s", "i", "hello"))
+    svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
+    msgs, acted_at = [], None
+    deadline = time.monotonic() + 60
+    while svc.has_work() and time.monotonic() < deadline:
+        if not engine.has_work():
+            time.sleep(0.002)  # only the codec worker is busy: let it run (the engine process's loop does the same)
+        msgs += [x for _, x in svc.step()]
+        if acted_at is None and "s" in svc.sessions and svc.sessions["s"].completing is not None:
+            acted_at = len(msgs)
+            msg = m.CancelResponse("s", "r") if then == "cancel" else m.CloseSession("s")
+            msgs += [x for _, x in svc.handle(b"c", msg)]
+    assert acted_at is not None, "the answer never waited for its last audio"
+    after = msgs[acted_at:]
+    assert not any(isinstance(x, m.AudioChunk) for x in after)
+    done = [x for x in msgs if isinstance(x, m.ResponseDone)]
+    if then == "cancel":
+        assert [d.status for d in done] == ["cancelled"]
+    else:
+        assert done == []  # the session is gone: nobody to tell
+    assert not svc.has_work()
+    if then == "cancel":
+        svc.handle(b"c", m.CloseSession("s"))
+        while svc.has_work():
+            svc.step()
+    assert engine.stats().free_blocks == engine.stats().total_blocks
+    engine.check_integrity()
+    svc._codec.close()

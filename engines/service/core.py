@@ -400,6 +400,8 @@ class Service:
         s = self._session(client, msg.session_id)
         del self.sessions[msg.session_id]
         self._held_pcm.pop(s.session_id, None)
+        if s.completing is not None:
+            self._drop_last_audio(s.completing)
         t = s.active
         if t is not None:
             t.undo = "close"
@@ -638,7 +640,7 @@ class Service:
                 self.engine.abort(t.request_id)
             return
         if s.completing is not None and s.completing.response_id == msg.response_id:
-            s.completing.cancelled = True  # its last audio is still decoding: drop it
+            self._drop_last_audio(s.completing)
             return
         if msg.response_id in self._finished_ids or any(d.response_id == msg.response_id for d in s.deferred):
             s.deferred = [d for d in s.deferred if d.response_id != msg.response_id]
@@ -659,7 +661,7 @@ class Service:
             raise ServiceError("invalid_request", f"response {msg.response_id!r} is not the latest answer of this "
                                "session (only that one can be truncated)", msg.response_id)
         if s.completing is not None and s.completing.response_id == msg.response_id:
-            s.completing.cancelled = True  # the client stopped playing it: its last audio need not be sent
+            self._drop_last_audio(s.completing)  # the client stopped playing it
         keep = a.cut(msg.audio_samples_played)
         if keep is None:
             return
@@ -747,6 +749,12 @@ class Service:
                 self._deliver([final], self._decode_pcm([final]))
             except Exception as e:  # noqa: BLE001 - see _deliver
                 self._deliver([final], e)
+
+    def _drop_last_audio(self, r: ResponseState) -> None:
+        """A finished answer whose last audio is still decoding will not be heard: send none, decode no more."""
+        r.cancelled = True
+        if self._codec is not None:
+            self._codec.cancel(r)
 
     def _complete(self, s: Session, r: ResponseState) -> None:
         """ResponseDone once the answer's last audio is out; then any response asked for meanwhile."""
