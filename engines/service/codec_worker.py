@@ -82,11 +82,6 @@ class CodecWorker:
         with self._cv:
             return bool(self._answers) or self._running or bool(self._results)
 
-    def flush(self) -> None:
-        """Wait until every pushed code is decoded (tests and shutdown)."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._running and not any(self._has_work(a) for a in self._answers.values()))
-
     def close(self) -> None:
         with self._cv:
             self._closed = True

@@ -98,9 +98,10 @@ class Service:
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
         decoded in one batch per step. `voice_loader`: WAV bytes -> the decoder's speaker prompt
         (raises ValueError for a bad recording); without it a session's voice_wav is refused.
-        `decode_interval_s`: chunks of answers that already play are decoded at most this often, in one
-        batch, so the language model keeps stepping ahead of real time between codec calls; an answer's
-        first chunk is decoded at once (it decides TTFA). 0 decodes every step.
+        `decode_interval_s` (without the codec thread): chunks of answers that already play are decoded at most
+        this often, in one batch, so the language model keeps stepping ahead of real time between codec calls;
+        an answer's first chunk is decoded at once (it decides TTFA). 0 decodes every step. The codec thread
+        batches by its own rounds instead (engines/service/codec_worker.py).
         `encode_min_samples`: user audio is held per session until this much (16 kHz samples) is pending,
         then encoded (batched across sessions); 1280 = one code's 80 ms. Codes are the same either way
         (the encoder streams exactly); this only saves encoder steps on 20 ms pieces. Commit flushes.

@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
-                   help="batch codec calls for playing answers at most this often (first chunks go at once)")
+                   help="without the codec thread: batch codec calls for playing answers at most this often "
+                        "(first chunks go at once); the codec thread batches by its own rounds")
 
 
 def build_service(args: argparse.Namespace) -> Service:
