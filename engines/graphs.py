@@ -8,11 +8,37 @@ spare block outside the pool and attend only to it, so they never touch real seq
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
+from engines.kernels.tiles import max_tiles
 from engines.model.batch import ForwardBatch
 
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+
+T = TypeVar("T")
+
+
+def capture_graph(fn: Callable[[], T], pool=None, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `fn` `warmup` times on a side stream (lazy inits, Triton compiles and allocator state stay out of
+    the graph), then capture it there into `pool`. Returns the graph and the outputs it writes on replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
+
+
+def _forward(model: torch.nn.Module, kv_cache: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = model(batch, kv_cache)  # [2, b, hidden]
+    return hidden, model.audio_logits(hidden[1])
 
 
 class CudaGraphDecoder:
@@ -52,25 +78,14 @@ class CudaGraphDecoder:
         self.context_lens[start:] = 1
         self.block_tables[start:] = self.pad_block
 
-    def _run(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(self._batch(b), self.kv_cache)  # [2, b, hidden]
-        return hidden, self.model.audio_logits(hidden[1])
-
     @torch.inference_mode()
     def capture(self) -> None:
         self._reset_padding(0)
-        self.pool = pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-                for _ in range(2):  # warm-up compiles the Triton kernels outside the capture
-                    self._run(b)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[b] = self._run(b)
-                self.graphs[b] = graph
-        torch.cuda.current_stream().wait_stream(stream)
+        self.pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+            batch = self._batch(b)
+            self.graphs[b], self.outputs[b] = capture_graph(lambda batch=batch: _forward(self.model, self.kv_cache,
+                                                                                         batch), self.pool)
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
@@ -111,8 +126,6 @@ class CudaGraphMixed:
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, max_rows: int, max_seqs: int,
                  max_blocks_per_seq: int, pad_block: int, pool) -> None:
-        from engines.kernels.tiles import max_tiles
-
         self.model, self.kv_cache, self.pool = model, kv_cache, pool
         self.row_sizes = [t for t in ROW_LADDER if t < max_rows] + [max_rows]
         self.seq_sizes = [b for b in LADDER if b < max_seqs] + [max_seqs]
@@ -137,8 +150,6 @@ class CudaGraphMixed:
         return None if t is None or b is None else (t, b)
 
     def _batch(self, t: int, b: int) -> tuple[ForwardBatch, int]:
-        from engines.kernels.tiles import max_tiles
-
         n = max_tiles(t, b)
         return ForwardBatch(
             rows=self.rows[:t], positions=self.positions[:t], slot_mapping=self.slots[:t],
@@ -147,45 +158,34 @@ class CudaGraphMixed:
             max_context_len=self.block_tables.shape[1] * self.kv_cache.shape[3], is_decode=False,
             num_decode_seqs=0, tiles=self.tiles[:, :n]), n
 
-    def _run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(batch, self.kv_cache)  # [2, b, hidden]
-        return hidden, self.model.audio_logits(hidden[1])
+    def _pad(self, t: int, b: int, n_tiles: int, rows: int = 0, seqs: int = 0, logits: int = 0, tiles: int = 0
+             ) -> None:
+        """Fill the static buffers past the real rows, sequences, logits rows and tiles with padding, up to
+        (t rows, b sequences, n_tiles tiles): padding rows write the spare block, padding sequences have no rows."""
+        self.rows[rows:t] = 0
+        self.positions[rows:t] = 0
+        self.slots[rows:t] = self.pad_slot
+        self.query_start[seqs + 1: b + 1] = rows
+        self.context_lens[seqs:b] = 1
+        self.block_tables[seqs:b] = self.pad_block
+        self.logits_rows[logits:b] = 0
+        self.tiles[0, tiles:n_tiles] = -1
 
     def _load(self, batch: ForwardBatch, t: int, b: int, n_tiles: int) -> None:
         """Copy the real batch into the static buffers and pad it to (t rows, b sequences, n_tiles tiles)."""
-        nt, nb = batch.num_rows, batch.num_seqs
+        nt, nb, r, k = batch.num_rows, batch.num_seqs, batch.logits_rows.shape[0], batch.tiles.shape[1]
         self.rows[:nt].copy_(batch.rows, non_blocking=True)
         self.positions[:nt].copy_(batch.positions, non_blocking=True)
         self.slots[:nt].copy_(batch.slot_mapping, non_blocking=True)
-        self.rows[nt:t] = 0
-        self.positions[nt:t] = 0
-        self.slots[nt:t] = self.pad_slot
         self.query_start[: nb + 1].copy_(batch.query_start, non_blocking=True)
-        self.query_start[nb + 1: b + 1] = nt
         self.context_lens[:nb].copy_(batch.context_lens, non_blocking=True)
-        self.context_lens[nb:b] = 1
-        width = batch.block_tables.shape[1]
-        self.block_tables[:nb, :width].copy_(batch.block_tables, non_blocking=True)
-        self.block_tables[nb:b] = self.pad_block
-        r = batch.logits_rows.shape[0]
+        self.block_tables[:nb, :batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
         self.logits_rows[:r].copy_(batch.logits_rows, non_blocking=True)
-        self.logits_rows[r:b] = 0
-        k = batch.tiles.shape[1]
-        tiles = self.tiles[:, :n_tiles]
-        tiles[:, :k].copy_(batch.tiles, non_blocking=True)
-        tiles[0, k:] = -1
+        self.tiles[:, :k].copy_(batch.tiles, non_blocking=True)
+        self._pad(t, b, n_tiles, nt, nb, r, k)
 
     def _capture(self, t: int, b: int, static: ForwardBatch) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: compiles kernels and settles the allocator outside the capture
-                self._run(static)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self._run(static)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graphs[(t, b)] = (graph, out)
+        self.graphs[(t, b)] = capture_graph(lambda: _forward(self.model, self.kv_cache, static), self.pool)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -196,14 +196,8 @@ class CudaGraphMixed:
                 if b > t or (t, b) in self.graphs:
                     continue
                 static, n_tiles = self._batch(t, b)
-                self.rows[:t] = 0
-                self.positions[:t] = 0
-                self.slots[:t] = self.pad_slot
-                self.query_start[: b + 1] = 0
-                self.context_lens[:b] = 1
-                self.block_tables[:b] = self.pad_block
-                self.logits_rows[:b] = 0
-                self.tiles[0, :n_tiles] = -1
+                self.query_start[0] = 0
+                self._pad(t, b, n_tiles)
                 self._capture(t, b, static)
         torch.cuda.synchronize()
 

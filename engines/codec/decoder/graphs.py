@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engines.graphs import capture_graph
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -47,15 +49,8 @@ class BucketGraphs:
 
     def _capture(self, inputs: Sequence[torch.Tensor], static: tuple):
         static_in = [t.clone() for t in inputs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy inits (cuFFT plans, allocator state) outside the graph
-                self.fn(*static_in, *static)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self.fn(*static_in, *static)
+        # The warm-up runs also make cuFFT plans and settle the allocator outside the graph.
+        g, out = capture_graph(lambda: self.fn(*static_in, *static), self.pool)
         self.pool = g.pool()
         return g, static_in, out
 
