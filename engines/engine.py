@@ -122,12 +122,9 @@ class Engine:
     def _emit(self, launched: _Launched) -> list[StepOutput]:
         chunks, tokens = launched.chunks, launched.tokens.get()
         if launched.ahead:
-            # Keep the rows whose assumption held: the sequence is live, its previous row was kept, and it
-            # is still in audio mode. The others are run again by a normal step. A sequence aborted since the
-            # launch gets no more rows, as if this step had not started yet.
-            keep = [i for i, c in enumerate(chunks) if c.seq.finish_reason is None
-                    and c.seq.num_computed == c.start and c.seq.mode == "audio"
-                    and not self.scheduler.aborting(c.seq.request_id)]
+            # Keep the rows whose assumption held; the others are run again by a normal step (a sequence
+            # aborted since the launch gets no more rows, as if this step had not started yet).
+            keep = [i for i, c in enumerate(chunks) if self.scheduler.audio_row_holds(c)]
             chunks, tokens = [chunks[i] for i in keep], [tokens[i] for i in keep]
         for c in chunks:
             c.seq.num_computed += c.num_rows

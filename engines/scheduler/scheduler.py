@@ -187,13 +187,19 @@ class Scheduler:
         for c in chunks:
             s = c.seq
             if not (c.num_rows == 1 and c.needs_logits and id(s) in running and s.generating
-                    and s.num_computed == c.start and s.finish_reason is None and s.mode == "audio"
-                    and s.num_generated + 2 <= s.params.max_new_tokens):
+                    and self.audio_row_holds(c) and s.num_generated + 2 <= s.params.max_new_tokens):
                 return None
         ahead = [ScheduledChunk(c.seq, 1, c.start + 1, True) for c in chunks]
         for c in ahead:
             self._ensure_blocks(c.seq, c.start + 1)
         return ahead
+
+    def audio_row_holds(self, c: ScheduledChunk) -> bool:
+        """The assumption a step launched ahead makes about its row still holds: the sequence is live and not
+        being aborted, every row before this one was kept, and it is still in audio mode."""
+        s = c.seq
+        return (s.finish_reason is None and s.num_computed == c.start and s.mode == "audio"
+                and not self.aborting(s.request_id))
 
     def _add_prefill(self, chunks: list[ScheduledChunk], seq: Sequence, budget: int) -> int:
         n = min(seq.num_pending, budget)
