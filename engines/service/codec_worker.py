@@ -23,7 +23,7 @@ import torch
 @dataclass(eq=False)
 class _Answer:
     key: Any  # the caller's handle for this answer (returned with its results)
-    stream: Any  # decoder stream (engines.codec.decoder.DecodeStream or anything with push/finalize)
+    stream: Any  # engines.codec.decoder.DecodeStream
     since: float  # when its first codes arrived (round order among answers in the same state)
     new_codes: list[int] = field(default_factory=list)  # pushed, not yet given to the stream
     jobs: deque = field(default_factory=deque)  # chunks ready to decode, in order
@@ -35,6 +35,8 @@ class _Answer:
 
 
 class CodecWorker:
+    """`decoder` batches chunks of many streams: `run_jobs(jobs) -> PCM per job` (engines.codec.decoder)."""
+
     def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256) -> None:
         self.decoder = decoder
         self.max_batch = max_batch
@@ -138,14 +140,6 @@ class CodecWorker:
                     a.closed = True
                     if a.final:
                         posts.append((a.key, np.zeros(0, np.float32), True))
-                        done.append(a)
-                    continue
-                if not hasattr(self.decoder, "run_jobs"):  # a plain decoder: no batching
-                    pcm = a.stream.push(codes)
-                    if finishing:
-                        pcm = np.concatenate([pcm, a.stream.finalize()])
-                    posts.append((a.key, pcm, finishing))
-                    if finishing:
                         done.append(a)
                     continue
                 if codes:

@@ -73,6 +73,7 @@ class _DecodeWork:
 
 
 SLOW_STEP_S = 0.1
+FIRST_CHUNK_CODES = 8  # 5 codes + 3 lookahead: an answer's first chunk can be decoded (stage marks only)
 
 
 def _device_name(device: str) -> str:
@@ -105,8 +106,8 @@ class Service:
         `encode_min_samples`: user audio is held per session until this much (16 kHz samples) is pending,
         then encoded (batched across sessions); 1280 = one code's 80 ms. Codes are the same either way
         (the encoder streams exactly); this only saves encoder steps on 20 ms pieces. Commit flushes.
-        `codec_thread`: decode speech on a worker thread (its own CUDA stream on a GPU) while the engine
-        steps; the PCM is the same, only when it leaves changes."""
+        `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
+        a GPU) while the engine steps; the PCM is the same, only when it leaves changes."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -119,7 +120,7 @@ class Service:
         self.encode_min_samples = encode_min_samples
         self._held_pcm: dict[str, list[np.ndarray]] = {}  # user audio waiting for encode_min_samples
         self._codec = None
-        if codec_thread and decoder is not None:
+        if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             from engines.service.codec_worker import CodecWorker
 
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")))
@@ -194,8 +195,8 @@ class Service:
             if r is not None and o.finish_reason != "abort":  # an abort output carries no row
                 r.add_row(o.text_token, o.audio_token, o.mode)
                 r.mark("first_row")
-                if len(r.code_idx) >= 8:
-                    r.mark("first_chunk_codes")  # 5 codes + 3 lookahead: the first chunk can be decoded
+                if len(r.code_idx) >= FIRST_CHUNK_CODES:
+                    r.mark("first_chunk_codes")
                 if o.mode == "text" and not r.cancelled:
                     self._text(s, r, r.detok.push(o.text_token))
                 live.append((s, r))
@@ -266,7 +267,7 @@ class Service:
                     self._codec_owner[id(r)] = s
                     self._codec.push(r, r.decoder_stream, r.new_codes)
                     r.new_codes = []
-                    if len(r.code_idx) >= 8:
+                    if len(r.code_idx) >= FIRST_CHUNK_CODES:
                         r.mark("first_chunk_sent")
             return
         for s, r in live:
@@ -287,7 +288,7 @@ class Service:
             elif r.decoder_stream is not None and r.new_codes:
                 work.append(_DecodeWork(s, r, r.decoder_stream, r.new_codes))
                 r.new_codes = []
-                if len(r.code_idx) >= 8:
+                if len(r.code_idx) >= FIRST_CHUNK_CODES:
                     r.mark("first_chunk_sent")
         if not work:
             return
@@ -311,36 +312,33 @@ class Service:
         return pcm
 
     def _deliver(self, work: list[_DecodeWork], result: list[np.ndarray] | Exception) -> None:
-        if isinstance(result, Exception):  # the speech decoder failing ends these answers, not the engine
-            log.error("speech decoder failed for %d responses: %r", len(work), result)
-            for w in work:
-                if not w.response.cancelled:
-                    self._fail(w.session, w.response, f"speech decoder failed: {type(result).__name__}: {result}")
-        else:
-            for w, pcm in zip(work, result, strict=True):
-                if not w.response.cancelled:
-                    self._audio(w.session, w.response, pcm)
-        for w in work:
-            if w.final:
-                self._complete(w.session, w.response)
+        pcms = [result] * len(work) if isinstance(result, Exception) else result
+        for w, pcm in zip(work, pcms, strict=True):
+            self._deliver_one(w.session, w.response, pcm, w.final)
+
+    def _deliver_one(self, s: Session, r: ResponseState, pcm: np.ndarray | Exception, final: bool) -> None:
+        """Decoded audio of one answer (or the decoder's failure); `final`: its last, then ResponseDone."""
+        if isinstance(pcm, Exception):  # the speech decoder failing ends this answer, not the engine
+            log.error("speech decoder failed for %s: %r", r.response_id, pcm)
+            if not r.cancelled:
+                self._fail(s, r, f"speech decoder failed: {type(pcm).__name__}: {pcm}")
+        elif not r.cancelled:
+            self._audio(s, r, pcm)
+        if final:
+            self._complete(s, r)
 
     def _collect_decoded(self) -> None:
         if self._codec is None:
             return
-        for r, result, final in self._codec.take_results():
+        for r, result, worker_done in self._codec.take_results():
             s = self._codec_owner.get(id(r))
             if s is None:
                 continue
-            if isinstance(result, Exception):  # the speech decoder failing ends this answer, not the engine
-                log.error("speech decoder failed for %s: %r", r.response_id, result)
-                if not r.cancelled:
-                    self._fail(s, r, f"speech decoder failed: {type(result).__name__}: {result}")
-                final = final and s.completing is r
-            elif not r.cancelled:
-                self._audio(s, r, result)
-            if final:
+            if worker_done:
                 del self._codec_owner[id(r)]
-                self._complete(s, r)
+            # A failure ends the worker's part; the answer itself is complete only once it has finished.
+            final = s.completing is r if isinstance(result, Exception) else worker_done
+            self._deliver_one(s, r, result, final)
 
     def _fail(self, s: Session, r: ResponseState, why: str) -> None:
         """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""

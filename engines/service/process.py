@@ -93,7 +93,8 @@ def build_service(args: argparse.Namespace) -> Service:
         kw["prefill_token_budget"] = max(EngineConfig.prefill_token_budget, 2 * args.max_running)
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
-    if args.device.startswith("cuda"):
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu:
         import torch
 
         # The language model's steps (and the speech encoder) run on a high-priority stream, so they never
@@ -116,11 +117,10 @@ def build_service(args: argparse.Namespace) -> Service:
         if vocoder is None:
             vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
         encoder = SpeechEncoder.load(args.codec, device=args.device)
-        if args.device.startswith("cuda"):
+        if on_gpu:
             # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
             # engine loop for the allocation and copy.
             encoder.reserve(engine.config.max_running)
-        on_gpu = args.device.startswith("cuda")
         # On the GPU the flow's Euler solve is launch-bound: replay it as CUDA graphs, estimator in bf16.
         decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
                                     cuda_graphs=on_gpu, estimator_dtype="bfloat16" if on_gpu else "float32")
