@@ -3,12 +3,17 @@
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
 export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"24\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\"]"
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 > $OUT/server.log 2>&1 &
 SERVER=$!
 for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
 curl -s http://127.0.0.1:8000/health; echo
+touch /tmp/moss-ready
 timeout ${CAP_TIMEOUT:-420} python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start ${CAP_START:-16} --step ${CAP_STEP:-16} --max ${CAP_MAX:-128} \
-  --turns 2 --ramp 16 --max-output-tokens 50 --level-duration ${CAP_LEVEL_S:-60} --json $OUT/capacity.json --plots $OUT 2>&1 | tail -40
+  --turns 2 --ramp 16 --max-output-tokens 50 --level-duration ${CAP_LEVEL_S:-60} --json $OUT/capacity.json --plots $OUT ${CAP_ARGS:-} 2>&1 | tail -40
 kill $SERVER; sleep 3; tail -5 $OUT/server.log
+echo "Triton kernels compiled while serving (each one stalls its caller):"
+find $TRITON_CACHE_DIR -newer /tmp/moss-ready -name '*.cubin' -printf '%TT %f\n' | sort | head -20
+echo "stalls: $(grep -c 'stall in' $OUT/server.log), gc pauses logged: $(grep -c 'gc generation' $OUT/server.log)"

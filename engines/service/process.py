@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -42,7 +43,9 @@ from typing import Any
 import zmq
 
 from engines.service import messages as m
+from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
+from engines.service.stall_watch import StallWatch
 
 log = logging.getLogger("engines.service")
 
@@ -129,6 +132,9 @@ def build_service(args: argparse.Namespace) -> Service:
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)
+    # Everything loaded so far lives as long as the process: keep it out of every later collection's scan.
+    gc.collect()
+    gc.freeze()
     log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
              time.monotonic() - t0)
     return Service(engine, tokenizer, encoder, decoder, voices,
@@ -215,8 +221,10 @@ class EngineServer:
         self._last_check = 0.0
         self._busy_since_check = False
         self._load = _LoadLog(service)
+        self.watch = StallWatch(threshold_s=SLOW_S)
 
     def close(self) -> None:
+        self.watch.close()
         self.sock.close(0)
 
     def _send(self, outs: list[Out]) -> None:
@@ -251,7 +259,7 @@ class EngineServer:
             outs = [(client, m.Error(getattr(msg, "session_id", None), "engine_error", f"{type(e).__name__}: {e}",
                                      getattr(msg, "response_id", None))) for client, msg in items]
         self._send(outs)
-        if time.perf_counter() - t0 > 0.1:  # the engine loop waits for this: say what was slow to handle
+        if time.perf_counter() - t0 > SLOW_S:  # the engine loop waits for this: say what was slow to handle
             kinds: dict[str, int] = {}
             for _, msg in items:
                 kinds[type(msg).__name__] = kinds.get(type(msg).__name__, 0) + 1
@@ -265,12 +273,14 @@ class EngineServer:
                 timeout_ms = WAIT_POLL_MS if self.service.has_work() else IDLE_POLL_MS
         if self.sock.poll(timeout_ms, zmq.POLLIN):
             t0 = time.perf_counter()
-            self._recv_all()
+            with self.watch.section("message handling"):
+                self._recv_all()
             self._load.handled(time.perf_counter() - t0)
         if self.service.has_work():
             t0 = time.perf_counter()
             try:
-                outs = self.service.step()
+                with self.watch.section("engine step"):
+                    outs = self.service.step()
             except Exception:
                 log.exception("engine step failed; failing live responses and exiting")
                 self._send(self._fail_all())

@@ -1,0 +1,76 @@
+"""The engine loop's stall watch names the call a long section was stuck in, and leaves short sections alone."""
+
+import gc
+import logging
+import threading
+import time
+
+import pytest
+
+from engines.service.stall_watch import StallWatch
+
+
+@pytest.fixture
+def watch():
+    w = StallWatch(threshold_s=0.05, period_s=0.01)
+    yield w
+    w.close()
+
+
+def _stuck_in_a_slow_call(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_long_section_is_logged_with_the_call_it_was_stuck_in(watch, caplog):
+    with caplog.at_level(logging.WARNING, logger="engines.service.stall"):
+        with watch.section("engine step"):
+            _stuck_in_a_slow_call(0.3)
+    assert len(watch.stalls) == 1
+    stall = watch.stalls[0]
+    assert stall.section == "engine step" and stall.seconds >= 0.3
+    loop_stacks = stall.samples["loop"]
+    assert sum(loop_stacks.values()) >= 3  # sampled repeatedly while stuck
+    assert "_stuck_in_a_slow_call" in loop_stacks.most_common(1)[0][0]
+    assert "stall in engine step" in caplog.text and "_stuck_in_a_slow_call" in caplog.text
+
+
+def test_other_threads_are_sampled_too(watch):
+    stop = threading.Event()
+
+    def codec_worker_like():
+        while not stop.is_set():
+            _stuck_in_a_slow_call(0.01)
+
+    t = threading.Thread(target=codec_worker_like, name="codec")
+    t.start()
+    try:
+        with watch.section("message handling"):
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        t.join()
+    assert "codec" in watch.stalls[-1].samples
+    assert "codec_worker_like" in next(iter(watch.stalls[-1].samples["codec"]))
+
+
+def test_short_sections_leave_no_record(watch, caplog):
+    with caplog.at_level(logging.WARNING, logger="engines.service.stall"):
+        for _ in range(20):
+            with watch.section("engine step"):
+                time.sleep(0.002)
+    assert watch.stalls == [] and caplog.text == ""
+
+
+def test_long_gc_pauses_are_recorded(monkeypatch, watch):
+    monkeypatch.setattr("engines.service.stall_watch.GC_LOG_MS", 0.0)  # every collection counts as long
+    watch.take_gc_pauses()
+    gc.collect()
+    assert len(watch.take_gc_pauses()) >= 1
+    assert watch.take_gc_pauses() == []
+
+
+def test_close_stops_the_thread_and_the_gc_hook():
+    w = StallWatch()
+    w.close()
+    assert not w._thread.is_alive()
+    assert w._on_gc not in gc.callbacks
