@@ -22,7 +22,9 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+# K and the row stride change with the batch's largest top-k; specializing on them compiled new kernels
+# while serving (each a 100-500 ms stall of the engine loop).
+@triton.jit(do_not_specialize=["K", "stride_ids"])
 def _race_noise_kernel(SEEDS, STEPS, IDS, OUT, K, stride_ids, CHANNEL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -19,12 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines.service.spans import Spans
+
 
 @dataclass(eq=False)
 class _Answer:
     key: Any  # the caller's handle for this answer (returned with its results)
     stream: Any  # engines.codec.decoder.DecodeStream
     since: float  # when its first codes arrived (round order among answers in the same state)
+    pushed_at: float = 0.0  # when codes last arrived (how long a first chunk waited for its round)
     new_codes: list[int] = field(default_factory=list)  # pushed, not yet given to the stream
     jobs: deque = field(default_factory=deque)  # chunks ready to decode, in order
     final: bool = False  # no more codes: finish the stream after its last chunk
@@ -49,6 +52,7 @@ class CodecWorker:
         self.batches = 0  # counters for the engine process's load log
         self.items = 0
         self.busy_s = 0.0
+        self.spans = Spans()  # round times and first chunks' waits, taken by the load log (under _cv)
         self._thread = threading.Thread(target=self._run, name="codec-worker", daemon=True)
         self._thread.start()
 
@@ -61,6 +65,7 @@ class CodecWorker:
             if a is None:
                 a = self._answers[id(key)] = _Answer(key, stream, time.monotonic())
             a.new_codes += codes
+            a.pushed_at = time.monotonic()
             a.final = a.final or final
             self._cv.notify_all()
 
@@ -78,6 +83,10 @@ class CodecWorker:
             out = list(self._results)
             self._results.clear()
             return out
+
+    def take_spans(self) -> dict[str, tuple[int, float, float]]:
+        with self._cv:
+            return self.spans.take()
 
     def busy(self) -> bool:
         """Answers with work left, a round running, or results not yet collected."""
@@ -111,6 +120,7 @@ class CodecWorker:
                     a.finishing = a.finishing or a.final
                 self._running = True
             t0 = time.perf_counter()
+            waits = [time.monotonic() - a.pushed_at for a, codes, _ in taken if codes and a.chunks_out == 0]
             try:
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
@@ -119,7 +129,11 @@ class CodecWorker:
                     posts, done = self._round(taken)
             finally:
                 with self._cv:
-                    self.busy_s += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.busy_s += dt
+                    self.spans.add("codec round", dt)
+                    for w in waits:
+                        self.spans.add("new answer's codes queued", w)
                     self._results.extend(posts)
                     for a in done:
                         self._answers.pop(id(a.key), None)

@@ -46,6 +46,7 @@ from engines.config import ConfigError
 from engines.service import messages as m
 from engines.service.prompt import PromptBuilder
 from engines.service.sessions import Answer, ResponseState, Session, Turn
+from engines.service.spans import Spans
 from engines.service.tokenizer import IncrementalDetokenizer, TextTokenizer
 from engines.tokens import Row
 
@@ -73,6 +74,7 @@ class _DecodeWork:
 
 
 SLOW_STEP_S = 0.1
+_WARM_UP = b"warm-up"  # the client id of the start-up turns
 FIRST_CHUNK_CODES = 8  # 5 codes + 3 lookahead: an answer's first chunk can be decoded (stage marks only)
 
 
@@ -130,6 +132,7 @@ class Service:
         self._last_decode = 0.0
         self._finished_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
+        self.spans = Spans()  # where the loop's time goes, per message kind and step part (the load log)
 
     # ---- entry points -------------------------------------------------------------------
 
@@ -139,7 +142,8 @@ class Service:
             self._send(client, m.Error(getattr(msg, "session_id", None), "invalid_request",
                                        f"{type(msg).__name__} is not a request to the engine"))
         else:
-            self._guard(client, msg, handler, client, msg)
+            with self.spans.span(type(msg).__name__):
+                self._guard(client, msg, handler, client, msg)
         return self._take()
 
     def handle_many(self, items: list[tuple[bytes, Any]]) -> list[Out]:
@@ -161,6 +165,40 @@ class Service:
         if run:
             out += self._append_batch(run)
         return out
+
+    def warm_up(self, batches: tuple[int, ...] = (1, 4), rows: int = 24, timeout_s: float = 300.0) -> None:
+        """Throw-away spoken turns (noise in, `rows` answer rows out) for 1, then several sessions at once, so
+        that first-use costs are paid before anyone connects: library start-up (cuFFT, cuDNN), per-shape plans
+        and Triton compiles that a first caller would otherwise wait 150-500 ms for, stalling every session.
+        Leaves no session, KV block or codec work behind; raises if any turn fails."""
+        pcm = float32_to_pcm16((0.1 * np.random.default_rng(0).standard_normal(16000)).astype(np.float32))
+        sampling = m.Sampling(max_new_tokens=rows, min_new_tokens=rows)
+        for n in batches:
+            ids = [f"warm-up-{n}-{i}" for i in range(n)]
+            out = [o for sid in ids for o in self.handle(_WARM_UP, m.OpenSession(sid, sampling=sampling))]
+            for i in range(0, len(pcm), 640):  # 20 ms pieces of every session together, as under load
+                out += self.handle_many([(_WARM_UP, m.AppendUserAudio(sid, pcm[i:i + 640])) for sid in ids])
+            for sid in ids:
+                out += self.handle(_WARM_UP, m.CommitUserAudio(sid, "warm-up"))
+                out += self.handle(_WARM_UP, m.CreateResponse(sid, f"{sid}-answer", "audio", sampling))
+            done: set[str] = set()
+            deadline = time.monotonic() + timeout_s
+            while len(done) < n and self.has_work() and time.monotonic() < deadline:
+                step = self._warm_up_step()
+                out += step
+                done |= {msg.session_id for _, msg in step if isinstance(msg, m.ResponseDone)}
+            for sid in ids:
+                out += self.handle(_WARM_UP, m.CloseSession(sid))
+            while self.has_work() and time.monotonic() < deadline:  # closed sessions' last audio, KV release
+                out += self._warm_up_step()
+            failed = [msg for _, msg in out if isinstance(msg, m.Error)]
+            if failed or len(done) < n:
+                raise RuntimeError(f"warm-up with {n} sessions failed: {failed[:3] or 'answers did not finish'}")
+
+    def _warm_up_step(self) -> list[Out]:
+        if not self.engine.has_work():
+            time.sleep(0.002)  # only the codec worker is busy: let it have the GIL
+        return self.step()
 
     def _guard(self, client: bytes, msg: Any, fn: Any, *args: Any) -> None:
         """Run fn; an error becomes an Error message to the client (the session survives)."""
@@ -210,6 +248,7 @@ class Service:
             except (EngineError, ServiceError) as e:
                 self._send(s.owner, m.Error(s.session_id, e.code, str(e)))
         t4 = time.perf_counter()
+        self.spans.add("engine step", t2 - t1)
         if t4 - t0 > SLOW_STEP_S:  # every session waits for this loop: say where a slow step went
             log.warning("slow step %.0f ms: collect audio %.0f, engine %.0f (%d rows), rows %.0f, finish %.0f (%d)",
                         1e3 * (t4 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), len(outputs), 1e3 * (t3 - t2),
@@ -461,7 +500,8 @@ class Service:
                 if pcm is not None:
                     ready.append((client, msg, s, pcm))
         if ready:
-            codes = self.encoder.batch().step([(s.encoder_stream, pcm) for _, _, s, pcm in ready])
+            with self.spans.span("encode batch"):
+                codes = self.encoder.batch().step([(s.encoder_stream, pcm) for _, _, s, pcm in ready])
             for (client, msg, s, _), c in zip(ready, codes, strict=True):
                 if c:
                     self._guard(client, msg, self._user_codes, s, list(c), False)

@@ -45,6 +45,7 @@ import zmq
 from engines.service import messages as m
 from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
+from engines.service.spans import Spans
 from engines.service.stall_watch import StallWatch
 
 log = logging.getLogger("engines.service")
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hold user audio until this much is pending, then encode (batched across sessions)")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
+    p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
+                   help="run throw-away spoken turns before serving (default: on a GPU), so the first users do not "
+                        "pay one-time kernel compiles and plan builds")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
@@ -132,15 +136,21 @@ def build_service(args: argparse.Namespace) -> Service:
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)
+    log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
+             time.monotonic() - t0)
+    service = Service(engine, tokenizer, encoder, decoder, voices,
+                      decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
+                      encode_min_samples=int(getattr(args, "encode_every_ms", 0.0) * 16),
+                      codec_thread=getattr(args, "codec_thread", False))
+    warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
+    if warm_up and encoder is not None and decoder is not None:
+        t1 = time.monotonic()
+        service.warm_up()
+        log.info("warm-up turns in %.1f s", time.monotonic() - t1)
     # Everything loaded so far lives as long as the process: keep it out of every later collection's scan.
     gc.collect()
     gc.freeze()
-    log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
-             time.monotonic() - t0)
-    return Service(engine, tokenizer, encoder, decoder, voices,
-                   decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
-                   encode_min_samples=int(getattr(args, "encode_every_ms", 0.0) * 16),
-                   codec_thread=getattr(args, "codec_thread", False))
+    return service
 
 
 def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
@@ -203,6 +213,10 @@ class _LoadLog:
                      "stepping %.0f%%; running %d, waiting %d%s", self.steps, span, 1e3 * self.step_s / self.steps,
                      1e3 * self.step_max, 100 * self.handle_s / span, 100 * self.step_s / span, st.running,
                      st.waiting, extra)
+            parts = self.service.spans.take()
+            if codec is not None:
+                parts.update(codec.take_spans())
+            log.info("load parts: %s", Spans.describe(parts))
         self._reset(now)
 
 

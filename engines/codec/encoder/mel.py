@@ -20,6 +20,8 @@ import torch
 from engines.codec.encoder.config import EncoderConfig
 from engines.codec.melscale import mel_filterbank  # noqa: F401  (re-exported for callers of this module)
 
+FFT_ROWS = 64
+
 
 @dataclass
 class MelState:
@@ -62,7 +64,12 @@ class MelFrontend:
                 st.frames_done += n
         if not windows:
             return [torch.zeros(0, self.cfg.num_mel_bins, device=self.device) for _ in states]
-        spec = torch.fft.rfft(torch.cat(windows) * self.window, dim=-1)  # [N, n_bins]
+        frames = torch.cat(windows) * self.window  # [N, n_fft]
+        n_frames = frames.shape[0]
+        # cuFFT builds a plan per batch size: padded to a multiple of FFT_ROWS, a few plans serve every load
+        # (a new plan mid-serving stalls the engine loop).
+        frames = torch.nn.functional.pad(frames, (0, 0, 0, -n_frames % FFT_ROWS))
+        spec = torch.fft.rfft(frames, dim=-1)[:n_frames]  # [N, n_bins]
         power = spec.real.square() + spec.imag.square()
         log_mel = (power @ self.filters_t).clamp_min(1e-10).log10()  # [N, n_mels]
         out: list[torch.Tensor] = []
