@@ -72,7 +72,8 @@ def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
     assert done_t.audio_samples == done0.audio_samples and done_t.output_rows == done0.output_rows == ROWS
 
 
-def test_holding_user_audio_until_80ms_gives_the_same_codes_and_answer():
+def test_user_audio_encoded_on_a_cadence_gives_the_same_codes_and_answer():
+    """Held and encoded every 80 ms for all sessions together (one batched call) == encoded piece by piece."""
     from engines.codec.audio_io import float32_to_pcm16, read_wav
     from engines.codec.encoder import SpeechEncoder
     from tests.test_service_e2e import WAV
@@ -80,40 +81,53 @@ def test_holding_user_audio_until_80ms_gives_the_same_codes_and_answer():
     enc = SpeechEncoder.load("tiny-random")
     pcm, _ = read_wav(WAV)
     pcm16 = float32_to_pcm16(pcm[:16000])
+    other16 = float32_to_pcm16(pcm[16000:32000])  # a second session says something else
     greedy = m.Sampling(greedy=True, max_new_tokens=6)
+    calls: list[list[int]] = []  # pieces per encoder call: one entry per call, each the pieces' sessions
 
-    pushes = []
-
-    class CountingEncoder:  # the real encoder, counting the pieces it is asked to encode
+    class CountingEncoder:  # the real encoder, counting its calls
         def open_stream(self):
-            stream = enc.open_stream()
-            real_push = stream.push
+            return enc.open_stream()
 
-            def push(pcm):
-                pushes[-1] += 1
-                return real_push(pcm)
-            stream.push = push
-            return stream
+        def batch(self):
+            real = enc.batch()
 
-    def run(min_samples: int) -> tuple[list, int]:
-        pushes.append(0)
+            class Batch:
+                def step(self, items):
+                    calls[-1].append(len(items))
+                    return real.step(items)
+            return Batch()
+
+    def run(every_s: float) -> tuple[list, list, list[int]]:
+        calls.append([])
+        now = [0.0]
         engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
-        svc = Service(engine, StandInTokenizer(), CountingEncoder(), None, encode_min_samples=min_samples)
-        svc.handle(b"c", m.OpenSession("s", sampling=greedy))
-        for i in range(0, len(pcm16), 640):  # 20 ms pieces
-            svc.handle(b"c", m.AppendUserAudio("s", pcm16[i:i + 640]))
-            while svc.has_work():
+        svc = Service(engine, StandInTokenizer(), CountingEncoder(), None, encode_every_s=every_s)
+        svc._clock = lambda: now[0]
+        for sid in ("a", "b"):
+            svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+        for i in range(0, len(pcm16), 640):  # 20 ms pieces from both sessions, a little apart
+            svc.handle(b"c", m.AppendUserAudio("a", pcm16[i:i + 640]))
+            now[0] += 0.005
+            svc.handle(b"c", m.AppendUserAudio("b", other16[i:i + 640]))
+            now[0] += 0.015
+            svc.step()  # the engine loop: encodes held audio when due
+            while svc.engine.has_work():
                 svc.step()
-        svc.handle(b"c", m.CommitUserAudio("s", "i"))
-        svc.handle(b"c", m.CreateResponse("s", "r", "text", greedy))
+        for sid in ("a", "b"):
+            svc.handle(b"c", m.CommitUserAudio(sid, "i"))
+            svc.handle(b"c", m.CreateResponse(sid, "r", "text", greedy))
         while svc.has_work():
             svc.step()
-        return engine.conversation_history("s"), pushes[-1]
+        return engine.conversation_history("a"), engine.conversation_history("b"), calls[-1]
 
-    every_piece, n_every = run(0)
-    held, n_held = run(1280)
-    assert held == every_piece  # same codes in the same rows, same greedy answer
-    assert n_every == 50 + 1 and n_held == 12 + 1  # 20 ms pieces vs 80 ms groups, + the flush at commit
+    a_every, b_every, every_calls = run(0.0)
+    a_held, b_held, held_calls = run(0.08)
+    assert (a_held, b_held) == (a_every, b_every)  # same codes in the same rows, same greedy answers
+    assert a_held != b_held
+    # Each piece alone (two sessions a piece apart are not in one batch) vs both sessions every 80 ms.
+    assert len(every_calls) == 0  # single-session pushes go through the stream, not a batch
+    assert held_calls == [2] * 12 and held_calls  # 1 s = 12 x 80 ms with both sessions in each call
 
 
 @pytest.mark.parametrize("then", ["cancel", "close"])

@@ -110,7 +110,7 @@ def _spoken_turn(svc: Service) -> list:
 @pytest.mark.parametrize("codec_thread", [False, True])
 def test_warm_up_leaves_nothing_behind(codec, codec_thread) -> None:
     enc, dec = codec
-    svc = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_min_samples=1280)
+    svc = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_every_s=0.08)
     svc.warm_up(batches=(1, 3), rows=10)
     st = svc.engine.stats()
     assert svc.sessions == {} and svc._requests == {} and svc._held_pcm == {} and svc._codec_owner == {}
@@ -118,7 +118,7 @@ def test_warm_up_leaves_nothing_behind(codec, codec_thread) -> None:
     svc.engine.check_integrity()
     assert not svc.has_work()
     # A user's turn afterwards is exactly what it is on a service that never warmed up.
-    fresh = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_min_samples=1280)
+    fresh = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_every_s=0.08)
     assert _spoken_turn(svc) == _spoken_turn(fresh)
 
 

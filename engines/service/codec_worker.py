@@ -27,7 +27,6 @@ class _Answer:
     key: Any  # the caller's handle for this answer (returned with its results)
     stream: Any  # engines.codec.decoder.DecodeStream
     since: float  # when its first codes arrived (round order among answers in the same state)
-    pushed_at: float = 0.0  # when codes last arrived (how long a first chunk waited for its round)
     new_codes: list[int] = field(default_factory=list)  # pushed, not yet given to the stream
     jobs: deque = field(default_factory=deque)  # chunks ready to decode, in order
     final: bool = False  # no more codes: finish the stream after its last chunk
@@ -52,7 +51,8 @@ class CodecWorker:
         self.batches = 0  # counters for the engine process's load log
         self.items = 0
         self.busy_s = 0.0
-        self.spans = Spans()  # round times and first chunks' waits, taken by the load log (under _cv)
+        self.spans = Spans()  # round times, taken by the load log (under _cv)
+        self._first_rounds: dict[int, tuple[float, float]] = {}  # id(key) -> its first chunk's round (start, end)
         self._thread = threading.Thread(target=self._run, name="codec-worker", daemon=True)
         self._thread.start()
 
@@ -65,7 +65,6 @@ class CodecWorker:
             if a is None:
                 a = self._answers[id(key)] = _Answer(key, stream, time.monotonic())
             a.new_codes += codes
-            a.pushed_at = time.monotonic()
             a.final = a.final or final
             self._cv.notify_all()
 
@@ -83,6 +82,11 @@ class CodecWorker:
             out = list(self._results)
             self._results.clear()
             return out
+
+    def first_chunk_round(self, key: Any) -> tuple[float, float] | None:
+        """(start, end) in time.monotonic() of the round that decoded this answer's first chunk, once."""
+        with self._cv:
+            return self._first_rounds.pop(id(key), None)
 
     def take_spans(self) -> dict[str, tuple[int, float, float]]:
         with self._cv:
@@ -119,8 +123,8 @@ class CodecWorker:
                     a.new_codes = []
                     a.finishing = a.finishing or a.final
                 self._running = True
-            t0 = time.perf_counter()
-            waits = [time.monotonic() - a.pushed_at for a, codes, _ in taken if codes and a.chunks_out == 0]
+            t0, started = time.perf_counter(), time.monotonic()
+            new = [a for a, _, _ in taken if a.chunks_out == 0]
             try:
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
@@ -132,8 +136,9 @@ class CodecWorker:
                     dt = time.perf_counter() - t0
                     self.busy_s += dt
                     self.spans.add("codec round", dt)
-                    for w in waits:
-                        self.spans.add("new answer's codes queued", w)
+                    for a in new:
+                        if a.chunks_out:
+                            self._first_rounds[id(a.key)] = (started, time.monotonic())
                     self._results.extend(posts)
                     for a in done:
                         self._answers.pop(id(a.key), None)

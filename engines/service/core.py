@@ -95,7 +95,7 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
-                 encode_min_samples: int = 0, codec_thread: bool = False) -> None:
+                 encode_every_s: float = 0.0, codec_thread: bool = False) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize()`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -105,9 +105,10 @@ class Service:
         this often, in one batch, so the language model keeps stepping ahead of real time between codec calls;
         an answer's first chunk is decoded at once (it decides TTFA). 0 decodes every step. The codec thread
         batches by its own rounds instead (engines/service/codec_worker.py).
-        `encode_min_samples`: user audio is held per session until this much (16 kHz samples) is pending,
-        then encoded (batched across sessions); 1280 = one code's 80 ms. Codes are the same either way
-        (the encoder streams exactly); this only saves encoder steps on 20 ms pieces. Commit flushes.
+        `encode_every_s`: user audio of every session is held and encoded together, in one batched encoder
+        call, at most this often (0: at the end of each batch of messages). Codes are the same either way (the
+        encoder streams exactly); one call per interval for all sessions instead of one per session keeps the
+        encoder's share of the engine loop flat as sessions are added. Commit encodes the session's held audio.
         `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
         a GPU) while the engine steps; the PCM is the same, only when it leaves changes."""
         self.engine = engine
@@ -119,8 +120,10 @@ class Service:
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, tuple[Session, Turn]] = {}
         self.decode_interval_s = decode_interval_s
-        self.encode_min_samples = encode_min_samples
-        self._held_pcm: dict[str, list[np.ndarray]] = {}  # user audio waiting for encode_min_samples
+        self.encode_every_s = encode_every_s
+        self._held_pcm: dict[str, list[np.ndarray]] = {}  # session id -> user audio not yet encoded
+        self._held_since = 0.0  # when the oldest held audio arrived
+        self._clock = time.monotonic
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             from engines.service.codec_worker import CodecWorker
@@ -137,34 +140,22 @@ class Service:
     # ---- entry points -------------------------------------------------------------------
 
     def handle(self, client: bytes, msg: Any) -> list[Out]:
-        handler = getattr(self, "_on_" + type(msg).__name__, None)
-        if handler is None:
-            self._send(client, m.Error(getattr(msg, "session_id", None), "invalid_request",
-                                       f"{type(msg).__name__} is not a request to the engine"))
-        else:
-            with self.spans.span(type(msg).__name__):
-                self._guard(client, msg, handler, client, msg)
-        return self._take()
+        return self.handle_many([(client, msg)])
 
     def handle_many(self, items: list[tuple[bytes, Any]]) -> list[Out]:
-        """Like `handle` for each, in order, but speech of several sessions arriving together is
-        encoded in one batched encoder step (consecutive AppendUserAudio of distinct sessions)."""
-        out: list[Out] = []
-        run: list[tuple[bytes, m.AppendUserAudio]] = []
+        """Each message in order; user audio is held and encoded in one batch for all sessions (here, or in
+        `step` once encode_every_s has passed)."""
         for client, msg in items:
-            if isinstance(msg, m.AppendUserAudio) and all(x.session_id != msg.session_id for _, x in run):
-                run.append((client, msg))
+            handler = getattr(self, "_on_" + type(msg).__name__, None)
+            if handler is None:
+                self._send(client, m.Error(getattr(msg, "session_id", None), "invalid_request",
+                                           f"{type(msg).__name__} is not a request to the engine"))
                 continue
-            if run:
-                out += self._append_batch(run)
-                run = []
-            if isinstance(msg, m.AppendUserAudio):
-                run.append((client, msg))
-            else:
-                out += self.handle(client, msg)
-        if run:
-            out += self._append_batch(run)
-        return out
+            with self.spans.span(type(msg).__name__):
+                self._guard(client, msg, handler, client, msg)
+        if self.encode_every_s <= 0:
+            self._encode_held()
+        return self._take()
 
     def warm_up(self, batches: tuple[int, ...] = (1, 4), rows: int = 24, timeout_s: float = 300.0) -> None:
         """Throw-away spoken turns (noise in, `rows` answer rows out) for 1, then several sessions at once, so
@@ -213,12 +204,15 @@ class Service:
             self._send(client, m.Error(sid, "invalid_request", str(e), getattr(msg, "response_id", None)))
 
     def has_work(self) -> bool:
-        return self.engine.has_work() or bool(self._to_decode) or (self._codec is not None and self._codec.busy())
+        return (self.engine.has_work() or bool(self._held_pcm) or bool(self._to_decode)
+                or (self._codec is not None and self._codec.busy()))
 
     def step(self) -> list[Out]:
         """One engine step; its rows become deltas, audio chunks and completions."""
         t0 = time.perf_counter()
         self._collect_decoded()
+        if self._held_pcm and self._clock() - self._held_since >= self.encode_every_s:
+            self._encode_held()
         t1 = time.perf_counter()
         outputs: list[StepOutput] = self.engine.step()
         t2 = time.perf_counter()
@@ -370,11 +364,15 @@ class Service:
         if self._codec is None:
             return
         for r, result, worker_done in self._codec.take_results():
+            rounds = self._codec.first_chunk_round(r)
             s = self._codec_owner.get(id(r))
             if s is None:
                 continue
             if worker_done:
                 del self._codec_owner[id(r)]
+            if rounds is not None:
+                r.mark("codec_first_round_start", rounds[0])
+                r.mark("codec_first_round_end", rounds[1])
             # A failure ends the worker's part; the answer itself is complete only once it has finished.
             final = s.completing is r if isinstance(result, Exception) else worker_done
             self._deliver_one(s, r, result, final)
@@ -461,57 +459,39 @@ class Service:
     # ---- user input ---------------------------------------------------------------------
 
     def _on_AppendUserAudio(self, client: bytes, msg: m.AppendUserAudio) -> None:
-        s, pcm = self._audio_input(client, msg)
-        pcm = self._hold(s, pcm)
-        if pcm is None:
-            return
-        codes = s.encoder_stream.push(pcm)
-        if codes:
-            self._user_codes(s, list(codes), commit=False)
-
-    def _audio_input(self, client: bytes, msg: m.AppendUserAudio) -> tuple[Session, np.ndarray]:
         s = self._session(client, msg.session_id)
         if self.encoder is None:
             raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
         if s.encoder_stream is None:
             s.encoder_stream = self.encoder.open_stream()
-        return s, pcm
+        if not self._held_pcm:
+            self._held_since = self._clock()
+        self._held_pcm.setdefault(s.session_id, []).append(pcm)
 
-    def _hold(self, s: Session, pcm: np.ndarray, flush: bool = False) -> np.ndarray | None:
-        """The session's held audio plus `pcm` once at least encode_min_samples are pending (or on flush)."""
-        held = self._held_pcm.setdefault(s.session_id, [])
-        held.append(pcm)
-        if not flush and sum(len(x) for x in held) < self.encode_min_samples:
-            return None
-        del self._held_pcm[s.session_id]
-        return held[0] if len(held) == 1 else np.concatenate(held)
+    def _take_held(self, s: Session) -> np.ndarray:
+        held = self._held_pcm.pop(s.session_id, [])
+        return held[0] if len(held) == 1 else np.concatenate(held) if held else np.zeros(0, np.float32)
 
-    def _append_batch(self, run: list[tuple[bytes, m.AppendUserAudio]]) -> list[Out]:
-        if len(run) == 1 or not hasattr(self.encoder, "batch"):
-            return [o for client, msg in run for o in self.handle(client, msg)]
-        ready: list[tuple[bytes, m.AppendUserAudio, Session, np.ndarray]] = []
-        for client, msg in run:
-            got: list = []
-            self._guard(client, msg, lambda c=client, x=msg, g=got: g.append(self._audio_input(c, x)))
-            if got:
-                s, pcm = got[0]
-                pcm = self._hold(s, pcm)
-                if pcm is not None:
-                    ready.append((client, msg, s, pcm))
-        if ready:
-            with self.spans.span("encode batch"):
-                codes = self.encoder.batch().step([(s.encoder_stream, pcm) for _, _, s, pcm in ready])
-            for (client, msg, s, _), c in zip(ready, codes, strict=True):
-                if c:
-                    self._guard(client, msg, self._user_codes, s, list(c), False)
-        return self._take()
+    def _encode_held(self) -> None:
+        """Every session's held user audio through the encoder in one batched call; codes go to their turns."""
+        ready = [(s, self._take_held(s)) for s in [self.sessions[sid] for sid in list(self._held_pcm)]]
+        if not ready:
+            return
+        with self.spans.span("encode"):
+            if len(ready) > 1 and hasattr(self.encoder, "batch"):
+                codes = self.encoder.batch().step([(s.encoder_stream, pcm) for s, pcm in ready])
+            else:
+                codes = [s.encoder_stream.push(pcm) for s, pcm in ready]
+        for (s, _), c in zip(ready, codes, strict=True):
+            if c:
+                self._guard(s.owner, m.AppendUserAudio(s.session_id, b""), self._user_codes, s, list(c), False)
 
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)
         codes = []
         if s.encoder_stream is not None:
-            codes = list(s.encoder_stream.push(self._hold(s, np.zeros(0, np.float32), flush=True)))
+            codes = list(s.encoder_stream.push(self._take_held(s)))
             codes += list(s.encoder_stream.finalize())
         s.encoder_stream = None
         if s.turn_codes + len(codes) == 0:

@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--encode-every-ms", type=float, default=80.0,
-                   help="hold user audio until this much is pending, then encode (batched across sessions)")
+                   help="encode every session's held user audio together, in one batch, at most this often "
+                        "(0: as it arrives)")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
@@ -140,7 +141,7 @@ def build_service(args: argparse.Namespace) -> Service:
              time.monotonic() - t0)
     service = Service(engine, tokenizer, encoder, decoder, voices,
                       decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
-                      encode_min_samples=int(getattr(args, "encode_every_ms", 0.0) * 16),
+                      encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
                       codec_thread=getattr(args, "codec_thread", False))
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:

@@ -55,9 +55,10 @@ class ResponseState:
     done: Any = None  # ResponseDone, built once its last audio is out (Service._complete)
     marks: dict[str, float] = field(default_factory=dict)  # ms since t0 when each stage first happened
 
-    def mark(self, stage: str) -> None:
-        """Time to this stage (first time only): where a slow time to first audio went."""
-        self.marks.setdefault(stage, round(self.elapsed_ms(), 1))
+    def mark(self, stage: str, at: float | None = None) -> None:
+        """Time to this stage (first time only; `at`: when it happened, time.monotonic(), default now): where a
+        slow time to first audio went."""
+        self.marks.setdefault(stage, round(self.elapsed_ms() if at is None else (at - self.t0) * 1000.0, 1))
 
     def add_row(self, text: int, audio: int, mode: str) -> None:
         if mode == "audio" and 0 <= audio < NUM_AUDIO_CODES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class SpeechEncoder:
         self.trunk = trunk.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.frontend = MelFrontend(cfg, device)
         self.runner = StreamingRunner(self.trunk, dtype, device)
+        # Its own CUDA stream: the codes are read back at once (a host sync), which on the language model's
+        # stream would also wait for the decode steps queued there.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @classmethod
     def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
@@ -72,7 +76,12 @@ class SpeechEncoder:
 
     def reserve(self, streams: int) -> None:
         """Preallocate KV slots for this many concurrent streams (else the pool doubles as needed)."""
-        self.runner.kv.reserve(streams)
+        with self._on_stream():
+            self.runner.kv.reserve(streams)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        """Encoder work and the state it keeps go on the encoder's stream (when it has one)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def open_stream(self) -> EncoderStream:
         return EncoderStream(self)
@@ -108,8 +117,10 @@ class EncoderStream:
 
     def __init__(self, encoder: SpeechEncoder) -> None:
         self.encoder = encoder
-        self.mel: MelState = encoder.frontend.new_state()
-        self.trunk: TrunkState = encoder.runner.new_state()
+        # The state is made on the stream that uses it (made on another, the encoder could read it unwritten).
+        with encoder._on_stream():
+            self.mel: MelState = encoder.frontend.new_state()
+            self.trunk: TrunkState = encoder.runner.new_state()
         # The KV slot goes back to the pool on finalize/close, or when the stream is dropped.
         self._release = weakref.finalize(self, encoder.runner.release, self.trunk)
         self.codes_out = 0
@@ -156,6 +167,10 @@ class EncoderBatch:
 
     @torch.no_grad()
     def step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
+        with self.encoder._on_stream():
+            return self._step(items)
+
+    def _step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
         enc = self.encoder
         streams = [s for s, _ in items]
         if len({id(s) for s in streams}) != len(streams):
