@@ -46,6 +46,8 @@ class FakeStream:
 class FakeDecoder:
     """PCM of a chunk = its codes as floats; records each batch (stream names); can be held or made to fail."""
 
+    sample_rate = 24000  # a chunk of 5 codes is ~0 s of "audio": every playing answer is due at once
+
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
         self.gate = threading.Event()
@@ -90,6 +92,7 @@ def test_chunks_come_out_one_round_at_a_time_and_final_closes():
 
 def test_answers_without_audio_go_first_and_share_rounds():
     dec = FakeDecoder()
+    dec.sample_rate = 1  # 5 s of audio per chunk: A is far ahead of real time once it plays
     w = CodecWorker(dec, torch.device("cpu"), max_batch=1)
     dec.gate.clear()  # hold the first round while both answers queue up
     a, b = FakeStream("a"), FakeStream("b")
@@ -137,4 +140,44 @@ def test_decoder_failure_ends_the_answers_of_that_batch():
     key, err, final = res[0]
     assert key == "A" and isinstance(err, RuntimeError) and final
     assert not w.busy()
+    w.close()
+
+
+def test_playing_answers_are_decoded_only_as_far_ahead_as_needed():
+    dec = FakeDecoder()
+    dec.sample_rate = 5  # one chunk = 1 s of audio
+    now = [100.0]
+    w = CodecWorker(dec, torch.device("cpu"), ahead_s=2.5, clock=lambda: now[0])
+    a = FakeStream("a")
+    w.push("A", a, list(range(43)))  # 7 chunks ready
+    res = collect(w, lambda o: len(o) == 3)
+    time.sleep(0.1)
+    assert len(res + w.take_results()) == 3  # 3 s posted at t=100: 3 - 0 >= 2.5 ahead, the 4th waits
+    now[0] += 0.6  # 2.4 s ahead now: due
+    w.push("A", a, [])  # (any event wakes the worker; its timed wait uses the real clock)
+    assert len(collect(w, lambda o: len(o) == 1)) == 1
+    time.sleep(0.1)
+    assert w.take_results() == []  # 3.4 s ahead again
+    # A new answer's first chunk is not held back by that pacing, and comes before A's next chunk.
+    dec.batches.clear()
+    now[0] += 5.0  # A is due again
+    w.push("B", FakeStream("b"), list(range(8)))
+    collect(w, lambda o: sum(1 for k, _, _ in o if k == "B") == 1)
+    assert dec.batches[0] == ["b"]
+    w.close()
+
+
+def test_first_chunk_rounds_do_not_starve_an_answer_about_to_run_dry():
+    dec = FakeDecoder()
+    dec.sample_rate = 50  # one chunk = 0.1 s: A is always about to run dry
+    dec.gate.clear()
+    w = CodecWorker(dec, torch.device("cpu"), max_batch=1)
+    w.push("A", FakeStream("a"), list(range(23)))
+    time.sleep(0.05)
+    for k in "bcd":  # new answers keep arriving
+        w.push(k.upper(), FakeStream(k), list(range(8)))
+    dec.gate.set()
+    collect(w, lambda o: len(o) == 7)
+    # A's first chunk, then (a first-chunk round just ran and A is nearly dry) A, then new and A alternate.
+    assert dec.batches[:7] == [["a"], ["a"], ["b"], ["a"], ["c"], ["a"], ["d"]]
     w.close()

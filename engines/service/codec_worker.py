@@ -2,10 +2,15 @@
 into PCM while the language model keeps stepping.
 
 The engine loop hands over codes as they are sampled (`push`) and collects PCM as it comes (`take_results`);
-it never waits for the codec. The worker runs rounds: each round decodes at most one 5-code chunk of every
-answer that has one ready, in one batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once, so an
-answer's audio flows chunk by chunk however far the language model is ahead. Answers that have not played
-anything yet go first. A decoder stream is only touched by this thread once handed over.
+it never waits for the codec. The worker runs rounds; each decodes at most one 5-code chunk per answer, in one
+batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once. Time to first audio decides the order:
+- Answers that have played nothing yet get a round of their own (their first chunks only), ahead of the rest:
+  in a round with every playing answer's next chunk, the first chunk took as long as the whole batch. Two
+  first-chunk rounds never run back to back while a playing answer has less than URGENT_S of audio ahead.
+- A playing answer's next chunk is decoded only once its audio sent is less than `ahead_s` ahead of real time
+  (playback assumed to start when its first chunk is posted). Decoding further ahead would not help its
+  listener; it would only make the round that a new answer's first chunk waits behind longer.
+A decoder stream is only touched by this thread once handed over.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ import torch
 
 from engines.service.spans import Spans
 
+# Audio a playing answer is kept ahead of real time: margin for a round or two of new answers' first chunks
+# and the network, without decoding far ahead of what anyone can hear yet.
+AHEAD_S = 1.2
+URGENT_S = 0.6  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
+
 
 @dataclass(eq=False)
 class _Answer:
@@ -29,6 +39,8 @@ class _Answer:
     since: float  # when its first codes arrived (round order among answers in the same state)
     new_codes: list[int] = field(default_factory=list)  # pushed, not yet given to the stream
     jobs: deque = field(default_factory=deque)  # chunks ready to decode, in order
+    first_post: float | None = None  # when its first chunk was posted (its playback is assumed to start then)
+    audio_s: float = 0.0  # seconds of audio posted
     final: bool = False  # no more codes: finish the stream after its last chunk
     finishing: bool = False  # the stream's last jobs were taken
     cancelled: bool = False  # decode nothing more; close the stream
@@ -39,9 +51,14 @@ class _Answer:
 class CodecWorker:
     """`decoder` batches chunks of many streams: `run_jobs(jobs) -> PCM per job` (engines.codec.decoder)."""
 
-    def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256) -> None:
+    def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256, ahead_s: float = AHEAD_S,
+                 clock: Any = time.monotonic) -> None:
         self.decoder = decoder
         self.max_batch = max_batch
+        self.ahead_s = ahead_s
+        self.sample_rate = getattr(decoder, "sample_rate", 24000)
+        self._clock = clock
+        self._after_first = False  # the last round decoded first chunks
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._cv = threading.Condition()
         self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left
@@ -105,19 +122,29 @@ class CodecWorker:
 
     # ---- worker side ---------------------------------------------------------------------
 
-    @staticmethod
-    def _has_work(a: _Answer) -> bool:
+    def _due_at(self, a: _Answer) -> float:
+        """When this answer's next chunk should be decoded (now for an answer that has played nothing)."""
+        if a.first_post is None:
+            return float("-inf")
+        return a.first_post + a.audio_s - self.ahead_s
+
+    def _has_work(self, a: _Answer, now: float) -> bool:
         if a.cancelled:
             return not a.closed or (a.final and not a.finishing)
-        return bool(a.new_codes or a.jobs or (a.final and not a.finishing))
+        return bool(a.new_codes or (a.jobs and self._due_at(a) <= now) or (a.final and not a.finishing))
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or any(self._has_work(a) for a in self._answers.values()))
-                if self._closed:
-                    return
-                answers = [a for a in self._answers.values() if self._has_work(a)]
+                while True:
+                    if self._closed:
+                        return
+                    now = self._clock()
+                    answers = [a for a in self._answers.values() if self._has_work(a, now)]
+                    if answers:
+                        break
+                    due = [self._due_at(a) for a in self._answers.values() if a.jobs and not a.cancelled]
+                    self._cv.wait(max(0.001, min(due) - now) if due else None)
                 taken = [(a, a.new_codes, a.final and not a.finishing) for a in answers]
                 for a in answers:
                     a.new_codes = []
@@ -125,17 +152,19 @@ class CodecWorker:
                 self._running = True
             t0, started = time.perf_counter(), time.monotonic()
             new = [a for a, _, _ in taken if a.chunks_out == 0]
+            decoded = 0
             try:
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
-                        posts, done = self._round(taken)
+                        posts, done, decoded = self._round(taken)
                 else:
-                    posts, done = self._round(taken)
+                    posts, done, decoded = self._round(taken)
             finally:
                 with self._cv:
                     dt = time.perf_counter() - t0
                     self.busy_s += dt
-                    self.spans.add("codec round", dt)
+                    if decoded:
+                        self.spans.add("codec round" + (" (first chunks)" if new and new[0].chunks_out else ""), dt)
                     for a in new:
                         if a.chunks_out:
                             self._first_rounds[id(a.key)] = (started, time.monotonic())
@@ -145,8 +174,10 @@ class CodecWorker:
                     self._running = False
                     self._cv.notify_all()
 
-    def _round(self, taken: list[tuple[_Answer, list[int], bool]]) -> tuple[list, list[_Answer]]:
-        """Give new codes to their streams, then decode one ready chunk of each answer (new answers first)."""
+    def _round(self, taken: list[tuple[_Answer, list[int], bool]]) -> tuple[list, list[_Answer], int]:
+        """Give new codes to their streams, then decode one ready chunk of each answer that has played nothing
+        (if any has one ready), else of each playing answer whose next chunk is due. Returns (posts, answers
+        done, chunks decoded)."""
         posts: list[tuple[Any, np.ndarray | Exception, bool]] = []
         done: list[_Answer] = []
         ready: list[_Answer] = []
@@ -169,8 +200,14 @@ class CodecWorker:
             except Exception as e:  # noqa: BLE001 - bad codes or a broken stream end this answer only
                 posts.append((a.key, e, True))
                 done.append(a)
-        ready.sort(key=lambda a: (a.chunks_out > 0, a.since))
-        batch = ready[: self.max_batch]
+        now = self._clock()
+        first = sorted((a for a in ready if a.first_post is None), key=lambda a: a.since)
+        due = sorted((a for a in ready if a.first_post is not None and self._due_at(a) <= now), key=self._due_at)
+        # First chunks first, but never two such rounds in a row while a playing answer is about to run dry.
+        urgent = any(self._due_at(a) + self.ahead_s - URGENT_S <= now for a in due)
+        batch = first if first and not (self._after_first and urgent) else due
+        self._after_first = batch is first and bool(first)
+        batch = batch[: self.max_batch]
         if batch:
             jobs = [a.jobs.popleft() for a in batch]
             try:
@@ -180,14 +217,17 @@ class CodecWorker:
                     a.jobs.clear()
                     posts.append((a.key, e, True))
                     done.append(a)
-                return posts, done
+                return posts, done, 0
             self.batches += 1
             self.items += len(batch)
+            posted = self._clock()
             for a, job, pcm in zip(batch, jobs, pcms, strict=True):
                 a.chunks_out += 1
+                a.first_post = posted if a.first_post is None else a.first_post
+                a.audio_s += len(pcm) / self.sample_rate
                 posts.append((a.key, pcm, job.final))
                 if job.final:
                     if hasattr(a.stream, "close"):
                         a.stream.close()
                     done.append(a)
-        return posts, done
+        return posts, done, len(batch)
