@@ -15,6 +15,7 @@ A decoder stream is only touched by this thread once handed over.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -59,7 +60,12 @@ class CodecWorker:
         self.sample_rate = getattr(decoder, "sample_rate", 24000)
         self._clock = clock
         self._after_first = False  # the last round decoded first chunks
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Rounds of playing answers' chunks run at the lowest stream priority, below the language model's steps;
+        # first-chunk rounds at the highest, level with them: a new answer's first audio waits on both.
+        self._stream = self._first_stream = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+            self._first_stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
         self._cv = threading.Condition()
         self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left
         self._results: deque[tuple[Any, np.ndarray | Exception, bool]] = deque()
@@ -150,7 +156,7 @@ class CodecWorker:
                     a.new_codes = []
                     a.finishing = a.finishing or a.final
                 self._running = True
-            t0, started = time.perf_counter(), time.monotonic()
+            t0, started, cpu0 = time.perf_counter(), time.monotonic(), time.thread_time()
             new = [a for a, _, _ in taken if a.chunks_out == 0]
             decoded = 0
             try:
@@ -164,7 +170,12 @@ class CodecWorker:
                     dt = time.perf_counter() - t0
                     self.busy_s += dt
                     if decoded:
-                        self.spans.add("codec round" + (" (first chunks)" if new and new[0].chunks_out else ""), dt)
+                        kind = "codec round" + (" (first chunks)" if self._after_first else "")
+                        self.spans.add(kind, dt)
+                        # What the round's wall time was made of: this thread's CPU time, and the wait for the GPU
+                        # to finish it; the rest went waiting for the GIL.
+                        self.spans.add(kind + " cpu", time.thread_time() - cpu0)
+                        self.spans.add(kind + " gpu wait", getattr(self.decoder, "last_gpu_wait_s", 0.0))
                     for a in new:
                         if a.chunks_out:
                             self._first_rounds[id(a.key)] = (started, time.monotonic())
@@ -210,8 +221,10 @@ class CodecWorker:
         batch = batch[: self.max_batch]
         if batch:
             jobs = [a.jobs.popleft() for a in batch]
+            fast = self._first_stream if self._after_first else None
             try:
-                pcms = self.decoder.run_jobs(jobs)
+                with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():
+                    pcms = self.decoder.run_jobs(jobs)
             except Exception as e:  # noqa: BLE001 - handed back: the Service fails those answers
                 for a in batch:
                     a.jobs.clear()

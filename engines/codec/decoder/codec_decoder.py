@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -212,7 +213,9 @@ class CodecDecoder:
             outs = self.windowed.push(mel, [j.stream.voc_state for j in js], gens, [j.final for j in js])
             for i, o in zip(idx, outs, strict=True):
                 results[i] = o
+        t0 = time.perf_counter()
         wait_releasing_gil(self.device)
+        self.last_gpu_wait_s = time.perf_counter() - t0  # (load logs: how much of a call was the GPU's)
         pcm = [r.cpu().numpy().astype(np.float32, copy=False) for r in results]  # type: ignore[union-attr]
         for j, p in zip(jobs, pcm, strict=True):
             j.stream.samples_out += p.shape[0]

@@ -55,7 +55,9 @@ class SpeechEncoder:
         self.runner = StreamingRunner(self.trunk, dtype, device)
         # Its own CUDA stream: the codes are read back at once (a host sync), which on the language model's
         # stream would also wait for the decode steps queued there.
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # High priority: a commit's last codes are on every answer's path to first audio.
+        self.stream = (torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
+                       if device.type == "cuda" else None)
 
     @classmethod
     def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
