@@ -181,3 +181,28 @@ def test_first_chunk_rounds_do_not_starve_an_answer_about_to_run_dry():
     # A's first chunk, then (a first-chunk round just ran and A is nearly dry) A, then new and A alternate.
     assert dec.batches[:7] == [["a"], ["a"], ["b"], ["a"], ["c"], ["a"], ["d"]]
     w.close()
+
+
+def test_rounds_of_playing_answers_wait_while_the_language_model_ramps_up(monkeypatch):
+    monkeypatch.setattr("engines.service.codec_worker.BULK_HOLD_S", 60.0)  # held as long as the ramp lasts
+    seen_in_flight = []
+
+    class Recording(FakeDecoder):
+        def run_jobs(self, jobs):
+            seen_in_flight.append(w.first_in_flight)
+            return super().run_jobs(jobs)
+
+    dec = Recording()
+    dec.sample_rate = 5  # 1 s per chunk: A is not about to run dry after its first chunk
+    w = CodecWorker(dec, torch.device("cpu"))
+    w.lm_ramping = True  # another answer waits for its first codes
+    w.push("A", FakeStream("a"), list(range(13)))  # 2 chunks ready
+    collect(w, lambda o: len(o) == 1)  # a first chunk is never held
+    time.sleep(0.1)
+    assert w.take_results() == []  # A's next chunk waits for the ramp
+    w.lm_ramping = False
+    w.push("A", FakeStream("a"), [])  # (wakes the worker)
+    assert len(collect(w, lambda o: len(o) == 1)) == 1
+    assert seen_in_flight == [True, False]  # the engine loop sees the first-chunk round on the GPU
+    assert not w.first_in_flight
+    w.close()

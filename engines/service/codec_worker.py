@@ -31,6 +31,7 @@ from engines.service.spans import Spans
 # and the network, without decoding far ahead of what anyone can hear yet.
 AHEAD_S = 1.2
 URGENT_S = 0.6  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
+BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language model's urgent steps
 
 
 @dataclass(eq=False)
@@ -60,6 +61,11 @@ class CodecWorker:
         self.sample_rate = getattr(decoder, "sample_rate", 24000)
         self._clock = clock
         self._after_first = False  # the last round decoded first chunks
+        # Set by the engine loop: an answer waits for its first codes (rounds of playing answers wait, at most
+        # BULK_HOLD_S); read by it: a first-chunk round is on the GPU (the loop skips steps that are not urgent).
+        self.lm_ramping = False
+        self.first_in_flight = False
+        self._held_since: float | None = None
         # Rounds of playing answers' chunks run at the lowest stream priority, below the language model's steps;
         # first-chunk rounds at the highest, level with them: a new answer's first audio waits on both.
         self._stream = self._first_stream = None
@@ -169,7 +175,7 @@ class CodecWorker:
                 with self._cv:
                     dt = time.perf_counter() - t0
                     self.busy_s += dt
-                    if decoded:
+                    if decoded > 0:
                         kind = "codec round" + (" (first chunks)" if self._after_first else "")
                         self.spans.add(kind, dt)
                         # What the round's wall time was made of: this thread's CPU time, and the wait for the GPU
@@ -184,6 +190,8 @@ class CodecWorker:
                         self._answers.pop(id(a.key), None)
                     self._running = False
                     self._cv.notify_all()
+            if decoded < 0:  # held back for the language model: look again shortly (it sets no event)
+                time.sleep(0.002)
 
     def _round(self, taken: list[tuple[_Answer, list[int], bool]]) -> tuple[list, list[_Answer], int]:
         """Give new codes to their streams, then decode one ready chunk of each answer that has played nothing
@@ -217,11 +225,17 @@ class CodecWorker:
         # First chunks first, but never two such rounds in a row while a playing answer is about to run dry.
         urgent = any(self._due_at(a) + self.ahead_s - URGENT_S <= now for a in due)
         batch = first if first and not (self._after_first and urgent) else due
+        if batch and batch is due and self.lm_ramping and not urgent:
+            self._held_since = self._held_since or now
+            if now - self._held_since < BULK_HOLD_S:
+                return posts, done, -1  # the language model's urgent steps go first
+        self._held_since = None
         self._after_first = batch is first and bool(first)
         batch = batch[: self.max_batch]
         if batch:
             jobs = [a.jobs.popleft() for a in batch]
             fast = self._first_stream if self._after_first else None
+            self.first_in_flight = self._after_first
             try:
                 with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():
                     pcms = self.decoder.run_jobs(jobs)
@@ -231,6 +245,8 @@ class CodecWorker:
                     posts.append((a.key, e, True))
                     done.append(a)
                 return posts, done, 0
+            finally:
+                self.first_in_flight = False
             self.batches += 1
             self.items += len(batch)
             posted = self._clock()

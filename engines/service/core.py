@@ -213,6 +213,9 @@ class Service:
         self._collect_decoded()
         if self._held_pcm and self._clock() - self._held_since >= self.encode_every_s:
             self._encode_held()
+        if self._codec is not None and self._yield_to_codec():
+            time.sleep(0.001)  # nothing else to do meanwhile; spinning would take the GIL from the codec thread
+            return self._take()
         t1 = time.perf_counter()
         outputs: list[StepOutput] = self.engine.step()
         t2 = time.perf_counter()
@@ -248,6 +251,17 @@ class Service:
                         1e3 * (t4 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), len(outputs), 1e3 * (t3 - t2),
                         1e3 * (t4 - t3), len(finished))
         return self._take()
+
+    def _yield_to_codec(self) -> bool:
+        """Share the GPU with the codec worker by urgency (its rounds are ~800 tiny kernels per Euler step: run
+        beside decode steps, each waits behind a step's kernels and a round takes 2-3x as long). While an answer
+        still waits for its first codes, the worker holds back rounds of playing answers; while a first-chunk round
+        runs and no answer waits for codes, the engine skips its step (playing answers are ahead of real time)."""
+        ramping = self.engine.stats().waiting > 0 or any(
+            t.response is not None and not t.response.cancelled and t.response.modality == "audio"
+            and len(t.response.code_idx) < FIRST_CHUNK_CODES for _, t in self._requests.values())
+        self._codec.lm_ramping = ramping
+        return self._codec.first_in_flight and not ramping
 
     def stats(self) -> dict[str, Any]:
         st = self.engine.stats()
