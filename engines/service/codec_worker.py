@@ -29,8 +29,8 @@ from engines.service.spans import Spans
 
 # Audio a playing answer is kept ahead of real time: margin for a round or two of new answers' first chunks
 # and the network, without decoding far ahead of what anyone can hear yet.
-AHEAD_S = 1.2
-URGENT_S = 0.6  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
+AHEAD_S = 1.6
+URGENT_S = 0.8  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
 BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language model's urgent steps
 
 
