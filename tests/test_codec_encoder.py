@@ -95,6 +95,16 @@ def test_code_emitted_as_soon_as_determined(enc):
     assert len(s.push(pcm[2439:2440])) == 1
 
 
+@pytest.mark.parametrize("split", [0, 700, 1159, 1280, 3000])
+def test_finalize_with_the_last_samples_equals_push_then_finalize(enc, split):
+    pcm = speech_like(0.3)
+    a, b = enc.open_stream(), enc.open_stream()
+    a.push(pcm[:split])
+    b.push(pcm[:split])
+    assert a.finalize(pcm[split:]) == b.push(pcm[split:]) + b.finalize()
+    assert a.codes_out == b.codes_out == -(-len(pcm) // 1280)
+
+
 @pytest.mark.parametrize("n", [0, 1, 1160, 1280, 1281, 5000])
 def test_finalize_pads_last_group_with_silence(enc, n):
     pcm = speech_like(1.0)[:n]

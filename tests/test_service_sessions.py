@@ -39,8 +39,9 @@ class FakeEncoderStream:
             self.buf = self.buf[SAMPLES_16K_PER_CODE:]
         return out
 
-    def finalize(self) -> list[int]:
-        out = [self._code(self.buf)] if len(self.buf) else []
+    def finalize(self, last: np.ndarray | None = None) -> list[int]:
+        out = self.push(last) if last is not None else []
+        out += [self._code(self.buf)] if len(self.buf) else []
         self.buf = np.zeros(0, np.float32)
         return out
 

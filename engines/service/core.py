@@ -96,7 +96,7 @@ class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
                  encode_every_s: float = 0.0, codec_thread: bool = False) -> None:
-        """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize()`.
+        """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
         decoded in one batch per step. `voice_loader`: WAV bytes -> the decoder's speaker prompt
@@ -505,8 +505,7 @@ class Service:
         s = self._session(client, msg.session_id)
         codes = []
         if s.encoder_stream is not None:
-            codes = list(s.encoder_stream.push(self._take_held(s)))
-            codes += list(s.encoder_stream.finalize())
+            codes = list(s.encoder_stream.finalize(self._take_held(s)))  # the held audio and the flush: one call
         s.encoder_stream = None
         if s.turn_codes + len(codes) == 0:
             raise ServiceError("invalid_request", "the input audio buffer holds no speech to commit")

@@ -137,28 +137,30 @@ class EncoderStream:
         """Append 16 kHz mono float32 samples; return the codes that became determined."""
         return EncoderBatch(self.encoder).step([(self, pcm)])[0]
 
-    def finalize(self) -> list[int]:
+    def finalize(self, last: np.ndarray | None = None) -> list[int]:
         """Flush: the last partial 80 ms group is completed with silence (zeros); then the stream closes.
+        `last`: samples to push first, in the same forward.
 
         After finalize, the stream has produced ceil(samples / 1280) codes in total.
         """
-        return EncoderBatch(self.encoder).finalize([self])[0]
+        return EncoderBatch(self.encoder).finalize([self], None if last is None else [last])[0]
 
     def close(self) -> None:
         """Drop the stream without flushing (e.g. the user's turn was cancelled); frees its KV slot."""
         self.closed = True
         self._release()
 
-    def tail_padding(self) -> int:
-        """Zeros needed for the last started code to be determined."""
+    def tail_padding(self, more: int = 0) -> int:
+        """Zeros needed for the last started code to be determined (after `more` samples still to come)."""
         cfg = self.encoder.cfg
-        total = self.encoder.codes_for_samples(self.samples_seen)
+        seen = self.samples_seen + more
+        total = self.encoder.codes_for_samples(seen)
         if total == 0:
             return 0
         # Determined when mel frame 8(total-1)+6 is complete: its window ends n_fft/2 samples after its centre.
         need = cfg.hop_length * (2 * cfg.pooling_kernel_size * (total - 1) + 2 * cfg.pooling_kernel_size - 2) \
             + cfg.n_fft // 2
-        return max(0, need - self.samples_seen)
+        return max(0, need - seen)
 
 
 class EncoderBatch:
@@ -206,12 +208,15 @@ class EncoderBatch:
             s.last_features = torch.cat(feats[i]) if feats[i] else None
         return codes
 
-    def finalize(self, streams: list[EncoderStream]) -> list[list[int]]:
-        """Finalize several streams in one forward (see `EncoderStream.finalize`)."""
+    def finalize(self, streams: list[EncoderStream], last: list[np.ndarray] | None = None) -> list[list[int]]:
+        """Finalize several streams in one forward (see `EncoderStream.finalize`); `last`: each stream's last
+        samples, pushed in the same forward (== push(last) then finalize(), one encoder call instead of two)."""
         for s in streams:
             if s.closed:
                 raise StreamClosedError("stream already finalized")
-        out = self.step([(s, torch.zeros(s.tail_padding())) for s in streams])
+        last = last if last is not None else [np.zeros(0, np.float32)] * len(streams)
+        out = self.step([(s, np.concatenate([_as_pcm(p).numpy(), np.zeros(s.tail_padding(len(p)), np.float32)]))
+                         for s, p in zip(streams, last, strict=True)])
         for s in streams:
             s.close()
         return out
