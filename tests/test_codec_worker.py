@@ -206,3 +206,17 @@ def test_rounds_of_playing_answers_wait_while_the_language_model_ramps_up(monkey
     assert seen_in_flight == [True, False]  # the engine loop sees the first-chunk round on the GPU
     assert not w.first_in_flight
     w.close()
+
+
+def test_a_first_chunk_round_waits_briefly_for_another_answer_about_to_have_one(monkeypatch):
+    monkeypatch.setattr("engines.service.codec_worker.COALESCE_S", 60.0)
+    dec = FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"))
+    w.push("B", FakeStream("b"), list(range(7)))  # one code short of its first chunk
+    w.push("A", FakeStream("a"), list(range(8)))
+    time.sleep(0.1)
+    assert dec.batches == []  # A's round waits for B's next code
+    w.push("B", FakeStream("b"), [7])
+    collect(w, lambda o: len(o) == 2)
+    assert sorted(dec.batches[0]) == ["a", "b"]  # one round for both
+    w.close()

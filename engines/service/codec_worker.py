@@ -31,6 +31,9 @@ from engines.service.spans import Spans
 # and the network, without decoding far ahead of what anyone can hear yet.
 AHEAD_S = 1.6
 URGENT_S = 0.8  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
+FIRST_CODES = 8  # codes of a first chunk (5 + 3 lookahead)
+COALESCE_CODES = 2  # a new answer this many codes short of its first chunk is waited for ...
+COALESCE_S = 0.02  # ... at most this long
 BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language model's urgent steps
 
 
@@ -43,6 +46,7 @@ class _Answer:
     jobs: deque = field(default_factory=deque)  # chunks ready to decode, in order
     first_post: float | None = None  # when its first chunk was posted (its playback is assumed to start then)
     audio_s: float = 0.0  # seconds of audio posted
+    codes_in: int = 0  # codes pushed
     final: bool = False  # no more codes: finish the stream after its last chunk
     finishing: bool = False  # the stream's last jobs were taken
     cancelled: bool = False  # decode nothing more; close the stream
@@ -66,6 +70,7 @@ class CodecWorker:
         self.lm_ramping = False
         self.first_in_flight = False
         self._held_since: float | None = None
+        self._coalesce_since: float | None = None
         # Rounds of playing answers' chunks run at the lowest stream priority, below the language model's steps;
         # first-chunk rounds at the highest, level with them: a new answer's first audio waits on both.
         self._stream = self._first_stream = None
@@ -94,6 +99,7 @@ class CodecWorker:
             if a is None:
                 a = self._answers[id(key)] = _Answer(key, stream, time.monotonic())
             a.new_codes += codes
+            a.codes_in += len(codes)
             a.final = a.final or final
             self._cv.notify_all()
 
@@ -133,6 +139,21 @@ class CodecWorker:
         self._thread.join(timeout=5)
 
     # ---- worker side ---------------------------------------------------------------------
+
+    def _coalesce(self, first: list[_Answer], now: float) -> bool:
+        """Hold a first-chunk round (at most COALESCE_S) while another new answer is a code or two short of its
+        first chunk: sessions answering at once get their 8th codes a step or so apart, and a round for each in
+        turn made the last one wait for all the others' rounds."""
+        near = any(a.first_post is None and not a.cancelled and a not in first
+                   and FIRST_CODES - COALESCE_CODES <= a.codes_in < FIRST_CODES for a in self._answers.values())
+        if not near:
+            self._coalesce_since = None
+            return False
+        self._coalesce_since = self._coalesce_since or now
+        if now - self._coalesce_since < COALESCE_S:
+            return True
+        self._coalesce_since = None
+        return False
 
     def _due_at(self, a: _Answer) -> float:
         """When this answer's next chunk should be decoded (now for an answer that has played nothing)."""
@@ -225,6 +246,8 @@ class CodecWorker:
         # First chunks first, but never two such rounds in a row while a playing answer is about to run dry.
         urgent = any(self._due_at(a) + self.ahead_s - URGENT_S <= now for a in due)
         batch = first if first and not (self._after_first and urgent) else due
+        if batch and batch is first and self._coalesce(first, now):
+            return posts, done, -1  # another answer's first chunk is a step or two away: one round for both
         if batch and batch is due and self.lm_ramping and not urgent:
             self._held_since = self._held_since or now
             if now - self._held_since < BULK_HOLD_S:
