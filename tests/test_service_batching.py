@@ -166,3 +166,31 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     assert engine.stats().free_blocks == engine.stats().total_blocks
     engine.check_integrity()
     svc._codec.close()
+
+
+def test_user_audio_waits_while_an_answer_waits_for_its_first_codes():
+    from engines.codec.encoder import SpeechEncoder
+    from engines.service.core import ENCODE_DEFER_S
+
+    enc = SpeechEncoder.load("tiny-random")
+    engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+    svc = Service(engine, StandInTokenizer(), enc, None, encode_every_s=0.08)
+    now = [0.0]
+    svc._clock = lambda: now[0]
+    audio = m.Sampling(greedy=True, max_new_tokens=20, min_new_tokens=20)
+    for sid in ("a", "b"):
+        svc.handle(b"c", m.OpenSession(sid, sampling=audio))
+    svc.handle(b"c", m.AppendUserAudio("b", bytes(6400)))  # 0.2 s of silence from b
+    now[0] += 0.1
+    svc.step()
+    assert "b" not in svc._held_pcm  # nobody waits for codes: encoded on the 80 ms cadence
+
+    svc.handle(b"c", m.AddUserText("a", "i", "hello"))
+    svc.handle(b"c", m.CreateResponse("a", "r", "audio", audio))  # a's answer now waits for its first codes
+    svc.handle(b"c", m.AppendUserAudio("b", bytes(6400)))
+    now[0] += 0.1
+    svc.step()
+    assert "b" in svc._held_pcm  # held back for a's first codes
+    now[0] += ENCODE_DEFER_S
+    svc.step()
+    assert "b" not in svc._held_pcm  # but not for longer than ENCODE_DEFER_S

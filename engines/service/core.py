@@ -74,6 +74,7 @@ class _DecodeWork:
 
 
 SLOW_STEP_S = 0.1
+ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
 _WARM_UP = b"warm-up"  # the client id of the start-up turns
 FIRST_CHUNK_CODES = 8  # 5 codes + 3 lookahead: an answer's first chunk can be decoded (stage marks only)
 
@@ -211,11 +212,19 @@ class Service:
         """One engine step; its rows become deltas, audio chunks and completions."""
         t0 = time.perf_counter()
         self._collect_decoded()
-        if self._held_pcm and self._clock() - self._held_since >= self.encode_every_s:
-            self._encode_held()
-        if self._codec is not None and self._yield_to_codec():
-            time.sleep(0.001)  # nothing else to do meanwhile; spinning would take the GIL from the codec thread
-            return self._take()
+        ramping = self._ramping()
+        if self._held_pcm:
+            held = self._clock() - self._held_since
+            # An answer waiting for its first codes goes first: user audio waits (it is flushed at commit anyway).
+            if held >= self.encode_every_s and (not ramping or held >= ENCODE_DEFER_S):
+                self._encode_held()
+        if self._codec is not None:
+            self._codec.lm_ramping = ramping
+            if self._codec.first_in_flight and not ramping:
+                # A first-chunk round is on the GPU and no answer waits for codes: the playing answers are ahead of
+                # real time, so this step can wait. Sleep: spinning would take the GIL from the codec thread.
+                time.sleep(0.001)
+                return self._take()
         t1 = time.perf_counter()
         outputs: list[StepOutput] = self.engine.step()
         t2 = time.perf_counter()
@@ -252,16 +261,15 @@ class Service:
                         1e3 * (t4 - t3), len(finished))
         return self._take()
 
-    def _yield_to_codec(self) -> bool:
-        """Share the GPU with the codec worker by urgency (its rounds are ~800 tiny kernels per Euler step: run
-        beside decode steps, each waits behind a step's kernels and a round takes 2-3x as long). While an answer
-        still waits for its first codes, the worker holds back rounds of playing answers; while a first-chunk round
-        runs and no answer waits for codes, the engine skips its step (playing answers are ahead of real time)."""
-        ramping = self.engine.stats().waiting > 0 or any(
+    def _ramping(self) -> bool:
+        """An answer still waits for its first chunk's codes. The GPU is shared by urgency: the codec's rounds are
+        ~800 tiny kernels per Euler step and, run beside decode steps, each waits behind a step's kernels (a round
+        takes 2-3x as long). While an answer ramps, the codec worker holds back rounds of playing answers and user
+        audio is not encoded (<= ENCODE_DEFER_S); while a first-chunk round runs and none ramps, the engine skips
+        its step."""
+        return self.engine.stats().waiting > 0 or any(
             t.response is not None and not t.response.cancelled and t.response.modality == "audio"
             and len(t.response.code_idx) < FIRST_CHUNK_CODES for _, t in self._requests.values())
-        self._codec.lm_ramping = ramping
-        return self._codec.first_in_flight and not ramping
 
     def stats(self) -> dict[str, Any]:
         st = self.engine.stats()
