@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     command = None
     if settings.spawn_engine:
         command = list(settings.engine_command) if settings.engine_command else engine_command(
-            settings.model, settings.codec, settings.device, endpoint)
+            settings.model, settings.codec, settings.device, endpoint, settings.vocoder)
         if settings.engine_command:
             command += ["--endpoint", endpoint]
     engine = EngineClient(

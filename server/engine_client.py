@@ -50,10 +50,10 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def engine_command(model: str, codec: str, device: str, endpoint: str) -> list[str]:
+def engine_command(model: str, codec: str, device: str, endpoint: str, vocoder: str | None = None) -> list[str]:
     device = resolve_device(device)
     return [sys.executable, "-m", "engines.service.process", "--model", model, "--codec", codec,
-            "--device", device, "--endpoint", endpoint]
+            "--device", device, "--endpoint", endpoint, *(["--vocoder", vocoder] if vocoder else [])]
 
 
 class EngineClient:

@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     model: str = "tiny-random"  # tiny-random or a MOSS-Speech checkpoint directory
     codec: str = "tiny-random"  # tiny-random or a MOSS-Speech-Codec directory
     device: str = "auto"  # passed to the engine: auto, cpu, cuda, cuda:N
+    vocoder: str | None = Field(None, pattern="^(bigvgan|hift)$")  # None: the engine's default for the codec
     model_name: str = "moss-speech"  # the `model` reported to clients (session.model)
 
     # HTTP

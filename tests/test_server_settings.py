@@ -57,3 +57,15 @@ def test_random_weights_flag_covers_both_random_presets_and_the_codec():
     assert Settings(model="full-random", codec="/models/codec").random_weights
     assert Settings(model="/models/moss", codec="tiny-random").random_weights
     assert not Settings(model="/models/moss", codec="/models/codec").random_weights
+
+
+def test_vocoder_reaches_the_engine_command(monkeypatch):
+    from server.engine_client import engine_command
+
+    monkeypatch.setenv("MOSS_VOCODER", "hift")
+    s = Settings()
+    cmd = engine_command(s.model, s.codec, "cpu", "ipc:///tmp/x", s.vocoder)
+    assert cmd[cmd.index("--vocoder") + 1] == "hift"
+    assert "--vocoder" not in engine_command("tiny-random", "tiny-random", "cpu", "ipc:///tmp/x")  # engine default
+    with pytest.raises(ValidationError, match="vocoder"):
+        Settings(vocoder="wavenet")

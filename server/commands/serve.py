@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="tiny-random (default) or a MOSS-Speech checkpoint directory [MOSS_MODEL]")
     p.add_argument("--codec", help="tiny-random (default) or a MOSS-Speech-Codec directory [MOSS_CODEC]")
     p.add_argument("--device", help="engine device: auto, cpu, cuda, cuda:N [MOSS_DEVICE]")
+    p.add_argument("--vocoder", choices=("bigvgan", "hift"),
+                   help="codec vocoder (default: hift for a codec directory without bigvgan/, else bigvgan); "
+                        "hift runs as CUDA graphs and serves far more sessions on a GPU [MOSS_VOCODER]")
     p.add_argument("--host", help="bind address (default 127.0.0.1) [MOSS_HOST]")
     p.add_argument("--port", type=int, help="port (default 8000) [MOSS_PORT]")
     p.add_argument("--api-key", dest="api_keys", action="append",
