@@ -31,7 +31,7 @@ from engines.service.spans import Spans
 # and the network, without decoding far ahead of what anyone can hear yet.
 AHEAD_S = 1.6
 URGENT_S = 0.8  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
-FIRST_CODES = 8  # codes of a first chunk (5 + 3 lookahead)
+FIRST_CHUNK_CODES = 8  # 5 codes + 3 lookahead: an answer's first chunk can be decoded
 COALESCE_CODES = 2  # a new answer this many codes short of its first chunk is waited for ...
 COALESCE_S = 0.02  # ... at most this long
 BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language model's urgent steps
@@ -51,7 +51,6 @@ class _Answer:
     finishing: bool = False  # the stream's last jobs were taken
     cancelled: bool = False  # decode nothing more; close the stream
     closed: bool = False
-    chunks_out: int = 0
 
 
 class CodecWorker:
@@ -145,7 +144,8 @@ class CodecWorker:
         first chunk: sessions answering at once get their 8th codes a step or so apart, and a round for each in
         turn made the last one wait for all the others' rounds."""
         near = any(a.first_post is None and not a.cancelled and a not in first
-                   and FIRST_CODES - COALESCE_CODES <= a.codes_in < FIRST_CODES for a in self._answers.values())
+                   and FIRST_CHUNK_CODES - COALESCE_CODES <= a.codes_in < FIRST_CHUNK_CODES
+                   for a in self._answers.values())
         if not near:
             self._coalesce_since = None
             return False
@@ -184,7 +184,7 @@ class CodecWorker:
                     a.finishing = a.finishing or a.final
                 self._running = True
             t0, started, cpu0 = time.perf_counter(), time.monotonic(), time.thread_time()
-            new = [a for a, _, _ in taken if a.chunks_out == 0]
+            new = [a for a, _, _ in taken if a.first_post is None]
             decoded = 0
             try:
                 if self._stream is not None:
@@ -204,7 +204,7 @@ class CodecWorker:
                         self.spans.add(kind + " cpu", time.thread_time() - cpu0)
                         self.spans.add(kind + " gpu wait", getattr(self.decoder, "last_gpu_wait_s", 0.0))
                     for a in new:
-                        if a.chunks_out:
+                        if a.first_post is not None:
                             self._first_rounds[id(a.key)] = (started, time.monotonic())
                     self._results.extend(posts)
                     for a in done:
@@ -274,7 +274,6 @@ class CodecWorker:
             self.items += len(batch)
             posted = self._clock()
             for a, job, pcm in zip(batch, jobs, pcms, strict=True):
-                a.chunks_out += 1
                 a.first_post = posted if a.first_post is None else a.first_post
                 a.audio_s += len(pcm) / self.sample_rate
                 posts.append((a.key, pcm, job.final))

@@ -44,6 +44,7 @@ from engines.api import ChannelSampling, EngineError, InvalidRequestError, Sampl
 from engines.codec.audio_io import float32_to_pcm16, pcm16_to_float32
 from engines.config import ConfigError
 from engines.service import messages as m
+from engines.service.codec_worker import FIRST_CHUNK_CODES, CodecWorker
 from engines.service.prompt import PromptBuilder
 from engines.service.sessions import Answer, ResponseState, Session, Turn
 from engines.service.spans import Spans
@@ -76,7 +77,6 @@ class _DecodeWork:
 SLOW_STEP_S = 0.1
 ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
 _WARM_UP = b"warm-up"  # the client id of the start-up turns
-FIRST_CHUNK_CODES = 8  # 5 codes + 3 lookahead: an answer's first chunk can be decoded (stage marks only)
 
 
 def _device_name(device: str) -> str:
@@ -127,8 +127,6 @@ class Service:
         self._clock = time.monotonic
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
-            from engines.service.codec_worker import CodecWorker
-
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")))
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
