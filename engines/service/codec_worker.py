@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engines.service.spans import Spans
+from engines.streams import high_priority_stream
 
 # Audio a playing answer is kept ahead of real time: margin for a round or two of new answers' first chunks
 # and the network, without decoding far ahead of what anyone can hear yet.
@@ -75,7 +76,7 @@ class CodecWorker:
         self._stream = self._first_stream = None
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
-            self._first_stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
+            self._first_stream = high_priority_stream(device)
         self._cv = threading.Condition()
         self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left
         self._results: deque[tuple[Any, np.ndarray | Exception, bool]] = deque()

@@ -105,11 +105,12 @@ def build_service(args: argparse.Namespace) -> Service:
     if on_gpu:
         import torch
 
-        # The language model's steps (and the speech encoder) run on a high-priority stream, so they never
-        # queue behind the codec worker's kernels (default, lowest priority) for SMs: a decode step is a few
-        # ms of GPU work that every session waits for.
-        torch.cuda.set_stream(torch.cuda.Stream(torch.device(args.device),
-                                                priority=torch.cuda.Stream.priority_range()[1]))
+        from engines.streams import high_priority_stream
+
+        # The language model's steps run on a high-priority stream, so they never queue behind the codec
+        # worker's rounds of playing answers (lowest priority) for SMs: a decode step is a few ms of GPU work
+        # that every session waits for. (The speech encoder has its own high-priority stream.)
+        torch.cuda.set_stream(high_priority_stream(args.device))
     # The codec worker thread runs Python between its GPU waits; a short switch interval keeps the engine
     # loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)

@@ -15,6 +15,7 @@ from engines.codec.encoder.model import StreamingRunner, TrunkState, WhisperVQTr
 from engines.codec.encoder.presets import ENCODER_PRESETS
 from engines.codec.encoder.weights import PREFIX, load_state, random_state
 from engines.config import parse_dtype
+from engines.streams import high_priority_stream
 
 
 class EncoderInputError(ValueError):
@@ -56,8 +57,7 @@ class SpeechEncoder:
         # Its own CUDA stream: the codes are read back at once (a host sync), which on the language model's
         # stream would also wait for the decode steps queued there.
         # High priority: a commit's last codes are on every answer's path to first audio.
-        self.stream = (torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
-                       if device.type == "cuda" else None)
+        self.stream = high_priority_stream(device) if device.type == "cuda" else None
 
     @classmethod
     def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
