@@ -6,6 +6,10 @@ Layout follows the published checkpoint keys (`encoder.embed.out.{0,1}`, `encode
 Streaming is exact by construction: every chunk attends to the prompt, a fixed window of previous chunks
 and itself, and the two convolutions carry their left context in small caches, so decoding a chunk costs the
 same however long the answer is.
+
+Shapes are static for a given (batch, chunk, prefix length): the relative-position term is computed from per-query
+and per-key sin/cos (no table over a position-dependent range of distances), so one chunk at any point of an answer
+runs the same kernels on the same shapes and can be replayed as a CUDA graph (`FlowModel.encode`, `EncoderGraphs`).
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from torch import nn
 from engines.codec.decoder.config import FlowConfig
 
 
+def frequencies(dim: int, device) -> torch.Tensor:
+    """[dim / 2] float32 angular frequencies of the ESPnet sinusoid (channel 2i and 2i+1 share frequency i)."""
+    return torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+
+
 def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """positions [R] (signed) -> [R, dim], sin on even and cos on odd channels (ESPnet rel-pos table)."""
-    div = torch.exp(torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / dim))
-    ang = positions.to(torch.float32)[:, None] * div[None]
+    ang = positions.to(torch.float32)[:, None] * frequencies(dim, positions.device)[None]
     out = torch.empty(positions.shape[0], dim, device=positions.device, dtype=torch.float32)
     out[:, 0::2] = torch.sin(ang)
     out[:, 1::2] = torch.cos(ang)
@@ -42,23 +50,29 @@ class KV:
 
 @dataclass
 class AttnContext:
-    """What every layer of one stack shares for a chunk, computed once per stack (not per layer)."""
+    """What every layer of one stack shares for a chunk, computed once per stack (not per layer).
 
-    table: torch.Tensor  # [R, D] sinusoid of every query-key distance in the host-known range (activation dtype)
-    idx: torch.Tensor  # [B, 1, T, L + T] row of `table` for each (query, key): distance - lo, clamped
-    masked: torch.Tensor | None  # [B, 1, 1, L + T] bool, True for batch padding among the prefix keys
+    The relative term of a (query q, key k) pair reads the sinusoid of the distance q - k. With w_i the frequencies,
+    sin((q - k) w) = Sq Ck - Cq Sk and cos((q - k) w) = Cq Ck + Sq Sk (Sq = sin(q w), Ck = cos(k w), ...), so it
+    factors into a per-query part and a per-key part: no table over a range of distances that grows with the
+    answer's position, and the shapes depend only on the number of queries and keys."""
+
+    q_sin: torch.Tensor  # [B, 1, T, D/2] sin(query pos * w) (activation dtype)
+    q_cos: torch.Tensor  # [B, 1, T, D/2]
+    k_cs: torch.Tensor  # [B, 1, D, L + T] [cos(key pos * w); sin(key pos * w)], transposed for the matmul
+    masked: torch.Tensor | None  # [B, 1, 1, L + T] bool, True for padding among the prefix keys
 
     @classmethod
-    def build(cls, pos: torch.Tensor, prefix: KV | None, dist_range: tuple[int, int], d: int, dtype: torch.dtype
-              ) -> AttnContext:
+    def build(cls, pos: torch.Tensor, prefix: KV | None, d: int, dtype: torch.dtype) -> AttnContext:
         """pos [B, T] query positions; prefix: the keys every layer attends to besides the chunk (their positions and
         validity are the same in every layer of a stack)."""
-        lo, hi = dist_range
-        table = sinusoid(torch.arange(lo, hi + 1, device=pos.device), d).to(dtype)
-        kpos = pos if prefix is None else torch.cat([prefix.pos, pos], 1)
-        idx = (pos[:, :, None] - kpos[:, None, :] - lo).clamp(0, hi - lo)[:, None]
+        w = frequencies(d, pos.device)  # [D/2] float32: positions reach ~1e4, too far for bf16 angles
+        kpos = pos if prefix is None else torch.cat([prefix.pos, pos], 1)  # [B, L + T]
+        qa = pos.to(torch.float32)[..., None] * w  # [B, T, D/2]
+        ka = kpos.to(torch.float32)[..., None] * w  # [B, L + T, D/2]
+        k_cs = torch.cat([torch.cos(ka), torch.sin(ka)], -1).transpose(1, 2)[:, None].to(dtype)
         masked = None if prefix is None else F.pad(~prefix.valid, (0, pos.shape[1]))[:, None, None]
-        return cls(table, idx, masked)
+        return cls(torch.sin(qa)[:, None].to(dtype), torch.cos(qa)[:, None].to(dtype), k_cs, masked)
 
 
 class LinearEmbed(nn.Module):
@@ -98,16 +112,25 @@ class RelPosSelfAttention(nn.Module):
             k = torch.cat([prefix.k, k_new], 1)
             v = torch.cat([prefix.v, v_new], 1)
         ac = torch.einsum("bthd,blhd->bhtl", q + self.pos_bias_u, k)
-        # Relative term for every distance (query pos - key pos) in the host-known range, then gathered.
-        p = self.linear_pos(ctx.table).view(-1, self.h, self.dk)  # [R, H, dk]
-        bd_all = torch.einsum("bthd,rhd->bhtr", q + self.pos_bias_v, p)  # [B, H, T, R]
-        bd = bd_all.gather(-1, ctx.idx.expand(B, self.h, T, ctx.idx.shape[-1]))
+        bd = self.relative(q, ctx)
         scores = (ac + bd) / math.sqrt(self.dk)
         if ctx.masked is not None:
             scores = scores.masked_fill(ctx.masked, float("-inf"))
         attn = torch.softmax(scores, dim=-1)
         out = torch.einsum("bhtl,blhd->bthd", attn, v).reshape(B, T, D)
         return self.linear_out(out), k_new, v_new
+
+    def relative(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """q [B, T, H, dk] -> the relative-position term [B, H, T, L + T]: sum_j sinusoid(q - k)_j g_j with
+        g = (q + pos_bias_v) projected through linear_pos (per head), split over the factors of AttnContext."""
+        D = self.h * self.dk
+        wp = self.linear_pos.weight.view(self.h, self.dk, D)  # [H, dk, D]
+        g = torch.einsum("bthc,hcj->bhtj", q + self.pos_bias_v, wp)  # [B, H, T, D]
+        g_sin, g_cos = g[..., 0::2], g[..., 1::2]  # the channels that multiply sin / cos of the distance
+        # sin channels: g_sin (Sq Ck - Cq Sk); cos channels: g_cos (Cq Ck + Sq Sk). Grouped by Ck and Sk:
+        on_cos = g_sin * ctx.q_sin + g_cos * ctx.q_cos  # [B, H, T, D/2]
+        on_sin = g_cos * ctx.q_sin - g_sin * ctx.q_cos
+        return torch.cat([on_cos, on_sin], -1) @ ctx.k_cs  # [B, H, T, L + T]
 
 
 class FeedForward(nn.Module):
@@ -199,24 +222,24 @@ class UpsampleConformerEncoder(nn.Module):
 
     def forward_chunk(self, tok: torch.Tensor, lookahead_valid: torch.Tensor, cache: EncoderCache,
                       pos: torch.Tensor, up_pos: torch.Tensor,
-                      prefixes: list[KV | None], up_prefixes: list[KV | None],
-                      dist_range: tuple[int, int], up_dist_range: tuple[int, int]):
+                      prefixes: list[KV | None], up_prefixes: list[KV | None]):
         """tok [B, n + lookahead, input] token embeddings; lookahead_valid [B, n + lookahead] bool.
         pos [B, n] code positions; up_pos [B, n*ratio] frame positions.
         The prefixes of one stack share positions and validity (only k/v differ per layer).
-        Returns hidden [B, n*ratio, D], new cache, and per layer (k, v) of this chunk for both stacks."""
+        Returns hidden [B, n*ratio, D], new cache, and per layer (k, v) of this chunk for both stacks.
+        No host syncs and no branching on tensor values: a CUDA graph can capture it."""
         d, dt = self.cfg.d_model, tok.dtype
         x = self.embed(tok) * lookahead_valid[..., None].to(dt)
         x, pre = self.pre_lookahead_layer(x, cache.pre)
         kvs = []
-        ctx = AttnContext.build(pos, prefixes[0] if prefixes else None, dist_range, d, dt)
+        ctx = AttnContext.build(pos, prefixes[0] if prefixes else None, d, dt)
         for layer, prefix in zip(self.encoders, prefixes, strict=True):
             x, k, v = layer(x, ctx, prefix)
             kvs.append((k, v))
         x, up = self.up_layer(x, cache.up)
         x = self.up_embed(x)
         up_kvs = []
-        ctx = AttnContext.build(up_pos, up_prefixes[0] if up_prefixes else None, up_dist_range, d, dt)
+        ctx = AttnContext.build(up_pos, up_prefixes[0] if up_prefixes else None, d, dt)
         for layer, prefix in zip(self.up_encoders, up_prefixes, strict=True):
             x, k, v = layer(x, ctx, prefix)
             up_kvs.append((k, v))

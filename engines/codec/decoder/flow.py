@@ -7,6 +7,11 @@ Per chunk of n codes (n = 5 except a final partial chunk) with up to 3 lookahead
      (fresh per-session noise). Only the new frames are integrated.
 State kept per session is bounded (window of KV, trajectories of one chunk), so a chunk costs the same at
 any point of an answer.
+
+Both stages replay as CUDA graphs (graphs.py) for full chunks: the Euler solve (`euler`) and the encoder (`encode`:
+embedding, conformer stacks, projection). The encoder's shapes are static per (batch bucket, prefix length): the
+relative positions need no distance table (encoder.AttnContext), and the prompt + window keys are padded (masked)
+to a multiple of PREFIX_ALIGN, so a voice sees only a few prefix lengths over a whole answer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ from engines.codec.decoder.config import FlowConfig, StreamConfig
 from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEncoder
 from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mask
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
+
+# Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
+PREFIX_ALIGN = 32
+
+
+def padded_prefix(n: int) -> int:
+    """Prefix length n (keys) rounded up to a multiple of PREFIX_ALIGN."""
+    return -(-n // PREFIX_ALIGN) * PREFIX_ALIGN
 
 
 class _CFM(nn.Module):
@@ -67,11 +80,6 @@ def _stack_kv(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return torch.stack([torch.stack([k, v], dim=1) for k, v in kvs], dim=1)
 
 
-def _first_key(kpos: np.ndarray, kvalid: np.ndarray, own: np.ndarray) -> np.ndarray:
-    """[B, 1] position of each session's first prefix key, or `own` [B, 1] (its first query) if it has none."""
-    return np.where(kvalid[:, :1], kpos[:, :1], own) if kpos.shape[1] else own
-
-
 class FlowModel(nn.Module):
     def __init__(self, cfg: FlowConfig, stream: StreamConfig) -> None:
         super().__init__()
@@ -84,6 +92,7 @@ class FlowModel(nn.Module):
         t = torch.linspace(0, 1, cfg.n_timesteps + 1, dtype=torch.float64)
         self.t_span = (1 - torch.cos(t * 0.5 * math.pi)).tolist()  # cosine schedule, host floats
         self.graphs = None  # EulerGraphs when CUDA graphs are enabled (CodecDecoder.load(cuda_graphs=True))
+        self.enc_graphs = None  # EncoderGraphs, likewise
 
     @property
     def device(self) -> torch.device:
@@ -105,17 +114,17 @@ class FlowModel(nn.Module):
             z = torch.zeros(self.cfg.output_size, 0, device=dev, dtype=dt)
             return PreparedVoice(0, self._empty_kv(False), self._empty_kv(True), z, z, spks)
         la = self.cfg.pre_lookahead
-        tok = self.input_embedding(F.pad(codes.to(dev), (0, la)))[None]
+        # The whole prompt as one chunk with no prefix keys and absent lookahead.
+        codes = F.pad(codes.to(dev), (0, la))[None]  # [1, P + la]
         valid = torch.zeros(1, P + la, dtype=torch.bool, device=dev)
         valid[:, :P] = True
         cache = self.encoder.empty_cache(1, dev, dt)
         pos = torch.arange(P, device=dev)[None]
         up_pos = torch.arange(P * r, device=dev)[None]
-        nl, nu = len(self.encoder.encoders), len(self.encoder.up_encoders)
-        hid, _, kvs, up_kvs = self.encoder.forward_chunk(
-            tok, valid, cache, pos, up_pos, [None] * nl, [None] * nu, (-(P - 1), P - 1), (-(P * r - 1), P * r - 1))
-        mu = self.encoder_proj(hid)[0].transpose(0, 1)
-        return PreparedVoice(P, _stack_kv(kvs)[0], _stack_kv(up_kvs)[0], mu.contiguous(), mel.to(dev, dt), spks)
+        none = torch.zeros(1, 0, dtype=torch.long, device=dev)
+        mu, _, _, kv, up_kv = self.encode(codes, valid, cache.pre, cache.up, pos, up_pos, self._empty_kv(False)[None],
+                                          none, none, self._empty_kv(True)[None], none, none)
+        return PreparedVoice(P, kv[0], up_kv[0], mu[0].contiguous(), mel.to(dev, dt), spks)
 
     def _empty_kv(self, up: bool) -> torch.Tensor:
         n = len(self.encoder.up_encoders if up else self.encoder.encoders)
@@ -145,7 +154,8 @@ class FlowModel(nn.Module):
     # ---- one chunk for a batch of sessions ---------------------------------------------------------------
     def _prefixes(self, states: list[FlowState], up: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """Prompt + window keys/values of every session, padded into one tensor [B, layers, 2, L, H, dk]: O(batch)
-        ops, not O(batch x layers). Also each session's key positions [B, L] and validity [B, L] (host arrays)."""
+        ops, not O(batch x layers). L is the longest prefix rounded up to PREFIX_ALIGN (padding is masked). Also
+        each session's key positions [B, L] and validity [B, L] (host arrays)."""
         r = self.cfg.token_mel_ratio if up else 1
         rows, P, W, first = [], [], [], []
         for s in states:
@@ -156,12 +166,31 @@ class FlowModel(nn.Module):
             rows.append(torch.cat([pk, win], dim=2) if P[-1] and W[-1] else (win if W[-1] else pk))
             first.append(P[-1] + s.codes_done * r - W[-1])
         p, w, f = (np.asarray(a, dtype=np.int64)[:, None] for a in (P, W, first))
-        Lmax = int((p + w).max())
+        Lmax = padded_prefix(int((p + w).max()))
         i = np.arange(Lmax, dtype=np.int64)[None]
         valid = i < p + w
         pos = np.where(valid, np.where(i < p, i, f + i - p), 0)  # prompt positions, then the window's
         X = torch.stack([F.pad(x, (0, 0, 0, 0, 0, Lmax - x.shape[2])) for x in rows])  # [B, layers, 2, L, H, dk]
         return X, pos, valid
+
+    def encode(self, codes: torch.Tensor, valid: torch.Tensor, pre: torch.Tensor, up: torch.Tensor, pos: torch.Tensor,
+               up_pos: torch.Tensor, X: torch.Tensor, kpos: torch.Tensor, kvalid: torch.Tensor, upX: torch.Tensor,
+               up_kpos: torch.Tensor, up_kvalid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One chunk of n codes of every row through the encoder: the function EncoderGraphs replays (every input
+        batch-first, rows independent, no host syncs), and the eager path.
+        codes [B, n + la] long; valid [B, n + la] nonzero for real codes (absent lookahead is zeroed);
+        pre [B, 2, D], up [B, 2 * ratio, D] the conv caches; pos [B, n], up_pos [B, n * ratio] positions;
+        X [B, layers, 2, L, H, dk] prefix keys/values with positions kpos [B, L] and validity kvalid [B, L]
+        (nonzero: a real key); upX, up_kpos, up_kvalid the same for the up stack.
+        Returns mu [B, 80, n * ratio], the new caches pre and up, and this chunk's keys/values
+        [B, layers, 2, n, H, dk] and [B, up_layers, 2, n * ratio, H, dk]."""
+        kvalid, up_kvalid = kvalid.bool(), up_kvalid.bool()
+        prefixes = [KV(X[:, i, 0], X[:, i, 1], kpos, kvalid) for i in range(X.shape[1])]
+        up_prefixes = [KV(upX[:, i, 0], upX[:, i, 1], up_kpos, up_kvalid) for i in range(upX.shape[1])]
+        hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
+            self.input_embedding(codes), valid.bool(), EncoderCache(pre, up), pos, up_pos, prefixes, up_prefixes)
+        mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
+        return mu, cache.pre, cache.up, _stack_kv(kvs), _stack_kv(up_kvs)
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
@@ -172,34 +201,28 @@ class FlowModel(nn.Module):
         dev = self.device
         la, r = cfg.pre_lookahead, cfg.token_mel_ratio
         B = len(states)
-        cache = EncoderCache(torch.stack([s.pre for s in states]), torch.stack([s.up for s in states]))
+        pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
         X, kpos, kvalid = self._prefixes(states, False)
         upX, up_kpos, up_kvalid = self._prefixes(states, True)
         q0 = np.asarray([s.voice.n_codes + s.codes_done for s in states], dtype=np.int64)[:, None]  # [B, 1]
         pos = q0 + np.arange(n)[None]  # [B, n]
         up_pos = q0 * r + np.arange(n * r)[None]  # [B, n * r]
         valid = np.concatenate([np.ones((B, n), dtype=bool), np.arange(la)[None] < np.asarray(n_look)[:, None]], 1)
-        # Widest distance (query - key) in the chunk: from its last query to its first key (prompt start, else
-        # window start, else the chunk itself).
-        hi = int(max((pos[:, -1:] - _first_key(kpos, kvalid, q0)).max(), n - 1))
-        up_hi = int(max((up_pos[:, -1:] - _first_key(up_kpos, up_kvalid, q0 * r)).max(), n * r - 1))
         # Every index tensor of the chunk in one host -> device copy.
         parts = [codes.cpu().numpy(), valid, pos, up_pos, kpos, kvalid, up_kpos, up_kvalid]
         flat = torch.from_numpy(np.concatenate([a.astype(np.int64).ravel() for a in parts])).to(dev)
         t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = (
             x.view(a.shape) for x, a in zip(flat.split([a.size for a in parts]), parts, strict=True))
-        prefixes = [KV(X[:, i, 0], X[:, i, 1], t_kpos, t_kvalid.bool()) for i in range(X.shape[1])]
-        up_prefixes = [KV(upX[:, i, 0], upX[:, i, 1], t_up_kpos, t_up_kvalid.bool()) for i in range(upX.shape[1])]
-        tok = self.input_embedding(t_codes)
-        hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
-            tok, t_valid.bool(), cache, t_pos, t_up_pos, prefixes, up_prefixes, (-(n - 1), hi), (-(n * r - 1), up_hi))
-        mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
+        args = (t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos, t_up_kvalid)
+        if self.enc_graphs is not None and dev.type == "cuda" and n == st.chunk_codes:
+            mu, pre, up, new_kv, new_up_kv = self.enc_graphs.run(*args)
+        else:  # a last partial chunk (once per answer), or no CUDA graphs
+            mu, pre, up, new_kv, new_up_kv = self.encode(*args)
         Fr = n * r
         # Keep at most `enc_left_chunks` chunks of this session's own keys.
         keep, keep_up = st.enc_left_chunks * st.chunk_codes, st.enc_left_chunks * st.chunk_codes * r
-        new_kv, new_up_kv = _stack_kv(kvs), _stack_kv(up_kvs)  # [B, layers, 2, T, H, dk]
         for b, s in enumerate(states):
-            s.pre, s.up = cache.pre[b], cache.up[b]
+            s.pre, s.up = pre[b], up[b]
             s.win_kv = torch.cat([s.win_kv, new_kv[b]], dim=2)[:, :, -keep:]
             s.win_up_kv = torch.cat([s.win_up_kv, new_up_kv[b]], dim=2)[:, :, -keep_up:]
             s.codes_done += n
