@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import wave
 from types import SimpleNamespace
 
@@ -468,3 +469,139 @@ def test_euler_equals_straightforward_solve(hift_dec):
         x = x + (t1 - t0) * ((1 + r) * v[:B] - r * v[B:])[:, :, C:]
     assert x.abs().max() > 1e-3
     torch.testing.assert_close(got_x, x, rtol=0, atol=1e-5 * float(x.abs().max()))
+
+
+# ---- the encoder's static shapes (what lets EncoderGraphs replay it) -------------------------------------------------
+def _table_gather_relative(attn, q: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """The former formulation, kept here as the reference: a sinusoid table over every query-key distance in
+    [lo, hi], projected through linear_pos, then gathered per (query, key). q [B, T, H, dk] -> [B, H, T, K]."""
+    from engines.codec.decoder.encoder import sinusoid
+
+    B, T, H, dk = q.shape
+    dist = qpos[:, :, None] - kpos[:, None, :]  # [B, T, K]
+    lo, hi = int(dist.min()), int(dist.max())
+    p = attn.linear_pos(sinusoid(torch.arange(lo, hi + 1), H * dk)).view(-1, H, dk)  # [R, H, dk]
+    bd_all = torch.einsum("bthd,rhd->bhtr", q + attn.pos_bias_v, p)  # [B, H, T, R]
+    return bd_all.gather(-1, (dist - lo)[:, None].expand(B, H, T, kpos.shape[1]))
+
+
+def _exact_relative(attn, q: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+    """The relative term in float64 (angles exact to ~1e-12): the ground truth both float32 forms are held to."""
+    B, T, H, dk = q.shape
+    D = H * dk
+    w = torch.exp(torch.arange(0, D, 2, dtype=torch.float64) * (-math.log(10000.0) / D))
+    ang = (qpos[:, :, None] - kpos[:, None, :]).double()[..., None] * w  # [B, T, K, D/2]
+    table = torch.stack([ang.sin(), ang.cos()], -1).flatten(-2)  # [B, T, K, D]: sin on even, cos on odd channels
+    g = torch.einsum("bthc,hcj->bhtj", (q + attn.pos_bias_v).double(), attn.linear_pos.weight.double().view(H, dk, D))
+    return torch.einsum("bhtj,btkj->bhtk", g, table)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("at", [30, 1000, 5000])
+def test_relative_term_from_sin_cos_factors_equals_table_and_gather(at):
+    from engines.codec.decoder.encoder import KV, AttnContext, RelPosSelfAttention
+
+    torch.manual_seed(0)
+    D, H, T = 64, 4, 20
+    attn = RelPosSelfAttention(D, H)
+    attn.pos_bias_v.normal_()
+    q = torch.randn(2, T, H, D // H)
+    # Row 0: a 100-code prompt, then a 20-key window just behind queries at `at`; row 1: a 120-key window only.
+    qpos = torch.stack([at + torch.arange(T), at // 2 + torch.arange(T)])
+    ppos = torch.stack([torch.cat([torch.arange(100), at - 20 + torch.arange(20)]),
+                        at // 2 - 120 + torch.arange(120)]).clamp(min=0)
+    kpos = torch.cat([ppos, qpos], 1)
+    z = torch.zeros(2, 120, H, D // H)
+    got = attn.relative(q, AttnContext.build(qpos, KV(z, z, ppos, torch.ones(2, 120, dtype=torch.bool)), D,
+                                             torch.float32))
+    want = _table_gather_relative(attn, q, qpos, kpos)
+    exact = _exact_relative(attn, q, qpos, kpos)
+    assert got.shape == want.shape == (2, H, T, 140)
+    scale = float(exact.abs().max())
+    assert scale > 1.0
+    # float32 angles pos * w are rounded by up to half an ulp of the position (2.4e-4 rad at 5000) in both forms (the
+    # table rounds distance angles, the factors round query and key angles): measured |error| / scale is 5e-7 at 30,
+    # 9e-6 at 1000, 5e-5 at 5000 for either form against float64, and the same between the two.
+    tol = 2e-8 * max(at, 100) * scale
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=tol)
+    torch.testing.assert_close(want.double(), exact, rtol=0, atol=tol)
+
+
+def _args_at(dec: CodecDecoder, voice, done: int, codes_seed: int):
+    """encode()'s inputs for the next full chunk of a fresh stream that has decoded `done` codes."""
+    s = dec.open_stream("e", voice=voice, seed=0)
+    s.push(_codes(done + dec.cfg.flow.pre_lookahead, seed=codes_seed))
+    assert s.flow_state.codes_done == done
+    return s.flow_state
+
+
+@torch.inference_mode()
+def test_prefix_padded_to_alignment_gives_the_unpadded_encoding(hift_dec):
+    from engines.codec.decoder.flow import PREFIX_ALIGN, padded_prefix
+
+    flow, r = hift_dec.flow, hift_dec.cfg.flow.token_mel_ratio
+    state = _args_at(hift_dec, Voice.random(seed=3, n_codes=11), 10, 40)
+    L, U = 11 + 10, (11 + 10) * r  # prompt + window keys of each stack
+    codes = torch.as_tensor(_codes(8, seed=4))[None]
+    args = list(flow.encode_inputs([state], codes, 5, [3]))
+    X, kpos, kvalid, upX, up_kpos, up_kvalid = args[6:]
+    assert X.shape[3] == padded_prefix(L) > L and upX.shape[3] == padded_prefix(U) > U
+    assert X.shape[3] % PREFIX_ALIGN == 0 and upX.shape[3] % PREFIX_ALIGN == 0
+    assert kvalid[:, :L].all() and not kvalid[:, L:].any() and up_kvalid[:, :U].all() and not up_kvalid[:, U:].any()
+    trimmed = args[:6] + [X[:, :, :, :L], kpos[:, :L], kvalid[:, :L], upX[:, :, :, :U], up_kpos[:, :U],
+                          up_kvalid[:, :U]]
+    # Garbage in the padded keys and their positions must not matter: they are masked.
+    g = torch.Generator().manual_seed(0)
+    X, upX, kpos, up_kpos = X.clone(), upX.clone(), kpos.clone(), up_kpos.clone()
+    X[:, :, :, L:] = 100 * torch.randn(X[:, :, :, L:].shape, generator=g)
+    upX[:, :, :, U:] = 100 * torch.randn(upX[:, :, :, U:].shape, generator=g)
+    kpos[:, L:], up_kpos[:, U:] = 777, -5
+    padded = args[:6] + [X, kpos, kvalid, upX, up_kpos, up_kvalid]
+    want, got = flow.encode(*trimmed), flow.encode(*padded)
+    assert want[0].shape == (1, 80, 5 * r) and float(want[0].abs().max()) > 1e-2
+    for a, b in zip(got, want, strict=True):
+        # Same keys, only masked ones added: float32 softmax/matmul over a longer row, rounding only.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_encode_real_rows_unchanged_by_rows_repeated_as_batch_padding(hift_dec):
+    flow = hift_dec.flow
+    states = [_args_at(hift_dec, None, 15, 50), _args_at(hift_dec, Voice.random(seed=5, n_codes=3), 5, 51),
+              _args_at(hift_dec, Voice.random(seed=6, n_codes=40), 0, 52)]
+    codes = torch.as_tensor(np.stack([_codes(8, seed=60 + i) for i in range(3)]))
+    args = flow.encode_inputs(states, codes, 5, [3, 1, 0])
+    want = flow.encode(*args)
+    # As BucketGraphs.run pads a batch of 3 to the bucket of 4 (here 3 more rows to also repeat several times).
+    got = flow.encode(*[torch.cat([t, t[-1:].expand(3, *t.shape[1:])]) for t in args])
+    for a, b in zip(got, want, strict=True):
+        assert a.shape[0] == 6 and b.shape[0] == 3
+        torch.testing.assert_close(a[:3], b, rtol=0, atol=BATCH_TOL)
+        torch.testing.assert_close(a[3:], b[2:].expand_as(a[3:]), rtol=0, atol=BATCH_TOL)
+
+
+def test_precaptured_prefix_lengths_cover_every_full_chunk(hift_dec, monkeypatch):
+    """EncoderGraphs.prefix_lengths(P) lists every (codes, frames) prefix length a full chunk of a voice with P
+    prompt codes reaches, so the pre-captured graphs serve a whole answer (CUDA itself is tested in tests/gpu)."""
+    from engines.codec.decoder.graphs import EncoderGraphs
+
+    flow = hift_dec.flow
+    seen = []
+    real = flow.encode
+
+    def spy(*args):
+        if args[0].shape[1] == 5 + flow.cfg.pre_lookahead:
+            seen.append((args[6].shape[3], args[9].shape[3]))
+        return real(*args)
+
+    monkeypatch.setattr(flow, "encode", spy)
+    for voice in (None, Voice.empty(), Voice.random(seed=8, n_codes=30)):
+        seen.clear()
+        P = hift_dec.prepared(voice or hift_dec.default_voice).n_codes
+        hift_dec.decode(_codes(47, seed=70), voice=voice)
+        lengths = EncoderGraphs(flow).prefix_lengths(P)
+        assert len(seen) == 9 and set(seen) == set(lengths)
+    # The tiny preset's default voice: 25 prompt codes + windows of 0, 5, .. 20 codes = 25..45 keys (-> 32, 32, 64,
+    # 64, 64), 4 frames per code = 100..180 keys (-> 128, 128, 160, 160, 192).
+    assert EncoderGraphs(flow).prefix_lengths(25) == [(32, 128), (64, 160), (64, 192)]

@@ -77,16 +77,18 @@ class CodecDecoder:
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
              seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32") -> CodecDecoder:
         """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py).
-        cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only).
+        cuda_graphs: replay the flow's encoder (full chunks) and Euler solve and the HiFT vocoder as CUDA graphs
+        (CUDA devices only).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32."""
         dec = cls._load(codec, device, vocoder, seed)
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         if cuda_graphs and dec.device.type == "cuda":
-            from engines.codec.decoder.graphs import EulerGraphs, VocoderGraphs
+            from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
 
             dec.flow.graphs = EulerGraphs(dec.flow)
+            dec.flow.enc_graphs = EncoderGraphs(dec.flow)
             if isinstance(dec.vocoder, HiFTVocoder):
                 st = dec.cfg.stream
                 dec.vocoder.graphs = VocoderGraphs(dec.vocoder.generator, st.voc_ctx_frames,
@@ -94,13 +96,17 @@ class CodecDecoder:
         return dec
 
     def capture_graphs(self, max_batch: int, partial_chunks: bool = True) -> int:
-        """With CUDA graphs on, capture the graphs (Euler solve, HiFT vocoder) of full chunks and, with
-        `partial_chunks`, of every shorter last chunk (1..chunk-1 codes: one per answer), for every batch bucket up
-        to `max_batch` sessions now (seconds), instead of on first use inside an answer (a capture stalls the codec
-        worker for ~0.1-0.5 s). Returns graphs captured (0 without CUDA graphs)."""
+        """With CUDA graphs on, capture the graphs (encoder, Euler solve, HiFT vocoder) of full chunks and, with
+        `partial_chunks`, of every shorter last chunk (1..chunk-1 codes: one per answer; the encoder runs those
+        eagerly), for every batch bucket up to `max_batch` sessions now (seconds), instead of on first use inside an
+        answer (a capture stalls the codec worker for ~0.1-0.5 s). The encoder's graphs depend on the prompt's
+        length: those of the default voice are captured (other voices capture theirs on first use).
+        Returns graphs captured (0 without CUDA graphs)."""
         st, r = self.cfg.stream, self.cfg.flow.token_mel_ratio
         codes = range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,)
         n = 0
+        if self.flow.enc_graphs is not None:
+            n += self.flow.enc_graphs.capture_steady_state(max_batch, self.prepared(self.default_voice).n_codes)
         for g in (self.flow.graphs, getattr(self.vocoder, "graphs", None)):
             if g is not None:
                 n += g.capture_steady_state(max_batch, [c * r for c in codes])

@@ -192,14 +192,11 @@ class FlowModel(nn.Module):
         mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
         return mu, cache.pre, cache.up, _stack_kv(kvs), _stack_kv(up_kvs)
 
-    @torch.inference_mode()
-    def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
-                     gens: list[torch.Generator]) -> torch.Tensor:
-        """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored).
-        Returns mel [B, 80, n * ratio] and advances every state."""
-        cfg, st = self.cfg, self.stream
-        dev = self.device
-        la, r = cfg.pre_lookahead, cfg.token_mel_ratio
+    def encode_inputs(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int]
+                      ) -> tuple[torch.Tensor, ...]:
+        """The arguments of `encode` for a chunk of n codes of every state (codes [B, n + pre_lookahead] long,
+        lookahead slots beyond n_look[b] ignored)."""
+        la, r = self.cfg.pre_lookahead, self.cfg.token_mel_ratio
         B = len(states)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
         X, kpos, kvalid = self._prefixes(states, False)
@@ -210,11 +207,19 @@ class FlowModel(nn.Module):
         valid = np.concatenate([np.ones((B, n), dtype=bool), np.arange(la)[None] < np.asarray(n_look)[:, None]], 1)
         # Every index tensor of the chunk in one host -> device copy.
         parts = [codes.cpu().numpy(), valid, pos, up_pos, kpos, kvalid, up_kpos, up_kvalid]
-        flat = torch.from_numpy(np.concatenate([a.astype(np.int64).ravel() for a in parts])).to(dev)
+        flat = torch.from_numpy(np.concatenate([a.astype(np.int64).ravel() for a in parts])).to(self.device)
         t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = (
             x.view(a.shape) for x, a in zip(flat.split([a.size for a in parts]), parts, strict=True))
-        args = (t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos, t_up_kvalid)
-        if self.enc_graphs is not None and dev.type == "cuda" and n == st.chunk_codes:
+        return t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos, t_up_kvalid
+
+    @torch.inference_mode()
+    def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
+                     gens: list[torch.Generator]) -> torch.Tensor:
+        """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored).
+        Returns mel [B, 80, n * ratio] and advances every state."""
+        st, r = self.stream, self.cfg.token_mel_ratio
+        args = self.encode_inputs(states, codes, n, n_look)
+        if self.enc_graphs is not None and self.device.type == "cuda" and n == st.chunk_codes:
             mu, pre, up, new_kv, new_up_kv = self.enc_graphs.run(*args)
         else:  # a last partial chunk (once per answer), or no CUDA graphs
             mu, pre, up, new_kv, new_up_kv = self.encode(*args)

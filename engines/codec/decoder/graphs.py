@@ -1,5 +1,6 @@
-"""CUDA graphs for the codec's launch-bound stages: the flow's Euler solve (10 steps x ~800 small kernels per chunk)
-and the HiFT vocoder (~600 small kernels per window). Both are launch-bound at streaming batch sizes.
+"""CUDA graphs for the codec's launch-bound stages: the flow's encoder (hundreds of small kernels per chunk: ~8.6 ms
+of Python and launches for ~1 ms of GPU work at batch 1), the flow's Euler solve (10 steps x ~800 small kernels per
+chunk) and the HiFT vocoder (~600 small kernels per window). All are launch-bound at streaming batch sizes.
 
 One graph per (padded batch, input shapes, static arguments). Batches are padded up to the next bucket by repeating
 the last row (rows are independent, so real rows are unchanged) and outputs are sliced back. Opt-in
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engines.codec.decoder.flow import padded_prefix
 from engines.graphs import capture_graph
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -100,6 +102,49 @@ class EulerGraphs(BucketGraphs):
     def run(self, z, ctx_traj, mu_w, cond_w, spks) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         x, traj = super().run([z, ctx_traj, mu_w, cond_w, spks])
         return x, traj
+
+
+class EncoderGraphs(BucketGraphs):
+    """The flow's encoder for one full chunk (`FlowModel.encode`). Its shapes are (batch bucket, prefix lengths of the
+    two stacks): positions and validity are inputs, and prefixes are padded to PREFIX_ALIGN keys, so a voice of P
+    prompt codes needs one graph per distinct padded (P + W, ratio x (P + W)) over the windows W a full chunk sees."""
+
+    def __init__(self, flow) -> None:
+        super().__init__(flow.encode)
+        self.flow = flow
+
+    def prefix_lengths(self, prompt_codes: int) -> list[tuple[int, int]]:
+        """The padded prefix lengths (codes stack, up stack) a full chunk can see after a prompt of `prompt_codes`:
+        windows of 0, 1, ... enc_left_chunks previous full chunks."""
+        st, r = self.flow.stream, self.flow.cfg.token_mel_ratio
+        lens = [prompt_codes + w * st.chunk_codes for w in range(st.enc_left_chunks + 1)]
+        return sorted({(padded_prefix(n), padded_prefix(n * r)) for n in lens})
+
+    @torch.inference_mode()  # as run_jobs
+    def capture_steady_state(self, max_batch: int, prompt_codes: int) -> int:
+        """Capture every full-chunk graph of a voice with `prompt_codes` prompt codes for every bucket up to the one
+        holding `max_batch` sessions. Returns how many were newly captured."""
+        flow = self.flow
+        cfg, st = flow.cfg, flow.stream
+        n, r, la, D = st.chunk_codes, cfg.token_mel_ratio, cfg.pre_lookahead, cfg.d_model
+        H, nl, nu = cfg.heads, len(flow.encoder.encoders), len(flow.encoder.up_encoders)
+        kw = {"device": flow.device, "dtype": flow.dtype}
+        ik = {"device": flow.device, "dtype": torch.long}
+        got = 0
+        for L, U in self.prefix_lengths(prompt_codes):
+            for Bp in buckets_up_to(max_batch):
+                # Shapes as FlowModel.decode_chunk passes them (values are replaced at every replay).
+                inputs = [torch.zeros(Bp, n + la, **ik), torch.ones(Bp, n + la, **ik), torch.zeros(Bp, 2, D, **kw),
+                          torch.zeros(Bp, 2 * r, D, **kw), torch.zeros(Bp, n, **ik), torch.zeros(Bp, n * r, **ik),
+                          torch.zeros(Bp, nl, 2, L, H, D // H, **kw), torch.zeros(Bp, L, **ik), torch.ones(Bp, L, **ik),
+                          torch.zeros(Bp, nu, 2, U, H, D // H, **kw), torch.zeros(Bp, U, **ik),
+                          torch.ones(Bp, U, **ik)]
+                got += self.ensure(inputs)
+        return got
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        """FlowModel.encode's arguments, in its order; returns its outputs."""
+        return super().run(list(inputs))
 
 
 class VocoderGraphs(BucketGraphs):
