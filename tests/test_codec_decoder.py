@@ -605,3 +605,48 @@ def test_precaptured_prefix_lengths_cover_every_full_chunk(hift_dec, monkeypatch
     # The tiny preset's default voice: 25 prompt codes + windows of 0, 5, .. 20 codes = 25..45 keys (-> 32, 32, 64,
     # 64, 64), 4 frames per code = 100..180 keys (-> 128, 128, 160, 160, 192).
     assert EncoderGraphs(flow).prefix_lengths(25) == [(32, 128), (64, 160), (64, 192)]
+
+
+def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch):
+    """EncoderGraphs on CPU, its capture replaced by a stand-in that re-runs FlowModel.encode on the static inputs at
+    every replay: the pre-captured keys are the ones decoding uses (no capture while decoding), full chunks go
+    through the graphs (batch padded to the bucket, outputs sliced back) and the result equals eager decoding."""
+    import engines.codec.decoder.graphs as graphs_mod
+
+    class Replay:
+        def __init__(self, fn, out):
+            self.fn, self.out, self.replays = fn, out, 0
+
+        def replay(self):
+            self.replays += 1
+            for o, new in zip(self.out, self.fn(), strict=True):
+                o.copy_(new)
+
+        def pool(self):
+            return None
+
+    def stand_in(fn, pool=None):
+        out = fn()
+        return Replay(fn, out), out
+
+    monkeypatch.setattr(graphs_mod, "capture_graph", stand_in)
+    dec = CodecDecoder.load("tiny-random", vocoder="hift")
+    dec.flow.enc_graphs = graphs_mod.EncoderGraphs(dec.flow)
+    assert dec.capture_graphs(3) == 3 * 3  # buckets 1, 2, 4 x 3 prefix lengths (no Euler / vocoder graphs on CPU)
+    keys = set(dec.flow.enc_graphs.graphs)
+    lengths = [13, 21, 9]
+    task = CodecTask(dec, max_batch=8)
+    got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(3)}
+    for i, n in enumerate(lengths):
+        task.open(f"s{i}", seed=i)
+        task.submit(f"s{i}", _codes(n, seed=80 + i))
+        task.finish(f"s{i}")
+    while task.pending():
+        for sid, pcm in task.step().items():
+            got[sid].append(pcm)
+    assert set(dec.flow.enc_graphs.graphs) == keys
+    replays = {k[0]: g.replays for k, (g, _, _) in dec.flow.enc_graphs.graphs.items() if g.replays}
+    assert replays.get(4), replays  # the first chunks of all three sessions: batch 3 padded to 4
+    for i, n in enumerate(lengths):
+        want = hift_dec.decode(_codes(n, seed=80 + i), seed=i)
+        np.testing.assert_allclose(np.concatenate(got[f"s{i}"]), want, atol=BATCH_TOL, rtol=0)

@@ -62,15 +62,31 @@ def test_full_random_chunk_runs_bf16():
 def test_precaptured_graphs_serve_steady_chunks_and_match_eager():
     eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
-    assert dec.capture_graphs(3, partial_chunks=False) == 6  # buckets 1, 2, 4 of the Euler solve and the vocoder
+    # The encoder's prefix lengths for the default voice (25 prompt codes): (32, 128), (64, 160), (64, 192).
+    n_enc = len(dec.flow.enc_graphs.prefix_lengths(dec.prepared(dec.default_voice).n_codes))
+    assert n_enc == 3
+    # Buckets 1, 2, 4 of the Euler solve and the vocoder, and of the encoder at each prefix length.
+    assert dec.capture_graphs(3, partial_chunks=False) == 6 + 3 * n_enc
     assert dec.capture_graphs(3) == 6 * (dec.cfg.stream.chunk_codes - 1)  # then every shorter last chunk
     assert dec.capture_graphs(3) == 0  # already there
     steady, voc_steady = set(dec.flow.graphs.graphs), set(dec.vocoder.graphs.graphs)
+    enc_steady = set(dec.flow.enc_graphs.graphs)
+    eager_chunks = []
+    real_encode = dec.flow.encode  # EncoderGraphs holds its own reference: this only sees eager calls
+
+    def spy(*args):
+        eager_chunks.append(args[0].shape[1] - dec.cfg.flow.pre_lookahead)
+        return real_encode(*args)
+
+    dec.flow.encode = spy
     codes = _codes(22, 5)  # full chunks, then a last chunk of 2 codes at finalize
     s = dec.open_stream("p", seed=2)
     got = np.concatenate([s.push(codes[i:i + 5]) for i in range(0, 20, 5)] + [s.push(codes[20:]), s.finalize()])
+    del dec.flow.encode
     assert set(dec.flow.graphs.graphs) == steady  # no capture while decoding
     assert set(dec.vocoder.graphs.graphs) == voc_steady
+    assert set(dec.flow.enc_graphs.graphs) == enc_steady
+    assert eager_chunks == [2]  # only the last partial chunk ran the encoder eagerly
     e = eager.open_stream("p", seed=2)
     want = np.concatenate([e.push(codes[i:i + 5]) for i in range(0, 20, 5)] + [e.push(codes[20:]), e.finalize()])
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
@@ -103,3 +119,47 @@ def test_vocoder_graph_replay_equals_eager(codec):
         torch.testing.assert_close(b, a, atol=tol, rtol=0)
         torch.testing.assert_close(c, b, atol=tol, rtol=0)  # F.fold adds with atomics: not bitwise repeatable
     assert (other[0] - got[0]).abs().max() > 1e-6
+
+
+def _encoder_inputs(dec: CodecDecoder, seed: int) -> tuple[torch.Tensor, ...]:
+    """FlowModel.encode's inputs for the next full chunk of 3 sessions at different points (different voices and
+    windows, so prefix lengths and padding differ per row)."""
+    from engines.codec.decoder import Voice
+
+    flow, la = dec.flow, dec.cfg.flow.pre_lookahead
+    states = []
+    for i, (voice, done) in enumerate([(None, 15), (Voice.random(seed=5, n_codes=3), 5), (Voice.empty(), 0)]):
+        s = dec.open_stream(f"e{i}", voice=voice, seed=i)
+        s.push(_codes(done + la, seed + i))
+        assert s.flow_state.codes_done == done
+        states.append(s.flow_state)
+    codes = torch.as_tensor(np.stack([_codes(5 + la, seed + 10 + i) for i in range(3)]))
+    return flow.encode_inputs(states, codes, 5, [la, 1, 0])
+
+
+@pytest.mark.parametrize("codec", ["tiny-random", "full-random"])
+def test_encoder_graph_replay_equals_eager(codec):
+    """FlowModel.encode replayed from a graph (batch 3 padded to 4 by repeating the last row) gives the eager result,
+    and the graph reads its inputs (other codes, other outputs; the same graph serves both)."""
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True)
+    graphs = dec.flow.enc_graphs
+    with torch.inference_mode():
+        args = _encoder_inputs(dec, 0)
+        want = dec.flow.encode(*args)
+        got = graphs.run(*args)
+        again = graphs.run(*args)
+        other_args = list(args)
+        other_args[0] = (args[0] + 1) % 16384
+        other = graphs.run(*other_args)
+        other_want = dec.flow.encode(*other_args)
+    assert len(graphs.graphs) == 1
+    # Same kernels in the graph as eagerly except where the padded batch (4 rows, not 3) picks other GEMM tiles;
+    # float32 rounding through 6 + 4 conformer layers (cuDNN convolutions may use TF32 in both).
+    rel = 1e-5 if codec == "tiny-random" else 1e-4
+    for w, g, a, o, ow in zip(want, got, again, other, other_want, strict=True):
+        assert g.shape == w.shape and g.shape[0] == 3
+        tol = rel * max(float(w.abs().max()), 1.0)
+        torch.testing.assert_close(g, w, atol=tol, rtol=0)
+        torch.testing.assert_close(a, g, atol=tol, rtol=0)
+        torch.testing.assert_close(o, ow, atol=tol, rtol=0)
+    assert (other[0] - got[0]).abs().max() > 1e-4  # mu follows the codes

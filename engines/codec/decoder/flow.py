@@ -219,7 +219,7 @@ class FlowModel(nn.Module):
         Returns mel [B, 80, n * ratio] and advances every state."""
         st, r = self.stream, self.cfg.token_mel_ratio
         args = self.encode_inputs(states, codes, n, n_look)
-        if self.enc_graphs is not None and self.device.type == "cuda" and n == st.chunk_codes:
+        if self.enc_graphs is not None and n == st.chunk_codes:  # (enc_graphs is only set on CUDA devices)
             mu, pre, up, new_kv, new_up_kv = self.enc_graphs.run(*args)
         else:  # a last partial chunk (once per answer), or no CUDA graphs
             mu, pre, up, new_kv, new_up_kv = self.encode(*args)
