@@ -20,7 +20,7 @@ from engines.bench.hardware import median
 def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
     """Median ms per stage, measured by wrapping the stage methods with synchronised timers."""
     flow, win = dec.flow, dec.windowed
-    acc: dict[str, list[float]] = {"total": [], "solve": [], "vocoder": []}
+    acc: dict[str, list[float]] = {"total": [], "solve": [], "vocoder": [], "encoder_forward": []}
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -32,8 +32,9 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
             return out
         return wrapper
 
-    orig_solve, orig_push = flow._solve, win.push
+    orig_solve, orig_push, orig_enc = flow._solve, win.push, flow.encoder.forward_chunk
     flow._solve, win.push = timed("solve", orig_solve), timed("vocoder", orig_push)
+    flow.encoder.forward_chunk = timed("encoder_forward", orig_enc)
     try:
         chunk = dec.cfg.stream.chunk_codes
         for _ in range(iters):
@@ -46,13 +47,15 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
             acc["total"].append((time.perf_counter() - t0) * 1e3)
     finally:
         flow._solve, win.push = orig_solve, orig_push
+        del flow.encoder.forward_chunk
     out = {k: median(v[2:]) for k, v in acc.items()}
     out["flow_encoder_and_host"] = out["total"] - out["solve"] - out["vocoder"]
     return out
 
 
-def _estimator_kernels(dec, batch: int) -> tuple[int, float]:
-    """Kernels launched by one eager estimator call (CFG doubles the batch) and their summed GPU time (us)."""
+def _estimator_kernels(dec, batch: int, top: int = 0) -> tuple[int, float]:
+    """Kernels launched by one eager estimator call (CFG doubles the batch) and their summed GPU time (us).
+    With `top`, also prints the `top` kernel names by summed GPU time."""
     f = dec.flow
     est = f.decoder.estimator
     C, W = dec.cfg.stream.est_ctx_frames, dec.cfg.stream.est_ctx_frames + 4 * dec.cfg.stream.chunk_codes
@@ -69,7 +72,16 @@ def _estimator_kernels(dec, batch: int) -> tuple[int, float]:
             est(x, x, t, spk, x, mask)
             torch.cuda.synchronize()
     evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    _print_top(evs, top)
     return len(evs), sum(e.device_time for e in evs)
+
+
+def _print_top(evs, top: int) -> None:
+    by: dict[str, list[float]] = {}
+    for e in evs:
+        by.setdefault(e.name[:90], []).append(e.device_time)
+    for name, ts in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(ts):8.1f} us  {len(ts):4d} x {sum(ts) / len(ts):6.2f} us  {name}")
 
 
 def main() -> None:
@@ -81,13 +93,14 @@ def main() -> None:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--compile", action="store_true", help="also time the estimator under torch.compile")
+    p.add_argument("--top", type=int, default=0, help="print the N costliest kernels of one estimator call")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
                             estimator_dtype="bfloat16")
     rng = np.random.default_rng(0)
     la = dec.cfg.flow.pre_lookahead
     for b in [int(x) for x in a.batches.split(",")]:
-        n, us = _estimator_kernels(dec, b)
+        n, us = _estimator_kernels(dec, b, a.top)
         print(f"batch {b}: one eager estimator call = {n} kernels, {us / 1e3:.2f} ms GPU time "
               f"(x {dec.cfg.flow.n_timesteps} Euler steps per chunk)")
         task = CodecTask(dec, max_batch=b)

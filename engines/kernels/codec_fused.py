@@ -6,7 +6,12 @@ activation dtype wherever the torch path stores a tensor), so GPU and CPU agree 
 - `layernorm_mish`: LayerNorm over the channels of a [B, C, T] tensor (+ affine) -> Mish -> + row [B|1, C]
   -> + residual [B, C, T]; replaces transpose/LayerNorm/transpose/Mish/add/add.
 - `add_layernorm`: s = x + r (the residual stream, stored), y = LayerNorm(s); replaces add + LayerNorm.
-Inputs may be strided (a sliced causal conv output, a transposed view): no .contiguous() copies.
+- `causal_conv`: a causal Conv1d (kernel K, left context K - 1) as one implicit GEMM over the K shifted input rows,
+  bias in the epilogue; replaces cuDNN's layout transform -> conv -> transform back (3 kernels, ~14 us at
+  batch 1, for a ~6 us conv).
+The estimator keeps its [B, C, T] activations in time-major memory ([B, T, C] dense, strides (T*C, 1, C)), the layout
+the transformer blocks and these kernels read without copies. Inputs may be strided (a transposed view): no
+.contiguous() copies.
 """
 
 from __future__ import annotations
@@ -46,15 +51,20 @@ def _layernorm_mish_kernel(X, W, B, ROW, RES, OUT, sxb, sxc, sxt, srb, srsb, srs
         y = (y + tl.load(ROW + b * srb + offs, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
     if HAS_RES:
         y = y + tl.load(RES + b * srsb + offs * srsc + t * srst, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + b * C * T + offs * T + t, y.to(dt), mask=m)
+    tl.store(OUT + pid * C + offs, y.to(dt), mask=m)
+
+
+def time_major(nb: int, c: int, t: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [B, C, T] tensor in time-major memory (a transposed view of a dense [B, T, C])."""
+    return torch.empty(nb, t, c, device=like.device, dtype=like.dtype).transpose(1, 2)
 
 
 def layernorm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                    row: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, C, T] (any strides) -> mish(LayerNorm over C) (+ row[:, :, None]) (+ residual), [B, C, T] contiguous.
+    """x [B, C, T] (any strides) -> mish(LayerNorm over C) (+ row[:, :, None]) (+ residual), [B, C, T] time-major.
     row: [B, C] or [1, C]; residual: [B, C, T] (any strides)."""
     nb, c, t = x.shape
-    out = torch.empty(nb, c, t, device=x.device, dtype=x.dtype)
+    out = time_major(nb, c, t, x)
     if nb * t:
         r = row if row is not None else x
         rs = residual if residual is not None else x
@@ -100,3 +110,193 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
             x, r, weight, bias, y, s, x.stride(0), x.stride(1), x.stride(2), r.stride(0), r.stride(1), r.stride(2),
             t, eps, C=c, BLOCK=triton.next_power_of_2(c), HAS_RES=residual is not None, num_warps=2)
     return y, s
+
+
+@triton.jit(do_not_specialize=["M", "T", "sxb", "sxt"])
+def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    b = rm // T
+    t = rm % T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tap in tl.static_range(KS):
+        src_t = t - (KS - 1) + tap  # left context only: rows before the start read as zeros
+        am = (rm < M) & (src_t >= 0)
+        for c0 in range(0, CIN, BLOCK_K):
+            a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + ((c0 + rk) * sxc)[None, :],
+                        mask=am[:, None] & ((c0 + rk) < CIN)[None, :], other=0.0)
+            w = tl.load(WT + ((tap * CIN + c0 + rk) * COUT)[:, None] + rn[None, :],
+                        mask=((c0 + rk) < CIN)[:, None] & (rn < COUT)[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+    acc += tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < COUT)[None, :])
+
+
+def _conv_tiles(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) by output rows: small tiles (more programs, short K loops) for streaming batches. From
+    `python3 -m engines.bench.conv_tiles` on an H200 (bf16, Cin 256-512, K 3): 80 rows 5.3-8.3 us, 320 rows
+    5.9-9.3 us, 1280 rows 8.0-13.8 us, where cuDNN's conv1d takes 16-22 us plus two layout transforms."""
+    if rows <= 128:
+        return 16, 32
+    if rows <= 512:
+        return 16, 64
+    return 32, 128
+
+
+def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int) -> torch.Tensor:
+    """x [B, Cin, T] (any strides), w_gemm [kernel * Cin, Cout] (estimator.conv_weight_gemm) -> causal conv
+    [B, Cout, T] time-major: out[:, :, t] = bias + sum_tap W[:, :, tap] @ x[:, :, t - (kernel - 1) + tap] (zeros
+    before t = 0), accumulated in float32. float32 inputs use IEEE products (no TF32), like the CPU reference."""
+    nb, cin, t = x.shape
+    cout = w_gemm.shape[1]
+    if w_gemm.shape[0] != kernel * cin:
+        raise ValueError(f"conv weight {tuple(w_gemm.shape)} does not fit {cin} channels x kernel {kernel}")
+    out = time_major(nb, cout, t, x)
+    m = nb * t
+    if m:
+        bm, bn = _conv_tiles(m)
+        bk = max(16, min(128, triton.next_power_of_2(cin)))
+        grid = (triton.cdiv(m, bm), triton.cdiv(cout, bn))
+        _causal_conv_kernel[grid](x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout,
+                                  CIN=cin, KS=kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  IEEE=x.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out
+
+
+@triton.jit
+def _gelu_f32(y):
+    return 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ln_linear_kernel(X, R, LNW, LNB, WT, BIAS, Y, S, M, N, eps, C: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                      IEEE: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.arange(0, C)
+    mm = rm < M
+    dt = Y.dtype.element_ty
+    x = tl.load(X + rm[:, None] * C + rc[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = (x + tl.load(R + rm[:, None] * C + rc[None, :], mask=mm[:, None], other=0.0).to(tl.float32)).to(dt)
+        x = x.to(tl.float32)
+        if tl.program_id(1) == 0:  # one column block stores the residual stream
+            tl.store(S + rm[:, None] * C + rc[None, :], x.to(dt), mask=mm[:, None])
+    mean = tl.sum(x, 1) / C
+    d = x - mean[:, None]
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
+    h = (d * rstd[:, None] * tl.load(LNW + rc).to(tl.float32)[None, :]
+         + tl.load(LNB + rc).to(tl.float32)[None, :]).to(dt)  # LayerNorm output, stored rounded by the torch path
+    w = tl.load(WT + rc[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
+    if IEEE:
+        acc = tl.dot(h, w, input_precision="ieee")
+    else:
+        acc = tl.dot(h, w)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dt)
+    if GELU:
+        y = _gelu_f32(y.to(tl.float32)).to(dt)
+    tl.store(Y + rm[:, None] * N + rn[None, :], y, mask=mm[:, None] & (rn < N)[None, :])
+
+
+# Above this many rows the LayerNorm prologue, redone by every column block, costs more than the separate LayerNorm
+# kernel it saves (`python3 -m engines.bench.conv_tiles`, H200, C 256, N 1024-1536: fused 3.2-3.3 us vs 4.4-6.3 at 80
+# rows, 5.9-7.2 vs 5.9-7.6 at 640, 9.3-11.4 vs 7.3-9.4 at 1280), so larger batches take add_layernorm + cuBLAS.
+LN_LINEAR_MAX_ROWS = 640
+
+
+def ln_linear(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+              eps: float, w_t: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual, y = [gelu](LayerNorm(s) @ w_t + bias) in one kernel (the whole row of C channels is one
+    GEMM operand tile, so the LayerNorm is the GEMM's prologue). x, residual [B, T, C]; w_t [C, N] (the Linear
+    weight transposed). Returns (y [B, T, N], s [B, T, C]); s is x itself when residual is None. GELU is the exact
+    (erf) one, applied to the rounded GEMM output as F.gelu(linear(...)) does. Over LN_LINEAR_MAX_ROWS rows: the
+    unfused kernels."""
+    nb, t, c = x.shape
+    n = w_t.shape[1]
+    if w_t.shape[0] != c:
+        raise ValueError(f"weight {tuple(w_t.shape)} does not take {c} channels")
+    x = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(nb, t, n, device=x.device, dtype=x.dtype)
+    s = x
+    if residual is not None:
+        residual = residual if residual.is_contiguous() else residual.contiguous()
+        s = torch.empty_like(x)
+    m = nb * t
+    if m > LN_LINEAR_MAX_ROWS:
+        h, s = add_layernorm(x, residual, ln_weight, ln_bias, eps)
+        y = torch.nn.functional.linear(h, w_t.t(), bias)
+        return (torch.nn.functional.gelu(y) if gelu else y), s
+    if m:
+        bm, bn, warps = (16, 64, 4) if m <= 128 else (32, 128, 8) if m <= 320 else (64, 128, 8)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _ln_linear_kernel[grid](x, residual if residual is not None else x, ln_weight, ln_bias, w_t,
+                                bias if bias is not None else ln_bias, y, s, m, n, eps, C=c, BLOCK_M=bm,
+                                BLOCK_N=bn, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GELU=gelu,
+                                IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=1)
+    return y, s
+
+
+@triton.jit(do_not_specialize=["T", "s_qkv_b", "s_mb", "s_ob"])
+def _window_attention_kernel(QKV, MASK, OUT, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_ob, s_ot, scale,
+                             H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)  # one (batch row, head)
+    b = pid // H
+    h = pid % H
+    rt = tl.arange(0, BLOCK_T)
+    rd = tl.arange(0, D)
+    tm = rt < T
+    base = QKV + b * s_qkv_b + h * D
+    q = tl.load(base + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
+    k = tl.load(base + H * D + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
+    v = tl.load(base + 2 * H * D + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
+                 other=float("-inf")).to(tl.float32)
+    sc = sc * scale + am
+    mx = tl.max(sc, 1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # a fully masked (padding) row gives zeros, not NaN
+    p = tl.exp(sc - mx[:, None])
+    den = tl.sum(p, 1)
+    p = p / tl.where(den == 0.0, 1.0, den)[:, None]
+    if IEEE:
+        o = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        o = tl.dot(p.to(v.dtype), v)
+    tl.store(OUT + b * s_ob + rt[:, None] * s_ot + h * D + rd[None, :], o.to(OUT.dtype.element_ty),
+             mask=tm[:, None])
+
+
+WINDOW_ATTENTION_MAX_T = 128  # one tile of queries and keys per (row, head); longer windows use SDPA
+
+
+def window_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Softmax attention of a short window in one kernel per call: qkv [B, T, 3 * heads * head_dim] (q | k | v, each
+    head-major), mask additive [T, T] or [B, T, T] (0 / -inf, any float dtype) -> [B, T, heads * head_dim].
+    T <= WINDOW_ATTENTION_MAX_T."""
+    nb, t, three_hd = qkv.shape
+    if three_hd != 3 * heads * head_dim or qkv.stride(2) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not [B, T, 3 x {heads} x {head_dim}] with dense rows")
+    if t > WINDOW_ATTENTION_MAX_T:
+        raise ValueError(f"window of {t} frames exceeds {WINDOW_ATTENTION_MAX_T}")
+    if mask.stride(-1) != 1:
+        raise ValueError("mask rows must be dense")
+    out = torch.empty(nb, t, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
+    s_mb = mask.stride(0) if mask.dim() == 3 else 0
+    _window_attention_kernel[(nb * heads,)](
+        qkv, mask, out, t, qkv.stride(0), qkv.stride(1), s_mb, mask.stride(-2), out.stride(0), out.stride(1),
+        head_dim ** -0.5, H=heads, D=head_dim, BLOCK_T=max(16, triton.next_power_of_2(t)),
+        IEEE=qkv.dtype == torch.float32, num_warps=4)
+    return out

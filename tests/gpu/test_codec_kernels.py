@@ -12,7 +12,14 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 pytest.importorskip("triton", reason="the codec kernels are Triton kernels")
 
-from engines.kernels.codec_fused import add_layernorm, layernorm_mish  # noqa: E402
+from engines.codec.decoder.estimator import conv_weight_gemm, window_mask  # noqa: E402
+from engines.kernels.codec_fused import (  # noqa: E402
+    add_layernorm,
+    causal_conv,
+    layernorm_mish,
+    ln_linear,
+    window_attention,
+)
 
 # float32: same math, different reduction order. bf16: both paths round at the same points, so at most a one-ulp
 # flip (2^-8 relative) where a float32 intermediate lands next to a rounding boundary.
@@ -43,8 +50,79 @@ def test_layernorm_mish_matches_torch(dtype, with_row, with_res):
     if res is not None:
         want = want + res
     got = layernorm_mish(x, w, b, 1e-5, row, res)
-    assert got.shape == (B, C, T) and got.dtype == dtype and got.is_contiguous()
+    assert got.shape == (B, C, T) and got.dtype == dtype and got.transpose(1, 2).is_contiguous()  # time-major
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+# Products of bf16 inputs are exact in float32 and both paths accumulate in float32 (in different orders), then
+# round once: the bf16 bound is one output ulp (2^-8 relative) plus the accumulation-order difference.
+CONV_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cin,cout,k,batch,T", [(320, 256, 3, 2, 40), (256, 256, 3, 32, 40), (512, 256, 3, 3, 37),
+                                                 (256, 256, 1, 2, 40), (256, 80, 1, 33, 24), (100, 70, 5, 1, 9)])
+@pytest.mark.parametrize("layout", ["time_major", "contiguous"])
+def test_causal_conv_matches_torch(dtype, cin, cout, k, batch, T, layout):
+    """Every tile edge: M not a multiple of the row tile, Cout < the column tile, Cin not a multiple of 64."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(batch, cin, T, device="cuda", generator=g).to(dtype)
+    if layout == "time_major":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    w = (torch.randn(cout, cin, k, device="cuda", generator=g) / (cin * k) ** 0.5).to(dtype)
+    b = torch.randn(cout, device="cuda", generator=g).to(dtype)
+    want = F.conv1d(F.pad(x.double(), (k - 1, 0)), w.double(), b.double()).to(dtype)  # float64: no TF32
+    got = causal_conv(x, conv_weight_gemm(w), b, k)
+    assert got.shape == (batch, cout, T) and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(got, want, **CONV_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_res,bias,gelu", [(False, False, False), (True, True, True), (True, False, False)])
+@pytest.mark.parametrize("rows", [80, 400, 1280, 37])  # 1280: the unfused path
+def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows):
+    """add + LayerNorm + Linear (+ bias, + exact GELU) against add_layernorm then F.linear / F.gelu."""
+    C, N = 256, 1536 if not gelu else 1024
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(1, rows, C, device="cuda", generator=g).to(dtype)
+    r = torch.randn(1, rows, C, device="cuda", generator=g).to(dtype) if with_res else None
+    w, b = _norm_params(C, dtype)
+    lin = (torch.randn(N, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
+    lb = torch.randn(N, device="cuda", generator=g).to(dtype) if bias else None
+    h_want, s_want = add_layernorm(x, r, w, b, 1e-5)
+    want = F.linear(h_want.double(), lin.double(), lb.double() if lb is not None else None).to(dtype)
+    if gelu:
+        want = F.gelu(want.float()).to(dtype)
+    got, s = ln_linear(x, r, w, b, 1e-5, lin.t().contiguous(), lb, gelu=gelu)
+    torch.testing.assert_close(s, s_want, rtol=0, atol=0)  # the same rounded add
+    torch.testing.assert_close(got, want, **CONV_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,ctx", [(40, 20), (24, 20), (128, 60), (5, 0)])
+def test_window_attention_matches_sdpa(dtype, T, ctx):
+    B, H, D = 3, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(B, T, 3 * H * D, device="cuda", generator=g).to(dtype)
+    mask = window_mask(T, ctx, torch.device("cuda"), dtype)  # rows padded in storage, as the estimator passes it
+    q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).double().unbind(0)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.double()).transpose(1, 2).reshape(B, T, H * D)
+    got = window_attention(qkv, mask, H, D)
+    torch.testing.assert_close(got, want.to(dtype), **CONV_TOL[dtype])
+
+
+def test_window_attention_refuses_long_windows_and_bad_shapes():
+    qkv = torch.zeros(1, 129, 3 * 2 * 16, device="cuda")
+    with pytest.raises(ValueError, match="exceeds"):
+        window_attention(qkv, torch.zeros(129, 129, device="cuda"), 2, 16)
+    with pytest.raises(ValueError, match="is not"):
+        window_attention(qkv[:, :8], torch.zeros(8, 8, device="cuda"), 4, 16)
+
+
+def test_causal_conv_refuses_a_mismatched_weight():
+    x = torch.zeros(1, 8, 4, device="cuda")
+    with pytest.raises(ValueError, match="does not fit"):
+        causal_conv(x, torch.zeros(3 * 16, 8, device="cuda"), torch.zeros(8, device="cuda"), 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

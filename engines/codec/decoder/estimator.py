@@ -11,7 +11,10 @@ the context frames' x_t trajectories are kept by the flow.
 Inference layout (GPU launch count, see docs/PERF_NOTES.md "Codec estimator: kernel count"): the time
 conditioning of every resnet is a table per Euler step (`time_table`), q/k/v run as one GEMM over a
 concatenated weight (`fuse`), the attention mask is an additive float mask built once per solve
-(`window_mask`), and LayerNorm tails are fused Triton kernels on CUDA (engines/kernels/codec_fused.py).
+(`window_mask`), and LayerNorm tails and the convolutions are Triton kernels on CUDA
+(engines/kernels/codec_fused.py), where a transformer block is 5 kernels (LayerNorms as GEMM prologues, one
+attention kernel for the short window). Activations stay [B, C, T] in shape but time-major in memory, the layout of the
+transformer blocks, so no transposes are copied between resnets and transformer blocks.
 `forward` (arbitrary t, bool mask) is kept for tests and runs the same core.
 """
 
@@ -26,12 +29,28 @@ from torch import nn
 from engines.codec.decoder.config import FlowConfig
 
 
+def conv_weight_gemm(weight: torch.Tensor) -> torch.Tensor:
+    """Conv1d weight [Cout, Cin, K] -> the CUDA conv's implicit-GEMM operand [K * Cin, Cout] (row tap * Cin + c)."""
+    cout, cin, k = weight.shape
+    return weight.permute(2, 1, 0).reshape(k * cin, cout).contiguous()
+
+
 class CausalConv1d(nn.Conv1d):
+    """Conv1d seeing `kernel - 1` frames of left context (kernel 1: pointwise). On CUDA one implicit-GEMM Triton
+    kernel that writes time-major memory (engines/kernels/codec_fused.py)."""
+
     def __init__(self, dim: int, dim_out: int, kernel: int) -> None:
         # Padding on both sides then dropping the tail equals left padding: one kernel instead of pad + conv.
         super().__init__(dim, dim_out, kernel, padding=kernel - 1)
+        # [kernel * dim, dim_out]: the weight as the CUDA kernel reads it (built by CausalConditionalDecoder.fuse).
+        self.gemm_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from engines.kernels.codec_fused import causal_conv
+
+            w = self.gemm_weight if self.gemm_weight is not None else conv_weight_gemm(self.weight)
+            return causal_conv(x, w, self.bias, self.kernel_size[0])
         return super().forward(x)[..., :x.shape[-1]]
 
 
@@ -83,7 +102,7 @@ class CausalResnetBlock1D(nn.Module):
         self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, dim_out))
         self.block1 = CausalBlock1D(dim, dim_out)
         self.block2 = CausalBlock1D(dim_out, dim_out)
-        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+        self.res_conv = CausalConv1d(dim, dim_out, 1)
 
     def forward(self, x: torch.Tensor, t_row: torch.Tensor) -> torch.Tensor:
         """x [B, dim, T]; t_row [B|1, dim_out] = self.mlp(time embedding), precomputed per Euler step."""
@@ -129,13 +148,41 @@ class TransformerBlock(nn.Module):
         self.ff = nn.Module()
         self.ff.net = nn.ModuleList([_GELUProj(d, 4 * d), nn.Dropout(0.0), nn.Linear(4 * d, d)])
 
+        # [d, 3 * heads * head_dim] and [d, 4 * d]: q/k/v and ff.net.0 weights transposed for the CUDA kernels (built
+        # by CausalConditionalDecoder.fuse).
+        self.qkv_t: torch.Tensor | None = None
+        self.ff1_t: torch.Tensor | None = None
+
+    def _fused_ok(self, x: torch.Tensor) -> bool:
+        """The CUDA kernels take a power-of-two width (one tile per row) and windows of <= 128 frames."""
+        from engines.kernels.codec_fused import WINDOW_ATTENTION_MAX_T
+
+        d, dh = x.shape[2], self.attn1.dh
+        return (self.qkv_t is not None and d & (d - 1) == 0 and d >= 16 and dh & (dh - 1) == 0 and dh >= 16
+                and x.shape[1] <= WINDOW_ATTENTION_MAX_T)
+
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's input is x + pending (pending None: just x); returns (x, ff_out) whose sum is its output,
         so each residual add fuses with the next LayerNorm."""
+        if x.is_cuda and self._fused_ok(x):
+            return self._forward_cuda(x, pending, mask)
         h, x = add_layernorm(x, pending, self.norm1)
         h, x = add_layernorm(x, self.attn1(h, mask), self.norm3)
         return x, self.ff.net[2](self.ff.net[0](h))
+
+    def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
+        GEMM + GELU, ff output GEMM."""
+        from engines.kernels.codec_fused import ln_linear, window_attention
+
+        a, ff = self.attn1, self.ff.net
+        qkv, x = ln_linear(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.qkv_t)
+        o = a.to_out[0](window_attention(qkv, mask, a.h, a.dh))  # [B, T, d]
+        h, x = ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
+                         gelu=True)
+        return x, ff[2](h)
 
 
 class _TimeMLP(nn.Module):
@@ -193,7 +240,7 @@ class CausalConditionalDecoder(nn.Module):
         self.up_blocks = nn.ModuleList([nn.ModuleList([CausalResnetBlock1D(2 * c, c, tdim), tblocks(),
                                                        CausalConv1d(c, c, 3)])])
         self.final_block = CausalBlock1D(c, c)
-        self.final_proj = nn.Conv1d(c, cfg.output_size, 1)
+        self.final_proj = CausalConv1d(c, cfg.output_size, 1)
         self._fused_key: tuple | None = None
         self._tables: dict[tuple, torch.Tensor] = {}
 
@@ -214,6 +261,11 @@ class CausalConditionalDecoder(nn.Module):
         for m in self.modules():
             if isinstance(m, _Attention):
                 m.qkv_weight = torch.cat([m.to_q.weight, m.to_k.weight, m.to_v.weight]).detach()
+            if isinstance(m, TransformerBlock):
+                m.qkv_t = torch.cat([m.attn1.to_q.weight, m.attn1.to_k.weight, m.attn1.to_v.weight]).t().contiguous()
+                m.ff1_t = m.ff.net[0].proj.weight.detach().t().contiguous()
+            if isinstance(m, CausalConv1d):
+                m.gemm_weight = conv_weight_gemm(m.weight.detach())
         self._tables.clear()
         self._fused_key = key
 
@@ -243,10 +295,8 @@ class CausalConditionalDecoder(nn.Module):
         x, pending = h.transpose(1, 2), None
         for b in blocks:
             x, pending = b(x, pending, mask)
-        # The last residual add writes straight into [B, C, T] layout (one kernel, no transpose copy).
-        out = torch.empty(h.shape, device=h.device, dtype=h.dtype)
-        torch.add(x, pending, out=out.transpose(1, 2))
-        return out
+        # Time-major [B, C, T] view of the last residual sum: the next conv reads it without a copy.
+        return torch.add(x, pending).transpose(1, 2)
 
     def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [B, 320, T] = cat(x, mu, spks, cond) in the estimator dtype; rows [n_resnets, B|1, C] (`time_rows` or
@@ -254,11 +304,12 @@ class CausalConditionalDecoder(nn.Module):
         resnet, blocks, down = self.down_blocks[0]
         h = self._attend(resnet(h, rows[0]), blocks, mask)
         skip = h
-        h = down(h).contiguous()  # feeds two convs (block1, res_conv): one copy here instead of one in each
+        h = down(h)
         for i, (resnet, blocks) in enumerate(self.mid_blocks):
             h = self._attend(resnet(h, rows[1 + i]), blocks, mask)
         resnet, blocks, up = self.up_blocks[0]
-        h = self._attend(resnet(torch.cat([h, skip], dim=1), rows[-1]), blocks, mask)
+        hs = torch.cat([h.transpose(1, 2), skip.transpose(1, 2)], dim=2).transpose(1, 2)  # time-major [B, 2C, T]
+        h = self._attend(resnet(hs, rows[-1]), blocks, mask)
         h = up(h)
         return self.final_proj(self.final_block(h))
 

@@ -267,12 +267,14 @@ class FlowModel(nn.Module):
         # The estimator input cat(x, mu, spks, cond) for [conditional; unconditional] rows: only x changes per step,
         # so the rest is written once. The unconditional half has no mu, speaker or cond.
         n = cfg.output_size
-        h = torch.zeros(2, B, 4 * n, W, device=dev, dtype=edt)
-        h[0, :, n:2 * n] = mu_w
-        h[0, :, 2 * n:3 * n] = spks[:, :, None]
-        h[0, :, 3 * n:] = cond_w
-        x_in = h[:, :, :n]  # [2, B, 80, W] view
-        h = h.view(2 * B, 4 * n, W)
+        # Time-major memory [2, B, W, 4n] (the estimator's layout: its first convs read it without a copy).
+        mem = torch.zeros(2, B, W, 4 * n, device=dev, dtype=edt)
+        hv = mem.transpose(2, 3)  # [2, B, 4n, W] view
+        hv[0, :, n:2 * n] = mu_w
+        hv[0, :, 2 * n:3 * n] = spks[:, :, None]
+        hv[0, :, 3 * n:] = cond_w
+        x_in = hv[:, :, :n]  # [2, B, 80, W] view
+        h = mem.view(2 * B, W, 4 * n).transpose(1, 2)  # [2B, 4n, W] view
         x = z  # the ODE state stays in the flow dtype (float32); the estimator may run in bf16
         traj = []
         for s in range(cfg.n_timesteps):

@@ -1,0 +1,115 @@
+"""Tile sweeps for the codec estimator's kernels: `python3 -m engines.bench.conv_tiles` on a GPU.
+
+Times `_causal_conv_kernel` and `_ln_linear_kernel` per tile configuration inside a CUDA graph (as the Euler solve
+runs them) for the estimator's shapes at streaming batch sizes, against the torch path they replace (cuDNN's conv1d;
+add_layernorm + cuBLAS GEMM + GELU). A development tool for choosing their tiles, not the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from engines.codec.decoder.estimator import conv_weight_gemm
+from engines.kernels.codec_fused import _causal_conv_kernel, _ln_linear_kernel, add_layernorm, time_major
+
+
+def _graph_us(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(5):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / (5 * reps)
+
+
+CONFIGS = list(itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4,), (2, 3)))  # BM, BN, BK, warps, stages
+
+
+def _sweep(rows: int, cin: int, k: int, cout: int = 256, T: int = 40) -> None:
+    dt = torch.bfloat16
+    nb = rows // T
+    x = torch.randn(nb, T, cin, device="cuda", dtype=dt).transpose(1, 2)  # time-major, as in the estimator
+    w = torch.randn(cout, cin, k, device="cuda", dtype=dt)
+    b = torch.randn(cout, device="cuda", dtype=dt)
+    wg = conv_weight_gemm(w)
+    out = time_major(nb, cout, T, x)
+    xc = x.contiguous()
+    ref = _graph_us(lambda: F.conv1d(xc, w, b, padding=k - 1))
+
+    def run(bm, bn, bk, nw, ns):
+        grid = (triton.cdiv(rows, bm), triton.cdiv(cout, bn))
+        _causal_conv_kernel[grid](x, wg, b, out, rows, T, x.stride(0), x.stride(2), x.stride(1), cout,
+                                  CIN=cin, KS=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=False,
+                                  num_warps=nw, num_stages=ns)
+
+    res = []
+    for c in CONFIGS:
+        if c[2] > cin:
+            continue
+        try:
+            res.append((_graph_us(functools.partial(run, *c)), c))
+        except Exception as e:  # noqa: BLE001 (a config that does not fit the SM's shared memory)
+            print(f"  skip {c}: {type(e).__name__}")
+    res.sort()
+    best = ", ".join(f"{us:.2f} us {c}" for us, c in res[:4])
+    print(f"rows {rows:5d} cin {cin} k {k}: cudnn conv1d (NCW, excl. transforms) {ref:.2f} us; best: {best}",
+          flush=True)
+
+
+def _sweep_ln_linear(rows: int, n: int, gelu: bool, c: int = 256) -> None:
+    dt = torch.bfloat16
+    x, r = (torch.randn(rows, c, device="cuda", dtype=dt) for _ in range(2))
+    lw, lb = torch.ones(c, device="cuda", dtype=dt), torch.zeros(c, device="cuda", dtype=dt)
+    w = torch.randn(n, c, device="cuda", dtype=dt)
+    wt, bias = w.t().contiguous(), torch.zeros(n, device="cuda", dtype=dt)
+    y, s = torch.empty(rows, n, device="cuda", dtype=dt), torch.empty_like(x)
+
+    def torch_path():
+        h, _ = add_layernorm(x[None], r[None], lw, lb, 1e-5)
+        o = F.linear(h, w, bias)
+        return F.gelu(o) if gelu else o
+
+    ref = _graph_us(torch_path)
+
+    def run(bm, bn, nw, ns):
+        grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn))
+        _ln_linear_kernel[grid](x, r, lw, lb, wt, bias, y, s, rows, n, 1e-5, C=c, BLOCK_M=bm, BLOCK_N=bn,
+                                HAS_RES=True, HAS_BIAS=True, GELU=gelu, IEEE=False, num_warps=nw, num_stages=ns)
+
+    res = []
+    for cfg in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1,)):
+        try:
+            res.append((_graph_us(functools.partial(run, *cfg)), cfg))
+        except Exception as e:  # noqa: BLE001
+            print(f"  skip {cfg}: {type(e).__name__}")
+    res.sort()
+    best = ", ".join(f"{us:.2f} us {c}" for us, c in res[:4])
+    print(f"ln_linear rows {rows:5d} n {n} gelu {gelu}: torch path {ref:.2f} us; best (BM, BN, warps, stages): {best}",
+          flush=True)
+
+
+def main() -> None:
+    for rows, (n, gelu) in itertools.product((80, 320, 640, 1280, 2560), ((1536, False), (1024, True))):
+        _sweep_ln_linear(rows, n, gelu)
+    for rows, cin in itertools.product((80, 320, 1280, 2560), (320, 256, 512)):
+        _sweep(rows, cin, 3)
+    for rows in (80, 1280):
+        _sweep(rows, 256, 1)
+
+
+if __name__ == "__main__":
+    main()
