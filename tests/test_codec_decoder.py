@@ -650,3 +650,8 @@ def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch
     for i, n in enumerate(lengths):
         want = hift_dec.decode(_codes(n, seed=80 + i), seed=i)
         np.testing.assert_allclose(np.concatenate(got[f"s{i}"]), want, atol=BATCH_TOL, rtol=0)
+    # Once pre-captured, another voice's prefix lengths run eagerly instead of capturing in the middle of an answer.
+    voice = Voice.random(seed=8, n_codes=30)
+    other = dec.decode(_codes(17, seed=90), voice=voice, seed=4)
+    assert set(dec.flow.enc_graphs.graphs) == keys
+    np.testing.assert_allclose(other, hift_dec.decode(_codes(17, seed=90), voice=voice, seed=4), atol=BATCH_TOL, rtol=0)

@@ -16,7 +16,7 @@ from engines.codec.decoder.encoder import sinusoid
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-TOL = 1e-4  # float32, different op order (dense vs gathered relative term, padded keys)
+TOL = 1e-4  # float32, different op order (dense distance table vs factored sin/cos relative term, padded keys)
 
 
 def _segment_front(enc, emb: torch.Tensor) -> torch.Tensor:

@@ -107,11 +107,16 @@ class EulerGraphs(BucketGraphs):
 class EncoderGraphs(BucketGraphs):
     """The flow's encoder for one full chunk (`FlowModel.encode`). Its shapes are (batch bucket, prefix lengths of the
     two stacks): positions and validity are inputs, and prefixes are padded to PREFIX_ALIGN keys, so a voice of P
-    prompt codes needs one graph per distinct padded (P + W, ratio x (P + W)) over the windows W a full chunk sees."""
+    prompt codes needs one graph per distinct padded (P + W, ratio x (P + W)) over the windows W a full chunk sees.
+
+    Graphs are captured on first use until `capture_steady_state` has run; after it, shapes not captured (another
+    voice's prompt length) run eagerly: a capture would stall answers for 0.1-0.5 s, and every graph keeps its own
+    copy of its prefix keys (at full size with a 30 s prompt ~36 MB per row, ~2.3 GB at batch 64)."""
 
     def __init__(self, flow) -> None:
         super().__init__(flow.encode)
         self.flow = flow
+        self.frozen = False  # set by capture_steady_state: no more captures
 
     def prefix_lengths(self, prompt_codes: int) -> list[tuple[int, int]]:
         """The padded prefix lengths (codes stack, up stack) a full chunk can see after a prompt of `prompt_codes`:
@@ -140,10 +145,14 @@ class EncoderGraphs(BucketGraphs):
                           torch.zeros(Bp, nu, 2, U, H, D // H, **kw), torch.zeros(Bp, U, **ik),
                           torch.ones(Bp, U, **ik)]
                 got += self.ensure(inputs)
+        self.frozen = True
         return got
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        """FlowModel.encode's arguments, in its order; returns its outputs."""
+        """FlowModel.encode's arguments, in its order; returns its outputs (eagerly for a shape not captured once
+        frozen)."""
+        if self.frozen and (bucket(inputs[0].shape[0]), *self.key(inputs, ())[1:]) not in self.graphs:
+            return self.fn(*inputs)
         return super().run(list(inputs))
 
 
