@@ -46,9 +46,12 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
                 task.submit(sid, rng.integers(0, 16384, chunk))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            task.step()
+            pcm = task.step()
             torch.cuda.synchronize()
             acc["total"].append((time.perf_counter() - t0) * 1e3)
+            bad = sum(int((~np.isfinite(p)).sum()) for p in pcm.values())
+            if bad:
+                print(f"  non-finite PCM: {bad} samples in a round of {len(pcm)} sessions")
     finally:
         flow._solve, win.push = orig_solve, orig_push
         delattr(enc_owner, enc_name)

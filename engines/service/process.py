@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
 import hashlib
 import json
@@ -152,6 +153,9 @@ def build_service(args: argparse.Namespace) -> Service:
     # Everything loaded so far lives as long as the process: keep it out of every later collection's scan.
     gc.collect()
     gc.freeze()
+    from engines.codec.decoder.graphs import BucketGraphs
+
+    BucketGraphs.warn_captures = True
     return service
 
 
@@ -348,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # `kill -USR1 <engine pid>` writes every thread's stack to stderr from the signal handler itself, so it works
+    # even when a thread is stuck in C code holding the GIL (where the stall watch cannot sample).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.ready_file:
         Path(args.ready_file).write_text(json.dumps({"pid": os.getpid(), "endpoint": args.endpoint,
                                                      "model": args.model, "codec": args.codec,

@@ -163,3 +163,30 @@ def test_encoder_graph_replay_equals_eager(codec):
         torch.testing.assert_close(a, g, atol=tol, rtol=0)
         torch.testing.assert_close(o, ow, atol=tol, rtol=0)
     assert (other[0] - got[0]).abs().max() > 1e-4  # mu follows the codes
+
+
+def test_state_made_on_one_stream_decodes_on_another():
+    """The engine loop opens a decode stream on its CUDA stream and the codec worker decodes it on another: the
+    decode must wait for the kernels that made the state (here held back behind a long sleep kernel) and the
+    state is handed to the decoding stream once (DecodeStream.adopt)."""
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    codes = _codes(17, 5)
+    want = dec.decode(codes, seed=4)
+    opener, worker = torch.cuda.Stream(), torch.cuda.Stream()
+    make_voc_state = dec.windowed.new_state
+
+    def late_voc_state(*a, **k):
+        # The vocoder state's kernels (no host sync among them) queue behind ~0.1 s of GPU time on the opener.
+        torch.cuda._sleep(200_000_000)
+        return make_voc_state(*a, **k)
+
+    dec.windowed.new_state = late_voc_state
+    with torch.cuda.stream(opener):
+        s = dec.open_stream("other-stream", seed=4)
+    del dec.windowed.new_state
+    assert s.ready is not None
+    with torch.cuda.stream(worker):
+        s.add(codes)
+        got = np.concatenate([s._run(s.take_jobs()), s.finalize()])
+    assert s.ready is None
+    np.testing.assert_allclose(got, want, atol=3e-4, rtol=0)

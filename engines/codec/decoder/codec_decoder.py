@@ -184,7 +184,11 @@ class CodecDecoder:
         gen.manual_seed(int(seed))
         fs = self.flow.new_state(pv, gen)
         vs = self.windowed.new_state(pv.mel, gen)
-        return DecodeStream(self, session_id, fs, vs, gen)
+        ready = None
+        if self.device.type == "cuda":  # the state may be decoded on another thread's stream: see DecodeStream.adopt
+            ready = torch.cuda.Event()
+            ready.record()
+        return DecodeStream(self, session_id, fs, vs, gen, ready=ready)
 
     def decode(self, codes, voice: Voice | None = None, seed: int = 0) -> np.ndarray:
         """Offline decode: the streaming algorithm over all codes in one call (same chunk schedule)."""
@@ -200,6 +204,8 @@ class CodecDecoder:
         """Decode jobs of distinct sessions together (grouped by chunk length). Returns PCM per job, in order."""
         if len({id(j.stream) for j in jobs}) != len(jobs):
             raise ValueError("run_jobs takes at most one chunk per session (chunks of a session are sequential)")
+        for j in jobs:
+            j.stream.adopt()
         results: list[torch.Tensor | None] = [None] * len(jobs)
         groups: dict[int, list[int]] = {}
         for i, j in enumerate(jobs):

@@ -12,12 +12,16 @@ the graph with each session's generator and passed in as an input.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from engines.codec.decoder.flow import padded_prefix
 from engines.graphs import capture_graph
+
+log = logging.getLogger("engines.codec")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -40,6 +44,10 @@ def buckets_up_to(max_batch: int) -> list[int]:
 class BucketGraphs:
     """Replays `fn(*tensors, *static) -> tuple of tensors` (every tensor batch-first) as one CUDA graph per key."""
 
+    # Set once a server is serving (engines/service/process.py): from then on every capture is logged as a warning,
+    # since a capture stalls its caller and runs while other threads use the GPU.
+    warn_captures = False
+
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
         self.fn = fn
         self.pool = None
@@ -50,10 +58,14 @@ class BucketGraphs:
         return (inputs[0].shape[0], *(tuple(t.shape[1:]) for t in inputs), *static)
 
     def _capture(self, inputs: Sequence[torch.Tensor], static: tuple):
+        t0 = time.perf_counter()
         static_in = [t.clone() for t in inputs]
         # The warm-up runs also make cuFFT plans and settle the allocator outside the graph.
         g, out = capture_graph(lambda: self.fn(*static_in, *static), self.pool)
         self.pool = g.pool()
+        if BucketGraphs.warn_captures:
+            log.warning("%s: CUDA graph captured while serving in %.0f ms, key %s", type(self).__name__,
+                        (time.perf_counter() - t0) * 1e3, self.key(inputs, static))
         return g, static_in, out
 
     def ensure(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,26 @@ class DecodeStream:
     finished: bool = False
     closed: bool = False
     samples_out: int = 0
+    # Recorded after the state was made on the opening thread's CUDA stream; `adopt` hands the state to the stream
+    # that decodes it (None: nothing to hand over, or done).
+    ready: torch.cuda.Event | None = None
+
+    def adopt(self) -> None:
+        """Before the first decode on the current CUDA stream: wait there for the kernels that made the state, and
+        tell the allocator the state is used there. The state is made on the thread that opens the stream (the
+        engine loop, on the language model's stream) and decoded on the codec worker's streams; without this, a
+        state tensor that a decode replaces goes back to the loop's stream for reuse while the decode's kernels
+        still read it, and the decode reads whatever the loop wrote there."""
+        if self.ready is None:
+            return
+        cur = torch.cuda.current_stream(self.decoder.device)
+        cur.wait_event(self.ready)
+        for st in (self.flow_state, self.voc_state):
+            for f in dataclasses.fields(st):
+                t = getattr(st, f.name)
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(cur)
+        self.ready = None
 
     def _check_open(self) -> None:
         if self.closed:
