@@ -114,8 +114,7 @@ class Engine:
 
     def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None) -> _Launched:
         rows = after.tokens.audio_rows() if after is not None else None
-        hidden, audio_logits = self.runner.forward(chunks, rows)
-        tokens = self.runner.sample(chunks, hidden, audio_logits, ahead=int(after is not None))
+        tokens = self.runner.run(chunks, rows, ahead=int(after is not None))
         self._stats.steps += 1
         return _Launched(chunks, tokens, after is not None)
 

@@ -7,20 +7,16 @@ sampling never walks the history on the host).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engines.config import EngineConfig, ModelConfig
 from engines.kernels.tiles import tile_map
 from engines.model.batch import ForwardBatch
-from engines.sampler.sampler import (
-    AUDIO_CHANNEL,
-    TEXT_CHANNEL,
-    ChannelColumns,
-    ChannelTensors,
-    mask_audio_logits,
-    sample_channel,
-)
+from engines.sampler.sampler import TEXT_CHANNEL, ChannelColumns, ChannelTensors, sample_audio, sample_channel
 from engines.scheduler.scheduler import ScheduledChunk
+from engines.scheduler.sequence import Sequence
 from engines.tokens import MODALITY_PAD, Row
 
 
@@ -54,6 +50,17 @@ class PendingTokens:
         return rows
 
 
+@dataclass
+class StepSampling:
+    """The sampling parameters of one step's rows that need a sample, on the device in two uploads."""
+
+    seqs: list[Sequence]
+    ints: torch.Tensor  # [8, R] int64: slot, seed, step, min_new_tokens, audio top_k, greedy, text top_k, greedy
+    floats: torch.Tensor  # [6, R] float32: audio temperature, top_p, penalty, then the text channel's
+    audio_max_top_k: int
+    text_max_top_k: int
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, num_blocks: int):
         self.model = model
@@ -71,6 +78,9 @@ class ModelRunner:
         self.text_seen = torch.zeros(config.max_running, model_config.vocab_size, dtype=torch.bool, device=self.device)
         self.audio_seen = torch.zeros(config.max_running, model_config.audio_vocab_size, dtype=torch.bool,
                                       device=self.device)
+        # The value written by the history updates, on the device: a Python `True` would be copied from pageable
+        # host memory on every step, and such a copy waits for the whole stream (no step could be launched ahead).
+        self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self.graphs = self.mixed_graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engines.graphs import CudaGraphDecoder, CudaGraphMixed
@@ -150,20 +160,31 @@ class ModelRunner:
                 self.audio_seen[seq.slot].zero_()
                 if c.start > 0:
                     hist = self._upload(torch.tensor(seq.rows[: c.start], dtype=torch.long))
-                    self.text_seen[seq.slot, hist[:, 0]] = True
-                    self.audio_seen[seq.slot, hist[:, 1]] = True
+                    self.text_seen[seq.slot].index_put_((hist[:, 0],), self._true)
+                    self.audio_seen[seq.slot].index_put_((hist[:, 1],), self._true)
                 seq.history_marked = True
             slot_of_row += [seq.slot] * c.num_rows
         slot_t = self._upload(torch.tensor(slot_of_row, dtype=torch.long))
-        self.text_seen[slot_t, batch.rows[:, 0]] = True
-        self.audio_seen[slot_t, batch.rows[:, 1]] = True
+        self.text_seen.index_put_((slot_t, batch.rows[:, 0]), self._true)
+        self.audio_seen.index_put_((slot_t, batch.rows[:, 1]), self._true)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states [2, R, hidden] (text tail, audio tail) at the logits rows; audio logits when a graph ran."""
+    def run(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None, ahead: int = 0
+            ) -> PendingTokens:
+        """One step: the forward pass over the chunks, then a (text, audio) pair per chunk that needs logits, in
+        chunk order. device_rows: the new rows already on the device (a step launched before its input rows were
+        read); ahead: rows each sequence will have generated before this step's (1 for such a step)."""
         batch = self.build_batch(chunks, device_rows)
         self._mark_seen(chunks, batch)
+        seqs = [c.seq for c in chunks if c.needs_logits]
+        sampling = self._sampling(seqs, ahead) if seqs else None
+        hidden, audio_logits = self._forward(batch)
+        if sampling is None:
+            return PendingTokens(torch.zeros(0, 2, dtype=torch.long))
+        return self._sample(sampling, hidden, audio_logits)
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [2, R, hidden] (text tail, audio tail) at the logits rows; audio logits when a graph ran."""
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(batch.num_seqs) is not None:
             hidden, audio_logits = self.graphs.replay(batch)  # one row per sequence
             if batch.logits_rows.shape[0] != batch.num_seqs:  # 1-row prefill chunks of open inputs: no sample
@@ -176,16 +197,7 @@ class ModelRunner:
 
     # ---- sample --------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, audio_logits: torch.Tensor | None = None,
-               ahead: int = 0) -> PendingTokens:
-        """(text, audio) token per chunk that needs logits, in chunk order. Text logits only for text-mode rows.
-        ahead: rows each sequence will have generated before this step's (1 for a step launched before the
-        previous step's tokens were read)."""
-        seqs = [c.seq for c in chunks if c.needs_logits]
-        n = len(seqs)
-        if not n:
-            return PendingTokens(torch.zeros(0, 2, dtype=torch.long))
+    def _sampling(self, seqs: list[Sequence], ahead: int) -> StepSampling:
         greedy = [s.params.greedy for s in seqs]
         audio_cols = ChannelColumns.of([s.params.audio for s in seqs], greedy)
         text_cols = ChannelColumns.of([s.params.text for s in seqs], greedy)
@@ -193,17 +205,17 @@ class ModelRunner:
             [[s.slot for s in seqs], [s.seed for s in seqs], [s.num_generated + ahead for s in seqs],
              [s.params.min_new_tokens for s in seqs]] + audio_cols.ints + text_cols.ints, dtype=torch.long))
         floats = self._upload(torch.tensor(audio_cols.floats + text_cols.floats, dtype=torch.float32))
-        slots, seeds, steps, min_new = ints[:4]
-        audio_t = ChannelTensors.from_columns(floats[:3], ints[4:6], audio_cols.max_top_k)
-        text_t = ChannelTensors.from_columns(floats[3:], ints[6:8], text_cols.max_top_k)
+        return StepSampling(seqs, ints, floats, audio_cols.max_top_k, text_cols.max_top_k)
 
+    def _sample(self, sp: StepSampling, hidden: torch.Tensor, audio_logits: torch.Tensor | None) -> PendingTokens:
+        """Text logits only for rows whose sample is in text mode."""
+        seqs, ints, n = sp.seqs, sp.ints, len(sp.seqs)
         if audio_logits is None:
             audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32
-        audio_logits = audio_logits.clone()  # masked in place below; a graph's output buffer stays intact
-        audio_logits = mask_audio_logits(audio_logits, steps, min_new)
-        audio_tokens = sample_channel(audio_logits, self.audio_seen[slots], audio_t, seeds, steps, AUDIO_CHANNEL)
-
-        text_idx = [i for i, s in enumerate(seqs) if s.mode == "text"]
+        audio_tokens = sample_audio(audio_logits, self.audio_seen, ints, sp.floats, sp.audio_max_top_k)
+        slots, seeds, steps = ints[0], ints[1], ints[2]
+        text_t = ChannelTensors.from_columns(sp.floats[3:], ints[6:8], sp.text_max_top_k)
+        text_idx = [i for i, s in enumerate(seqs) if s.sampling_mode() == "text"]
         text_tokens = torch.full_like(audio_tokens, -1)
         if len(text_idx) == n:
             text_tokens = sample_channel(self.model.text_logits(hidden[0]), self.text_seen[slots], text_t, seeds,

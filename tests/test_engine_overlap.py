@@ -85,6 +85,29 @@ def test_overlapped_decode_emits_the_same_rows(tiny_checkpoint, one_torch_thread
         e.check_integrity()
 
 
+def test_first_decode_step_is_launched_with_the_prefill(tiny_checkpoint, one_torch_thread):
+    """A spoken prompt's prefill step already launches its first decode step (whose input row is the prefill's
+    sample, still on the device); a text prompt's does not (its first row may be text)."""
+    rows, params, _ = requests(4)["r1"]
+    eng = make_engine(tiny_checkpoint, overlap=True)
+    eng.add_request("spoken", rows, params)
+    first = eng.step()
+    assert [o.request_id for o in first] == ["spoken"] and eng._inflight is not None
+    assert eng.stats().overlapped_steps == 1
+    got = [(o.text_token, o.audio_token, o.mode, o.finish_reason) for o in first]
+    while eng.has_work():
+        got += [(o.text_token, o.audio_token, o.mode, o.finish_reason) for o in eng.step()]
+    plain = make_engine(tiny_checkpoint, overlap=False)
+    assert got == run(plain, {"spoken": (rows, params, 0)})["spoken"]
+    text_prompt = rows[:-1] + text_rows([IM_END])
+    eng.add_request("text", text_prompt, params)
+    eng.step()
+    assert eng._inflight is None
+    while eng.has_work():
+        eng.step()
+    eng.check_integrity()
+
+
 def test_abort_while_a_step_is_in_flight(tiny_checkpoint, one_torch_thread):
     reqs = requests(2)
     eng = make_engine(tiny_checkpoint, overlap=True)

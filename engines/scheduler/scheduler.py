@@ -177,19 +177,26 @@ class Scheduler:
 
     def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
         """The decode step after `chunks` (launched, tokens not read yet), or None when it cannot be known
-        without those tokens. Known when every running sequence is in `chunks` as an audio-mode decode
-        that cannot hit its row limit, and nothing waits or is aborted: then each decodes one more row.
-        A sequence whose in-flight row turns out to end it or switch its mode drops its row of this
-        step (Engine._emit); the row's KV write is then beyond its computed rows, or rewritten as is."""
+        without those tokens. Known when every running sequence is in `chunks` as an audio-mode decode, or as
+        the last chunk of a complete prompt whose first row will be audio, that cannot hit its row limit, and
+        nothing waits or is aborted: then each decodes one more row. A sequence whose in-flight row turns out
+        to end it or switch its mode drops its row of this step (Engine._emit); the row's KV write is then
+        beyond its computed rows, or rewritten as is."""
         if self._aborts or self.waiting or len(chunks) != len(self.running):
             return None
         running = {id(s) for s in self.running}
         for c in chunks:
             s = c.seq
-            if not (c.num_rows == 1 and c.needs_logits and id(s) in running and s.generating
-                    and self.audio_row_holds(c) and s.num_generated + 2 <= s.params.max_new_tokens):
+            if not (c.needs_logits and id(s) in running and s.num_computed == c.start
+                    and s.num_generated + 2 <= s.params.max_new_tokens):
                 return None
-        ahead = [ScheduledChunk(c.seq, 1, c.start + 1, True) for c in chunks]
+            if s.generating:
+                if not (c.num_rows == 1 and self.audio_row_holds(c)):
+                    return None
+            elif not (s.input_done and s.num_generated == 0 and c.start + c.num_rows == len(s.rows)
+                      and s.first_mode() == "audio"):
+                return None
+        ahead = [ScheduledChunk(c.seq, 1, c.start + c.num_rows, True) for c in chunks]
         for c in ahead:
             self._ensure_blocks(c.seq, c.start + 1)
         return ahead

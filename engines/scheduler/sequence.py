@@ -65,8 +65,21 @@ class Sequence:
         elif self.mode == "audio" and audio == EOSP:
             self.mode = "text"
 
+    def first_mode(self) -> Mode:
+        """The mode of the first generated row, from the last prompt row: what `start` sets."""
+        text, audio = self.rows[-1]
+        mode = "audio" if text == MODALITY_PAD else "text"  # text wins a tie
+        if mode == "text" and text == SOSP:
+            return "audio"
+        if mode == "audio" and audio == EOSP:
+            return "text"
+        return mode
+
     def start(self) -> None:
         """Mode from the last prompt row (text wins a tie), then the before-forward rule."""
-        self.mode = "audio" if self.rows[-1][0] == MODALITY_PAD else "text"
-        self.update_mode()
+        self.mode = self.first_mode()
+
+    def sampling_mode(self) -> Mode:
+        """The mode of the row the next forward samples (before the first row: `first_mode`)."""
+        return self.mode if self.num_generated else self.first_mode()
 
