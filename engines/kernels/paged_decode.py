@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engines.kernels.pdl import launch_kwargs, trigger_then_wait, wait_then_trigger
+
 NUM_SPLITS = 16
 TILE = 64
 
@@ -21,7 +23,8 @@ TILE = 64
 def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  TILE_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr):
+                  TILE_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    wait_then_trigger(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -63,7 +66,9 @@ def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
 
 
 @triton.jit
-def _merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_ot, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_ot, stride_oh, D: tl.constexpr, SPLITS: tl.constexpr,
+                  PDL: tl.constexpr):
+    trigger_then_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     H = tl.num_programs(1)
@@ -98,7 +103,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE, SPLITS=NUM_SPLITS,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **launch_kwargs(q.device),
     )
-    _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=NUM_SPLITS, num_warps=4)
+    _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=NUM_SPLITS, num_warps=4,
+                              **launch_kwargs(q.device))
     return out

@@ -21,12 +21,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engines.kernels.pdl import enabled, launch_kwargs, wait_then_trigger
+
 MAX_ROWS = 16  # one tensor-core tile of rows; larger batches go to cuBLAS
 _L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies over this many bytes when timing (H100 L2: 50 MB)
-_WIN_MARGIN = 0.98  # take the Triton kernel only where it beats cuBLAS by at least 2%
+# Without programmatic dependent launch, take the Triton kernel only where it beats cuBLAS by at least 2%; with it
+# (engines/kernels/pdl.py), unless cuBLAS beats it by 2%: in a step the Triton kernel launches under its
+# predecessor's tail, which a tuning run of one kernel shows only in part (gate_up: 47.8 vs 48.5 us alone, H200).
+_WIN_MARGIN = {False: 0.98, True: 1.02}
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K (partial sums through a float32 buffer and a
 # reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape (PERF_NOTES).
+# (Persistent tilings, a few programs per SM walking the N tiles, never won on the H200: PERF_NOTES.)
 Config = tuple[int, int, int, int, int]
 CANDIDATES: tuple[Config, ...] = (
     (16, 256, 4, 4, 1), (16, 256, 4, 6, 1), (16, 512, 4, 3, 1), (16, 512, 4, 4, 1),
@@ -46,9 +52,10 @@ timings: dict[tuple[int, int, torch.dtype], dict] = {}
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
+    wait_then_trigger(PDL)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
@@ -109,7 +116,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
     _skinny_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, dst, m, n, k, k // split if split > 1 else k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
-        SPLIT_K=split, num_warps=warps, num_stages=stages)
+        SPLIT_K=split, num_warps=warps, num_stages=stages, **launch_kwargs(x.device))
     if split > 1:
         _split_reduce_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return out
@@ -156,7 +163,8 @@ def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
             continue
     del copies
     best = min((c for c in result if c != "cublas"), key=result.__getitem__, default=None)
-    choice = best if best is not None and result[best] < _WIN_MARGIN * result["cublas"] else None
+    margin = _WIN_MARGIN[enabled(weight.device)]
+    choice = best if best is not None and result[best] < margin * result["cublas"] else None
     _choice[key] = choice
     timings[key] = result
     return choice

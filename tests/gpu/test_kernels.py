@@ -229,3 +229,96 @@ def test_race_noise_kernel_is_bit_identical_to_torch(channel):
         # and against the CPU path, which the CPU tests pin
         assert torch.allclose(got.cpu(), exponential_noise(row_keys(seeds.cpu(), steps.cpu(), channel), ids.cpu()),
                               rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("width", [16512, 151680, 5000])
+def test_two_stage_top_k_equals_torch_topk(width):
+    """The sampler's staged top-k (slices of 128, then the candidates) == torch.topk: same sorted values, and
+    indices that hold those values; with masked (-inf) tails as the audio channel has, and a width that needs
+    padding (5000)."""
+    from engines.sampler.sampler import top_k
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for rows, k in [(1, 20), (5, 1), (3, 64)]:
+        x = torch.randn(rows, width, device="cuda", generator=g) * 3
+        x[:, width - width // 100:] = float("-inf")
+        vals, idx = top_k(x, k)
+        ref_vals, ref_idx = torch.topk(x, k, dim=-1)
+        assert torch.equal(vals, ref_vals)
+        assert torch.equal(torch.gather(x, 1, idx), vals)
+        assert torch.equal(idx.sort(-1).values, ref_idx.sort(-1).values)  # no ties among random floats
+    few = torch.full((2, width), float("-inf"), device="cuda")
+    few[:, 7] = 1.0  # fewer finite entries than k: the rest are -inf at real (in-range) indices
+    vals, idx = top_k(few, 20)
+    assert vals[:, 0].eq(1.0).all() and idx[:, 0].eq(7).all() and torch.isinf(vals[:, 1:]).all()
+    assert int(idx.max()) < width
+
+
+def test_pdl_decoder_layers_in_a_graph_equal_without_pdl():
+    """Four full-size decoder layers (skinny GEMMs with L2 prefetch, fused norms, decode attention, all launched
+    with programmatic dependent launch) captured in one CUDA graph give the same bits as the same graph without
+    PDL, replay after replay with fresh inputs. The graph pool reuses buffers between layers, so a kernel that
+    wrote before its predecessor finished reading (or read before it finished writing) would show up here."""
+    from engines.config import model_config_for
+    from engines.graphs import capture_graph
+    from engines.kernels import pdl, skinny_gemm
+    from engines.model.layers import DecoderLayer
+    from engines.model.rope import rope_cos_sin, rope_inv_freq
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper (sm_90) or later")
+    mc = model_config_for("full-random")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    layers = [DecoderLayer(mc, "cuda", torch.bfloat16) for _ in range(4)]
+    for layer in layers:
+        for p in layer.parameters():
+            p.data.copy_(torch.randn(p.shape, device="cuda", generator=g) * (0.02 if p.dim() == 2 else 1.0) + (
+                1.0 if p.dim() == 1 else 0.0))
+    q, cache, batch = make_case(13, 16, [1] * 3, [700, 1, 1500], torch.bfloat16, heads=mc.num_attention_heads,
+                                kvh=mc.num_key_value_heads, d=mc.head_dim)
+    kv = [cache.clone() for _ in layers]
+    batch.slot_mapping.copy_(batch.block_tables[torch.arange(3), (batch.context_lens - 1) // 16] * 16
+                             + (batch.context_lens - 1) % 16)
+    positions = batch.context_lens - 1
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(mc.head_dim, mc.rope_theta).cuda(), torch.bfloat16)
+    x = torch.randn(3, mc.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+
+    def forward():
+        h, r = x, None
+        for layer, c in zip(layers, kv, strict=True):
+            h, r = layer(h, r, cos, sin, c, batch)
+        return h + r
+
+    l0 = layers[0]  # tune the GEMM shapes outside any capture; force the skinny kernel into the graph
+    for lin in (l0.qkv_proj, l0.o_proj, l0.gate_up_proj, l0.down_proj):
+        skinny_gemm.tune(lin.weight)
+        t = skinny_gemm.timings[(*lin.weight.shape, torch.bfloat16)]
+        skinny_gemm._choice[(*lin.weight.shape, torch.bfloat16)] = min((c for c in t if c != "cublas"),
+                                                                       key=t.__getitem__)
+    dev = torch.cuda.current_device()
+    saved = pdl._enabled.get(dev)
+    outs = {}
+    try:
+        for on in (False, True):
+            pdl._enabled[dev] = on
+            graph, out = capture_graph(forward)
+            outs[on] = (graph, out)
+    finally:
+        if saved is None:
+            pdl._enabled.pop(dev, None)
+        else:
+            pdl._enabled[dev] = saved
+    for _ in range(3):
+        x.copy_(torch.randn(3, mc.hidden_size, device="cuda", generator=g).to(torch.bfloat16))
+        results = {}
+        for on, (graph, out) in outs.items():
+            for c, c0 in zip(kv, [cache] * len(kv), strict=True):
+                c.copy_(c0)  # the same cache before each graph (both write the new row's K/V)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            results[on] = (out.clone(), [c.clone() for c in kv])
+        assert torch.isfinite(results[True][0]).all()
+        assert torch.equal(results[True][0], results[False][0])
+        for a, b in zip(results[True][1], results[False][1], strict=True):
+            assert torch.equal(a, b)

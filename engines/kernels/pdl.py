@@ -1,0 +1,60 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a step (Hopper and later).
+
+A decode step at batch 1 is ~400 kernels of 1-60 us each, back to back in a CUDA graph; each boundary costs the
+next kernel's launch while the GPU drains the previous kernel's tail. With PDL a kernel is launched while its
+predecessor still runs and waits in `griddepcontrol.wait` until the predecessor has completed and its writes are
+visible, so the launch and the programs' start-up overlap the predecessor's tail. (Streaming weights into L2 before
+the wait, each GEMM its own first bytes or the attention kernel o_proj's whole weight, measured slower:
+docs/PERF_NOTES.md.)
+
+The rules every kernel here keeps (in `wait_then_trigger` / `trigger_then_wait`):
+- Every program executes the wait, unconditionally, before it reads anything an earlier kernel wrote and before it
+  writes anything: a kernel completes only after its own wait returned, so "my predecessor completed" implies
+  "everything before it completed" along the whole chain.
+- A kernel that streams weights or attends triggers its dependents only after its wait, so no more than two
+  kernels ahead are launched and waiting. Tiny elementwise kernels trigger first, so the GEMM after them is
+  launched during the tail of the GEMM before them.
+
+`MOSS_PDL=0` turns it off (kernels then launch as usual; the wait and trigger are no-ops without the launch flag).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# device index -> whether its launches use PDL (decided at the first launch; tests may set it)
+_enabled: dict[int, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """PDL for kernels launched on this device: Hopper or later, and not turned off by MOSS_PDL=0."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _enabled:
+        _enabled[idx] = os.environ.get("MOSS_PDL", "1") != "0" and torch.cuda.get_device_capability(idx)[0] >= 9
+    return _enabled[idx]
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """Keyword arguments of a kernel launch: the PDL constexpr of the kernel and the launch flag."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_then_trigger(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def trigger_then_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
