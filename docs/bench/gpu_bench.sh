@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One GPU lease: GPU tests, engine bench (floors + HF-style baseline in the same run), batch-1 step profile,
+# codec bench and codec profile. Results under $OUT (run from the repo root on the GPU box).
+# Parts can be skipped: SKIP="tests profile codec" etc.
+set -u
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv
+t0=$(date +%s)
+stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+if ! skip tests; then
+  stamp tests
+  timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${TESTS_ARGS:-} > "$OUT/gpu-tests.txt" 2>&1
+  tail -25 "$OUT/gpu-tests.txt"
+fi
+if ! skip engine; then
+  stamp engine
+  timeout ${ENGINE_S:-240} python3 -m moss_speech.cli bench engine --model full-random --batches ${BATCHES:-1,8,32,64} \
+    --json "$OUT/engine.json" ${ENGINE_ARGS:-} 2>&1 | tail -12
+fi
+if ! skip profile; then
+  stamp profile
+  timeout ${PROFILE_S:-150} python3 -m engines.bench.profile_step --batch 1 > "$OUT/profile-step.txt" 2>&1
+  grep -E "graph replay|Self CUDA time total" "$OUT/profile-step.txt"
+fi
+if ! skip codec; then
+  stamp codec
+  timeout ${CODEC_S:-200} python3 -m moss_speech.cli bench codec --codec full-random --vocoder hift --cuda-graphs \
+    --estimator-dtype bfloat16 --batches ${CODEC_BATCHES:-1,16,64,128,256} --json "$OUT/codec.json" 2>&1 | tail -10
+  timeout ${PCODEC_S:-150} python3 -m engines.bench.profile_codec --batches 1,16 > "$OUT/profile-codec.txt" 2>&1
+  tail -25 "$OUT/profile-codec.txt"
+fi
+stamp done

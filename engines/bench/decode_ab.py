@@ -1,0 +1,89 @@
+"""Decode-step variants on one engine: `python3 -m engines.bench.decode_ab --model full-random` on a GPU.
+
+Each variant sets programmatic dependent launch (engines/kernels/pdl.py) on or off and recaptures the decode
+graphs; each then times the graph replay alone and a loop of
+engine steps (each may launch the next before reading its tokens) at each batch size. Variants alternate over
+several rounds, so drift of the machine shows as spread, not as a difference. A development tool for
+docs/PERF_NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from engines.bench.hardware import device_name, measure_bandwidth, median, timed
+from engines.commands.bench_engine import _audio_forever, _drain, _rows, weight_bytes
+from engines.config import EngineConfig, model_config_for
+from engines.engine import Engine
+from engines.kernels import pdl, skinny_gemm
+
+
+def _variant(spec: str) -> dict:
+    """'pdl=1' -> {'pdl': 1}."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="full-random")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=["pdl=0", "pdl=1"])
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    batches = [int(b) for b in a.batches.split(",")]
+    mc = model_config_for(a.model)
+    rounds_steps = a.rounds * len(a.variants) * (a.steps + 24) + 64
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", max_running=max(batches),
+                       kv_cache_bytes=mc.kv_bytes_per_row() * (max(batches) * (a.context + rounds_steps + 64) + 4096),
+                       prefill_token_budget=1024, max_model_len=a.context + rounds_steps + 128)
+    engine = Engine.from_name(a.model, cfg)
+    bw = measure_bandwidth(dev, 2 << 30)
+    floor_ms = weight_bytes(engine.runner.model, False) / bw * 1e3
+    print(f"device: {device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  weights-only floor {floor_ms:.2f} ms")
+    rng = random.Random(0)
+    graphs = engine.runner.graphs
+    idx = torch.cuda.current_device()
+    res: dict = {"device": device_name(dev), "bandwidth": bw, "floor_weights_ms": floor_ms, "results": {}}
+    for b in batches:
+        for i in range(b):
+            engine.add_request(f"d{i}", _rows(rng, a.context - 1), _audio_forever(rounds_steps, seed=i))
+        while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
+            engine.step()
+        for r in range(a.rounds):
+            for spec in a.variants:
+                v = _variant(spec)
+                pdl._enabled[idx] = bool(v.get("pdl", 1))
+                torch.cuda.synchronize()  # the step in flight is done (its tokens wait on the host) before its
+                graphs.capture()  # graphs and their outputs are replaced
+                engine.step()  # the static buffers hold a real batch again (capture leaves padding there)
+                replay = median(timed(graphs.graphs[graphs.bucket(b)].replay, dev, repeats=20)) * 1e3
+                loop = timed(lambda: [engine.step() for _ in range(a.steps)], dev, repeats=1, warmup=0)[0]
+                loop_ms = loop / a.steps * 1e3
+                out = res["results"].setdefault(f"b{b} {spec}", {"replay_ms": [], "step_ms": []})
+                out["replay_ms"].append(replay)
+                out["step_ms"].append(loop_ms)
+                print(f"round {r} batch {b:3d} {spec:24s} replay {replay:6.3f} ms  step {loop_ms:6.3f} ms")
+        _drain(engine)
+    print(f"\nmedians (weights-only floor {floor_ms:.2f} ms at batch 1):")
+    for key, out in res["results"].items():
+        print(f"  {key:34s} replay {median(out['replay_ms']):6.3f}  step {median(out['step_ms']):6.3f} ms")
+    engine.check_integrity()
+    for (n, k, _), t in skinny_gemm.timings.items():
+        best = min((c for c in t if c != "cublas"), key=t.__getitem__)
+        print(f"  skinny {n:6d} x {k:5d}: chosen {skinny_gemm._choice[(n, k, _)]}, cuBLAS {t['cublas'] * 1e6:.1f} us, "
+              f"best tiling {best} {t[best] * 1e6:.1f} us")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
