@@ -36,6 +36,7 @@ def test_cuda_graphs_match_eager_and_stream_matches_offline(vocoder):
 
 def test_task_batch_equals_alone_on_cuda_with_graphs():
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    assert dec.flow.enc_graphs is None  # off unless asked for: it hung the GPU under load
     lengths = [13, 21, 9]
     alone = [dec.decode(_codes(n, i), seed=i) for i, n in enumerate(lengths)]
     task = CodecTask(dec, max_batch=8)
@@ -61,7 +62,7 @@ def test_full_random_chunk_runs_bf16():
 
 def test_precaptured_graphs_serve_steady_chunks_and_match_eager():
     eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, encoder_graphs=True)
     # The encoder's prefix lengths for the default voice (25 prompt codes): (32, 128), (64, 160), (64, 192).
     n_enc = len(dec.flow.enc_graphs.prefix_lengths(dec.prepared(dec.default_voice).n_codes))
     assert n_enc == 3
@@ -141,7 +142,7 @@ def _encoder_inputs(dec: CodecDecoder, seed: int) -> tuple[torch.Tensor, ...]:
 def test_encoder_graph_replay_equals_eager(codec):
     """FlowModel.encode replayed from a graph (batch 3 padded to 4 by repeating the last row) gives the eager result,
     and the graph reads its inputs (other codes, other outputs; the same graph serves both)."""
-    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True)
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True, encoder_graphs=True)
     graphs, dec.flow.enc_graphs = dec.flow.enc_graphs, None  # the sessions' earlier chunks run eagerly
     with torch.inference_mode():
         args = _encoder_inputs(dec, 0)

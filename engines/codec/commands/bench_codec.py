@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steady-state steps per batch size")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the flow's Euler solve as CUDA graphs")
+    p.add_argument("--encoder-graphs", action="store_true",
+                   help="with --cuda-graphs, also the flow's encoder (off in the server: it hung the GPU under load)")
     p.add_argument("--estimator-dtype", default="float32", choices=["float32", "bfloat16"])
 
 
@@ -62,11 +64,12 @@ def run(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device)
     dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
-                            estimator_dtype=args.estimator_dtype)
+                            estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs)
     chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
     hw = hardware(device)
     print(f"hardware: {hw}")
-    print(f"codec {dec.source}, vocoder {args.vocoder}, cuda graphs {dec.flow.graphs is not None}, "
+    print(f"codec {dec.source}, vocoder {args.vocoder}, cuda graphs {dec.flow.graphs is not None} "
+          f"(encoder {dec.flow.enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}, estimator {args.estimator_dtype}, chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     rng = np.random.default_rng(0)
@@ -94,6 +97,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder,
-                       "cuda_graphs": dec.flow.graphs is not None,
+                       "cuda_graphs": dec.flow.graphs is not None, "encoder_graphs": dec.flow.enc_graphs is not None,
                        "estimator_dtype": args.estimator_dtype, "results": results}, f, indent=1)
     return 0

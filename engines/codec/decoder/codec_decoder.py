@@ -75,10 +75,12 @@ class CodecDecoder:
     # ---- loading -----------------------------------------------------------------------------------------
     @classmethod
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
-             seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32") -> CodecDecoder:
+             seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32",
+             encoder_graphs: bool = False) -> CodecDecoder:
         """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py).
-        cuda_graphs: replay the flow's encoder (full chunks) and Euler solve and the HiFT vocoder as CUDA graphs
-        (CUDA devices only).
+        cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only);
+        encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs). Off by default and
+        off in the server: with it the GPU hung under 52 concurrent sessions (docs/PERF_NOTES.md, 2026-11-22 late).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32."""
         dec = cls._load(codec, device, vocoder, seed)
@@ -88,7 +90,8 @@ class CodecDecoder:
             from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
 
             dec.flow.graphs = EulerGraphs(dec.flow)
-            dec.flow.enc_graphs = EncoderGraphs(dec.flow)
+            if encoder_graphs:
+                dec.flow.enc_graphs = EncoderGraphs(dec.flow)
             if isinstance(dec.vocoder, HiFTVocoder):
                 st = dec.cfg.stream
                 dec.vocoder.graphs = VocoderGraphs(dec.vocoder.generator, st.voc_ctx_frames,
