@@ -16,7 +16,7 @@ import random
 import torch
 
 from engines.bench.hardware import device_name, measure_bandwidth, median, timed
-from engines.commands.bench_engine import _audio_forever, _drain, _rows, weight_bytes
+from engines.commands.bench_engine import _drain, start_decode_batch, weight_bytes
 from engines.config import EngineConfig, model_config_for
 from engines.engine import Engine
 from engines.kernels import pdl, skinny_gemm
@@ -53,10 +53,7 @@ def main() -> None:
     idx = torch.cuda.current_device()
     res: dict = {"device": device_name(dev), "bandwidth": bw, "floor_weights_ms": floor_ms, "results": {}}
     for b in batches:
-        for i in range(b):
-            engine.add_request(f"d{i}", _rows(rng, a.context - 1), _audio_forever(rounds_steps, seed=i))
-        while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
-            engine.step()
+        start_decode_batch(engine, rng, b, a.context, rounds_steps)
         for r in range(a.rounds):
             for spec in a.variants:
                 v = _variant(spec)

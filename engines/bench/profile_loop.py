@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engines.commands.bench_engine import _audio_forever, _drain, _rows
+from engines.commands.bench_engine import _drain, start_decode_batch
 from engines.config import EngineConfig, model_config_for
 from engines.engine import Engine
 
@@ -58,10 +58,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     rng = random.Random(0)
     for b in batches:
-        for i in range(b):
-            engine.add_request(f"d{i}", _rows(rng, a.context - 1), _audio_forever(n, seed=i))
-        while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
-            engine.step()
+        start_decode_batch(engine, rng, b, a.context, n)
         for _ in range(5):
             engine.step()
         sync()

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engines.bench.hardware import median, timed
-from engines.commands.bench_engine import _audio_forever, _drain, _rows
+from engines.commands.bench_engine import _audio_forever, _drain, _rows, start_decode_batch
 from engines.config import EngineConfig, model_config_for
 from engines.engine import Engine
 
@@ -43,10 +43,7 @@ def main() -> None:
     _drain(engine)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
 
-    for i in range(a.batch):
-        engine.add_request(f"d{i}", _rows(rng, a.context - 1), _audio_forever(200, seed=i))
-    while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
-        engine.step()
+    start_decode_batch(engine, rng, a.batch, a.context, 200)
     b = engine.runner.graphs.bucket(a.batch)
     replay = median(timed(engine.runner.graphs.graphs[b].replay, dev, repeats=20)) * 1e3
     step = median(timed(engine.step, dev, repeats=20)) * 1e3

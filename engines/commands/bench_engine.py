@@ -44,6 +44,14 @@ def _audio_forever(n: int, seed: int = 0) -> SamplingParams:
     return SamplingParams(text=ch, audio=ch, max_new_tokens=n, min_new_tokens=n, seed=seed)
 
 
+def start_decode_batch(engine: Engine, rng: random.Random, batch: int, context: int, max_new: int) -> None:
+    """`batch` audio-mode requests of `context` rows each (names d0..), stepped until every one is decoding."""
+    for i in range(batch):
+        engine.add_request(f"d{i}", _rows(rng, context - 1), _audio_forever(max_new, seed=i))
+    while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
+        engine.step()
+
+
 def _drain(engine: Engine) -> None:
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
@@ -138,10 +146,7 @@ def run(args: argparse.Namespace) -> int:
     # Decode steps at each batch size with `ctx`-row contexts.
     res["decode_step_ms"], res["floor_decode_step_ms"] = {}, {}
     for b in batches:
-        for i in range(b):
-            engine.add_request(f"d{i}", _rows(rng, ctx - 1), _audio_forever(2 * steps + 24 + prefill_steps, seed=i))
-        while any(s.num_generated == 0 for s in engine.scheduler.requests.values()):
-            engine.step()
+        start_decode_batch(engine, rng, b, ctx, 2 * steps + 24 + prefill_steps)
         if len(engine.scheduler.running) != b:
             raise RuntimeError(f"decode batch {b}: only {len(engine.scheduler.running)} sequences running")
         # KV rows read per step on average over the loop (the first admitted decoded while others prefilled)
