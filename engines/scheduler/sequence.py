@@ -12,6 +12,16 @@ def blocks_for(rows: int, block_size: int) -> int:
     return -(-rows // block_size)
 
 
+def _mode_before_forward(mode: Mode, last: Row) -> Mode:
+    """MODEL_CONTRACT §3: before each forward, sosp in text mode enters audio; eosp in audio mode leaves it."""
+    text, audio = last
+    if mode == "text" and text == SOSP:
+        return "audio"
+    if mode == "audio" and audio == EOSP:
+        return "text"
+    return mode
+
+
 @dataclass(eq=False)  # identity semantics: lists of live objects are searched by `in`
 class Conversation:
     """Rows and KV blocks kept between turns; rows[:num_computed] have KV in `block_ids`."""
@@ -58,22 +68,11 @@ class Sequence:
         return max(0, blocks_for(total, block_size) - len(self.block_ids))
 
     def update_mode(self) -> None:
-        """MODEL_CONTRACT §3: before each forward, sosp in text mode enters audio; eosp in audio mode leaves it."""
-        text, audio = self.rows[-1]
-        if self.mode == "text" and text == SOSP:
-            self.mode = "audio"
-        elif self.mode == "audio" and audio == EOSP:
-            self.mode = "text"
+        self.mode = _mode_before_forward(self.mode, self.rows[-1])
 
     def first_mode(self) -> Mode:
-        """The mode of the first generated row, from the last prompt row: what `start` sets."""
-        text, audio = self.rows[-1]
-        mode = "audio" if text == MODALITY_PAD else "text"  # text wins a tie
-        if mode == "text" and text == SOSP:
-            return "audio"
-        if mode == "audio" and audio == EOSP:
-            return "text"
-        return mode
+        """The mode of the first generated row, from the last prompt row (text wins a tie): what `start` sets."""
+        return _mode_before_forward("audio" if self.rows[-1][0] == MODALITY_PAD else "text", self.rows[-1])
 
     def start(self) -> None:
         """Mode from the last prompt row (text wins a tie), then the before-forward rule."""
