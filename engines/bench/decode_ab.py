@@ -16,8 +16,7 @@ import random
 import torch
 
 from engines.bench.hardware import device_name, measure_bandwidth, median, timed
-from engines.commands.bench_engine import _drain, start_decode_batch, weight_bytes
-from engines.config import EngineConfig, model_config_for
+from engines.commands.bench_engine import _drain, decode_batch_config, start_decode_batch, weight_bytes
 from engines.engine import Engine
 from engines.kernels import pdl, skinny_gemm
 
@@ -39,12 +38,8 @@ def main() -> None:
     a = p.parse_args()
     dev = torch.device("cuda")
     batches = [int(b) for b in a.batches.split(",")]
-    mc = model_config_for(a.model)
     rounds_steps = a.rounds * len(a.variants) * (a.steps + 24) + 64
-    cfg = EngineConfig(device="cuda", dtype="bfloat16", max_running=max(batches),
-                       kv_cache_bytes=mc.kv_bytes_per_row() * (max(batches) * (a.context + rounds_steps + 64) + 4096),
-                       prefill_token_budget=1024, max_model_len=a.context + rounds_steps + 128)
-    engine = Engine.from_name(a.model, cfg)
+    engine = Engine.from_name(a.model, decode_batch_config(a.model, max(batches), a.context, rounds_steps))
     bw = measure_bandwidth(dev, 2 << 30)
     floor_ms = weight_bytes(engine.runner.model, False) / bw * 1e3
     print(f"device: {device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  weights-only floor {floor_ms:.2f} ms")
@@ -73,9 +68,9 @@ def main() -> None:
     for key, out in res["results"].items():
         print(f"  {key:34s} replay {median(out['replay_ms']):6.3f}  step {median(out['step_ms']):6.3f} ms")
     engine.check_integrity()
-    for (n, k, _), t in skinny_gemm.timings.items():
+    for (n, k, dt), t in skinny_gemm.timings.items():
         best = min((c for c in t if c != "cublas"), key=t.__getitem__)
-        print(f"  skinny {n:6d} x {k:5d}: chosen {skinny_gemm._choice[(n, k, _)]}, cuBLAS {t['cublas'] * 1e6:.1f} us, "
+        print(f"  skinny {n:6d} x {k:5d}: chosen {skinny_gemm._choice[(n, k, dt)]}, cuBLAS {t['cublas'] * 1e6:.1f} us, "
               f"best tiling {best} {t[best] * 1e6:.1f} us")
     if a.json:
         with open(a.json, "w") as f:

@@ -17,8 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engines.commands.bench_engine import _drain, start_decode_batch
-from engines.config import EngineConfig, model_config_for
+from engines.commands.bench_engine import _drain, decode_batch_config, start_decode_batch
 from engines.engine import Engine
 
 
@@ -48,13 +47,8 @@ def main() -> None:
     p.add_argument("--trace", default=None, help="write a chrome trace per batch size into this folder")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    mc = model_config_for(a.model)
     n = 4 * a.steps + 64
-    cfg = EngineConfig(device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32",
-                       max_running=max(batches), prefill_token_budget=1024,
-                       kv_cache_bytes=mc.kv_bytes_per_row() * (max(batches) * (a.context + n + 64) + 4096),
-                       max_model_len=a.context + n + 128)
-    engine = Engine.from_name(a.model, cfg)
+    engine = Engine.from_name(a.model, decode_batch_config(a.model, max(batches), a.context, n, a.device))
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     rng = random.Random(0)
     for b in batches:

@@ -44,6 +44,15 @@ def _audio_forever(n: int, seed: int = 0) -> SamplingParams:
     return SamplingParams(text=ch, audio=ch, max_new_tokens=n, min_new_tokens=n, seed=seed)
 
 
+def decode_batch_config(model: str, max_batch: int, context: int, new_rows: int, device: str = "cuda"
+                        ) -> EngineConfig:
+    """An engine for decode batches of up to `max_batch` sequences of `context` rows plus `new_rows` generated."""
+    mc = model_config_for(model)
+    return EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32", max_running=max_batch,
+                        prefill_token_budget=1024, max_model_len=context + new_rows + 128,
+                        kv_cache_bytes=mc.kv_bytes_per_row() * (max_batch * (context + new_rows + 64) + 4096))
+
+
 def start_decode_batch(engine: Engine, rng: random.Random, batch: int, context: int, max_new: int) -> None:
     """`batch` audio-mode requests of `context` rows each (names d0..), stepped until every one is decoding."""
     for i in range(batch):
