@@ -21,10 +21,34 @@ LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 T = TypeVar("T")
 
 
-def capture_graph(fn: Callable[[], T], pool=None, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Run `fn` `warmup` times on a side stream (lazy inits, Triton compiles and allocator state stay out of
-    the graph), then capture it there into `pool`. Returns the graph and the outputs it writes on replay."""
-    stream = torch.cuda.Stream()
+def private_stream(device: torch.device | str | None = None) -> torch.cuda.ExternalStream:
+    """A CUDA stream that is nobody else's: made by the driver, outside PyTorch's stream pool, and never freed.
+
+    Graphs are captured on such streams because cuBLAS work takes the workspace PyTorch keys by (handle, stream),
+    and a captured GEMM keeps that workspace's address for every replay. Pool streams come round-robin (32 per
+    priority), so two graph sets captured on pool streams, or a graph and eager work on a pool stream, could share
+    one workspace while running at the same time on different streams: a split-K GEMM's partial sums and
+    semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
+    docs/PERF_NOTES.md, "cuBLAS workspace"). Destroying a graph also drops its capture stream's workspaces, which
+    would pull them from under the live graphs of another owner of the same pool stream."""
+    import ctypes
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    torch.cuda.synchronize(device)  # the device's primary context is current on this thread from here on
+    with torch.cuda.device(device):
+        lib = ctypes.CDLL("libcuda.so.1")
+        handle = ctypes.c_void_p()
+        rc = lib.cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(0))  # non-blocking
+        if rc != 0:
+            raise RuntimeError(f"cuStreamCreateWithPriority failed with CUresult {rc}")
+        return torch.cuda.ExternalStream(handle.value, device=device)
+
+
+def capture_graph(fn: Callable[[], T], stream: torch.cuda.Stream, pool=None, warmup: int = 2
+                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run `fn` `warmup` times on `stream` (lazy inits, Triton compiles and allocator state stay out of the
+    graph), then capture it there into `pool`. Returns the graph and the outputs it writes on replay.
+    `stream` is the owner's `private_stream`: only graphs that never run at the same time may share one."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
@@ -61,6 +85,7 @@ class CudaGraphDecoder:
         self.query_start = torch.arange(n + 1, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # memory pool of the captured graphs, shared with CudaGraphMixed
+        self.stream = private_stream(dev)  # every graph's capture stream (and so its cuBLAS workspace)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -84,8 +109,8 @@ class CudaGraphDecoder:
         self.pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             batch = self._batch(b)
-            self.graphs[b], self.outputs[b] = capture_graph(lambda batch=batch: _forward(self.model, self.kv_cache,
-                                                                                         batch), self.pool)
+            self.graphs[b], self.outputs[b] = capture_graph(
+                lambda batch=batch: _forward(self.model, self.kv_cache, batch), self.stream, self.pool)
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
@@ -143,6 +168,7 @@ class CudaGraphMixed:
         self.logits_rows = torch.zeros(b, **long)
         self.tiles = torch.zeros(2, max_tiles(t, b), **long)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.stream = private_stream(dev)
 
     def key(self, num_rows: int, num_seqs: int) -> tuple[int, int] | None:
         t = next((x for x in self.row_sizes if x >= num_rows), None)
@@ -185,7 +211,7 @@ class CudaGraphMixed:
         self._pad(t, b, n_tiles, nt, nb, r, k)
 
     def _capture(self, t: int, b: int, static: ForwardBatch) -> None:
-        self.graphs[(t, b)] = capture_graph(lambda: _forward(self.model, self.kv_cache, static), self.pool)
+        self.graphs[(t, b)] = capture_graph(lambda: _forward(self.model, self.kv_cache, static), self.stream, self.pool)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -625,11 +625,12 @@ def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch
         def pool(self):
             return None
 
-    def stand_in(fn, pool=None):
+    def stand_in(fn, stream, pool=None):
         out = fn()
         return Replay(fn, out), out
 
     monkeypatch.setattr(graphs_mod, "capture_graph", stand_in)
+    monkeypatch.setattr(graphs_mod, "private_stream", lambda device: None)
     dec = CodecDecoder.load("tiny-random", vocoder="hift")
     dec.flow.enc_graphs = graphs_mod.EncoderGraphs(dec.flow)
     assert dec.capture_graphs(3) == 3 * 3  # buckets 1, 2, 4 x 3 prefix lengths (no Euler / vocoder graphs on CPU)

@@ -14,6 +14,7 @@ being captured falls back to cuBLAS, so capture never syncs or times anything.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -122,6 +123,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
     return out
 
 
+@functools.cache
+def _tuner_stream(device: torch.device) -> torch.cuda.Stream:
+    from engines.graphs import private_stream
+
+    return private_stream(device)
+
+
 def _time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
     """Seconds per call with the calls replayed from a CUDA graph, as the decode step runs them (eager timing
     would measure Triton's host-side launch cost instead of the kernel)."""
@@ -129,7 +137,9 @@ def _time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
         fn(w)  # compiles, and fails here (not inside the capture) when a tiling does not fit
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Captured on a stream of the tuner's own: this graph is destroyed after timing, which drops its capture
+    # stream's cuBLAS workspaces (see engines.graphs.private_stream).
+    with torch.cuda.graph(graph, stream=_tuner_stream(copies[0].device)):
         for _ in range(rounds):
             for w in copies:
                 fn(w)

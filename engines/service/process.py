@@ -131,9 +131,11 @@ def build_service(args: argparse.Namespace) -> Service:
             # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
             # engine loop for the allocation and copy.
             encoder.reserve(engine.config.max_running)
-        # On the GPU the flow's Euler solve is launch-bound: replay it as CUDA graphs, estimator in bf16.
+        # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
+        # in bf16.
         decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
-                                    cuda_graphs=on_gpu, estimator_dtype="bfloat16" if on_gpu else "float32")
+                                    cuda_graphs=on_gpu, encoder_graphs=on_gpu,
+                                    estimator_dtype="bfloat16" if on_gpu else "float32")
         # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
         decoder.capture_graphs(engine.config.max_running)
     voices = voice_loader(encoder, args.codec) if encoder is not None else None

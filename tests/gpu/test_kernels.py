@@ -260,7 +260,7 @@ def test_pdl_decoder_layers_in_a_graph_equal_without_pdl():
     PDL, replay after replay with fresh inputs. The graph pool reuses buffers between layers, so a kernel that
     wrote before its predecessor finished reading (or read before it finished writing) would show up here."""
     from engines.config import model_config_for
-    from engines.graphs import capture_graph
+    from engines.graphs import capture_graph, private_stream
     from engines.kernels import pdl, skinny_gemm
     from engines.model.layers import DecoderLayer
     from engines.model.rope import rope_cos_sin, rope_inv_freq
@@ -301,7 +301,7 @@ def test_pdl_decoder_layers_in_a_graph_equal_without_pdl():
     try:
         for on in (False, True):
             pdl._enabled[dev] = on
-            graph, out = capture_graph(forward)
+            graph, out = capture_graph(forward, private_stream())
             outs[on] = (graph, out)
     finally:
         if saved is None:

@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steady-state steps per batch size")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the flow's Euler solve as CUDA graphs")
-    p.add_argument("--encoder-graphs", action="store_true",
-                   help="with --cuda-graphs, also the flow's encoder (off in the server: it hung the GPU under load)")
+    p.add_argument("--no-encoder-graphs", dest="encoder_graphs", action="store_false",
+                   help="with --cuda-graphs, run the flow's encoder eagerly (the server replays it as CUDA graphs)")
     p.add_argument("--estimator-dtype", default="float32", choices=["float32", "bfloat16"])
 
 

@@ -76,11 +76,10 @@ class CodecDecoder:
     @classmethod
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
              seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32",
-             encoder_graphs: bool = False) -> CodecDecoder:
+             encoder_graphs: bool = True) -> CodecDecoder:
         """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py).
         cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only);
-        encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs). Off by default and
-        off in the server: with it the GPU hung under 52 concurrent sessions (docs/PERF_NOTES.md, 2026-11-22 late).
+        encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs; False: eager).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32."""
         dec = cls._load(codec, device, vocoder, seed)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engines.codec.decoder.flow import padded_prefix
-from engines.graphs import capture_graph
+from engines.graphs import capture_graph, private_stream
 
 log = logging.getLogger("engines.codec")
 
@@ -51,6 +51,7 @@ class BucketGraphs:
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
         self.fn = fn
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None  # capture stream (engines.graphs.private_stream), at first use
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
 
     @staticmethod
@@ -61,7 +62,9 @@ class BucketGraphs:
         t0 = time.perf_counter()
         static_in = [t.clone() for t in inputs]
         # The warm-up runs also make cuFFT plans and settle the allocator outside the graph.
-        g, out = capture_graph(lambda: self.fn(*static_in, *static), self.pool)
+        if self.stream is None:
+            self.stream = private_stream(inputs[0].device)
+        g, out = capture_graph(lambda: self.fn(*static_in, *static), self.stream, self.pool)
         self.pool = g.pool()
         if BucketGraphs.warn_captures:
             log.warning("%s: CUDA graph captured while serving in %.0f ms, key %s", type(self).__name__,
