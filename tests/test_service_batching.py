@@ -72,6 +72,71 @@ def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
     assert done_t.audio_samples == done0.audio_samples and done_t.output_rows == done0.output_rows == ROWS
 
 
+class CountingEncoder:
+    """The real encoder, counting its batched calls: `steps` gets each step's stream count, `finals` each
+    batched finalize's."""
+
+    def __init__(self, enc, steps: list[int], finals: list[int] | None = None) -> None:
+        self.enc, self.steps, self.finals = enc, steps, finals if finals is not None else []
+
+    def open_stream(self):
+        return self.enc.open_stream()
+
+    def batch(self):
+        real, counter = self.enc.batch(), self
+
+        class Batch:
+            def step(self, items):
+                counter.steps.append(len(items))
+                return real.step(items)
+
+            def finalize(self, streams, last=None):
+                counter.finals.append(len(streams))
+                return real.finalize(streams, last)
+        return Batch()
+
+
+def test_commits_of_several_sessions_in_one_encoder_call_give_the_same_answers():
+    """Commit + CreateResponse of three sessions arriving in one message batch: one batched finalize for the
+    three, the same codes and greedy answers as when each message is handled alone; a commit that fails (no
+    speech, unknown session) gets its own error and the others go on."""
+    from engines.codec.audio_io import float32_to_pcm16, read_wav
+    from engines.codec.encoder import SpeechEncoder
+    from tests.test_service_e2e import WAV
+
+    enc = SpeechEncoder.load("tiny-random")
+    pcm, _ = read_wav(WAV)
+    speech = {sid: float32_to_pcm16(pcm[i * 9000:i * 9000 + 12000]) for i, sid in enumerate("abc")}
+    greedy = m.Sampling(greedy=True, max_new_tokens=5)
+
+    def run(together: bool):
+        steps: list[int] = []
+        finals: list[int] = []
+        engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+        # Audio held for the whole test (the interval never passes): the commit encodes all of it.
+        svc = Service(engine, StandInTokenizer(), CountingEncoder(enc, steps, finals), None, encode_every_s=3600.0)
+        for sid in "abcd":
+            svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+        for sid, audio in speech.items():
+            svc.handle(b"c", m.AppendUserAudio(sid, audio))
+        batch = [(b"c", msg) for sid in "abcdz" for msg in (m.CommitUserAudio(sid, "i"),
+                                                            m.CreateResponse(sid, "r", "text", greedy))]
+        out = svc.handle_many(batch) if together else [o for item in batch for o in svc.handle(*item)]
+        while svc.has_work():
+            out += svc.step()
+        errors = sorted((x.session_id, x.code) for _, x in out if isinstance(x, m.Error))
+        done = {x.session_id: x.status for _, x in out if isinstance(x, m.ResponseDone)}
+        return [engine.conversation_history(sid) for sid in "abc"], errors, done, finals
+
+    alone, errors_alone, done_alone, finals_alone = run(False)
+    together, errors, done, finals = run(True)
+    assert finals_alone == [] and finals == [3]  # (alone: each stream finalizes itself)
+    assert together == alone and len({str(h) for h in together}) == 3
+    assert errors == errors_alone
+    assert {sid for sid, _ in errors} == {"d", "z"}  # d: nothing to commit; z: no such session
+    assert done == done_alone and all(done[sid] in ("completed", "incomplete") for sid in "abc")  # (max tokens)
+
+
 def test_user_audio_encoded_on_a_cadence_gives_the_same_codes_and_answer():
     """Held and encoded every 80 ms for all sessions together (one batched call) == encoded piece by piece."""
     from engines.codec.audio_io import float32_to_pcm16, read_wav
@@ -85,24 +150,11 @@ def test_user_audio_encoded_on_a_cadence_gives_the_same_codes_and_answer():
     greedy = m.Sampling(greedy=True, max_new_tokens=6)
     calls: list[list[int]] = []  # pieces per encoder call: one entry per call, each the pieces' sessions
 
-    class CountingEncoder:  # the real encoder, counting its calls
-        def open_stream(self):
-            return enc.open_stream()
-
-        def batch(self):
-            real = enc.batch()
-
-            class Batch:
-                def step(self, items):
-                    calls[-1].append(len(items))
-                    return real.step(items)
-            return Batch()
-
     def run(every_s: float) -> tuple[list, list, list[int]]:
         calls.append([])
         now = [0.0]
         engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
-        svc = Service(engine, StandInTokenizer(), CountingEncoder(), None, encode_every_s=every_s)
+        svc = Service(engine, StandInTokenizer(), CountingEncoder(enc, calls[-1]), None, encode_every_s=every_s)
         svc._clock = lambda: now[0]
         for sid in ("a", "b"):
             svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
