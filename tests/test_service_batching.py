@@ -246,3 +246,35 @@ def test_user_audio_waits_while_an_answer_waits_for_its_first_codes():
     now[0] += ENCODE_DEFER_S
     svc.step()
     assert "b" not in svc._held_pcm  # but not for longer than ENCODE_DEFER_S
+
+
+def test_encoder_interval_grows_with_the_sessions_holding_audio():
+    """With many sessions holding audio the batched encoder call comes less often (its cost grows with the
+    sessions in it), up to ENCODE_MAX_EVERY_S; with a few it comes every encode_every_s."""
+    from engines.codec.encoder import SpeechEncoder
+    from engines.service.core import ENCODE_MAX_EVERY_S, ENCODE_SESSIONS_PER_INTERVAL
+
+    enc = SpeechEncoder.load("tiny-random")
+    piece = bytes(2 * 1280)  # 80 ms of silence (one code)
+
+    def calls_by(sessions: int, times: list[float]) -> list[int]:
+        steps: list[int] = []
+        now = [0.0]
+        engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+        svc = Service(engine, StandInTokenizer(), CountingEncoder(enc, steps), None, encode_every_s=0.08)
+        svc._clock = lambda: now[0]
+        for i in range(sessions):
+            svc.handle(b"c", m.OpenSession(f"s{i}"))
+            svc.handle(b"c", m.AppendUserAudio(f"s{i}", piece))
+        seen = []
+        for t in times:
+            now[0] = t
+            svc.step()
+            seen.append(len(steps))
+        return seen
+
+    few = calls_by(2, [0.05, 0.08])
+    assert few == [0, 1]
+    many = 2 * ENCODE_SESSIONS_PER_INTERVAL + 1  # three times the interval
+    assert calls_by(many, [0.08, 0.2, 0.24]) == [0, 0, 1]
+    assert calls_by(10 * ENCODE_SESSIONS_PER_INTERVAL, [0.3, ENCODE_MAX_EVERY_S]) == [0, 1]  # capped

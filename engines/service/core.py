@@ -31,6 +31,7 @@ Rules the server can rely on:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,6 +77,11 @@ class _DecodeWork:
 
 SLOW_STEP_S = 0.1
 ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
+# A batched encoder call costs the engine loop ~0.4 ms per session on top of its fixed cost (H200: ~10 ms for one
+# session, 20-45 ms for 52-76), so with more sessions holding audio the interval grows (up to ENCODE_MAX_EVERY_S):
+# the loop's share spent encoding stays bounded, and a commit flushes whatever is held anyway.
+ENCODE_SESSIONS_PER_INTERVAL = 16
+ENCODE_MAX_EVERY_S = 0.32
 _WARM_UP = b"warm-up"  # the client id of the start-up turns
 
 
@@ -108,8 +114,9 @@ class Service:
         batches by its own rounds instead (engines/service/codec_worker.py).
         `encode_every_s`: user audio of every session is held and encoded together, in one batched encoder
         call, at most this often (0: at the end of each batch of messages). Codes are the same either way (the
-        encoder streams exactly); one call per interval for all sessions instead of one per session keeps the
-        encoder's share of the engine loop flat as sessions are added. Commit encodes the session's held audio.
+        encoder streams exactly); one call per interval for all sessions instead of one per session, and an
+        interval that grows with the sessions holding audio (ENCODE_SESSIONS_PER_INTERVAL), keep the encoder's share
+        of the engine loop bounded as sessions are added. Commit encodes the session's held audio.
         `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
         a GPU) while the engine steps; the PCM is the same, only when it leaves changes."""
         self.engine = engine
@@ -235,7 +242,7 @@ class Service:
         if self._held_pcm:
             held = self._clock() - self._held_since
             # An answer waiting for its first codes goes first: user audio waits (it is flushed at commit anyway).
-            if held >= self.encode_every_s and (not ramping or held >= ENCODE_DEFER_S):
+            if held >= self._encode_every() and (not ramping or held >= ENCODE_DEFER_S):
                 self._encode_held()
         if self._codec is not None:
             self._codec.lm_ramping = ramping
@@ -509,6 +516,11 @@ class Service:
         if not self._held_pcm:
             self._held_since = self._clock()
         self._held_pcm.setdefault(s.session_id, []).append(pcm)
+
+    def _encode_every(self) -> float:
+        """How long held user audio waits for its batched encoder call, given how many sessions hold some."""
+        scale = math.ceil(len(self._held_pcm) / ENCODE_SESSIONS_PER_INTERVAL)
+        return min(max(self.encode_every_s, ENCODE_MAX_EVERY_S), self.encode_every_s * max(1, scale))
 
     def _take_held(self, s: Session) -> np.ndarray:
         held = self._held_pcm.pop(s.session_id, [])
