@@ -28,6 +28,7 @@ from engines.codec.decoder.config import FlowConfig, StreamConfig
 from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEncoder
 from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mask
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
+from engines.host_copy import upload
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
 PREFIX_ALIGN = 32
@@ -205,11 +206,9 @@ class FlowModel(nn.Module):
         pos = q0 + np.arange(n)[None]  # [B, n]
         up_pos = q0 * r + np.arange(n * r)[None]  # [B, n * r]
         valid = np.concatenate([np.ones((B, n), dtype=bool), np.arange(la)[None] < np.asarray(n_look)[:, None]], 1)
-        # Every index tensor of the chunk in one host -> device copy.
-        parts = [codes.cpu().numpy(), valid, pos, up_pos, kpos, kvalid, up_kpos, up_kvalid]
-        flat = torch.from_numpy(np.concatenate([a.astype(np.int64).ravel() for a in parts])).to(self.device)
-        t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = (
-            x.view(a.shape) for x, a in zip(flat.split([a.size for a in parts]), parts, strict=True))
+        # Every index tensor of the chunk in one host -> device copy (from pinned memory: no stream sync).
+        t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = upload(
+            [codes.cpu().numpy(), valid, pos, up_pos, kpos, kvalid, up_kpos, up_kvalid], self.device)
         return t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos, t_up_kvalid
 
     @torch.inference_mode()

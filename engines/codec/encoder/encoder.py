@@ -26,18 +26,20 @@ class StreamClosedError(RuntimeError):
     """push()/finalize() on a stream that was already finalized."""
 
 
-def _as_pcm(pcm: np.ndarray | torch.Tensor) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(pcm)) if isinstance(pcm, np.ndarray) else pcm
-    if not isinstance(t, torch.Tensor):
+def _as_pcm(pcm: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Checked float32 samples on the host (the frontend frames them there)."""
+    if isinstance(pcm, torch.Tensor):
+        pcm = pcm.detach().cpu().numpy()
+    if not isinstance(pcm, np.ndarray):
         raise EncoderInputError(f"PCM must be a numpy array or tensor, got {type(pcm).__name__}")
-    if t.ndim != 1:
-        raise EncoderInputError(f"PCM must be 1-D mono samples, got shape {tuple(t.shape)}")
-    if not (t.is_floating_point()):
-        raise EncoderInputError(f"PCM must be float samples in [-1, 1], got dtype {t.dtype}")
-    t = t.to(torch.float32)
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    if pcm.ndim != 1:
+        raise EncoderInputError(f"PCM must be 1-D mono samples, got shape {tuple(pcm.shape)}")
+    if not np.issubdtype(pcm.dtype, np.floating):
+        raise EncoderInputError(f"PCM must be float samples in [-1, 1], got dtype {pcm.dtype}")
+    pcm = np.ascontiguousarray(pcm, dtype=np.float32)
+    if pcm.size and not np.isfinite(pcm).all():
         raise EncoderInputError("PCM contains NaN or infinite samples")
-    return t
+    return pcm
 
 
 class SpeechEncoder:
@@ -192,20 +194,22 @@ class EncoderBatch:
         # Rounds: no stream may run past its 30 s segment end inside one forward.
         while any(p.shape[0] for p in pending):
             take = [min(p.shape[0], seg - s.trunk.mel_in_segment) for s, p in zip(streams, pending, strict=True)]
-            counts, pooled = enc.runner.run([s.trunk for s in streams],
-                                            [p[:n] for p, n in zip(pending, take, strict=True)])
+            mels = [p if n == p.shape[0] else p[:n] for p, n in zip(pending, take, strict=True)]
+            counts, pooled = enc.runner.run([s.trunk for s in streams], mels)
             ids = enc.runner.quantize(pooled).tolist()
             start = 0
             for i, (s, n, c) in enumerate(zip(streams, take, counts, strict=True)):
                 codes[i].extend(ids[start:start + c])
-                feats[i].append(pooled[start:start + c])
+                if c:
+                    feats[i].append(pooled[start:start + c])
                 start += c
-                pending[i] = pending[i][n:]
+                if n:
+                    pending[i] = pending[i][n:]
                 if s.trunk.mel_in_segment == seg:
                     enc.runner.reset_segment(s.trunk)
         for i, s in enumerate(streams):
             s.codes_out += len(codes[i])
-            s.last_features = torch.cat(feats[i]) if feats[i] else None
+            s.last_features = None if not feats[i] else feats[i][0] if len(feats[i]) == 1 else torch.cat(feats[i])
         return codes
 
     def finalize(self, streams: list[EncoderStream], last: list[np.ndarray] | None = None) -> list[list[int]]:
@@ -215,7 +219,7 @@ class EncoderBatch:
             if s.closed:
                 raise StreamClosedError("stream already finalized")
         last = last if last is not None else [np.zeros(0, np.float32)] * len(streams)
-        out = self.step([(s, np.concatenate([_as_pcm(p).numpy(), np.zeros(s.tail_padding(len(p)), np.float32)]))
+        out = self.step([(s, np.concatenate([_as_pcm(p), np.zeros(s.tail_padding(len(p)), np.float32)]))
                          for s, p in zip(streams, last, strict=True)])
         for s in streams:
             s.close()

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engines.codec.encoder.config import EncoderConfig
 from engines.codec.melscale import mel_filterbank  # noqa: F401  (re-exported for callers of this module)
+from engines.host_copy import upload
 
 FFT_ROWS = 64
 
@@ -27,14 +29,17 @@ FFT_ROWS = 64
 class MelState:
     """Per-stream frontend state: samples not yet fully framed, and the running log-mel peak."""
 
-    buf: torch.Tensor  # [n] float32: stream samples from the start of the next frame on
+    buf: np.ndarray  # [n] float32 (host): stream samples from the start of the next frame on
     peak: torch.Tensor  # [] float32: running max of log10 mel power (kept on device: no host sync)
     frames_done: int = 0
     samples_seen: int = 0
 
 
 class MelFrontend:
-    """Turns PCM pieces of many streams into log-mel frames with one FFT and one matmul."""
+    """Turns PCM pieces of many streams into log-mel frames with one FFT and one matmul.
+
+    Per stream, only host work (numpy framing) and tensor views: the kernels run once for all streams, so a
+    step's launches do not grow with the streams in it."""
 
     def __init__(self, cfg: EncoderConfig, device: torch.device) -> None:
         self.cfg = cfg
@@ -45,44 +50,57 @@ class MelFrontend:
 
     def new_state(self) -> MelState:
         # Frame 0 starts n_fft/2 samples before the stream: those are the zero padding.
-        return MelState(buf=torch.zeros(self.cfg.n_fft // 2, dtype=torch.float32, device=self.device),
+        return MelState(buf=np.zeros(self.cfg.n_fft // 2, dtype=np.float32),
                         peak=torch.full((), float("-inf"), dtype=torch.float32, device=self.device))
 
-    def frames(self, states: list[MelState], pcms: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Append each stream's new samples; return each stream's newly complete frames [n_i, n_mels]."""
+    def frames(self, states: list[MelState], pcms: list[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
+        """Append each stream's new samples; return each stream's newly complete frames [n_i, n_mels] (views of
+        one tensor)."""
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
-        windows: list[torch.Tensor] = []
+        windows: list[np.ndarray] = []
         counts: list[int] = []
         for st, pcm in zip(states, pcms, strict=True):
-            st.buf = torch.cat([st.buf, pcm.to(self.device, torch.float32)])
-            st.samples_seen += int(pcm.numel())
-            n = 0 if st.buf.numel() < n_fft else (st.buf.numel() - n_fft) // hop + 1
+            if isinstance(pcm, torch.Tensor):
+                pcm = pcm.detach().cpu().numpy()
+            pcm = pcm.astype(np.float32, copy=False)
+            buf = np.concatenate([st.buf, pcm]) if pcm.size else st.buf
+            st.samples_seen += int(pcm.size)
+            n = 0 if buf.size < n_fft else (buf.size - n_fft) // hop + 1
             counts.append(n)
             if n:
-                windows.append(st.buf.unfold(0, n_fft, hop)[:n])  # [n, n_fft]
-                st.buf = st.buf[n * hop:]
+                windows.append(np.lib.stride_tricks.sliding_window_view(buf, n_fft)[: (n - 1) * hop + 1: hop])
+                buf = buf[n * hop:].copy()
                 st.frames_done += n
+            st.buf = buf
         if not windows:
             return [torch.zeros(0, self.cfg.num_mel_bins, device=self.device) for _ in states]
-        frames = torch.cat(windows) * self.window  # [N, n_fft]
-        n_frames = frames.shape[0]
+        n_frames = sum(counts)
         # cuFFT builds a plan per batch size: padded to a multiple of FFT_ROWS, a few plans serve every load
         # (a new plan mid-serving stalls the engine loop).
-        frames = torch.nn.functional.pad(frames, (0, 0, 0, -n_frames % FFT_ROWS))
-        spec = torch.fft.rfft(frames, dim=-1)[:n_frames]  # [N, n_bins]
+        padded = np.zeros((n_frames + (-n_frames % FFT_ROWS), n_fft), dtype=np.float32)
+        np.concatenate(windows, out=padded[:n_frames])
+        active = [b for b, n in enumerate(counts) if n]
+        n_max = max(counts)
+        # Causal version of Whisper's clamp to (max - 8): the peak is the max over the stream's frames so far,
+        # a running max along each stream's row of a [streams, n_max] layout (padding -inf).
+        row = np.repeat(np.arange(len(active)), [counts[b] for b in active])
+        col = np.concatenate([np.arange(counts[b]) for b in active])
+        (frames,) = upload([padded], self.device, torch.float32)
+        row_t, col_t = upload([row, col], self.device)
+        spec = torch.fft.rfft(frames * self.window, dim=-1)[:n_frames]  # [N, n_bins]
         power = spec.real.square() + spec.imag.square()
         log_mel = (power @ self.filters_t).clamp_min(1e-10).log10()  # [N, n_mels]
+        grid = torch.full((len(active), n_max), float("-inf"), device=self.device)
+        grid[row_t, col_t] = log_mel.amax(dim=1)
+        grid = torch.maximum(torch.cummax(grid, dim=1).values, torch.stack([states[b].peak for b in active])[:, None])
+        floor = grid[row_t, col_t] - self.cfg.log_mel_range  # [N]
+        out_all = (torch.maximum(log_mel, floor[:, None]) + 4.0) / 4.0
         out: list[torch.Tensor] = []
-        start = 0
+        start, r = 0, 0
         for st, n in zip(states, counts, strict=True):
-            lm = log_mel[start:start + n]
+            out.append(out_all[start:start + n])
+            if n:
+                st.peak = grid[r, n - 1]
+                r += 1
             start += n
-            if n == 0:
-                out.append(lm)
-                continue
-            # Causal version of Whisper's clamp to (max - 8): the peak is the max over frames so far.
-            peak = torch.maximum(torch.cummax(lm.amax(dim=1), dim=0).values, st.peak)  # [n]
-            st.peak = peak[-1]
-            lm = torch.maximum(lm, (peak - self.cfg.log_mel_range)[:, None])
-            out.append((lm + 4.0) / 4.0)
         return out

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engines.codec.encoder.config import EncoderConfig
 from engines.codec.encoder.kv_pool import KVPool
+from engines.host_copy import upload
 
 
 class SelfAttention(nn.Module):
@@ -63,6 +65,16 @@ class WhisperVQTrunk(nn.Module):
         self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.d_model)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.codebook = nn.Embedding(cfg.codebook_size, cfg.d_model)
+
+
+def _stream_rows(carried: list[int], new: list[int]) -> list[list[int]]:
+    """Rows of a tensor holding every stream's carried rows (stream by stream), then every stream's new rows:
+    per stream, the indices of its carried rows followed by its new ones."""
+    out, c0, n0 = [], 0, sum(carried)
+    for c, n in zip(carried, new, strict=True):
+        out.append(list(range(c0, c0 + c)) + list(range(n0, n0 + n)))
+        c0, n0 = c0 + c, n0 + n
+    return out
 
 
 @dataclass
@@ -141,38 +153,46 @@ class StreamingRunner:
         """Consume each stream's new mel frames (none may cross its segment end).
 
         Returns the number of codes closed per stream and their pre-VQ features [sum, d] (float32).
-        """
+        Each conv's input rows of all streams (their carried tails, then the new rows) are one tensor, gathered
+        by host-built indices: the kernels of a step do not grow with its streams."""
         cfg = self.cfg
-        # conv1 (k3, causal) as im2col over each stream's [left context + new frames].
-        cols, n1 = [], []
-        for st, m in zip(states, mels, strict=True):
-            x = torch.cat([st.mel_tail, m.to(self.dtype)])  # [2 + n, n_mels]
-            st.mel_tail = x[-2:]
-            st.mel_in_segment += m.shape[0]
-            n1.append(m.shape[0])
-            if m.shape[0]:
-                cols.append(x.unfold(0, 3, 1).reshape(m.shape[0], -1))  # [n, n_mels * 3]
-        if not cols:
+        n1 = [int(m.shape[0]) for m in mels]
+        if not any(n1):
             return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
-        h1 = F.gelu(F.linear(torch.cat(cols), self.w1, self.trunk.conv1.bias))  # [N1, d]
-        # conv2 (k3, stride 2, causal): output j uses conv1 outputs 2j-2 .. 2j.
-        cols, n2, past = [], [], []
-        start = 0
         for st, n in zip(states, n1, strict=True):
-            y = torch.cat([st.h1_tail, h1[start:start + n]])  # [k + n, d]
-            start += n
-            c = 0 if y.shape[0] < 3 else (y.shape[0] - 3) // 2 + 1
-            if c:
-                cols.append(y.unfold(0, 3, 2)[:c].reshape(c, -1))  # [c, d * 3]
-            st.h1_tail = y[2 * c:]
-            n2.append(c)
-            past.append(st.pos)
+            st.mel_in_segment += n
+        # conv1 (k3, causal) as im2col over each stream's [2 tail frames + new frames].
+        src = torch.cat([st.mel_tail for st in states] + [m for m in mels if m.shape[0]]).to(self.dtype)
+        rows = _stream_rows([2] * len(states), n1)  # per stream: its rows of src in time order
+        cols_idx = [r[j:j + 3] for r, n in zip(rows, n1, strict=True) for j in range(n)]
+        tails = [r[-2:] for r in rows]
+        cols_t, tail_t = upload([np.asarray(cols_idx), np.asarray(tails)], self.device)
+        cols = src[cols_t].transpose(1, 2).reshape(len(cols_idx), -1)  # [N1, n_mels * 3] (unfold's [C, k] order)
+        new_tails = src[tail_t]  # [B, 2, n_mels]
+        for b, st in enumerate(states):
+            st.mel_tail = new_tails[b]
+        h1 = F.gelu(F.linear(cols, self.w1, self.trunk.conv1.bias))  # [N1, d]
+        # conv2 (k3, stride 2, causal): output j uses conv1 outputs 2j-2 .. 2j.
+        k_tail = [int(st.h1_tail.shape[0]) for st in states]
+        rows = _stream_rows(k_tail, n1)
+        n2 = [0 if len(r) < 3 else (len(r) - 3) // 2 + 1 for r in rows]
+        past = [st.pos for st in states]
+        for st, c in zip(states, n2, strict=True):
             st.pos += c
-        counts = [0] * len(states)
-        if not cols:
-            return counts, torch.zeros(0, cfg.d_model, device=self.device)
+        src = torch.cat([st.h1_tail for st in states] + [h1])
+        cols_idx = [r[2 * j:2 * j + 3] for r, c in zip(rows, n2, strict=True) for j in range(c)]
+        rest = [r[2 * c:] for r, c in zip(rows, n2, strict=True)]  # conv1 outputs each stream keeps
+        cols_t, rest_t = upload([np.asarray(cols_idx, dtype=np.int64).reshape(-1, 3),
+                                 np.asarray([i for r in rest for i in r], dtype=np.int64)], self.device)
+        kept, start = src[rest_t], 0
+        for st, r in zip(states, rest, strict=True):
+            st.h1_tail = kept[start:start + len(r)]
+            start += len(r)
+        if not cols_idx:
+            return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
         plan = self._plan(states, n2, past)
-        x = F.gelu(F.linear(torch.cat(cols), self.w2, self.trunk.conv2.bias))  # [N2, d]
+        cols = src[cols_t].transpose(1, 2).reshape(len(cols_idx), -1)  # [N2, d * 3]
+        x = F.gelu(F.linear(cols, self.w2, self.trunk.conv2.bias))  # [N2, d]
         x = x + self.trunk.embed_positions(plan.tok_pos)
         for li, layer in enumerate(self.trunk.layers):
             x = x + self._attention(li, layer, plan, x)
@@ -180,21 +200,24 @@ class StreamingRunner:
                              cfg.layer_norm_eps)
             x = x + layer.fc2(F.gelu(layer.fc1(h)))
         # Average pool x4: a group closes only when its last 50 Hz frame exists.
-        pooled, start = [], 0
         k = cfg.pooling_kernel_size
-        for i, (st, c) in enumerate(zip(states, n2, strict=True)):
-            y = x[start:start + c]
-            start += c
-            if st.pool_buf is not None:
-                y = torch.cat([st.pool_buf, y])
-            g = y.shape[0] // k
-            if g:
-                pooled.append(y[:g * k].float().reshape(g, k, -1).mean(dim=1))  # [g, d]
-            st.pool_buf = y[g * k:] if y.shape[0] > g * k else None
-            counts[i] = g
-        if not pooled:
+        held = [0 if st.pool_buf is None else int(st.pool_buf.shape[0]) for st in states]
+        rows = _stream_rows(held, n2)
+        counts = [len(r) // k for r in rows]
+        src = torch.cat([st.pool_buf for st in states if st.pool_buf is not None] + [x])
+        groups = [r[g * k:(g + 1) * k] for r, c in zip(rows, counts, strict=True) for g in range(c)]
+        rest = [r[c * k:] for r, c in zip(rows, counts, strict=True)]
+        flat_rest = [i for r in rest for i in r]
+        groups_t, rest_t = upload([np.asarray(groups, dtype=np.int64).reshape(-1, k), np.asarray(flat_rest)],
+                                  self.device)
+        kept = src[rest_t]  # [sum of rests, d]
+        start = 0
+        for st, r in zip(states, rest, strict=True):
+            st.pool_buf = kept[start:start + len(r)] if r else None
+            start += len(r)
+        if not groups:
             return counts, torch.zeros(0, cfg.d_model, device=self.device)
-        return counts, torch.cat(pooled)
+        return counts, src[groups_t].float().mean(dim=1)  # [groups, d]
 
     def _plan(self, states: list[TrunkState], n2: list[int], past: list[int]) -> _Plan:
         active = [b for b, n in enumerate(n2) if n]
@@ -208,18 +231,14 @@ class StreamingRunner:
         slots = [states[b].slot for b in active]
         n_max = max(n2[b] for b in active)
         t_max = max(past[b] + n2[b] for b in active)
-        past_t = torch.tensor([past[b] for b in active])
-        qpos = past_t[:, None] + torch.arange(n_max)[None, :]  # [B, n_max]
-        mask = torch.arange(t_max)[None, None, :] <= qpos[:, :, None]  # [B, n_max, t_max]
+        qpos = np.asarray([past[b] for b in active])[:, None] + np.arange(n_max)[None, :]  # [B, n_max]
+        mask = np.arange(t_max)[None, None, :] <= qpos[:, :, None]  # [B, n_max, t_max]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        dev = self.device
-
-        def t(v: list[int]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.long).to(dev, non_blocking=True)
-
-        return _Plan(tok_b=t(tok_b), tok_i=t(tok_i), tok_slot=t(tok_slot), tok_pos=t(tok_pos),
-                     slots=slice(slots[0], slots[0] + len(slots)) if consecutive else t(slots),
-                     mask=mask[:, None].to(dev, non_blocking=True), batch=len(active), n_max=n_max, t_max=t_max)
+        tb, ti, tslot, tpos, tslots = upload([tok_b, tok_i, tok_slot, tok_pos, slots], self.device)
+        (mask_t,) = upload([mask], self.device, torch.bool)
+        return _Plan(tok_b=tb, tok_i=ti, tok_slot=tslot, tok_pos=tpos,
+                     slots=slice(slots[0], slots[0] + len(slots)) if consecutive else tslots,
+                     mask=mask_t[:, None], batch=len(active), n_max=n_max, t_max=t_max)
 
     def _attention(self, li: int, layer: EncoderLayer, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

@@ -1,0 +1,21 @@
+"""Host -> device copies of small index arrays without a stream sync.
+
+A copy from pageable host memory waits for the stream's queued work before it starts (CUDA stages it through a
+driver buffer); from pinned memory it is queued like a kernel. Several arrays go in one pinned buffer and one copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def upload(arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
+    """Each array (any shape, numbers) as a `dtype` tensor on `device`, in their shapes: views of one copy."""
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    flat = np.concatenate([np.asarray(a, dtype=np_dtype).ravel() for a in arrays]) if arrays else np.zeros(0, np_dtype)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+    parts = host.split([int(np.size(a)) for a in arrays])
+    return [p.view(np.shape(a)) for p, a in zip(parts, arrays, strict=True)]
