@@ -77,6 +77,25 @@ def _stream_rows(carried: list[int], new: list[int]) -> list[list[int]]:
     return out
 
 
+def _windows(rows: list[list[int]], counts: list[int], width: int, stride: int) -> np.ndarray:
+    """[sum(counts), width]: each stream's `counts` windows over its rows, `stride` apart."""
+    out = [r[j * stride:j * stride + width] for r, c in zip(rows, counts, strict=True) for j in range(c)]
+    return np.asarray(out, dtype=np.int64).reshape(-1, width)
+
+
+def _flat(rows: list[list[int]]) -> np.ndarray:
+    return np.asarray([i for r in rows for i in r], dtype=np.int64)
+
+
+def _keep(states: list[TrunkState], name: str, rows: list[list[int]], kept: torch.Tensor, empty: object = ...) -> None:
+    """Each stream's carried rows (`rows` gathered into `kept`, stream by stream) as views of `kept`; a stream
+    with none gets `empty` if given, else an empty view."""
+    start = 0
+    for st, r in zip(states, rows, strict=True):
+        setattr(st, name, empty if not r and empty is not ... else kept[start:start + len(r)])
+        start += len(r)
+
+
 @dataclass
 class TrunkState:
     """One stream's state between steps (everything lives on the encoder's device)."""
@@ -153,45 +172,52 @@ class StreamingRunner:
         """Consume each stream's new mel frames (none may cross its segment end).
 
         Returns the number of codes closed per stream and their pre-VQ features [sum, d] (float32).
-        Each conv's input rows of all streams (their carried tails, then the new rows) are one tensor, gathered
-        by host-built indices: the kernels of a step do not grow with its streams."""
-        cfg = self.cfg
+        Each conv's (and the pooling's) input rows of all streams, their carried tails then the new rows, are
+        one tensor gathered by indices; every index of the step follows from row counts known on the host, so
+        they are built first and uploaded in one copy. The kernels of a step do not grow with its streams."""
+        cfg, k = self.cfg, self.cfg.pooling_kernel_size
         n1 = [int(m.shape[0]) for m in mels]
         if not any(n1):
             return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
-        for st, n in zip(states, n1, strict=True):
+        # Host: conv1 (k3, causal) over [2 tail frames + new frames]; conv2 (k3, stride 2, causal; output j uses
+        # conv1 outputs 2j-2 .. 2j) over [carried conv1 outputs + new]; pooling x4 over [held outputs + new].
+        rows1 = _stream_rows([2] * len(states), n1)
+        rows2 = _stream_rows([int(st.h1_tail.shape[0]) for st in states], n1)
+        n2 = [0 if len(r) < 3 else (len(r) - 3) // 2 + 1 for r in rows2]
+        held = [0 if st.pool_buf is None else int(st.pool_buf.shape[0]) for st in states]
+        rows3 = _stream_rows(held, n2)
+        counts = [len(r) // k for r in rows3]
+        rest2 = [r[2 * c:] for r, c in zip(rows2, n2, strict=True)]
+        rest3 = [r[c * k:] for r, c in zip(rows3, counts, strict=True)]
+        past = [st.pos for st in states]
+        active = [b for b, n in enumerate(n2) if n]
+        n_max = max((n2[b] for b in active), default=0)
+        idx = upload([_windows(rows1, n1, 3, 1), np.asarray([r[-2:] for r in rows1], dtype=np.int64),
+                      _windows(rows2, n2, 3, 2), _flat(rest2), _windows(rows3, counts, k, k), _flat(rest3),
+                      *self._plan_arrays(states, n2, past, active, n_max)], self.device)
+        cols1_t, tails1_t, cols2_t, rest2_t, groups_t, rest3_t, tok_b, tok_i, tok_slot, tok_pos, slots_t, qpos = idx
+        for st, n, c in zip(states, n1, n2, strict=True):
             st.mel_in_segment += n
-        # conv1 (k3, causal) as im2col over each stream's [2 tail frames + new frames].
+            st.pos += c
+        # Device.
         src = torch.cat([st.mel_tail for st in states] + [m for m in mels if m.shape[0]]).to(self.dtype)
-        rows = _stream_rows([2] * len(states), n1)  # per stream: its rows of src in time order
-        cols_idx = [r[j:j + 3] for r, n in zip(rows, n1, strict=True) for j in range(n)]
-        tails = [r[-2:] for r in rows]
-        cols_t, tail_t = upload([np.asarray(cols_idx), np.asarray(tails)], self.device)
-        cols = src[cols_t].transpose(1, 2).reshape(len(cols_idx), -1)  # [N1, n_mels * 3] (unfold's [C, k] order)
-        new_tails = src[tail_t]  # [B, 2, n_mels]
+        cols = src[cols1_t].transpose(1, 2).reshape(cols1_t.shape[0], -1)  # [N1, n_mels * 3] (unfold's [C, k])
+        new_tails = src[tails1_t]  # [B, 2, n_mels]
         for b, st in enumerate(states):
             st.mel_tail = new_tails[b]
         h1 = F.gelu(F.linear(cols, self.w1, self.trunk.conv1.bias))  # [N1, d]
-        # conv2 (k3, stride 2, causal): output j uses conv1 outputs 2j-2 .. 2j.
-        k_tail = [int(st.h1_tail.shape[0]) for st in states]
-        rows = _stream_rows(k_tail, n1)
-        n2 = [0 if len(r) < 3 else (len(r) - 3) // 2 + 1 for r in rows]
-        past = [st.pos for st in states]
-        for st, c in zip(states, n2, strict=True):
-            st.pos += c
         src = torch.cat([st.h1_tail for st in states] + [h1])
-        cols_idx = [r[2 * j:2 * j + 3] for r, c in zip(rows, n2, strict=True) for j in range(c)]
-        rest = [r[2 * c:] for r, c in zip(rows, n2, strict=True)]  # conv1 outputs each stream keeps
-        cols_t, rest_t = upload([np.asarray(cols_idx, dtype=np.int64).reshape(-1, 3),
-                                 np.asarray([i for r in rest for i in r], dtype=np.int64)], self.device)
-        kept, start = src[rest_t], 0
-        for st, r in zip(states, rest, strict=True):
-            st.h1_tail = kept[start:start + len(r)]
-            start += len(r)
-        if not cols_idx:
+        _keep(states, "h1_tail", rest2, src[rest2_t])
+        if not active:
             return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
-        plan = self._plan(states, n2, past)
-        cols = src[cols_t].transpose(1, 2).reshape(len(cols_idx), -1)  # [N2, d * 3]
+        slots = [states[b].slot for b in active]
+        t_max = max(past[b] + n2[b] for b in active)
+        mask = torch.arange(t_max, device=self.device)[None, None, :] <= qpos[:, :, None]  # [B, n_max, t_max]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        plan = _Plan(tok_b=tok_b, tok_i=tok_i, tok_slot=tok_slot, tok_pos=tok_pos,
+                     slots=slice(slots[0], slots[0] + len(slots)) if consecutive else slots_t,
+                     mask=mask[:, None], batch=len(active), n_max=n_max, t_max=t_max)
+        cols = src[cols2_t].transpose(1, 2).reshape(cols2_t.shape[0], -1)  # [N2, d * 3]
         x = F.gelu(F.linear(cols, self.w2, self.trunk.conv2.bias))  # [N2, d]
         x = x + self.trunk.embed_positions(plan.tok_pos)
         for li, layer in enumerate(self.trunk.layers):
@@ -200,27 +226,17 @@ class StreamingRunner:
                              cfg.layer_norm_eps)
             x = x + layer.fc2(F.gelu(layer.fc1(h)))
         # Average pool x4: a group closes only when its last 50 Hz frame exists.
-        k = cfg.pooling_kernel_size
-        held = [0 if st.pool_buf is None else int(st.pool_buf.shape[0]) for st in states]
-        rows = _stream_rows(held, n2)
-        counts = [len(r) // k for r in rows]
         src = torch.cat([st.pool_buf for st in states if st.pool_buf is not None] + [x])
-        groups = [r[g * k:(g + 1) * k] for r, c in zip(rows, counts, strict=True) for g in range(c)]
-        rest = [r[c * k:] for r, c in zip(rows, counts, strict=True)]
-        flat_rest = [i for r in rest for i in r]
-        groups_t, rest_t = upload([np.asarray(groups, dtype=np.int64).reshape(-1, k), np.asarray(flat_rest)],
-                                  self.device)
-        kept = src[rest_t]  # [sum of rests, d]
-        start = 0
-        for st, r in zip(states, rest, strict=True):
-            st.pool_buf = kept[start:start + len(r)] if r else None
-            start += len(r)
-        if not groups:
+        _keep(states, "pool_buf", rest3, src[rest3_t], empty=None)
+        if not any(counts):
             return counts, torch.zeros(0, cfg.d_model, device=self.device)
         return counts, src[groups_t].float().mean(dim=1)  # [groups, d]
 
-    def _plan(self, states: list[TrunkState], n2: list[int], past: list[int]) -> _Plan:
-        active = [b for b, n in enumerate(n2) if n]
+    @staticmethod
+    def _plan_arrays(states: list[TrunkState], n2: list[int], past: list[int], active: list[int], n_max: int
+                     ) -> list[np.ndarray]:
+        """Where each new 50 Hz token goes: stream row b, index i within the stream, KV slot, position; the
+        active streams' slots; each query's position [B, n_max] (the causal mask is key pos <= it)."""
         tok_b, tok_i, tok_slot, tok_pos = [], [], [], []
         for row, b in enumerate(active):
             n = n2[b]
@@ -228,17 +244,9 @@ class StreamingRunner:
             tok_i += range(n)
             tok_slot += [states[b].slot] * n
             tok_pos += range(past[b], past[b] + n)
-        slots = [states[b].slot for b in active]
-        n_max = max(n2[b] for b in active)
-        t_max = max(past[b] + n2[b] for b in active)
-        qpos = np.asarray([past[b] for b in active])[:, None] + np.arange(n_max)[None, :]  # [B, n_max]
-        mask = np.arange(t_max)[None, None, :] <= qpos[:, :, None]  # [B, n_max, t_max]
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        tb, ti, tslot, tpos, tslots = upload([tok_b, tok_i, tok_slot, tok_pos, slots], self.device)
-        (mask_t,) = upload([mask], self.device, torch.bool)
-        return _Plan(tok_b=tb, tok_i=ti, tok_slot=tslot, tok_pos=tpos,
-                     slots=slice(slots[0], slots[0] + len(slots)) if consecutive else tslots,
-                     mask=mask_t[:, None], batch=len(active), n_max=n_max, t_max=t_max)
+        qpos = np.asarray([past[b] for b in active], dtype=np.int64)[:, None] + np.arange(n_max)[None, :]
+        return [np.asarray(a, dtype=np.int64) for a in (tok_b, tok_i, tok_slot, tok_pos,
+                                                        [states[b].slot for b in active])] + [qpos]
 
     def _attention(self, li: int, layer: EncoderLayer, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
