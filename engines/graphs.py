@@ -29,13 +29,13 @@ def private_stream(device: torch.device | str | None = None) -> torch.cuda.Exter
     priority), so two graph sets captured on pool streams, or a graph and eager work on a pool stream, could share
     one workspace while running at the same time on different streams: a split-K GEMM's partial sums and
     semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
-    docs/PERF_NOTES.md, "cuBLAS workspace"). Destroying a graph also drops its capture stream's workspaces, which
+    docs/PERF_NOTES.md, "The hang's cause"). Destroying a graph also drops its capture stream's workspaces, which
     would pull them from under the live graphs of another owner of the same pool stream."""
     import ctypes
 
     device = torch.device("cuda") if device is None else torch.device(device)
-    torch.cuda.synchronize(device)  # the device's primary context is current on this thread from here on
     with torch.cuda.device(device):
+        torch.cuda.current_stream(device).query()  # a runtime call: the device's primary context is current here
         lib = ctypes.CDLL("libcuda.so.1")
         handle = ctypes.c_void_p()
         rc = lib.cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(0))  # non-blocking

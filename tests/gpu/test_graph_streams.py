@@ -35,3 +35,31 @@ def test_graphs_of_two_owners_replayed_at_once_match_eager():
     got = race("private", rounds=150, timeout_s=60.0)
     assert got["finished"], got
     assert got["mismatched_outputs"] == 0, got
+
+
+def test_private_stream_from_a_new_thread():
+    """The codec worker captures graphs it meets while serving on its own thread: a private stream made there
+    (no CUDA call on that thread before) works."""
+    import threading
+
+    from engines.graphs import private_stream
+
+    x = torch.randn(128, 128, device="cuda")
+    want = x @ x
+    got: dict = {}
+
+    def worker():
+        try:
+            s = private_stream(x.device)
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                got["y"] = x @ x
+            s.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            got["error"] = e
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert "error" not in got, got.get("error")
+    torch.testing.assert_close(got["y"], want)
