@@ -87,12 +87,13 @@ def _flat(rows: list[list[int]]) -> np.ndarray:
     return np.asarray([i for r in rows for i in r], dtype=np.int64)
 
 
-def _keep(states: list[TrunkState], name: str, rows: list[list[int]], kept: torch.Tensor, empty: object = ...) -> None:
+def _keep(states: list[TrunkState], name: str, rows: list[list[int]], kept: torch.Tensor,
+          none_if_empty: bool = False) -> None:
     """Each stream's carried rows (`rows` gathered into `kept`, stream by stream) as views of `kept`; a stream
-    with none gets `empty` if given, else an empty view."""
+    with none gets an empty view, or None with `none_if_empty`."""
     start = 0
     for st, r in zip(states, rows, strict=True):
-        setattr(st, name, empty if not r and empty is not ... else kept[start:start + len(r)])
+        setattr(st, name, None if none_if_empty and not r else kept[start:start + len(r)])
         start += len(r)
 
 
@@ -189,28 +190,27 @@ class StreamingRunner:
         counts = [len(r) // k for r in rows3]
         rest2 = [r[2 * c:] for r, c in zip(rows2, n2, strict=True)]
         rest3 = [r[c * k:] for r, c in zip(rows3, counts, strict=True)]
+        rest1 = [r[-2:] for r in rows1]
         past = [st.pos for st in states]
         active = [b for b, n in enumerate(n2) if n]
+        slots = [states[b].slot for b in active]
         n_max = max((n2[b] for b in active), default=0)
-        idx = upload([_windows(rows1, n1, 3, 1), np.asarray([r[-2:] for r in rows1], dtype=np.int64),
-                      _windows(rows2, n2, 3, 2), _flat(rest2), _windows(rows3, counts, k, k), _flat(rest3),
-                      *self._plan_arrays(states, n2, past, active, n_max)], self.device)
-        cols1_t, tails1_t, cols2_t, rest2_t, groups_t, rest3_t, tok_b, tok_i, tok_slot, tok_pos, slots_t, qpos = idx
+        idx = upload([_windows(rows1, n1, 3, 1), _flat(rest1), _windows(rows2, n2, 3, 2), _flat(rest2),
+                      _windows(rows3, counts, k, k), _flat(rest3),
+                      *self._plan_arrays(states, n2, past, active, slots, n_max)], self.device)
+        cols1_t, rest1_t, cols2_t, rest2_t, groups_t, rest3_t, tok_b, tok_i, tok_slot, tok_pos, slots_t, qpos = idx
         for st, n, c in zip(states, n1, n2, strict=True):
             st.mel_in_segment += n
             st.pos += c
         # Device.
         src = torch.cat([st.mel_tail for st in states] + [m for m in mels if m.shape[0]]).to(self.dtype)
         cols = src[cols1_t].transpose(1, 2).reshape(cols1_t.shape[0], -1)  # [N1, n_mels * 3] (unfold's [C, k])
-        new_tails = src[tails1_t]  # [B, 2, n_mels]
-        for b, st in enumerate(states):
-            st.mel_tail = new_tails[b]
+        _keep(states, "mel_tail", rest1, src[rest1_t])
         h1 = F.gelu(F.linear(cols, self.w1, self.trunk.conv1.bias))  # [N1, d]
         src = torch.cat([st.h1_tail for st in states] + [h1])
         _keep(states, "h1_tail", rest2, src[rest2_t])
         if not active:
             return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
-        slots = [states[b].slot for b in active]
         t_max = max(past[b] + n2[b] for b in active)
         mask = torch.arange(t_max, device=self.device)[None, None, :] <= qpos[:, :, None]  # [B, n_max, t_max]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
@@ -227,14 +227,14 @@ class StreamingRunner:
             x = x + layer.fc2(F.gelu(layer.fc1(h)))
         # Average pool x4: a group closes only when its last 50 Hz frame exists.
         src = torch.cat([st.pool_buf for st in states if st.pool_buf is not None] + [x])
-        _keep(states, "pool_buf", rest3, src[rest3_t], empty=None)
+        _keep(states, "pool_buf", rest3, src[rest3_t], none_if_empty=True)
         if not any(counts):
             return counts, torch.zeros(0, cfg.d_model, device=self.device)
         return counts, src[groups_t].float().mean(dim=1)  # [groups, d]
 
     @staticmethod
-    def _plan_arrays(states: list[TrunkState], n2: list[int], past: list[int], active: list[int], n_max: int
-                     ) -> list[np.ndarray]:
+    def _plan_arrays(states: list[TrunkState], n2: list[int], past: list[int], active: list[int],
+                     slots: list[int], n_max: int) -> list[np.ndarray]:
         """Where each new 50 Hz token goes: stream row b, index i within the stream, KV slot, position; the
         active streams' slots; each query's position [B, n_max] (the causal mask is key pos <= it)."""
         tok_b, tok_i, tok_slot, tok_pos = [], [], [], []
@@ -245,8 +245,7 @@ class StreamingRunner:
             tok_slot += [states[b].slot] * n
             tok_pos += range(past[b], past[b] + n)
         qpos = np.asarray([past[b] for b in active], dtype=np.int64)[:, None] + np.arange(n_max)[None, :]
-        return [np.asarray(a, dtype=np.int64) for a in (tok_b, tok_i, tok_slot, tok_pos,
-                                                        [states[b].slot for b in active])] + [qpos]
+        return [np.asarray(a, dtype=np.int64) for a in (tok_b, tok_i, tok_slot, tok_pos, slots)] + [qpos]
 
     def _attention(self, li: int, layer: EncoderLayer, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
