@@ -53,16 +53,13 @@ class MelFrontend:
         return MelState(buf=np.zeros(self.cfg.n_fft // 2, dtype=np.float32),
                         peak=torch.full((), float("-inf"), dtype=torch.float32, device=self.device))
 
-    def frames(self, states: list[MelState], pcms: list[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
-        """Append each stream's new samples; return each stream's newly complete frames [n_i, n_mels] (views of
-        one tensor)."""
+    def frames(self, states: list[MelState], pcms: list[np.ndarray]) -> list[torch.Tensor]:
+        """Append each stream's new samples (float32 host arrays, as the encoder's `_as_pcm` checks them); return
+        each stream's newly complete frames [n_i, n_mels] (views of one tensor)."""
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
         windows: list[np.ndarray] = []
         counts: list[int] = []
         for st, pcm in zip(states, pcms, strict=True):
-            if isinstance(pcm, torch.Tensor):
-                pcm = pcm.detach().cpu().numpy()
-            pcm = pcm.astype(np.float32, copy=False)
             buf = np.concatenate([st.buf, pcm]) if pcm.size else st.buf
             st.samples_seen += int(pcm.size)
             n = 0 if buf.size < n_fft else (buf.size - n_fft) // hop + 1
