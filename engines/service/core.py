@@ -551,11 +551,15 @@ class Service:
         """Commits of distinct sessions: every open encoder stream among them finalized in one batched call."""
         batch = []
         for client, msg in commits:
-            s = self.sessions.get(msg.session_id)
-            if s is not None and s.owner == client and s.encoder_stream is not None:
-                batch.append((client, msg, s))
+            try:
+                s = self._session(client, msg.session_id)
+            except ServiceError as e:
+                self._report(client, msg, e)
+                continue
+            if s.encoder_stream is None:
+                self._dispatch(client, msg)  # a commit of codes already encoded
             else:
-                self._dispatch(client, msg)  # its error, or a commit of codes already encoded
+                batch.append((client, msg, s))
         if len(batch) < 2:
             for client, msg, _ in batch:
                 self._dispatch(client, msg)
