@@ -16,7 +16,13 @@ import random
 import torch
 
 from engines.bench.hardware import device_name, measure_bandwidth, median, timed
-from engines.commands.bench_engine import _drain, decode_batch_config, start_decode_batch, weight_bytes
+from engines.commands.bench_engine import (
+    _drain,
+    add_decode_batch_arguments,
+    decode_batch_config,
+    start_decode_batch,
+    weight_bytes,
+)
 from engines.engine import Engine
 from engines.kernels import pdl, skinny_gemm
 
@@ -28,10 +34,7 @@ def _variant(spec: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="full-random")
-    p.add_argument("--batches", default="1,64")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=30)
+    add_decode_batch_arguments(p, steps=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=["pdl=0", "pdl=1"])
     p.add_argument("--json", default=None)

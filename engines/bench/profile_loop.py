@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engines.commands.bench_engine import _drain, decode_batch_config, start_decode_batch
+from engines.commands.bench_engine import _drain, add_decode_batch_arguments, decode_batch_config, start_decode_batch
 from engines.engine import Engine
 
 
@@ -39,10 +39,7 @@ def gpu_busy(prof) -> tuple[float, float, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="full-random")
-    p.add_argument("--batches", default="1,64")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=20)
+    add_decode_batch_arguments(p, steps=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--trace", default=None, help="write a chrome trace per batch size into this folder")
     a = p.parse_args()

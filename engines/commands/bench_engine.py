@@ -44,6 +44,14 @@ def _audio_forever(n: int, seed: int = 0) -> SamplingParams:
     return SamplingParams(text=ch, audio=ch, max_new_tokens=n, min_new_tokens=n, seed=seed)
 
 
+def add_decode_batch_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The options of a tool timing decode batches (`decode_batch_config`, `start_decode_batch`)."""
+    p.add_argument("--model", default="full-random")
+    p.add_argument("--batches", default="1,64", help="comma separated batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="rows of context per sequence")
+    p.add_argument("--steps", type=int, default=steps, help="decode steps per timed loop")
+
+
 def decode_batch_config(model: str, max_batch: int, context: int, new_rows: int, device: str = "cuda"
                         ) -> EngineConfig:
     """An engine for decode batches of up to `max_batch` sequences of `context` rows plus `new_rows` generated."""
