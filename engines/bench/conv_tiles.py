@@ -54,7 +54,7 @@ def _sweep(rows: int, cin: int, k: int, cout: int = 256, T: int = 40) -> None:
         grid = (triton.cdiv(rows, bm), triton.cdiv(cout, bn))
         _causal_conv_kernel[grid](x, wg, b, out, rows, T, x.stride(0), x.stride(2), x.stride(1), cout,
                                   CIN=cin, KS=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=False,
-                                  num_warps=nw, num_stages=ns)
+                                  num_warps=nw, num_stages=ns, PDL=False)
 
     res = []
     for c in CONFIGS:
@@ -88,7 +88,8 @@ def _sweep_ln_linear(rows: int, n: int, gelu: bool, c: int = 256) -> None:
     def run(bm, bn, nw, ns):
         grid = (triton.cdiv(rows, bm), triton.cdiv(n, bn))
         _ln_linear_kernel[grid](x, r, lw, lb, wt, bias, y, s, rows, n, 1e-5, C=c, BLOCK_M=bm, BLOCK_N=bn,
-                                HAS_RES=True, HAS_BIAS=True, GELU=gelu, IEEE=False, num_warps=nw, num_stages=ns)
+                                HAS_RES=True, HAS_BIAS=True, GELU=gelu, IEEE=False, num_warps=nw, num_stages=ns,
+                                PDL=False)
 
     res = []
     for cfg in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1,)):

@@ -2,7 +2,10 @@
 
 Splits one steady-state 5-code chunk into its stages (flow encoder, Euler solve, vocoder) with the device
 synchronised around each, counts the kernels of one eager estimator call, and optionally times the Euler
-solve with the estimator under torch.compile. A development tool for docs/PERF_NOTES.md, not the server.
+solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
+programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
+cuBLAS or on codec_fused.linear, and the streaming-size conv kernel on or off.
+A development tool for docs/PERF_NOTES.md, not the server.
 """
 
 from __future__ import annotations
@@ -92,6 +95,63 @@ def _print_top(evs, top: int) -> None:
         print(f"  {sum(ts):8.1f} us  {len(ts):4d} x {sum(ts) / len(ts):6.2f} us  {name}")
 
 
+def _solve_inputs(flow, batch: int) -> list[torch.Tensor]:
+    """z, ctx_traj, mu_w, cond_w, spks of one steady-state chunk (EulerGraphs.capture_steady_state's shapes)."""
+    cfg, st = flow.cfg, flow.stream
+    C, Fr, n = st.est_ctx_frames, st.chunk_codes * cfg.token_mel_ratio, cfg.output_size
+    g = torch.Generator(device=flow.device).manual_seed(0)
+    kw = {"device": flow.device, "dtype": flow.dtype, "generator": g}
+    return [torch.randn(batch, n, Fr, **kw), torch.randn(batch, cfg.n_timesteps, n, C, **kw),
+            torch.randn(batch, n, C + Fr, **kw), torch.randn(batch, n, C + Fr, **kw), torch.randn(batch, n, **kw)]
+
+
+def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
+    """Capture the solve at `batch` on fresh graphs and time `reps` replays: ms per solve, and its mel."""
+    from engines.codec.decoder.graphs import EulerGraphs
+
+    graphs = EulerGraphs(flow)
+    with torch.inference_mode():
+        x, _ = graphs.run(*_solve_inputs(flow, batch))
+        g = next(iter(graphs.graphs.values()))[0]
+        g.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / reps, x
+
+
+def _timeline(dec, batches: list[int], reps: int) -> None:
+    """The solve graph per variant: launch mode (PDL), to_out / ff2 kernel, conv kernel at streaming rows; same
+    inputs for each. (Per-kernel times of graph replays from torch.profiler did not add up to one replay's
+    kernels on torch 2.11, so only replay times are reported.)"""
+    from engines.kernels import codec_fused, pdl
+
+    flow, idx = dec.flow, torch.cuda.current_device()
+    triton_linear, whole_rows = codec_fused.linear, codec_fused.CONV_WHOLE_MAX_ROWS
+    variants = (("PDL off, cuBLAS to_out/ff2, looped conv", False, False, 0),
+                ("PDL on,  cuBLAS to_out/ff2, looped conv", True, False, 0),
+                ("PDL on,  Triton to_out/ff2, looped conv", True, True, 0),
+                ("PDL off, Triton to_out/ff2, whole conv ", False, True, whole_rows),
+                ("PDL on,  Triton to_out/ff2, whole conv ", True, True, whole_rows))
+    try:
+        for b in batches:
+            ref = None
+            for name, on, tri, rows in variants:
+                pdl._enabled[idx] = on
+                codec_fused.linear = triton_linear if tri else torch.nn.functional.linear
+                codec_fused.CONV_WHOLE_MAX_ROWS = rows
+                ms, x = _solve_ms(flow, b, reps)
+                diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
+                ref = x if ref is None else ref
+                print(f"solve batch {b:3d}, {name}: {ms:7.3f} ms, max |x - first| {diff:.2e}", flush=True)
+    finally:
+        pdl._enabled.pop(idx, None)
+        codec_fused.linear, codec_fused.CONV_WHOLE_MAX_ROWS = triton_linear, whole_rows
+
+
 def main() -> None:
     from engines.codec.decoder import CodecDecoder, CodecTask
 
@@ -102,9 +162,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--compile", action="store_true", help="also time the estimator under torch.compile")
     p.add_argument("--top", type=int, default=0, help="print the N costliest kernels of one estimator call")
+    p.add_argument("--timeline", action="store_true", help="only the solve graph's replay time, per kernel variant")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
                             estimator_dtype="bfloat16")
+    if a.timeline:
+        _timeline(dec, [int(x) for x in a.batches.split(",")], a.iters)
+        return
     rng = np.random.default_rng(0)
     la = dec.cfg.flow.pre_lookahead
     for b in [int(x) for x in a.batches.split(",")]:

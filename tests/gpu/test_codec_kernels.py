@@ -17,6 +17,7 @@ from engines.kernels.codec_fused import (  # noqa: E402
     add_layernorm,
     causal_conv,
     layernorm_mish,
+    linear,
     ln_linear,
     window_attention,
 )
@@ -61,10 +62,12 @@ CONV_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cin,cout,k,batch,T", [(320, 256, 3, 2, 40), (256, 256, 3, 32, 40), (512, 256, 3, 3, 37),
-                                                 (256, 256, 1, 2, 40), (256, 80, 1, 33, 24), (100, 70, 5, 1, 9)])
+                                                 (256, 256, 3, 4, 40), (256, 256, 1, 2, 40), (256, 80, 1, 33, 24),
+                                                 (100, 70, 5, 1, 9)])
 @pytest.mark.parametrize("layout", ["time_major", "contiguous"])
 def test_causal_conv_matches_torch(dtype, cin, cout, k, batch, T, layout):
-    """Every tile edge: M not a multiple of the row tile, Cout < the column tile, Cin not a multiple of 64."""
+    """Every tile edge: M not a multiple of the row tile, Cout < the column tile, Cin not a multiple of 64; both
+    kernels (whole-tile up to CONV_WHOLE_MAX_ROWS = 160 rows, 2 x 40 and 4 x 40 here; the looped one above)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(batch, cin, T, device="cuda", generator=g).to(dtype)
     if layout == "time_major":
@@ -95,6 +98,21 @@ def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows):
         want = F.gelu(want.float()).to(dtype)
     got, s = ln_linear(x, r, w, b, 1e-5, lin.t().contiguous(), lb, gelu=gelu)
     torch.testing.assert_close(s, s_want, rtol=0, atol=0)  # the same rounded add
+    torch.testing.assert_close(got, want, **CONV_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,N", [(512, 256), (1024, 256), (64, 48)])
+@pytest.mark.parametrize("rows,bias", [(80, True), (37, False), (160, True), (400, True)])  # 400: F.linear
+def test_linear_matches_torch(dtype, K, N, rows, bias):
+    """The whole-K-tile linear (to_out, ff output) against a float64 F.linear, 3-D input as the estimator passes."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(2, rows, K, device="cuda", generator=g).to(dtype)[:1]
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype) if bias else None
+    want = F.linear(x.double(), w.double(), b.double() if b is not None else None).to(dtype)
+    got = linear(x, w, b)
+    assert got.shape == (1, rows, N) and got.dtype == dtype
     torch.testing.assert_close(got, want, **CONV_TOL[dtype])
 
 
@@ -160,3 +178,32 @@ def test_estimator_cuda_path_matches_cpu_reference():
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="programmatic dependent launch needs Hopper+")
+def test_solve_graph_is_bit_identical_with_and_without_pdl():
+    """The Euler solve's CUDA graph with every codec kernel under programmatic dependent launch (each waits for its
+    predecessor before touching activations, weights read before the wait) == the same graph launched plainly."""
+    from engines.codec.decoder import CodecDecoder
+    from engines.codec.decoder.graphs import EulerGraphs
+    from engines.kernels import pdl
+
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    flow, idx = dec.flow, torch.cuda.current_device()
+    st, cfg = flow.stream, flow.cfg
+    C, Fr, B = st.est_ctx_frames, st.chunk_codes * cfg.token_mel_ratio, 3
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kw = {"device": "cuda", "dtype": flow.dtype, "generator": g}
+    inputs = [torch.randn(B, 80, Fr, **kw), torch.randn(B, cfg.n_timesteps, 80, C, **kw),
+              torch.randn(B, 80, C + Fr, **kw), torch.randn(B, 80, C + Fr, **kw), torch.randn(B, 80, **kw)]
+    out = {}
+    try:
+        for on in (False, True):
+            pdl._enabled[idx] = on
+            with torch.inference_mode():
+                out[on] = EulerGraphs(flow).run(*inputs)
+    finally:
+        pdl._enabled.pop(idx, None)
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

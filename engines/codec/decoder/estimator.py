@@ -175,14 +175,15 @@ class TransformerBlock(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
         GEMM + GELU, ff output GEMM."""
-        from engines.kernels.codec_fused import ln_linear, window_attention
+        from engines.kernels import codec_fused as k
 
         a, ff = self.attn1, self.ff.net
-        qkv, x = ln_linear(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.qkv_t)
-        o = a.to_out[0](window_attention(qkv, mask, a.h, a.dh))  # [B, T, d]
-        h, x = ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
-                         gelu=True)
-        return x, ff[2](h)
+        qkv, x = k.ln_linear(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.qkv_t)
+        out = a.to_out[0]
+        o = k.linear(k.window_attention(qkv, mask, a.h, a.dh), out.weight, out.bias)  # [B, T, d]
+        h, x = k.ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
+                           gelu=True)
+        return x, k.linear(h, ff[2].weight, ff[2].bias)
 
 
 class _TimeMLP(nn.Module):
