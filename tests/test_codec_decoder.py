@@ -410,6 +410,26 @@ def _reference_estimator(est, x, mu, t, spks, cond, mask):
 
 
 @torch.inference_mode()
+def test_merged_conv_weight_computes_block1_conv_and_res_conv(hift_dec):
+    """The CUDA resnet's one conv weight (block1's conv | res_conv on the last tap) read as the CUDA kernels read it
+    (an implicit GEMM over the shifted frames) gives both convs' outputs."""
+    from engines.codec.decoder.estimator import _conv_with_pointwise
+
+    r = hift_dec.flow.decoder.estimator.mid_blocks[0][0]
+    conv = r.block1.block[0]
+    w, b = _conv_with_pointwise(conv, r.res_conv)
+    k, cin, T = conv.kernel_size[0], conv.in_channels, 9
+    x = torch.randn(2, cin, T, generator=torch.Generator().manual_seed(1))
+    xp = torch.nn.functional.pad(x, (k - 1, 0))
+    # out[:, :, t] = b + sum over taps of W[tap * Cin:(tap + 1) * Cin].T @ x[:, :, t - (k - 1) + tap]
+    got = b[None, :, None] + sum(torch.einsum("bct,cn->bnt", xp[:, :, tap:tap + T], w[tap * cin:(tap + 1) * cin])
+                                 for tap in range(k))
+    want = torch.cat([conv(x), r.res_conv(x)], dim=1)
+    assert w.shape == (k * cin, 2 * conv.out_channels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
 def test_optimised_estimator_equals_straightforward_computation(hift_dec):
     """Time table per Euler step + fused q/k/v + additive window mask + fused tails == the plain computation."""
     flow = hift_dec.flow

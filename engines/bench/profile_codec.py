@@ -123,33 +123,70 @@ def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
     return start.elapsed_time(end) / reps, x
 
 
+# (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add)
+TIMELINE_VARIANTS = (
+    ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add"),
+    ("PDL on, Triton GEMMs, whole conv (ba0ecd3)", True, "triton", True, False, "add"),
+    ("  + block1 conv | res_conv as one conv", True, "triton", True, True, "add"),
+    ("  + last add in the GEMM epilogue (served)", True, "triton", True, True, "epilogue"),
+)
+
+
 def _timeline(dec, batches: list[int], reps: int) -> None:
-    """The solve graph per variant: launch mode (PDL), to_out / ff2 kernel, conv kernel at streaming rows; same
-    inputs for each. (Per-kernel times of graph replays from torch.profiler did not add up to one replay's
-    kernels on torch 2.11, so only replay times are reported.)"""
-    from engines.kernels import codec_fused, pdl
+    """The solve graph per variant of TIMELINE_VARIANTS, same inputs for each. (Per-kernel times of graph replays
+    from torch.profiler did not add up to one replay's kernels on torch 2.11, so only replay times are reported.)"""
+    from engines.kernels import codec_fused as k
+    from engines.kernels import pdl
 
     flow, idx = dec.flow, torch.cuda.current_device()
-    triton_linear, whole_rows = codec_fused.linear, codec_fused.CONV_WHOLE_MAX_ROWS
-    variants = (("PDL off, cuBLAS to_out/ff2, looped conv", False, False, 0),
-                ("PDL on,  cuBLAS to_out/ff2, looped conv", True, False, 0),
-                ("PDL on,  Triton to_out/ff2, looped conv", True, True, 0),
-                ("PDL off, Triton to_out/ff2, whole conv ", False, True, whole_rows),
-                ("PDL on,  Triton to_out/ff2, whole conv ", True, True, whole_rows))
+    est = flow.decoder.estimator
+    est.fuse()
+    resnets = est._resnets()
+    merged = [(r.conv1_res_gemm, r.conv1_res_bias) for r in resnets]
+    linear, whole_rows = k.linear, k.CONV_WHOLE_MAX_ROWS
+
+    def cublas(x, w, b=None, residual=None):
+        y = torch.nn.functional.linear(x, w, b)
+        return y if residual is None else y + residual
+
+    def separate_add(x, w, b=None, residual=None):
+        y = linear(x, w, b)
+        return y if residual is None else y + residual
+
     try:
-        for b in batches:
+        for batch in batches:
             ref = None
-            for name, on, tri, rows in variants:
+            for name, on, gemm, whole, merge, last in TIMELINE_VARIANTS:
                 pdl._enabled[idx] = on
-                codec_fused.linear = triton_linear if tri else torch.nn.functional.linear
-                codec_fused.CONV_WHOLE_MAX_ROWS = rows
-                ms, x = _solve_ms(flow, b, reps)
+                k.linear = cublas if gemm == "cublas" else separate_add if last == "add" else linear
+                k.CONV_WHOLE_MAX_ROWS = whole_rows if whole else 0
+                for r, (w, b) in zip(resnets, merged, strict=True):
+                    r.conv1_res_gemm, r.conv1_res_bias = (w, b) if merge else (None, None)
+                ms, x = _solve_ms(flow, batch, reps)
                 diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
                 ref = x if ref is None else ref
-                print(f"solve batch {b:3d}, {name}: {ms:7.3f} ms, max |x - first| {diff:.2e}", flush=True)
+                print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - first| {diff:.2e}  {name}", flush=True)
     finally:
         pdl._enabled.pop(idx, None)
-        codec_fused.linear, codec_fused.CONV_WHOLE_MAX_ROWS = triton_linear, whole_rows
+        k.linear, k.CONV_WHOLE_MAX_ROWS = linear, whole_rows
+        for r, (w, b) in zip(resnets, merged, strict=True):
+            r.conv1_res_gemm, r.conv1_res_bias = w, b
+    _print_kernel_resources()
+
+
+def _print_kernel_resources() -> None:
+    """Registers and spills of every compiled codec kernel variant (spills put tiles in local memory)."""
+    from engines.kernels import codec_fused as k
+
+    for fn in (k._conv_whole_kernel, k._causal_conv_kernel, k._linear_kernel, k._ln_linear_kernel,
+               k._window_attention_kernel, k._layernorm_mish_kernel, k._add_layernorm_kernel):
+        try:
+            for cache in fn.device_caches.values():
+                for ck in cache[0].values():
+                    print(f"  {fn.fn.__name__}: {ck.n_regs} registers, {ck.n_spills} spills, "
+                          f"{ck.metadata.num_warps} warps, {ck.metadata.shared} B shared", flush=True)
+        except (AttributeError, KeyError, TypeError) as e:  # Triton internals differ between versions
+            print(f"  {fn.fn.__name__}: no resource figures ({type(e).__name__}: {e})")
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ activation dtype wherever the torch path stores a tensor), so GPU and CPU agree 
   bias in the epilogue; replaces cuDNN's layout transform -> conv -> transform back (3 kernels, ~14 us at
   batch 1, for a ~6 us conv). At streaming row counts the whole (tap, channel) reduction is one tile.
 - `ln_linear`: add + LayerNorm as the prologue of the GEMM after it (+ bias, + GELU).
-- `linear`: the to_out and ff output GEMMs at streaming row counts (one whole-K weight tile per program).
+- `linear`: the to_out and ff output GEMMs at streaming row counts (one whole-K weight tile per program; + the
+  residual stream in the epilogue for the last block of a stack).
 - `window_attention`: softmax attention of the short estimator window, one program per (row, head).
 
 At streaming sizes (<= PDL_MAX_ROWS rows) the kernels launch with programmatic dependent launch
@@ -327,8 +328,8 @@ def ln_linear(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.T
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(X, W, BIAS, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+def _linear_kernel(X, W, BIAS, RES, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, K)
@@ -345,7 +346,12 @@ def _linear_kernel(X, W, BIAS, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, 
         acc = tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += bias[None, :]
-    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & (rn < N)[None, :])
+    om = mm[:, None] & (rn < N)[None, :]
+    y = acc.to(Y.dtype.element_ty)
+    if HAS_RES:  # the GEMM output rounded, then the residual add rounded: F.linear followed by torch.add
+        y = (y.to(tl.float32) + tl.load(RES + rm[:, None] * N + rn[None, :], mask=om, other=0.0).to(tl.float32))
+        y = y.to(Y.dtype.element_ty)
+    tl.store(Y + rm[:, None] * N + rn[None, :], y, mask=om)
 
 
 # The streaming sizes `linear` takes: up to this many rows (2 sessions' CFG windows; at 4 sessions cuBLAS was faster,
@@ -355,24 +361,30 @@ LINEAR_MAX_ROWS = 160
 LINEAR_MAX_K = 1024
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K]. At streaming sizes on CUDA one kernel whose programs hold a whole-K
-    weight tile, read before the programmatic-launch wait, so the weight's HBM latency overlaps the kernel before;
-    other sizes (and CPU) go to F.linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) (+ residual, shaped as the output) for x [..., K]. At streaming sizes on CUDA one
+    kernel whose programs hold a whole-K weight tile, read before the programmatic-launch wait, so the weight's HBM
+    latency overlaps the kernel before; other sizes (and CPU) go to F.linear."""
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
     if not (x.is_cuda and 0 < m <= LINEAR_MAX_ROWS and 16 <= k <= LINEAR_MAX_K and k & (k - 1) == 0
             and weight.shape[1] == k and weight.stride(1) == 1 and weight.stride(0) == k
             and x.dtype == weight.dtype):
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y if residual is None else y + residual
     x2 = x.reshape(m, k)
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    if residual is not None:
+        if residual.shape != y.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match the output {tuple(y.shape)}")
+        residual = residual if residual.is_contiguous() else residual.contiguous()
     bm, bn = 16, max(16, min(64, LINEAR_TILE // k))
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x2, weight, bias if bias is not None else weight, y, m, n, K=k, BLOCK_M=bm, BLOCK_N=bn,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=1,
-        **_launch(x.device, m))
+        x2, weight, bias if bias is not None else weight, residual if residual is not None else y, y, m, n, K=k,
+        BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=1, **_launch(x.device, m))
     return y
 
 

@@ -104,16 +104,22 @@ def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K,N", [(512, 256), (1024, 256), (64, 48)])
 @pytest.mark.parametrize("rows,bias", [(80, True), (37, False), (160, True), (400, True)])  # 400: F.linear
-def test_linear_matches_torch(dtype, K, N, rows, bias):
-    """The whole-K-tile linear (to_out, ff output) against a float64 F.linear, 3-D input as the estimator passes."""
+@pytest.mark.parametrize("with_res", [False, True])
+def test_linear_matches_torch(dtype, K, N, rows, bias, with_res):
+    """The whole-K-tile linear (to_out, ff output; + the residual stream for a stack's last block) against a
+    float64 F.linear rounded, then the rounded add; 3-D input as the estimator passes it."""
     g = torch.Generator(device="cuda").manual_seed(6)
     x = torch.randn(2, rows, K, device="cuda", generator=g).to(dtype)[:1]
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
     b = torch.randn(N, device="cuda", generator=g).to(dtype) if bias else None
+    r = torch.randn(1, rows, N, device="cuda", generator=g).to(dtype) if with_res else None
     want = F.linear(x.double(), w.double(), b.double() if b is not None else None).to(dtype)
-    got = linear(x, w, b)
+    got = linear(x, w, b, residual=r)
     assert got.shape == (1, rows, N) and got.dtype == dtype
-    torch.testing.assert_close(got, want, **CONV_TOL[dtype])
+    if r is None:
+        torch.testing.assert_close(got, want, **CONV_TOL[dtype])
+    else:  # one GEMM-output ulp may flip, and the add rounds once more
+        torch.testing.assert_close(got, want + r, rtol=CONV_TOL[dtype]["rtol"], atol=2 * CONV_TOL[dtype]["atol"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

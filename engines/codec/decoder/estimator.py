@@ -13,8 +13,10 @@ conditioning of every resnet is a table per Euler step (`time_table`), q/k/v run
 concatenated weight (`fuse`), the attention mask is an additive float mask built once per solve
 (`window_mask`), and LayerNorm tails and the convolutions are Triton kernels on CUDA
 (engines/kernels/codec_fused.py), where a transformer block is 5 kernels (LayerNorms as GEMM prologues, one
-attention kernel for the short window). Activations stay [B, C, T] in shape but time-major in memory, the layout of the
-transformer blocks, so no transposes are copied between resnets and transformer blocks.
+attention kernel for the short window, the stack's last residual add in the last GEMM's epilogue) and a resnet 4
+(block1's conv and res_conv as one conv over the same input). Activations stay
+[B, C, T] in shape but time-major in memory, the layout of the transformer blocks, so no transposes are copied
+between resnets and transformer blocks.
 `forward` (arbitrary t, bool mask) is kept for tests and runs the same core.
 """
 
@@ -103,10 +105,26 @@ class CausalResnetBlock1D(nn.Module):
         self.block1 = CausalBlock1D(dim, dim_out)
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = CausalConv1d(dim, dim_out, 1)
+        # [3 * dim, 2 * dim_out] and [2 * dim_out]: block1's conv and res_conv as one conv over the same input (res_conv
+        # is the last tap of the extra output columns); built by CausalConditionalDecoder.fuse for the CUDA path.
+        self.conv1_res_gemm: torch.Tensor | None = None
+        self.conv1_res_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, t_row: torch.Tensor) -> torch.Tensor:
         """x [B, dim, T]; t_row [B|1, dim_out] = self.mlp(time embedding), precomputed per Euler step."""
+        if x.is_cuda and self.conv1_res_gemm is not None:
+            return self._forward_cuda(x, t_row)
         return self.block2(self.block1(x, row=t_row), residual=self.res_conv(x))
+
+    def _forward_cuda(self, x: torch.Tensor, t_row: torch.Tensor) -> torch.Tensor:
+        """forward in 4 kernels: block1's conv and res_conv as one conv over x, then block1's LayerNorm + Mish +
+        time row, block2's conv, block2's LayerNorm + Mish + residual."""
+        from engines.kernels.codec_fused import causal_conv
+
+        c = self.conv1_res_bias.shape[0] // 2
+        both = causal_conv(x, self.conv1_res_gemm, self.conv1_res_bias, self.block1.block[0].kernel_size[0])
+        h = layernorm_mish(both[:, :c], self.block1.block[2], row=t_row)  # both: [B, 2C, T] = block1 conv | res
+        return self.block2(h, residual=both[:, c:])
 
 
 class _GELUProj(nn.Module):
@@ -161,20 +179,21 @@ class TransformerBlock(nn.Module):
         return (self.qkv_t is not None and d & (d - 1) == 0 and d >= 16 and dh & (dh - 1) == 0 and dh >= 16
                 and x.shape[1] <= WINDOW_ATTENTION_MAX_T)
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input is x + pending (pending None: just x); returns (x, ff_out) whose sum is its output,
-        so each residual add fuses with the next LayerNorm."""
+        so each residual add fuses with the next LayerNorm. The last block of a stack returns (output, None)."""
         if x.is_cuda and self._fused_ok(x):
-            return self._forward_cuda(x, pending, mask)
+            return self._forward_cuda(x, pending, mask, last)
         h, x = add_layernorm(x, pending, self.norm1)
         h, x = add_layernorm(x, self.attn1(h, mask), self.norm3)
-        return x, self.ff.net[2](self.ff.net[0](h))
+        ff = self.ff.net[2](self.ff.net[0](h))
+        return (x + ff, None) if last else (x, ff)
 
-    def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
-        GEMM + GELU, ff output GEMM."""
+        GEMM + GELU, ff output GEMM (+ the residual stream, for the last block)."""
         from engines.kernels import codec_fused as k
 
         a, ff = self.attn1, self.ff.net
@@ -183,6 +202,8 @@ class TransformerBlock(nn.Module):
         o = k.linear(k.window_attention(qkv, mask, a.h, a.dh), out.weight, out.bias)  # [B, T, d]
         h, x = k.ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
                            gelu=True)
+        if last:
+            return k.linear(h, ff[2].weight, ff[2].bias, residual=x), None
         return x, k.linear(h, ff[2].weight, ff[2].bias)
 
 
@@ -220,6 +241,16 @@ def bool_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.full((T, Tp), float("-inf"), device=mask.device, dtype=dtype)
     out[:, :T].masked_fill_(mask, 0.0)
     return out[:, :T]
+
+
+@torch.no_grad()
+def _conv_with_pointwise(conv: CausalConv1d, point: CausalConv1d) -> tuple[torch.Tensor, torch.Tensor]:
+    """One implicit-GEMM weight [K * Cin, Cout + Cout'] and bias for a causal conv (kernel K) and a pointwise conv
+    over the same input: the pointwise weight sits in the rows of the last tap (the current frame), zeros above."""
+    k, cin = conv.kernel_size[0], conv.in_channels
+    pw = torch.zeros(k * cin, point.out_channels, device=conv.weight.device, dtype=conv.weight.dtype)
+    pw[(k - 1) * cin:] = point.weight[:, :, 0].t()
+    return torch.cat([conv_weight_gemm(conv.weight), pw], dim=1), torch.cat([conv.bias, point.bias])
 
 
 class CausalConditionalDecoder(nn.Module):
@@ -267,6 +298,8 @@ class CausalConditionalDecoder(nn.Module):
                 m.ff1_t = m.ff.net[0].proj.weight.detach().t().contiguous()
             if isinstance(m, CausalConv1d):
                 m.gemm_weight = conv_weight_gemm(m.weight.detach())
+            if isinstance(m, CausalResnetBlock1D):
+                m.conv1_res_gemm, m.conv1_res_bias = _conv_with_pointwise(m.block1.block[0], m.res_conv)
         self._tables.clear()
         self._fused_key = key
 
@@ -294,10 +327,10 @@ class CausalConditionalDecoder(nn.Module):
     def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
         """[B, C, T] through the transformer blocks -> [B, C, T]."""
         x, pending = h.transpose(1, 2), None
-        for b in blocks:
-            x, pending = b(x, pending, mask)
-        # Time-major [B, C, T] view of the last residual sum: the next conv reads it without a copy.
-        return torch.add(x, pending).transpose(1, 2)
+        for i, b in enumerate(blocks):
+            x, pending = b(x, pending, mask, last=i == len(blocks) - 1)
+        # Time-major [B, C, T] view of the last block's output: the next conv reads it without a copy.
+        return x.transpose(1, 2)
 
     def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [B, 320, T] = cat(x, mu, spks, cond) in the estimator dtype; rows [n_resnets, B|1, C] (`time_rows` or
