@@ -183,6 +183,23 @@ def test_first_chunk_rounds_do_not_starve_an_answer_about_to_run_dry():
     w.close()
 
 
+def test_rounds_of_playing_answers_are_short_unless_more_are_about_to_run_dry():
+    """Playing answers go at most bulk_max per round (a new answer's first chunk then waits less), except that every
+    answer about to run dry is taken."""
+    for rate, want in ((5, [12, 8, 4]), (50, [12, 12])):  # one chunk = 1 s of audio (not urgent) or 0.1 s (urgent)
+        dec = FakeDecoder()
+        dec.sample_rate = rate
+        dec.gate.clear()
+        w = CodecWorker(dec, torch.device("cpu"), ahead_s=2.5, clock=lambda: 100.0, bulk_max=8)
+        for i in range(12):
+            w.push(i, FakeStream(f"s{i}"), list(range(13)))  # two chunks each
+        time.sleep(0.05)
+        dec.gate.set()
+        collect(w, lambda o, n=sum(want): len(o) == n)
+        assert [len(b) for b in dec.batches] == want
+        w.close()
+
+
 def test_rounds_of_playing_answers_wait_while_the_language_model_ramps_up(monkeypatch):
     monkeypatch.setattr("engines.service.codec_worker.BULK_HOLD_S", 60.0)  # held as long as the ramp lasts
     seen_in_flight = []
