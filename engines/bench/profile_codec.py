@@ -95,6 +95,23 @@ def _print_top(evs, top: int) -> None:
         print(f"  {sum(ts):8.1f} us  {len(ts):4d} x {sum(ts) / len(ts):6.2f} us  {name}")
 
 
+def _host_profile(dec, task, sessions, rng, iters: int, top: int = 25) -> None:
+    """cProfile of `iters` steady-state rounds (host time per function: what a codec round costs the GIL)."""
+    import cProfile
+    import pstats
+
+    chunk = dec.cfg.stream.chunk_codes
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        for sid in sessions:
+            task.submit(sid, rng.integers(0, 16384, chunk))
+        torch.cuda.synchronize()
+        prof.enable()
+        task.step()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def _solve_inputs(flow, batch: int) -> list[torch.Tensor]:
     """z, ctx_traj, mu_w, cond_w, spks of one steady-state chunk (EulerGraphs.capture_steady_state's shapes)."""
     cfg, st = flow.cfg, flow.stream
@@ -199,6 +216,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--compile", action="store_true", help="also time the estimator under torch.compile")
     p.add_argument("--top", type=int, default=0, help="print the N costliest kernels of one estimator call")
+    p.add_argument("--host-profile", action="store_true", help="also cProfile the steady-state rounds")
     p.add_argument("--timeline", action="store_true", help="only the solve graph's replay time, per kernel variant")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
@@ -219,6 +237,8 @@ def main() -> None:
             task.submit(sid, rng.integers(0, 16384, la))
         st = _stage_times(dec, task, sessions, rng, a.iters)
         print(f"batch {b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in st.items()))
+        if a.host_profile:
+            _host_profile(dec, task, sessions, rng, a.iters)
         if a.compile:
             est = dec.flow.decoder.estimator
             t0 = time.perf_counter()
