@@ -43,7 +43,7 @@ PDL_MAX_ROWS = 320
 
 def _launch(device: torch.device, rows: int) -> dict:
     """Launch keyword arguments of a codec kernel over `rows` rows: PDL where it measured faster."""
-    return launch_kwargs(device) if rows <= PDL_MAX_ROWS else {"PDL": False, "launch_pdl": False}
+    return launch_kwargs(device, allowed=rows <= PDL_MAX_ROWS)
 
 
 @triton.jit

@@ -40,9 +40,10 @@ def enabled(device: torch.device) -> bool:
     return _enabled[idx]
 
 
-def launch_kwargs(device: torch.device) -> dict:
-    """Keyword arguments of a kernel launch: the PDL constexpr of the kernel and the launch flag."""
-    on = enabled(device)
+def launch_kwargs(device: torch.device, allowed: bool = True) -> dict:
+    """Keyword arguments of a kernel launch: the PDL constexpr of the kernel and the launch flag (PDL where the
+    device has it and the caller `allowed` it for this launch)."""
+    on = allowed and enabled(device)
     return {"PDL": on, "launch_pdl": on}
 
 
