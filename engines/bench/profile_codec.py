@@ -112,23 +112,16 @@ def _host_profile(dec, task, sessions, rng, iters: int, top: int = 25) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
-def _solve_inputs(flow, batch: int) -> list[torch.Tensor]:
-    """z, ctx_traj, mu_w, cond_w, spks of one steady-state chunk (EulerGraphs.capture_steady_state's shapes)."""
-    cfg, st = flow.cfg, flow.stream
-    C, Fr, n = st.est_ctx_frames, st.chunk_codes * cfg.token_mel_ratio, cfg.output_size
-    g = torch.Generator(device=flow.device).manual_seed(0)
-    kw = {"device": flow.device, "dtype": flow.dtype, "generator": g}
-    return [torch.randn(batch, n, Fr, **kw), torch.randn(batch, cfg.n_timesteps, n, C, **kw),
-            torch.randn(batch, n, C + Fr, **kw), torch.randn(batch, n, C + Fr, **kw), torch.randn(batch, n, **kw)]
-
-
 def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
     """Capture the solve at `batch` on fresh graphs and time `reps` replays: ms per solve, and its mel."""
     from engines.codec.decoder.graphs import EulerGraphs
 
     graphs = EulerGraphs(flow)
+    g = torch.Generator(device=flow.device).manual_seed(0)
+    inputs = [torch.randn(shape, device=flow.device, dtype=flow.dtype, generator=g)
+              for shape in graphs.input_shapes(batch)]
     with torch.inference_mode():
-        x, _ = graphs.run(*_solve_inputs(flow, batch))
+        x, _ = graphs.run(*inputs)
         g = next(iter(graphs.graphs.values()))[0]
         g.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

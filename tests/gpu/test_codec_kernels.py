@@ -196,12 +196,9 @@ def test_solve_graph_is_bit_identical_with_and_without_pdl():
 
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
     flow, idx = dec.flow, torch.cuda.current_device()
-    st, cfg = flow.stream, flow.cfg
-    C, Fr, B = st.est_ctx_frames, st.chunk_codes * cfg.token_mel_ratio, 3
     g = torch.Generator(device="cuda").manual_seed(7)
-    kw = {"device": "cuda", "dtype": flow.dtype, "generator": g}
-    inputs = [torch.randn(B, 80, Fr, **kw), torch.randn(B, cfg.n_timesteps, 80, C, **kw),
-              torch.randn(B, 80, C + Fr, **kw), torch.randn(B, 80, C + Fr, **kw), torch.randn(B, 80, **kw)]
+    inputs = [torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
+              for shape in EulerGraphs(flow).input_shapes(3)]
     out = {}
     try:
         for on in (False, True):

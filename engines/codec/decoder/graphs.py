@@ -101,18 +101,21 @@ class EulerGraphs(BucketGraphs):
     def capture_steady_state(self, max_batch: int, frames: Sequence[int] | None = None) -> int:
         """Capture the graphs of the windows est_ctx_frames + F (F in `frames`; default a full chunk's frames)
         for every bucket up to the one holding `max_batch` sessions. Returns how many were newly captured."""
-        flow = self.flow
-        cfg, st = flow.cfg, flow.stream
-        C = st.est_ctx_frames
-        n, n_mel, kw = 0, cfg.output_size, {"device": flow.device, "dtype": flow.dtype}
-        for F in frames or (st.chunk_codes * cfg.token_mel_ratio,):
+        flow, n = self.flow, 0
+        kw = {"device": flow.device, "dtype": flow.dtype}
+        for F in frames or (flow.stream.chunk_codes * flow.cfg.token_mel_ratio,):
             for Bp in buckets_up_to(max_batch):
-                # z, ctx_traj, mu_w, cond_w, spks: shapes as in FlowModel._solve (values replaced at every replay).
-                inputs = [torch.zeros(Bp, n_mel, F, **kw), torch.zeros(Bp, cfg.n_timesteps, n_mel, C, **kw),
-                          torch.zeros(Bp, n_mel, C + F, **kw), torch.zeros(Bp, n_mel, C + F, **kw),
-                          torch.zeros(Bp, n_mel, **kw)]
-                n += self.ensure(inputs)
+                # Values are replaced at every replay.
+                n += self.ensure([torch.zeros(shape, **kw) for shape in self.input_shapes(Bp, F)])
         return n
+
+    def input_shapes(self, batch: int, frames: int | None = None) -> list[tuple[int, ...]]:
+        """Shapes of z, ctx_traj, mu_w, cond_w, spks (as FlowModel._solve builds them) for `frames` new mel frames
+        (default a full chunk's)."""
+        cfg, C = self.flow.cfg, self.flow.stream.est_ctx_frames
+        F = frames if frames is not None else self.flow.stream.chunk_codes * cfg.token_mel_ratio
+        n = cfg.output_size
+        return [(batch, n, F), (batch, cfg.n_timesteps, n, C), (batch, n, C + F), (batch, n, C + F), (batch, n)]
 
     def run(self, z, ctx_traj, mu_w, cond_w, spks) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         x, traj = super().run([z, ctx_traj, mu_w, cond_w, spks])
