@@ -14,7 +14,7 @@ import torch
 from engines.config import EngineConfig, ModelConfig
 from engines.kernels.tiles import tile_map
 from engines.model.batch import ForwardBatch
-from engines.sampler.sampler import TEXT_CHANNEL, ChannelColumns, ChannelTensors, sample_audio, sample_channel
+from engines.sampler.sampler import TEXT_CHANNEL, ChannelColumns, ChannelTensors, sample_audio, sample_rows
 from engines.scheduler.scheduler import ScheduledChunk
 from engines.scheduler.sequence import Sequence
 from engines.tokens import MODALITY_PAD, Row
@@ -212,18 +212,18 @@ class ModelRunner:
         seqs, ints, n = sp.seqs, sp.ints, len(sp.seqs)
         if audio_logits is None:
             audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32
-        audio_tokens = sample_audio(audio_logits, self.audio_seen, ints, sp.floats, sp.audio_max_top_k)
+        pairs = torch.full((n, 2), -1, dtype=torch.long, device=audio_logits.device)  # [R, (text, audio)]
+        sample_audio(audio_logits, self.audio_seen, ints, sp.floats, sp.audio_max_top_k, out=pairs[:, 1])
         slots, seeds, steps = ints[0], ints[1], ints[2]
         text_t = ChannelTensors.from_columns(sp.floats[3:], ints[6:8], sp.text_max_top_k)
         text_idx = [i for i, s in enumerate(seqs) if s.sampling_mode() == "text"]
-        text_tokens = torch.full_like(audio_tokens, -1)
         if len(text_idx) == n:
-            text_tokens = sample_channel(self.model.text_logits(hidden[0]), self.text_seen[slots], text_t, seeds,
-                                         steps, TEXT_CHANNEL)
+            sample_rows(self.model.text_logits(hidden[0]), self.text_seen, slots, text_t, seeds, steps, TEXT_CHANNEL,
+                        out=pairs[:, 0])
         elif text_idx:
             sel = self._upload(torch.tensor(text_idx, dtype=torch.long))
             text_logits = self.model.text_logits(hidden[0].index_select(0, sel))  # [Rt, vocab] float32
             sub = ChannelTensors(*(x[sel] if isinstance(x, torch.Tensor) else x for x in vars(text_t).values()))
-            text_tokens[sel] = sample_channel(text_logits, self.text_seen[slots[sel]], sub, seeds[sel], steps[sel],
-                                              TEXT_CHANNEL)
-        return PendingTokens(torch.stack([text_tokens, audio_tokens], dim=1))
+            pairs[sel, 0] = sample_rows(text_logits, self.text_seen, slots[sel], sub, seeds[sel], steps[sel],
+                                        TEXT_CHANNEL)
+        return PendingTokens(pairs)

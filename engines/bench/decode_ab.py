@@ -1,10 +1,10 @@
 """Decode-step variants on one engine: `python3 -m engines.bench.decode_ab --model full-random` on a GPU.
 
-Each variant sets programmatic dependent launch (engines/kernels/pdl.py) on or off and recaptures the decode
-graphs; each then times the graph replay alone and a loop of
-engine steps (each may launch the next before reading its tokens) at each batch size. Variants alternate over
-several rounds, so drift of the machine shows as spread, not as a difference. A development tool for
-docs/PERF_NOTES.md.
+Each variant (e.g. `pdl=1,sampler=0`) sets programmatic dependent launch (engines/kernels/pdl.py) and the fused
+sampler (engines/kernels/topk_sample.py) on or off (each on unless given) and recaptures the decode graphs; each
+then times the graph replay alone and a loop of engine steps (each may launch the next before reading its tokens)
+at each batch size. Variants alternate over several rounds, so drift of the machine shows as spread, not as a
+difference. A development tool for docs/PERF_NOTES.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from engines.commands.bench_engine import (
     weight_bytes,
 )
 from engines.engine import Engine
-from engines.kernels import pdl, skinny_gemm
+from engines.kernels import pdl, skinny_gemm, topk_sample
 
 
 def _variant(spec: str) -> dict:
@@ -56,6 +56,7 @@ def main() -> None:
             for spec in a.variants:
                 v = _variant(spec)
                 pdl._enabled[idx] = bool(v.get("pdl", 1))
+                topk_sample.ENABLED = bool(v.get("sampler", 1))  # fused top-k sampler (two launches per channel)
                 torch.cuda.synchronize()  # the step in flight is done (its tokens wait on the host) before its
                 graphs.capture()  # graphs and their outputs are replaced
                 engine.step()  # the static buffers hold a real batch again (capture leaves padding there)

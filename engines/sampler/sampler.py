@@ -125,14 +125,37 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample_audio(logits: torch.Tensor, seen: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor,
-                 max_top_k: int) -> torch.Tensor:
+                 max_top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The audio channel of a step: logits [B, V] float32 (left intact), seen [slots, V] bool (every slot's
     history), ints [>= 6, B] (slot, seed, step, min_new_tokens, top_k, greedy) and floats [>= 3, B] (temperature,
     top_p, penalty) per row, as the runner uploads them (StepSampling); max_top_k as ChannelColumns.max_top_k."""
     slots, seeds, steps, min_new = ints[:4]
     t = ChannelTensors.from_columns(floats[:3], ints[4:6], max_top_k)
-    logits = mask_audio_logits(logits.clone(), steps, min_new)
-    return sample_channel(logits, seen[slots], t, seeds, steps, AUDIO_CHANNEL)
+    return sample_rows(logits, seen, slots, t, seeds, steps, AUDIO_CHANNEL, min_new, out)
+
+
+def sample_rows(logits: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor, t: ChannelTensors,
+                seeds: torch.Tensor, steps: torch.Tensor, channel: int, min_new: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens [B] int64 of logits [B, V] float32 (left intact); row i's history is seen[slots[i]] ([slots, V]).
+    With min_new ([B]) the audio channel's mask applies (mask_audio_logits). On CUDA with every row's top-k on
+    and small, two fused launches (engines/kernels/topk_sample.py) instead of ~35; else sample_channel.
+    out: a [B] int64 view that receives the tokens."""
+    if logits.is_cuda:
+        from engines.kernels import topk_sample
+
+        if topk_sample.supported(logits, t.max_top_k):
+            audio = min_new is not None
+            return topk_sample.topk_sample(
+                logits, seen, slots, t.temperature, t.top_p, t.top_k, t.penalty, t.greedy, seeds, steps, channel,
+                t.max_top_k, mask_from=AUDIO_SAMPLEABLE if audio else None, gate_id=EOSP if audio else None,
+                min_new=min_new, out=out)
+    if min_new is not None:
+        logits = mask_audio_logits(logits.clone(), steps, min_new)
+    tokens = sample_channel(logits, seen[slots], t, seeds, steps, channel)
+    if out is not None:
+        out.copy_(tokens)
+    return tokens
 
 
 def sample_channel(logits: torch.Tensor, seen: torch.Tensor, t: ChannelTensors,

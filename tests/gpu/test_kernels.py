@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engines.api import ChannelSampling
 from engines.model.attention import paged_attention
 from engines.model.batch import ForwardBatch
 
@@ -252,6 +253,65 @@ def test_two_stage_top_k_equals_torch_topk(width):
     vals, idx = top_k(few, 20)
     assert vals[:, 0].eq(1.0).all() and idx[:, 0].eq(7).all() and torch.isinf(vals[:, 1:]).all()
     assert int(idx.max()) < width
+
+
+@pytest.mark.parametrize("vocab,audio", [(16512, True), (151680, False), (3000, False)])
+def test_fused_top_k_sampler_draws_the_torch_paths_tokens(vocab, audio):
+    """engines/kernels/topk_sample.py against the torch sampler (mask, penalty over a slot's history, temperature,
+    top-k, top-p, noise race, greedy) on random rows with per-row parameters: the same token in every row. Both
+    paths draw with the same counter-based noise, so only last-bit differences of softmax/cumsum could make them
+    differ, and these rows have none. The logits are left intact."""
+    from engines.kernels import topk_sample
+    from engines.sampler.sampler import AUDIO_CHANNEL, TEXT_CHANNEL, ChannelTensors, sample_rows
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    channel = AUDIO_CHANNEL if audio else TEXT_CHANNEL
+    for b, max_k in [(1, 20), (9, 64), (33, 1), (64, 32)]:
+        logits = torch.randn(b, vocab, device="cuda", generator=g) * 4
+        seen = torch.rand(80, vocab, device="cuda", generator=g) < 0.05
+        slots = torch.randperm(80, device="cuda", generator=g)[:b]
+        ks = torch.randint(1, max_k + 1, (b,), device="cuda", generator=g)
+        ks[0] = max_k
+        t = ChannelTensors(
+            temperature=torch.rand(b, device="cuda", generator=g) * 1.5 + 0.1,
+            top_p=torch.where(torch.rand(b, device="cuda", generator=g) < 0.3, 1.0,
+                              torch.rand(b, device="cuda", generator=g) * 0.9 + 0.05),
+            top_k=ks, penalty=torch.rand(b, device="cuda", generator=g) + 0.8,
+            greedy=torch.rand(b, device="cuda", generator=g) < 0.25, max_top_k=max_k)
+        seeds = torch.randint(-(2**62), 2**62, (b,), device="cuda", generator=g)
+        steps = torch.randint(0, 50, (b,), device="cuda", generator=g)
+        min_new = torch.randint(0, 50, (b,), device="cuda", generator=g) if audio else None
+        if audio:  # end of speech is the best logit in every row: gated where steps < min_new
+            logits[:, 16384] = 60.0
+            logits[:, 16385:] = 90.0  # never drawn
+        before = logits.clone()
+        assert topk_sample.supported(logits, max_k)
+        got = sample_rows(logits, seen, slots, t, seeds, steps, channel, min_new)
+        assert torch.equal(logits, before)
+        topk_sample.ENABLED = False
+        try:
+            ref = sample_rows(logits, seen, slots, t, seeds, steps, channel, min_new)
+        finally:
+            topk_sample.ENABLED = True
+        assert torch.equal(got, ref), (b, max_k, (got != ref).nonzero().flatten().tolist())
+        if audio:
+            assert int(got.max()) <= 16384
+            gated = steps < min_new
+            assert not got[gated].eq(16384).any() and got[~gated & t.greedy].eq(16384).all()
+
+
+def test_fused_top_k_sampler_greedy_ties_pick_the_lowest_id():
+    """Equal best logits: greedy takes the lowest id (torch.argmax's rule), also across the kernel's slices."""
+    from engines.sampler.sampler import ChannelTensors, sample_rows
+
+    logits = torch.full((2, 16512), -5.0, device="cuda")
+    logits[0, [9000, 70, 4000]] = 3.0
+    logits[1, [16000, 1100]] = 3.0
+    t = ChannelTensors.build([ChannelSampling(top_k=20)] * 2, [True, True], torch.device("cuda"))
+    seen = torch.zeros(2, 16512, dtype=torch.bool, device="cuda")
+    got = sample_rows(logits, seen, torch.arange(2, device="cuda"), t, torch.zeros(2, dtype=torch.long, device="cuda"),
+                      torch.zeros(2, dtype=torch.long, device="cuda"), 0)
+    assert got.tolist() == [70, 1100]
 
 
 def test_pdl_decoder_layers_in_a_graph_equal_without_pdl():
