@@ -1,7 +1,8 @@
 """Decode-step variants on one engine: `python3 -m engines.bench.decode_ab --model full-random` on a GPU.
 
-Each variant (e.g. `pdl=1,sampler=0`) sets programmatic dependent launch (engines/kernels/pdl.py) and the fused
-sampler (engines/kernels/topk_sample.py) on or off (each on unless given) and recaptures the decode graphs; each
+Each variant (e.g. `pdl=1,sampler=0,attn_preload=0`) sets programmatic dependent launch (engines/kernels/pdl.py),
+the fused sampler (engines/kernels/topk_sample.py) on or off (each on unless given) and the decode attention's
+preload limit (engines/kernels/paged_decode.py), and recaptures the decode graphs; each
 then times the graph replay alone and a loop of engine steps (each may launch the next before reading its tokens)
 at each batch size. Variants alternate over several rounds, so drift of the machine shows as spread, not as a
 difference. A development tool for docs/PERF_NOTES.md.
@@ -24,7 +25,7 @@ from engines.commands.bench_engine import (
     weight_bytes,
 )
 from engines.engine import Engine
-from engines.kernels import pdl, skinny_gemm, topk_sample
+from engines.kernels import paged_decode, pdl, skinny_gemm, topk_sample
 
 
 def _variant(spec: str) -> dict:
@@ -57,6 +58,9 @@ def main() -> None:
                 v = _variant(spec)
                 pdl._enabled[idx] = bool(v.get("pdl", 1))
                 topk_sample.ENABLED = bool(v.get("sampler", 1))  # fused top-k sampler (two launches per channel)
+                # decode attention's first tile read before the PDL wait up to this many programs (0: never;
+                # default: the SM count)
+                paged_decode.PRELOAD_MAX_PROGRAMS = v.get("attn_preload")
                 torch.cuda.synchronize()  # the step in flight is done (its tokens wait on the host) before its
                 graphs.capture()  # graphs and their outputs are replaced
                 engine.step()  # the static buffers hold a real batch again (capture leaves padding there)

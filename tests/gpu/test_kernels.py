@@ -54,9 +54,22 @@ def torch_reference(q, cache, batch):
     return paged_attention(q.double().cpu(), cache[0].double().cpu(), cache[1].double().cpu(), cpu)
 
 
+# The decode kernel's two ways to start: the first tile read after the PDL wait, or before it (where every program
+# has an SM of its own; forced on here for every batch).
+PRELOAD_LIMITS = pytest.mark.parametrize("preload_limit", [0, 1 << 30], ids=["after-wait", "preload"])
+
+
+@pytest.fixture
+def preload(monkeypatch, preload_limit):
+    from engines.kernels import paged_decode
+
+    monkeypatch.setattr(paged_decode, "PRELOAD_MAX_PROGRAMS", preload_limit)
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-def test_decode_kernel_matches_torch(block_size, dtype, bound):
+@PRELOAD_LIMITS
+def test_decode_kernel_matches_torch(block_size, dtype, bound, preload):
     for seed, ctx in enumerate([[1], [5, 1000, 17, 64], [2048] * 8, [1, 3, 4095, 300, 65, 129]]):
         q, cache, batch = make_case(seed, block_size, [1] * len(ctx), ctx, dtype)
         out = paged_attention(q, cache[0], cache[1], batch)
@@ -314,8 +327,9 @@ def test_fused_top_k_sampler_greedy_ties_pick_the_lowest_id():
     assert got.tolist() == [70, 1100]
 
 
-def test_pdl_decoder_layers_in_a_graph_equal_without_pdl():
-    """Four full-size decoder layers (skinny GEMMs with L2 prefetch, fused norms, decode attention, all launched
+@PRELOAD_LIMITS
+def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
+    """Four full-size decoder layers (skinny GEMMs, fused norms, decode attention, all launched
     with programmatic dependent launch) captured in one CUDA graph give the same bits as the same graph without
     PDL, replay after replay with fresh inputs. The graph pool reuses buffers between layers, so a kernel that
     wrote before its predecessor finished reading (or read before it finished writing) would show up here."""
