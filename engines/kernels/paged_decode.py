@@ -36,6 +36,18 @@ def _preload(device: torch.device, programs: int) -> bool:
 
 
 @triton.jit
+def _tile_rows(BT, b, kvh, t0, end, stride_bt, stride_kb, stride_ks, stride_kh, PAGE: tl.constexpr,
+               TILE_N: tl.constexpr, D: tl.constexpr):
+    """Positions t0.. of a tile, which of them are before `end`, and their K/V element offsets [TILE, D] in the
+    paged cache (through the block table)."""
+    offs = t0 + tl.arange(0, TILE_N)
+    ok = offs < end
+    blk = tl.load(BT + b * stride_bt + offs // PAGE, mask=ok, other=0)
+    rows = (blk.to(tl.int64) * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh)[:, None]
+    return offs, ok, rows + tl.arange(0, D)[None, :]
+
+
+@triton.jit
 def _attend_tile(q, k, v, t_mask, m, l_sum, acc, scale, PREC: tl.constexpr):
     """Online-softmax update of (running max, sum, weighted values) with one tile of keys/values [TILE, D]."""
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, TILE] float32
@@ -66,40 +78,31 @@ def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
     per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), TILE_N) * TILE_N
     start = s * per_split
     end = tl.minimum(start + per_split, ctx)
+    if PRELOAD:
+        # Every cached row but a sequence's newest was written by earlier steps: the split's first tile is read
+        # before the wait, while the kernels before this one (qkv GEMM, QK-norm) still run.
+        offs_t, t_mask, rows = _tile_rows(BT, b, kvh, start, end, stride_bt, stride_kb, stride_ks, stride_kh, PAGE,
+                                          TILE_N, D)
+        k = tl.load(K + rows, mask=t_mask[:, None], other=0.0)  # [TILE, D]
+        v = tl.load(V + rows, mask=t_mask[:, None], other=0.0)
+    wait_then_trigger(PDL)
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    first = start
     if PRELOAD:
-        # Every cached row but a sequence's newest was written by earlier steps: the split's first tile is read
-        # before the wait, while the kernels before this one (qkv GEMM, QK-norm) still run; the newest row (this
-        # step's K/V write) is read again after it.
-        offs_t = start + tl.arange(0, TILE_N)
-        t_mask = offs_t < end
-        blk = tl.load(BT + b * stride_bt + offs_t // PAGE, mask=t_mask, other=0)
-        row = (blk.to(tl.int64) * stride_kb + (offs_t % PAGE) * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :]
-        k = tl.load(K + row, mask=t_mask[:, None], other=0.0)  # [TILE, D]
-        v = tl.load(V + row, mask=t_mask[:, None], other=0.0)
-        wait_then_trigger(PDL)
-        q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
-                    other=0.0)
-        newest = ((offs_t == ctx - 1) & t_mask)[:, None]
-        k = tl.where(newest, tl.load(K + row, mask=newest, other=0.0), k)
-        v = tl.where(newest, tl.load(V + row, mask=newest, other=0.0), v)
+        newest = ((offs_t == ctx - 1) & t_mask)[:, None]  # written by this step's K/V write: read again now
+        k = tl.where(newest, tl.load(K + rows, mask=newest, other=0.0), k)
+        v = tl.where(newest, tl.load(V + rows, mask=newest, other=0.0), v)
         if start < end:  # an empty split keeps (-inf, 0, 0): the merge gives it no weight
             m, l_sum, acc = _attend_tile(q, k, v, t_mask, m, l_sum, acc, scale, PREC)
         first = start + TILE_N
-    else:
-        wait_then_trigger(PDL)
-        q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
-                    other=0.0)
-        first = start
     for t0 in range(first, end, TILE_N):
-        offs = t0 + tl.arange(0, TILE_N)
-        ok = offs < end
-        blk_t = tl.load(BT + b * stride_bt + offs // PAGE, mask=ok, other=0)
-        rows = (blk_t.to(tl.int64) * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :]
-        kt = tl.load(K + rows, mask=ok[:, None], other=0.0)
-        vt = tl.load(V + rows, mask=ok[:, None], other=0.0)
+        offs, ok, tile_rows = _tile_rows(BT, b, kvh, t0, end, stride_bt, stride_kb, stride_ks, stride_kh, PAGE,
+                                         TILE_N, D)
+        kt = tl.load(K + tile_rows, mask=ok[:, None], other=0.0)
+        vt = tl.load(V + tile_rows, mask=ok[:, None], other=0.0)
         m, l_sum, acc = _attend_tile(q, kt, vt, ok, m, l_sum, acc, scale, PREC)
 
     H = tl.num_programs(1) * G
