@@ -29,7 +29,6 @@ from engines.kernels.sampling import _mix32
 MAX_TOP_K = 64  # wider top-k (or top-k off) takes the torch path
 # MOSS_FUSED_SAMPLER=0 keeps every draw on the torch path (A/B runs; tests flip it).
 ENABLED = os.environ.get("MOSS_FUSED_SAMPLER", "1") != "0"
-_LOW = 2147483647  # index bits: _LOW - index, so a lower index packs larger
 
 
 @triton.jit
