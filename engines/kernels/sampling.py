@@ -22,6 +22,18 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def exp_noise(seed, step, ids, CHANNEL: tl.constexpr):
+    """Exp(1) noise of candidate ids for one row's (seed, step) on a channel: row_keys + exponential_noise of
+    engines/sampler/sampler.py in int64, and torch's float32 log (libdevice logf)."""
+    seed = seed.to(tl.int64)
+    key = _mix32((step.to(tl.int64) * 2 + CHANNEL) & 0xFFFFFFFF)
+    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF))
+    key = _mix32(key ^ (seed & 0xFFFFFFFF))
+    x = _mix32(_mix32(ids.to(tl.int64) & 0xFFFFFFFF) ^ key)
+    return -libdevice.log(((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0))
+
+
 # K and the row stride change with the batch's largest top-k; specializing on them compiled new kernels
 # while serving (each a 100-500 ms stall of the engine loop).
 @triton.jit(do_not_specialize=["K", "stride_ids"])
@@ -29,15 +41,8 @@ def _race_noise_kernel(SEEDS, STEPS, IDS, OUT, K, stride_ids, CHANNEL: tl.conste
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
-    seed = tl.load(SEEDS + row).to(tl.int64)
-    step = tl.load(STEPS + row).to(tl.int64)
-    key = _mix32((step * 2 + CHANNEL) & 0xFFFFFFFF)
-    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF))
-    key = _mix32(key ^ (seed & 0xFFFFFFFF))
-    ids = tl.load(IDS + row * stride_ids + offs, mask=mask, other=0).to(tl.int64)
-    x = _mix32(_mix32(ids & 0xFFFFFFFF) ^ key)
-    u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    tl.store(OUT + row * K + offs, -libdevice.log(u), mask=mask)
+    ids = tl.load(IDS + row * stride_ids + offs, mask=mask, other=0)
+    tl.store(OUT + row * K + offs, exp_noise(tl.load(SEEDS + row), tl.load(STEPS + row), ids, CHANNEL), mask=mask)
 
 
 def race_noise(seeds: torch.Tensor, steps: torch.Tensor, channel: int, token_ids: torch.Tensor) -> torch.Tensor:

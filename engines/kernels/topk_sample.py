@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engines.kernels.sampling import _mix32
+from engines.kernels.sampling import exp_noise
 
 MAX_TOP_K = 64  # wider top-k (or top-k off) takes the torch path
 # MOSS_FUSED_SAMPLER=0 keeps every draw on the torch path (A/B runs; tests flip it).
@@ -85,13 +85,7 @@ def _pick_kernel(CAND, TOP_K, TOP_P, GREEDY, SEEDS, STEPS, OUT, NC, stride_out, 
     probs = e / tl.sum(e, 0)
     mass_above = tl.cumsum(probs, 0) - probs  # top-p: the first candidate always stays
     probs = tl.where(mass_above >= tl.load(TOP_P + row), 0.0, probs)
-    seed = tl.load(SEEDS + row).to(tl.int64)
-    step = tl.load(STEPS + row).to(tl.int64)
-    key = _mix32((step * 2 + CHANNEL) & 0xFFFFFFFF)
-    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF))
-    key = _mix32(key ^ (seed & 0xFFFFFFFF))
-    x = _mix32(_mix32(ids.to(tl.int64) & 0xFFFFFFFF) ^ key)
-    noise = -libdevice.log(((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0))
+    noise = exp_noise(tl.load(SEEDS + row), tl.load(STEPS + row), ids, CHANNEL)
     choice = tl.argmax(probs / noise, 0, tie_break_left=True)
     sampled = tl.sum(tl.where(pos == choice, ids, 0), 0)
     greedy_id = tl.sum(tl.where(pos == 0, ids, 0), 0)  # top of the penalized logits (temperature 1 when greedy)
