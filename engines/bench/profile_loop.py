@@ -37,10 +37,31 @@ def gpu_busy(prof) -> tuple[float, float, int]:
     return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0, gaps
 
 
+def launch_timeline(prof, last: int) -> list[str]:
+    """The device work of the profile's last `last` host launches, one line per launch (a graph replay's kernels
+    are one launch): start offset, device span and the idle gap before it, in microseconds."""
+    events = list(prof.profiler.kineto_results.events())
+    host = {e.correlation_id(): e.name() for e in events if e.device_type() == torch.autograd.DeviceType.CPU}
+    groups: dict[int, list] = {}
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            g = groups.setdefault(e.correlation_id(), [e.start_ns(), e.start_ns() + e.duration_ns(), 0, e.name()])
+            g[0], g[1], g[2] = min(g[0], e.start_ns()), max(g[1], e.start_ns() + e.duration_ns()), g[2] + 1
+    spans = sorted(groups.items(), key=lambda kv: kv[1][0])[-last:]
+    lines, t0, end = [], spans[0][1][0] if spans else 0, None
+    for cid, (s, e, n, name) in spans:
+        gap = 0.0 if end is None else (s - end) / 1e3
+        lines.append(f"{(s - t0) / 1e3:9.1f} {(e - s) / 1e3:8.1f} gap {gap:6.1f}  {host.get(cid, '?')[:24]:24s} "
+                     f"{n:4d} x {name[:60]}")
+        end = e if end is None else max(end, e)
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     add_decode_batch_arguments(p, steps=20)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--timeline", type=int, default=60, help="list the device work of this many last launches")
     p.add_argument("--trace", default=None, help="write a chrome trace per batch size into this folder")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -66,6 +87,8 @@ def main() -> None:
         print(f"\n=== batch {b}: loop {step_ms:.3f} ms/step; under the profiler GPU busy {busy / a.steps:.3f} ms/step "
               f"of {span / a.steps:.3f} ms/step ({gaps} gaps > 20 us)")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        print("\n".join(["launches of the last steps: start, span, gap (us), host call, kernels"]
+                        + launch_timeline(prof, a.timeline)))
         if a.trace:
             prof.export_chrome_trace(f"{a.trace}/loop-b{b}.json")
         pr = cProfile.Profile()
