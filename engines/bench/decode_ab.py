@@ -1,11 +1,12 @@
 """Decode-step variants on one engine: `python3 -m engines.bench.decode_ab --model full-random` on a GPU.
 
-Each variant (e.g. `pdl=1,sampler=0,attn_preload=0`) sets programmatic dependent launch (engines/kernels/pdl.py),
-the fused sampler (engines/kernels/topk_sample.py) on or off (each on unless given) and the decode attention's
-preload limit (engines/kernels/paged_decode.py), and recaptures the decode graphs; each
-then times the graph replay alone and a loop of engine steps (each may launch the next before reading its tokens)
-at each batch size. Variants alternate over several rounds, so drift of the machine shows as spread, not as a
-difference. A development tool for docs/PERF_NOTES.md.
+Each variant (e.g. `pdl=1,sampler=0,fuse=0,attn_preload=0`) sets programmatic dependent launch
+(engines/kernels/pdl.py), the fused sampler (engines/kernels/topk_sample.py), gate_up's SiLU*up epilogue
+(engines/kernels/skinny_gemm.py) on or off (each on unless given) and the decode attention's preload limit
+(engines/kernels/paged_decode.py), and recaptures the decode graphs; each then times the graph replay alone and a
+loop of engine steps (each may launch the next before reading its tokens) at each batch size. Variants alternate
+over several rounds, so drift of the machine shows as spread, not as a difference. A development tool for
+docs/PERF_NOTES.md.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main() -> None:
                 v = _variant(spec)
                 pdl._enabled[idx] = bool(v.get("pdl", 1))
                 topk_sample.ENABLED = bool(v.get("sampler", 1))  # fused top-k sampler (two launches per channel)
+                skinny_gemm.FUSE = bool(v.get("fuse", 1))  # the MLP's SiLU*up in gate_up's epilogue
                 # decode attention's first tile read before the PDL wait up to this many programs (0: never;
                 # default: the SM count)
                 paged_decode.PRELOAD_MAX_PROGRAMS = v.get("attn_preload")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,8 @@ _L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies over this many bytes when t
 # (engines/kernels/pdl.py), unless cuBLAS beats it by 2%: in a step the Triton kernel launches under its
 # predecessor's tail, which a tuning run of one kernel shows only in part (gate_up: 47.8 vs 48.5 us alone, H200).
 _WIN_MARGIN = {False: 0.98, True: 1.02}
+# The MLP's SiLU*up in gate_up's epilogue at decode sizes (`glu`)
+FUSE = os.environ.get("MOSS_FUSED_GEMM", "1") != "0"
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K (partial sums through a float32 buffer and a
 # reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape (PERF_NOTES).
@@ -50,17 +53,29 @@ timings: dict[tuple[int, int, torch.dtype], dict] = {}
 
 # M (rows) changes with every batch the text head sees outside the graphs: specializing on it (M == 1,
 # M % 16 == 0) compiled a new kernel mid-serving, a 100-500 ms stall. It only masks rows.
+#
+# GLU: W is (gate; up) [2F, K]; program i reads BLOCK_N / 2 gate rows and the up rows of the same F columns, and its
+# epilogue writes silu(gate) * up [M, F], rounded as the separate kernel rounds it (bit-identical to it): the MLP's
+# SiLU*up kernel is gone from decode steps. (The RMSNorms and residual adds in the GEMMs' epilogues, or any such
+# work on the input tiles inside the K loop, measured slower: docs/PERF_NOTES.md.)
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_then_trigger(PDL)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:  # N = F here
+        half = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        cols = pid * half + j % half  # [BLOCK_N] the output (F) column of each weight row
+        n_ok = cols < N
+        offs_n = cols + (j // half) * N  # gate rows, then the matching up rows
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
     m_ok = offs_m < M
     w_ptrs = W + offs_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -79,10 +94,18 @@ def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, B
         acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
+    if GLU:
+        dt = Y.dtype.element_ty
+        y = tl.reshape(acc.to(dt).to(tl.float32), (BLOCK_M, 2, BLOCK_N // 2))  # the GEMM's output, rounded
+        g, u = tl.split(tl.permute(y, (0, 2, 1)))  # [BLOCK_M, BLOCK_N / 2] each
+        act = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
+        offs_f = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_f[None, :], act, mask=m_ok[:, None] & (offs_f < N)[None, :])
+    elif SPLIT_K == 1:
+        out_mask = m_ok[:, None] & n_ok[None, :]
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=out_mask)
     else:  # Y is the float32 partial buffer [SPLIT_K, M, N]
+        out_mask = m_ok[:, None] & n_ok[None, :]
         tl.store(Y + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
 
 
@@ -102,22 +125,28 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             torch.float16) and x.dtype == weight.dtype and weight.stride(1) == 1)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given."""
+def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None,
+           glu: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given. `glu` (one-pass tilings only):
+    the weight is (gate; up) [2F, K] and the output silu(gate) * up [M, F]."""
     block_n, block_k, warps, stages, split = config
     m, k = x.shape
-    n = weight.shape[0]
-    if split > 1 and k % (split * block_k):
-        raise ValueError(f"split-K {split} x {block_k} does not divide K={k}")
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    if split > 1 and (glu or k % (split * block_k)):
+        raise ValueError("the GLU epilogue needs a one-pass tiling (split-K 1)" if glu else
+                         f"split-K {split} x {block_k} does not divide K={k}")
+    if k != weight.shape[1]:
+        raise ValueError(f"x has {k} columns, the weight {weight.shape[1]}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     dst = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    _skinny_kernel[(triton.cdiv(n, block_n), split)](
+    tile_n = block_n // 2 if glu else block_n  # output columns per program
+    _skinny_kernel[(triton.cdiv(n, tile_n), split)](
         x, weight, dst, m, n, k, k // split if split > 1 else k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
-        SPLIT_K=split, num_warps=warps, num_stages=stages, **launch_kwargs(x.device))
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % tile_n == 0,
+        SPLIT_K=split, GLU=glu, num_warps=warps, num_stages=stages, **launch_kwargs(x.device))
     if split > 1:
         _split_reduce_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return out
@@ -180,12 +209,26 @@ def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
     return choice
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) for decode-sized x, through the tuned kernel where it beats cuBLAS."""
+def config_for(weight: torch.Tensor) -> Config | None:
+    """The tuned tiling of this weight's shape (tuned now unless a capture is running); None: cuBLAS."""
     key = (weight.shape[0], weight.shape[1], weight.dtype)
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():
-            return F.linear(x, weight)  # untuned shape inside a capture: no timing possible here
+            return None  # untuned shape inside a capture: no timing possible here
         tune(weight)
-    cfg = _choice[key]
+    return _choice[key]
+
+
+def glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of x @ (gate; up).T in one kernel, or None where it cannot run (rows not decode-sized,
+    the shape tuned to cuBLAS or split-K, or MOSS_FUSED_GEMM=0)."""
+    if not (FUSE and supported(x, weight)):
+        return None
+    cfg = config_for(weight)
+    return launch(x, weight, cfg, glu=True) if cfg is not None and cfg[4] == 1 else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for decode-sized x, through the tuned kernel where it beats cuBLAS."""
+    cfg = config_for(weight)
     return F.linear(x, weight) if cfg is None else launch(x, weight, cfg)

@@ -113,12 +113,15 @@ class DecoderLayer(nn.Module):
         if out_rows is not None:
             residual, attn = residual[out_rows], attn[out_rows]
         h, residual = self.post_attention_layernorm.add(self.o_proj(attn), residual)
-        gate_up = self.gate_up_proj(h)  # [T, 2 ffn]
-        if gate_up.is_cuda:
+        if h.is_cuda:
+            from engines.kernels import skinny_gemm
             from engines.kernels.fused import silu_mul
 
-            act = silu_mul(gate_up)
+            act = skinny_gemm.glu(h, self.gate_up_proj.weight)  # [T, ffn], in gate_up's epilogue at decode sizes
+            if act is None:
+                act = silu_mul(self.gate_up_proj(h))
         else:
+            gate_up = self.gate_up_proj(h)  # [T, 2 ffn]
             gate, up = gate_up.split(self.ffn, dim=-1)
             act = F.silu(gate) * up
         return self.down_proj(act), residual

@@ -327,35 +327,32 @@ def test_fused_top_k_sampler_greedy_ties_pick_the_lowest_id():
     assert got.tolist() == [70, 1100]
 
 
-@PRELOAD_LIMITS
-def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
-    """Four full-size decoder layers (skinny GEMMs, fused norms, decode attention, all launched
-    with programmatic dependent launch) captured in one CUDA graph give the same bits as the same graph without
-    PDL, replay after replay with fresh inputs. The graph pool reuses buffers between layers, so a kernel that
-    wrote before its predecessor finished reading (or read before it finished writing) would show up here."""
+def full_size_layers(rows: int, n: int = 4):
+    """`n` full-size decoder layers with random weights over a decode batch of `rows` sequences (contexts of
+    1-1500 rows): (layers, x [rows, hidden], per-layer caches, the initial cache, the batch, forward() -> the last
+    layer's output). The GEMM shapes are tuned, then forced to their best Triton tiling with one pass over K (the
+    one gate_up's SiLU*up epilogue needs), whatever the tuner chose."""
     from engines.config import model_config_for
-    from engines.graphs import capture_graph, private_stream
-    from engines.kernels import pdl, skinny_gemm
+    from engines.kernels import skinny_gemm
     from engines.model.layers import DecoderLayer
     from engines.model.rope import rope_cos_sin, rope_inv_freq
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs Hopper (sm_90) or later")
     mc = model_config_for("full-random")
     g = torch.Generator(device="cuda").manual_seed(11)
-    layers = [DecoderLayer(mc, "cuda", torch.bfloat16) for _ in range(4)]
+    layers = [DecoderLayer(mc, "cuda", torch.bfloat16) for _ in range(n)]
     for layer in layers:
         for p in layer.parameters():
             p.data.copy_(torch.randn(p.shape, device="cuda", generator=g) * (0.02 if p.dim() == 2 else 1.0) + (
                 1.0 if p.dim() == 1 else 0.0))
-    q, cache, batch = make_case(13, 16, [1] * 3, [700, 1, 1500], torch.bfloat16, heads=mc.num_attention_heads,
+    ctx = [700, 1, 1500, 33, 1024, 5, 900, 64][:rows] + [1] * max(0, rows - 8)
+    q, cache, batch = make_case(13, 16, [1] * rows, ctx, torch.bfloat16, heads=mc.num_attention_heads,
                                 kvh=mc.num_key_value_heads, d=mc.head_dim)
     kv = [cache.clone() for _ in layers]
-    batch.slot_mapping.copy_(batch.block_tables[torch.arange(3), (batch.context_lens - 1) // 16] * 16
+    batch.slot_mapping.copy_(batch.block_tables[torch.arange(rows), (batch.context_lens - 1) // 16] * 16
                              + (batch.context_lens - 1) % 16)
     positions = batch.context_lens - 1
     cos, sin = rope_cos_sin(positions, rope_inv_freq(mc.head_dim, mc.rope_theta).cuda(), torch.bfloat16)
-    x = torch.randn(3, mc.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, mc.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
 
     def forward():
         h, r = x, None
@@ -363,12 +360,28 @@ def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
             h, r = layer(h, r, cos, sin, c, batch)
         return h + r
 
-    l0 = layers[0]  # tune the GEMM shapes outside any capture; force the skinny kernel into the graph
+    l0 = layers[0]  # tune the GEMM shapes outside any capture
     for lin in (l0.qkv_proj, l0.o_proj, l0.gate_up_proj, l0.down_proj):
         skinny_gemm.tune(lin.weight)
         t = skinny_gemm.timings[(*lin.weight.shape, torch.bfloat16)]
-        skinny_gemm._choice[(*lin.weight.shape, torch.bfloat16)] = min((c for c in t if c != "cublas"),
-                                                                       key=t.__getitem__)
+        skinny_gemm._choice[(*lin.weight.shape, torch.bfloat16)] = min(
+            (c for c in t if c != "cublas" and c[4] == 1), key=t.__getitem__)
+    return layers, x, kv, cache, batch, forward
+
+
+@PRELOAD_LIMITS
+def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
+    """Four full-size decoder layers (skinny GEMMs, fused norms, decode attention, all launched
+    with programmatic dependent launch) captured in one CUDA graph give the same bits as the same graph without
+    PDL, replay after replay with fresh inputs. The graph pool reuses buffers between layers, so a kernel that
+    wrote before its predecessor finished reading (or read before it finished writing) would show up here."""
+    from engines.graphs import capture_graph, private_stream
+    from engines.kernels import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper (sm_90) or later")
+    layers, x, kv, cache, batch, forward = full_size_layers(rows=3)
+    g = torch.Generator(device="cuda").manual_seed(12)
     dev = torch.cuda.current_device()
     saved = pdl._enabled.get(dev)
     outs = {}
@@ -383,7 +396,7 @@ def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
         else:
             pdl._enabled[dev] = saved
     for _ in range(3):
-        x.copy_(torch.randn(3, mc.hidden_size, device="cuda", generator=g).to(torch.bfloat16))
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16))
         results = {}
         for on, (graph, out) in outs.items():
             for c, c0 in zip(kv, [cache] * len(kv), strict=True):
@@ -396,3 +409,63 @@ def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
         assert torch.equal(results[True][0], results[False][0])
         for a, b in zip(results[True][1], results[False][1], strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_skinny_gemm_glu_epilogue_equals_silu_mul_after_the_gemm(rows):
+    """gate_up's SiLU*up in the GEMM's epilogue gives the bits of the separate kernel after the plain GEMM, for
+    every one-pass tiling, and matches the float64 reference within bf16 rounding."""
+    from engines.kernels import skinny_gemm
+    from engines.kernels.fused import silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(21)
+    bf = torch.bfloat16
+    f = 3072  # gate_up of a smaller MLP: 2F x hidden
+    w = (torch.randn(2 * f, 4096, device="cuda", generator=g) * 0.02).to(bf)
+    x = torch.randn(rows, 4096, device="cuda", generator=g).to(bf)
+    gate, up = torch.nn.functional.linear(x.double(), w.double()).split(f, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    checked = 0
+    for cfg in skinny_gemm.CANDIDATES:
+        if cfg[4] > 1:
+            continue
+        try:
+            got = skinny_gemm.launch(x, w, cfg, glu=True)
+        except Exception as e:  # a tiling too large for this GPU is skipped by the tuner too
+            if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
+                continue
+            raise
+        assert got.shape == (rows, f)
+        assert torch.equal(got, silu_mul(skinny_gemm.launch(x, w, cfg))), cfg
+        assert rel_err(got, ref) < 1e-2, cfg
+        checked += 1
+    assert checked >= 10
+    with pytest.raises(ValueError, match="one-pass"):
+        skinny_gemm.launch(x, w, (32, 256, 4, 4, 2), glu=True)
+    with pytest.raises(ValueError, match="columns"):
+        skinny_gemm.launch(x[:, :1000], w, (32, 256, 4, 4, 1), glu=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_decoder_layers_with_the_glu_epilogue_equal_the_separate_kernels(rows):
+    """Four full-size layers at decode sizes with SiLU*up in gate_up's epilogue give the bits (outputs and K/V
+    written) of the same layers with the separate SiLU*up kernel."""
+    from engines.kernels import skinny_gemm
+
+    layers, x, kv, cache, batch, forward = full_size_layers(rows)
+    assert skinny_gemm.glu(x, layers[0].gate_up_proj.weight) is not None  # the epilogue runs in these layers
+    outs = {}
+    saved = skinny_gemm.FUSE
+    try:
+        for fuse in (True, False):
+            skinny_gemm.FUSE = fuse
+            for c in kv:
+                c.copy_(cache)
+            outs[fuse] = (forward(), [c.clone() for c in kv])
+    finally:
+        skinny_gemm.FUSE = saved
+    (fused, kv_fused), (plain, kv_plain) = outs[True], outs[False]
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, plain)
+    for a, b in zip(kv_fused, kv_plain, strict=True):
+        assert torch.equal(a, b)
