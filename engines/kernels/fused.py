@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from engines.kernels.pdl import launch_kwargs, trigger_then_wait
 
@@ -134,3 +135,44 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(t, triton.cdiv(f, block))](gate_up, out, gate_up.stride(0), F=f, BLOCK=block, num_warps=4,
                                                      **launch_kwargs(gate_up.device))
     return out
+
+
+@triton.jit
+def _embed_rope_kernel(ROWS, POS, TEXT_W, AUDIO_W, INV_FREQ, X, COS, SIN, stride_rows, pad_id, H: tl.constexpr,
+                       BLOCK_H: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    trigger_then_wait(PDL)
+    row = tl.program_id(0)
+    text = tl.load(ROWS + row * stride_rows).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    if text == pad_id:  # an audio row: its audio id is looked up (text rows may carry any audio id)
+        audio = tl.load(ROWS + row * stride_rows + 1).to(tl.int64)
+        x = tl.load(AUDIO_W + audio * H + offs, mask=mask, other=0.0)
+    else:
+        x = tl.load(TEXT_W + text * H + offs, mask=mask, other=0.0)
+    tl.store(X + row * H + offs, x, mask=mask)
+    # the angles in float32 as rope_cos_sin computes them, cos/sin as torch's (libdevice cosf/sinf), rounded once
+    j = tl.arange(0, HALF)
+    angle = tl.load(POS + row).to(tl.float32) * tl.load(INV_FREQ + j)
+    c = libdevice.cos(angle).to(COS.dtype.element_ty)
+    s = libdevice.sin(angle).to(SIN.dtype.element_ty)
+    tl.store(COS + row * 2 * HALF + j, c)
+    tl.store(COS + row * 2 * HALF + HALF + j, c)
+    tl.store(SIN + row * 2 * HALF + j, s)
+    tl.store(SIN + row * 2 * HALF + HALF + j, s)
+
+
+def embed_rope(rows: torch.Tensor, positions: torch.Tensor, text_w: torch.Tensor, audio_w: torch.Tensor,
+               inv_freq: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MossSpeechModel.embed and rope_cos_sin in one launch: rows [T, 2] -> (x [T, hidden], cos, sin
+    [T, head_dim]), cos/sin in the embedding's dtype (13 small torch kernels at the start of every step before)."""
+    t, h = rows.shape[0], text_w.shape[1]
+    half = inv_freq.shape[0]
+    x = torch.empty(t, h, device=rows.device, dtype=text_w.dtype)
+    cos = torch.empty(t, 2 * half, device=rows.device, dtype=text_w.dtype)
+    sin = torch.empty_like(cos)
+    if t:
+        _embed_rope_kernel[(t,)](rows, positions, text_w, audio_w, inv_freq, x, cos, sin, rows.stride(0), pad_id,
+                                 H=h, BLOCK_H=triton.next_power_of_2(h), HALF=half, num_warps=4,
+                                 **launch_kwargs(rows.device))
+    return x, cos, sin

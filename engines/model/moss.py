@@ -60,8 +60,16 @@ class MossSpeechModel(nn.Module):
         Returns [2, R, hidden] at batch.logits_rows: 0 = text tail after text_norm, 1 = audio tail after audio_norm.
         """
         shared, text_tail, audio_tail = self.tail_layer_ranges()
-        x = self.embed(batch.rows)  # [T, hidden]
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)  # [T, head_dim]
+        if batch.rows.is_cuda:
+            from engines.kernels.fused import embed_rope
+
+            x, cos, sin = embed_rope(batch.rows, batch.positions, self.embed_tokens.weight, self.audio_embed.weight,
+                                     self.inv_freq, MODALITY_PAD)  # [T, hidden], [T, head_dim] x2
+        else:
+            x = self.embed(batch.rows)  # [T, hidden]
+            cos, sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)  # [T, head_dim]
+        # A decode batch whose every row needs logits takes them in order: no row selection in the last layers.
+        out_rows = None if batch.is_decode and batch.logits_rows.shape[0] == batch.num_rows else batch.logits_rows
         residual = None
         for i in shared:
             x, residual = self.layers[i](x, residual, cos, sin, kv_cache[i], batch)
@@ -70,7 +78,7 @@ class MossSpeechModel(nn.Module):
             h, r = x, residual
             for i in tail:
                 last = i == tail[-1]
-                h, r = self.layers[i](h, r, cos, sin, kv_cache[i], batch, batch.logits_rows if last else None)
+                h, r = self.layers[i](h, r, cos, sin, kv_cache[i], batch, out_rows if last else None)
             outs.append(norm.add(h, r)[0])
         return torch.stack(outs)  # [2, R, hidden]
 

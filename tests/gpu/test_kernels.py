@@ -469,3 +469,31 @@ def test_decoder_layers_with_the_glu_epilogue_equal_the_separate_kernels(rows):
     assert torch.equal(fused, plain)
     for a, b in zip(kv_fused, kv_plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embed_rope_kernel_equals_embed_and_rope_cos_sin(dtype):
+    """The step's first kernel gives the bits of MossSpeechModel.embed and rope_cos_sin: audio rows (text id
+    modality_pad) look up their audio id, text rows their text id whatever audio id they carry, and cos/sin of
+    positions up to the model's longest."""
+    from engines.config import model_config_for
+    from engines.kernels.fused import embed_rope
+    from engines.model.moss import MossSpeechModel
+    from engines.model.rope import rope_cos_sin
+    from engines.tokens import MODALITY_PAD
+
+    model = MossSpeechModel(model_config_for("tiny-random"), device="cuda", dtype=dtype)
+    g = torch.Generator(device="cuda").manual_seed(31)
+    for emb in (model.embed_tokens, model.audio_embed):
+        emb.weight.data.copy_(torch.randn(emb.weight.shape, device="cuda", generator=g))
+    t = 300
+    text = torch.randint(0, model.config.vocab_size, (t,), device="cuda", generator=g)
+    text[::3] = MODALITY_PAD
+    rows = torch.stack([text, torch.randint(0, model.config.audio_vocab_size, (t,), device="cuda", generator=g)], 1)
+    positions = torch.randint(0, 8192, (t,), device="cuda", generator=g)
+    positions[:4] = torch.tensor([0, 1, 4095, 8191])
+    x, cos, sin = embed_rope(rows, positions, model.embed_tokens.weight, model.audio_embed.weight, model.inv_freq,
+                             MODALITY_PAD)
+    ref_cos, ref_sin = rope_cos_sin(positions, model.inv_freq, dtype)
+    assert torch.equal(x, model.embed(rows))
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
