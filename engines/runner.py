@@ -214,9 +214,11 @@ class ModelRunner:
             audio_logits = self.model.audio_logits(hidden[1])  # [R, audio_vocab] float32
         pairs = torch.full((n, 2), -1, dtype=torch.long, device=audio_logits.device)  # [R, (text, audio)]
         sample_audio(audio_logits, self.audio_seen, ints, sp.floats, sp.audio_max_top_k, out=pairs[:, 1])
+        text_idx = [i for i, s in enumerate(seqs) if s.sampling_mode() == "text"]
+        if not text_idx:
+            return PendingTokens(pairs)
         slots, seeds, steps = ints[0], ints[1], ints[2]
         text_t = ChannelTensors.from_columns(sp.floats[3:], ints[6:8], sp.text_max_top_k)
-        text_idx = [i for i, s in enumerate(seqs) if s.sampling_mode() == "text"]
         if len(text_idx) == n:
             sample_rows(self.model.text_logits(hidden[0]), self.text_seen, slots, text_t, seeds, steps, TEXT_CHANNEL,
                         out=pairs[:, 0])

@@ -52,13 +52,13 @@ class ChannelTensors:
     top_p: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64, 0 = off
     penalty: torch.Tensor  # [B] float32
-    greedy: torch.Tensor  # [B] bool
+    greedy: torch.Tensor  # [B] bool or int (nonzero: greedy)
     max_top_k: int  # host-side: top-k width for the whole batch, 0 = some row has top-k off
 
     @classmethod
     def from_columns(cls, floats: torch.Tensor, ints: torch.Tensor, max_top_k: int) -> ChannelTensors:
         """floats [3, B] and ints [2, B] laid out as ChannelColumns, already on the device."""
-        return cls(floats[0], floats[1], ints[0], floats[2], ints[1].bool(), max_top_k)
+        return cls(floats[0], floats[1], ints[0], floats[2], ints[1], max_top_k)
 
     @classmethod
     def build(cls, params: list[ChannelSampling], greedy: list[bool], device: torch.device) -> ChannelTensors:
@@ -163,7 +163,8 @@ def sample_channel(logits: torch.Tensor, seen: torch.Tensor, t: ChannelTensors,
     """logits [B, V] (already masked), seen [B, V] bool -> tokens [B] int64."""
     logits = apply_repetition_penalty(logits.float(), seen, t.penalty)
     greedy_tokens = torch.argmax(logits, dim=-1)
-    scaled = logits / torch.where(t.greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
+    greedy = t.greedy.bool()
+    scaled = logits / torch.where(greedy, torch.ones_like(t.temperature), t.temperature)[:, None]
     if t.max_top_k > 0:
         vals, idx = top_k(scaled, min(t.max_top_k, scaled.shape[-1]))  # sorted, descending
     else:
@@ -183,4 +184,4 @@ def sample_channel(logits: torch.Tensor, seen: torch.Tensor, t: ChannelTensors,
         noise = exponential_noise(row_keys(seeds, steps, channel), idx)
     choice = torch.argmax(probs / noise, dim=-1, keepdim=True)  # exponential race == multinomial draw
     sampled = torch.gather(idx, -1, choice).squeeze(-1)
-    return torch.where(t.greedy, greedy_tokens, sampled)
+    return torch.where(greedy, greedy_tokens, sampled)
