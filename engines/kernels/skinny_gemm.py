@@ -94,6 +94,7 @@ def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, B
         acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    out_mask = m_ok[:, None] & n_ok[None, :]
     if GLU:
         dt = Y.dtype.element_ty
         y = tl.reshape(acc.to(dt).to(tl.float32), (BLOCK_M, 2, BLOCK_N // 2))  # the GEMM's output, rounded
@@ -102,10 +103,8 @@ def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, B
         offs_f = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(Y + offs_m[:, None] * stride_ym + offs_f[None, :], act, mask=m_ok[:, None] & (offs_f < N)[None, :])
     elif SPLIT_K == 1:
-        out_mask = m_ok[:, None] & n_ok[None, :]
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=out_mask)
     else:  # Y is the float32 partial buffer [SPLIT_K, M, N]
-        out_mask = m_ok[:, None] & n_ok[None, :]
         tl.store(Y + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
 
 
