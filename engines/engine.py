@@ -113,8 +113,8 @@ class Engine:
         return outputs + self._emit(launched)
 
     def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None) -> _Launched:
-        rows = after.tokens.audio_rows() if after is not None else None
-        tokens = self.runner.run(chunks, rows, ahead=int(after is not None))
+        codes = after.tokens.audio_codes() if after is not None else None
+        tokens = self.runner.run(chunks, codes, ahead=int(after is not None))
         self._stats.steps += 1
         return _Launched(chunks, tokens, after is not None)
 

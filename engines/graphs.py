@@ -16,6 +16,7 @@ import torch
 from engines.kernels.tiles import max_tiles
 from engines.model.batch import ForwardBatch
 
+INPUT_WORDS = 6  # int64 words per row of a decode graph's inputs: (text, audio), position, slot, context, history slot
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
 T = TypeVar("T")
@@ -66,51 +67,76 @@ def _forward(model: torch.nn.Module, kv_cache: torch.Tensor, batch: ForwardBatch
 
 
 class CudaGraphDecoder:
+    """Decode graphs over the batch ladder, with their inputs in one device buffer `io`.
+
+    For a graph of b rows, `io` starts with its inputs, padded to b rows: rows [b, 2], positions, KV slots, context
+    lengths and history slots [b] each. The rest of the step's uploads follow them (`stage`: the sampling columns,
+    and the block tables when they changed), so a step's inputs reach the device in one host-to-device copy and the
+    graph reads them where they land. Block tables (width up to the model length) stay in their own static buffer:
+    they are copied there only when they changed, which for a decoding sequence is once every block.
+    """
+
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, max_batch: int, max_blocks_per_seq: int,
-                 pad_block: int) -> None:
+                 pad_block: int, mark_history: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 spare_slot: int = 0) -> None:
+        """mark_history(rows [b, 2], slots [b]): the step's update of the repetition histories, captured with the
+        forward pass; padding rows mark `spare_slot`."""
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = [b for b in LADDER if b < max_batch] + [max_batch]
         self.pad_block = pad_block
         self.block_size = kv_cache.shape[3]
+        self.mark_history, self.spare_slot = mark_history, spare_slot
         dev = kv_cache.device
         n = self.sizes[-1]
-        long = dict(dtype=torch.long, device=dev)
-        self.rows = torch.zeros(n, 2, **long)
-        self.positions = torch.zeros(n, **long)
-        self.slots = torch.zeros(n, **long)
-        self.context_lens = torch.ones(n, **long)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **long)
-        self.logits_rows = torch.arange(n, **long)
-        self.query_start = torch.arange(n + 1, **long)
+        # inputs, then sampling columns (8 ints, 6 floats as 3 words, a logits row), then staged block tables
+        self.io = torch.zeros(n * (INPUT_WORDS + 12 + max_blocks_per_seq), dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.long, device=dev)
+        self.logits_rows = torch.arange(n, dtype=torch.long, device=dev)
+        self.query_start = torch.arange(n + 1, dtype=torch.long, device=dev)
+        self._tables: tuple | None = None  # (b, width, tables) last copied into block_tables
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # memory pool of the captured graphs, shared with CudaGraphMixed
         self.stream = private_stream(dev)  # every graph's capture stream (and so its cuBLAS workspace)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
+        """Views of the inputs of the b-row graph in `io`: rows [b, 2], positions, slots, context lengths, history
+        slots [b]."""
+        rows, pos, slots, ctx, hist = torch.split(self.io[: INPUT_WORDS * b], [2 * b, b, b, b, b])
+        return rows.view(b, 2), pos, slots, ctx, hist
+
     def _batch(self, b: int) -> ForwardBatch:
+        rows, pos, slots, ctx, _ = self._inputs(b)
         return ForwardBatch(
-            rows=self.rows[:b], positions=self.positions[:b], slot_mapping=self.slots[:b],
-            query_start=self.query_start[: b + 1], context_lens=self.context_lens[:b],
+            rows=rows, positions=pos, slot_mapping=slots, query_start=self.query_start[: b + 1], context_lens=ctx,
             block_tables=self.block_tables[:b], logits_rows=self.logits_rows[:b], max_query_len=1,
             max_context_len=self.block_tables.shape[1] * self.block_size, is_decode=True, num_decode_seqs=b,
         )
 
-    def _reset_padding(self, start: int) -> None:
-        self.rows[start:] = 0
-        self.positions[start:] = 0
-        self.slots[start:] = self.pad_block * self.block_size
-        self.context_lens[start:] = 1
-        self.block_tables[start:] = self.pad_block
+    def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self._batch(b)
+        if self.mark_history is not None:
+            self.mark_history(batch.rows, self._inputs(b)[4])
+        return _forward(self.model, self.kv_cache, batch)
+
+    def _padded_inputs(self, b: int, rows: list[int], positions: list[int], slots: list[int], ctx: list[int],
+                       hist: list[int]) -> list[int]:
+        """The b-row graph's input words for n real rows: padding rows write the spare block and attend to it
+        only, and mark the spare history slot."""
+        p = b - len(positions)
+        return (rows + [0] * (2 * p) + positions + [0] * p + slots + [self.pad_block * self.block_size] * p
+                + ctx + [1] * p + hist + [self.spare_slot] * p)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        self._reset_padding(0)
+        self.block_tables.fill_(self.pad_block)
+        self._tables = None
         self.pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            batch = self._batch(b)
-            self.graphs[b], self.outputs[b] = capture_graph(
-                lambda batch=batch: _forward(self.model, self.kv_cache, batch), self.stream, self.pool)
+            # all padding, in this graph's layout: the warm-up runs write only the spare block and history slot
+            self.io[: INPUT_WORDS * b].copy_(torch.tensor(self._padded_inputs(b, [], [], [], [], [])))
+            self.graphs[b], self.outputs[b] = capture_graph(lambda b=b: self._step(b), self.stream, self.pool)
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
@@ -119,18 +145,34 @@ class CudaGraphDecoder:
                 return b
         return None
 
-    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run a decode batch through the graph of the next ladder size: (hidden [2, n, h], audio_logits [n, A])."""
-        n = batch.num_seqs
+    def stage(self, rows: list[int], positions: list[int], slots: list[int], context_lens: list[int],
+              history_slots: list[int], tables: list[list[int]], extra: list[int]) -> torch.Tensor:
+        """Put a decode step of n = len(positions) sequences on the device in one host-to-device copy: the inputs of
+        its graph (rows as 2n flat words), `extra` words after them, and the block tables when they differ from the
+        last step's. Returns the device copy of `extra` (valid until the next step is staged)."""
+        n = len(positions)
         b = self.bucket(n)
-        self.rows[:n].copy_(batch.rows, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slots[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
-        width = batch.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        if b > n:
-            self._reset_padding(n)
+        width = max(len(t) for t in tables)
+        words = self._padded_inputs(b, rows, positions, slots, context_lens, history_slots) + extra
+        tables_at = len(words)
+        new_tables = (b, width, tables) != self._tables
+        if new_tables:  # padding rows read the spare block
+            for t in tables:
+                words += t + [0] * (width - len(t))
+            words += [self.pad_block] * (width * (b - n))
+        self.io[: len(words)].copy_(torch.tensor(words, dtype=torch.long).pin_memory(), non_blocking=True)
+        if new_tables:
+            self.block_tables[:b, :width].copy_(self.io[tables_at: tables_at + b * width].view(b, width))
+            self._tables = (b, width, tables)
+        return self.io[INPUT_WORDS * b: tables_at]
+
+    def set_audio_codes(self, codes: torch.Tensor) -> None:
+        """Rows (modality pad, code) whose codes [n] are on the device: staged with code 0, the codes copied in."""
+        self.io[: 2 * codes.shape[0]].view(-1, 2)[:, 1].copy_(codes)
+
+    def replay_staged(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph of the staged step: (hidden [2, n, h], audio_logits [n, A])."""
+        b = self.bucket(n)
         self.graphs[b].replay()
         hidden, audio_logits = self.outputs[b]
         return hidden[:, :n], audio_logits[:n]

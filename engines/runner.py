@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engines.config import EngineConfig, ModelConfig
@@ -18,6 +19,12 @@ from engines.sampler.sampler import TEXT_CHANNEL, ChannelColumns, ChannelTensors
 from engines.scheduler.scheduler import ScheduledChunk
 from engines.scheduler.sequence import Sequence
 from engines.tokens import MODALITY_PAD, Row
+
+
+def _float_words(floats: list[list[float]]) -> list[int]:
+    """Float32 columns as int64 words (two floats per word, little-endian), to travel in an int64 upload; the
+    device side views them back as float32. The number of floats must be even."""
+    return np.asarray(floats, dtype=np.float32).reshape(-1).view(np.int64).tolist()
 
 
 class PendingTokens:
@@ -43,11 +50,9 @@ class PendingTokens:
             self._event.synchronize()
         return [(t, a) for t, a in self._host.tolist()]
 
-    def audio_rows(self) -> torch.Tensor:
-        """The rows audio-mode sequences feed back: (modality pad, sampled audio code). [R, 2] on the device."""
-        rows = self.device_pairs.clone()
-        rows[:, 0] = MODALITY_PAD
-        return rows
+    def audio_codes(self) -> torch.Tensor:
+        """The sampled audio codes [R] on the device: the rows (modality pad, code) audio-mode sequences feed back."""
+        return self.device_pairs[:, 1]
 
 
 @dataclass
@@ -75,8 +80,11 @@ class ModelRunner:
             model_config.num_attention_layers, 2, num_blocks + 1, config.block_size,
             model_config.num_key_value_heads, model_config.head_dim, dtype=self.dtype, device=self.device,
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
-        self.text_seen = torch.zeros(config.max_running, model_config.vocab_size, dtype=torch.bool, device=self.device)
-        self.audio_seen = torch.zeros(config.max_running, model_config.audio_vocab_size, dtype=torch.bool,
+        # One row per running slot, and a spare row that the padding rows of decode graphs mark.
+        self.spare_slot = config.max_running
+        self.text_seen = torch.zeros(config.max_running + 1, model_config.vocab_size, dtype=torch.bool,
+                                     device=self.device)
+        self.audio_seen = torch.zeros(config.max_running + 1, model_config.audio_vocab_size, dtype=torch.bool,
                                       device=self.device)
         # The value written by the history updates, on the device: a Python `True` would be copied from pageable
         # host memory on every step, and such a copy waits for the whole stream (no step could be launched ahead).
@@ -86,7 +94,8 @@ class ModelRunner:
             from engines.graphs import CudaGraphDecoder, CudaGraphMixed
 
             max_blocks = -(-config.max_model_len // config.block_size)
-            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_running, max_blocks, self.pad_block)
+            self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_running, max_blocks, self.pad_block,
+                                           mark_history=self._mark_history, spare_slot=self.spare_slot)
             self.graphs.capture()
             self.mixed_graphs = CudaGraphMixed(model, self.kv_cache, config.prefill_token_budget, config.max_running,
                                                max_blocks, self.pad_block, self.graphs.pool)
@@ -96,15 +105,14 @@ class ModelRunner:
 
     # ---- run -----------------------------------------------------------------------------
 
-    def build_batch(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None) -> ForwardBatch:
-        """device_rows: the new rows already on the device (a step launched before its input rows were read)."""
+    def _columns(self, chunks: list[ScheduledChunk]) -> tuple[list[int], ...]:
+        """Host columns of the chunks: per row (position, KV slot), per sequence (query start, context length, block
+        table) and the flat indices of the rows whose logits are needed."""
         bs = self.block_size
-        rows, positions, slots, qstart, ctx, tables, logits_rows = [], [], [], [0], [], [], []
+        positions, slots, qstart, ctx, tables, logits_rows = [], [], [0], [], [], []
         for c in chunks:
             seq = c.seq
             end = c.start + c.num_rows
-            if device_rows is None:
-                rows.extend(seq.rows[c.start:end])
             for p in range(c.start, end):
                 positions.append(p)
                 slots.append(seq.block_ids[p // bs] * bs + p % bs)
@@ -113,12 +121,19 @@ class ModelRunner:
             tables.append(seq.block_ids[: -(-end // bs)])
             if c.needs_logits:
                 logits_rows.append(qstart[-1] - 1)
+        return positions, slots, qstart, ctx, tables, logits_rows
+
+    def build_batch(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None) -> ForwardBatch:
+        """device_rows: the new rows already on the device (a step launched before its input rows were read)."""
+        positions, slots, qstart, ctx, tables, logits_rows = self._columns(chunks)
+        rows = [] if device_rows is not None else [x for c in chunks for r in c.seq.rows[c.start:c.start + c.num_rows]
+                                                   for x in r]
         width = max(len(t) for t in tables)
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].num_rows == 1:
             num_decode += 1
         t, b = len(positions), len(chunks)
-        flat = [x for r in rows for x in r] + positions + slots + qstart + ctx + logits_rows
+        flat = rows + positions + slots + qstart + ctx + logits_rows
         for tbl in tables:
             flat += tbl + [0] * (width - len(tbl))
         n_tiles = 0
@@ -127,9 +142,7 @@ class ModelRunner:
             n_tiles = len(seqs)
             flat += seqs + firsts
         buf = self._upload(torch.tensor(flat, dtype=torch.long))
-        sizes = [2 * t, t, t, b + 1, b, len(logits_rows), b * width, 2 * n_tiles]
-        if device_rows is not None:
-            sizes[0] = 0
+        sizes = [len(rows), t, t, b + 1, b, len(logits_rows), b * width, 2 * n_tiles]
         r, pos, slot, qs, cl, lr, bt, tiles = torch.split(buf, sizes)
         return ForwardBatch(
             rows=r.view(t, 2) if device_rows is None else device_rows,
@@ -150,9 +163,8 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _mark_seen(self, chunks: list[ScheduledChunk], batch: ForwardBatch) -> None:
-        """Add every row run this step (and, on a sequence's first run, its cached history) to its slot's history."""
-        slot_of_row = []
+    def _init_histories(self, chunks: list[ScheduledChunk]) -> None:
+        """On a sequence's first run, its slot's history is reset to the rows cached before this step."""
         for c in chunks:
             seq = c.seq
             if not seq.history_marked:
@@ -160,36 +172,72 @@ class ModelRunner:
                 self.audio_seen[seq.slot].zero_()
                 if c.start > 0:
                     hist = self._upload(torch.tensor(seq.rows[: c.start], dtype=torch.long))
-                    self.text_seen[seq.slot].index_put_((hist[:, 0],), self._true)
-                    self.audio_seen[seq.slot].index_put_((hist[:, 1],), self._true)
+                    self._mark_history(hist, torch.full((c.start,), seq.slot, dtype=torch.long, device=self.device))
                 seq.history_marked = True
-            slot_of_row += [seq.slot] * c.num_rows
-        slot_t = self._upload(torch.tensor(slot_of_row, dtype=torch.long))
-        self.text_seen.index_put_((slot_t, batch.rows[:, 0]), self._true)
-        self.audio_seen.index_put_((slot_t, batch.rows[:, 1]), self._true)
+
+    def _mark_history(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Add rows [T, 2] to the histories of their slots [T] (inside the decode graphs, or before an eager step)."""
+        self.text_seen.index_put_((slots, rows[:, 0]), self._true)
+        self.audio_seen.index_put_((slots, rows[:, 1]), self._true)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None, ahead: int = 0
+    def run(self, chunks: list[ScheduledChunk], device_audio: torch.Tensor | None = None, ahead: int = 0
             ) -> PendingTokens:
         """One step: the forward pass over the chunks, then a (text, audio) pair per chunk that needs logits, in
-        chunk order. device_rows: the new rows already on the device (a step launched before its input rows were
-        read); ahead: rows each sequence will have generated before this step's (1 for such a step)."""
-        batch = self.build_batch(chunks, device_rows)
-        self._mark_seen(chunks, batch)
+        chunk order. device_audio: the audio codes [len(chunks)] of one-row audio-mode chunks, already on the device
+        (a step launched before its input rows were read; each row is (modality pad, code)); ahead: rows each
+        sequence will have generated before this step's (1 for such a step)."""
+        self._init_histories(chunks)
         seqs = [c.seq for c in chunks if c.needs_logits]
-        sampling = self._sampling(seqs, ahead) if seqs else None
-        hidden, audio_logits = self._forward(batch)
+        graph = self.graphs is not None and all(c.num_rows == 1 for c in chunks) and self.graphs.bucket(
+            len(chunks)) is not None
+        if graph:
+            hidden, audio_logits, sampling = self._replay_decode(chunks, seqs, device_audio, ahead)
+        else:
+            rows = None
+            if device_audio is not None:
+                rows = torch.stack((torch.full_like(device_audio, MODALITY_PAD), device_audio), dim=1)  # [n, 2]
+            batch = self.build_batch(chunks, rows)
+            slot_of_row = [c.seq.slot for c in chunks for _ in range(c.num_rows)]
+            self._mark_history(batch.rows, self._upload(torch.tensor(slot_of_row, dtype=torch.long)))
+            sampling = self._sampling(seqs, ahead) if seqs else None
+            hidden, audio_logits = self._forward(batch)
         if sampling is None:
             return PendingTokens(torch.zeros(0, 2, dtype=torch.long))
         return self._sample(sampling, hidden, audio_logits)
 
+    def _replay_decode(self, chunks: list[ScheduledChunk], seqs: list[Sequence], device_audio: torch.Tensor | None,
+                       ahead: int) -> tuple[torch.Tensor, torch.Tensor, StepSampling | None]:
+        """A one-row-per-sequence step through the decode graphs: its inputs, sampling columns and logits rows go to
+        the device in one copy (engines/graphs.py), the history update runs inside the graph."""
+        positions, slots, _, ctx, tables, logits_rows = self._columns(chunks)
+        if device_audio is None:
+            rows = [x for c in chunks for x in c.seq.rows[c.start]]
+        else:
+            rows = [MODALITY_PAD, 0] * len(chunks)  # the codes are copied in on the device
+        n, r = len(chunks), len(seqs)
+        extra = []
+        if seqs:
+            cols = self._sampling_columns(seqs, ahead)
+            extra = [x for col in cols[0] for x in col] + _float_words(cols[1])
+        select = r != n  # 1-row prefill chunks of open inputs: no sample
+        if select:
+            extra += logits_rows
+        dev = self.graphs.stage(rows, positions, slots, ctx, [c.seq.slot for c in chunks], tables, extra)
+        if device_audio is not None:
+            self.graphs.set_audio_codes(device_audio)
+        hidden, audio_logits = self.graphs.replay_staged(n)
+        if select:
+            lr = dev[-r:] if r else dev[:0]
+            hidden, audio_logits = hidden[:, lr], audio_logits[lr]
+        if not seqs:
+            return hidden, audio_logits, None
+        ints = dev[: 8 * r].view(8, r)
+        floats = dev[8 * r: 11 * r].view(torch.float32).view(6, r)
+        return hidden, audio_logits, StepSampling(seqs, ints, floats, cols[2], cols[3])
+
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [2, R, hidden] (text tail, audio tail) at the logits rows; audio logits when a graph ran."""
-        if self.graphs is not None and batch.is_decode and self.graphs.bucket(batch.num_seqs) is not None:
-            hidden, audio_logits = self.graphs.replay(batch)  # one row per sequence
-            if batch.logits_rows.shape[0] != batch.num_seqs:  # 1-row prefill chunks of open inputs: no sample
-                hidden, audio_logits = hidden[:, batch.logits_rows], audio_logits[batch.logits_rows]
-            return hidden, audio_logits
         if self.mixed_graphs is not None and not batch.is_decode and self.mixed_graphs.key(
                 batch.num_rows, batch.num_seqs) is not None:
             return self.mixed_graphs.replay(batch)
@@ -197,15 +245,21 @@ class ModelRunner:
 
     # ---- sample --------------------------------------------------------------------------
 
-    def _sampling(self, seqs: list[Sequence], ahead: int) -> StepSampling:
+    @staticmethod
+    def _sampling_columns(seqs: list[Sequence], ahead: int
+                          ) -> tuple[list[list[int]], list[list[float]], int, int]:
+        """StepSampling's ints [8][R] and floats [6][R] on the host, and the audio and text top-k widths."""
         greedy = [s.params.greedy for s in seqs]
         audio_cols = ChannelColumns.of([s.params.audio for s in seqs], greedy)
         text_cols = ChannelColumns.of([s.params.text for s in seqs], greedy)
-        ints = self._upload(torch.tensor(
-            [[s.slot for s in seqs], [s.seed for s in seqs], [s.num_generated + ahead for s in seqs],
-             [s.params.min_new_tokens for s in seqs]] + audio_cols.ints + text_cols.ints, dtype=torch.long))
-        floats = self._upload(torch.tensor(audio_cols.floats + text_cols.floats, dtype=torch.float32))
-        return StepSampling(seqs, ints, floats, audio_cols.max_top_k, text_cols.max_top_k)
+        ints = [[s.slot for s in seqs], [s.seed for s in seqs], [s.num_generated + ahead for s in seqs],
+                [s.params.min_new_tokens for s in seqs]] + audio_cols.ints + text_cols.ints
+        return ints, audio_cols.floats + text_cols.floats, audio_cols.max_top_k, text_cols.max_top_k
+
+    def _sampling(self, seqs: list[Sequence], ahead: int) -> StepSampling:
+        ints, floats, audio_k, text_k = self._sampling_columns(seqs, ahead)
+        return StepSampling(seqs, self._upload(torch.tensor(ints, dtype=torch.long)),
+                            self._upload(torch.tensor(floats, dtype=torch.float32)), audio_k, text_k)
 
     def _sample(self, sp: StepSampling, hidden: torch.Tensor, audio_logits: torch.Tensor | None) -> PendingTokens:
         """Text logits only for rows whose sample is in text mode."""
