@@ -98,6 +98,7 @@ class CudaGraphDecoder:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # memory pool of the captured graphs, shared with CudaGraphMixed
         self.stream = private_stream(dev)  # every graph's capture stream (and so its cuBLAS workspace)
+        self.side_stream = torch.cuda.Stream(dev)  # the history update's branch (no GEMM: no workspace)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:
@@ -116,9 +117,17 @@ class CudaGraphDecoder:
 
     def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self._batch(b)
-        if self.mark_history is not None:
+        if self.mark_history is None:
+            return _forward(self.model, self.kv_cache, batch)
+        # The history update only has to be done before the sampler, after the graph: a branch of its own that
+        # runs beside the layers instead of before the first one.
+        main = torch.cuda.current_stream()
+        self.side_stream.wait_stream(main)
+        with torch.cuda.stream(self.side_stream):
             self.mark_history(batch.rows, self._inputs(b)[4])
-        return _forward(self.model, self.kv_cache, batch)
+        out = _forward(self.model, self.kv_cache, batch)
+        main.wait_stream(self.side_stream)
+        return out
 
     def _padded_inputs(self, b: int, rows: list[int], positions: list[int], slots: list[int], ctx: list[int],
                        hist: list[int]) -> list[int]:
