@@ -3,9 +3,9 @@
 A decode step at batch 1 is ~400 kernels of 1-60 us each, back to back in a CUDA graph; each boundary costs the
 next kernel's launch while the GPU drains the previous kernel's tail. With PDL a kernel is launched while its
 predecessor still runs and waits in `griddepcontrol.wait` until the predecessor has completed and its writes are
-visible, so the launch and the programs' start-up overlap the predecessor's tail. (Streaming weights into L2 before
-the wait, each GEMM its own first bytes or the attention kernel o_proj's whole weight, measured slower:
-docs/PERF_NOTES.md.)
+visible, so the launch and the programs' start-up overlap the predecessor's tail. (Reading weights early, into L2
+before or after the wait - each GEMM its own first bytes, the attention kernel o_proj's weight - or o_proj's first
+tiles into registers before the wait, measured slower: docs/PERF_NOTES.md.)
 
 The rules every kernel here keeps (in `wait_then_trigger` / `trigger_then_wait`):
 - Every program executes the wait, unconditionally, before it reads anything an earlier kernel wrote and before it
