@@ -105,7 +105,8 @@ class ModelRunner:
 
     # ---- run -----------------------------------------------------------------------------
 
-    def _columns(self, chunks: list[ScheduledChunk]) -> tuple[list[int], ...]:
+    def _columns(self, chunks: list[ScheduledChunk]
+                 ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]], list[int]]:
         """Host columns of the chunks: per row (position, KV slot), per sequence (query start, context length, block
         table) and the flat indices of the rows whose logits are needed."""
         bs = self.block_size
@@ -237,7 +238,8 @@ class ModelRunner:
         return hidden, audio_logits, StepSampling(seqs, ints, floats, cols[2], cols[3])
 
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states [2, R, hidden] (text tail, audio tail) at the logits rows; audio logits when a graph ran."""
+        """A step with prefill rows (or a decode step no graph fits): hidden states [2, R, hidden] (text tail, audio
+        tail) at the logits rows; audio logits when a mixed-step graph ran."""
         if self.mixed_graphs is not None and not batch.is_decode and self.mixed_graphs.key(
                 batch.num_rows, batch.num_seqs) is not None:
             return self.mixed_graphs.replay(batch)
