@@ -27,6 +27,11 @@ def _float_words(floats: list[list[float]]) -> list[int]:
     return np.asarray(floats, dtype=np.float32).reshape(-1).view(np.int64).tolist()
 
 
+def _flat_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """The chunks' new rows as flat (text, audio) words, in batch order: [2 T]."""
+    return [x for c in chunks for row in c.seq.rows[c.start:c.start + c.num_rows] for x in row]
+
+
 class PendingTokens:
     """A launched step's sampled (text, audio) pairs: on the device at once, on the host when read.
 
@@ -127,8 +132,7 @@ class ModelRunner:
     def build_batch(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None) -> ForwardBatch:
         """device_rows: the new rows already on the device (a step launched before its input rows were read)."""
         positions, slots, qstart, ctx, tables, logits_rows = self._columns(chunks)
-        rows = [] if device_rows is not None else [x for c in chunks for r in c.seq.rows[c.start:c.start + c.num_rows]
-                                                   for x in r]
+        rows = [] if device_rows is not None else _flat_rows(chunks)
         width = max(len(t) for t in tables)
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].num_rows == 1:
@@ -213,7 +217,7 @@ class ModelRunner:
         the device in one copy (engines/graphs.py), the history update runs inside the graph."""
         positions, slots, _, ctx, tables, logits_rows = self._columns(chunks)
         if device_audio is None:
-            rows = [x for c in chunks for x in c.seq.rows[c.start]]
+            rows = _flat_rows(chunks)
         else:
             rows = [MODALITY_PAD, 0] * len(chunks)  # the codes are copied in on the device
         n, r = len(chunks), len(seqs)
