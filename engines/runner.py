@@ -95,6 +95,11 @@ class ModelRunner:
         # host memory on every step, and such a copy waits for the whole stream (no step could be launched ahead).
         self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self.graphs = self.mixed_graphs = None
+        if self.device.type == "cuda":
+            from engines.graphs import private_stream
+
+            # The text tail's stream (MossSpeechModel.forward): private, as it runs cuBLAS GEMMs inside the graphs.
+            model.tail_stream = private_stream(self.device)
         if self.device.type == "cuda" and config.cuda_graphs:
             from engines.graphs import CudaGraphDecoder, CudaGraphMixed
 

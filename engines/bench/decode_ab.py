@@ -1,12 +1,12 @@
 """Decode-step variants on one engine: `python3 -m engines.bench.decode_ab --model full-random` on a GPU.
 
-Each variant (e.g. `pdl=1,sampler=0,fuse=0,attn_preload=0`) sets programmatic dependent launch
+Each variant (e.g. `pdl=1,sampler=0,fuse=0,attn_preload=0,tails=0`) sets programmatic dependent launch
 (engines/kernels/pdl.py), the fused sampler (engines/kernels/topk_sample.py), gate_up's SiLU*up epilogue
-(engines/kernels/skinny_gemm.py) on or off (each on unless given) and the decode attention's preload limit
-(engines/kernels/paged_decode.py), and recaptures the decode graphs; each then times the graph replay alone and a
-loop of engine steps (each may launch the next before reading its tokens) at each batch size. Variants alternate
-over several rounds, so drift of the machine shows as spread, not as a difference. A development tool for
-docs/PERF_NOTES.md.
+(engines/kernels/skinny_gemm.py) and the two tails side by side (engines/model/moss.py) on or off (each on unless
+given) and the decode attention's preload limit (engines/kernels/paged_decode.py), and recaptures the decode graphs;
+each then times the graph replay alone and a loop of engine steps (each may launch the next before reading its
+tokens) at each batch size. Variants alternate over several rounds, so drift of the machine shows as spread, not as a
+difference. A development tool for docs/PERF_NOTES.md.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def main() -> None:
     print(f"device: {device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  weights-only floor {floor_ms:.2f} ms")
     rng = random.Random(0)
     graphs = engine.runner.graphs
+    tail_stream = engine.runner.model.tail_stream
     idx = torch.cuda.current_device()
     res: dict = {"device": device_name(dev), "bandwidth": bw, "floor_weights_ms": floor_ms, "results": {}}
     for b in batches:
@@ -63,6 +64,8 @@ def main() -> None:
                 # decode attention's first tile read before the PDL wait up to this many programs (0: never;
                 # default: the SM count)
                 paged_decode.PRELOAD_MAX_PROGRAMS = v.get("attn_preload")
+                # the text tail beside the audio tail (engines/model/moss.py), or after it
+                engine.runner.model.tail_stream = tail_stream if v.get("tails", 1) else None
                 torch.cuda.synchronize()  # the step in flight is done (its tokens wait on the host) before its
                 graphs.capture()  # graphs and their outputs are replaced
                 engine.step()  # the static buffers hold a real batch again (capture leaves padding there)

@@ -32,6 +32,9 @@ class MossSpeechModel(nn.Module):
         self.audio_lm_head = Linear(config.audio_vocab_size, h, device, dtype)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta).to(device),
                              persistent=False)
+        # CUDA: the stream the text tail runs on, beside the audio tail on the caller's stream (the tails only share
+        # their input). None: one after the other. Set by the owner of the model's graphs (engines.runner).
+        self.tail_stream: torch.cuda.Stream | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -73,14 +76,27 @@ class MossSpeechModel(nn.Module):
         residual = None
         for i in shared:
             x, residual = self.layers[i](x, residual, cos, sin, kv_cache[i], batch)
-        outs = []
-        for tail, norm in ((text_tail, self.text_norm), (audio_tail, self.audio_norm)):
+
+        def run_tail(tail: range, norm: RMSNorm) -> torch.Tensor:
             h, r = x, residual
             for i in tail:
                 last = i == tail[-1]
                 h, r = self.layers[i](h, r, cos, sin, kv_cache[i], batch, out_rows if last else None)
-            outs.append(norm.add(h, r)[0])
-        return torch.stack(outs)  # [2, R, hidden]
+            return norm.add(h, r)[0]  # [R, hidden]
+
+        side = self.tail_stream if x.is_cuda else None
+        if side is None:
+            return torch.stack([run_tail(text_tail, self.text_norm), run_tail(audio_tail, self.audio_norm)])
+        # The tails are independent chains of latency-bound kernels: run side by side, one's small kernels overlap
+        # the other's weight streaming. Tensors cross streams only at the fork (x, residual, cos, sin: freed after the
+        # join) and the join (text: made on the side stream, which touches it no more).
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            text = run_tail(text_tail, self.text_norm)
+        audio = run_tail(audio_tail, self.audio_norm)
+        main.wait_stream(side)
+        return torch.stack([text, audio])  # [2, R, hidden]
 
     def text_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab_size] float32 (head in the model dtype, then upcast)."""

@@ -54,6 +54,20 @@ def test_graph_replay_equals_eager(tiny_checkpoint):
     assert run(graphed_engine, prompts, 48, min_new=48) == eager
 
 
+def test_tails_side_by_side_equal_one_after_the_other(tiny_checkpoint):
+    """The text tail on its own stream beside the audio tail (the CUDA default) gives the tokens of the tails run
+    one after the other, eager and in the decode graphs."""
+    rng = random.Random(3)
+    prompts = {f"r{i}": prompt(rng, i % 2 == 1) for i in range(5)}
+    sequential = make(tiny_checkpoint, "bfloat16", graphs=False)
+    sequential.runner.model.tail_stream = None
+    want = run(sequential, prompts, 32, min_new=32)
+    for graphs in (False, True):
+        engine = make(tiny_checkpoint, "bfloat16", graphs=graphs)
+        assert engine.runner.model.tail_stream is not None
+        assert run(engine, prompts, 32, min_new=32) == want, graphs
+
+
 def test_gpu_greedy_tokens_equal_cpu_dense_reference(tiny_checkpoint):
     rng = random.Random(2)
     prompts = {f"r{i}": prompt(rng, i % 2 == 1) for i in range(4)}
