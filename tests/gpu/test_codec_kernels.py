@@ -210,3 +210,77 @@ def test_solve_graph_is_bit_identical_with_and_without_pdl():
     for a, b in zip(out[False], out[True], strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_snake_is_bit_identical_to_torch():
+    """HiFT's Snake in one kernel gives torch's bits (IEEE division, libdevice sinf, no FMA), over alphas from tiny
+    to large and inputs spanning many periods; other dtypes and shapes are refused."""
+    from engines.codec.decoder.hift import Snake
+    from engines.kernels.snake import snake
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, C, T = 3, 64, 1001  # T not a multiple of the kernel's block: the tail is masked
+    x = torch.randn(B, C, T, device="cuda", generator=g) * torch.logspace(-2, 2, T, device="cuda")
+    alpha = torch.logspace(-6, 1, C, device="cuda")
+    a = alpha[None, :, None]
+    want = x + (1.0 / (a + 1e-9)) * torch.sin(a * x).pow(2)
+    assert torch.equal(snake(x, alpha), want)
+    assert torch.equal(snake(x.transpose(1, 2).contiguous().transpose(1, 2), alpha), want)  # strided input
+    module = Snake(C).cuda()
+    with torch.no_grad():
+        module.alpha.copy_(alpha)
+        assert torch.equal(module(x), want)
+    with pytest.raises(ValueError, match="float32"):
+        snake(x.bfloat16(), alpha)
+    with pytest.raises(ValueError, match="alpha"):
+        snake(x, alpha[:10])
+
+
+@pytest.fixture
+def deterministic_cudnn():
+    """cuDNN's deterministic algorithms: some of the ones it picks otherwise accumulate with atomics, whose order
+    changes when kernels share the GPU (HiFT's body: ~3e-8 from run to run at batch 1, ~4e-6 on streams at batch 3,
+    H200), which would hide the bits a race between streams changes."""
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    yield
+    torch.backends.cudnn.deterministic = before
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hift_branches_on_streams_equal_the_serial_order(batch, deterministic_cudnn):
+    """The full-size HiFT body with its source branch and each stage's resblocks on streams of their own gives the
+    serial order's bits (before the iSTFT, whose F.fold adds with atomics), eager with the allocator's blocks moving
+    between calls, and replayed from a CUDA graph."""
+    from engines.codec.decoder.config import HiFTConfig
+    from engines.codec.decoder.hift import HiFTGenerator
+    from engines.graphs import capture_graph, private_stream
+
+    torch.manual_seed(0)
+    gen = HiFTGenerator(HiFTConfig()).cuda().eval()
+    gen.fold_weight_norm()
+    with torch.no_grad():
+        for m in gen.modules():  # small weights keep the 3-stage stack finite
+            if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+                m.weight.mul_(0.3)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T = 32
+    mel = torch.randn(batch, 80, T, device="cuda", generator=g) - 5
+    phase = torch.rand(batch, gen.n_harmonics, device="cuda", generator=g)
+    noise = torch.randn(batch, gen.n_harmonics, T * gen.cfg.mel.hop, device="cuda", generator=g)
+    keep = 20 * gen.cfg.mel.hop
+    with torch.inference_mode():
+        want_x, want_phase = gen._serial(mel, phase, noise, keep)
+        assert torch.isfinite(want_x).all() and want_x.abs().max() > 0
+        for _ in range(5):
+            churn = [torch.randn(1 << 20, device="cuda") for _ in range(4)]  # other blocks free next time
+            got_x, got_phase = gen._branched(mel, phase, noise, keep)
+            del churn
+            assert torch.equal(got_x, want_x) and torch.equal(got_phase, want_phase)
+        graph, (graph_x, graph_phase) = capture_graph(lambda: gen._branched(mel, phase, noise, keep),
+                                                      private_stream("cuda"))
+        for _ in range(3):
+            graph_x.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(graph_x, want_x) and torch.equal(graph_phase, want_phase)

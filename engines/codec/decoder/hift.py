@@ -14,6 +14,8 @@ as a CUDA graph (engines/codec/decoder/graphs.py) with the same result as eager.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,10 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engines.codec.decoder.config import HiFTConfig
+
+# CUDA: Snake as one kernel (engines/kernels/snake.py), and the generator's independent chains (the source branch,
+# a stage's resblocks) on streams of their own. MOSS_HIFT_FUSED=0 turns both off (for A/B timings).
+FUSED_SNAKE = BRANCHES = os.environ.get("MOSS_HIFT_FUSED", "1") != "0"
 
 
 def _pad(k: int, d: int) -> int:
@@ -47,6 +53,10 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(ch))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == torch.float32 and FUSED_SNAKE:
+            from engines.kernels.snake import snake
+
+            return snake(x, self.alpha)  # one kernel, the same bits
         a = self.alpha[None, :, None]
         return x + (1.0 / (a + 1e-9)) * torch.sin(a * x).pow(2)
 
@@ -112,6 +122,7 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilations, strict=True))
         self.conv_post = weight_norm(nn.Conv1d(c0 // 2 ** len(self.ups), n_fft + 2, 7, padding=3))
         self.register_buffer("stft_window", torch.hann_window(n_fft), persistent=False)
+        self._branch_streams: list[torch.cuda.Stream] | None = None  # CUDA: made at first use (`_streams`)
 
     def fold_weight_norm(self) -> None:
         for m in self.modules():
@@ -139,26 +150,94 @@ class HiFTGenerator(nn.Module):
         nxt = torch.remainder(cyc[:, :, keep_at - 1], 1.0) if keep_at > 0 else phase0
         return src, nxt
 
-    def forward(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """mel [B, 80, T] -> wav [B, T * hop] and the carried phase at `keep_at` samples."""
+    def _source_stages(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
+                       ) -> Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """The source branch (f0 -> harmonic source -> STFT): yields the carried phase, then each upsample stage's
+        source input [B, ch_i, T_i] in stage order."""
         cfg = self.cfg
         n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
-        f0 = self.f0_predictor(mel)
-        src, nxt = self._source(f0, phase0, noise, keep_at)
+        src, nxt = self._source(self.f0_predictor(mel), phase0, noise, keep_at)
+        yield nxt
         spec = torch.stft(src, n_fft, hop, n_fft, window=self.stft_window, return_complex=True)
         s_stft = torch.cat([spec.real, spec.imag], dim=1)  # [B, n_fft + 2, S / hop + 1]
-        x = self.conv_pre(mel)
-        nk = len(cfg.resblock_kernel_sizes)
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, cfg.lrelu_slope))
-            if i == len(self.ups) - 1:
-                x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
-            x = sum(self.resblocks[i * nk + j](x) for j in range(nk)) / nk
+        for down, block in zip(self.source_downs, self.source_resblocks, strict=True):
+            yield block(down(s_stft))
+
+    def _streams(self, device: torch.device) -> list[torch.cuda.Stream]:
+        """The branches' streams: one for the source branch, one per resblock of a stage but the first. Private
+        (engines.graphs.private_stream): the source branch runs cuBLAS GEMMs inside the vocoder's graphs."""
+        if self._branch_streams is None:
+            from engines.graphs import private_stream
+
+            self._branch_streams = [private_stream(device) for _ in range(len(self.cfg.resblock_kernel_sizes))]
+        return self._branch_streams
+
+    def forward(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel [B, 80, T] -> wav [B, T * hop] and the carried phase at `keep_at` samples.
+
+        On CUDA the source branch runs on a stream of its own beside conv_pre and the upsampling, and a stage's
+        resblocks (independent chains over the same input) run side by side; the arithmetic is that of the serial
+        order, so the output is the same."""
+        cfg = self.cfg
+        n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
+        body = self._branched if mel.is_cuda and BRANCHES else self._serial
+        x, nxt = body(mel, phase0, noise, keep_at)
         x = self.conv_post(F.leaky_relu(x))
         half = n_fft // 2 + 1
         mag = torch.exp(x[:, :half]).clamp(max=1e2)
         ph = torch.sin(x[:, half:])
         wav = istft(torch.complex(mag * torch.cos(ph), mag * torch.sin(ph)), n_fft, hop, self.stft_window)
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit), nxt
+
+    def _upsample(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        x = self.ups[i](F.leaky_relu(x, self.cfg.lrelu_slope))
+        return F.pad(x, (1, 0), mode="reflect") if i == len(self.ups) - 1 else x
+
+    def _serial(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's body up to conv_post, one op after another: the reference order. -> (x, carried phase)."""
+        nk = len(self.cfg.resblock_kernel_sizes)
+        sources = self._source_stages(mel, phase0, noise, keep_at)
+        nxt = next(sources)
+        x = self.conv_pre(mel)
+        for i in range(len(self.ups)):
+            x = self._upsample(i, x) + next(sources)
+            x = sum(self.resblocks[i * nk + j](x) for j in range(nk)) / nk
+        return x, nxt
+
+    def _branched(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's body up to conv_post with its independent chains on streams of their own. Tensors cross streams
+        only where an event orders them: every branch waits for the main stream's state when it starts, and the main
+        stream waits for a branch's event before it reads that branch's output (which the branch touches no more)."""
+        nk = len(self.cfg.resblock_kernel_sizes)
+        main = torch.cuda.current_stream()
+        streams = self._streams(mel.device)
+        src_stream, block_streams = streams[0], streams[1:]
+        src_stream.wait_stream(main)
+        with torch.cuda.stream(src_stream):
+            sources = self._source_stages(mel, phase0, noise, keep_at)
+            nxt = next(sources)
+            staged = []  # (source input of stage i, the event after it)
+            for src in sources:
+                done = torch.cuda.Event()
+                done.record(src_stream)
+                staged.append((src, done))
+        x = self.conv_pre(mel)
+        for i in range(len(self.ups)):
+            x = self._upsample(i, x)
+            src, done = staged[i]
+            main.wait_event(done)
+            x = x + src
+            outs = [None] * nk
+            for j, stream in enumerate(block_streams, start=1):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    outs[j] = self.resblocks[i * nk + j](x)
+            outs[0] = self.resblocks[i * nk](x)
+            for stream in block_streams:
+                main.wait_stream(stream)
+            x = sum(outs) / nk
+        main.wait_stream(src_stream)  # the phase, and the source branch's last work
+        return x, nxt
