@@ -47,8 +47,11 @@ def _unpack(key):
 
 
 # V, the strides and the number of slices follow the vocabulary and the batch: no specialization on them, so a
-# new batch never compiles a kernel while serving.
-@triton.jit(do_not_specialize=["V", "stride_l", "stride_seen", "MASK_FROM", "GATE_ID"])
+# new batch never compiles a kernel while serving. Nor on the alignment of the per-row columns: they are views into
+# the step's staged upload whose offsets move with the batch size (a 12-session load test compiled _pick_kernel
+# mid-serving, a 2.1 s stall); each program reads one word of each, so alignment buys nothing.
+@triton.jit(do_not_specialize=["V", "stride_l", "stride_seen", "MASK_FROM", "GATE_ID"],
+            do_not_specialize_on_alignment=["SLOTS", "PENALTY", "TEMP", "GREEDY", "STEPS", "MIN_NEW"])
 def _candidates_kernel(LOGITS, SEEN, SLOTS, PENALTY, TEMP, GREEDY, STEPS, MIN_NEW, CAND, V, stride_l, stride_seen,
                        MASK_FROM, GATE_ID, W: tl.constexpr, KP: tl.constexpr, GATED: tl.constexpr):
     row = tl.program_id(0)
@@ -69,7 +72,8 @@ def _candidates_kernel(LOGITS, SEEN, SLOTS, PENALTY, TEMP, GREEDY, STEPS, MIN_NE
     tl.store(CAND + (row * tl.num_programs(1) + s) * KP + tl.arange(0, KP), top)
 
 
-@triton.jit(do_not_specialize=["NC"])
+@triton.jit(do_not_specialize=["NC", "stride_out"],
+            do_not_specialize_on_alignment=["TOP_K", "TOP_P", "GREEDY", "SEEDS", "STEPS", "OUT"])
 def _pick_kernel(CAND, TOP_K, TOP_P, GREEDY, SEEDS, STEPS, OUT, NC, stride_out, KP: tl.constexpr,
                  CP: tl.constexpr, CHANNEL: tl.constexpr):
     row = tl.program_id(0)

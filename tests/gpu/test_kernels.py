@@ -321,6 +321,38 @@ def test_fused_top_k_sampler_draws_the_torch_paths_tokens(vocab, audio):
             assert not got[gated].eq(16384).any() and got[~gated & t.greedy].eq(16384).all()
 
 
+def test_fused_top_k_sampler_compiles_once_for_every_batch_and_column_offset():
+    """The per-row columns are views into the step's staged upload at offsets that move with the batch size: after
+    the first call, no batch size or offset compiles another kernel (a compile while serving stalls every session;
+    a 12-session load test once waited 2.1 s for one)."""
+    from engines.kernels import topk_sample
+
+    def compiled() -> int:
+        return sum(len(c[0]) for k in (topk_sample._candidates_kernel, topk_sample._pick_kernel)
+                   for c in k.device_caches.values())
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    vocab = 16512
+    seen = torch.zeros(80, vocab, dtype=torch.bool, device="cuda")
+    words = torch.zeros(4096, dtype=torch.long, device="cuda")  # int columns, packed as the staged upload packs them
+    floats = torch.ones(4096, dtype=torch.float32, device="cuda")
+    counts = []
+    for b in (1, 2, 3, 5, 8, 12, 13):
+        for shift in (0, 1, 3):  # every column starts at another word offset
+            cols = [words[shift + i * b: shift + (i + 1) * b] for i in range(5)]  # slots, top_k, greedy, seeds, steps
+            slots, top_k, greedy, seeds, steps = cols
+            slots.copy_(torch.arange(b))
+            top_k.fill_(20)
+            temp, top_p, penalty = (floats[shift + i * b: shift + (i + 1) * b] for i in range(3))
+            pairs = torch.zeros(b, 2, dtype=torch.long, device="cuda")
+            logits = torch.randn(b, vocab, device="cuda", generator=g)
+            topk_sample.topk_sample(logits, seen, slots, temp, top_p, top_k, penalty, greedy, seeds, steps, 1, 20,
+                                    out=pairs[:, 1])
+            assert pairs[:, 1].lt(vocab).all()
+            counts.append(compiled())
+    assert counts[0] >= 2 and len(set(counts)) == 1, counts
+
+
 def test_fused_top_k_sampler_greedy_ties_pick_the_lowest_id():
     """Equal best logits: greedy takes the lowest id (torch.argmax's rule), also across the kernel's slices."""
     from engines.sampler.sampler import ChannelTensors, sample_rows
