@@ -1,9 +1,9 @@
 """Snake activation of the HiFT vocoder in one kernel: y = x + sin(alpha * x)^2 / (alpha + 1e-9), alpha per channel.
 
-torch runs the expression as six kernels (alpha + eps, reciprocal, alpha * x, sin, square, product, sum), each a
-full pass over x; HiFT applies it 72 times per window, so at streaming batch sizes the vocoder's graph was mostly
-these launches. Float32 only, computed in the torch expression's order with IEEE division, libdevice sinf and no
-fused multiply-add, so the result equals torch's bit for bit (tests/gpu/test_codec_kernels.py).
+torch runs the expression as seven kernels (alpha + eps, its reciprocal, alpha * x, sin, square, product, sum),
+most of them a full pass over x; HiFT applies it 72 times per window, so at streaming batch sizes the vocoder's graph
+was mostly these launches. Float32 only, computed in the torch expression's order with IEEE division, libdevice sinf
+and no fused multiply-add, so the result equals torch's bit for bit (tests/gpu/test_codec_kernels.py).
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class HiFTGenerator(nn.Module):
         return src, nxt
 
     def _source_stages(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
-                       ) -> Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+                       ) -> Iterator[torch.Tensor]:
         """The source branch (f0 -> harmonic source -> STFT): yields the carried phase, then each upsample stage's
         source input [B, ch_i, T_i] in stage order."""
         cfg = self.cfg
