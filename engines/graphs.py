@@ -15,6 +15,7 @@ import torch
 
 from engines.kernels.tiles import max_tiles
 from engines.model.batch import ForwardBatch
+from engines.streams import side_by_side
 
 INPUT_WORDS = 6  # int64 words per row of a decode graph's inputs: (text, audio), position, slot, context, history slot
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
@@ -121,13 +122,9 @@ class CudaGraphDecoder:
             return _forward(self.model, self.kv_cache, batch)
         # The history update only has to be done before the sampler, after the graph: a branch of its own that
         # runs beside the layers instead of before the first one.
-        main = torch.cuda.current_stream()
-        self.side_stream.wait_stream(main)
-        with torch.cuda.stream(self.side_stream):
-            self.mark_history(batch.rows, self._inputs(b)[4])
-        out = _forward(self.model, self.kv_cache, batch)
-        main.wait_stream(self.side_stream)
-        return out
+        hist = self._inputs(b)[4]
+        return side_by_side([self.side_stream], lambda: _forward(self.model, self.kv_cache, batch),
+                            lambda: self.mark_history(batch.rows, hist))[0]
 
     def _padded_inputs(self, b: int, rows: list[int], positions: list[int], slots: list[int], ctx: list[int],
                        hist: list[int]) -> list[int]:

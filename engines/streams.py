@@ -1,10 +1,37 @@
 """CUDA streams by urgency: the language model's steps, the speech encoder and new answers' first codec chunks
-run on the highest priority; the codec's rounds for answers already playing stay on the default (lowest)."""
+run on the highest priority; the codec's rounds for answers already playing stay on the default (lowest). And
+independent chains of work side by side on streams of their own (`side_by_side`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 def high_priority_stream(device: torch.device | str) -> torch.cuda.Stream:
     return torch.cuda.Stream(torch.device(device), priority=torch.cuda.Stream.priority_range()[1])
+
+
+def side_by_side(streams: Sequence[torch.cuda.Stream], first: Callable[[], T], *others: Callable[[], T]) -> list[T]:
+    """[first(), *others()]: others[i] enqueued on streams[i], then first on the current stream. Each branch starts
+    after the work the current stream holds so far, and the current stream waits for every branch before its next
+    work (also inside a CUDA graph capture: a fork and a join). Tensors cross streams only there: the inputs the
+    branches read were made before the fork and are freed after the join, and what a branch returns is read by the
+    current stream after the join, while the branch's stream touches it no more."""
+    if len(others) > len(streams):
+        raise ValueError(f"{len(others)} branches for {len(streams)} streams")
+    main = torch.cuda.current_stream()
+    used = streams[:len(others)]
+    outs = []
+    for stream, fn in zip(used, others, strict=True):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            outs.append(fn())
+    outs.insert(0, first())
+    for stream in used:
+        main.wait_stream(stream)
+    return outs

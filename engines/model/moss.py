@@ -9,6 +9,7 @@ from engines.config import ModelConfig
 from engines.model.batch import ForwardBatch
 from engines.model.layers import DecoderLayer, Embedding, Linear, RMSNorm
 from engines.model.rope import rope_cos_sin, rope_inv_freq
+from engines.streams import side_by_side
 from engines.tokens import MODALITY_PAD
 
 
@@ -84,18 +85,12 @@ class MossSpeechModel(nn.Module):
                 h, r = self.layers[i](h, r, cos, sin, kv_cache[i], batch, out_rows if last else None)
             return norm.add(h, r)[0]  # [R, hidden]
 
-        side = self.tail_stream if x.is_cuda else None
-        if side is None:
+        if self.tail_stream is None or not x.is_cuda:
             return torch.stack([run_tail(text_tail, self.text_norm), run_tail(audio_tail, self.audio_norm)])
-        # The tails are independent chains of latency-bound kernels: run side by side, one's small kernels overlap
-        # the other's weight streaming. Tensors cross streams only at the fork (x, residual, cos, sin: freed after the
-        # join) and the join (text: made on the side stream, which touches it no more).
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            text = run_tail(text_tail, self.text_norm)
-        audio = run_tail(audio_tail, self.audio_norm)
-        main.wait_stream(side)
+        # The tails are independent chains of latency-bound kernels: side by side, one's small kernels overlap the
+        # other's weight streaming.
+        audio, text = side_by_side([self.tail_stream], lambda: run_tail(audio_tail, self.audio_norm),
+                                   lambda: run_tail(text_tail, self.text_norm))
         return torch.stack([text, audio])  # [2, R, hidden]
 
     def text_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,11 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engines.codec.decoder.config import HiFTConfig
+from engines.streams import side_by_side
 
 # CUDA: Snake as one kernel (engines/kernels/snake.py), and the generator's independent chains (the source branch,
 # a stage's resblocks) on streams of their own. MOSS_HIFT_FUSED=0 turns both off (for A/B timings).
-FUSED_SNAKE = BRANCHES = os.environ.get("MOSS_HIFT_FUSED", "1") != "0"
+FUSED = os.environ.get("MOSS_HIFT_FUSED", "1") != "0"
 
 
 def _pad(k: int, d: int) -> int:
@@ -53,7 +54,7 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(ch))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == torch.float32 and FUSED_SNAKE:
+        if x.is_cuda and x.dtype == torch.float32 and FUSED:
             from engines.kernels.snake import snake
 
             return snake(x, self.alpha)  # one kernel, the same bits
@@ -181,7 +182,7 @@ class HiFTGenerator(nn.Module):
         order, so the output is the same."""
         cfg = self.cfg
         n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
-        body = self._branched if mel.is_cuda and BRANCHES else self._serial
+        body = self._branched if mel.is_cuda and FUSED else self._serial
         x, nxt = body(mel, phase0, noise, keep_at)
         x = self.conv_post(F.leaky_relu(x))
         half = n_fft // 2 + 1
@@ -230,14 +231,7 @@ class HiFTGenerator(nn.Module):
             src, done = staged[i]
             main.wait_event(done)
             x = x + src
-            outs = [None] * nk
-            for j, stream in enumerate(block_streams, start=1):
-                stream.wait_stream(main)
-                with torch.cuda.stream(stream):
-                    outs[j] = self.resblocks[i * nk + j](x)
-            outs[0] = self.resblocks[i * nk](x)
-            for stream in block_streams:
-                main.wait_stream(stream)
-            x = sum(outs) / nk
+            blocks = self.resblocks[i * nk:(i + 1) * nk]
+            x = sum(side_by_side(block_streams, *(lambda b=b, x=x: b(x) for b in blocks))) / nk
         main.wait_stream(src_stream)  # the phase, and the source branch's last work
         return x, nxt
