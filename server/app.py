@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -24,10 +26,20 @@ from server.webrtc import routes as webrtc_routes
 log = logging.getLogger("server.app")
 
 
-def _vad_factory():  # noqa: ANN202 - imported lazily: torch + the Silero model are only needed with VAD
-    from server.vad import SileroVad
+class _VadStreams:
+    """Each session's VAD stream, all from one batcher per app (torch imported at the first session)."""
 
-    return SileroVad()
+    def __init__(self) -> None:
+        self._batcher: Any = None
+        self._lock = threading.Lock()  # sessions open in worker threads
+
+    def __call__(self) -> Any:
+        with self._lock:
+            if self._batcher is None:
+                from server.vad import VadBatcher
+
+                self._batcher = VadBatcher()
+        return self._batcher.stream()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -48,7 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
                            output_queue_size=settings.output_queue_size)
     sessions = SessionManager(engine, max_sessions=settings.max_sessions, limits=limits, model=settings.model_name,
-                              vad_factory=_vad_factory if settings.vad else None, observer=metrics)
+                              vad_factory=_VadStreams() if settings.vad else None, observer=metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

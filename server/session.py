@@ -464,8 +464,8 @@ class Session:
         self._vad_pending = buf[n_full:].copy()
         if n_full == 0:
             return
-        # The model runs in a worker thread (torch releases the GIL) so other sessions' audio keeps flowing.
-        probs = await asyncio.to_thread(vad.probs, buf[:n_full].reshape(-1, win))
+        # Classified with every other session's pending windows, in one batched call off the event loop.
+        probs = await vad.probs(buf[:n_full].reshape(-1, win))
         for k, start in enumerate(range(0, n_full, win)):
             chunk = buf[start:start + win]
             self._vad_pos += win
@@ -493,9 +493,10 @@ class Session:
         if self._vad is None:
             if self._vad_factory is None:
                 raise ProtocolError("server_vad_unavailable", "server_vad is not available on this server")
-            vad = await asyncio.to_thread(self._vad_factory)  # loading takes tens of ms
+            vad = await asyncio.to_thread(self._vad_factory)  # the first one imports torch
             if self._vad is None:
                 self._vad = vad
+        await self._vad.ready()  # the shared model loads once per process (tens of ms), not on a turn
         return self._vad
 
     async def _flush_prefix_to_engine(self) -> None:

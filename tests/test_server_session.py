@@ -16,7 +16,7 @@ from engines.service import messages as m
 from server.audio.pcm import read_wav
 from server.outbound import AudioOut
 from server.session import Session, SessionLimits
-from server.vad import SileroVad
+from server.vad import VadBatcher
 
 WAV = Path(__file__).parent / "data" / "speech_en_16k.wav"
 CHUNK = np.full(9600, 1000, dtype="<i2").tobytes()  # 0.4 s of answer audio
@@ -72,7 +72,7 @@ def silence(seconds: float, rate: int = 24000) -> np.ndarray:
 
 async def new_session(audio_out="events", **limits) -> tuple[Session, Link]:
     link = Link()
-    s = Session("sess_test", link, audio_out=audio_out, vad_factory=SileroVad, limits=SessionLimits(**limits))
+    s = Session("sess_test", link, audio_out=audio_out, vad_factory=VadBatcher().stream, limits=SessionLimits(**limits))
     await s.start()
     assert types(drain(s)) == ["session.created"]
     return s, link

@@ -8,6 +8,7 @@ unlike anything the transport could fabricate), honours cancel, and records what
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import threading
 import time
@@ -99,10 +100,15 @@ class FakeSettings:
     webrtc_prebuffer_ms: int = 60
 
 
-def vad_factory():
-    from server.vad import SileroVad
+@functools.cache
+def _vad_batcher():  # noqa: ANN202 - torch is imported only by the tests that use server_vad
+    from server.vad import VadBatcher
 
-    return SileroVad()
+    return VadBatcher()
+
+
+def vad_factory():
+    return _vad_batcher().stream()
 
 
 def build_app(engine: ScriptedEngine, settings: FakeSettings | None = None, max_sessions: int = 8) -> FastAPI:
