@@ -419,3 +419,16 @@ def test_smoke_loadtest_cli_against_tiny_model(tiny_server, tmp_path):
     assert rep["hardware"]["gpu"]  # a name or "unknown"
     assert "ttfa_ms" in res.stdout and "errors: 0" in res.stdout
     assert (plots / "ttfa_cdf.png").is_file() and (plots / "ttfa_timeline.png").is_file()
+
+
+def test_bench_sessions_reports_the_server_cost_of_real_time_sessions(tmp_path, capsys):
+    """In-process sessions with server_vad at real time: every frame delivered, every user's turn detected."""
+    from moss_speech.cli import main
+
+    out = tmp_path / "sessions.json"
+    assert main(["bench", "sessions", "--sessions", "3", "--seconds", "4", "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["sessions"] == 3 and run["frames"] == 3 * 200  # 4 s of 20 ms frames each
+    assert run["turns_detected"] >= 3  # a 4 s window holds the end of each user's 2.3 s utterance
+    assert run["cpu_s"] > 0 and run["cpu_ms_per_session_s"] > 0 and run["late_ms"]["p50"] >= 0
+    assert "sessions    3:" in capsys.readouterr().out
