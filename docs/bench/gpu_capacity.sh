@@ -20,3 +20,6 @@ kill $SERVER; sleep 3; tail -5 $OUT/server.log
 echo "Triton kernels compiled while serving (each one stalls its caller):"
 find $TRITON_CACHE_DIR -newer /tmp/moss-ready -name '*.cubin' -printf '%TT %f\n' | sort | head -20
 echo "stalls: $(grep -c 'stall in' $OUT/server.log), gc pauses logged: $(grep -c 'gc generation' $OUT/server.log)"
+# The server process's own CPU per real-time session on this host's cores (no GPU, no network; ~20 s).
+[ "${CAP_SESSIONS_BENCH:-1}" = 1 ] && timeout 120 python3 -m moss_speech.cli bench sessions --sessions 64,128,256 \
+  --seconds 5 --json $OUT/sessions-cpu.json 2>&1 | tail -5
