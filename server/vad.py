@@ -4,7 +4,7 @@ Silero is stateful across 512-sample windows of 16 kHz audio (32 ms): an LSTM st
 last 64 samples as context. One model serves every session of the process: each session holds its own
 state (`VadStream`), and `VadBatcher` classifies the windows that all sessions have pending in one
 batched call per round, in one worker thread. Per session, a window costs ~0.35 ms of CPU alone and
-~0.03 ms in a batch of 64 or more, and the event loop's threads no longer fight over the GIL once per
+~0.03 ms in a batch of 64 or more, and the executor's threads no longer take the GIL in turn once per
 window per session: at a few hundred sessions this is the difference between cores of VAD work and a
 fraction of one. Batched and alone agree to ~1e-8 in probability (the same LSTM, a different matmul
 blocking), which tests/test_server_vad.py pins.
@@ -92,9 +92,9 @@ class _Request:
 class VadBatcher:
     """Classifies all sessions' pending windows together: one batched call per round, rounds in one thread.
 
-    A request waits only for the round in flight (a few ms at hundreds of sessions), so batching costs a
-    session no more latency than one window of CPU time used to. A stream's requests run in order, never
-    two in one round, because its state carries from one to the next.
+    A request waits for the next round (at most `round_every_s` after the last one began) and that round's
+    call: a few ms, against the hundreds of ms of silence that end a turn. A stream's requests run in
+    order, never two in one round, because its state carries from one to the next.
     """
 
     def __init__(self, load: Any = load_silero_16k, round_every_s: float = 0.008) -> None:
@@ -132,6 +132,10 @@ class VadBatcher:
         # Futures and events belong to one loop; a batcher reused under a new loop (tests) starts afresh.
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._wake is None or self._task is None or self._task.done():
+            if self._loop is loop:  # the runner died on this loop: its waiters hear of it, not wait forever
+                for req in self._queue:
+                    if not req.done.done():
+                        req.done.set_exception(RuntimeError("the VAD batcher stopped; windows not classified"))
             self._loop, self._queue, self._wake = loop, [], asyncio.Event()
             self._task = loop.create_task(self._run(self._wake), name="vad-batcher")
         return loop, self._wake

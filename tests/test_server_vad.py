@@ -155,3 +155,19 @@ async def test_a_cancelled_session_does_not_hold_up_the_others(speech16k):
     with pytest.raises(asyncio.CancelledError):
         await t1
     assert len(await s1.probs(w)) == 2
+
+
+async def test_waiters_of_a_stopped_batcher_get_an_error_not_a_hang(speech16k):
+    batcher = VadBatcher(round_every_s=60.0)
+    s = batcher.stream()
+    w = speech16k[:VAD_WINDOW].reshape(1, VAD_WINDOW)
+    await s.probs(w)  # the first round runs at once; the next one not for 60 s
+    stuck = asyncio.ensure_future(s.probs(w))
+    await asyncio.sleep(0.01)
+    assert not stuck.done()
+    batcher._task.cancel()  # the runner dies (as it would on an unexpected error)
+    await asyncio.sleep(0)
+    later = asyncio.ensure_future(batcher.stream().probs(w))  # the next request finds it dead
+    with pytest.raises(RuntimeError, match="VAD batcher stopped"):
+        await asyncio.wait_for(stuck, 5)  # and the dead runner's waiter is told
+    later.cancel()
