@@ -30,6 +30,7 @@ VAD_RATE = 16000
 VAD_WINDOW = 512  # the only window size Silero accepts at 16 kHz
 _CONTEXT = 64  # samples of the previous window the model sees before each window (at 16 kHz)
 _STATE_SHAPE = (2, 1, 128)  # the LSTM's (h, c) of one stream
+_LOAD_LOCK = threading.Lock()
 
 
 def load_silero_16k() -> Any:
@@ -40,7 +41,9 @@ def load_silero_16k() -> Any:
     """
     from silero_vad import load_silero_vad
 
-    with warnings.catch_warnings():  # test runners reset the module-level filters
+    # Test runners reset the module-level filters; catch_warnings is process-wide, so one load at a time
+    # (several batchers may load at once in worker threads: two apps in one process).
+    with _LOAD_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         wrapper = load_silero_vad()
     net = getattr(wrapper, "_model", None)
