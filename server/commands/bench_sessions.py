@@ -4,21 +4,21 @@ A server process holds every session's event loop work: decoding `input_audio_bu
 resampling to 16 kHz, the VAD, and the outbound queue. Its asyncio loop is one thread, so whatever a
 session costs there bounds how many sessions one process can serve at real time, whatever the GPU does.
 
-N in-process sessions with `server_vad` each get a 20 ms append event (base64 PCM16 at 24 kHz, the
-repository's speech sample, then a second of silence, over and over) at real time, through the same
-`Session.handle_client_text` a WebSocket reader calls; a writer task per session drains its outbound
-queue as the WebSocket writer would. The engine is a link that records and answers nothing, so only the
-server's side is measured. Reported: CPU ms per session-second (all threads of this process), the
-sessions one core would carry at that rate, and how late the loop delivered frames (p50 / p99 / max):
-lateness that grows over the run means the loop cannot keep up.
+N in-process sessions with `server_vad` each get a 20 ms append event (base64 PCM16 at 24 kHz: the load
+test's utterance, the repository's speech sample trimmed, then a second of silence, over and over) at real
+time, through the same `Session.handle_client_text` a WebSocket reader calls; a writer task per session
+drains its outbound queue as the WebSocket writer would. The engine is a link that records and answers
+nothing, so only the server's side is measured. Reported: CPU ms per session-second (all threads of this
+process), the sessions one core would carry at that rate, and how late the loop delivered frames (p50 /
+p99 / max): lateness that grows over the run means the loop cannot keep up.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,12 @@ from typing import Any
 import numpy as np
 
 from engines.bench.hardware import cpu_model
-from server.audio.pcm import read_wav
-from server.loadtest.audio import DEFAULT_WAV
+from server.loadtest.audio import DEFAULT_WAV, load_utterance, silence_frame_b64
+from server.loadtest.user import append_message
 from server.session import Session
 from server.vad import VadBatcher
 
 FRAME_MS = 20
-RATE = 24000  # what the browser page and the load test send
 
 
 class _NullEngine:
@@ -58,14 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def frames(path: str) -> list[str]:
-    """A user's turn as append events: speech then 1 s of silence, 20 ms each, PCM16 base64."""
-    speech, _ = read_wav(path, target_rate=RATE)
-    pcm = np.concatenate([speech, np.zeros(RATE, np.float32)])
-    step = RATE * FRAME_MS // 1000
-    pcm16 = (np.clip(pcm[: len(pcm) // step * step], -1, 1) * 32767).astype("<i2")
-    return [json.dumps({"type": "input_audio_buffer.append",
-                        "audio": base64.b64encode(pcm16[i:i + step].tobytes()).decode()})
-            for i in range(0, len(pcm16), step)]
+    """A user's turn as append events, 20 ms each: the load test's utterance (speech, trimmed), then 1 s of
+    silence; encoded as the load test's users send them."""
+    silence = [silence_frame_b64(FRAME_MS)] * (1000 // FRAME_MS)
+    return [append_message(f) for f in load_utterance(path).frames_b64(FRAME_MS) + silence]
 
 
 async def one_run(n: int, seconds: float, turn: list[str]) -> dict[str, Any]:
@@ -114,8 +109,6 @@ async def one_run(n: int, seconds: float, turn: list[str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     turn = frames(args.audio)
     results = []
     cpu = f"{cpu_model()}, {os.cpu_count()} CPUs"
