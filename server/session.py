@@ -494,9 +494,9 @@ class Session:
             if self._vad_factory is None:
                 raise ProtocolError("server_vad_unavailable", "server_vad is not available on this server")
             vad = await asyncio.to_thread(self._vad_factory)  # the first one imports torch
+            await vad.ready()  # the shared model loads once per process (tens of ms), not on a turn
             if self._vad is None:
                 self._vad = vad
-        await self._vad.ready()  # the shared model loads once per process (tens of ms), not on a turn
         return self._vad
 
     async def _flush_prefix_to_engine(self) -> None:

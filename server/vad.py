@@ -13,6 +13,7 @@ blocking), which tests/test_server_vad.py pins.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -108,7 +109,6 @@ class VadBatcher:
         # of ms of silence), and under load each round carries many sessions' windows, where one call's
         # fixed cost (~0.3 ms) would otherwise be paid every window or two.
         self._round_every_s = round_every_s
-        self._last_round = 0.0
         self._net: Any = None
         self._load_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -145,11 +145,12 @@ class VadBatcher:
 
     async def _run(self, wake: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
+        last_round = -math.inf
         while True:
             await wake.wait()
-            if (wait := self._last_round + self._round_every_s - loop.time()) > 0:
+            if (wait := last_round + self._round_every_s - loop.time()) > 0:
                 await asyncio.sleep(wait)
-            self._last_round = loop.time()
+            last_round = loop.time()
             wake.clear()
             batch, later, seen = [], [], set()
             for req in self._queue:
