@@ -236,3 +236,53 @@ def test_voice_prompt_from_wav(codec, tmp_path) -> None:
     done = msgs[-1]
     assert isinstance(done, m.ResponseDone) and done.audio_samples == 6 * 1920
     assert not [x for x in msgs if isinstance(x, m.Error)]
+
+
+def test_silent_client_sessions_are_closed_and_their_kv_freed(codec) -> None:
+    """A server worker that dies never sends CloseSession: after client_timeout_s of silence the engine
+    closes its sessions (blocks back to the pool); a client that keeps pinging keeps its own."""
+    from engines.service.process import EngineServer
+
+    enc, dec = codec
+    now = [0.0]
+    ctx = zmq.Context()
+    server = EngineServer(Service(engine(), StandInTokenizer(), enc, dec, codec_thread=False), "inproc://eng", ctx,
+                          client_timeout_s=30.0, clock=lambda: now[0])
+    dead, alive = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (dead, alive):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect("inproc://eng")
+
+        def pump() -> None:
+            for _ in range(200):
+                server.run_once(timeout_ms=5)
+                if not server.service.has_work():
+                    return
+
+        greedy = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
+        for sock, sid in ((dead, "gone"), (alive, "kept")):
+            sock.send(m.encode(m.OpenSession(sid)))
+            sock.send(m.encode(m.AddUserText(sid, "i", "hello there")))
+            sock.send(m.encode(m.CreateResponse(sid, "r", "text", greedy)))
+        pump()
+        st = server.service.stats()
+        assert st["sessions"] == 2 and st["kv_free"] < st["kv_total"]  # both histories hold blocks
+        assert server.expire_silent_clients() == []  # nobody silent yet
+        now[0] = 20.0
+        alive.send(m.encode(m.Ping(1)))
+        pump()
+        now[0] = 31.0  # `dead` last spoke at 0 s, `alive` at 20 s
+        assert server.expire_silent_clients() == ["gone"]
+        pump()
+        assert set(server.service.sessions) == {"kept"}
+        alive.send(m.encode(m.CloseSession("kept")))
+        pump()
+        st = server.service.stats()
+        assert st["sessions"] == 0 and st["kv_free"] == st["kv_total"]
+        server.service.engine.check_integrity()
+    finally:
+        dead.close(0)
+        alive.close(0)
+        server.close()
+        ctx.term()

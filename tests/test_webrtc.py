@@ -525,9 +525,12 @@ async def test_control_websocket_bound_to_a_call_in_the_real_app():
                 assert not any(e["type"] == "response.output_audio.delta" for e in events)
                 await client.wait_event("output_audio_buffer.stopped", 10)
                 assert client.first_audible_after(t0) is not None
-            r = await http.delete(f"{srv.http}/v1/realtime/calls/{client.call_id}")
-            assert r.status_code == 204
-            assert len(srv.app.state.calls) == 0
+                r = await http.delete(f"{srv.http}/v1/realtime/calls/{client.call_id}")
+                assert r.status_code == 204
+                assert len(srv.app.state.calls) == 0
+                with pytest.raises(websockets.ConnectionClosedOK):  # the call ended: so does its control socket
+                    while True:
+                        await asyncio.wait_for(ws.recv(), 10)
             await client.close()
     finally:
         await asyncio.to_thread(srv.__exit__, None, None, None)

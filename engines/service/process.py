@@ -15,12 +15,15 @@ Readiness: the model, tokenizer and codec are loaded BEFORE the socket is bound,
 bound, the process logs `engine ready endpoint=...` on stderr and, with `--ready-file`, writes
 that file (JSON: pid, endpoint, model, codec, device).
 
-Loop: poll without blocking while the engine has work, else wait up to 50 ms; each iteration
-drains every waiting message, then runs one engine step and sends what it produced. SIGTERM or
-SIGINT ends the loop after the current step. When idle (at most every 10 s, after work) the KV
-pool's integrity is checked. An exception inside an engine step (or a failed check) leaves the
-engine's state unknown: every session with a live response gets `Error(engine_error)` and
-`ResponseDone(failed)`, and the process exits with status 1 so the supervisor restarts it.
+Loop: poll without blocking while the engine has work, else wait up to 50 ms; each iteration drains
+every waiting message, then runs one engine step and sends what it produced. SIGTERM or SIGINT ends
+the loop after the current step. A client that sends nothing (not even its once-a-second Ping) for
+`--client-timeout-s` is taken for dead (a server worker killed, a host gone): its sessions are
+closed as if it had sent CloseSession, so their KV blocks return to the pool. When idle (at most
+every 10 s, after work) the KV pool's integrity is checked. An exception inside an engine step (or a
+failed check) leaves the engine's state unknown: every session with a live response gets
+`Error(engine_error)` and `ResponseDone(failed)`, and the process exits with status 1 so the
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ WAIT_POLL_MS = 2
 INTEGRITY_EVERY_S = 10.0
 LOAD_LOG_S = 5.0
 MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot stall decoding
+CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it declares us lost
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocoder", default=None, choices=["bigvgan", "hift"],
                    help="default: hift for a codec dir without bigvgan/, else bigvgan")
     p.add_argument("--ready-file", default=None)
+    p.add_argument("--client-timeout-s", type=float, default=CLIENT_TIMEOUT_S,
+                   help="close the sessions of a client (server process) silent for this long")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size (default: EngineConfig's)")
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -231,7 +237,10 @@ class _LoadLog:
 class EngineServer:
     """The ROUTER socket around a Service."""
 
-    def __init__(self, service: Service, endpoint: str, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, service: Service, endpoint: str, ctx: zmq.Context | None = None,
+                 client_timeout_s: float = CLIENT_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> None:
+        if client_timeout_s <= 0:
+            raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
         self.service = service
         self.endpoint = endpoint
         self.ctx = ctx or zmq.Context.instance()
@@ -239,6 +248,10 @@ class EngineServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self._envelopes: dict[bytes, list[bytes]] = {}  # identity -> frames between it and the payload
+        self.client_timeout_s = client_timeout_s
+        self._clock = clock
+        self._last_heard: dict[bytes, float] = {}  # identity -> when its last message arrived
+        self._next_expiry = 0.0
         self.stopping = False
         self._last_check = 0.0
         self._busy_since_check = False
@@ -267,6 +280,7 @@ class EngineServer:
                 break
             client, payload = frames[0], frames[-1]
             self._envelopes[client] = frames[1:-1]
+            self._last_heard[client] = self._clock()
             try:
                 items.append((client, m.decode(payload)))
             except m.MessageError as e:
@@ -287,6 +301,25 @@ class EngineServer:
                 kinds[type(msg).__name__] = kinds.get(type(msg).__name__, 0) + 1
             log.warning("slow message handling %.0f ms: %s", 1e3 * (time.perf_counter() - t0), kinds)
 
+    def expire_silent_clients(self) -> list[str]:
+        """Close every session of a client silent for client_timeout_s; returns the closed session ids."""
+        now = self._clock()
+        if now < self._next_expiry:
+            return []
+        self._next_expiry = now + min(1.0, self.client_timeout_s / 4)
+        silent = {c for c, t in self._last_heard.items() if now - t > self.client_timeout_s}
+        if not silent:
+            return []
+        for client in silent:
+            del self._last_heard[client]
+            self._envelopes.pop(client, None)
+        closes = [(s.owner, m.CloseSession(sid)) for sid, s in self.service.sessions.items() if s.owner in silent]
+        if closes:
+            log.warning("%d client(s) silent for over %.0f s: closing their %d session(s)", len(silent),
+                        self.client_timeout_s, len(closes))
+            self._send(self.service.handle_many(closes))  # nobody reads these; the ROUTER drops them
+        return [msg.session_id for _, msg in closes]
+
     def run_once(self, timeout_ms: int | None = None) -> None:
         if timeout_ms is None:
             if self.service.engine.has_work():
@@ -298,6 +331,7 @@ class EngineServer:
             with self.watch.section("message handling"):
                 self._recv_all()
             self._load.handled(time.perf_counter() - t0)
+        self.expire_silent_clients()
         if self.service.has_work():
             t0 = time.perf_counter()
             try:
@@ -338,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engines.service.process", description=__doc__.split("\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.client_timeout_s <= 0:
+        p.error(f"--client-timeout-s must be > 0, got {args.client_timeout_s}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     from engines.config import ConfigError
@@ -347,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as e:
         log.error("cannot start the engine: %s", e)
         return 2
-    server = EngineServer(service, args.endpoint)
+    server = EngineServer(service, args.endpoint, client_timeout_s=args.client_timeout_s)
 
     def stop(signum: int, _frame: Any) -> None:
         server.stopping = True
