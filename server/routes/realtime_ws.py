@@ -88,31 +88,47 @@ async def _send_and_close(ws: WebSocket, event: dict[str, Any], code: int) -> No
         await asyncio.wait_for(ws.close(code=code), SEND_TIMEOUT_S)
 
 
+class _Reader:
+    """Client messages until `ended` completes: that interrupts the wait for the next message, never a
+    handler half-way. (Not a task and a wait per message: ~10 us each, at 50 messages per second per
+    session a tenth of a core at 256 sessions.)"""
+
+    def __init__(self, ws: WebSocket, ended: asyncio.Future[Any]) -> None:
+        self.ws = ws
+        self.ended = ended
+        self._me = asyncio.current_task()
+        self._waiting = False
+        ended.add_done_callback(self._interrupt)
+
+    def _interrupt(self, _: asyncio.Future[Any]) -> None:
+        if self._waiting and self._me is not None:
+            self._me.cancel()
+
+    async def receive(self) -> dict[str, Any] | None:
+        """The next ASGI message; None once `ended` has completed."""
+        if self.ended.done():
+            return None
+        self._waiting = True
+        try:
+            return await self.ws.receive()
+        except asyncio.CancelledError:
+            if self._me is None or not self.ended.done() or self._me.uncancel() > 0:  # cancelled from outside too
+                raise
+            return None
+        finally:
+            self._waiting = False
+
+
 async def _pump(ws: WebSocket, session: Any, max_bytes: int) -> None:
     writer = asyncio.create_task(_writer(ws, session), name=f"ws-writer-{session.id}")
     close_code: int | None = None
-    # The writer ends when the session closed elsewhere (engine lost, slow client, drain): that interrupts
-    # the wait for the client's next message, never a handler half-way. (Not a task and a wait per
-    # message: ~10 us each, at 50 messages per second per session a tenth of a core at 256 sessions.)
-    me = asyncio.current_task()
-    waiting = False
-
-    def writer_ended(_: asyncio.Task[None]) -> None:
-        if waiting and me is not None:
-            me.cancel()
-
-    writer.add_done_callback(writer_ended)
+    # The writer ends when the session closed elsewhere (engine lost, slow client, drain).
+    reader = _Reader(ws, writer)
     try:
-        while not session.closed and not writer.done():
-            waiting = True
-            try:
-                msg = await ws.receive()
-            except asyncio.CancelledError:
-                if me is None or not writer.done() or me.uncancel() > 0:  # cancelled from outside too
-                    raise
+        while not session.closed:
+            msg = await reader.receive()
+            if msg is None:
                 break
-            finally:
-                waiting = False
             if msg["type"] == "websocket.disconnect":
                 await session.close("client_disconnected")
                 return
@@ -165,9 +181,15 @@ async def _control_socket(ws: WebSocket, call_id: str) -> None:
         await ws.send_text(text)
 
     call.bind(sink)
+    ended = asyncio.ensure_future(call.session.wait_closed())
+    reader = _Reader(ws, ended)
     try:
-        while not call.session.closed:
-            msg = await ws.receive()
+        while True:
+            msg = await reader.receive()
+            if msg is None:  # the call's session ended (hangup, peer gone, engine lost): say so by closing
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(ws.close(code=call.session.close_code), SEND_TIMEOUT_S)
+                return
             if msg["type"] == "websocket.disconnect":
                 return
             if msg.get("text") is not None:
@@ -175,4 +197,5 @@ async def _control_socket(ws: WebSocket, call_id: str) -> None:
     except WebSocketDisconnect:
         return
     finally:
+        ended.cancel()
         call.unbind(sink)
