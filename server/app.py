@@ -2,11 +2,14 @@
 
 `create_app(settings)` returns an app whose lifespan starts (or connects to) the engine process and
 waits until it answers, and on shutdown closes sessions and stops the engine. Graceful drain on
-SIGTERM is done by `server.serving.DrainingServer` before uvicorn closes connections.
+SIGTERM is done by `server.serving.DrainingServer` before uvicorn closes connections. With a
+`WorkerContext` (server/workers/) the app is one of several worker processes: it connects to the
+supervisor's engine, admits sessions under the server-wide limit, and relays calls held by siblings.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -21,7 +24,10 @@ from server.routes import ops, realtime_ws
 from server.session import SessionLimits
 from server.session_manager import SessionManager
 from server.settings import Settings
+from server.slots import SharedSlots
 from server.webrtc import routes as webrtc_routes
+from server.workers.context import WorkerContext
+from server.workers.relay import WorkerRelay
 
 log = logging.getLogger("server.app")
 
@@ -42,43 +48,70 @@ class _VadStreams:
         return self._batcher.stream()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings or Settings()
-    metrics = Metrics()
-    endpoint = settings.resolved_endpoint()
+def engine_client(settings: Settings, endpoint: str, **callbacks: Any) -> EngineClient:
+    """The link to the engine at `endpoint`: it spawns and supervises the engine when settings say so."""
     command = None
     if settings.spawn_engine:
         command = list(settings.engine_command) if settings.engine_command else engine_command(
             settings.model, settings.codec, settings.device, endpoint, settings.vocoder)
         if settings.engine_command:
             command += ["--endpoint", endpoint]
-    engine = EngineClient(
-        endpoint, command, ready_timeout_s=settings.engine_ready_timeout_s,
-        ping_interval_s=settings.engine_ping_interval_s, ping_timeout_s=settings.engine_ping_timeout_s,
-        on_stats=metrics.engine_stats, on_lost=metrics.engine_restarts.inc)
+    return EngineClient(endpoint, command, ready_timeout_s=settings.engine_ready_timeout_s,
+                        ping_interval_s=settings.engine_ping_interval_s,
+                        ping_timeout_s=settings.engine_ping_timeout_s, **callbacks)
+
+
+GAUGE_REFRESH_S = 1.0  # under --workers: how stale another worker's share of a gauge may be at a scrape
+
+
+def create_app(settings: Settings | None = None, worker: WorkerContext | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+    engine = engine_client(
+        settings, settings.resolved_endpoint(), on_stats=metrics.engine_stats,
+        # Every worker sees each engine loss; one of them counts it.
+        on_lost=metrics.engine_restarts.inc if worker is None or worker.index == 0 else None,
+        generation=worker.engine_generation_now if worker is not None and worker.engine_generation is not None
+        else None)
     limits = SessionLimits(max_message_bytes=settings.max_message_bytes,
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
                            output_queue_size=settings.output_queue_size)
+    slots = SharedSlots(worker.session_counts, worker.index, settings.max_sessions) if worker is not None else None
     sessions = SessionManager(engine, max_sessions=settings.max_sessions, limits=limits, model=settings.model_name,
-                              vad_factory=_VadStreams() if settings.vad else None, observer=metrics)
+                              vad_factory=_VadStreams() if settings.vad else None, observer=metrics, slots=slots)
+    relay = WorkerRelay(worker) if worker is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.model == "tiny-random":
             log.warning("serving RANDOM weights (tiny-random): answers are noise; pass --model/--codec for real ones")
         await engine.start()
+        refresher = asyncio.create_task(_refresh_gauges(app)) if worker is not None else None
         try:
             yield
         finally:
+            if refresher is not None:
+                refresher.cancel()
             await sessions.drain(0.0)
             await engine.stop()
+            if relay is not None:
+                await relay.aclose()
 
     app = FastAPI(title="moss-speech-server", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.worker = worker
+    app.state.relay = relay
     app.include_router(ops.router)
     app.include_router(realtime_ws.router)
     webrtc_routes.install(app, settings, sessions)  # POST /v1/realtime/calls, /v1/info, the page at /
     return app
+
+
+async def _refresh_gauges(app: FastAPI) -> None:
+    """A scrape reaches one worker; the others' shares of the gauges are kept fresh by this."""
+    while True:
+        ops.refresh_gauges(app.state)
+        await asyncio.sleep(GAUGE_REFRESH_S)

@@ -8,7 +8,10 @@ Supervision: a Ping every `ping_interval_s`; if the spawned process exits, or no
 `ping_timeout_s`, the engine is declared lost: every registered session gets `on_engine_lost()` (it
 emits an `error` event and ends), the process is killed if still there, and a new one is started with
 backoff. A fresh DEALER is used for every engine generation so no stale frames reach the new engine.
-With `spawn=False` the server only connects to an engine someone else runs (and supervises).
+With `spawn=False` the server only connects to an engine someone else runs (and supervises). When
+that someone is this server's own supervisor (`--workers`), it bumps a shared generation count on every
+engine it loses, and each worker ends its sessions within a ping interval instead of waiting for the
+pings to time out (a fast restart would otherwise answer them, and the new engine knows no session).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # An engine must not outlive a server that was SIGKILLed (it would hold the GPU).
+def die_with_parent() -> None:  # pragma: no cover - runs in the child
+    # An engine (or a server worker) must not outlive a server that was SIGKILLed (it would hold the GPU).
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -68,6 +71,7 @@ class EngineClient:
         restart_backoff_s: float = 0.5,
         on_stats: Callable[[dict[str, Any]], None] | None = None,
         on_lost: Callable[[], None] | None = None,
+        generation: Callable[[], int] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.command = command  # None: connect to an engine run elsewhere
@@ -77,6 +81,8 @@ class EngineClient:
         self.restart_backoff_s = restart_backoff_s
         self._on_stats = on_stats
         self._on_lost = on_lost
+        self._generation = generation  # the supervisor's count of engines lost, when it runs the engine
+        self._seen_generation = generation() if generation is not None else 0
         self.ready = False
         self.stats: dict[str, Any] = {}
         self.restarts = 0
@@ -130,10 +136,12 @@ class EngineClient:
         self._ctx.term()
 
     async def _start_generation(self) -> None:
+        if self._generation is not None:
+            self._seen_generation = self._generation()
         if self.command is not None:
             log.info("starting engine: %s", " ".join(self.command))
             self.proc = await asyncio.create_subprocess_exec(
-                *self.command, stdin=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                *self.command, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -205,6 +213,9 @@ class EngineClient:
         while not self._stopping:
             await asyncio.sleep(self.ping_interval_s)
             if self._sock is None:
+                continue
+            if self._generation is not None and self._generation() != self._seen_generation:
+                await self._engine_lost("restarted by the server's supervisor")
                 continue
             died = self.proc is not None and self.proc.returncode is not None
             if not died:

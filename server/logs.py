@@ -17,15 +17,17 @@ def _kv_value(v: object) -> str:
 
 
 class _Formatter(logging.Formatter):
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, worker: int | None = None) -> None:
         super().__init__()
         self.fmt = fmt
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         fields = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
+            **({"worker": self.worker} if self.worker is not None else {}),
             "session_id": getattr(record, "session_id", "-"),
             "msg": record.getMessage(),
         }
@@ -36,9 +38,10 @@ class _Formatter(logging.Formatter):
         return " ".join(f"{k}={_kv_value(v)}" for k, v in fields.items())
 
 
-def setup_logging(level: str = "info", fmt: str = "kv") -> None:
+def setup_logging(level: str = "info", fmt: str = "kv", worker: int | None = None) -> None:
+    """`worker`: under --workers, the worker's index, on every line (the supervisor's lines have none)."""
     handler = logging.StreamHandler()
-    handler.setFormatter(_Formatter(fmt))
+    handler.setFormatter(_Formatter(fmt, worker))
     for name in ("server", "uvicorn", "uvicorn.error", "uvicorn.access"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [handler]

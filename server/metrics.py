@@ -1,10 +1,19 @@
-"""Prometheus metrics of one server process (a registry per app, so tests can run several apps)."""
+"""Prometheus metrics of one server process (a registry per app, so tests can run several apps).
+
+Under `moss-speech serve --workers N` the supervisor sets PROMETHEUS_MULTIPROC_DIR before it starts the
+workers, so prometheus_client keeps every value in a file there and `render()` (in whichever worker
+the scrape reached) reads all workers' files: counters and histograms add up, gauges are summed or
+taken from the latest writer as each one's `multiprocess_mode` says.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
@@ -18,16 +27,20 @@ class Metrics:
                                       buckets=TTFA_BUCKETS, registry=r)
         self.rtf_hist = Histogram("moss_rtf", "Answer wall time / answer audio duration, per response",
                                   buckets=RTF_BUCKETS, registry=r)
-        self.active_sessions = Gauge("moss_active_sessions", "Open realtime sessions", registry=r)
+        self.active_sessions = Gauge("moss_active_sessions", "Open realtime sessions", registry=r,
+                                     multiprocess_mode="livesum")
         self.queue_depth = Gauge("moss_outbound_queue_depth", "Outbound items queued, summed over sessions",
-                                 registry=r)
+                                 registry=r, multiprocess_mode="livesum")
         self.errors = Counter("moss_errors", "Error events sent to clients, by code", ["code"], registry=r)
-        self.engine_up = Gauge("moss_engine_up", "1 when the engine process answers pings", registry=r)
+        self.engine_up = Gauge("moss_engine_up", "1 when the engine process answers pings", registry=r,
+                               multiprocess_mode="livemin")  # every worker's link to the engine up
         self.engine_restarts = Counter("moss_engine_restarts", "Engine processes lost and restarted", registry=r)
-        self.kv_blocks_free = Gauge("moss_kv_blocks_free", "Free KV blocks in the engine", registry=r)
-        self.kv_blocks_used = Gauge("moss_kv_blocks_used", "Used KV blocks in the engine", registry=r)
-        self.engine_running = Gauge("moss_engine_running_requests", "Requests being decoded", registry=r)
-        self.engine_waiting = Gauge("moss_engine_waiting_requests", "Requests waiting for admission", registry=r)
+        # The engine's own figures, the same whichever worker's Pong carried them: the latest one wins.
+        engine = {"registry": r, "multiprocess_mode": "livemostrecent"}
+        self.kv_blocks_free = Gauge("moss_kv_blocks_free", "Free KV blocks in the engine", **engine)
+        self.kv_blocks_used = Gauge("moss_kv_blocks_used", "Used KV blocks in the engine", **engine)
+        self.engine_running = Gauge("moss_engine_running_requests", "Requests being decoded", **engine)
+        self.engine_waiting = Gauge("moss_engine_waiting_requests", "Requests waiting for admission", **engine)
 
     # SessionObserver
     def error(self, code: str) -> None:
@@ -50,4 +63,9 @@ class Metrics:
                 gauge.set(stats[key])
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        path = os.environ.get(MULTIPROC_ENV)
+        if not path:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=path)
+        return generate_latest(merged)

@@ -13,6 +13,7 @@ from typing import Any
 
 from server import events as ev
 from server.session import AudioOutMode, EngineLink, Session, SessionLimits, SessionObserver
+from server.slots import Slots
 
 log = logging.getLogger("server.sessions")
 
@@ -39,9 +40,12 @@ class Draining(SessionRefused):
 
 class SessionManager:
     def __init__(self, engine: EngineLink, *, max_sessions: int, limits: SessionLimits, model: str,
-                 vad_factory: Callable[[], Any] | None = None, observer: SessionObserver | None = None) -> None:
+                 vad_factory: Callable[[], Any] | None = None, observer: SessionObserver | None = None,
+                 slots: Slots | None = None) -> None:
         self.engine = engine
         self.max_sessions = max_sessions
+        # The admission count: this process's sessions, or the whole server's under --workers.
+        self.slots = slots if slots is not None else Slots(max_sessions)
         self.limits = limits
         self.model = model
         self.vad_factory = vad_factory
@@ -55,21 +59,30 @@ class SessionManager:
     def create(self, audio_out: AudioOutMode = "events") -> Session:
         if self.draining:
             raise Draining("the server is shutting down")
-        if len(self.sessions) >= self.max_sessions:
-            raise ServerBusy(f"the server is at its limit of {self.max_sessions} sessions; retry later")
         if not self.engine.ready:
             raise EngineUnavailable("the engine is not ready (starting or restarting); retry shortly")
+        if not self.slots.try_take():
+            raise ServerBusy(f"the server is at its limit of {self.max_sessions} sessions; retry later")
         sid = ev.new_id("sess")
-        s = Session(sid, self.engine, model=self.model, limits=self.limits, audio_out=audio_out,
-                    vad_factory=self.vad_factory, observer=self.observer, on_closed=self._forget)
+        try:
+            s = Session(sid, self.engine, model=self.model, limits=self.limits, audio_out=audio_out,
+                        vad_factory=self.vad_factory, observer=self.observer, on_closed=self._forget)
+        except BaseException:
+            self.slots.put_back()
+            raise
         self.sessions[sid] = s
         return s
 
     def get(self, session_id: str) -> Session | None:
         return self.sessions.get(session_id)
 
+    def in_use(self) -> int:
+        """Sessions open on the whole server (all workers)."""
+        return self.slots.in_use()
+
     def _forget(self, s: Session) -> None:
-        self.sessions.pop(s.id, None)
+        if self.sessions.pop(s.id, None) is not None:
+            self.slots.put_back()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting sessions; let answers in progress finish (up to timeout_s), then close all."""

@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     log_level: str = "info"
     log_format: str = Field("kv", pattern="^(kv|json)$")
+    workers: int = Field(1, ge=1, le=64)  # server processes behind the port, sharing one engine (server/workers/)
 
     # Access
     api_keys: Annotated[list[str], NoDecode] = []  # empty: no key required

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,8 +23,9 @@ async def health(request: Request) -> JSONResponse:
         "model": st.settings.model,
         "codec": st.settings.codec,
         "random_weights": st.settings.random_weights,
-        "sessions": len(st.sessions),
+        "sessions": st.sessions.in_use(),  # the whole server's, all workers'
         "max_sessions": st.settings.max_sessions,
+        "worker": st.worker.index if getattr(st, "worker", None) is not None else None,
         "draining": st.sessions.draining,
         "engine_restarts": engine.restarts,
         "engine": engine.stats,
@@ -33,10 +36,15 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    st = request.app.state
+def refresh_gauges(st: Any) -> None:
+    """This process's gauges from its sessions (under --workers each worker's share; the scrape adds them)."""
     st.metrics.queue_depth.set(sum(len(s.outbound) for s in st.sessions.sessions.values()))
     st.metrics.engine_up.set(1 if st.engine.ready else 0)
     st.metrics.active_sessions.set(len(st.sessions))  # WebSocket and WebRTC sessions alike
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    st = request.app.state
+    refresh_gauges(st)
     return Response(st.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -173,6 +173,11 @@ async def _control_socket(ws: WebSocket, call_id: str) -> None:
     calls = getattr(ws.app.state, "calls", None)
     call = calls.get(call_id) if calls is not None else None
     if call is None:
+        relay = getattr(ws.app.state, "relay", None)  # under --workers: the call may be a sibling worker's
+        owner = relay.owner(call_id) if relay is not None else None
+        if owner is not None:
+            await relay.websocket(ws, owner, _deny)
+            return
         await _deny(ws, 404, f"unknown call_id {call_id!r}")
         return
     await ws.accept(subprotocol=_subprotocol(ws))

@@ -263,8 +263,9 @@ class CallRegistry:
         await asyncio.gather(*(c.close(reason) for c in list(self._calls.values())), return_exceptions=True)
 
 
-def new_call_id() -> str:
-    return "rtc_" + uuid.uuid4().hex[:24]
+def new_call_id(prefix: str = "rtc_") -> str:
+    """`prefix`: "rtc_w{i}_" under --workers, so any worker can tell which one holds the call."""
+    return prefix + uuid.uuid4().hex[:24]
 
 
 def _event_id() -> str:

@@ -12,6 +12,8 @@ Errors are JSON `{"error": {"type", "code", "message"}}`: 400 bad offer (the rea
 403 origin not allowed, 404 unknown call, 413 offer too large, 415 not application/sdp, 503 call or session
 limit reached / engine not ready (with Retry-After). The control WebSocket `/v1/realtime?call_id=ID`
 (server/routes/realtime_ws.py) finds the call in `app.state.calls` and binds to it with `Call.bind`.
+Under `--workers` a call lives in the worker that answered its offer; the others relay its requests
+there (server/workers/relay.py), and `max_calls` is per worker (a call's media costs its worker's CPU).
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ def _error(status: int, code: str, message: str, etype: str = "invalid_request_e
 class WebRTCService:
     """Owns the call registry; the route functions below are thin wrappers around it."""
 
-    def __init__(self, settings: Any, sessions: SessionManager, config: WebRTCConfig, metrics: Any = None) -> None:
+    def __init__(self, settings: Any, sessions: SessionManager, config: WebRTCConfig, metrics: Any = None,
+                 relay: Any = None) -> None:
         self.settings = settings
+        self.relay = relay  # server.workers.relay.WorkerRelay under --workers: calls held by sibling workers
         self.metrics = metrics  # server.metrics.Metrics when present: calls count as active sessions
         self.sessions = sessions
         self.config = config
@@ -102,7 +106,7 @@ class WebRTCService:
         except SessionRefused as e:
             await pc.close()
             return _error(503, e.code, e.message, etype="server_error", headers={"Retry-After": "5"})
-        call_id = new_call_id()
+        call_id = new_call_id(self.relay.ctx.call_id_prefix if self.relay is not None else "rtc_")
         call = Call(call_id, pc, session, prebuffer_ms=self.config.prebuffer_ms,
                     ice_timeout_s=self.config.ice_timeout_s, on_closed=self._closed)
         try:
@@ -133,18 +137,24 @@ class WebRTCService:
             self.metrics.active_sessions.dec()
         self.calls.remove(call)
 
-    def _call_or_error(self, request: Request, call_id: str) -> Call | Response:
-        """The call, or the response refusing the request (auth/origin, then unknown id -> 404)."""
+    async def _call_or_reply(self, request: Request, call_id: str) -> Call | Response:
+        """The call; or the reply: a refusal (auth/origin, then unknown id -> 404), or the answer of the
+        sibling worker that holds the call."""
         denied = self.access_error(request.headers, request.query_params)
         if denied is not None:
             return denied
         call = self.calls.get(call_id)
-        if call is None:
-            return _error(404, "call_not_found", f"no active call with id {call_id!r}")
-        return call
+        if call is not None:
+            return call
+        owner = self.relay.owner(call_id) if self.relay is not None else None
+        if owner is not None:
+            reply = await self.relay.http(request, owner)
+            if reply is not None:
+                return reply
+        return _error(404, "call_not_found", f"no active call with id {call_id!r}")
 
     async def call_state(self, request: Request, call_id: str) -> Response:
-        call = self._call_or_error(request, call_id)
+        call = await self._call_or_reply(request, call_id)
         if not isinstance(call, Call):
             return call
         t = call.track.stats
@@ -156,14 +166,14 @@ class WebRTCService:
         })
 
     async def hangup(self, request: Request, call_id: str) -> Response:
-        call = self._call_or_error(request, call_id)
+        call = await self._call_or_reply(request, call_id)
         if not isinstance(call, Call):
             return call
         await call.close("hung up by the client")
         return Response(status_code=204)
 
     async def set_voice(self, request: Request, call_id: str) -> Response:
-        call = self._call_or_error(request, call_id)
+        call = await self._call_or_reply(request, call_id)
         if not isinstance(call, Call):
             return call
         wav = await request.body()
@@ -180,7 +190,8 @@ class WebRTCService:
 
 def install(app: FastAPI, settings: Any, sessions: SessionManager) -> WebRTCService:
     """Add the WebRTC routes, `/v1/info` and the page to `app`; returns the service (also app.state.webrtc)."""
-    svc = WebRTCService(settings, sessions, WebRTCConfig.from_settings(settings), getattr(app.state, "metrics", None))
+    svc = WebRTCService(settings, sessions, WebRTCConfig.from_settings(settings), getattr(app.state, "metrics", None),
+                        getattr(app.state, "relay", None))
     app.state.webrtc = svc
     app.state.calls = svc.calls  # the control WebSocket's lookup of `?call_id=`
     app.add_api_route("/v1/realtime/calls", svc.create_call, methods=["POST"], status_code=201)

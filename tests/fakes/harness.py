@@ -14,15 +14,24 @@ import httpx
 from server.app import create_app
 from server.serving import DrainingServer, uvicorn_config
 from server.settings import Settings
+from server.workers.context import WorkerContext
 
 FAKE_ENGINE = [sys.executable, "-m", "tests.fakes.fake_engine", "--model", "x", "--codec", "x", "--device", "cpu"]
 
 
 class RunningServer:
-    def __init__(self, settings: Settings) -> None:
-        self.app = create_app(settings)
+    """`worker`: run the app as that worker of a --workers server (its own port here, plus its private socket)."""
+
+    def __init__(self, settings: Settings, worker: WorkerContext | None = None) -> None:
+        self.app = create_app(settings, worker)
         self.server = DrainingServer(uvicorn_config(self.app, "127.0.0.1", 0, "warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        sockets = None
+        if worker is not None:
+            from server.workers.supervisor import bind_listener
+            from server.workers.worker import private_socket
+
+            sockets = [bind_listener("127.0.0.1", 0), private_socket(worker.socket_path(worker.index))]
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, daemon=True)
 
     def __enter__(self) -> RunningServer:
         self.thread.start()

@@ -1,0 +1,41 @@
+"""What a worker process knows of its siblings: its index, their private sockets, the shared counts."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_CALL_ID = re.compile(r"^rtc_w(\d+)_[0-9a-f]+$")
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    index: int
+    count: int
+    socket_dir: str  # worker i serves its private unix socket at socket_dir/worker-i.sock
+    session_counts: Any  # multiprocessing Array("i", count): each worker's open sessions (server/slots.py)
+    engine_generation: Any = None  # multiprocessing Value("i"): engines lost so far; None: engine run elsewhere
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"worker index {self.index} is outside 0..{self.count - 1}")
+
+    def socket_path(self, index: int) -> str:
+        return os.path.join(self.socket_dir, f"worker-{index}.sock")
+
+    @property
+    def call_id_prefix(self) -> str:
+        return f"rtc_w{self.index}_"
+
+    def owner_of(self, call_id: str) -> int | None:
+        """The index of the worker that holds `call_id`, or None for an id no worker of ours made."""
+        match = _CALL_ID.match(call_id)
+        if match is None:
+            return None
+        index = int(match.group(1))
+        return index if index < self.count else None
+
+    def engine_generation_now(self) -> int:
+        return int(self.engine_generation.value)

@@ -1,0 +1,133 @@
+"""A WebRTC call's HTTP requests and control WebSocket, carried to the worker that holds the call.
+
+The call's peer connection (its media, its session) lives in the worker that answered the offer; the
+kernel may hand the client's next connection to any worker. That worker relays it over the owner's
+private unix socket: HTTP requests whole, the control socket message by message (a control channel
+carries events only, a few per second; the audio stays on the call's media tracks). The owner checks
+the key and Origin again from the forwarded headers, so the relay adds no trust of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import httpx
+from fastapi import Request, WebSocket
+from fastapi.responses import Response
+from starlette.websockets import WebSocketDisconnect
+from websockets.asyncio.client import ClientConnection, unix_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from server import auth
+from server.workers.context import WorkerContext
+
+log = logging.getLogger("server.relay")
+
+# Headers that describe one hop of a connection, not the request: never forwarded either way.
+_HOP = {"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length",
+        "content-encoding", "proxy-authorization", "proxy-connection"}
+_WS_HEADERS = ("authorization", "origin", "openai-beta", "user-agent")  # what the owner's checks read
+_NO_STATUS = {1005, 1006}  # close codes that say "no code was sent": not sendable in a close frame
+Deny = Callable[[WebSocket, int, str], Awaitable[None]]
+
+
+class WorkerRelay:
+    def __init__(self, ctx: WorkerContext, timeout_s: float = 30.0) -> None:
+        self.ctx = ctx
+        self.timeout_s = timeout_s
+        self._clients: dict[int, httpx.AsyncClient] = {}
+
+    def owner(self, call_id: str) -> int | None:
+        """The sibling worker holding `call_id`; None when it is ours or no worker's."""
+        index = self.ctx.owner_of(call_id)
+        return None if index is None or index == self.ctx.index else index
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
+
+    def _client(self, index: int) -> httpx.AsyncClient:
+        client = self._clients.get(index)
+        if client is None:
+            transport = httpx.AsyncHTTPTransport(uds=self.ctx.socket_path(index))
+            client = httpx.AsyncClient(transport=transport, base_url="http://worker", timeout=self.timeout_s)
+            self._clients[index] = client
+        return client
+
+    async def http(self, request: Request, index: int) -> Response | None:
+        """The owner's response to `request`; None when the owner cannot be reached (it died, with its calls)."""
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        try:
+            r = await self._client(index).request(request.method, target, headers=headers,
+                                                  content=await request.body())
+        except httpx.TransportError as e:
+            log.warning("relay to worker %d failed: %s", index, e)
+            return None
+        return Response(r.content, status_code=r.status_code,
+                        headers={k: v for k, v in r.headers.items() if k.lower() not in _HOP})
+
+    async def websocket(self, ws: WebSocket, index: int, deny: Deny) -> None:
+        """Carry the control socket `ws` to worker `index` until either side closes it."""
+        uri = "ws://worker" + ws.url.path + (f"?{ws.url.query}" if ws.url.query else "")
+        headers = [(k, ws.headers[k]) for k in _WS_HEADERS if k in ws.headers]
+        offered = auth.offered_subprotocols(ws.headers)
+        try:
+            upstream = await unix_connect(self.ctx.socket_path(index), uri, additional_headers=headers,
+                                          subprotocols=offered or None, max_size=None, ping_interval=None,
+                                          open_timeout=self.timeout_s)
+        except InvalidStatus as e:  # the owner refused: say what it said
+            reason = e.response.body.decode("utf-8", "replace") if e.response.body else "refused"
+            await deny(ws, e.response.status_code, reason)
+            return
+        except (OSError, TimeoutError) as e:
+            log.warning("relay to worker %d failed: %s", index, e)
+            await deny(ws, 404, "unknown call_id (the worker that held the call is gone)")
+            return
+        async with upstream:
+            await ws.accept(subprotocol=upstream.subprotocol)
+            await _pipe(ws, upstream)
+
+
+async def _pipe(ws: WebSocket, upstream: ClientConnection) -> None:
+    async def client_to_owner() -> int:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return int(msg.get("code") or 1000)
+            if msg.get("text") is not None:
+                await upstream.send(msg["text"])
+            elif msg.get("bytes") is not None:
+                await upstream.send(msg["bytes"])
+
+    async def owner_to_client() -> None:
+        async for data in upstream:
+            if isinstance(data, str):
+                await ws.send_text(data)
+            else:
+                await ws.send_bytes(data)
+
+    inbound = asyncio.create_task(client_to_owner())
+    outbound = asyncio.create_task(owner_to_client())
+    try:
+        done, _ = await asyncio.wait({inbound, outbound}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (inbound, outbound):
+            t.cancel()
+        for t in (inbound, outbound):
+            with contextlib.suppress(asyncio.CancelledError, ConnectionClosed, WebSocketDisconnect, RuntimeError):
+                await t
+    if inbound in done:  # the client left: close the owner's side the same way
+        code = inbound.result() if inbound.exception() is None else 1000
+        with contextlib.suppress(ConnectionClosed):
+            await upstream.close(code if code not in _NO_STATUS else 1000)
+        return
+    code = upstream.close_code
+    if code is None or code in _NO_STATUS:  # the owner went away without a close frame
+        code = 1011
+    with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+        await ws.close(code=code, reason=upstream.close_reason or "")

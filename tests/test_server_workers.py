@@ -1,0 +1,319 @@
+"""`moss-speech serve --workers N`: the shared session limit, call relays between workers, the supervisor.
+
+In-process tests run two worker apps (each on its own port plus its private socket) against one fake engine
+process, so a test can choose which worker a request reaches. The end-to-end tests run the real
+supervisor (`moss-speech serve --workers 2`) with the fake engine, where the kernel picks the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+
+from server.slots import SharedSlots, Slots
+from server.workers.context import WorkerContext
+from tests.fakes.harness import FAKE_ENGINE, RunningServer, fake_settings, recv_event, recv_until, send, user_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- pieces ------------------------------------------------------------------------------------------
+
+
+def test_slots_admit_up_to_the_limit_and_refuse_bad_returns():
+    s = Slots(2)
+    assert s.try_take() and s.try_take() and not s.try_take()
+    s.put_back()
+    assert s.in_use() == 1 and s.try_take()
+    with pytest.raises(ValueError, match="admits nothing"):
+        Slots(0)
+    empty = Slots(1)
+    with pytest.raises(RuntimeError, match="never taken"):
+        empty.put_back()
+
+
+def test_shared_slots_count_every_worker_against_one_limit():
+    counts = multiprocessing.get_context("spawn").Array("i", 3)
+    w = [SharedSlots(counts, i, limit=3) for i in range(3)]
+    assert w[0].try_take() and w[0].try_take() and w[2].try_take()
+    assert not w[1].try_take()  # worker 1 has none, but the server is full
+    assert [x.in_use() for x in w] == [3, 3, 3] and list(counts) == [2, 0, 1]
+    w[2].put_back()
+    assert w[1].try_take() and list(counts) == [2, 1, 0]
+    with pytest.raises(RuntimeError, match="never taken"):
+        w[2].put_back()  # worker 2's own count is 0: another worker's places are not its to return
+    with pytest.raises(ValueError, match="outside"):
+        SharedSlots(counts, 3, limit=3)
+
+
+def test_call_ids_name_their_worker():
+    ctx = WorkerContext(1, 3, "/tmp/x", None)
+    assert ctx.call_id_prefix == "rtc_w1_"
+    assert ctx.owner_of("rtc_w2_0123abcd") == 2 and ctx.owner_of("rtc_w1_ff") == 1
+    assert ctx.owner_of("rtc_w3_ff") is None  # no such worker
+    assert ctx.owner_of("rtc_0123abcd") is None and ctx.owner_of("rtc_w1_") is None and ctx.owner_of("x") is None
+    assert ctx.socket_path(2) == "/tmp/x/worker-2.sock"
+    with pytest.raises(ValueError, match="outside"):
+        WorkerContext(3, 3, "/tmp/x", None)
+
+
+# ---- two worker apps in this process, one fake engine ------------------------------------------------
+
+
+@pytest.fixture
+def two_workers(tmp_path):
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    engine = subprocess.Popen([*FAKE_ENGINE, "--endpoint", endpoint], cwd=ROOT)
+    counts = multiprocessing.get_context("spawn").Array("i", 2)
+    settings = fake_settings(spawn_engine=False, engine_endpoint=endpoint, max_sessions=3, vad=False)
+    servers = []
+    try:
+        for i in range(2):
+            servers.append(RunningServer(settings, WorkerContext(i, 2, str(tmp_path), counts)).__enter__())
+        for s in servers:
+            s.wait_engine()
+        yield servers, counts
+    finally:
+        for s in servers:
+            s.__exit__(None, None, None)
+        engine.terminate()
+        engine.wait(10)
+
+
+async def test_session_limit_is_the_servers_not_each_workers(two_workers):
+    (w0, w1), counts = two_workers
+    async with websockets.connect(w0.ws) as a, websockets.connect(w1.ws) as b, websockets.connect(w1.ws) as c:
+        for ws in (a, b, c):
+            assert (await recv_event(ws))["type"] == "session.created"
+        assert list(counts) == [1, 2] and w0.health().json()["sessions"] == 3
+        async with websockets.connect(w0.ws) as d:  # worker 0 holds one session, but the server is full
+            refused = await recv_event(d)
+            assert refused["type"] == "error" and refused["error"]["code"] == "server_busy"
+        await b.close()
+        deadline = time.monotonic() + 10
+        while list(counts) != [1, 1] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        async with websockets.connect(w0.ws) as e:
+            assert (await recv_event(e))["type"] == "session.created"
+            assert list(counts) == [2, 1]
+            await send(e, "session.update", session={"audio": {"input": {"turn_detection": None}}})
+            await recv_until(e, "session.updated")
+            await user_text(e, "hello")
+            await send(e, "response.create")
+            done = (await recv_until(e, "response.done"))[-1]
+            assert done["response"]["status"] == "completed"
+    deadline = time.monotonic() + 10
+    while list(counts) != [0, 0] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert list(counts) == [0, 0]
+
+
+@pytest.mark.timeout(120)
+async def test_a_call_is_reached_through_any_worker(two_workers):
+    """The offer is answered by worker 0; its control socket, state, and hangup arrive at worker 1 and are
+    relayed to worker 0 over its private socket. When worker 0 is gone, its calls are 404 everywhere."""
+    from tests.test_webrtc import Client
+
+    (w0, w1), _ = two_workers
+    async with httpx.AsyncClient(timeout=10) as http:
+        client = Client(w0.http, mic=None)
+        await client.connect(http)
+        assert client.call_id.startswith("rtc_w0_")
+        await client.wait_event("session.created", 10)
+        async with websockets.connect(f"{w1.ws}?call_id={client.call_id}", subprotocols=["realtime"]) as ws:
+            assert ws.subprotocol == "realtime"  # the owner's choice, passed back through the relay
+            await send(ws, "session.update", session={"audio": {"input": {"turn_detection": None}}})
+            await recv_until(ws, "session.updated", 10)
+            await client.wait_event("session.updated", 5)  # the call's own data channel sees the same events
+            await user_text(ws, "hi there")
+            await send(ws, "response.create")
+            events = await recv_until(ws, "response.done", 20)
+            assert events[-1]["response"]["status"] == "completed"
+            state = await http.get(f"{w1.http}/v1/realtime/calls/{client.call_id}")
+            assert state.status_code == 200 and state.json()["id"] == client.call_id
+            assert state.headers["content-type"] == "application/json"
+            missing = await http.get(f"{w1.http}/v1/realtime/calls/rtc_w0_0123456789abcdef01234567")
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "call_not_found"
+            with pytest.raises(websockets.InvalidStatus) as bad:  # the owner's refusal, passed back
+                async with websockets.connect(f"{w1.ws}?call_id=rtc_w0_0123456789abcdef01234567"):
+                    pass
+            assert bad.value.response.status_code == 404
+            r = await http.delete(f"{w1.http}/v1/realtime/calls/{client.call_id}")
+            assert r.status_code == 204 and len(w0.app.state.calls) == 0
+            with pytest.raises(websockets.ConnectionClosed):  # the call ended: the owner closed its socket
+                while True:
+                    await asyncio.wait_for(ws.recv(), 10)
+        await client.close()
+        client = Client(w0.http, mic=None)
+        await client.connect(http)
+        await asyncio.to_thread(w0.__exit__, None, None, None)
+        gone = await http.get(f"{w1.http}/v1/realtime/calls/{client.call_id}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "call_not_found"
+        with pytest.raises(websockets.InvalidStatus) as bad:
+            async with websockets.connect(f"{w1.ws}?call_id={client.call_id}"):
+                pass
+        assert bad.value.response.status_code == 404
+        await client.close()
+
+
+# ---- the real supervisor ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return {int(x) for x in out}
+
+
+class Supervised:
+    """`moss-speech serve --workers 2` with the fake engine, as an operator would start it."""
+
+    def __init__(self, tmp_path: Path, **env: str) -> None:
+        self.port = _free_port()
+        self.http = f"http://127.0.0.1:{self.port}"
+        self.ws = f"ws://127.0.0.1:{self.port}/v1/realtime"
+        self.log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in stop()
+        command = [*FAKE_ENGINE]
+        env = {**os.environ, "MOSS_ENGINE_COMMAND": __import__("json").dumps(command), "MOSS_VAD": "false",
+               "MOSS_ENGINE_PING_INTERVAL_S": "0.2", "MOSS_DRAIN_TIMEOUT_S": "2", **env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "moss_speech.cli", "serve", "--workers", "2",
+                                      "--port", str(self.port)], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.http + "/health", timeout=10)
+
+    def wait_ready(self, workers: tuple[int, ...] = (0, 1), timeout: float = 120) -> None:
+        """Until /health answers 200 from every worker in `workers` (the kernel picks one per connection)."""
+        seen: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while not set(workers) <= seen:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"workers {workers} not all ready (saw {seen}):\n{self.text()}")
+            try:
+                r = self.health()
+                if r.status_code == 200:
+                    seen.add(r.json()["worker"])
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+
+    def text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def workers(self) -> set[int]:
+        """Worker pids (the supervisor's children other than the engine and multiprocessing's tracker)."""
+        pids = set()
+        for pid in _children(self.proc.pid):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if "spawn_main" in cmd:
+                pids.add(pid)
+        return pids
+
+    def engine_pid(self) -> int:
+        for pid in _children(self.proc.pid):
+            if "fake_engine" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                return pid
+        raise AssertionError("no engine process")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+async def _open(url: str) -> websockets.ClientConnection:
+    ws = await websockets.connect(url)
+    assert (await recv_event(ws))["type"] == "session.created"
+    return ws
+
+
+async def _wait_closed(ws: websockets.ClientConnection, timeout: float) -> list[dict]:
+    events = []
+    with pytest.raises(websockets.ConnectionClosed):
+        while True:
+            events.append(__import__("json").loads(await asyncio.wait_for(ws.recv(), timeout)))
+    return events
+
+
+@pytest.mark.timeout(240)
+async def test_supervisor_serves_restarts_and_stops(tmp_path):
+    # A long ping timeout: a worker must learn of a restarted engine from the supervisor, not from silence.
+    srv = Supervised(tmp_path, MOSS_MAX_SESSIONS="2", MOSS_ENGINE_PING_TIMEOUT_S="60")
+    try:
+        await asyncio.to_thread(srv.wait_ready)
+        workers = srv.workers()
+        assert len(workers) == 2
+        children_before = _children(srv.proc.pid)
+
+        # The limit holds across both workers, and the refusal is counted in the merged metrics.
+        a, b = await _open(srv.ws), await _open(srv.ws)
+        async with websockets.connect(srv.ws) as c:
+            refused = await recv_event(c)
+            assert refused["type"] == "error" and refused["error"]["code"] == "server_busy"
+        assert srv.health().json()["sessions"] == 2
+        for _ in range(4):  # whichever worker answers the scrape, it reports every worker's figures
+            text = httpx.get(srv.http + "/metrics", timeout=10).text
+            assert 'moss_errors_total{code="server_busy"} 1.0' in text
+        await asyncio.sleep(1.5)  # one gauge refresh in each worker
+        assert "moss_active_sessions 2.0" in httpx.get(srv.http + "/metrics", timeout=10).text
+
+        # The engine dies and the supervisor starts another: both sessions end promptly (their
+        # history is gone), long before a 60 s ping timeout, and the server serves again.
+        t0 = time.monotonic()
+        os.kill(srv.engine_pid(), signal.SIGKILL)
+        for ws in (a, b):
+            events = await _wait_closed(ws, 30)
+            assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "engine_unavailable"
+        assert time.monotonic() - t0 < 15
+        await asyncio.to_thread(srv.wait_ready)
+        assert srv.health().json()["engine_restarts"] in (0, 1)  # counted once, by worker 0
+
+        # Both workers killed with sessions open: they are started again and their places freed.
+        a, b = await _open(srv.ws), await _open(srv.ws)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        for ws in (a, b):
+            with pytest.raises((websockets.ConnectionClosed, TimeoutError)):
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30)
+        await asyncio.to_thread(srv.wait_ready, (0, 1), 60)
+        assert srv.workers().isdisjoint(workers) and len(srv.workers()) == 2
+        assert srv.health().json()["sessions"] == 0
+        a, b = await _open(srv.ws), await _open(srv.ws)
+        await a.close()
+        await b.close()
+        assert "worker 0 (pid" in srv.text() and "starting it again" in srv.text()
+
+        # SIGTERM: the workers drain and exit, then the engine; nothing is left behind.
+        everyone = _children(srv.proc.pid) | children_before
+        assert srv.stop() == 0
+        time.sleep(0.5)
+        assert not [p for p in everyone if Path(f"/proc/{p}").exists()
+                    and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+    finally:
+        srv.stop()
