@@ -7,7 +7,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
 export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"24\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"]"
-python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 > $OUT/server.log 2>&1 &
+python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 \
+  --workers ${CAP_WORKERS:-1} > $OUT/server.log 2>&1 &
 SERVER=$!
 for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
 curl -s http://127.0.0.1:8000/health; echo
@@ -23,3 +24,5 @@ echo "stalls: $(grep -c 'stall in' $OUT/server.log), gc pauses logged: $(grep -c
 # The server process's own CPU per real-time session on this host's cores (no GPU, no network; ~20 s).
 [ "${CAP_SESSIONS_BENCH:-1}" = 1 ] && timeout 120 python3 -m moss_speech.cli bench sessions --sessions 64,128,256 \
   --seconds 5 --json $OUT/sessions-cpu.json 2>&1 | tail -5
+# The server processes with the fake engine at 256 sessions, one worker against four (~1.5 min).
+[ "${CAP_WORKERS_BENCH:-1}" = 1 ] && LOAD_WORKERS="1 4" LOAD_SESSIONS=256 timeout 240 bash docs/bench/server_load.sh
