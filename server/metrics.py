@@ -27,6 +27,10 @@ class Metrics:
                                       buckets=TTFA_BUCKETS, registry=r)
         self.rtf_hist = Histogram("moss_rtf", "Answer wall time / answer audio duration, per response",
                                   buckets=RTF_BUCKETS, registry=r)
+        self.underruns = Counter("moss_audio_underruns", "Answer audio that left the server after a listener playing "
+                                 "at real time from the answer's first audio (60 ms buffer) had run dry", registry=r)
+        self.underrun_seconds = Counter("moss_audio_underrun_seconds", "Silence that listener heard inside answers",
+                                        registry=r)
         self.active_sessions = Gauge("moss_active_sessions", "Open realtime sessions", registry=r,
                                      multiprocess_mode="livesum")
         self.queue_depth = Gauge("moss_outbound_queue_depth", "Outbound items queued, summed over sessions",
@@ -51,6 +55,10 @@ class Metrics:
 
     def rtf(self, value: float) -> None:
         self.rtf_hist.observe(value)
+
+    def underrun(self, seconds: float) -> None:
+        self.underruns.inc()
+        self.underrun_seconds.inc(seconds)
 
     def engine_stats(self, stats: dict[str, Any]) -> None:
         free, total = stats.get("kv_free"), stats.get("kv_total")

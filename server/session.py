@@ -54,6 +54,7 @@ from engines.service import messages as m
 from server import events as ev
 from server.audio.pcm import float32_to_pcm16, pcm16_to_float32
 from server.audio.resample import AudioError, Resampler, resample
+from server.loadtest.stats import PlaybackBuffer
 from server.outbound import AudioOut, Outbound
 from server.protocol import ProtocolError, SessionConfig, parse_response_create, parse_session_update
 
@@ -61,6 +62,7 @@ log = logging.getLogger("server.session")
 
 ENGINE_IN_RATE = 16000
 ANSWER_RATE = 24000
+LISTENER_PREBUFFER_S = 0.06  # the modelled listener's jitter buffer (the load test's and the WebRTC track's default)
 CLIENT_RATE = 24000
 
 AudioOutMode = Literal["events", "track"]
@@ -86,6 +88,8 @@ class SessionObserver(Protocol):
     def ttfa(self, seconds: float) -> None: ...
 
     def rtf(self, value: float) -> None: ...
+
+    def underrun(self, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,9 @@ class _Response:
     cancel_sent: bool = False
     cancel_reason: str | None = None
     ttfa_ms: float | None = None
+    # A listener playing the answer at real time from its first audio on, as the load test models one: a
+    # chunk leaving after that listener ran dry is an underrun the server itself caused (network not counted).
+    listener: PlaybackBuffer = field(default_factory=lambda: PlaybackBuffer(ANSWER_RATE, LISTENER_PREBUFFER_S))
 
 
 class Session:
@@ -595,12 +602,17 @@ class Session:
         return min(r.audio_samples_sent, by_clock)
 
     def _audio_taken(self, r: _Response, samples: int) -> None:
+        now = time.monotonic()
         if r.first_audio_at is None:
-            r.first_audio_at = time.monotonic()
+            r.first_audio_at = now
             r.ttfa_ms = (r.first_audio_at - r.turn_start) * 1000.0
             if self._observer is not None:
                 self._observer.ttfa(r.ttfa_ms / 1000.0)
         r.audio_samples_sent += samples
+        heard, silent_s = r.listener.underruns, r.listener.stall_s
+        r.listener.on_audio(now, samples)
+        if r.listener.underruns > heard and self._observer is not None:
+            self._observer.underrun(r.listener.stall_s - silent_s)
 
     # ---- engine messages ---------------------------------------------------------------------
 

@@ -296,6 +296,7 @@ async def test_health_and_metrics(srv):
     assert 'moss_errors_total{code="invalid_json"}' in text
     assert "moss_kv_blocks_free 4096.0" in text or "moss_kv_blocks_free" in text
     assert "moss_active_sessions" in text and "moss_engine_up 1.0" in text
+    assert "moss_audio_underruns_total 0.0" in text  # the fake engine's answers run ahead of real time
 
 
 def test_client_that_does_not_read_is_closed_as_slow_consumer():

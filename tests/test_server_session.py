@@ -242,3 +242,46 @@ async def test_sampling_voice_prompt_and_instructions_reach_the_engine(tmp_path,
     err = drain(s)[-1]
     assert err["error"]["code"] == "invalid_audio" and err["error"]["param"] == "session.moss.voice_prompt.wav"
     assert s.config.voice_prompt_wav == wav
+
+
+async def test_answer_audio_later_than_real_time_is_counted_as_an_underrun():
+    """The server's own underrun count: a chunk that leaves after a listener playing from the answer's first
+    audio at real time has run dry (here 0.8 s of audio, then the next chunk 1.0 s after the first)."""
+
+    class Observer:
+        def __init__(self) -> None:
+            self.underruns: list[float] = []
+
+        def error(self, code: str) -> None: ...
+
+        def ttfa(self, seconds: float) -> None: ...
+
+        def rtf(self, value: float) -> None: ...
+
+        def underrun(self, seconds: float) -> None:
+            self.underruns.append(seconds)
+
+    link, obs = Link(), Observer()
+    s = Session("sess_test", link, observer=obs)
+    await s.start()
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    await s.handle_client_event({"type": "response.create"})
+    rid = link.of(m.CreateResponse)[0].response_id
+    s.on_engine_message(m.ResponseStarted("sess_test", rid, prompt_rows=10))
+    drain(s)
+
+    async def audio(index: int) -> None:
+        s.on_engine_message(m.AudioChunk("sess_test", rid, CHUNK, index))
+        item = await s.outbound.get()  # the transport takes it: it leaves the server now
+        assert item["type"] == "response.output_audio.delta"
+
+    await audio(0)
+    await audio(1)  # on time: 0.8 s buffered
+    assert obs.underruns == []
+    await asyncio.sleep(1.0)
+    await audio(2)  # the listener ran dry ~0.2 s ago
+    assert len(obs.underruns) == 1 and 0.1 < obs.underruns[0] < 1.0
+    await audio(3)  # on time again, counted from where playback resumed
+    assert len(obs.underruns) == 1
+    await s.close()
