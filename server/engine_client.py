@@ -140,9 +140,11 @@ class EngineClient:
             self._seen_generation = self._generation()
         if self.command is not None:
             log.info("starting engine: %s", " ".join(self.command))
+            # A session of its own: a terminal's Ctrl-C reaches the server, which drains answers and then stops
+            # the engine; the engine stopping at the same signal would fail the answers the drain waits for.
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)

@@ -183,9 +183,10 @@ def _children(pid: int) -> set[int]:
 
 
 class Supervised:
-    """`moss-speech serve --workers 2` with the fake engine, as an operator would start it."""
+    """`moss-speech serve --workers N` with the fake engine, as an operator would start it from a terminal
+    (in a process group of its own, so a test can send what Ctrl-C sends)."""
 
-    def __init__(self, tmp_path: Path, **env: str) -> None:
+    def __init__(self, tmp_path: Path, workers: int = 2, **env: str) -> None:
         self.port = _free_port()
         self.http = f"http://127.0.0.1:{self.port}"
         self.ws = f"ws://127.0.0.1:{self.port}/v1/realtime"
@@ -193,14 +194,14 @@ class Supervised:
         command = [*FAKE_ENGINE]
         env = {**os.environ, "MOSS_ENGINE_COMMAND": __import__("json").dumps(command), "MOSS_VAD": "false",
                "MOSS_ENGINE_PING_INTERVAL_S": "0.2", "MOSS_DRAIN_TIMEOUT_S": "2", **env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moss_speech.cli", "serve", "--workers", "2",
+        self.proc = subprocess.Popen([sys.executable, "-m", "moss_speech.cli", "serve", "--workers", str(workers),
                                       "--port", str(self.port)], cwd=ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def health(self) -> httpx.Response:
         return httpx.get(self.http + "/health", timeout=10)
 
-    def wait_ready(self, workers: tuple[int, ...] = (0, 1), timeout: float = 120) -> None:
+    def wait_ready(self, workers: tuple[int | None, ...] = (0, 1), timeout: float = 120) -> None:
         """Until /health answers 200 from every worker in `workers` (the kernel picks one per connection)."""
         seen: set[int] = set()
         deadline = time.monotonic() + timeout
@@ -315,5 +316,33 @@ async def test_supervisor_serves_restarts_and_stops(tmp_path):
         time.sleep(0.5)
         assert not [p for p in everyone if Path(f"/proc/{p}").exists()
                     and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_ctrl_c_drains_answers_in_progress(tmp_path, workers):
+    """Ctrl-C in a terminal signals the whole foreground process group: the answer in progress still
+    completes (the engine is not in that group; the server stops it after the drain), then the session
+    closes with 1001 and everything exits."""
+    srv = Supervised(tmp_path, workers, FAKE_ENGINE_CHUNKS="25", FAKE_ENGINE_STEP_S="0.04",
+                     MOSS_DRAIN_TIMEOUT_S="10")
+    try:
+        await asyncio.to_thread(srv.wait_ready, (0, 1) if workers == 2 else (None,))
+        async with websockets.connect(srv.ws) as ws:
+            assert (await recv_event(ws))["type"] == "session.created"
+            await user_text(ws, "a long answer please")
+            await send(ws, "response.create")
+            await recv_until(ws, "response.output_audio.delta")
+            os.killpg(srv.proc.pid, signal.SIGINT)
+            events = await _wait_closed(ws, 30)
+            done = [e for e in events if e["type"] == "response.done"]
+            assert done and done[0]["response"]["status"] == "completed", events[-3:]
+            assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "server_shutting_down"
+            assert ws.close_code == 1001
+        # uvicorn re-raises the signal it stopped on once it is done (a shell then sees Ctrl-C); the supervisor
+        # exits 0 after its workers did.
+        assert await asyncio.to_thread(srv.proc.wait, 60) in ((-signal.SIGINT,) if workers == 1 else (0,))
     finally:
         srv.stop()
