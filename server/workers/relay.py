@@ -123,7 +123,7 @@ async def _pipe(ws: WebSocket, upstream: ClientConnection) -> None:
                 await t
     if inbound in done:  # the client left: close the owner's side the same way
         code = inbound.result() if inbound.exception() is None else 1000
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(Exception):  # noqa: BLE001 - gone already, or a code a close frame cannot carry
             await upstream.close(code if code not in _NO_STATUS else 1000)
         return
     code = upstream.close_code
