@@ -33,19 +33,32 @@ log = logging.getLogger("server.app")
 
 
 class _VadStreams:
-    """Each session's VAD stream, all from one batcher per app (torch imported at the first session)."""
+    """Each session's VAD stream, all from one batcher per app (preloaded while the engine starts)."""
 
     def __init__(self) -> None:
         self._batcher: Any = None
         self._lock = threading.Lock()  # sessions open in worker threads
 
-    def __call__(self) -> Any:
+    def batcher(self) -> Any:
         with self._lock:
             if self._batcher is None:
-                from server.vad import VadBatcher
+                from server.vad import VadBatcher  # imports torch: seconds, mostly under the GIL
 
                 self._batcher = VadBatcher()
-        return self._batcher.stream()
+        return self._batcher
+
+    def __call__(self) -> Any:
+        return self.batcher().stream()
+
+    async def preload(self) -> None:
+        """Import torch and load the model before serving. At the first server_vad session instead, the
+        import held the GIL for ~3 s and stalled every session connected at the time."""
+        batcher = await asyncio.to_thread(self.batcher)
+        await batcher.ready()
+
+    @property
+    def loaded(self) -> bool:
+        return self._batcher is not None and self._batcher.loaded
 
 
 def engine_client(settings: Settings, endpoint: str, **callbacks: Any) -> EngineClient:
@@ -77,15 +90,16 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
                            output_queue_size=settings.output_queue_size)
     slots = SharedSlots(worker.session_counts, worker.index, settings.max_sessions) if worker is not None else None
+    vad_streams = _VadStreams() if settings.vad else None
     sessions = SessionManager(engine, max_sessions=settings.max_sessions, limits=limits, model=settings.model_name,
-                              vad_factory=_VadStreams() if settings.vad else None, observer=metrics, slots=slots)
+                              vad_factory=vad_streams, observer=metrics, slots=slots)
     relay = WorkerRelay(worker) if worker is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.model == "tiny-random":
             log.warning("serving RANDOM weights (tiny-random): answers are noise; pass --model/--codec for real ones")
-        await engine.start()
+        await asyncio.gather(engine.start(), *([vad_streams.preload()] if vad_streams is not None else []))
         refresher = asyncio.create_task(_refresh_gauges(app)) if worker is not None else None
         try:
             yield
@@ -102,6 +116,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     app.state.metrics = metrics
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.vad_streams = vad_streams
     app.state.worker = worker
     app.state.relay = relay
     app.include_router(ops.router)

@@ -119,6 +119,10 @@ class VadBatcher:
     def stream(self) -> VadStream:
         return VadStream(self)
 
+    @property
+    def loaded(self) -> bool:
+        return self._net is not None
+
     async def ready(self) -> None:
         if self._net is None:
             await asyncio.to_thread(self._model)

@@ -281,6 +281,14 @@ async def test_engine_killed_clients_get_error_and_restart_works(slow_srv):
         assert by_type(evs, "response.output_audio.delta")
 
 
+def test_vad_model_is_loaded_before_the_first_session():
+    """Loaded at the first server_vad session instead, the torch import stalled every session for seconds."""
+    with RunningServer(fake_settings()) as s:
+        assert s.app.state.vad_streams.loaded and not s.app.state.sessions.sessions
+    with RunningServer(fake_settings(vad=False)) as s:
+        assert s.app.state.vad_streams is None
+
+
 async def test_health_and_metrics(srv):
     async with connect(srv.ws) as ws:
         await open_session(ws)
