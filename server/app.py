@@ -52,9 +52,13 @@ class _VadStreams:
 
     async def preload(self) -> None:
         """Import torch and load the model before serving. At the first server_vad session instead, the
-        import held the GIL for ~3 s and stalled every session connected at the time."""
-        batcher = await asyncio.to_thread(self.batcher)
-        await batcher.ready()
+        import held the GIL for ~3 s and stalled every session connected at the time. A failure here only
+        logs: server_vad sessions try again (and report it), the rest of the server serves."""
+        try:
+            batcher = await asyncio.to_thread(self.batcher)
+            await batcher.ready()
+        except Exception:  # noqa: BLE001 - e.g. a broken silero-vad install
+            log.exception("the VAD model did not load; server_vad sessions will retry")
 
     @property
     def loaded(self) -> bool:
@@ -89,7 +93,8 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     limits = SessionLimits(max_message_bytes=settings.max_message_bytes,
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
                            output_queue_size=settings.output_queue_size)
-    slots = SharedSlots(worker.session_counts, worker.index, settings.max_sessions) if worker is not None else None
+    slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, settings.max_sessions,
+                                                    worker.slots_lock_path)
     vad_streams = _VadStreams() if settings.vad else None
     sessions = SessionManager(engine, max_sessions=settings.max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
@@ -110,6 +115,8 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
             await engine.stop()
             if relay is not None:
                 await relay.aclose()
+            if slots is not None:
+                slots.close()
 
     app = FastAPI(title="moss-speech-server", lifespan=lifespan)
     app.state.settings = settings

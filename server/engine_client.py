@@ -136,8 +136,6 @@ class EngineClient:
         self._ctx.term()
 
     async def _start_generation(self) -> None:
-        if self._generation is not None:
-            self._seen_generation = self._generation()
         if self.command is not None:
             log.info("starting engine: %s", " ".join(self.command))
             # A session of its own: a terminal's Ctrl-C reaches the server, which drains answers and then stops
@@ -163,6 +161,8 @@ class EngineClient:
             if pong is not None:
                 break
         self._last_pong = time.monotonic()
+        if self._generation is not None:  # the engines the supervisor lost so far include any before this one
+            self._seen_generation = self._generation()
         self.ready = True
         log.info("engine ready pid=%s endpoint=%s stats=%s", self.proc.pid if self.proc else None, self.endpoint,
                  self.stats)

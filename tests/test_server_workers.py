@@ -25,6 +25,8 @@ from server.workers.context import WorkerContext
 from tests.fakes.harness import FAKE_ENGINE, RunningServer, fake_settings, recv_event, recv_until, send, user_text
 
 ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test_key.1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
@@ -42,9 +44,9 @@ def test_slots_admit_up_to_the_limit_and_refuse_bad_returns():
         empty.put_back()
 
 
-def test_shared_slots_count_every_worker_against_one_limit():
-    counts = multiprocessing.get_context("spawn").Array("i", 3)
-    w = [SharedSlots(counts, i, limit=3) for i in range(3)]
+def test_shared_slots_count_every_worker_against_one_limit(tmp_path):
+    counts = multiprocessing.get_context("spawn").Array("i", 3, lock=False)
+    w = [SharedSlots(counts, i, limit=3, lock_path=str(tmp_path / "slots.lock")) for i in range(3)]
     assert w[0].try_take() and w[0].try_take() and w[2].try_take()
     assert not w[1].try_take()  # worker 1 has none, but the server is full
     assert [x.in_use() for x in w] == [3, 3, 3] and list(counts) == [2, 0, 1]
@@ -53,7 +55,9 @@ def test_shared_slots_count_every_worker_against_one_limit():
     with pytest.raises(RuntimeError, match="never taken"):
         w[2].put_back()  # worker 2's own count is 0: another worker's places are not its to return
     with pytest.raises(ValueError, match="outside"):
-        SharedSlots(counts, 3, limit=3)
+        SharedSlots(counts, 3, limit=3, lock_path=str(tmp_path / "slots.lock"))
+    for x in w:
+        x.close()
 
 
 def test_call_ids_name_their_worker():
@@ -62,6 +66,8 @@ def test_call_ids_name_their_worker():
     assert ctx.owner_of("rtc_w2_0123abcd") == 2 and ctx.owner_of("rtc_w1_ff") == 1
     assert ctx.owner_of("rtc_w3_ff") is None  # no such worker
     assert ctx.owner_of("rtc_0123abcd") is None and ctx.owner_of("rtc_w1_") is None and ctx.owner_of("x") is None
+    assert ctx.owner_of("rtc_w1_ff\n") is None and ctx.owner_of("rtc_w\u0661_ff") is None  # no newline, ASCII digits
+    assert ctx.owner_of("rtc_w" + "1" * 5000 + "_ff") is None  # not a 5000-digit int() either
     assert ctx.socket_path(2) == "/tmp/x/worker-2.sock"
     with pytest.raises(ValueError, match="outside"):
         WorkerContext(3, 3, "/tmp/x", None)
@@ -74,8 +80,8 @@ def test_call_ids_name_their_worker():
 def two_workers(tmp_path):
     endpoint = f"ipc://{tmp_path}/engine.sock"
     engine = subprocess.Popen([*FAKE_ENGINE, "--endpoint", endpoint], cwd=ROOT)
-    counts = multiprocessing.get_context("spawn").Array("i", 2)
-    settings = fake_settings(spawn_engine=False, engine_endpoint=endpoint, max_sessions=3, vad=False)
+    counts = multiprocessing.get_context("spawn").Array("i", 2, lock=False)
+    settings = fake_settings(spawn_engine=False, engine_endpoint=endpoint, max_sessions=3, vad=False, api_keys=[KEY])
     servers = []
     try:
         for i in range(2):
@@ -92,18 +98,21 @@ def two_workers(tmp_path):
 
 async def test_session_limit_is_the_servers_not_each_workers(two_workers):
     (w0, w1), counts = two_workers
-    async with websockets.connect(w0.ws) as a, websockets.connect(w1.ws) as b, websockets.connect(w1.ws) as c:
+    def connect(url: str):
+        return websockets.connect(url, additional_headers=AUTH)
+
+    async with connect(w0.ws) as a, connect(w1.ws) as b, connect(w1.ws) as c:
         for ws in (a, b, c):
             assert (await recv_event(ws))["type"] == "session.created"
         assert list(counts) == [1, 2] and w0.health().json()["sessions"] == 3
-        async with websockets.connect(w0.ws) as d:  # worker 0 holds one session, but the server is full
+        async with connect(w0.ws) as d:  # worker 0 holds one session, but the server is full
             refused = await recv_event(d)
             assert refused["type"] == "error" and refused["error"]["code"] == "server_busy"
         await b.close()
         deadline = time.monotonic() + 10
         while list(counts) != [1, 1] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        async with websockets.connect(w0.ws) as e:
+        async with connect(w0.ws) as e:
             assert (await recv_event(e))["type"] == "session.created"
             assert list(counts) == [2, 1]
             await send(e, "session.update", session={"audio": {"input": {"turn_detection": None}}})
@@ -125,12 +134,23 @@ async def test_a_call_is_reached_through_any_worker(two_workers):
     from tests.test_webrtc import Client
 
     (w0, w1), _ = two_workers
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, headers=AUTH) as http:
         client = Client(w0.http, mic=None)
         await client.connect(http)
         assert client.call_id.startswith("rtc_w0_")
         await client.wait_event("session.created", 10)
-        async with websockets.connect(f"{w1.ws}?call_id={client.call_id}", subprotocols=["realtime"]) as ws:
+        control = f"{w1.ws}?call_id={client.call_id}"
+        for headers in ({}, {"Sec-WebSocket-Protocol": "openai-insecure-api-key.wrong"}):
+            with pytest.raises(websockets.InvalidStatus) as bad:
+                async with websockets.connect(control, additional_headers=headers):
+                    pass
+            assert bad.value.response.status_code == 401
+        # A browser's key rides in a subprotocol; the relay passes it on (as a header).
+        async with websockets.connect(control, additional_headers={
+                "Sec-WebSocket-Protocol": f"openai-insecure-api-key.{KEY}"}) as ws:
+            await send(ws, "session.update", session={"audio": {"input": {"turn_detection": None}}})
+            await recv_until(ws, "session.updated", 10)
+        async with websockets.connect(control, additional_headers=AUTH, subprotocols=["realtime"]) as ws:
             assert ws.subprotocol == "realtime"  # the owner's choice, passed back through the relay
             await send(ws, "session.update", session={"audio": {"input": {"turn_detection": None}}})
             await recv_until(ws, "session.updated", 10)
@@ -145,7 +165,8 @@ async def test_a_call_is_reached_through_any_worker(two_workers):
             missing = await http.get(f"{w1.http}/v1/realtime/calls/rtc_w0_0123456789abcdef01234567")
             assert missing.status_code == 404 and missing.json()["error"]["code"] == "call_not_found"
             with pytest.raises(websockets.InvalidStatus) as bad:  # the owner's refusal, passed back
-                async with websockets.connect(f"{w1.ws}?call_id=rtc_w0_0123456789abcdef01234567"):
+                async with websockets.connect(f"{w1.ws}?call_id=rtc_w0_0123456789abcdef01234567",
+                                              additional_headers=AUTH):
                     pass
             assert bad.value.response.status_code == 404
             r = await http.delete(f"{w1.http}/v1/realtime/calls/{client.call_id}")
@@ -160,7 +181,7 @@ async def test_a_call_is_reached_through_any_worker(two_workers):
         gone = await http.get(f"{w1.http}/v1/realtime/calls/{client.call_id}")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "call_not_found"
         with pytest.raises(websockets.InvalidStatus) as bad:
-            async with websockets.connect(f"{w1.ws}?call_id={client.call_id}"):
+            async with websockets.connect(f"{w1.ws}?call_id={client.call_id}", additional_headers=AUTH):
                 pass
         assert bad.value.response.status_code == 404
         await client.close()
@@ -292,14 +313,15 @@ async def test_supervisor_serves_restarts_and_stops(tmp_path):
             assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "engine_unavailable"
         assert time.monotonic() - t0 < 15
         await asyncio.to_thread(srv.wait_ready)
-        assert srv.health().json()["engine_restarts"] in (0, 1)  # counted once, by worker 0
+        await asyncio.sleep(1.5)  # the gauges' refresh; the counter is written at once
+        assert "moss_engine_restarts_total 1.0" in httpx.get(srv.http + "/metrics", timeout=10).text  # once
 
         # Both workers killed with sessions open: they are started again and their places freed.
         a, b = await _open(srv.ws), await _open(srv.ws)
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
         for ws in (a, b):
-            with pytest.raises((websockets.ConnectionClosed, TimeoutError)):
+            with pytest.raises(websockets.ConnectionClosed):  # the kernel closes a killed worker's sockets
                 while True:
                     await asyncio.wait_for(ws.recv(), 30)
         await asyncio.to_thread(srv.wait_ready, (0, 1), 60)

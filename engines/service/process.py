@@ -317,7 +317,10 @@ class EngineServer:
         if closes:
             log.warning("%d client(s) silent for over %.0f s: closing their %d session(s)", len(silent),
                         self.client_timeout_s, len(closes))
-            self._send(self.service.handle_many(closes))  # nobody reads these; the ROUTER drops them
+            try:
+                self._send(self.service.handle_many(closes))  # nobody reads these; the ROUTER drops them
+            except Exception:  # noqa: BLE001 - as in _recv_all: a bug on one close must not end the engine
+                log.exception("error closing the sessions of silent clients")
         return [msg.session_id for _, msg in closes]
 
     def run_once(self, timeout_ms: int | None = None) -> None:

@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allowed browser Origin; repeat for several (default: any) [MOSS_ALLOWED_ORIGINS]")
     p.add_argument("--workers", type=int,
                    help="server processes sharing the port and one engine (default 1); one process's event loop "
-                        "carries ~160 real-time sessions on a small CPU [MOSS_WORKERS]")
+                        "carries ~100 real-time WebSocket sessions on a small CPU [MOSS_WORKERS]")
     p.add_argument("--max-sessions", type=int, help="concurrent sessions (default 64) [MOSS_MAX_SESSIONS]")
     p.add_argument("--max-message-bytes", type=int, help="largest WebSocket message (default 1 MiB)")
     p.add_argument("--max-input-buffer-seconds", type=float, help="uncommitted input audio limit (default 60)")

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-_CALL_ID = re.compile(r"^rtc_w(\d+)_[0-9a-f]+$")
+_CALL_ID = re.compile(r"rtc_w(\d{1,4})_[0-9a-f]+", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -15,12 +15,16 @@ class WorkerContext:
     index: int
     count: int
     socket_dir: str  # worker i serves its private unix socket at socket_dir/worker-i.sock
-    session_counts: Any  # multiprocessing Array("i", count): each worker's open sessions (server/slots.py)
+    session_counts: Any  # shared array of `count` ints: each worker's open sessions (server/slots.py)
     engine_generation: Any = None  # multiprocessing Value("i"): engines lost so far; None: engine run elsewhere
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:
             raise ValueError(f"worker index {self.index} is outside 0..{self.count - 1}")
+
+    @property
+    def slots_lock_path(self) -> str:
+        return os.path.join(self.socket_dir, "slots.lock")
 
     def socket_path(self, index: int) -> str:
         return os.path.join(self.socket_dir, f"worker-{index}.sock")
@@ -31,7 +35,7 @@ class WorkerContext:
 
     def owner_of(self, call_id: str) -> int | None:
         """The index of the worker that holds `call_id`, or None for an id no worker of ours made."""
-        match = _CALL_ID.match(call_id)
+        match = _CALL_ID.fullmatch(call_id)
         if match is None:
             return None
         index = int(match.group(1))

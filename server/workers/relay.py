@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -19,7 +20,7 @@ from fastapi import Request, WebSocket
 from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, unix_connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from server import auth
 from server.workers.context import WorkerContext
@@ -29,9 +30,11 @@ log = logging.getLogger("server.relay")
 # Headers that describe one hop of a connection, not the request: never forwarded either way.
 _HOP = {"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length",
         "content-encoding", "proxy-authorization", "proxy-connection"}
-_WS_HEADERS = ("authorization", "origin", "openai-beta", "user-agent")  # what the owner's checks read
+_WS_HEADERS = ("origin", "openai-beta", "user-agent")  # what the owner reads (the key goes as Authorization)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # what a subprotocol may be (RFC 7230 token)
 _NO_STATUS = {1005, 1006}  # close codes that say "no code was sent": not sendable in a close frame
 Deny = Callable[[WebSocket, int, str], Awaitable[None]]
+CONNECT_TIMEOUT_S = 5.0  # a sibling that does not take the connection by then is not serving
 
 
 class WorkerRelay:
@@ -54,7 +57,8 @@ class WorkerRelay:
         client = self._clients.get(index)
         if client is None:
             transport = httpx.AsyncHTTPTransport(uds=self.ctx.socket_path(index))
-            client = httpx.AsyncClient(transport=transport, base_url="http://worker", timeout=self.timeout_s)
+            timeout = httpx.Timeout(self.timeout_s, connect=CONNECT_TIMEOUT_S)
+            client = httpx.AsyncClient(transport=transport, base_url="http://worker", timeout=timeout)
             self._clients[index] = client
         return client
 
@@ -75,16 +79,22 @@ class WorkerRelay:
         """Carry the control socket `ws` to worker `index` until either side closes it."""
         uri = "ws://worker" + ws.url.path + (f"?{ws.url.query}" if ws.url.query else "")
         headers = [(k, ws.headers[k]) for k in _WS_HEADERS if k in ws.headers]
-        offered = auth.offered_subprotocols(ws.headers)
+        # The key as a header whichever way the client gave it; the other subprotocols as offered (tokens only:
+        # the WebSocket client here refuses anything else, and uvicorn already answered such offers with 400).
+        key = auth.presented_key(ws.headers, {})
+        if key:
+            headers.append(("authorization", f"Bearer {key}"))
+        offered = [p for p in auth.offered_subprotocols(ws.headers)
+                   if not p.startswith(auth.KEY_SUBPROTOCOL_PREFIX) and _TOKEN.fullmatch(p)]
         try:
             upstream = await unix_connect(self.ctx.socket_path(index), uri, additional_headers=headers,
                                           subprotocols=offered or None, max_size=None, ping_interval=None,
-                                          open_timeout=self.timeout_s)
+                                          open_timeout=CONNECT_TIMEOUT_S)
         except InvalidStatus as e:  # the owner refused: say what it said
             reason = e.response.body.decode("utf-8", "replace") if e.response.body else "refused"
             await deny(ws, e.response.status_code, reason)
             return
-        except (OSError, TimeoutError) as e:
+        except (OSError, TimeoutError, InvalidHandshake, ValueError) as e:
             log.warning("relay to worker %d failed: %s", index, e)
             await deny(ws, 404, "unknown call_id (the worker that held the call is gone)")
             return
@@ -121,8 +131,8 @@ async def _pipe(ws: WebSocket, upstream: ClientConnection) -> None:
         for t in (inbound, outbound):
             with contextlib.suppress(asyncio.CancelledError, ConnectionClosed, WebSocketDisconnect, RuntimeError):
                 await t
-    if inbound in done:  # the client left: close the owner's side the same way
-        code = inbound.result() if inbound.exception() is None else 1000
+    if inbound in done and inbound.exception() is None:  # the client left: close the owner's side the same way
+        code = inbound.result()
         with contextlib.suppress(Exception):  # noqa: BLE001 - gone already, or a code a close frame cannot carry
             await upstream.close(code if code not in _NO_STATUS else 1000)
         return

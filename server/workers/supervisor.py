@@ -65,7 +65,7 @@ class Supervisor:
         self._mp = multiprocessing.get_context("spawn")
         self.endpoint = settings.resolved_endpoint()
         self.generation = self._mp.Value("i", 0)
-        self.counts = self._mp.Array("i", self.n)
+        self.counts = self._mp.Array("i", self.n, lock=False)  # admissions lock a file (server/slots.py)
         self.socket_dir = ""
         self.metrics_dir = ""
         self.procs: list[BaseProcess | None] = [None] * self.n
@@ -165,10 +165,11 @@ class Supervisor:
                 continue
             p.join()
             lived = now - self._started_at[i]
-            self._backoff[i] = min(2 * self._backoff[i], RESTART_MAX_S) if lived < SHORT_LIFE_S else RESTART_MIN_S
-            self._restart_at[i] = now + self._backoff[i]
+            wait = self._backoff[i] if lived < SHORT_LIFE_S else RESTART_MIN_S
+            self._backoff[i] = min(2 * wait, RESTART_MAX_S)
+            self._restart_at[i] = now + wait
             log.error("worker %d (pid %s) exited with code %s after %.1f s; starting it again in %.0f s", i, p.pid,
-                      p.exitcode, lived, self._backoff[i])
+                      p.exitcode, lived, wait)
             self._forget_worker(i, p.pid)
             self.procs[i] = None
 
@@ -181,8 +182,7 @@ class Supervisor:
         log.info("worker %d started (pid %s)", index, p.pid)
 
     def _forget_worker(self, index: int, pid: int | None) -> None:
-        with self.counts.get_lock():
-            self.counts[index] = 0  # its sessions died with it
+        self.counts[index] = 0  # its sessions died with it (no one else writes this count)
         if pid is not None:
             from prometheus_client import multiprocess
 

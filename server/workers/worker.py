@@ -22,7 +22,8 @@ def private_socket(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     os.chmod(path, 0o600)
-    sock.listen(256)
+    # Not listening yet: asyncio listens when uvicorn starts serving, after the app's start-up, so until
+    # then a sibling's relay is refused at once (404) instead of waiting on an accept that never comes.
     return sock
 
 
