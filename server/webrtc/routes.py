@@ -48,11 +48,9 @@ def _error(status: int, code: str, message: str, etype: str = "invalid_request_e
 class WebRTCService:
     """Owns the call registry; the route functions below are thin wrappers around it."""
 
-    def __init__(self, settings: Any, sessions: SessionManager, config: WebRTCConfig, metrics: Any = None,
-                 relay: Any = None) -> None:
+    def __init__(self, settings: Any, sessions: SessionManager, config: WebRTCConfig, relay: Any = None) -> None:
         self.settings = settings
         self.relay = relay  # server.workers.relay.WorkerRelay under --workers: calls held by sibling workers
-        self.metrics = metrics  # server.metrics.Metrics when present: calls count as active sessions
         self.sessions = sessions
         self.config = config
         self.calls = CallRegistry(config.max_calls)
@@ -106,7 +104,7 @@ class WebRTCService:
         except SessionRefused as e:
             await pc.close()
             return _error(503, e.code, e.message, etype="server_error", headers={"Retry-After": "5"})
-        call_id = new_call_id(self.relay.ctx.call_id_prefix if self.relay is not None else "rtc_")
+        call_id = new_call_id(self.relay.ctx.call_id_prefix) if self.relay is not None else new_call_id()
         call = Call(call_id, pc, session, prebuffer_ms=self.config.prebuffer_ms,
                     ice_timeout_s=self.config.ice_timeout_s, on_closed=self._closed)
         try:
@@ -125,16 +123,12 @@ class WebRTCService:
             return _error(503, "engine_unavailable", f"could not open a session: {e}", etype="server_error",
                           headers={"Retry-After": "5"})
         self.calls.add(call)
-        if self.metrics is not None:
-            self.metrics.active_sessions.inc()
         call.start()
         log.info("call %s: answered (session %s)", call_id, session.id)
         return Response(pc.localDescription.sdp, status_code=201, media_type="application/sdp",
                         headers={"Location": f"/v1/realtime/calls/{call_id}"})
 
     def _closed(self, call: Call) -> None:
-        if self.calls.get(call.call_id) is call and self.metrics is not None:
-            self.metrics.active_sessions.dec()
         self.calls.remove(call)
 
     async def _call_or_reply(self, request: Request, call_id: str) -> Call | Response:
@@ -190,8 +184,7 @@ class WebRTCService:
 
 def install(app: FastAPI, settings: Any, sessions: SessionManager) -> WebRTCService:
     """Add the WebRTC routes, `/v1/info` and the page to `app`; returns the service (also app.state.webrtc)."""
-    svc = WebRTCService(settings, sessions, WebRTCConfig.from_settings(settings), getattr(app.state, "metrics", None),
-                        getattr(app.state, "relay", None))
+    svc = WebRTCService(settings, sessions, WebRTCConfig.from_settings(settings), getattr(app.state, "relay", None))
     app.state.webrtc = svc
     app.state.calls = svc.calls  # the control WebSocket's lookup of `?call_id=`
     app.add_api_route("/v1/realtime/calls", svc.create_call, methods=["POST"], status_code=201)
