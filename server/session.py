@@ -112,7 +112,6 @@ class _Response:
     prompt_rows: int = 0
     first_audio_at: float | None = None  # monotonic time the first audio left the queue
     audio_samples_queued: int = 0
-    audio_samples_sent: int = 0
     played_reported: int | None = None  # track mode: samples played, reported by the transport
     text: list[str] = field(default_factory=list)
     cancel_sent: bool = False
@@ -121,6 +120,11 @@ class _Response:
     # A listener playing the answer at real time from its first audio on, as the load test models one: a
     # chunk leaving after that listener ran dry is an underrun the server itself caused (network not counted).
     listener: PlaybackBuffer = field(default_factory=lambda: PlaybackBuffer(ANSWER_RATE, LISTENER_PREBUFFER_S))
+
+    @property
+    def audio_samples_sent(self) -> int:
+        """24 kHz samples of answer audio that have left the queue (the listener has been given them all)."""
+        return self.listener.samples
 
 
 class Session:
@@ -608,7 +612,6 @@ class Session:
             r.ttfa_ms = (r.first_audio_at - r.turn_start) * 1000.0
             if self._observer is not None:
                 self._observer.ttfa(r.ttfa_ms / 1000.0)
-        r.audio_samples_sent += samples
         heard, silent_s = r.listener.underruns, r.listener.stall_s
         r.listener.on_audio(now, samples)
         if r.listener.underruns > heard and self._observer is not None:
