@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from server.loadtest.config import LoadConfig, LoadConfigError
 from server.loadtest.report import METRICS, build_report, format_table
 from server.loadtest.results import Collector, TurnRecord
 from server.loadtest.stats import PlaybackBuffer, b64_decoded_len, percentile, summarize
+from tests.fakes.harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -354,15 +354,9 @@ def test_webrtc_is_refused_clearly_without_the_endpoint(capsys):
 
 # ---- CI smoke: the real server with the tiny model, driven by the CLI -----------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:

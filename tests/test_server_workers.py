@@ -22,7 +22,16 @@ import websockets
 
 from server.slots import SharedSlots, Slots
 from server.workers.context import WorkerContext
-from tests.fakes.harness import FAKE_ENGINE, RunningServer, fake_settings, recv_event, recv_until, send, user_text
+from tests.fakes.harness import (
+    FAKE_ENGINE,
+    RunningServer,
+    fake_settings,
+    free_port,
+    recv_event,
+    recv_until,
+    send,
+    user_text,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test_key.1"
@@ -190,14 +199,6 @@ async def test_a_call_is_reached_through_any_worker(two_workers):
 # ---- the real supervisor ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid: int) -> set[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return {int(x) for x in out}
@@ -208,7 +209,7 @@ class Supervised:
     (in a process group of its own, so a test can send what Ctrl-C sends)."""
 
     def __init__(self, tmp_path: Path, workers: int = 2, **env: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.http = f"http://127.0.0.1:{self.port}"
         self.ws = f"ws://127.0.0.1:{self.port}/v1/realtime"
         self.log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from engines.service import messages as m
 from server.session import Session, SessionLimits
 from server.session_manager import SessionManager
 from server.webrtc.routes import install
+from tests.fakes.harness import free_port
 
 DATA = Path(__file__).parent / "data"
 SPEECH_WAV = DATA / "speech_en_16k.wav"
@@ -119,12 +119,6 @@ def build_app(engine: ScriptedEngine, settings: FakeSettings | None = None, max_
     app.state.sessions = manager
     install(app, settings, manager)
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 import threading
 import time
@@ -17,6 +18,13 @@ from server.settings import Settings
 from server.workers.context import WorkerContext
 
 FAKE_ENGINE = [sys.executable, "-m", "tests.fakes.fake_engine", "--model", "x", "--codec", "x", "--device", "cpu"]
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for a server started in another process)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class RunningServer:
