@@ -133,27 +133,22 @@ def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
     return start.elapsed_time(end) / reps, x
 
 
-# (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add,
-#  transformer blocks as two kernels)
+# (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add)
 TIMELINE_VARIANTS = (
-    ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add", False),
-    ("PDL on, Triton GEMMs, whole conv (ba0ecd3)", True, "triton", True, False, "add", False),
-    ("  + block1 conv | res_conv as one conv", True, "triton", True, True, "add", False),
-    ("  + last add in the GEMM epilogue (transformer block: 5 kernels)", True, "triton", True, True, "epilogue", False),
-    ("  + transformer block in 2 kernels (codec_blocks)", True, "triton", True, True, "epilogue", True),
-    ("  + transformer block in 4 kernels (codec_blocks' ff only)", True, "triton", True, True, "epilogue", "ff"),
+    ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add"),
+    ("PDL on, Triton GEMMs, whole conv (ba0ecd3)", True, "triton", True, False, "add"),
+    ("  + block1 conv | res_conv as one conv", True, "triton", True, True, "add"),
+    ("  + last add in the GEMM epilogue (served)", True, "triton", True, True, "epilogue"),
 )
 
 
 def _timeline(dec, batches: list[int], reps: int) -> None:
     """The solve graph per variant of TIMELINE_VARIANTS, same inputs for each. (Per-kernel times of graph replays
     from torch.profiler did not add up to one replay's kernels on torch 2.11, so only replay times are reported.)"""
-    from engines.kernels import codec_blocks as kb
     from engines.kernels import codec_fused as k
     from engines.kernels import pdl
 
     flow, idx = dec.flow, torch.cuda.current_device()
-    block_rows = kb.BLOCK_MAX_ROWS
     est = flow.decoder.estimator
     est.fuse()
     resnets = est._resnets()
@@ -171,10 +166,8 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     try:
         for batch in batches:
             ref = None
-            for name, on, gemm, whole, merge, last, blocks in TIMELINE_VARIANTS:
+            for name, on, gemm, whole, merge, last in TIMELINE_VARIANTS:
                 pdl._enabled[idx] = on
-                kb.BLOCK_MAX_ROWS = block_rows if blocks else 0
-                kb.ATTENTION = blocks is True
                 k.linear = cublas if gemm == "cublas" else separate_add if last == "add" else linear
                 k.CONV_WHOLE_MAX_ROWS = whole_rows if whole else 0
                 for r, (w, b) in zip(resnets, merged, strict=True):
@@ -185,58 +178,18 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
                 print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - first| {diff:.2e}  {name}", flush=True)
     finally:
         pdl._enabled.pop(idx, None)
-        k.linear, k.CONV_WHOLE_MAX_ROWS, kb.BLOCK_MAX_ROWS = linear, whole_rows, block_rows
-        kb.ATTENTION = True
+        k.linear, k.CONV_WHOLE_MAX_ROWS = linear, whole_rows
         for r, (w, b) in zip(resnets, merged, strict=True):
             r.conv1_res_gemm, r.conv1_res_bias = w, b
     _print_kernel_resources()
 
 
-def _block_tiles(dec, batches: list[int], reps: int) -> None:
-    """The solve graph per tiling of the two-kernel transformer block (engines/kernels/codec_blocks.py): the
-    attention kernel's columns and warps first (ff at its default), then the ff kernel's slice, columns and warps
-    (attention at its best). Prints each, and the best of each sweep."""
-    import itertools
-
-    from engines.kernels import codec_blocks as kb
-
-    saved = {n: getattr(kb, n) for n in ("ATTN_COLS", "ATTN_WARPS", "FF_SLICE", "FF_COLS", "FF_WARPS")}
-    sweeps = (("ATTN_COLS", "ATTN_WARPS"), itertools.product((64, 128, 256), (4, 8))), \
-             (("FF_SLICE", "FF_COLS", "FF_WARPS"), itertools.product((32, 64, 128), (64, 128, 256), (4, 8)))
-    try:
-        for names, values in sweeps:
-            best: dict[int, tuple[float, tuple]] = {}
-            for v in values:
-                cfg = dict(zip(names, v, strict=True))
-                for n, x in cfg.items():
-                    setattr(kb, n, x)
-                for batch in batches:
-                    try:
-                        ms, _ = _solve_ms(dec.flow, batch, reps)
-                    except Exception as e:  # a tiling Triton cannot compile (shared memory, registers)
-                        print(f"  {cfg} batch {batch}: failed ({type(e).__name__}: {e})"[:200])
-                        continue
-                    print(f"  {cfg} batch {batch}: solve {ms:.3f} ms", flush=True)
-                    if batch not in best or ms < best[batch][0]:
-                        best[batch] = (ms, v)
-            for batch, (ms, v) in sorted(best.items()):
-                print(f"best {dict(zip(names, v, strict=True))} at batch {batch}: {ms:.3f} ms", flush=True)
-            for n, x in zip(names, best[min(best)][1], strict=True):  # the next sweep starts from batch 1's best
-                setattr(kb, n, x)
-    finally:
-        for n, x in saved.items():
-            setattr(kb, n, x)
-    _print_kernel_resources()
-
-
 def _print_kernel_resources() -> None:
     """Registers and spills of every compiled codec kernel variant (spills put tiles in local memory)."""
-    from engines.kernels import codec_blocks as kb
     from engines.kernels import codec_fused as k
 
     for fn in (k._conv_whole_kernel, k._causal_conv_kernel, k._linear_kernel, k._ln_linear_kernel,
-               k._window_attention_kernel, k._layernorm_mish_kernel, k._add_layernorm_kernel,
-               kb._attention_block_kernel, kb._ff_block_kernel):
+               k._window_attention_kernel, k._layernorm_mish_kernel, k._add_layernorm_kernel):
         try:
             for cache in fn.device_caches.values():
                 for ck in cache[0].values():
@@ -258,15 +211,11 @@ def main() -> None:
     p.add_argument("--top", type=int, default=0, help="print the N costliest kernels of one estimator call")
     p.add_argument("--host-profile", action="store_true", help="also cProfile the steady-state rounds")
     p.add_argument("--timeline", action="store_true", help="only the solve graph's replay time, per kernel variant")
-    p.add_argument("--block-tiles", action="store_true", help="only the solve graph per two-kernel block tiling")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
                             estimator_dtype="bfloat16")
     if a.timeline:
         _timeline(dec, [int(x) for x in a.batches.split(",")], a.iters)
-        return
-    if a.block_tiles:
-        _block_tiles(dec, [int(x) for x in a.batches.split(",")], a.iters)
         return
     rng = np.random.default_rng(0)
     la = dec.cfg.flow.pre_lookahead

@@ -164,65 +164,6 @@ def test_add_layernorm_matches_torch(dtype, with_res):
     torch.testing.assert_close(y, y_want, **TOL[dtype])
 
 
-def _transformer_block(dtype: torch.dtype):
-    from engines.codec.decoder.estimator import TransformerBlock
-
-    torch.manual_seed(8)
-    blk = TransformerBlock(256, 8, 64)
-    with torch.no_grad():
-        for p in blk.parameters():
-            p.copy_(torch.randn_like(p) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
-    blk = blk.to("cuda", dtype)
-    blk.attn1.qkv_weight = torch.cat([blk.attn1.to_q.weight, blk.attn1.to_k.weight, blk.attn1.to_v.weight])
-    blk.qkv_t = blk.attn1.qkv_weight.t().contiguous()
-    blk.ff1_t = blk.ff.net[0].proj.weight.t().contiguous()
-    return blk
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch,T", [(1, 40), (2, 40), (3, 37), (4, 40), (2, 5)])
-@pytest.mark.parametrize("last", [False, True])
-def test_transformer_block_in_two_kernels_matches_five(dtype, batch, T, last):
-    """engines/kernels/codec_blocks.py against the five-kernel block (itself tested against torch above): the same
-    rounding points, only the float32 order of the to_out and ff output sums differs. The counters end at zero,
-    and a second call gives the same bits (the last program adds the partial sums in a fixed order, whichever
-    program finished last)."""
-    from engines.kernels import codec_blocks as kb
-
-    blk = _transformer_block(dtype)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    x, pend = (torch.randn(batch, T, 256, device="cuda", generator=g).to(dtype) for _ in range(2))
-    mask = window_mask(T, min(20, T - 1), torch.device("cuda"), dtype)
-    cnt = kb.counters(batch, T, 256, x.device)
-    with torch.inference_mode():
-        want = blk._forward_cuda(x, pend, mask, last)
-        got = blk._forward_two_kernels(x, pend, mask, last, cnt)
-        again = blk._forward_two_kernels(x, pend, mask, last, cnt)
-    assert int(cnt.count_nonzero()) == 0
-    # Outputs carry the residual stream: an attention-output ulp flip, then the rounded add (as for `linear`).
-    tol = dict(rtol=CONV_TOL[dtype]["rtol"], atol=2 * CONV_TOL[dtype]["atol"])
-    torch.testing.assert_close(got[0], want[0], **tol)
-    if last:
-        assert got[1] is None and want[1] is None
-    else:
-        torch.testing.assert_close(got[1], want[1], **tol)
-    for a, b in zip(got, again, strict=True):
-        assert (a is None and b is None) or torch.equal(a, b)
-
-
-def test_estimator_takes_two_kernel_blocks_at_streaming_sizes():
-    """The estimator's dispatch: counters (the two-kernel path) up to BLOCK_MAX_ROWS rows, none above."""
-    from engines.codec.decoder import CodecDecoder
-    from engines.kernels import codec_blocks as kb
-
-    est = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift").flow.decoder.estimator
-    est.fuse()
-    h = torch.zeros(2, 4 * 80, 40, device="cuda")
-    assert est._block_counters(h) is not None
-    big = torch.zeros(kb.BLOCK_MAX_ROWS // 40 + 1, 4 * 80, 40, device="cuda")
-    assert est._block_counters(big) is None
-
-
 def test_estimator_cuda_path_matches_cpu_reference():
     """The whole estimator (fused kernels + fused q/k/v + table) on CUDA vs on CPU, float32, tiny-random."""
     from engines.codec.decoder import CodecDecoder

@@ -179,13 +179,10 @@ class TransformerBlock(nn.Module):
         return (self.qkv_t is not None and d & (d - 1) == 0 and d >= 16 and dh & (dh - 1) == 0 and dh >= 16
                 and x.shape[1] <= WINDOW_ATTENTION_MAX_T)
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool = False,
-                cnt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input is x + pending (pending None: just x); returns (x, ff_out) whose sum is its output,
-        so each residual add fuses with the next LayerNorm. The last block of a stack returns (output, None).
-        cnt: the zeroed counters of the two-kernel path (engines/kernels/codec_blocks.py), None for five kernels."""
-        if x.is_cuda and cnt is not None:
-            return self._forward_two_kernels(x, pending, mask, last, cnt)
+        so each residual add fuses with the next LayerNorm. The last block of a stack returns (output, None)."""
         if x.is_cuda and self._fused_ok(x):
             return self._forward_cuda(x, pending, mask, last)
         h, x = add_layernorm(x, pending, self.norm1)
@@ -208,23 +205,6 @@ class TransformerBlock(nn.Module):
         if last:
             return k.linear(h, ff[2].weight, ff[2].bias, residual=x), None
         return x, k.linear(h, ff[2].weight, ff[2].bias)
-
-    def _forward_two_kernels(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool,
-                             cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward in 2 kernels: add + LayerNorm + q/k/v + window attention + to_out, then add + LayerNorm + ff +
-        GELU + ff output (+ the residual stream, for the last block)."""
-        from engines.kernels import codec_blocks as kb
-        from engines.kernels import codec_fused as k
-
-        a, ff = self.attn1, self.ff.net
-        if kb.ATTENTION:
-            o, x = kb.attention_block(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.qkv_t,
-                                      a.to_out[0].weight, a.to_out[0].bias, mask, a.h, a.dh, cnt)
-        else:
-            qkv, x = k.ln_linear(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.qkv_t)
-            o = k.linear(k.window_attention(qkv, mask, a.h, a.dh), a.to_out[0].weight, a.to_out[0].bias)
-        return kb.ff_block(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
-                           ff[2].weight, ff[2].bias, last, cnt)
 
 
 class _TimeMLP(nn.Module):
@@ -343,43 +323,27 @@ class CausalConditionalDecoder(nn.Module):
             self._tables[key] = tab
         return tab
 
-    def _block_counters(self, h: torch.Tensor) -> torch.Tensor | None:
-        """The counters of the two-kernel transformer blocks for this call's size (one zeroed tensor for every
-        block of the call), or None where the blocks take five kernels (CPU, larger batches, other widths)."""
-        if not h.is_cuda or self.down_blocks[0][1][0].qkv_t is None:
-            return None
-        from engines.kernels import codec_blocks as kb
-
-        nb, _, t = h.shape
-        tb = self.down_blocks[0][1][0]
-        c, a = tb.norm1.weight.shape[0], tb.attn1
-        if not kb.usable(nb * t, t, c, a.h, a.dh, tb.ff1_t.shape[1]):
-            return None
-        return kb.counters(nb, t, c, h.device)
-
     @staticmethod
-    def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor, cnt: torch.Tensor | None
-                ) -> torch.Tensor:
+    def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
         """[B, C, T] through the transformer blocks -> [B, C, T]."""
         x, pending = h.transpose(1, 2), None
         for i, b in enumerate(blocks):
-            x, pending = b(x, pending, mask, last=i == len(blocks) - 1, cnt=cnt)
+            x, pending = b(x, pending, mask, last=i == len(blocks) - 1)
         # Time-major [B, C, T] view of the last block's output: the next conv reads it without a copy.
         return x.transpose(1, 2)
 
     def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [B, 320, T] = cat(x, mu, spks, cond) in the estimator dtype; rows [n_resnets, B|1, C] (`time_rows` or
         a `time_table` step); mask additive [T, T] (`window_mask`) -> velocity [B, 80, T]."""
-        cnt = self._block_counters(h)
         resnet, blocks, down = self.down_blocks[0]
-        h = self._attend(resnet(h, rows[0]), blocks, mask, cnt)
+        h = self._attend(resnet(h, rows[0]), blocks, mask)
         skip = h
         h = down(h)
         for i, (resnet, blocks) in enumerate(self.mid_blocks):
-            h = self._attend(resnet(h, rows[1 + i]), blocks, mask, cnt)
+            h = self._attend(resnet(h, rows[1 + i]), blocks, mask)
         resnet, blocks, up = self.up_blocks[0]
         hs = torch.cat([h.transpose(1, 2), skip.transpose(1, 2)], dim=2).transpose(1, 2)  # time-major [B, 2C, T]
-        h = self._attend(resnet(hs, rows[-1]), blocks, mask, cnt)
+        h = self._attend(resnet(hs, rows[-1]), blocks, mask)
         h = up(h)
         return self.final_proj(self.final_block(h))
 
