@@ -43,8 +43,7 @@ class SessionManager:
                  vad_factory: Callable[[], Any] | None = None, observer: SessionObserver | None = None,
                  slots: Slots | None = None) -> None:
         self.engine = engine
-        self.max_sessions = max_sessions
-        # The admission count: this process's sessions, or the whole server's under --workers.
+        # The admission count and its limit: this process's sessions, or the whole server's under --workers.
         self.slots = slots if slots is not None else Slots(max_sessions)
         self.limits = limits
         self.model = model
@@ -62,7 +61,7 @@ class SessionManager:
         if not self.engine.ready:
             raise EngineUnavailable("the engine is not ready (starting or restarting); retry shortly")
         if not self.slots.try_take():
-            raise ServerBusy(f"the server is at its limit of {self.max_sessions} sessions; retry later")
+            raise ServerBusy(f"the server is at its limit of {self.slots.limit} sessions; retry later")
         sid = ev.new_id("sess")
         try:
             s = Session(sid, self.engine, model=self.model, limits=self.limits, audio_out=audio_out,

@@ -8,6 +8,7 @@ supervisor (`moss-speech serve --workers 2`) with the fake engine, where the ker
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import signal
@@ -213,8 +214,7 @@ class Supervised:
         self.http = f"http://127.0.0.1:{self.port}"
         self.ws = f"ws://127.0.0.1:{self.port}/v1/realtime"
         self.log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in stop()
-        command = [*FAKE_ENGINE]
-        env = {**os.environ, "MOSS_ENGINE_COMMAND": __import__("json").dumps(command), "MOSS_VAD": "false",
+        env = {**os.environ, "MOSS_ENGINE_COMMAND": json.dumps(FAKE_ENGINE), "MOSS_VAD": "false",
                "MOSS_ENGINE_PING_INTERVAL_S": "0.2", "MOSS_DRAIN_TIMEOUT_S": "2", **env}
         self.proc = subprocess.Popen([sys.executable, "-m", "moss_speech.cli", "serve", "--workers", str(workers),
                                       "--port", str(self.port)], cwd=ROOT, env=env, stdout=self.log,
@@ -279,7 +279,7 @@ async def _wait_closed(ws: websockets.ClientConnection, timeout: float) -> list[
     events = []
     with pytest.raises(websockets.ConnectionClosed):
         while True:
-            events.append(__import__("json").loads(await asyncio.wait_for(ws.recv(), timeout)))
+            events.append(json.loads(await asyncio.wait_for(ws.recv(), timeout)))
     return events
 
 
