@@ -7,8 +7,9 @@ stable `code`), then `await session.start()`. The manager forgets a session when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from server import events as ev
@@ -16,6 +17,10 @@ from server.session import AudioOutMode, EngineLink, Session, SessionLimits, Ses
 from server.slots import Slots
 
 log = logging.getLogger("server.sessions")
+
+# After the drain closed its sessions, how long their sockets may take to send what is queued and a close frame
+# (the WebSocket route gives each 5 s) before uvicorn's own shutdown closes whatever is left with 1012.
+CLOSE_GRACE_S = 10.0
 
 
 class SessionRefused(Exception):
@@ -51,6 +56,9 @@ class SessionManager:
         self.observer = observer
         self.sessions: dict[str, Session] = {}
         self.draining = False
+        self._transports = 0  # client sockets open on this process (see `transport`)
+        self._no_transports = asyncio.Event()
+        self._no_transports.set()
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -72,6 +80,19 @@ class SessionManager:
         self.sessions[sid] = s
         return s
 
+    @contextlib.asynccontextmanager
+    async def transport(self) -> AsyncIterator[None]:
+        """Held by a route for as long as its client socket is open, so that the drain returns only once every
+        socket has said why it closes (1001 after `server_shutting_down`, or the relayed owner's code)."""
+        self._transports += 1
+        self._no_transports.clear()
+        try:
+            yield
+        finally:
+            self._transports -= 1
+            if self._transports == 0:
+                self._no_transports.set()
+
     def get(self, session_id: str) -> Session | None:
         return self.sessions.get(session_id)
 
@@ -84,7 +105,8 @@ class SessionManager:
             self.slots.put_back()
 
     async def drain(self, timeout_s: float) -> None:
-        """Stop accepting sessions; let answers in progress finish (up to timeout_s), then close all."""
+        """Stop accepting sessions; let answers in progress finish (up to timeout_s), close all, then wait for the
+        client sockets to close (up to what is left of timeout_s plus CLOSE_GRACE_S)."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -93,4 +115,7 @@ class SessionManager:
         for s in list(self.sessions.values()):
             s._error("server_shutting_down", "the server is shutting down", etype="server_error")
             await s.close("server_shutdown", 1001)
-        log.info("drained")
+        # A socket relayed to a sibling worker closes when that worker's drain closes the call's session.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_transports.wait(), max(deadline - loop.time(), 0.0) + CLOSE_GRACE_S)
+        log.info("drained (%d client sockets still open)", self._transports)

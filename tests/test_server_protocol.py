@@ -369,6 +369,38 @@ async def test_sigterm_drains_answers_then_closes():
             assert evs[-1]["type"] == "error" and evs[-1]["error"]["code"] == "server_shutting_down"
 
 
+async def test_drain_returns_once_client_sockets_closed_or_their_grace_ran_out(monkeypatch):
+    """uvicorn closes every socket still open with 1012 as soon as the drain returns, so the drain waits for
+    the routes to send their last events and close frames (bounded: a stuck socket cannot hold the exit)."""
+    from server import session_manager
+    from server.session import SessionLimits
+
+    manager = session_manager.SessionManager(None, max_sessions=2, limits=SessionLimits(), model="m")
+    released = asyncio.Event()
+
+    async def socket_route() -> None:
+        async with manager.transport():
+            await released.wait()
+
+    routes = [asyncio.create_task(socket_route()) for _ in range(2)]
+    await asyncio.sleep(0)
+    drain = asyncio.create_task(manager.drain(0.0))
+    await asyncio.sleep(0.3)
+    assert manager.draining and not drain.done()
+    released.set()
+    await asyncio.wait_for(drain, 1)
+    await asyncio.gather(*routes)
+
+    monkeypatch.setattr(session_manager, "CLOSE_GRACE_S", 0.2)
+    stuck = asyncio.create_task(socket_route())
+    released.clear()
+    await asyncio.sleep(0)
+    await asyncio.wait_for(manager.drain(0.0), 2)
+    assert not stuck.done()
+    released.set()
+    await stuck
+
+
 async def test_two_servers_share_one_engine(tmp_path):
     import subprocess
 

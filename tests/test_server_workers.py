@@ -8,6 +8,7 @@ supervisor (`moss-speech serve --workers 2`) with the fake engine, where the ker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -86,12 +87,14 @@ def test_call_ids_name_their_worker():
 # ---- two worker apps in this process, one fake engine ------------------------------------------------
 
 
-@pytest.fixture
-def two_workers(tmp_path):
+@contextlib.contextmanager
+def _two_workers(tmp_path: Path, engine_env: dict[str, str] | None = None, **settings_kw: object):
     endpoint = f"ipc://{tmp_path}/engine.sock"
-    engine = subprocess.Popen([*FAKE_ENGINE, "--endpoint", endpoint], cwd=ROOT)
+    engine = subprocess.Popen([*FAKE_ENGINE, "--endpoint", endpoint], cwd=ROOT,
+                              env={**os.environ, **(engine_env or {})})
     counts = multiprocessing.get_context("spawn").Array("i", 2, lock=False)
-    settings = fake_settings(spawn_engine=False, engine_endpoint=endpoint, max_sessions=3, vad=False, api_keys=[KEY])
+    settings = fake_settings(spawn_engine=False, engine_endpoint=endpoint, max_sessions=3, vad=False, api_keys=[KEY],
+                             **settings_kw)
     servers = []
     try:
         for i in range(2):
@@ -104,6 +107,12 @@ def two_workers(tmp_path):
             s.__exit__(None, None, None)
         engine.terminate()
         engine.wait(10)
+
+
+@pytest.fixture
+def two_workers(tmp_path):
+    with _two_workers(tmp_path) as workers:
+        yield workers
 
 
 async def test_session_limit_is_the_servers_not_each_workers(two_workers):
@@ -195,6 +204,36 @@ async def test_a_call_is_reached_through_any_worker(two_workers):
                 pass
         assert bad.value.response.status_code == 404
         await client.close()
+
+
+@pytest.mark.timeout(120)
+async def test_drain_closes_a_relayed_control_socket_with_the_owners_code(tmp_path):
+    """Both workers drain at once. The one relaying a call's control socket has no answer of its own to wait
+    for, yet it must not let its shutdown close that socket (1012) before the owner finished the answer and
+    closed the call's session (1001, after `server_shutting_down`)."""
+    from tests.test_webrtc import Client
+
+    with _two_workers(tmp_path, {"FAKE_ENGINE_CHUNKS": "25", "FAKE_ENGINE_STEP_S": "0.04"},
+                      drain_timeout_s=10.0) as ((w0, w1), _):
+        async with httpx.AsyncClient(timeout=10, headers=AUTH) as http:
+            client = Client(w0.http, mic=None)
+            await client.connect(http)
+            try:
+                async with websockets.connect(f"{w1.ws}?call_id={client.call_id}", additional_headers=AUTH) as ws:
+                    await send(ws, "session.update", session={"audio": {"input": {"turn_detection": None}}})
+                    await recv_until(ws, "session.updated", 10)
+                    await user_text(ws, "a long answer please")
+                    await send(ws, "response.create")
+                    await recv_until(ws, "response.created", 10)
+                    for w in (w1, w0):  # the relaying worker first: its drain has nothing to wait for
+                        w.server.handle_exit(signal.SIGTERM, None)
+                    events = await _wait_closed(ws, 30)
+                    done = [e for e in events if e["type"] == "response.done"]
+                    assert done and done[0]["response"]["status"] == "completed", events[-3:]
+                    assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "server_shutting_down"
+                    assert ws.close_code == 1001
+            finally:
+                await client.close()
 
 
 # ---- the real supervisor ---------------------------------------------------------------------------

@@ -51,6 +51,11 @@ def _subprotocol(ws: WebSocket) -> str | None:
 
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
+    async with ws.app.state.sessions.transport():  # the drain waits for this socket's close frame
+        await _serve(ws)
+
+
+async def _serve(ws: WebSocket) -> None:
     st = ws.app.state
     settings = st.settings
     if not auth.origin_ok(settings.allowed_origins, ws.headers.get("origin")):
