@@ -1,8 +1,9 @@
 """Running the app under uvicorn with the server's limits and a graceful drain on SIGTERM/SIGINT.
 
 On the first signal: stop accepting sessions (/health turns 503), let answers in progress finish up to
-`drain_timeout_s`, close every session with an `error` event `server_shutting_down` (close 1001), then
-let uvicorn stop. A second signal skips the wait.
+`drain_timeout_s`, close every session with an `error` event `server_shutting_down` (close 1001), wait for the
+client sockets to close (uvicorn's shutdown would close any still open with 1012), then let uvicorn stop. A second
+signal skips the wait.
 """
 
 from __future__ import annotations
