@@ -212,6 +212,92 @@ def test_solve_graph_is_bit_identical_with_and_without_pdl():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _full_size_stack(dtype: torch.dtype):
+    """The first mid stack of a full-size estimator (4 blocks, width 256, 8 heads of 64), LayerNorms randomised."""
+    from engines.codec.decoder.config import FlowConfig
+    from engines.codec.decoder.estimator import CausalConditionalDecoder
+
+    torch.manual_seed(3)
+    est = CausalConditionalDecoder(FlowConfig())
+    with torch.no_grad():
+        for m in est.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.normal_(1.0, 0.2)
+                m.bias.normal_(0.0, 0.2)
+    est = est.to("cuda", dtype)
+    est.fuse()
+    return est.mid_blocks[0][1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,T", [(2, 40), (4, 40), (2, 23)])
+@pytest.mark.parametrize("programs", [None, 1, 5])
+def test_transformer_stack_kernel_matches_the_five_kernel_blocks(dtype, batch, T, programs):
+    """One persistent kernel for a stack of blocks == the blocks' five kernels each. One program, or fewer programs
+    than any stage has items, must still finish (items are taken in dependency order)."""
+    from engines.codec.decoder.estimator import CausalConditionalDecoder
+    from engines.kernels.codec_stack import stack_fits, stack_weights, transformer_stack
+
+    blocks = _full_size_stack(dtype)
+    w = stack_weights(blocks)
+    assert stack_fits(w, batch, T)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(batch, T, 256, device="cuda", generator=g).to(dtype).transpose(1, 2)  # time-major [B, C, T]
+    mask = window_mask(T, T // 2, torch.device("cuda"), dtype)
+    with torch.inference_mode():
+        want = CausalConditionalDecoder._attend(h, blocks, mask)  # no stack_w: the five-kernel blocks
+        got = transformer_stack(h.transpose(1, 2), w, mask, programs=programs)
+        again = transformer_stack(h.transpose(1, 2), w, mask, programs=programs)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.transpose(1, 2), **TOL[dtype])
+    torch.testing.assert_close(again, got, rtol=0, atol=0)  # deterministic: every item's order is fixed
+
+
+def test_transformer_stack_kernel_refuses_what_it_does_not_take():
+    from engines.kernels.codec_stack import stack_fits, stack_weights, transformer_stack
+
+    w = stack_weights(_full_size_stack(torch.bfloat16))
+    assert not stack_fits(w, 2, 65) and not stack_fits(w, 3, 64)  # a window over one tile; over 160 rows
+    x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="outside"):
+        transformer_stack(torch.randn(2, 80, 256, device="cuda", dtype=torch.bfloat16), w,
+                          window_mask(80, 40, torch.device("cuda"), torch.bfloat16))
+    with pytest.raises(ValueError, match="window mask"):
+        transformer_stack(x, w, torch.zeros(2, 40, 40, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("codec", ["tiny-random", "full-random"])
+def test_solve_graph_with_stack_kernels_matches_the_served_one(codec):
+    """MOSS_CODEC_STACK's solve (every stack one persistent kernel) inside the Euler solve's CUDA graph == the
+    served five-kernel blocks, bf16, batch 1 and 2 (CFG rows 80 and 160)."""
+    from engines.codec.decoder import CodecDecoder
+    from engines.codec.decoder.graphs import EulerGraphs
+    from engines.kernels import codec_stack
+
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    flow, est = dec.flow, dec.flow.decoder.estimator
+    for batch in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(7)
+        inputs = [torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
+                  for shape in EulerGraphs(flow).input_shapes(batch)]
+        out = {}
+        try:
+            for on in (False, True):
+                codec_stack.ENABLED = on
+                est._fused_key = None
+                est.fuse()
+                assert (est.mid_blocks[0][1].stack_w is not None) == on
+                with torch.inference_mode():
+                    out[on] = EulerGraphs(flow).run(*inputs)
+        finally:
+            codec_stack.ENABLED = False
+            est._fused_key = None
+            est.fuse()
+        for a, b in zip(out[False], out[True], strict=True):
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(b, a, **TOL[torch.bfloat16])
+
+
 def test_snake_is_bit_identical_to_torch():
     """HiFT's Snake in one kernel gives torch's bits (IEEE division, libdevice sinf, no FMA), over alphas from tiny
     to large and inputs spanning many periods; other dtypes and shapes are refused."""
