@@ -388,6 +388,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+@triton.jit
+def softmax_pv(sc, v, IEEE: tl.constexpr):
+    """softmax(sc) @ v for float32 scores sc [Tq, Tk] (masked entries -inf) and v [Tk, D] -> float32 [Tq, D]. A
+    fully masked (padding) row gives zeros, not NaN."""
+    mx = tl.max(sc, 1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    p = tl.exp(sc - mx[:, None])
+    den = tl.sum(p, 1)
+    p = p / tl.where(den == 0.0, 1.0, den)[:, None]
+    if IEEE:
+        return tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v)
+
+
 @triton.jit(do_not_specialize=["T", "s_qkv_b", "s_mb", "s_ob"])
 def _window_attention_kernel(QKV, MASK, OUT, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_ob, s_ot, scale,
                              H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
@@ -409,16 +423,7 @@ def _window_attention_kernel(QKV, MASK, OUT, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_
         sc = tl.dot(q, tl.trans(k))
     am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
                  other=float("-inf")).to(tl.float32)
-    sc = sc * scale + am
-    mx = tl.max(sc, 1)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)  # a fully masked (padding) row gives zeros, not NaN
-    p = tl.exp(sc - mx[:, None])
-    den = tl.sum(p, 1)
-    p = p / tl.where(den == 0.0, 1.0, den)[:, None]
-    if IEEE:
-        o = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        o = tl.dot(p.to(v.dtype), v)
+    o = softmax_pv(sc * scale + am, v, IEEE)
     tl.store(OUT + b * s_ob + rt[:, None] * s_ot + h * D + rd[None, :], o.to(OUT.dtype.element_ty),
              mask=tm[:, None])
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engines.kernels.codec_fused import _gelu_f32
+from engines.kernels.codec_fused import _gelu_f32, softmax_pv
 
 # Off unless MOSS_CODEC_STACK=1 (or set by engines.bench.profile_codec --timeline): not yet measured on a GPU.
 # Read by CausalConditionalDecoder.fuse, which then keeps a stacked copy of every stack's weights.
@@ -167,38 +167,40 @@ def _stage_attention(QKV, MASK, ATT, cnt_a, need_a, done_ptr, b, hh, T, s_mt, sc
     q = tl.load(base, mask=tm[:, None], other=0.0, cache_modifier=".cg")
     k = tl.load(base + HD, mask=tm[:, None], other=0.0, cache_modifier=".cg")
     v = tl.load(base + 2 * HD, mask=tm[:, None], other=0.0, cache_modifier=".cg")
-    sc = _dot(q, tl.trans(k), IEEE) * scale + am
-    mx = tl.max(sc, 1)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)  # a fully masked (padding) row gives zeros, not NaN
-    p = tl.exp(sc - mx[:, None])
-    den = tl.sum(p, 1)
-    p = p / tl.where(den == 0.0, 1.0, den)[:, None]
-    if IEEE:
-        o = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        o = tl.dot(p.to(dt), v)
+    o = softmax_pv(_dot(q, tl.trans(k), IEEE) * scale + am, v, IEEE)
     tl.store(ATT + (b * T + rt)[:, None] * HD + hh * D + rd[None, :], o.to(dt), mask=tm[:, None])
     _publish(done_ptr)
+
+
+@triton.jit
+def _weight_cols(W, rn, K: tl.constexpr):
+    """Columns rn of a Linear weight W [N, K] as a [K, COLS] dot operand."""
+    return tl.load(W + rn[None, :] * K + tl.arange(0, K)[:, None])
+
+
+@triton.jit
+def _linear_residual(A, w, bias, RES, OUT, rows, rm, rn, K: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr):
+    """out[rows, rn] = res + (a[rows] @ w + bias), rounded as torch does: the Linear's output, then the sum."""
+    dt = OUT.dtype.element_ty
+    rk = tl.arange(0, K)
+    a = tl.load(A + rows[:, None] * K + rk[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
+    y = (_dot(a, w, IEEE) + bias[None, :]).to(dt)
+    res = tl.load(RES + rows[:, None] * C + rn[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
+    tl.store(OUT + rows[:, None] * C + rn[None, :], (y.to(tl.float32) + res.to(tl.float32)).to(dt),
+             mask=rm[:, None])
 
 
 @triton.jit
 def _stage_out(ATT, WO, BO, RES, SMID, cnt_b, need_b, done_ptr, rb, cb, T, M, C: tl.constexpr, HD: tl.constexpr,
                COLS: tl.constexpr, IEEE: tl.constexpr):
     """C: smid[rows, cols] = res + (att[rows] @ Wout[cols]^T + bias); waits for B of every batch row in rows."""
-    dt = SMID.dtype.element_ty
     rn = cb * COLS + tl.arange(0, COLS)
-    rk = tl.arange(0, HD)
-    w = tl.load(WO + rn[None, :] * HD + rk[:, None])  # [HD, COLS]
+    w = _weight_cols(WO, rn, HD)  # [HD, COLS]
     bias = tl.load(BO + rn).to(tl.float32)
     rows = rb * 16 + tl.arange(0, 16)
-    rm = rows < M
     for b in range((rb * 16) // T, tl.minimum(rb * 16 + 15, M - 1) // T + 1):
         _wait(cnt_b + b, need_b)
-    a = tl.load(ATT + rows[:, None] * HD + rk[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
-    y = (_dot(a, w, IEEE) + bias[None, :]).to(dt)  # to_out's output, stored rounded by torch
-    res = tl.load(RES + rows[:, None] * C + rn[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
-    tl.store(SMID + rows[:, None] * C + rn[None, :], (y.to(tl.float32) + res.to(tl.float32)).to(dt),
-             mask=rm[:, None])
+    _linear_residual(ATT, w, bias, RES, SMID, rows, rows < M, rn, HD, C, IEEE)
     _publish(done_ptr)
 
 
@@ -228,20 +230,12 @@ def _stage_ff1(SMID, LNW, LNB, W1, B1, H1, wait_ptr, wait_need, done_ptr, rb, cb
 def _stage_ff2(H1, W2, B2, SMID, OUT, wait_ptr, wait_need, done_ptr, rb, cb, M, C: tl.constexpr,
                COLS: tl.constexpr, IEEE: tl.constexpr):
     """E: out[rows, cols] = smid + (h1[rows] @ W2[cols]^T + b2); waits for D of these rows."""
-    F: tl.constexpr = 4 * C
-    dt = OUT.dtype.element_ty
     rn = cb * COLS + tl.arange(0, COLS)
-    rk = tl.arange(0, F)
-    w = tl.load(W2 + rn[None, :] * F + rk[:, None])  # [F, COLS]
+    w = _weight_cols(W2, rn, 4 * C)  # [4C, COLS]
     bias = tl.load(B2 + rn).to(tl.float32)
     rows = rb * 16 + tl.arange(0, 16)
-    rm = rows < M
     _wait(wait_ptr, wait_need)
-    a = tl.load(H1 + rows[:, None] * F + rk[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
-    y = (_dot(a, w, IEEE) + bias[None, :]).to(dt)
-    res = tl.load(SMID + rows[:, None] * C + rn[None, :], mask=rm[:, None], other=0.0, cache_modifier=".cg")
-    tl.store(OUT + rows[:, None] * C + rn[None, :], (y.to(tl.float32) + res.to(tl.float32)).to(dt),
-             mask=rm[:, None])
+    _linear_residual(H1, w, bias, SMID, OUT, rows, rows < M, rn, 4 * C, C, IEEE)
     _publish(done_ptr)
 
 
