@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 import time
 from collections import deque
@@ -56,7 +55,13 @@ from server.audio.pcm import float32_to_pcm16, pcm16_to_float32
 from server.audio.resample import AudioError, Resampler, resample
 from server.loadtest.stats import PlaybackBuffer
 from server.outbound import AudioOut, Outbound
-from server.protocol import ProtocolError, SessionConfig, parse_response_create, parse_session_update
+from server.protocol import (
+    ProtocolError,
+    SessionConfig,
+    decode_client_event,
+    parse_response_create,
+    parse_session_update,
+)
 
 log = logging.getLogger("server.session")
 
@@ -225,12 +230,9 @@ class Session:
 
     async def handle_client_text(self, text: str) -> None:
         try:
-            event = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            self._error("invalid_json", f"message is not valid JSON: {e}", etype="invalid_request_error")
-            return
-        if not isinstance(event, dict):
-            self._error("invalid_event", "a client event must be a JSON object")
+            event = decode_client_event(text)
+        except ProtocolError as e:
+            self._error(e.code, e.message)
             return
         await self.handle_client_event(event)
 

@@ -145,6 +145,12 @@ async def test_audio_turn_with_client_commit(srv):
         {"type": "input_audio", "audio": ""}]}}), "invalid_audio", "item.content[0].audio"),
     (json.dumps({"type": "conversation.item.create", "item": {"type": "function_call"}}),
      "unsupported_item_type", "item.type"),
+    # A lone surrogate is valid JSON syntax but no UTF-8 text: it used to reach the engine message and fail there.
+    ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
+     '[{"type": "input_text", "text": "hi \\ud800"}]}}', "invalid_json", None),
+    ('{"type": "session.update", "session": {"instructions": "\\udfff"}}', "invalid_json", None),
+    ('{"type": "session.update", "session": {"type": "realtime", "max_output_tokens": NaN}}', "invalid_json", None),
+    ("[1, 2]", "invalid_event", None),
 ])
 async def test_client_mistakes_get_error_events_and_session_survives(srv, raw, code, param):
     async with connect(srv.ws) as ws:
@@ -157,6 +163,19 @@ async def test_client_mistakes_get_error_events_and_session_survives(srv, raw, c
             assert err["error"]["event_id"] == "e1"
         evs = await text_turn(ws, "still there")
         assert evs[-1]["response"]["status"] == "completed"
+
+
+def test_decode_client_event_keeps_escaped_text_and_refuses_lone_surrogates():
+    from server.protocol import ProtocolError, decode_client_event
+
+    pair = decode_client_event('{"type": "x", "text": "\\ud83d\\ude00 caf\\u00e9"}')  # escaped as json.dumps does
+    assert pair["text"] == "\U0001f600 caf\u00e9"
+    assert decode_client_event(b'{"type": "x"}') == {"type": "x"}  # a binary data channel message
+    for bad in ('{"type": "x", "t": "\\ud83d"}', '{"\\udc00": 1}', '{"type": "x", "l": ["\\ude00a"]}',
+                b'{"type": "x", "t": "\\ud800"}', '{"v": Infinity}', b'\xff\xfe'):
+        with pytest.raises(ProtocolError) as e:
+            decode_client_event(bad)
+        assert e.value.code == "invalid_json", bad
 
 
 async def test_input_buffer_limit(srv):

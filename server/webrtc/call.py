@@ -23,7 +23,7 @@ from aiortc.mediastreams import MediaStreamTrack
 
 from server.events import error_event
 from server.outbound import AudioOut
-from server.protocol import ProtocolError
+from server.protocol import ProtocolError, decode_client_event
 from server.session import Session
 from server.webrtc.tracks import OutboundAudioTrack, pump_inbound
 
@@ -113,11 +113,9 @@ class Call:
 
     async def _client_message(self, message: str | bytes) -> None:
         try:
-            event = json.loads(message)
-            if not isinstance(event, dict):
-                raise ValueError("an event must be a JSON object")
-        except ValueError as e:
-            await self._emit(error_event("invalid_json", f"data channel message is not a JSON event: {e}"))
+            event = decode_client_event(message)
+        except ProtocolError as e:
+            await self._emit(error_event(e.code, f"data channel message refused: {e.message}"))
             return
         if event.get("type") == "output_audio_buffer.clear":
             # WebRTC-only client event (as in OpenAI's WebRTC flow): stop the answer audio now.
