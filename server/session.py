@@ -295,7 +295,9 @@ class Session:
 
     async def _on_commit(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id"})
-        if self._buffer_samples_16k == 0 and not (self.config.turn_detection and self._prefix_samples):
+        # Without VAD, what the client appended counts: a few samples may still sit in the resampler (flushed below).
+        held = self._buffer_samples_client if self.config.turn_detection is None else self._buffer_samples_16k
+        if held == 0 and not (self.config.turn_detection and self._prefix_samples):
             raise ProtocolError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
         await self._flush_resamplers()
         if self.config.turn_detection is not None and not self._in_speech:

@@ -165,6 +165,19 @@ async def test_client_mistakes_get_error_events_and_session_survives(srv, raw, c
         assert evs[-1]["response"]["status"] == "completed"
 
 
+async def test_commit_of_audio_still_inside_the_resampler_is_not_empty(srv):
+    """4 ms at 24 kHz is less than the 24 -> 16 kHz resampler's delay, so nothing has reached the engine when the
+    commit comes: the commit flushes it and the turn is committed (this was refused as an empty buffer)."""
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        await send(ws, "input_audio_buffer.commit", event_id="c0")
+        assert (await recv_event(ws))["error"]["code"] == "input_audio_buffer_commit_empty"
+        await send(ws, "input_audio_buffer.append", audio=tone_b64(0.004))
+        await send(ws, "input_audio_buffer.commit", event_id="c1")
+        evs = await recv_until(ws, "input_audio_buffer.committed")
+        assert not by_type(evs, "error"), evs
+
+
 def test_decode_client_event_keeps_escaped_text_and_refuses_lone_surrogates():
     from server.protocol import ProtocolError, decode_client_event
 
