@@ -158,8 +158,6 @@ def _stage_attention(QKV, MASK, ATT, cnt_a, need_a, done_ptr, b, hh, T, s_mt, sc
     dt = ATT.dtype.element_ty
     rt = tl.arange(0, BLOCK_T)
     tm = rt < T
-    am = tl.load(MASK + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
-                 other=float("-inf")).to(tl.float32)
     for rb in range((b * T) // 16, (b * T + T - 1) // 16 + 1):
         _wait(cnt_a + rb, need_a)
     rd = tl.arange(0, D)
@@ -167,15 +165,20 @@ def _stage_attention(QKV, MASK, ATT, cnt_a, need_a, done_ptr, b, hh, T, s_mt, sc
     q = tl.load(base, mask=tm[:, None], other=0.0, cache_modifier=".cg")
     k = tl.load(base + HD, mask=tm[:, None], other=0.0, cache_modifier=".cg")
     v = tl.load(base + 2 * HD, mask=tm[:, None], other=0.0, cache_modifier=".cg")
-    o = softmax_pv(_dot(q, tl.trans(k), IEEE) * scale + am, v, IEEE)
+    sc = _dot(q, tl.trans(k), IEEE) * scale
+    # The mask only now, as the served kernel loads it: held across the wait, its [T, T] float32 tile spilled.
+    am = tl.load(MASK + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
+                 other=float("-inf")).to(tl.float32)
+    o = softmax_pv(sc + am, v, IEEE)
     tl.store(ATT + (b * T + rt)[:, None] * HD + hh * D + rd[None, :], o.to(dt), mask=tm[:, None])
     _publish(done_ptr)
 
 
 @triton.jit
 def _weight_cols(W, rn, K: tl.constexpr):
-    """Columns rn of a Linear weight W [N, K] as a [K, COLS] dot operand."""
-    return tl.load(W + rn[None, :] * K + tl.arange(0, K)[:, None])
+    """Columns rn of a Linear weight W [N, K] as a [K, COLS] dot operand. Loaded as its rows (contiguous along K)
+    and transposed in registers: the strided [K, COLS] load compiled to 32 registers and a 2.6 KB spill stack."""
+    return tl.trans(tl.load(W + rn[:, None] * K + tl.arange(0, K)[None, :]))
 
 
 @triton.jit
