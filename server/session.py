@@ -397,7 +397,23 @@ class Session:
         if self._response is not None:
             raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self._response.id} is still in progress")
+        self._refuse_if_audio_uncommitted()
         await self._create_response(opts)
+
+    def _refuse_if_audio_uncommitted(self) -> None:
+        """The engine holds a turn's audio as it arrives, so an answer cannot start before that turn is committed
+        or cleared (the engine would fail it); say so as the client's mistake it is."""
+        if self.config.turn_detection is None:
+            if self._buffer_samples_client:
+                ms = self._buffer_samples_client * 1000 // CLIENT_RATE
+                raise ProtocolError("input_audio_buffer_not_empty",
+                                    f"the input audio buffer holds {ms} ms not yet committed: send "
+                                    "input_audio_buffer.commit or input_audio_buffer.clear before response.create")
+        elif self._buffer_samples_16k:
+            raise ProtocolError("input_audio_buffer_not_empty",
+                                "the input audio buffer holds speech not yet committed (server_vad commits it when "
+                                "the speech stops): wait, or send input_audio_buffer.commit or "
+                                "input_audio_buffer.clear before response.create")
 
     async def _on_response_cancel(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id", "response_id"})

@@ -1,8 +1,8 @@
-"""Malformed client events at volume: every one gets an `error` event of the client-mistake kind (never
-`server_error`), the server logs no exception, no session is closed, each still answers afterwards, and the engine
-(the fake one, and the real one on the CPU) ends idle with every KV block free. Events are valid templates with
-fields deleted, replaced by values of the wrong type or range (NaN, 2**63, lone surrogates, huge strings), or
-added; the seed is fixed."""
+"""Client events at volume: malformed ones (valid templates with fields deleted, replaced by values of the wrong
+type or range - NaN, 2**63, lone surrogates, huge strings - or added), and real speech under server_vad with turn
+and answer events thrown in at random. Every error is of the client-mistake kind (never `server_error`), the server
+logs no exception, no session is closed, each still answers afterwards, and the engine (the fake one, and the real
+one on the CPU) ends idle with every KV block free. Seeds are fixed."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 import websockets
 
+from server.audio.pcm import float32_to_pcm16, read_wav
 from server.settings import Settings
 from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, user_text
+from tests.webrtc_support import SPEECH_WAV
 
 SESSIONS = 6
 EVENTS = 250
@@ -28,7 +30,8 @@ CLIENT_CODES = {
     "invalid_json", "unknown_event", "unknown_parameter", "unsupported_parameter", "invalid_value", "invalid_audio",
     "invalid_item", "unsupported_item_type", "unsupported_content_type", "unsupported_session_type",
     "unsupported_audio_format", "unsupported_turn_detection", "input_audio_buffer_commit_empty",
-    "input_audio_buffer_too_large", "conversation_already_has_active_response", "response_cancel_not_active",
+    "input_audio_buffer_too_large", "input_audio_buffer_not_empty", "conversation_already_has_active_response",
+    "response_cancel_not_active",
     "item_truncate_invalid_item_id", "item_truncate_invalid_content_index", "item_truncate_invalid_audio_end_ms",
 }
 
@@ -83,59 +86,133 @@ def _frame(event: dict[str, Any]) -> str:
     return json.dumps(event, allow_nan=True)
 
 
+async def _reading(ws: Any, events: list[dict[str, Any]]) -> asyncio.Task:
+    async def read() -> None:
+        async for message in ws:
+            events.append(json.loads(message))
+
+    return asyncio.create_task(read())
+
+
+async def _still_answers(ws: Any, events: list[dict[str, Any]], reader: asyncio.Task) -> None:
+    """Back to a known state (no VAD, no answer, empty input buffer), then one answer must still come."""
+    await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    await asyncio.sleep(0.3)
+    await send(ws, "response.cancel")
+    await send(ws, "input_audio_buffer.clear")
+    await asyncio.sleep(0.5)  # a cancelled answer's response.done, if one was running
+    reader.cancel()
+    try:
+        await reader
+    except (asyncio.CancelledError, websockets.ConnectionClosed):
+        pass
+    await user_text(ws, "are you still there")
+    await send(ws, "response.create", response={"output_modalities": ["text"], "max_output_tokens": 8})
+    done = await recv_until(ws, "response.done", timeout=60)
+    events.extend(done)
+    # An answer: whole, or cut at max_output_tokens (the real engine's random weights rarely end by themselves).
+    assert done[-1]["response"]["status"] in ("completed", "incomplete"), done[-3:]
+
+
 async def _fuzz_one(url: str, seed: int) -> tuple[list[dict[str, Any]], int | None]:
     rng = random.Random(seed)
     async with websockets.connect(url, max_size=None) as ws:
         assert (await recv_event(ws))["type"] == "session.created"
         events: list[dict[str, Any]] = []
-
-        async def read() -> None:
-            async for message in ws:
-                events.append(json.loads(message))
-
-        reader = asyncio.create_task(read())
+        reader = await _reading(ws, events)
         for _ in range(EVENTS):
             template = rng.choice(TEMPLATES)
             await ws.send(_frame(_mutate(template, rng) if rng.random() < 0.85 else template))
             if rng.random() < 0.05:
                 await asyncio.sleep(0.02)
-        # Back to a known state, then one answer must still come.
-        await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
-        await asyncio.sleep(0.3)
-        await send(ws, "response.cancel")
-        await asyncio.sleep(0.5)  # a cancelled answer's response.done, if one was running
-        reader.cancel()
-        try:
-            await reader
-        except (asyncio.CancelledError, websockets.ConnectionClosed):
-            pass
-        await user_text(ws, "are you still there")
-        await send(ws, "response.create", response={"output_modalities": ["text"], "max_output_tokens": 8})
-        done = await recv_until(ws, "response.done", timeout=60)
-        events.extend(done)
-        # An answer: whole, or cut at max_output_tokens (the real engine's random weights rarely end by themselves).
-        assert done[-1]["response"]["status"] in ("completed", "incomplete"), done[-3:]
+        await _still_answers(ws, events, reader)
         return events, ws.close_code
+
+
+async def _speak_chaotically(url: str, seed: int, speech: np.ndarray, seconds: float
+                             ) -> tuple[list[dict[str, Any]], int | None]:
+    """Real speech at about real time in odd chunk sizes (server_vad), with commits, clears, cancels, answers,
+    truncations and turn-detection changes thrown in at random."""
+    rng = random.Random(seed)
+    signal = np.concatenate([speech, np.zeros(24000, np.float32), 0.5 * speech, np.zeros(30000, np.float32)])
+    async with websockets.connect(url, max_size=None) as ws:
+        assert (await recv_event(ws))["type"] == "session.created"
+        events: list[dict[str, Any]] = []
+        reader = await _reading(ws, events)
+        await send(ws, "session.update", session={"type": "realtime", "max_output_tokens": 10, "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "silence_duration_ms": rng.choice([200, 400, 800])}}}})
+        pos, end = 0, asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < end:
+            r = rng.random()
+            if r < 0.75:
+                n = rng.choice([7, 240, 480, 960, 2400, 4800])
+                chunk = np.take(signal, np.arange(pos, pos + n), mode="wrap")
+                pos += n
+                await send(ws, "input_audio_buffer.append", audio=base64.b64encode(float32_to_pcm16(chunk)).decode())
+                await asyncio.sleep(n / 24000 * rng.choice([0.3, 1.0, 1.0, 2.0]))
+            elif r < 0.8:
+                await send(ws, "input_audio_buffer.clear")
+            elif r < 0.85:
+                await send(ws, "input_audio_buffer.commit")
+            elif r < 0.88:
+                await send(ws, "response.cancel")
+            elif r < 0.91:
+                await send(ws, "response.create")
+            elif r < 0.93:
+                await send(ws, "conversation.item.truncate", item_id="item_x", content_index=0,
+                           audio_end_ms=rng.randint(0, 3000))
+            elif r < 0.96:
+                td = rng.choice([None, {"type": "server_vad"}, {"type": "server_vad", "create_response": False},
+                                 {"type": "server_vad", "interrupt_response": False}])
+                await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {
+                    "turn_detection": td}}})
+            else:
+                await user_text(ws, "hello")
+        await _still_answers(ws, events, reader)
+        return events, ws.close_code
+
+
+def _assert_only_client_errors(results: list[tuple[list[dict[str, Any]], int | None]]) -> None:
+    for events, close_code in results:
+        assert close_code in (None, 1000)  # closed by this client at the end, never by the server
+        codes = [e["error"]["code"] for e in events if e["type"] == "error"]
+        assert codes, "the session drew no error at all"
+        assert set(codes) <= CLIENT_CODES, sorted(set(codes) - CLIENT_CODES)
+
+
+def _tiny_engine(**limits: Any) -> Settings:
+    """The real engine process on the CPU (tiny-random), whose KV blocks are really counted."""
+    return Settings(model="tiny-random", codec="tiny-random", device="cpu", engine_ping_interval_s=0.25,
+                    engine_ping_timeout_s=60.0, engine_ready_timeout_s=300.0, **limits)
+
+
+async def _assert_engine_idle(srv: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    st = await srv.wait_engine_idle(60)
+    assert st["sessions"] == 0 and st["running"] == 0 and st["kv_free"] == st["kv_total"], st
+    assert srv.health().json()["sessions"] == 0
+    raised = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not raised, [r.getMessage() for r in raised]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("engine", ["fake", "tiny-random"])
 async def test_malformed_events_get_client_errors_and_leave_nothing_behind(caplog, engine):
-    """`tiny-random`: the real engine process on the CPU, whose KV blocks are really counted."""
     caplog.set_level(logging.ERROR)  # the real engine on a CPU logs slow steps as warnings
     limits = {"max_sessions": SESSIONS + 1, "max_message_bytes": 256 * 1024}
-    settings = fake_settings(**limits) if engine == "fake" else Settings(
-        model="tiny-random", codec="tiny-random", device="cpu", engine_ping_interval_s=0.25,
-        engine_ping_timeout_s=60.0, engine_ready_timeout_s=300.0, **limits)
-    with RunningServer(settings) as srv:
-        results = await asyncio.gather(*(_fuzz_one(srv.ws, seed) for seed in range(SESSIONS)))
-        for events, close_code in results:
-            assert close_code in (None, 1000)  # closed by this client at the end, never by the server
-            codes = [e["error"]["code"] for e in events if e["type"] == "error"]
-            assert codes, "the malformed events drew no error at all"
-            assert set(codes) <= CLIENT_CODES, sorted(set(codes) - CLIENT_CODES)
-        st = await srv.wait_engine_idle(60)
-        assert st["sessions"] == 0 and st["running"] == 0 and st["kv_free"] == st["kv_total"], st
-        assert srv.health().json()["sessions"] == 0
-    raised = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
-    assert not raised, [r.getMessage() for r in raised]
+    with RunningServer(fake_settings(**limits) if engine == "fake" else _tiny_engine(**limits)) as srv:
+        _assert_only_client_errors(await asyncio.gather(*(_fuzz_one(srv.ws, seed) for seed in range(SESSIONS))))
+        await _assert_engine_idle(srv, caplog)
+
+
+@pytest.mark.timeout(240)
+async def test_speech_with_random_turn_events_on_the_real_engine(caplog):
+    """server_vad turns on real speech, interleaved with every turn and answer event at random: only client
+    errors (a response.create mid-speech used to fail inside the engine as a server error), and still nothing
+    left behind."""
+    caplog.set_level(logging.ERROR)
+    speech, _ = read_wav(SPEECH_WAV, target_rate=24000)
+    with RunningServer(_tiny_engine(max_sessions=4)) as srv:
+        results = await asyncio.gather(*(_speak_chaotically(srv.ws, seed, speech, 8.0) for seed in range(3)))
+        _assert_only_client_errors(results)
+        assert any(e["type"] == "input_audio_buffer.speech_started" for events, _ in results for e in events)
+        await _assert_engine_idle(srv, caplog)

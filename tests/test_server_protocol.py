@@ -178,6 +178,24 @@ async def test_commit_of_audio_still_inside_the_resampler_is_not_empty(srv):
         assert not by_type(evs, "error"), evs
 
 
+async def test_response_create_with_uncommitted_audio_is_refused_until_commit(srv):
+    """The engine holds a turn's audio as it arrives and would fail an answer started before the commit; the
+    server refuses it as the client's mistake instead (no response.created, no failed response)."""
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        await send(ws, "input_audio_buffer.append", audio=tone_b64(0.2))
+        await send(ws, "response.create", event_id="r1")
+        err = await recv_event(ws)
+        assert err["type"] == "error" and err["error"]["code"] == "input_audio_buffer_not_empty", err
+        assert err["error"]["event_id"] == "r1" and "200 ms" in err["error"]["message"]
+        await send(ws, "input_audio_buffer.commit")
+        await recv_until(ws, "input_audio_buffer.committed")
+        await send(ws, "response.create")
+        evs = await recv_until(ws, "response.done")
+        assert evs[-1]["response"]["status"] == "completed"
+        assert len(by_type(evs, "response.created")) == 1
+
+
 def test_decode_client_event_keeps_escaped_text_and_refuses_lone_surrogates():
     from server.protocol import ProtocolError, decode_client_event
 

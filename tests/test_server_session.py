@@ -107,6 +107,22 @@ async def test_server_vad_turn_streams_only_speech_and_commits(speech24k):
     assert link.of(m.CommitUserAudio)[0].item_id == evs[2]["item_id"]
 
 
+async def test_response_create_while_the_user_speaks_is_refused(speech24k):
+    """server_vad mid-speech: the engine holds the open turn's audio, so a response.create is the client's
+    mistake (the engine would fail it); the turn is still answered when the speech stops."""
+    s, link = await new_session()
+    await feed(s, np.concatenate([silence(0.5), speech24k[:len(speech24k) // 2]]))
+    assert types(drain(s)) == ["input_audio_buffer.speech_started"]
+    await s.handle_client_event({"type": "response.create", "event_id": "r1"})
+    err = drain(s)[-1]
+    assert err["type"] == "error" and err["error"]["code"] == "input_audio_buffer_not_empty", err
+    assert not link.of(m.CreateResponse)
+    await feed(s, np.concatenate([speech24k[len(speech24k) // 2:], silence(1.0)]))
+    t = types(drain(s))
+    assert "input_audio_buffer.speech_stopped" in t and "response.created" in t, t
+    assert len(link.of(m.CreateResponse)) == 1
+
+
 async def test_barge_in_cancels_truncates_flushes_and_holds_new_speech(speech24k):
     s, link = await new_session()
     await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
