@@ -129,6 +129,20 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
         print(f"\nbrowser TTFA (speech_stopped -> answer audible in the page, {server.engine_kind}): "
               f"{stats['ttfaMs'][0]:.0f} ms; server-side: {stats['serverTtfaMs'][:1]} ms; screenshot: {shot}")
 
+        if server.engine_kind == "fake-engine":
+            # Push to talk with the mic still live: a typed turn is answered (the page clears the uncommitted mic
+            # audio first; the server refuses an answer while the input buffer holds any).
+            updates = stats["events"].get("session.updated", 0)
+            page.select_option("#turn-detection", "none")
+            page.click("#apply")
+            _wait(page, f"() => window.__mossStats.events['session.updated'] > {updates}", 5, "push to talk applied")
+            time.sleep(0.5)  # mic audio reaches the input buffer
+            done = _stats(page)["events"].get("response.done", 0)
+            page.fill("#text-input", "typed while the mic is live")
+            page.click("#text-send")
+            _wait(page, f"() => window.__mossStats.events['response.done'] > {done}", 20, "the typed turn's answer")
+            assert not _stats(page)["errors"], _stats(page)["errors"]
+
         page.click("#hangup")
         _wait(page, "() => !window.__mossStats.connected && window.__mossStats.state === 'idle'", 5, "hung up")
         deadline = time.monotonic() + 10
