@@ -62,6 +62,7 @@ from server.protocol import (
     parse_response_create,
     parse_session_update,
 )
+from server.tasks import Background
 
 log = logging.getLogger("server.session")
 
@@ -157,6 +158,7 @@ class Session:
         self._observer = observer
         self._on_closed = on_closed
         self.log = logging.LoggerAdapter(log, {"session_id": session_id})
+        self._tasks = Background(session_id, self.log, self._background_failed)
         self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self._overflow_error)
         self.closed = False
         self.close_code = 1000
@@ -707,7 +709,7 @@ class Session:
                     etype="server_error")
         self.close_code = 1011
         self._started = False  # nothing to close on the (new) engine
-        asyncio.get_running_loop().create_task(self.close("engine_lost", 1011))
+        self._tasks.spawn(self.close("engine_lost", 1011), "close")
 
     def _finish_response(self, r: _Response, status: str, reason: str | None, *, done: m.ResponseDone | None = None,
                          error: dict[str, Any] | None = None) -> None:
@@ -753,12 +755,11 @@ class Session:
         self._last_response = r
         self._response = None
         self._engine_busy = False
-        loop = asyncio.get_running_loop()
         if self._held:
-            loop.create_task(self._flush_held())
+            self._tasks.spawn(self._flush_held(), "flush-held")
         if self._auto_response_pending:
             self._auto_response_pending = False
-            loop.create_task(self._create_response(parse_response_create(None, self.config)))
+            self._tasks.spawn(self._create_response(parse_response_create(None, self.config)), "auto-response")
 
     def _prev_of(self, item_id: str) -> str | None:
         i = self._items.index(item_id) if item_id in self._items else 0
@@ -807,6 +808,16 @@ class Session:
         self.log.info("error code=%s message=%s", code, message)
         self._emit(ev.error_event(code, message, param=param, event_id=event_id, etype=etype))
 
+    def _background_failed(self, name: str) -> None:
+        """A task this session started failed (logged by Background): end the session rather than leave it
+        waiting for what that task should have done."""
+        if self.closed:
+            return
+        self._error("server_error", f"internal error ({name}); this session has ended, please reconnect",
+                    etype="server_error")
+        self.close_code = 1011
+        self._tasks.spawn(self.close("internal_error", 1011), "close")
+
     def _overflow_error(self) -> dict[str, Any]:
         return ev.error_event("slow_consumer", "the client is not reading server events fast enough; closing",
                               etype="server_error")
@@ -818,7 +829,7 @@ class Session:
             self._observer.error("slow_consumer")
         self.close_code = 1008
         self.log.warning("outbound queue full (%d): closing", self.outbound.maxsize)
-        asyncio.get_running_loop().create_task(self.close("slow_consumer", 1008))
+        self._tasks.spawn(self.close("slow_consumer", 1008), "close")
 
 
 def _check_keys(d: dict[str, Any], allowed: set[str], prefix: str = "") -> None:

@@ -123,6 +123,32 @@ async def test_response_create_while_the_user_speaks_is_refused(speech24k):
     assert len(link.of(m.CreateResponse)) == 1
 
 
+async def test_a_failing_background_task_ends_the_session_with_an_error(caplog):
+    """Input held behind an answer is sent by a task of its own once the answer ends; if that task fails, the
+    failure is logged and the session ends with a server_error (it used to be an unretrieved task exception and a
+    session waiting for input that never reached the engine)."""
+    s, link = await new_session()
+    await s.handle_client_event({"type": "session.update", "session": {"type": "realtime", "audio": {
+        "input": {"turn_detection": None}}}})
+    await s.handle_client_event({"type": "response.create"})
+    rid = link.of(m.CreateResponse)[0].response_id
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "next"}]}})
+    assert not link.of(m.AddUserText)  # held behind the answer
+    drain(s)
+
+    async def refuse(msg) -> None:
+        raise ConnectionError(f"cannot send {type(msg).__name__}")
+
+    link.send = refuse
+    s.on_engine_message(m.ResponseDone("sess_test", rid, "completed"))
+    await asyncio.wait_for(s.wait_closed(), 5)
+    errors = [e for e in drain(s) if isinstance(e, dict) and e["type"] == "error"]
+    assert errors and errors[-1]["error"]["code"] == "server_error", errors
+    assert s.close_code == 1011
+    assert "flush-held failed" in caplog.text and "ConnectionError" in caplog.text
+
+
 async def test_barge_in_cancels_truncates_flushes_and_holds_new_speech(speech24k):
     s, link = await new_session()
     await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiortc import RTCPeerConnection
@@ -25,6 +25,7 @@ from server.events import error_event
 from server.outbound import AudioOut
 from server.protocol import ProtocolError, decode_client_event
 from server.session import Session
+from server.tasks import Background
 from server.webrtc.tracks import OutboundAudioTrack, pump_inbound
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Call:
         self._channel = None
         self._pending: deque[str] = deque(maxlen=_MAX_PENDING_EVENTS)
         self._sinks: set[EventSink] = set()  # bound control WebSockets
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Background(f"call-{call_id}", log, lambda name: self.close_soon(f"internal error in {name}"))
         self._closing: asyncio.Task | None = None
         self._last_feed_error = -_FEED_ERROR_EVERY_S
         pc.on("track", self._on_track)
@@ -67,17 +68,8 @@ class Call:
         self._spawn(self._forward_outbound(), "outbound")
         self._spawn(self._ice_watchdog(), "ice-watchdog")
 
-    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
-        task = asyncio.ensure_future(coro)
-        task.set_name(f"call-{self.call_id}-{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("call %s: task %s failed", self.call_id, task.get_name(), exc_info=task.exception())
-            self.close_soon(f"internal error in {task.get_name()}")
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        self._tasks.spawn(coro, name)
 
     def _on_track(self, track: MediaStreamTrack) -> None:
         if track.kind != "audio":
@@ -213,10 +205,7 @@ class Call:
         self.close_reason = reason
         log.info("call %s: closing (%s)", self.call_id, reason)
         self._on_closed(self)
-        current = asyncio.current_task()
-        for t in list(self._tasks):
-            if t is not current:
-                t.cancel()
+        self._tasks.cancel()
         self.track.stop()
         with contextlib.suppress(Exception):
             await self.session.close(f"webrtc call closed: {reason}")
