@@ -164,9 +164,10 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     """The solve graph per variant of TIMELINE_VARIANTS, same inputs for each. (Per-kernel times of graph replays
     from torch.profiler did not add up to one replay's kernels on torch 2.11, so only replay times are reported.)"""
     from engines.kernels import codec_fused as k
-    from engines.kernels import pdl
+    from engines.kernels import codec_stack, pdl
 
     flow, idx = dec.flow, torch.cuda.current_device()
+    stack_tiling = codec_stack.WARPS, codec_stack.PROGRAMS_PER_SM
     est = flow.decoder.estimator
     est.fuse()
     resnets = est._resnets()
@@ -202,7 +203,9 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     finally:
         pdl._enabled.pop(idx, None)
         k.linear, k.CONV_WHOLE_MAX_ROWS = linear, whole_rows
-        _set_stack_kernel(est, False)  # also rebuilds the merged resnet convs
+        codec_stack.WARPS, codec_stack.PROGRAMS_PER_SM = stack_tiling
+        est._fused_key = None  # rebuild everything a variant replaced (the merged resnet convs included)
+        _set_stack_kernel(est, False)
     _print_kernel_resources()
 
 
