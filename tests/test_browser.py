@@ -136,6 +136,9 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             page.select_option("#turn-detection", "none")
             page.click("#apply")
             _wait(page, f"() => window.__mossStats.events['session.updated'] > {updates}", 5, "push to talk applied")
+            # No answer in flight (the looping mic may have made a second VAD turn before the switch).
+            _wait(page, "() => (window.__mossStats.events['response.done'] || 0) === "
+                        "(window.__mossStats.events['response.created'] || 0)", 20, "no answer in flight")
             time.sleep(0.5)  # mic audio reaches the input buffer
             done = _stats(page)["events"].get("response.done", 0)
             page.fill("#text-input", "typed while the mic is live")
