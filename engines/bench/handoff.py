@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engines.bench.hardware import replay_ms
+from engines.graphs import capture_graph, private_stream
 from engines.kernels.pdl import launch_kwargs, wait_then_trigger
 
 WIDTH = 256  # a tile is [16, WIDTH]: one row block of the estimator's activations (float32 here)
@@ -65,24 +67,9 @@ def _persistent(BUF, CNT, N, P, WIDTH: tl.constexpr, ONE_PRODUCER: tl.constexpr)
 
 
 def _time_graph(fn, reps: int) -> float:
-    """ms per replay of a CUDA graph of fn (captured after a warm-up run)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    """ms per replay of a CUDA graph of fn (captured after warm-up runs: Triton compiles stay out of it)."""
+    graph, _ = capture_graph(fn, private_stream())
+    return replay_ms(graph, reps)
 
 
 def chain(buf: torch.Tensor, n: int, p: int) -> None:

@@ -64,3 +64,15 @@ def measure_matmul(device: torch.device, n: int, dtype: torch.dtype) -> float:
     b = torch.randn(n, n, device=device, dtype=dtype)
     t = median(timed(lambda: a @ b, device, repeats=10))
     return 2 * n**3 / t
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """ms per replay of a captured CUDA graph: one replay to warm, then `reps` back to back between two events."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps

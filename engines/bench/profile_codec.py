@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engines.bench.hardware import median
+from engines.bench.hardware import median, replay_ms
 
 
 def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
@@ -122,15 +122,7 @@ def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
               for shape in graphs.input_shapes(batch)]
     with torch.inference_mode():
         x, _ = graphs.run(*inputs)
-        g = next(iter(graphs.graphs.values()))[0]
-        g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-    return start.elapsed_time(end) / reps, x
+        return replay_ms(next(iter(graphs.graphs.values()))[0], reps), x
 
 
 # (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add,
