@@ -297,9 +297,7 @@ class Session:
 
     async def _on_commit(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id"})
-        # Without VAD, what the client appended counts: a few samples may still sit in the resampler (flushed below).
-        held = self._buffer_samples_client if self.config.turn_detection is None else self._buffer_samples_16k
-        if held == 0 and not (self.config.turn_detection and self._prefix_samples):
+        if not self._uncommitted_samples() and not (self.config.turn_detection and self._prefix_samples):
             raise ProtocolError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
         await self._flush_resamplers()
         if self.config.turn_detection is not None and not self._in_speech:
@@ -402,20 +400,26 @@ class Session:
         self._refuse_if_audio_uncommitted()
         await self._create_response(opts)
 
+    def _uncommitted_samples(self) -> int:
+        """What the input buffer holds for the next commit. Without VAD: what the client appended (client rate; a
+        few samples may still sit in the resampler, which a commit flushes). With server_vad: the speech already
+        sent to the engine (16 kHz; silence between turns only fills the prefix ring)."""
+        return self._buffer_samples_client if self.config.turn_detection is None else self._buffer_samples_16k
+
     def _refuse_if_audio_uncommitted(self) -> None:
         """The engine holds a turn's audio as it arrives, so an answer cannot start before that turn is committed
         or cleared (the engine would fail it); say so as the client's mistake it is."""
+        held = self._uncommitted_samples()
+        if not held:
+            return
         if self.config.turn_detection is None:
-            if self._buffer_samples_client:
-                ms = self._buffer_samples_client * 1000 // CLIENT_RATE
-                raise ProtocolError("input_audio_buffer_not_empty",
-                                    f"the input audio buffer holds {ms} ms not yet committed: send "
-                                    "input_audio_buffer.commit or input_audio_buffer.clear before response.create")
-        elif self._buffer_samples_16k:
             raise ProtocolError("input_audio_buffer_not_empty",
-                                "the input audio buffer holds speech not yet committed (server_vad commits it when "
-                                "the speech stops): wait, or send input_audio_buffer.commit or "
-                                "input_audio_buffer.clear before response.create")
+                                f"the input audio buffer holds {held * 1000 // CLIENT_RATE} ms not yet committed: "
+                                "send input_audio_buffer.commit or input_audio_buffer.clear before response.create")
+        raise ProtocolError("input_audio_buffer_not_empty",
+                            "the input audio buffer holds speech not yet committed (server_vad commits it when the "
+                            "speech stops): wait, or send input_audio_buffer.commit or input_audio_buffer.clear "
+                            "before response.create")
 
     async def _on_response_cancel(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id", "response_id"})

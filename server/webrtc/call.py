@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiortc import RTCPeerConnection
@@ -65,16 +65,13 @@ class Call:
 
     def start(self) -> None:
         """After the answer is set: forward session output and watch ICE."""
-        self._spawn(self._forward_outbound(), "outbound")
-        self._spawn(self._ice_watchdog(), "ice-watchdog")
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        self._tasks.spawn(coro, name)
+        self._tasks.spawn(self._forward_outbound(), "outbound")
+        self._tasks.spawn(self._ice_watchdog(), "ice-watchdog")
 
     def _on_track(self, track: MediaStreamTrack) -> None:
         if track.kind != "audio":
             return
-        self._spawn(pump_inbound(track, self._feed), "inbound")
+        self._tasks.spawn(pump_inbound(track, self._feed), "inbound")
 
     async def _feed(self, pcm: Any, rate: int) -> None:
         try:
@@ -94,7 +91,7 @@ class Call:
 
         @channel.on("message")
         def _on_message(message: str | bytes) -> None:
-            self._spawn(self._client_message(message), "client-event")
+            self._tasks.spawn(self._client_message(message), "client-event")
 
         @channel.on("open")
         def _on_open() -> None:
@@ -163,7 +160,7 @@ class Call:
                            "response_id": response_id})
 
     def _emit_nowait(self, event: dict[str, Any]) -> None:
-        self._spawn(self._emit(event), "emit")
+        self._tasks.spawn(self._emit(event), "emit")
 
     async def _emit(self, event: dict[str, Any]) -> None:
         text = json.dumps(event)
