@@ -17,8 +17,7 @@ import pytest
 import websockets
 
 from server.audio.pcm import float32_to_pcm16, read_wav
-from server.settings import Settings
-from tests.fakes.harness import RunningServer, recv_event, recv_until, send, start_answer, user_text
+from tests.fakes.harness import RunningServer, recv_event, recv_until, send, start_answer, tiny_settings, user_text
 
 WAV = Path(__file__).parent / "data" / "speech_en_16k.wav"
 SAMPLES_PER_CODE = 1920  # 24 kHz / 12.5 Hz
@@ -27,9 +26,7 @@ ROWS = 6  # answer length cap for these tests (CPU time)
 
 @pytest.fixture(scope="module")
 def srv():
-    settings = Settings(model="tiny-random", codec="tiny-random", device="cpu", engine_ping_interval_s=0.25,
-                        engine_ping_timeout_s=60.0, engine_ready_timeout_s=300.0, drain_timeout_s=1.0)
-    with RunningServer(settings) as s:
+    with RunningServer(tiny_settings(drain_timeout_s=1.0)) as s:
         yield s
 
 

@@ -18,8 +18,7 @@ import pytest
 import websockets
 
 from server.audio.pcm import float32_to_pcm16, read_wav
-from server.settings import Settings
-from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, user_text
+from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, tiny_settings, user_text
 from tests.webrtc_support import SPEECH_WAV
 
 SESSIONS = 6
@@ -191,12 +190,6 @@ def _assert_only_client_errors(results: list[tuple[list[dict[str, Any]], int | N
         assert set(codes) <= CLIENT_CODES, sorted(set(codes) - CLIENT_CODES)
 
 
-def _tiny_engine(**limits: Any) -> Settings:
-    """The real engine process on the CPU (tiny-random), whose KV blocks are really counted."""
-    return Settings(model="tiny-random", codec="tiny-random", device="cpu", engine_ping_interval_s=0.25,
-                    engine_ping_timeout_s=60.0, engine_ready_timeout_s=300.0, **limits)
-
-
 async def _assert_engine_idle(srv: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
     st = await srv.wait_engine_idle(60)
     assert st["sessions"] == 0 and st["running"] == 0 and st["kv_free"] == st["kv_total"], st
@@ -210,7 +203,7 @@ async def _assert_engine_idle(srv: RunningServer, caplog: pytest.LogCaptureFixtu
 async def test_malformed_events_get_client_errors_and_leave_nothing_behind(caplog, engine):
     caplog.set_level(logging.ERROR)  # the real engine on a CPU logs slow steps as warnings
     limits = {"max_sessions": SESSIONS + 1, "max_message_bytes": 256 * 1024}
-    with RunningServer(fake_settings(**limits) if engine == "fake" else _tiny_engine(**limits)) as srv:
+    with RunningServer(fake_settings(**limits) if engine == "fake" else tiny_settings(**limits)) as srv:
         _assert_only_client_errors(await asyncio.gather(*(_fuzz_one(srv.ws, seed) for seed in range(SESSIONS))))
         await _assert_engine_idle(srv, caplog)
 
@@ -222,7 +215,7 @@ async def test_speech_with_random_turn_events_on_the_real_engine(caplog):
     left behind."""
     caplog.set_level(logging.ERROR)
     speech, _ = read_wav(SPEECH_WAV, target_rate=24000)
-    with RunningServer(_tiny_engine(max_sessions=4)) as srv:
+    with RunningServer(tiny_settings(max_sessions=4)) as srv:
         results = await asyncio.gather(*(_speak_chaotically(srv.ws, seed, speech, 8.0) for seed in range(3)))
         _assert_only_client_errors(results)
         assert any(e["type"] == "input_audio_buffer.speech_started" for events, _ in results for e in events)

@@ -91,6 +91,15 @@ def fake_settings(**kw: Any) -> Settings:
     return Settings(**base)
 
 
+def tiny_settings(**kw: Any) -> Settings:
+    """The real engine process on the CPU with the tiny random model and codec (slow steps: long ping timeout)."""
+    base: dict[str, Any] = {"model": "tiny-random", "codec": "tiny-random", "device": "cpu",
+                            "engine_ping_interval_s": 0.25, "engine_ping_timeout_s": 60.0,
+                            "engine_ready_timeout_s": 300.0}
+    base.update(kw)
+    return Settings(**base)
+
+
 async def recv_event(ws: Any, timeout: float = 30.0) -> dict[str, Any]:
     return json.loads(await asyncio.wait_for(ws.recv(), timeout))
 
