@@ -39,7 +39,7 @@ from engines.kernels.codec_fused import _gelu_f32, softmax_pv
 # Read by CausalConditionalDecoder.fuse, which then keeps a stacked copy of every stack's weights.
 ENABLED = os.environ.get("MOSS_CODEC_STACK", "0") == "1"
 
-ROWS = 16  # rows per item: the smallest tl.dot tile
+ROWS = 16  # rows per item: the smallest tl.dot tile (the kernel's tiles and row-block counters are written for 16)
 TILE = 16384  # elements of one item's weight tile (32 KB of bf16), as codec_fused.LINEAR_TILE
 STACK_MAX_T = 64  # a batch row's window is one tile of keys and values
 STACK_MAX_ROWS = 160  # two sessions' CFG windows
