@@ -201,6 +201,45 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     _print_kernel_resources()
 
 
+def _tile_variants():
+    """The served StreamTiles, then one field changed at a time (and a few pairs)."""
+    from dataclasses import replace
+
+    from engines.kernels.codec_fused import STREAM_TILES as s
+
+    out = [("served", s)]
+    for v in ((16, 128, 4), (16, 128, 8), (16, 32, 4), (32, 64, 4), (32, 128, 8), (64, 64, 8), (16, 256, 8)):
+        out.append((f"ln_linear {v}", replace(s, ln_linear=v)))
+    for kw in ({"linear_m": 32}, {"linear_m": 64}, {"linear_tile": 8192}, {"linear_tile": 32768},
+               {"linear_warps": 8}, {"linear_warps": 2}, {"conv_m": 32}, {"conv_m": 64}, {"conv_tile": 8192},
+               {"conv_tile": 32768}, {"attention_warps": 2}, {"attention_warps": 8},
+               {"linear_m": 32, "conv_m": 32, "ln_linear": (32, 64, 4)}):
+        out.append((" ".join(f"{k}={v}" for k, v in kw.items()), replace(s, **kw)))
+    return out
+
+
+def _tiles(dec, batches: list[int], reps: int) -> None:
+    """The solve graph per StreamTiles variant (codec_fused.STREAM_TILES), same inputs for each."""
+    from engines.kernels import codec_fused as k
+
+    served = k.STREAM_TILES
+    try:
+        for batch in batches:
+            ref = None
+            for name, tiles in _tile_variants():
+                k.STREAM_TILES = tiles
+                try:
+                    ms, x = _solve_ms(dec.flow, batch, reps)
+                except Exception as e:  # a tiling Triton cannot compile (shared memory) is reported, not fatal
+                    print(f"solve batch {batch:3d}: failed ({type(e).__name__}: {str(e)[:80]})  {name}", flush=True)
+                    continue
+                diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
+                ref = x if ref is None else ref
+                print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - served| {diff:.2e}  {name}", flush=True)
+    finally:
+        k.STREAM_TILES = served
+
+
 def _print_kernel_resources() -> None:
     """Registers and spills of every compiled codec kernel variant (spills put tiles in local memory)."""
     from engines.kernels import codec_fused as k
@@ -230,11 +269,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=0, help="print the N costliest kernels of one estimator call")
     p.add_argument("--host-profile", action="store_true", help="also cProfile the steady-state rounds")
     p.add_argument("--timeline", action="store_true", help="only the solve graph's replay time, per kernel variant")
+    p.add_argument("--tiles", action="store_true", help="only the solve graph's replay time, per StreamTiles variant")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
                             estimator_dtype="bfloat16")
     if a.timeline:
         _timeline(dec, [int(x) for x in a.batches.split(",")], a.iters)
+        return
+    if a.tiles:
+        _tiles(dec, [int(x) for x in a.batches.split(",")], a.iters)
+        _print_kernel_resources()
         return
     rng = np.random.default_rng(0)
     la = dec.cfg.flow.pre_lookahead

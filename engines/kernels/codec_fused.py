@@ -24,6 +24,8 @@ the transformer blocks and these kernels read without copies. Inputs may be stri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -39,6 +41,30 @@ LINEAR_TILE = 16384
 # Solve graph on an H200 (`python3 -m engines.bench.profile_codec --timeline`): batch 1 16.3 -> 15.9 ms with PDL
 # alone, batch 4 18.5 -> 18.1, but batch 16 23.9 -> 25.3 ms, so larger calls launch plainly.
 PDL_MAX_ROWS = 320
+
+
+@dataclass(frozen=True)
+class StreamTiles:
+    """Tilings of the whole-tile kernels at streaming row counts (`linear` and the conv up to their row limits,
+    `ln_linear` up to 128 rows, `window_attention`). A development knob: `python3 -m engines.bench.profile_codec
+    --tiles` times the solve graph per variant, since a kernel timed alone favours more programs than a chain of
+    kernels under PDL does."""
+
+    ln_linear: tuple[int, int, int] = (16, 64, 4)  # BLOCK_M, BLOCK_N, warps
+    linear_m: int = 16  # BLOCK_M of `linear`; BLOCK_N = linear_tile // K (16..64)
+    linear_tile: int = LINEAR_TILE
+    linear_warps: int = 4
+    conv_m: int = 16  # BLOCK_M of the whole-tile conv; BLOCK_N = conv_tile // (taps x channels) (16..64)
+    conv_tile: int = LINEAR_TILE
+    attention_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, v in (("ln_linear", self.ln_linear[:2]), ("linear_m", (self.linear_m,)), ("conv_m", (self.conv_m,))):
+            if any(x < 16 or x & (x - 1) for x in v):
+                raise ValueError(f"StreamTiles.{name} must be powers of two >= 16, got {v}")
+
+
+STREAM_TILES = StreamTiles()
 
 
 def _launch(device: torch.device, rows: int) -> dict:
@@ -228,10 +254,11 @@ def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kerne
     m = nb * t
     cin_p, ks_p = max(16, triton.next_power_of_2(cin)), triton.next_power_of_2(kernel)
     if 0 < m <= CONV_WHOLE_MAX_ROWS and cin_p * ks_p * x.element_size() <= CONV_WHOLE_MAX_BYTES:
-        bn = max(16, min(64, LINEAR_TILE // (cin_p * ks_p)))
-        _conv_whole_kernel[(triton.cdiv(m, 16), triton.cdiv(cout, bn))](
+        tiles = STREAM_TILES
+        bn = max(16, min(64, tiles.conv_tile // (cin_p * ks_p)))
+        _conv_whole_kernel[(triton.cdiv(m, tiles.conv_m), triton.cdiv(cout, bn))](
             x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, CIN_P=cin_p,
-            KS_P=ks_p, BLOCK_M=16, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
+            KS_P=ks_p, BLOCK_M=tiles.conv_m, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
             num_warps=8 if cin_p * ks_p * bn > LINEAR_TILE else 4, num_stages=1, **_launch(x.device, m))
     elif m:
         bm, bn = _conv_tiles(m)
@@ -317,7 +344,7 @@ def ln_linear(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.T
         y = F.linear(h, w_t.t(), bias)
         return (F.gelu(y) if gelu else y), s
     if m:
-        bm, bn, warps = (16, 64, 4) if m <= 128 else (32, 128, 8) if m <= 320 else (64, 128, 8)
+        bm, bn, warps = STREAM_TILES.ln_linear if m <= 128 else (32, 128, 8) if m <= 320 else (64, 128, 8)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _ln_linear_kernel[grid](x, residual if residual is not None else x, ln_weight, ln_bias, w_t,
                                 bias if bias is not None else ln_bias, y, s, m, n, eps, C=c, BLOCK_M=bm,
@@ -380,11 +407,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if residual.shape != y.shape:
             raise ValueError(f"residual {tuple(residual.shape)} does not match the output {tuple(y.shape)}")
         residual = residual if residual.is_contiguous() else residual.contiguous()
-    bm, bn = 16, max(16, min(64, LINEAR_TILE // k))
+    tiles = STREAM_TILES
+    bm, bn = tiles.linear_m, max(16, min(64, tiles.linear_tile // k))
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x2, weight, bias if bias is not None else weight, residual if residual is not None else y, y, m, n, K=k,
         BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        IEEE=x.dtype == torch.float32, num_warps=4, num_stages=1, **_launch(x.device, m))
+        IEEE=x.dtype == torch.float32, num_warps=tiles.linear_warps, num_stages=1, **_launch(x.device, m))
     return y
 
 
@@ -447,5 +475,5 @@ def window_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, head_dim
     _window_attention_kernel[(nb * heads,)](
         qkv, mask, out, t, qkv.stride(0), qkv.stride(1), s_mb, mask.stride(-2), out.stride(0), out.stride(1),
         head_dim ** -0.5, H=heads, D=head_dim, BLOCK_T=max(16, triton.next_power_of_2(t)),
-        IEEE=qkv.dtype == torch.float32, num_warps=4, **_launch(qkv.device, nb * t))
+        IEEE=qkv.dtype == torch.float32, num_warps=STREAM_TILES.attention_warps, **_launch(qkv.device, nb * t))
     return out
