@@ -4,7 +4,8 @@ Splits one steady-state 5-code chunk into its stages (flow encoder, Euler solve,
 synchronised around each, counts the kernels of one eager estimator call, and optionally times the Euler
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
 programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
-cuBLAS or on codec_fused.linear, and the streaming-size conv kernel on or off.
+cuBLAS or on codec_fused.linear, and the streaming-size conv kernel on or off; `--tiles` per tiling of the
+streaming-size kernels (codec_fused.StreamTiles).
 A development tool for docs/PERF_NOTES.md, not the server.
 """
 
@@ -125,41 +126,22 @@ def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
         return replay_ms(next(iter(graphs.graphs.values()))[0], reps), x
 
 
-# (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add,
-# each stack of transformer blocks as one persistent kernel: engines/kernels/codec_stack.py)
+# (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add)
 TIMELINE_VARIANTS = (
-    ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add", False),
-    ("PDL on, Triton GEMMs, whole conv (ba0ecd3)", True, "triton", True, False, "add", False),
-    ("  + block1 conv | res_conv as one conv", True, "triton", True, True, "add", False),
-    ("  + last add in the GEMM epilogue (served)", True, "triton", True, True, "epilogue", False),
-    ("  + transformer stacks as persistent kernels, 8 warps (experiment)", True, "triton", True, True, "epilogue",
-     (8, 1)),
-    ("  + transformer stacks as persistent kernels, 4 warps", True, "triton", True, True, "epilogue", (4, 1)),
-    ("  + transformer stacks as persistent kernels, 4 warps, 2 programs per SM", True, "triton", True, True,
-     "epilogue", (4, 2)),
+    ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add"),
+    ("PDL on, Triton GEMMs, whole conv (ba0ecd3)", True, "triton", True, False, "add"),
+    ("  + block1 conv | res_conv as one conv", True, "triton", True, True, "add"),
+    ("  + last add in the GEMM epilogue (served)", True, "triton", True, True, "epilogue"),
 )
-
-
-def _set_stack_kernel(est, stack: tuple[int, int] | bool) -> None:  # noqa: ANN001 - CausalConditionalDecoder
-    """stack: False (the served blocks) or (warps, programs per SM) of engines/kernels/codec_stack.py's kernel."""
-    from engines.kernels import codec_stack
-
-    if stack:
-        codec_stack.WARPS, codec_stack.PROGRAMS_PER_SM = stack
-    if bool(stack) != codec_stack.ENABLED or est._fused_key is None:
-        codec_stack.ENABLED = bool(stack)
-        est._fused_key = None  # rebuild: fuse() keeps the stacked weights only while the experiment is on
-        est.fuse()
 
 
 def _timeline(dec, batches: list[int], reps: int) -> None:
     """The solve graph per variant of TIMELINE_VARIANTS, same inputs for each. (Per-kernel times of graph replays
     from torch.profiler did not add up to one replay's kernels on torch 2.11, so only replay times are reported.)"""
     from engines.kernels import codec_fused as k
-    from engines.kernels import codec_stack, pdl
+    from engines.kernels import pdl
 
     flow, idx = dec.flow, torch.cuda.current_device()
-    stack_tiling = codec_stack.WARPS, codec_stack.PROGRAMS_PER_SM
     est = flow.decoder.estimator
     est.fuse()
     resnets = est._resnets()
@@ -177,12 +159,7 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     try:
         for batch in batches:
             ref = None
-            for name, on, gemm, whole, merge, last, stack in TIMELINE_VARIANTS:
-                if bool(stack) != (getattr(est.mid_blocks[0][1], "stack_w", None) is not None):
-                    _set_stack_kernel(est, stack)
-                    merged = [(r.conv1_res_gemm, r.conv1_res_bias) for r in resnets]
-                elif stack:
-                    _set_stack_kernel(est, stack)  # another tiling: the graphs below are captured afresh
+            for name, on, gemm, whole, merge, last in TIMELINE_VARIANTS:
                 pdl._enabled[idx] = on
                 k.linear = cublas if gemm == "cublas" else separate_add if last == "add" else linear
                 k.CONV_WHOLE_MAX_ROWS = whole_rows if whole else 0
@@ -195,9 +172,8 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     finally:
         pdl._enabled.pop(idx, None)
         k.linear, k.CONV_WHOLE_MAX_ROWS = linear, whole_rows
-        codec_stack.WARPS, codec_stack.PROGRAMS_PER_SM = stack_tiling
-        est._fused_key = None  # rebuild everything a variant replaced (the merged resnet convs included)
-        _set_stack_kernel(est, False)
+        for r, (w, b) in zip(resnets, merged, strict=True):
+            r.conv1_res_gemm, r.conv1_res_bias = w, b
     _print_kernel_resources()
 
 
@@ -243,11 +219,9 @@ def _tiles(dec, batches: list[int], reps: int) -> None:
 def _print_kernel_resources() -> None:
     """Registers and spills of every compiled codec kernel variant (spills put tiles in local memory)."""
     from engines.kernels import codec_fused as k
-    from engines.kernels import codec_stack
 
     for fn in (k._conv_whole_kernel, k._causal_conv_kernel, k._linear_kernel, k._ln_linear_kernel,
-               k._window_attention_kernel, k._layernorm_mish_kernel, k._add_layernorm_kernel,
-               codec_stack._stack_kernel):
+               k._window_attention_kernel, k._layernorm_mish_kernel, k._add_layernorm_kernel):
         try:
             for cache in fn.device_caches.values():
                 for ck in cache[0].values():

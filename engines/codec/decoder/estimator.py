@@ -303,14 +303,6 @@ class CausalConditionalDecoder(nn.Module):
                 m.gemm_weight = conv_weight_gemm(m.weight.detach())
             if isinstance(m, CausalResnetBlock1D):
                 m.conv1_res_gemm, m.conv1_res_bias = _conv_with_pointwise(m.block1.block[0], m.res_conv)
-        stack_kernel = False
-        if self.final_proj.weight.is_cuda:
-            from engines.kernels import codec_stack
-
-            stack_kernel = codec_stack.ENABLED
-        for blocks in self._stacks():
-            # A second copy of the blocks' weights, stacked: only while the experiment is on.
-            blocks.stack_w = codec_stack.stack_weights(blocks) if stack_kernel else None
         self._tables.clear()
         self._fused_key = key
 
@@ -337,12 +329,6 @@ class CausalConditionalDecoder(nn.Module):
     @staticmethod
     def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
         """[B, C, T] through the transformer blocks -> [B, C, T]."""
-        stacked = getattr(blocks, "stack_w", None)
-        if stacked is not None and h.is_cuda and h.transpose(1, 2).is_contiguous() and mask.dim() == 2:
-            from engines.kernels.codec_stack import stack_fits, transformer_stack
-
-            if stack_fits(stacked, h.shape[0], h.shape[2]):
-                return transformer_stack(h.transpose(1, 2), stacked, mask).transpose(1, 2)
         x, pending = h.transpose(1, 2), None
         for i, b in enumerate(blocks):
             x, pending = b(x, pending, mask, last=i == len(blocks) - 1)
