@@ -5,7 +5,7 @@ synchronised around each, counts the kernels of one eager estimator call, and op
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
 programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
 cuBLAS or on codec_fused.linear, and the streaming-size conv kernel on or off; `--tiles` per tiling of the
-streaming-size kernels (codec_fused.StreamTiles).
+streaming-size kernels (codec_fused.StreamTiles); `--chains` per number of estimator chains side by side.
 A development tool for docs/PERF_NOTES.md, not the server.
 """
 
@@ -216,6 +216,24 @@ def _tiles(dec, batches: list[int], reps: int) -> None:
         k.STREAM_TILES = served
 
 
+def _chains(dec, batches: list[int], reps: int) -> None:
+    """The solve graph with the estimator's windows in 1, 2, 4 or 8 chains side by side (FlowModel.solve_chains),
+    then by the served rule, same inputs for each."""
+    flow = dec.flow
+    try:
+        for batch in batches:
+            ref = None
+            for k in [c for c in (1, 2, 4, 8) if c <= 2 * batch] + [None]:
+                flow.solve_chains = k
+                ms, x = _solve_ms(flow, batch, reps)
+                diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
+                ref = x if ref is None else ref
+                name = "served rule" if k is None else f"{k} chain{'s' if k > 1 else ''}"
+                print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - 1 chain| {diff:.2e}  {name}", flush=True)
+    finally:
+        flow.solve_chains = None
+
+
 def _print_kernel_resources() -> None:
     """Registers and spills of every compiled codec kernel variant (spills put tiles in local memory)."""
     from engines.kernels import codec_fused as k
@@ -244,11 +262,15 @@ def main() -> None:
     p.add_argument("--host-profile", action="store_true", help="also cProfile the steady-state rounds")
     p.add_argument("--timeline", action="store_true", help="only the solve graph's replay time, per kernel variant")
     p.add_argument("--tiles", action="store_true", help="only the solve graph's replay time, per StreamTiles variant")
+    p.add_argument("--chains", action="store_true", help="only the solve graph's replay time, per number of chains")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
                             estimator_dtype="bfloat16")
     if a.timeline:
         _timeline(dec, [int(x) for x in a.batches.split(",")], a.iters)
+        return
+    if a.chains:
+        _chains(dec, [int(x) for x in a.batches.split(",")], a.iters)
         return
     if a.tiles:
         _tiles(dec, [int(x) for x in a.batches.split(",")], a.iters)

@@ -212,6 +212,37 @@ def test_solve_graph_is_bit_identical_with_and_without_pdl():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("codec", ["tiny-random", "full-random"])
+def test_solve_in_chains_equals_each_session_alone(codec):
+    """The served solve of 2 and 4 sessions runs the estimator's windows as chains side by side (flow.CHAIN_WINDOWS
+    each): bit-identical to each session solved alone, and equal to one chain within what bf16 rounding grows to over
+    the solve's 10 steps (one chain of 160 or 320 rows takes other tilings and, at 320, cuBLAS GEMMs; different kernel
+    choices measured up to 1.9e-2 apart at full size)."""
+    from engines.codec.decoder import CodecDecoder
+    from engines.codec.decoder.graphs import EulerGraphs
+
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    flow = dec.flow
+    for batch in (2, 4):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        inputs = [torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
+                  for shape in EulerGraphs(flow).input_shapes(batch)]
+        try:
+            with torch.inference_mode():
+                served = EulerGraphs(flow).run(*inputs)
+                alone = [EulerGraphs(flow).run(*(t[b:b + 1] for t in inputs)) for b in range(batch)]
+                flow.solve_chains = 1
+                one = EulerGraphs(flow).run(*inputs)
+        finally:
+            flow.solve_chains = None
+        for b in range(batch):
+            for got, want in zip(served, alone[b], strict=True):
+                torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=0)
+        for got, want in zip(served, one, strict=True):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
 def test_snake_is_bit_identical_to_torch():
     """HiFT's Snake in one kernel gives torch's bits (IEEE division, libdevice sinf, no FMA), over alphas from tiny
     to large and inputs spanning many periods; other dtypes and shapes are refused."""
