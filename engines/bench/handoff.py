@@ -2,15 +2,16 @@
 inside one persistent kernel. `python3 -m engines.bench.handoff` on a GPU.
 
 The codec estimator's solve is ~3,500 dependent stages of tiny work at batch 1 (docs/PERF_NOTES.md), so this one
-number decides whether a persistent estimator kernel (engines/kernels/codec_stack.py) can pay. Both variants run
+number decides whether a persistent estimator kernel can pay (it did not: H200, docs/bench/handoff-h200.txt, and the
+persistent transformer-stack kernel of the tenth session measured slower and was removed). Both variants run
 the same N stages of P programs; each program reads a [16, WIDTH] bf16 tile that another program wrote in the stage
 before, adds one and stores its own tile (float32, so the count stays exact):
 - `chain`: one kernel per stage, N launches in a CUDA graph, each under PDL (wait, then trigger; as the codec's
   GEMM-like kernels);
 - `persistent`: one launch; items (stage, program) are taken from an atomic ticket in stage order, and an item waits
-  until every item of the stage before has published (acquire / release counters, as codec_stack does: the
-  neighbour's tile), or in the `1-producer` variant only the item that wrote its own tile the stage before (most
-  likely another program, so the tile still crosses SMs).
+  until every item of the stage before has published (acquire / release counters: the neighbour's tile), or in
+  the `1-producer` variant only the item that wrote its own tile the stage before (most likely another program, so
+  the tile still crosses SMs).
 Prints microseconds per stage for each P, and checks every tile ends at N.
 """
 
