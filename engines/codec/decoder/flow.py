@@ -278,7 +278,7 @@ class FlowModel(nn.Module):
 
         while len(self._chain_streams) < k - 1:
             self._chain_streams.append(private_stream(h.device))
-        g = h.shape[0] // k
+        g = n // k
         parts = side_by_side(self._chain_streams, *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, mask)
                                                      for i in range(k)))
         return torch.cat(parts)
