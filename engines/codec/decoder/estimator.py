@@ -276,9 +276,6 @@ class CausalConditionalDecoder(nn.Module):
         self._fused_key: tuple | None = None
         self._tables: dict[tuple, torch.Tensor] = {}
 
-    def _stacks(self) -> list[nn.ModuleList]:
-        return [self.down_blocks[0][1], *(m[1] for m in self.mid_blocks), self.up_blocks[0][1]]
-
     def _resnets(self) -> list[CausalResnetBlock1D]:
         return [self.down_blocks[0][0], *(m[0] for m in self.mid_blocks), self.up_blocks[0][0]]
 
