@@ -126,6 +126,15 @@ def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
         return replay_ms(next(iter(graphs.graphs.values()))[0], reps), x
 
 
+def _print_solve(batch: int, ms: float, x: torch.Tensor, ref: torch.Tensor | None, ref_name: str, name: str
+                 ) -> torch.Tensor:
+    """One line of a solve comparison: time, and the largest difference from the batch's first variant's mel (ref;
+    None for the first, which becomes ref). Returns ref."""
+    diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
+    print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - {ref_name}| {diff:.2e}  {name}", flush=True)
+    return x if ref is None else ref
+
+
 # (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add)
 TIMELINE_VARIANTS = (
     ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add"),
@@ -166,9 +175,7 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
                 for r, (w, b) in zip(resnets, merged, strict=True):
                     r.conv1_res_gemm, r.conv1_res_bias = (w, b) if merge else (None, None)
                 ms, x = _solve_ms(flow, batch, reps)
-                diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
-                ref = x if ref is None else ref
-                print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - first| {diff:.2e}  {name}", flush=True)
+                ref = _print_solve(batch, ms, x, ref, "first", name)
     finally:
         pdl._enabled.pop(idx, None)
         k.linear, k.CONV_WHOLE_MAX_ROWS = linear, whole_rows
@@ -209,9 +216,7 @@ def _tiles(dec, batches: list[int], reps: int) -> None:
                 except Exception as e:  # a tiling Triton cannot compile (shared memory) is reported, not fatal
                     print(f"solve batch {batch:3d}: failed ({type(e).__name__}: {str(e)[:80]})  {name}", flush=True)
                     continue
-                diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
-                ref = x if ref is None else ref
-                print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - served| {diff:.2e}  {name}", flush=True)
+                ref = _print_solve(batch, ms, x, ref, "served", name)
     finally:
         k.STREAM_TILES = served
 
@@ -226,10 +231,8 @@ def _chains(dec, batches: list[int], reps: int) -> None:
             for k in [c for c in (1, 2, 4, 8) if c <= 2 * batch] + [None]:
                 flow.solve_chains = k
                 ms, x = _solve_ms(flow, batch, reps)
-                diff = 0.0 if ref is None else float((x.float() - ref.float()).abs().max())
-                ref = x if ref is None else ref
                 name = "served rule" if k is None else f"{k} chain{'s' if k > 1 else ''}"
-                print(f"solve batch {batch:3d}: {ms:7.3f} ms, max |x - 1 chain| {diff:.2e}  {name}", flush=True)
+                ref = _print_solve(batch, ms, x, ref, "1 chain", name)
     finally:
         flow.solve_chains = None
 
