@@ -24,7 +24,8 @@ T = TypeVar("T")
 
 
 def private_stream(device: torch.device | str | None = None) -> torch.cuda.ExternalStream:
-    """A CUDA stream that is nobody else's: made by the driver, outside PyTorch's stream pool, and never freed.
+    """A CUDA stream that is nobody else's: made by the driver, outside PyTorch's stream pool, and never freed; in
+    the SM partition of the current stream (engines.partition.driver_stream).
 
     Graphs are captured on such streams because cuBLAS work takes the workspace PyTorch keys by (handle, stream),
     and a captured GEMM keeps that workspace's address for every replay. Pool streams come round-robin (32 per
@@ -33,17 +34,9 @@ def private_stream(device: torch.device | str | None = None) -> torch.cuda.Exter
     semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
     docs/PERF_NOTES.md, "The hang's cause"). Destroying a graph also drops its capture stream's workspaces, which
     would pull them from under the live graphs of another owner of the same pool stream."""
-    import ctypes
+    from engines.partition import driver_stream
 
-    device = torch.device("cuda") if device is None else torch.device(device)
-    with torch.cuda.device(device):
-        torch.cuda.current_stream(device).query()  # a runtime call: the device's primary context is current here
-        lib = ctypes.CDLL("libcuda.so.1")
-        handle = ctypes.c_void_p()
-        rc = lib.cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(0))  # non-blocking
-        if rc != 0:
-            raise RuntimeError(f"cuStreamCreateWithPriority failed with CUresult {rc}")
-        return torch.cuda.ExternalStream(handle.value, device=device)
+    return driver_stream(device)
 
 
 def capture_graph(fn: Callable[[], T], stream: torch.cuda.Stream, pool=None, warmup: int = 2
@@ -99,7 +92,7 @@ class CudaGraphDecoder:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # memory pool of the captured graphs, shared with CudaGraphMixed
         self.stream = private_stream(dev)  # every graph's capture stream (and so its cuBLAS workspace)
-        self.side_stream = torch.cuda.Stream(dev)  # the history update's branch (no GEMM: no workspace)
+        self.side_stream = private_stream(dev)  # the history update's branch, in the graphs' SM partition
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:

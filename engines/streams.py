@@ -13,7 +13,10 @@ T = TypeVar("T")
 
 
 def high_priority_stream(device: torch.device | str) -> torch.cuda.Stream:
-    return torch.cuda.Stream(torch.device(device), priority=torch.cuda.Stream.priority_range()[1])
+    """A new stream of the most urgent priority, in the SM partition of the current stream (engines.partition)."""
+    from engines.partition import driver_stream
+
+    return driver_stream(device, urgent=True)
 
 
 def side_by_side(streams: Sequence[torch.cuda.Stream], first: Callable[[], T], *others: Callable[[], T]) -> list[T]:

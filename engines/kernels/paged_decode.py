@@ -9,29 +9,24 @@ depends only on the batch size and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from engines.kernels.pdl import launch_kwargs, trigger_then_wait, wait_then_trigger
+from engines.partition import sm_count
 
 NUM_SPLITS = 16
 TILE = 64
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
-# splits); None: the GPU's SM count, so every program has an SM of its own (batch 1 on an H200: 128 programs on
-# 132 SMs, 0.05 ms per step faster). With more programs, batches 4 to 64 measured 4-30% slower (docs/PERF_NOTES.md).
+# splits); None: the SM count of the launching stream's partition (engines.partition), so every program has an SM
+# of its own (batch 1 on an H200: 128 programs on 132 SMs, 0.05 ms per step faster). With more programs, batches
+# 4 to 64 measured 4-30% slower (docs/PERF_NOTES.md).
 PRELOAD_MAX_PROGRAMS: int | None = None
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _preload(device: torch.device, programs: int) -> bool:
-    limit = PRELOAD_MAX_PROGRAMS if PRELOAD_MAX_PROGRAMS is not None else _sm_count(device)
+    limit = PRELOAD_MAX_PROGRAMS if PRELOAD_MAX_PROGRAMS is not None else sm_count(device)
     return programs <= limit
 
 

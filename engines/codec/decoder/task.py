@@ -15,6 +15,7 @@ import torch
 from engines.codec.decoder.codec_decoder import CodecDecoder
 from engines.codec.decoder.stream import DecodeStream, Job
 from engines.codec.decoder.voice import Voice
+from engines.partition import driver_stream
 
 
 class CodecTask:
@@ -25,7 +26,7 @@ class CodecTask:
         self.streams: dict[str, DecodeStream] = {}
         self.queue: deque[Job] = deque()
         dev = decoder.device
-        self.cuda_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self.cuda_stream = driver_stream(dev) if dev.type == "cuda" else None  # in the current stream's SM partition
 
     def open(self, session_id: str, voice: Voice | None = None, seed: int = 0) -> None:
         if session_id in self.streams:
