@@ -237,3 +237,53 @@ def test_a_first_chunk_round_waits_briefly_for_another_answer_about_to_have_one(
     collect(w, lambda o: len(o) == 2)
     assert sorted(dec.batches[0]) == ["a", "b"]  # one round for both
     w.close()
+
+
+def test_a_first_lane_decodes_first_chunks_while_a_playing_round_is_in_flight():
+    """With a first-chunk lane, a new answer's first chunk does not wait for the playing round in flight: it is
+    decoded on the lane's own thread and decoder, and every later chunk on the other."""
+    dec, lane = FakeDecoder(), FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane)
+    a, b = FakeStream("a"), FakeStream("b")
+    dec.gate.clear()  # playing rounds hang until released
+    w.push("A", a, list(range(13)))  # A's first chunk (on the lane), then its second (held on the other thread)
+    collect(w, lambda o: sum(1 for k, _, _ in o if k == "A") == 1)
+    deadline = time.monotonic() + 5
+    while not w._running and time.monotonic() < deadline:  # A's second chunk is in its (held) round
+        time.sleep(0.002)
+    w.push("B", b, list(range(8)))
+    got = collect(w, lambda o: any(k == "B" for k, _, _ in o))  # while A's second chunk is still held
+    assert [k for k, _, _ in got] == ["B"]
+    dec.gate.set()
+    rest = collect(w, lambda o: any(k == "A" for k, _, _ in o))
+    assert [k for k, _, _ in rest] == ["A"]
+    assert lane.batches == [["a"], ["b"]] and dec.batches == [["a"]]
+    w.push("A", a, [], final=True)
+    w.push("B", b, [], final=True)
+    out = collect(w, lambda o: sum(1 for _, _, f in o if f) == 2)
+    assert all(bt in (["a"], ["b"], ["a", "b"], ["b", "a"]) for bt in dec.batches) and len(lane.batches) == 2
+    assert {k for k, _, f in out if f} == {"A", "B"} and a.closed and b.closed
+    assert not w.busy()
+    w.close()
+
+
+def test_a_first_lane_gives_the_same_pcm_as_one_thread():
+    """The real tiny decoder: answers decoded with a first-chunk lane (first chunks on CodecDecoder.lane) give the
+    PCM of the offline decode of the same codes."""
+    from engines.codec.decoder import CodecDecoder
+
+    dec = CodecDecoder.load("tiny-random")
+    rng = np.random.default_rng(3)
+    codes = {f"s{i}": rng.integers(0, 16384, n).tolist() for i, n in enumerate((23, 9, 31))}
+    w = CodecWorker(dec, torch.device("cpu"), first_decoder=dec.lane())
+    want = {sid: dec.decode(c, seed=i) for i, (sid, c) in enumerate(codes.items())}  # (the lane changed nothing)
+    streams = {sid: dec.open_stream(sid, seed=i) for i, sid in enumerate(codes)}
+    for sid, c in codes.items():
+        w.push(sid, streams[sid], c[:8])
+    for sid, c in codes.items():
+        w.push(sid, streams[sid], c[8:], final=True)
+    out = collect(w, lambda o: sum(1 for _, _, f in o if f) == len(codes), timeout=120)
+    for sid in codes:
+        got = np.concatenate([p for k, p, _ in out if k == sid])
+        np.testing.assert_allclose(got, want[sid], atol=1e-5, rtol=0)
+    w.close()

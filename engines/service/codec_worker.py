@@ -10,7 +10,11 @@ batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once. Time to fir
 - A playing answer's next chunk is decoded only once its audio sent is less than `ahead_s` ahead of real time
   (playback assumed to start when its first chunk is posted). Decoding further ahead would not help its
   listener; it would only make the round that a new answer's first chunk waits behind longer.
-A decoder stream is only touched by this thread once handed over.
+With a `first_decoder` (a lane of the decoder: CodecDecoder.lane, graphs of its own) a second thread decodes the
+first chunks on it, at the same time as the rounds of playing answers: a new answer's first chunk no longer waits
+for the round in flight (H200, 28-60 sessions: that wait was p50 27 / p95 78 ms of TTFA). Each answer is
+decoded by one thread at a time: the first-chunk thread until its first chunk is posted, then the other.
+A decoder stream is only touched by these threads once handed over.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines.partition import driver_stream
 from engines.service.spans import Spans
-from engines.streams import high_priority_stream
 
 # Audio a playing answer is kept ahead of real time: margin for a round or two of new answers' first chunks
 # and the network, without decoding far ahead of what anyone can hear yet.
@@ -40,6 +44,7 @@ BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language 
 # first chunk waits for the round in flight, so rounds are kept short (H200, 12-28 sessions: that wait was the
 # largest part of p95 TTFA, 101 ms, behind rounds of ~75 ms).
 BULK_MAX = 8
+FIRST_MAX = 16  # most first chunks in one round on the first-chunk lane (its graphs are captured up to this)
 
 
 @dataclass(eq=False)
@@ -56,14 +61,21 @@ class _Answer:
     finishing: bool = False  # the stream's last jobs were taken
     cancelled: bool = False  # decode nothing more; close the stream
     closed: bool = False
+    busy: bool = False  # taken by a round in flight (with two threads, the other leaves it alone)
 
 
 class CodecWorker:
     """`decoder` batches chunks of many streams: `run_jobs(jobs) -> PCM per job` (engines.codec.decoder)."""
 
     def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256, ahead_s: float = AHEAD_S,
-                 clock: Any = time.monotonic, bulk_max: int = BULK_MAX) -> None:
+                 clock: Any = time.monotonic, bulk_max: int = BULK_MAX, home: torch.cuda.Stream | None = None,
+                 first_decoder: Any = None, first_max: int = FIRST_MAX) -> None:
+        """`home`: a stream of the SM partition the rounds run in (engines.partition; default: the current
+        stream's). `first_decoder`: a lane of `decoder` for first chunks, on a thread of their own (module doc);
+        at most `first_max` per round there."""
         self.decoder = decoder
+        self.first_decoder = first_decoder
+        self.first_max = first_max
         self.max_batch = max_batch
         self.bulk_max = bulk_max
         self.ahead_s = ahead_s
@@ -80,20 +92,23 @@ class CodecWorker:
         # first-chunk rounds at the highest, level with them: a new answer's first audio waits on both.
         self._stream = self._first_stream = None
         if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device)
-            self._first_stream = high_priority_stream(device)
+            self._stream = driver_stream(device, like=home)
+            self._first_stream = driver_stream(device, urgent=True, like=home)
         self._cv = threading.Condition()
         self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left
         self._results: deque[tuple[Any, np.ndarray | Exception, bool]] = deque()
-        self._running = False
+        self._running = 0  # rounds in flight
         self._closed = False
         self.batches = 0  # counters for the engine process's load log
         self.items = 0
         self.busy_s = 0.0
         self.spans = Spans()  # round times, taken by the load log (under _cv)
         self._first_rounds: dict[int, tuple[float, float]] = {}  # id(key) -> its first chunk's round (start, end)
-        self._thread = threading.Thread(target=self._run, name="codec-worker", daemon=True)
-        self._thread.start()
+        kinds = ("first", "playing") if first_decoder is not None else ("all",)
+        self._threads = [threading.Thread(target=self._run, args=(k,), name=f"codec-worker-{k}", daemon=True)
+                         for k in kinds]
+        for t in self._threads:
+            t.start()
 
     # ---- engine-loop side ----------------------------------------------------------------
 
@@ -135,13 +150,14 @@ class CodecWorker:
     def busy(self) -> bool:
         """Answers with work left, a round running, or results not yet collected."""
         with self._cv:
-            return bool(self._answers) or self._running or bool(self._results)
+            return bool(self._answers) or self._running > 0 or bool(self._results)
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
 
     # ---- worker side ---------------------------------------------------------------------
 
@@ -149,9 +165,10 @@ class CodecWorker:
         """Hold a first-chunk round (at most COALESCE_S) while another new answer is a code or two short of its
         first chunk: sessions answering at once get their 8th codes a step or so apart, and a round for each in
         turn made the last one wait for all the others' rounds."""
-        near = any(a.first_post is None and not a.cancelled and a not in first
-                   and FIRST_CHUNK_CODES - COALESCE_CODES <= a.codes_in < FIRST_CHUNK_CODES
-                   for a in self._answers.values())
+        with self._cv:  # the engine loop adds answers meanwhile
+            near = any(a.first_post is None and not a.cancelled and a not in first
+                       and FIRST_CHUNK_CODES - COALESCE_CODES <= a.codes_in < FIRST_CHUNK_CODES
+                       for a in self._answers.values())
         if not near:
             self._coalesce_since = None
             return False
@@ -172,58 +189,71 @@ class CodecWorker:
             return not a.closed or (a.final and not a.finishing)
         return bool(a.new_codes or (a.jobs and self._due_at(a) <= now) or (a.final and not a.finishing))
 
-    def _run(self) -> None:
+    def _mine(self, a: _Answer, kind: str) -> bool:
+        """Whether a thread running rounds of `kind` may take this answer now."""
+        if a.busy:
+            return False
+        return kind == "all" or (a.first_post is None) == (kind == "first")
+
+    def _run(self, kind: str) -> None:
+        """Rounds of `kind`: "all" (the one thread), or "first" / "playing" (the two threads of a first lane)."""
+        decoder = self.first_decoder if kind == "first" else self.decoder
+        stream = self._first_stream if kind == "first" else self._stream
         while True:
             with self._cv:
                 while True:
                     if self._closed:
                         return
                     now = self._clock()
-                    answers = [a for a in self._answers.values() if self._has_work(a, now)]
+                    mine = [a for a in self._answers.values() if self._mine(a, kind)]
+                    answers = [a for a in mine if self._has_work(a, now)]
                     if answers:
                         break
-                    due = [self._due_at(a) for a in self._answers.values() if a.jobs and not a.cancelled]
+                    due = [self._due_at(a) for a in mine if a.jobs and not a.cancelled]
                     self._cv.wait(max(0.001, min(due) - now) if due else None)
                 taken = [(a, a.new_codes, a.final and not a.finishing) for a in answers]
                 for a in answers:
                     a.new_codes = []
                     a.finishing = a.finishing or a.final
-                self._running = True
+                    a.busy = True
+                self._running += 1
             t0, started, cpu0 = time.perf_counter(), time.monotonic(), time.thread_time()
             new = [a for a, _, _ in taken if a.first_post is None]
-            decoded = 0
+            decoded, first = 0, False
             try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        posts, done, decoded = self._round(taken)
-                else:
-                    posts, done, decoded = self._round(taken)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    posts, done, decoded, first = self._round(taken, kind, decoder)
             finally:
                 with self._cv:
                     dt = time.perf_counter() - t0
                     self.busy_s += dt
                     if decoded > 0:
-                        kind = "codec round" + (" (first chunks)" if self._after_first else "")
-                        self.spans.add(kind, dt)
+                        self.batches += 1
+                        self.items += decoded
+                        name = "codec round" + (" (first chunks)" if first else "")
+                        self.spans.add(name, dt)
                         # What the round's wall time was made of: this thread's CPU time, and the wait for the GPU
                         # to finish it; the rest went waiting for the GIL.
-                        self.spans.add(kind + " cpu", time.thread_time() - cpu0)
-                        self.spans.add(kind + " gpu wait", getattr(self.decoder, "last_gpu_wait_s", 0.0))
+                        self.spans.add(name + " cpu", time.thread_time() - cpu0)
+                        self.spans.add(name + " gpu wait", getattr(decoder, "last_gpu_wait_s", 0.0))
                     for a in new:
                         if a.first_post is not None:
                             self._first_rounds[id(a.key)] = (started, time.monotonic())
                     self._results.extend(posts)
                     for a in done:
                         self._answers.pop(id(a.key), None)
-                    self._running = False
+                    for a, _, _ in taken:
+                        a.busy = False
+                    self._running -= 1
                     self._cv.notify_all()
             if decoded < 0:  # held back for the language model: look again shortly (it sets no event)
                 time.sleep(0.002)
 
-    def _round(self, taken: list[tuple[_Answer, list[int], bool]]) -> tuple[list, list[_Answer], int]:
+    def _round(self, taken: list[tuple[_Answer, list[int], bool]], kind: str, decoder: Any
+               ) -> tuple[list, list[_Answer], int, bool]:
         """Give new codes to their streams, then decode one ready chunk of each answer that has played nothing
-        (if any has one ready), else of each playing answer whose next chunk is due. Returns (posts, answers
-        done, chunks decoded)."""
+        (if any has one ready), else of each playing answer whose next chunk is due (with a first lane, each thread
+        only has answers of its own kind). Returns (posts, answers done, chunks decoded, whether first chunks)."""
         posts: list[tuple[Any, np.ndarray | Exception, bool]] = []
         done: list[_Answer] = []
         ready: list[_Answer] = []
@@ -256,31 +286,33 @@ class CodecWorker:
         take_first = bool(first) and not (self._after_first and urgent)
         batch = first if take_first else due[: max(self.bulk_max, n_urgent)]
         if batch and take_first and self._coalesce(first, now):
-            return posts, done, -1  # another answer's first chunk is a step or two away: one round for both
+            return posts, done, -1, True  # another answer's first chunk is a step or two away: one round for both
         if batch and not take_first and self.lm_ramping and not urgent:
             self._held_since = self._held_since or now
             if now - self._held_since < BULK_HOLD_S:
-                return posts, done, -1  # the language model's urgent steps go first
+                return posts, done, -1, False  # the language model's urgent steps go first
         self._held_since = None
-        self._after_first = take_first
-        batch = batch[: self.max_batch]
+        if kind == "all":
+            self._after_first = take_first
+        batch = batch[: self.first_max if kind == "first" else self.max_batch]
         if batch:
             jobs = [a.jobs.popleft() for a in batch]
-            fast = self._first_stream if self._after_first else None
-            self.first_in_flight = self._after_first
+            # The one thread runs first chunks on the urgent stream; a first lane's thread is on it already.
+            fast = self._first_stream if take_first and kind == "all" else None
+            if take_first:
+                self.first_in_flight = True
             try:
                 with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():
-                    pcms = self.decoder.run_jobs(jobs)
+                    pcms = decoder.run_jobs(jobs)
             except Exception as e:  # noqa: BLE001 - handed back: the Service fails those answers
                 for a in batch:
                     a.jobs.clear()
                     posts.append((a.key, e, True))
                     done.append(a)
-                return posts, done, 0
+                return posts, done, 0, take_first
             finally:
-                self.first_in_flight = False
-            self.batches += 1
-            self.items += len(batch)
+                if take_first:
+                    self.first_in_flight = False
             posted = self._clock()
             for a, job, pcm in zip(batch, jobs, pcms, strict=True):
                 a.first_post = posted if a.first_post is None else a.first_post
@@ -290,4 +322,4 @@ class CodecWorker:
                     if hasattr(a.stream, "close"):
                         a.stream.close()
                     done.append(a)
-        return posts, done, len(batch)
+        return posts, done, len(batch), take_first

@@ -102,7 +102,8 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
-                 encode_every_s: float = 0.0, codec_thread: bool = False) -> None:
+                 encode_every_s: float = 0.0, codec_thread: bool = False,
+                 codec_stream: torch.cuda.Stream | None = None, first_decoder: Any = None) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -118,7 +119,9 @@ class Service:
         interval that grows with the sessions holding audio (ENCODE_SESSIONS_PER_INTERVAL), keep the encoder's share
         of the engine loop bounded as sessions are added. Commit encodes the session's held audio.
         `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
-        a GPU) while the engine steps; the PCM is the same, only when it leaves changes."""
+        a GPU) while the engine steps; the PCM is the same, only when it leaves changes. `codec_stream`: a stream of
+        the codec's SM partition (engines.partition), where the worker's rounds run. `first_decoder`: a lane of
+        `decoder` (CodecDecoder.lane) on which the worker decodes first chunks beside its other rounds."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -134,7 +137,8 @@ class Service:
         self._clock = time.monotonic
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
-            self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")))
+            self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
+                                      first_decoder=first_decoder)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
         self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes

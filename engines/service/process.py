@@ -29,6 +29,7 @@ supervisor restarts it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -85,6 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
                    help="run throw-away spoken turns before serving (default: on a GPU), so the first users do not "
                         "pay one-time kernel compiles and plan builds")
+    p.add_argument("--codec-sms", type=int, default=0,
+                   help="on a GPU, keep this many SMs free of the language model's and speech encoder's kernels (a "
+                        "green context; rounded up by the driver, to 8 on an H100/H200), so the codec's "
+                        "latency-bound kernels always find SMs; the codec still uses every SM (0: no partition)")
+    p.add_argument("--codec-sms-only", action="store_true",
+                   help="with --codec-sms: the codec runs on its SMs only")
+    p.add_argument("--first-lane", action="store_true",
+                   help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
+                        "of its own, beside the rounds of playing answers (measured neutral on TTFA so far: "
+                        "docs/BENCHMARKS.md, Capacity)")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
@@ -109,22 +120,42 @@ def build_service(args: argparse.Namespace) -> Service:
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
     on_gpu = args.device.startswith("cuda")
+    codec_sms = getattr(args, "codec_sms", 0)
+    if getattr(args, "codec_sms_only", False) and not codec_sms:
+        raise ValueError("--codec-sms-only needs --codec-sms N")
+    if codec_sms and not on_gpu:
+        raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
+    codec_home = contextlib.nullcontext()
+    codec_stream = None
     if on_gpu:
         import torch
 
         from engines.streams import high_priority_stream
 
+        lm_stream = None
+        if codec_sms:
+            from engines.partition import driver_stream, split
+
+            # Streams made later follow the stream current when they are made (engines.partition): the model's
+            # graphs and the encoder land in the model's partition, the codec's graphs and rounds in the codec's.
+            sms = split(args.device, codec_sms)
+            lm_stream = sms.stream("lm", urgent=True)
+            codec_stream = (sms.stream("codec") if args.codec_sms_only
+                            else driver_stream(args.device, like=torch.cuda.default_stream(args.device)))
+            codec_home = torch.cuda.stream(codec_stream)
+            log.info("SM partitions: language model and speech encoder on %d SMs, codec on %s", sms.lm_sms,
+                     f"the other {sms.codec_sms} only" if args.codec_sms_only else "every SM")
         # The language model's steps run on a high-priority stream, so they never queue behind the codec
         # worker's rounds of playing answers (lowest priority) for SMs: a decode step is a few ms of GPU work
         # that every session waits for. (The speech encoder has its own high-priority stream.)
-        torch.cuda.set_stream(high_priority_stream(args.device))
+        torch.cuda.set_stream(lm_stream if lm_stream is not None else high_priority_stream(args.device))
     # The codec worker thread runs Python between its GPU waits; a short switch interval keeps the engine
     # loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)
     t0 = time.monotonic()
     engine = Engine.from_name(args.model, EngineConfig(**kw), seed=args.seed)
     tokenizer = load_tokenizer(args.model)
-    encoder = decoder = None
+    encoder = decoder = first_decoder = None
     if args.codec != "none":
         from engines.codec.decoder.codec_decoder import CodecDecoder
         from engines.codec.encoder import SpeechEncoder
@@ -139,11 +170,17 @@ def build_service(args: argparse.Namespace) -> Service:
             encoder.reserve(engine.config.max_running)
         # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
         # in bf16.
-        decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
-                                    cuda_graphs=on_gpu, encoder_graphs=on_gpu,
-                                    estimator_dtype="bfloat16" if on_gpu else "float32")
-        # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
-        decoder.capture_graphs(engine.config.max_running)
+        with codec_home:
+            decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
+                                        cuda_graphs=on_gpu, encoder_graphs=on_gpu,
+                                        estimator_dtype="bfloat16" if on_gpu else "float32")
+            # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
+            decoder.capture_graphs(engine.config.max_running)
+            if getattr(args, "first_lane", False) and getattr(args, "codec_thread", False):
+                from engines.service.codec_worker import FIRST_MAX
+
+                first_decoder = decoder.lane()
+                first_decoder.capture_graphs(FIRST_MAX)
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)
@@ -152,7 +189,8 @@ def build_service(args: argparse.Namespace) -> Service:
     service = Service(engine, tokenizer, encoder, decoder, voices,
                       decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
-                      codec_thread=getattr(args, "codec_thread", False))
+                      codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
+                      first_decoder=first_decoder)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()

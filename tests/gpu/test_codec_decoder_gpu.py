@@ -191,3 +191,31 @@ def test_state_made_on_one_stream_decodes_on_another():
         got = np.concatenate([s._run(s.take_jobs()), s.finalize()])
     assert s.ready is None
     np.testing.assert_allclose(got, want, atol=3e-4, rtol=0)
+
+
+def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
+    """The codec worker's first-chunk lane: a stream's first chunk decoded by CodecDecoder.lane on one CUDA stream,
+    the rest by the decoder on another (the state changes streams: DecodeStream.adopt), equals the offline decode;
+    the lane replays graphs of its own."""
+    from engines.graphs import private_stream
+
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    lane = dec.lane()
+    codes = _codes(23, 6)
+    want = dec.decode(codes, seed=2)
+    first, rest = private_stream(), private_stream()
+    s = dec.open_stream("lanes", seed=2)
+    s.add(codes)
+    jobs = s.take_jobs()
+    with torch.cuda.stream(first):
+        out = lane.run_jobs(jobs[:1])
+    with torch.cuda.stream(rest):
+        for j in jobs[1:]:
+            out += dec.run_jobs([j])
+        out.append(s.finalize())
+    np.testing.assert_allclose(np.concatenate(out), want, atol=3e-4, rtol=0)
+    assert lane.flow.graphs.graphs and lane.vocoder.graphs.graphs  # captured on the lane's first use
+    assert lane.flow.graphs.stream.cuda_stream != dec.flow.graphs.stream.cuda_stream
+    assert lane.vocoder.generator is not dec.vocoder.generator and dec.vocoder.generator._branch_streams
+    mine, theirs = (g.vocoder.generator._branch_streams for g in (lane, dec))
+    assert not {x.cuda_stream for x in mine} & {x.cuda_stream for x in theirs}

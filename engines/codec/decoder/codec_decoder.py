@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections import OrderedDict
@@ -96,6 +97,33 @@ class CodecDecoder:
                 dec.vocoder.graphs = VocoderGraphs(dec.vocoder.generator, st.voc_ctx_frames,
                                                    st.chunk_codes * dec.cfg.flow.token_mel_ratio)
         return dec
+
+    def lane(self) -> CodecDecoder:
+        """Another decoder over the same weights, voices and streams' state, with CUDA graphs, graph memory and side
+        streams of its own, so that its calls can run while this one's run (on another thread and CUDA stream): the
+        codec worker decodes new answers' first chunks on a lane beside its rounds of playing answers. Graphs, when
+        this decoder has them, are captured on first use or by `capture_graphs`."""
+        twin = copy.copy(self)
+        twin.flow = copy.copy(self.flow)  # shares the modules; plain attributes (graphs, streams) become its own
+        twin.flow._chain_streams = []
+        twin.vocoder = copy.copy(self.vocoder)
+        twin.vocoder._modules = dict(self.vocoder._modules)  # so that a new generator does not replace ours
+        gen = getattr(self.vocoder, "generator", None)
+        if gen is not None and hasattr(gen, "_branch_streams"):
+            twin.vocoder.generator = copy.copy(gen)
+            twin.vocoder.generator._branch_streams = None
+        twin.windowed = WindowedVocoder(twin.vocoder, self.cfg.stream)
+        from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
+
+        if self.flow.graphs is not None:
+            twin.flow.graphs = EulerGraphs(twin.flow)
+        if self.flow.enc_graphs is not None:
+            twin.flow.enc_graphs = EncoderGraphs(twin.flow)
+        if getattr(self.vocoder, "graphs", None) is not None:
+            st = self.cfg.stream
+            twin.vocoder.graphs = VocoderGraphs(twin.vocoder.generator, st.voc_ctx_frames,
+                                                st.chunk_codes * self.cfg.flow.token_mel_ratio)
+        return twin
 
     def capture_graphs(self, max_batch: int, partial_chunks: bool = True) -> int:
         """With CUDA graphs on, capture the graphs (encoder, Euler solve, HiFT vocoder) of full chunks and, with

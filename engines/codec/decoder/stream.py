@@ -43,23 +43,30 @@ class DecodeStream:
     # Recorded after the state was made on the opening thread's CUDA stream; `adopt` hands the state to the stream
     # that decodes it (None: nothing to hand over, or done).
     ready: torch.cuda.Event | None = None
+    on_stream: int | None = None  # the CUDA stream (handle) the state was last handed to
 
     def adopt(self) -> None:
-        """Before the first decode on the current CUDA stream: wait there for the kernels that made the state, and
-        tell the allocator the state is used there. The state is made on the thread that opens the stream (the
-        engine loop, on the language model's stream) and decoded on the codec worker's streams; without this, a
-        state tensor that a decode replaces goes back to the loop's stream for reuse while the decode's kernels
-        still read it, and the decode reads whatever the loop wrote there."""
-        if self.ready is None:
+        """Before a decode on the current CUDA stream, if the state was made or last decoded on another: wait there
+        for the kernels that made it, and tell the allocator the state is used there. The state is made on the
+        thread that opens the stream (the engine loop, on the language model's stream) and decoded on the codec
+        worker's streams (a first chunk on one, the rest on another); without this, a state tensor that a decode
+        replaces goes back to its first stream for reuse while the decode's kernels still read it, and the decode
+        reads whatever that stream wrote there. (A decode on another stream needs no wait: the worker waited for it
+        before reading its PCM.)"""
+        if self.decoder.device.type != "cuda":
             return
         cur = torch.cuda.current_stream(self.decoder.device)
-        cur.wait_event(self.ready)
+        if cur.cuda_stream == self.on_stream:
+            return
+        if self.ready is not None:
+            cur.wait_event(self.ready)
+            self.ready = None
         for st in (self.flow_state, self.voc_state):
             for f in dataclasses.fields(st):
                 t = getattr(st, f.name)
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(cur)
-        self.ready = None
+        self.on_stream = cur.cuda_stream
 
     def _check_open(self) -> None:
         if self.closed:
