@@ -87,16 +87,21 @@ class CodecDecoder:
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         if cuda_graphs and dec.device.type == "cuda":
-            from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
-
-            dec.flow.graphs = EulerGraphs(dec.flow)
-            if encoder_graphs:
-                dec.flow.enc_graphs = EncoderGraphs(dec.flow)
-            if isinstance(dec.vocoder, HiFTVocoder):
-                st = dec.cfg.stream
-                dec.vocoder.graphs = VocoderGraphs(dec.vocoder.generator, st.voc_ctx_frames,
-                                                   st.chunk_codes * dec.cfg.flow.token_mel_ratio)
+            dec._attach_graphs(encoder_graphs)
         return dec
+
+    def _attach_graphs(self, encoder_graphs: bool) -> None:
+        """Empty graph sets (captured on first use or by `capture_graphs`) for the Euler solve, the flow's encoder
+        when `encoder_graphs`, and HiFT."""
+        from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
+
+        self.flow.graphs = EulerGraphs(self.flow)
+        if encoder_graphs:
+            self.flow.enc_graphs = EncoderGraphs(self.flow)
+        if isinstance(self.vocoder, HiFTVocoder):
+            st = self.cfg.stream
+            self.vocoder.graphs = VocoderGraphs(self.vocoder.generator, st.voc_ctx_frames,
+                                                st.chunk_codes * self.cfg.flow.token_mel_ratio)
 
     def lane(self) -> CodecDecoder:
         """Another decoder over the same weights, voices and streams' state, with CUDA graphs, graph memory and side
@@ -113,16 +118,8 @@ class CodecDecoder:
             twin.vocoder.generator = copy.copy(gen)
             twin.vocoder.generator._branch_streams = None
         twin.windowed = WindowedVocoder(twin.vocoder, self.cfg.stream)
-        from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
-
         if self.flow.graphs is not None:
-            twin.flow.graphs = EulerGraphs(twin.flow)
-        if self.flow.enc_graphs is not None:
-            twin.flow.enc_graphs = EncoderGraphs(twin.flow)
-        if getattr(self.vocoder, "graphs", None) is not None:
-            st = self.cfg.stream
-            twin.vocoder.graphs = VocoderGraphs(twin.vocoder.generator, st.voc_ctx_frames,
-                                                st.chunk_codes * self.cfg.flow.token_mel_ratio)
+            twin._attach_graphs(self.flow.enc_graphs is not None)
         return twin
 
     def capture_graphs(self, max_batch: int, partial_chunks: bool = True) -> int:
