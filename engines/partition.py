@@ -68,9 +68,7 @@ class SmSplit:
         """A new stream of partition `part` ("codec" or "lm"); `urgent`: the most urgent priority."""
         if part not in ("codec", "lm"):
             raise ValueError(f"partition must be 'codec' or 'lm', got {part!r}")
-        with torch.cuda.device(self.device):
-            priority = _greatest_priority() if urgent else 0
-        return _green_stream(self.codec if part == "codec" else self.lm, self.device, priority)
+        return _new_stream(self.codec if part == "codec" else self.lm, self.device, urgent)
 
 
 def split(device: torch.device | str, codec_sms: int) -> SmSplit:
@@ -101,11 +99,20 @@ def split(device: torch.device | str, codec_sms: int) -> SmSplit:
     return SmSplit(device, _sm_count_of(part), _sm_count_of(rest), ctxs[0], ctxs[1])
 
 
-def _green_stream(ctx: int, device: torch.device, priority: int) -> torch.cuda.ExternalStream:
+def _new_stream(ctx: int | None, device: torch.device, urgent: bool) -> torch.cuda.ExternalStream:
+    """A new non-blocking driver stream in green context `ctx` (None: the device's primary context); `urgent`: the
+    most urgent priority, else the least."""
     handle = ctypes.c_void_p()
-    _check(_driver().cuGreenCtxStreamCreate(ctypes.byref(handle), ctypes.c_void_p(ctx),
-                                            ctypes.c_uint(_STREAM_NON_BLOCKING), ctypes.c_int(priority)),
-           "cuGreenCtxStreamCreate")
+    with torch.cuda.device(device):
+        _cu_device(device)
+        priority = ctypes.c_int(_greatest_priority() if urgent else 0)
+        if ctx is not None:
+            _check(_driver().cuGreenCtxStreamCreate(ctypes.byref(handle), ctypes.c_void_p(ctx),
+                                                    ctypes.c_uint(_STREAM_NON_BLOCKING), priority),
+                   "cuGreenCtxStreamCreate")
+        else:
+            _check(_driver().cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(_STREAM_NON_BLOCKING),
+                                                        priority), "cuStreamCreateWithPriority")
     return torch.cuda.ExternalStream(handle.value, device=device)
 
 
@@ -135,15 +142,9 @@ def driver_stream(device: torch.device | str | None = None, urgent: bool = False
     urgent priority (else the least)."""
     device = torch.device("cuda") if device is None else torch.device(device)
     with torch.cuda.device(device):
-        _cu_device(device)
-        priority = _greatest_priority() if urgent else 0
+        _cu_device(device)  # the primary context is current before the driver is asked about a stream
         ctx = green_context(like if like is not None else torch.cuda.current_stream(device))
-        if ctx is not None:
-            return _green_stream(ctx, device, priority)
-        handle = ctypes.c_void_p()
-        _check(_driver().cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(_STREAM_NON_BLOCKING),
-                                                    ctypes.c_int(priority)), "cuStreamCreateWithPriority")
-        return torch.cuda.ExternalStream(handle.value, device=device)
+    return _new_stream(ctx, device, urgent)
 
 
 @functools.cache
