@@ -463,6 +463,30 @@ def test_optimised_estimator_equals_straightforward_computation(hift_dec):
         w.sub_(1.0)
 
 
+def test_a_solve_in_pieces_gives_the_same_pcm_and_yields_between_them(hift_dec):
+    """FlowModel.solve_parts: a full chunk's Euler steps run as consecutive pieces, with run_jobs' `between` after the
+    encoder and each piece; a last partial chunk runs whole. The PCM is that of the whole solve, bit for bit."""
+    codes = _codes(23, seed=5)
+    want = hift_dec.decode(codes, seed=3)
+    steps = hift_dec.cfg.flow.n_timesteps
+    calls: list[int] = []
+    hift_dec.flow.solve_parts = 2
+    try:
+        assert hift_dec.flow.step_ranges(4 * hift_dec.cfg.stream.chunk_codes) == [(0, steps // 2), (steps // 2, steps)]
+        assert hift_dec.flow.step_ranges(4) == [(0, steps)]
+        s = hift_dec.open_stream("pieces", seed=3)
+        s.add(codes.tolist())
+        jobs = s.take_jobs()
+        got = [hift_dec.run_jobs([j], between=lambda: calls.append(1))[0] for j in jobs]
+        tail = s.take_jobs(finishing=True)
+        got += [hift_dec.run_jobs([j], between=lambda: calls.append(2))[0] for j in tail]
+    finally:
+        hift_dec.flow.solve_parts = 1
+    np.testing.assert_array_equal(np.concatenate(got), want)
+    assert len(jobs) == 4 and calls.count(1) == 4 * (1 + 2)  # encoder + 2 pieces per full chunk
+    assert [len(j.codes) for j in tail] == [3] and calls.count(2) == 1 + 1  # a partial chunk: encoder + 1 piece
+
+
 @torch.inference_mode()
 def test_euler_equals_straightforward_solve(hift_dec):
     """The Euler solve with the prebuilt input buffer and fused CFG update == the step-by-step textbook solve."""

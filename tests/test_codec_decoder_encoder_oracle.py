@@ -75,9 +75,9 @@ def test_streamed_encoder_equals_dense_reference():
     seen = []
     real_solve = flow._solve
 
-    def spy(states, mu, Fr, gens):
+    def spy(states, mu, Fr, gens, between=None):
         seen.append(mu[0].T.clone())  # [F, 80]
-        return real_solve(states, mu, Fr, gens)
+        return real_solve(states, mu, Fr, gens, between)
 
     flow._solve = spy
     s = dec.open_stream("o", voice=voice, seed=0)

@@ -60,14 +60,17 @@ def test_full_random_chunk_runs_bf16():
     assert out.shape == (5 * 1920 - 2 * 480,) and np.isfinite(out).all()
 
 
-def test_precaptured_graphs_serve_steady_chunks_and_match_eager():
+@pytest.mark.parametrize("parts", [1, 3])
+def test_precaptured_graphs_serve_steady_chunks_and_match_eager(parts):
+    """parts: FlowModel.solve_parts (3: a graph per Euler step of tiny-random's 3, as rounds of playing answers)."""
     eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, encoder_graphs=True)
+    dec.flow.solve_parts = parts
     # The encoder's prefix lengths for the default voice (25 prompt codes): (32, 128), (64, 160), (64, 192).
     n_enc = len(dec.flow.enc_graphs.prefix_lengths(dec.prepared(dec.default_voice).n_codes))
     assert n_enc == 3
-    # Buckets 1, 2, 4 of the Euler solve and the vocoder, and of the encoder at each prefix length.
-    assert dec.capture_graphs(3, partial_chunks=False) == 6 + 3 * n_enc
+    # Buckets 1, 2, 4 of the Euler solve (each piece) and the vocoder, and of the encoder at each prefix length.
+    assert dec.capture_graphs(3, partial_chunks=False) == 3 * parts + 3 + 3 * n_enc
     assert dec.capture_graphs(3) == 6 * (dec.cfg.stream.chunk_codes - 1)  # then every shorter last chunk
     assert dec.capture_graphs(3) == 0  # already there
     steady, voc_steady = set(dec.flow.graphs.graphs), set(dec.vocoder.graphs.graphs)

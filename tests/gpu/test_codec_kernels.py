@@ -315,3 +315,30 @@ def test_hift_branches_on_streams_equal_the_serial_order(batch, deterministic_cu
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(graph_x, want_x) and torch.equal(graph_phase, want_phase)
+
+
+@pytest.mark.parametrize("codec", ["tiny-random", "full-random"])
+def test_solve_in_pieces_is_bit_identical_to_one_graph(codec):
+    """FlowModel.solve_parts: the served solve of playing answers as graphs of consecutive Euler steps (the codec
+    worker pauses between them) == the solve as one graph, bit for bit, at 1 and 8 sessions."""
+    from engines.codec.decoder import CodecDecoder
+    from engines.codec.decoder.graphs import EulerGraphs
+
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    flow = dec.flow
+    steps = flow.cfg.n_timesteps
+    ranges = [(0, 2), (2, 5), (5, steps)] if steps > 5 else [(0, 1), (1, steps)]
+    for batch in (1, 8):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        z, ctx, mu, cond, spks = (torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
+                                  for shape in EulerGraphs(flow).input_shapes(batch))
+        graphs = EulerGraphs(flow)
+        with torch.inference_mode():
+            want_x, want_traj = graphs.run(z, ctx, mu, cond, spks)
+            x, trajs = z, []
+            for r in ranges:
+                x, part = graphs.run(x, ctx, mu, cond, spks, steps=r)
+                trajs.append(part)
+        assert len(graphs.graphs) == 1 + len(ranges) and torch.isfinite(want_x).all()
+        torch.testing.assert_close(x, want_x, rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat(trajs, dim=1), want_traj, rtol=0, atol=0)

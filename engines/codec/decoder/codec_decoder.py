@@ -6,6 +6,7 @@ import copy
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -227,8 +228,11 @@ class CodecDecoder:
 
     # ---- batched chunk decoding --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_jobs(self, jobs: list[Job]) -> list[np.ndarray]:
-        """Decode jobs of distinct sessions together (grouped by chunk length). Returns PCM per job, in order."""
+    def run_jobs(self, jobs: list[Job], between: Callable[[], None] | None = None) -> list[np.ndarray]:
+        """Decode jobs of distinct sessions together (grouped by chunk length). Returns PCM per job, in order.
+        `between` is called each time a piece of the GPU work is queued (the flow's encoder, each piece of its solve:
+        FlowModel.solve_parts), on this thread: the caller may wait there, e.g. to give the GPU to more urgent work
+        before queueing the rest (the vocoder follows the last piece)."""
         if len({id(j.stream) for j in jobs}) != len(jobs):
             raise ValueError("run_jobs takes at most one chunk per session (chunks of a session are sequential)")
         for j in jobs:
@@ -248,7 +252,8 @@ class CodecDecoder:
                 continue
             codes = torch.tensor([j.codes + j.look + [0] * (la - len(j.look)) for j in js], dtype=torch.long)
             gens = [j.stream.gen for j in js]
-            mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens)
+            mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens,
+                                         between)
             outs = self.windowed.push(mel, [j.stream.voc_state for j in js], gens, [j.final for j in js])
             for i, o in zip(idx, outs, strict=True):
                 results[i] = o

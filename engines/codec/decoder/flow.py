@@ -17,6 +17,7 @@ to a multiple of PREFIX_ALIGN, so a voice sees only a few prefix lengths over a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,10 @@ class FlowModel(nn.Module):
         self.graphs = None  # EulerGraphs when CUDA graphs are enabled (CodecDecoder.load(cuda_graphs=True))
         self.enc_graphs = None  # EncoderGraphs, likewise
         self.solve_chains: int | None = None  # None: chains by the rule above; a number: that many (benchmarks)
+        # A full chunk's solve in this many pieces (graphs) of consecutive Euler steps, with the caller's `between`
+        # run after each: a caller that must be able to pause a round between pieces (the codec worker's rounds of
+        # playing answers, which yield the GPU to new answers) sets it. Same steps, same result.
+        self.solve_parts = 1
         self._chain_streams: list[torch.cuda.Stream] = []
 
     @property
@@ -224,9 +229,10 @@ class FlowModel(nn.Module):
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
-                     gens: list[torch.Generator]) -> torch.Tensor:
+                     gens: list[torch.Generator], between: Callable[[], None] | None = None) -> torch.Tensor:
         """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored).
-        Returns mel [B, 80, n * ratio] and advances every state."""
+        Returns mel [B, 80, n * ratio] and advances every state. `between` is called after the encoder's and each
+        solve piece's work is queued (see `solve_parts`)."""
         st, r = self.stream, self.cfg.token_mel_ratio
         args = self.encode_inputs(states, codes, n, n_look)
         if self.enc_graphs is not None and n == st.chunk_codes:  # (enc_graphs is only set on CUDA devices)
@@ -241,9 +247,22 @@ class FlowModel(nn.Module):
             s.win_kv = torch.cat([s.win_kv, new_kv[b]], dim=2)[:, :, -keep:]
             s.win_up_kv = torch.cat([s.win_up_kv, new_up_kv[b]], dim=2)[:, :, -keep_up:]
             s.codes_done += n
-        return self._solve(states, mu, Fr, gens)
+        if between is not None:
+            between()
+        return self._solve(states, mu, Fr, gens, between)
 
-    def _solve(self, states: list[FlowState], mu: torch.Tensor, Fr: int, gens: list[torch.Generator]) -> torch.Tensor:
+    def step_ranges(self, frames: int) -> list[tuple[int, int]]:
+        """The Euler steps of each piece of a solve of `frames` new frames: `solve_parts` pieces for a full chunk,
+        one for a last partial chunk (once per answer: not worth graphs of its own per piece)."""
+        steps, k = self.cfg.n_timesteps, self.solve_parts
+        if k <= 1 or frames != self.stream.chunk_codes * self.cfg.token_mel_ratio:
+            return [(0, steps)]
+        k = min(k, steps)
+        bounds = [steps * i // k for i in range(k + 1)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def _solve(self, states: list[FlowState], mu: torch.Tensor, Fr: int, gens: list[torch.Generator],
+               between: Callable[[], None] | None = None) -> torch.Tensor:
         cfg, C = self.cfg, self.stream.est_ctx_frames
         dev, dt = self.device, self.dtype
         B = len(states)
@@ -253,10 +272,16 @@ class FlowModel(nn.Module):
         cond_w = torch.cat([torch.stack([s.ctx_cond for s in states]),
                             torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)], dim=2)
         spks = torch.stack([s.voice.spks for s in states])
-        if self.graphs is not None and dev.type == "cuda":
-            x, traj_t = self.graphs.run(z, ctx_traj, mu_w, cond_w, spks)
-        else:
-            x, traj_t = self.euler(z, ctx_traj, mu_w, cond_w, spks)
+        x, trajs = z, []
+        for s0, s1 in self.step_ranges(Fr):
+            if self.graphs is not None and dev.type == "cuda":
+                x, part = self.graphs.run(x, ctx_traj, mu_w, cond_w, spks, steps=(s0, s1))
+            else:
+                x, part = self.euler(x, ctx_traj, mu_w, cond_w, spks, s0, s1)
+            trajs.append(part)
+            if between is not None:
+                between()
+        traj_t = torch.cat(trajs, dim=1) if len(trajs) > 1 else trajs[0]  # [B, steps, 80, F]
         full_traj = torch.cat([ctx_traj, traj_t], dim=3)[..., -C:]
         full_mu, full_cond = mu_w[..., -C:], cond_w[..., -C:]
         for b, s in enumerate(states):
@@ -284,9 +309,10 @@ class FlowModel(nn.Module):
         return torch.cat(parts)
 
     def euler(self, z: torch.Tensor, ctx_traj: torch.Tensor, mu_w: torch.Tensor, cond_w: torch.Tensor,
-              spks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Integrate the new frames: z [B, 80, F] noise; ctx_traj [B, steps, 80, C]; mu_w, cond_w [B, 80, C + F];
-        spks [B, 80]. Returns the mel [B, 80, F] and the new frames' x_t at every step [B, steps, 80, F]."""
+              spks: torch.Tensor, s0: int = 0, s1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Integrate the new frames over Euler steps s0..s1 (default all): z [B, 80, F] their x at step s0 (the noise
+        at 0); ctx_traj [B, steps, 80, C]; mu_w, cond_w [B, 80, C + F]; spks [B, 80]. Returns x at step s1 (the mel
+        at the last) [B, 80, F] and the new frames' x_t at steps s0..s1-1 [B, s1 - s0, 80, F]."""
         cfg, C = self.cfg, self.stream.est_ctx_frames
         B, W, dev, dt = z.shape[0], mu_w.shape[2], z.device, z.dtype
         est = self.decoder.estimator
@@ -307,7 +333,7 @@ class FlowModel(nn.Module):
         h = mem.view(2 * B, W, 4 * n).transpose(1, 2)  # [2B, 4n, W] view
         x = z  # the ODE state stays in the flow dtype (float32); the estimator may run in bf16
         traj = []
-        for s in range(cfg.n_timesteps):
+        for s in range(s0, cfg.n_timesteps if s1 is None else s1):
             t0, t1 = self.t_span[s], self.t_span[s + 1]
             traj.append(x)
             x_in[:, :, :, :C] = ctx_traj[:, s]

@@ -99,14 +99,16 @@ class EulerGraphs(BucketGraphs):
 
     @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
     def capture_steady_state(self, max_batch: int, frames: Sequence[int] | None = None) -> int:
-        """Capture the graphs of the windows est_ctx_frames + F (F in `frames`; default a full chunk's frames)
-        for every bucket up to the one holding `max_batch` sessions. Returns how many were newly captured."""
+        """Capture the graphs of the windows est_ctx_frames + F (F in `frames`; default a full chunk's frames), one
+        per piece of the solve (FlowModel.step_ranges), for every bucket up to the one holding `max_batch` sessions.
+        Returns how many were newly captured."""
         flow, n = self.flow, 0
         kw = {"device": flow.device, "dtype": flow.dtype}
         for F in frames or (flow.stream.chunk_codes * flow.cfg.token_mel_ratio,):
             for Bp in buckets_up_to(max_batch):
-                # Values are replaced at every replay.
-                n += self.ensure([torch.zeros(shape, **kw) for shape in self.input_shapes(Bp, F)])
+                for steps in flow.step_ranges(F):
+                    # Values are replaced at every replay.
+                    n += self.ensure([torch.zeros(shape, **kw) for shape in self.input_shapes(Bp, F)], steps)
         return n
 
     def input_shapes(self, batch: int, frames: int | None = None) -> list[tuple[int, ...]]:
@@ -117,8 +119,10 @@ class EulerGraphs(BucketGraphs):
         n = cfg.output_size
         return [(batch, n, F), (batch, cfg.n_timesteps, n, C), (batch, n, C + F), (batch, n, C + F), (batch, n)]
 
-    def run(self, z, ctx_traj, mu_w, cond_w, spks) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        x, traj = super().run([z, ctx_traj, mu_w, cond_w, spks])
+    def run(self, z, ctx_traj, mu_w, cond_w, spks, steps: tuple[int, int] | None = None  # type: ignore[override]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlowModel.euler over Euler steps `steps` = (s0, s1) (default all); one graph per range."""
+        x, traj = super().run([z, ctx_traj, mu_w, cond_w, spks], steps or (0, self.flow.cfg.n_timesteps))
         return x, traj
 
 
