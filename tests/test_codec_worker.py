@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engines.codec.decoder.stream import Job
-from engines.service.codec_worker import CodecWorker
+from engines.service.codec_worker import PLAYING_SOLVE_PARTS, CodecWorker
 
 CHUNK, LOOK = 5, 3
 
@@ -53,9 +53,13 @@ class FakeDecoder:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
+        self.betweens: list[bool] = []  # per batch: whether the worker could pause it between pieces
 
-    def run_jobs(self, jobs):
+    def run_jobs(self, jobs, between=None):
         self.gate.wait(5)
+        self.betweens.append(between is not None)
+        if between is not None:  # one piece of GPU work queued, one to come
+            between()
         if len({id(j.stream) for j in jobs}) != len(jobs):
             raise AssertionError("two chunks of one stream in a batch")
         self.batches.append([j.stream.name for j in jobs])
@@ -205,9 +209,9 @@ def test_rounds_of_playing_answers_wait_while_the_language_model_ramps_up(monkey
     seen_in_flight = []
 
     class Recording(FakeDecoder):
-        def run_jobs(self, jobs):
+        def run_jobs(self, jobs, between=None):
             seen_in_flight.append(w.first_in_flight)
-            return super().run_jobs(jobs)
+            return super().run_jobs(jobs, between)
 
     dec = Recording()
     dec.sample_rate = 5  # 1 s per chunk: A is not about to run dry after its first chunk
@@ -275,7 +279,9 @@ def test_a_first_lane_gives_the_same_pcm_as_one_thread():
     dec = CodecDecoder.load("tiny-random")
     rng = np.random.default_rng(3)
     codes = {f"s{i}": rng.integers(0, 16384, n).tolist() for i, n in enumerate((23, 9, 31))}
-    w = CodecWorker(dec, torch.device("cpu"), first_decoder=dec.lane())
+    lane = dec.lane()
+    dec.flow.solve_parts = PLAYING_SOLVE_PARTS  # as the engine process sets them: playing rounds may pause
+    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane)
     want = {sid: dec.decode(c, seed=i) for i, (sid, c) in enumerate(codes.items())}  # (the lane changed nothing)
     streams = {sid: dec.open_stream(sid, seed=i) for i, sid in enumerate(codes)}
     for sid, c in codes.items():
@@ -286,4 +292,71 @@ def test_a_first_lane_gives_the_same_pcm_as_one_thread():
     for sid in codes:
         got = np.concatenate([p for k, p, _ in out if k == sid])
         np.testing.assert_allclose(got, want[sid], atol=1e-5, rtol=0)
+    w.close()
+
+
+def test_a_playing_round_pauses_between_pieces_while_a_new_answer_waits(monkeypatch):
+    """With a first lane, a round of playing answers that has started stops queueing GPU work at its next piece while
+    another answer waits for its first codes, and goes on once none does; it is never held past BULK_HOLD_S."""
+    monkeypatch.setattr("engines.service.codec_worker.BULK_HOLD_S", 60.0)
+    dec, lane = FakeDecoder(), FakeDecoder()
+    dec.sample_rate = 1  # 5 s per chunk: A is far from running dry
+    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane, ahead_s=60.0)  # A's next chunk is due at once
+    dec.gate.clear()
+    w.push("A", FakeStream("a"), list(range(13)))  # first chunk on the lane, the second in a playing round
+    collect(w, lambda o: len(o) == 1)
+    deadline = time.monotonic() + 5
+    while not w._running and time.monotonic() < deadline:  # the round is in run_jobs, before its first piece
+        time.sleep(0.002)
+    w.lm_ramping = True  # meanwhile another answer starts
+    dec.gate.set()
+    time.sleep(0.2)
+    assert w.take_results() == []  # paused between its pieces
+    assert dec.betweens == [True]
+    w.lm_ramping = False
+    got = collect(w, lambda o: len(o) == 1)
+    assert [k for k, _, _ in got] == ["A"]
+    paused = w.take_spans()["codec round paused"]
+    assert paused[0] == 1 and paused[1] >= 0.1  # (count, total seconds, max): paused while the test slept
+    monkeypatch.setattr("engines.service.codec_worker.BULK_HOLD_S", 0.05)
+    w.lm_ramping = True  # the ramp never ends: the next round pauses no longer than the hold
+    w.push("A", FakeStream("a"), [], final=True)  # A's last chunk (the hold before a round starts: 0.05 s too)
+    out = collect(w, lambda o: any(f for _, _, f in o))
+    assert [(k, f) for k, _, f in out] == [("A", True)] and dec.betweens == [True, True]
+    w.close()
+
+
+def test_a_playing_round_about_to_run_dry_is_never_paused():
+    dec, lane = FakeDecoder(), FakeDecoder()  # sample_rate 24000: a chunk is ~0 s of audio, A runs dry at once
+    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane)
+    w.lm_ramping = True  # another answer waits for its first codes throughout
+    w.push("A", FakeStream("a"), list(range(13)))
+    collect(w, lambda o: len(o) == 2)
+    assert dec.betweens == [False] and lane.betweens == [False]  # a first chunk never pauses either
+    w.close()
+
+
+def test_a_paused_round_goes_on_when_another_playing_answer_nears_the_end_of_its_audio(monkeypatch):
+    """A paused round holds the playing thread: it stops pausing once an answer outside it has a chunk to decode and
+    less than URGENT_S of audio ahead, even while a new answer still waits."""
+    monkeypatch.setattr("engines.service.codec_worker.BULK_HOLD_S", 60.0)
+    now = [0.0]
+    dec, lane = FakeDecoder(), FakeDecoder()
+    dec.sample_rate = lane.sample_rate = 0.5  # 10 s of audio per chunk
+    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane, ahead_s=60.0, clock=lambda: now[0])
+    dec.gate.clear()
+    w.push("A", FakeStream("a"), list(range(13)))
+    collect(w, lambda o: len(o) == 1)
+    deadline = time.monotonic() + 5
+    while not w._running and time.monotonic() < deadline:  # A's second chunk is in its round, before its pieces
+        time.sleep(0.002)
+    w.push("B", FakeStream("b"), list(range(13)))  # B's first chunk on the lane; its second waits for the thread
+    collect(w, lambda o: [k for k, _, _ in o] == ["B"])
+    w.lm_ramping = True
+    dec.gate.set()
+    time.sleep(0.1)
+    assert w.take_results() == []  # A's round paused: B has 10 s ahead
+    now[0] = 9.7  # B (and A) now 0.3 s from the end of their audio
+    got = collect(w, lambda o: len(o) == 2)
+    assert [k for k, _, _ in got] == ["A", "B"] and dec.batches == [["a"], ["b"]]
     w.close()

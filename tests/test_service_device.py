@@ -17,3 +17,22 @@ def test_device_auto_resolves_to_an_available_device():
     want = "cuda" if torch.cuda.is_available() else "cpu"
     assert svc.engine.config.device == want
     assert args.device == want
+
+
+def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
+    """--first-lane (default: on a GPU): a lane of the decoder for first chunks, one graph per solve, and the playing
+    decoder's full-chunk solves in PLAYING_SOLVE_PARTS pieces, so its rounds can pause between them."""
+    from engines.service.codec_worker import PLAYING_SOLVE_PARTS
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    plain = build_service(p.parse_args(base))
+    assert plain._codec.first_decoder is None and plain.decoder.flow.solve_parts == 1
+    laned = build_service(p.parse_args(base + ["--first-lane"]))
+    lane = laned._codec.first_decoder
+    assert lane is not None and lane is not laned.decoder
+    assert laned.decoder.flow.solve_parts == PLAYING_SOLVE_PARTS and lane.flow.solve_parts == 1
+    assert [t.name for t in laned._codec._threads] == ["codec-worker-first", "codec-worker-playing"]
+    for svc in (plain, laned):
+        svc._codec.close()

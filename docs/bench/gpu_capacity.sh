@@ -2,21 +2,23 @@
 # GPU capacity run: server with full-size random weights + capacity sweep against it (run from repo root).
 # The vocoder is HiFT (CUDA graphs) unless CAP_VOCODER=bigvgan (the bigvgan package's generator, eager).
 # CAP_CODEC_SMS=N: N SMs kept free of the model's kernels for the codec (--codec-sms); CAP_CODEC_SMS_ONLY=1: the codec
-# on those SMs only (--codec-sms-only).
+# on those SMs only (--codec-sms-only). CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--first-lane").
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
-export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"24\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"${CAP_CODEC_SMS:+,\"--codec-sms\",\"$CAP_CODEC_SMS\"}${CAP_CODEC_SMS_ONLY:+,\"--codec-sms-only\"}]"
+EXTRA=""; for a in ${CAP_ENGINE_ARGS:-}; do EXTRA="$EXTRA,\"$a\""; done
+export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"24\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"${CAP_CODEC_SMS:+,\"--codec-sms\",\"$CAP_CODEC_SMS\"}${CAP_CODEC_SMS_ONLY:+,\"--codec-sms-only\"}$EXTRA]"
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 \
   --workers ${CAP_WORKERS:-1} > $OUT/server.log 2>&1 &
 SERVER=$!
 for i in $(seq 1 180); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
 curl -s http://127.0.0.1:8000/health; echo
 touch /tmp/moss-ready
+PLOTS=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plots $OUT")  # (plots only where matplotlib is there)
 timeout ${CAP_TIMEOUT:-420} python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start ${CAP_START:-16} --step ${CAP_STEP:-16} --max ${CAP_MAX:-128} \
-  --turns 2 --ramp 16 --max-output-tokens 50 --level-duration ${CAP_LEVEL_S:-60} --json $OUT/capacity.json --plots $OUT ${CAP_ARGS:-} 2>&1 | tail -40
+  --turns 2 --ramp 16 --max-output-tokens 50 --level-duration ${CAP_LEVEL_S:-60} --json $OUT/capacity.json $PLOTS ${CAP_ARGS:-} 2>&1 | tail -40
 # Every engine thread's stack (faulthandler on SIGUSR1) and the GPU's state, in case a level stalled.
 pkill -USR1 -f '^python3 -m engines[.]service[.]process'; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> $OUT/server.log 2>&1; sleep 1
 kill $SERVER; sleep 3; tail -5 $OUT/server.log

@@ -14,7 +14,13 @@ With a `first_decoder` (a lane of the decoder: CodecDecoder.lane, graphs of its 
 first chunks on it, at the same time as the rounds of playing answers: a new answer's first chunk no longer waits
 for the round in flight (H200, 28-60 sessions: that wait was p50 27 / p95 78 ms of TTFA). Each answer is
 decoded by one thread at a time: the first-chunk thread until its first chunk is posted, then the other.
-A decoder stream is only touched by these threads once handed over.
+A decoder stream is only touched by these threads once handed over. On the GPU two rounds at once share the SMs
+and slow the language model's steps that a new answer waits for, so a round of playing answers yields: between the
+pieces of its GPU work (CodecDecoder.run_jobs' `between`: the flow's encoder, each piece of its solve) it keeps at
+most one piece queued ahead of the GPU, and pauses while any answer waits for its first codes or its first chunk:
+at most BULK_HOLD_S per round, never when one of its answers has less than URGENT_S of audio ahead, and not while
+another answer with that little ahead waits for the thread. (Rounds pausing down to 0.4 s of audio ahead measured no
+better on TTFA, with 1-3 underruns at 76-108 sessions on an H200: docs/PERF_NOTES.md, session 13.)
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language 
 # largest part of p95 TTFA, 101 ms, behind rounds of ~75 ms).
 BULK_MAX = 8
 FIRST_MAX = 16  # most first chunks in one round on the first-chunk lane (its graphs are captured up to this)
+# With a first lane, a full chunk's solve in rounds of playing answers runs in this many pieces (FlowModel.solve_parts),
+# so that a round yields within ~a piece: a solve on an H200 takes 11 ms at 1 session, ~25 ms at 16.
+PLAYING_SOLVE_PARTS = 5
 
 
 @dataclass(eq=False)
@@ -62,6 +71,15 @@ class _Answer:
     cancelled: bool = False  # decode nothing more; close the stream
     closed: bool = False
     busy: bool = False  # taken by a round in flight (with two threads, the other leaves it alone)
+
+
+@dataclass
+class _Yield:
+    """A round of playing answers yielding to new answers (CodecWorker._yield_point)."""
+
+    budget_s: float  # longest it may pause in all
+    paused_s: float = 0.0  # paused so far
+    queued: Any = None  # CUDA event after the piece queued before the last one
 
 
 class CodecWorker:
@@ -82,8 +100,9 @@ class CodecWorker:
         self.sample_rate = getattr(decoder, "sample_rate", 24000)
         self._clock = clock
         self._after_first = False  # the last round decoded first chunks
-        # Set by the engine loop: an answer waits for its first codes (rounds of playing answers wait, at most
-        # BULK_HOLD_S); read by it: a first-chunk round is on the GPU (the loop skips steps that are not urgent).
+        # Set by the engine loop: an answer waits for its first codes (rounds of playing answers wait, or with a
+        # first lane pause, at most BULK_HOLD_S); read by it: a first-chunk round is on the GPU (the loop skips steps
+        # that are not urgent).
         self.lm_ramping = False
         self.first_in_flight = False
         self._held_since: float | None = None
@@ -249,6 +268,35 @@ class CodecWorker:
             if decoded < 0:  # held back for the language model: look again shortly (it sets no event)
                 time.sleep(0.002)
 
+    def _pause_wanted(self) -> bool:
+        """An answer waits for its first codes or its first chunk (or a first-chunk round is on the GPU), and no
+        playing answer outside the round (a paused round holds its thread) has work and less than URGENT_S ahead."""
+        with self._cv:  # the engine loop adds answers meanwhile
+            now = self._clock()
+            waits = self.lm_ramping or self.first_in_flight
+            for a in self._answers.values():
+                if a.cancelled:
+                    continue
+                if a.first_post is None:
+                    waits = True
+                elif not a.busy and (a.jobs or a.new_codes) and a.first_post + a.audio_s - now < URGENT_S:
+                    return False
+            return waits
+
+    def _yield_point(self, y: _Yield) -> None:
+        """Between two pieces of a playing round's GPU work (module doc): wait until the GPU has at most the piece
+        just queued left, then pause while a new answer waits, up to the round's budget in all."""
+        if self._stream is not None:
+            ev = torch.cuda.Event()
+            ev.record()
+            before, y.queued = y.queued, ev
+            if before is not None:
+                before.synchronize()  # (releases the GIL)
+        while y.paused_s < y.budget_s and not self._closed and self._pause_wanted():
+            t0 = time.monotonic()
+            time.sleep(0.001)
+            y.paused_s += time.monotonic() - t0
+
     def _round(self, taken: list[tuple[_Answer, list[int], bool]], kind: str, decoder: Any
                ) -> tuple[list, list[_Answer], int, bool]:
         """Give new codes to their streams, then decode one ready chunk of each answer that has played nothing
@@ -301,9 +349,10 @@ class CodecWorker:
             fast = self._first_stream if take_first and kind == "all" else None
             if take_first:
                 self.first_in_flight = True
+            y = _Yield(BULK_HOLD_S) if kind == "playing" and not urgent else None
             try:
                 with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():
-                    pcms = decoder.run_jobs(jobs)
+                    pcms = decoder.run_jobs(jobs, between=(lambda: self._yield_point(y)) if y is not None else None)
             except Exception as e:  # noqa: BLE001 - handed back: the Service fails those answers
                 for a in batch:
                     a.jobs.clear()
@@ -313,6 +362,9 @@ class CodecWorker:
             finally:
                 if take_first:
                     self.first_in_flight = False
+                if y is not None and y.paused_s > 0:
+                    with self._cv:
+                        self.spans.add("codec round paused", y.paused_s)
             posted = self._clock()
             for a, job, pcm in zip(batch, jobs, pcms, strict=True):
                 a.first_post = posted if a.first_post is None else a.first_post

@@ -92,10 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "latency-bound kernels always find SMs; the codec still uses every SM (0: no partition)")
     p.add_argument("--codec-sms-only", action="store_true",
                    help="with --codec-sms: the codec runs on its SMs only")
-    p.add_argument("--first-lane", action="store_true",
+    p.add_argument("--first-lane", dest="first_lane", action=argparse.BooleanOptionalAction, default=None,
                    help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
-                        "of its own, beside the rounds of playing answers (measured neutral on TTFA so far: "
-                        "docs/BENCHMARKS.md, Capacity)")
+                        "of its own, while rounds of playing answers pause between pieces of their work (default: "
+                        "on a GPU; docs/BENCHMARKS.md, Capacity)")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
@@ -174,12 +174,17 @@ def build_service(args: argparse.Namespace) -> Service:
             decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
                                         cuda_graphs=on_gpu, encoder_graphs=on_gpu,
                                         estimator_dtype="bfloat16" if on_gpu else "float32")
+            first_lane = getattr(args, "first_lane", None)
+            first_lane = (on_gpu if first_lane is None else first_lane) and getattr(args, "codec_thread", False)
+            if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
+                from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
+
+                decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
             # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
             decoder.capture_graphs(engine.config.max_running)
-            if getattr(args, "first_lane", False) and getattr(args, "codec_thread", False):
-                from engines.service.codec_worker import FIRST_MAX
-
+            if first_lane:
                 first_decoder = decoder.lane()
+                first_decoder.flow.solve_parts = 1  # first chunks never yield: one graph per solve
                 first_decoder.capture_graphs(FIRST_MAX)
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
