@@ -77,8 +77,7 @@ class _Answer:
 class _Yield:
     """A round of playing answers yielding to new answers (CodecWorker._yield_point)."""
 
-    budget_s: float  # longest it may pause in all
-    paused_s: float = 0.0  # paused so far
+    paused_s: float = 0.0  # paused so far (at most BULK_HOLD_S)
     queued: Any = None  # CUDA event after the piece queued before the last one
 
 
@@ -203,6 +202,11 @@ class CodecWorker:
             return float("-inf")
         return a.first_post + a.audio_s - self.ahead_s
 
+    @staticmethod
+    def _urgent(a: _Answer, now: float) -> bool:
+        """A playing answer about to run dry: less than URGENT_S of its audio ahead of real time."""
+        return a.first_post + a.audio_s - URGENT_S <= now
+
     def _has_work(self, a: _Answer, now: float) -> bool:
         if a.cancelled:
             return not a.closed or (a.final and not a.finishing)
@@ -279,20 +283,20 @@ class CodecWorker:
                     continue
                 if a.first_post is None:
                     waits = True
-                elif not a.busy and (a.jobs or a.new_codes) and a.first_post + a.audio_s - now < URGENT_S:
+                elif not a.busy and (a.jobs or a.new_codes) and self._urgent(a, now):
                     return False
             return waits
 
     def _yield_point(self, y: _Yield) -> None:
         """Between two pieces of a playing round's GPU work (module doc): wait until the GPU has at most the piece
-        just queued left, then pause while a new answer waits, up to the round's budget in all."""
+        just queued left, then pause while a new answer waits, up to BULK_HOLD_S in all for the round."""
         if self._stream is not None:
             ev = torch.cuda.Event()
             ev.record()
             before, y.queued = y.queued, ev
             if before is not None:
                 before.synchronize()  # (releases the GIL)
-        while y.paused_s < y.budget_s and not self._closed and self._pause_wanted():
+        while y.paused_s < BULK_HOLD_S and not self._closed and self._pause_wanted():
             t0 = time.monotonic()
             time.sleep(0.001)
             y.paused_s += time.monotonic() - t0
@@ -329,7 +333,7 @@ class CodecWorker:
         due = sorted((a for a in ready if a.first_post is not None and self._due_at(a) <= now), key=self._due_at)
         # First chunks first, but never two such rounds in a row while a playing answer is about to run dry.
         # `due` is in due order, so the answers about to run dry are its first n_urgent.
-        n_urgent = sum(1 for a in due if self._due_at(a) + self.ahead_s - URGENT_S <= now)
+        n_urgent = sum(1 for a in due if self._urgent(a, now))
         urgent = n_urgent > 0
         take_first = bool(first) and not (self._after_first and urgent)
         batch = first if take_first else due[: max(self.bulk_max, n_urgent)]
@@ -349,7 +353,7 @@ class CodecWorker:
             fast = self._first_stream if take_first and kind == "all" else None
             if take_first:
                 self.first_in_flight = True
-            y = _Yield(BULK_HOLD_S) if kind == "playing" and not urgent else None
+            y = _Yield() if kind == "playing" and not urgent else None
             try:
                 with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():
                     pcms = decoder.run_jobs(jobs, between=(lambda: self._yield_point(y)) if y is not None else None)
