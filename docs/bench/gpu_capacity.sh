@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # GPU capacity run: server with full-size random weights + capacity sweep against it (run from repo root).
 # The vocoder is HiFT (CUDA graphs) unless CAP_VOCODER=bigvgan (the bigvgan package's generator, eager).
-# CAP_CODEC_SMS=N: N SMs kept free of the model's kernels for the codec (--codec-sms); CAP_CODEC_SMS_ONLY=1: the codec
-# on those SMs only (--codec-sms-only). CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--first-lane").
+# CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--no-first-lane", "--codec-sms 32 --codec-sms-only").
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
 EXTRA=""; for a in ${CAP_ENGINE_ARGS:-}; do EXTRA="$EXTRA,\"$a\""; done
-export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"24\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"${CAP_CODEC_SMS:+,\"--codec-sms\",\"$CAP_CODEC_SMS\"}${CAP_CODEC_SMS_ONLY:+,\"--codec-sms-only\"}$EXTRA]"
+export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"24\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"$EXTRA]"
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 \
   --workers ${CAP_WORKERS:-1} > $OUT/server.log 2>&1 &
 SERVER=$!
