@@ -155,7 +155,7 @@ def test_user_audio_encoded_on_a_cadence_gives_the_same_codes_and_answer():
         now = [0.0]
         engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
         svc = Service(engine, StandInTokenizer(), CountingEncoder(enc, calls[-1]), None, encode_every_s=every_s)
-        svc._clock = lambda: now[0]
+        svc._speech._clock = lambda: now[0]
         for sid in ("a", "b"):
             svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
         for i in range(0, len(pcm16), 640):  # 20 ms pieces from both sessions, a little apart
@@ -222,37 +222,37 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
 
 def test_user_audio_waits_while_an_answer_waits_for_its_first_codes():
     from engines.codec.encoder import SpeechEncoder
-    from engines.service.core import ENCODE_DEFER_S
+    from engines.service.encoder_worker import ENCODE_DEFER_S
 
     enc = SpeechEncoder.load("tiny-random")
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
     svc = Service(engine, StandInTokenizer(), enc, None, encode_every_s=0.08)
     now = [0.0]
-    svc._clock = lambda: now[0]
+    svc._speech._clock = lambda: now[0]
     audio = m.Sampling(greedy=True, max_new_tokens=20, min_new_tokens=20)
     for sid in ("a", "b"):
         svc.handle(b"c", m.OpenSession(sid, sampling=audio))
     svc.handle(b"c", m.AppendUserAudio("b", bytes(6400)))  # 0.2 s of silence from b
     now[0] += 0.1
     svc.step()
-    assert "b" not in svc._held_pcm  # nobody waits for codes: encoded on the 80 ms cadence
+    assert not svc._speech.holding("b")  # nobody waits for codes: encoded on the 80 ms cadence
 
     svc.handle(b"c", m.AddUserText("a", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("a", "r", "audio", audio))  # a's answer now waits for its first codes
     svc.handle(b"c", m.AppendUserAudio("b", bytes(6400)))
     now[0] += 0.1
     svc.step()
-    assert "b" in svc._held_pcm  # held back for a's first codes
+    assert svc._speech.holding("b")  # held back for a's first codes
     now[0] += ENCODE_DEFER_S
     svc.step()
-    assert "b" not in svc._held_pcm  # but not for longer than ENCODE_DEFER_S
+    assert not svc._speech.holding("b")  # but not for longer than ENCODE_DEFER_S
 
 
 def test_encoder_interval_grows_with_the_sessions_holding_audio():
     """With many sessions holding audio the batched encoder call comes less often (its cost grows with the
     sessions in it), up to ENCODE_MAX_EVERY_S; with a few it comes every encode_every_s."""
     from engines.codec.encoder import SpeechEncoder
-    from engines.service.core import ENCODE_MAX_EVERY_S, ENCODE_SESSIONS_PER_INTERVAL
+    from engines.service.encoder_worker import ENCODE_MAX_EVERY_S, ENCODE_SESSIONS_PER_INTERVAL
 
     enc = SpeechEncoder.load("tiny-random")
     piece = bytes(2 * 1280)  # 80 ms of silence (one code)
@@ -262,7 +262,7 @@ def test_encoder_interval_grows_with_the_sessions_holding_audio():
         now = [0.0]
         engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
         svc = Service(engine, StandInTokenizer(), CountingEncoder(enc, steps), None, encode_every_s=0.08)
-        svc._clock = lambda: now[0]
+        svc._speech._clock = lambda: now[0]
         for i in range(sessions):
             svc.handle(b"c", m.OpenSession(f"s{i}"))
             svc.handle(b"c", m.AppendUserAudio(f"s{i}", piece))

@@ -21,8 +21,9 @@ Rules the server can rely on:
 - Audio responses stream `AudioChunk` (PCM16 24 kHz) as soon as the decoder yields PCM; text-mode
   rows of any response stream as `TextDelta` (control tokens skipped); text responses get no audio.
 - User audio is encoded as it arrives and prefilled in the engine while the user talks;
-  `UserAudioProgress` follows each append that yielded codes. Text items (AddUserText) wait and
-  go in with the next response, after any user speech already in the engine.
+  `UserAudioProgress` follows each batch of codes. A session's messages after a commit wait until the encoder
+  has finalized the turn (encoder_worker.py; on a GPU that runs on a thread of its own while the engine steps).
+  Text items (AddUserText) wait and go in with the next response, after any user speech already in the engine.
 - The system turn goes in with the first rows sent: `instructions`, else the default prompt for
   the first response's modality (the spoken one when user speech comes first). New instructions
   after that are added as another system turn.
@@ -31,7 +32,6 @@ Rules the server can rely on:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +46,7 @@ from engines.codec.audio_io import float32_to_pcm16, pcm16_to_float32
 from engines.config import ConfigError
 from engines.service import messages as m
 from engines.service.codec_worker import FIRST_CHUNK_CODES, CodecWorker
+from engines.service.encoder_worker import EncoderWorker
 from engines.service.prompt import PromptBuilder
 from engines.service.sessions import Answer, ResponseState, Session, Turn
 from engines.service.spans import Spans
@@ -76,12 +77,6 @@ class _DecodeWork:
 
 
 SLOW_STEP_S = 0.1
-ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
-# A batched encoder call costs the engine loop ~0.4 ms per session on top of its fixed cost (H200: ~10 ms for one
-# session, 20-45 ms for 52-76), so with more sessions holding audio the interval grows (up to ENCODE_MAX_EVERY_S):
-# the loop's share spent encoding stays bounded, and a commit flushes whatever is held anyway.
-ENCODE_SESSIONS_PER_INTERVAL = 16
-ENCODE_MAX_EVERY_S = 0.32
 _WARM_UP = b"warm-up"  # the client id of the start-up turns
 
 
@@ -103,7 +98,8 @@ class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
                  encode_every_s: float = 0.0, codec_thread: bool = False,
-                 codec_stream: torch.cuda.Stream | None = None, first_decoder: Any = None) -> None:
+                 codec_stream: torch.cuda.Stream | None = None, first_decoder: Any = None,
+                 encoder_thread: bool = False) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -114,10 +110,9 @@ class Service:
         an answer's first chunk is decoded at once (it decides TTFA). 0 decodes every step. The codec thread
         batches by its own rounds instead (engines/service/codec_worker.py).
         `encode_every_s`: user audio of every session is held and encoded together, in one batched encoder
-        call, at most this often (0: at the end of each batch of messages). Codes are the same either way (the
-        encoder streams exactly); one call per interval for all sessions instead of one per session, and an
-        interval that grows with the sessions holding audio (ENCODE_SESSIONS_PER_INTERVAL), keep the encoder's share
-        of the engine loop bounded as sessions are added. Commit encodes the session's held audio.
+        call, at most this often (0: at the end of each batch of messages); commits of several sessions are
+        finalized in one call. Codes are the same either way (the encoder streams exactly). `encoder_thread`: those
+        calls run on a thread of their own, beside the engine steps (engines/service/encoder_worker.py).
         `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
         a GPU) while the engine steps; the PCM is the same, only when it leaves changes. `codec_stream`: a stream of
         the codec's SM partition (engines.partition), where the worker's rounds run. `first_decoder`: a lane of
@@ -132,9 +127,7 @@ class Service:
         self._requests: dict[str, tuple[Session, Turn]] = {}
         self.decode_interval_s = decode_interval_s
         self.encode_every_s = encode_every_s
-        self._held_pcm: dict[str, list[np.ndarray]] = {}  # session id -> user audio not yet encoded
-        self._held_since = 0.0  # when the oldest held audio arrived
-        self._clock = time.monotonic
+        self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread)
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
@@ -153,26 +146,16 @@ class Service:
         return self.handle_many([(client, msg)])
 
     def handle_many(self, items: list[tuple[bytes, Any]]) -> list[Out]:
-        """Each session's messages in order; user audio is held and encoded in one batch for all sessions (here,
-        or in `step` once encode_every_s has passed). The commits of several sessions are finalized in one
-        encoder call (each alone took ~10 ms of the engine loop on an H200, and sessions whose speech ended
-        together stalled it for ~10 ms each): a session's messages after its commit wait for that call."""
-        after_commit: dict[tuple[bytes, str], list[tuple[bytes, Any]]] = {}  # its commit, then what follows it
+        """Each session's messages in order. User audio goes to the encoder worker, which encodes all sessions'
+        together; the commits among these messages are finalized in one encoder call (each alone took ~10 ms on an
+        H200), and a session's messages after its commit wait until its turn's last codes are in."""
         for client, msg in items:
-            key = (client, getattr(msg, "session_id", None))
-            if key in after_commit:
-                after_commit[key].append((client, msg))
-            elif isinstance(msg, m.CommitUserAudio) and hasattr(self.encoder, "batch"):
-                after_commit[key] = [(client, msg)]
+            s = self.sessions.get(getattr(msg, "session_id", None))
+            if s is not None and s.owner == client and s.commit_pending is not None:
+                s.after_commit.append((client, msg))
             else:
                 self._dispatch(client, msg)
-        if after_commit:
-            self._commit_many([queue[0] for queue in after_commit.values()])
-            for queue in after_commit.values():
-                for client, msg in queue[1:]:
-                    self._dispatch(client, msg)
-        if self.encode_every_s <= 0:
-            self._encode_held()
+        self._run_encoder(flush=self.encode_every_s <= 0)
         return self._take()
 
     def _dispatch(self, client: bytes, msg: Any) -> None:
@@ -188,7 +171,10 @@ class Service:
         """Throw-away spoken turns (noise in, `rows` answer rows out) for 1, then several sessions at once, so
         that first-use costs are paid before anyone connects: library start-up (cuFFT, cuDNN), per-shape plans
         and Triton compiles that a first caller would otherwise wait 150-500 ms for, stalling every session.
-        Leaves no session, KV block or codec work behind; raises if any turn fails."""
+        In a batch of several, the last session answers in text: the text channel's sampling kernels are compiled
+        apart from the audio channel's, and a spoken answer samples text once it ends its speech (an H200 load
+        test stalled 6.2 s at 108 sessions compiling them). Leaves no session, KV block or codec work behind; raises
+        if any turn fails."""
         pcm = float32_to_pcm16((0.1 * np.random.default_rng(0).standard_normal(16000)).astype(np.float32))
         sampling = m.Sampling(max_new_tokens=rows, min_new_tokens=rows)
         for n in batches:
@@ -198,7 +184,8 @@ class Service:
                 out += self.handle_many([(_WARM_UP, m.AppendUserAudio(sid, pcm[i:i + 640])) for sid in ids])
             for sid in ids:
                 out += self.handle(_WARM_UP, m.CommitUserAudio(sid, "warm-up"))
-                out += self.handle(_WARM_UP, m.CreateResponse(sid, f"{sid}-answer", "audio", sampling))
+                modality = "text" if n > 1 and sid == ids[-1] else "audio"
+                out += self.handle(_WARM_UP, m.CreateResponse(sid, f"{sid}-answer", modality, sampling))
             done: set[str] = set()
             deadline = time.monotonic() + timeout_s
             while len(done) < n and self.has_work() and time.monotonic() < deadline:
@@ -235,7 +222,7 @@ class Service:
             self._send(client, m.Error(sid, "invalid_request", str(e), rid))
 
     def has_work(self) -> bool:
-        return (self.engine.has_work() or bool(self._held_pcm) or bool(self._to_decode)
+        return (self.engine.has_work() or bool(self._to_decode) or (self._speech is not None and self._speech.busy())
                 or (self._codec is not None and self._codec.busy()))
 
     def step(self) -> list[Out]:
@@ -243,11 +230,9 @@ class Service:
         t0 = time.perf_counter()
         self._collect_decoded()
         ramping = self._ramping()
-        if self._held_pcm:
-            held = self._clock() - self._held_since
-            # An answer waiting for its first codes goes first: user audio waits (it is flushed at commit anyway).
-            if held >= self._encode_every() and (not ramping or held >= ENCODE_DEFER_S):
-                self._encode_held()
+        if self._speech is not None:
+            self._speech.lm_ramping = ramping  # an answer waiting for its first codes goes first: user audio waits
+            self._run_encoder(flush=False)
         if self._codec is not None:
             self._codec.lm_ramping = ramping
             if self._codec.first_in_flight and not ramping:
@@ -487,7 +472,8 @@ class Service:
     def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:
         s = self._session(client, msg.session_id)
         del self.sessions[msg.session_id]
-        self._held_pcm.pop(s.session_id, None)
+        if self._speech is not None:
+            self._speech.drop(s.session_id)
         if s.completing is not None:
             self._drop_last_audio(s.completing)
         t = s.active
@@ -512,86 +498,79 @@ class Service:
 
     def _on_AppendUserAudio(self, client: bytes, msg: m.AppendUserAudio) -> None:
         s = self._session(client, msg.session_id)
-        if self.encoder is None:
+        if self._speech is None:
             raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
-        if s.encoder_stream is None:
-            s.encoder_stream = self.encoder.open_stream()
-        if not self._held_pcm:
-            self._held_since = self._clock()
-        self._held_pcm.setdefault(s.session_id, []).append(pcm)
+        s.speech_open = True
+        self._speech.append(s.session_id, pcm)
 
-    def _encode_every(self) -> float:
-        """How long held user audio waits for its batched encoder call, given how many sessions hold some."""
-        scale = math.ceil(len(self._held_pcm) / ENCODE_SESSIONS_PER_INTERVAL)
-        return min(max(self.encode_every_s, ENCODE_MAX_EVERY_S), self.encode_every_s * max(1, scale))
-
-    def _take_held(self, s: Session) -> np.ndarray:
-        held = self._held_pcm.pop(s.session_id, [])
-        return held[0] if len(held) == 1 else np.concatenate(held) if held else np.zeros(0, np.float32)
-
-    def _encode_held(self) -> None:
-        """Every session's held user audio through the encoder in one batched call; codes go to their turns."""
-        ready = [(s, self._take_held(s)) for s in [self.sessions[sid] for sid in list(self._held_pcm)]]
-        if not ready:
+    def _run_encoder(self, flush: bool) -> None:
+        """Codes the encoder worker has produced go to their sessions; without its thread, the calls that are due
+        run here first (`flush`: held audio too, whatever the interval), until none is (a commit's delivery may
+        hand over the messages that waited for it, and with them more audio or another commit)."""
+        if self._speech is None:
             return
-        with self.spans.span("encode"):
-            if len(ready) > 1 and hasattr(self.encoder, "batch"):
-                codes = self.encoder.batch().step([(s.encoder_stream, pcm) for s, pcm in ready])
-            else:
-                codes = [s.encoder_stream.push(pcm) for s, pcm in ready]
-        for (s, _), c in zip(ready, codes, strict=True):
-            if c:
-                self._guard(s.owner, m.AppendUserAudio(s.session_id, b""), self._user_codes, s, list(c), False)
+        while True:
+            ran = self._speech._thread is None and self._speech.run_due(flush)
+            results = self._speech.take_results()
+            for e in results:
+                s = self.sessions.get(e.key)
+                if s is None:
+                    continue
+                if e.commit:
+                    self._commit_done(s, e.codes)
+                elif isinstance(e.codes, Exception):
+                    self._speech_failed(s, e.codes)
+                else:
+                    self._guard(s.owner, m.AppendUserAudio(s.session_id, b""), self._user_codes, s, e.codes, False)
+            if not ran and not results:
+                return
 
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)
-        codes = []
-        if s.encoder_stream is not None:
-            codes = list(s.encoder_stream.finalize(self._take_held(s)))  # the held audio and the flush: one call
-        self._committed(s, codes)
+        if s.speech_open and self._speech is not None and self._speech.commit(s.session_id):
+            s.commit_pending, s.commit_at = (client, msg), time.monotonic()  # the session's next messages wait
+        else:
+            self._committed(s, [])
 
-    def _commit_many(self, commits: list[tuple[bytes, m.CommitUserAudio]]) -> None:
-        """Commits of distinct sessions: every open encoder stream among them finalized in one batched call."""
-        batch = []
-        for client, msg in commits:
-            try:
-                s = self._session(client, msg.session_id)
-            except ServiceError as e:
-                self._report(client, msg, e)
-                continue
-            if s.encoder_stream is None:
-                self._dispatch(client, msg)  # a commit of codes already encoded
-            else:
-                batch.append((client, msg, s))
-        if len(batch) < 2:
-            for client, msg, _ in batch:
-                self._dispatch(client, msg)
-            return
-        try:
-            with self.spans.span("CommitUserAudio batch"):
-                codes = self.encoder.batch().finalize([s.encoder_stream for _, _, s in batch],
-                                                      [self._take_held(s) for _, _, s in batch])
-        except (ServiceError, EngineError, ConfigError, ValueError) as e:
-            for client, msg, s in batch:
-                s.encoder_stream = None
-                self._report(client, msg, e)
-            return
-        for (client, msg, s), c in zip(batch, codes, strict=True):
-            self._guard(client, msg, self._committed, s, list(c))
+    def _commit_done(self, s: Session, codes: list[int] | Exception) -> None:
+        """The committed turn's last codes (or the encoder's failure); then the messages that waited for them."""
+        (client, msg), waiting = s.commit_pending, s.after_commit
+        s.commit_pending, s.after_commit = None, []
+        s.commit_done_at = time.monotonic()
+        if isinstance(codes, Exception):
+            s.speech_open = False
+            self._report(client, msg, codes if isinstance(codes, ValueError) else
+                         ServiceError("engine_error", f"speech encoder failed: {type(codes).__name__}: {codes}"))
+        else:
+            self._guard(client, msg, self._committed, s, codes)
+        for i, (c, queued) in enumerate(waiting):
+            if s.commit_pending is not None:  # committed again: the rest waits for that one
+                s.after_commit += waiting[i:]
+                return
+            self._dispatch(c, queued)
 
     def _committed(self, s: Session, codes: list[int]) -> None:
         """The user's turn ends with these last codes (its encoder stream is finalized)."""
-        s.encoder_stream = None
+        s.speech_open = False
         if s.turn_codes + len(codes) == 0:
             raise ServiceError("invalid_request", "the input audio buffer holds no speech to commit")
         self._user_codes(s, codes, commit=True)
         s.turn_codes = 0
 
+    def _speech_failed(self, s: Session, e: Exception) -> None:
+        """The encoder failed on this session's audio: the turn so far is dropped, as if the client cleared it."""
+        log.error("speech encoder failed for session %s: %r", s.session_id, e)
+        self._send(s.owner, m.Error(s.session_id, "engine_error", f"speech encoder failed: {type(e).__name__}: {e}"))
+        self._clear_speech(s)
+
     def _on_ClearUserAudio(self, client: bytes, msg: m.ClearUserAudio) -> None:
-        s = self._session(client, msg.session_id)
-        s.encoder_stream = None
-        self._held_pcm.pop(s.session_id, None)
+        self._clear_speech(self._session(client, msg.session_id))
+
+    def _clear_speech(self, s: Session) -> None:
+        s.speech_open = False
+        if self._speech is not None:
+            self._speech.drop(s.session_id)
         s.pending_codes = []
         s.turn_codes = 0
         t = s.active
@@ -706,6 +685,10 @@ class Service:
                           cached_rows=t.base_rows - t.rerun_rows, prefix_last_row=prefix[-1],
                           detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
         t.response = r
+        if s.commit_at is not None:  # where the user turn's end went before this answer (stage marks, < 0)
+            r.mark("commit_in", s.commit_at)
+            r.mark("commit_encoded", s.commit_done_at)
+            s.commit_at = s.commit_done_at = None
         self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
 
     @staticmethod

@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encode-every-ms", type=float, default=80.0,
                    help="encode every session's held user audio together, in one batch, at most this often "
                         "(0: as it arrives)")
+    p.add_argument("--encoder-thread", dest="encoder_thread", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the speech encoder's calls on a thread of their own, beside the engine steps, instead of "
+                        "in the engine loop (default: on a GPU)")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
@@ -195,7 +198,8 @@ def build_service(args: argparse.Namespace) -> Service:
                       decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
-                      first_decoder=first_decoder)
+                      first_decoder=first_decoder,
+                      encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
@@ -271,8 +275,9 @@ class _LoadLog:
                      1e3 * self.step_max, 100 * self.handle_s / span, 100 * self.step_s / span, st.running,
                      st.waiting, extra)
             parts = self.service.spans.take()
-            if codec is not None:
-                parts.update(codec.take_spans())
+            for worker in (codec, self.service._speech):
+                if worker is not None:
+                    parts.update(worker.take_spans())
             log.info("load parts: %s", Spans.describe(parts))
         self._reset(now)
 

@@ -134,7 +134,13 @@ class Session:
     pending_rows: list[Row] = field(default_factory=list)
     pending_codes: list[int] = field(default_factory=list)
     pending_commit: bool = False  # commit received for codes still in pending_codes
-    encoder_stream: Any = None
+    speech_open: bool = False  # user audio of this turn went to the encoder (a commit must finalize it)
+    # A commit the encoder is finalizing: (client, CommitUserAudio); the session's messages after it wait in
+    # after_commit until its last codes are in.
+    commit_pending: tuple[bytes, Any] | None = None
+    after_commit: list[tuple[bytes, Any]] = field(default_factory=list)
+    commit_at: float | None = None  # time.monotonic() of the last commit's arrival, until an answer marks it
+    commit_done_at: float | None = None  # ... and of its last codes
     turn_codes: int = 0  # speech codes of the current user turn (progress reports)
     active: Turn | None = None
     answer: Answer | None = None  # the latest finished response, if nothing followed it yet

@@ -20,3 +20,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def enc() -> SpeechEncoder:
     return SpeechEncoder.load("tiny-random", device="cuda")
+
+
+def test_encoder_worker_on_its_thread_equals_one_stream_alone(enc):
+    """The service's encoder worker on the GPU, on its thread and inline: the step's host sync goes through an
+    event there."""
+    from tests.test_encoder_worker import test_codes_equal_one_stream_alone_and_the_commit_comes_last as same_codes
+
+    for threaded in (False, True):
+        same_codes(enc, threaded)

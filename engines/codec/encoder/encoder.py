@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from pathlib import Path
 
@@ -42,6 +43,16 @@ def _as_pcm(pcm: np.ndarray | torch.Tensor) -> np.ndarray:
     return pcm
 
 
+def _host_list(t: torch.Tensor) -> list[int]:
+    """A device tensor's values; the wait for the GPU goes through an event, which releases the GIL (the engine
+    loop runs meanwhile when the encoder is on a thread of its own)."""
+    if t.device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return t.tolist()
+
+
 class SpeechEncoder:
     """Causal Whisper-VQ speech encoder: 16 kHz PCM -> 12.5 Hz codes in [0, codebook_size)."""
 
@@ -60,6 +71,9 @@ class SpeechEncoder:
         # stream would also wait for the decode steps queued there.
         # High priority: a commit's last codes are on every answer's path to first audio.
         self.stream = high_priority_stream(device) if device.type == "cuda" else None
+        # Streams may be stepped on one thread (the engine service's encoder worker) while another encodes a voice
+        # prompt: calls, stream opening and slot release take turns on the runner's state and KV pool.
+        self.lock = threading.RLock()
 
     @classmethod
     def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
@@ -80,8 +94,12 @@ class SpeechEncoder:
 
     def reserve(self, streams: int) -> None:
         """Preallocate KV slots for this many concurrent streams (else the pool doubles as needed)."""
-        with self._on_stream():
+        with self.lock, self._on_stream():
             self.runner.kv.reserve(streams)
+
+    def release_slot(self, state: TrunkState) -> None:
+        with self.lock:
+            self.runner.release(state)
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         """Encoder work and the state it keeps go on the encoder's stream (when it has one)."""
@@ -122,11 +140,11 @@ class EncoderStream:
     def __init__(self, encoder: SpeechEncoder) -> None:
         self.encoder = encoder
         # The state is made on the stream that uses it (made on another, the encoder could read it unwritten).
-        with encoder._on_stream():
+        with encoder.lock, encoder._on_stream():
             self.mel: MelState = encoder.frontend.new_state()
             self.trunk: TrunkState = encoder.runner.new_state()
         # The KV slot goes back to the pool on finalize/close, or when the stream is dropped.
-        self._release = weakref.finalize(self, encoder.runner.release, self.trunk)
+        self._release = weakref.finalize(self, encoder.release_slot, self.trunk)
         self.codes_out = 0
         self.closed = False
         self.last_features: torch.Tensor | None = None  # [n, d] float32 pre-VQ features of the last codes
@@ -173,7 +191,7 @@ class EncoderBatch:
 
     @torch.no_grad()
     def step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
-        with self.encoder._on_stream():
+        with self.encoder.lock, self.encoder._on_stream():
             return self._step(items)
 
     def _step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
@@ -196,7 +214,7 @@ class EncoderBatch:
             take = [min(p.shape[0], seg - s.trunk.mel_in_segment) for s, p in zip(streams, pending, strict=True)]
             mels = [p if n == p.shape[0] else p[:n] for p, n in zip(pending, take, strict=True)]
             counts, pooled = enc.runner.run([s.trunk for s in streams], mels)
-            ids = enc.runner.quantize(pooled).tolist()
+            ids = _host_list(enc.runner.quantize(pooled))
             start = 0
             for i, (s, n, c) in enumerate(zip(streams, take, counts, strict=True)):
                 codes[i].extend(ids[start:start + c])

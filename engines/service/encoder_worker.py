@@ -1,0 +1,273 @@
+"""User speech into codes for the engine service: audio held per session and encoded for all sessions in batched
+calls, on a thread of its own on a GPU so that the engine loop never waits for the speech encoder.
+
+The engine loop hands over each session's PCM (`append`) and its commit (`commit`) and collects codes
+(`take_results`, in the order they were produced; a commit's result is the last of its turn). What is due:
+- Commits first: every committed session's stream is finalized, with the audio it still holds, in one call.
+- Held audio of every session in one call (EncoderBatch), at most every `every_s` (0: as soon as it is held);
+  the interval grows with the sessions holding audio (ENCODE_SESSIONS_PER_INTERVAL, up to ENCODE_MAX_EVERY_S), as
+  a call's cost grows with them. While an answer waits for its first codes (`lm_ramping`, set by the loop), held
+  audio waits up to ENCODE_DEFER_S: those codes decide that answer's time to first audio, a commit flushes
+  whatever is held anyway, and the encoder's kernels would share the GPU with the decode steps.
+Codes are the same however the audio is cut into calls (the encoder streams exactly).
+
+`threaded`: the calls run on the worker's thread (the encoder's CUDA stream, its host sync through an event, which
+releases the GIL). Under load on an H200 the encoder took a quarter of the engine loop's time there (76-108
+sessions: 35-39 ms batched calls every ~0.3 s and a 12-14 ms commit per answer), and decode steps waited behind
+it. Without a thread (the CPU default, tests) `run_due()` runs them on the caller's thread, between its steps.
+
+Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
+session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
+the loop after `drop` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engines.service.spans import Spans
+
+log = logging.getLogger("engines.service")
+
+ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
+# A batched encoder call costs ~0.4 ms per session on top of its fixed cost (H200: ~10 ms for one session, 20-45 ms
+# for 52-76), so with more sessions holding audio the interval grows (up to ENCODE_MAX_EVERY_S).
+ENCODE_SESSIONS_PER_INTERVAL = 16
+ENCODE_MAX_EVERY_S = 0.32
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Codes of a session's user audio (or the encoder's exception); `commit`: its turn's last, stream finalized."""
+
+    key: str
+    codes: list[int] | Exception
+    commit: bool
+
+
+@dataclass(eq=False)
+class _Turn:
+    """One session's user audio turn in the encoder."""
+
+    key: str
+    stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
+    held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
+    commit: bool = False  # finalize it with the next commit call
+    busy: bool = False  # in the call running now
+    dropped: bool = False
+
+
+class EncoderWorker:
+    """`encoder`: `open_stream()` -> stream with `push(pcm) -> codes`, `finalize(last) -> codes`, optionally `close()`;
+    with `batch()` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
+
+    def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic
+                 ) -> None:
+        self.encoder = encoder
+        self.every_s = every_s
+        self._clock = clock
+        self._cv = threading.Condition()
+        self._turns: dict[str, _Turn] = {}
+        self._results: deque[Encoded] = deque()
+        self._held_since: float | None = None  # when the oldest audio held arrived
+        self._ramping = False
+        self._running = False  # a call in flight
+        self._closed = False
+        self.spans = Spans()  # call times, taken by the load log (under _cv)
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="encoder-worker", daemon=True)
+            self._thread.start()
+
+    # ---- engine-loop side ----------------------------------------------------------------
+
+    @property
+    def lm_ramping(self) -> bool:
+        return self._ramping
+
+    @lm_ramping.setter
+    def lm_ramping(self, ramping: bool) -> None:
+        """An answer waits for its first codes (held audio waits, at most ENCODE_DEFER_S)."""
+        if ramping != self._ramping:
+            with self._cv:
+                self._ramping = ramping
+                self._cv.notify_all()
+
+    def append(self, key: str, pcm: np.ndarray) -> None:
+        """More user audio (16 kHz float32) of this session's turn."""
+        with self._cv:
+            t = self._turns.get(key)
+            if t is None:
+                t = self._turns[key] = _Turn(key)
+            if self._held_since is None:
+                self._held_since = self._clock()
+            t.held.append(pcm)
+            self._cv.notify_all()
+
+    def commit(self, key: str) -> bool:
+        """Finalize this session's turn as soon as possible; False if it has none (nothing was appended). Its last
+        codes then come as a result with commit=True (an exception there is the encoder's failure)."""
+        with self._cv:
+            t = self._turns.get(key)
+            if t is None:
+                return False
+            t.commit = True
+            self._cv.notify_all()
+            return True
+
+    def drop(self, key: str) -> None:
+        """Forget this session's turn (its audio cleared, the session closed): no result of it comes any more."""
+        with self._cv:
+            t = self._turns.pop(key, None)
+            self._results = deque(e for e in self._results if e.key != key)
+            if t is None:
+                return
+            self._forget_held_since()
+            t.dropped = True
+            if not t.busy:
+                self._close(t)
+
+    def holding(self, key: str) -> bool:
+        """This session has audio not yet encoded."""
+        with self._cv:
+            t = self._turns.get(key)
+            return t is not None and bool(t.held)
+
+    def take_results(self) -> list[Encoded]:
+        with self._cv:
+            out = list(self._results)
+            self._results.clear()
+            return out
+
+    def take_spans(self) -> dict[str, tuple[int, float, float]]:
+        with self._cv:
+            return self.spans.take()
+
+    def busy(self) -> bool:
+        """Audio held, a commit or call pending, or results not yet collected."""
+        with self._cv:
+            return self._running or bool(self._results) or any(t.held or t.commit for t in self._turns.values())
+
+    def run_due(self, flush: bool = False) -> bool:
+        """Without a thread: run the call that is due now, if any (`flush`: held audio is due whatever the interval).
+        Returns whether a call ran."""
+        if self._thread is not None:
+            raise RuntimeError("run_due is for an EncoderWorker without a thread")
+        with self._cv:
+            work = self._take_due(self._clock(), flush)
+        if work is None:
+            return False
+        self._call(*work)
+        return True
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # ---- the calls -----------------------------------------------------------------------
+
+    def _due_at(self, holding: int) -> float:
+        """When held audio is due (given how many sessions hold some); +inf when none is held."""
+        if self._held_since is None or not holding:
+            return math.inf
+        every = min(max(self.every_s, ENCODE_MAX_EVERY_S),
+                    self.every_s * max(1, math.ceil(holding / ENCODE_SESSIONS_PER_INTERVAL)))
+        return self._held_since + (max(every, ENCODE_DEFER_S) if self._ramping else every)
+
+    def _take_due(self, now: float, flush: bool) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
+        """(commit, [(turn, its held audio)]) of the call due now (under _cv), marking them busy; None if none is."""
+        commits = [t for t in self._turns.values() if t.commit]
+        holding = [t for t in self._turns.values() if t.held and not t.commit]
+        if commits:
+            taken, commit = commits, True
+            for t in commits:
+                del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
+            self._forget_held_since()
+        elif holding and (flush or self._due_at(len(holding)) <= now):
+            taken, commit = holding, False
+            self._held_since = None
+        else:
+            return None
+        work = []
+        for t in taken:
+            pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
+            t.held, t.busy = [], True
+            work.append((t, pcm))
+        self._running = True
+        return commit, work
+
+    def _forget_held_since(self) -> None:
+        """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""
+        if not any(t.held for t in self._turns.values()):
+            self._held_since = None
+
+    def _call(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> None:
+        """One encoder call for these turns (outside _cv), then their results."""
+        t0 = time.perf_counter()
+        try:
+            codes = self._encode(commit, work)
+        except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
+            codes = [e] * len(work)
+        dt = time.perf_counter() - t0
+        with self._cv:
+            for (t, _), c in zip(work, codes, strict=True):
+                t.busy = False
+                failed = isinstance(c, Exception)
+                if failed and self._turns.get(t.key) is t:
+                    del self._turns[t.key]  # the stream's state is unknown: this turn is over
+                if t.dropped or failed or commit:
+                    self._close(t)
+                if not t.dropped and (commit or failed or c):
+                    self._results.append(Encoded(t.key, c, commit))
+            self.spans.add("encode commits" if commit else "encode", dt)
+            self._running = False
+            self._cv.notify_all()
+
+    def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:
+        live = [(t, pcm) for t, pcm in work if t.stream is not None or pcm.size]
+        for t, _ in live:
+            if t.stream is None:
+                t.stream = self.encoder.open_stream()
+        batched = len(live) > 1 and hasattr(self.encoder, "batch")
+        if commit:
+            if batched:
+                out = self.encoder.batch().finalize([t.stream for t, _ in live], [pcm for _, pcm in live])
+            else:
+                out = [t.stream.finalize(pcm) for t, pcm in live]
+        elif batched:
+            out = self.encoder.batch().step([(t.stream, pcm) for t, pcm in live])
+        else:
+            out = [t.stream.push(pcm) for t, pcm in live]
+        by_turn = {id(t): list(c) for (t, _), c in zip(live, out, strict=True)}
+        return [by_turn.get(id(t), []) for t, _ in work]  # a commit of a turn that never had audio: no codes
+
+    def _close(self, t: _Turn) -> None:
+        stream, t.stream = t.stream, None
+        if stream is not None and hasattr(stream, "close") and not getattr(stream, "closed", False):
+            stream.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._closed:
+                        return
+                    now = self._clock()
+                    work = self._take_due(now, False)
+                    if work is not None:
+                        break
+                    holding = sum(1 for t in self._turns.values() if t.held and not t.commit)
+                    due = self._due_at(holding)
+                    self._cv.wait(None if due == math.inf else max(0.0005, due - now))
+            self._call(*work)

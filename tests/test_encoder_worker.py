@@ -1,0 +1,268 @@
+"""The engine service's speech encoder worker (engines/service/encoder_worker.py): the same codes on its thread as
+inline and as one stream alone; a dropped turn leaves nothing behind; a failing encoder fails only its sessions'
+turns; and with the thread, the engine loop steps while an encoder call is still running."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engines.codec.encoder import SpeechEncoder
+from engines.config import EngineConfig
+from engines.engine import Engine
+from engines.service import messages as m
+from engines.service.core import Service
+from engines.service.encoder_worker import Encoded, EncoderWorker
+from engines.service.tokenizer import StandInTokenizer
+from tests.test_codec_encoder import speech_like
+
+
+@pytest.fixture(scope="module")
+def enc() -> SpeechEncoder:
+    return SpeechEncoder.load("tiny-random")
+
+
+def _wait(worker: EncoderWorker, timeout_s: float = 30.0) -> list[Encoded]:
+    """Every result until the worker is idle."""
+    out: list[Encoded] = []
+    deadline = time.monotonic() + timeout_s
+    while worker.busy() and time.monotonic() < deadline:
+        if worker._thread is None:
+            worker.run_due(flush=True)
+        out += worker.take_results()
+        time.sleep(0.001)
+    assert not worker.busy(), "the worker did not finish"
+    return out + worker.take_results()
+
+
+def _codes_by_key(results: list[Encoded]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for e in results:
+        assert not isinstance(e.codes, Exception), e.codes
+        out.setdefault(e.key, []).extend(e.codes)
+    return out
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded):
+    pcms = {k: speech_like(sec, seed=i) for i, (k, sec) in enumerate([("a", 1.3), ("b", 0.7), ("c", 2.0)])}
+    worker = EncoderWorker(enc, every_s=0.0, threaded=threaded)
+    results: list[Encoded] = []
+    for i in range(0, 32000, 1600):  # 100 ms pieces of every session
+        for k, pcm in pcms.items():
+            if i < pcm.size:
+                worker.append(k, pcm[i:i + 1600])
+        if not threaded:
+            worker.run_due()
+        results += worker.take_results()
+    for k in pcms:
+        assert worker.commit(k)
+    results += _wait(worker)
+    worker.close()
+    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    for k in pcms:  # one commit result per turn, after its other codes
+        mine = [e for e in results if e.key == k]
+        assert [e.commit for e in mine].count(True) == 1 and mine[-1].commit
+    assert not worker.commit("a")  # the turn ended with its commit
+    assert enc.runner.kv.in_use == 0  # every stream closed, its slot back
+
+
+def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
+    worker = EncoderWorker(enc)
+    assert not worker.commit("nobody")
+    worker.append("a", np.zeros(0, np.float32))  # an empty append opens a turn with no audio
+    assert worker.commit("a")
+    assert _wait(worker) == [Encoded("a", [], True)]
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_dropped_turn_gives_no_more_results_and_frees_its_stream(enc, threaded):
+    gate = threading.Event()
+
+    class SlowEncoder:  # holds its call until the test drops the turn
+        def open_stream(self):
+            return enc.open_stream()
+
+        def batch(self):
+            gate.wait(10)
+            return enc.batch()
+
+    worker = EncoderWorker(SlowEncoder(), threaded=threaded)
+    worker.append("a", speech_like(0.5, seed=1))
+    worker.append("b", speech_like(0.5, seed=2))
+    if threaded:
+        deadline = time.monotonic() + 10
+        while not worker._running and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert worker._running  # the call is in flight ...
+        worker.drop("a")  # ... when a's turn is dropped
+        gate.set()
+    else:
+        gate.set()
+        worker.run_due(flush=True)
+        worker.drop("a")  # results produced but not yet taken go too
+    results = _wait(worker)
+    worker.close()
+    alone = enc.open_stream()
+    assert [e.key for e in results] == ["b"] and results[0].codes == alone.push(speech_like(0.5, seed=2))
+    alone.close()
+    worker.drop("b")
+    assert not worker.busy() and enc.runner.kv.in_use == 0
+
+
+class BrokenEncoder:
+    """The tiny encoder, failing every call that includes a session whose audio is all at full scale."""
+
+    def __init__(self, enc: SpeechEncoder) -> None:
+        self.enc = enc
+
+    def open_stream(self):
+        return self.enc.open_stream()
+
+    def batch(self):
+        real = self.enc.batch()
+
+        class Batch:
+            def step(self, items):
+                if any(np.all(pcm > 0.99) for _, pcm in items if len(pcm)):
+                    raise RuntimeError("kernel failed")
+                return real.step(items)
+
+            def finalize(self, streams, last=None):
+                if last is not None and any(np.all(p > 0.99) for p in last if len(p)):
+                    raise RuntimeError("kernel failed")
+                return real.finalize(streams, last)
+        return Batch()
+
+
+def test_a_failed_call_fails_its_turns_only(enc):
+    worker = EncoderWorker(BrokenEncoder(enc))
+    worker.append("a", np.ones(3200, np.float32))
+    worker.append("b", speech_like(0.4, seed=3))
+    results = _wait(worker)
+    assert sorted(e.key for e in results) == ["a", "b"]
+    assert all(isinstance(e.codes, RuntimeError) and not e.commit for e in results)
+    assert enc.runner.kv.in_use == 0 and not worker.commit("a")  # both turns are over
+    worker.append("b", speech_like(0.4, seed=3))  # the session's next turn encodes as usual
+    assert worker.commit("b")
+    assert _codes_by_key(_wait(worker)) == {"b": enc.encode(speech_like(0.4, seed=3))}
+
+
+def _engine() -> Engine:
+    return Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+
+
+def test_service_on_the_thread_gives_the_same_conversation(enc):
+    """Two sessions speak, commit and are answered: with the encoder's calls on their thread the conversations,
+    messages and codes are those of the inline service."""
+    greedy = m.Sampling(greedy=True, max_new_tokens=6, min_new_tokens=6)
+
+    def run(threaded: bool):
+        svc = Service(_engine(), StandInTokenizer(), enc, None, encode_every_s=0.08, encoder_thread=threaded)
+        out = []
+        for sid in "ab":
+            out += svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+        speech = {sid: speech_like(1.2, seed=i) for i, sid in enumerate("ab")}
+        for i in range(0, 19200, 640):
+            for sid, pcm in speech.items():
+                out += svc.handle(b"c", m.AppendUserAudio(sid, (pcm[i:i + 640] * 32767).astype("<i2").tobytes()))
+            out += svc.step()
+        out += svc.handle_many([(b"c", msg) for sid in "ab" for msg in (
+            m.CommitUserAudio(sid, "i"), m.CreateResponse(sid, "r", "text", greedy))])
+        deadline = time.monotonic() + 60
+        while svc.has_work() and time.monotonic() < deadline:
+            out += svc.step()
+            time.sleep(0.0005)
+        svc._speech.close()
+        hist = [svc.engine.conversation_history(sid) for sid in "ab"]
+        final = {(type(x).__name__, x.session_id, getattr(x, "status", None)) for _, x in out
+                 if not isinstance(x, m.UserAudioProgress)}
+        return hist, final
+
+    inline = run(False)
+    threaded = run(True)
+    assert threaded[0] == inline[0] and threaded[0][0] != threaded[0][1]
+    assert threaded[1] == inline[1] and ("ResponseDone", "a", "incomplete") in inline[1]  # (max tokens)
+    assert not any(k[0] == "Error" for k in inline[1])
+
+
+def test_service_steps_while_a_commit_is_encoding(enc):
+    """With the thread, a commit's encoder call does not hold the engine loop: another session's answer keeps
+    stepping, and the committing session's CreateResponse waits for its last codes, then runs."""
+    gate = threading.Event()
+
+    class GatedStream:  # every call waits for the gate
+        def __init__(self) -> None:
+            self.stream = enc.open_stream()
+
+        def push(self, pcm):
+            gate.wait(30)
+            return self.stream.push(pcm)
+
+        def finalize(self, last=None):
+            gate.wait(30)
+            return self.stream.finalize(last)
+
+        def close(self) -> None:
+            self.stream.close()
+
+    class GatedEncoder:
+        def open_stream(self):
+            return GatedStream()
+
+    svc = Service(_engine(), StandInTokenizer(), GatedEncoder(), None, encoder_thread=True)
+    greedy = m.Sampling(greedy=True, max_new_tokens=40, min_new_tokens=40)
+    for sid in "ab":
+        svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+    svc.handle(b"c", m.AddUserText("b", "i", "hello"))
+    svc.handle(b"c", m.CreateResponse("b", "rb", "text", greedy))
+    svc.handle(b"c", m.AppendUserAudio("a", (speech_like(0.5, seed=4) * 32767).astype("<i2").tobytes()))
+    out = svc.handle_many([(b"c", m.CommitUserAudio("a", "i")), (b"c", m.CreateResponse("a", "ra", "text", greedy))])
+    assert not any(isinstance(x, m.ResponseStarted) for _, x in out)  # a's answer waits for its commit
+    assert svc.sessions["a"].commit_pending is not None and len(svc.sessions["a"].after_commit) == 1
+    steps_before = svc.engine.stats().steps
+    for _ in range(5):
+        out += svc.step()
+    assert svc.engine.stats().steps >= steps_before + 5  # b's answer stepped meanwhile
+    assert not any(isinstance(x, m.ResponseStarted) and x.session_id == "a" for _, x in out)
+    gate.set()
+    deadline = time.monotonic() + 60
+    while svc.has_work() and time.monotonic() < deadline:
+        out += svc.step()
+        time.sleep(0.0005)
+    svc._speech.close()
+    done = {x.session_id: x.status for _, x in out if isinstance(x, m.ResponseDone)}
+    assert done == {"a": "incomplete", "b": "incomplete"}  # (max tokens)
+    assert not any(isinstance(x, m.Error) for _, x in out)
+    assert svc.sessions["a"].commit_pending is None and svc.sessions["a"].after_commit == []
+
+
+def test_service_reports_an_encoder_failure_and_keeps_the_session(enc):
+    """A call that fails: the sessions in it get an engine_error and their turns are dropped; the next turn of the
+    same session is encoded and answered."""
+    svc = Service(_engine(), StandInTokenizer(), BrokenEncoder(enc), None)
+    greedy = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
+    svc.handle(b"c", m.OpenSession("a", sampling=greedy))
+    svc.handle(b"c", m.OpenSession("b", sampling=greedy))
+    ones = (np.ones(3200) * 32767).astype("<i2").tobytes()
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", ones)),
+                           (b"c", m.AppendUserAudio("b", (speech_like(0.3, seed=5) * 32767).astype("<i2").tobytes()))])
+    errors = sorted((x.session_id, x.code) for _, x in out if isinstance(x, m.Error))
+    assert errors == [("a", "engine_error"), ("b", "engine_error")]
+    assert all("speech encoder failed" in x.message for _, x in out if isinstance(x, m.Error))
+    out = svc.handle(b"c", m.CommitUserAudio("a", "i"))  # nothing left of the failed turn
+    assert [(type(x).__name__, x.code) for _, x in out] == [("Error", "invalid_request")]
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", (speech_like(0.5, seed=6) * 32767).astype("<i2").tobytes())),
+                           (b"c", m.CommitUserAudio("a", "i")), (b"c", m.CreateResponse("a", "r", "text", greedy))])
+    while svc.has_work():
+        out += svc.step()
+    assert [x.status for _, x in out if isinstance(x, m.ResponseDone)] == ["incomplete"]  # (max tokens)
+    for sid in "ab":
+        svc.handle(b"c", m.CloseSession(sid))
+    while svc.has_work():
+        svc.step()
+    st = svc.engine.stats()
+    assert st.free_blocks == st.total_blocks and enc.runner.kv.in_use == 0
