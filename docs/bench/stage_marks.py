@@ -1,0 +1,64 @@
+"""Where answers' time to first audio went, from an engine log: p50 / p95 ms of each stage per load level.
+
+    python3 docs/bench/stage_marks.py server.log 12 44 76 108
+
+Reads the engine's "response X: first audio at N ms; stages {...}" lines (Service._complete), skips the warm-up,
+and splits them into levels by count (2 answers per session: `bench capacity --turns 2`). Marks are ms from the
+engine's CreateResponse; the commit's are negative (its arrival, and its last codes from the encoder).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+
+import numpy as np
+
+LINE = re.compile(r"response (\S+): first audio at ([\d.]+) ms; stages (\{.*\})")
+# (label, from mark, to mark); None: the CreateResponse (0)
+STAGES = [
+    ("commit -> its codes", "commit_in", "commit_encoded"),
+    ("codes -> CreateResponse", "commit_encoded", None),
+    ("-> first row", None, "first_row"),
+    ("first row -> 8th code", "first_row", "first_chunk_codes"),
+    ("8th code -> codec round", "first_chunk_codes", "codec_first_round_start"),
+    ("first-chunk round", "codec_first_round_start", "codec_first_round_end"),
+]
+
+
+def read(path: str) -> list[tuple[float, dict[str, float]]]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            hit = LINE.search(line)
+            if hit and "warm-up" not in hit.group(1):
+                out.append((float(hit.group(2)), ast.literal_eval(hit.group(3))))
+    return out
+
+
+def pct(values: list[float]) -> str:
+    return f"{np.percentile(values, 50):.0f} / {np.percentile(values, 95):.0f}" if values else "-"
+
+
+def span(marks: dict[str, float], a: str | None, b: str | None) -> float | None:
+    if (a is not None and a not in marks) or (b is not None and b not in marks):
+        return None
+    return (0.0 if b is None else marks[b]) - (0.0 if a is None else marks[a])
+
+
+def main(argv: list[str]) -> None:
+    answers = read(argv[0])
+    sizes = [2 * int(x) for x in argv[1:]] or [len(answers)]
+    print(f"{len(answers)} answers; stage p50 / p95 ms")
+    start = 0
+    for sessions, size in zip(argv[1:] or ["all"], sizes, strict=True):
+        part, start = answers[start:start + size], start + size
+        cols = [f"engine TTFA {pct([t for t, _ in part])}"]
+        for label, a, b in STAGES:
+            cols.append(f"{label} {pct([v for _, d in part if (v := span(d, a, b)) is not None])}")
+        print(f"{sessions} sessions ({len(part)} answers): " + "; ".join(cols))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
