@@ -518,7 +518,7 @@ class Service:
                 if s is None:
                     continue
                 if e.commit:
-                    self._commit_done(s, e.codes)
+                    self._commit_done(s, e.codes, e.at)
                 elif isinstance(e.codes, Exception):
                     self._speech_failed(s, e.codes)
                 else:
@@ -533,11 +533,12 @@ class Service:
         else:
             self._committed(s, [])
 
-    def _commit_done(self, s: Session, codes: list[int] | Exception) -> None:
-        """The committed turn's last codes (or the encoder's failure); then the messages that waited for them."""
+    def _commit_done(self, s: Session, codes: list[int] | Exception, at: float) -> None:
+        """The committed turn's last codes (or the encoder's failure), produced `at`; then the messages that waited
+        for them."""
         (client, msg), waiting = s.commit_pending, s.after_commit
         s.commit_pending, s.after_commit = None, []
-        s.commit_done_at = time.monotonic()
+        s.commit_done_at = at
         if isinstance(codes, Exception):
             s.speech_open = False
             self._report(client, msg, codes if isinstance(codes, ValueError) else

@@ -51,6 +51,7 @@ class Encoded:
     key: str
     codes: list[int] | Exception
     commit: bool
+    at: float = 0.0  # time.monotonic() when the call ended (the engine loop collects it up to a step later)
 
 
 @dataclass(eq=False)
@@ -219,7 +220,7 @@ class EncoderWorker:
             codes = self._encode(commit, work)
         except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
             codes = [e] * len(work)
-        dt = time.perf_counter() - t0
+        dt, at = time.perf_counter() - t0, time.monotonic()
         with self._cv:
             for (t, _), c in zip(work, codes, strict=True):
                 t.busy = False
@@ -229,7 +230,7 @@ class EncoderWorker:
                 if t.dropped or failed or commit:
                     self._close(t)
                 if not t.dropped and (commit or failed or c):
-                    self._results.append(Encoded(t.key, c, commit))
+                    self._results.append(Encoded(t.key, c, commit, at))
             self.spans.add("encode commits" if commit else "encode", dt)
             self._running = False
             self._cv.notify_all()
