@@ -30,7 +30,7 @@ def _wait(worker: EncoderWorker, timeout_s: float = 30.0) -> list[Encoded]:
     out: list[Encoded] = []
     deadline = time.monotonic() + timeout_s
     while worker.busy() and time.monotonic() < deadline:
-        if worker._thread is None:
+        if not worker.threaded:
             worker.run_due(flush=True)
         out += worker.take_results()
         time.sleep(0.001)
@@ -261,6 +261,19 @@ def test_service_reports_an_encoder_failure_and_keeps_the_session(enc):
     while svc.has_work():
         out += svc.step()
     assert [x.status for _, x in out if isinstance(x, m.ResponseDone)] == ["incomplete"]  # (max tokens)
+    # Two commits in one call, one of them at full scale: both fail with the encoder's error and their turns (already
+    # partly in the engine) are dropped; each session's next message runs as usual.
+    speech = (speech_like(0.5, seed=7) * 32767).astype("<i2").tobytes()
+    svc.handle_many([(b"c", m.AppendUserAudio("a", speech)), (b"c", m.AppendUserAudio("b", speech))])
+    assert svc.sessions["a"].active is not None and svc.sessions["a"].active.audio_open  # prefilling a's turn
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", ones)), (b"c", m.CommitUserAudio("a", "i")),
+                           (b"c", m.CommitUserAudio("b", "i")), (b"c", m.AddUserText("a", "i2", "hi")),
+                           (b"c", m.CreateResponse("a", "r2", "text", greedy))])
+    assert sorted((x.session_id, x.code) for _, x in out if isinstance(x, m.Error)) == [("a", "engine_error"),
+                                                                                      ("b", "engine_error")]
+    while svc.has_work():
+        out += svc.step()
+    assert [(x.response_id, x.status) for _, x in out if isinstance(x, m.ResponseDone)] == [("r2", "incomplete")]
     for sid in "ab":
         svc.handle(b"c", m.CloseSession(sid))
     while svc.has_work():

@@ -511,7 +511,7 @@ class Service:
         if self._speech is None:
             return
         while True:
-            ran = self._speech._thread is None and self._speech.run_due(flush)
+            ran = not self._speech.threaded and self._speech.run_due(flush)
             results = self._speech.take_results()
             for e in results:
                 s = self.sessions.get(e.key)
@@ -539,10 +539,11 @@ class Service:
         (client, msg), waiting = s.commit_pending, s.after_commit
         s.commit_pending, s.after_commit = None, []
         s.commit_done_at = at
-        if isinstance(codes, Exception):
-            s.speech_open = False
+        if isinstance(codes, Exception):  # the turn so far is dropped, as when a call of held audio fails
+            log.error("speech encoder failed for session %s's commit: %r", s.session_id, codes)
             self._report(client, msg, codes if isinstance(codes, ValueError) else
                          ServiceError("engine_error", f"speech encoder failed: {type(codes).__name__}: {codes}"))
+            self._clear_speech(s)
         else:
             self._guard(client, msg, self._committed, s, codes)
         for i, (c, queued) in enumerate(waiting):

@@ -23,7 +23,6 @@ the loop after `drop` returns.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -34,8 +33,6 @@ from typing import Any
 import numpy as np
 
 from engines.service.spans import Spans
-
-log = logging.getLogger("engines.service")
 
 ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
 # A batched encoder call costs ~0.4 ms per session on top of its fixed cost (H200: ~10 ms for one session, 20-45 ms
@@ -89,6 +86,11 @@ class EncoderWorker:
             self._thread.start()
 
     # ---- engine-loop side ----------------------------------------------------------------
+
+    @property
+    def threaded(self) -> bool:
+        """The calls run on the worker's thread (else `run_due` runs them)."""
+        return self._thread is not None
 
     @property
     def lm_ramping(self) -> bool:
@@ -160,7 +162,7 @@ class EncoderWorker:
     def run_due(self, flush: bool = False) -> bool:
         """Without a thread: run the call that is due now, if any (`flush`: held audio is due whatever the interval).
         Returns whether a call ran."""
-        if self._thread is not None:
+        if self.threaded:
             raise RuntimeError("run_due is for an EncoderWorker without a thread")
         with self._cv:
             work = self._take_due(self._clock(), flush)
