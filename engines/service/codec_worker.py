@@ -26,6 +26,7 @@ better on TTFA, with 1-3 underruns at 76-108 sessions on an H200: docs/PERF_NOTE
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -37,6 +38,7 @@ import torch
 
 from engines.partition import driver_stream
 from engines.service.spans import Spans
+from engines.service.worker_wait import wait_for_work
 
 # Audio a playing answer is kept ahead of real time: margin for a round or two of new answers' first chunks
 # and the network, without decoding far ahead of what anyone can hear yet.
@@ -218,22 +220,25 @@ class CodecWorker:
             return False
         return kind == "all" or (a.first_post is None) == (kind == "first")
 
+    def _with_work(self, kind: str, now: float) -> list[_Answer] | None:
+        """The answers a thread running rounds of `kind` has work for now, if any."""
+        return [a for a in self._answers.values() if self._mine(a, kind) and self._has_work(a, now)] or None
+
+    def _next_due(self, kind: str) -> float:
+        """When the next chunk held for real time falls due among the answers of `kind` (inf: none is held)."""
+        return min((self._due_at(a) for a in self._answers.values()
+                    if self._mine(a, kind) and a.jobs and not a.cancelled), default=math.inf)
+
     def _run(self, kind: str) -> None:
         """Rounds of `kind`: "all" (the one thread), or "first" / "playing" (the two threads of a first lane)."""
         decoder = self.first_decoder if kind == "first" else self.decoder
         stream = self._first_stream if kind == "first" else self._stream
         while True:
             with self._cv:
-                while True:
-                    if self._closed:
-                        return
-                    now = self._clock()
-                    mine = [a for a in self._answers.values() if self._mine(a, kind)]
-                    answers = [a for a in mine if self._has_work(a, now)]
-                    if answers:
-                        break
-                    due = [self._due_at(a) for a in mine if a.jobs and not a.cancelled]
-                    self._cv.wait(max(0.001, min(due) - now) if due else None)
+                answers = wait_for_work(self._cv, lambda: self._closed, lambda now: self._with_work(kind, now),
+                                        lambda _: self._next_due(kind), self._clock, 0.001)
+                if answers is None:
+                    return
                 taken = [(a, a.new_codes, a.final and not a.finishing) for a in answers]
                 for a in answers:
                     a.new_codes = []

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from engines.service.spans import Spans
+from engines.service.worker_wait import wait_for_work
 
 ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
 # A batched encoder call costs ~0.4 ms per session on top of its fixed cost (H200: ~10 ms for one session, 20-45 ms
@@ -263,14 +264,9 @@ class EncoderWorker:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while True:
-                    if self._closed:
-                        return
-                    now = self._clock()
-                    work = self._take_due(now, False)
-                    if work is not None:
-                        break
-                    holding = sum(1 for t in self._turns.values() if t.held and not t.commit)
-                    due = self._due_at(holding)
-                    self._cv.wait(None if due == math.inf else max(0.0005, due - now))
+                work = wait_for_work(self._cv, lambda: self._closed, lambda now: self._take_due(now, False),
+                                     lambda _: self._due_at(sum(1 for t in self._turns.values()
+                                                                if t.held and not t.commit)), self._clock, 0.0005)
+            if work is None:
+                return
             self._call(*work)
