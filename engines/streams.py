@@ -19,6 +19,16 @@ def high_priority_stream(device: torch.device | str) -> torch.cuda.Stream:
     return driver_stream(device, urgent=True)
 
 
+def wait_releasing_gil(device: torch.device) -> None:
+    """Wait for the current stream's work before a device-to-host read. Codec and speech encoder calls run on worker
+    threads beside the engine loop: an event wait lets other Python threads run, where the read's own wait may hold
+    the GIL for the whole call."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event()
+        ev.record()
+        ev.synchronize()
+
+
 def side_by_side(streams: Sequence[torch.cuda.Stream], first: Callable[[], T], *others: Callable[[], T]) -> list[T]:
     """[first(), *others()]: others[i] enqueued on streams[i], then first on the current stream. Each branch starts
     after the work the current stream holds so far, and the current stream waits for every branch before its next

@@ -18,15 +18,10 @@ from engines.codec.decoder.config import CodecDecoderConfig
 from engines.codec.decoder.flow import FlowModel, PreparedVoice
 from engines.codec.decoder.mel import MelSpec, check_same_mel
 from engines.codec.decoder.stream import DecodeStream, Job
-from engines.codec.decoder.vocoder import (
-    BigVGANVocoder,
-    HiFTVocoder,
-    Vocoder,
-    WindowedVocoder,
-    wait_releasing_gil,
-)
+from engines.codec.decoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
 from engines.codec.decoder.voice import Voice
 from engines.config import ConfigError, parse_dtype
+from engines.streams import wait_releasing_gil
 
 VOCODERS = ("bigvgan", "hift")
 

@@ -19,6 +19,7 @@ from torch import nn
 from engines.codec.decoder.config import BigVGANConfig, HiFTConfig, StreamConfig
 from engines.codec.decoder.hift import HiFTGenerator
 from engines.codec.decoder.mel import SILENCE_LOG_MEL, MelSpec
+from engines.streams import wait_releasing_gil
 
 
 @dataclass
@@ -114,16 +115,6 @@ def crossfade_windows(n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor
     w = torch.hann_window(2 * n, periodic=False, device=device, dtype=torch.float64)[:n]
     fade_in = (w / (w + w.flip(0))).to(dtype)
     return fade_in, 1 - fade_in
-
-
-def wait_releasing_gil(device: torch.device) -> None:
-    """Wait for the current stream's work before a device-to-host read. Decoding runs on a worker thread beside
-    the engine loop: an event wait lets other Python threads run, where the read's own wait may hold the GIL
-    for the whole decode."""
-    if device.type == "cuda":
-        ev = torch.cuda.Event()
-        ev.record()
-        ev.synchronize()
 
 
 class WindowedVocoder:

@@ -16,7 +16,7 @@ from engines.codec.encoder.model import StreamingRunner, TrunkState, WhisperVQTr
 from engines.codec.encoder.presets import ENCODER_PRESETS
 from engines.codec.encoder.weights import PREFIX, load_state, random_state
 from engines.config import parse_dtype
-from engines.streams import high_priority_stream
+from engines.streams import high_priority_stream, wait_releasing_gil
 
 
 class EncoderInputError(ValueError):
@@ -41,16 +41,6 @@ def _as_pcm(pcm: np.ndarray | torch.Tensor) -> np.ndarray:
     if pcm.size and not np.isfinite(pcm).all():
         raise EncoderInputError("PCM contains NaN or infinite samples")
     return pcm
-
-
-def _host_list(t: torch.Tensor) -> list[int]:
-    """A device tensor's values; the wait for the GPU goes through an event, which releases the GIL (the engine
-    loop runs meanwhile when the encoder is on a thread of its own)."""
-    if t.device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-    return t.tolist()
 
 
 class SpeechEncoder:
@@ -214,7 +204,9 @@ class EncoderBatch:
             take = [min(p.shape[0], seg - s.trunk.mel_in_segment) for s, p in zip(streams, pending, strict=True)]
             mels = [p if n == p.shape[0] else p[:n] for p, n in zip(pending, take, strict=True)]
             counts, pooled = enc.runner.run([s.trunk for s in streams], mels)
-            ids = _host_list(enc.runner.quantize(pooled))
+            ids = enc.runner.quantize(pooled)
+            wait_releasing_gil(ids.device)  # (the engine loop runs meanwhile when the encoder has a thread of its own)
+            ids = ids.tolist()
             start = 0
             for i, (s, n, c) in enumerate(zip(streams, take, counts, strict=True)):
                 codes[i].extend(ids[start:start + c])
