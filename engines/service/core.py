@@ -501,7 +501,6 @@ class Service:
         if self._speech is None:
             raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
-        s.speech_open = True
         self._speech.append(s.session_id, pcm)
 
     def _run_encoder(self, flush: bool) -> None:
@@ -528,7 +527,7 @@ class Service:
 
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)
-        if s.speech_open and self._speech is not None and self._speech.commit(s.session_id):
+        if self._speech is not None and self._speech.commit(s.session_id):  # else no audio is left to finalize
             s.commit_pending, s.commit_at = (client, msg), time.monotonic()  # the session's next messages wait
         else:
             self._committed(s, [])
@@ -554,7 +553,6 @@ class Service:
 
     def _committed(self, s: Session, codes: list[int]) -> None:
         """The user's turn ends with these last codes (its encoder stream is finalized)."""
-        s.speech_open = False
         if s.turn_codes + len(codes) == 0:
             raise ServiceError("invalid_request", "the input audio buffer holds no speech to commit")
         self._user_codes(s, codes, commit=True)
@@ -570,7 +568,6 @@ class Service:
         self._clear_speech(self._session(client, msg.session_id))
 
     def _clear_speech(self, s: Session) -> None:
-        s.speech_open = False
         if self._speech is not None:
             self._speech.drop(s.session_id)
         s.pending_codes = []

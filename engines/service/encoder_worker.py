@@ -192,7 +192,7 @@ class EncoderWorker:
     def _take_due(self, now: float, flush: bool) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
         """(commit, [(turn, its held audio)]) of the call due now (under _cv), marking them busy; None if none is."""
         commits = [t for t in self._turns.values() if t.commit]
-        holding = [t for t in self._turns.values() if t.held and not t.commit]
+        holding = self._holding()
         if commits:
             taken, commit = commits, True
             for t in commits:
@@ -210,6 +210,10 @@ class EncoderWorker:
             work.append((t, pcm))
         self._running = True
         return commit, work
+
+    def _holding(self) -> list[_Turn]:
+        """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit)."""
+        return [t for t in self._turns.values() if t.held and not t.commit]
 
     def _forget_held_since(self) -> None:
         """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""
@@ -265,8 +269,7 @@ class EncoderWorker:
         while True:
             with self._cv:
                 work = wait_for_work(self._cv, lambda: self._closed, lambda now: self._take_due(now, False),
-                                     lambda _: self._due_at(sum(1 for t in self._turns.values()
-                                                                if t.held and not t.commit)), self._clock, 0.0005)
+                                     lambda _: self._due_at(len(self._holding())), self._clock, 0.0005)
             if work is None:
                 return
             self._call(*work)

@@ -152,8 +152,8 @@ def build_service(args: argparse.Namespace) -> Service:
         # worker's rounds of playing answers (lowest priority) for SMs: a decode step is a few ms of GPU work
         # that every session waits for. (The speech encoder has its own high-priority stream.)
         torch.cuda.set_stream(lm_stream if lm_stream is not None else high_priority_stream(args.device))
-    # The codec worker thread runs Python between its GPU waits; a short switch interval keeps the engine
-    # loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
+    # The codec and encoder worker threads run Python between their GPU waits; a short switch interval keeps the
+    # engine loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)
     t0 = time.monotonic()
     engine = Engine.from_name(args.model, EngineConfig(**kw), seed=args.seed)

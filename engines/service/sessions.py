@@ -134,7 +134,6 @@ class Session:
     pending_rows: list[Row] = field(default_factory=list)
     pending_codes: list[int] = field(default_factory=list)
     pending_commit: bool = False  # commit received for codes still in pending_codes
-    speech_open: bool = False  # user audio of this turn went to the encoder (a commit must finalize it)
     # A commit the encoder is finalizing: (client, CommitUserAudio); the session's messages after it wait in
     # after_commit until its last codes are in.
     commit_pending: tuple[bytes, Any] | None = None
