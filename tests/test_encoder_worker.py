@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from engines.codec.audio_io import float32_to_pcm16
 from engines.codec.encoder import SpeechEncoder
 from engines.config import EngineConfig
 from engines.engine import Engine
@@ -169,7 +170,7 @@ def test_service_on_the_thread_gives_the_same_conversation(enc):
         speech = {sid: speech_like(1.2, seed=i) for i, sid in enumerate("ab")}
         for i in range(0, 19200, 640):
             for sid, pcm in speech.items():
-                out += svc.handle(b"c", m.AppendUserAudio(sid, (pcm[i:i + 640] * 32767).astype("<i2").tobytes()))
+                out += svc.handle(b"c", m.AppendUserAudio(sid, float32_to_pcm16(pcm[i:i + 640])))
             out += svc.step()
         out += svc.handle_many([(b"c", msg) for sid in "ab" for msg in (
             m.CommitUserAudio(sid, "i"), m.CreateResponse(sid, "r", "text", greedy))])
@@ -220,7 +221,7 @@ def test_service_steps_while_a_commit_is_encoding(enc):
         svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
     svc.handle(b"c", m.AddUserText("b", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("b", "rb", "text", greedy))
-    svc.handle(b"c", m.AppendUserAudio("a", (speech_like(0.5, seed=4) * 32767).astype("<i2").tobytes()))
+    svc.handle(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.5, seed=4))))
     out = svc.handle_many([(b"c", m.CommitUserAudio("a", "i")), (b"c", m.CreateResponse("a", "ra", "text", greedy))])
     assert not any(isinstance(x, m.ResponseStarted) for _, x in out)  # a's answer waits for its commit
     assert svc.sessions["a"].commit_pending is not None and len(svc.sessions["a"].after_commit) == 1
@@ -248,22 +249,22 @@ def test_service_reports_an_encoder_failure_and_keeps_the_session(enc):
     greedy = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
     svc.handle(b"c", m.OpenSession("a", sampling=greedy))
     svc.handle(b"c", m.OpenSession("b", sampling=greedy))
-    ones = (np.ones(3200) * 32767).astype("<i2").tobytes()
+    ones = float32_to_pcm16(np.ones(3200))
     out = svc.handle_many([(b"c", m.AppendUserAudio("a", ones)),
-                           (b"c", m.AppendUserAudio("b", (speech_like(0.3, seed=5) * 32767).astype("<i2").tobytes()))])
+                           (b"c", m.AppendUserAudio("b", float32_to_pcm16(speech_like(0.3, seed=5))))])
     errors = sorted((x.session_id, x.code) for _, x in out if isinstance(x, m.Error))
     assert errors == [("a", "engine_error"), ("b", "engine_error")]
     assert all("speech encoder failed" in x.message for _, x in out if isinstance(x, m.Error))
     out = svc.handle(b"c", m.CommitUserAudio("a", "i"))  # nothing left of the failed turn
     assert [(type(x).__name__, x.code) for _, x in out] == [("Error", "invalid_request")]
-    out = svc.handle_many([(b"c", m.AppendUserAudio("a", (speech_like(0.5, seed=6) * 32767).astype("<i2").tobytes())),
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.5, seed=6)))),
                            (b"c", m.CommitUserAudio("a", "i")), (b"c", m.CreateResponse("a", "r", "text", greedy))])
     while svc.has_work():
         out += svc.step()
     assert [x.status for _, x in out if isinstance(x, m.ResponseDone)] == ["incomplete"]  # (max tokens)
     # Two commits in one call, one of them at full scale: both fail with the encoder's error and their turns (already
     # partly in the engine) are dropped; each session's next message runs as usual.
-    speech = (speech_like(0.5, seed=7) * 32767).astype("<i2").tobytes()
+    speech = float32_to_pcm16(speech_like(0.5, seed=7))
     svc.handle_many([(b"c", m.AppendUserAudio("a", speech)), (b"c", m.AppendUserAudio("b", speech))])
     assert svc.sessions["a"].active is not None and svc.sessions["a"].active.audio_open  # prefilling a's turn
     out = svc.handle_many([(b"c", m.AppendUserAudio("a", ones)), (b"c", m.CommitUserAudio("a", "i")),
