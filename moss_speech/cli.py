@@ -19,7 +19,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "engine"), "engines.commands.bench_engine", "time prefill and decode against their floors"),
     (("bench", "codec"), "engines.codec.commands.bench_codec", "time codec chunks at several batch sizes"),
     (("bench", "turn"), "engines.commands.bench_turn", "engine TTFA of a spoken turn, incremental vs at once"),
-    (("bench", "encoder"), "engines.codec.commands.bench_encoder", "time the speech encoder per 80 ms"),
+    (("bench", "encoder"), "engines.codec.commands.bench_encoder", "time the speech encoder per step of audio"),
     (("bench", "sessions"), "server.commands.bench_sessions", "the server process's CPU per real-time session"),
     (("bench", "capacity"), "server.loadtest.capacity", "raise concurrency until TTFA or underruns break"),
     (("codec", "decode"), "engines.codec.commands.decode", "codes -> 24 kHz WAV"),

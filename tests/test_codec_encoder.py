@@ -20,6 +20,7 @@ from engines.codec.encoder import (
     StreamClosedError,
     write_random_encoder,
 )
+from engines.codec.encoder.graphs import StepGraphs
 from engines.codec.encoder.mel import mel_filterbank
 from engines.config import ConfigError
 
@@ -120,14 +121,18 @@ def test_finalize_pads_last_group_with_silence(enc, n):
         s.finalize()
 
 
-def test_batched_step_equals_each_alone(enc):
-    pcms = [speech_like(1.7, seed=1), speech_like(0.9, seed=2), speech_like(2.1, seed=3)]
-    sizes = [[320], [137, 2000], [960, 0, 50]]
-    alone = [stream_encode(enc, p, sz) for p, sz in zip(pcms, sizes, strict=True)]
+BATCH_PCMS = [(1.7, 1), (0.9, 2), (2.1, 3)]  # (seconds, seed) of three streams stepped together
+BATCH_SIZES = [[320], [137, 2000], [960, 0, 50]]  # each stream's push sizes
+
+
+def batched_encode(enc: SpeechEncoder, pcms: list[np.ndarray], sizes: list[list[int]]
+                   ) -> list[tuple[list[int], torch.Tensor]]:
+    """Each stream's codes and features with every stream still speaking stepped in one batch, then finalized in
+    one call."""
     streams = [enc.open_stream() for _ in pcms]
-    pos = [0, 0, 0]
-    codes = [[], [], []]
-    feats = [[], [], []]
+    pos = [0] * len(pcms)
+    codes: list[list[int]] = [[] for _ in pcms]
+    feats: list[list[torch.Tensor]] = [[] for _ in pcms]
     batch = enc.batch()
     k = 0
     while any(p < pcm.size for p, pcm in zip(pos, pcms, strict=True)):
@@ -147,8 +152,77 @@ def test_batched_step_equals_each_alone(enc):
         codes[i] += tail
         if s.last_features is not None:
             feats[i].append(s.last_features)
-        assert codes[i] == alone[i][0]
-        torch.testing.assert_close(torch.cat(feats[i]), alone[i][1], atol=FEATURE_ATOL, rtol=0)
+    return [(c, torch.cat(f)) for c, f in zip(codes, feats, strict=True)]
+
+
+def test_batched_step_equals_each_alone(enc):
+    pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]
+    alone = [stream_encode(enc, p, sz) for p, sz in zip(pcms, BATCH_SIZES, strict=True)]
+    for (codes, feats), (codes1, feats1) in zip(batched_encode(enc, pcms, BATCH_SIZES), alone, strict=True):
+        assert codes == codes1
+        torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+
+
+class EagerStepGraphs(StepGraphs):
+    """StepGraphs' buckets with the blocks run eagerly on the padded inputs a graph would get: the padding (rows,
+    tokens, keys) on the CPU."""
+
+    def _capture(self, b: int, n: int, t: int):
+        return None, None, None
+
+    def run(self, key, *inputs):
+        self.replays += 1
+        return self.runner.layers(*inputs, key[2])
+
+
+def bucketed_encoder(max_batch: int = 4) -> SpeechEncoder:
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    e.reserve(max_batch)
+    e.runner.graphs = EagerStepGraphs(e.runner, max_batch)
+    e.runner.graphs.capture()
+    return e
+
+
+def test_bucketed_steps_equal_exact_ones(enc):
+    """Steps padded to a graph's bucket (more streams, frames and keys than the step has; padding in the spare KV
+    slot) give the codes and features of the exact shapes; steps without a bucket (a 1.25 s push: 62 frames) run
+    exactly."""
+    e = bucketed_encoder()
+    graphs = e.runner.graphs
+    pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]
+    exact = batched_encode(enc, pcms, BATCH_SIZES)
+    for (codes, feats), (codes1, feats1) in zip(batched_encode(e, pcms, BATCH_SIZES), exact, strict=True):
+        assert codes == codes1
+        torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+    assert graphs.replays > 10
+    pcm = speech_like(2.3)
+    replays = graphs.replays
+    codes, feats = stream_encode(e, pcm, [20000, 320])
+    # Pushes of 20000, 320 and the last 16480 samples (62, 2 and 51 frames), then the finalize: two in buckets.
+    assert graphs.replays - replays == 2
+    codes1, feats1 = stream_encode(enc, pcm, [20000, 320])
+    assert codes == codes1
+    torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+
+
+def test_bucketed_steps_across_30s_segment(enc):
+    e = bucketed_encoder(1)
+    pcm = speech_like(31.0, seed=3)
+    codes, feats = stream_encode(e, pcm, [8000, 4321])
+    codes1, feats1 = stream_encode(enc, pcm, [8000, 4321])
+    assert codes == codes1
+    torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+
+
+def test_a_kv_pool_growth_retires_the_graphs(enc, caplog):
+    e = bucketed_encoder(2)
+    graphs = e.runner.graphs
+    streams = [e.open_stream() for _ in range(3)]  # reserved 2: the third grows the pool
+    pcm = speech_like(0.5)
+    with caplog.at_level("WARNING", logger="engines.codec"):
+        codes = e.batch().finalize(streams, [pcm] * 3)
+    assert "grew" in caplog.text and not graphs.graphs and graphs.replays == 0
+    assert codes == [enc.encode(pcm)] * 3
 
 
 def test_batch_refuses_duplicate_stream(enc):

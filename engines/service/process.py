@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-thread", dest="encoder_thread", action=argparse.BooleanOptionalAction, default=None,
                    help="run the speech encoder's calls on a thread of their own, beside the engine steps, instead of "
                         "in the engine loop (default: on a GPU)")
+    p.add_argument("--encoder-graphs", dest="encoder_graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a GPU, replay the speech encoder's blocks as CUDA graphs for steps of up to 8 sessions (a "
+                        "commit's step is ~300 launches for a few ms of GPU work)")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
@@ -171,6 +174,8 @@ def build_service(args: argparse.Namespace) -> Service:
             # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
             # engine loop for the allocation and copy.
             encoder.reserve(engine.config.max_running)
+            if getattr(args, "encoder_graphs", True):  # after the reserve: a growth of the KV pool retires them
+                encoder.capture_graphs()
         # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
         # in bf16.
         with codec_home:

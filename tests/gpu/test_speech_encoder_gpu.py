@@ -29,3 +29,34 @@ def test_encoder_worker_on_its_thread_equals_one_stream_alone(enc):
 
     for threaded in (False, True):
         same_codes(enc, threaded)
+
+
+def test_step_graphs_equal_eager_steps(enc):
+    """Steps of up to 4 streams replayed as CUDA graphs (buckets of streams, frames and keys; padding in the spare KV
+    slot) give the eager steps' codes and features: batched, streamed with pushes in and out of the buckets, and
+    across a 30 s segment."""
+    from tests.test_codec_encoder import (
+        BATCH_PCMS,
+        BATCH_SIZES,
+        FEATURE_ATOL,
+        batched_encode,
+        speech_like,
+        stream_encode,
+    )
+
+    g = SpeechEncoder.load("tiny-random", device="cuda")
+    g.reserve(4)
+    assert g.capture_graphs(4) == 3 * 6 * 11  # streams 1, 2, 4; frames 1-32; keys 16-1500
+    graphs = g.runner.graphs
+    pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]
+    for (codes, feats), (codes1, feats1) in zip(batched_encode(g, pcms, BATCH_SIZES),
+                                                batched_encode(enc, pcms, BATCH_SIZES), strict=True):
+        assert codes == codes1
+        torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+    assert graphs.replays > 10
+    for seconds, sizes in ((2.3, [20000, 320]), (2.3, [1, 5000, 17, 640, 0, 1279]), (31.0, [8000, 4321])):
+        pcm = speech_like(seconds, seed=3)
+        codes, feats = stream_encode(g, pcm, sizes)
+        codes1, feats1 = stream_encode(enc, pcm, sizes)
+        assert codes == codes1
+        torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)

@@ -1,21 +1,21 @@
-"""`moss-speech bench encoder`: speech-encoder time per 80 ms of audio at several batch sizes.
+"""`moss-speech bench encoder`: speech-encoder time per step of audio at several batch sizes.
 
-Each timed step pushes one 80 ms piece (one code) for every stream of the batch through the
+Each timed step pushes one piece (default 80 ms: one code) for every stream of the batch through the
 batched encoder step, after a warm-up long enough that the streams carry a few seconds of context.
+`--graphs` replays the blocks of steps of up to 8 streams as CUDA graphs (as the server does).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import numpy as np
 import torch
 
 from engines.bench.hardware import device_name, median, timed
 from engines.codec.encoder import SpeechEncoder
-
-PIECE = 1280  # 80 ms at 16 kHz
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--context-s", type=float, default=4.0, help="audio pushed before timing")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--piece-ms", type=int, default=80, help="audio per stream per timed step")
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs for steps of up to 8 streams")
     p.add_argument("--json", default=None)
 
 
@@ -32,19 +34,26 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
     rng = np.random.default_rng(0)
-    res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "ms_per_80ms": {}}
-    for b in [int(x) for x in args.batches.split(",")]:
-        enc.reserve(b)
+    piece = 16 * args.piece_ms
+    batches = [int(x) for x in args.batches.split(",")]
+    enc.reserve(max(batches))  # before the graphs: a growth of the KV pool retires them
+    res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "piece_ms": args.piece_ms,
+           "graphs": 0, f"ms_per_{args.piece_ms}ms": {}}
+    if args.graphs:
+        t0 = time.perf_counter()
+        res["graphs"] = enc.capture_graphs()
+        print(f"{res['graphs']} step graphs captured in {time.perf_counter() - t0:.1f} s")
+    for b in batches:
         streams = [enc.open_stream() for _ in range(b)]
         batch = enc.batch()
 
         def step(streams=streams, batch=batch):
-            batch.step([(s, (0.1 * rng.standard_normal(PIECE)).astype(np.float32)) for s in streams])
-        for _ in range(int(args.context_s * 16000 / PIECE)):
+            batch.step([(s, (0.1 * rng.standard_normal(piece)).astype(np.float32)) for s in streams])
+        for _ in range(int(args.context_s * 16000 / piece)):
             step()
         t = median(timed(step, device, repeats=args.iters, warmup=1)) * 1e3
-        res["ms_per_80ms"][str(b)] = t
-        print(f"encoder batch {b:3d}: {t:.2f} ms per 80 ms step ({t / b:.3f} ms per stream)")
+        res[f"ms_per_{args.piece_ms}ms"][str(b)] = t
+        print(f"encoder batch {b:3d}: {t:.2f} ms per {args.piece_ms} ms step ({t / b:.3f} ms per stream)")
         for s in streams:
             s.close()
     if args.json:

@@ -16,6 +16,7 @@ from engines.codec.encoder.model import StreamingRunner, TrunkState, WhisperVQTr
 from engines.codec.encoder.presets import ENCODER_PRESETS
 from engines.codec.encoder.weights import PREFIX, load_state, random_state
 from engines.config import parse_dtype
+from engines.partition import driver_stream
 from engines.streams import high_priority_stream, wait_releasing_gil
 
 
@@ -57,10 +58,14 @@ class SpeechEncoder:
         self.trunk = trunk.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.frontend = MelFrontend(cfg, device)
         self.runner = StreamingRunner(self.trunk, dtype, device)
-        # Its own CUDA stream: the codes are read back at once (a host sync), which on the language model's
+        # Its own CUDA streams: the codes are read back at once (a host sync), which on the language model's
         # stream would also wait for the decode steps queued there.
-        # High priority: a commit's last codes are on every answer's path to first audio.
+        # High priority: a commit's last codes are on every answer's path to first audio. Audio still being spoken
+        # (`batch(urgent=False)`) goes on a stream of the lowest priority: under load those calls are the big ones
+        # (float32, ~50 ms for 100 sessions on an H200), and their kernels should leave SMs to the decode steps.
+        # Each call ends with a wait for its stream, so the streams never hold each other's tensors in flight.
         self.stream = high_priority_stream(device) if device.type == "cuda" else None
+        self.bulk_stream = driver_stream(device) if device.type == "cuda" else None
         # Streams may be stepped on one thread (the engine service's encoder worker) while another encodes a voice
         # prompt: calls, stream opening and slot release take turns on the runner's state and KV pool.
         self.lock = threading.RLock()
@@ -87,19 +92,34 @@ class SpeechEncoder:
         with self.lock, self._on_stream():
             self.runner.kv.reserve(streams)
 
+    def capture_graphs(self, max_batch: int = 8) -> int:
+        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs); reserve the KV pool
+        first (a growth retires them). Returns how many were captured."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        from engines.codec.encoder.graphs import StepGraphs
+
+        with self.lock, self._on_stream():
+            graphs = StepGraphs(self.runner, max_batch)
+            n = graphs.capture()
+            self.runner.graphs = graphs
+        return n
+
     def release_slot(self, state: TrunkState) -> None:
         with self.lock:
             self.runner.release(state)
 
-    def _on_stream(self) -> contextlib.AbstractContextManager:
+    def _on_stream(self, urgent: bool = True) -> contextlib.AbstractContextManager:
         """Encoder work and the state it keeps go on the encoder's stream (when it has one)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        stream = self.stream if urgent else self.bulk_stream
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def open_stream(self) -> EncoderStream:
         return EncoderStream(self)
 
-    def batch(self) -> EncoderBatch:
-        return EncoderBatch(self)
+    def batch(self, urgent: bool = True) -> EncoderBatch:
+        """Several streams in one call; `urgent=False`: on the lowest-priority stream (audio still being spoken)."""
+        return EncoderBatch(self, urgent)
 
     def encode(self, pcm: np.ndarray | torch.Tensor) -> list[int]:
         """Whole-utterance encode: one forward over all frames, tail padded as in `finalize()`."""
@@ -176,12 +196,13 @@ class EncoderStream:
 class EncoderBatch:
     """Steps many streams in one forward: each stream's result equals stepping it alone."""
 
-    def __init__(self, encoder: SpeechEncoder) -> None:
+    def __init__(self, encoder: SpeechEncoder, urgent: bool = True) -> None:
         self.encoder = encoder
+        self.urgent = urgent
 
     @torch.no_grad()
     def step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
-        with self.encoder.lock, self.encoder._on_stream():
+        with self.encoder.lock, self.encoder._on_stream(self.urgent):
             return self._step(items)
 
     def _step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:

@@ -5,6 +5,10 @@ write the new rows of all streams with one indexed store and attend with one bat
 not a copy, when the streams of the step hold consecutive slots; lowest free slots are handed out first
 to make that the common case). A slot is 1500 rows x 2 x d_model per layer: 123 MB per stream at full
 size in bf16 (16 layers). The pool doubles when full; freed slots are reused.
+
+One more slot than the capacity is allocated: `spare`, never handed out, takes the K/V writes of padding tokens
+(a step's streams padded to the same number of new frames, or to a CUDA graph's bucket). A growth reallocates every
+tensor, so `generation` counts them: graphs captured over the old tensors must not be replayed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self._free: list[int] = []
         self.in_use = 0
+        self.generation = 0  # growths so far
+
+    @property
+    def spare(self) -> int:
+        """The slot padding tokens write to (the row after the last real slot)."""
+        return self.capacity
 
     def acquire(self) -> int:
         if not self._free:
@@ -44,16 +54,17 @@ class KVPool:
 
     def _grow(self, capacity: int) -> None:
         cfg = self.cfg
-        shape = (capacity, cfg.num_heads, cfg.max_source_positions, cfg.head_dim)
+        shape = (capacity + 1, cfg.num_heads, cfg.max_source_positions, cfg.head_dim)  # + the spare slot
         # Zeros, not empty: masked-out rows still enter the weighted sum (as 0 x value), NaN garbage would not.
         for buf in (self.keys, self.values):
             for li in range(cfg.num_layers):
                 grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if li < len(buf):
-                    grown[: self.capacity] = buf[li]
+                    grown[: self.capacity] = buf[li][: self.capacity]
                     buf[li] = grown
                 else:
                     buf.append(grown)
         self._free.extend(range(self.capacity, capacity))
         heapq.heapify(self._free)
         self.capacity = capacity
+        self.generation += 1

@@ -5,9 +5,12 @@ stride 2, causal) -> GELU -> + learned positions -> `num_layers` pre-LN Whisper 
 self-attention -> average pool x4 -> nearest codebook entry. 100 Hz mel -> 50 Hz -> 12.5 Hz codes.
 
 Every step flattens the new frames of all streams into one token matrix (no padding): the convs run as
-one im2col matmul each, the blocks' projections and MLPs as one matmul each. Attention pads only the
-queries ([streams, max new frames]) and reads each stream's KV slot (kv_pool.py) with one batched call
-per layer, so a step costs the same number of kernel launches at batch 1 and 64.
+one im2col matmul each. The blocks run on the streams' new 50 Hz frames padded to the longest
+([streams, max new frames], flattened: padding writes its K/V into the pool's spare slot): projections and
+MLPs are one matmul each, attention reads each stream's KV slot (kv_pool.py) in one batched call per
+layer, so a step costs the same number of kernel launches at batch 1 and 64. Small steps (a commit) replay
+the blocks as CUDA graphs over bucketed shapes instead (graphs.py): eagerly they are ~300 launches for a
+few ms of GPU work.
 
 Positions restart every `max_source_positions` frames (30 s), as
 the reference encodes long audio in independent 30 s windows: at that boundary the stream's conv, KV
@@ -111,17 +114,18 @@ class TrunkState:
 
 @dataclass
 class _Plan:
-    """Where each new token of a step goes: its stream row b, index i within the stream, cache row."""
+    """The step's new 50 Hz tokens as the layers see them: `batch` rows (the streams with new tokens, in order, then
+    padding rows) of `n_max` tokens each, flattened. A stream's row holds its tokens first; the rest is padding, whose
+    K/V go to the pool's spare slot and whose outputs are dropped."""
 
-    tok_b: torch.Tensor  # [N]
-    tok_i: torch.Tensor  # [N]
-    tok_slot: torch.Tensor  # [N]
-    tok_pos: torch.Tensor  # [N] position in the segment (= KV row)
-    slots: torch.Tensor | slice  # [B] KV slots of the streams with new tokens (slice when consecutive)
-    mask: torch.Tensor  # [B, 1, n_max, t_max] causal: key j visible to query i iff j <= past_b + i
-    batch: int
-    n_max: int
-    t_max: int
+    dense: torch.Tensor  # [N] each real token's row in the padded layout
+    tok_pos: torch.Tensor  # [N] each real token's position in its segment
+    kv_slot: torch.Tensor  # [batch * n_max] each layout row's KV slot (padding: the spare)
+    kv_pos: torch.Tensor  # [batch * n_max] its KV row (= position in the segment)
+    slots: torch.Tensor | slice  # [batch] each row's KV slot (slice when consecutive)
+    qpos: torch.Tensor  # [batch, n_max] each query's position: key j is visible iff j <= it
+    t_max: int  # keys each row attends over
+    padded: bool  # some row of the layout is padding
 
 
 class StreamingRunner:
@@ -145,6 +149,7 @@ class StreamingRunner:
         self.codebook = t.codebook.weight.float()  # [V, d]
         self.codebook_sq = self.codebook.square().sum(dim=1)  # [V]
         self.kv = KVPool(cfg, dtype, device)
+        self.graphs = None  # graphs.StepGraphs once captured (SpeechEncoder.capture_graphs)
 
     @property
     def mel_per_segment(self) -> int:
@@ -193,12 +198,19 @@ class StreamingRunner:
         rest1 = [r[-2:] for r in rows1]
         past = [st.pos for st in states]
         active = [b for b, n in enumerate(n2) if n]
-        slots = [states[b].slot for b in active]
         n_max = max((n2[b] for b in active), default=0)
+        t_max = max((past[b] + n2[b] for b in active), default=0)
+        # The layers' shapes: exact when eager, a captured graph's bucket when one holds this step.
+        sizes = self.graphs.sizes(len(active), n_max, t_max) if self.graphs is not None and active else None
+        batch, n_pad, t_pad = sizes or (len(active), n_max, t_max)
+        slots = [states[b].slot for b in active]
+        # A graph reads its slots from an input; eagerly, consecutive slots are a view of the pool instead of a gather.
+        consecutive = bool(slots) and sizes is None and slots == list(range(slots[0], slots[0] + len(slots)))
         idx = upload([_windows(rows1, n1, 3, 1), _flat(rest1), _windows(rows2, n2, 3, 2), _flat(rest2),
                       _windows(rows3, counts, k, k), _flat(rest3),
-                      *self._plan_arrays(states, n2, past, active, slots, n_max)], self.device)
-        cols1_t, rest1_t, cols2_t, rest2_t, groups_t, rest3_t, tok_b, tok_i, tok_slot, tok_pos, slots_t, qpos = idx
+                      *self._plan_arrays(slots, [n2[b] for b in active], [past[b] for b in active], batch, n_pad,
+                                         self.kv.spare)], self.device)
+        cols1_t, rest1_t, cols2_t, rest2_t, groups_t, rest3_t, dense, tok_pos, kv_slot, kv_pos, slots_t, qpos = idx
         for st, n, c in zip(states, n1, n2, strict=True):
             st.mel_in_segment += n
             st.pos += c
@@ -211,20 +223,20 @@ class StreamingRunner:
         _keep(states, "h1_tail", rest2, src[rest2_t])
         if not active:
             return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
-        t_max = max(past[b] + n2[b] for b in active)
-        mask = torch.arange(t_max, device=self.device)[None, None, :] <= qpos[:, :, None]  # [B, n_max, t_max]
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        plan = _Plan(tok_b=tok_b, tok_i=tok_i, tok_slot=tok_slot, tok_pos=tok_pos,
+        plan = _Plan(dense=dense, tok_pos=tok_pos, kv_slot=kv_slot, kv_pos=kv_pos, qpos=qpos, t_max=t_pad,
                      slots=slice(slots[0], slots[0] + len(slots)) if consecutive else slots_t,
-                     mask=mask[:, None], batch=len(active), n_max=n_max, t_max=t_max)
+                     padded=batch * n_pad != dense.shape[0])
         cols = src[cols2_t].transpose(1, 2).reshape(cols2_t.shape[0], -1)  # [N2, d * 3]
         x = F.gelu(F.linear(cols, self.w2, self.trunk.conv2.bias))  # [N2, d]
         x = x + self.trunk.embed_positions(plan.tok_pos)
-        for li, layer in enumerate(self.trunk.layers):
-            x = x + self._attention(li, layer, plan, x)
-            h = F.layer_norm(x, (cfg.d_model,), layer.final_layer_norm.weight, layer.final_layer_norm.bias,
-                             cfg.layer_norm_eps)
-            x = x + layer.fc2(F.gelu(layer.fc1(h)))
+        if plan.padded:
+            x = x.new_zeros(batch * n_pad, cfg.d_model).index_copy_(0, plan.dense, x)  # [batch * n_max, d]
+        if sizes is not None:
+            x = self.graphs.run(sizes, x, plan.kv_slot, plan.kv_pos, slots_t, plan.qpos)
+        else:
+            x = self.layers(x, plan.kv_slot, plan.kv_pos, plan.slots, plan.qpos, plan.t_max)
+        if plan.padded:
+            x = x[plan.dense]  # [N2, d]
         # Average pool x4: a group closes only when its last 50 Hz frame exists.
         src = torch.cat([st.pool_buf for st in states if st.pool_buf is not None] + [x])
         _keep(states, "pool_buf", rest3, src[rest3_t], none_if_empty=True)
@@ -233,37 +245,56 @@ class StreamingRunner:
         return counts, src[groups_t].float().mean(dim=1)  # [groups, d]
 
     @staticmethod
-    def _plan_arrays(states: list[TrunkState], n2: list[int], past: list[int], active: list[int],
-                     slots: list[int], n_max: int) -> list[np.ndarray]:
-        """Where each new 50 Hz token goes: stream row b, index i within the stream, KV slot, position; the
-        active streams' slots; each query's position [B, n_max] (the causal mask is key pos <= it)."""
-        tok_b, tok_i, tok_slot, tok_pos = [], [], [], []
-        for row, b in enumerate(active):
-            n = n2[b]
-            tok_b += [row] * n
-            tok_i += range(n)
-            tok_slot += [states[b].slot] * n
-            tok_pos += range(past[b], past[b] + n)
-        qpos = np.asarray([past[b] for b in active], dtype=np.int64)[:, None] + np.arange(n_max)[None, :]
-        return [np.asarray(a, dtype=np.int64) for a in (tok_b, tok_i, tok_slot, tok_pos, slots)] + [qpos]
+    def _plan_arrays(slots: list[int], n: list[int], past: list[int], batch: int, n_max: int, spare: int
+                     ) -> list[np.ndarray]:
+        """The padded layout's host arrays (see _Plan) for streams with KV `slots`, `n` new tokens each after `past`
+        positions, in `batch` rows of `n_max` tokens: dense, tok_pos, kv_slot, kv_pos, slots, qpos."""
+        rows = len(slots)
+        n_arr = np.asarray(n, dtype=np.int64)
+        past_arr = np.asarray(past, dtype=np.int64)
+        i = np.arange(n_max, dtype=np.int64)
+        real = np.zeros((batch, n_max), dtype=bool)
+        real[:rows] = i[None, :] < n_arr[:, None]
+        qpos = np.zeros((batch, n_max), dtype=np.int64)
+        qpos[:rows] = past_arr[:, None] + i[None, :]  # padding queries of a stream's row look at its keys too
+        row_slot = np.full(batch, spare, dtype=np.int64)
+        row_slot[:rows] = slots
+        kv_slot = np.where(real, row_slot[:, None], spare)
+        kv_pos = np.where(real, qpos, 0)
+        dense = np.flatnonzero(real)
+        return [dense, qpos.ravel()[dense], kv_slot.ravel(), kv_pos.ravel(), row_slot, qpos]
 
-    def _attention(self, li: int, layer: EncoderLayer, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
+    def layers(self, x: torch.Tensor, kv_slot: torch.Tensor, kv_pos: torch.Tensor, slots: torch.Tensor | slice,
+               qpos: torch.Tensor, t_max: int) -> torch.Tensor:
+        """The transformer blocks over the padded layout (x [batch * n_max, d], see _Plan); what graphs.StepGraphs
+        captures."""
+        cfg = self.cfg
+        mask = torch.arange(t_max, device=x.device)[None, None, :] <= qpos[:, :, None]  # [batch, n_max, t_max]
+        mask = mask[:, None]  # [batch, 1, n_max, t_max]
+        for li, layer in enumerate(self.trunk.layers):
+            x = x + self._attention(li, layer, x, kv_slot, kv_pos, slots, mask)
+            h = F.layer_norm(x, (cfg.d_model,), layer.final_layer_norm.weight, layer.final_layer_norm.bias,
+                             cfg.layer_norm_eps)
+            x = x + layer.fc2(F.gelu(layer.fc1(h)))
+        return x
+
+    def _attention(self, li: int, layer: EncoderLayer, x: torch.Tensor, kv_slot: torch.Tensor, kv_pos: torch.Tensor,
+                   slots: torch.Tensor | slice, mask: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         hds, hd = cfg.num_heads, cfg.head_dim
+        batch, _, n_max, t_max = mask.shape
         h = F.layer_norm(x, (cfg.d_model,), layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
                          cfg.layer_norm_eps)
         w, b = self.qkv[li]
-        q, k, v = F.linear(h, w, b).view(-1, 3, hds, hd).unbind(1)  # each [N, heads, head_dim]
+        q, k, v = F.linear(h, w, b).view(-1, 3, hds, hd).unbind(1)  # each [batch * n_max, heads, head_dim]
         keys, values = self.kv.keys[li], self.kv.values[li]  # [slots, heads, positions, head_dim]
-        keys[plan.tok_slot, :, plan.tok_pos] = k
-        values[plan.tok_slot, :, plan.tok_pos] = v
-        kb = keys[plan.slots, :, :plan.t_max]  # [B, heads, t_max, head_dim]
-        vb = values[plan.slots, :, :plan.t_max]
-        qb = q.new_zeros(plan.batch, plan.n_max, hds, hd)
-        qb[plan.tok_b, plan.tok_i] = q
-        o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb, vb, attn_mask=plan.mask)  # [B, heads, n_max, hd]
-        o = o.transpose(1, 2)[plan.tok_b, plan.tok_i]  # [N, heads, head_dim]
-        return layer.self_attn.out_proj(o.reshape(-1, cfg.d_model))
+        keys[kv_slot, :, kv_pos] = k
+        values[kv_slot, :, kv_pos] = v
+        kb = keys[slots, :, :t_max]  # [batch, heads, t_max, head_dim]
+        vb = values[slots, :, :t_max]
+        qb = q.view(batch, n_max, hds, hd).transpose(1, 2)  # [batch, heads, n_max, head_dim]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)  # [batch, heads, n_max, head_dim]
+        return layer.self_attn.out_proj(o.transpose(1, 2).reshape(-1, cfg.d_model))
 
     def quantize(self, feats: torch.Tensor) -> torch.Tensor:
         """Nearest codebook entry (squared L2; the |x|^2 term is constant per row). [n, d] -> [n] int64."""
