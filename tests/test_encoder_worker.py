@@ -88,9 +88,9 @@ def test_a_dropped_turn_gives_no_more_results_and_frees_its_stream(enc, threaded
         def open_stream(self):
             return enc.open_stream()
 
-        def batch(self):
+        def batch(self, urgent=True):
             gate.wait(10)
-            return enc.batch()
+            return enc.batch(urgent)
 
     worker = EncoderWorker(SlowEncoder(), threaded=threaded)
     worker.append("a", speech_like(0.5, seed=1))
@@ -124,8 +124,8 @@ class BrokenEncoder:
     def open_stream(self):
         return self.enc.open_stream()
 
-    def batch(self):
-        real = self.enc.batch()
+    def batch(self, urgent=True):
+        real = self.enc.batch(urgent)
 
         class Batch:
             def step(self, items):

@@ -82,8 +82,8 @@ class CountingEncoder:
     def open_stream(self):
         return self.enc.open_stream()
 
-    def batch(self):
-        real, counter = self.enc.batch(), self
+    def batch(self, urgent=True):
+        real, counter = self.enc.batch(urgent), self
 
         class Batch:
             def step(self, items):
@@ -178,7 +178,7 @@ def test_user_audio_encoded_on_a_cadence_gives_the_same_codes_and_answer():
     assert (a_held, b_held) == (a_every, b_every)  # same codes in the same rows, same greedy answers
     assert a_held != b_held
     # Each piece alone (two sessions a piece apart are not in one batch) vs both sessions every 80 ms.
-    assert len(every_calls) == 0  # single-session pushes go through the stream, not a batch
+    assert every_calls == [1] * 100  # 50 pieces of 20 ms per session, each in a call of its own
     assert held_calls == [2] * 12 and held_calls  # 1 s = 12 x 80 ms with both sessions in each call
 
 

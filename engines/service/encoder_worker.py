@@ -66,7 +66,7 @@ class _Turn:
 
 class EncoderWorker:
     """`encoder`: `open_stream()` -> stream with `push(pcm) -> codes`, `finalize(last) -> codes`, optionally `close()`;
-    with `batch()` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
+    with `batch(urgent=True)` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
 
     def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic
                  ) -> None:
@@ -253,8 +253,8 @@ class EncoderWorker:
                 out = self.encoder.batch().finalize([t.stream for t, _ in live], [pcm for _, pcm in live])
             else:
                 out = [t.stream.finalize(pcm) for t, pcm in live]
-        elif batched:
-            out = self.encoder.batch().step([(t.stream, pcm) for t, pcm in live])
+        elif hasattr(self.encoder, "batch"):  # not urgent: the answers waiting are waiting for commits, not this
+            out = self.encoder.batch(urgent=False).step([(t.stream, pcm) for t, pcm in live])
         else:
             out = [t.stream.push(pcm) for t, pcm in live]
         by_turn = {id(t): list(c) for (t, _), c in zip(live, out, strict=True)}
