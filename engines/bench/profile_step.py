@@ -27,7 +27,7 @@ def main() -> None:
     dev = torch.device("cuda")
     mc = model_config_for(a.model)
     cfg = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_bytes=mc.kv_bytes_per_row() * 80_000,
-                       max_running=64, prefill_token_budget=600, max_model_len=2048)
+                       max_running=max(64, a.batch), prefill_token_budget=600, max_model_len=2048)
     engine = Engine.from_name(a.model, cfg)
     rng = random.Random(0)
 
@@ -52,7 +52,7 @@ def main() -> None:
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":

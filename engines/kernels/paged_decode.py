@@ -5,6 +5,10 @@ query group over a slice of the sequence's context, reading K/V straight from th
 through the block table, and keeps an online softmax; a second kernel merges the splits. The
 split slice is computed in the kernel from the sequence's context length, so the launch shape
 depends only on the batch size and can be captured in a CUDA graph.
+
+Splits exist to give a small batch enough programs for the SMs; a large batch has them already, and
+there extra splits only cost (each program's fixed work, empty splits of short contexts, a wider
+merge): the split count falls with the batch (`num_splits`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,25 @@ import triton.language as tl
 from engines.kernels.pdl import launch_kwargs, trigger_then_wait, wait_then_trigger
 from engines.partition import sm_count
 
-NUM_SPLITS = 16
+MAX_SPLITS = 16
+# Programs per SM the split count aims at (batch x KV heads x splits); batch 1 keeps MAX_SPLITS. None: always
+# MAX_SPLITS (the split count before 2026-11-23 (15)).
+PROGRAMS_PER_SM: int | None = 2
 TILE = 64
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
 # splits); None: the SM count of the launching stream's partition (engines.partition), so every program has an SM
 # of its own (batch 1 on an H200: 128 programs on 132 SMs, 0.05 ms per step faster). With more programs, batches
 # 4 to 64 measured 4-30% slower (docs/PERF_NOTES.md).
 PRELOAD_MAX_PROGRAMS: int | None = None
+
+
+def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Splits of each (sequence, KV head)'s context: the power of two that gives every SM PROGRAMS_PER_SM programs
+    or more, at most MAX_SPLITS."""
+    if PROGRAMS_PER_SM is None:
+        return MAX_SPLITS
+    want = -(-PROGRAMS_PER_SM * sm_count(device) // (batch * kv_heads))
+    return min(MAX_SPLITS, triton.next_power_of_2(want))  # a power of two: the merge's tl.arange
 
 
 def _preload(device: torch.device, programs: int) -> bool:
@@ -127,26 +143,29 @@ def _merge_kernel(M_IN, L_IN, ACC_IN, OUT, stride_ot, stride_oh, D: tl.constexpr
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           splits: int | None = None) -> torch.Tensor:
     """q [B, heads, D] (one row per sequence, at its last position) -> [B, heads, D].
 
     k_cache, v_cache: [num_blocks, block_size, kv_heads, D]; block_tables [B, max_blocks]; context_lens [B].
+    splits: of each context, a power of two (default `num_splits`).
     """
     b, heads, d = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     g = heads // kvh
+    splits = splits or num_splits(b, kvh, q.device)
     q = q.contiguous()
-    m = torch.empty(b, heads, NUM_SPLITS, device=q.device, dtype=torch.float32)
+    m = torch.empty(b, heads, splits, device=q.device, dtype=torch.float32)
     l_sum = torch.empty_like(m)
-    acc = torch.empty(b, heads, NUM_SPLITS, d, device=q.device, dtype=torch.float32)
+    acc = torch.empty(b, heads, splits, d, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    _split_kernel[(b, kvh, NUM_SPLITS)](
+    _split_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE, SPLITS=NUM_SPLITS,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE, SPLITS=splits,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
-        PRELOAD=_preload(q.device, b * kvh * NUM_SPLITS), num_warps=4, num_stages=2, **launch_kwargs(q.device),
+        PRELOAD=_preload(q.device, b * kvh * splits), num_warps=4, num_stages=2, **launch_kwargs(q.device),
     )
-    _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=NUM_SPLITS, num_warps=4,
+    _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=splits, num_warps=4,
                               **launch_kwargs(q.device))
     return out

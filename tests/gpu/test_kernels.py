@@ -77,6 +77,23 @@ def test_decode_kernel_matches_torch(block_size, dtype, bound, preload):
         assert rel_err(out, torch_reference(q, cache, batch)) < bound  # bf16 inputs: ~4e-3 expected
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16])
+def test_decode_kernel_every_split_count_matches_torch(splits):
+    """The split count falls with the batch (num_splits); every count gives the reference's attention, also with
+    contexts shorter than the splits' tiles (empty splits) and one split over a 4095-row context."""
+    from engines.kernels.paged_decode import num_splits, paged_decode_attention
+
+    for seed, ctx in enumerate([[1], [5, 1000, 17, 64], [1, 3, 4095, 300, 65, 129]]):
+        q, cache, batch = make_case(40 + seed, 16, [1] * len(ctx), ctx, torch.bfloat16)
+        out = paged_decode_attention(q, cache[0], cache[1], batch.block_tables, batch.context_lens,
+                                     q.shape[-1] ** -0.5, splits=splits)
+        assert rel_err(out, torch_reference(q, cache, batch)) < 1e-2
+    dev = torch.device("cuda")
+    assert num_splits(1, 8, dev) == 16 and num_splits(128, 8, dev) == 1
+    assert [num_splits(b, 8, dev) for b in (1, 2, 4, 8, 16, 32, 64, 96, 128)] == sorted(
+        (num_splits(b, 8, dev) for b in (1, 2, 4, 8, 16, 32, 64, 96, 128)), reverse=True)
+
+
 MIXED_CASES = [([1, 1, 40, 23], [300, 9, 40, 140]),  # decode rows, a fresh prefill, a chunk on a cached prefix
                ([512], [512]),  # one long fresh prefill: 16 tiles
                ([1, 33, 65, 1000], [4000, 1000, 65, 1130])]
