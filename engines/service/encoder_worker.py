@@ -11,10 +11,11 @@ The engine loop hands over each session's PCM (`append`) and its commit (`commit
   whatever is held anyway, and the encoder's kernels would share the GPU with the decode steps.
 Codes are the same however the audio is cut into calls (the encoder streams exactly).
 
-`threaded`: the calls run on the worker's thread (the encoder's CUDA stream, its host sync through an event, which
-releases the GIL). Under load on an H200 the encoder took a quarter of the engine loop's time there (76-108
-sessions: 35-39 ms batched calls every ~0.3 s and a 12-14 ms commit per answer), and decode steps waited behind
-it. Without a thread (the CPU default, tests) `run_due()` runs them on the caller's thread, between its steps.
+`threaded`: the calls run on the worker's thread (the encoder's CUDA streams: commits on its high-priority one, held
+audio on its lowest-priority one; its host sync through an event, which releases the GIL). Under load on an H200 the
+encoder took a quarter of the engine loop's time there (76-108 sessions: 35-39 ms batched calls every ~0.3 s and a
+12-14 ms commit per answer), and decode steps waited behind it. Without a thread (the CPU default, tests)
+`run_due()` runs them on the caller's thread, between its steps.
 
 Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
 session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
