@@ -167,7 +167,7 @@ class EagerStepGraphs(StepGraphs):
     """StepGraphs' buckets with the blocks run eagerly on the padded inputs a graph would get: the padding (rows,
     tokens, keys) on the CPU."""
 
-    def _capture(self, b: int, n: int, t: int):
+    def _capture(self, inputs, static):
         return None, None, None
 
     def run(self, key, *inputs):

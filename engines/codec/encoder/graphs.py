@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from engines.graphs import capture_graph, private_stream
+from engines.codec.decoder.graphs import BucketGraphs
 
 log = logging.getLogger("engines.codec")
 
@@ -31,22 +31,27 @@ def _up(x: int, ladder: tuple[int, ...]) -> int | None:
     return next((s for s in ladder if x <= s), None)
 
 
-class StepGraphs:
-    """The blocks of `StreamingRunner.layers` as graphs keyed by (batch, n_max, t_max) buckets."""
+class StepGraphs(BucketGraphs):
+    """The blocks of `StreamingRunner.layers` as graphs keyed by (batch, n_max, t_max) buckets. Captured as the codec's
+    graphs are (BucketGraphs: inputs cloned, the owner's private stream, one memory pool), but replayed on inputs
+    already of their bucket's shapes: the layout's padding is the runner's (spare KV slot), not repeated rows."""
 
     def __init__(self, runner, max_batch: int = BATCHES[-1]) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        super().__init__(runner.layers)
         self.runner = runner
         self.batches = tuple(b for b in BATCHES if b < max_batch) + (max_batch,)
         seg = runner.cfg.max_source_positions
         self.keys = tuple(t for t in KEYS if t < seg) + (seg,)
         self.generation = runner.kv.generation
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...],
-                                                      torch.Tensor]] = {}
-        self.pool = None
-        self.stream: torch.cuda.Stream | None = None  # the capture stream, this owner's alone (engines/graphs.py)
         self.replays = 0
+
+    @staticmethod
+    def key(inputs, static: tuple) -> tuple[int, int, int]:
+        """(batch, n_max, t_max) of layers' inputs (x, kv_slot, kv_pos, slots [batch], qpos [batch, n_max]) and
+        static (t_max,)."""
+        return (inputs[3].shape[0], inputs[4].shape[1], static[0])
 
     def sizes(self, batch: int, n_max: int, t_max: int) -> tuple[int, int, int] | None:
         """The bucket a step of `batch` streams, `n_max` new frames at most, `t_max` keys at most replays, or None
@@ -62,29 +67,20 @@ class StepGraphs:
     def capture(self) -> int:
         """Capture every bucket; returns how many graphs that made."""
         t0 = time.perf_counter()
+        r = self.runner
+        kw = {"device": r.device, "dtype": torch.long}
         for b in self.batches:
             for n in FRAMES:
                 for t in self.keys:
-                    if (b, n, t) not in self.graphs:
-                        self.graphs[(b, n, t)] = self._capture(b, n, t)
+                    # Inputs as a step of padding only: the warm-up runs and the capture write nothing but the spare
+                    # slot.
+                    self.ensure([torch.zeros(b * n, r.cfg.d_model, device=r.device, dtype=r.dtype),  # x
+                                 torch.full((b * n,), r.kv.spare, **kw), torch.zeros(b * n, **kw),  # kv_slot, kv_pos
+                                 torch.full((b,), r.kv.spare, **kw), torch.zeros(b, n, **kw)], (t,))  # slots, qpos
         log.info("speech encoder: %d step graphs captured in %.1f s", len(self.graphs), time.perf_counter() - t0)
         return len(self.graphs)
 
-    def _capture(self, b: int, n: int, t: int):
-        r = self.runner
-        spare = r.kv.spare
-        kw = {"device": r.device, "dtype": torch.long}
-        # Inputs as a step of padding only: the warm-up runs and the capture write nothing but the spare slot.
-        inputs = (torch.zeros(b * n, r.cfg.d_model, device=r.device, dtype=r.dtype),  # x
-                  torch.full((b * n,), spare, **kw), torch.zeros(b * n, **kw),  # kv_slot, kv_pos
-                  torch.full((b,), spare, **kw), torch.zeros(b, n, **kw))  # slots, qpos
-        if self.stream is None:
-            self.stream = private_stream(r.device)
-        graph, out = capture_graph(lambda: r.layers(*inputs, t), self.stream, self.pool)
-        self.pool = graph.pool()
-        return graph, inputs, out
-
-    def run(self, key: tuple[int, int, int], *inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, key: tuple[int, int, int], *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Replay the bucket `key` (from `sizes`) on inputs of its shapes (x, kv_slot, kv_pos, slots, qpos); the
         output is the graph's own buffer, valid until the next replay."""
         graph, static, out = self.graphs[key]
