@@ -76,6 +76,10 @@ class EngineStats:
     prefilled_rows: int = 0  # rows run through the model as prompt (not generated)
     decoded_rows: int = 0
     overlapped_steps: int = 0  # launched before the previous step's tokens were read
+    # Host time from a step's tokens (read while more work was scheduled) to the next step's launch: the GPU has
+    # none of this engine's work meanwhile.
+    launch_gaps: int = 0
+    launch_gap_s: float = 0.0
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0

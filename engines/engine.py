@@ -7,6 +7,7 @@ call `step()` in a loop; each step returns at most one new row per running reque
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class Engine:
         self._rng = random.Random(seed)
         self._stats = EngineStats(total_blocks=num_blocks)
         self._inflight: _Launched | None = None
+        self._tokens_read_at: float | None = None  # when the last step's tokens were read, if work was left
 
     @classmethod
     def from_name(cls, name_or_path: str, config: EngineConfig, seed: int = 0) -> Engine:
@@ -113,6 +115,10 @@ class Engine:
         return outputs + self._emit(launched)
 
     def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None) -> _Launched:
+        if after is None and self._tokens_read_at is not None:
+            self._stats.launch_gaps += 1
+            self._stats.launch_gap_s += time.perf_counter() - self._tokens_read_at
+        self._tokens_read_at = None
         codes = after.tokens.audio_codes() if after is not None else None
         tokens = self.runner.run(chunks, codes, ahead=int(after is not None))
         self._stats.steps += 1
@@ -120,6 +126,7 @@ class Engine:
 
     def _emit(self, launched: _Launched) -> list[StepOutput]:
         chunks, tokens = launched.chunks, launched.tokens.get()
+        read_at = time.perf_counter()
         if launched.ahead:
             # Keep the rows whose assumption held; the others are run again by a normal step (a sequence
             # aborted since the launch gets no more rows, as if this step had not started yet).
@@ -151,6 +158,8 @@ class Engine:
                                       seq.finish_reason))
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
+        if self._inflight is None and self.scheduler.has_work():
+            self._tokens_read_at = read_at
         return outputs
 
     # ---- conversations and introspection -------------------------------------------------

@@ -108,3 +108,26 @@ def test_seeded_sampling_reproduces_across_batch_compositions(tiny_checkpoint):
     alone = run(0)
     assert alone == run(3)
     assert len(alone) > 0
+
+
+def test_launch_gaps_count_host_time_between_steps_with_work_left(tiny_checkpoint, monkeypatch) -> None:
+    """The host time from a step's tokens to the next launch (the load log's gap) is counted only while work was
+    scheduled: the idle time after the last step is not a gap."""
+    import engines.engine as engine_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: clock[0])
+    eng = make_engine(tiny_checkpoint, block_size=16, overlap=False)
+    eng.add_request("a", text_rows([IM_START, 5, 6, IM_END]), greedy(4, min_new=4))
+    steps = 0
+    while eng.has_work():
+        eng.step()
+        steps += 1
+        clock[0] += 0.003  # 3 ms of host work before the next step
+    st = eng.stats()
+    assert steps == 4 and st.launch_gaps == 3  # the prefill samples the 1st token, 3 decodes; none after the last
+    assert st.launch_gap_s == pytest.approx(3 * 0.003)
+    clock[0] += 10.0  # idle, then a new request: not a gap
+    eng.add_request("b", text_rows([IM_START, 7, IM_END]), greedy(1, min_new=1))
+    eng.step()
+    assert eng.stats().launch_gaps == 3

@@ -105,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
+    p.add_argument("--gpu-window", default=None, metavar="SESSIONS,SECONDS,PATH",
+                   help="development: once SESSIONS sessions are open, record every kernel of the process for SECONDS "
+                        "with the torch profiler, write them to PATH (.npz) and log each stream's busy time "
+                        "(engines/service/gpu_window.py)")
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -251,6 +255,9 @@ class _LoadLog:
 
     def _reset(self, now: float) -> None:
         self.t0, self.steps, self.step_s, self.step_max, self.handle_s = now, 0, 0.0, 0.0, 0.0
+        st = self.service.engine.stats()
+        self.rows0 = (st.steps, st.decoded_rows, st.prefilled_rows, st.launch_gaps, st.launch_gap_s,
+                      st.overlapped_steps)
         codec = self.service._codec
         self.codec0 = (codec.batches, codec.items, codec.busy_s) if codec is not None else None
 
@@ -275,10 +282,16 @@ class _LoadLog:
                 b, n, busy = (codec.batches - self.codec0[0], codec.items - self.codec0[1],
                               codec.busy_s - self.codec0[2])
                 extra = f"; codec {b} batches, {n} items, busy {100 * busy / span:.0f}%"
+            launched, gaps = st.steps - self.rows0[0], st.launch_gaps - self.rows0[3]
             log.info("load: %d loop steps in %.1f s (%.1f ms mean, %.1f ms max), handling messages %.0f%%, "
-                     "stepping %.0f%%; running %d, waiting %d%s", self.steps, span, 1e3 * self.step_s / self.steps,
-                     1e3 * self.step_max, 100 * self.handle_s / span, 100 * self.step_s / span, st.running,
-                     st.waiting, extra)
+                     "stepping %.0f%%; running %d, waiting %d; %d model steps (%d launched ahead) of %.2f decode "
+                     "+ %.2f prompt rows, %.1f ms from tokens to the next launch%s",
+                     self.steps, span, 1e3 * self.step_s / self.steps, 1e3 * self.step_max, 100 * self.handle_s / span,
+                     100 * self.step_s / span, st.running, st.waiting, launched,
+                     st.overlapped_steps - self.rows0[5],
+                     (st.decoded_rows - self.rows0[1]) / max(launched, 1),
+                     (st.prefilled_rows - self.rows0[2]) / max(launched, 1),
+                     1e3 * (st.launch_gap_s - self.rows0[4]) / max(gaps, 1), extra)
             parts = self.service.spans.take()
             for worker in (codec, self.service._speech):
                 if worker is not None:
@@ -291,7 +304,8 @@ class EngineServer:
     """The ROUTER socket around a Service."""
 
     def __init__(self, service: Service, endpoint: str, ctx: zmq.Context | None = None,
-                 client_timeout_s: float = CLIENT_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 client_timeout_s: float = CLIENT_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                 window: Any = None) -> None:
         if client_timeout_s <= 0:
             raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
         self.service = service
@@ -310,8 +324,11 @@ class EngineServer:
         self._busy_since_check = False
         self._load = _LoadLog(service)
         self.watch = StallWatch(threshold_s=SLOW_S)
+        self.window = window  # a gpu_window.GpuWindow, polled every loop turn
 
     def close(self) -> None:
+        if self.window is not None:
+            self.window.finish()
         self.watch.close()
         self.sock.close(0)
 
@@ -388,6 +405,8 @@ class EngineServer:
                 self._recv_all()
             self._load.handled(time.perf_counter() - t0)
         self.expire_silent_clients()
+        if self.window is not None:
+            self.window.poll(len(self.service.sessions))
         if self.service.has_work():
             t0 = time.perf_counter()
             try:
@@ -430,6 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.client_timeout_s <= 0:
         p.error(f"--client-timeout-s must be > 0, got {args.client_timeout_s}")
+    window = None
+    if args.gpu_window:
+        from engines.service.gpu_window import GpuWindow, WindowConfig
+
+        try:
+            window = GpuWindow(WindowConfig.parse(args.gpu_window))
+        except ValueError as e:
+            p.error(f"--gpu-window: {e}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     from engines.config import ConfigError
@@ -439,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as e:
         log.error("cannot start the engine: %s", e)
         return 2
-    server = EngineServer(service, args.endpoint, client_timeout_s=args.client_timeout_s)
+    server = EngineServer(service, args.endpoint, client_timeout_s=args.client_timeout_s, window=window)
 
     def stop(signum: int, _frame: Any) -> None:
         server.stopping = True
