@@ -4,7 +4,8 @@ Once SESSIONS sessions are open, the torch profiler records, for SECONDS, every 
 the GPU: the engine loop's steps, the codec worker's rounds and the speech encoder's calls, each on its own streams
 and threads (CUPTI traces the whole process). Then it writes them to PATH as arrays and logs each stream's busy time.
 It answers what the stage marks cannot: what runs beside a decode step when that step is slow. A development
-instrument: the profiler itself slows launches, so figures taken in the window are not capacity figures.
+instrument: the profiler slows launches, and starting and stopping it stalled the loop for seconds at 100 sessions
+on an H200, so the load level it runs in is lost as a capacity figure.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ class GpuWindow:
         if prof is None:
             return None
         prof.stop()
-        span_us = 1e6 * (self.clock() - self._t0)
         ev = _events(prof, self.activities)
+        # The events' own span: the profiler's start and stop each stall this thread for up to seconds under load.
+        span_us = float((ev.start + ev.duration).max()) if len(ev.start) else 0.0
         ev.save(self.config.path)
         for line in summary(ev, span_us):
             log.info("gpu window: %s", line)
