@@ -46,6 +46,13 @@ def requests(seed: int) -> dict[str, tuple[list, SamplingParams, int]]:
     return out
 
 
+def step_into(engine: Engine, got: dict[str, list]) -> None:
+    """One engine step: its rows go to their requests' lists; the KV books must balance after it."""
+    for o in engine.step():
+        got[o.request_id].append((o.text_token, o.audio_token, o.mode, o.finish_reason))
+    engine.check_integrity()
+
+
 def run(engine: Engine, reqs, abort_at: dict[str, int] | None = None) -> dict[str, list]:
     got: dict[str, list] = {rid: [] for rid in reqs}
     step = 0
@@ -56,10 +63,8 @@ def run(engine: Engine, reqs, abort_at: dict[str, int] | None = None) -> dict[st
         for rid, at in (abort_at or {}).items():
             if at == step:
                 engine.abort(rid)
-        for o in engine.step():
-            got[o.request_id].append((o.text_token, o.audio_token, o.mode, o.finish_reason))
+        step_into(engine, got)
         step += 1
-        engine.check_integrity()
     assert not engine.has_work()
     return got
 
@@ -171,9 +176,7 @@ def test_random_schedules_overlap_equals_one_step_at_a_time(tiny_checkpoint, one
                     engine.append_input(rid, [rest.pop(0)], input_done=not rest)
                 if not rest:
                     del feeding[rid]
-            for o in engine.step():
-                got[o.request_id].append((o.text_token, o.audio_token, o.mode, o.finish_reason))
-            engine.check_integrity()
+            step_into(engine, got)
             if step > 20 and not engine.has_work():
                 break
         assert not engine.has_work()
@@ -218,9 +221,7 @@ def drive_speaking(engine: Engine, reqs: dict, speakers: dict[str, list]) -> dic
                 if n > 0:
                     engine.append_input(rid, rows[fed[rid]:fed[rid] + n], input_done=fed[rid] + n == len(rows))
                     fed[rid] += n
-        for o in engine.step():
-            got[o.request_id].append((o.text_token, o.audio_token, o.mode, o.finish_reason))
-        engine.check_integrity()
+        step_into(engine, got)
         if step > 30 and not engine.has_work():
             break
     assert not engine.has_work()
