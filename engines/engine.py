@@ -96,10 +96,9 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------
 
-    def step(self, launch_ahead: bool = True) -> list[StepOutput]:
-        """Emits one step's rows. While every sequence decodes audio (or is idle), the next step is launched before
-        this one's tokens are read (its input rows stay on the device), so the GPU never idles on the host.
-        `launch_ahead=False` leaves that gap to other work on the GPU (the caller knows when some is urgent)."""
+    def step(self) -> list[StepOutput]:
+        """Emits one step's rows. While every sequence decodes audio, the next step is launched before this
+        one's tokens are read (its input rows stay on the device), so the GPU never idles on the host."""
         outputs: list[StepOutput] = []
         launched, self._inflight = self._inflight, None
         if launched is None:
@@ -108,7 +107,7 @@ class Engine:
             if not sched.chunks:
                 return outputs
             launched = self._launch(sched.chunks, None)
-        if self.config.overlap and launch_ahead:
+        if self.config.overlap:
             ahead = self.scheduler.schedule_ahead(launched.chunks)
             if ahead is not None:
                 self._inflight = self._launch(ahead, launched)

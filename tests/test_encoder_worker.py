@@ -226,20 +226,15 @@ def test_service_steps_while_a_commit_is_encoding(enc):
     assert not any(isinstance(x, m.ResponseStarted) for _, x in out)  # a's answer waits for its commit
     assert svc.sessions["a"].commit_pending is not None and len(svc.sessions["a"].after_commit) == 1
     steps_before = svc.engine.stats().steps
-    ahead: list[bool] = []  # each engine step's launch_ahead: no step launched ahead of a commit's codes
-    engine_step = svc.engine.step
-    svc.engine.step = lambda launch_ahead=True: (ahead.append(launch_ahead), engine_step(launch_ahead))[1]
     for _ in range(5):
         out += svc.step()
     assert svc.engine.stats().steps >= steps_before + 5  # b's answer stepped meanwhile
     assert not any(isinstance(x, m.ResponseStarted) and x.session_id == "a" for _, x in out)
-    assert svc._speech.committing() and ahead == [False] * 5
     gate.set()
     deadline = time.monotonic() + 60
     while svc.has_work() and time.monotonic() < deadline:
         out += svc.step()
         time.sleep(0.0005)
-    assert not svc._speech.committing() and ahead[-1] is True
     svc._speech.close()
     done = {x.session_id: x.status for _, x in out if isinstance(x, m.ResponseDone)}
     assert done == {"a": "incomplete", "b": "incomplete"}  # (max tokens)

@@ -127,26 +127,11 @@ def test_abort_while_a_step_is_in_flight(tiny_checkpoint, one_torch_thread):
     eng.check_integrity()
 
 
-def assert_same_answers(got: dict[str, list], ref: dict[str, list]) -> None:
-    """Every request not aborted gets the same rows. One aborted at a fixed step may be cut a row earlier or later
-    than one step at a time (a row of input reaching an idle open input waits one step while steps overlap, and the
-    answer after it starts a step later): its rows agree as far as both runs go."""
-    assert got.keys() == ref.keys()
-    for rid, rows in ref.items():
-        mine = got[rid]
-        if rows and rows[-1][3] == "abort" or mine and mine[-1][3] == "abort":
-            a, b = [r for r in mine if r[3] != "abort"], [r for r in rows if r[3] != "abort"]
-            n = min(len(a), len(b))
-            assert [r[:3] for r in a[:n]] == [r[:3] for r in b[:n]], rid
-        else:
-            assert mine == rows, rid
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_random_schedules_overlap_equals_one_step_at_a_time(tiny_checkpoint, one_torch_thread, seed):
     """Requests that join late, stream their input over several steps, sample or decode greedily, switch modes
-    and are aborted at random: every request gets the same rows with and without overlapped decode (as far as an
-    aborted one goes in both), the KV books balance after every step, and every block comes back."""
+    and are aborted at random: every request gets the same rows with and without overlapped decode, the KV
+    books balance after every step, and every block comes back."""
     rng = random.Random(1000 + seed)
     plan = []
     for i in range(rng.randint(4, 8)):
@@ -183,78 +168,8 @@ def test_random_schedules_overlap_equals_one_step_at_a_time(tiny_checkpoint, one
         return got
 
     plain, eng = make_engine(tiny_checkpoint, overlap=False), make_engine(tiny_checkpoint, overlap=True)
-    assert_same_answers(drive(eng), drive(plain))
+    assert drive(eng) == drive(plain)
     assert eng.stats().overlapped_steps > 0  # the schedules do reach all-audio stretches
     for e in (plain, eng):
         assert e.stats().free_blocks == e.stats().total_blocks  # no conversations: everything returned
         e.check_integrity()
-
-
-def speaking_schedule(seed: int = 5) -> tuple[dict, dict[str, list]]:
-    """Answers that stay in audio mode (eosp held back until their last rows) joining at steps 0-12, and three
-    users still speaking: (answers as in `requests`, speaker -> their prompt rows)."""
-    rng = random.Random(seed)
-    reqs = {}
-    for i, at in enumerate((0, 3, 7, 12)):
-        rows = text_rows([IM_START] + [rng.randrange(200, 150000) for _ in range(6)] + [IM_END])
-        rows += text_rows([IM_START, rng.randrange(200, 150000)]) + [(SOSP, AUDIO_PAD)]
-        reqs[f"a{i}"] = (rows, SamplingParams.greedy_params(max_new_tokens=20, min_new_tokens=19), at)
-    speakers = {f"u{i}": text_rows([IM_START] + [rng.randrange(200, 150000) for _ in range(12)]) for i in range(3)}
-    return reqs, speakers
-
-
-def drive_speaking(engine: Engine, reqs: dict, speakers: dict[str, list]) -> dict[str, list]:
-    """Run the answers while the speakers' rows arrive a row or two each every 5 steps (their input closes with
-    the last), as deliveries of a speech encoder's codes; each speaker is then answered in 6 rows."""
-    greedy = SamplingParams.greedy_params(max_new_tokens=6, min_new_tokens=6)
-    got: dict[str, list] = {rid: [] for rid in [*reqs, *speakers]}
-    for rid, rows in speakers.items():
-        engine.add_request(rid, rows[:2], greedy, input_done=False)
-    fed = {rid: 2 for rid in speakers}
-    for step in range(400):
-        for rid, (rows, params, at) in reqs.items():
-            if at == step:
-                engine.add_request(rid, rows, params)
-        if step % 5 == 4:
-            for k, (rid, rows) in enumerate(speakers.items()):
-                n = min(1 + (k + step) % 2, len(rows) - fed[rid])
-                if n > 0:
-                    engine.append_input(rid, rows[fed[rid]:fed[rid] + n], input_done=fed[rid] + n == len(rows))
-                    fed[rid] += n
-        step_into(engine, got)
-        if step > 30 and not engine.has_work():
-            break
-    assert not engine.has_work()
-    return got
-
-
-def test_steps_overlap_beside_users_still_speaking(tiny_checkpoint, one_torch_thread):
-    """Sessions whose user is still speaking hold running sequences with an open input that is idle between
-    deliveries of their audio's codes: the answers being decoded beside them keep overlapping their steps, the
-    steps that prefill the delivered rows included, and every request gets the rows it gets one step at a time."""
-    reqs, speakers = speaking_schedule()
-    plain, eng = make_engine(tiny_checkpoint, overlap=False), make_engine(tiny_checkpoint, overlap=True)
-    ref = drive_speaking(plain, reqs, speakers)
-    assert drive_speaking(eng, reqs, speakers) == ref
-    assert all(len(ref[rid]) == 6 for rid in speakers)  # the speakers finished their turns and were answered
-    assert eng.stats().overlapped_steps > eng.stats().steps // 3
-    for e in (plain, eng):
-        assert e.stats().free_blocks == e.stats().total_blocks
-        e.check_integrity()
-
-
-def test_no_step_is_launched_ahead_when_the_caller_says_so(tiny_checkpoint, one_torch_thread):
-    """`step(launch_ahead=False)` (other GPU work is urgent) leaves no step in flight; the rows are the same."""
-    rows, params, _ = requests(4)["r1"]
-    eng = make_engine(tiny_checkpoint, overlap=True)
-    eng.add_request("spoken", rows, params)
-    got, calls = [], 0
-    while eng.has_work():
-        calls += 1
-        got += [(o.text_token, o.audio_token, o.mode, o.finish_reason) for o in eng.step(launch_ahead=calls % 2 == 0)]
-        if calls % 2:
-            assert eng._inflight is None
-    assert eng.stats().overlapped_steps > 0  # the other calls did launch ahead
-    plain = make_engine(tiny_checkpoint, overlap=False)
-    assert got == run(plain, {"spoken": (rows, params, 0)})["spoken"]
-    eng.check_integrity()

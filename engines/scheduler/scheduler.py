@@ -177,31 +177,18 @@ class Scheduler:
 
     def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
         """The decode step after `chunks` (launched, tokens not read yet), or None when it cannot be known
-        without those tokens. Known when nothing waits or is aborted and
-        - every chunk that samples is an audio-mode decode, or the last chunk of a complete prompt whose first
-          row will be audio, that cannot hit its row limit: each decodes one more row;
-        - every other chunk runs all the rows pending of an open input (a user still speaking), and every running
-          sequence outside `chunks` is idle (an open input with no rows pending): they get no row. Input that
-          reaches one of them meanwhile ends the chain of such steps, so it waits one step at most.
-        A sequence whose in-flight row turns out to end it or switch its mode drops its row of this step
-        (Engine._emit); the row's KV write is then beyond its computed rows, or rewritten as is. The ahead
-        chunks are the sampling chunks in order: row i takes the launched step's i-th sampled code."""
-        if self._aborts or self.waiting:
-            return None
-        in_chunks = {id(c.seq) for c in chunks}
-        if any(id(s) not in in_chunks and (s.generating or s.num_pending > 0) for s in self.running):
+        without those tokens. Known when every running sequence is in `chunks` as an audio-mode decode, or as
+        the last chunk of a complete prompt whose first row will be audio, that cannot hit its row limit, and
+        nothing waits or is aborted: then each decodes one more row. A sequence whose in-flight row turns out
+        to end it or switch its mode drops its row of this step (Engine._emit); the row's KV write is then
+        beyond its computed rows, or rewritten as is."""
+        if self._aborts or self.waiting or len(chunks) != len(self.running):
             return None
         running = {id(s) for s in self.running}
-        ahead = []
         for c in chunks:
             s = c.seq
-            if not (id(s) in running and s.num_computed == c.start):
-                return None
-            if not c.needs_logits:
-                if s.input_done or c.start + c.num_rows != len(s.rows):
-                    return None  # more prompt to run: the next step is a prefill step
-                continue
-            if s.num_generated + 2 > s.params.max_new_tokens:
+            if not (c.needs_logits and id(s) in running and s.num_computed == c.start
+                    and s.num_generated + 2 <= s.params.max_new_tokens):
                 return None
             if s.generating:
                 if not (c.num_rows == 1 and self.audio_row_holds(c)):
@@ -209,9 +196,7 @@ class Scheduler:
             elif not (s.input_done and s.num_generated == 0 and c.start + c.num_rows == len(s.rows)
                       and s.first_mode() == "audio"):
                 return None
-            ahead.append(ScheduledChunk(s, 1, c.start + c.num_rows, True))
-        if not ahead:
-            return None
+        ahead = [ScheduledChunk(c.seq, 1, c.start + c.num_rows, True) for c in chunks]
         for c in ahead:
             self._ensure_blocks(c.seq, c.start + 1)
         return ahead

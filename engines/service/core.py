@@ -241,7 +241,7 @@ class Service:
                 time.sleep(0.001)
                 return self._take()
         t1 = time.perf_counter()
-        outputs: list[StepOutput] = self.engine.step(launch_ahead=not self._side_work_urgent())
+        outputs: list[StepOutput] = self.engine.step()
         t2 = time.perf_counter()
         finished: list[tuple[Session, Turn, StepOutput]] = []
         live: list[tuple[Session, ResponseState]] = []
@@ -275,14 +275,6 @@ class Service:
                         1e3 * (t4 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), len(outputs), 1e3 * (t3 - t2),
                         1e3 * (t4 - t3), len(finished))
         return self._take()
-
-    def _side_work_urgent(self) -> bool:
-        """A new answer's first chunk or a commit's codes are on their way through the GPU: the engine then leaves
-        the gap between its steps (reading tokens, scheduling) to them instead of launching its next step ahead.
-        Under load, back-to-back steps took that GPU time from them (H200, 108 sessions: first-chunk round
-        p50 / p95 30 / 45 -> 48 / 91 ms, commit 14 / 39 -> 22 / 89; docs/PERF_NOTES.md, session 16)."""
-        return bool((self._codec is not None and self._codec.first_in_flight)
-                    or (self._speech is not None and self._speech.committing()))
 
     def _ramping(self) -> bool:
         """An answer still waits for its first chunk's codes. The GPU is shared by urgency: the codec's rounds are

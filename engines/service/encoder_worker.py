@@ -80,7 +80,6 @@ class EncoderWorker:
         self._held_since: float | None = None  # when the oldest audio held arrived
         self._ramping = False
         self._running = False  # a call in flight
-        self._committing = False  # a commit's call taken, not finished
         self._closed = False
         self.spans = Spans()  # call times, taken by the load log (under _cv)
         self._thread = None
@@ -157,11 +156,6 @@ class EncoderWorker:
         with self._cv:
             return self.spans.take()
 
-    def committing(self) -> bool:
-        """A commit waits for its codes: its call is in flight or due (a commit is taken before anything else)."""
-        with self._cv:
-            return self._committing or any(t.commit for t in self._turns.values())
-
     def busy(self) -> bool:
         """Audio held, a commit or call pending, or results not yet collected."""
         with self._cv:
@@ -202,7 +196,6 @@ class EncoderWorker:
         holding = self._holding()
         if commits:
             taken, commit = commits, True
-            self._committing = True
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
             self._forget_held_since()
@@ -248,7 +241,6 @@ class EncoderWorker:
                     self._results.append(Encoded(t.key, c, commit, at))
             self.spans.add("encode commits" if commit else "encode", dt)
             self._running = False
-            self._committing = False
             self._cv.notify_all()
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:

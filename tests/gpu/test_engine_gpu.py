@@ -90,18 +90,6 @@ def test_overlapped_graph_decode_emits_the_same_rows(tiny_checkpoint):
     assert eng.stats().overlapped_steps > 0
 
 
-def test_overlapped_graph_decode_beside_users_still_speaking(tiny_checkpoint):
-    """Steps launched ahead beside idle open inputs (users still speaking), on the decode graphs, emit the rows of
-    an eager engine stepping one at a time."""
-    from tests.test_engine_overlap import drive_speaking, make_engine, speaking_schedule
-
-    reqs, speakers = speaking_schedule()
-    ref = drive_speaking(make_engine(tiny_checkpoint, overlap=False, device="cuda", cuda_graphs=False), reqs, speakers)
-    eng = make_engine(tiny_checkpoint, overlap=True, device="cuda")
-    assert drive_speaking(eng, reqs, speakers) == ref
-    assert eng.stats().overlapped_steps > eng.stats().steps // 3
-
-
 def test_one_row_prefill_chunks_beside_decodes_in_a_graph(tiny_checkpoint):
     """A request whose input arrives one row per step (a user still speaking) runs 1-row prefill chunks that
     need no sample, in the same decode-shaped step as others' decode rows: the graph path must sample only
