@@ -115,6 +115,63 @@ def test_a_dropped_turn_gives_no_more_results_and_frees_its_stream(enc, threaded
     assert not worker.busy() and enc.runner.kv.in_use == 0
 
 
+def test_the_thread_survives_an_error_outside_the_encoders_calls(enc, monkeypatch):
+    """An error the worker did not expect (here, in taking the due work) fails every turn it holds, a committing one
+    as its commit's result, instead of killing the thread and leaving those sessions waiting; later turns encode."""
+    worker = EncoderWorker(enc, every_s=60.0, threaded=True)  # held audio is not due: only the commit runs
+    take = worker._take_due
+    broken = [True]
+
+    def take_due(now, flush):
+        if broken[0] and any(t.commit for t in worker._turns.values()):
+            broken[0] = False
+            raise MemoryError("no room for the audio")
+        return take(now, flush)
+
+    monkeypatch.setattr(worker, "_take_due", take_due)
+    worker.append("a", speech_like(0.4, seed=1))
+    worker.append("b", speech_like(0.4, seed=2))
+    assert worker.commit("a")
+    results = _wait(worker)
+    assert sorted((e.key, e.commit, type(e.codes).__name__) for e in results) == [
+        ("a", True, "MemoryError"), ("b", False, "MemoryError")]
+    assert worker._turns == {} and enc.runner.kv.in_use == 0  # their streams closed
+    worker.append("c", speech_like(0.4, seed=3))  # the thread lives on
+    assert worker.commit("c")
+    after = _wait(worker)
+    worker.close()
+    assert _codes_by_key(after) == {"c": enc.encode(speech_like(0.4, seed=3))}
+
+
+def test_a_stream_that_fails_to_close_does_not_stop_the_worker(enc):
+    class Stream:
+        def __init__(self) -> None:
+            self.inner = enc.open_stream()
+
+        def push(self, pcm):
+            return self.inner.push(pcm)
+
+        def finalize(self, last=None):
+            return self.inner.finalize(last)
+
+        def close(self) -> None:
+            self.inner.close()
+            raise RuntimeError("close failed")
+
+    class Encoder:
+        def open_stream(self):
+            return Stream()
+
+    worker = EncoderWorker(Encoder(), threaded=True)
+    for key in "ab":
+        worker.append(key, speech_like(0.4, seed=4))
+        assert worker.commit(key)
+        results = _wait(worker)
+        assert [(e.key, e.commit) for e in results][-1] == (key, True)
+        assert not any(isinstance(e.codes, Exception) for e in results)
+    worker.close()
+
+
 class BrokenEncoder:
     """The tiny encoder, failing every call that includes a session whose audio is all at full scale."""
 

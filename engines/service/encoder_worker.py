@@ -19,11 +19,13 @@ encoder took a quarter of the engine loop's time there (76-108 sessions: 35-39 m
 
 Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
 session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
-the loop after `drop` returns.
+the loop after `drop` returns. An encoder call that fails fails its turns; any other error on the thread fails every
+turn the worker holds (each session gets an error, a committing one as its commit's result) and the thread goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -35,6 +37,8 @@ import numpy as np
 
 from engines.service.spans import Spans
 from engines.service.worker_wait import wait_for_work
+
+log = logging.getLogger("engines.service")
 
 ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits for its first codes
 # A batched encoder call costs ~0.4 ms per session on top of its fixed cost (H200: ~10 ms for one session, 20-45 ms
@@ -80,6 +84,7 @@ class EncoderWorker:
         self._held_since: float | None = None  # when the oldest audio held arrived
         self._ramping = False
         self._running = False  # a call in flight
+        self._in_call: dict[int, _Turn] = {}  # id -> turn taken by the call in flight, until its result is out
         self._closed = False
         self.spans = Spans()  # call times, taken by the load log (under _cv)
         self._thread = None
@@ -205,11 +210,12 @@ class EncoderWorker:
         else:
             return None
         work = []
+        self._running = True
         for t in taken:
+            self._in_call[id(t)] = t
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
             t.held, t.busy = [], True
             work.append((t, pcm))
-        self._running = True
         return commit, work
 
     def _holding(self) -> list[_Turn]:
@@ -232,6 +238,7 @@ class EncoderWorker:
         with self._cv:
             for (t, _), c in zip(work, codes, strict=True):
                 t.busy = False
+                self._in_call.pop(id(t), None)
                 failed = isinstance(c, Exception)
                 if failed and self._turns.get(t.key) is t:
                     del self._turns[t.key]  # the stream's state is unknown: this turn is over
@@ -264,13 +271,37 @@ class EncoderWorker:
     def _close(self, t: _Turn) -> None:
         stream, t.stream = t.stream, None
         if stream is not None and hasattr(stream, "close") and not getattr(stream, "closed", False):
-            stream.close()
+            try:
+                stream.close()
+            except Exception:  # noqa: BLE001 - its slot may leak; the turn is over either way
+                log.exception("speech encoder: closing session %s's stream failed", t.key)
 
     def _run(self) -> None:
         while True:
-            with self._cv:
-                work = wait_for_work(self._cv, lambda: self._closed, lambda now: self._take_due(now, False),
-                                     lambda _: self._due_at(len(self._holding())), self._clock, 0.0005)
-            if work is None:
-                return
-            self._call(*work)
+            try:
+                with self._cv:
+                    work = wait_for_work(self._cv, lambda: self._closed, lambda now: self._take_due(now, False),
+                                         lambda _: self._due_at(len(self._holding())), self._clock, 0.0005)
+                if work is None:
+                    return
+                self._call(*work)
+            except Exception as e:  # noqa: BLE001 - the thread must live on: sessions would wait for it forever
+                log.exception("speech encoder worker: unexpected error; every turn it holds fails")
+                self._fail_all(e)
+                time.sleep(0.05)  # (an error that repeats is not logged in a tight loop)
+
+    def _fail_all(self, e: Exception) -> None:
+        """After an error outside the encoder's own calls (whose failures `_call` hands back per turn): every turn
+        held or in the call fails with `e` (a committing one as its commit's result), and the worker starts over."""
+        with self._cv:
+            turns = list(self._turns.values()) + [t for t in self._in_call.values() if t not in self._turns.values()]
+            for t in turns:
+                t.busy = False
+                if not t.dropped:
+                    self._results.append(Encoded(t.key, e, t.commit, time.monotonic()))
+                self._close(t)
+            self._turns.clear()
+            self._in_call.clear()
+            self._held_since = None
+            self._running = False
+            self._cv.notify_all()
