@@ -147,6 +147,33 @@ def test_decoder_failure_ends_the_answers_of_that_batch():
     w.close()
 
 
+def test_an_error_outside_the_decoder_ends_that_rounds_answers_and_the_thread_goes_on():
+    """A fault in the worker's own code (here its check for a first-chunk round to wait for) ends the answers of
+    that round with the error, their streams closed; the thread lives on and decodes the next answer."""
+    dec = FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"))
+    real_coalesce = w._coalesce
+    broken = [True]
+
+    def coalesce(first, now):
+        if broken[0]:
+            broken[0] = False
+            raise KeyError("bookkeeping bug")
+        return real_coalesce(first, now)
+
+    w._coalesce = coalesce
+    a = FakeStream("a")
+    w.push("A", a, list(range(8)), final=True)
+    res = collect(w, lambda o: len(o) == 1)
+    key, err, final = res[0]
+    assert key == "A" and isinstance(err, KeyError) and final and a.closed
+    w.push("B", FakeStream("b"), list(range(8)), final=True)
+    res = collect(w, lambda o: any(k == "B" and f for k, _, f in o))
+    assert [k for k, _, _ in res] == ["B", "B"] and not any(isinstance(p, Exception) for _, p, _ in res)
+    assert not w.busy()
+    w.close()
+
+
 def test_playing_answers_are_decoded_only_as_far_ahead_as_needed():
     dec = FakeDecoder()
     dec.sample_rate = 5  # one chunk = 1 s of audio

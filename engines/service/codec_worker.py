@@ -21,11 +21,14 @@ most one piece queued ahead of the GPU, and pauses while any answer waits for it
 at most BULK_HOLD_S per round, never when one of its answers has less than URGENT_S of audio ahead, and not while
 another answer with that little ahead waits for the thread. (Rounds pausing down to 0.4 s of audio ahead measured no
 better on TTFA, with 1-3 underruns at 76-108 sessions on an H200: docs/PERF_NOTES.md, session 13.)
+A decoder failure ends the answers of its batch; any other error in a round ends that round's answers, and the thread
+goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -39,6 +42,8 @@ import torch
 from engines.partition import driver_stream
 from engines.service.spans import Spans
 from engines.service.worker_wait import wait_for_work
+
+log = logging.getLogger("engines.service")
 
 # Audio a playing answer is kept ahead of real time: margin for a round or two of new answers' first chunks
 # and the network, without decoding far ahead of what anyone can hear yet.
@@ -251,6 +256,17 @@ class CodecWorker:
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     posts, done, decoded, first = self._round(taken, kind, decoder)
+            except Exception as e:  # noqa: BLE001 - outside the decoder's own failures (handed back by _round):
+                # the thread must live on, or every answer would wait for it; this round's answers end with `e`
+                log.exception("codec worker: unexpected error in a round; its %d answer(s) fail", len(taken))
+                done = [a for a, _, _ in taken]
+                posts, decoded, first = [(a.key, e, True) for a in done], 0, False
+                for a, _, _ in taken:
+                    a.jobs.clear()
+                    with contextlib.suppress(Exception):
+                        if not a.closed and hasattr(a.stream, "close"):
+                            a.stream.close()
+                    a.closed = True
             finally:
                 with self._cv:
                     dt = time.perf_counter() - t0
