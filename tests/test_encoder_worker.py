@@ -143,6 +143,21 @@ def test_the_thread_survives_an_error_outside_the_encoders_calls(enc, monkeypatc
     assert _codes_by_key(after) == {"c": enc.encode(speech_like(0.4, seed=3))}
 
 
+def test_every_committing_turn_fails_when_gathering_their_audio_fails(enc):
+    """Commits are taken out of the worker's turns before their audio is gathered: a failure there still fails every
+    one of them (none is left waiting for its commit's codes)."""
+    worker = EncoderWorker(enc, every_s=60.0, threaded=True)
+    for key in "ab":
+        worker.append(key, speech_like(0.2, seed=5))
+        worker.append(key, speech_like(0.2, seed=6)[None, :])  # a piece that cannot be joined to the first
+    for key in "ab":
+        assert worker.commit(key)
+    results = _wait(worker)
+    worker.close()
+    assert sorted((e.key, e.commit, type(e.codes).__name__) for e in results) == [
+        ("a", True, "ValueError"), ("b", True, "ValueError")]
+
+
 def test_a_stream_that_fails_to_close_does_not_stop_the_worker(enc):
     class Stream:
         def __init__(self) -> None:

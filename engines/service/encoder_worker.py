@@ -209,10 +209,10 @@ class EncoderWorker:
             self._held_since = None
         else:
             return None
-        work = []
         self._running = True
+        self._in_call.update((id(t), t) for t in taken)  # first: a commit's turn is no longer in _turns
+        work = []
         for t in taken:
-            self._in_call[id(t)] = t
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
             t.held, t.busy = [], True
             work.append((t, pcm))
