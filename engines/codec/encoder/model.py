@@ -232,7 +232,7 @@ class StreamingRunner:
         if plan.padded:
             x = x.new_zeros(batch * n_pad, cfg.d_model).index_copy_(0, plan.dense, x)  # [batch * n_max, d]
         if sizes is not None:
-            x = self.graphs.run(sizes, x, plan.kv_slot, plan.kv_pos, slots_t, plan.qpos)
+            x = self.graphs.run(sizes, x, plan.kv_slot, plan.kv_pos, plan.slots, plan.qpos)
         else:
             x = self.layers(x, plan.kv_slot, plan.kv_pos, plan.slots, plan.qpos, plan.t_max)
         if plan.padded:
