@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from engines.codec.commands.bench_encoder import warm_streams
 from engines.codec.encoder import SpeechEncoder
 
 
@@ -33,16 +34,7 @@ def main() -> None:
     enc.reserve(args.batch)
     if args.graphs:
         enc.capture_graphs()
-    rng = np.random.default_rng(0)
-    piece = 16 * args.piece_ms
-    streams = [enc.open_stream() for _ in range(args.batch)]
-    batch = enc.batch()
-
-    def step() -> None:
-        batch.step([(s, (0.1 * rng.standard_normal(piece)).astype(np.float32)) for s in streams])
-
-    for _ in range(int(args.context_s * 1000 / args.piece_ms)):
-        step()
+    step, _ = warm_streams(enc, args.batch, args.piece_ms, args.context_s, np.random.default_rng(0))
     torch.cuda.synchronize()
     walls = []
     for _ in range(args.steps):

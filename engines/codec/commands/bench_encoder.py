@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,11 +31,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None)
 
 
+def warm_streams(enc: SpeechEncoder, batch: int, piece_ms: int, context_s: float, rng: np.random.Generator
+                 ) -> tuple[Callable[[], None], list]:
+    """`batch` streams carrying `context_s` of noise-like audio, and a step that pushes `piece_ms` more into each
+    (one batched call). Returns (step, streams); the caller closes the streams."""
+    piece = 16 * piece_ms  # 16 kHz
+    streams = [enc.open_stream() for _ in range(batch)]
+    calls = enc.batch()
+
+    def step() -> None:
+        calls.step([(s, (0.1 * rng.standard_normal(piece)).astype(np.float32)) for s in streams])
+    for _ in range(int(context_s * 1000 / piece_ms)):
+        step()
+    return step, streams
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
     rng = np.random.default_rng(0)
-    piece = 16 * args.piece_ms
     batches = [int(x) for x in args.batches.split(",")]
     enc.reserve(max(batches))  # before the graphs: a growth of the KV pool retires them
     res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "piece_ms": args.piece_ms,
@@ -44,13 +59,7 @@ def run(args: argparse.Namespace) -> int:
         res["graphs"] = enc.capture_graphs()
         print(f"{res['graphs']} step graphs captured in {time.perf_counter() - t0:.1f} s")
     for b in batches:
-        streams = [enc.open_stream() for _ in range(b)]
-        batch = enc.batch()
-
-        def step(streams=streams, batch=batch):
-            batch.step([(s, (0.1 * rng.standard_normal(piece)).astype(np.float32)) for s in streams])
-        for _ in range(int(args.context_s * 16000 / piece)):
-            step()
+        step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng)
         t = median(timed(step, device, repeats=args.iters, warmup=1)) * 1e3
         res[f"ms_per_{args.piece_ms}ms"][str(b)] = t
         print(f"encoder batch {b:3d}: {t:.2f} ms per {args.piece_ms} ms step ({t / b:.3f} ms per stream)")
