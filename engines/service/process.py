@@ -255,9 +255,7 @@ class _LoadLog:
 
     def _reset(self, now: float) -> None:
         self.t0, self.steps, self.step_s, self.step_max, self.handle_s = now, 0, 0.0, 0.0, 0.0
-        st = self.service.engine.stats()
-        self.rows0 = (st.steps, st.decoded_rows, st.prefilled_rows, st.launch_gaps, st.launch_gap_s,
-                      st.overlapped_steps)
+        self.stats0 = self.service.engine.stats()  # (a copy: the counters at the start of the span)
         codec = self.service._codec
         self.codec0 = (codec.batches, codec.items, codec.busy_s) if codec is not None else None
 
@@ -282,16 +280,17 @@ class _LoadLog:
                 b, n, busy = (codec.batches - self.codec0[0], codec.items - self.codec0[1],
                               codec.busy_s - self.codec0[2])
                 extra = f"; codec {b} batches, {n} items, busy {100 * busy / span:.0f}%"
-            launched, gaps = st.steps - self.rows0[0], st.launch_gaps - self.rows0[3]
+            s0 = self.stats0
+            launched = st.steps - s0.steps
             log.info("load: %d loop steps in %.1f s (%.1f ms mean, %.1f ms max), handling messages %.0f%%, "
                      "stepping %.0f%%; running %d, waiting %d; %d model steps (%d launched ahead) of %.2f decode "
                      "+ %.2f prompt rows, %.1f ms from tokens to the next launch%s",
                      self.steps, span, 1e3 * self.step_s / self.steps, 1e3 * self.step_max, 100 * self.handle_s / span,
                      100 * self.step_s / span, st.running, st.waiting, launched,
-                     st.overlapped_steps - self.rows0[5],
-                     (st.decoded_rows - self.rows0[1]) / max(launched, 1),
-                     (st.prefilled_rows - self.rows0[2]) / max(launched, 1),
-                     1e3 * (st.launch_gap_s - self.rows0[4]) / max(gaps, 1), extra)
+                     st.overlapped_steps - s0.overlapped_steps,
+                     (st.decoded_rows - s0.decoded_rows) / max(launched, 1),
+                     (st.prefilled_rows - s0.prefilled_rows) / max(launched, 1),
+                     1e3 * (st.launch_gap_s - s0.launch_gap_s) / max(st.launch_gaps - s0.launch_gaps, 1), extra)
             parts = self.service.spans.take()
             for worker in (codec, self.service._speech):
                 if worker is not None:
