@@ -65,7 +65,6 @@ class _Turn:
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
     commit: bool = False  # finalize it with the next commit call
-    busy: bool = False  # in the call running now
     dropped: bool = False
 
 
@@ -142,7 +141,7 @@ class EncoderWorker:
                 return
             self._forget_held_since()
             t.dropped = True
-            if not t.busy:
+            if id(t) not in self._in_call:  # a call in flight closes it after itself
                 self._close(t)
 
     def holding(self, key: str) -> bool:
@@ -196,7 +195,8 @@ class EncoderWorker:
         return self._held_since + (max(every, ENCODE_DEFER_S) if self._ramping else every)
 
     def _take_due(self, now: float, flush: bool) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
-        """(commit, [(turn, its held audio)]) of the call due now (under _cv), marking them busy; None if none is."""
+        """(commit, [(turn, its held audio)]) of the call due now (under _cv), recorded as in the call; None if none
+        is."""
         commits = [t for t in self._turns.values() if t.commit]
         holding = self._holding()
         if commits:
@@ -214,7 +214,7 @@ class EncoderWorker:
         work = []
         for t in taken:
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
-            t.held, t.busy = [], True
+            t.held = []
             work.append((t, pcm))
         return commit, work
 
@@ -237,7 +237,6 @@ class EncoderWorker:
         dt, at = time.perf_counter() - t0, time.monotonic()
         with self._cv:
             for (t, _), c in zip(work, codes, strict=True):
-                t.busy = False
                 self._in_call.pop(id(t), None)
                 failed = isinstance(c, Exception)
                 if failed and self._turns.get(t.key) is t:
@@ -294,9 +293,8 @@ class EncoderWorker:
         """After an error outside the encoder's own calls (whose failures `_call` hands back per turn): every turn
         held or in the call fails with `e` (a committing one as its commit's result), and the worker starts over."""
         with self._cv:
-            turns = list(self._turns.values()) + [t for t in self._in_call.values() if t not in self._turns.values()]
-            for t in turns:
-                t.busy = False
+            turns = {id(t): t for t in (*self._turns.values(), *self._in_call.values())}  # a turn in both once
+            for t in turns.values():
                 if not t.dropped:
                     self._results.append(Encoded(t.key, e, t.commit, time.monotonic()))
                 self._close(t)
