@@ -260,13 +260,11 @@ class CodecWorker:
                 # the thread must live on, or every answer would wait for it; this round's answers end with `e`
                 log.exception("codec worker: unexpected error in a round; its %d answer(s) fail", len(taken))
                 done = [a for a, _, _ in taken]
-                posts, decoded, first = [(a.key, e, True) for a in done], 0, False
-                for a, _, _ in taken:
+                posts = [(a.key, e, True) for a in done]
+                for a in done:
                     a.jobs.clear()
                     with contextlib.suppress(Exception):
-                        if not a.closed and hasattr(a.stream, "close"):
-                            a.stream.close()
-                    a.closed = True
+                        self._close_stream(a)
             finally:
                 with self._cv:
                     dt = time.perf_counter() - t0
@@ -292,6 +290,13 @@ class CodecWorker:
                     self._cv.notify_all()
             if decoded < 0:  # held back for the language model: look again shortly (it sets no event)
                 time.sleep(0.002)
+
+    @staticmethod
+    def _close_stream(a: _Answer) -> None:
+        """Close the answer's decoder stream, once (a cancelled answer's, its last chunk's, or after a failed round)."""
+        if not a.closed and hasattr(a.stream, "close"):
+            a.stream.close()
+        a.closed = True
 
     def _pause_wanted(self) -> bool:
         """An answer waits for its first codes or its first chunk (or a first-chunk round is on the GPU), and no
@@ -334,9 +339,7 @@ class CodecWorker:
             try:
                 if a.cancelled:
                     a.jobs.clear()
-                    if not a.closed and hasattr(a.stream, "close"):
-                        a.stream.close()
-                    a.closed = True
+                    self._close_stream(a)
                     if a.final:
                         posts.append((a.key, np.zeros(0, np.float32), True))
                         done.append(a)
@@ -396,7 +399,6 @@ class CodecWorker:
                 a.audio_s += len(pcm) / self.sample_rate
                 posts.append((a.key, pcm, job.final))
                 if job.final:
-                    if hasattr(a.stream, "close"):
-                        a.stream.close()
+                    self._close_stream(a)
                     done.append(a)
         return posts, done, len(batch), take_first
