@@ -161,6 +161,87 @@ def test_batch_equals_alone_with_different_voices(hift_dec):
         np.testing.assert_allclose(y, alone[i], atol=BATCH_TOL, rtol=0)
 
 
+def test_random_voices_of_one_seed_and_other_lengths_are_cached_apart(hift_dec):
+    """The decoder caches prepared voices by name, so two random voices of one seed but other prompt lengths must not
+    share one (the second decoded with the first's prompt)."""
+    a, b = Voice.random(seed=12, n_codes=4), Voice.random(seed=12, n_codes=9)
+    assert hift_dec.prepared(a).n_codes == 4 and hift_dec.prepared(b).n_codes == 9
+
+
+def test_batch_of_sessions_at_different_points_equals_each_alone(hift_dec):
+    """Sessions that start rounds apart have windows of different lengths in one batch (and two voices,
+    interleaved): run_jobs orders them into runs (FlowModel._runs); each still gets its own PCM."""
+    voices = [None, Voice.random(seed=8, n_codes=4)]
+    n = 6
+    codes = [_codes(5 * (3 + i % 4), seed=70 + i) for i in range(n)]
+    alone = [hift_dec.decode(c, voice=voices[i % 2], seed=i) for i, c in enumerate(codes)]
+    task = CodecTask(hift_dec, max_batch=n)
+    got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(n)}
+    runs_seen = []
+    runs = hift_dec.flow._runs
+    hift_dec.flow._runs = lambda states: runs_seen.append(r := runs(states)) or r
+    try:
+        for rnd in range(12):
+            for i in range(n):
+                if rnd == i % 3:  # starts staggered by a round: windows of 0, 5 and 10 codes side by side
+                    task.open(f"s{i}", voice=voices[i % 2], seed=i)
+                    task.submit(f"s{i}", codes[i])
+                    task.finish(f"s{i}")
+            for sid, pcm in task.step().items():
+                got[sid].append(pcm)
+    finally:
+        del hift_dec.flow._runs  # the class's own again
+    assert not task.pending()
+    assert max(len(r) for r in runs_seen) >= 4  # really mixed: several (voice, window) runs in one batch
+    for i in range(n):
+        np.testing.assert_allclose(np.concatenate(got[f"s{i}"]), alone[i], atol=BATCH_TOL, rtol=0)
+
+
+def _steady_round_ops(dec: CodecDecoder, batch: int, voices: list) -> dict[str, int]:
+    """Torch ops (views left out) of one steady-state round of `batch` sessions with full encoder windows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "_unsafe_view", "slice", "select", "expand", "transpose", "t", "permute", "unsqueeze", "squeeze",
+             "alias", "as_strided", "detach", "empty", "split", "unbind", "reshape", "narrow", "lift_fresh"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in views:
+                self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    task = CodecTask(dec, max_batch=batch)
+    rng = np.random.default_rng(0)
+    for i in range(batch):
+        task.open(f"s{i}", voice=voices[i % len(voices)], seed=i)
+        task.submit(f"s{i}", rng.integers(0, 16384, 3))
+    for _ in range(dec.cfg.stream.enc_left_chunks + 2):  # until every window is full
+        for i in range(batch):
+            task.submit(f"s{i}", rng.integers(0, 16384, 5))
+        assert len(task.step()) == batch
+    for i in range(batch):
+        task.submit(f"s{i}", rng.integers(0, 16384, 5))
+    with Count() as c:
+        assert len(task.step()) == batch
+    return c.ops
+
+
+def test_round_ops_grow_with_the_batch_only_by_each_sessions_noise_draws(hift_dec):
+    """Per-session host work of a round is its own RNG draws (the flow's noise and HiFT's source noise); keys, windows
+    and seams go as one op per run of sessions with the same voice (~25 us of host time per op on a GPU, held with
+    the GIL by the codec's thread while the engine loop waits for it). Sessions of two voices, interleaved, are
+    ordered into two runs."""
+    voices = [None, Voice.random(seed=7, n_codes=6)]
+    small, large = _steady_round_ops(hift_dec, 4, voices), _steady_round_ops(hift_dec, 8, voices)
+    grown = {k: large.get(k, 0) - small.get(k, 0) for k in set(small) | set(large)}
+    assert {k: v for k, v in grown.items() if v} == {"randn": 2 * (8 - 4)}
+
+
 def test_task_sessions_do_not_block_each_other_and_close_frees(hift_dec):
     task = CodecTask(hift_dec, max_batch=4)
     task.open("long", seed=0)

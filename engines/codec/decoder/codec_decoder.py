@@ -232,17 +232,21 @@ class CodecDecoder:
             raise ValueError("run_jobs takes at most one chunk per session (chunks of a session are sequential)")
         for j in jobs:
             j.stream.adopt()
-        results: list[torch.Tensor | None] = [None] * len(jobs)
+        results: list[np.ndarray | None] = [None] * len(jobs)
         groups: dict[int, list[int]] = {}
         for i, j in enumerate(jobs):
             groups.setdefault(len(j.codes), []).append(i)
+        # Sessions of one voice and window length side by side: the flow copies their keys as one run (FlowModel._runs).
+        # Rows are independent, so the order changes no result.
+        for idx in groups.values():
+            idx.sort(key=lambda i: jobs[i].stream.flow_state.run_key())
         la = self.cfg.flow.pre_lookahead
         for n, idx in groups.items():
             js = [jobs[i] for i in idx]
             if n == 0:  # tail flush only
                 for i, j in zip(idx, js, strict=True):
                     t = j.stream.voc_state.tail
-                    results[i] = t.float() if t is not None else torch.zeros(0)
+                    results[i] = t if t is not None else np.zeros(0, np.float32)
                     j.stream.voc_state.tail = None
                 continue
             codes = torch.tensor([j.codes + j.look + [0] * (la - len(j.look)) for j in js], dtype=torch.long)
@@ -255,7 +259,7 @@ class CodecDecoder:
         t0 = time.perf_counter()
         wait_releasing_gil(self.device)
         self.last_gpu_wait_s = time.perf_counter() - t0  # (load logs: how much of a call was the GPU's)
-        pcm = [r.cpu().numpy().astype(np.float32, copy=False) for r in results]  # type: ignore[union-attr]
+        pcm = [np.asarray(r, dtype=np.float32) for r in results]
         for j, p in zip(jobs, pcm, strict=True):
             j.stream.samples_out += p.shape[0]
         return pcm

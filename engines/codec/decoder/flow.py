@@ -81,6 +81,10 @@ class FlowState:
     ctx_mu: torch.Tensor | None = None  # [80, C]
     ctx_cond: torch.Tensor | None = None  # [80, C]
 
+    def run_key(self) -> tuple[int, int, int]:
+        """States with equal keys have the same prompt keys and window lengths (FlowModel._runs)."""
+        return id(self.voice), self.win_kv.shape[2], self.win_up_kv.shape[2]
+
     def nbytes(self) -> int:
         ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond, self.win_kv, self.win_up_kv]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
@@ -169,25 +173,46 @@ class FlowModel(nn.Module):
                          win_up_kv=self._empty_kv(True), ctx_traj=traj, ctx_mu=mu, ctx_cond=cond)
 
     # ---- one chunk for a batch of sessions ---------------------------------------------------------------
-    def _prefixes(self, states: list[FlowState], up: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        """Prompt + window keys/values of every session, padded into one tensor [B, layers, 2, L, H, dk]: O(batch)
-        ops, not O(batch x layers). L is the longest prefix rounded up to PREFIX_ALIGN (padding is masked). Also
-        each session's key positions [B, L] and validity [B, L] (host arrays)."""
+    @staticmethod
+    def _runs(states: list[FlowState]) -> list[tuple[int, int]]:
+        """Maximal runs [a, b) of consecutive states with the same voice and window lengths. A run's prompt keys, window
+        keys and window update are one slice op each (not one op per session, ~25 us of host time apiece);
+        CodecDecoder.run_jobs orders a batch so that such states are neighbours."""
+        runs: list[tuple[int, int]] = []
+        key = None
+        for i, s in enumerate(states):
+            k = s.run_key()
+            if k != key:
+                runs.append((i, i + 1))
+                key = k
+            else:
+                runs[-1] = (runs[-1][0], i + 1)
+        return runs
+
+    def _prefixes(self, states: list[FlowState], runs: list[tuple[int, int]], up: bool
+                  ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """Prompt + window keys/values of every session, padded into one tensor [B, layers, 2, L, H, dk]: a few ops per
+        run of `_runs`, not per session or layer. L is the longest prefix rounded up to PREFIX_ALIGN (padding is zeros
+        and masked). Also each session's key positions [B, L] and validity [B, L] (host arrays)."""
         r = self.cfg.token_mel_ratio if up else 1
-        rows, P, W, first = [], [], [], []
-        for s in states:
-            pk = s.voice.up_kv if up else s.voice.kv  # [layers, 2, P, H, dk]
-            win = s.win_up_kv if up else s.win_kv  # [layers, 2, W, H, dk]
-            P.append(pk.shape[2])
-            W.append(win.shape[2])
-            rows.append(torch.cat([pk, win], dim=2) if P[-1] and W[-1] else (win if W[-1] else pk))
-            first.append(P[-1] + s.codes_done * r - W[-1])
+        prompts = [s.voice.up_kv if up else s.voice.kv for s in states]  # [layers, 2, P, H, dk]
+        wins = [s.win_up_kv if up else s.win_kv for s in states]  # [layers, 2, W, H, dk]
+        P = [pk.shape[2] for pk in prompts]
+        W = [w.shape[2] for w in wins]
+        first = [p + s.codes_done * r - w for p, w, s in zip(P, W, states, strict=True)]
         p, w, f = (np.asarray(a, dtype=np.int64)[:, None] for a in (P, W, first))
         Lmax = padded_prefix(int((p + w).max()))
         i = np.arange(Lmax, dtype=np.int64)[None]
         valid = i < p + w
         pos = np.where(valid, np.where(i < p, i, f + i - p), 0)  # prompt positions, then the window's
-        X = torch.stack([F.pad(x, (0, 0, 0, 0, 0, Lmax - x.shape[2])) for x in rows])  # [B, layers, 2, L, H, dk]
+        layers, _, _, H, dk = prompts[0].shape
+        X = torch.zeros(len(states), layers, 2, Lmax, H, dk, device=self.device, dtype=self.dtype)
+        for a, b in runs:
+            pa, wa = P[a], W[a]
+            if pa:
+                X[a:b, :, :, :pa] = prompts[a]  # one voice: the same prompt keys in every row of the run
+            if wa:
+                X[a:b, :, :, pa:pa + wa] = wins[a] if b - a == 1 else torch.stack(wins[a:b])
         return X, pos, valid
 
     def encode(self, codes: torch.Tensor, valid: torch.Tensor, pre: torch.Tensor, up: torch.Tensor, pos: torch.Tensor,
@@ -216,8 +241,9 @@ class FlowModel(nn.Module):
         la, r = self.cfg.pre_lookahead, self.cfg.token_mel_ratio
         B = len(states)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
-        X, kpos, kvalid = self._prefixes(states, False)
-        upX, up_kpos, up_kvalid = self._prefixes(states, True)
+        runs = self._runs(states)
+        X, kpos, kvalid = self._prefixes(states, runs, False)
+        upX, up_kpos, up_kvalid = self._prefixes(states, runs, True)
         q0 = np.asarray([s.voice.n_codes + s.codes_done for s in states], dtype=np.int64)[:, None]  # [B, 1]
         pos = q0 + np.arange(n)[None]  # [B, n]
         up_pos = q0 * r + np.arange(n * r)[None]  # [B, n * r]
@@ -240,16 +266,30 @@ class FlowModel(nn.Module):
         else:  # a last partial chunk (once per answer), or no CUDA graphs
             mu, pre, up, new_kv, new_up_kv = self.encode(*args)
         Fr = n * r
-        # Keep at most `enc_left_chunks` chunks of this session's own keys.
+        # Keep at most `enc_left_chunks` chunks of this session's own keys: per run of `_runs`, its windows (as copied
+        # into the prefix tensors X, upX) and the new keys in one op; each session keeps a view of its row.
         keep, keep_up = st.enc_left_chunks * st.chunk_codes, st.enc_left_chunks * st.chunk_codes * r
+        X, upX = args[6], args[9]
+        for a, b in self._runs(states):
+            wins = self._windows(X[a:b], new_kv[a:b], states[a].voice.kv.shape[2], states[a].win_kv.shape[2], keep)
+            up_wins = self._windows(upX[a:b], new_up_kv[a:b], states[a].voice.up_kv.shape[2],
+                                    states[a].win_up_kv.shape[2], keep_up)
+            for i, s in enumerate(states[a:b]):
+                s.win_kv, s.win_up_kv = wins[i], up_wins[i]
         for b, s in enumerate(states):
             s.pre, s.up = pre[b], up[b]
-            s.win_kv = torch.cat([s.win_kv, new_kv[b]], dim=2)[:, :, -keep:]
-            s.win_up_kv = torch.cat([s.win_up_kv, new_up_kv[b]], dim=2)[:, :, -keep_up:]
             s.codes_done += n
         if between is not None:
             between()
         return self._solve(states, mu, Fr, gens, between)
+
+    @staticmethod
+    def _windows(X: torch.Tensor, new: torch.Tensor, p: int, w: int, keep: int) -> torch.Tensor:
+        """The next windows of a run: the last `keep` keys of its window (X's keys p..p+w, X [n, layers, 2, L, H, dk])
+        followed by the chunk's new keys [n, layers, 2, T, H, dk]."""
+        if w == 0:
+            return new[:, :, :, -keep:]
+        return torch.cat([X[:, :, :, p:p + w], new], dim=3)[:, :, :, -keep:]
 
     def step_ranges(self, frames: int) -> list[tuple[int, int]]:
         """The Euler steps of each piece of a solve of `frames` new frames: `solve_parts` pieces for a full chunk,

@@ -47,7 +47,8 @@ class Voice:
         codes = torch.randint(0, 16384, (n_codes,), generator=g)
         # A plausible log-mel level (speech sits around -6..-2) with some spectral/temporal variation.
         mel = -5.0 + 1.5 * torch.randn(n_mels, 4 * n_codes, generator=g)
-        return cls(f"random-{seed}", codes, mel, torch.randn(spk_dim, generator=g))
+        # The decoder caches voices by name: every argument that changes the voice is in it.
+        return cls(f"random-{seed}-{n_codes}-{n_mels}-{spk_dim}", codes, mel, torch.randn(spk_dim, generator=g))
 
     @classmethod
     def from_wav(cls, path: str | Path, *, encode: Callable[[np.ndarray], Sequence[int]],
