@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from engines.service.process import add_arguments, build_service
@@ -36,3 +37,19 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
     assert [t.name for t in laned._codec._threads] == ["codec-worker-first", "codec-worker-playing"]
     for svc in (plain, laned):
         svc._codec.close()
+
+
+def test_codec_round_max_reaches_the_worker_and_bad_values_are_refused(capsys):
+    from engines.service.codec_worker import BULK_MAX
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    for extra, want in (([], BULK_MAX), (["--codec-round-max", "24"], 24)):
+        svc = build_service(p.parse_args(base + extra))
+        assert svc._codec.bulk_max == want
+        svc._codec.close()
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            p.parse_args(base + ["--codec-round-max", bad])
+        assert "--codec-round-max" in capsys.readouterr().err

@@ -63,6 +63,16 @@ MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot
 CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it declares us lost
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random", help="tiny-random | full-random | checkpoint dir")
     p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec dir | none")
@@ -102,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
                         "of its own, while rounds of playing answers pause between pieces of their work (default: "
                         "on a GPU; docs/BENCHMARKS.md, Capacity)")
+    p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
+                   help="with the codec thread: most playing answers one round decodes (more only while more are "
+                        "about to run dry; default engines/service/codec_worker.py BULK_MAX)")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
@@ -207,7 +220,7 @@ def build_service(args: argparse.Namespace) -> Service:
                       decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
-                      first_decoder=first_decoder,
+                      first_decoder=first_decoder, codec_round_max=getattr(args, "codec_round_max", None),
                       encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
