@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocoder", default="bigvgan", choices=["bigvgan", "hift"])
     p.add_argument("--batches", default="1,16,64", help="comma separated batch sizes")
     p.add_argument("--iters", type=int, default=10, help="timed steps per batch size")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steady-state steps per batch size")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per batch size (default: until the flow encoder's window is full, "
+                        "enc_left_chunks + 2: earlier steps see new key lengths, each a graph capture)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the flow's Euler solve as CUDA graphs")
     p.add_argument("--no-encoder-graphs", dest="encoder_graphs", action="store_false",
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
           f"(encoder {dec.flow.enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}, estimator {args.estimator_dtype}, chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
+    warmup = args.warmup if args.warmup is not None else dec.cfg.stream.enc_left_chunks + 2
     rng = np.random.default_rng(0)
     results = []
     for b in [int(x) for x in args.batches.split(",")]:
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         for i, sid in enumerate(sessions):
             task.open(sid, seed=i)
             task.submit(sid, rng.integers(0, 16384, la))  # lookahead codes, so every later chunk is ready
-        for _ in range(args.warmup):
+        for _ in range(warmup):
             _time_step(task, sessions, chunk, rng, device)
         times = [_time_step(task, sessions, chunk, rng, device) for _ in range(args.iters)]
         ms = statistics.median(times)
@@ -98,5 +101,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder,
                        "cuda_graphs": dec.flow.graphs is not None, "encoder_graphs": dec.flow.enc_graphs is not None,
-                       "estimator_dtype": args.estimator_dtype, "results": results}, f, indent=1)
+                       "estimator_dtype": args.estimator_dtype, "warmup_steps": warmup, "results": results}, f,
+                      indent=1)
     return 0
