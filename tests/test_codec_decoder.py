@@ -220,7 +220,7 @@ def _steady_round_ops(dec: CodecDecoder, batch: int, voices: list) -> dict[str, 
     for i in range(batch):
         task.open(f"s{i}", voice=voices[i % len(voices)], seed=i)
         task.submit(f"s{i}", rng.integers(0, 16384, 3))
-    for _ in range(dec.cfg.stream.enc_left_chunks + 2):  # until every window is full
+    for _ in range(dec.cfg.stream.steady_chunks):  # until every window is full
         for i in range(batch):
             task.submit(f"s{i}", rng.integers(0, 16384, 5))
         assert len(task.step()) == batch

@@ -60,9 +60,7 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
         flow._solve, win.push = orig_solve, orig_push
         delattr(enc_owner, enc_name)
         del flow.encode_inputs
-    # The encoder's window grows over the first enc_left_chunks chunks (a new prefix shape, hence a graph capture,
-    # each): only the rounds after it are steady state.
-    skip = dec.cfg.stream.enc_left_chunks + 2
+    skip = dec.cfg.stream.steady_chunks  # rounds before it capture graphs as the encoder's window grows
     if iters <= skip:
         raise ValueError(f"--iters must exceed {skip}: the first {skip} rounds are not steady state")
     out = {k: median(v[skip:]) for k, v in acc.items()}

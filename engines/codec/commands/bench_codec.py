@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed steps per batch size")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps per batch size (default: until the flow encoder's window is full, "
-                        "enc_left_chunks + 2: earlier steps see new key lengths, each a graph capture)")
+                        "StreamConfig.steady_chunks: earlier steps see new key lengths, each a graph capture)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the flow's Euler solve as CUDA graphs")
     p.add_argument("--no-encoder-graphs", dest="encoder_graphs", action="store_false",
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
           f"(encoder {dec.flow.enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}, estimator {args.estimator_dtype}, chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
-    warmup = args.warmup if args.warmup is not None else dec.cfg.stream.enc_left_chunks + 2
+    warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
     rng = np.random.default_rng(0)
     results = []
     for b in [int(x) for x in args.batches.split(",")]:

@@ -145,6 +145,12 @@ class StreamConfig:
         if self.crossfade_frames >= self.voc_ctx_frames:
             raise ConfigError("StreamConfig.crossfade_frames must be < voc_ctx_frames")
 
+    @property
+    def steady_chunks(self) -> int:
+        """Chunks after which a stream's every later chunk has the same shapes: the encoder's window of keys grows
+        over the first enc_left_chunks (on a GPU a new key length is a graph capture). Benchmarks time after these."""
+        return self.enc_left_chunks + 2
+
 
 @dataclass(frozen=True)
 class CodecDecoderConfig:

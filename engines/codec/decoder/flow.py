@@ -234,14 +234,14 @@ class FlowModel(nn.Module):
         mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
         return mu, cache.pre, cache.up, _stack_kv(kvs), _stack_kv(up_kvs)
 
-    def encode_inputs(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int]
-                      ) -> tuple[torch.Tensor, ...]:
+    def encode_inputs(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
+                      runs: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, ...]:
         """The arguments of `encode` for a chunk of n codes of every state (codes [B, n + pre_lookahead] long,
-        lookahead slots beyond n_look[b] ignored)."""
+        lookahead slots beyond n_look[b] ignored). runs: `_runs(states)`, if the caller has it."""
         la, r = self.cfg.pre_lookahead, self.cfg.token_mel_ratio
         B = len(states)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
-        runs = self._runs(states)
+        runs = runs if runs is not None else self._runs(states)
         X, kpos, kvalid = self._prefixes(states, runs, False)
         upX, up_kpos, up_kvalid = self._prefixes(states, runs, True)
         q0 = np.asarray([s.voice.n_codes + s.codes_done for s in states], dtype=np.int64)[:, None]  # [B, 1]
@@ -260,7 +260,8 @@ class FlowModel(nn.Module):
         Returns mel [B, 80, n * ratio] and advances every state. `between` is called after the encoder's and each
         solve piece's work is queued (see `solve_parts`)."""
         st, r = self.stream, self.cfg.token_mel_ratio
-        args = self.encode_inputs(states, codes, n, n_look)
+        runs = self._runs(states)
+        args = self.encode_inputs(states, codes, n, n_look, runs)
         if self.enc_graphs is not None and n == st.chunk_codes:  # (enc_graphs is only set on CUDA devices)
             mu, pre, up, new_kv, new_up_kv = self.enc_graphs.run(*args)
         else:  # a last partial chunk (once per answer), or no CUDA graphs
@@ -270,7 +271,7 @@ class FlowModel(nn.Module):
         # into the prefix tensors X, upX) and the new keys in one op; each session keeps a view of its row.
         keep, keep_up = st.enc_left_chunks * st.chunk_codes, st.enc_left_chunks * st.chunk_codes * r
         X, upX = args[6], args[9]
-        for a, b in self._runs(states):
+        for a, b in runs:
             wins = self._windows(X[a:b], new_kv[a:b], states[a].voice.kv.shape[2], states[a].win_kv.shape[2], keep)
             up_wins = self._windows(upX[a:b], new_up_kv[a:b], states[a].voice.up_kv.shape[2],
                                     states[a].win_up_kv.shape[2], keep_up)
