@@ -259,12 +259,9 @@ class CodecWorker:
             except Exception as e:  # noqa: BLE001 - outside the decoder's own failures (handed back by _round):
                 # the thread must live on, or every answer would wait for it; this round's answers end with `e`
                 log.exception("codec worker: unexpected error in a round; its %d answer(s) fail", len(taken))
-                done = [a for a, _, _ in taken]
-                posts = [(a.key, e, True) for a in done]
-                for a in done:
-                    a.jobs.clear()
-                    with contextlib.suppress(Exception):
-                        self._close_stream(a)
+                posts, done = [], []
+                for a, _, _ in taken:
+                    self._end_failed(a, e, posts, done)
             finally:
                 with self._cv:
                     dt = time.perf_counter() - t0
@@ -290,6 +287,16 @@ class CodecWorker:
                     self._cv.notify_all()
             if decoded < 0:  # held back for the language model: look again shortly (it sets no event)
                 time.sleep(0.002)
+
+    @classmethod
+    def _end_failed(cls, a: _Answer, e: Exception, posts: list, done: list[_Answer]) -> None:
+        """End an answer with `e` (its decoder failed, or its round did): no more jobs, its stream closed (its state is
+        unknown), the error posted as its final result."""
+        a.jobs.clear()
+        with contextlib.suppress(Exception):
+            cls._close_stream(a)
+        posts.append((a.key, e, True))
+        done.append(a)
 
     @staticmethod
     def _close_stream(a: _Answer) -> None:
@@ -383,9 +390,7 @@ class CodecWorker:
                     pcms = decoder.run_jobs(jobs, between=(lambda: self._yield_point(y)) if y is not None else None)
             except Exception as e:  # noqa: BLE001 - handed back: the Service fails those answers
                 for a in batch:
-                    a.jobs.clear()
-                    posts.append((a.key, e, True))
-                    done.append(a)
+                    self._end_failed(a, e, posts, done)
                 return posts, done, 0, take_first
             finally:
                 if take_first:
