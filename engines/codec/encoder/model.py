@@ -25,6 +25,7 @@ approximation of the offline encoder.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,21 @@ from torch import nn
 from engines.codec.encoder.config import EncoderConfig
 from engines.codec.encoder.kv_pool import KVPool
 from engines.host_copy import upload
+
+# float32 steps on CUDA run the Triton kernels: attention reading the KV pool in place, GEMMs on tensor cores at
+# float32 accuracy (engines/kernels/encoder_attention.py, fp32_gemm.py); "0" keeps SDPA over gathered keys and cuBLAS's
+# SGEMM (the A/B of docs/PERF_NOTES.md).
+TRITON_KERNELS = os.environ.get("MOSS_ENCODER_TRITON", "1") != "0"
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
+    """[gelu](x @ weight.T + bias): on CUDA in float32, fp32_gemm (3xTF32 from its row threshold on); else torch."""
+    if TRITON_KERNELS and x.is_cuda and x.dtype == torch.float32:
+        from engines.kernels import fp32_gemm
+
+        return fp32_gemm.linear(x, weight, bias, gelu)
+    y = F.linear(x, weight, bias)
+    return F.gelu(y) if gelu else y
 
 
 class SelfAttention(nn.Module):
@@ -218,7 +234,7 @@ class StreamingRunner:
         src = torch.cat([st.mel_tail for st in states] + [m for m in mels if m.shape[0]]).to(self.dtype)
         cols = src[cols1_t].transpose(1, 2).reshape(cols1_t.shape[0], -1)  # [N1, n_mels * 3] (unfold's [C, k])
         _keep(states, "mel_tail", rest1, src[rest1_t])
-        h1 = F.gelu(F.linear(cols, self.w1, self.trunk.conv1.bias))  # [N1, d]
+        h1 = _linear(cols, self.w1, self.trunk.conv1.bias, gelu=True)  # [N1, d]
         src = torch.cat([st.h1_tail for st in states] + [h1])
         _keep(states, "h1_tail", rest2, src[rest2_t])
         if not active:
@@ -227,7 +243,7 @@ class StreamingRunner:
                      slots=slice(slots[0], slots[0] + len(slots)) if consecutive else slots_t,
                      padded=batch * n_pad != dense.shape[0])
         cols = src[cols2_t].transpose(1, 2).reshape(cols2_t.shape[0], -1)  # [N2, d * 3]
-        x = F.gelu(F.linear(cols, self.w2, self.trunk.conv2.bias))  # [N2, d]
+        x = _linear(cols, self.w2, self.trunk.conv2.bias, gelu=True)  # [N2, d]
         x = x + self.trunk.embed_positions(plan.tok_pos)
         if plan.padded:
             x = x.new_zeros(batch * n_pad, cfg.d_model).index_copy_(0, plan.dense, x)  # [batch * n_max, d]
@@ -269,32 +285,52 @@ class StreamingRunner:
         """The transformer blocks over the padded layout (x [batch * n_max, d], see _Plan); what graphs.StepGraphs
         captures."""
         cfg = self.cfg
-        mask = torch.arange(t_max, device=x.device)[None, None, :] <= qpos[:, :, None]  # [batch, n_max, t_max]
-        mask = mask[:, None]  # [batch, 1, n_max, t_max]
+        if self._fused_attention(x):
+            # The kernel reads K/V through each row's slot (a consecutive run given as a slice becomes indices) and
+            # applies the causal rule from qpos itself.
+            if isinstance(slots, slice):
+                slots = torch.arange(slots.start, slots.stop, device=x.device)
+            mask = None
+        else:
+            mask = torch.arange(t_max, device=x.device)[None, None, :] <= qpos[:, :, None]  # [batch, n_max, t_max]
+            mask = mask[:, None]  # [batch, 1, n_max, t_max]
         for li, layer in enumerate(self.trunk.layers):
-            x = x + self._attention(li, layer, x, kv_slot, kv_pos, slots, mask)
+            x = x + self._attention(li, layer, x, kv_slot, kv_pos, slots, qpos, t_max, mask)
             h = F.layer_norm(x, (cfg.d_model,), layer.final_layer_norm.weight, layer.final_layer_norm.bias,
                              cfg.layer_norm_eps)
-            x = x + layer.fc2(F.gelu(layer.fc1(h)))
+            x = x + _linear(_linear(h, layer.fc1.weight, layer.fc1.bias, gelu=True), layer.fc2.weight, layer.fc2.bias)
         return x
 
+    def _fused_attention(self, x: torch.Tensor) -> bool:
+        """float32 on CUDA: the Triton kernel reading K/V in place (engines/kernels/encoder_attention.py); else SDPA
+        over the gathered keys."""
+        hd = self.cfg.head_dim
+        return x.is_cuda and self.dtype == torch.float32 and TRITON_KERNELS and hd >= 16 and hd & (hd - 1) == 0
+
     def _attention(self, li: int, layer: EncoderLayer, x: torch.Tensor, kv_slot: torch.Tensor, kv_pos: torch.Tensor,
-                   slots: torch.Tensor | slice, mask: torch.Tensor) -> torch.Tensor:
+                   slots: torch.Tensor | slice, qpos: torch.Tensor, t_max: int, mask: torch.Tensor | None
+                   ) -> torch.Tensor:
         cfg = self.cfg
         hds, hd = cfg.num_heads, cfg.head_dim
-        batch, _, n_max, t_max = mask.shape
+        batch, n_max = qpos.shape
         h = F.layer_norm(x, (cfg.d_model,), layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
                          cfg.layer_norm_eps)
         w, b = self.qkv[li]
-        q, k, v = F.linear(h, w, b).view(-1, 3, hds, hd).unbind(1)  # each [batch * n_max, heads, head_dim]
+        q, k, v = _linear(h, w, b).view(-1, 3, hds, hd).unbind(1)  # each [batch * n_max, heads, head_dim]
         keys, values = self.kv.keys[li], self.kv.values[li]  # [slots, heads, positions, head_dim]
         keys[kv_slot, :, kv_pos] = k
         values[kv_slot, :, kv_pos] = v
+        if mask is None:
+            from engines.kernels.encoder_attention import encoder_attention
+
+            o = encoder_attention(q, keys, values, slots, qpos, t_max)  # [batch * n_max, d]
+            return _linear(o, layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias)
         kb = keys[slots, :, :t_max]  # [batch, heads, t_max, head_dim]
         vb = values[slots, :, :t_max]
         qb = q.view(batch, n_max, hds, hd).transpose(1, 2)  # [batch, heads, n_max, head_dim]
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)  # [batch, heads, n_max, head_dim]
-        return layer.self_attn.out_proj(o.transpose(1, 2).reshape(-1, cfg.d_model))
+        return _linear(o.transpose(1, 2).reshape(-1, cfg.d_model), layer.self_attn.out_proj.weight,
+                       layer.self_attn.out_proj.bias)
 
     def quantize(self, feats: torch.Tensor) -> torch.Tensor:
         """Nearest codebook entry (squared L2; the |x|^2 term is constant per row). [n, d] -> [n] int64."""
