@@ -85,9 +85,10 @@ def _attn_kernel(Q, K, V, SLOTS, QPOS, OUT, PO, PML, s_qr, s_qh, s_ks, s_kh, s_k
         tl.store(OUT + rows[:, None] * s_or + h * D + rd[None, :], out, mask=qm[:, None])
 
 
-@triton.jit
-def _merge_kernel(PO, PML, OUT, n_rows, s_or, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                  SPLITS_P: tl.constexpr):
+# The split count is a runtime value and row counts are not specialized: one compiled merge kernel serves every step
+# (a compile while serving stalls the encoder ~0.5 s).
+@triton.jit(do_not_specialize=["n_rows", "SPLITS"])
+def _merge_kernel(PO, PML, OUT, n_rows, s_or, SPLITS, H: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr):
     pid = tl.program_id(0)  # (row, head)
     r = pid // H
     h = pid % H
@@ -139,6 +140,6 @@ def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        out.stride(0), n_max, t_max, per_split, d ** -0.5, H=heads, D=d, BLOCK_Q=block_q,
                        BLOCK_T=BLOCK_T, SPLIT=splits > 1, PRECISION=PRECISION, num_warps=NUM_WARPS)
     if splits > 1:
-        _merge_kernel[(rows * heads,)](po, pml, out, rows, out.stride(0), H=heads, D=d, SPLITS=splits,
-                                       SPLITS_P=max(2, triton.next_power_of_2(splits)), num_warps=2)
+        _merge_kernel[(rows * heads,)](po, pml, out, rows, out.stride(0), splits, H=heads, D=d, SPLITS_P=MAX_SPLITS,
+                                       num_warps=2)
     return out

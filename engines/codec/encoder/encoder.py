@@ -93,8 +93,9 @@ class SpeechEncoder:
             self.runner.kv.reserve(streams)
 
     def capture_graphs(self, max_batch: int = 8) -> int:
-        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs); reserve the KV pool
-        first (a growth retires them). Returns how many were captured."""
+        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs), then the kernels that
+        bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs). Returns how many
+        graphs were captured."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         from engines.codec.encoder.graphs import StepGraphs
@@ -103,6 +104,7 @@ class SpeechEncoder:
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs
+            self.runner.warm_kernels()
         return n
 
     def release_slot(self, state: TrunkState) -> None:

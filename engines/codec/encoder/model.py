@@ -167,6 +167,22 @@ class StreamingRunner:
         self.kv = KVPool(cfg, dtype, device)
         self.graphs = None  # graphs.StepGraphs once captured (SpeechEncoder.capture_graphs)
 
+    def warm_kernels(self) -> None:
+        """Compile the Triton kernels' variants that CUDA-graph capture does not meet (steps of many streams: attention
+        without key splits, 16- and 32-query tiles; the GEMM's large-row tiling; the convs' GEMMs), so that no compile
+        stalls a step while serving. Every row writes its K/V to the pool's spare slot."""
+        if not (self.device.type == "cuda" and self.dtype == torch.float32 and TRITON_KERNELS and self.kv.keys):
+            return
+        cfg, kw = self.cfg, {"device": self.device, "dtype": torch.long}
+        for batch, n_max in ((32, 16), (64, 32)):  # 512 and 2048 rows: both GEMM tilings, both query tiles
+            rows = batch * n_max
+            spare = torch.full((rows,), self.kv.spare, **kw)
+            x = torch.zeros(rows, cfg.d_model, device=self.device)
+            self.layers(x, spare, torch.zeros(rows, **kw), torch.full((batch,), self.kv.spare, **kw),
+                        torch.zeros(batch, n_max, **kw), 16)
+            _linear(torch.zeros(rows, self.w1.shape[1], device=self.device), self.w1, self.trunk.conv1.bias, True)
+            _linear(torch.zeros(rows, self.w2.shape[1], device=self.device), self.w2, self.trunk.conv2.bias, True)
+
     @property
     def mel_per_segment(self) -> int:
         return 2 * self.cfg.max_source_positions  # conv2 has stride 2
