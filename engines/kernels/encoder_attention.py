@@ -35,7 +35,9 @@ def num_splits(batch: int, heads: int, t_max: int, device: torch.device) -> int:
     return max(1, min(want, MAX_SPLITS, -(-t_max // BLOCK_T)))
 
 
-@triton.jit(do_not_specialize=["N_MAX", "T_MAX", "KEYS_PER_SPLIT"])
+# Eager steps hand in slots and query positions as views into one uploaded buffer, at offsets that change with the
+# step: specializing on their alignment compiled new variants while serving (a stall of ~0.5 s each).
+@triton.jit(do_not_specialize=["N_MAX", "T_MAX", "KEYS_PER_SPLIT"], do_not_specialize_on_alignment=["SLOTS", "QPOS"])
 def _attn_kernel(Q, K, V, SLOTS, QPOS, OUT, PO, PML, s_qr, s_qh, s_ks, s_kh, s_kt, s_vs, s_vh, s_vt, s_or,
                  N_MAX, T_MAX, KEYS_PER_SPLIT, scale, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
