@@ -155,3 +155,11 @@ def test_window_report_names_the_parts_and_the_model_steps() -> None:
         "codec flow (estimator, flow encoder)"]
     assert lines[-1].startswith("language model: 2 step launches of >= 50 kernels; each took p10/p50/p90 "
                                 "4.0 / 4.0 / 4.0 ms, starts 10.0 ms apart")
+
+
+def test_window_report_knows_the_speech_encoders_triton_kernels() -> None:
+    """A held-audio step on a GPU runs only the encoder's Triton kernels (no cuBLAS SGEMM, no SDPA) on its stream."""
+    from engines.bench.window_report import part_of
+
+    assert part_of({"_encoder_attention_kernel", "vectorized_layer_norm_kernel"}) == "speech encoder"
+    assert part_of({"_tf32x3_gemm_kernel"}) == "speech encoder"

@@ -38,9 +38,10 @@ def num_splits(batch: int, heads: int, t_max: int, device: torch.device) -> int:
 # Eager steps hand in slots and query positions as views into one uploaded buffer, at offsets that change with the
 # step: specializing on their alignment compiled new variants while serving (a stall of ~0.5 s each).
 @triton.jit(do_not_specialize=["N_MAX", "T_MAX", "KEYS_PER_SPLIT"], do_not_specialize_on_alignment=["SLOTS", "QPOS"])
-def _attn_kernel(Q, K, V, SLOTS, QPOS, OUT, PO, PML, s_qr, s_qh, s_ks, s_kh, s_kt, s_vs, s_vh, s_vt, s_or,
-                 N_MAX, T_MAX, KEYS_PER_SPLIT, scale, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+def _encoder_attention_kernel(Q, K, V, SLOTS, QPOS, OUT, PO, PML, s_qr, s_qh, s_ks, s_kh, s_kt, s_vs, s_vh, s_vt,
+                              s_or, N_MAX, T_MAX, KEYS_PER_SPLIT, scale, H: tl.constexpr, D: tl.constexpr,
+                              BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
+                              PRECISION: tl.constexpr):
     pid = tl.program_id(0)  # (stream row, head)
     split = tl.program_id(1)
     qblk = tl.program_id(2)
@@ -90,7 +91,8 @@ def _attn_kernel(Q, K, V, SLOTS, QPOS, OUT, PO, PML, s_qr, s_qh, s_ks, s_kh, s_k
 # The split count is a runtime value and row counts are not specialized: one compiled merge kernel serves every step
 # (a compile while serving stalls the encoder ~0.5 s).
 @triton.jit(do_not_specialize=["n_rows", "SPLITS"])
-def _merge_kernel(PO, PML, OUT, n_rows, s_or, SPLITS, H: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr):
+def _encoder_attention_merge_kernel(PO, PML, OUT, n_rows, s_or, SPLITS, H: tl.constexpr, D: tl.constexpr,
+                                    SPLITS_P: tl.constexpr):
     pid = tl.program_id(0)  # (row, head)
     r = pid // H
     h = pid % H
@@ -137,11 +139,12 @@ def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         pml = torch.empty(splits, rows, heads, 2, device=q.device, dtype=torch.float32)
     else:
         po = pml = out
-    _attn_kernel[grid](q, keys, values, slots, qpos, out, po, pml, q.stride(0), q.stride(1), keys.stride(0),
-                       keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-                       out.stride(0), n_max, t_max, per_split, d ** -0.5, H=heads, D=d, BLOCK_Q=block_q,
-                       BLOCK_T=BLOCK_T, SPLIT=splits > 1, PRECISION=PRECISION, num_warps=NUM_WARPS)
+    _encoder_attention_kernel[grid](
+        q, keys, values, slots, qpos, out, po, pml, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+        keys.stride(2), values.stride(0), values.stride(1), values.stride(2), out.stride(0), n_max, t_max, per_split,
+        d ** -0.5, H=heads, D=d, BLOCK_Q=block_q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, PRECISION=PRECISION,
+        num_warps=NUM_WARPS)
     if splits > 1:
-        _merge_kernel[(rows * heads,)](po, pml, out, rows, out.stride(0), splits, H=heads, D=d, SPLITS_P=MAX_SPLITS,
-                                       num_warps=2)
+        _encoder_attention_merge_kernel[(rows * heads,)](po, pml, out, rows, out.stride(0), splits, H=heads, D=d,
+                                                        SPLITS_P=MAX_SPLITS, num_warps=2)
     return out

@@ -171,7 +171,7 @@ class StreamingRunner:
         """Compile the Triton kernels' variants that CUDA-graph capture does not meet (steps of many streams: attention
         without key splits, 16- and 32-query tiles; the GEMM's large-row tiling; the convs' GEMMs), so that no compile
         stalls a step while serving. Every row writes its K/V to the pool's spare slot."""
-        if not (self.device.type == "cuda" and self.dtype == torch.float32 and TRITON_KERNELS and self.kv.keys):
+        if not (self._triton and self.kv.keys):
             return
         cfg, kw = self.cfg, {"device": self.device, "dtype": torch.long}
         for batch, n_max in ((32, 16), (64, 32)):  # 512 and 2048 rows: both GEMM tilings, both query tiles
@@ -301,7 +301,7 @@ class StreamingRunner:
         """The transformer blocks over the padded layout (x [batch * n_max, d], see _Plan); what graphs.StepGraphs
         captures."""
         cfg = self.cfg
-        if self._fused_attention(x):
+        if self._fused_attention:
             # The kernel reads K/V through each row's slot (a consecutive run given as a slice becomes indices) and
             # applies the causal rule from qpos itself.
             if isinstance(slots, slice):
@@ -317,11 +317,17 @@ class StreamingRunner:
             x = x + _linear(_linear(h, layer.fc1.weight, layer.fc1.bias, gelu=True), layer.fc2.weight, layer.fc2.bias)
         return x
 
-    def _fused_attention(self, x: torch.Tensor) -> bool:
-        """float32 on CUDA: the Triton kernel reading K/V in place (engines/kernels/encoder_attention.py); else SDPA
-        over the gathered keys."""
+    @property
+    def _triton(self) -> bool:
+        """float32 on CUDA: the Triton kernels (unless MOSS_ENCODER_TRITON=0)."""
+        return self.device.type == "cuda" and self.dtype == torch.float32 and TRITON_KERNELS
+
+    @property
+    def _fused_attention(self) -> bool:
+        """The Triton attention reading K/V in place (engines/kernels/encoder_attention.py: head_dim a power of two
+        >= 16); else SDPA over the gathered keys."""
         hd = self.cfg.head_dim
-        return x.is_cuda and self.dtype == torch.float32 and TRITON_KERNELS and hd >= 16 and hd & (hd - 1) == 0
+        return self._triton and hd >= 16 and hd & (hd - 1) == 0
 
     def _attention(self, li: int, layer: EncoderLayer, x: torch.Tensor, kv_slot: torch.Tensor, kv_pos: torch.Tensor,
                    slots: torch.Tensor | slice, qpos: torch.Tensor, t_max: int, mask: torch.Tensor | None
