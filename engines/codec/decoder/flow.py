@@ -114,6 +114,7 @@ class FlowModel(nn.Module):
         # playing answers, which yield the GPU to new answers) sets it. Same steps, same result.
         self.solve_parts = 1
         self._chain_streams: list[torch.cuda.Stream] = []
+        self._t_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # _step_times
 
     @property
     def device(self) -> torch.device:
@@ -152,6 +153,14 @@ class FlowModel(nn.Module):
         h = self.cfg.heads
         return torch.zeros(n, 2, 0, h, self.cfg.d_model // h, device=self.device, dtype=self.dtype)
 
+    def _step_times(self, dev: torch.device, dt: torch.dtype) -> torch.Tensor:
+        """The Euler steps' start times [steps, 1, 1] on `dev`, made once: a tensor from host floats is a synchronous
+        copy, which in a new answer's stream setup (the engine loop's CreateResponse) waited for the loop's stream."""
+        t = self._t_cache.get((dev, dt))
+        if t is None:
+            t = self._t_cache[(dev, dt)] = torch.tensor(self.t_span[:-1], dtype=dt).to(dev)[:, None, None]
+        return t
+
     def new_state(self, voice: PreparedVoice, gen: torch.Generator) -> FlowState:
         cfg, C = self.cfg, self.stream.est_ctx_frames
         dev, dt = self.device, self.dtype
@@ -167,7 +176,7 @@ class FlowModel(nn.Module):
             mu[:, C - n_have:] = voice.mu[:, -n_have:]
             cond[:, C - n_have:] = voice.mel[:, -n_have:]
         z = torch.randn(cfg.output_size, C, generator=gen, device=dev, dtype=dt)
-        t = torch.tensor(self.t_span[:-1], device=dev, dtype=dt)[:, None, None]
+        t = self._step_times(dev, dt)  # [steps, 1, 1]
         traj = (1 - (1 - cfg.sigma_min) * t) * z + t * target  # [steps, 80, C]
         return FlowState(voice, cache.pre[0], cache.up[0], win_kv=self._empty_kv(False),
                          win_up_kv=self._empty_kv(True), ctx_traj=traj, ctx_mu=mu, ctx_cond=cond)

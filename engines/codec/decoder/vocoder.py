@@ -68,7 +68,9 @@ class HiFTVocoder(Vocoder):
         st = super().init_state(prompt_mel, ctx, gen)
         H = self.generator.n_harmonics
         ph = torch.rand(H, generator=gen, device=prompt_mel.device, dtype=prompt_mel.dtype)
-        ph[0] = 0.0  # the fundamental starts at zero phase, overtones at random phases
+        # The fundamental starts at zero phase, overtones at random phases. (zero_ on a slice: `ph[0] = 0.0` copies a
+        # host scalar, a synchronous copy that made a new answer's CreateResponse wait for the engine loop's stream.)
+        ph[:1].zero_()
         st.phase = ph
         return st
 
