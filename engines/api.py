@@ -80,6 +80,7 @@ class EngineStats:
     # none of this engine's work meanwhile.
     launch_gaps: int = 0
     launch_gap_s: float = 0.0
+    launch_s: float = 0.0  # host time spent launching steps (inputs, graph replay, sampler), over `steps`
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0

@@ -119,9 +119,11 @@ class Engine:
             self._stats.launch_gaps += 1
             self._stats.launch_gap_s += time.perf_counter() - self._tokens_read_at
         self._tokens_read_at = None
+        t0 = time.perf_counter()
         codes = after.tokens.audio_codes() if after is not None else None
         tokens = self.runner.run(chunks, codes, ahead=int(after is not None))
         self._stats.steps += 1
+        self._stats.launch_s += time.perf_counter() - t0
         return _Launched(chunks, tokens, after is not None)
 
     def _emit(self, launched: _Launched) -> list[StepOutput]:

@@ -118,6 +118,13 @@ def test_launch_gaps_count_host_time_between_steps_with_work_left(tiny_checkpoin
     clock = [0.0]
     monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: clock[0])
     eng = make_engine(tiny_checkpoint, block_size=16, overlap=False)
+    run = eng.runner.run
+
+    def launch(*a, **k):  # each launch takes 1 ms of host time (the load log's "ms per launch")
+        clock[0] += 0.001
+        return run(*a, **k)
+
+    monkeypatch.setattr(eng.runner, "run", launch)
     eng.add_request("a", text_rows([IM_START, 5, 6, IM_END]), greedy(4, min_new=4))
     steps = 0
     while eng.has_work():
@@ -127,6 +134,7 @@ def test_launch_gaps_count_host_time_between_steps_with_work_left(tiny_checkpoin
     st = eng.stats()
     assert steps == 4 and st.launch_gaps == 3  # the prefill samples the 1st token, 3 decodes; none after the last
     assert st.launch_gap_s == pytest.approx(3 * 0.003)
+    assert st.steps == 4 and st.launch_s == pytest.approx(4 * 0.001)
     clock[0] += 10.0  # idle, then a new request: not a gap
     eng.add_request("b", text_rows([IM_START, 7, IM_END]), greedy(1, min_new=1))
     eng.step()

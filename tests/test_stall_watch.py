@@ -74,3 +74,17 @@ def test_close_stops_the_thread_and_the_gc_hook():
     w.close()
     assert not w._thread.is_alive()
     assert w._on_gc not in gc.callbacks
+
+
+def test_wake_up_delays_sample_how_long_threads_wait_for_the_gil(watch):
+    """The engine's load log reports these (GIL wait): a call holding the GIL delays the watch's next wake-up."""
+    time.sleep(0.1)
+    idle = watch.take_wake_delays()
+    assert len(idle) >= 3 and min(idle) >= 0.0
+    assert len(watch.take_wake_delays()) <= 2  # a take clears them (a wake-up or two may land between)
+    t0 = time.perf_counter()
+    sum(range(40_000_000))  # one C call: the GIL is not released until it returns
+    held_ms = 1e3 * (time.perf_counter() - t0)
+    time.sleep(0.05)
+    delays = watch.take_wake_delays()
+    assert held_ms > 50 and max(delays) > 0.5 * held_ms - 20

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from engines.service import messages as m
@@ -262,8 +263,9 @@ def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
 class _LoadLog:
     """Where the engine loop's time goes, logged every LOAD_LOG_S while busy (for load tests)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, watch: StallWatch | None = None) -> None:
         self.service = service
+        self.watch = watch  # its wake-up delays: how long the process's threads wait for the GIL
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
@@ -289,21 +291,25 @@ class _LoadLog:
             st = self.service.engine.stats()
             codec = self.service._codec
             extra = ""
+            if self.watch is not None and (late := self.watch.take_wake_delays()):
+                q = np.percentile(late, [50, 95])
+                extra += f"; GIL wait (watch wake-up delay) p50 {q[0]:.2f} / p95 {q[1]:.2f} / max {max(late):.1f} ms"
             if codec is not None and self.codec0 is not None:
                 b, n, busy = (codec.batches - self.codec0[0], codec.items - self.codec0[1],
                               codec.busy_s - self.codec0[2])
-                extra = f"; codec {b} batches, {n} items, busy {100 * busy / span:.0f}%"
+                extra += f"; codec {b} batches, {n} items, busy {100 * busy / span:.0f}%"
             s0 = self.stats0
             launched = st.steps - s0.steps
             log.info("load: %d loop steps in %.1f s (%.1f ms mean, %.1f ms max), handling messages %.0f%%, "
                      "stepping %.0f%%; running %d, waiting %d; %d model steps (%d launched ahead) of %.2f decode "
-                     "+ %.2f prompt rows, %.1f ms from tokens to the next launch%s",
+                     "+ %.2f prompt rows, %.1f ms from tokens to the next launch, %.1f ms per launch%s",
                      self.steps, span, 1e3 * self.step_s / self.steps, 1e3 * self.step_max, 100 * self.handle_s / span,
                      100 * self.step_s / span, st.running, st.waiting, launched,
                      st.overlapped_steps - s0.overlapped_steps,
                      (st.decoded_rows - s0.decoded_rows) / max(launched, 1),
                      (st.prefilled_rows - s0.prefilled_rows) / max(launched, 1),
-                     1e3 * (st.launch_gap_s - s0.launch_gap_s) / max(st.launch_gaps - s0.launch_gaps, 1), extra)
+                     1e3 * (st.launch_gap_s - s0.launch_gap_s) / max(st.launch_gaps - s0.launch_gaps, 1),
+                     1e3 * (st.launch_s - s0.launch_s) / max(launched, 1), extra)
             parts = self.service.spans.take()
             for worker in (codec, self.service._speech):
                 if worker is not None:
@@ -334,8 +340,8 @@ class EngineServer:
         self.stopping = False
         self._last_check = 0.0
         self._busy_since_check = False
-        self._load = _LoadLog(service)
         self.watch = StallWatch(threshold_s=SLOW_S)
+        self._load = _LoadLog(service, self.watch)
         self.window = window  # a gpu_window.GpuWindow, polled every loop turn
 
     def close(self) -> None:

@@ -49,6 +49,9 @@ class StallWatch:
         self.threshold_s, self.period_s, self.late_s = threshold_s, period_s, late_s
         self.stalls: list[Stall] = []  # the last few, for tests and stats
         self.gc_pauses_ms: list[float] = []  # collections longer than GC_LOG_MS since the last take
+        # Every wake-up's delay past its schedule since the last take: a sleeping thread needs the GIL back to run,
+        # so these sample how long any thread of the process waits for it (plus the OS's wake-up latency).
+        self.wake_delays_ms: list[float] = []
         self._lock = threading.Lock()
         self._section: str | None = None
         self._since = 0.0
@@ -85,6 +88,12 @@ class StallWatch:
         out, self.gc_pauses_ms = self.gc_pauses_ms, []
         return out
 
+    def take_wake_delays(self) -> list[float]:
+        """Wake-up delays (ms) since the last take (at most MAX_WAKES kept; the newest)."""
+        with self._lock:
+            out, self.wake_delays_ms = self.wake_delays_ms, []
+        return out
+
     # ---- watch thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -94,6 +103,9 @@ class StallWatch:
             late = now - due
             due = now + self.period_s
             with self._lock:
+                self.wake_delays_ms.append(1e3 * late)
+                if len(self.wake_delays_ms) > MAX_WAKES:
+                    del self.wake_delays_ms[:-MAX_WAKES // 2]
                 if self._section is None or now - self._since < self.threshold_s:
                     continue
                 if self._current is None:
@@ -127,3 +139,4 @@ class StallWatch:
 
 
 GC_LOG_MS = 20.0
+MAX_WAKES = 4096  # wake-up delays kept between takes (~80 s of wake-ups at the default period)
