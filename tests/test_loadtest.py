@@ -197,6 +197,14 @@ def test_capacity_levels_and_verdict():
     slow["underruns"] = {"total": 3, "turns_with_underruns": 2}
     why = capacity.verdict(slow, "ttfa_commit_ms", 200.0)
     assert len(why) == 2 and "250 ms > 200 ms" in why[0] and "3 underruns" in why[1]
+    # server_vad: a server whose loop fell behind ends turns late; TTFA from the commit cannot show it.
+    late = json.loads(json.dumps(ok))
+    late["metrics"]["vad_delay_ms"] = {"p95": 857.0}
+    assert capacity.verdict(late, "ttfa_commit_ms", 200.0) == []  # no VAD criterion asked for (commit mode)
+    why = capacity.verdict(late, "ttfa_commit_ms", 200.0, vad_silence_ms=300, vad_lag_budget_ms=200)
+    assert len(why) == 1 and "behind real time" in why[0] and "857 ms > 300 ms" in why[0]
+    late["metrics"]["vad_delay_ms"]["p95"] = 425.0  # the VAD's own ~100-150 ms: within
+    assert capacity.verdict(late, "ttfa_commit_ms", 200.0, vad_silence_ms=300, vad_lag_budget_ms=200) == []
 
 
 def test_plots_are_written(tmp_path):
@@ -324,6 +332,7 @@ def test_capacity_cli_with_worker_processes(scripted_server, short_wav, tmp_path
     assert rc == 0
     d = json.loads(out.read_text())
     assert d["capacity"] == 2 and d["capacity_is_lower_bound"] is True
+    assert d["vad_lag_budget_ms"] is None  # commit mode: no VAD criterion
     assert [(p["sessions"], p["turns"]["ok"], p["errors"]["total"]) for p in d["curve"]] == [(1, 1, 0), (2, 2, 0)]
     assert (tmp_path / "capacity.png").is_file() and (tmp_path / "ttfa_cdf.png").is_file()
 

@@ -69,3 +69,12 @@ def test_vocoder_reaches_the_engine_command(monkeypatch):
     assert "--vocoder" not in engine_command("tiny-random", "tiny-random", "cpu", "ipc:///tmp/x")  # engine default
     with pytest.raises(ValidationError, match="vocoder"):
         Settings(vocoder="wavenet")
+
+
+def test_serve_warns_when_the_session_limit_outgrows_its_server_processes():
+    """One process's loop carries ~100 real-time sessions; a larger limit with too few workers gets a warning that
+    names the --workers to use."""
+    assert serve.workers_advice(Settings(max_sessions=64)) is None
+    assert serve.workers_advice(Settings(max_sessions=300, workers=3)) is None
+    advice = serve.workers_advice(Settings(max_sessions=256))
+    assert advice is not None and "--workers 3" in advice and "max_sessions 256" in advice

@@ -6,7 +6,9 @@ Every flag has a `MOSS_*` environment variable (see server/settings.py); flags w
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -40,6 +42,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=("kv", "json"), help="key=value (default) or JSON lines")
 
 
+# Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
+# events). On a 16-core H200 host one process fell behind real time at 140 sessions: the VAD's commits came 0.9 s
+# (p95) after speech end, 2.6 s at 172 (docs/PERF_NOTES.md, session 19).
+SESSIONS_PER_WORKER = 100
+
+
+def workers_advice(settings: Any) -> str | None:
+    """A warning when the session limit is more than the server processes carry in real time, else None."""
+    need = -(-settings.max_sessions // SESSIONS_PER_WORKER)
+    if settings.workers >= need:
+        return None
+    return (f"max_sessions {settings.max_sessions} with {settings.workers} server process(es): one process carries "
+            f"~{SESSIONS_PER_WORKER} real-time sessions, beyond that turns end late and audio stutters; "
+            f"use --workers {need} (MOSS_WORKERS) or more, cores allowing")
+
+
 def run(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.logs import setup_logging
@@ -53,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"moss-speech serve: invalid settings:\n{e}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    if (advice := workers_advice(settings)) is not None:
+        logging.getLogger("server").warning("%s", advice)
     if settings.workers > 1:
         from server.workers.supervisor import Supervisor
 

@@ -3,6 +3,10 @@
 Capacity (DESIGN.md, Measures) is the largest number of concurrent sessions with p95 TTFA under the budget,
 no underruns, no errors and every turn answered. The server paces audio at real time, so a generation RTF
 above 1 shows up to the listener as underruns: the underrun criterion is how the client sees RTF >= 1.
+With server_vad, a level also fails when the server ends turns late: the p95 time from speech end to the commit more
+than `--vad-lag-budget-ms` past the silence the VAD waits for. TTFA counts from the commit, so a server whose event
+loop has fallen behind real time would otherwise pass (H200, one server process at 172 sessions: commits 1.6 s
+after speech end at p50, with p95 TTFA from the commit at 298 ms).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "input_audio_buffer.committed received) to the first audio delta, DESIGN.md's TTFA seen "
                         "from the client; ttfa_ms: from speech end (includes VAD silence); server_ttfa_ms: the "
                         "server's own number")
+    p.add_argument("--vad-lag-budget-ms", type=float, default=200.0,
+                   help="with server_vad: p95 of speech end -> commit may exceed --vad-silence-ms by this much "
+                        "(default 200; the server's VAD adds ~100-150 ms when it keeps up)")
     p.add_argument("--level-duration", type=float, default=180.0, help="bound on each level in seconds (180)")
     p.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -44,14 +51,21 @@ def levels(start: int, step: int, maximum: int) -> list[int]:
     return list(range(start, maximum + 1, step))
 
 
-def verdict(report: dict[str, Any], metric: str, budget_ms: float) -> list[str]:
-    """Why this level is over capacity (empty list: it is within)."""
+def verdict(report: dict[str, Any], metric: str, budget_ms: float, vad_silence_ms: float | None = None,
+            vad_lag_budget_ms: float | None = None) -> list[str]:
+    """Why this level is over capacity (empty list: it is within). `vad_silence_ms` (server_vad runs): the p95 time
+    from speech end to the commit may exceed it by at most `vad_lag_budget_ms`."""
     why = []
     p95 = report["metrics"][metric]["p95"]
     if p95 is None:
         why.append(f"no {metric} measured")
     elif p95 > budget_ms:
         why.append(f"p95 {metric} {p95:.0f} ms > {budget_ms:.0f} ms")
+    vad = report["metrics"].get("vad_delay_ms", {}).get("p95")
+    if vad_silence_ms is not None and vad_lag_budget_ms is not None and vad is not None:
+        if vad > vad_silence_ms + vad_lag_budget_ms:
+            why.append(f"server behind real time: p95 speech end -> commit {vad:.0f} ms > {vad_silence_ms:.0f} ms "
+                       f"of silence + {vad_lag_budget_ms:.0f}")
     if report["underruns"]["total"]:
         why.append(f"{report['underruns']['total']} underruns in {report['underruns']['turns_with_underruns']} turns")
     if report["errors"]["total"]:
@@ -81,10 +95,12 @@ def run(args: argparse.Namespace) -> int:
         return prepared
     _, utt, hw = prepared
     metric = args.ttfa_metric
+    vad_silence = args.vad_silence_ms if args.turn_detection == "server_vad" else None
     print(f"capacity: hardware {hw['gpu']}; {args.transport}, {args.turn_detection}; prompt {utt.duration_s:.2f} s "
           f"of speech (~{utt.duration_s * 12.5:.0f} rows) per turn, {args.turns} turns per session; answers <= "
           f"{args.max_output_tokens} rows; floor: real time = one decode step per session every 80 ms "
-          f"(12.5 codes/s); criteria: p95 {metric} <= {args.ttfa_budget_ms:.0f} ms, no underruns, no errors")
+          f"(12.5 codes/s); criteria: p95 {metric} <= {args.ttfa_budget_ms:.0f} ms, no underruns, no errors"
+          + (f", p95 speech end -> commit <= {vad_silence + args.vad_lag_budget_ms:.0f} ms" if vad_silence else ""))
     health = (hw.get("/health") or {}).get("body") if isinstance(hw.get("/health"), dict) else None
     limit = health.get("max_sessions") if isinstance(health, dict) else None
     if isinstance(limit, int) and limit < plan[-1]:
@@ -100,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     for n in plan:
         rep = run_level(make_config(args, n, args.level_duration), utt, hw, progress=not args.quiet)
-        why = verdict(rep, metric, args.ttfa_budget_ms)
+        why = verdict(rep, metric, args.ttfa_budget_ms, vad_silence, args.vad_lag_budget_ms)
         print(_row(n, rep, metric, why), flush=True)
         reports.append(rep)
         curve.append({"sessions": n, "within": not why, "reasons": why,
@@ -119,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     if not failed:
         print(f"note: every level up to --max {plan[-1]} passed; capacity is at least {capacity}")
     out = {"tool": "moss-speech bench capacity", "hardware": hw, "ttfa_metric": metric,
-           "ttfa_budget_ms": args.ttfa_budget_ms, "capacity": capacity,
+           "ttfa_budget_ms": args.ttfa_budget_ms, "vad_lag_budget_ms": args.vad_lag_budget_ms if vad_silence else None,
+           "capacity": capacity,
            "capacity_is_lower_bound": not failed, "curve": curve,
            "config": reports[0]["config"] if reports else None, "audio": reports[0]["audio"] if reports else None}
     if args.json:
