@@ -207,6 +207,13 @@ def test_capacity_levels_and_verdict():
     assert capacity.verdict(late, "ttfa_commit_ms", 200.0, vad_silence_ms=300, vad_lag_budget_ms=200) == []
 
 
+def test_capacity_refuses_a_negative_vad_lag_budget(capsys):
+    from moss_speech.cli import main
+
+    assert main(["bench", "capacity", "--url", "http://127.0.0.1:9", "--vad-lag-budget-ms", "-5"]) == 2
+    assert "--vad-lag-budget-ms must be >= 0" in capsys.readouterr().err
+
+
 def test_plots_are_written(tmp_path):
     from server.loadtest import plots
 

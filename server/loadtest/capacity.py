@@ -87,6 +87,8 @@ def _row(n: int, rep: dict[str, Any], metric: str, why: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = levels(args.start, args.step, args.max)
+        if args.vad_lag_budget_ms < 0:
+            raise ValueError(f"--vad-lag-budget-ms must be >= 0, got {args.vad_lag_budget_ms:g}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
