@@ -97,12 +97,14 @@ def run(args: argparse.Namespace) -> int:
         return prepared
     _, utt, hw = prepared
     metric = args.ttfa_metric
-    vad_silence = args.vad_silence_ms if args.turn_detection == "server_vad" else None
+    # server_vad runs are judged on the VAD's lag too (module doc); commit runs have no VAD
+    vad_silence, vad_budget = ((args.vad_silence_ms, args.vad_lag_budget_ms) if args.turn_detection == "server_vad"
+                               else (None, None))
     print(f"capacity: hardware {hw['gpu']}; {args.transport}, {args.turn_detection}; prompt {utt.duration_s:.2f} s "
           f"of speech (~{utt.duration_s * 12.5:.0f} rows) per turn, {args.turns} turns per session; answers <= "
           f"{args.max_output_tokens} rows; floor: real time = one decode step per session every 80 ms "
           f"(12.5 codes/s); criteria: p95 {metric} <= {args.ttfa_budget_ms:.0f} ms, no underruns, no errors"
-          + (f", p95 speech end -> commit <= {vad_silence + args.vad_lag_budget_ms:.0f} ms" if vad_silence else ""))
+          + (f", p95 speech end -> commit <= {vad_silence + vad_budget:.0f} ms" if vad_silence is not None else ""))
     health = (hw.get("/health") or {}).get("body") if isinstance(hw.get("/health"), dict) else None
     limit = health.get("max_sessions") if isinstance(health, dict) else None
     if isinstance(limit, int) and limit < plan[-1]:
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     for n in plan:
         rep = run_level(make_config(args, n, args.level_duration), utt, hw, progress=not args.quiet)
-        why = verdict(rep, metric, args.ttfa_budget_ms, vad_silence, args.vad_lag_budget_ms)
+        why = verdict(rep, metric, args.ttfa_budget_ms, vad_silence, vad_budget)
         print(_row(n, rep, metric, why), flush=True)
         reports.append(rep)
         curve.append({"sessions": n, "within": not why, "reasons": why,
@@ -137,8 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if not failed:
         print(f"note: every level up to --max {plan[-1]} passed; capacity is at least {capacity}")
     out = {"tool": "moss-speech bench capacity", "hardware": hw, "ttfa_metric": metric,
-           "ttfa_budget_ms": args.ttfa_budget_ms, "vad_lag_budget_ms": args.vad_lag_budget_ms if vad_silence else None,
-           "capacity": capacity,
+           "ttfa_budget_ms": args.ttfa_budget_ms, "vad_lag_budget_ms": vad_budget, "capacity": capacity,
            "capacity_is_lower_bound": not failed, "curve": curve,
            "config": reports[0]["config"] if reports else None, "audio": reports[0]["audio"] if reports else None}
     if args.json:
