@@ -36,7 +36,6 @@ let pollTimer = null;
 let turnStart = null; // performance.now() when the current turn was committed; cleared at first audio
 let speaking = false;
 let answerOpen = false; // a response is in flight (created, not yet done)
-let pushToTalk = false; // the server's session has no turn detection (from session.updated)
 let voiceWavPending = null; // ArrayBuffer chosen before the call started
 const bubbles = new Map(); // response id -> transcript element
 
@@ -223,10 +222,6 @@ function onEvent(ev) {
       setState("listening");
       if (ev.session && ev.session.moss && ev.session.moss.random_weights) $("random-notice").hidden = false;
       send({ type: "session.update", session: sessionConfig() });
-      break;
-    case "session.updated":
-      pushToTalk = !(ev.session && ev.session.audio && ev.session.audio.input &&
-                     ev.session.audio.input.turn_detection);
       break;
     case "input_audio_buffer.speech_started":
       if (!speaking) setState("listening (you are speaking)");
@@ -435,9 +430,9 @@ window.addEventListener("DOMContentLoaded", () => {
     const text = $("text-input").value.trim();
     if (!text) return;
     const item = { type: "message", role: "user", content: [{ type: "input_text", text }] };
-    // Push to talk: the live mic keeps filling the input buffer, and the server answers nothing while it holds
-    // uncommitted audio; a typed turn drops what was said but not committed.
-    if (pushToTalk && !send({ type: "input_audio_buffer.clear" })) return;
+    // Push to talk: the live mic keeps filling the input buffer; the server clears that uncommitted mic audio
+    // when this answer is asked for (input_audio_buffer.cleared), so a typed turn drops what was said but not
+    // committed. A clear sent from here would race the mic frames still in flight.
     if (send({ type: "conversation.item.create", item }) && send({ type: "response.create" })) {
       addLine("user", text);
       $("text-input").value = "";

@@ -176,6 +176,8 @@ class Session:
         # Input audio: samples at 16 kHz sent to the engine since the last commit/clear
         self._buffer_samples_16k = 0
         self._buffer_samples_client = 0  # client-rate samples appended since the last commit (limit check)
+        # Whether any of it came in `input_audio_buffer.append` events (else only from a track's live mic)
+        self._buffer_appended = False
         self._turn_committed_at: float | None = None
         self._input_item_id: str | None = None  # item id of the user turn being spoken (VAD)
         # VAD state (16 kHz)
@@ -294,6 +296,7 @@ class Session:
         _check_keys(event, {"type", "event_id", "audio"})
         pcm = _decode_pcm16(event.get("audio"), "audio")
         await self._input_audio(pcm, CLIENT_RATE, client_samples=len(pcm))
+        self._buffer_appended = True
 
     async def _on_commit(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id"})
@@ -306,11 +309,15 @@ class Session:
 
     async def _on_clear(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id"})
+        await self._clear_input()
+
+    async def _clear_input(self) -> None:
         self._resamplers.clear()
         if self._buffer_samples_16k:
             await self._engine_input(m.ClearUserAudio(session_id=self.id))
         self._buffer_samples_16k = 0
         self._buffer_samples_client = 0
+        self._buffer_appended = False
         self._input_item_id = None
         self._reset_vad()
         self._emit(ev.event("input_audio_buffer.cleared"))
@@ -397,7 +404,7 @@ class Session:
         if self._response is not None:
             raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self._response.id} is still in progress")
-        self._refuse_if_audio_uncommitted()
+        await self._settle_uncommitted_audio()
         await self._create_response(opts)
 
     def _uncommitted_samples(self) -> int:
@@ -406,11 +413,19 @@ class Session:
         sent to the engine (16 kHz; silence between turns only fills the prefix ring)."""
         return self._buffer_samples_client if self.config.turn_detection is None else self._buffer_samples_16k
 
-    def _refuse_if_audio_uncommitted(self) -> None:
+    async def _settle_uncommitted_audio(self) -> None:
         """The engine holds a turn's audio as it arrives, so an answer cannot start before that turn is committed
-        or cleared (the engine would fail it); say so as the client's mistake it is."""
+        or cleared (the engine would fail it).
+
+        Push to talk over a track (WebRTC): the live mic never pauses, and frames still in flight land between a
+        client's `input_audio_buffer.clear` and its `response.create`; so uncommitted audio that came only from the
+        track is cleared here (`input_audio_buffer.cleared` says so) and the answer goes ahead. Audio the client
+        appended itself, or speech server_vad has not yet ended, is the client's mistake and is refused."""
         held = self._uncommitted_samples()
         if not held:
+            return
+        if self.config.turn_detection is None and not self._buffer_appended:
+            await self._clear_input()
             return
         if self.config.turn_detection is None:
             raise ProtocolError("input_audio_buffer_not_empty",
@@ -575,6 +590,7 @@ class Session:
         await self._engine_input(m.CommitUserAudio(session_id=self.id, item_id=item_id))
         self._buffer_samples_16k = 0
         self._buffer_samples_client = 0
+        self._buffer_appended = False
         self._turn_committed_at = time.monotonic()
         self._emit(ev.event("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id))
         self._add_item(item_id, "user", [{"type": "input_audio", "transcript": None}])

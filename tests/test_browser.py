@@ -130,8 +130,8 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
               f"{stats['ttfaMs'][0]:.0f} ms; server-side: {stats['serverTtfaMs'][:1]} ms; screenshot: {shot}")
 
         if server.engine_kind == "fake-engine":
-            # Push to talk with the mic still live: a typed turn is answered (the page clears the uncommitted mic
-            # audio first; the server refuses an answer while the input buffer holds any).
+            # Push to talk with the mic still live: a typed turn is answered (the server clears the uncommitted mic
+            # audio of the call's track when the answer is asked for; a clear from the page raced frames in flight).
             updates = stats["events"].get("session.updated", 0)
             page.select_option("#turn-detection", "none")
             page.click("#apply")
@@ -140,11 +140,14 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             _wait(page, "() => (window.__mossStats.events['response.done'] || 0) === "
                         "(window.__mossStats.events['response.created'] || 0)", 20, "no answer in flight")
             time.sleep(0.5)  # mic audio reaches the input buffer
-            done = _stats(page)["events"].get("response.done", 0)
+            before = _stats(page)["events"]
+            done, cleared = before.get("response.done", 0), before.get("input_audio_buffer.cleared", 0)
             page.fill("#text-input", "typed while the mic is live")
             page.click("#text-send")
             _wait(page, f"() => window.__mossStats.events['response.done'] > {done}", 20, "the typed turn's answer")
-            assert not _stats(page)["errors"], _stats(page)["errors"]
+            after = _stats(page)
+            assert not after["errors"], after["errors"]
+            assert after["events"].get("input_audio_buffer.cleared", 0) > cleared, "the mic audio was not cleared"
 
         page.click("#hangup")
         _wait(page, "() => !window.__mossStats.connected && window.__mossStats.state === 'idle'", 5, "hung up")

@@ -7,6 +7,7 @@ An in-memory engine link records what the session sends; engine replies are inje
 from __future__ import annotations
 
 import asyncio
+import base64
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,40 @@ async def test_response_create_while_the_user_speaks_is_refused(speech24k):
     t = types(drain(s))
     assert "input_audio_buffer.speech_stopped" in t and "response.created" in t, t
     assert len(link.of(m.CreateResponse)) == 1
+
+
+async def test_push_to_talk_answer_clears_uncommitted_track_audio_but_refuses_appended(speech24k):
+    """Push to talk over a track: the live mic keeps feeding, so frames in flight land between a client's clear
+    and its response.create (the browser test met this). The answer clears that track audio first and goes ahead;
+    audio the client appended itself is still refused."""
+    s, link = await new_session()
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    await feed(s, speech24k[:2400])  # 100 ms of live mic after the client's clear
+    drain(s)
+    await s.handle_client_event({"type": "response.create", "event_id": "r1"})
+    t = types(drain(s))
+    assert t[:2] == ["input_audio_buffer.cleared", "response.created"], t
+    kinds = [type(x).__name__ for x in link.sent]
+    assert kinds[-2:] == ["ClearUserAudio", "CreateResponse"], kinds
+    s.on_engine_message(m.ResponseDone(s.id, link.of(m.CreateResponse)[0].response_id, "completed"))
+    await asyncio.sleep(0)
+    drain(s)
+
+    # One append event among the track's frames makes the buffer the client's: refused, nothing cleared.
+    await feed(s, speech24k[:2400])
+    pcm16 = (speech24k[:480] * 32767).astype("<i2").tobytes()
+    await s.handle_client_event({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode()})
+    cleared = len(link.of(m.ClearUserAudio))
+    await s.handle_client_event({"type": "response.create", "event_id": "r2"})
+    err = drain(s)[-1]
+    assert err["type"] == "error" and err["error"]["code"] == "input_audio_buffer_not_empty", err
+    assert len(link.of(m.ClearUserAudio)) == cleared and len(link.of(m.CreateResponse)) == 1
+    # After a commit the mic's next frames are the track's alone again.
+    await s.handle_client_event({"type": "input_audio_buffer.commit"})
+    await feed(s, speech24k[:960])
+    drain(s)
+    await s.handle_client_event({"type": "response.create", "event_id": "r3"})
+    assert types(drain(s))[:2] == ["input_audio_buffer.cleared", "response.created"]
 
 
 async def test_a_failing_background_task_ends_the_session_with_an_error(caplog):
