@@ -70,6 +70,11 @@ ENGINE_IN_RATE = 16000
 ANSWER_RATE = 24000
 LISTENER_PREBUFFER_S = 0.06  # the modelled listener's jitter buffer (the load test's and the WebRTC track's default)
 CLIENT_RATE = 24000
+# User audio goes to the engine in messages of at least this much (96 ms: three VAD windows, more than one speech
+# code), and whatever is left before any other engine input. The engine encodes held audio every 80-320 ms anyway,
+# so this costs no latency; one message per 32 ms VAD window was ~1,700 messages a second at 108 sessions for the
+# engine loop to take between its steps (a third as many now; its host gap did not shrink measurably: PERF_NOTES).
+APPEND_MIN_SAMPLES = 1536
 
 AudioOutMode = Literal["events", "track"]
 
@@ -175,6 +180,8 @@ class Session:
         self._auto_response_pending = False  # a VAD turn ended while a cancelled answer was still finishing
         # Input audio: samples at 16 kHz sent to the engine since the last commit/clear
         self._buffer_samples_16k = 0
+        self._unsent_16k: list[np.ndarray] = []  # the part of it not yet sent (< APPEND_MIN_SAMPLES)
+        self._unsent_samples = 0
         self._buffer_samples_client = 0  # client-rate samples appended since the last commit (limit check)
         # Whether any of it came in `input_audio_buffer.append` events (else only from a track's live mic)
         self._buffer_appended = False
@@ -313,7 +320,9 @@ class Session:
 
     async def _clear_input(self) -> None:
         self._resamplers.clear()
-        if self._buffer_samples_16k:
+        sent = self._buffer_samples_16k - self._unsent_samples
+        self._unsent_16k, self._unsent_samples = [], 0
+        if sent:
             await self._engine_input(m.ClearUserAudio(session_id=self.id))
         self._buffer_samples_16k = 0
         self._buffer_samples_client = 0
@@ -495,7 +504,10 @@ class Session:
         if len(pcm16k) == 0:
             return
         self._buffer_samples_16k += len(pcm16k)
-        await self._engine_input(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm16k)))
+        self._unsent_16k.append(pcm16k)
+        self._unsent_samples += len(pcm16k)
+        if self._unsent_samples >= APPEND_MIN_SAMPLES:
+            await self._engine_input(None)
 
     def _reset_vad(self) -> None:
         self._vad_pending = np.zeros(0, np.float32)
@@ -789,7 +801,16 @@ class Session:
 
     async def _engine_input(self, msg: Any) -> None:
         """Conversation input (user audio, items, CreateResponse) for the engine, strictly in order; held
-        from a CreateResponse until its answer has ended (see module doc)."""
+        from a CreateResponse until its answer has ended (see module doc). User audio not yet sent goes first
+        (`msg` None: only that)."""
+        if self._unsent_16k:
+            pcm = np.concatenate(self._unsent_16k) if len(self._unsent_16k) > 1 else self._unsent_16k[0]
+            self._unsent_16k, self._unsent_samples = [], 0
+            await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
+        if msg is not None:
+            await self._send_or_hold(msg)
+
+    async def _send_or_hold(self, msg: Any) -> None:
         if self._engine_busy or self._held or self._flushing:
             self._held.append(msg)
         else:

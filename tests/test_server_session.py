@@ -108,6 +108,55 @@ async def test_server_vad_turn_streams_only_speech_and_commits(speech24k):
     assert link.of(m.CommitUserAudio)[0].item_id == evs[2]["item_id"]
 
 
+async def test_user_audio_reaches_the_engine_in_pieces_of_96_ms_and_the_same_bytes(speech24k, monkeypatch):
+    """A speaking user's audio goes to the engine in messages of at least APPEND_MIN_SAMPLES (one per VAD window
+    before), the rest ahead of the commit: the same bytes in the same order as one message per window."""
+    import server.session as session_mod
+
+    async def run() -> list:
+        s, link = await new_session()
+        await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
+        return link.sent
+
+    per_window = await run()
+    monkeypatch.setattr(session_mod, "APPEND_MIN_SAMPLES", session_mod.APPEND_MIN_SAMPLES)
+    coalesced = await run()
+    monkeypatch.setattr(session_mod, "APPEND_MIN_SAMPLES", 1)
+    per_window = await run()
+    sizes = [len(x.pcm16k) // 2 for x in coalesced if isinstance(x, m.AppendUserAudio)]
+    kinds = [type(x).__name__ for x in coalesced]
+    assert kinds[-2:] == ["CommitUserAudio", "CreateResponse"] and set(kinds[1:-2]) == {"AppendUserAudio"}
+    assert all(n >= session_mod.APPEND_MIN_SAMPLES for n in sizes[:-1]) and sizes[-1] > 0, sizes
+    n_windows = sum(isinstance(x, m.AppendUserAudio) for x in per_window)
+    assert len(sizes) <= n_windows // 3 + 2, (len(sizes), n_windows)
+
+    def audio(sent: list) -> bytes:
+        return b"".join(x.pcm16k for x in sent if isinstance(x, m.AppendUserAudio))
+    assert audio(coalesced) == audio(per_window)
+
+
+async def test_clear_drops_unsent_audio_and_other_inputs_follow_the_audio(speech24k):
+    """Without VAD: audio below the message size waits in the server; clear drops it (none reaches the engine);
+    a commit or an item sends it first, so the engine sees the inputs in the client's order."""
+    s, link = await new_session()
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    pcm16 = (speech24k[:960] * 32767).astype("<i2").tobytes()  # 40 ms: below the message size
+    append = {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode()}
+    await s.handle_client_event(append)
+    assert not link.of(m.AppendUserAudio)
+    await s.handle_client_event({"type": "input_audio_buffer.clear"})
+    assert not link.of(m.AppendUserAudio)
+    await s.handle_client_event(append)
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    await s.handle_client_event({"type": "input_audio_buffer.commit"})
+    kinds = [type(x).__name__ for x in link.sent]
+    # (the commit sends the resampler's last few samples too: the filter's tail belongs to the turn)
+    assert kinds == ["OpenSession", "AppendUserAudio", "AddUserText", "AppendUserAudio", "CommitUserAudio"], kinds
+    first, tail = (len(x.pcm16k) // 2 for x in link.of(m.AppendUserAudio))
+    assert first > 0 and first + tail == 640, (first, tail)
+
+
 async def test_response_create_while_the_user_speaks_is_refused(speech24k):
     """server_vad mid-speech: the engine holds the open turn's audio, so a response.create is the client's
     mistake (the engine would fail it); the turn is still answered when the speech stops."""
@@ -130,7 +179,7 @@ async def test_push_to_talk_answer_clears_uncommitted_track_audio_but_refuses_ap
     audio the client appended itself is still refused."""
     s, link = await new_session()
     await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
-    await feed(s, speech24k[:2400])  # 100 ms of live mic after the client's clear
+    await feed(s, speech24k[:4800])  # 200 ms of live mic after the client's clear (some sent to the engine)
     drain(s)
     await s.handle_client_event({"type": "response.create", "event_id": "r1"})
     t = types(drain(s))
