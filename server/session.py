@@ -368,9 +368,7 @@ class Session:
             out_part = {"type": text_types[role], "text": text}
         elif ptype == "input_audio" and role == "user":
             _check_keys(part, {"type", "audio", "transcript"}, "item.content[0].")
-            if self._buffer_samples_16k:
-                raise ProtocolError("input_audio_buffer_not_empty", "commit or clear the input audio buffer "
-                                    "before adding an audio item")
+            await self._settle_uncommitted_audio("adding an audio item")
             try:
                 pcm = resample(_decode_pcm16(part.get("audio"), "item.content[0].audio"), CLIENT_RATE,
                                ENGINE_IN_RATE)
@@ -413,7 +411,7 @@ class Session:
         if self._response is not None:
             raise ProtocolError("conversation_already_has_active_response",
                                 f"response {self._response.id} is still in progress")
-        await self._settle_uncommitted_audio()
+        await self._settle_uncommitted_audio("response.create")
         await self._create_response(opts)
 
     def _uncommitted_samples(self) -> int:
@@ -422,13 +420,13 @@ class Session:
         sent to the engine (16 kHz; silence between turns only fills the prefix ring)."""
         return self._buffer_samples_client if self.config.turn_detection is None else self._buffer_samples_16k
 
-    async def _settle_uncommitted_audio(self) -> None:
-        """The engine holds a turn's audio as it arrives, so an answer cannot start before that turn is committed
-        or cleared (the engine would fail it).
+    async def _settle_uncommitted_audio(self, before: str) -> None:
+        """The engine holds a turn's audio as it arrives, so an answer or an audio item cannot go in before that
+        turn is committed or cleared (the engine would fail the answer, or join the item to the open turn).
 
         Push to talk over a track (WebRTC): the live mic never pauses, and frames still in flight land between a
-        client's `input_audio_buffer.clear` and its `response.create`; so uncommitted audio that came only from the
-        track is cleared here (`input_audio_buffer.cleared` says so) and the answer goes ahead. Audio the client
+        client's `input_audio_buffer.clear` and what it sends next; so uncommitted audio that came only from the
+        track is cleared here (`input_audio_buffer.cleared` says so) and the request goes ahead. Audio the client
         appended itself, or speech server_vad has not yet ended, is the client's mistake and is refused."""
         held = self._uncommitted_samples()
         if not held:
@@ -439,11 +437,11 @@ class Session:
         if self.config.turn_detection is None:
             raise ProtocolError("input_audio_buffer_not_empty",
                                 f"the input audio buffer holds {held * 1000 // CLIENT_RATE} ms not yet committed: "
-                                "send input_audio_buffer.commit or input_audio_buffer.clear before response.create")
+                                f"send input_audio_buffer.commit or input_audio_buffer.clear before {before}")
         raise ProtocolError("input_audio_buffer_not_empty",
                             "the input audio buffer holds speech not yet committed (server_vad commits it when the "
                             "speech stops): wait, or send input_audio_buffer.commit or input_audio_buffer.clear "
-                            "before response.create")
+                            f"before {before}")
 
     async def _on_response_cancel(self, event: dict[str, Any]) -> None:
         _check_keys(event, {"type", "event_id", "response_id"})

@@ -205,6 +205,23 @@ async def test_push_to_talk_answer_clears_uncommitted_track_audio_but_refuses_ap
     drain(s)
     await s.handle_client_event({"type": "response.create", "event_id": "r3"})
     assert types(drain(s))[:2] == ["input_audio_buffer.cleared", "response.created"]
+    s.on_engine_message(m.ResponseDone(s.id, link.of(m.CreateResponse)[-1].response_id, "completed"))
+    await asyncio.sleep(0)
+    drain(s)
+
+    # An audio item follows the same rule: track audio cleared, appended audio refused.
+    item = {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": base64.b64encode(pcm16).decode()}]}}
+    await feed(s, speech24k[:4800])
+    await s.handle_client_event(item)
+    assert types(drain(s)) == ["input_audio_buffer.cleared", "conversation.item.added", "conversation.item.done"]
+    assert [type(x).__name__ for x in link.sent[-3:]] == ["ClearUserAudio", "AppendUserAudio", "CommitUserAudio"]
+    await s.handle_client_event({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode()})
+    sent = len(link.sent)
+    await s.handle_client_event(item)
+    err = drain(s)[-1]
+    assert err["type"] == "error" and err["error"]["code"] == "input_audio_buffer_not_empty", err
+    assert "before adding an audio item" in err["error"]["message"] and len(link.sent) == sent
 
 
 async def test_a_failing_background_task_ends_the_session_with_an_error(caplog):
