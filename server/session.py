@@ -368,12 +368,12 @@ class Session:
             out_part = {"type": text_types[role], "text": text}
         elif ptype == "input_audio" and role == "user":
             _check_keys(part, {"type", "audio", "transcript"}, "item.content[0].")
-            await self._settle_uncommitted_audio("adding an audio item")
             try:
                 pcm = resample(_decode_pcm16(part.get("audio"), "item.content[0].audio"), CLIENT_RATE,
                                ENGINE_IN_RATE)
             except AudioError as e:
                 raise ProtocolError("invalid_audio", str(e), "item.content[0].audio") from None
+            await self._settle_uncommitted_audio("adding an audio item")  # after the checks: a bad item clears nothing
             await self._engine_input(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
             msg = m.CommitUserAudio(session_id=self.id, item_id=item_id)
             out_part = {"type": "input_audio", "transcript": part.get("transcript")}

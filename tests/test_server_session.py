@@ -213,6 +213,11 @@ async def test_push_to_talk_answer_clears_uncommitted_track_audio_but_refuses_ap
     item = {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
         {"type": "input_audio", "audio": base64.b64encode(pcm16).decode()}]}}
     await feed(s, speech24k[:4800])
+    cleared = len(link.of(m.ClearUserAudio))
+    bad = {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": ""}]}}
+    await s.handle_client_event(bad)  # refused before anything is cleared
+    assert drain(s)[-1]["error"]["code"] == "invalid_audio" and len(link.of(m.ClearUserAudio)) == cleared
     await s.handle_client_event(item)
     assert types(drain(s)) == ["input_audio_buffer.cleared", "conversation.item.added", "conversation.item.done"]
     assert [type(x).__name__ for x in link.sent[-3:]] == ["ClearUserAudio", "AppendUserAudio", "CommitUserAudio"]
