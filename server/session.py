@@ -181,7 +181,6 @@ class Session:
         # Input audio: samples at 16 kHz sent to the engine since the last commit/clear
         self._buffer_samples_16k = 0
         self._unsent_16k: list[np.ndarray] = []  # the part of it not yet sent (< APPEND_MIN_SAMPLES)
-        self._unsent_samples = 0
         self._buffer_samples_client = 0  # client-rate samples appended since the last commit (limit check)
         # Whether any of it came in `input_audio_buffer.append` events (else only from a track's live mic)
         self._buffer_appended = False
@@ -320,8 +319,8 @@ class Session:
 
     async def _clear_input(self) -> None:
         self._resamplers.clear()
-        sent = self._buffer_samples_16k - self._unsent_samples
-        self._unsent_16k, self._unsent_samples = [], 0
+        sent = self._buffer_samples_16k - sum(len(x) for x in self._unsent_16k)
+        self._unsent_16k = []
         if sent:
             await self._engine_input(m.ClearUserAudio(session_id=self.id))
         self._buffer_samples_16k = 0
@@ -503,9 +502,8 @@ class Session:
             return
         self._buffer_samples_16k += len(pcm16k)
         self._unsent_16k.append(pcm16k)
-        self._unsent_samples += len(pcm16k)
-        if self._unsent_samples >= APPEND_MIN_SAMPLES:
-            await self._engine_input(None)
+        if sum(len(x) for x in self._unsent_16k) >= APPEND_MIN_SAMPLES:
+            await self._flush_user_audio()
 
     def _reset_vad(self) -> None:
         self._vad_pending = np.zeros(0, np.float32)
@@ -799,14 +797,15 @@ class Session:
 
     async def _engine_input(self, msg: Any) -> None:
         """Conversation input (user audio, items, CreateResponse) for the engine, strictly in order; held
-        from a CreateResponse until its answer has ended (see module doc). User audio not yet sent goes first
-        (`msg` None: only that)."""
+        from a CreateResponse until its answer has ended (see module doc). User audio not yet sent goes first."""
+        await self._flush_user_audio()
+        await self._send_or_hold(msg)
+
+    async def _flush_user_audio(self) -> None:
         if self._unsent_16k:
             pcm = np.concatenate(self._unsent_16k) if len(self._unsent_16k) > 1 else self._unsent_16k[0]
-            self._unsent_16k, self._unsent_samples = [], 0
+            self._unsent_16k = []
             await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
-        if msg is not None:
-            await self._send_or_hold(msg)
 
     async def _send_or_hold(self, msg: Any) -> None:
         if self._engine_busy or self._held or self._flushing:

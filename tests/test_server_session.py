@@ -118,8 +118,6 @@ async def test_user_audio_reaches_the_engine_in_pieces_of_96_ms_and_the_same_byt
         await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
         return link.sent
 
-    per_window = await run()
-    monkeypatch.setattr(session_mod, "APPEND_MIN_SAMPLES", session_mod.APPEND_MIN_SAMPLES)
     coalesced = await run()
     monkeypatch.setattr(session_mod, "APPEND_MIN_SAMPLES", 1)
     per_window = await run()
