@@ -53,6 +53,7 @@ from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
 from engines.service.spans import Spans
 from engines.service.stall_watch import StallWatch
+from engines.service.startup_memory import StartupMemory
 
 log = logging.getLogger("engines.service")
 
@@ -177,7 +178,9 @@ def build_service(args: argparse.Namespace) -> Service:
     # engine loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)
     t0 = time.monotonic()
-    engine = Engine.from_name(args.model, EngineConfig(**kw), seed=args.seed)
+    memory = StartupMemory(args.device)
+    with memory.part("the language model and its KV pool"):
+        engine = Engine.from_name(args.model, EngineConfig(**kw), seed=args.seed)
     tokenizer = load_tokenizer(args.model)
     encoder = decoder = first_decoder = None
     if args.codec != "none":
@@ -187,16 +190,21 @@ def build_service(args: argparse.Namespace) -> Service:
         vocoder = args.vocoder
         if vocoder is None:
             vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
-        encoder = SpeechEncoder.load(args.codec, device=args.device)
+        with memory.part("the speech encoder"):
+            encoder = SpeechEncoder.load(args.codec, device=args.device)
         if on_gpu:
             # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
             # engine loop for the allocation and copy.
-            encoder.reserve(engine.config.max_running)
+            n = engine.config.max_running
+            with memory.part(f"the speech encoder's KV slots for {n} streams "
+                             f"({encoder.runner.kv.slot_bytes() / 2**20:.0f} MiB each)"):
+                encoder.reserve(n)
             if getattr(args, "encoder_graphs", True):  # after the reserve: a growth of the KV pool retires them
-                encoder.capture_graphs()
+                with memory.part("the speech encoder's CUDA graphs"):
+                    encoder.capture_graphs()
         # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
         # in bf16.
-        with codec_home:
+        with codec_home, memory.part("the codec decoder"):
             decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
                                         cuda_graphs=on_gpu, encoder_graphs=on_gpu,
                                         estimator_dtype="bfloat16" if on_gpu else "float32")
@@ -206,6 +214,7 @@ def build_service(args: argparse.Namespace) -> Service:
                 from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
 
                 decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
+        with codec_home, memory.part(f"the codec's CUDA graphs for batches of up to {engine.config.max_running}"):
             # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
             decoder.capture_graphs(engine.config.max_running)
             if first_lane:
@@ -226,7 +235,8 @@ def build_service(args: argparse.Namespace) -> Service:
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
-        service.warm_up()
+        with memory.part("the warm-up turns"):
+            service.warm_up()
         log.info("warm-up turns in %.1f s", time.monotonic() - t1)
     # Everything loaded so far lives as long as the process: keep it out of every later collection's scan.
     gc.collect()

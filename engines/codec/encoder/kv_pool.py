@@ -3,8 +3,8 @@
 Each layer holds keys and values as [slots, heads, max_source_positions, head_dim], so one step can
 write the new rows of all streams with one indexed store and attend with one batched call (a view,
 not a copy, when the streams of the step hold consecutive slots; lowest free slots are handed out first
-to make that the common case). A slot is 1500 rows x 2 x d_model per layer: 123 MB per stream at full
-size in bf16 (16 layers). The pool doubles when full; freed slots are reused.
+to make that the common case). A slot is 1500 rows x 2 x d_model per layer: 234 MiB per stream at full
+size in float32, the encoder's dtype (16 layers; `slot_bytes`). The pool doubles when full; freed slots are reused.
 
 One more slot than the capacity is allocated: `spare`, never handed out, takes the K/V writes of padding tokens
 (a step's streams padded to the same number of new frames, or to a CUDA graph's bucket). A growth reallocates every
@@ -46,6 +46,12 @@ class KVPool:
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
         self.in_use -= 1
+
+    def slot_bytes(self) -> int:
+        """Keys and values of one stream over every layer."""
+        cfg = self.cfg
+        per_layer = cfg.num_heads * cfg.max_source_positions * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * cfg.num_layers * per_layer
 
     def reserve(self, slots: int) -> None:
         """Allocate room for `slots` streams up front (avoids growth copies while serving)."""
