@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 import wave
 from collections import Counter
 from pathlib import Path
@@ -205,6 +206,44 @@ def test_capacity_levels_and_verdict():
     assert len(why) == 1 and "behind real time" in why[0] and "857 ms > 300 ms" in why[0]
     late["metrics"]["vad_delay_ms"]["p95"] = 425.0  # the VAD's own ~100-150 ms: within
     assert capacity.verdict(late, "ttfa_commit_ms", 200.0, vad_silence_ms=300, vad_lag_budget_ms=200) == []
+
+
+def _level_report(n: int, p95: float) -> dict:
+    """What run_level returns, as far as `bench capacity` reads it."""
+    m = {"p50": p95 - 20, "p95": p95, "p99": p95 + 10}
+    return {"metrics": {"ttfa_commit_ms": m}, "underruns": {"total": 0, "turns_with_underruns": 0, "turns": 2 * n},
+            "errors": {"total": 0, "by_code": {}}, "turns": {"ok": 2 * n, "planned": 2 * n, "timeout": 0, "cut": 0},
+            "wall_s": 1.0, "client_lag_ms": {}, "config": {}, "audio": {}, "sessions": {"planned": n},
+            "turn_records": [{"ttfa_commit_ms": p95}]}
+
+
+def test_capacity_refine_halves_the_gap_to_the_first_failing_level(monkeypatch, tmp_path, capsys):
+    """--refine: after a coarse sweep (4 passes, 20 fails), levels halfway between the capacity and the first failing
+    level above it; a server whose p95 is 100 + 10 ms per session passes up to 10 sessions."""
+    from moss_speech.cli import main
+
+    ran = []
+
+    def level(cfg, utt, hw, progress):
+        ran.append(cfg.sessions)
+        return _level_report(cfg.sessions, 100.0 + 10.0 * cfg.sessions)
+
+    monkeypatch.setattr(capacity, "prepare", lambda args, n, d: (None, types.SimpleNamespace(duration_s=2.0),
+                                                                 {"gpu": "test"}))
+    monkeypatch.setattr(capacity, "run_level", level)
+    out = tmp_path / "cap.json"
+    assert main(["bench", "capacity", "--url", "http://127.0.0.1:9", "--start", "4", "--step", "16", "--max", "36",
+                 "--no-warmup", "--refine", "5", "--quiet", "--json", str(out)]) == 0
+    assert ran == [4, 20, 12, 8, 10, 11]  # 4 ok, 20 over; then 12 over, 8 ok, 10 ok, 11 over: no level left between
+    d = json.loads(out.read_text())
+    assert d["capacity"] == 10 and d["capacity_is_lower_bound"] is False
+    assert [p["sessions"] for p in d["curve"]] == [4, 8, 10, 11, 12, 20]
+    assert "capacity: 10 concurrent sessions" in capsys.readouterr().out
+    # The lowest level failing: halfway down to 1.
+    assert capacity.next_refinement([{"sessions": 8, "within": False}]) == 4
+    assert capacity.next_refinement([{"sessions": 1, "within": False}]) is None
+    assert capacity.next_refinement([{"sessions": 8, "within": True}]) is None  # nothing failed
+    assert main(["bench", "capacity", "--url", "http://127.0.0.1:9", "--refine", "-1"]) == 2
 
 
 def test_capacity_refuses_a_negative_vad_lag_budget(capsys):

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 200; the server's VAD adds ~100-150 ms when it keeps up)")
     p.add_argument("--level-duration", type=float, default=180.0, help="bound on each level in seconds (180)")
     p.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
+    p.add_argument("--refine", type=int, default=0, metavar="K",
+                   help="after the sweep, up to K more levels halving the gap between the capacity and the first "
+                        "failing level above it (default 0), so a coarse --step still ends on a close figure")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the unrecorded 1-session turn that first wakes the server (VAD model, kernels)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the curve and capacity here")
@@ -49,6 +52,27 @@ def levels(start: int, step: int, maximum: int) -> list[int]:
     if start < 1 or step < 1 or maximum < start:
         raise ValueError(f"need 1 <= --start <= --max and --step >= 1, got start {start}, step {step}, max {maximum}")
     return list(range(start, maximum + 1, step))
+
+
+def capacity_of(curve: list[dict[str, Any]]) -> int:
+    """The last level of the unbroken run of passing levels from the lowest one tried (0: the lowest fails)."""
+    cap = 0
+    for pt in sorted(curve, key=lambda pt: pt["sessions"]):
+        if not pt["within"]:
+            break
+        cap = pt["sessions"]
+    return cap
+
+
+def next_refinement(curve: list[dict[str, Any]]) -> int | None:
+    """The level halfway between the capacity and the first failing level above it (halfway to 0 when the lowest
+    level fails), or None when no untried level lies between them."""
+    cap = capacity_of(curve)
+    above = [pt["sessions"] for pt in curve if pt["sessions"] > cap and not pt["within"]]
+    if not above:
+        return None
+    mid = (cap + min(above)) // 2
+    return mid if mid > cap and mid >= 1 else None
 
 
 def verdict(report: dict[str, Any], metric: str, budget_ms: float, vad_silence_ms: float | None = None,
@@ -89,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         plan = levels(args.start, args.step, args.max)
         if args.vad_lag_budget_ms < 0:
             raise ValueError(f"--vad-lag-budget-ms must be >= 0, got {args.vad_lag_budget_ms:g}")
+        if args.refine < 0:
+            raise ValueError(f"--refine must be >= 0, got {args.refine}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -116,21 +142,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'sessions':>8} {'p50':>7} {'p95':>7} {'p99':>7} {'underrun turns':>12} {'errors':>6}  verdict")
     curve: list[dict[str, Any]] = []
     reports: list[dict[str, Any]] = []
-    capacity = 0
-    failed = False
-    for n in plan:
+
+    def measure(n: int) -> bool:
+        """Run one level; whether it passed."""
         rep = run_level(make_config(args, n, args.level_duration), utt, hw, progress=not args.quiet)
         why = verdict(rep, metric, args.ttfa_budget_ms, vad_silence, vad_budget)
         print(_row(n, rep, metric, why), flush=True)
         reports.append(rep)
         curve.append({"sessions": n, "within": not why, "reasons": why,
                       **{k: rep[k] for k in ("metrics", "underruns", "errors", "turns", "wall_s", "client_lag_ms")}})
-        # Capacity is the last level of the unbroken run of passing levels from the start.
-        if not why and not failed:
-            capacity = n
-        failed = failed or bool(why)
+        return not why
+
+    failed = False
+    for n in plan:
+        failed = not measure(n) or failed
         if failed and not args.keep_going:
             break
+    for _ in range(args.refine):
+        n = next_refinement(curve)
+        if n is None:
+            break
+        measure(n)
+    order = sorted(range(len(curve)), key=lambda i: curve[i]["sessions"])
+    curve, reports = [curve[i] for i in order], [reports[i] for i in order]
+    capacity = capacity_of(curve)
     tried = ", ".join(str(pt["sessions"]) for pt in curve)
     if capacity:
         print(f"capacity: {capacity} concurrent sessions (levels tried: {tried})")
