@@ -6,8 +6,10 @@ call `step()` in a loop; each step returns at most one new row per running reque
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ import torch
 
 from engines.api import EngineStats, InvalidRequestError, SamplingParams, StepOutput
 from engines.config import EngineConfig, ModelConfig, model_config_for
+from engines.kv.sizing import fit_kv_cache_bytes
 from engines.runner import ModelRunner, PendingTokens
 from engines.scheduler.scheduler import ScheduledChunk, Scheduler
 from engines.scheduler.sequence import Sequence
@@ -61,15 +64,30 @@ class Engine:
         self._tokens_read_at: float | None = None  # when the last step's tokens were read, if work was left
 
     @classmethod
-    def from_name(cls, name_or_path: str, config: EngineConfig, seed: int = 0) -> Engine:
-        """`tiny-random` / `full-random` build random weights on the device; anything else is a checkpoint dir."""
+    def from_name(cls, name_or_path: str, config: EngineConfig, seed: int = 0,
+                  kv_free_bytes: Callable[[], int] | None = None) -> Engine:
+        """`tiny-random` / `full-random` build random weights on the device; anything else is a checkpoint dir.
+        `kv_free_bytes`: see `build`."""
+        model, mc = cls.load_weights(name_or_path, config, seed)
+        return cls.build(model, mc, config, seed, kv_free_bytes)
+
+    @staticmethod
+    def load_weights(name_or_path: str, config: EngineConfig, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
+        """The model on `config`'s device and dtype (random for the presets) and its config."""
         from engines.loader.checkpoint import load_model, random_model
 
         mc = model_config_for(name_or_path)
         if name_or_path in ("tiny-random", "full-random"):
-            model = random_model(mc, device=config.device, dtype=config.torch_dtype, seed=seed)
-        else:
-            model = load_model(name_or_path, device=config.device, dtype=config.torch_dtype)
+            return random_model(mc, device=config.device, dtype=config.torch_dtype, seed=seed), mc
+        return load_model(name_or_path, device=config.device, dtype=config.torch_dtype), mc
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, mc: ModelConfig, config: EngineConfig, seed: int = 0,
+              kv_free_bytes: Callable[[], int] | None = None) -> Engine:
+        """The engine around loaded weights. `kv_free_bytes`: the device's free memory, read now; the KV pool then
+        takes it less a headroom (engines.kv.sizing) instead of `config.kv_cache_bytes`."""
+        if kv_free_bytes is not None:
+            config = dataclasses.replace(config, kv_cache_bytes=fit_kv_cache_bytes(kv_free_bytes(), config, mc))
         return cls(model, mc, config, seed=seed)
 
     # ---- requests ------------------------------------------------------------------------

@@ -56,16 +56,61 @@ def test_slot_bytes_is_what_a_slot_allocates():
 
 
 def test_the_engine_process_exits_with_the_message_when_a_part_runs_out(monkeypatch, caplog):
-    from engines.codec.encoder import SpeechEncoder
+    from engines.codec.decoder.codec_decoder import CodecDecoder
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError(OOM)
 
-    monkeypatch.setattr(SpeechEncoder, "load", classmethod(lambda cls, *a, **kw: no_memory()))
+    monkeypatch.setattr(CodecDecoder, "load", classmethod(lambda cls, *a, **kw: no_memory()))
     with caplog.at_level(logging.ERROR, logger="engines.service"):
         rc = process.main(["--model", "tiny-random", "--codec", "tiny-random", "--device", "cpu", "--no-warm-up",
                            "--endpoint", "ipc:///tmp/moss-test-startup-memory.sock"])
     assert rc == 2
     msg = "\n".join(r.getMessage() for r in caplog.records)
-    assert "cannot start the engine: out of GPU memory on cpu while loading the speech encoder" in msg
-    assert "loaded before: the language model and its KV pool 0.0 GiB" in msg
+    assert "cannot start the engine: out of GPU memory on cpu while loading the codec decoder" in msg
+    assert "loaded before: the language model's weights 0.0 GiB, the speech encoder 0.0 GiB;" in msg
+
+
+def test_kv_pool_auto_takes_the_free_memory_less_the_headroom_capped_at_what_sequences_can_use():
+    from engines.config import EngineConfig, model_config_for
+    from engines.kv.sizing import fit_kv_cache_bytes
+
+    mc = model_config_for("full-random")
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", max_running=128, max_model_len=4096)
+    per_block = 160 * 1024 * 16  # 160 KiB per row (README), 16 rows a block
+    assert mc.kv_bytes_per_row(torch.bfloat16) * 16 == per_block
+    # An H100 after the codec's parts and the weights: ~21 GiB free.
+    got = fit_kv_cache_bytes(21 * GIB + 12345, cfg, mc, headroom_bytes=6 * GIB)
+    assert got % per_block == 0 and 15 * GIB - per_block < got <= 15 * GIB
+    # Never more than max_running sequences of max_model_len rows could fill.
+    assert fit_kv_cache_bytes(500 * GIB, cfg, mc, headroom_bytes=6 * GIB) == 128 * (4096 // 16) * per_block
+    with pytest.raises(ConfigError, match=r"--max-model-len 4096 rows needs 0.62 GiB: lower --max-model-len"):
+        fit_kv_cache_bytes(6 * GIB + GIB // 2, cfg, mc, headroom_bytes=6 * GIB)
+
+
+def test_the_engine_sizes_its_pool_from_the_free_memory_it_is_given():
+    from engines.config import EngineConfig
+    from engines.engine import Engine
+
+    cfg = EngineConfig(device="cpu", dtype="float32", max_running=4, max_model_len=64)
+    plain = Engine.from_name("tiny-random", cfg)
+    per_block = plain.model_config.kv_bytes_per_row(torch.float32) * cfg.block_size
+    free = 6 * GIB + 10 * per_block + 7  # the default headroom and 10 blocks
+    auto = Engine.from_name("tiny-random", cfg, kv_free_bytes=lambda: free)
+    assert auto.config.kv_cache_bytes == 10 * per_block and auto.stats().total_blocks == 10
+    assert plain.config.kv_cache_bytes == cfg.kv_cache_bytes
+
+
+def test_kv_cache_gib_takes_a_number_or_auto_and_auto_needs_a_gpu(capsys):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    process.add_arguments(p)
+    assert p.parse_args(["--kv-cache-gib", "auto"]).kv_cache_gib == "auto"
+    assert p.parse_args(["--kv-cache-gib", "8"]).kv_cache_gib == 8.0
+    for bad in ("0", "-1", "lots"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--kv-cache-gib", bad])
+        assert "--kv-cache-gib" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="auto sizes the pool from a GPU's free memory"):
+        process.build_service(p.parse_args(["--device", "cpu", "--codec", "none", "--kv-cache-gib", "auto"]))

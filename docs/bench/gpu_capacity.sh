@@ -3,8 +3,8 @@
 # The vocoder is HiFT (CUDA graphs) unless CAP_VOCODER=bigvgan (the bigvgan package's generator, eager).
 # CAP_WORKERS: server processes (default 4: one process's loop fell behind real time from ~140 sessions on an H200
 # host, VAD commits 1.6 s late at 172; docs/PERF_NOTES.md, session 19).
-# CAP_KV_GIB: the language model's KV pool (default 24; an H100 80 GB needs <= 8 beside the speech encoder's
-# KV slots for 128 streams, ~31 GiB in float32).
+# CAP_KV_GIB: the language model's KV pool in GiB (default auto: what the GPU has free after the codec and the
+# weights, less a headroom; runs up to session 20 gave 24).
 # CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--no-first-lane", "--codec-sms 32 --codec-sms-only").
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored)
@@ -12,12 +12,13 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=warning
 EXTRA=""; for a in ${CAP_ENGINE_ARGS:-}; do EXTRA="$EXTRA,\"$a\""; done
-export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"${CAP_KV_GIB:-24}\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"$EXTRA]"
+export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"${CAP_KV_GIB:-auto}\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"$EXTRA]"
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 \
   --workers ${CAP_WORKERS:-4} > $OUT/server.log 2>&1 &
 SERVER=$!
 for i in $(seq 1 300); do  # (start-up: ~70 s on an H200, 164 s on an H100 with a cold Triton cache)
-  curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+  curl -sf http://127.0.0.1:8000/health > /dev/null && break; grep -q "engine did not start" $OUT/server.log && break
+  sleep 1; done
 curl -s http://127.0.0.1:8000/health; echo
 touch /tmp/moss-ready
 PLOTS=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plots $OUT")  # (plots only where matplotlib is there)

@@ -65,6 +65,18 @@ MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot
 CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it declares us lost
 
 
+def _kv_gib(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB (a number) or auto, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -86,7 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--client-timeout-s", type=float, default=CLIENT_TIMEOUT_S,
                    help="close the sessions of a client (server process) silent for this long")
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size (default: EngineConfig's)")
+    p.add_argument("--kv-cache-gib", type=_kv_gib, default=None, metavar="GIB|auto",
+                   help="the language model's KV pool; auto (the default on a GPU): the memory left free once "
+                        "everything else is loaded, less a headroom (engines/kv/sizing.py); on a CPU default 0.25")
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -126,8 +140,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(engines/service/gpu_window.py)")
 
 
+def _free_bytes(device: str) -> int:
+    """Device memory free for the KV pool: the driver's, once torch's allocator has returned its unused blocks. (What
+    it keeps inside CUDA graphs' private pools is not free for other tensors: counting it, an H100 ran out.)"""
+    import torch
+
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _load_codec(args: argparse.Namespace, config: Any, memory: StartupMemory, codec_home: Any
+                ) -> tuple[Any, Any, Any]:
+    """The speech encoder, the codec decoder and its first-chunk lane (None off a GPU or without --first-lane),
+    with their KV slots and CUDA graphs on a GPU."""
+    from engines.codec.decoder.codec_decoder import CodecDecoder
+    from engines.codec.encoder import SpeechEncoder
+
+    on_gpu = args.device.startswith("cuda")
+    first_decoder = None
+    vocoder = args.vocoder
+    if vocoder is None:
+        vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
+    with memory.part("the speech encoder"):
+        encoder = SpeechEncoder.load(args.codec, device=args.device)
+    if on_gpu:
+        # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
+        # engine loop for the allocation and copy.
+        n = config.max_running
+        with memory.part(f"the speech encoder's KV slots for {n} streams "
+                         f"({encoder.runner.kv.slot_bytes() / 2**20:.0f} MiB each)"):
+            encoder.reserve(n)
+        if getattr(args, "encoder_graphs", True):  # after the reserve: a growth of the KV pool retires them
+            with memory.part("the speech encoder's CUDA graphs"):
+                encoder.capture_graphs()
+    # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
+    # in bf16.
+    with codec_home:
+        with memory.part("the codec decoder"):
+            decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
+                                        cuda_graphs=on_gpu, encoder_graphs=on_gpu,
+                                        estimator_dtype="bfloat16" if on_gpu else "float32")
+        first_lane = getattr(args, "first_lane", None)
+        first_lane = (on_gpu if first_lane is None else first_lane) and getattr(args, "codec_thread", False)
+        if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
+            from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
+
+            decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
+        with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):
+            # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
+            decoder.capture_graphs(config.max_running)
+            if first_lane:
+                first_decoder = decoder.lane()
+                first_decoder.flow.solve_parts = 1  # first chunks never yield: one graph per solve
+                first_decoder.capture_graphs(FIRST_MAX)
+    return encoder, decoder, first_decoder
+
+
 def build_service(args: argparse.Namespace) -> Service:
-    from engines.config import EngineConfig, model_config_for
+    from engines.config import ConfigError, EngineConfig, model_config_for
     from engines.engine import Engine
     from engines.service.tokenizer import load_tokenizer
 
@@ -137,14 +207,18 @@ def build_service(args: argparse.Namespace) -> Service:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("float32" if args.device == "cpu" else model_config_for(args.model).torch_dtype)
     kw: dict[str, Any] = {"device": args.device, "dtype": dtype}
-    if args.kv_cache_gib is not None:
+    on_gpu = args.device.startswith("cuda")
+    kv_auto = args.kv_cache_gib == "auto" or (args.kv_cache_gib is None and on_gpu)
+    if kv_auto and not on_gpu:
+        raise ConfigError(f"--kv-cache-gib auto sizes the pool from a GPU's free memory; give GiB on {args.device}")
+    if isinstance(args.kv_cache_gib, float):
         kw["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.max_running is not None:
         kw["max_running"] = args.max_running
         kw["prefill_token_budget"] = max(EngineConfig.prefill_token_budget, 2 * args.max_running)
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
-    on_gpu = args.device.startswith("cuda")
+    config = EngineConfig(**kw)
     codec_sms = getattr(args, "codec_sms", 0)
     if getattr(args, "codec_sms_only", False) and not codec_sms:
         raise ValueError("--codec-sms-only needs --codec-sms N")
@@ -179,48 +253,20 @@ def build_service(args: argparse.Namespace) -> Service:
     sys.setswitchinterval(0.0005)
     t0 = time.monotonic()
     memory = StartupMemory(args.device)
-    with memory.part("the language model and its KV pool"):
-        engine = Engine.from_name(args.model, EngineConfig(**kw), seed=args.seed)
+    # The model's KV pool last: with --kv-cache-gib auto it takes what the device has left after the weights and the
+    # codec. (The weights first: building random ones takes more than they keep.)
+    with memory.part("the language model's weights"):
+        model, model_config = Engine.load_weights(args.model, config, seed=args.seed)
+    encoder, decoder, first_decoder = (_load_codec(args, config, memory, codec_home) if args.codec != "none"
+                                       else (None, None, None))
+    with memory.part("the language model's KV pool and CUDA graphs"):
+        engine = Engine.build(model, model_config, config, seed=args.seed,
+                              kv_free_bytes=(lambda: _free_bytes(args.device)) if kv_auto else None)
+    del model
+    if kv_auto:
+        log.info("KV pool: %.1f GiB (auto: the GPU's free memory less a headroom)",
+                 engine.config.kv_cache_bytes / 2**30)
     tokenizer = load_tokenizer(args.model)
-    encoder = decoder = first_decoder = None
-    if args.codec != "none":
-        from engines.codec.decoder.codec_decoder import CodecDecoder
-        from engines.codec.encoder import SpeechEncoder
-
-        vocoder = args.vocoder
-        if vocoder is None:
-            vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
-        with memory.part("the speech encoder"):
-            encoder = SpeechEncoder.load(args.codec, device=args.device)
-        if on_gpu:
-            # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
-            # engine loop for the allocation and copy.
-            n = engine.config.max_running
-            with memory.part(f"the speech encoder's KV slots for {n} streams "
-                             f"({encoder.runner.kv.slot_bytes() / 2**20:.0f} MiB each)"):
-                encoder.reserve(n)
-            if getattr(args, "encoder_graphs", True):  # after the reserve: a growth of the KV pool retires them
-                with memory.part("the speech encoder's CUDA graphs"):
-                    encoder.capture_graphs()
-        # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
-        # in bf16.
-        with codec_home, memory.part("the codec decoder"):
-            decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
-                                        cuda_graphs=on_gpu, encoder_graphs=on_gpu,
-                                        estimator_dtype="bfloat16" if on_gpu else "float32")
-            first_lane = getattr(args, "first_lane", None)
-            first_lane = (on_gpu if first_lane is None else first_lane) and getattr(args, "codec_thread", False)
-            if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
-                from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
-
-                decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
-        with codec_home, memory.part(f"the codec's CUDA graphs for batches of up to {engine.config.max_running}"):
-            # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
-            decoder.capture_graphs(engine.config.max_running)
-            if first_lane:
-                first_decoder = decoder.lane()
-                first_decoder.flow.solve_parts = 1  # first chunks never yield: one graph per solve
-                first_decoder.capture_graphs(FIRST_MAX)
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", args.model, args.codec)
