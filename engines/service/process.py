@@ -319,7 +319,7 @@ def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
 class _LoadLog:
     """Where the engine loop's time goes, logged every LOAD_LOG_S while busy (for load tests)."""
 
-    def __init__(self, service: Service, watch: StallWatch | None = None) -> None:
+    def __init__(self, service: Service, watch: StallWatch) -> None:
         self.service = service
         self.watch = watch  # its wake-up delays: how long the process's threads wait for the GIL
         self._reset(time.monotonic())
@@ -347,7 +347,7 @@ class _LoadLog:
             st = self.service.engine.stats()
             codec = self.service._codec
             extra = ""
-            if self.watch is not None and (late := self.watch.take_wake_delays()):
+            if late := self.watch.take_wake_delays():
                 q = np.percentile(late, [50, 95])
                 extra += f"; GIL wait (watch wake-up delay) p50 {q[0]:.2f} / p95 {q[1]:.2f} / max {max(late):.1f} ms"
             if codec is not None and self.codec0 is not None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from server.settings import Settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 SESSIONS_PER_WORKER = 100
 
 
-def workers_advice(settings: Any) -> str | None:
+def workers_advice(settings: Settings) -> str | None:
     """A warning when the session limit is more than the server processes carry in real time, else None."""
     need = -(-settings.max_sessions // SESSIONS_PER_WORKER)
     if settings.workers >= need:

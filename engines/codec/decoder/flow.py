@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -88,6 +89,23 @@ class FlowState:
     def nbytes(self) -> int:
         ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond, self.win_kv, self.win_up_kv]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class EncodeInputs(NamedTuple):
+    """The arguments of `FlowModel.encode`, in its order (see there), for one chunk of a batch of states."""
+
+    codes: torch.Tensor
+    valid: torch.Tensor
+    pre: torch.Tensor
+    up: torch.Tensor
+    pos: torch.Tensor
+    up_pos: torch.Tensor
+    X: torch.Tensor
+    kpos: torch.Tensor
+    kvalid: torch.Tensor
+    upX: torch.Tensor
+    up_kpos: torch.Tensor
+    up_kvalid: torch.Tensor
 
 
 def _stack_kv(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -244,7 +262,7 @@ class FlowModel(nn.Module):
         return mu, cache.pre, cache.up, _stack_kv(kvs), _stack_kv(up_kvs)
 
     def encode_inputs(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
-                      runs: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, ...]:
+                      runs: list[tuple[int, int]] | None = None) -> EncodeInputs:
         """The arguments of `encode` for a chunk of n codes of every state (codes [B, n + pre_lookahead] long,
         lookahead slots beyond n_look[b] ignored). runs: `_runs(states)`, if the caller has it."""
         la, r = self.cfg.pre_lookahead, self.cfg.token_mel_ratio
@@ -260,7 +278,8 @@ class FlowModel(nn.Module):
         # Every index tensor of the chunk in one host -> device copy (from pinned memory: no stream sync).
         t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = upload(
             [codes.cpu().numpy(), valid, pos, up_pos, kpos, kvalid, up_kpos, up_kvalid], self.device)
-        return t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos, t_up_kvalid
+        return EncodeInputs(t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos,
+                            t_up_kvalid)
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
@@ -279,7 +298,7 @@ class FlowModel(nn.Module):
         # Keep at most `enc_left_chunks` chunks of this session's own keys: per run of `_runs`, its windows (as copied
         # into the prefix tensors X, upX) and the new keys in one op; each session keeps a view of its row.
         keep, keep_up = st.enc_left_chunks * st.chunk_codes, st.enc_left_chunks * st.chunk_codes * r
-        X, upX = args[6], args[9]
+        X, upX = args.X, args.upX
         for a, b in runs:
             wins = self._windows(X[a:b], new_kv[a:b], states[a].voice.kv.shape[2], states[a].win_kv.shape[2], keep)
             up_wins = self._windows(upX[a:b], new_up_kv[a:b], states[a].voice.up_kv.shape[2],
