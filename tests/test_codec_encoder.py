@@ -385,6 +385,42 @@ def test_kv_slots_are_returned(enc):
     assert enc.encode(pcm) == SpeechEncoder.load("tiny-random").encode(pcm)
 
 
+def test_a_pool_growth_without_memory_changes_nothing_and_says_why(monkeypatch):
+    """Every slot taken and no memory to grow: PoolFullError (server_busy) for the stream that asked, and the pool as it
+    was (its CUDA graphs hold its tensors: a half-done growth would free tensors they still write), then a growth that
+    can allocate goes ahead as before."""
+    from engines.codec.encoder.kv_pool import PoolFullError
+
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    pool = e.runner.kv
+    e.reserve(2)
+    held = [e.open_stream() for _ in range(2)]
+    held[0].push(speech_like(0.3, seed=2))
+    keys, values, gen = list(pool.keys), list(pool.values), pool.generation
+    before = [t.clone() for t in keys]
+    real_zeros, calls = torch.zeros, [0]
+
+    def zeros(*args, **kwargs):  # the third layer tensor of the growth runs out
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    with pytest.raises(PoolFullError, match=r"all 2 of the speech encoder's KV slots are in use, and growing the pool "
+                                            r"to 4 needs [\d.]+ GiB more") as err:
+        e.open_stream()
+    assert err.value.code == "server_busy"
+    assert pool.capacity == 2 and pool.generation == gen and pool.in_use == 2
+    assert all(a is b for a, b in zip(pool.keys + pool.values, keys + values, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(pool.keys, before, strict=True))
+    monkeypatch.setattr(torch, "zeros", real_zeros)
+    third = e.open_stream()
+    assert pool.capacity == 4 and all(torch.equal(a[:2], b[:2]) for a, b in zip(pool.keys, before, strict=True))
+    pcm = speech_like(0.4, seed=3)
+    assert third.push(pcm) + third.finalize() == SpeechEncoder.load("tiny-random").encode(pcm)
+
+
 def test_reserved_kv_slots_serve_that_many_streams_without_growing():
     e = SpeechEncoder.load("tiny-random", device="cpu")
     pool = e.runner.kv

@@ -314,6 +314,36 @@ def test_service_steps_while_a_commit_is_encoding(enc):
     assert svc.sessions["a"].commit_pending is None and svc.sessions["a"].after_commit == []
 
 
+def test_no_kv_slot_for_another_speaker_is_server_busy_for_that_session(enc):
+    """The speech encoder's pool full and unable to grow (PoolFullError): that session's turn fails with server_busy
+    and the reason; once a slot is back, its next turn is encoded."""
+    from engines.codec.encoder.kv_pool import PoolFullError
+
+    class FullEncoder:
+        full = True
+
+        def open_stream(self):
+            if self.full:
+                raise PoolFullError("too many streams speaking at once: all 2 of the speech encoder's KV slots ...")
+            return enc.open_stream()
+
+    full = FullEncoder()
+    svc = Service(_engine(), StandInTokenizer(), full, None)
+    svc.handle(b"c", m.OpenSession("a"))
+    out = svc.handle(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.3, seed=5))))
+    errors = [(x.code, x.message) for _, x in out if isinstance(x, m.Error)]
+    assert len(errors) == 1 and errors[0][0] == "server_busy"
+    assert "speech encoder failed: PoolFullError: too many streams speaking at once" in errors[0][1]
+    full.full = False
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.5, seed=6)))),
+                           (b"c", m.CommitUserAudio("a", "i"))])
+    assert not any(isinstance(x, m.Error) for _, x in out)
+    svc.handle(b"c", m.CloseSession("a"))
+    while svc.has_work():
+        svc.step()
+    assert enc.runner.kv.in_use == 0
+
+
 def test_service_reports_an_encoder_failure_and_keeps_the_session(enc):
     """A call that fails: the sessions in it get an engine_error and their turns are dropped; the next turn of the
     same session is encoded and answered."""

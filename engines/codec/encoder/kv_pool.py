@@ -17,7 +17,15 @@ import heapq
 
 import torch
 
+from engines.api import EngineError
 from engines.codec.encoder.config import EncoderConfig
+
+
+class PoolFullError(EngineError):
+    """Every slot is taken and the GPU has no memory to grow the pool: the stream that asked fails, not the engine.
+    (The pool is reserved at start for --max-running streams; more users may speak at once than that.)"""
+
+    code = "server_busy"
 
 
 class KVPool:
@@ -59,17 +67,22 @@ class KVPool:
             self._grow(slots)
 
     def _grow(self, capacity: int) -> None:
+        """All new tensors first, then the copy: a growth that runs out of memory changes nothing (the CUDA graphs
+        hold the old tensors, which must not be freed while they are still the pool's)."""
         cfg = self.cfg
         shape = (capacity + 1, cfg.num_heads, cfg.max_source_positions, cfg.head_dim)  # + the spare slot
-        # Zeros, not empty: masked-out rows still enter the weighted sum (as 0 x value), NaN garbage would not.
-        for buf in (self.keys, self.values):
-            for li in range(cfg.num_layers):
-                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if li < len(buf):
-                    grown[: self.capacity] = buf[li][: self.capacity]
-                    buf[li] = grown
-                else:
-                    buf.append(grown)
+        try:
+            # Zeros, not empty: masked-out rows still enter the weighted sum (as 0 x value), NaN garbage would not.
+            keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+            values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        except torch.OutOfMemoryError:
+            raise PoolFullError(
+                f"too many streams speaking at once: all {self.capacity} of the speech encoder's KV slots are in use, "
+                f"and growing the pool to {capacity} needs {(capacity - self.capacity) * self.slot_bytes() / 2**30:.1f}"
+                " GiB more GPU memory than is free") from None
+        for new, old in zip(keys + values, self.keys + self.values, strict=False):
+            new[: self.capacity] = old[: self.capacity]
+        self.keys, self.values = keys, values
         self._free.extend(range(self.capacity, capacity))
         heapq.heapify(self._free)
         self.capacity = capacity
