@@ -167,8 +167,12 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
 
+    def block_bytes(self, model: ModelConfig) -> int:
+        """One KV block of `model` over every layer."""
+        return model.kv_bytes_per_row(self.torch_dtype) * self.block_size
+
     def num_blocks(self, model: ModelConfig) -> int:
-        per_block = model.kv_bytes_per_row(self.torch_dtype) * self.block_size
+        per_block = self.block_bytes(model)
         n = self.kv_cache_bytes // per_block
         if n < 1:
             raise ConfigError(f"kv_cache_bytes {self.kv_cache_bytes} holds no block of {per_block} bytes")

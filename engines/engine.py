@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -64,12 +63,10 @@ class Engine:
         self._tokens_read_at: float | None = None  # when the last step's tokens were read, if work was left
 
     @classmethod
-    def from_name(cls, name_or_path: str, config: EngineConfig, seed: int = 0,
-                  kv_free_bytes: Callable[[], int] | None = None) -> Engine:
-        """`tiny-random` / `full-random` build random weights on the device; anything else is a checkpoint dir.
-        `kv_free_bytes`: see `build`."""
+    def from_name(cls, name_or_path: str, config: EngineConfig, seed: int = 0) -> Engine:
+        """`tiny-random` / `full-random` build random weights on the device; anything else is a checkpoint dir."""
         model, mc = cls.load_weights(name_or_path, config, seed)
-        return cls.build(model, mc, config, seed, kv_free_bytes)
+        return cls.build(model, mc, config, seed)
 
     @staticmethod
     def load_weights(name_or_path: str, config: EngineConfig, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
@@ -83,11 +80,11 @@ class Engine:
 
     @classmethod
     def build(cls, model: torch.nn.Module, mc: ModelConfig, config: EngineConfig, seed: int = 0,
-              kv_free_bytes: Callable[[], int] | None = None) -> Engine:
-        """The engine around loaded weights. `kv_free_bytes`: the device's free memory, read now; the KV pool then
-        takes it less a headroom (engines.kv.sizing) instead of `config.kv_cache_bytes`."""
+              kv_free_bytes: int | None = None) -> Engine:
+        """The engine around loaded weights. `kv_free_bytes`: the device's free memory; the KV pool then takes it less
+        a headroom (engines.kv.sizing) instead of `config.kv_cache_bytes`."""
         if kv_free_bytes is not None:
-            config = dataclasses.replace(config, kv_cache_bytes=fit_kv_cache_bytes(kv_free_bytes(), config, mc))
+            config = dataclasses.replace(config, kv_cache_bytes=fit_kv_cache_bytes(kv_free_bytes, config, mc))
         return cls(model, mc, config, seed=seed)
 
     # ---- requests ------------------------------------------------------------------------

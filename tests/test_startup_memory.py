@@ -96,7 +96,7 @@ def test_the_engine_sizes_its_pool_from_the_free_memory_it_is_given():
     plain = Engine.from_name("tiny-random", cfg)
     per_block = plain.model_config.kv_bytes_per_row(torch.float32) * cfg.block_size
     free = 6 * GIB + 10 * per_block + 7  # the default headroom and 10 blocks
-    auto = Engine.from_name("tiny-random", cfg, kv_free_bytes=lambda: free)
+    auto = Engine.build(*Engine.load_weights("tiny-random", cfg), cfg, kv_free_bytes=free)
     assert auto.config.kv_cache_bytes == 10 * per_block and auto.stats().total_blocks == 10
     assert plain.config.kv_cache_bytes == cfg.kv_cache_bytes
 

@@ -20,7 +20,7 @@ def fit_kv_cache_bytes(free_bytes: int, config: EngineConfig, model: ModelConfig
                        headroom_bytes: int = HEADROOM_BYTES) -> int:
     """Bytes for the KV pool: `free_bytes` less the headroom, capped at max_running sequences of max_model_len rows,
     in whole blocks. ConfigError when that is less than one sequence of max_model_len rows."""
-    per_block = model.kv_bytes_per_row(config.torch_dtype) * config.block_size
+    per_block = config.block_bytes(model)
     seq_blocks = -(-config.max_model_len // config.block_size)
     blocks = min((free_bytes - headroom_bytes) // per_block, config.max_running * seq_blocks)
     if blocks < seq_blocks:

@@ -43,17 +43,21 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
 
+from engines.kv.sizing import GIB
 from engines.service import messages as m
 from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
 from engines.service.spans import Spans
 from engines.service.stall_watch import StallWatch
 from engines.service.startup_memory import StartupMemory
+
+if TYPE_CHECKING:
+    from engines.config import EngineConfig
 
 log = logging.getLogger("engines.service")
 
@@ -149,7 +153,7 @@ def _free_bytes(device: str) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def _load_codec(args: argparse.Namespace, config: Any, memory: StartupMemory, codec_home: Any
+def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupMemory, codec_home: Any
                 ) -> tuple[Any, Any, Any]:
     """The speech encoder, the codec decoder and its first-chunk lane (None off a GPU or without --first-lane),
     with their KV slots and CUDA graphs on a GPU."""
@@ -212,7 +216,7 @@ def build_service(args: argparse.Namespace) -> Service:
     if kv_auto and not on_gpu:
         raise ConfigError(f"--kv-cache-gib auto sizes the pool from a GPU's free memory; give GiB on {args.device}")
     if isinstance(args.kv_cache_gib, float):
-        kw["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
+        kw["kv_cache_bytes"] = int(args.kv_cache_gib * GIB)
     if args.max_running is not None:
         kw["max_running"] = args.max_running
         kw["prefill_token_budget"] = max(EngineConfig.prefill_token_budget, 2 * args.max_running)
@@ -261,11 +265,11 @@ def build_service(args: argparse.Namespace) -> Service:
                                        else (None, None, None))
     with memory.part("the language model's KV pool and CUDA graphs"):
         engine = Engine.build(model, model_config, config, seed=args.seed,
-                              kv_free_bytes=(lambda: _free_bytes(args.device)) if kv_auto else None)
+                              kv_free_bytes=_free_bytes(args.device) if kv_auto else None)
     del model
     if kv_auto:
         log.info("KV pool: %.1f GiB (auto: the GPU's free memory less a headroom)",
-                 engine.config.kv_cache_bytes / 2**30)
+                 engine.config.kv_cache_bytes / GIB)
     tokenizer = load_tokenizer(args.model)
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):

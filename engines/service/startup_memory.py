@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from engines.config import ConfigError
+from engines.kv.sizing import GIB
 
-GIB = 2**30
 ADVICE = ("lower --kv-cache-gib (the language model's KV pool) or --max-running (sequences decoded together; also "
           "the speech encoder's KV slots and the codec's largest batch)")
 
