@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -111,9 +112,11 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self, on_wait: Callable[[], bool] | None = None) -> list[StepOutput]:
         """Emits one step's rows. While every sequence decodes audio, the next step is launched before this
-        one's tokens are read (its input rows stay on the device), so the GPU never idles on the host."""
+        one's tokens are read (its input rows stay on the device), so the GPU never idles on the host.
+        `on_wait`: called again and again while the GPU runs the step, until it returns False (PendingTokens.get);
+        it must not change the engine's requests."""
         outputs: list[StepOutput] = []
         launched, self._inflight = self._inflight, None
         if launched is None:
@@ -127,7 +130,7 @@ class Engine:
             if ahead is not None:
                 self._inflight = self._launch(ahead, launched)
                 self._stats.overlapped_steps += 1
-        return outputs + self._emit(launched)
+        return outputs + self._emit(launched, on_wait)
 
     def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None) -> _Launched:
         if after is None and self._tokens_read_at is not None:
@@ -141,8 +144,8 @@ class Engine:
         self._stats.launch_s += time.perf_counter() - t0
         return _Launched(chunks, tokens, after is not None)
 
-    def _emit(self, launched: _Launched) -> list[StepOutput]:
-        chunks, tokens = launched.chunks, launched.tokens.get()
+    def _emit(self, launched: _Launched, on_wait: Callable[[], bool] | None = None) -> list[StepOutput]:
+        chunks, tokens = launched.chunks, launched.tokens.get(on_wait)
         read_at = time.perf_counter()
         if launched.ahead:
             # Keep the rows whose assumption held; the others are run again by a normal step (a sequence

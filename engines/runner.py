@@ -7,6 +7,7 @@ sampling never walks the history on the host).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,8 +51,12 @@ class PendingTokens:
         else:
             self._host = pairs
 
-    def get(self) -> list[Row]:
+    def get(self, on_wait: Callable[[], bool] | None = None) -> list[Row]:
+        """The rows, once the step is done. `on_wait`: called while it is not, until it returns False (it sleeps
+        between calls itself); the host work other threads hand over is then not held up for a whole step."""
         if self._event is not None:
+            while on_wait is not None and not self._event.query() and on_wait():
+                pass
             self._event.synchronize()
         return [(t, a) for t, a in self._host.tolist()]
 

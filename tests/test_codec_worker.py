@@ -387,3 +387,28 @@ def test_a_paused_round_goes_on_when_another_playing_answer_nears_the_end_of_its
     got = collect(w, lambda o: len(o) == 2)
     assert [k for k, _, _ in got] == ["A", "B"] and dec.batches == [["a"], ["b"]]
     w.close()
+
+
+def test_audio_only_takes_the_leading_plain_chunks_and_leaves_the_rest_in_order():
+    """What the engine loop may send in the middle of a step (Service._while_stepping): PCM that is not an
+    answer's last; from the first last result or failure on, everything waits for the step's end, in order."""
+    dec = FakeDecoder()
+    dec.gate.clear()
+    w = CodecWorker(dec, torch.device("cpu"))
+    w.push("A", FakeStream("a"), list(range(8)))  # its first chunk: the round waits on the gate
+    deadline = time.monotonic() + 5
+    while not w.first_in_flight and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert w.take_results(audio_only=True) == []  # a first chunk is on its way
+    dec.gate.set()
+    res = collect(w, lambda o: len(o) == 1)
+    assert not w.first_in_flight  # (cleared once its PCM was posted)
+    pcm = np.zeros(3, np.float32)
+    items = [("A", pcm, False), ("B", pcm, False), ("A", pcm, True), ("B", pcm, False), ("C", RuntimeError(), True)]
+    with w._cv:
+        w._results.extend(items)
+    assert [k for k, _, _ in w.take_results(audio_only=True)] == ["A", "B"]
+    assert w.take_results(audio_only=True) == []  # A's last result is next
+    assert [(k, f) for k, _, f in w.take_results()] == [("A", True), ("B", False), ("C", True)]
+    assert res[0][0] == "A"
+    w.close()

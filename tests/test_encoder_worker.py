@@ -383,3 +383,56 @@ def test_service_reports_an_encoder_failure_and_keeps_the_session(enc):
         svc.step()
     st = svc.engine.stats()
     assert st.free_blocks == st.total_blocks and enc.runner.kv.in_use == 0
+
+
+def test_user_audio_and_commits_during_a_step_go_to_the_encoder_the_rest_after_it(enc):
+    """Service.handle_early (messages that arrive while the engine waits for a step): user audio and commits reach the
+    encoder's thread at once; anything touching the engine, a commit with nothing to finalize, a message of another
+    client's or an unknown session, and every later message of a session with one put off, wait, in order. Handling
+    them so gives the same conversations as handling them all after the step."""
+    greedy = m.Sampling(greedy=True, max_new_tokens=12, min_new_tokens=12)
+    speech = {sid: float32_to_pcm16(speech_like(0.6, seed=i)) for i, sid in enumerate("ab")}
+
+    def service(threaded: bool) -> Service:
+        svc = Service(_engine(), StandInTokenizer(), enc, None, encoder_thread=threaded)
+        for sid in "abc":
+            svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+        svc.handle(b"x", m.OpenSession("x", sampling=greedy))
+        return svc
+
+    svc = service(True)
+    items = [(b"c", m.AppendUserAudio("a", speech["a"])), (b"c", m.CommitUserAudio("a", "i")),
+             (b"c", m.AppendUserAudio("a", speech["b"])),  # after a's commit: waits for it, as in handle_many
+             (b"c", m.CreateResponse("a", "ra", "audio", greedy)),  # the engine's: after the step
+             (b"c", m.AppendUserAudio("a", speech["b"])),  # behind the one put off
+             (b"c", m.AppendUserAudio("x", speech["b"])),  # another client's session
+             (b"c", m.CommitUserAudio("c", "i")),  # nothing to finalize: the engine ends the turn
+             (b"c", m.AppendUserAudio("c", speech["a"])), (b"c", m.Ping(1)),
+             (b"c", m.AppendUserAudio("b", speech["b"]))]
+    later = svc.handle_early(items)
+    assert later == items[3:9]
+    assert svc.sessions["a"].commit_pending is not None and len(svc.sessions["a"].after_commit) == 1
+    assert svc._speech.holding("b") or svc._speech.busy()
+    svc._speech.close()
+    assert service(False).handle_early(items) == items  # without the encoder's thread: all after the step
+
+    def converse(early: bool) -> tuple[list, list]:
+        svc = service(True)
+        turns = [[(b"c", m.AppendUserAudio(sid, speech[sid])), (b"c", m.CommitUserAudio(sid, "i")),
+                  (b"c", m.CreateResponse(sid, "r" + sid, "audio", greedy))] for sid in "ab"]
+        out = []
+        for turn in turns:
+            out += svc.handle_many(svc.handle_early(turn) if early else turn)
+            for _ in range(3):
+                out += svc.step()
+        deadline = time.monotonic() + 60
+        while svc.has_work() and time.monotonic() < deadline:
+            out += svc.step()
+            time.sleep(0.0005)
+        svc._speech.close()
+        done = sorted((x.session_id, x.status, x.output_rows) for _, x in out if isinstance(x, m.ResponseDone))
+        return [svc.engine.conversation_history(sid) for sid in "ab"], done
+
+    early = converse(True)
+    assert early == converse(False)
+    assert [sid for sid, _, rows in early[1]] == ["a", "b"] and early[1][0][2] == 12 and early[0][0] != early[0][1]

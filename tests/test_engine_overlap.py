@@ -173,3 +173,31 @@ def test_random_schedules_overlap_equals_one_step_at_a_time(tiny_checkpoint, one
     for e in (plain, eng):
         assert e.stats().free_blocks == e.stats().total_blocks  # no conversations: everything returned
         e.check_integrity()
+
+
+def test_pending_tokens_call_on_wait_until_the_step_is_done_or_it_declines():
+    """While a step runs on the GPU, `on_wait` is called again and again (the engine loop sends audio then), until
+    the step is done or on_wait returns False; then the read waits for the step as before."""
+    from engines.runner import PendingTokens
+
+    class StepEvent:  # done after `busy` queries
+        def __init__(self, busy):
+            self.busy, self.synced = busy, 0
+
+        def query(self):
+            self.busy -= 1
+            return self.busy < 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    def read(busy, keep_polling):
+        pending = PendingTokens(torch.tensor([[7, 8]]))
+        pending._event = StepEvent(busy)
+        calls = []
+        rows = pending.get(lambda: calls.append(1) or keep_polling)
+        return rows, len(calls), pending._event.synced
+
+    assert read(3, True) == ([(7, 8)], 3, 1)  # polled while busy, then read
+    assert read(3, False) == ([(7, 8)], 1, 1)  # declined: waited for the step at once
+    assert read(0, True) == ([(7, 8)], 0, 1)  # done already: no call

@@ -21,19 +21,31 @@ def decoder() -> CodecDecoder:
     return CodecDecoder.load("tiny-random")
 
 
-def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False, then_create: bool = False
+def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False, then_create: bool = False,
+           sent_while_stepping: list | None = None, services: list | None = None
            ) -> tuple[list[int], list[m.AudioChunk], m.ResponseDone, list]:
+    """`sent_while_stepping`: messages are also sent while the engine waits for a step (Service.while_stepping);
+    those go there, and into the returned messages in the order sent. `services` gets the Service."""
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
     svc = Service(engine, StandInTokenizer(), None, decoder, decode_interval_s=interval_s, codec_thread=thread)
+    if services is not None:
+        services.append(svc)
+    chunks_at_step, msgs, step = [], [], 0
+    if sent_while_stepping is not None:
+        def step_wait():  # as the engine process does
+            outs = [x for _, x in svc.while_stepping()]
+            sent_while_stepping.extend(outs)
+            msgs.extend(outs)
+            return True
+        svc.step_wait = step_wait
     greedy = m.Sampling(greedy=True, max_new_tokens=ROWS, min_new_tokens=ROWS)
     svc.handle(b"c", m.OpenSession("s", sampling=greedy))
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
-    chunks_at_step, msgs, step = [], [], 0
     while svc.has_work():
-        out = [x for _, x in svc.step()]
-        msgs += out
-        chunks_at_step += [step for x in out if isinstance(x, m.AudioChunk)]
+        sent = len(msgs)
+        msgs += [x for _, x in svc.step()]
+        chunks_at_step += [step for x in msgs[sent:] if isinstance(x, m.AudioChunk)]
         step += 1
         if then_create and svc.sessions["s"].completing is not None:
             # asked while the answer's last audio is still decoding: it must wait for that answer's ResponseDone
@@ -70,6 +82,79 @@ def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
     assert r2 and min(r2) > done_at
     assert b"".join(c.pcm24k for c in chunks_t) == b"".join(c.pcm24k for c in chunks0)
     assert done_t.audio_samples == done0.audio_samples and done_t.output_rows == done0.output_rows == ROWS
+
+
+class GatedDecoder:
+    """The real decoder, whose first round starts only while the engine waits for a step (`waiting`), noting which
+    wait."""
+
+    def __init__(self, decoder: CodecDecoder, waiting, wait_no) -> None:
+        self._decoder, self.waiting, self.wait_no, self.ran_in = decoder, waiting, wait_no, []
+
+    def __getattr__(self, name):
+        return getattr(self._decoder, name)
+
+    def run_jobs(self, jobs, between=None):
+        if not self.ran_in:
+            assert self.waiting.wait(10)
+            self.ran_in.append(self.wait_no[0])
+        return self._decoder.run_jobs(jobs, between=between)
+
+
+class Sent(list):
+    """(the simulated step wait during which it was sent, message)"""
+
+    def __init__(self, wait_no: list[int]) -> None:
+        super().__init__()
+        self.wait_no = wait_no
+
+    def extend(self, msgs):
+        super().extend((self.wait_no[0], x) for x in msgs)
+
+
+def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(decoder, monkeypatch):
+    """PCM the codec worker posts while the engine waits for a step's tokens is sent in that wait (on a GPU the wait
+    is most of the loop's time; before, the PCM waited for the step's end); an answer's last result and ResponseDone
+    still wait for the step's end. Each step's GPU wait is simulated: at least 20 ms, polled as on a GPU, and the
+    codec's first round runs inside one (the wait lasts until its PCM is posted)."""
+    import threading
+
+    from engines.runner import PendingTokens
+
+    real_get = PendingTokens.get
+    waiting, wait_no, polls = threading.Event(), [0], []
+    services = []
+
+    def get(self, on_wait=None):
+        wait_no[0] += 1
+        waiting.set()
+        now = time.monotonic()
+        end, give_up = now + 0.02, now + 10
+        while on_wait is not None:
+            polls.append(on_wait())
+            codec = services[0]._codec if services else None
+            first_round_on = codec is not None and (codec.first_in_flight or codec._results)
+            if not polls[-1] or time.monotonic() > give_up or (time.monotonic() > end and not first_round_on):
+                break
+            time.sleep(0.0005)
+        if on_wait is None:
+            time.sleep(0.02)
+        waiting.clear()
+        return real_get(self)
+
+    monkeypatch.setattr(PendingTokens, "get", get)
+    _, chunks0, done0, _ = answer(decoder, 0.0, thread=True)
+    assert not polls  # without a step_wait the engine does not poll
+    gated = GatedDecoder(decoder, waiting, wait_no)
+    sent = Sent(wait_no)
+    _, chunks, done, msgs = answer(gated, 0.0, thread=True, sent_while_stepping=sent, services=services)
+    assert polls
+    in_wait, first = next((w, x) for w, x in sent if isinstance(x, m.AudioChunk))
+    assert first.index == 0 and in_wait == gated.ran_in[0]  # sent in the wait its round ran in
+    assert not any(isinstance(x, m.ResponseDone) for _, x in sent)
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert b"".join(c.pcm24k for c in chunks) == b"".join(c.pcm24k for c in chunks0)
+    assert isinstance(msgs[-1], m.ResponseDone) and done.audio_samples == done0.audio_samples
 
 
 class CountingEncoder:

@@ -293,3 +293,70 @@ def test_silent_client_sessions_are_closed_and_their_kv_freed(codec) -> None:
         alive.close(0)
         server.close()
         ctx.term()
+
+
+def test_a_commit_arriving_during_a_step_reaches_the_encoder_then(codec, monkeypatch) -> None:
+    """The engine process reads its socket while the GPU runs a step (EngineServer._while_stepping): a user's audio
+    and commit that arrive then go to the encoder's thread at once, the CreateResponse behind them after the step,
+    and the answer is the one the loop gives when it reads them only between steps. The GPU wait is simulated: the
+    messages arrive in one step's wait, which the engine polls."""
+    assert _commit_during_a_step(codec, monkeypatch, True) == _commit_during_a_step(codec, monkeypatch, False)
+
+
+def _commit_during_a_step(codec, monkeypatch, while_stepping: bool) -> list:
+    """The answer's conversation history (test above)."""
+    from engines.runner import PendingTokens
+    from engines.service.process import EngineServer
+
+    enc, _ = codec
+    arrive: list = []  # messages to send from inside the next step's wait
+    real_get = PendingTokens.get
+
+    def get(self, on_wait=None):
+        while arrive:
+            client.send(m.encode(arrive.pop(0)))
+        for _ in range(5):
+            if on_wait is None or not on_wait():
+                break
+        return real_get(self)
+
+    monkeypatch.setattr(PendingTokens, "get", get)
+    ctx = zmq.Context()
+    server = EngineServer(Service(engine(), StandInTokenizer(), enc, None, encoder_thread=True), "inproc://eng", ctx)
+    if not while_stepping:
+        server.service.step_wait = None  # (MOSS_SEND_WHILE_STEPPING=0)
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect("inproc://eng")
+    try:
+        greedy = m.Sampling(greedy=True, max_new_tokens=30, min_new_tokens=30)
+        for sid in ("busy", "s"):
+            client.send(m.encode(m.OpenSession(sid, sampling=greedy)))
+        client.send(m.encode(m.AddUserText("busy", "i", "hello there")))
+        client.send(m.encode(m.CreateResponse("busy", "rb", "text", greedy)))  # keeps the engine stepping
+        server.run_once(timeout_ms=50)
+        arrive += [m.AppendUserAudio("s", question_pcm(1.0)), m.CommitUserAudio("s", "i"),
+                   m.CreateResponse("s", "rs", "audio", greedy)]
+        server.run_once(timeout_ms=0)  # one step: the messages arrive in its wait
+        s = server.service.sessions["s"]
+        if while_stepping:
+            assert s.commit_pending is not None  # handed to the encoder during the step ...
+            assert [type(x).__name__ for _, x in server._later] == ["CreateResponse"]  # ... the rest after it
+        else:
+            assert s.commit_pending is None and not server._later
+        got = []
+        for _ in range(2000):
+            server.run_once(timeout_ms=5)
+            while client.poll(0):
+                got.append(m.decode(client.recv()))
+            if sum(isinstance(x, m.ResponseDone) for x in got) == 2:
+                break
+        done = {x.session_id: (x.status, x.output_rows) for x in got if isinstance(x, m.ResponseDone)}
+        assert done == {"busy": ("incomplete", 30), "s": ("incomplete", 30)}
+        assert not [x for x in got if isinstance(x, m.Error)]
+        return server.service.engine.conversation_history("s")
+    finally:
+        server.service._speech.close()
+        client.close(0)
+        server.close()
+        ctx.term()

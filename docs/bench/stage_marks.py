@@ -24,6 +24,7 @@ STAGES = [
     ("first row -> 8th code", "first_row", "first_chunk_codes"),
     ("8th code -> codec round", "first_chunk_codes", "codec_first_round_start"),
     ("first-chunk round", "codec_first_round_start", "codec_first_round_end"),
+    ("round end -> out", "codec_first_round_end", "first_audio"),
 ]
 
 

@@ -156,11 +156,18 @@ class CodecWorker:
                 a.cancelled = True
                 self._cv.notify_all()
 
-    def take_results(self) -> list[tuple[Any, np.ndarray | Exception, bool]]:
-        """(key, PCM or the decoder's exception, final) in the order they were produced."""
+    def take_results(self, audio_only: bool = False) -> list[tuple[Any, np.ndarray | Exception, bool]]:
+        """(key, PCM or the decoder's exception, final) in the order they were produced. `audio_only`: only the
+        leading results that are PCM and not an answer's last (what the engine loop can send in the middle of a
+        step, Service.while_stepping); the rest stay, in order."""
         with self._cv:
-            out = list(self._results)
-            self._results.clear()
+            if not audio_only:
+                out = list(self._results)
+                self._results.clear()
+                return out
+            out = []
+            while self._results and isinstance(self._results[0][1], np.ndarray) and not self._results[0][2]:
+                out.append(self._results.popleft())
             return out
 
     def first_chunk_round(self, key: Any) -> tuple[float, float] | None:
@@ -283,6 +290,8 @@ class CodecWorker:
                         self._answers.pop(id(a.key), None)
                     for a, _, _ in taken:
                         a.busy = False
+                    if kind != "playing":  # (set by _round) cleared once its PCM is posted, not before
+                        self.first_in_flight = False
                     self._running -= 1
                     self._cv.notify_all()
             if decoded < 0:  # held back for the language model: look again shortly (it sets no event)
@@ -393,8 +402,6 @@ class CodecWorker:
                     self._end_failed(a, e, posts, done)
                 return posts, done, 0, take_first
             finally:
-                if take_first:
-                    self.first_in_flight = False
                 if y is not None and y.paused_s > 0:
                     with self._cv:
                         self.spans.add("codec round paused", y.paused_s)

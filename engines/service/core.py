@@ -2,7 +2,8 @@
 
 `Service.handle(client, msg)` and `Service.step()` return `(client, message)` pairs to send; the
 client is the ZeroMQ identity that opened the session (process.py routes them). Everything here
-runs on one thread, between engine steps.
+runs on one thread, between engine steps (`handle_early` and `while_stepping` also while a step's tokens are on
+the GPU, touching no engine request).
 
 Rules the server can rely on:
 - Every message about an unknown session, or a session opened by another client, gets
@@ -146,6 +147,9 @@ class Service:
         self._last_decode = 0.0
         self._finished_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
+        # Set by the engine process: called again and again while the engine waits for a step's tokens, until it
+        # returns False (Engine.step's `on_wait`; it calls handle_early and while_stepping).
+        self.step_wait: Callable[[], bool] | None = None
         self.spans = Spans()  # where the loop's time goes, per message kind and step part (the load log)
 
     # ---- entry points -------------------------------------------------------------------
@@ -165,6 +169,35 @@ class Service:
                 self._dispatch(client, msg)
         self._run_encoder(flush=self.encode_every_s <= 0)
         return self._take()
+
+    def handle_early(self, items: list[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:
+        """Messages that arrived while the engine waits for a step's tokens (from inside Engine.step's `on_wait`):
+        user audio and commits go to the encoder's thread now (a commit waited half a step on average for the loop);
+        everything else, and every later message of the same session, is returned in order, to be handled after the
+        step. Nothing here touches the engine's requests."""
+        later: list[tuple[bytes, Any]] = []
+        blocked: set[Any] = set()  # sessions with a message put off: their next ones must follow it
+        for client, msg in items:
+            sid = getattr(msg, "session_id", None)
+            s = self.sessions.get(sid)
+            if (self._speech is None or not self._speech.threaded or sid in blocked or s is None or s.owner != client
+                    or not self._early(client, msg, s)):
+                later.append((client, msg))
+                blocked.add(sid)
+        return later
+
+    def _early(self, client: bytes, msg: Any, s: Session) -> bool:
+        """Handle user audio or a commit now if that needs only the encoder's worker; False: it must wait."""
+        if s.commit_pending is not None:  # waits for the commit in flight, as in handle_many
+            if isinstance(msg, m.AppendUserAudio | m.CommitUserAudio):
+                s.after_commit.append((client, msg))
+                return True
+            return False
+        if isinstance(msg, m.AppendUserAudio):
+            self._dispatch(client, msg)
+            return True
+        # (A commit with no audio left to finalize ends the turn in the engine: after the step.)
+        return isinstance(msg, m.CommitUserAudio) and self._start_commit(client, msg, s)
 
     def _dispatch(self, client: bytes, msg: Any) -> None:
         handler = getattr(self, "_on_" + type(msg).__name__, None)
@@ -249,7 +282,7 @@ class Service:
                 time.sleep(0.001)
                 return self._take()
         t1 = time.perf_counter()
-        outputs: list[StepOutput] = self.engine.step()
+        outputs: list[StepOutput] = self.engine.step(on_wait=self.step_wait)
         t2 = time.perf_counter()
         finished: list[tuple[Session, Turn, StepOutput]] = []
         live: list[tuple[Session, ResponseState]] = []
@@ -332,6 +365,7 @@ class Service:
             return
         if r.ttfa_ms is None:
             r.ttfa_ms = r.elapsed_ms()
+            r.mark("first_audio")
         self._send(s.owner, m.AudioChunk(s.session_id, r.response_id, float32_to_pcm16(pcm), r.chunks))
         r.chunks += 1
         r.audio_samples += len(pcm)
@@ -405,10 +439,18 @@ class Service:
         if final:
             self._complete(s, r)
 
-    def _collect_decoded(self) -> None:
+    def while_stepping(self) -> list[Out]:
+        """What can be sent while the engine waits for a step's tokens (from inside Engine.step's `on_wait`): PCM the
+        codec worker has posted, instead of after the step (under load a step takes ~10 ms, and an answer's first
+        chunk waited half of that on average), and whatever this step produced so far. Only plain audio: an answer's
+        last result or a failure changes sessions and the engine, and waits for the step's end."""
+        self._collect_decoded(audio_only=True)
+        return self._take()
+
+    def _collect_decoded(self, audio_only: bool = False) -> None:
         if self._codec is None:
             return
-        for r, result, worker_done in self._codec.take_results():
+        for r, result, worker_done in self._codec.take_results(audio_only):
             rounds = self._codec.first_chunk_round(r)
             s = self._codec_owner.get(id(r))
             if s is None:
@@ -535,10 +577,15 @@ class Service:
 
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)
-        if self._speech is not None and self._speech.commit(s.session_id):  # else no audio is left to finalize
-            s.commit_pending, s.commit_at = (client, msg), time.monotonic()  # the session's next messages wait
-        else:
+        if not self._start_commit(client, msg, s):  # no audio is left to finalize
             self._committed(s, [])
+
+    def _start_commit(self, client: bytes, msg: m.CommitUserAudio, s: Session) -> bool:
+        """The encoder finalizes the turn (False: it holds none of it); the session's next messages wait for that."""
+        if self._speech is None or not self._speech.commit(s.session_id):
+            return False
+        s.commit_pending, s.commit_at = (client, msg), time.monotonic()
+        return True
 
     def _commit_done(self, s: Session, codes: list[int] | Exception, at: float) -> None:
         """The committed turn's last codes (or the encoder's failure), produced `at`; then the messages that waited

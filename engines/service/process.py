@@ -16,7 +16,9 @@ bound, the process logs `engine ready endpoint=...` on stderr and, with `--ready
 that file (JSON: pid, endpoint, model, codec, device).
 
 Loop: poll without blocking while the engine has work, else wait up to 50 ms; each iteration drains
-every waiting message, then runs one engine step and sends what it produced. SIGTERM or SIGINT ends
+every waiting message, then runs one engine step and sends what it produced. While the step runs on the GPU
+the loop keeps polling: decoded audio the codec worker posts meanwhile is sent, and user audio and commits that
+arrive go to the encoder's thread at once (other messages wait for the step's end). SIGTERM or SIGINT ends
 the loop after the current step. A client that sends nothing (not even its once-a-second Ping) for
 `--client-timeout-s` is taken for dead (a server worker killed, a host gone): its sessions are
 closed as if it had sent CloseSession, so their KV blocks return to the pool. When idle (at most
@@ -67,6 +69,10 @@ INTEGRITY_EVERY_S = 10.0
 LOAD_LOG_S = 5.0
 MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot stall decoding
 CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it declares us lost
+# While the engine waits for a step's tokens, decoded audio leaves and user audio and commits reach the encoder
+# (EngineServer._while_stepping); MOSS_SEND_WHILE_STEPPING=0: only between steps, as before (A/B runs).
+SEND_WHILE_STEPPING = os.environ.get("MOSS_SEND_WHILE_STEPPING", "1") != "0"
+STEP_POLL_S = 0.0002  # how often the loop looks for that during a step (~5 ms to ~12 ms under load)
 
 
 def _kv_gib(text: str) -> float | str:
@@ -387,6 +393,9 @@ class EngineServer:
         if client_timeout_s <= 0:
             raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
         self.service = service
+        if SEND_WHILE_STEPPING:
+            service.step_wait = self._while_stepping
+        self._later: list[tuple[bytes, Any]] = []  # received during a step, to be handled after it (in order)
         self.endpoint = endpoint
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -418,10 +427,10 @@ class EngineServer:
             except zmq.Again:  # a client that stopped reading: drop rather than stall every session
                 log.warning("dropped %s for a client that does not read", type(msg).__name__)
 
-    def _recv_all(self) -> None:
-        """Drain the socket; decoded messages are handled together (speech is encoded in one batch)."""
+    def _read(self, most: int) -> list[tuple[bytes, Any]]:
+        """Up to `most` waiting messages, decoded (a malformed one is answered here)."""
         items: list[tuple[bytes, Any]] = []
-        while len(items) < MAX_DRAIN:
+        while len(items) < most:
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -433,15 +442,42 @@ class EngineServer:
                 items.append((client, m.decode(payload)))
             except m.MessageError as e:
                 self._send([(client, m.Error(None, "invalid_request", str(e)))])
+        return items
+
+    def _while_stepping(self) -> bool:
+        """Engine.step's `on_wait`, on this thread, while the GPU runs a step: user audio and commits that came
+        meanwhile go to the encoder, and decoded audio goes out (Service.handle_early, Service.while_stepping); the
+        rest of the messages wait for the step's end. Always True: the step's wait goes on polling."""
+        if len(self._later) < MAX_DRAIN and self.sock.poll(0, zmq.POLLIN):
+            t0 = time.perf_counter()
+            items = self._read(MAX_DRAIN - len(self._later))
+            try:
+                self._later += self.service.handle_early(items)
+            except Exception as e:  # noqa: BLE001 - as in _recv_all: a bug on some message must not end the engine
+                self._fail_messages(items, e)
+            self._load.handled(time.perf_counter() - t0)
+        self._send(self.service.while_stepping())
+        time.sleep(STEP_POLL_S)
+        return True
+
+    def _fail_messages(self, items: list[tuple[bytes, Any]], e: Exception) -> None:
+        log.exception("error handling %d messages", len(items))
+        self._send([(client, m.Error(getattr(msg, "session_id", None), "engine_error", f"{type(e).__name__}: {e}",
+                                     getattr(msg, "response_id", None))) for client, msg in items])
+
+    def _recv_all(self) -> None:
+        """Drain the socket; decoded messages are handled together (speech is encoded in one batch), after those
+        put off during the last step."""
+        items, self._later = self._later, []
+        items += self._read(MAX_DRAIN - len(items))
         if not items:
             return
         t0 = time.perf_counter()
         try:
             outs = self.service.handle_many(items)
         except Exception as e:  # noqa: BLE001 - a bug on some message must not take the engine down
-            log.exception("error handling %d messages", len(items))
-            outs = [(client, m.Error(getattr(msg, "session_id", None), "engine_error", f"{type(e).__name__}: {e}",
-                                     getattr(msg, "response_id", None))) for client, msg in items]
+            self._fail_messages(items, e)
+            outs = []
         self._send(outs)
         if time.perf_counter() - t0 > SLOW_S:  # the engine loop waits for this: say what was slow to handle
             kinds: dict[str, int] = {}
@@ -477,7 +513,7 @@ class EngineServer:
                 timeout_ms = 0
             else:  # only the codec worker (or held audio) is busy: wait a little instead of spinning on the GIL
                 timeout_ms = WAIT_POLL_MS if self.service.has_work() else IDLE_POLL_MS
-        if self.sock.poll(timeout_ms, zmq.POLLIN):
+        if self._later or self.sock.poll(timeout_ms, zmq.POLLIN):
             t0 = time.perf_counter()
             with self.watch.section("message handling"):
                 self._recv_all()
