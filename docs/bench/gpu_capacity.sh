@@ -24,8 +24,10 @@ touch /tmp/moss-ready
 PLOTS=$(python3 -c "import matplotlib" 2>/dev/null && echo "--plots $OUT")  # (plots only where matplotlib is there)
 timeout ${CAP_TIMEOUT:-420} python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start ${CAP_START:-16} --step ${CAP_STEP:-16} --max ${CAP_MAX:-128} \
   --turns 2 --ramp 16 --max-output-tokens 50 --level-duration ${CAP_LEVEL_S:-60} --json $OUT/capacity.json $PLOTS ${CAP_ARGS:-} 2>&1 | tail -40
-# Every engine thread's stack (faulthandler on SIGUSR1) and the GPU's state, in case a level stalled.
-pkill -USR1 -f '^python3 -m engines[.]service[.]process'; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> $OUT/server.log 2>&1; sleep 1
+BENCH_RC=${PIPESTATUS[0]}
+# A sweep cut off by CAP_TIMEOUT may have stalled: every engine thread's stack (faulthandler on SIGUSR1) to the log.
+[ "$BENCH_RC" = 124 ] && { echo "capacity sweep cut off by CAP_TIMEOUT: engine stacks in server.log"; pkill -USR1 -f '^python3 -m engines[.]service[.]process'; }
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> $OUT/server.log 2>&1; sleep 1
 kill $SERVER; sleep 3; tail -5 $OUT/server.log
 echo "Triton kernels compiled while serving (each one stalls its caller):"
 find $TRITON_CACHE_DIR -newer /tmp/moss-ready -name '*.cubin' -printf '%TT %f\n' | sort | head -20
