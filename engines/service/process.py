@@ -72,7 +72,7 @@ CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it decl
 # While the engine waits for a step's tokens, decoded audio leaves and user audio and commits reach the encoder
 # (EngineServer._while_stepping); MOSS_SEND_WHILE_STEPPING=0: only between steps, as before (A/B runs).
 SEND_WHILE_STEPPING = os.environ.get("MOSS_SEND_WHILE_STEPPING", "1") != "0"
-STEP_POLL_S = 0.0002  # how often the loop looks for that during a step (~5 ms to ~12 ms under load)
+STEP_POLL_S = 0.0002  # how often the loop looks for that during a step's wait (a step takes ~5-12 ms under load)
 
 
 def _kv_gib(text: str) -> float | str:
