@@ -5,6 +5,10 @@
 Reads the engine's "response X: first audio at N ms; stages {...}" lines (Service._complete), skips the warm-up,
 and splits them into levels by count (2 answers per session: `bench capacity --turns 2`). Marks are ms from the
 engine's CreateResponse; the commit's are negative (its arrival, and its last codes from the encoder).
+Where the server logged at info (MOSS_LOG_LEVEL=info), its "response done id=X ... ttfa_ms=T" lines are joined by
+response id: T is the turn's TTFA as the client sees it (commit sent to the engine -> first audio taken by the
+transport), and "server share" is what the engine's marks do not cover: T - (engine TTFA - commit_in), i.e. the commit's
+way in (server loop, socket, the engine's pickup) and the first audio's way out.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 import numpy as np
 
 LINE = re.compile(r"response (\S+): first audio at ([\d.]+) ms; stages (\{.*\})")
+SERVER_LINE = re.compile(r"response done id=(\S+) status=\S+ reason=\S+ ttfa_ms=([\d.]+)")
 # (label, from mark, to mark); None: the CreateResponse (0)
 STAGES = [
     ("commit -> its codes", "commit_in", "commit_encoded"),
@@ -29,13 +34,28 @@ STAGES = [
 
 
 def read(path: str) -> list[tuple[float, dict[str, float]]]:
-    out = []
+    """(engine TTFA, marks) per answer in log order; a mark "server_ttfa" where the server's line for it is there."""
+    out, by_id, server = [], {}, {}
     with open(path) as f:
         for line in f:
             hit = LINE.search(line)
             if hit and "warm-up" not in hit.group(1):
-                out.append((float(hit.group(2)), ast.literal_eval(hit.group(3))))
+                marks = ast.literal_eval(hit.group(3))
+                by_id[hit.group(1)] = marks
+                out.append((float(hit.group(2)), marks))
+            elif (hit := SERVER_LINE.search(line)) is not None:
+                server[hit.group(1)] = float(hit.group(2))
+    for rid, ttfa in server.items():
+        if rid in by_id:
+            by_id[rid]["server_ttfa"] = ttfa
     return out
+
+
+def server_share(ttfa: float, marks: dict[str, float]) -> float | None:
+    """The turn's TTFA outside the engine's marks (commit's way in, first audio's way out), or None."""
+    if "server_ttfa" not in marks or "commit_in" not in marks:
+        return None
+    return marks["server_ttfa"] - (ttfa - marks["commit_in"])
 
 
 def pct(values: list[float]) -> str:
@@ -56,6 +76,9 @@ def main(argv: list[str]) -> None:
     for sessions, size in zip(argv[1:] or ["all"], sizes, strict=True):
         part, start = answers[start:start + size], start + size
         cols = [f"engine TTFA {pct([t for t, _ in part])}"]
+        if any("server_ttfa" in d for _, d in part):
+            cols.append(f"server TTFA {pct([d['server_ttfa'] for _, d in part if 'server_ttfa' in d])}")
+            cols.append(f"server share {pct([v for t, d in part if (v := server_share(t, d)) is not None])}")
         for label, a, b in STAGES:
             cols.append(f"{label} {pct([v for _, d in part if (v := span(d, a, b)) is not None])}")
         print(f"{sessions} sessions ({len(part)} answers): " + "; ".join(cols))
