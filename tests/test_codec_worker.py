@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from engines.codec.decoder.stream import Job
@@ -274,7 +275,7 @@ def test_a_first_lane_decodes_first_chunks_while_a_playing_round_is_in_flight():
     """With a first-chunk lane, a new answer's first chunk does not wait for the playing round in flight: it is
     decoded on the lane's own thread and decoder, and every later chunk on the other."""
     dec, lane = FakeDecoder(), FakeDecoder()
-    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane)
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane])
     a, b = FakeStream("a"), FakeStream("b")
     dec.gate.clear()  # playing rounds hang until released
     w.push("A", a, list(range(13)))  # A's first chunk (on the lane), then its second (held on the other thread)
@@ -298,17 +299,51 @@ def test_a_first_lane_decodes_first_chunks_while_a_playing_round_is_in_flight():
     w.close()
 
 
-def test_a_first_lane_gives_the_same_pcm_as_one_thread():
-    """The real tiny decoder: answers decoded with a first-chunk lane (first chunks on CodecDecoder.lane) give the
+def test_a_second_first_lane_decodes_a_new_answer_while_the_first_lane_is_busy(monkeypatch):
+    """With two first lanes, a new answer whose first chunk is ready while another's first-chunk round is on the GPU
+    is decoded at once on the free lane; a round does not wait (coalesce) for an answer a code short while a lane is
+    free for it; the engine loop sees a first-chunk round in flight until both have posted."""
+    monkeypatch.setattr("engines.service.codec_worker.COALESCE_S", 60.0)  # a coalesced round would hang the test
+    dec, one, two = FakeDecoder(), FakeDecoder(), FakeDecoder()
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[one, two])
+    assert [t.name for t in w._threads] == ["codec-worker-first", "codec-worker-first-2", "codec-worker-playing"]
+    one.gate.clear()
+    two.gate.clear()  # first-chunk rounds hang until released
+    a, b = FakeStream("a"), FakeStream("b")
+    w.push("B", b, list(range(7)))  # a code short of its first chunk: A's round does not wait for it
+    w.push("A", a, list(range(8)))
+    deadline = time.monotonic() + 5
+    while len(w._first_flying) < 1 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    w.push("B", b, [7])  # ready while A's round hangs: the other lane takes it
+    while len(w._first_flying) < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert len(w._first_flying) == 2 and w.first_in_flight
+    for lane in (one, two):
+        lane.gate.set()
+    out = collect(w, lambda o: len(o) == 2)
+    assert {k for k, _, _ in out} == {"A", "B"}
+    assert sorted(one.batches + two.batches) == [["a"], ["b"]] and len(one.batches) == len(two.batches) == 1
+    assert not w.first_in_flight and dec.batches == []
+    w.push("A", a, [], final=True)
+    w.push("B", b, [], final=True)
+    collect(w, lambda o: sum(1 for _, _, f in o if f) == 2)
+    assert not w.busy()
+    w.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_first_lanes_give_the_same_pcm_as_one_thread(lanes):
+    """The real tiny decoder: answers decoded with first-chunk lanes (first chunks on CodecDecoder.lane) give the
     PCM of the offline decode of the same codes."""
     from engines.codec.decoder import CodecDecoder
 
     dec = CodecDecoder.load("tiny-random")
     rng = np.random.default_rng(3)
     codes = {f"s{i}": rng.integers(0, 16384, n).tolist() for i, n in enumerate((23, 9, 31))}
-    lane = dec.lane()
+    first = [dec.lane() for _ in range(lanes)]
     dec.flow.solve_parts = PLAYING_SOLVE_PARTS  # as the engine process sets them: playing rounds may pause
-    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane)
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=first)
     want = {sid: dec.decode(c, seed=i) for i, (sid, c) in enumerate(codes.items())}  # (the lane changed nothing)
     streams = {sid: dec.open_stream(sid, seed=i) for i, sid in enumerate(codes)}
     for sid, c in codes.items():
@@ -328,7 +363,7 @@ def test_a_playing_round_pauses_between_pieces_while_a_new_answer_waits(monkeypa
     monkeypatch.setattr("engines.service.codec_worker.BULK_HOLD_S", 60.0)
     dec, lane = FakeDecoder(), FakeDecoder()
     dec.sample_rate = 1  # 5 s per chunk: A is far from running dry
-    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane, ahead_s=60.0)  # A's next chunk is due at once
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=60.0)  # A's next chunk is due at once
     dec.gate.clear()
     w.push("A", FakeStream("a"), list(range(13)))  # first chunk on the lane, the second in a playing round
     collect(w, lambda o: len(o) == 1)
@@ -355,7 +390,7 @@ def test_a_playing_round_pauses_between_pieces_while_a_new_answer_waits(monkeypa
 
 def test_a_playing_round_about_to_run_dry_is_never_paused():
     dec, lane = FakeDecoder(), FakeDecoder()  # sample_rate 24000: a chunk is ~0 s of audio, A runs dry at once
-    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane)
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane])
     w.lm_ramping = True  # another answer waits for its first codes throughout
     w.push("A", FakeStream("a"), list(range(13)))
     collect(w, lambda o: len(o) == 2)
@@ -370,7 +405,7 @@ def test_a_paused_round_goes_on_when_another_playing_answer_nears_the_end_of_its
     now = [0.0]
     dec, lane = FakeDecoder(), FakeDecoder()
     dec.sample_rate = lane.sample_rate = 0.5  # 10 s of audio per chunk
-    w = CodecWorker(dec, torch.device("cpu"), first_decoder=lane, ahead_s=60.0, clock=lambda: now[0])
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=60.0, clock=lambda: now[0])
     dec.gate.clear()
     w.push("A", FakeStream("a"), list(range(13)))
     collect(w, lambda o: len(o) == 1)

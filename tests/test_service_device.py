@@ -35,7 +35,11 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
     assert lane is not None and lane is not laned.decoder
     assert laned.decoder.flow.solve_parts == PLAYING_SOLVE_PARTS and lane.flow.solve_parts == 1
     assert [t.name for t in laned._codec._threads] == ["codec-worker-first", "codec-worker-playing"]
-    for svc in (plain, laned):
+    two = build_service(p.parse_args(base + ["--first-lane", "--first-lanes", "2"]))
+    assert len(two._codec.first_decoders) == 2 and two._codec.first_decoders[0] is not two._codec.first_decoders[1]
+    assert [t.name for t in two._codec._threads] == ["codec-worker-first", "codec-worker-first-2",
+                                                     "codec-worker-playing"]
+    for svc in (plain, laned, two):
         svc._codec.close()
 
 
@@ -53,3 +57,4 @@ def test_codec_round_max_reaches_the_worker_and_bad_values_are_refused(capsys):
         with pytest.raises(SystemExit):
             p.parse_args(base + ["--codec-round-max", bad])
         assert "--codec-round-max" in capsys.readouterr().err
+

@@ -10,10 +10,12 @@ batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once. Time to fir
 - A playing answer's next chunk is decoded only once its audio sent is less than `ahead_s` ahead of real time
   (playback assumed to start when its first chunk is posted). Decoding further ahead would not help its
   listener; it would only make the round that a new answer's first chunk waits behind longer.
-With a `first_decoder` (a lane of the decoder: CodecDecoder.lane, graphs of its own) a second thread decodes the
+With `first_decoders` (lanes of the decoder: CodecDecoder.lane, graphs of their own) a thread per lane decodes the
 first chunks on it, at the same time as the rounds of playing answers: a new answer's first chunk no longer waits
-for the round in flight (H200, 28-60 sessions: that wait was p50 27 / p95 78 ms of TTFA). Each answer is
-decoded by one thread at a time: the first-chunk thread until its first chunk is posted, then the other.
+for the round in flight (H200, 28-60 sessions: that wait was p50 27 / p95 78 ms of TTFA). With two lanes or more, a
+new answer whose first chunk is ready while another's round is in flight takes a free lane instead of waiting for
+that round (or for a coalesced one). Each answer is decoded by one thread at a time: a first-chunk thread until its
+first chunk is posted, then the playing one.
 A decoder stream is only touched by these threads once handed over. On the GPU two rounds at once share the SMs
 and slow the language model's steps that a new answer waits for, so a round of playing answers yields: between the
 pieces of its GPU work (CodecDecoder.run_jobs' `between`: the flow's encoder, each piece of its solve) it keeps at
@@ -33,6 +35,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,12 +96,12 @@ class CodecWorker:
 
     def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256, ahead_s: float = AHEAD_S,
                  clock: Any = time.monotonic, bulk_max: int = BULK_MAX, home: torch.cuda.Stream | None = None,
-                 first_decoder: Any = None, first_max: int = FIRST_MAX) -> None:
+                 first_decoders: Sequence[Any] = (), first_max: int = FIRST_MAX) -> None:
         """`home`: a stream of the SM partition the rounds run in (engines.partition; default: the current
-        stream's). `first_decoder`: a lane of `decoder` for first chunks, on a thread of their own (module doc);
+        stream's). `first_decoders`: lanes of `decoder` for first chunks, each on a thread of its own (module doc);
         at most `first_max` per round there."""
         self.decoder = decoder
-        self.first_decoder = first_decoder
+        self.first_decoders = list(first_decoders)
         self.first_max = first_max
         self.max_batch = max_batch
         self.bulk_max = bulk_max
@@ -107,18 +110,20 @@ class CodecWorker:
         self._clock = clock
         self._after_first = False  # the last round decoded first chunks
         # Set by the engine loop: an answer waits for its first codes (rounds of playing answers wait, or with a
-        # first lane pause, at most BULK_HOLD_S); read by it: a first-chunk round is on the GPU (the loop skips steps
-        # that are not urgent).
+        # first lane pause, at most BULK_HOLD_S).
         self.lm_ramping = False
-        self.first_in_flight = False
+        self._first_flying: set[int] = set()  # threads (idents) with a first-chunk round on the GPU
         self._held_since: float | None = None
         self._coalesce_since: float | None = None
         # Rounds of playing answers' chunks run at the lowest stream priority, below the language model's steps;
         # first-chunk rounds at the highest, level with them: a new answer's first audio waits on both.
         self._stream = self._first_stream = None
+        self._lane_streams: list[Any] = [None] * len(self.first_decoders)
         if device.type == "cuda":
             self._stream = driver_stream(device, like=home)
             self._first_stream = driver_stream(device, urgent=True, like=home)
+            self._lane_streams = [self._first_stream] + [driver_stream(device, urgent=True, like=home)
+                                                         for _ in self.first_decoders[1:]]
         self._cv = threading.Condition()
         self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left
         self._results: deque[tuple[Any, np.ndarray | Exception, bool]] = deque()
@@ -129,11 +134,24 @@ class CodecWorker:
         self.busy_s = 0.0
         self.spans = Spans()  # round times, taken by the load log (under _cv)
         self._first_rounds: dict[int, tuple[float, float]] = {}  # id(key) -> its first chunk's round (start, end)
-        kinds = ("first", "playing") if first_decoder is not None else ("all",)
-        self._threads = [threading.Thread(target=self._run, args=(k,), name=f"codec-worker-{k}", daemon=True)
-                         for k in kinds]
+        # (kind, lane): "all" (one thread for every round), or a "first" thread per lane and one "playing" thread
+        runs = ([("first", i) for i in range(len(self.first_decoders))] + [("playing", 0)] if self.first_decoders
+                else [("all", 0)])
+        self._threads = [threading.Thread(target=self._run, args=(k, i), daemon=True,
+                                          name=f"codec-worker-{k}" + (f"-{i + 1}" if i else ""))
+                         for k, i in runs]
         for t in self._threads:
             t.start()
+
+    @property
+    def first_decoder(self) -> Any:
+        """The first lane (None without lanes)."""
+        return self.first_decoders[0] if self.first_decoders else None
+
+    @property
+    def first_in_flight(self) -> bool:
+        """A first-chunk round is on the GPU (read by the engine loop: it skips steps that are not urgent)."""
+        return bool(self._first_flying)
 
     # ---- engine-loop side ----------------------------------------------------------------
 
@@ -195,9 +213,11 @@ class CodecWorker:
 
     def _coalesce(self, first: list[_Answer], now: float) -> bool:
         """Hold a first-chunk round (at most COALESCE_S) while another new answer is a code or two short of its
-        first chunk: sessions answering at once get their 8th codes a step or so apart, and a round for each in
-        turn made the last one wait for all the others' rounds."""
+        first chunk and no other lane is free for it: sessions answering at once get their 8th codes a step or so
+        apart, and a round for each in turn made the last one wait for all the others' rounds."""
         with self._cv:  # the engine loop adds answers meanwhile
+            if len(self._first_flying) + 1 < len(self.first_decoders):
+                return False  # another lane is free: the near answer gets a round of its own there at once
             near = any(a.first_post is None and not a.cancelled and a not in first
                        and FIRST_CHUNK_CODES - COALESCE_CODES <= a.codes_in < FIRST_CHUNK_CODES
                        for a in self._answers.values())
@@ -241,10 +261,10 @@ class CodecWorker:
         return min((self._due_at(a) for a in self._answers.values()
                     if self._mine(a, kind) and a.jobs and not a.cancelled), default=math.inf)
 
-    def _run(self, kind: str) -> None:
-        """Rounds of `kind`: "all" (the one thread), or "first" / "playing" (the two threads of a first lane)."""
-        decoder = self.first_decoder if kind == "first" else self.decoder
-        stream = self._first_stream if kind == "first" else self._stream
+    def _run(self, kind: str, lane: int) -> None:
+        """Rounds of `kind`: "all" (the one thread), or "first" (on first lane `lane`) / "playing" (with lanes)."""
+        decoder = self.first_decoders[lane] if kind == "first" else self.decoder
+        stream = self._lane_streams[lane] if kind == "first" else self._stream
         while True:
             with self._cv:
                 answers = wait_for_work(self._cv, lambda: self._closed, lambda now: self._with_work(kind, now),
@@ -260,9 +280,10 @@ class CodecWorker:
             t0, started, cpu0 = time.perf_counter(), time.monotonic(), time.thread_time()
             new = [a for a, _, _ in taken if a.first_post is None]
             decoded, first = 0, False
+            released: list[_Answer] = []  # taken answers the round let go of before it ended
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    posts, done, decoded, first = self._round(taken, kind, decoder)
+                    posts, done, decoded, first = self._round(taken, kind, decoder, released)
             except Exception as e:  # noqa: BLE001 - outside the decoder's own failures (handed back by _round):
                 # the thread must live on, or every answer would wait for it; this round's answers end with `e`
                 log.exception("codec worker: unexpected error in a round; its %d answer(s) fail", len(taken))
@@ -289,9 +310,10 @@ class CodecWorker:
                     for a in done:
                         self._answers.pop(id(a.key), None)
                     for a, _, _ in taken:
-                        a.busy = False
-                    if kind != "playing":  # (set by _round) cleared once its PCM is posted, not before
-                        self.first_in_flight = False
+                        if a not in released:  # (a released one may be another thread's by now)
+                            a.busy = False
+                    # (marked by _round) cleared once its PCM is posted, not before
+                    self._first_flying.discard(threading.get_ident())
                     self._running -= 1
                     self._cv.notify_all()
             if decoded < 0:  # held back for the language model: look again shortly (it sets no event)
@@ -343,11 +365,13 @@ class CodecWorker:
             time.sleep(0.001)
             y.paused_s += time.monotonic() - t0
 
-    def _round(self, taken: list[tuple[_Answer, list[int], bool]], kind: str, decoder: Any
+    def _round(self, taken: list[tuple[_Answer, list[int], bool]], kind: str, decoder: Any, released: list[_Answer]
                ) -> tuple[list, list[_Answer], int, bool]:
         """Give new codes to their streams, then decode one ready chunk of each answer that has played nothing
         (if any has one ready), else of each playing answer whose next chunk is due (with a first lane, each thread
-        only has answers of its own kind). Returns (posts, answers done, chunks decoded, whether first chunks)."""
+        only has answers of its own kind). The taken answers outside the batch are let go of (appended to
+        `released`) before the decode, so another lane can take one whose first chunk becomes ready meanwhile.
+        Returns (posts, answers done, chunks decoded, whether first chunks)."""
         posts: list[tuple[Any, np.ndarray | Exception, bool]] = []
         done: list[_Answer] = []
         ready: list[_Answer] = []
@@ -388,11 +412,17 @@ class CodecWorker:
             self._after_first = take_first
         batch = batch[: self.first_max if kind == "first" else self.max_batch]
         if batch:
+            with self._cv:
+                for a, _, _ in taken:
+                    if a not in batch and a not in done:
+                        a.busy = False
+                        released.append(a)
             jobs = [a.jobs.popleft() for a in batch]
             # The one thread runs first chunks on the urgent stream; a first lane's thread is on it already.
             fast = self._first_stream if take_first and kind == "all" else None
             if take_first:
-                self.first_in_flight = True
+                with self._cv:
+                    self._first_flying.add(threading.get_ident())
             y = _Yield() if kind == "playing" and not urgent else None
             try:
                 with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():

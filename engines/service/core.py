@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +105,7 @@ class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
                  encode_every_s: float = 0.0, codec_thread: bool = False,
-                 codec_stream: torch.cuda.Stream | None = None, first_decoder: Any = None,
+                 codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
@@ -122,7 +122,7 @@ class Service:
         calls run on a thread of their own, beside the engine steps (engines/service/encoder_worker.py).
         `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
         a GPU) while the engine steps; the PCM is the same, only when it leaves changes. `codec_stream`: a stream of
-        the codec's SM partition (engines.partition), where the worker's rounds run. `first_decoder`: a lane of
+        the codec's SM partition (engines.partition), where the worker's rounds run. `first_decoders`: lanes of
         `decoder` (CodecDecoder.lane) on which the worker decodes first chunks beside its other rounds.
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX)."""
         self.engine = engine
@@ -140,7 +140,7 @@ class Service:
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
-                                      first_decoder=first_decoder, **extra)
+                                      first_decoders=first_decoders, **extra)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
         self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes

@@ -138,6 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
                         "of its own, while rounds of playing answers pause between pieces of their work (default: "
                         "on a GPU; docs/BENCHMARKS.md, Capacity)")
+    p.add_argument("--first-lanes", type=_positive_int, default=1, metavar="N",
+                   help="with the first lane: this many lanes, each a thread with graphs of its own, so a new answer "
+                        "whose first chunk is ready while another's is decoding need not wait for it")
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
                    help="with the codec thread: most playing answers one round decodes (more only while more are "
                         "about to run dry; default engines/service/codec_worker.py BULK_MAX)")
@@ -161,13 +164,13 @@ def _free_bytes(device: str) -> int:
 
 def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupMemory, codec_home: Any
                 ) -> tuple[Any, Any, Any]:
-    """The speech encoder, the codec decoder and its first-chunk lane (None off a GPU or without --first-lane),
+    """The speech encoder, the codec decoder and its first-chunk lanes (none off a GPU or without --first-lane),
     with their KV slots and CUDA graphs on a GPU."""
     from engines.codec.decoder.codec_decoder import CodecDecoder
     from engines.codec.encoder import SpeechEncoder
 
     on_gpu = args.device.startswith("cuda")
-    first_decoder = None
+    first_decoders = []
     vocoder = args.vocoder
     if vocoder is None:
         vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
@@ -199,11 +202,12 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
         with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):
             # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
             decoder.capture_graphs(config.max_running)
-            if first_lane:
-                first_decoder = decoder.lane()
-                first_decoder.flow.solve_parts = 1  # first chunks never yield: one graph per solve
-                first_decoder.capture_graphs(FIRST_MAX)
-    return encoder, decoder, first_decoder
+            for _ in range(getattr(args, "first_lanes", 1) if first_lane else 0):
+                lane = decoder.lane()
+                lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
+                lane.capture_graphs(FIRST_MAX)
+                first_decoders.append(lane)
+    return encoder, decoder, first_decoders
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -267,8 +271,8 @@ def build_service(args: argparse.Namespace) -> Service:
     # codec. (The weights first: building random ones takes more than they keep.)
     with memory.part("the language model's weights"):
         model, model_config = Engine.load_weights(args.model, config, seed=args.seed)
-    encoder, decoder, first_decoder = (_load_codec(args, config, memory, codec_home) if args.codec != "none"
-                                       else (None, None, None))
+    encoder, decoder, first_decoders = (_load_codec(args, config, memory, codec_home) if args.codec != "none"
+                                        else (None, None, []))
     with memory.part("the language model's KV pool and CUDA graphs"):
         engine = Engine.build(model, model_config, config, seed=args.seed,
                               kv_free_bytes=_free_bytes(args.device) if kv_auto else None)
@@ -286,7 +290,7 @@ def build_service(args: argparse.Namespace) -> Service:
                       decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
-                      first_decoder=first_decoder, codec_round_max=getattr(args, "codec_round_max", None),
+                      first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:

@@ -222,3 +222,55 @@ def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
     assert lane.vocoder.generator is not dec.vocoder.generator and dec.vocoder.generator._branch_streams
     mine, theirs = (g.vocoder.generator._branch_streams for g in (lane, dec))
     assert not {x.cuda_stream for x in mine} & {x.cuda_stream for x in theirs}
+
+
+def test_two_first_lanes_on_their_threads_give_the_offline_pcm():
+    """The codec worker with two first-chunk lanes (each a thread, a CUDA stream and graphs of its own) and the
+    playing thread, answers arriving together so that both lanes decode at once: every answer's PCM equals its
+    offline decode, and both lanes did decode."""
+    import time
+
+    from engines.service.codec_worker import PLAYING_SOLVE_PARTS, CodecWorker
+
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    lanes = [dec.lane(), dec.lane()]
+    dec.flow.solve_parts = PLAYING_SOLVE_PARTS  # as the engine process sets them, graphs captured before serving
+    dec.capture_graphs(4)  # (a capture while another thread runs CUDA work fails: the engine process captures
+    for lane in lanes:  # every lane's graphs at load)
+        lane.flow.solve_parts = 1
+        lane.capture_graphs(4)
+    calls = {id(lane): 0 for lane in lanes}
+
+    def counted(lane):
+        run = lane.run_jobs
+
+        def run_jobs(jobs, between=None):
+            calls[id(lane)] += 1
+            time.sleep(0.05)  # hold this lane, so the next answer finds it busy and takes the other
+            return run(jobs, between)
+        return run_jobs
+
+    for lane in lanes:
+        lane.run_jobs = counted(lane)
+    codes = {f"s{i}": _codes(n, 10 + i) for i, n in enumerate((23, 17, 31, 12))}
+    want = {sid: dec.decode(c, seed=i) for i, (sid, c) in enumerate(codes.items())}
+    w = CodecWorker(dec, torch.device("cuda"), first_decoders=lanes)
+    streams = {sid: dec.open_stream(sid, seed=i) for i, sid in enumerate(codes)}
+    out: dict[str, list] = {sid: [] for sid in codes}
+    for sid, c in codes.items():
+        w.push(sid, streams[sid], c[:8].tolist())
+        time.sleep(0.01)
+    for sid, c in codes.items():
+        w.push(sid, streams[sid], c[8:].tolist(), final=True)
+    deadline, finals = time.monotonic() + 120, 0
+    while finals < len(codes) and time.monotonic() < deadline:
+        for key, pcm, final in w.take_results():
+            assert isinstance(pcm, np.ndarray), pcm
+            out[key].append(pcm)
+            finals += final
+        time.sleep(0.005)
+    w.close()
+    assert finals == len(codes)
+    for sid in codes:
+        np.testing.assert_allclose(np.concatenate(out[sid]), want[sid], atol=3e-4, rtol=0)
+    assert all(n >= 1 for n in calls.values()), calls
