@@ -138,6 +138,11 @@ class EngineConfig:
     kv_cache_bytes: int = 256 * 1024 * 1024  # KV pool size across all layers
     max_running: int = 64  # sequences decoded together
     prefill_token_budget: int = 512  # rows per step (decodes + prefill chunks)
+    # While a sequence is in its first `ramp_rows` generated rows (a new answer: its first audio waits on each of
+    # those steps), a step carries at most `ramp_step_rows` rows (decodes + prefill; prefill at least
+    # RAMP_MIN_PREFILL), so a long prefill beside it does not lengthen them. 0: off.
+    ramp_rows: int = 8
+    ramp_step_rows: int = 64
     max_waiting: int = 256  # bounded admission queue
     max_model_len: int = 8192  # rows per conversation (history + answer)
     device: str = "cpu"
@@ -152,6 +157,10 @@ class EngineConfig:
             v = getattr(self, f)
             _require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
                      f"EngineConfig.{f} must be a positive int, got {v!r}")
+        for f in ("ramp_rows", "ramp_step_rows"):
+            v = getattr(self, f)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                     f"EngineConfig.{f} must be an int >= 0, got {v!r}")
         _require(isinstance(self.max_waiting, int) and self.max_waiting >= 0,
                  f"EngineConfig.max_waiting must be an int >= 0, got {self.max_waiting!r}")
         _require(self.prefill_token_budget > self.max_running,

@@ -45,6 +45,8 @@ def test_engine_config_rejects_bad_values():
         EngineConfig(prefill_token_budget=8, max_running=16)
     with pytest.raises(ConfigError, match="dtype"):
         EngineConfig(dtype="int3")
+    with pytest.raises(ConfigError, match="ramp_step_rows"):
+        EngineConfig(ramp_step_rows=-1)
     with pytest.raises(ConfigError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
 
@@ -68,6 +70,46 @@ def test_token_budget_kept_and_decodes_never_starved():
             pytest.fail("running request 'a' was not decoded in a step")
         engine.check_integrity()
     assert a_rows == 30
+
+
+def test_steps_stay_short_while_an_answer_ramps_and_complete_inputs_go_first():
+    """While a sequence is in its first ramp_rows generated rows, a step carries at most ramp_step_rows rows (its
+    prefill at least RAMP_MIN_PREFILL, however many decode); with no answer ramping, the whole budget again. Prefill
+    takes sequences whose input is complete before older ones still open (a user still speaking)."""
+    from engines.scheduler.scheduler import RAMP_MIN_PREFILL
+
+    engine, model = make_engine(prefill_token_budget=200, max_running=8, blocks=512, ramp_rows=4, ramp_step_rows=24)
+    engine.add_request("speaking", prompt(5), SamplingParams.greedy_params(10), input_done=False)
+    engine.add_request("done", prompt(5, base=3000), SamplingParams.greedy_params(30), input_done=False)
+    engine.step()  # both prompts so far prefilled
+    engine.add_request("a", prompt(3, base=5000), SamplingParams.greedy_params(max_new_tokens=40))
+    engine.step()  # a's prompt and its first row: a ramps now
+    engine.append_input("speaking", prompt(150, base=2000), input_done=False)
+    engine.append_input("done", prompt(60, base=4000), input_done=True)  # the newer one, complete (committed)
+    seqs = {s.request_id: s for s in engine.scheduler.running}
+    pending = []
+    while seqs["speaking"].num_pending:
+        ramping = any(s.generating and s.num_generated < 4 for s in engine.scheduler.running)
+        engine.step()
+        pending.append((seqs["done"].num_pending, seqs["speaking"].num_pending))
+        assert model.batches[-1].num_rows <= (24 if ramping else 200)
+        engine.check_integrity()
+    # done first, 23 prefill rows a step beside a (then its first generated row is pending, as a decode)
+    assert pending[:3] == [(37, 150), (14, 150), (1, 150 - 9)]
+    assert model.batches[-1].num_rows > 24  # no answer ramps by then: the rest in one step
+    engine.abort("speaking")
+    run_to_end(engine)
+    engine.check_integrity()
+    # many decoding sequences still leave the ramp minimum of prefill
+    engine, model = make_engine(prefill_token_budget=200, max_running=40, blocks=2048, ramp_rows=100,
+                                ramp_step_rows=24)
+    for i in range(30):
+        engine.add_request(f"d{i}", prompt(1, base=100 * i), SamplingParams.greedy_params(max_new_tokens=50))
+    engine.step()
+    engine.add_request("long", prompt(100, base=9000), SamplingParams.greedy_params(max_new_tokens=2))
+    engine.step()
+    assert model.batches[-1].num_rows == 30 + RAMP_MIN_PREFILL
+    engine.check_integrity()
 
 
 def test_chunked_prefill_positions_and_slots():

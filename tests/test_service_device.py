@@ -58,3 +58,18 @@ def test_codec_round_max_reaches_the_worker_and_bad_values_are_refused(capsys):
             p.parse_args(base + ["--codec-round-max", bad])
         assert "--codec-round-max" in capsys.readouterr().err
 
+
+def test_ramp_step_rows_reaches_the_engine_and_bad_values_are_refused(capsys):
+    from engines.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
+    for extra, want in (([], EngineConfig.ramp_step_rows), (["--ramp-step-rows", "0"], 0),
+                        (["--ramp-step-rows", "96"], 96)):
+        svc = build_service(p.parse_args(base + extra))
+        assert svc.engine.config.ramp_step_rows == want
+    for bad in ("-1", "few"):
+        with pytest.raises(SystemExit):
+            p.parse_args(base + ["--ramp-step-rows", bad])
+        assert "--ramp-step-rows" in capsys.readouterr().err

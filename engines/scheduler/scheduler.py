@@ -1,7 +1,10 @@
 """Continuous batching with chunked prefill and admission by reservation.
 
 Every step: all generating sequences decode one row; the rest of the row budget goes to prefill
-chunks, oldest first (running sequences with pending input, then newly admitted ones). A request
+chunks: running sequences with pending input (complete inputs first, then open ones, oldest first in
+each), then newly admitted ones. While a sequence is in its first few generated rows (a new answer),
+the step's rows are capped (EngineConfig.ramp_step_rows): a long prefill would lengthen every step that
+answer's first audio waits on. A request
 is admitted only when its whole KV need (history + prompt + output budget) can be reserved, so
 nothing running is ever preempted. Aborts take effect at the next step boundary.
 """
@@ -21,6 +24,10 @@ from engines.config import EngineConfig
 from engines.kv.block_pool import BlockPool
 from engines.scheduler.sequence import Conversation, Sequence, blocks_for
 from engines.tokens import Row
+
+# Prefill rows a step still carries while an answer ramps (EngineConfig.ramp_step_rows), however many sequences
+# decode: speaking users' rows and other prompts keep moving.
+RAMP_MIN_PREFILL = 16
 
 
 @dataclass
@@ -144,19 +151,23 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         finished = self._apply_aborts()
-        budget = self.config.prefill_token_budget
+        cfg = self.config
+        budget = cfg.prefill_token_budget
         chunks: list[ScheduledChunk] = []
         # Decodes first: one row per generating sequence, never starved by prefill.
         for seq in self.running:
             if seq.generating:
                 chunks.append(ScheduledChunk(seq, 1, seq.num_computed, True))
                 budget -= 1
-        # Then prefill of running sequences with pending input, oldest first.
-        for seq in self.running:
+        if cfg.ramp_step_rows and any(c.seq.num_generated < cfg.ramp_rows for c in chunks):
+            budget = min(budget, max(cfg.ramp_step_rows - len(chunks), RAMP_MIN_PREFILL))
+        # Then prefill of running sequences with pending input: those whose input is complete first (they answer
+        # next), then open inputs (users still speaking), oldest first in each.
+        pending = [s for s in self.running if not s.generating and s.num_pending > 0]
+        for seq in [s for s in pending if s.input_done] + [s for s in pending if not s.input_done]:
             if budget <= 0:
                 break
-            if not seq.generating and seq.num_pending > 0:
-                budget -= self._add_prefill(chunks, seq, budget)
+            budget -= self._add_prefill(chunks, seq, budget)
         # Then admit waiting requests while their reservation fits.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]

@@ -87,14 +87,19 @@ def _kv_gib(text: str) -> float | str:
     return v
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,6 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the language model's KV pool; auto (the default on a GPU): the memory left free once "
                         "everything else is loaded, less a headroom (engines/kv/sizing.py); on a CPU default 0.25")
     p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--ramp-step-rows", type=_int_at_least(0), default=None, metavar="N",
+                   help="while a new answer makes its first rows, steps carry at most N rows (decodes + prefill; "
+                        "0: no cap; default: EngineConfig.ramp_step_rows in engines/config.py)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--encode-every-ms", type=float, default=80.0,
@@ -232,6 +240,8 @@ def build_service(args: argparse.Namespace) -> Service:
         kw["prefill_token_budget"] = max(EngineConfig.prefill_token_budget, 2 * args.max_running)
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
+    if getattr(args, "ramp_step_rows", None) is not None:
+        kw["ramp_step_rows"] = args.ramp_step_rows
     config = EngineConfig(**kw)
     codec_sms = getattr(args, "codec_sms", 0)
     if getattr(args, "codec_sms_only", False) and not codec_sms:
