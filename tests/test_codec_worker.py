@@ -332,6 +332,35 @@ def test_a_second_first_lane_decodes_a_new_answer_while_the_first_lane_is_busy(m
     w.close()
 
 
+def test_an_unexpected_error_in_a_round_ends_only_the_answers_it_still_holds():
+    """A round that fails outside the decoder ends its batch's answers, not an answer it only fed codes to and let
+    go of before decoding (another lane may hold that one by then): it goes on."""
+    class BadForA(FakeDecoder):
+        def run_jobs(self, jobs, between=None):
+            out = super().run_jobs(jobs, between)
+            if any(j.stream.name == "a" for j in jobs):
+                return [object() for _ in out]  # PCM the worker cannot measure: an error outside the decoder
+            return out
+
+    dec = BadForA()
+    w = CodecWorker(dec, torch.device("cpu"))
+    dec.gate.clear()
+    w.push("C", FakeStream("c"), list(range(8)))  # C's round holds the worker ...
+    deadline = time.monotonic() + 5
+    while not w._running and time.monotonic() < deadline:
+        time.sleep(0.002)
+    w.push("A", FakeStream("a"), list(range(8)))  # ... while A (a first chunk) and B (3 codes: too far off for a
+    b = FakeStream("b")  # coalesced round) arrive
+    w.push("B", b, list(range(3)))  # the next round takes both, feeds B, decodes A and fails
+    dec.gate.set()
+    out = collect(w, lambda o: any(k == "A" for k, _, _ in o))
+    assert [(k, isinstance(p, Exception), f) for k, p, f in out if k != "C"] == [("A", True, True)]
+    w.push("B", b, list(range(3, 8)))
+    got = collect(w, lambda o: any(k == "B" for k, _, _ in o))
+    assert [(k, isinstance(p, np.ndarray)) for k, p, _ in got] == [("B", True)]
+    w.close()
+
+
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_first_lanes_give_the_same_pcm_as_one_thread(lanes):
     """The real tiny decoder: answers decoded with first-chunk lanes (first chunks on CodecDecoder.lane) give the

@@ -289,7 +289,8 @@ class CodecWorker:
                 log.exception("codec worker: unexpected error in a round; its %d answer(s) fail", len(taken))
                 posts, done = [], []
                 for a, _, _ in taken:
-                    self._end_failed(a, e, posts, done)
+                    if a not in released:  # (a released one may be another lane's by now)
+                        self._end_failed(a, e, posts, done)
             finally:
                 with self._cv:
                     dt = time.perf_counter() - t0
@@ -304,7 +305,7 @@ class CodecWorker:
                         self.spans.add(name + " cpu", time.thread_time() - cpu0)
                         self.spans.add(name + " gpu wait", getattr(decoder, "last_gpu_wait_s", 0.0))
                     for a in new:
-                        if a.first_post is not None:
+                        if a.first_post is not None and a not in released:
                             self._first_rounds[id(a.key)] = (started, time.monotonic())
                     self._results.extend(posts)
                     for a in done:
