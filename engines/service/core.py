@@ -81,10 +81,11 @@ SLOW_STEP_S = 0.1
 _WARM_UP = b"warm-up"  # the client id of the start-up turns
 
 
-def _speech_error_code(e: Exception) -> str:
-    """The Error code of a speech encoder failure: the engine's own code where it has one (server_busy when every KV
-    slot is taken and the pool cannot grow), else engine_error."""
-    return e.code if isinstance(e, EngineError) else "engine_error"
+def _speech_error(e: Exception) -> ServiceError:
+    """What a client is told of a speech encoder failure: the engine's own code where it has one (server_busy when
+    every KV slot is taken and the pool cannot grow), else engine_error."""
+    return ServiceError(e.code if isinstance(e, EngineError) else "engine_error",
+                        f"speech encoder failed: {type(e).__name__}: {e}")
 
 
 def _device_name(device: str) -> str:
@@ -595,9 +596,7 @@ class Service:
         s.commit_done_at = at
         if isinstance(codes, Exception):  # the turn so far is dropped, as when a call of held audio fails
             log.error("speech encoder failed for session %s's commit: %r", s.session_id, codes)
-            why = f"speech encoder failed: {type(codes).__name__}: {codes}"
-            self._report(client, msg, codes if isinstance(codes, ValueError) else
-                         ServiceError(_speech_error_code(codes), why))
+            self._report(client, msg, codes if isinstance(codes, ValueError) else _speech_error(codes))
             self._clear_speech(s)
         else:
             self._guard(client, msg, self._committed, s, codes)
@@ -617,8 +616,8 @@ class Service:
     def _speech_failed(self, s: Session, e: Exception) -> None:
         """The encoder failed on this session's audio: the turn so far is dropped, as if the client cleared it."""
         log.error("speech encoder failed for session %s: %r", s.session_id, e)
-        why = f"speech encoder failed: {type(e).__name__}: {e}"
-        self._send(s.owner, m.Error(s.session_id, _speech_error_code(e), why))
+        err = _speech_error(e)
+        self._send(s.owner, m.Error(s.session_id, err.code, str(err)))
         self._clear_speech(s)
 
     def _on_ClearUserAudio(self, client: bytes, msg: m.ClearUserAudio) -> None:
