@@ -80,6 +80,13 @@ def collect(worker: CodecWorker, until, timeout=5.0):
     raise AssertionError(f"timed out; got {out}")
 
 
+def wait_until(cond, timeout=5.0, poll=0.002) -> None:
+    """Poll `cond` until it holds or `timeout` passes (the caller asserts what it needs)."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(poll)
+
+
 def test_chunks_come_out_one_round_at_a_time_and_final_closes():
     dec = FakeDecoder()
     w = CodecWorker(dec, torch.device("cpu"))
@@ -280,9 +287,7 @@ def test_a_first_lane_decodes_first_chunks_while_a_playing_round_is_in_flight():
     dec.gate.clear()  # playing rounds hang until released
     w.push("A", a, list(range(13)))  # A's first chunk (on the lane), then its second (held on the other thread)
     collect(w, lambda o: sum(1 for k, _, _ in o if k == "A") == 1)
-    deadline = time.monotonic() + 5
-    while not w._running and time.monotonic() < deadline:  # A's second chunk is in its (held) round
-        time.sleep(0.002)
+    wait_until(lambda: w._running)  # A's second chunk is in its (held) round
     w.push("B", b, list(range(8)))
     got = collect(w, lambda o: any(k == "B" for k, _, _ in o))  # while A's second chunk is still held
     assert [k for k, _, _ in got] == ["B"]
@@ -312,12 +317,9 @@ def test_a_second_first_lane_decodes_a_new_answer_while_the_first_lane_is_busy(m
     a, b = FakeStream("a"), FakeStream("b")
     w.push("B", b, list(range(7)))  # a code short of its first chunk: A's round does not wait for it
     w.push("A", a, list(range(8)))
-    deadline = time.monotonic() + 5
-    while len(w._first_flying) < 1 and time.monotonic() < deadline:
-        time.sleep(0.002)
+    wait_until(lambda: len(w._first_flying) >= 1)
     w.push("B", b, [7])  # ready while A's round hangs: the other lane takes it
-    while len(w._first_flying) < 2 and time.monotonic() < deadline:
-        time.sleep(0.002)
+    wait_until(lambda: len(w._first_flying) >= 2)
     assert len(w._first_flying) == 2 and w.first_in_flight
     for lane in (one, two):
         lane.gate.set()
@@ -346,9 +348,7 @@ def test_an_unexpected_error_in_a_round_ends_only_the_answers_it_still_holds():
     w = CodecWorker(dec, torch.device("cpu"))
     dec.gate.clear()
     w.push("C", FakeStream("c"), list(range(8)))  # C's round holds the worker ...
-    deadline = time.monotonic() + 5
-    while not w._running and time.monotonic() < deadline:
-        time.sleep(0.002)
+    wait_until(lambda: w._running)
     w.push("A", FakeStream("a"), list(range(8)))  # ... while A (a first chunk) and B (3 codes: too far off for a
     b = FakeStream("b")  # coalesced round) arrive
     w.push("B", b, list(range(3)))  # the next round takes both, feeds B, decodes A and fails
@@ -396,9 +396,7 @@ def test_a_playing_round_pauses_between_pieces_while_a_new_answer_waits(monkeypa
     dec.gate.clear()
     w.push("A", FakeStream("a"), list(range(13)))  # first chunk on the lane, the second in a playing round
     collect(w, lambda o: len(o) == 1)
-    deadline = time.monotonic() + 5
-    while not w._running and time.monotonic() < deadline:  # the round is in run_jobs, before its first piece
-        time.sleep(0.002)
+    wait_until(lambda: w._running)  # the round is in run_jobs, before its first piece
     w.lm_ramping = True  # meanwhile another answer starts
     dec.gate.set()
     time.sleep(0.2)
@@ -438,9 +436,7 @@ def test_a_paused_round_goes_on_when_another_playing_answer_nears_the_end_of_its
     dec.gate.clear()
     w.push("A", FakeStream("a"), list(range(13)))
     collect(w, lambda o: len(o) == 1)
-    deadline = time.monotonic() + 5
-    while not w._running and time.monotonic() < deadline:  # A's second chunk is in its round, before its pieces
-        time.sleep(0.002)
+    wait_until(lambda: w._running)  # A's second chunk is in its round, before its pieces
     w.push("B", FakeStream("b"), list(range(13)))  # B's first chunk on the lane; its second waits for the thread
     collect(w, lambda o: [k for k, _, _ in o] == ["B"])
     w.lm_ramping = True
@@ -460,9 +456,7 @@ def test_audio_only_takes_the_leading_plain_chunks_and_leaves_the_rest_in_order(
     dec.gate.clear()
     w = CodecWorker(dec, torch.device("cpu"))
     w.push("A", FakeStream("a"), list(range(8)))  # its first chunk: the round waits on the gate
-    deadline = time.monotonic() + 5
-    while not w.first_in_flight and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: w.first_in_flight, poll=0.001)
     assert w.take_results(audio_only=True) == []  # a first chunk is on its way
     dec.gate.set()
     res = collect(w, lambda o: len(o) == 1)
