@@ -43,13 +43,16 @@ def capture_graph(fn: Callable[[], T], stream: torch.cuda.Stream, pool=None, war
                   ) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run `fn` `warmup` times on `stream` (lazy inits, Triton compiles and allocator state stay out of the
     graph), then capture it there into `pool`. Returns the graph and the outputs it writes on replay.
-    `stream` is the owner's `private_stream`: only graphs that never run at the same time may share one."""
+    `stream` is the owner's `private_stream`: only graphs that never run at the same time may share one.
+    The capture restricts only its own thread ("thread_local"): in CUDA's default (global) mode a capture is
+    invalidated by any other thread's CUDA call that could synchronise (an allocation, an event wait), and the
+    engine process's other threads (the loop's steps, the codec's lanes, the speech encoder) never stop for one."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             out = fn()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out

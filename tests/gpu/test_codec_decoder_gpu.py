@@ -235,8 +235,8 @@ def test_two_first_lanes_on_their_threads_give_the_offline_pcm():
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
     lanes = [dec.lane(), dec.lane()]
     dec.flow.solve_parts = PLAYING_SOLVE_PARTS  # as the engine process sets them, graphs captured before serving
-    dec.capture_graphs(4)  # (a capture while another thread runs CUDA work fails: the engine process captures
-    for lane in lanes:  # every lane's graphs at load)
+    dec.capture_graphs(4)  # (as the engine process does: every lane's graphs at load, none while serving)
+    for lane in lanes:
         lane.flow.solve_parts = 1
         lane.capture_graphs(4)
     calls = {id(lane): 0 for lane in lanes}
