@@ -23,7 +23,7 @@ from server.loadtest.audio import AudioError, load_utterance
 from server.loadtest.config import LoadConfig, LoadConfigError
 from server.loadtest.report import METRICS, build_report, format_table
 from server.loadtest.results import Collector, TurnRecord
-from server.loadtest.stats import PlaybackBuffer, b64_decoded_len, percentile, summarize
+from server.loadtest.stats import PlaybackBuffer, b64_decoded_len, percentile, percentile_interval, summarize
 from tests.fakes.harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +44,36 @@ def test_percentile_matches_numpy_linear():
 
 def test_summarize_ignores_none_and_reports_empty():
     s = summarize([None, 3.0, 1.0, 2.0])
-    assert (s["count"], s["mean"], s["p50"], s["max"]) == (3, 2.0, 2.0, 3.0)
-    assert summarize([None]) == {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}
+    assert (s["count"], s["mean"], s["p50"], s["max"], s["p95_ci"]) == (3, 2.0, 2.0, 3.0, None)  # (too few for it)
+    assert summarize([None]) == {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None,
+                                 "p95_ci": None}
+    lo, hi = summarize(list(range(240)))["p95_ci"]
+    assert lo <= percentile(range(240), 95) <= hi
+
+
+def test_percentile_interval_ranks_come_from_the_binomial_tails():
+    """Values 1..n, so each bound is its own rank: the lower one is the highest rank r with P(K <= r - 1) <= 5% and
+    the upper one the lowest s with P(K <= s - 1) >= 95%, K ~ binomial(n, 0.95)."""
+    from scipy.stats import binom
+
+    for n in (59, 100, 240, 1000):
+        lo, hi = percentile_interval(range(1, n + 1), 95)
+        cdf = binom.cdf(np.arange(n), n, 0.95)  # cdf[r - 1] = P(K <= r - 1)
+        assert lo == max(r for r in range(1, n + 1) if cdf[r - 1] <= 0.05)
+        assert hi == min(s for s in range(1, n + 1) if cdf[s - 1] >= 0.95)
+    assert percentile_interval(range(58), 95) is None  # p95 at 90% needs 59 draws
+    assert percentile_interval([], 95) is None
+    with pytest.raises(ValueError, match="percentile"):
+        percentile_interval([1.0], 100)
+    with pytest.raises(ValueError, match="confidence"):
+        percentile_interval([1.0], 95, confidence=1.0)
+
+
+def test_percentile_interval_covers_the_true_percentile_about_as_often_as_it_says():
+    rng = np.random.default_rng(7)
+    trials = 1000
+    covered = sum(lo <= 0.95 <= hi for lo, hi in (percentile_interval(rng.random(240), 95) for _ in range(trials)))
+    assert 0.88 <= covered / trials <= 0.97  # at least 90% by construction (ranks are whole: a little over)
 
 
 def _play(schedule: list[tuple[float, float]], prebuffer_s: float = 0.0, done_at: float | None = None):
@@ -184,6 +212,18 @@ def test_report_counts_metrics_and_round_trip(tmp_path):
     assert [(r["session"], r["turn"]) for r in rep["turn_records"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     table = format_table(rep)
     assert "ttfa_ms" in table and "underruns: 2 in 1 of 3 turns" in table and "response_failed=1" in table
+
+
+def test_capacity_row_says_when_the_budget_is_inside_the_p95_interval():
+    rep = _level_report(120, 207.0)
+    rep["metrics"]["ttfa_commit_ms"]["p95_ci"] = [188.0, 231.0]
+    row = capacity._row(120, rep, "ttfa_commit_ms", ["p95 ttfa_commit_ms 207 ms > 200 ms"], 200.0)
+    assert "188-231" in row and "OVER" in row and "inside the p95's 90% interval" in row
+    rep["metrics"]["ttfa_commit_ms"]["p95_ci"] = [150.0, 190.0]
+    row = capacity._row(120, rep, "ttfa_commit_ms", [], 200.0)
+    assert "150-190" in row and row.endswith("ok")
+    del rep["metrics"]["ttfa_commit_ms"]["p95_ci"]  # too few turns for an interval
+    assert capacity._row(4, rep, "ttfa_commit_ms", [], 200.0).endswith("ok")
 
 
 def test_capacity_levels_and_verdict():
@@ -463,7 +503,7 @@ def test_smoke_loadtest_cli_against_tiny_model(tiny_server, tmp_path):
         assert r["ttfa_ms"] > 0 and r["audio_s"] > 0 and r["deltas"] >= 1
         assert r["response_status"] in ("completed", "incomplete")  # incomplete: cut at --max-output-tokens
     for name in METRICS:
-        assert set(rep["metrics"][name]) == {"count", "mean", "p50", "p95", "p99", "max"}
+        assert set(rep["metrics"][name]) == {"count", "mean", "p50", "p95", "p99", "max", "p95_ci"}
     assert rep["metrics"]["ttfa_ms"]["count"] == 6
     assert rep["hardware"]["gpu"]  # a name or "unknown"
     assert "ttfa_ms" in res.stdout and "errors: 0" in res.stdout

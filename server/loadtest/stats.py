@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 SAMPLE_RATE = 24000
 
@@ -22,14 +23,43 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def percentile_interval(values: Iterable[float], q: float, confidence: float = 0.9) -> tuple[float, float] | None:
+    """A distribution-free interval for the q-th percentile of what `values` were drawn from: two of the values
+    (order statistics) that enclose it with probability >= `confidence`. The count of draws below the true
+    percentile is binomial(n, q / 100), so the ranks come from its tails, alpha / 2 each; nothing is resampled. None
+    when there are too few values to reach the confidence (for p95 at 90%: fewer than 59)."""
+    if not 0 < q < 100:
+        raise ValueError(f"percentile q must be in (0, 100), got {q}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    xs = sorted(float(v) for v in values)
+    n, p, tail = len(xs), q / 100.0, (1.0 - confidence) / 2
+    if n == 0:
+        return None
+    log_p, log_1p = math.log(p), math.log1p(-p)
+    cdf, below = 0.0, []  # below[k] = P(K <= k), K ~ binomial(n, p): draws under the true percentile
+    for k in range(n + 1):
+        cdf += math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_p
+                        + (n - k) * log_1p)
+        below.append(cdf)
+    # The true percentile lies above x_(r) (1-based) unless K < r, and below x_(s) unless K >= s.
+    lo = max((r for r in range(1, n + 1) if below[r - 1] <= tail), default=None)
+    hi = min((s for s in range(1, n + 1) if below[s - 1] >= 1.0 - tail), default=None)
+    if lo is None or hi is None:
+        return None
+    return xs[lo - 1], xs[hi - 1]
+
+
 SUMMARY_KEYS = ("count", "mean", "p50", "p95", "p99", "max")
 
 
-def summarize(values: Iterable[float | None]) -> dict[str, float | int | None]:
-    """count/mean/p50/p95/p99/max of the non-None values (None fields when there are none)."""
+def summarize(values: Iterable[float | None]) -> dict[str, Any]:
+    """count/mean/p50/p95/p99/max of the non-None values (None fields when there are none), and `p95_ci`: the p95's
+    90% interval [low, high] (percentile_interval; None below 59 values)."""
     xs = [float(v) for v in values if v is not None]
     if not xs:
-        return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}
+        return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None, "p95_ci": None}
+    ci = percentile_interval(xs, 95)
     return {
         "count": len(xs),
         "mean": sum(xs) / len(xs),
@@ -37,6 +67,7 @@ def summarize(values: Iterable[float | None]) -> dict[str, float | int | None]:
         "p95": percentile(xs, 95),
         "p99": percentile(xs, 99),
         "max": max(xs),
+        "p95_ci": None if ci is None else list(ci),
     }
 
 
