@@ -301,7 +301,9 @@ def test_plots_are_written(tmp_path):
     p2 = plots.timeline(recs, tmp_path / "t.png", "t")
     pt = lambda n, p95, u: {"sessions": n, "metrics": {"ttfa_ms": {"p50": p95 / 2, "p95": p95, "p99": p95 * 1.1}},
                             "underruns": {"turns_with_underruns": u, "turns": 8}}
-    p3 = plots.capacity_curve([pt(1, 80, 0), pt(2, 120, 0), pt(4, 260, 3)], tmp_path / "k.png", "t", "ttfa_ms")
+    wide = pt(4, 260, 3)
+    wide["metrics"]["ttfa_ms"]["p95_ci"] = [240.0, 290.0]  # drawn as an error bar; the others have none
+    p3 = plots.capacity_curve([pt(1, 80, 0), pt(2, 120, 0), wide], tmp_path / "k.png", "t", "ttfa_ms")
     for p in (p1, p2, p3):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

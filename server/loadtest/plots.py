@@ -56,6 +56,12 @@ def capacity_curve(curve: list[dict[str, Any]], path: Path, title: str, ttfa_key
     n = [pt["sessions"] for pt in curve]
     for q, style in (("p50", "-o"), ("p95", "-s"), ("p99", "-^")):
         ax.plot(n, [pt["metrics"][ttfa_key][q] for pt in curve], style, label=f"TTFA {q}")
+    # The p95's 90% interval where a level had the turns for one (stats.percentile_interval).
+    ci = [(pt["sessions"], pt["metrics"][ttfa_key]["p95"], pt["metrics"][ttfa_key].get("p95_ci")) for pt in curve]
+    ci = [(x, y, c) for x, y, c in ci if c is not None and y is not None]
+    if ci:
+        ax.errorbar([x for x, _, _ in ci], [y for _, y, _ in ci], fmt="none", ecolor="grey", capsize=3,
+                    yerr=[[y - c[0] for _, y, c in ci], [c[1] - y for _, y, c in ci]], label="p95, 90% interval")
     ax.axhline(TTFA_BUDGET_MS, color="grey", ls="--", lw=1, label=f"{TTFA_BUDGET_MS:.0f} ms budget")
     ax.set_xlabel("concurrent sessions")
     ax.set_ylabel("TTFA [ms]")
