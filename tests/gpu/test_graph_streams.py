@@ -110,7 +110,8 @@ def test_capture_while_another_thread_allocates_and_waits_on_the_gpu():
     try:
         while steps[0] < 5 and not errors:  # the other thread is running before the first capture
             time.sleep(0.001)
-        graphs = [capture_graph(fn, private_stream()) for _ in range(20)]
+        stream = private_stream()  # (one for all: they are replayed one at a time)
+        graphs = [capture_graph(fn, stream) for _ in range(20)]
     finally:
         stop.set()
         t.join(timeout=30)
