@@ -304,6 +304,42 @@ def test_a_first_lane_decodes_first_chunks_while_a_playing_round_is_in_flight():
     w.close()
 
 
+def test_rounds_of_playing_answers_with_a_period_take_every_answer_due_before_the_next():
+    """With `period_s`, a round of playing answers starts at most once a period, sooner only for an answer about to
+    run dry, and takes every answer due before the next one could start (not bulk_max of them)."""
+    dec, lane = FakeDecoder(), FakeDecoder()
+    dec.sample_rate = lane.sample_rate = 5  # one chunk = 1 s of audio
+    now = [100.0]
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=2.5, clock=lambda: now[0],
+                    bulk_max=2, period_s=10.0)
+    streams = [FakeStream(n) for n in "abcd"]
+    for i, st in enumerate(streams):
+        w.push(i, st, list(range(8)))
+    collect(w, lambda o: len(o) == 4)  # first chunks, on the lane: 1 s ahead each
+    with w._cv:  # (re-entrant) every answer's next codes at once, so the first round sees them all
+        for i, st in enumerate(streams):
+            w.push(i, st, list(range(15)))  # 3 more chunks each
+    collect(w, lambda o: len(o) == 4)
+    assert dec.batches == [["a", "b", "c", "d"]]  # all due (1 s < 2.5 s ahead), bulk_max notwithstanding
+    now[0] = 101.0  # 1 s ahead each (2 s posted): due, but within the period
+    w.push(0, streams[0], [])  # (wakes the worker)
+    time.sleep(0.1)
+    assert w.take_results() == [] and len(dec.batches) == 1
+    now[0] = 101.9  # 0.1 s ahead: about to run dry, so the next round starts before the period ends
+    w.push(0, streams[0], [])
+    collect(w, lambda o: len(o) == 4)
+    assert dec.batches[1] == ["a", "b", "c", "d"]
+    now[0] = 102.5  # 0.5 s ahead, not yet dry: held again (the period began at 101.9)
+    w.push(0, streams[0], [])
+    time.sleep(0.1)
+    assert w.take_results() == [] and len(dec.batches) == 2
+    now[0] = 111.95  # the period is over: the answers that ran dry meanwhile go together
+    w.push(0, streams[0], [])
+    collect(w, lambda o: len(o) == 4)
+    assert dec.batches[2] == ["a", "b", "c", "d"]
+    w.close()
+
+
 def test_a_second_first_lane_decodes_a_new_answer_while_the_first_lane_is_busy(monkeypatch):
     """With two first lanes, a new answer whose first chunk is ready while another's first-chunk round is on the GPU
     is decoded at once on the free lane; a round does not wait (coalesce) for an answer a code short while a lane is
@@ -361,10 +397,10 @@ def test_an_unexpected_error_in_a_round_ends_only_the_answers_it_still_holds():
     w.close()
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_first_lanes_give_the_same_pcm_as_one_thread(lanes):
-    """The real tiny decoder: answers decoded with first-chunk lanes (first chunks on CodecDecoder.lane) give the
-    PCM of the offline decode of the same codes."""
+@pytest.mark.parametrize("lanes,period_s", [(1, 0.0), (2, 0.0), (1, 0.2)])
+def test_first_lanes_give_the_same_pcm_as_one_thread(lanes, period_s):
+    """The real tiny decoder: answers decoded with first-chunk lanes (first chunks on CodecDecoder.lane), and with
+    rounds of playing answers once a period, give the PCM of the offline decode of the same codes."""
     from engines.codec.decoder import CodecDecoder
 
     dec = CodecDecoder.load("tiny-random")
@@ -372,7 +408,7 @@ def test_first_lanes_give_the_same_pcm_as_one_thread(lanes):
     codes = {f"s{i}": rng.integers(0, 16384, n).tolist() for i, n in enumerate((23, 9, 31))}
     first = [dec.lane() for _ in range(lanes)]
     dec.flow.solve_parts = PLAYING_SOLVE_PARTS  # as the engine process sets them: playing rounds may pause
-    w = CodecWorker(dec, torch.device("cpu"), first_decoders=first)
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=first, period_s=period_s)
     want = {sid: dec.decode(c, seed=i) for i, (sid, c) in enumerate(codes.items())}  # (the lane changed nothing)
     streams = {sid: dec.open_stream(sid, seed=i) for i, sid in enumerate(codes)}
     for sid, c in codes.items():

@@ -43,7 +43,7 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
         svc._codec.close()
 
 
-def test_codec_round_max_reaches_the_worker_and_bad_values_are_refused(capsys):
+def test_codec_round_options_reach_the_worker_and_bad_values_are_refused(capsys):
     from engines.service.codec_worker import BULK_MAX
 
     p = argparse.ArgumentParser()
@@ -53,10 +53,19 @@ def test_codec_round_max_reaches_the_worker_and_bad_values_are_refused(capsys):
         svc = build_service(p.parse_args(base + extra))
         assert svc._codec.bulk_max == want
         svc._codec.close()
-    for bad in ("0", "-3", "many"):
+    # The period applies to rounds of playing answers, which exist beside a first lane only.
+    for extra, want in (([], 0.0), (["--first-lane"], 0.2), (["--first-lane", "--codec-round-period-ms", "0"], 0.0),
+                        (["--first-lane", "--codec-round-period-ms", "250"], 0.25),
+                        (["--codec-round-period-ms", "250"], 0.0)):
+        svc = build_service(p.parse_args(base + extra))
+        assert svc._codec.period_s == want
+        svc._codec.close()
+    for opt, bad in (("--codec-round-max", "0"), ("--codec-round-max", "-3"), ("--codec-round-max", "many"),
+                     ("--codec-round-period-ms", "-5"), ("--codec-round-period-ms", "nan"),
+                     ("--codec-round-period-ms", "soon")):
         with pytest.raises(SystemExit):
-            p.parse_args(base + ["--codec-round-max", bad])
-        assert "--codec-round-max" in capsys.readouterr().err
+            p.parse_args(base + [opt, bad])
+        assert opt in capsys.readouterr().err
 
 
 def test_ramp_step_rows_reaches_the_engine_and_bad_values_are_refused(capsys):

@@ -23,6 +23,11 @@ most one piece queued ahead of the GPU, and pauses while any answer waits for it
 at most BULK_HOLD_S per round, never when one of its answers has less than URGENT_S of audio ahead, and not while
 another answer with that little ahead waits for the thread. (Rounds pausing down to 0.4 s of audio ahead measured no
 better on TTFA, with 1-3 underruns at 76-108 sessions on an H200: docs/PERF_NOTES.md, session 13.)
+With a period (`period_s`; the engine process's default with a first lane: 200 ms) rounds of playing answers do not
+run back to back: one starts at most once a period, sooner only for an answer about to run dry (DRY_S), and takes every
+answer due before the next could start. The same audio then goes in ~6 rounds a second of ~27 answers instead of ~16
+of ~10 (H200, 132 sessions; the codec threads busy ~100% instead of ~145%): the codec's per-round cost is paid a third
+as often, and the language model's steps beside it are shorter (a new answer's first row -> 8th code p50 64 -> 52 ms).
 A decoder failure ends the answers of its batch; any other error in a round ends that round's answers, and the thread
 goes on.
 """
@@ -64,6 +69,10 @@ FIRST_MAX = 16  # most first chunks in one round on the first-chunk lane (its gr
 # With a first lane, a full chunk's solve in rounds of playing answers runs in this many pieces (FlowModel.solve_parts),
 # so that a round yields within ~a piece: a solve on an H200 takes 11 ms at 1 session, ~25 ms at 16.
 PLAYING_SOLVE_PARTS = 5
+# With a period for rounds of playing answers: one starts sooner for an answer with less than this much audio ahead,
+# about what a round takes under load (H200, 132 sessions: ~100 ms, up to ~160). A new answer's second chunk is due
+# 0.36 s after its first, so with 0.12 s here and a 200 ms period some came late (2 underruns in 264 turns).
+DRY_S = 0.2
 
 
 @dataclass(eq=False)
@@ -96,16 +105,20 @@ class CodecWorker:
 
     def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256, ahead_s: float = AHEAD_S,
                  clock: Any = time.monotonic, bulk_max: int = BULK_MAX, home: torch.cuda.Stream | None = None,
-                 first_decoders: Sequence[Any] = (), first_max: int = FIRST_MAX) -> None:
+                 first_decoders: Sequence[Any] = (), first_max: int = FIRST_MAX, period_s: float = 0.0) -> None:
         """`home`: a stream of the SM partition the rounds run in (engines.partition; default: the current
         stream's). `first_decoders`: lanes of `decoder` for first chunks, each on a thread of its own (module doc);
-        at most `first_max` per round there."""
+        at most `first_max` per round there. `period_s` (with first lanes): rounds of playing answers start at most
+        this often (sooner only for an answer about to run dry, DRY_S), each with every answer due before the next
+        one, instead of back to back with at most `bulk_max`: fewer, larger rounds for the same audio."""
         self.decoder = decoder
         self.first_decoders = list(first_decoders)
         self.first_max = first_max
         self.max_batch = max_batch
         self.bulk_max = bulk_max
         self.ahead_s = ahead_s
+        self.period_s = period_s if self.first_decoders else 0.0
+        self._playing_started = -math.inf  # when the last round of playing answers began decoding
         self.sample_rate = getattr(decoder, "sample_rate", 24000)
         self._clock = clock
         self._after_first = False  # the last round decoded first chunks
@@ -252,14 +265,35 @@ class CodecWorker:
             return False
         return kind == "all" or (a.first_post is None) == (kind == "first")
 
+    def _periodic(self, kind: str) -> bool:
+        """Rounds of `kind` start at most once a period (`period_s`)."""
+        return kind == "playing" and self.period_s > 0
+
+    def _gated(self, kind: str, now: float) -> bool:
+        """Rounds of `kind` wait for their period to pass since the last one began."""
+        return self._periodic(kind) and now < self._playing_started + self.period_s
+
+    def _dry_at(self, a: _Answer) -> float:
+        """When a playing answer with chunks to come gets down to DRY_S of audio ahead (inf: nothing to decode)."""
+        if a.first_post is None or a.cancelled or not (a.jobs or a.new_codes):
+            return math.inf
+        return a.first_post + a.audio_s - DRY_S
+
     def _with_work(self, kind: str, now: float) -> list[_Answer] | None:
         """The answers a thread running rounds of `kind` has work for now, if any."""
-        return [a for a in self._answers.values() if self._mine(a, kind) and self._has_work(a, now)] or None
+        answers = [a for a in self._answers.values() if self._mine(a, kind) and self._has_work(a, now)]
+        if answers and self._gated(kind, now) and all(self._dry_at(a) > now for a in answers):
+            return None  # within the period, and nobody about to run dry
+        return answers or None
 
-    def _next_due(self, kind: str) -> float:
-        """When the next chunk held for real time falls due among the answers of `kind` (inf: none is held)."""
-        return min((self._due_at(a) for a in self._answers.values()
-                    if self._mine(a, kind) and a.jobs and not a.cancelled), default=math.inf)
+    def _next_due(self, kind: str, now: float) -> float:
+        """When the next chunk held for real time falls due among the answers of `kind` (inf: none is held), or,
+        within a period of rounds, when the period ends or an answer is about to run dry."""
+        mine = [a for a in self._answers.values() if self._mine(a, kind)]
+        due = min((self._due_at(a) for a in mine if a.jobs and not a.cancelled), default=math.inf)
+        if not self._gated(kind, now):
+            return due
+        return min(max(due, self._playing_started + self.period_s), min(map(self._dry_at, mine), default=math.inf))
 
     def _run(self, kind: str, lane: int) -> None:
         """Rounds of `kind`: "all" (the one thread), or "first" (on first lane `lane`) / "playing" (with lanes)."""
@@ -268,7 +302,7 @@ class CodecWorker:
         while True:
             with self._cv:
                 answers = wait_for_work(self._cv, lambda: self._closed, lambda now: self._with_work(kind, now),
-                                        lambda _: self._next_due(kind), self._clock, 0.001)
+                                        lambda now: self._next_due(kind, now), self._clock, 0.001)
                 if answers is None:
                     return
                 taken = [(a, a.new_codes, a.final and not a.finishing) for a in answers]
@@ -395,13 +429,15 @@ class CodecWorker:
                 done.append(a)
         now = self._clock()
         first = sorted((a for a in ready if a.first_post is None), key=lambda a: a.since)
-        due = sorted((a for a in ready if a.first_post is not None and self._due_at(a) <= now), key=self._due_at)
+        # With a period, a round takes every answer that falls due before the next one can start.
+        horizon = now + (self.period_s if self._periodic(kind) else 0.0)
+        due = sorted((a for a in ready if a.first_post is not None and self._due_at(a) <= horizon), key=self._due_at)
         # First chunks first, but never two such rounds in a row while a playing answer is about to run dry.
         # `due` is in due order, so the answers about to run dry are its first n_urgent.
         n_urgent = sum(1 for a in due if self._urgent(a, now))
         urgent = n_urgent > 0
         take_first = bool(first) and not (self._after_first and urgent)
-        batch = first if take_first else due[: max(self.bulk_max, n_urgent)]
+        batch = first if take_first else due if self._periodic(kind) else due[: max(self.bulk_max, n_urgent)]
         if batch and take_first and self._coalesce(first, now):
             return posts, done, -1, True  # another answer's first chunk is a step or two away: one round for both
         if batch and not take_first and self.lm_ramping and not urgent:
@@ -418,6 +454,8 @@ class CodecWorker:
                     if a not in batch and a not in done:
                         a.busy = False
                         released.append(a)
+            if self._periodic(kind):
+                self._playing_started = now
             jobs = [a.jobs.popleft() for a in batch]
             # The one thread runs first chunks on the urgent stream; a first lane's thread is on it already.
             fast = self._first_stream if take_first and kind == "all" else None

@@ -107,7 +107,8 @@ class Service:
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
                  encode_every_s: float = 0.0, codec_thread: bool = False,
                  codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
-                 encoder_thread: bool = False, codec_round_max: int | None = None) -> None:
+                 encoder_thread: bool = False, codec_round_max: int | None = None,
+                 codec_round_period_s: float = 0.0) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -125,7 +126,9 @@ class Service:
         a GPU) while the engine steps; the PCM is the same, only when it leaves changes. `codec_stream`: a stream of
         the codec's SM partition (engines.partition), where the worker's rounds run. `first_decoders`: lanes of
         `decoder` (CodecDecoder.lane) on which the worker decodes first chunks beside its other rounds.
-        `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX)."""
+        `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
+        `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
+        each with every answer due before the next (0: back to back)."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -141,7 +144,7 @@ class Service:
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
-                                      first_decoders=first_decoders, **extra)
+                                      first_decoders=first_decoders, period_s=codec_round_period_s, **extra)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
         self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes

@@ -87,6 +87,16 @@ def _kv_gib(text: str) -> float | str:
     return v
 
 
+def _non_negative_ms(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds (a number), got {text!r}") from None
+    if not v >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -152,6 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
                    help="with the codec thread: most playing answers one round decodes (more only while more are "
                         "about to run dry; default engines/service/codec_worker.py BULK_MAX)")
+    p.add_argument("--codec-round-period-ms", type=_non_negative_ms, default=200.0, metavar="MS",
+                   help="with the first lane: rounds of playing answers start at most this often (sooner for one "
+                        "about to run dry), each with every answer due before the next; 0: back to back, at most "
+                        "--codec-round-max each (docs/BENCHMARKS.md, Capacity)")
     p.add_argument("--decode-interval-ms", type=float, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
@@ -301,6 +315,7 @@ def build_service(args: argparse.Namespace) -> Service:
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
+                      codec_round_period_s=getattr(args, "codec_round_period_ms", 200.0) / 1000,
                       encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
