@@ -340,6 +340,24 @@ def test_rounds_of_playing_answers_with_a_period_take_every_answer_due_before_th
     w.close()
 
 
+def test_an_answers_last_chunk_about_to_be_needed_does_not_wait_for_the_period():
+    """With a period, an answer whose only work left is its last (partial) chunk, pushed as final with no new codes,
+    is decoded at once when it is about to run dry, not at the end of the period."""
+    dec, lane = FakeDecoder(), FakeDecoder()
+    dec.sample_rate = lane.sample_rate = 5  # one chunk = 1 s of audio
+    now = [100.0]
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=2.5, clock=lambda: now[0],
+                    period_s=10.0)
+    st = FakeStream("a")
+    w.push("A", st, list(range(13)))  # two chunks (the first on the lane), 3 codes left over
+    collect(w, lambda o: len(o) == 2)
+    now[0] = 101.9  # 0.1 s ahead, within the period that began at 100
+    w.push("A", st, [], final=True)
+    out = collect(w, lambda o: any(f for _, _, f in o), timeout=2.0)
+    assert out[-1][2] and len(out[-1][1]) == 3 and st.closed
+    w.close()
+
+
 def test_a_second_first_lane_decodes_a_new_answer_while_the_first_lane_is_busy(monkeypatch):
     """With two first lanes, a new answer whose first chunk is ready while another's first-chunk round is on the GPU
     is decoded at once on the free lane; a round does not wait (coalesce) for an answer a code short while a lane is

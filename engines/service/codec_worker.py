@@ -274,8 +274,9 @@ class CodecWorker:
         return self._periodic(kind) and now < self._playing_started + self.period_s
 
     def _dry_at(self, a: _Answer) -> float:
-        """When a playing answer with chunks to come gets down to DRY_S of audio ahead (inf: nothing to decode)."""
-        if a.first_post is None or a.cancelled or not (a.jobs or a.new_codes):
+        """When a playing answer with chunks to come (or its last one to finish) gets down to DRY_S of audio ahead
+        (inf: nothing to decode)."""
+        if a.first_post is None or a.cancelled or not (a.jobs or a.new_codes or (a.final and not a.finishing)):
             return math.inf
         return a.first_post + a.audio_s - DRY_S
 

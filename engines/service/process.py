@@ -38,6 +38,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -92,8 +93,8 @@ def _non_negative_ms(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected milliseconds (a number), got {text!r}") from None
-    if not v >= 0:  # (NaN too)
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= v < math.inf:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return v
 
 
