@@ -243,16 +243,22 @@ class CodecWorker:
         self._coalesce_since = None
         return False
 
+    @staticmethod
+    def _ahead_falls_to(a: _Answer, s: float) -> float:
+        """When a playing answer's audio posted is only `s` seconds ahead of real time (playback assumed to start
+        when its first chunk was posted)."""
+        return a.first_post + a.audio_s - s
+
     def _due_at(self, a: _Answer) -> float:
         """When this answer's next chunk should be decoded (now for an answer that has played nothing)."""
         if a.first_post is None:
             return float("-inf")
-        return a.first_post + a.audio_s - self.ahead_s
+        return self._ahead_falls_to(a, self.ahead_s)
 
-    @staticmethod
-    def _urgent(a: _Answer, now: float) -> bool:
+    @classmethod
+    def _urgent(cls, a: _Answer, now: float) -> bool:
         """A playing answer about to run dry: less than URGENT_S of its audio ahead of real time."""
-        return a.first_post + a.audio_s - URGENT_S <= now
+        return cls._ahead_falls_to(a, URGENT_S) <= now
 
     def _has_work(self, a: _Answer, now: float) -> bool:
         if a.cancelled:
@@ -278,7 +284,7 @@ class CodecWorker:
         (inf: nothing to decode)."""
         if a.first_post is None or a.cancelled or not (a.jobs or a.new_codes or (a.final and not a.finishing)):
             return math.inf
-        return a.first_post + a.audio_s - DRY_S
+        return self._ahead_falls_to(a, DRY_S)
 
     def _with_work(self, kind: str, now: float) -> list[_Answer] | None:
         """The answers a thread running rounds of `kind` has work for now, if any."""
@@ -438,7 +444,12 @@ class CodecWorker:
         n_urgent = sum(1 for a in due if self._urgent(a, now))
         urgent = n_urgent > 0
         take_first = bool(first) and not (self._after_first and urgent)
-        batch = first if take_first else due if self._periodic(kind) else due[: max(self.bulk_max, n_urgent)]
+        if take_first:
+            batch = first
+        elif self._periodic(kind):
+            batch = due  # every answer due before the next round (the period bounds how many rounds, not this)
+        else:
+            batch = due[: max(self.bulk_max, n_urgent)]
         if batch and take_first and self._coalesce(first, now):
             return posts, done, -1, True  # another answer's first chunk is a step or two away: one round for both
         if batch and not take_first and self.lm_ramping and not urgent:
