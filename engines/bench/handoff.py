@@ -12,7 +12,8 @@ before, adds one and stores its own tile (float32, so the count stays exact):
   until every item of the stage before has published (acquire / release counters: the neighbour's tile), or in
   the `1-producer` variant only the item that wrote its own tile the stage before (most likely another program, so
   the tile still crosses SMs).
-Prints microseconds per stage for each P, and checks every tile ends at N.
+Prints microseconds per stage for each P, and checks every tile ends at N. `--cluster 8,16` also runs the stages
+inside one thread-block cluster of that many blocks, ended by the cluster's barrier (engines/bench/cluster_handoff.py).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=347, help="dependent stages (one estimator call: 347)")
     ap.add_argument("--programs", default="16,40,80,132", help="programs per stage")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cluster", default="", help="blocks per cluster for the cluster variants (e.g. 8,16; Hopper)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -106,6 +108,21 @@ def main() -> None:
             torch.cuda.synchronize()
             ok = bool((buf[args.stages % 2].float() == args.stages).all())
             row.append(f"{name} {ms * 1000 / args.stages:6.2f} us/stage{'' if ok else ' WRONG RESULT'}")
+        print("  ".join(row), flush=True)
+    for c in (int(x) for x in args.cluster.split(",") if x):
+        from engines.bench.cluster_handoff import MODES, cluster_stages
+
+        gbuf = torch.empty(2, c, 16, WIDTH, device=dev, dtype=torch.float32)
+        out = torch.empty(c, 16, WIDTH, device=dev, dtype=torch.float32)
+        row = [f"C {c:4d}"]
+        for mode in MODES:
+            fn = partial(cluster_stages, gbuf, out, c, args.stages, mode)
+            ms = _time_graph(fn, args.reps)
+            out.zero_()
+            fn()
+            torch.cuda.synchronize()
+            ok = bool((out == args.stages).all())
+            row.append(f"cluster {mode} {ms * 1000 / args.stages:6.2f} us/stage{'' if ok else ' WRONG RESULT'}")
         print("  ".join(row), flush=True)
 
 
