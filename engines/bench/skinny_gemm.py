@@ -23,6 +23,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
+    p.add_argument("--wide", default="", help="also rows beyond MAX_ROWS (e.g. 32,48,64): cuBLAS against every "
+                   "candidate tiling with one tile of the next power-of-two rows")
     a = p.parse_args()
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev, 1 << 30)
@@ -55,6 +57,26 @@ def main() -> None:
             print(f"   M={m:2d}: cublas {r['cublas_us']:7.1f} us ({r['cublas_frac_bw']:.0%})  "
                   f"triton {r['triton_us']:7.1f} us ({r['triton_frac_bw']:.0%})")
         print("   top5:", ", ".join(f"{c}={v * 1e6:.1f}" for v, c in ranked[:5]))
+        for m in (int(r) for r in a.wide.split(",") if r):
+            copies = [w] + [torch.randn_like(w) for _ in range(max(0, math.ceil((256 << 20) / nbytes) - 1))]
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            block_m = max(16, 1 << (m - 1).bit_length())
+            tc = skinny_gemm._time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
+            wide = {}
+            for c in skinny_gemm.CANDIDATES:
+                if c[4] > 1 and k % (c[4] * c[1]):
+                    continue
+                try:
+                    wide[c] = skinny_gemm._time_per_call(
+                        lambda ww, x=x, c=c, bm=block_m: skinny_gemm.launch(x, ww, c, block_m=bm), copies, rounds=10)
+                except Exception:  # noqa: BLE001 - a tiling that does not fit (shared memory) is skipped
+                    continue
+            del copies
+            bc = min(wide, key=wide.__getitem__)
+            rows[m] = {"cublas_us": tc * 1e6, "triton_us": wide[bc] * 1e6, "cublas_frac_bw": nbytes / tc / bw,
+                       "triton_frac_bw": nbytes / wide[bc] / bw, "block_m": block_m, "best": list(bc)}
+            print(f"   M={m:2d} (tile {block_m}): cublas {tc * 1e6:7.1f} us ({nbytes / tc / bw:.0%})  best triton "
+                  f"{bc} {wide[bc] * 1e6:7.1f} us ({nbytes / wide[bc] / bw:.0%})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -125,9 +125,10 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None,
-           glu: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given. `glu` (one-pass tilings only):
-    the weight is (gate; up) [2F, K] and the output silu(gate) * up [M, F]."""
+           glu: bool = False, block_m: int = MAX_ROWS) -> torch.Tensor:
+    """x [M <= block_m, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given. `glu` (one-pass
+    tilings only): the weight is (gate; up) [2F, K] and the output silu(gate) * up [M, F]. `block_m` (a power of two
+    >= 16): rows of the one tile every program holds (benchmarks try more than MAX_ROWS)."""
     block_n, block_k, warps, stages, split = config
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
@@ -136,6 +137,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
                          f"split-K {split} x {block_k} does not divide K={k}")
     if k != weight.shape[1]:
         raise ValueError(f"x has {k} columns, the weight {weight.shape[1]}")
+    if m > block_m:
+        raise ValueError(f"x has {m} rows, more than the tile's {block_m}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
@@ -144,7 +147,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
     tile_n = block_n // 2 if glu else block_n  # output columns per program
     _skinny_kernel[(triton.cdiv(n, tile_n), split)](
         x, weight, dst, m, n, k, k // split if split > 1 else k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % tile_n == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % tile_n == 0,
         SPLIT_K=split, GLU=glu, num_warps=warps, num_stages=stages, **launch_kwargs(x.device))
     if split > 1:
         _split_reduce_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)

@@ -222,6 +222,24 @@ def test_skinny_gemm_every_tiling_matches_f_linear(dtype):
     assert checked >= len(configs)
 
 
+@pytest.mark.parametrize("m,block_m", [(24, 32), (64, 64), (40, 64)])
+def test_skinny_gemm_tiles_of_more_rows_match_f_linear(m, block_m):
+    """`launch(block_m=)` (the benchmark's rows past MAX_ROWS: `skinny_gemm --wide`), ragged N and K included."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    checked = 0
+    for n, k in ((4096, 4096), (200, 1000)):
+        w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        for cfg in ((32, 128, 4, 6, 1), (64, 128, 4, 4, 1)):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
+            if launch_tiling(x, w, cfg, out, block_m=block_m) is None:
+                continue
+            assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2, (n, k, m, cfg)
+            checked += 1
+    assert checked >= 2
+
+
 def test_skinny_gemm_tuned_linear_replays_in_a_cuda_graph():
     from engines.kernels import skinny_gemm
 
