@@ -74,6 +74,17 @@ def _time_graph(fn, reps: int) -> float:
     return replay_ms(graph, reps)
 
 
+def _cell(name: str, fn, result: torch.Tensor, n: int, reps: int) -> str:
+    """Microseconds per stage of `fn` (n stages, replayed from a graph), then one more run from `result` zeroed: every
+    tile of it must end at n."""
+    ms = _time_graph(fn, reps)
+    result.zero_()
+    fn()
+    torch.cuda.synchronize()
+    ok = bool((result.float() == n).all())
+    return f"{name} {ms * 1000 / n:6.2f} us/stage{'' if ok else ' WRONG RESULT'}"
+
+
 def chain(buf: torch.Tensor, n: int, p: int) -> None:
     """n stages as n kernels; buf [2, p, 16, WIDTH] (ping-pong), zeroed first."""
     buf.zero_()
@@ -103,11 +114,7 @@ def main() -> None:
         for name, fn in (("chain+PDL", partial(chain, buf, args.stages, p)),
                          ("persistent", partial(persistent, buf, args.stages, p, min(p, sms), False)),
                          ("persistent 1-producer", partial(persistent, buf, args.stages, p, min(p, sms), True))):
-            ms = _time_graph(fn, args.reps)
-            fn()
-            torch.cuda.synchronize()
-            ok = bool((buf[args.stages % 2].float() == args.stages).all())
-            row.append(f"{name} {ms * 1000 / args.stages:6.2f} us/stage{'' if ok else ' WRONG RESULT'}")
+            row.append(_cell(name, fn, buf[args.stages % 2], args.stages, args.reps))
         print("  ".join(row), flush=True)
     for c in (int(x) for x in args.cluster.split(",") if x):
         from engines.bench.cluster_handoff import MODES, cluster_stages
@@ -116,13 +123,8 @@ def main() -> None:
         out = torch.empty(c, 16, WIDTH, device=dev, dtype=torch.float32)
         row = [f"C {c:4d}"]
         for mode in MODES:
-            fn = partial(cluster_stages, gbuf, out, c, args.stages, mode)
-            ms = _time_graph(fn, args.reps)
-            out.zero_()
-            fn()
-            torch.cuda.synchronize()
-            ok = bool((out == args.stages).all())
-            row.append(f"cluster {mode} {ms * 1000 / args.stages:6.2f} us/stage{'' if ok else ' WRONG RESULT'}")
+            row.append(_cell(f"cluster {mode}", partial(cluster_stages, gbuf, out, c, args.stages, mode), out,
+                             args.stages, args.reps))
         print("  ".join(row), flush=True)
 
 

@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from engines.bench.hardware import device_name, measure_bandwidth
 from engines.kernels import skinny_gemm
@@ -46,6 +47,12 @@ def main() -> None:
                                             rounds=10)
             rows[m] = {"cublas_us": tc * 1e6, "triton_us": tt * 1e6, "cublas_frac_bw": nbytes / tc / bw,
                        "triton_frac_bw": nbytes / tt / bw}
+        wide = {}  # M -> (tile rows, cuBLAS s, {config: s})
+        for m in (int(r) for r in a.wide.split(",") if r):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            block_m = max(16, triton.next_power_of_2(m))
+            tc = skinny_gemm._time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
+            wide[m] = block_m, tc, skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
         del copies
         report["shapes"][name] = {"n": n, "k": k, "choice": list(choice) if choice else None,
                                   "best_triton": list(best_c), "by_rows": rows,
@@ -57,26 +64,12 @@ def main() -> None:
             print(f"   M={m:2d}: cublas {r['cublas_us']:7.1f} us ({r['cublas_frac_bw']:.0%})  "
                   f"triton {r['triton_us']:7.1f} us ({r['triton_frac_bw']:.0%})")
         print("   top5:", ", ".join(f"{c}={v * 1e6:.1f}" for v, c in ranked[:5]))
-        for m in (int(r) for r in a.wide.split(",") if r):
-            copies = [w] + [torch.randn_like(w) for _ in range(max(0, math.ceil((256 << 20) / nbytes) - 1))]
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            block_m = max(16, 1 << (m - 1).bit_length())
-            tc = skinny_gemm._time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
-            wide = {}
-            for c in skinny_gemm.CANDIDATES:
-                if c[4] > 1 and k % (c[4] * c[1]):
-                    continue
-                try:
-                    wide[c] = skinny_gemm._time_per_call(
-                        lambda ww, x=x, c=c, bm=block_m: skinny_gemm.launch(x, ww, c, block_m=bm), copies, rounds=10)
-                except Exception:  # noqa: BLE001 - a tiling that does not fit (shared memory) is skipped
-                    continue
-            del copies
-            bc = min(wide, key=wide.__getitem__)
-            rows[m] = {"cublas_us": tc * 1e6, "triton_us": wide[bc] * 1e6, "cublas_frac_bw": nbytes / tc / bw,
-                       "triton_frac_bw": nbytes / wide[bc] / bw, "block_m": block_m, "best": list(bc)}
+        for m, (block_m, tc, tt) in wide.items():
+            bc = min(tt, key=tt.__getitem__)
+            rows[m] = {"cublas_us": tc * 1e6, "triton_us": tt[bc] * 1e6, "cublas_frac_bw": nbytes / tc / bw,
+                       "triton_frac_bw": nbytes / tt[bc] / bw, "block_m": block_m, "best": list(bc)}
             print(f"   M={m:2d} (tile {block_m}): cublas {tc * 1e6:7.1f} us ({nbytes / tc / bw:.0%})  best triton "
-                  f"{bc} {wide[bc] * 1e6:7.1f} us ({nbytes / wide[bc] / bw:.0%})", flush=True)
+                  f"{bc} {tt[bc] * 1e6:7.1f} us ({nbytes / tt[bc] / bw:.0%})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -184,6 +184,22 @@ def _time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
     return start.elapsed_time(end) * 1e-3 / (3 * rounds * len(copies))
 
 
+def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], block_m: int = MAX_ROWS, rounds: int = 4
+                    ) -> dict[Config, float]:
+    """Seconds per call of x @ w.T for every candidate tiling that runs here (copies: the weight's rotated copies)."""
+    k = x.shape[1]
+    out = torch.empty(x.shape[0], copies[0].shape[0], device=x.device, dtype=x.dtype)
+    result = {}
+    for cfg in CANDIDATES:
+        if cfg[4] > 1 and k % (cfg[4] * cfg[1]):
+            continue
+        try:
+            result[cfg] = _time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out, block_m=block_m), copies, rounds)
+        except Exception:  # a tiling that does not fit this GPU (shared memory) is just skipped
+            continue
+    return result
+
+
 def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
     """Time every candidate and cuBLAS on this weight's shape; remember and return the winner (None: cuBLAS)."""
     n, k = weight.shape
@@ -193,15 +209,7 @@ def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
     extra = min(15, max(0, math.ceil(_L2_DEFEAT_BYTES / nbytes) - 1))
     copies = [weight] + [torch.randn_like(weight) for _ in range(extra)]
     x = torch.randn(rows, k, device=weight.device, dtype=weight.dtype)
-    out = torch.empty(rows, n, device=weight.device, dtype=weight.dtype)
-    result = {"cublas": _time_per_call(lambda w: F.linear(x, w), copies)}
-    for cfg in CANDIDATES:
-        if cfg[4] > 1 and k % (cfg[4] * cfg[1]):
-            continue
-        try:
-            result[cfg] = _time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out), copies)
-        except Exception:  # a tiling that does not fit this GPU (shared memory) is just skipped
-            continue
+    result = {"cublas": _time_per_call(lambda w: F.linear(x, w), copies), **time_candidates(x, copies)}
     del copies
     best = min((c for c in result if c != "cublas"), key=result.__getitem__, default=None)
     margin = _WIN_MARGIN[enabled(weight.device)]
