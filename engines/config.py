@@ -151,6 +151,10 @@ class EngineConfig:
     # Launch the next all-audio decode step before reading this one's tokens, so the GPU never waits for
     # the host between steps (Engine.step); tokens are identical either way.
     overlap: bool = True
+    # Round the language model's weights to fp8 (e4m3, a power-of-two scale per row: engines/model/fp8.py) and read
+    # an fp8 copy in decode-sized GEMMs (half the bytes of a step). This changes the model's numerics against the
+    # published bf16 weights, so it is off unless asked for.
+    fp8_weights: bool = False
 
     def __post_init__(self) -> None:
         for f in ("block_size", "kv_cache_bytes", "max_running", "prefill_token_budget", "max_model_len"):
@@ -167,6 +171,11 @@ class EngineConfig:
                  f"prefill_token_budget ({self.prefill_token_budget}) must exceed max_running "
                  f"({self.max_running}) so prefill always makes progress beside full decode")
         parse_dtype(self.dtype)
+        _require(isinstance(self.fp8_weights, bool),
+                 f"EngineConfig.fp8_weights must be a bool, got {self.fp8_weights!r}")
+        _require(not self.fp8_weights or self.torch_dtype in (torch.bfloat16, torch.float32),
+                 f"EngineConfig.fp8_weights needs dtype bfloat16 or float32 (fp8 values are exact in those), "
+                 f"got {self.dtype}")
         try:
             torch.device(self.device)
         except RuntimeError as e:

@@ -76,8 +76,14 @@ class Engine:
 
         mc = model_config_for(name_or_path)
         if name_or_path in ("tiny-random", "full-random"):
-            return random_model(mc, device=config.device, dtype=config.torch_dtype, seed=seed), mc
-        return load_model(name_or_path, device=config.device, dtype=config.torch_dtype), mc
+            model = random_model(mc, device=config.device, dtype=config.torch_dtype, seed=seed)
+        else:
+            model = load_model(name_or_path, device=config.device, dtype=config.torch_dtype)
+        if config.fp8_weights:
+            from engines.model import fp8
+
+            fp8.apply(model)
+        return model, mc
 
     @classmethod
     def build(cls, model: torch.nn.Module, mc: ModelConfig, config: EngineConfig, seed: int = 0,

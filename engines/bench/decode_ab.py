@@ -81,10 +81,11 @@ def main() -> None:
     for key, out in res["results"].items():
         print(f"  {key:34s} replay {median(out['replay_ms']):6.3f}  step {median(out['step_ms']):6.3f} ms")
     engine.check_integrity()
-    for (n, k, dt), t in skinny_gemm.timings.items():
+    for key, t in skinny_gemm.timings.items():
         best = min((c for c in t if c != "cublas"), key=t.__getitem__)
-        print(f"  skinny {n:6d} x {k:5d}: chosen {skinny_gemm._choice[(n, k, dt)]}, cuBLAS {t['cublas'] * 1e6:.1f} us, "
-              f"best tiling {best} {t[best] * 1e6:.1f} us")
+        cublas = f"{t['cublas'] * 1e6:.1f} us" if "cublas" in t else "-"
+        print(f"  skinny {key[0]:6d} x {key[1]:5d} {key[2]} (tile {key[3]}): chosen {skinny_gemm._choice[key]}, "
+              f"cuBLAS {cublas}, best tiling {best} {t[best] * 1e6:.1f} us")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

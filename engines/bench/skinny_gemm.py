@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--wide", default="", help="also rows beyond MAX_ROWS (e.g. 32,48,64): cuBLAS against every "
                    "candidate tiling with one tile of the next power-of-two rows")
+    p.add_argument("--fp8", default="", help="also the fp8 copy of each weight (engines/model/fp8.py) at these rows "
+                   "(e.g. 1,8,16,32,64): every tiling against the bf16 weight's best and cuBLAS")
     a = p.parse_args()
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev, 1 << 30)
@@ -35,7 +37,7 @@ def main() -> None:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         nbytes = w.numel() * 2
         choice = skinny_gemm.tune(w)
-        t = skinny_gemm.timings[(n, k, torch.bfloat16)]
+        t = skinny_gemm.timings[(n, k, torch.bfloat16, skinny_gemm.MAX_ROWS)]
         ranked = sorted(((v, c) for c, v in t.items()), key=lambda vc: vc[0])
         best_t, best_c = next((v, c) for v, c in ranked if c != "cublas")
         copies = [w] + [torch.randn_like(w) for _ in range(max(0, math.ceil((256 << 20) / nbytes) - 1))]
@@ -53,6 +55,7 @@ def main() -> None:
             block_m = max(16, triton.next_power_of_2(m))
             tc = skinny_gemm._time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
             wide[m] = block_m, tc, skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
+        fp8 = {m: _fp8_rows(m, copies, bw) for m in (int(r) for r in a.fp8.split(",") if r)}
         del copies
         report["shapes"][name] = {"n": n, "k": k, "choice": list(choice) if choice else None,
                                   "best_triton": list(best_c), "by_rows": rows,
@@ -70,9 +73,36 @@ def main() -> None:
                        "triton_frac_bw": nbytes / tt[bc] / bw, "block_m": block_m, "best": list(bc)}
             print(f"   M={m:2d} (tile {block_m}): cublas {tc * 1e6:7.1f} us ({nbytes / tc / bw:.0%})  best triton "
                   f"{bc} {tt[bc] * 1e6:7.1f} us ({nbytes / tt[bc] / bw:.0%})", flush=True)
+        for m, r in fp8.items():
+            report["shapes"][name].setdefault("fp8", {})[m] = r
+            print(f"   fp8 M={m:2d} (tile {r['block_m']}): bf16 cublas {r['cublas_us']:6.1f} us, bf16 best "
+                  f"{r['bf16_best_us']:6.1f}, fp8 best {tuple(r['best'])} {r['fp8_us']:6.1f} us "
+                  f"({r['fp8_frac_bw']:.0%} of copy bw for its bytes), equal to bf16 over its values: {r['equal']}",
+                  flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _fp8_rows(m: int, copies: list[torch.Tensor], bw: float) -> dict:
+    """One row count: bf16 cuBLAS and best tiling, then every tiling over the weights' fp8 copies; and whether the
+    best fp8 tiling's output equals the same tiling's over the bf16 values of the fp8 weights (it should, exactly)."""
+    from engines.model.fp8 import dequantize, quantize
+
+    k = copies[0].shape[1]
+    x = torch.randn(m, k, device=copies[0].device, dtype=torch.bfloat16)
+    block_m = max(16, triton.next_power_of_2(m))
+    tc = skinny_gemm._time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10)
+    tb = skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
+    q = [quantize(w) for w in copies]
+    scale = q[0][1]  # one scale for every copy: timing only
+    t8 = skinny_gemm.time_candidates(x, [w8 for w8, _ in q], block_m, rounds=10, scale=scale)
+    best = min(t8, key=t8.__getitem__)
+    w8, s0 = q[0]
+    equal = torch.equal(skinny_gemm.launch(x, w8, best, block_m=block_m, scale=s0),
+                        skinny_gemm.launch(x, dequantize(w8, s0, torch.bfloat16), best, block_m=block_m))
+    return {"block_m": block_m, "cublas_us": tc * 1e6, "bf16_best_us": min(tb.values()) * 1e6, "best": list(best),
+            "fp8_us": t8[best] * 1e6, "fp8_frac_bw": w8.numel() / t8[best] / bw, "equal": equal}
 
 
 if __name__ == "__main__":

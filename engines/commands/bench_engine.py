@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-gib", type=float, default=None, help="KV pool size (default: fits the largest batch)")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--fp8-weights", action="store_true", help="EngineConfig.fp8_weights: the weights rounded to fp8, "
+                   "decode steps reading an fp8 copy (the baseline runs the same rounded weights in bf16)")
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -76,10 +78,22 @@ def _drain(engine: Engine) -> None:
         engine.step()
 
 
-def weight_bytes(model: torch.nn.Module, with_text_head: bool) -> int:
-    """Bytes a decode step must read: every layer, norm and the heads it uses (embeddings: a few rows only)."""
-    skip = {"embed_tokens.weight", "audio_embed.weight"} | (set() if with_text_head else {"text_lm_head.weight"})
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in skip)
+def weight_bytes(model: torch.nn.Module, with_text_head: bool, rows: int = 1) -> int:
+    """Bytes a decode step of `rows` rows must read: every layer, norm and the heads it uses (embeddings: a few rows
+    only); a layer's fp8 copy instead of its weight where the step's GEMMs read it (fp8.MAX_ROWS)."""
+    from engines.model import fp8
+    from engines.model.layers import Linear
+
+    skip = {"embed_tokens", "audio_embed"} | (set() if with_text_head else {"text_lm_head"})
+    total = 0
+    for name, m in model.named_modules():
+        if name in skip:
+            continue
+        if isinstance(m, Linear) and m.fp8 is not None and rows <= fp8.MAX_ROWS:
+            total += sum(t.numel() * t.element_size() for t in m.fp8)
+        else:
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
 
 
 def matmul_params(model: torch.nn.Module) -> int:
@@ -116,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         mc.kv_bytes_per_row(parse_dtype(dtype))
     cfg = EngineConfig(device=args.device, dtype=dtype, kv_cache_bytes=kv_bytes, max_running=max_b,
                        prefill_token_budget=max(args.prefill, max_b + 1) + max_b, max_model_len=max_len + 64,
-                       max_waiting=max_b + 8, cuda_graphs=not args.no_graphs)
+                       max_waiting=max_b + 8, cuda_graphs=not args.no_graphs, fp8_weights=args.fp8_weights,
+                       ramp_step_rows=0)  # no cap on prefill beside new answers: batches fill in prefill_steps
     engine = Engine.from_name(args.model, cfg, seed=0)
     model = engine.runner.model
     w_audio, w_text = weight_bytes(model, False), weight_bytes(model, True)
@@ -124,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     res: dict = {"device": device_name(device), "model": args.model, "dtype": dtype,
                  "hbm_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": mm, "weight_bytes_decode_audio": w_audio,
                  "weight_bytes_decode_text": w_text, "kv_bytes_per_row": kv_row, "context_rows": ctx,
-                 "cuda_graphs": engine.runner.graphs is not None}
+                 "cuda_graphs": engine.runner.graphs is not None, "fp8_weights": args.fp8_weights}
 
     # Prefill of N rows (the step that runs them and samples the first row), without the first decode step that
     # the engine launches in the same call for a spoken answer (overlap off for this measurement only).
@@ -180,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             timed(engine.step, device, repeats=steps, warmup=2)) * 1e3
         if len(engine.scheduler.running) != b:
             raise RuntimeError(f"decode batch {b}: a sequence finished during the timed steps")
-        res["floor_decode_step_ms"][str(b)] = (w_audio + kv_rows * kv_row) / bw * 1e3
+        res["floor_decode_step_ms"][str(b)] = (weight_bytes(model, False, b) + kv_rows * kv_row) / bw * 1e3
         _drain(engine)
         print(f"decode batch {b:3d}: {res['decode_step_ms'][str(b)]:8.2f} ms  "
               f"(floor {res['floor_decode_step_ms'][str(b)]:.2f} ms)")

@@ -1,4 +1,5 @@
-"""Skinny GEMM for decode batches: y = x @ W.T with x [M <= 16, K] and W [N, K] (bf16/fp16, row-major).
+"""Skinny GEMM for decode batches: y = x @ W.T with x [M <= 16, K] and W [N, K] (bf16/fp16, row-major), or
+x [M <= 32, K] over an fp8 copy of W with power-of-two row scales (engines/model/fp8.py: half the bytes).
 
 At decode sizes a linear layer is a pass over its weight: time = bytes / bandwidth. cuBLAS picks
 GEMM tilings meant for larger M and reaches 73-95% of copy bandwidth on this model's shapes (o_proj
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engines.kernels.pdl import enabled, launch_kwargs, wait_then_trigger
+from engines.model.fp8 import MAX_ROWS as FP8_MAX_ROWS
 
 MAX_ROWS = 16  # one tensor-core tile of rows; larger batches go to cuBLAS
 _L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies over this many bytes when timing (H100 L2: 50 MB)
@@ -44,11 +46,14 @@ CANDIDATES: tuple[Config, ...] = (
     (32, 512, 4, 3, 1), (64, 128, 4, 4, 1), (64, 128, 4, 6, 1), (64, 256, 4, 3, 1), (64, 256, 8, 4, 1),
     (32, 256, 4, 4, 2), (64, 128, 4, 4, 2),
 )
+# Over an fp8 weight a stage holds half the bytes: shallower pipelines and split-K (more programs for the N=4096
+# shapes) won there (H200)
+FP8_CANDIDATES = CANDIDATES + ((32, 256, 4, 3, 1), (32, 256, 4, 3, 2), (64, 256, 4, 3, 2), (64, 256, 4, 3, 4))
 
-# (N, K, dtype) -> chosen config, or None for cuBLAS
-_choice: dict[tuple[int, int, torch.dtype], Config | None] = {}
+# (N, K, weight dtype, tile rows) -> chosen config, or None for cuBLAS
+_choice: dict[tuple[int, int, torch.dtype, int], Config | None] = {}
 # per tuned shape: {"cublas": s, config: s}, seconds per call inside a CUDA graph (for the benchmark notes)
-timings: dict[tuple[int, int, torch.dtype], dict] = {}
+timings: dict[tuple[int, int, torch.dtype, int], dict] = {}
 
 
 # M (rows) changes with every batch the text head sees outside the graphs: specializing on it (M == 1,
@@ -59,9 +64,9 @@ timings: dict[tuple[int, int, torch.dtype], dict] = {}
 # SiLU*up kernel is gone from decode steps. (The RMSNorms and residual adds in the GEMMs' epilogues, or any such
 # work on the input tiles inside the K loop, measured slower: docs/PERF_NOTES.md.)
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
+def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT_K: tl.constexpr, GLU: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_then_trigger(PDL)
@@ -91,9 +96,14 @@ def _skinny_kernel(X, W, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, B
             k_ok = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if SCALED:  # fp8 weight: exact in fp16 and bf16; its row's power-of-two scale comes after the sums. (Through
+            # fp16: Triton's direct e4m3 -> bf16 conversion measured ~20% slower on gate_up, H200.)
+            w = w.to(tl.float16).to(X.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SCALED:  # a power of two per weight row: the same sums as over the rescaled bf16 weight, bit for bit
+        acc = acc * tl.load(S + offs_n, mask=n_ok, other=1.0)[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if GLU:
         dt = Y.dtype.element_ty
@@ -125,13 +135,16 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None,
-           glu: bool = False, block_m: int = MAX_ROWS) -> torch.Tensor:
+           glu: bool = False, block_m: int = MAX_ROWS, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= block_m, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given. `glu` (one-pass
     tilings only): the weight is (gate; up) [2F, K] and the output silu(gate) * up [M, F]. `block_m` (a power of two
-    >= 16): rows of the one tile every program holds (benchmarks try more than MAX_ROWS)."""
+    >= 16): rows of the one tile every program holds (benchmarks try more than MAX_ROWS). `scale` ([N] float32,
+    powers of two) with an fp8 weight: x @ (weight * scale[:, None]).T (engines/model/fp8.py)."""
     block_n, block_k, warps, stages, split = config
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
+    if (scale is not None) != (weight.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"a {weight.dtype} weight {'needs' if scale is None else 'takes no'} row scales")
     if split > 1 and (glu or k % (split * block_k)):
         raise ValueError("the GLU epilogue needs a one-pass tiling (split-K 1)" if glu else
                          f"split-K {split} x {block_k} does not divide K={k}")
@@ -146,9 +159,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
     dst = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     tile_n = block_n // 2 if glu else block_n  # output columns per program
     _skinny_kernel[(triton.cdiv(n, tile_n), split)](
-        x, weight, dst, m, n, k, k // split if split > 1 else k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % tile_n == 0,
-        SPLIT_K=split, GLU=glu, num_warps=warps, num_stages=stages, **launch_kwargs(x.device))
+        x, weight, weight if scale is None else scale, dst, m, n, k, k // split if split > 1 else k, x.stride(0),
+        weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        EVEN_N=n % tile_n == 0, SPLIT_K=split, GLU=glu, SCALED=scale is not None, num_warps=warps,
+        num_stages=stages, **launch_kwargs(x.device))
     if split > 1:
         _split_reduce_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
     return out
@@ -184,61 +198,100 @@ def _time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
     return start.elapsed_time(end) * 1e-3 / (3 * rounds * len(copies))
 
 
-def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], block_m: int = MAX_ROWS, rounds: int = 4
-                    ) -> dict[Config, float]:
-    """Seconds per call of x @ w.T for every candidate tiling that runs here (copies: the weight's rotated copies)."""
+def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], block_m: int = MAX_ROWS, rounds: int = 4,
+                    scale: torch.Tensor | None = None) -> dict[Config, float]:
+    """Seconds per call of x @ w.T for every candidate tiling that runs here (copies: the weight's rotated copies;
+    `scale`: their row scales where they are fp8)."""
     k = x.shape[1]
     out = torch.empty(x.shape[0], copies[0].shape[0], device=x.device, dtype=x.dtype)
     result = {}
-    for cfg in CANDIDATES:
+    for cfg in CANDIDATES if scale is None else FP8_CANDIDATES:
         if cfg[4] > 1 and k % (cfg[4] * cfg[1]):
             continue
         try:
-            result[cfg] = _time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out, block_m=block_m), copies, rounds)
+            result[cfg] = _time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out, block_m=block_m, scale=scale),
+                                         copies, rounds)
         except Exception:  # a tiling that does not fit this GPU (shared memory) is just skipped
             continue
     return result
 
 
-def tune(weight: torch.Tensor, rows: int = 1) -> Config | None:
-    """Time every candidate and cuBLAS on this weight's shape; remember and return the winner (None: cuBLAS)."""
-    n, k = weight.shape
-    key = (n, k, weight.dtype)
+def _copies(weight: torch.Tensor, scale: torch.Tensor | None) -> list[torch.Tensor]:
+    """The weight and random copies of it, together larger than L2 (an fp8 weight's copies are fp8 as well)."""
     nbytes = weight.numel() * weight.element_size()
     # at most 16 copies: a weight too small to defeat L2 with them is cheap whichever kernel runs it
     extra = min(15, max(0, math.ceil(_L2_DEFEAT_BYTES / nbytes) - 1))
-    copies = [weight] + [torch.randn_like(weight) for _ in range(extra)]
-    x = torch.randn(rows, k, device=weight.device, dtype=weight.dtype)
-    result = {"cublas": _time_per_call(lambda w: F.linear(x, w), copies), **time_candidates(x, copies)}
+    dtype = torch.bfloat16 if scale is not None else weight.dtype
+    return [weight] + [torch.randn(weight.shape, device=weight.device, dtype=dtype).to(weight.dtype)
+                       for _ in range(extra)]
+
+
+def _key(weight: torch.Tensor, block_m: int) -> tuple[int, int, torch.dtype, int]:
+    return weight.shape[0], weight.shape[1], weight.dtype, block_m
+
+
+def tune(weight: torch.Tensor, rows: int = 1, scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None,
+         block_m: int = MAX_ROWS) -> Config | None:
+    """Time every candidate and cuBLAS on this weight's shape; remember and return the winner (None: cuBLAS).
+    An fp8 weight (with its `scale`, for activations of `act_dtype`) has no cuBLAS: the best tiling wins."""
+    n, k = weight.shape
+    copies = _copies(weight, scale)
+    x = torch.randn(rows, k, device=weight.device, dtype=act_dtype or weight.dtype)
+    result = time_candidates(x, copies, block_m, scale=scale)
+    if scale is None:
+        result["cublas"] = _time_per_call(lambda w: F.linear(x, w), copies)
     del copies
     best = min((c for c in result if c != "cublas"), key=result.__getitem__, default=None)
     margin = _WIN_MARGIN[enabled(weight.device)]
-    choice = best if best is not None and result[best] < margin * result["cublas"] else None
-    _choice[key] = choice
-    timings[key] = result
+    choice = best if best is not None and (scale is not None or result[best] < margin * result["cublas"]) else None
+    _choice[_key(weight, block_m)] = choice
+    timings[_key(weight, block_m)] = result
     return choice
 
 
-def config_for(weight: torch.Tensor) -> Config | None:
-    """The tuned tiling of this weight's shape (tuned now unless a capture is running); None: cuBLAS."""
-    key = (weight.shape[0], weight.shape[1], weight.dtype)
+def config_for(weight: torch.Tensor, scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None,
+               block_m: int = MAX_ROWS) -> Config | None:
+    """The tuned tiling of this weight's shape (tuned now unless a capture is running); None: cuBLAS (over the
+    half-precision weight)."""
+    key = _key(weight, block_m)
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():
             return None  # untuned shape inside a capture: no timing possible here
-        tune(weight)
+        tune(weight, 1 if block_m == MAX_ROWS else block_m, scale, act_dtype, block_m)
     return _choice[key]
 
 
-def glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+def _fp8_tiling(x: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[Config | None, int]:
+    """(tiling, tile rows) for x over the fp8 copy (w8, scale) of a weight; (None, 0) where it does not run."""
+    if fp8 is None or not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_MAX_ROWS
+                           and x.dtype in (torch.bfloat16, torch.float16)):
+        return None, 0
+    block_m = MAX_ROWS if x.shape[0] <= MAX_ROWS else FP8_MAX_ROWS
+    return config_for(fp8[0], fp8[1], x.dtype, block_m), block_m
+
+
+def glu(x: torch.Tensor, weight: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        ) -> torch.Tensor | None:
     """silu(gate) * up of x @ (gate; up).T in one kernel, or None where it cannot run (rows not decode-sized,
-    the shape tuned to cuBLAS or split-K, or MOSS_FUSED_GEMM=0)."""
-    if not (FUSE and supported(x, weight)):
+    the shape tuned to cuBLAS or split-K, or MOSS_FUSED_GEMM=0). `fp8`: the weight's fp8 copy (w8, scale), read
+    instead of it where the rows allow (engines/model/fp8.py)."""
+    if not FUSE:
+        return None
+    cfg, block_m = _fp8_tiling(x, fp8)
+    if cfg is not None:
+        return launch(x, fp8[0], cfg, glu=True, block_m=block_m, scale=fp8[1]) if cfg[4] == 1 else None
+    if not supported(x, weight):
         return None
     cfg = config_for(weight)
     return launch(x, weight, cfg, glu=True) if cfg is not None and cfg[4] == 1 else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) for decode-sized x, through the tuned kernel where it beats cuBLAS."""
-    cfg = config_for(weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> torch.Tensor:
+    """F.linear(x, weight), through the tuned kernel where the rows are decode-sized and it beats cuBLAS. `fp8`: the
+    weight's fp8 copy (w8, scale), read instead of it where the rows allow (engines/model/fp8.py)."""
+    cfg, block_m = _fp8_tiling(x, fp8)
+    if cfg is not None:
+        return launch(x, fp8[0], cfg, block_m=block_m, scale=fp8[1])
+    cfg = config_for(weight) if supported(x, weight) else None
     return F.linear(x, weight) if cfg is None else launch(x, weight, cfg)

@@ -22,14 +22,22 @@ class Linear(nn.Module):
     def __init__(self, out_features: int, in_features: int, device=None, dtype=None):
         super().__init__()
         self.weight = _empty((out_features, in_features), device, dtype)
+        # (w8 [out, in] fp8, scale [out]) whose values are exactly `weight`'s (engines/model/fp8.py), or None.
+        # Decode-sized GEMMs on a GPU read it instead of the weight: half the bytes.
+        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from engines.kernels import skinny_gemm
 
-            if skinny_gemm.supported(x, self.weight):  # decode batch: a pass over the weight
-                return skinny_gemm.linear(x, self.weight)
+            return skinny_gemm.linear(x, self.weight, self.fp8)  # decode batch: a pass over the weight
         return F.linear(x, self.weight)
+
+    def glu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this (gate; up) layer in one kernel where the rows are decode-sized, else None."""
+        from engines.kernels import skinny_gemm
+
+        return skinny_gemm.glu(x, self.weight, self.fp8)
 
 
 class Embedding(nn.Module):
@@ -114,10 +122,9 @@ class DecoderLayer(nn.Module):
             residual, attn = residual[out_rows], attn[out_rows]
         h, residual = self.post_attention_layernorm.add(self.o_proj(attn), residual)
         if h.is_cuda:
-            from engines.kernels import skinny_gemm
             from engines.kernels.fused import silu_mul
 
-            act = skinny_gemm.glu(h, self.gate_up_proj.weight)  # [T, ffn], in gate_up's epilogue at decode sizes
+            act = self.gate_up_proj.glu(h)  # [T, ffn], in gate_up's epilogue at decode sizes
             if act is None:
                 act = silu_mul(self.gate_up_proj(h))
         else:

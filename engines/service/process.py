@@ -131,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ramp-step-rows", type=_int_at_least(0), default=None, metavar="N",
                    help="while a new answer makes its first rows, steps carry at most N rows (decodes + prefill; "
                         "0: no cap; default: EngineConfig.ramp_step_rows in engines/config.py)")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="round the language model's weights to fp8 (per-row power-of-two scales) and read an fp8 "
+                        "copy in decode steps: faster steps, other numerics than the published bf16 weights "
+                        "(engines/model/fp8.py)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--encode-every-ms", type=float, default=80.0,
@@ -257,6 +261,7 @@ def build_service(args: argparse.Namespace) -> Service:
         kw["max_model_len"] = args.max_model_len
     if getattr(args, "ramp_step_rows", None) is not None:
         kw["ramp_step_rows"] = args.ramp_step_rows
+    kw["fp8_weights"] = getattr(args, "fp8_weights", False)
     config = EngineConfig(**kw)
     codec_sms = getattr(args, "codec_sms", 0)
     if getattr(args, "codec_sms_only", False) and not codec_sms:

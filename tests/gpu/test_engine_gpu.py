@@ -37,19 +37,24 @@ def run(engine: Engine, prompts: dict, steps: int, min_new: int = 0) -> dict:
     return out
 
 
-def make(ckpt, dtype: str, graphs: bool) -> Engine:
+def make(ckpt, dtype: str, graphs: bool, fp8_weights: bool = False) -> Engine:
     model = load_model(ckpt, device="cuda", dtype=dtype)
+    if fp8_weights:
+        from engines.model import fp8
+
+        fp8.apply(model)
     mc = model.config
     cfg = EngineConfig(device="cuda", dtype=dtype, block_size=16, kv_cache_bytes=mc.kv_bytes_per_row() * 8192,
                        max_running=8, prefill_token_budget=64, cuda_graphs=graphs)
     return Engine(model, mc, cfg)
 
 
-def test_graph_replay_equals_eager(tiny_checkpoint):
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_graph_replay_equals_eager(tiny_checkpoint, fp8_weights):
     rng = random.Random(1)
     prompts = {f"r{i}": prompt(rng, i % 2 == 1) for i in range(7)}
-    eager = run(make(tiny_checkpoint, "bfloat16", graphs=False), prompts, 48, min_new=48)
-    graphed_engine = make(tiny_checkpoint, "bfloat16", graphs=True)
+    eager = run(make(tiny_checkpoint, "bfloat16", graphs=False, fp8_weights=fp8_weights), prompts, 48, min_new=48)
+    graphed_engine = make(tiny_checkpoint, "bfloat16", graphs=True, fp8_weights=fp8_weights)
     assert graphed_engine.runner.graphs is not None
     assert run(graphed_engine, prompts, 48, min_new=48) == eager
 

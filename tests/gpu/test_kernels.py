@@ -247,7 +247,7 @@ def test_skinny_gemm_tuned_linear_replays_in_a_cuda_graph():
     w = torch.randn(6144, 4096, device="cuda", generator=g).to(torch.bfloat16)
     x = torch.randn(4, 4096, device="cuda", generator=g).to(torch.bfloat16)
     skinny_gemm.tune(w)
-    key = (6144, 4096, torch.bfloat16)
+    key = (6144, 4096, torch.bfloat16, skinny_gemm.MAX_ROWS)
     assert "cublas" in skinny_gemm.timings[key] and key in skinny_gemm._choice
     cfg = skinny_gemm.timings[key]  # force the kernel into the graph whatever the tuner chose
     cfg = min((c for c in cfg if c != "cublas"), key=cfg.__getitem__)
@@ -438,8 +438,9 @@ def full_size_layers(rows: int, n: int = 4):
     l0 = layers[0]  # tune the GEMM shapes outside any capture
     for lin in (l0.qkv_proj, l0.o_proj, l0.gate_up_proj, l0.down_proj):
         skinny_gemm.tune(lin.weight)
-        t = skinny_gemm.timings[(*lin.weight.shape, torch.bfloat16)]
-        skinny_gemm._choice[(*lin.weight.shape, torch.bfloat16)] = min(
+        key = (*lin.weight.shape, torch.bfloat16, skinny_gemm.MAX_ROWS)
+        t = skinny_gemm.timings[key]
+        skinny_gemm._choice[key] = min(
             (c for c in t if c != "cublas" and c[4] == 1), key=t.__getitem__)
     return layers, x, kv, cache, batch, forward
 
@@ -569,3 +570,94 @@ def test_embed_rope_kernel_equals_embed_and_rope_cos_sin(dtype):
     ref_cos, ref_sin = rope_cos_sin(positions, model.inv_freq, dtype)
     assert torch.equal(x, model.embed(rows))
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+@pytest.mark.parametrize("m,block_m", [(1, 16), (7, 16), (16, 16), (24, 32), (32, 32)])
+def test_skinny_gemm_over_an_fp8_weight_matches_f_linear_over_its_values(m, block_m):
+    """Every fp8 tiling (split-K and the GLU epilogue included), ragged N and K, against F.linear over the exact
+    bf16 values of the fp8 weight (engines/model/fp8.py); outputs poisoned first."""
+    from engines.kernels import skinny_gemm
+    from engines.kernels.fused import silu_mul
+    from engines.model.fp8 import dequantize, quantize
+
+    g = torch.Generator(device="cuda").manual_seed(31)
+    checked = glu_checked = tried = 0
+    for i, (n, k) in enumerate(((4096, 4096), (200, 1000))):
+        w8, scale = quantize(torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+                             * torch.logspace(-3, 0, n, device="cuda")[:, None].to(torch.bfloat16))
+        values = dequantize(w8, scale, torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), values.double())
+        gate, up = ref.split(n // 2, dim=-1)
+        ref_glu = torch.nn.functional.silu(gate) * up
+        for cfg in skinny_gemm.FP8_CANDIDATES[i::2]:  # half the tilings per shape: every tiling runs once
+            if cfg[4] > 1 and k % (cfg[4] * cfg[1]):
+                continue
+            tried += 1
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            if launch_tiling(x, w8, cfg, out, block_m=block_m, scale=scale) is None:
+                continue  # too large for this GPU's shared memory (the tuner skips it too)
+            assert torch.isfinite(out).all(), (n, k, cfg)
+            assert rel_err(out, ref) < 1e-2, (n, k, cfg, rel_err(out, ref))
+            checked += 1
+            if cfg[4] == 1:
+                got = skinny_gemm.launch(x, w8, cfg, glu=True, block_m=block_m, scale=scale)
+                assert torch.equal(got, silu_mul(out)), (n, k, cfg)
+                assert rel_err(got, ref_glu) < 1e-2, (n, k, cfg, rel_err(got, ref_glu))
+                glu_checked += 1
+    assert tried >= 16 and checked >= tried - 2 and glu_checked >= 8, (tried, checked, glu_checked)
+    with pytest.raises(ValueError, match="needs row scales"):
+        skinny_gemm.launch(x, w8, (32, 256, 4, 4, 1))
+    with pytest.raises(ValueError, match="takes no row scales"):
+        skinny_gemm.launch(x, values, (32, 256, 4, 4, 1), scale=scale)
+
+
+def test_linear_reads_its_fp8_copy_up_to_fp8_max_rows_and_its_weight_above():
+    """Linear.fp8 set: steps of up to fp8.MAX_ROWS rows read the copy, larger ones the half-precision weight. The
+    weight is poisoned after the copy is made, so the rows that read it come out NaN."""
+    from engines.model import fp8
+    from engines.model.layers import Linear
+
+    g = torch.Generator(device="cuda").manual_seed(32)
+    lin = Linear(6144, 4096, "cuda", torch.bfloat16)
+    lin.weight.data.copy_(torch.randn(6144, 4096, device="cuda", generator=g) * 0.02)
+    lin.fp8 = fp8.round_weight(lin.weight.data)
+    values = lin.weight.data.clone()
+    lin.weight.data.fill_(float("nan"))
+    for m in (1, 9, 16, 17, fp8.MAX_ROWS):
+        x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        out = lin(x)
+        assert rel_err(out, torch.nn.functional.linear(x.double(), values.double())) < 1e-2, m
+    assert lin(torch.randn(fp8.MAX_ROWS + 1, 4096, device="cuda").to(torch.bfloat16)).isnan().all()
+
+
+@pytest.mark.parametrize("rows", [2, 24])
+def test_decoder_layers_over_fp8_copies_match_the_same_layers_over_their_values(rows):
+    """Four full-size layers with fp8 copies (the GLU epilogue included) against the same layers reading the bf16
+    values of those copies, in a CUDA graph as the engine runs them: the same up to the GEMMs' summation order."""
+    from engines.graphs import capture_graph, private_stream
+    from engines.model import fp8
+
+    layers, x, kv, cache, batch, forward = full_size_layers(rows)
+    linears = [lin for layer in layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    for lin in linears:
+        lin.fp8 = fp8.round_weight(lin.weight.data)
+    outs = {}
+    for on in (True, False):
+        copies = [lin.fp8 for lin in linears]
+        if not on:
+            for lin in linears:
+                lin.fp8 = None
+        for c in kv:
+            c.copy_(cache)
+        forward()  # eager first: tunes the fp8 shapes outside the capture
+        graph, out = capture_graph(forward, private_stream())
+        for c in kv:
+            c.copy_(cache)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[on] = out.clone()
+        for lin, cp in zip(linears, copies, strict=True):
+            lin.fp8 = cp
+    assert torch.isfinite(outs[True]).all()
+    assert rel_err(outs[True], outs[False]) < 2e-2

@@ -1,0 +1,61 @@
+"""Weights rounded to fp8 (e4m3) with a power-of-two scale per output row.
+
+A decode step reads every weight once, so its time is the weights' bytes over the HBM bandwidth (docs/BENCHMARKS.md):
+an fp8 copy halves what the decode-sized GEMMs read. The scale of each row is the power of two that brings its
+largest magnitude into e4m3's range, so w8 * scale is exactly a bf16 (or fp16) number: the model with fp8 weights is
+the same model as the bf16 one whose weights are `dequantize(quantize(w))`, and a GEMM over the fp8 copy that applies
+the scale after its sums gives the bf16 GEMM's result over those weights bit for bit (scaling by a power of two is
+exact). This rounding does change the model against the published bf16 weights (4 significant bits instead of 8),
+which is why it is an option (`EngineConfig.fp8_weights`), off unless asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn magnitude
+# Steps of up to this many rows read the fp8 copy (engines/kernels/skinny_gemm.py): there its kernel beats cuBLAS on
+# the bf16 weight (H200: every model shape at 1-32 rows; docs/PERF_NOTES.md); steps under load carry ~20-30 rows
+MAX_ROWS = 32
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (w8 [N, K] fp8, scale [N] float32, powers of two) with w8 * scale[:, None] ~= w."""
+    amax = w.abs().amax(dim=1).float()  # [N]
+    # The smallest power of two with |w| / scale <= FP8_MAX. frexp: amax / FP8_MAX = mantissa * 2**exponent with
+    # mantissa in [0.5, 1); at 0.5 the power below is enough (so weights rounded once round to themselves again).
+    mantissa, exponent = torch.frexp(amax / FP8_MAX)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent), torch.ones_like(amax))  # [N]
+    w8 = (w.float() / scale[:, None]).to(FP8)  # division by a power of two: only the cast rounds
+    return w8, scale
+
+
+def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The exact half-precision value of every fp8 weight: w8 [N, K], scale [N] -> [N, K] in `dtype`."""
+    return (w8.float() * scale[:, None]).to(dtype)
+
+
+def round_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize w in place of its own values: w becomes dequantize(w8, scale); returns (w8, scale)."""
+    w8, scale = quantize(w)
+    w.copy_(dequantize(w8, scale, w.dtype))
+    return w8, scale
+
+
+def apply(model: torch.nn.Module) -> int:
+    """Round every Linear weight of `model` to fp8 values and give the layer its fp8 copy (Linear.fp8); returns the
+    bytes the copies take. The bf16 weights stay (the GEMMs of prefill-sized rows run on them, through cuBLAS)."""
+    from engines.model.layers import Linear
+
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8 weights need a bfloat16 or float32 model (their values must be exact in its dtype), "
+                         f"got {model.dtype}")
+    total = 0
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, Linear):
+                layer.fp8 = round_weight(layer.weight)
+                total += layer.fp8[0].numel() + layer.fp8[1].numel() * 4
+    return total
