@@ -102,7 +102,7 @@ def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym
         acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if SCALED:  # a power of two per weight row: the same sums as over the rescaled bf16 weight, bit for bit
+    if SCALED:  # a power of two per weight row: exact, so these are the sums over the weight's bf16 values
         acc = acc * tl.load(S + offs_n, mask=n_ok, other=1.0)[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if GLU:

@@ -2,11 +2,13 @@
 
 A decode step reads every weight once, so its time is the weights' bytes over the HBM bandwidth (docs/BENCHMARKS.md):
 an fp8 copy halves what the decode-sized GEMMs read. The scale of each row is the power of two that brings its
-largest magnitude into e4m3's range, so w8 * scale is exactly a bf16 (or fp16) number: the model with fp8 weights is
-the same model as the bf16 one whose weights are `dequantize(quantize(w))`, and a GEMM over the fp8 copy that applies
-the scale after its sums gives the bf16 GEMM's result over those weights bit for bit (scaling by a power of two is
-exact). This rounding does change the model against the published bf16 weights (4 significant bits instead of 8),
-which is why it is an option (`EngineConfig.fp8_weights`), off unless asked for.
+largest magnitude into e4m3's range, so w8 * scale is exactly a bf16 (or float32) number: the model with fp8 weights
+is the same model as the bf16 one whose weights are `dequantize(quantize(w))`, and a GEMM over the fp8 copy that
+applies the scale after its sums computes the same sums (scaling by a power of two is exact; the compiled kernels may
+still order the sums differently from the bf16 kernel's: H200, some tilings bit-identical, others within rounding).
+This rounding does change the model against the published bf16 weights (4 significant bits instead of 8), which is
+why it is an option (`EngineConfig.fp8_weights`), off unless asked for. (float16 is refused: e4m3's smallest values
+times a small row scale fall below float16's range.)
 """
 
 from __future__ import annotations

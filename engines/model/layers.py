@@ -23,7 +23,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty((out_features, in_features), device, dtype)
         # (w8 [out, in] fp8, scale [out]) whose values are exactly `weight`'s (engines/model/fp8.py), or None.
-        # Decode-sized GEMMs on a GPU read it instead of the weight: half the bytes.
+        # Decode-sized GEMMs on a GPU read it instead of the weight: half the bytes. Not a buffer: made on the
+        # weight's device after loading (fp8.apply), never saved or moved with the module.
         self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
