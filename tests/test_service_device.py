@@ -60,9 +60,18 @@ def test_codec_round_options_reach_the_worker_and_bad_values_are_refused(capsys)
         svc = build_service(p.parse_args(base + extra))
         assert svc._codec.period_s == want
         svc._codec.close()
+    # A round size means nothing to rounds started once a period (they take every answer due): refused, not ignored.
+    with pytest.raises(ValueError, match="--codec-round-period-ms 0"):
+        build_service(p.parse_args(base + ["--first-lane", "--codec-round-max", "24"]))
+    svc = build_service(p.parse_args(base + ["--first-lane", "--codec-round-max", "24",
+                                             "--codec-round-period-ms", "0"]))
+    assert svc._codec.bulk_max == 24 and svc._codec.period_s == 0.0
+    svc._codec.close()
     for opt, bad in (("--codec-round-max", "0"), ("--codec-round-max", "-3"), ("--codec-round-max", "many"),
                      ("--codec-round-period-ms", "-5"), ("--codec-round-period-ms", "nan"),
-                     ("--codec-round-period-ms", "inf"), ("--codec-round-period-ms", "soon")):
+                     ("--codec-round-period-ms", "inf"), ("--codec-round-period-ms", "soon"),
+                     ("--encode-every-ms", "-80"), ("--encode-every-ms", "nan"), ("--decode-interval-ms", "-1"),
+                     ("--decode-interval-ms", "often")):
         with pytest.raises(SystemExit):
             p.parse_args(base + [opt, bad])
         assert opt in capsys.readouterr().err

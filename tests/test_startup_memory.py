@@ -114,3 +114,30 @@ def test_kv_cache_gib_takes_a_number_or_auto_and_auto_needs_a_gpu(capsys):
         assert "--kv-cache-gib" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="auto sizes the pool from a GPU's free memory"):
         process.build_service(p.parse_args(["--device", "cpu", "--codec", "none", "--kv-cache-gib", "auto"]))
+
+
+def test_a_kv_pool_of_few_rows_per_running_sequence_is_warned_about(caplog):
+    """The H100 case of session 27: --fp8-weights left a 2.2 GiB pool at --max-running 128 (~112 rows a sequence), and
+    every turn of 60 sessions was refused; the bf16 pool of 9.9 GiB (~500 rows a sequence) served them."""
+    import argparse
+
+    from engines.config import EngineConfig, model_config_for
+    from engines.kv.sizing import THIN_ROWS_PER_SEQUENCE, thin_pool_warning
+
+    mc = model_config_for("full-random")
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", max_running=128, max_model_len=4096)
+    msg = thin_pool_warning(int(2.2 * GIB), cfg, mc)
+    assert msg is not None and "14417 rows, 112 per running sequence at --max-running 128" in msg
+    assert thin_pool_warning(int(9.9 * GIB), cfg, mc) is None
+    edge = THIN_ROWS_PER_SEQUENCE * 128 * mc.kv_bytes_per_row(torch.bfloat16)
+    assert thin_pool_warning(edge, cfg, mc) is None and thin_pool_warning(edge - 1, cfg, mc) is not None
+    p = argparse.ArgumentParser()
+    process.add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up", "--max-running", "8"]
+    with caplog.at_level("WARNING", logger="engines.service"):
+        process.build_service(p.parse_args(base + ["--kv-cache-gib", "0.001"]))
+    assert "per running sequence at --max-running 8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engines.service"):
+        process.build_service(p.parse_args(base))
+    assert "per running sequence" not in caplog.text

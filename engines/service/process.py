@@ -133,11 +133,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "0: no cap; default: EngineConfig.ramp_step_rows in engines/config.py)")
     p.add_argument("--fp8-weights", action="store_true",
                    help="round the language model's weights to fp8 (per-row power-of-two scales) and read an fp8 "
-                        "copy in decode steps: faster steps, other numerics than the published bf16 weights "
-                        "(engines/model/fp8.py)")
+                        "copy in decode steps: faster steps, other numerics than the published bf16 weights, and half "
+                        "the weights' memory more (the bf16 weights stay for prefill; engines/model/fp8.py)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--encode-every-ms", type=float, default=80.0,
+    p.add_argument("--encode-every-ms", type=_non_negative_ms, default=80.0,
                    help="encode every session's held user audio together, in one batch, at most this often "
                         "(0: as it arrives)")
     p.add_argument("--encoder-thread", dest="encoder_thread", action=argparse.BooleanOptionalAction, default=None,
@@ -166,12 +166,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "whose first chunk is ready while another's is decoding need not wait for it")
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
                    help="with the codec thread: most playing answers one round decodes (more only while more are "
-                        "about to run dry; default engines/service/codec_worker.py BULK_MAX)")
+                        "about to run dry; default engines/service/codec_worker.py BULK_MAX); refused beside a first "
+                        "lane unless --codec-round-period-ms 0 (rounds once a period take every answer due)")
     p.add_argument("--codec-round-period-ms", type=_non_negative_ms, default=200.0, metavar="MS",
                    help="with the first lane: rounds of playing answers start at most this often (sooner for one "
                         "about to run dry), each with every answer due before the next; 0: back to back, at most "
                         "--codec-round-max each (docs/BENCHMARKS.md, Capacity)")
-    p.add_argument("--decode-interval-ms", type=float, default=100.0,
+    p.add_argument("--decode-interval-ms", type=_non_negative_ms, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
     p.add_argument("--gpu-window", default=None, metavar="SESSIONS,SECONDS,PATH",
@@ -220,8 +221,7 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
             decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
                                         cuda_graphs=on_gpu, encoder_graphs=on_gpu,
                                         estimator_dtype="bfloat16" if on_gpu else "float32")
-        first_lane = getattr(args, "first_lane", None)
-        first_lane = (on_gpu if first_lane is None else first_lane) and getattr(args, "codec_thread", False)
+        first_lane = _first_lane_on(args, on_gpu)
         if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
             from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
 
@@ -237,9 +237,16 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
     return encoder, decoder, first_decoders
 
 
+def _first_lane_on(args: argparse.Namespace, on_gpu: bool) -> bool:
+    """--first-lane as given, else on a GPU; only beside the codec thread."""
+    first_lane = getattr(args, "first_lane", None)
+    return bool((on_gpu if first_lane is None else first_lane) and getattr(args, "codec_thread", False))
+
+
 def build_service(args: argparse.Namespace) -> Service:
     from engines.config import ConfigError, EngineConfig, model_config_for
     from engines.engine import Engine
+    from engines.kv.sizing import thin_pool_warning
     from engines.service.tokenizer import load_tokenizer
 
     if args.device == "auto":
@@ -268,6 +275,11 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-sms-only needs --codec-sms N")
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
+    if (getattr(args, "codec_round_max", None) is not None and args.codec != "none" and _first_lane_on(args, on_gpu)
+            and getattr(args, "codec_round_period_ms", 200.0) > 0):
+        raise ValueError("--codec-round-max bounds rounds of playing answers run back to back; with a first lane they "
+                         "run once a period (--codec-round-period-ms) and take every answer due: give "
+                         "--codec-round-period-ms 0 with it")
     codec_home = contextlib.nullcontext()
     codec_stream = None
     if on_gpu:
@@ -310,6 +322,9 @@ def build_service(args: argparse.Namespace) -> Service:
     if kv_auto:
         log.info("KV pool: %.1f GiB (auto: the GPU's free memory less a headroom)",
                  engine.config.kv_cache_bytes / GIB)
+    thin = thin_pool_warning(engine.config.kv_cache_bytes, engine.config, model_config)
+    if thin:
+        log.warning("%s", thin)
     tokenizer = load_tokenizer(args.model)
     voices = voice_loader(encoder, args.codec) if encoder is not None else None
     if args.model in ("tiny-random", "full-random") or args.codec in ("tiny-random", "full-random"):
