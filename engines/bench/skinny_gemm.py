@@ -49,12 +49,7 @@ def main() -> None:
                                             rounds=10)
             rows[m] = {"cublas_us": tc * 1e6, "triton_us": tt * 1e6, "cublas_frac_bw": nbytes / tc / bw,
                        "triton_frac_bw": nbytes / tt / bw}
-        wide = {}  # M -> (tile rows, cuBLAS s, {config: s})
-        for m in (int(r) for r in a.wide.split(",") if r):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            block_m = max(16, triton.next_power_of_2(m))
-            tc = skinny_gemm._time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
-            wide[m] = block_m, tc, skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
+        wide = {m: _bf16_rows(m, copies)[1:] for m in (int(r) for r in a.wide.split(",") if r)}
         fp8 = {m: _fp8_rows(m, copies, bw) for m in (int(r) for r in a.fp8.split(",") if r)}
         del copies
         report["shapes"][name] = {"n": n, "k": k, "choice": list(choice) if choice else None,
@@ -84,16 +79,22 @@ def main() -> None:
             json.dump(report, f, indent=1)
 
 
-def _fp8_rows(m: int, copies: list[torch.Tensor], bw: float) -> dict:
-    """One row count: bf16 cuBLAS and best tiling, then every tiling over the weights' fp8 copies; and whether the
-    best fp8 tiling's output equals the same tiling's over the bf16 values of the fp8 weights (it should, exactly)."""
-    from engines.model.fp8 import dequantize, quantize
-
-    k = copies[0].shape[1]
-    x = torch.randn(m, k, device=copies[0].device, dtype=torch.bfloat16)
+def _bf16_rows(m: int, copies: list[torch.Tensor]) -> tuple[torch.Tensor, int, float, dict]:
+    """One row count over the bf16 weights: (x [m, K], tile rows, cuBLAS s, {config: s} with one tile of the next
+    power-of-two rows)."""
+    x = torch.randn(m, copies[0].shape[1], device=copies[0].device, dtype=torch.bfloat16)
     block_m = max(16, triton.next_power_of_2(m))
     tc = skinny_gemm._time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10)
-    tb = skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
+    return x, block_m, tc, skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
+
+
+def _fp8_rows(m: int, copies: list[torch.Tensor], bw: float) -> dict:
+    """One row count: bf16 cuBLAS and best tiling, then every tiling over the weights' fp8 copies; and whether the
+    best fp8 tiling's output equals the same tiling's over the bf16 values of the fp8 weights (the scaling is exact,
+    but the compiled sums may be ordered differently: H200, some tilings equal, others not)."""
+    from engines.model.fp8 import dequantize, quantize
+
+    x, block_m, tc, tb = _bf16_rows(m, copies)
     q = [quantize(w) for w in copies]
     scale = q[0][1]  # one scale for every copy: timing only
     t8 = skinny_gemm.time_candidates(x, [w8 for w8, _ in q], block_m, rounds=10, scale=scale)

@@ -234,9 +234,8 @@ def tune(weight: torch.Tensor, rows: int = 1, scale: torch.Tensor | None = None,
          block_m: int = MAX_ROWS) -> Config | None:
     """Time every candidate and cuBLAS on this weight's shape; remember and return the winner (None: cuBLAS).
     An fp8 weight (with its `scale`, for activations of `act_dtype`) has no cuBLAS: the best tiling wins."""
-    n, k = weight.shape
     copies = _copies(weight, scale)
-    x = torch.randn(rows, k, device=weight.device, dtype=act_dtype or weight.dtype)
+    x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=act_dtype or weight.dtype)
     result = time_candidates(x, copies, block_m, scale=scale)
     if scale is None:
         result["cublas"] = _time_per_call(lambda w: F.linear(x, w), copies)

@@ -275,8 +275,9 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-sms-only needs --codec-sms N")
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
+    round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000
     if (getattr(args, "codec_round_max", None) is not None and args.codec != "none" and _first_lane_on(args, on_gpu)
-            and getattr(args, "codec_round_period_ms", 200.0) > 0):
+            and round_period_s > 0):
         raise ValueError("--codec-round-max bounds rounds of playing answers run back to back; with a first lane they "
                          "run once a period (--codec-round-period-ms) and take every answer due: give "
                          "--codec-round-period-ms 0 with it")
@@ -336,7 +337,7 @@ def build_service(args: argparse.Namespace) -> Service:
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
-                      codec_round_period_s=getattr(args, "codec_round_period_ms", 200.0) / 1000,
+                      codec_round_period_s=round_period_s,
                       encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
