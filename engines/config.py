@@ -155,6 +155,11 @@ class EngineConfig:
     # an fp8 copy in decode-sized GEMMs (half the bytes of a step). This changes the model's numerics against the
     # published bf16 weights, so it is off unless asked for.
     fp8_weights: bool = False
+    # With fp8_weights: keep only the fp8 copies (the bf16 weights go, so the weights take half their bf16 memory
+    # instead of 1.5x it), and steps of more than 32 rows run the fp8 GEMM (engines/kernels/fp8_gemm.py) instead of
+    # cuBLAS over bf16: level at 33-64 rows, up to ~1.5x slower at prefill sizes (H200). For GPUs where the bf16
+    # weights beside the copies leave the KV pool thin (an 80 GB H100 at --max-running 128).
+    fp8_only: bool = False
 
     def __post_init__(self) -> None:
         for f in ("block_size", "kv_cache_bytes", "max_running", "prefill_token_budget", "max_model_len"):
@@ -173,6 +178,9 @@ class EngineConfig:
         parse_dtype(self.dtype)
         _require(isinstance(self.fp8_weights, bool),
                  f"EngineConfig.fp8_weights must be a bool, got {self.fp8_weights!r}")
+        _require(isinstance(self.fp8_only, bool), f"EngineConfig.fp8_only must be a bool, got {self.fp8_only!r}")
+        _require(not self.fp8_only or self.fp8_weights, "EngineConfig.fp8_only needs fp8_weights (it says which "
+                 "weights an fp8 model keeps)")
         _require(not self.fp8_weights or self.torch_dtype in (torch.bfloat16, torch.float32),
                  f"EngineConfig.fp8_weights needs dtype bfloat16 or float32 (fp8 values are exact in those), "
                  f"got {self.dtype}")

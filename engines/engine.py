@@ -82,7 +82,7 @@ class Engine:
         if config.fp8_weights:
             from engines.model import fp8
 
-            fp8.apply(model)
+            fp8.apply(model, keep_weights=not config.fp8_only)
         return model, mc
 
     @classmethod

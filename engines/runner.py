@@ -102,9 +102,12 @@ class ModelRunner:
         self.graphs = self.mixed_graphs = None
         if self.device.type == "cuda":
             from engines.graphs import private_stream
+            from engines.model import fp8
 
             # The text tail's stream (MossSpeechModel.forward): private, as it runs cuBLAS GEMMs inside the graphs.
             model.tail_stream = private_stream(self.device)
+            # fp8 copies (if any): their GEMMs tuned for every row count a step can bring, before the graphs
+            fp8.tune_kernels(model, config.prefill_token_budget, config.max_running)
         if self.device.type == "cuda" and config.cuda_graphs:
             from engines.graphs import CudaGraphDecoder, CudaGraphMixed
 

@@ -59,18 +59,27 @@ def test_round_weight_replaces_the_values_in_place():
     assert not torch.equal(w, before)
 
 
-def test_apply_gives_every_linear_its_copy_and_refuses_float16(tiny_checkpoint):
+@pytest.mark.parametrize("keep", [True, False])
+def test_apply_gives_every_linear_its_copy_beside_or_instead_of_the_weight(tiny_checkpoint, keep):
     model = load_model(tiny_checkpoint, device="cpu")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * model.config.num_attention_layers + 2  # qkv, o, gate_up, down; two heads
-    nbytes = fp8.apply(model)
-    assert nbytes == sum(m.weight.numel() + 4 * m.weight.shape[0] for m in linears)
-    for m in linears:
+    rounded = [fp8.dequantize(*fp8.quantize(m.weight), m.weight.dtype) for m in linears]
+    params_before = sum(p.numel() for p in model.parameters())
+    nbytes = fp8.apply(model, keep_weights=keep)
+    assert nbytes == sum(r.numel() + 4 * r.shape[0] for r in rounded)
+    for m, r in zip(linears, rounded, strict=True):
         w8, scale = m.fp8
-        assert w8.shape == m.weight.shape and torch.equal(fp8.dequantize(w8, scale, m.weight.dtype), m.weight)
+        assert torch.equal(fp8.dequantize(w8, scale, r.dtype), r)
+        assert torch.equal(m.weight, r) if keep else m.weight is None
+    # without the weights they are gone from the module's parameters; a Linear on the CPU multiplies by the values
+    gone = 0 if keep else sum(r.numel() for r in rounded)
+    assert sum(p.numel() for p in model.parameters()) == params_before - gone
+    x = torch.randn(3, linears[0].fp8[0].shape[1])
+    assert torch.equal(linears[0](x), torch.nn.functional.linear(x, rounded[0]))
     half = load_model(tiny_checkpoint, device="cpu", dtype=torch.float16)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        fp8.apply(half)
+        fp8.apply(half, keep_weights=keep)
 
 
 def test_config_refuses_fp8_weights_in_float16_and_non_bools():
@@ -79,9 +88,15 @@ def test_config_refuses_fp8_weights_in_float16_and_non_bools():
         EngineConfig(dtype="float16", fp8_weights=True)
     with pytest.raises(ConfigError, match="fp8_weights must be a bool"):
         EngineConfig(fp8_weights="yes")
+    assert EngineConfig(fp8_weights=True, fp8_only=True).fp8_only
+    with pytest.raises(ConfigError, match="fp8_only needs fp8_weights"):
+        EngineConfig(fp8_only=True)
+    with pytest.raises(ConfigError, match="fp8_only must be a bool"):
+        EngineConfig(fp8_weights=True, fp8_only=1)
 
 
-def test_engine_with_fp8_weights_is_the_dense_reference_over_the_rounded_weights(tiny_checkpoint):
+@pytest.mark.parametrize("keep", [True, False])
+def test_engine_with_fp8_weights_is_the_dense_reference_over_the_rounded_weights(tiny_checkpoint, keep):
     """Greedy tokens on both channels equal the dense model's whose projection weights are the rounded ones (the
     rounding is per row, so the checkpoint's separate q/k/v and gate/up round as the engine's fused rows do); the
     unrounded dense model differs on some request."""
@@ -91,7 +106,7 @@ def test_engine_with_fp8_weights_is_the_dense_reference_over_the_rounded_weights
     model = load_model(tiny_checkpoint, device="cpu")
     # q, k, v, o, gate, up, down of every layer and the two heads changed; nothing else
     assert sum(not torch.equal(rounded[k], tensors[k]) for k in tensors) == 7 * model.config.num_attention_layers + 2
-    fp8.apply(model)
+    fp8.apply(model, keep_weights=keep)
     mc = model.config
     engine = Engine(model, mc, EngineConfig(kv_cache_bytes=mc.kv_bytes_per_row() * 4096, max_running=8,
                                             prefill_token_budget=48))
@@ -112,28 +127,42 @@ def test_engine_with_fp8_weights_is_the_dense_reference_over_the_rounded_weights
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
 
 
-def test_fp8_weights_option_reaches_the_engine():
+def test_fp8_weights_options_reach_the_engine():
     from engines.service.process import add_arguments, build_service
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
-    for extra, want in (([], False), (["--fp8-weights"], True)):
+    for extra, copies, weights in (([], False, True), (["--fp8-weights"], True, True),
+                                   (["--fp8-weights", "--fp8-only"], True, False)):
         svc = build_service(p.parse_args(base + extra))
-        assert svc.engine.config.fp8_weights is want
+        assert svc.engine.config.fp8_weights is copies and svc.engine.config.fp8_only is not weights
         linears = [m for m in svc.engine.runner.model.modules() if isinstance(m, Linear)]
-        assert all((m.fp8 is not None) is want for m in linears)
+        assert all((m.fp8 is not None) is copies and (m.weight is not None) is weights for m in linears), extra
+    with pytest.raises(ConfigError, match="fp8_only needs fp8_weights"):
+        build_service(p.parse_args(base + ["--fp8-only"]))
 
 
-def test_bench_floor_counts_the_fp8_copies_where_decode_steps_read_them(tiny_checkpoint):
-    from engines.commands.bench_engine import weight_bytes
+@pytest.mark.parametrize("keep", [True, False])
+def test_bench_floor_counts_the_fp8_copies_where_steps_read_them(tiny_checkpoint, keep):
+    from engines.commands.bench_engine import matmul_params, weight_bytes
 
     model = load_model(tiny_checkpoint, device="cpu")
-    full = weight_bytes(model, False)
-    fp8.apply(model)
-    linear_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, Linear)
-                       and m is not model.text_lm_head)
-    copy_bytes = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in model.modules() if isinstance(m, Linear)
-                     and m is not model.text_lm_head)
-    assert weight_bytes(model, False, fp8.MAX_ROWS + 1) == full
+    full, params = weight_bytes(model, False), matmul_params(model)
+    heads_and_layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.text_lm_head]
+    linear_bytes = sum(m.weight.numel() * 4 for m in heads_and_layers)
+    copy_bytes = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in heads_and_layers)
+    fp8.apply(model, keep_weights=keep)
     assert weight_bytes(model, False, 1) == full - linear_bytes + copy_bytes
+    # past fp8.MAX_ROWS rows cuBLAS reads the kept weights; without them the fp8 GEMM reads the copies
+    assert weight_bytes(model, False, fp8.MAX_ROWS + 1) == (full if keep else full - linear_bytes + copy_bytes)
+    assert matmul_params(model) == params  # the FLOP count of prefill is the copies' shapes
+
+
+def test_bench_engine_refuses_fp8_only_beside_the_bf16_baseline():
+    from engines.commands.bench_engine import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(SystemExit, match="--fp8-only needs --no-baseline"):
+        run(p.parse_args(["--model", "tiny-random", "--device", "cpu", "--fp8-weights", "--fp8-only"]))

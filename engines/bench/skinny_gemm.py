@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from engines.bench.hardware import device_name, measure_bandwidth
+from engines.bench.hardware import device_name, measure_bandwidth, measure_matmul
 from engines.kernels import skinny_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
@@ -27,12 +27,14 @@ def main() -> None:
     p.add_argument("--wide", default="", help="also rows beyond MAX_ROWS (e.g. 32,48,64): cuBLAS against every "
                    "candidate tiling with one tile of the next power-of-two rows")
     p.add_argument("--fp8", default="", help="also the fp8 copy of each weight (engines/model/fp8.py) at these rows "
-                   "(e.g. 1,8,16,32,64): every tiling against the bf16 weight's best and cuBLAS")
+                   "(e.g. 1,8,16,32,64,128,512): every skinny tiling to 64 rows, every fp8 GEMM tiling from 33, "
+                   "against the bf16 weight's best and cuBLAS")
     a = p.parse_args()
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev, 1 << 30)
-    print(f"{device_name(dev)}: copy bandwidth {bw / 1e12:.2f} TB/s")
-    report = {"device": device_name(dev), "copy_bandwidth_bytes_per_s": bw, "shapes": {}}
+    mm = measure_matmul(dev, 8192, torch.bfloat16)
+    print(f"{device_name(dev)}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    report = {"device": device_name(dev), "copy_bandwidth_bytes_per_s": bw, "bf16_matmul_flops": mm, "shapes": {}}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         nbytes = w.numel() * 2
@@ -44,8 +46,8 @@ def main() -> None:
         rows = {}
         for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            tc = skinny_gemm._time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
-            tt = skinny_gemm._time_per_call(lambda ww, x=x, c=best_c: skinny_gemm.launch(x, ww, c), copies,
+            tc = skinny_gemm.time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
+            tt = skinny_gemm.time_per_call(lambda ww, x=x, c=best_c: skinny_gemm.launch(x, ww, c), copies,
                                             rounds=10)
             rows[m] = {"cublas_us": tc * 1e6, "triton_us": tt * 1e6, "cublas_frac_bw": nbytes / tc / bw,
                        "triton_frac_bw": nbytes / tt / bw}
@@ -70,10 +72,15 @@ def main() -> None:
                   f"{bc} {tt[bc] * 1e6:7.1f} us ({nbytes / tt[bc] / bw:.0%})", flush=True)
         for m, r in fp8.items():
             report["shapes"][name].setdefault("fp8", {})[m] = r
-            print(f"   fp8 M={m:2d} (tile {r['block_m']}): bf16 cublas {r['cublas_us']:6.1f} us, bf16 best "
-                  f"{r['bf16_best_us']:6.1f}, fp8 best {tuple(r['best'])} {r['fp8_us']:6.1f} us "
-                  f"({r['fp8_frac_bw']:.0%} of copy bw for its bytes), equal to bf16 over its values: {r['equal']}",
-                  flush=True)
+            line = f"   fp8 M={m:3d}: bf16 cublas {r['cublas_us']:6.1f} us, bf16 best {r['bf16_best_us']:6.1f}"
+            if "fp8_us" in r:
+                line += (f"; skinny (tile {r['block_m']}) {tuple(r['best'])} {r['fp8_us']:6.1f} us "
+                         f"({r['fp8_frac_bw']:.0%} of copy bw for its bytes), equal to bf16 over its values: "
+                         f"{r['equal']}")
+            if "gemm_us" in r:
+                line += (f"; fp8 gemm {tuple(r['gemm_best'])} {r['gemm_us']:6.1f} us, "
+                         f"{2 * m * n * k / r['gemm_us'] * 1e-6:.0f} TFLOP/s, diff {r['gemm_rel_diff']:.1e}")
+            print(line, flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -84,29 +91,48 @@ def _bf16_rows(m: int, copies: list[torch.Tensor]) -> tuple[torch.Tensor, int, f
     power-of-two rows)."""
     x = torch.randn(m, copies[0].shape[1], device=copies[0].device, dtype=torch.bfloat16)
     block_m = max(16, triton.next_power_of_2(m))
-    tc = skinny_gemm._time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10)
+    tc = skinny_gemm.time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10)
     return x, block_m, tc, skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
 
 
 def _fp8_rows(m: int, copies: list[torch.Tensor], bw: float) -> dict:
-    """One row count: bf16 cuBLAS and best tiling, then every tiling over the weights' fp8 copies; and whether the
-    best fp8 tiling's output equals the same tiling's over the bf16 values of the fp8 weights (the scaling is exact,
-    but the compiled sums may be ordered differently: H200, some tilings equal, others not)."""
+    """One row count: bf16 cuBLAS and best tiling, then every skinny tiling (up to 64 rows) and every fp8 GEMM tiling
+    (from 33 rows) over the weights' fp8 copies; and whether the best skinny tiling's output equals the same
+    tiling's over the bf16 values of the fp8 weights (the scaling is exact, but the compiled sums may be ordered
+    differently: H200, some tilings equal, others not), and the fp8 GEMM's largest difference from cuBLAS over those
+    values, in units of the output's largest magnitude."""
+    from engines.kernels import fp8_gemm
     from engines.model.fp8 import dequantize, quantize
 
-    x, block_m, tc, tb = _bf16_rows(m, copies)
+    x, block_m, tc, tb = _bf16_rows(m, copies) if m <= 64 else _bf16_cublas(m, copies)
     q = [quantize(w) for w in copies]
     scale = q[0][1]  # one scale for every copy: timing only
-    t8 = skinny_gemm.time_candidates(x, [w8 for w8, _ in q], block_m, rounds=10, scale=scale)
-    best = min(t8, key=t8.__getitem__)
+    w8s = [w8 for w8, _ in q]
     w8, s0 = q[0]
-    try:
-        equal = torch.equal(skinny_gemm.launch(x, w8, best, block_m=block_m, scale=s0),
-                            skinny_gemm.launch(x, dequantize(w8, s0, torch.bfloat16), best, block_m=block_m))
-    except Exception:  # the tiling does not fit this GPU's shared memory over the bf16 values (twice the bytes)
-        equal = None
-    return {"block_m": block_m, "cublas_us": tc * 1e6, "bf16_best_us": min(tb.values()) * 1e6, "best": list(best),
-            "fp8_us": t8[best] * 1e6, "fp8_frac_bw": w8.numel() / t8[best] / bw, "equal": equal}
+    out = {"block_m": block_m, "cublas_us": tc * 1e6, "bf16_best_us": min(tb.values(), default=tc) * 1e6}
+    if m <= 64:
+        t8 = skinny_gemm.time_candidates(x, w8s, block_m, rounds=10, scale=scale)
+        best = min(t8, key=t8.__getitem__)
+        try:
+            equal = torch.equal(skinny_gemm.launch(x, w8, best, block_m=block_m, scale=s0),
+                                skinny_gemm.launch(x, dequantize(w8, s0, torch.bfloat16), best, block_m=block_m))
+        except Exception:  # the tiling does not fit this GPU's shared memory over the bf16 values (twice the bytes)
+            equal = None
+        out.update(best=list(best), fp8_us=t8[best] * 1e6, fp8_frac_bw=w8.numel() / t8[best] / bw, equal=equal)
+    if m > 32:
+        tg = fp8_gemm.time_candidates(x, w8s, scale, rounds=10)
+        bg = min(tg, key=tg.__getitem__)
+        ref = torch.nn.functional.linear(x, dequantize(w8, s0, torch.bfloat16)).float()
+        diff = (fp8_gemm.launch(x, w8, s0, bg).float() - ref).abs().max() / ref.abs().max()
+        out.update(gemm_best=list(bg), gemm_us=tg[bg] * 1e6, gemm_rel_diff=float(diff),
+                   gemm_all_us={str(c): v * 1e6 for c, v in tg.items()})
+    return out
+
+
+def _bf16_cublas(m: int, copies: list[torch.Tensor]) -> tuple[torch.Tensor, int, float, dict]:
+    """As _bf16_rows, cuBLAS only (rows past the skinny kernel's tiles)."""
+    x = torch.randn(m, copies[0].shape[1], device=copies[0].device, dtype=torch.bfloat16)
+    return x, 0, skinny_gemm.time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10), {}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--fp8-weights", action="store_true", help="EngineConfig.fp8_weights: the weights rounded to fp8, "
                    "decode steps reading an fp8 copy (the baseline runs the same rounded weights in bf16)")
+    p.add_argument("--fp8-only", action="store_true", help="EngineConfig.fp8_only: with --fp8-weights, only the fp8 "
+                   "copies are kept (needs --no-baseline: the HF-style baseline multiplies bf16 weights)")
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -80,7 +82,7 @@ def _drain(engine: Engine) -> None:
 
 def weight_bytes(model: torch.nn.Module, with_text_head: bool, rows: int = 1) -> int:
     """Bytes a decode step of `rows` rows must read: every layer, norm and the heads it uses (embeddings: a few rows
-    only); a layer's fp8 copy instead of its weight where the step's GEMMs read it (fp8.MAX_ROWS)."""
+    only); a layer's fp8 copy instead of its weight where the step's GEMMs read it (fp8.MAX_ROWS, or no weight)."""
     from engines.model import fp8
     from engines.model.layers import Linear
 
@@ -89,7 +91,7 @@ def weight_bytes(model: torch.nn.Module, with_text_head: bool, rows: int = 1) ->
     for name, m in model.named_modules():
         if name in skip:
             continue
-        if isinstance(m, Linear) and m.fp8 is not None and rows <= fp8.MAX_ROWS:
+        if isinstance(m, Linear) and m.fp8 is not None and (m.weight is None or rows <= fp8.MAX_ROWS):
             total += sum(t.numel() * t.element_size() for t in m.fp8)
         else:
             total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
@@ -97,7 +99,11 @@ def weight_bytes(model: torch.nn.Module, with_text_head: bool, rows: int = 1) ->
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2)
+    """Multiply-adds per row of the decoder layers' linear layers (their weights, or fp8 copies where dropped)."""
+    from engines.model.layers import Linear
+
+    return sum(m.fp8[0].numel() if m.weight is None else m.weight.numel() for n, m in model.named_modules()
+               if n.startswith("layers.") and isinstance(m, Linear))
 
 
 def _baseline_decode_ms(model, batch: int, ctx: int, repeats: int, device: torch.device) -> float:
@@ -108,6 +114,9 @@ def _baseline_decode_ms(model, batch: int, ctx: int, repeats: int, device: torch
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fp8_only and not args.no_baseline:
+        raise SystemExit("bench engine: --fp8-only needs --no-baseline (the model keeps no bf16 weights for the "
+                         "HF-style baseline; run it without --fp8-only for that)")
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     batches = [int(b) for b in args.batches.split(",")]
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(device=args.device, dtype=dtype, kv_cache_bytes=kv_bytes, max_running=max_b,
                        prefill_token_budget=max(args.prefill, max_b + 1) + max_b, max_model_len=max_len + 64,
                        max_waiting=max_b + 8, cuda_graphs=not args.no_graphs, fp8_weights=args.fp8_weights,
+                       fp8_only=args.fp8_only,
                        ramp_step_rows=0)  # no cap on prefill beside new answers: batches fill in prefill_steps
     engine = Engine.from_name(args.model, cfg, seed=0)
     model = engine.runner.model
@@ -139,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     res: dict = {"device": device_name(device), "model": args.model, "dtype": dtype,
                  "hbm_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": mm, "weight_bytes_decode_audio": w_audio,
                  "weight_bytes_decode_text": w_text, "kv_bytes_per_row": kv_row, "context_rows": ctx,
-                 "cuda_graphs": engine.runner.graphs is not None, "fp8_weights": args.fp8_weights}
+                 "cuda_graphs": engine.runner.graphs is not None, "fp8_weights": args.fp8_weights,
+                 "fp8_only": args.fp8_only}
 
     # Prefill of N rows (the step that runs them and samples the first row), without the first decode step that
     # the engine launches in the same call for a spoken answer (overlap off for this measurement only).

@@ -152,11 +152,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
         raise ValueError(f"x has {k} columns, the weight {weight.shape[1]}")
     if m > block_m:
         raise ValueError(f"x has {m} rows, more than the tile's {block_m}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    dst = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    x, out, dst = operands(x, n, split, out)
     tile_n = block_n // 2 if glu else block_n  # output columns per program
     _skinny_kernel[(triton.cdiv(n, tile_n), split)](
         x, weight, weight if scale is None else scale, dst, m, n, k, k // split if split > 1 else k, x.stride(0),
@@ -164,8 +160,26 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
         EVEN_N=n % tile_n == 0, SPLIT_K=split, GLU=glu, SCALED=scale is not None, num_warps=warps,
         num_stages=stages, **launch_kwargs(x.device))
     if split > 1:
-        _split_reduce_kernel[(triton.cdiv(m * n, 1024),)](dst, out, m * n, SPLIT_K=split, BLOCK=1024, num_warps=4)
+        reduce_splits(dst, out)
     return out
+
+
+def operands(x: torch.Tensor, n: int, split: int, out: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x with unit column stride, out [M, n], where the kernel writes: out, or float32 partials [split, M, n] for
+    `reduce_splits`)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    return x, out, out if split == 1 else torch.empty(split, x.shape[0], n, device=x.device, dtype=torch.float32)
+
+
+def reduce_splits(partials: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] (contiguous) = the sum of split-K partials [SPLIT_K, M, N] (float32), rounded once."""
+    mn = out.numel()
+    _split_reduce_kernel[(triton.cdiv(mn, 1024),)](partials, out, mn, SPLIT_K=partials.shape[0], BLOCK=1024,
+                                                   num_warps=4)
 
 
 @functools.cache
@@ -175,7 +189,7 @@ def _tuner_stream(device: torch.device) -> torch.cuda.Stream:
     return private_stream(device)
 
 
-def _time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
+def time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
     """Seconds per call with the calls replayed from a CUDA graph, as the decode step runs them (eager timing
     would measure Triton's host-side launch cost instead of the kernel)."""
     for w in copies[:2]:
@@ -209,14 +223,14 @@ def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], block_m: int = 
         if cfg[4] > 1 and k % (cfg[4] * cfg[1]):
             continue
         try:
-            result[cfg] = _time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out, block_m=block_m, scale=scale),
+            result[cfg] = time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out, block_m=block_m, scale=scale),
                                          copies, rounds)
         except Exception:  # a tiling that does not fit this GPU (shared memory) is just skipped
             continue
     return result
 
 
-def _copies(weight: torch.Tensor, scale: torch.Tensor | None) -> list[torch.Tensor]:
+def weight_copies(weight: torch.Tensor, scale: torch.Tensor | None) -> list[torch.Tensor]:
     """The weight and random copies of it, together larger than L2 (an fp8 weight's copies are fp8 as well)."""
     nbytes = weight.numel() * weight.element_size()
     # at most 16 copies: a weight too small to defeat L2 with them is cheap whichever kernel runs it
@@ -234,11 +248,11 @@ def tune(weight: torch.Tensor, rows: int = 1, scale: torch.Tensor | None = None,
          block_m: int = MAX_ROWS) -> Config | None:
     """Time every candidate and cuBLAS on this weight's shape; remember and return the winner (None: cuBLAS).
     An fp8 weight (with its `scale`, for activations of `act_dtype`) has no cuBLAS: the best tiling wins."""
-    copies = _copies(weight, scale)
+    copies = weight_copies(weight, scale)
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=act_dtype or weight.dtype)
     result = time_candidates(x, copies, block_m, scale=scale)
     if scale is None:
-        result["cublas"] = _time_per_call(lambda w: F.linear(x, w), copies)
+        result["cublas"] = time_per_call(lambda w: F.linear(x, w), copies)
     del copies
     best = min((c for c in result if c != "cublas"), key=result.__getitem__, default=None)
     margin = _WIN_MARGIN[enabled(weight.device)]
@@ -265,32 +279,39 @@ def _fp8_tiling(x: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None) 
     if fp8 is None or not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_MAX_ROWS
                            and x.dtype in (torch.bfloat16, torch.float16)):
         return None, 0
-    block_m = MAX_ROWS if x.shape[0] <= MAX_ROWS else FP8_MAX_ROWS
+    block_m = max(MAX_ROWS, triton.next_power_of_2(x.shape[0]))
     return config_for(fp8[0], fp8[1], x.dtype, block_m), block_m
 
 
-def glu(x: torch.Tensor, weight: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+def glu(x: torch.Tensor, weight: torch.Tensor | None, fp8: tuple[torch.Tensor, torch.Tensor] | None = None
         ) -> torch.Tensor | None:
     """silu(gate) * up of x @ (gate; up).T in one kernel, or None where it cannot run (rows not decode-sized,
     the shape tuned to cuBLAS or split-K, or MOSS_FUSED_GEMM=0). `fp8`: the weight's fp8 copy (w8, scale), read
-    instead of it where the rows allow (engines/model/fp8.py)."""
+    instead of it where the rows allow (engines/model/fp8.py); `weight` None: the layer keeps only that copy."""
     if not FUSE:
         return None
     cfg, block_m = _fp8_tiling(x, fp8)
     if cfg is not None:
         return launch(x, fp8[0], cfg, glu=True, block_m=block_m, scale=fp8[1]) if cfg[4] == 1 else None
-    if not supported(x, weight):
+    if weight is None or not supported(x, weight):
         return None
     cfg = config_for(weight)
     return launch(x, weight, cfg, glu=True) if cfg is not None and cfg[4] == 1 else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+def linear(x: torch.Tensor, weight: torch.Tensor | None, fp8: tuple[torch.Tensor, torch.Tensor] | None = None
            ) -> torch.Tensor:
     """F.linear(x, weight), through the tuned kernel where the rows are decode-sized and it beats cuBLAS. `fp8`: the
-    weight's fp8 copy (w8, scale), read instead of it where the rows allow (engines/model/fp8.py)."""
+    weight's fp8 copy (w8, scale), read instead of it where the rows allow (engines/model/fp8.py). `weight` None:
+    the layer keeps only the fp8 copy, and larger row counts go to the fp8 GEMM (engines/kernels/fp8_gemm.py)."""
     cfg, block_m = _fp8_tiling(x, fp8)
     if cfg is not None:
         return launch(x, fp8[0], cfg, block_m=block_m, scale=fp8[1])
+    if weight is None:
+        if fp8 is None:
+            raise ValueError("a linear layer with neither a weight nor an fp8 copy")
+        from engines.kernels import fp8_gemm
+
+        return fp8_gemm.linear(x, *fp8)
     cfg = config_for(weight) if supported(x, weight) else None
     return F.linear(x, weight) if cfg is None else launch(x, weight, cfg)

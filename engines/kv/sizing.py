@@ -46,4 +46,5 @@ def thin_pool_warning(kv_cache_bytes: int, config: EngineConfig, model: ModelCon
         return None
     return (f"the KV pool ({kv_cache_bytes / GIB:.1f} GiB) holds {rows} rows, {per_seq} per running sequence at "
             f"--max-running {config.max_running}: conversations are refused (server_busy) once together they hold "
-            f"more. Lower --max-running, or free GPU memory (--fp8-weights keeps a second copy of the weights)")
+            f"more. Lower --max-running, or free GPU memory (--fp8-weights keeps a second copy of the weights; "
+            f"--fp8-only with it keeps only that copy)")

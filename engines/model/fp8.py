@@ -17,8 +17,8 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn magnitude
-# Steps of up to this many rows read the fp8 copy (engines/kernels/skinny_gemm.py): there its kernel beats cuBLAS on
-# the bf16 weight (H200: every model shape at 1-32 rows; docs/PERF_NOTES.md); steps under load carry ~20-30 rows
+# Steps of up to this many rows read the fp8 copy through the skinny kernel (engines/kernels/skinny_gemm.py), more
+# through the fp8 GEMM (engines/kernels/fp8_gemm.py)
 MAX_ROWS = 32
 
 
@@ -46,9 +46,12 @@ def round_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w8, scale
 
 
-def apply(model: torch.nn.Module) -> int:
-    """Round every Linear weight of `model` to fp8 values and give the layer its fp8 copy (Linear.fp8); returns the
-    bytes the copies take. The bf16 weights stay (the GEMMs of prefill-sized rows run on them, through cuBLAS)."""
+def apply(model: torch.nn.Module, keep_weights: bool = True) -> int:
+    """Round every Linear weight of `model` to fp8 and give the layer its fp8 copy (Linear.fp8), which GEMMs of up to
+    MAX_ROWS rows read on a GPU (engines/kernels/skinny_gemm.py). `keep_weights`: the weight stays, overwritten with
+    the rounded values, for larger GEMMs (cuBLAS); else it goes (None) and every GEMM reads the copy
+    (engines/kernels/fp8_gemm.py above MAX_ROWS rows; off a GPU, or in float32, the layer multiplies by the
+    dequantized values). Returns the bytes the copies take."""
     from engines.model.layers import Linear
 
     if model.dtype not in (torch.bfloat16, torch.float32):
@@ -57,7 +60,41 @@ def apply(model: torch.nn.Module) -> int:
     total = 0
     with torch.no_grad():
         for layer in model.modules():
-            if isinstance(layer, Linear):
-                layer.fp8 = round_weight(layer.weight)
+            if isinstance(layer, Linear) and layer.weight is not None:
+                if keep_weights:
+                    layer.fp8 = round_weight(layer.weight)
+                else:
+                    layer.fp8 = quantize(layer.weight)
+                    layer.weight = None  # goes now: peak memory is one layer's float32 copy
                 total += layer.fp8[0].numel() + layer.fp8[1].numel() * 4
     return total
+
+
+def tune_kernels(model: torch.nn.Module, max_rows: int, max_head_rows: int) -> int:
+    """On a GPU, before any CUDA graph is captured: tune the fp8 kernels for every weight shape of `model` at every
+    row count a step can bring that reads the copies (the decoder layers up to `max_rows`, the heads up to
+    `max_head_rows`: they see only the rows that need logits; past MAX_ROWS only where the layer kept no weight). A
+    shape first met while serving would compile and time its tilings there, a stall of seconds. Returns the
+    (shape, tile or bucket) pairs tuned."""
+    from engines.kernels import fp8_gemm, skinny_gemm
+    from engines.model.layers import Linear
+
+    heads = {id(getattr(model, n, None)) for n in ("text_lm_head", "audio_lm_head")}
+    todo: dict[tuple[int, int], tuple[tuple[torch.Tensor, torch.Tensor], int]] = {}
+    for layer in model.modules():
+        if isinstance(layer, Linear) and layer.fp8 is not None and layer.fp8[0].is_cuda:
+            limit = max_head_rows if id(layer) in heads else max_rows
+            key = (*layer.fp8[0].shape, layer.weight is None)
+            todo[key] = (layer.fp8, max(limit, todo[key][1] if key in todo else 0))
+    n = 0
+    for (_, _, only), ((w8, scale), limit) in todo.items():
+        tile = skinny_gemm.MAX_ROWS
+        while tile <= min(MAX_ROWS, max(limit, skinny_gemm.MAX_ROWS)):
+            skinny_gemm.config_for(w8, scale, model.dtype, tile)
+            tile, n = tile * 2, n + 1
+        if only and limit > MAX_ROWS:
+            rows = fp8_gemm.MIN_BUCKET
+            while rows < 2 * fp8_gemm.bucket(limit):
+                fp8_gemm.config_for(w8, scale, rows, model.dtype)
+                rows, n = rows * 2, n + 1
+    return n

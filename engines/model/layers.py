@@ -22,16 +22,20 @@ class Linear(nn.Module):
     def __init__(self, out_features: int, in_features: int, device=None, dtype=None):
         super().__init__()
         self.weight = _empty((out_features, in_features), device, dtype)
-        # (w8 [out, in] fp8, scale [out]) whose values are exactly `weight`'s (engines/model/fp8.py), or None.
-        # Decode-sized GEMMs on a GPU read it instead of the weight: half the bytes. Not a buffer: made on the
-        # weight's device after loading (fp8.apply), never saved or moved with the module.
+        # (w8 [out, in] fp8, scale [out]) with the weight rounded to fp8 (engines/model/fp8.py), or None. Set after
+        # loading (fp8.apply), which drops the weight (None): every GEMM then reads the copy. Not a buffer: never
+        # saved or moved with the module.
         self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if x.is_cuda and (self.fp8 is None or x.dtype != torch.float32):
             from engines.kernels import skinny_gemm
 
             return skinny_gemm.linear(x, self.weight, self.fp8)  # decode batch: a pass over the weight
+        if self.weight is None:  # fp8 on a CPU or in float32: no kernel reads the copy, its exact values instead
+            from engines.model.fp8 import dequantize
+
+            return F.linear(x, dequantize(*self.fp8, x.dtype))
         return F.linear(x, self.weight)
 
     def glu(self, x: torch.Tensor) -> torch.Tensor | None:

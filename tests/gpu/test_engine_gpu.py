@@ -37,19 +37,20 @@ def run(engine: Engine, prompts: dict, steps: int, min_new: int = 0) -> dict:
     return out
 
 
-def make(ckpt, dtype: str, graphs: bool, fp8_weights: bool = False) -> Engine:
+def make(ckpt, dtype: str, graphs: bool, fp8_weights: str = "") -> Engine:
+    """fp8_weights: "beside" (copies beside the rounded bf16 weights) or "only" (copies alone), or none."""
     model = load_model(ckpt, device="cuda", dtype=dtype)
     if fp8_weights:
         from engines.model import fp8
 
-        fp8.apply(model)
+        fp8.apply(model, keep_weights=fp8_weights == "beside")
     mc = model.config
     cfg = EngineConfig(device="cuda", dtype=dtype, block_size=16, kv_cache_bytes=mc.kv_bytes_per_row() * 8192,
                        max_running=8, prefill_token_budget=64, cuda_graphs=graphs)
     return Engine(model, mc, cfg)
 
 
-@pytest.mark.parametrize("fp8_weights", [False, True])
+@pytest.mark.parametrize("fp8_weights", ["", "beside", "only"])
 def test_graph_replay_equals_eager(tiny_checkpoint, fp8_weights):
     rng = random.Random(1)
     prompts = {f"r{i}": prompt(rng, i % 2 == 1) for i in range(7)}

@@ -612,23 +612,27 @@ def test_skinny_gemm_over_an_fp8_weight_matches_f_linear_over_its_values(m, bloc
         skinny_gemm.launch(x, values, (32, 256, 4, 4, 1), scale=scale)
 
 
-def test_linear_reads_its_fp8_copy_up_to_fp8_max_rows_and_its_weight_above():
-    """Linear.fp8 set: steps of up to fp8.MAX_ROWS rows read the copy, larger ones the half-precision weight. The
-    weight is poisoned after the copy is made, so the rows that read it come out NaN."""
+def test_linear_with_only_its_fp8_copy_matches_its_values_at_every_row_count():
+    """fp8.apply(keep_weights=False) drops a Linear's weight: decode-sized rows read the copy through the skinny
+    kernel, more rows through the fp8 GEMM (both tuned by fp8.tune_kernels), and all of them equal F.linear over the
+    rounded values up to summation order. A float32 input takes the dequantized values (no kernel for it)."""
     from engines.model import fp8
     from engines.model.layers import Linear
 
     g = torch.Generator(device="cuda").manual_seed(32)
     lin = Linear(6144, 4096, "cuda", torch.bfloat16)
     lin.weight.data.copy_(torch.randn(6144, 4096, device="cuda", generator=g) * 0.02)
-    lin.fp8 = fp8.round_weight(lin.weight.data)
-    values = lin.weight.data.clone()
-    lin.weight.data.fill_(float("nan"))
-    for m in (1, 9, 16, 17, fp8.MAX_ROWS):
+    holder = torch.nn.Module()
+    holder.lin = lin
+    holder.dtype = torch.bfloat16
+    values = fp8.dequantize(*fp8.quantize(lin.weight.data), torch.bfloat16)
+    assert fp8.apply(holder, keep_weights=False) == 6144 * 4096 + 6144 * 4 and lin.weight is None
+    assert fp8.tune_kernels(holder, 300, 8) == 2 + 4  # skinny tiles of 16 and 32 rows; buckets 64-512 (300 -> 512)
+    for m in (1, 9, 16, 17, fp8.MAX_ROWS, fp8.MAX_ROWS + 1, 64, 65, 300):
         x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
-        out = lin(x)
-        assert rel_err(out, torch.nn.functional.linear(x.double(), values.double())) < 1e-2, m
-    assert lin(torch.randn(fp8.MAX_ROWS + 1, 4096, device="cuda").to(torch.bfloat16)).isnan().all()
+        assert rel_err(lin(x), torch.nn.functional.linear(x.double(), values.double())) < 1e-2, m
+    x = torch.randn(3, 4096, device="cuda", generator=g)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, values.float()))
 
 
 @pytest.mark.parametrize("rows", [2, 24])
@@ -661,3 +665,36 @@ def test_decoder_layers_over_fp8_copies_match_the_same_layers_over_their_values(
             lin.fp8 = cp
     assert torch.isfinite(outs[True]).all()
     assert rel_err(outs[True], outs[False]) < 2e-2
+
+
+@pytest.mark.parametrize("m", [33, 100, 300])
+def test_fp8_gemm_matches_f_linear_over_the_weight_values(m):
+    """Every fp8 GEMM tiling (both operand orders, split-K), ragged N and K, rows past the skinny kernel's tiles,
+    against F.linear over the exact bf16 values of the fp8 weight; outputs poisoned first."""
+    from engines.kernels import fp8_gemm
+    from engines.model.fp8 import dequantize, quantize
+
+    g = torch.Generator(device="cuda").manual_seed(33)
+    checked = tried = 0
+    for n, k in ((4096, 4096), (200, 1000)):
+        w8, scale = quantize(torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+                             * torch.logspace(-3, 0, n, device="cuda")[:, None].to(torch.bfloat16))
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), dequantize(w8, scale, torch.bfloat16).double())
+        for cfg in fp8_gemm.CANDIDATES:
+            if cfg[6] > 1 and k % (cfg[6] * cfg[2]):
+                continue
+            tried += 1
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            try:
+                fp8_gemm.launch(x, w8, scale, cfg, out)
+            except Exception as e:  # a tiling too large for this GPU's shared memory (the tuner skips it too)
+                if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
+                    raise
+                continue
+            assert torch.isfinite(out).all(), (n, k, cfg)
+            assert rel_err(out, ref) < 1e-2, (n, k, cfg, rel_err(out, ref))
+            checked += 1
+    assert tried > len(fp8_gemm.CANDIDATES) and checked >= tried - 4, (tried, checked)
+    with pytest.raises(ValueError, match="e4m3 weight"):
+        fp8_gemm.launch(x, dequantize(w8, scale, torch.bfloat16), scale, fp8_gemm.DEFAULT)
