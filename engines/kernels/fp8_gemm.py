@@ -1,8 +1,8 @@
 """GEMM over an fp8 weight for more rows than a decode step's: y = x @ (w8 * scale[:, None]).T, x [M, K] bf16.
 
-With `EngineConfig.fp8_weights` on a GPU the model keeps only the fp8 copies of its linear weights
-(engines/model/fp8.py), so prefill and the larger mixed steps need a GEMM that reads them too (decode-sized rows go
-to engines/kernels/skinny_gemm.py). Each program owns a [BLOCK_M, BLOCK_N] output tile and walks K: the fp8 weight
+With `EngineConfig.fp8_only` the model keeps only the fp8 copies of its linear weights (engines/model/fp8.py), so
+prefill and the larger mixed steps need a GEMM that reads them too (decode-sized rows go to
+engines/kernels/skinny_gemm.py). Each program owns a [BLOCK_M, BLOCK_N] output tile and walks K: the fp8 weight
 tile is converted in registers (through fp16, exact) and multiplied in bf16 with float32 sums; the row scale (a power
 of two) comes after the sums, so the result is the GEMM over the weight's bf16 values.
 
