@@ -279,8 +279,13 @@ def _fp8_tiling(x: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None) 
     if fp8 is None or not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_MAX_ROWS
                            and x.dtype in (torch.bfloat16, torch.float16)):
         return None, 0
-    block_m = max(MAX_ROWS, triton.next_power_of_2(x.shape[0]))
+    block_m = fp8_tile(x.shape[0])
     return config_for(fp8[0], fp8[1], x.dtype, block_m), block_m
+
+
+def fp8_tile(rows: int) -> int:
+    """The tile rows (tuned separately) a GEMM of `rows` <= fp8.MAX_ROWS rows over an fp8 copy runs with."""
+    return max(MAX_ROWS, triton.next_power_of_2(rows))
 
 
 def glu(x: torch.Tensor, weight: torch.Tensor | None, fp8: tuple[torch.Tensor, torch.Tensor] | None = None

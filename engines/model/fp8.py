@@ -88,13 +88,12 @@ def tune_kernels(model: torch.nn.Module, max_rows: int, max_head_rows: int) -> i
             todo[key] = (layer.fp8, max(limit, todo[key][1] if key in todo else 0))
     n = 0
     for (_, _, only), ((w8, scale), limit) in todo.items():
-        tile = skinny_gemm.MAX_ROWS
-        while tile <= min(MAX_ROWS, max(limit, skinny_gemm.MAX_ROWS)):
+        # the tiles and buckets the dispatch picks for each row count (skinny_gemm.linear / glu)
+        tiles = {skinny_gemm.fp8_tile(r) for r in range(1, min(limit, MAX_ROWS) + 1)}
+        buckets = {fp8_gemm.bucket(r) for r in range(MAX_ROWS + 1, limit + 1)} if only else set()
+        for tile in sorted(tiles):
             skinny_gemm.config_for(w8, scale, model.dtype, tile)
-            tile, n = tile * 2, n + 1
-        if only and limit > MAX_ROWS:
-            rows = fp8_gemm.MIN_BUCKET
-            while rows < 2 * fp8_gemm.bucket(limit):
-                fp8_gemm.config_for(w8, scale, rows, model.dtype)
-                rows, n = rows * 2, n + 1
+        for rows in sorted(buckets):
+            fp8_gemm.config_for(w8, scale, rows, model.dtype)
+        n += len(tiles) + len(buckets)
     return n

@@ -628,6 +628,7 @@ def test_linear_with_only_its_fp8_copy_matches_its_values_at_every_row_count():
     values = fp8.dequantize(*fp8.quantize(lin.weight.data), torch.bfloat16)
     assert fp8.apply(holder, keep_weights=False) == 6144 * 4096 + 6144 * 4 and lin.weight is None
     assert fp8.tune_kernels(holder, 300, 8) == 2 + 4  # skinny tiles of 16 and 32 rows; buckets 64-512 (300 -> 512)
+    assert fp8.tune_kernels(holder, 20, 20) == 2  # 17-20 rows run the 32-row tile: tuned too
     for m in (1, 9, 16, 17, fp8.MAX_ROWS, fp8.MAX_ROWS + 1, 64, 65, 300):
         x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
         assert rel_err(lin(x), torch.nn.functional.linear(x.double(), values.double())) < 1e-2, m
