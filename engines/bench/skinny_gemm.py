@@ -86,12 +86,14 @@ def main() -> None:
             json.dump(report, f, indent=1)
 
 
-def _bf16_rows(m: int, copies: list[torch.Tensor]) -> tuple[torch.Tensor, int, float, dict]:
+def _bf16_rows(m: int, copies: list[torch.Tensor], tilings: bool = True) -> tuple[torch.Tensor, int, float, dict]:
     """One row count over the bf16 weights: (x [m, K], tile rows, cuBLAS s, {config: s} with one tile of the next
-    power-of-two rows)."""
+    power-of-two rows; without `tilings`, cuBLAS only: tile rows 0 and no configs)."""
     x = torch.randn(m, copies[0].shape[1], device=copies[0].device, dtype=torch.bfloat16)
-    block_m = max(16, triton.next_power_of_2(m))
     tc = skinny_gemm.time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10)
+    if not tilings:
+        return x, 0, tc, {}
+    block_m = max(16, triton.next_power_of_2(m))
     return x, block_m, tc, skinny_gemm.time_candidates(x, copies, block_m, rounds=10)
 
 
@@ -104,7 +106,7 @@ def _fp8_rows(m: int, copies: list[torch.Tensor], bw: float) -> dict:
     from engines.kernels import fp8_gemm
     from engines.model.fp8 import dequantize, quantize
 
-    x, block_m, tc, tb = _bf16_rows(m, copies) if m <= 64 else _bf16_cublas(m, copies)
+    x, block_m, tc, tb = _bf16_rows(m, copies, tilings=m <= 64)
     q = [quantize(w) for w in copies]
     scale = q[0][1]  # one scale for every copy: timing only
     w8s = [w8 for w8, _ in q]
@@ -127,12 +129,6 @@ def _fp8_rows(m: int, copies: list[torch.Tensor], bw: float) -> dict:
         out.update(gemm_best=list(bg), gemm_us=tg[bg] * 1e6, gemm_rel_diff=float(diff),
                    gemm_all_us={str(c): v * 1e6 for c, v in tg.items()})
     return out
-
-
-def _bf16_cublas(m: int, copies: list[torch.Tensor]) -> tuple[torch.Tensor, int, float, dict]:
-    """As _bf16_rows, cuBLAS only (rows past the skinny kernel's tiles)."""
-    x = torch.randn(m, copies[0].shape[1], device=copies[0].device, dtype=torch.bfloat16)
-    return x, 0, skinny_gemm.time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10), {}
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty((out_features, in_features), device, dtype)
         # (w8 [out, in] fp8, scale [out]) with the weight rounded to fp8 (engines/model/fp8.py), or None. Set after
-        # loading (fp8.apply), which drops the weight (None): every GEMM then reads the copy. Not a buffer: never
-        # saved or moved with the module.
+        # loading (fp8.apply): decode-sized GEMMs read it; with keep_weights=False the weight is dropped (None) and
+        # every GEMM reads it. Not a buffer: never saved or moved with the module.
         self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
