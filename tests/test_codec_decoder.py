@@ -732,10 +732,8 @@ def test_precaptured_prefix_lengths_cover_every_full_chunk(hift_dec, monkeypatch
     assert EncoderGraphs(flow).prefix_lengths(25) == [(32, 128), (64, 160), (64, 192)]
 
 
-def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch):
-    """EncoderGraphs on CPU, its capture replaced by a stand-in that re-runs FlowModel.encode on the static inputs at
-    every replay: the pre-captured keys are the ones decoding uses (no capture while decoding), full chunks go
-    through the graphs (batch padded to the bucket, outputs sliced back) and the result equals eager decoding."""
+def _replay_stand_in(monkeypatch):
+    """graphs.capture_graph replaced by a stand-in whose replay re-runs the function on its static inputs (CPU)."""
     import engines.codec.decoder.graphs as graphs_mod
 
     class Replay:
@@ -756,6 +754,54 @@ def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch
 
     monkeypatch.setattr(graphs_mod, "capture_graph", stand_in)
     monkeypatch.setattr(graphs_mod, "private_stream", lambda device: None)
+    return graphs_mod
+
+
+def test_bucket_graphs_pad_to_the_smallest_captured_batch_up_to_the_power_of_two(monkeypatch):
+    """A call replays the smallest captured batch that holds it (FINE_BUCKETS' 6 for 5 rows), never more than its
+    power-of-two bucket (captured on first use, as before); outputs are its own rows; the counts say what ran."""
+    graphs_mod = _replay_stand_in(monkeypatch)
+    assert graphs_mod.buckets_up_to(3, graphs_mod.FINE_BUCKETS) == [1, 2, 3]
+    assert graphs_mod.buckets_up_to(33, graphs_mod.FINE_BUCKETS)[-3:] == [28, 32, 40]
+    assert graphs_mod.buckets_up_to(33) == [1, 2, 4, 8, 16, 32, 64]
+    g = graphs_mod.BucketGraphs(lambda x, k: (x * k + 1,))
+    for b in graphs_mod.buckets_up_to(12, graphs_mod.FINE_BUCKETS):
+        g.ensure([torch.zeros(b, 3)], (2,))
+    x = torch.arange(15.0).view(5, 3)
+    (y,) = g.run([x], (2,))
+    assert torch.equal(y, x * 2 + 1)
+    assert (g.rows, g.padded_rows) == (5, 6)
+    assert g.padded(12, [x], (2,)) == 12 and g.padded(9, [x], (2,)) == 12
+    # Other static arguments or shapes: nothing captured for them, so the power of two (as before), captured now.
+    assert g.padded(5, [x], (3,)) == 8
+    n = len(g.graphs)
+    (y,) = g.run([x], (3,))
+    assert torch.equal(y, x * 3 + 1) and len(g.graphs) == n + 1 and (8, (3,), 3) in g.graphs
+    g.ensure([torch.zeros(16, 3)], (4,))
+    assert g.padded(3, [x], (4,)) == 4  # 16 is captured, but 3 rows are not padded past their bucket
+
+
+def test_run_jobs_counts_its_solves(hift_dec):
+    """CodecDecoder.counts: one solve per chunk length in a call, the partial ones, and rows as run (no graphs on CPU:
+    as many as sessions); take_counts hands them over and starts again."""
+    dec = hift_dec
+    chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
+    dec.take_counts()
+    a, b, c = (dec.open_stream(n, seed=i) for i, n in enumerate("abc"))
+    a.add(_codes(chunk + la, seed=1))
+    b.add(_codes(chunk + la, seed=2))
+    c.add(_codes(2, seed=3))
+    dec.run_jobs(a.take_jobs() + b.take_jobs() + c.take_jobs(finishing=True))
+    got = dec.take_counts()
+    assert (got.solves, got.partial, got.rows, got.padded_rows) == (2, 1, 3, 3)
+    assert dec.take_counts().solves == 0
+
+
+def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch):
+    """EncoderGraphs on CPU, its capture replaced by a stand-in that re-runs FlowModel.encode on the static inputs at
+    every replay: the pre-captured keys are the ones decoding uses (no capture while decoding), full chunks go
+    through the graphs (batch padded to the bucket, outputs sliced back) and the result equals eager decoding."""
+    graphs_mod = _replay_stand_in(monkeypatch)
     dec = CodecDecoder.load("tiny-random", vocoder="hift")
     dec.flow.enc_graphs = graphs_mod.EncoderGraphs(dec.flow)
     assert dec.capture_graphs(3) == 3 * 3  # buckets 1, 2, 4 x 3 prefix lengths (no Euler / vocoder graphs on CPU)

@@ -91,3 +91,23 @@ def test_ramp_step_rows_reaches_the_engine_and_bad_values_are_refused(capsys):
         with pytest.raises(SystemExit):
             p.parse_args(base + ["--ramp-step-rows", bad])
         assert "--ramp-step-rows" in capsys.readouterr().err
+
+
+def test_load_log_names_the_codec_solves_and_their_padding():
+    """The load log's codec solves: per kind of round, the decoders' counts since the last log (then reset)."""
+    from engines.codec.decoder.codec_decoder import SolveCounts
+    from engines.service.process import _solves
+
+    class Dec:
+        def __init__(self, *counts):
+            self.counts = SolveCounts(*counts)
+
+        def take_counts(self):
+            c, self.counts = self.counts, SolveCounts()
+            return c
+
+    lanes = [Dec(3, 0, 4, 4), Dec(1, 1, 2, 2)]
+    assert _solves("first-chunk", lanes) == "; first-chunk solves 4 (1 partial) of 1.5 sessions as 1.5 rows"
+    assert _solves("first-chunk", lanes) == ""  # taken
+    assert _solves("playing", [Dec(2, 0, 66, 80)]) == "; playing solves 2 (0 partial) of 33.0 sessions as 40.0 rows"
+    assert _solves("playing", [object()]) == ""  # a decoder without counts (a test's fake)

@@ -73,6 +73,10 @@ def test_precaptured_graphs_serve_steady_chunks_and_match_eager(parts):
     assert dec.capture_graphs(3, partial_chunks=False) == 3 * parts + 3 + 3 * n_enc
     assert dec.capture_graphs(3) == 6 * (dec.cfg.stream.chunk_codes - 1)  # then every shorter last chunk
     assert dec.capture_graphs(3) == 0  # already there
+    # Full chunks at batches 1, 2, 3 (FINE_BUCKETS), shorter last chunks at the powers of two 1, 2, 4.
+    full = dec.cfg.stream.chunk_codes * dec.cfg.flow.token_mel_ratio
+    assert sorted({k[0] for k in dec.flow.graphs.graphs if k[1][1] == full}) == [1, 2, 3]
+    assert sorted({k[0] for k in dec.flow.graphs.graphs if k[1][1] != full}) == [1, 2, 4]
     steady, voc_steady = set(dec.flow.graphs.graphs), set(dec.vocoder.graphs.graphs)
     enc_steady = set(dec.flow.enc_graphs.graphs)
     eager_chunks = []
@@ -94,6 +98,30 @@ def test_precaptured_graphs_serve_steady_chunks_and_match_eager(parts):
     e = eager.open_stream("p", seed=2)
     want = np.concatenate([e.push(codes[i:i + 5]) for i in range(0, 20, 5)] + [e.push(codes[20:]), e.finalize()])
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+def test_a_round_runs_the_smallest_captured_graph_that_holds_it_and_equals_each_session_alone():
+    """Five sessions' full chunks in one call replay the graphs captured for 6 (FINE_BUCKETS; a power of two would
+    be 8), and each session's PCM equals its eager decode alone. The counts name what ran."""
+    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    dec.capture_graphs(6, partial_chunks=False)
+    chunk = dec.cfg.stream.chunk_codes
+    codes = [_codes(3 * chunk + dec.cfg.flow.pre_lookahead, i) for i in range(5)]  # three full chunks each
+    jobs = []
+    for i, c in enumerate(codes):
+        s = dec.open_stream(f"s{i}", seed=i)
+        s.add(c)
+        jobs.append(s.take_jobs())
+    before = set(dec.flow.graphs.graphs)
+    dec.take_counts()
+    got = [dec.run_jobs([js[r] for js in jobs]) for r in range(3)]  # rounds of the five sessions' r-th chunks
+    assert set(dec.flow.graphs.graphs) == before  # nothing captured: five sessions ran the graphs of 6
+    c = dec.take_counts()
+    assert (c.solves, c.partial, c.rows, c.padded_rows) == (3, 0, 15, 18)
+    for i, cs in enumerate(codes):
+        want = eager.open_stream(f"s{i}", seed=i).push(cs)
+        np.testing.assert_allclose(np.concatenate([g[i] for g in got]), want, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("codec", ["tiny-random", "full-random"])

@@ -7,6 +7,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,18 @@ def _bigvgan_mel(h: dict, source: str) -> MelSpec:
         raise ConfigError(f"{source}: missing mel field {e}") from None
 
 
+@dataclass
+class SolveCounts:
+    """What `run_jobs` decoded since the last `take_counts` (the engine's load log): flow solves (one per chunk length
+    in a call), of them for last chunks shorter than a full one, and their sessions against the rows the solve ran
+    (with CUDA graphs: padded up to the graph's batch)."""
+
+    solves: int = 0
+    partial: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+
+
 class CodecDecoder:
     """Flow + vocoder on one device. See engines/codec/decoder/__init__.py for the public API."""
 
@@ -56,6 +69,7 @@ class CodecDecoder:
         self.windowed = WindowedVocoder(vocoder, cfg.stream)
         self.default_voice = default_voice
         self._voices: OrderedDict[str, PreparedVoice] = OrderedDict()
+        self.counts = SolveCounts()
 
     @property
     def device(self) -> torch.device:
@@ -105,6 +119,7 @@ class CodecDecoder:
         codec worker decodes new answers' first chunks on a lane beside its rounds of playing answers. Graphs, when
         this decoder has them, are captured on first use or by `capture_graphs`."""
         twin = copy.copy(self)
+        twin.counts = SolveCounts()
         twin.flow = copy.copy(self.flow)  # shares the modules; plain attributes (graphs, streams) become its own
         twin.flow._chain_streams = []
         twin.vocoder = copy.copy(self.vocoder)
@@ -117,6 +132,11 @@ class CodecDecoder:
         if self.flow.graphs is not None:
             twin._attach_graphs(self.flow.enc_graphs is not None)
         return twin
+
+    def take_counts(self) -> SolveCounts:
+        """The counts since the last call (a round that runs meanwhile may land in either)."""
+        c, self.counts = self.counts, SolveCounts()
+        return c
 
     def capture_graphs(self, max_batch: int, partial_chunks: bool = True) -> int:
         """With CUDA graphs on, capture the graphs (encoder, Euler solve, HiFT vocoder) of full chunks and, with
@@ -251,8 +271,17 @@ class CodecDecoder:
                 continue
             codes = torch.tensor([j.codes + j.look + [0] * (la - len(j.look)) for j in js], dtype=torch.long)
             gens = [j.stream.gen for j in js]
+            graphs = self.flow.graphs
+            padded0 = graphs.padded_rows if graphs is not None else 0
             mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens,
                                          between)
+            c = self.counts
+            c.solves += 1
+            c.partial += n < self.cfg.stream.chunk_codes
+            c.rows += len(js)
+            # (a solve in pieces replays one graph per piece, each of the same batch)
+            pieces = len(self.flow.step_ranges(n * self.cfg.flow.token_mel_ratio))
+            c.padded_rows += (graphs.padded_rows - padded0) // pieces if graphs is not None else len(js)
             outs = self.windowed.push(mel, [j.stream.voc_state for j in js], gens, [j.final for j in js])
             for i, o in zip(idx, outs, strict=True):
                 results[i] = o

@@ -2,8 +2,11 @@
 of Python and launches for ~1 ms of GPU work at batch 1), the flow's Euler solve (10 steps x ~800 small kernels per
 chunk) and the HiFT vocoder (~600 small kernels per window). All are launch-bound at streaming batch sizes.
 
-One graph per (padded batch, input shapes, static arguments). Batches are padded up to the next bucket by repeating
-the last row (rows are independent, so real rows are unchanged) and outputs are sliced back. Opt-in
+One graph per (padded batch, input shapes, static arguments). Batches are padded up to the smallest captured size by
+repeating the last row (rows are independent, so real rows are unchanged) and outputs are sliced back. Sizes are
+powers of two (`BUCKETS`), or for the steady state's full chunks of the solve and the vocoder, where a round of
+playing answers spends its GPU time, finer steps (`FINE_BUCKETS`): at ~130 sessions on an H200 those rounds hold
+~30 answers, around the step from 32 to 64 (solve 35 against 49 ms there). Opt-in
 (`CodecDecoder.load(..., cuda_graphs=True)`); the eager path is the reference and runs the very same function.
 Graphs are captured on first use; `capture_steady_state` captures the steady-state window of every bucket ahead of
 time (the engine process does it at load), so no user's answer pays a capture. Anything random is drawn outside
@@ -24,21 +27,24 @@ from engines.graphs import capture_graph, private_stream
 log = logging.getLogger("engines.codec")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Quarter steps between powers of two from 16 (half steps below, where a solve's time grows slowly with its batch):
+# a batch is padded by at most 25% above 16 (by up to 100% with BUCKETS).
+FINE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
-def bucket(b: int) -> int:
-    for s in BUCKETS:
+def bucket(b: int, sizes: tuple[int, ...] = BUCKETS) -> int:
+    for s in sizes:
         if b <= s:
             return s
     return b
 
 
-def buckets_up_to(max_batch: int) -> list[int]:
-    """Every bucket up to and including the one holding `max_batch` rows."""
+def buckets_up_to(max_batch: int, sizes: tuple[int, ...] = BUCKETS) -> list[int]:
+    """Every size of `sizes` up to and including the one holding `max_batch` rows."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    top = bucket(max_batch)
-    return [b for b in BUCKETS if b < top] + [top]
+    top = bucket(max_batch, sizes)
+    return [b for b in sizes if b < top] + [top]
 
 
 class BucketGraphs:
@@ -53,10 +59,19 @@ class BucketGraphs:
         self.pool = None
         self.stream: torch.cuda.Stream | None = None  # capture stream (engines.graphs.private_stream), at first use
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        self._sizes: dict[tuple, list[int]] = {}  # key without its batch -> the batches captured for it, ascending
+        self.rows = self.padded_rows = 0  # rows replayed, and as padded (load logs; `run` counts them)
 
     @staticmethod
     def key(inputs: Sequence[torch.Tensor], static: tuple) -> tuple:
         return (inputs[0].shape[0], *(tuple(t.shape[1:]) for t in inputs), *static)
+
+    def padded(self, batch: int, inputs: Sequence[torch.Tensor], static: tuple = ()) -> int:
+        """The batch a call of `batch` rows with these shapes replays: the smallest captured one that holds it, but
+        never more than its power-of-two bucket (that one is captured on first use)."""
+        top = bucket(batch)
+        sizes = self._sizes.get(self.key(inputs, static)[1:], ())
+        return next((s for s in sizes if batch <= s <= top), top)
 
     def _capture(self, inputs: Sequence[torch.Tensor], static: tuple):
         t0 = time.perf_counter()
@@ -77,11 +92,16 @@ class BucketGraphs:
         if k in self.graphs:
             return False
         self.graphs[k] = self._capture(inputs, static)
+        sizes = self._sizes.setdefault(k[1:], [])
+        sizes.append(k[0])
+        sizes.sort()
         return True
 
     def run(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> tuple[torch.Tensor, ...]:
         B = inputs[0].shape[0]
-        Bp = bucket(B)
+        Bp = self.padded(B, inputs, static)
+        self.rows += B
+        self.padded_rows += Bp
         if Bp != B:
             inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
         self.ensure(inputs, static)
@@ -104,8 +124,9 @@ class EulerGraphs(BucketGraphs):
         Returns how many were newly captured."""
         flow, n = self.flow, 0
         kw = {"device": flow.device, "dtype": flow.dtype}
-        for F in frames or (flow.stream.chunk_codes * flow.cfg.token_mel_ratio,):
-            for Bp in buckets_up_to(max_batch):
+        full = flow.stream.chunk_codes * flow.cfg.token_mel_ratio
+        for F in frames or (full,):
+            for Bp in buckets_up_to(max_batch, FINE_BUCKETS if F == full else BUCKETS):
                 for steps in flow.step_ranges(F):
                     # Values are replaced at every replay.
                     n += self.ensure([torch.zeros(shape, **kw) for shape in self.input_shapes(Bp, F)], steps)
@@ -173,7 +194,7 @@ class EncoderGraphs(BucketGraphs):
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         """FlowModel.encode's arguments, in its order; returns its outputs (eagerly for a shape not captured once
         frozen)."""
-        if self.frozen and (bucket(inputs[0].shape[0]), *self.key(inputs, ())[1:]) not in self.graphs:
+        if self.frozen and (self.padded(inputs[0].shape[0], inputs), *self.key(inputs, ())[1:]) not in self.graphs:
             return self.fn(*inputs)
         return super().run(list(inputs))
 
@@ -196,7 +217,7 @@ class VocoderGraphs(BucketGraphs):
         n, kw = 0, {"device": w.device, "dtype": w.dtype}
         for F in frames or (self.chunk_frames,):
             T = self.ctx_frames + F
-            for Bp in buckets_up_to(max_batch):
+            for Bp in buckets_up_to(max_batch, FINE_BUCKETS if F == self.chunk_frames else BUCKETS):
                 inputs = [torch.zeros(Bp, cfg.mel.n_mels, T, **kw), torch.zeros(Bp, H, **kw),
                           torch.zeros(Bp, H, T * hop, **kw)]
                 n += self.ensure(inputs, (F * hop,))
