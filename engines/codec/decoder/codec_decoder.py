@@ -271,17 +271,14 @@ class CodecDecoder:
                 continue
             codes = torch.tensor([j.codes + j.look + [0] * (la - len(j.look)) for j in js], dtype=torch.long)
             gens = [j.stream.gen for j in js]
-            graphs = self.flow.graphs
-            padded0 = graphs.padded_rows if graphs is not None else 0
             mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens,
                                          between)
             c = self.counts
             c.solves += 1
             c.partial += n < self.cfg.stream.chunk_codes
             c.rows += len(js)
-            # (a solve in pieces replays one graph per piece, each of the same batch)
-            pieces = len(self.flow.step_ranges(n * self.cfg.flow.token_mel_ratio))
-            c.padded_rows += (graphs.padded_rows - padded0) // pieces if graphs is not None else len(js)
+            # (the solve's graphs exist only on CUDA, where every solve replays them)
+            c.padded_rows += self.flow.graphs.last_batch if self.flow.graphs is not None else len(js)
             outs = self.windowed.push(mel, [j.stream.voc_state for j in js], gens, [j.final for j in js])
             for i, o in zip(idx, outs, strict=True):
                 results[i] = o

@@ -60,7 +60,7 @@ class BucketGraphs:
         self.stream: torch.cuda.Stream | None = None  # capture stream (engines.graphs.private_stream), at first use
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         self._sizes: dict[tuple, list[int]] = {}  # key without its batch -> the batches captured for it, ascending
-        self.rows = self.padded_rows = 0  # rows replayed, and as padded (load logs; `run` counts them)
+        self.last_batch = 0  # the (padded) batch `run` replayed last (load logs: CodecDecoder.counts)
 
     @staticmethod
     def key(inputs: Sequence[torch.Tensor], static: tuple) -> tuple:
@@ -99,9 +99,7 @@ class BucketGraphs:
 
     def run(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> tuple[torch.Tensor, ...]:
         B = inputs[0].shape[0]
-        Bp = self.padded(B, inputs, static)
-        self.rows += B
-        self.padded_rows += Bp
+        Bp = self.last_batch = self.padded(B, inputs, static)
         if Bp != B:
             inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
         self.ensure(inputs, static)
