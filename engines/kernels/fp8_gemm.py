@@ -122,15 +122,7 @@ def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], scale: torch.Te
                     ) -> dict[Config, float]:
     """Seconds per call of every candidate that runs here (copies: the fp8 weight's rotated copies)."""
     out = torch.empty(x.shape[0], copies[0].shape[0], device=x.device, dtype=x.dtype)
-    result = {}
-    for cfg in CANDIDATES:
-        if cfg[6] > 1 and x.shape[1] % (cfg[6] * cfg[2]):
-            continue
-        try:
-            result[cfg] = skinny_gemm.time_per_call(lambda w, cfg=cfg: launch(x, w, scale, cfg, out), copies, rounds)
-        except Exception:  # a tiling that does not fit this GPU (shared memory, registers) is just skipped
-            continue
-    return result
+    return skinny_gemm.time_tilings(CANDIDATES, lambda w, cfg: launch(x, w, scale, cfg, out), copies, rounds)
 
 
 def tune(w8: torch.Tensor, scale: torch.Tensor, rows: int, act_dtype: torch.dtype) -> Config:

@@ -216,16 +216,20 @@ def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], block_m: int = 
                     scale: torch.Tensor | None = None) -> dict[Config, float]:
     """Seconds per call of x @ w.T for every candidate tiling that runs here (copies: the weight's rotated copies;
     `scale`: their row scales where they are fp8)."""
-    k = x.shape[1]
     out = torch.empty(x.shape[0], copies[0].shape[0], device=x.device, dtype=x.dtype)
+    return time_tilings(CANDIDATES if scale is None else FP8_CANDIDATES,
+                        lambda w, cfg: launch(x, w, cfg, out, block_m=block_m, scale=scale), copies, rounds)
+
+
+def time_tilings(candidates, call, copies: list[torch.Tensor], rounds: int) -> dict:
+    """Seconds per call of `call(w, config)` over the rotated copies for every candidate that runs here (this
+    kernel's and fp8_gemm's tuners). One the launch refuses (a split-K that does not divide K) or that does not fit
+    this GPU (shared memory, registers) fails in time_per_call's warm-up, before any capture, and is skipped."""
     result = {}
-    for cfg in CANDIDATES if scale is None else FP8_CANDIDATES:
-        if cfg[4] > 1 and k % (cfg[4] * cfg[1]):
-            continue
+    for cfg in candidates:
         try:
-            result[cfg] = time_per_call(lambda w, cfg=cfg: launch(x, w, cfg, out, block_m=block_m, scale=scale),
-                                         copies, rounds)
-        except Exception:  # a tiling that does not fit this GPU (shared memory) is just skipped
+            result[cfg] = time_per_call(lambda w, cfg=cfg: call(w, cfg), copies, rounds)
+        except Exception:  # noqa: BLE001 - see above: a tiling that cannot run here is not a candidate
             continue
     return result
 

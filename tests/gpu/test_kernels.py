@@ -696,3 +696,22 @@ def test_fp8_gemm_matches_f_linear_over_the_weight_values(m):
     assert tried > len(fp8_gemm.CANDIDATES) and checked >= tried - 4, (tried, checked)
     with pytest.raises(ValueError, match="e4m3 weight"):
         fp8_gemm.launch(x, dequantize(w8, scale, torch.bfloat16), scale, fp8_gemm.DEFAULT)
+
+
+def test_tuners_skip_the_tilings_a_launch_refuses_or_this_gpu_cannot_run():
+    """skinny_gemm.time_tilings, behind both tuners: at K = 1000 every split-K tiling is refused by its launch (the
+    split does not divide K) and is left out; the one-pass tilings that fit are timed."""
+    from engines.kernels import fp8_gemm, skinny_gemm
+    from engines.model.fp8 import quantize
+
+    g = torch.Generator(device="cuda").manual_seed(34)
+    w = torch.randn(200, 1000, device="cuda", generator=g).to(torch.bfloat16)
+    w8, scale = quantize(w)
+    for got, cands, split_at in (
+            (skinny_gemm.time_candidates(torch.randn(4, 1000, device="cuda").to(torch.bfloat16), [w], rounds=1),
+             skinny_gemm.CANDIDATES, 4),
+            (fp8_gemm.time_candidates(torch.randn(40, 1000, device="cuda").to(torch.bfloat16), [w8], scale, rounds=1),
+             fp8_gemm.CANDIDATES, 6)):
+        assert got and all(c[split_at] == 1 for c in got), got
+        assert set(got) <= {c for c in cands if c[split_at] == 1}
+        assert all(t > 0 for t in got.values())
