@@ -96,6 +96,7 @@ class CodecDecoder:
         dec = cls._load(codec, device, vocoder, seed)
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
+        dec.flow.encoder.fuse()
         if cuda_graphs and dec.device.type == "cuda":
             dec._attach_graphs(encoder_graphs)
         return dec

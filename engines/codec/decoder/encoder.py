@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.codec.decoder.config import FlowConfig
+from engines.codec.decoder.derived import weights_key
 
 
 def frequencies(dim: int, device) -> torch.Tensor:
@@ -52,14 +53,14 @@ class KV:
 class AttnContext:
     """What every layer of one stack shares for a chunk, computed once per stack (not per layer).
 
-    The relative term of a (query q, key k) pair reads the sinusoid of the distance q - k. With w_i the frequencies,
-    sin((q - k) w) = Sq Ck - Cq Sk and cos((q - k) w) = Cq Ck + Sq Sk (Sq = sin(q w), Ck = cos(k w), ...), so it
-    factors into a per-query part and a per-key part: no table over a range of distances that grows with the
-    answer's position, and the shapes depend only on the number of queries and keys."""
+    The relative term of a (query q, key k) pair reads the sinusoid of the distance q - k: channel 2i holds
+    sin((q - k) w_i), channel 2i+1 cos((q - k) w_i). With g_s, g_c the channels of the projected query that multiply
+    them, the term is sum_i Re[(g_s + i g_c) (sin(q w) - i cos(q w)) conj(e^{i k w})]: a per-query rotation and a
+    per-key factor, so no table over a range of distances that grows with the answer's position, and the shapes
+    depend only on the number of queries and keys."""
 
-    q_sin: torch.Tensor  # [B, 1, T, D/2] sin(query pos * w) (activation dtype)
-    q_cos: torch.Tensor  # [B, 1, T, D/2]
-    k_cs: torch.Tensor  # [B, 1, D, L + T] [cos(key pos * w); sin(key pos * w)], transposed for the matmul
+    q_rot: torch.Tensor  # [B, 1, T, D/2] complex64: sin(query pos * w) - i cos(query pos * w)
+    k_cs: torch.Tensor  # [B, D, L + T] rows cos(key pos * w_i), sin(key pos * w_i) interleaved (activation dtype)
     masked: torch.Tensor | None  # [B, 1, 1, L + T] bool, True for padding among the prefix keys
 
     @classmethod
@@ -70,9 +71,9 @@ class AttnContext:
         kpos = pos if prefix is None else torch.cat([prefix.pos, pos], 1)  # [B, L + T]
         qa = pos.to(torch.float32)[..., None] * w  # [B, T, D/2]
         ka = kpos.to(torch.float32)[..., None] * w  # [B, L + T, D/2]
-        k_cs = torch.cat([torch.cos(ka), torch.sin(ka)], -1).transpose(1, 2)[:, None].to(dtype)
+        k_cs = torch.stack([torch.cos(ka), torch.sin(ka)], -1).flatten(2).transpose(1, 2).to(dtype).contiguous()
         masked = None if prefix is None else F.pad(~prefix.valid, (0, pos.shape[1]))[:, None, None]
-        return cls(torch.sin(qa)[:, None].to(dtype), torch.cos(qa)[:, None].to(dtype), k_cs, masked)
+        return cls(torch.complex(torch.sin(qa), -torch.cos(qa))[:, None], k_cs, masked)
 
 
 class LinearEmbed(nn.Module):
@@ -98,39 +99,71 @@ class RelPosSelfAttention(nn.Module):
         self.linear_pos = nn.Linear(d, d, bias=False)
         self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.dk))
         self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.dk))
+        self._fused: tuple | None = None  # (weights key, q/k/v weight [3D, D], its bias [3D], pos_bias_v - u [H, dk])
+
+    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k/v as one GEMM whose q bias also carries pos_bias_u (every use of q adds a bias: u for the content
+        term, v = u + (v - u) for the relative one). Rebuilt when a weight changes (load, dtype, device)."""
+        key = weights_key(self)
+        if self._fused is None or self._fused[0] != key:
+            with torch.no_grad():
+                w = torch.cat([self.linear_q.weight, self.linear_k.weight, self.linear_v.weight])
+                b = torch.cat([self.linear_q.bias + self.pos_bias_u.flatten(), self.linear_k.bias,
+                               self.linear_v.bias])
+                self._fused = (key, w, b, self.pos_bias_v - self.pos_bias_u)
+        return self._fused[1:]
 
     def forward(self, x: torch.Tensor, ctx: AttnContext, prefix: KV | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D]; returns output [B, T, D] and this chunk's k, v [B, T, H, dk]."""
         B, T, D = x.shape
-        q = self.linear_q(x).view(B, T, self.h, self.dk)
-        k_new = self.linear_k(x).view(B, T, self.h, self.dk)
-        v_new = self.linear_v(x).view(B, T, self.h, self.dk)
-        if prefix is None:
-            k, v = k_new, v_new
-        else:
-            k = torch.cat([prefix.k, k_new], 1)
-            v = torch.cat([prefix.v, v_new], 1)
-        ac = torch.einsum("bthd,blhd->bhtl", q + self.pos_bias_u, k)
-        bd = self.relative(q, ctx)
-        scores = (ac + bd) / math.sqrt(self.dk)
+        H, dk = self.h, self.dk
+        w, b, v_minus_u = self._qkv()
+        qu, k_new, v_new = F.linear(x, w, b).view(B, T, 3, H, dk).unbind(2)  # each [B, T, H, dk]; qu = q + u
+        k, v = _heads_first(prefix.k if prefix is not None else None, k_new), \
+            _heads_first(prefix.v if prefix is not None else None, v_new)  # [B, H, L + T, dk]
+        L = k.shape[2]
+        scores = self._relative(qu, v_minus_u, ctx)  # [B, H, T, L + T]
         if ctx.masked is not None:
-            scores = scores.masked_fill(ctx.masked, float("-inf"))
-        attn = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhtl,blhd->bthd", attn, v).reshape(B, T, D)
-        return self.linear_out(out), k_new, v_new
+            scores.masked_fill_(ctx.masked, float("-inf"))
+        # scores = (relative + (q + u) k^T) / sqrt(dk), the content term's GEMM accumulating onto the relative one.
+        s = 1.0 / math.sqrt(dk)
+        q_h = qu.transpose(1, 2).reshape(B * H, T, dk)
+        scores.view(B * H, T, L).baddbmm_(q_h, k.view(B * H, L, dk).transpose(1, 2), beta=s, alpha=s)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, H, T, dk]
+        return self.linear_out(out.transpose(1, 2).reshape(B, T, D)), k_new, v_new
 
     def relative(self, q: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """q [B, T, H, dk] -> the relative-position term [B, H, T, L + T]: sum_j sinusoid(q - k)_j g_j with
-        g = (q + pos_bias_v) projected through linear_pos (per head), split over the factors of AttnContext."""
-        D = self.h * self.dk
-        wp = self.linear_pos.weight.view(self.h, self.dk, D)  # [H, dk, D]
-        g = torch.einsum("bthc,hcj->bhtj", q + self.pos_bias_v, wp)  # [B, H, T, D]
-        g_sin, g_cos = g[..., 0::2], g[..., 1::2]  # the channels that multiply sin / cos of the distance
-        # sin channels: g_sin (Sq Ck - Cq Sk); cos channels: g_cos (Cq Ck + Sq Sk). Grouped by Ck and Sk:
-        on_cos = g_sin * ctx.q_sin + g_cos * ctx.q_cos  # [B, H, T, D/2]
-        on_sin = g_cos * ctx.q_sin - g_sin * ctx.q_cos
-        return torch.cat([on_cos, on_sin], -1) @ ctx.k_cs  # [B, H, T, L + T]
+        g = (q + pos_bias_v) projected through linear_pos (per head)."""
+        return self._relative(q, self.pos_bias_v, ctx)
+
+    def _relative(self, q: torch.Tensor, bias: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The relative term of queries q + bias (q [B, T, H, dk], bias [H, dk]), in four kernels: the biased
+        queries head-first, their projection per head, the per-query rotation (one complex product), and one GEMM
+        against the per-key factors."""
+        B, T, H, dk = q.shape
+        D = H * dk
+        qb = torch.empty(H, B, T, dk, device=q.device, dtype=q.dtype)
+        torch.add(q.permute(2, 0, 1, 3), bias[:, None, None], out=qb)
+        g = torch.bmm(qb.view(H, B * T, dk), self.linear_pos.weight.view(H, dk, D))  # [H, B*T, D]
+        # Channels (2i, 2i+1) of g multiply (sin, cos) of the distance: as a complex number g_s + i g_c.
+        g_c = torch.view_as_complex(g.float().view(H, B, T, D // 2, 2)).transpose(0, 1)  # [B, H, T, D/2]
+        rot = torch.empty(B, H, T, D // 2, device=q.device, dtype=ctx.q_rot.dtype)
+        torch.mul(g_c, ctx.q_rot, out=rot)  # (re, im) = what multiplies (cos, sin) of the key angle
+        rows = torch.view_as_real(rot).view(B, H * T, D).to(ctx.k_cs.dtype)
+        return torch.bmm(rows, ctx.k_cs).view(B, H, T, -1)
+
+
+def _heads_first(prefix: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """Keys or values [B, L, H, dk] (or None) and [B, T, H, dk] -> [B, H, L + T, dk] in one buffer."""
+    B, T, H, dk = new.shape
+    L = 0 if prefix is None else prefix.shape[1]
+    out = torch.empty(B, H, L + T, dk, device=new.device, dtype=new.dtype)
+    if L:
+        out[:, :, :L].copy_(prefix.transpose(1, 2))
+    out[:, :, L:].copy_(new.transpose(1, 2))
+    return out
 
 
 class FeedForward(nn.Module):
@@ -214,6 +247,11 @@ class UpsampleConformerEncoder(nn.Module):
         self.up_embed = LinearEmbed(d, d)
         self.up_encoders = nn.ModuleList(ConformerLayer(d, cfg.heads, cfg.ffn) for _ in range(cfg.num_up_blocks))
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
+
+    def fuse(self) -> None:
+        """Build every layer's fused q/k/v now (after loading or a move), so that no CUDA graph capture builds them."""
+        for layer in (*self.encoders, *self.up_encoders):
+            layer.self_attn._qkv()
 
     def empty_cache(self, batch: int, device, dtype) -> EncoderCache:
         d = self.cfg.d_model

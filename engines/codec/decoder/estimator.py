@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.codec.decoder.config import FlowConfig
+from engines.codec.decoder.derived import weights_key
 
 
 def conv_weight_gemm(weight: torch.Tensor) -> torch.Tensor:
@@ -279,15 +280,11 @@ class CausalConditionalDecoder(nn.Module):
     def _resnets(self) -> list[CausalResnetBlock1D]:
         return [self.down_blocks[0][0], *(m[0] for m in self.mid_blocks), self.up_blocks[0][0]]
 
-    def _weights_key(self) -> tuple:
-        # Changes when any weight is replaced, moved, cast or written in place (load_state_dict bumps _version).
-        return tuple((p.data_ptr(), p.dtype, p._version) for p in self.parameters())
-
     @torch.no_grad()
     def fuse(self) -> None:
         """Build the inference-only tensors derived from the weights (fused q/k/v). Call after loading or changing
         dtype/device; `forward`/`run` also rebuild them when they notice the weights changed."""
-        key = self._weights_key()
+        key = weights_key(self)
         if key == self._fused_key:
             return
         for m in self.modules():
