@@ -267,6 +267,60 @@ def test_snake_is_bit_identical_to_torch():
         snake(x, alpha[:10])
 
 
+def test_snake_with_bias_and_residual_is_bit_identical_to_torch():
+    """The bias and residual adds taken into the Snake pass give torch's bits: snake(x, alpha, bias) ==
+    Snake(x + bias), add_snake(x, bias, r, alpha) == (r + (x + bias), Snake(that)); wrong shapes are refused."""
+    from engines.kernels.snake import add_snake, snake
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    B, C, T = 2, 48, 777
+    x = torch.randn(B, C, T, device="cuda", generator=g) * 3
+    r = torch.randn(B, C, T, device="cuda", generator=g)
+    bias = torch.randn(C, device="cuda", generator=g)
+    alpha = torch.logspace(-3, 1, C, device="cuda")
+    a = alpha[None, :, None]
+
+    def ref(v):
+        return v + (1.0 / (a + 1e-9)) * torch.sin(a * v).pow(2)
+
+    biased = x + bias[None, :, None]
+    assert torch.equal(snake(x, alpha, bias), ref(biased))
+    s, y = add_snake(x, bias, r, alpha)
+    assert torch.equal(s, r + biased) and torch.equal(y, ref(r + biased))
+    s, y = add_snake(x, None, r, None)
+    assert torch.equal(s, r + x) and y is None
+    with pytest.raises(ValueError, match="bias"):
+        snake(x, alpha, bias[:3])
+    with pytest.raises(ValueError, match="residual"):
+        add_snake(x, bias, r[:, :, :5], alpha)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_resblock_is_bit_identical_to_the_reference(batch, deterministic_cudnn):
+    """HiFT's resblock with its conv biases and residual adds inside the Snake kernels (the CUDA path) gives the
+    reference order's bits (every conv through cuDNN with its bias added by torch, then Snake, then the add)."""
+    from torch.nn.utils import parametrize
+
+    from engines.codec.decoder.hift import ResBlock
+
+    torch.manual_seed(0)
+    block = ResBlock(64, 7, (1, 3, 5)).cuda().eval()
+    with torch.no_grad():
+        for m in list(block.modules()):
+            if parametrize.is_parametrized(m, "weight"):
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+        for act in (*block.activations1, *block.activations2):
+            act.alpha.copy_(torch.rand(64) * 2 + 0.05)
+        for conv in (*block.convs1, *block.convs2):
+            conv.bias.normal_()
+    x = torch.randn(batch, 64, 1001, device="cuda")
+    with torch.inference_mode():
+        want = block._forward_reference(x)
+        got = block(x)
+    assert want.abs().max() > 1
+    assert torch.equal(got, want)
+
+
 @pytest.fixture
 def deterministic_cudnn():
     """cuDNN's deterministic algorithms: some of the ones it picks otherwise accumulate with atomics, whose order
