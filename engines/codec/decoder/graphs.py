@@ -6,7 +6,7 @@ One graph per (padded batch, input shapes, static arguments). Batches are padded
 repeating the last row (rows are independent, so real rows are unchanged) and outputs are sliced back. Sizes are
 powers of two (`BUCKETS`), or for the steady state's full chunks of the solve and the vocoder, where a round of
 playing answers spends its GPU time, finer steps (`FINE_BUCKETS`): at ~130 sessions on an H200 those rounds hold
-~30 answers, around the step from 32 to 64 (solve 35 against 49 ms there). Opt-in
+~30 answers, around the step from 32 to 64 (solve graph 28.6 against 43.2 ms there). Opt-in
 (`CodecDecoder.load(..., cuda_graphs=True)`); the eager path is the reference and runs the very same function.
 Graphs are captured on first use; `capture_steady_state` captures the steady-state window of every bucket ahead of
 time (the engine process does it at load), so no user's answer pays a capture. Anything random is drawn outside
