@@ -49,6 +49,7 @@ class _Launched:
     chunks: list[ScheduledChunk]
     tokens: PendingTokens
     ahead: bool  # launched before the previous step's tokens were read (Scheduler.schedule_ahead)
+    decodes: int = 0  # with ahead: its first chunks, decode rows whose inputs are the previous step's samples
 
 
 class Engine:
@@ -119,8 +120,9 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self, on_wait: Callable[[], bool] | None = None) -> list[StepOutput]:
-        """Emits one step's rows. While every sequence decodes audio, the next step is launched before this
-        one's tokens are read (its input rows stay on the device), so the GPU never idles on the host.
+        """Emits one step's rows. While every sequence decodes audio, or while a new answer ramps beside other
+        sequences' prefill (Scheduler.schedule_ahead), the next step is launched before this one's tokens are read
+        (its decode input rows stay on the device), so the GPU never idles on the host.
         `on_wait`: called again and again while the GPU runs the step, until it returns False (PendingTokens.get);
         it must not change the engine's requests."""
         outputs: list[StepOutput] = []
@@ -144,11 +146,11 @@ class Engine:
             self._stats.launch_gap_s += time.perf_counter() - self._tokens_read_at
         self._tokens_read_at = None
         t0 = time.perf_counter()
-        codes = after.tokens.audio_codes() if after is not None else None
-        tokens = self.runner.run(chunks, codes, ahead=int(after is not None))
+        codes = after.tokens.audio_codes() if after is not None else None  # [R]: one per decode row, in order
+        tokens = self.runner.run(chunks, codes)
         self._stats.steps += 1
         self._stats.launch_s += time.perf_counter() - t0
-        return _Launched(chunks, tokens, after is not None)
+        return _Launched(chunks, tokens, codes is not None, 0 if codes is None else int(codes.shape[0]))
 
     def _emit(self, launched: _Launched, on_wait: Callable[[], bool] | None = None) -> list[StepOutput]:
         chunks, tokens = launched.chunks, launched.tokens.get(on_wait)
@@ -156,8 +158,10 @@ class Engine:
         if launched.ahead:
             # Keep the rows whose assumption held; the others are run again by a normal step (a sequence
             # aborted since the launch gets no more rows, as if this step had not started yet).
-            keep = [i for i, c in enumerate(chunks) if self.scheduler.audio_row_holds(c)]
-            chunks, tokens = [chunks[i] for i in keep], [tokens[i] for i in keep]
+            holds = [self.scheduler.ahead_row_holds(c, i < launched.decodes) for i, c in enumerate(chunks)]
+            sampled_holds = [h for h, c in zip(holds, chunks, strict=True) if c.needs_logits]
+            tokens = [t for t, ok in zip(tokens, sampled_holds, strict=True) if ok]
+            chunks = [c for c, ok in zip(chunks, holds, strict=True) if ok]
         for c in chunks:
             c.seq.num_computed += c.num_rows
             if c.seq.num_generated:

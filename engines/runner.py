@@ -33,6 +33,12 @@ def _flat_rows(chunks: list[ScheduledChunk]) -> list[int]:
     return [x for c in chunks for row in c.seq.rows[c.start:c.start + c.num_rows] for x in row]
 
 
+def _step_rows(chunks: list[ScheduledChunk], k: int) -> list[int]:
+    """_flat_rows, where the first k chunks are one-row decodes whose rows (modality pad, code) are not on the host
+    yet: their codes are staged as 0 and copied in on the device."""
+    return [MODALITY_PAD, 0] * k + _flat_rows(chunks[k:])
+
+
 class PendingTokens:
     """A launched step's sampled (text, audio) pairs: on the device at once, on the host when read.
 
@@ -142,10 +148,11 @@ class ModelRunner:
                 logits_rows.append(qstart[-1] - 1)
         return positions, slots, qstart, ctx, tables, logits_rows
 
-    def build_batch(self, chunks: list[ScheduledChunk], device_rows: torch.Tensor | None = None) -> ForwardBatch:
-        """device_rows: the new rows already on the device (a step launched before its input rows were read)."""
+    def build_batch(self, chunks: list[ScheduledChunk], device_audio: torch.Tensor | None = None) -> ForwardBatch:
+        """device_audio: the codes [k] of the first k chunks' rows, already on the device (`run`)."""
         positions, slots, qstart, ctx, tables, logits_rows = self._columns(chunks)
-        rows = [] if device_rows is not None else _flat_rows(chunks)
+        k = 0 if device_audio is None else int(device_audio.shape[0])
+        rows = _step_rows(chunks, k)
         width = max(len(t) for t in tables)
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].num_rows == 1:
@@ -162,8 +169,10 @@ class ModelRunner:
         buf = self._upload(torch.tensor(flat, dtype=torch.long))
         sizes = [len(rows), t, t, b + 1, b, len(logits_rows), b * width, 2 * n_tiles]
         r, pos, slot, qs, cl, lr, bt, tiles = torch.split(buf, sizes)
+        if k:
+            r.view(t, 2)[:k, 1].copy_(device_audio)
         return ForwardBatch(
-            rows=r.view(t, 2) if device_rows is None else device_rows,
+            rows=r.view(t, 2),
             positions=pos, slot_mapping=slot, query_start=qs, context_lens=cl,
             block_tables=bt.view(b, width), logits_rows=lr,
             max_query_len=max(c.num_rows for c in chunks),
@@ -199,44 +208,38 @@ class ModelRunner:
         self.audio_seen.index_put_((slots, rows[:, 1]), self._true)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], device_audio: torch.Tensor | None = None, ahead: int = 0
-            ) -> PendingTokens:
+    def run(self, chunks: list[ScheduledChunk], device_audio: torch.Tensor | None = None) -> PendingTokens:
         """One step: the forward pass over the chunks, then a (text, audio) pair per chunk that needs logits, in
-        chunk order. device_audio: the audio codes [len(chunks)] of one-row audio-mode chunks, already on the device
-        (a step launched before its input rows were read; each row is (modality pad, code)); ahead: rows each
-        sequence will have generated before this step's (1 for such a step)."""
+        chunk order. device_audio: for a step launched before its input rows were read, the audio codes [k] on the
+        device of its first k chunks, one-row audio-mode decodes (each row is (modality pad, code)) whose sequences
+        will have generated one row more by then; the other chunks' rows are on the host."""
         self._init_histories(chunks)
         seqs = [c.seq for c in chunks if c.needs_logits]
+        k = 0 if device_audio is None else int(device_audio.shape[0])
         graph = self.graphs is not None and all(c.num_rows == 1 for c in chunks) and self.graphs.bucket(
             len(chunks)) is not None
         if graph:
-            hidden, audio_logits, sampling = self._replay_decode(chunks, seqs, device_audio, ahead)
+            hidden, audio_logits, sampling = self._replay_decode(chunks, seqs, device_audio, k)
         else:
-            rows = None
-            if device_audio is not None:
-                rows = torch.stack((torch.full_like(device_audio, MODALITY_PAD), device_audio), dim=1)  # [n, 2]
-            batch = self.build_batch(chunks, rows)
+            batch = self.build_batch(chunks, device_audio)
             slot_of_row = [c.seq.slot for c in chunks for _ in range(c.num_rows)]
             self._mark_history(batch.rows, self._upload(torch.tensor(slot_of_row, dtype=torch.long)))
-            sampling = self._sampling(seqs, ahead) if seqs else None
+            sampling = self._sampling(seqs, k) if seqs else None
             hidden, audio_logits = self._forward(batch)
         if sampling is None:
             return PendingTokens(torch.zeros(0, 2, dtype=torch.long))
         return self._sample(sampling, hidden, audio_logits)
 
     def _replay_decode(self, chunks: list[ScheduledChunk], seqs: list[Sequence], device_audio: torch.Tensor | None,
-                       ahead: int) -> tuple[torch.Tensor, torch.Tensor, StepSampling | None]:
+                       k: int) -> tuple[torch.Tensor, torch.Tensor, StepSampling | None]:
         """A one-row-per-sequence step through the decode graphs: its inputs, sampling columns and logits rows go to
         the device in one copy (engines/graphs.py), the history update runs inside the graph."""
         positions, slots, _, ctx, tables, logits_rows = self._columns(chunks)
-        if device_audio is None:
-            rows = _flat_rows(chunks)
-        else:
-            rows = [MODALITY_PAD, 0] * len(chunks)  # the codes are copied in on the device
+        rows = _step_rows(chunks, k)
         n, r = len(chunks), len(seqs)
         extra = []
         if seqs:
-            cols = self._sampling_columns(seqs, ahead)
+            cols = self._sampling_columns(seqs, k)
             extra = [x for col in cols[0] for x in col] + _float_words(cols[1])
         select = r != n  # 1-row prefill chunks of open inputs: no sample
         if select:
@@ -267,11 +270,13 @@ class ModelRunner:
     @staticmethod
     def _sampling_columns(seqs: list[Sequence], ahead: int
                           ) -> tuple[list[list[int]], list[list[float]], int, int]:
-        """StepSampling's ints [8][R] and floats [6][R] on the host, and the audio and text top-k widths."""
+        """StepSampling's ints [8][R] and floats [6][R] on the host, and the audio and text top-k widths. The first
+        `ahead` sequences sample the row after the one in flight (a step launched ahead)."""
         greedy = [s.params.greedy for s in seqs]
         audio_cols = ChannelColumns.of([s.params.audio for s in seqs], greedy)
         text_cols = ChannelColumns.of([s.params.text for s in seqs], greedy)
-        ints = [[s.slot for s in seqs], [s.seed for s in seqs], [s.num_generated + ahead for s in seqs],
+        steps = [s.num_generated + (i < ahead) for i, s in enumerate(seqs)]
+        ints = [[s.slot for s in seqs], [s.seed for s in seqs], steps,
                 [s.params.min_new_tokens for s in seqs]] + audio_cols.ints + text_cols.ints
         return ints, audio_cols.floats + text_cols.floats, audio_cols.max_top_k, text_cols.max_top_k
 

@@ -187,19 +187,28 @@ class Scheduler:
         return SchedulerOutput(chunks, finished)
 
     def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
-        """The decode step after `chunks` (launched, tokens not read yet), or None when it cannot be known
-        without those tokens. Known when every running sequence is in `chunks` as an audio-mode decode, or as
-        the last chunk of a complete prompt whose first row will be audio, that cannot hit its row limit, and
-        nothing waits or is aborted: then each decodes one more row. A sequence whose in-flight row turns out
-        to end it or switch its mode drops its row of this step (Engine._emit); the row's KV write is then
-        beyond its computed rows, or rewritten as is."""
-        if self._aborts or self.waiting or len(chunks) != len(self.running):
+        """The step after `chunks` (launched, tokens not read yet), or None when it cannot be known without those
+        tokens. Its decode rows come first, one per chunk of `chunks` that samples: each such chunk must be an
+        audio-mode decode, or the last chunk of a complete prompt whose first row will be audio, that cannot hit
+        its row limit (each then decodes one more row, whose input is the in-flight sample: Engine._launch). Then
+        prefill rows known on the host: running sequences' pending rows after those in flight, complete inputs
+        first, within the step budget (as `schedule`). Nothing may wait or be aborted (a normal step admits and
+        aborts), and every generating sequence must be among the decodes. A row whose assumption turns out wrong
+        (its sequence ended, switched modes or was aborted) is dropped by Engine._emit; its KV write is then beyond
+        its computed rows, or rewritten as is."""
+        if self._aborts or self.waiting:
             return None
         running = {id(s) for s in self.running}
+        decodes: list[ScheduledChunk] = []
+        inflight: dict[int, int] = {}  # id(seq) -> its first row not in flight
         for c in chunks:
             s = c.seq
-            if not (c.needs_logits and id(s) in running and s.num_computed == c.start
-                    and s.num_generated + 2 <= s.params.max_new_tokens):
+            if id(s) not in running or s.num_computed != c.start:
+                return None
+            inflight[id(s)] = c.start + c.num_rows
+            if not c.needs_logits:
+                continue
+            if s.num_generated + 2 > s.params.max_new_tokens:
                 return None
             if s.generating:
                 if not (c.num_rows == 1 and self.audio_row_holds(c)):
@@ -207,10 +216,45 @@ class Scheduler:
             elif not (s.input_done and s.num_generated == 0 and c.start + c.num_rows == len(s.rows)
                       and s.first_mode() == "audio"):
                 return None
-        ahead = [ScheduledChunk(c.seq, 1, c.start + c.num_rows, True) for c in chunks]
-        for c in ahead:
-            self._ensure_blocks(c.seq, c.start + 1)
-        return ahead
+            decodes.append(ScheduledChunk(s, 1, c.start + c.num_rows, True))
+        ahead = {id(c.seq) for c in decodes}
+        if any(s.generating and id(s) not in ahead for s in self.running):
+            return None
+        cfg = self.config
+        budget = cfg.prefill_token_budget - len(decodes)
+        ramping = any(c.seq.num_generated + 1 < cfg.ramp_rows for c in decodes)
+        if cfg.ramp_step_rows and ramping:
+            budget = min(budget, max(cfg.ramp_step_rows - len(decodes), RAMP_MIN_PREFILL))
+        if not ramping:
+            # Beside prefill, only while a new answer ramps (its first audio waits on every step): otherwise the
+            # host's turn between steps lets the next one gather more rows, in fewer steps each reading all the
+            # weights, and leaves the GPU to the codec meanwhile (H200, 132 sessions: ungated, 30% more steps).
+            budget = 0
+        out = list(decodes)
+        pending = []
+        for s in self.running:
+            first = inflight.get(id(s), s.num_computed)
+            if id(s) not in ahead and not s.generating and len(s.rows) > first:
+                pending.append((s, first))
+        for s, first in [p for p in pending if p[0].input_done] + [p for p in pending if not p[0].input_done]:
+            if budget <= 0:
+                break
+            n = min(len(s.rows) - first, budget)
+            out.append(ScheduledChunk(s, n, first, s.input_done and first + n == len(s.rows)))
+            budget -= n
+        if not out or (not ramping and len(out) != len(self.running)):
+            return None
+        for c in out:
+            self._ensure_blocks(c.seq, c.start + c.num_rows)
+        return out
+
+    def ahead_row_holds(self, c: ScheduledChunk, decode: bool) -> bool:
+        """A chunk of a step launched ahead still stands: its decode row's assumption holds (`audio_row_holds`), or
+        its prefill rows follow the sequence's computed rows and the sequence lives on."""
+        if decode:
+            return self.audio_row_holds(c)
+        s = c.seq
+        return s.finish_reason is None and s.num_computed == c.start and not self.aborting(s.request_id)
 
     def audio_row_holds(self, c: ScheduledChunk) -> bool:
         """The assumption a step launched ahead makes about its row still holds: the sequence is live and not
