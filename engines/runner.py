@@ -33,6 +33,11 @@ def _flat_rows(chunks: list[ScheduledChunk]) -> list[int]:
     return [x for c in chunks for row in c.seq.rows[c.start:c.start + c.num_rows] for x in row]
 
 
+def _ahead_rows(device_audio: torch.Tensor | None) -> int:
+    """The leading decode chunks of a step launched ahead: one per audio code already on the device."""
+    return 0 if device_audio is None else int(device_audio.shape[0])
+
+
 def _step_rows(chunks: list[ScheduledChunk], k: int) -> list[int]:
     """_flat_rows, where the first k chunks are one-row decodes whose rows (modality pad, code) are not on the host
     yet: their codes are staged as 0 and copied in on the device."""
@@ -151,7 +156,7 @@ class ModelRunner:
     def build_batch(self, chunks: list[ScheduledChunk], device_audio: torch.Tensor | None = None) -> ForwardBatch:
         """device_audio: the codes [k] of the first k chunks' rows, already on the device (`run`)."""
         positions, slots, qstart, ctx, tables, logits_rows = self._columns(chunks)
-        k = 0 if device_audio is None else int(device_audio.shape[0])
+        k = _ahead_rows(device_audio)
         rows = _step_rows(chunks, k)
         width = max(len(t) for t in tables)
         num_decode = 0
@@ -215,26 +220,26 @@ class ModelRunner:
         will have generated one row more by then; the other chunks' rows are on the host."""
         self._init_histories(chunks)
         seqs = [c.seq for c in chunks if c.needs_logits]
-        k = 0 if device_audio is None else int(device_audio.shape[0])
         graph = self.graphs is not None and all(c.num_rows == 1 for c in chunks) and self.graphs.bucket(
             len(chunks)) is not None
         if graph:
-            hidden, audio_logits, sampling = self._replay_decode(chunks, seqs, device_audio, k)
+            hidden, audio_logits, sampling = self._replay_decode(chunks, seqs, device_audio)
         else:
             batch = self.build_batch(chunks, device_audio)
             slot_of_row = [c.seq.slot for c in chunks for _ in range(c.num_rows)]
             self._mark_history(batch.rows, self._upload(torch.tensor(slot_of_row, dtype=torch.long)))
-            sampling = self._sampling(seqs, k) if seqs else None
+            sampling = self._sampling(seqs, _ahead_rows(device_audio)) if seqs else None
             hidden, audio_logits = self._forward(batch)
         if sampling is None:
             return PendingTokens(torch.zeros(0, 2, dtype=torch.long))
         return self._sample(sampling, hidden, audio_logits)
 
-    def _replay_decode(self, chunks: list[ScheduledChunk], seqs: list[Sequence], device_audio: torch.Tensor | None,
-                       k: int) -> tuple[torch.Tensor, torch.Tensor, StepSampling | None]:
+    def _replay_decode(self, chunks: list[ScheduledChunk], seqs: list[Sequence], device_audio: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, StepSampling | None]:
         """A one-row-per-sequence step through the decode graphs: its inputs, sampling columns and logits rows go to
         the device in one copy (engines/graphs.py), the history update runs inside the graph."""
         positions, slots, _, ctx, tables, logits_rows = self._columns(chunks)
+        k = _ahead_rows(device_audio)
         rows = _step_rows(chunks, k)
         n, r = len(chunks), len(seqs)
         extra = []

@@ -159,15 +159,8 @@ class Scheduler:
             if seq.generating:
                 chunks.append(ScheduledChunk(seq, 1, seq.num_computed, True))
                 budget -= 1
-        if cfg.ramp_step_rows and any(c.seq.num_generated < cfg.ramp_rows for c in chunks):
-            budget = min(budget, max(cfg.ramp_step_rows - len(chunks), RAMP_MIN_PREFILL))
-        # Then prefill of running sequences with pending input: those whose input is complete first (they answer
-        # next), then open inputs (users still speaking), oldest first in each.
-        pending = [s for s in self.running if not s.generating and s.num_pending > 0]
-        for seq in [s for s in pending if s.input_done] + [s for s in pending if not s.input_done]:
-            if budget <= 0:
-                break
-            budget -= self._add_prefill(chunks, seq, budget)
+        budget = self._ramp_capped(budget, len(chunks), any(c.seq.num_generated < cfg.ramp_rows for c in chunks))
+        budget = self._add_prefills(chunks, {}, budget)
         # Then admit waiting requests while their reservation fits.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
@@ -218,31 +211,17 @@ class Scheduler:
                 return None
             decodes.append(ScheduledChunk(s, 1, c.start + c.num_rows, True))
         ahead = {id(c.seq) for c in decodes}
-        if any(s.generating and id(s) not in ahead for s in self.running):
+        if not decodes or any(s.generating and id(s) not in ahead for s in self.running):
             return None
+        out = list(decodes)
         cfg = self.config
-        budget = cfg.prefill_token_budget - len(decodes)
-        ramping = any(c.seq.num_generated + 1 < cfg.ramp_rows for c in decodes)
-        if cfg.ramp_step_rows and ramping:
-            budget = min(budget, max(cfg.ramp_step_rows - len(decodes), RAMP_MIN_PREFILL))
-        if not ramping:
+        if any(c.seq.num_generated + 1 < cfg.ramp_rows for c in decodes):
+            budget = self._ramp_capped(cfg.prefill_token_budget - len(decodes), len(decodes), True)
+            self._add_prefills(out, inflight, budget)
+        elif len(decodes) != len(self.running):
             # Beside prefill, only while a new answer ramps (its first audio waits on every step): otherwise the
             # host's turn between steps lets the next one gather more rows, in fewer steps each reading all the
             # weights, and leaves the GPU to the codec meanwhile (H200, 132 sessions: ungated, 30% more steps).
-            budget = 0
-        out = list(decodes)
-        pending = []
-        for s in self.running:
-            first = inflight.get(id(s), s.num_computed)
-            if id(s) not in ahead and not s.generating and len(s.rows) > first:
-                pending.append((s, first))
-        for s, first in [p for p in pending if p[0].input_done] + [p for p in pending if not p[0].input_done]:
-            if budget <= 0:
-                break
-            n = min(len(s.rows) - first, budget)
-            out.append(ScheduledChunk(s, n, first, s.input_done and first + n == len(s.rows)))
-            budget -= n
-        if not out or (not ramping and len(out) != len(self.running)):
             return None
         for c in out:
             self._ensure_blocks(c.seq, c.start + c.num_rows)
@@ -263,10 +242,31 @@ class Scheduler:
         return (s.finish_reason is None and s.num_computed == c.start and s.mode == "audio"
                 and not self.aborting(s.request_id))
 
-    def _add_prefill(self, chunks: list[ScheduledChunk], seq: Sequence, budget: int) -> int:
-        n = min(seq.num_pending, budget)
-        ends_prompt = seq.num_computed + n == len(seq.rows)
-        chunks.append(ScheduledChunk(seq, n, seq.num_computed, ends_prompt and seq.input_done))
+    def _ramp_capped(self, budget: int, decodes: int, ramping: bool) -> int:
+        """The step's prefill budget, capped while an answer ramps (EngineConfig.ramp_step_rows)."""
+        cfg = self.config
+        if cfg.ramp_step_rows and ramping:
+            return min(budget, max(cfg.ramp_step_rows - decodes, RAMP_MIN_PREFILL))
+        return budget
+
+    def _add_prefills(self, chunks: list[ScheduledChunk], inflight: dict[int, int], budget: int) -> int:
+        """Prefill chunks of running sequences with rows to run, within `budget`: those whose input is complete
+        first (they answer next), then open inputs (users still speaking), oldest first in each. A sequence's rows
+        start after those in flight (`inflight`: id(seq) -> its first row not in flight; a step launched ahead).
+        Sequences already in `chunks` and generating ones are left out. Returns the budget left."""
+        taken = {id(c.seq) for c in chunks}
+        pending = [s for s in self.running if id(s) not in taken and not s.generating
+                   and len(s.rows) > inflight.get(id(s), s.num_computed)]
+        for seq in [s for s in pending if s.input_done] + [s for s in pending if not s.input_done]:
+            if budget <= 0:
+                break
+            budget -= self._add_prefill(chunks, seq, budget, inflight.get(id(seq), seq.num_computed))
+        return budget
+
+    def _add_prefill(self, chunks: list[ScheduledChunk], seq: Sequence, budget: int, start: int | None = None) -> int:
+        start = seq.num_computed if start is None else start
+        n = min(len(seq.rows) - start, budget)
+        chunks.append(ScheduledChunk(seq, n, start, start + n == len(seq.rows) and seq.input_done))
         return n
 
     def _ensure_blocks(self, seq: Sequence, rows: int) -> None:
