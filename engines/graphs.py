@@ -23,9 +23,15 @@ LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 T = TypeVar("T")
 
 
-def private_stream(device: torch.device | str | None = None) -> torch.cuda.ExternalStream:
+def private_stream(device: torch.device | str | None = None, urgent: bool | None = None) -> torch.cuda.ExternalStream:
     """A CUDA stream that is nobody else's: made by the driver, outside PyTorch's stream pool, and never freed; in
-    the SM partition of the current stream (engines.partition.driver_stream).
+    the SM partition of the current stream (engines.partition.driver_stream). `urgent`: the most urgent priority,
+    else the least; None: the current stream's.
+
+    A graph's kernels keep the priority of the stream they were captured on, whatever stream replays them (H200:
+    the codec's batch-1 solve graph beside a GEMM load took 24.2 ms captured on an urgent stream and 38.2 captured
+    on a low one, replayed on either; `python3 -m engines.bench.graph_priority`). So each owner captures on a stream
+    of the priority its replays are meant to have, and side streams made inside a capture take the capture's.
 
     Graphs are captured on such streams because cuBLAS work takes the workspace PyTorch keys by (handle, stream),
     and a captured GEMM keeps that workspace's address for every replay. Pool streams come round-robin (32 per
@@ -34,9 +40,32 @@ def private_stream(device: torch.device | str | None = None) -> torch.cuda.Exter
     semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
     docs/PERF_NOTES.md, "The hang's cause"). Destroying a graph also drops its capture stream's workspaces, which
     would pull them from under the live graphs of another owner of the same pool stream."""
-    from engines.partition import driver_stream
+    from engines.partition import driver_stream, is_urgent
 
-    return driver_stream(device)
+    if urgent is None:
+        urgent = is_urgent(torch.cuda.current_stream(device))
+    return driver_stream(device, urgent=urgent)
+
+
+class SideStreams:
+    """Private streams (`private_stream`) for the branches an owner forks inside its graphs, made at first use: one
+    set per priority, each branch at its fork's priority (a captured branch keeps its stream's priority)."""
+
+    def __init__(self) -> None:
+        self._sets: dict[bool, list[torch.cuda.ExternalStream]] = {}
+
+    def get(self, device: torch.device | str, n: int) -> list[torch.cuda.ExternalStream]:
+        """n streams of the current stream's priority."""
+        from engines.partition import is_urgent
+
+        urgent = is_urgent(torch.cuda.current_stream(device))
+        streams = self._sets.setdefault(urgent, [])
+        while len(streams) < n:
+            streams.append(private_stream(device, urgent))
+        return streams[:n]
+
+    def all(self) -> list[torch.cuda.ExternalStream]:
+        return [s for streams in self._sets.values() for s in streams]
 
 
 def capture_graph(fn: Callable[[], T], stream: torch.cuda.Stream, pool=None, warmup: int = 2

@@ -1,10 +1,11 @@
 """SM partitions (CUDA green contexts) and the driver streams every GPU owner here runs on.
 
 Why: the codec's Euler solve is ~3,500 small dependent kernels of 16-160 programs each, latency-bound. When the
-language model's kernels fill every SM, each of those programs waits for an SM to drain, and stream priority does
-not help (it orders the launch of waiting programs, it does not take SMs back): on an H200 a batch-1 solve took
-10.8 ms alone and 38.4 ms beside a saturating GEMM load at either priority, and 18.9 ms with the codec on 72 SMs of
-its own and the load on the other 60 (docs/PERF_NOTES.md, session 12). `split` makes the two partitions; a stream
+language model's kernels fill every SM, each of those programs waits for an SM to drain: on an H200 a batch-1 solve
+took 10.8 ms alone and 38.4 ms beside a saturating GEMM load, and 18.9 ms with the codec on 72 SMs of its own and
+the load on the other 60 (docs/PERF_NOTES.md, session 12). (Those solves were graphs captured at the least priority,
+which is what their kernels ran at whatever stream replayed them; captured urgent, the same solve took 24.2 ms
+beside the load: engines.graphs.private_stream, session 32.) `split` makes the two partitions; a stream
 belongs to one for life, and so does every kernel launched on it, also inside a CUDA graph captured on it
 (replayed from any stream, a graph's kernels stay on the SMs of their capture stream's partition).
 
@@ -125,6 +126,20 @@ def _green_context(handle: int) -> int | None:
     ctx = ctypes.c_void_p()
     _check(_driver().cuStreamGetGreenCtx(ctypes.c_void_p(handle), ctypes.byref(ctx)), "cuStreamGetGreenCtx")
     return ctx.value or None
+
+
+def is_urgent(stream: torch.cuda.Stream) -> bool:
+    """Whether `stream` has its context's most urgent priority. Asked first outside any capture (a query of a
+    capturing stream's state would invalidate the capture); remembered per stream after that."""
+    return _urgent(stream.cuda_stream, stream.device_index)
+
+
+@functools.cache  # by handle: streams here are never destroyed, and a stream keeps its priority
+def _urgent(handle: int, device_index: int) -> bool:
+    prio = ctypes.c_int()
+    with torch.cuda.device(device_index):
+        _check(_driver().cuStreamGetPriority(ctypes.c_void_p(handle), ctypes.byref(prio)), "cuStreamGetPriority")
+        return prio.value <= _greatest_priority()
 
 
 def _greatest_priority() -> int:

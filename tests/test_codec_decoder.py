@@ -753,7 +753,7 @@ def _replay_stand_in(monkeypatch):
         return Replay(fn, out), out
 
     monkeypatch.setattr(graphs_mod, "capture_graph", stand_in)
-    monkeypatch.setattr(graphs_mod, "private_stream", lambda device: None)
+    monkeypatch.setattr(graphs_mod, "private_stream", lambda device, urgent=None: None)
     return graphs_mod
 
 

@@ -21,7 +21,7 @@ from engines.bench.hardware import replay_ms
 LOAD_WEIGHTS = 24  # x 117 MB: far more than L2, so each replay streams ~2.8 GB from HBM
 
 
-def _load_graph(stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+def load_graph(stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     from engines.graphs import capture_graph
 
     ws = [torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(LOAD_WEIGHTS)]
@@ -30,13 +30,15 @@ def _load_graph(stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, list[t
     return graph, ws
 
 
-def _solve_graph(dec, batch: int, stream: torch.cuda.Stream):
-    """The solve graph captured while `stream` is current (so in its partition). Returns (graph, mel, owner)."""
+def solve_graph(dec, batch: int, stream: torch.cuda.Stream, urgent: bool = False):
+    """The solve graph captured while `stream` is current (so in its partition), at the most urgent priority or the
+    least. Returns (graph, mel, owner)."""
     from engines.codec.decoder.graphs import EulerGraphs
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.cuda.stream(stream), torch.inference_mode():
         graphs = EulerGraphs(dec.flow)
+        graphs.urgent = urgent
         inputs = [torch.randn(s, device="cuda", dtype=dec.flow.dtype, generator=gen)
                   for s in graphs.input_shapes(batch)]
         x, _ = graphs.run(*inputs)
@@ -44,17 +46,20 @@ def _solve_graph(dec, batch: int, stream: torch.cuda.Stream):
     return next(iter(graphs.graphs.values()))[0], x, graphs
 
 
-def _on(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, reps: int) -> float:
+def replay_on(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, reps: int) -> float:
     with torch.cuda.stream(stream):
         return replay_ms(graph, reps)
 
 
-def _under_load(solve: torch.cuda.CUDAGraph, load: torch.cuda.CUDAGraph, reps: int = 30
-                ) -> tuple[float, float, float, bool]:
-    """Solves one at a time (each timed by events) while the load replays back to back on another stream: p50 and
-    p90 ms per solve, ms per load replay, and whether the load still ran when the last solve ended."""
-    lo, hi = torch.cuda.Stream(), torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
-    n_load = int(8 * reps * _on(solve, lo, 5) / _on(load, hi, 5)) + 10
+def under_load(solve: torch.cuda.CUDAGraph, load: torch.cuda.CUDAGraph, reps: int = 30,
+               solve_stream: torch.cuda.Stream | None = None, load_stream: torch.cuda.Stream | None = None
+               ) -> tuple[float, float, float, bool]:
+    """Solves one at a time (each timed by events) on `solve_stream` while the load replays back to back on
+    `load_stream` (defaults: a pool stream, and one of the most urgent priority): p50 and p90 ms per solve, ms per
+    load replay, and whether the load still ran when the last solve ended."""
+    lo = solve_stream if solve_stream is not None else torch.cuda.Stream()
+    hi = load_stream if load_stream is not None else torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+    n_load = int(8 * reps * replay_on(solve, lo, 5) / replay_on(load, hi, 5)) + 10
     torch.cuda.synchronize()
     ls, le = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(hi):
@@ -92,23 +97,23 @@ def main() -> None:
           f"torch {torch.__version__}")
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder="hift", cuda_graphs=True, estimator_dtype="bfloat16")
     splits = [split("cuda", int(n)) for n in a.sms.split(",")]
-    base_load, _w = _load_graph(private_stream())
-    print(f"load alone, every SM: {_on(base_load, torch.cuda.Stream(), 20):.3f} ms per replay")
+    base_load, _w = load_graph(private_stream())
+    print(f"load alone, every SM: {replay_on(base_load, torch.cuda.Stream(), 20):.3f} ms per replay")
     for batch in [int(b) for b in a.batches.split(",")]:
-        solve, want, _keep = _solve_graph(dec, batch, private_stream())
-        print(f"\nbatch {batch}: solve alone, every SM: {_on(solve, torch.cuda.Stream(), 20):.3f} ms")
-        m, p90, lm, still = _under_load(solve, base_load)
+        solve, want, _keep = solve_graph(dec, batch, private_stream())
+        print(f"\nbatch {batch}: solve alone, every SM: {replay_on(solve, torch.cuda.Stream(), 20):.3f} ms")
+        m, p90, lm, still = under_load(solve, base_load)
         print(f"  shared (no partition): solve p50 {m:.2f} p90 {p90:.2f} ms, load {lm:.3f} ms "
               f"(load outlasted: {still})")
         for sp in splits:
-            load, _wl = _load_graph(sp.stream("lm"))
-            only, got, _keep2 = _solve_graph(dec, batch, sp.stream("codec"))
+            load, _wl = load_graph(sp.stream("lm"))
+            only, got, _keep2 = solve_graph(dec, batch, sp.stream("codec"))
             diff = float((got.float() - want.float()).abs().max())
-            alone, load_alone = _on(only, torch.cuda.Stream(), 20), _on(load, torch.cuda.Stream(), 20)
+            alone, load_alone = replay_on(only, torch.cuda.Stream(), 20), replay_on(load, torch.cuda.Stream(), 20)
             print(f"  {sp.codec_sms} codec SMs / {sp.lm_sms} load SMs: load alone {load_alone:.3f} ms; solve on its "
                   f"SMs only alone {alone:.3f} ms (max diff {diff:.1e})")
             for name, g in (("only", only), ("reserve", solve)):
-                m, p90, lm, still = _under_load(g, load)
+                m, p90, lm, still = under_load(g, load)
                 print(f"    {name:7s} under load: solve p50 {m:.2f} p90 {p90:.2f} ms, load {lm:.3f} ms ({still})",
                       flush=True)
             del load, _wl

@@ -247,9 +247,15 @@ def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
     np.testing.assert_allclose(np.concatenate(out), want, atol=3e-4, rtol=0)
     assert lane.flow.graphs.graphs and lane.vocoder.graphs.graphs  # captured on the lane's first use
     assert lane.flow.graphs.stream.cuda_stream != dec.flow.graphs.stream.cuda_stream
-    assert lane.vocoder.generator is not dec.vocoder.generator and dec.vocoder.generator._branch_streams
-    mine, theirs = (g.vocoder.generator._branch_streams for g in (lane, dec))
+    assert lane.vocoder.generator is not dec.vocoder.generator and dec.vocoder.generator._branch_streams.all()
+    mine, theirs = (g.vocoder.generator._branch_streams.all() for g in (lane, dec))
     assert not {x.cuda_stream for x in mine} & {x.cuda_stream for x in theirs}
+    # A new answer's first chunk is urgent, the playing rounds are not: a graph runs at its capture stream's priority.
+    from engines.partition import is_urgent
+
+    assert all(is_urgent(g.stream) for g in (lane.flow.graphs, lane.vocoder.graphs)) and all(map(is_urgent, mine))
+    assert not any(is_urgent(g.stream) for g in (dec.flow.graphs, dec.vocoder.graphs))
+    assert not any(map(is_urgent, theirs))
 
 
 def test_two_first_lanes_on_their_threads_give_the_offline_pcm():

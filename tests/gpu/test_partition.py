@@ -69,6 +69,25 @@ def test_streams_made_under_a_partition_stay_in_it():
     assert green_context(private_stream()) is None  # made under the primary context's current stream
 
 
+def test_private_streams_take_the_priority_asked_or_the_current_streams():
+    """A graph's kernels run at its capture stream's priority (engines.graphs.private_stream): capture streams and
+    the side streams forked inside a capture are urgent exactly when asked, or when the stream they are made under
+    is."""
+    from engines.graphs import SideStreams, private_stream
+    from engines.partition import is_urgent
+    from engines.streams import high_priority_stream
+
+    assert is_urgent(private_stream(urgent=True)) and not is_urgent(private_stream(urgent=False))
+    assert not is_urgent(private_stream())  # made under the default stream
+    side = SideStreams()
+    with torch.cuda.stream(high_priority_stream("cuda")):
+        assert is_urgent(private_stream()) and not is_urgent(private_stream(urgent=False))
+        hi = side.get("cuda", 2)
+        assert side.get("cuda", 1) == hi[:1]  # made once per priority
+    lo = side.get("cuda", 3)
+    assert all(map(is_urgent, hi)) and not any(map(is_urgent, lo)) and len(side.all()) == 5
+
+
 def test_graph_captured_in_a_partition_replays_there_from_any_stream():
     from engines.graphs import capture_graph, private_stream
 

@@ -48,6 +48,9 @@ def test_step_graphs_equal_eager_steps(enc):
     g.reserve(4)
     assert g.capture_graphs(4) == 3 * 6 * 11  # streams 1, 2, 4; frames 1-32; keys 16-1500
     graphs = g.runner.graphs
+    from engines.partition import is_urgent
+
+    assert is_urgent(graphs.stream)  # a commit's call waits on them: captured (so replayed) urgent
     pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]
     for (codes, feats), (codes1, feats1) in zip(batched_encode(g, pcms, BATCH_SIZES),
                                                 batched_encode(enc, pcms, BATCH_SIZES), strict=True):

@@ -22,6 +22,7 @@ from engines.codec.decoder.stream import DecodeStream, Job
 from engines.codec.decoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
 from engines.codec.decoder.voice import Voice
 from engines.config import ConfigError, parse_dtype
+from engines.graphs import SideStreams
 from engines.streams import wait_releasing_gil
 
 VOCODERS = ("bigvgan", "hift")
@@ -101,37 +102,43 @@ class CodecDecoder:
             dec._attach_graphs(encoder_graphs)
         return dec
 
-    def _attach_graphs(self, encoder_graphs: bool) -> None:
+    def _attach_graphs(self, encoder_graphs: bool, urgent: bool = False) -> None:
         """Empty graph sets (captured on first use or by `capture_graphs`) for the Euler solve, the flow's encoder
-        when `encoder_graphs`, and HiFT."""
+        when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority."""
         from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
 
-        self.flow.graphs = EulerGraphs(self.flow)
+        sets = [EulerGraphs(self.flow)]
+        self.flow.graphs = sets[0]
         if encoder_graphs:
             self.flow.enc_graphs = EncoderGraphs(self.flow)
+            sets.append(self.flow.enc_graphs)
         if isinstance(self.vocoder, HiFTVocoder):
             st = self.cfg.stream
             self.vocoder.graphs = VocoderGraphs(self.vocoder.generator, st.voc_ctx_frames,
                                                 st.chunk_codes * self.cfg.flow.token_mel_ratio)
+            sets.append(self.vocoder.graphs)
+        for g in sets:
+            g.urgent = urgent
 
     def lane(self) -> CodecDecoder:
         """Another decoder over the same weights, voices and streams' state, with CUDA graphs, graph memory and side
         streams of its own, so that its calls can run while this one's run (on another thread and CUDA stream): the
         codec worker decodes new answers' first chunks on a lane beside its rounds of playing answers. Graphs, when
-        this decoder has them, are captured on first use or by `capture_graphs`."""
+        this decoder has them, are captured on first use or by `capture_graphs`, at the most urgent priority (a new
+        answer's first audio waits on them; this decoder's own stay at the least)."""
         twin = copy.copy(self)
         twin.counts = SolveCounts()
         twin.flow = copy.copy(self.flow)  # shares the modules; plain attributes (graphs, streams) become its own
-        twin.flow._chain_streams = []
+        twin.flow._chain_streams = SideStreams()
         twin.vocoder = copy.copy(self.vocoder)
         twin.vocoder._modules = dict(self.vocoder._modules)  # so that a new generator does not replace ours
         gen = getattr(self.vocoder, "generator", None)
         if gen is not None and hasattr(gen, "_branch_streams"):
             twin.vocoder.generator = copy.copy(gen)
-            twin.vocoder.generator._branch_streams = None
+            twin.vocoder.generator._branch_streams = SideStreams()
         twin.windowed = WindowedVocoder(twin.vocoder, self.cfg.stream)
         if self.flow.graphs is not None:
-            twin._attach_graphs(self.flow.enc_graphs is not None)
+            twin._attach_graphs(self.flow.enc_graphs is not None, urgent=True)
         return twin
 
     def take_counts(self) -> SolveCounts:

@@ -30,6 +30,7 @@ from engines.codec.decoder.config import FlowConfig, StreamConfig
 from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEncoder
 from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mask
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
+from engines.graphs import SideStreams
 from engines.host_copy import upload
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
@@ -131,7 +132,7 @@ class FlowModel(nn.Module):
         # run after each: a caller that must be able to pause a round between pieces (the codec worker's rounds of
         # playing answers, which yield the GPU to new answers) sets it. Same steps, same result.
         self.solve_parts = 1
-        self._chain_streams: list[torch.cuda.Stream] = []
+        self._chain_streams = SideStreams()
         self._t_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # _step_times
 
     @property
@@ -367,14 +368,11 @@ class FlowModel(nn.Module):
             k = n // CHAIN_WINDOWS if 2 <= n // 2 <= CHAIN_MAX_SESSIONS else 1
         if not h.is_cuda or k <= 1 or n % k:
             return est.run(h, rows, mask)
-        from engines.graphs import private_stream
         from engines.streams import side_by_side
 
-        while len(self._chain_streams) < k - 1:
-            self._chain_streams.append(private_stream(h.device))
         g = n // k
-        parts = side_by_side(self._chain_streams, *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, mask)
-                                                     for i in range(k)))
+        parts = side_by_side(self._chain_streams.get(h.device, k - 1),
+                             *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, mask) for i in range(k)))
         return torch.cat(parts)
 
     def euler(self, z: torch.Tensor, ctx_traj: torch.Tensor, mu_w: torch.Tensor, cond_w: torch.Tensor,

@@ -54,10 +54,13 @@ class BucketGraphs:
     # since a capture stalls its caller and runs while other threads use the GPU.
     warn_captures = False
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], urgent: bool = False) -> None:
         self.fn = fn
         self.pool = None
-        self.stream: torch.cuda.Stream | None = None  # capture stream (engines.graphs.private_stream), at first use
+        # Replays run at the priority of the capture stream (engines.graphs.private_stream), made at first use:
+        # urgent for the owners whose calls someone waits on (first chunks, commits), else the least.
+        self.urgent = urgent
+        self.stream: torch.cuda.Stream | None = None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         self._sizes: dict[tuple, list[int]] = {}  # key without its batch -> the batches captured for it, ascending
         self.last_batch = 0  # the (padded) batch `run` replayed last (load logs: CodecDecoder.counts)
@@ -78,7 +81,7 @@ class BucketGraphs:
         static_in = [t.clone() for t in inputs]
         # The warm-up runs also make cuFFT plans and settle the allocator outside the graph.
         if self.stream is None:
-            self.stream = private_stream(inputs[0].device)
+            self.stream = private_stream(inputs[0].device, urgent=self.urgent)
         g, out = capture_graph(lambda: self.fn(*static_in, *static), self.stream, self.pool)
         self.pool = g.pool()
         if BucketGraphs.warn_captures:

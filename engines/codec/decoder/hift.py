@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engines.codec.decoder.config import HiFTConfig
+from engines.graphs import SideStreams
 from engines.streams import side_by_side
 
 # CUDA: Snake as one kernel (engines/kernels/snake.py), and the generator's independent chains (the source branch,
@@ -141,7 +142,7 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilations, strict=True))
         self.conv_post = weight_norm(nn.Conv1d(c0 // 2 ** len(self.ups), n_fft + 2, 7, padding=3))
         self.register_buffer("stft_window", torch.hann_window(n_fft), persistent=False)
-        self._branch_streams: list[torch.cuda.Stream] | None = None  # CUDA: made at first use (`_streams`)
+        self._branch_streams = SideStreams()  # CUDA: made at first use (`_streams`)
 
     def fold_weight_norm(self) -> None:
         for m in self.modules():
@@ -185,11 +186,7 @@ class HiFTGenerator(nn.Module):
     def _streams(self, device: torch.device) -> list[torch.cuda.Stream]:
         """The branches' streams: one for the source branch, one per resblock of a stage but the first. Private
         (engines.graphs.private_stream): the source branch runs cuBLAS GEMMs inside the vocoder's graphs."""
-        if self._branch_streams is None:
-            from engines.graphs import private_stream
-
-            self._branch_streams = [private_stream(device) for _ in range(len(self.cfg.resblock_kernel_sizes))]
-        return self._branch_streams
+        return self._branch_streams.get(device, len(self.cfg.resblock_kernel_sizes))
 
     def forward(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ class StepGraphs(BucketGraphs):
     def __init__(self, runner, max_batch: int = BATCHES[-1]) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        super().__init__(runner.layers)
+        super().__init__(runner.layers, urgent=True)  # a commit's call waits on them
         self.runner = runner
         self.batches = tuple(b for b in BATCHES if b < max_batch) + (max_batch,)
         seg = runner.cfg.max_source_positions
