@@ -137,9 +137,18 @@ def is_urgent(stream: torch.cuda.Stream) -> bool:
 @functools.cache  # by handle: streams here are never destroyed, and a stream keeps its priority
 def _urgent(handle: int, device_index: int) -> bool:
     prio = ctypes.c_int()
+    greatest = _greatest(device_index)
     with torch.cuda.device(device_index):
         _check(_driver().cuStreamGetPriority(ctypes.c_void_p(handle), ctypes.byref(prio)), "cuStreamGetPriority")
-        return prio.value <= _greatest_priority()
+    return prio.value <= greatest
+
+
+@functools.cache
+def _greatest(device_index: int) -> int:
+    device = torch.device("cuda", device_index)
+    with torch.cuda.device(device):
+        _cu_device(device)  # the primary context exists (the first question may come before any CUDA work)
+        return _greatest_priority()
 
 
 def _greatest_priority() -> int:
