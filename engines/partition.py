@@ -106,7 +106,7 @@ def _new_stream(ctx: int | None, device: torch.device, urgent: bool) -> torch.cu
     handle = ctypes.c_void_p()
     with torch.cuda.device(device):
         _cu_device(device)
-        priority = ctypes.c_int(_greatest_priority() if urgent else 0)
+        priority = ctypes.c_int(_greatest(torch.cuda.current_device()) if urgent else 0)
         if ctx is not None:
             _check(_driver().cuGreenCtxStreamCreate(ctypes.byref(handle), ctypes.c_void_p(ctx),
                                                     ctypes.c_uint(_STREAM_NON_BLOCKING), priority),
@@ -145,17 +145,13 @@ def _urgent(handle: int, device_index: int) -> bool:
 
 @functools.cache
 def _greatest(device_index: int) -> int:
+    """The device's most urgent stream priority (CUDA: lower numbers are more urgent), asked once."""
     device = torch.device("cuda", device_index)
+    least, greatest = ctypes.c_int(), ctypes.c_int()
     with torch.cuda.device(device):
         _cu_device(device)  # the primary context exists (the first question may come before any CUDA work)
-        return _greatest_priority()
-
-
-def _greatest_priority() -> int:
-    """The most urgent stream priority of the current context (CUDA: lower numbers are more urgent)."""
-    least, greatest = ctypes.c_int(), ctypes.c_int()
-    _check(_driver().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
-           "cuCtxGetStreamPriorityRange")
+        _check(_driver().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+               "cuCtxGetStreamPriorityRange")
     return greatest.value
 
 
