@@ -26,7 +26,7 @@ T = TypeVar("T")
 def private_stream(device: torch.device | str | None = None, urgent: bool | None = None) -> torch.cuda.ExternalStream:
     """A CUDA stream that is nobody else's: made by the driver, outside PyTorch's stream pool, and never freed; in
     the SM partition of the current stream (engines.partition.driver_stream). `urgent`: the most urgent priority,
-    else the least; None: the current stream's.
+    else the least; None: the current stream's priority.
 
     A graph's kernels keep the priority of the stream they were captured on, whatever stream replays them (H200:
     the codec's batch-1 solve graph beside a GEMM load took 24.2 ms captured on an urgent stream and 38.2 captured
@@ -40,10 +40,10 @@ def private_stream(device: torch.device | str | None = None, urgent: bool | None
     semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
     docs/PERF_NOTES.md, "The hang's cause"). Destroying a graph also drops its capture stream's workspaces, which
     would pull them from under the live graphs of another owner of the same pool stream."""
-    from engines.partition import driver_stream, is_urgent
+    from engines.partition import driver_stream, priority
 
     if urgent is None:
-        urgent = is_urgent(torch.cuda.current_stream(device))
+        return driver_stream(device, priority=priority(torch.cuda.current_stream(device)))
     return driver_stream(device, urgent=urgent)
 
 
@@ -52,16 +52,15 @@ class SideStreams:
     set per priority, each branch at its fork's priority (a captured branch keeps its stream's priority)."""
 
     def __init__(self) -> None:
-        self._sets: dict[bool, list[torch.cuda.ExternalStream]] = {}
+        self._sets: dict[int, list[torch.cuda.ExternalStream]] = {}  # by CUDA priority
 
     def get(self, device: torch.device | str, n: int) -> list[torch.cuda.ExternalStream]:
         """n streams of the current stream's priority."""
-        from engines.partition import is_urgent
+        from engines.partition import priority
 
-        urgent = is_urgent(torch.cuda.current_stream(device))
-        streams = self._sets.setdefault(urgent, [])
+        streams = self._sets.setdefault(priority(torch.cuda.current_stream(device)), [])
         while len(streams) < n:
-            streams.append(private_stream(device, urgent))
+            streams.append(private_stream(device))
         return streams[:n]
 
     def all(self) -> list[torch.cuda.ExternalStream]:

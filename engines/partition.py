@@ -69,7 +69,7 @@ class SmSplit:
         """A new stream of partition `part` ("codec" or "lm"); `urgent`: the most urgent priority."""
         if part not in ("codec", "lm"):
             raise ValueError(f"partition must be 'codec' or 'lm', got {part!r}")
-        return _new_stream(self.codec if part == "codec" else self.lm, self.device, urgent)
+        return _new_stream(self.codec if part == "codec" else self.lm, self.device, _priority(self.device, urgent))
 
 
 def split(device: torch.device | str, codec_sms: int) -> SmSplit:
@@ -100,21 +100,30 @@ def split(device: torch.device | str, codec_sms: int) -> SmSplit:
     return SmSplit(device, _sm_count_of(part), _sm_count_of(rest), ctxs[0], ctxs[1])
 
 
-def _new_stream(ctx: int | None, device: torch.device, urgent: bool) -> torch.cuda.ExternalStream:
-    """A new non-blocking driver stream in green context `ctx` (None: the device's primary context); `urgent`: the
-    most urgent priority, else the least."""
+def _new_stream(ctx: int | None, device: torch.device, priority: int) -> torch.cuda.ExternalStream:
+    """A new non-blocking driver stream of CUDA priority `priority` in green context `ctx` (None: the device's
+    primary context)."""
     handle = ctypes.c_void_p()
     with torch.cuda.device(device):
         _cu_device(device)
-        priority = ctypes.c_int(_greatest(torch.cuda.current_device()) if urgent else 0)
         if ctx is not None:
             _check(_driver().cuGreenCtxStreamCreate(ctypes.byref(handle), ctypes.c_void_p(ctx),
-                                                    ctypes.c_uint(_STREAM_NON_BLOCKING), priority),
+                                                    ctypes.c_uint(_STREAM_NON_BLOCKING), ctypes.c_int(priority)),
                    "cuGreenCtxStreamCreate")
         else:
             _check(_driver().cuStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(_STREAM_NON_BLOCKING),
-                                                        priority), "cuStreamCreateWithPriority")
+                                                        ctypes.c_int(priority)), "cuStreamCreateWithPriority")
     return torch.cuda.ExternalStream(handle.value, device=device)
+
+
+def _priority(device: torch.device, urgency: bool | int) -> int:
+    """The CUDA priority of an urgency: True the most urgent, False the least, an int n that many levels below the
+    most urgent (never below the least)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    least, greatest = _range(index)
+    if urgency is True or urgency is False:
+        return greatest if urgency else least
+    return min(greatest + urgency, least)
 
 
 def green_context(stream: torch.cuda.Stream) -> int | None:
@@ -128,43 +137,49 @@ def _green_context(handle: int) -> int | None:
     return ctx.value or None
 
 
-def is_urgent(stream: torch.cuda.Stream) -> bool:
-    """Whether `stream` has its context's most urgent priority. Asked first outside any capture (a query of a
+def priority(stream: torch.cuda.Stream) -> int:
+    """`stream`'s CUDA priority (lower numbers are more urgent). Asked first outside any capture (a query of a
     capturing stream's state would invalidate the capture); remembered per stream after that."""
-    return _urgent(stream.cuda_stream, stream.device_index)
+    return _stream_priority(stream.cuda_stream, stream.device_index)
+
+
+def is_urgent(stream: torch.cuda.Stream) -> bool:
+    """Whether `stream` has its context's most urgent priority."""
+    return priority(stream) <= _range(stream.device_index)[1]
 
 
 @functools.cache  # by handle: streams here are never destroyed, and a stream keeps its priority
-def _urgent(handle: int, device_index: int) -> bool:
+def _stream_priority(handle: int, device_index: int) -> int:
     prio = ctypes.c_int()
-    greatest = _greatest(device_index)
+    _range(device_index)  # the primary context exists
     with torch.cuda.device(device_index):
         _check(_driver().cuStreamGetPriority(ctypes.c_void_p(handle), ctypes.byref(prio)), "cuStreamGetPriority")
-    return prio.value <= greatest
+    return prio.value
 
 
 @functools.cache
-def _greatest(device_index: int) -> int:
-    """The device's most urgent stream priority (CUDA: lower numbers are more urgent), asked once."""
+def _range(device_index: int) -> tuple[int, int]:
+    """The device's (least, most) urgent stream priorities (CUDA: lower numbers are more urgent), asked once."""
     device = torch.device("cuda", device_index)
     least, greatest = ctypes.c_int(), ctypes.c_int()
     with torch.cuda.device(device):
         _cu_device(device)  # the primary context exists (the first question may come before any CUDA work)
         _check(_driver().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
                "cuCtxGetStreamPriorityRange")
-    return greatest.value
+    return least.value, greatest.value
 
 
-def driver_stream(device: torch.device | str | None = None, urgent: bool = False,
-                  like: torch.cuda.Stream | None = None) -> torch.cuda.ExternalStream:
+def driver_stream(device: torch.device | str | None = None, urgent: bool | int = False,
+                  like: torch.cuda.Stream | None = None, priority: int | None = None) -> torch.cuda.ExternalStream:
     """A new stream made by the driver (outside PyTorch's stream pool, never freed) in the SM partition of `like`
-    (default: the device's current stream); in the primary context when that stream is in none. `urgent`: the most
-    urgent priority (else the least)."""
+    (default: the device's current stream); in the primary context when that stream is in none. `urgent`: True the
+    most urgent priority, False the least, n >= 1 n levels below the most urgent; `priority`: this CUDA priority
+    instead."""
     device = torch.device("cuda") if device is None else torch.device(device)
     with torch.cuda.device(device):
         _cu_device(device)  # the primary context is current before the driver is asked about a stream
         ctx = green_context(like if like is not None else torch.cuda.current_stream(device))
-    return _new_stream(ctx, device, urgent)
+    return _new_stream(ctx, device, _priority(device, urgent) if priority is None else priority)
 
 
 @functools.cache

@@ -1,6 +1,7 @@
-"""CUDA streams by urgency: the language model's steps, the speech encoder and new answers' first codec chunks
-run on the highest priority; the codec's rounds for answers already playing stay on the default (lowest). And
-independent chains of work side by side on streams of their own (`side_by_side`)."""
+"""CUDA streams by urgency: the speech encoder's commits and new answers' first codec chunks run on the highest
+priority, the language model's steps one level below them; the codec's rounds for answers already playing and the
+speech encoder's held audio stay on the lowest. And independent chains of work side by side on streams of their own
+(`side_by_side`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def high_priority_stream(device: torch.device | str) -> torch.cuda.Stream:
     from engines.partition import driver_stream
 
     return driver_stream(device, urgent=True)
+
+
+def model_stream(device: torch.device | str) -> torch.cuda.Stream:
+    """A new stream one priority level below the most urgent, for the language model's steps: ahead of the playing
+    answers' codec rounds, behind the work a single answer waits for (its commit's codes, its first chunk), which is
+    short beside a model step that every session's rows ride on."""
+    from engines.partition import driver_stream
+
+    return driver_stream(device, urgent=1)
 
 
 def wait_releasing_gil(device: torch.device) -> None:

@@ -291,7 +291,7 @@ def build_service(args: argparse.Namespace) -> Service:
     if on_gpu:
         import torch
 
-        from engines.streams import high_priority_stream
+        from engines.streams import model_stream
 
         lm_stream = None
         if codec_sms:
@@ -308,8 +308,9 @@ def build_service(args: argparse.Namespace) -> Service:
                      f"the other {sms.codec_sms} only" if args.codec_sms_only else "every SM")
         # The language model's steps run on a high-priority stream, so they never queue behind the codec
         # worker's rounds of playing answers (lowest priority) for SMs: a decode step is a few ms of GPU work
-        # that every session waits for. (The speech encoder has its own high-priority stream.)
-        torch.cuda.set_stream(lm_stream if lm_stream is not None else high_priority_stream(args.device))
+        # that every session waits for. (The speech encoder's commits and the first-chunk lanes have streams one
+        # level above it: engines.streams.model_stream.)
+        torch.cuda.set_stream(lm_stream if lm_stream is not None else model_stream(args.device))
     # The codec and encoder worker threads run Python between their GPU waits; a short switch interval keeps the
     # engine loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)
