@@ -40,10 +40,10 @@ def private_stream(device: torch.device | str | None = None, urgent: bool | None
     semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
     docs/PERF_NOTES.md, "The hang's cause"). Destroying a graph also drops its capture stream's workspaces, which
     would pull them from under the live graphs of another owner of the same pool stream."""
-    from engines.partition import driver_stream, priority
+    from engines.partition import driver_stream, level
 
     if urgent is None:
-        return driver_stream(device, priority=priority(torch.cuda.current_stream(device)))
+        return driver_stream(device, level=level(torch.cuda.current_stream(device)))
     return driver_stream(device, urgent=urgent)
 
 
@@ -52,13 +52,13 @@ class SideStreams:
     set per priority, each branch at its fork's priority (a captured branch keeps its stream's priority)."""
 
     def __init__(self) -> None:
-        self._sets: dict[int, list[torch.cuda.ExternalStream]] = {}  # by CUDA priority
+        self._sets: dict[int, list[torch.cuda.ExternalStream]] = {}  # by priority level (engines.partition.level)
 
     def get(self, device: torch.device | str, n: int) -> list[torch.cuda.ExternalStream]:
         """n streams of the current stream's priority."""
-        from engines.partition import priority
+        from engines.partition import level
 
-        streams = self._sets.setdefault(priority(torch.cuda.current_stream(device)), [])
+        streams = self._sets.setdefault(level(torch.cuda.current_stream(device)), [])
         while len(streams) < n:
             streams.append(private_stream(device))
         return streams[:n]

@@ -69,7 +69,8 @@ class SmSplit:
         """A new stream of partition `part` ("codec" or "lm"); `urgent`: the most urgent priority."""
         if part not in ("codec", "lm"):
             raise ValueError(f"partition must be 'codec' or 'lm', got {part!r}")
-        return _new_stream(self.codec if part == "codec" else self.lm, self.device, _priority(self.device, urgent))
+        return _new_stream(self.codec if part == "codec" else self.lm, self.device,
+                           _priority(self.device, 0 if urgent else None))
 
 
 def split(device: torch.device | str, codec_sms: int) -> SmSplit:
@@ -116,14 +117,11 @@ def _new_stream(ctx: int | None, device: torch.device, priority: int) -> torch.c
     return torch.cuda.ExternalStream(handle.value, device=device)
 
 
-def _priority(device: torch.device, urgency: bool | int) -> int:
-    """The CUDA priority of an urgency: True the most urgent, False the least, an int n that many levels below the
-    most urgent (never below the least)."""
+def _priority(device: torch.device, level: int | None) -> int:
+    """The CUDA priority `level` levels below the most urgent (never below the least); None: the least."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     least, greatest = _range(index)
-    if urgency is True or urgency is False:
-        return greatest if urgency else least
-    return min(greatest + urgency, least)
+    return least if level is None else min(greatest + level, least)
 
 
 def green_context(stream: torch.cuda.Stream) -> int | None:
@@ -137,24 +135,25 @@ def _green_context(handle: int) -> int | None:
     return ctx.value or None
 
 
-def priority(stream: torch.cuda.Stream) -> int:
-    """`stream`'s CUDA priority (lower numbers are more urgent). Asked first outside any capture (a query of a
-    capturing stream's state would invalidate the capture); remembered per stream after that."""
-    return _stream_priority(stream.cuda_stream, stream.device_index)
+def level(stream: torch.cuda.Stream) -> int:
+    """How many priority levels `stream` is below its context's most urgent (0: the most urgent). Asked first outside
+    any capture (a query of a capturing stream's state would invalidate the capture); remembered per stream after
+    that."""
+    return _stream_level(stream.cuda_stream, stream.device_index)
 
 
 def is_urgent(stream: torch.cuda.Stream) -> bool:
     """Whether `stream` has its context's most urgent priority."""
-    return priority(stream) <= _range(stream.device_index)[1]
+    return level(stream) == 0
 
 
 @functools.cache  # by handle: streams here are never destroyed, and a stream keeps its priority
-def _stream_priority(handle: int, device_index: int) -> int:
+def _stream_level(handle: int, device_index: int) -> int:
     prio = ctypes.c_int()
-    _range(device_index)  # the primary context exists
+    greatest = _range(device_index)[1]  # (asked first: the primary context exists)
     with torch.cuda.device(device_index):
         _check(_driver().cuStreamGetPriority(ctypes.c_void_p(handle), ctypes.byref(prio)), "cuStreamGetPriority")
-    return prio.value
+    return prio.value - greatest
 
 
 @functools.cache
@@ -169,17 +168,16 @@ def _range(device_index: int) -> tuple[int, int]:
     return least.value, greatest.value
 
 
-def driver_stream(device: torch.device | str | None = None, urgent: bool | int = False,
-                  like: torch.cuda.Stream | None = None, priority: int | None = None) -> torch.cuda.ExternalStream:
+def driver_stream(device: torch.device | str | None = None, urgent: bool = False,
+                  like: torch.cuda.Stream | None = None, level: int | None = None) -> torch.cuda.ExternalStream:
     """A new stream made by the driver (outside PyTorch's stream pool, never freed) in the SM partition of `like`
-    (default: the device's current stream); in the primary context when that stream is in none. `urgent`: True the
-    most urgent priority, False the least, n >= 1 n levels below the most urgent; `priority`: this CUDA priority
-    instead."""
+    (default: the device's current stream); in the primary context when that stream is in none. `urgent`: the most
+    urgent priority (else the least); `level`: that many priority levels below the most urgent instead."""
     device = torch.device("cuda") if device is None else torch.device(device)
     with torch.cuda.device(device):
         _cu_device(device)  # the primary context is current before the driver is asked about a stream
         ctx = green_context(like if like is not None else torch.cuda.current_stream(device))
-    return _new_stream(ctx, device, _priority(device, urgent) if priority is None else priority)
+    return _new_stream(ctx, device, _priority(device, level if level is not None else 0 if urgent else None))
 
 
 @functools.cache

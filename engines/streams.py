@@ -26,7 +26,7 @@ def model_stream(device: torch.device | str) -> torch.cuda.Stream:
     short beside a model step that every session's rows ride on."""
     from engines.partition import driver_stream
 
-    return driver_stream(device, urgent=1)
+    return driver_stream(device, level=1)
 
 
 def wait_releasing_gil(device: torch.device) -> None:

@@ -92,18 +92,18 @@ def test_model_stream_sits_between_the_urgent_and_the_playing_rounds():
     """The model's steps run one level below the commits and first chunks and above the playing rounds; what is made
     under its stream (its graphs' capture streams, their side branches) takes that exact priority."""
     from engines.graphs import SideStreams, private_stream
-    from engines.partition import is_urgent, priority
+    from engines.partition import is_urgent, level
     from engines.streams import high_priority_stream, model_stream
 
     model, urgent, low = model_stream("cuda"), high_priority_stream("cuda"), private_stream(urgent=False)
-    assert priority(urgent) < priority(model) < priority(low) and not is_urgent(model)
+    assert level(urgent) < level(model) < level(low) and not is_urgent(model)
     side = SideStreams()
     with torch.cuda.stream(model):
         made = [private_stream(), *side.get("cuda", 2)]
     with torch.cuda.stream(urgent):
         made_urgent = side.get("cuda", 1)
-    assert [priority(s) for s in made] == [priority(model)] * 3
-    assert priority(made_urgent[0]) == priority(urgent) and len(side.all()) == 3
+    assert [level(s) for s in made] == [level(model)] * 3
+    assert level(made_urgent[0]) == level(urgent) and len(side.all()) == 3
 
 
 def test_graph_captured_in_a_partition_replays_there_from_any_stream():
