@@ -163,6 +163,19 @@ def test_batched_step_equals_each_alone(enc):
         torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
 
 
+def test_many_streams_with_uneven_pushes_equal_each_alone(enc):
+    """A step's rows, windows and kept tails are index arithmetic over every stream at once: twelve streams whose
+    pushes give none, a few or many frames (some none at all in a step, some crossing a pooling group) match each
+    stream encoded alone in one push."""
+    pcms = [speech_like(0.4 + 0.15 * i, seed=20 + i) for i in range(12)]
+    sizes = [[(0, 37, 5120, 160, 1500, 320)[(i + k) % 6] or 1 for k in range(3)] for i in range(12)]
+    sizes[0] = [0, 2000]  # a stream with nothing new every other step
+    alone = [whole_encode(enc, p) for p in pcms]
+    for (codes, feats), (codes1, feats1) in zip(batched_encode(enc, pcms, sizes), alone, strict=True):
+        assert codes == codes1
+        torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+
+
 class EagerStepGraphs(StepGraphs):
     """StepGraphs' buckets with the blocks run eagerly on the padded inputs a graph would get: the padding (rows,
     tokens, keys) on the CPU."""

@@ -3,12 +3,19 @@
 Each timed step pushes one piece (default 80 ms: one code) for every stream of the batch through the
 batched encoder step, after a warm-up long enough that the streams carry a few seconds of context.
 `--graphs` replays the blocks of steps of up to 8 streams as CUDA graphs (as the server does).
+`--held` steps as the server's calls of held audio do (the encoder's lowest-priority stream); `--gil-busy` times
+them beside a thread that runs Python all the time with the server's 0.5 ms switch interval, as the engine loop
+and the codec's thread compete with the encoder's thread for the GIL under load.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,22 +35,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--piece-ms", type=int, default=80, help="audio per stream per timed step")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for steps of up to 8 streams")
+    p.add_argument("--held", action="store_true", help="steps on the lowest-priority stream, as held audio's")
+    p.add_argument("--gil-busy", action="store_true", help="a thread running Python beside the timed steps")
     p.add_argument("--json", default=None)
 
 
-def warm_streams(enc: SpeechEncoder, batch: int, piece_ms: int, context_s: float, rng: np.random.Generator
-                 ) -> tuple[Callable[[], None], list]:
+def warm_streams(enc: SpeechEncoder, batch: int, piece_ms: int, context_s: float, rng: np.random.Generator,
+                 urgent: bool = True) -> tuple[Callable[[], None], list]:
     """`batch` streams carrying `context_s` of noise-like audio, and a step that pushes `piece_ms` more into each
     (one batched call). Returns (step, streams); the caller closes the streams."""
     piece = 16 * piece_ms  # 16 kHz
     streams = [enc.open_stream() for _ in range(batch)]
-    calls = enc.batch()
+    calls = enc.batch(urgent)
+    noise = [(0.1 * rng.standard_normal(piece)).astype(np.float32) for _ in range(7)]  # made outside the timing
+
+    turns = itertools.count()
 
     def step() -> None:
-        calls.step([(s, (0.1 * rng.standard_normal(piece)).astype(np.float32)) for s in streams])
+        k = next(turns)
+        calls.step([(s, noise[(i + k) % len(noise)]) for i, s in enumerate(streams)])
     for _ in range(int(context_s * 1000 / piece_ms)):
         step()
     return step, streams
+
+
+@contextlib.contextmanager
+def gil_busy(on: bool):
+    """A daemon thread running Python (never releasing the GIL by itself) while inside, at a 0.5 ms switch
+    interval."""
+    if not on:
+        yield
+        return
+    stop, before = threading.Event(), sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(before)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,14 +89,15 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     enc.reserve(max(batches))  # before the graphs: a growth of the KV pool retires them
     res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "piece_ms": args.piece_ms,
-           "graphs": 0, f"ms_per_{args.piece_ms}ms": {}}
+           "held": args.held, "gil_busy": args.gil_busy, "graphs": 0, f"ms_per_{args.piece_ms}ms": {}}
     if args.graphs:
         t0 = time.perf_counter()
         res["graphs"] = enc.capture_graphs()
         print(f"{res['graphs']} step graphs captured in {time.perf_counter() - t0:.1f} s")
     for b in batches:
-        step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng)
-        t = median(timed(step, device, repeats=args.iters, warmup=1)) * 1e3
+        step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng, urgent=not args.held)
+        with gil_busy(args.gil_busy):
+            t = median(timed(step, device, repeats=args.iters, warmup=1)) * 1e3
         res[f"ms_per_{args.piece_ms}ms"][str(b)] = t
         print(f"encoder batch {b:3d}: {t:.2f} ms per {args.piece_ms} ms step ({t / b:.3f} ms per stream)")
         for s in streams:
