@@ -87,8 +87,8 @@ class WhisperVQTrunk(nn.Module):
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
-    """Where each of consecutive runs of these lengths starts."""
-    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    """Where each of consecutive runs of these lengths starts (none for none)."""
+    return (np.cumsum(lengths) - lengths).astype(np.int64)
 
 
 class _Rows:
