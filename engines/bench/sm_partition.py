@@ -37,8 +37,7 @@ def solve_graph(dec, batch: int, stream: torch.cuda.Stream, urgent: bool = False
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.cuda.stream(stream), torch.inference_mode():
-        graphs = EulerGraphs(dec.flow)
-        graphs.urgent = urgent
+        graphs = EulerGraphs(dec.flow, urgent)
         inputs = [torch.randn(s, device="cuda", dtype=dec.flow.dtype, generator=gen)
                   for s in graphs.input_shapes(batch)]
         x, _ = graphs.run(*inputs)

@@ -107,18 +107,13 @@ class CodecDecoder:
         when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority."""
         from engines.codec.decoder.graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
 
-        sets = [EulerGraphs(self.flow)]
-        self.flow.graphs = sets[0]
+        self.flow.graphs = EulerGraphs(self.flow, urgent)
         if encoder_graphs:
-            self.flow.enc_graphs = EncoderGraphs(self.flow)
-            sets.append(self.flow.enc_graphs)
+            self.flow.enc_graphs = EncoderGraphs(self.flow, urgent)
         if isinstance(self.vocoder, HiFTVocoder):
             st = self.cfg.stream
             self.vocoder.graphs = VocoderGraphs(self.vocoder.generator, st.voc_ctx_frames,
-                                                st.chunk_codes * self.cfg.flow.token_mel_ratio)
-            sets.append(self.vocoder.graphs)
-        for g in sets:
-            g.urgent = urgent
+                                                st.chunk_codes * self.cfg.flow.token_mel_ratio, urgent)
 
     def lane(self) -> CodecDecoder:
         """Another decoder over the same weights, voices and streams' state, with CUDA graphs, graph memory and side

@@ -114,8 +114,8 @@ class BucketGraphs:
 
 
 class EulerGraphs(BucketGraphs):
-    def __init__(self, flow) -> None:
-        super().__init__(flow.euler)
+    def __init__(self, flow, urgent: bool = False) -> None:
+        super().__init__(flow.euler, urgent)
         self.flow = flow
 
     @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
@@ -157,8 +157,8 @@ class EncoderGraphs(BucketGraphs):
     voice's prompt length) run eagerly: a capture would stall answers for 0.1-0.5 s, and every graph keeps its own
     copy of its prefix keys (at full size with a 30 s prompt ~36 MB per row, ~2.3 GB at batch 64)."""
 
-    def __init__(self, flow) -> None:
-        super().__init__(flow.encode)
+    def __init__(self, flow, urgent: bool = False) -> None:
+        super().__init__(flow.encode, urgent)
         self.flow = flow
         self.frozen = False  # set by capture_steady_state: no more captures
 
@@ -203,8 +203,8 @@ class EncoderGraphs(BucketGraphs):
 class VocoderGraphs(BucketGraphs):
     """HiFT's generator: inputs mel [B, 80, T], phase0 [B, H], noise [B, H, T * hop]; static keep_at (samples)."""
 
-    def __init__(self, generator, ctx_frames: int, chunk_frames: int) -> None:
-        super().__init__(generator)
+    def __init__(self, generator, ctx_frames: int, chunk_frames: int, urgent: bool = False) -> None:
+        super().__init__(generator, urgent)
         self.generator, self.ctx_frames, self.chunk_frames = generator, ctx_frames, chunk_frames
 
     @torch.inference_mode()  # as run_jobs
