@@ -9,13 +9,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# (no torch call to find the numpy dtype: each torch call may give up the GIL, and the callers' threads share it)
+_NP_DTYPES = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.float32: np.dtype(np.float32)}
+
 
 def upload(arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
     """Each array (any shape, numbers) as a `dtype` tensor on `device`, in their shapes: views of one copy."""
-    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    np_dtype = _NP_DTYPES.get(dtype) or torch.empty(0, dtype=dtype).numpy().dtype
     flat = np.concatenate([np.asarray(a, dtype=np_dtype).ravel() for a in arrays]) if arrays else np.zeros(0, np_dtype)
     host = torch.from_numpy(flat)
     if device.type == "cuda":
         host = host.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+    if len(arrays) == 1:
+        return [host.view(np.shape(arrays[0]))]
     parts = host.split([int(np.size(a)) for a in arrays])
     return [p.view(np.shape(a)) for p, a in zip(parts, arrays, strict=True)]

@@ -177,15 +177,15 @@ def test_many_streams_with_uneven_pushes_equal_each_alone(enc):
 
 
 class EagerStepGraphs(StepGraphs):
-    """StepGraphs' buckets with the blocks run eagerly on the padded inputs a graph would get: the padding (rows,
-    tokens, keys) on the CPU."""
+    """StepGraphs' buckets with the step run eagerly on the padded inputs a graph would get: the padding (streams,
+    frames, tokens, keys, groups, kept rows) on the CPU."""
 
     def _capture(self, inputs, static):
         return None, None, None
 
-    def run(self, key, *inputs):
+    def run(self, sz, flat):
         self.replays += 1
-        return self.runner.layers(*inputs, key[2])
+        return self.runner.forward(flat, sz)
 
 
 def bucketed_encoder(max_batch: int = 4) -> SpeechEncoder:
@@ -276,8 +276,15 @@ def test_mel_filterbank_is_slaney():
 def test_mel_frontend_puts_a_tone_in_its_band(enc):
     t = np.arange(SR) / SR
     tone = (0.5 * np.sin(2 * np.pi * 1000 * t)).astype(np.float32)
-    frames = enc.frontend.frames([enc.frontend.new_state()], [tone])[0]
-    assert frames.shape == (100 - 1, 128)  # frame t needs samples up to 160 t + 200
+    fe = enc.frontend
+    mp = fe.plan([fe.new_state()], [tone], np.asarray([1000]))
+    n = int(mp.counts[0])
+    assert n == 100 - 1 and not mp.more  # frame t needs samples up to 160 t + 200
+    peaks = torch.full((2,), float("-inf"))  # row 0 the stream's, row 1 the padding grid row's
+    grid = torch.arange(n)  # one grid row of n cells
+    frames = fe.log_mel(torch.from_numpy(mp.samples), torch.from_numpy(mp.starts[0] + 160 * np.arange(n)), grid,
+                        torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([n - 1, n]), peaks, 2, n)
+    assert frames.shape == (n, 128) and bool(torch.isfinite(peaks[0]))  # the stream's running peak written
     fb = mel_filterbank(16000, 400, 128)
     assert int(frames[50].argmax()) == int(fb[:, 25].argmax())  # FFT bin 25 = 1000 Hz
 
@@ -408,7 +415,8 @@ def test_a_pool_growth_without_memory_changes_nothing_and_says_why(monkeypatch):
     pool = e.runner.kv
     e.reserve(2)
     held = [e.open_stream() for _ in range(2)]
-    held[0].push(speech_like(0.3, seed=2))
+    first = speech_like(0.7, seed=2)
+    codes = held[0].push(first[:4800])
     keys, values, gen = list(pool.keys), list(pool.values), pool.generation
     before = [t.clone() for t in keys]
     real_zeros, calls = torch.zeros, [0]
@@ -431,7 +439,10 @@ def test_a_pool_growth_without_memory_changes_nothing_and_says_why(monkeypatch):
     third = e.open_stream()
     assert pool.capacity == 4 and all(torch.equal(a[:2], b[:2]) for a, b in zip(pool.keys, before, strict=True))
     pcm = speech_like(0.4, seed=3)
-    assert third.push(pcm) + third.finalize() == SpeechEncoder.load("tiny-random").encode(pcm)
+    fresh = SpeechEncoder.load("tiny-random")
+    assert third.push(pcm) + third.finalize() == fresh.encode(pcm)
+    # The growth copied the carried state (mel, conv and pooling tails, peak) of a stream in the middle of its audio.
+    assert codes + held[0].push(first[4800:]) + held[0].finalize() == fresh.encode(first)
 
 
 def test_reserved_kv_slots_serve_that_many_streams_without_growing():

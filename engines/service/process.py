@@ -148,8 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the speech encoder's calls on a thread of their own, beside the engine steps, instead of "
                         "in the engine loop (default: on a GPU)")
     p.add_argument("--encoder-graphs", dest="encoder_graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="on a GPU, replay the speech encoder's blocks as CUDA graphs for steps of up to 8 sessions (a "
-                        "commit's step is ~300 launches for a few ms of GPU work)")
+                   help="on a GPU, replay the speech encoder's steps of up to 8 sessions as CUDA graphs (a commit's "
+                        "step is ~60 torch calls and ~300 launches for a few ms of GPU work)")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,

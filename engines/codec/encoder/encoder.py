@@ -57,7 +57,7 @@ class SpeechEncoder:
         trunk.load_state_dict(state, strict=True, assign=True)
         self.trunk = trunk.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.frontend = MelFrontend(cfg, device)
-        self.runner = StreamingRunner(self.trunk, dtype, device)
+        self.runner = StreamingRunner(self.trunk, self.frontend, dtype, device)
         # Its own CUDA streams: the codes are read back at once (a host sync), which on the language model's
         # stream would also wait for the decode steps queued there.
         # High priority: a commit's last codes are on every answer's path to first audio. Audio still being spoken
@@ -151,9 +151,10 @@ class EncoderStream:
 
     def __init__(self, encoder: SpeechEncoder) -> None:
         self.encoder = encoder
-        # The state is made on the stream that uses it (made on another, the encoder could read it unwritten).
-        with encoder.lock, encoder._on_stream():
-            self.mel: MelState = encoder.frontend.new_state()
+        # Host state only: the device rows of a fresh stream are read from the KV pool's blank row until its first step
+        # writes its own (so no kernel on one CUDA stream makes state that another reads).
+        self.mel: MelState = encoder.frontend.new_state()
+        with encoder.lock:
             self.trunk: TrunkState = encoder.runner.new_state()
         # The KV slot goes back to the pool on finalize/close, or when the stream is dropped.
         self._release = weakref.finalize(self, encoder.release_slot, self.trunk)
@@ -218,26 +219,27 @@ class EncoderBatch:
             if s.encoder is not enc:
                 raise ValueError("stream belongs to another encoder")
         pcms = [_as_pcm(p) for _, p in items]
-        pending = enc.frontend.frames([s.mel for s in streams], pcms)  # per stream [n_i, n_mels]
         codes: list[list[int]] = [[] for _ in streams]
         feats: list[list[torch.Tensor]] = [[] for _ in streams]
         seg = enc.runner.mel_per_segment
-        # Rounds: no stream may run past its 30 s segment end inside one forward.
-        while any(p.shape[0] for p in pending):
-            take = [min(p.shape[0], seg - s.trunk.mel_in_segment) for s, p in zip(streams, pending, strict=True)]
-            mels = [p if n == p.shape[0] else p[:n] for p, n in zip(pending, take, strict=True)]
-            counts, pooled = enc.runner.run([s.trunk for s in streams], mels)
-            ids = enc.runner.quantize(pooled)
-            wait_releasing_gil(ids.device)  # (the engine loop runs meanwhile when the encoder has a thread of its own)
-            ids = ids.tolist()
-            start = 0
-            for i, (s, n, c) in enumerate(zip(streams, take, counts, strict=True)):
-                codes[i].extend(ids[start:start + c])
-                if c:
-                    feats[i].append(pooled[start:start + c])
-                start += c
-                if n:
-                    pending[i] = pending[i][n:]
+        none = np.zeros(0, np.float32)
+        more = True
+        # Steps: no stream may run past its 30 s segment end inside one forward; what is left goes in the next.
+        while more:
+            limits = np.asarray([seg - s.trunk.mel_in_segment for s in streams], dtype=np.int64)
+            counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams], pcms,
+                                                       limits)
+            pcms = [none] * len(streams)
+            if ids is not None:
+                wait_releasing_gil(ids.device)  # (the engine loop runs meanwhile when the encoder has a thread)
+                ids_list = ids.tolist()
+                start = 0
+                for i, c in enumerate(counts):
+                    codes[i].extend(ids_list[start:start + c])
+                    if c:
+                        feats[i].append(pooled[start:start + c])
+                    start += c
+            for s in streams:
                 if s.trunk.mel_in_segment == seg:
                     enc.runner.reset_segment(s.trunk)
         for i, s in enumerate(streams):

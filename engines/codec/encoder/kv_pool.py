@@ -1,4 +1,5 @@
-"""KV cache slots for encoder streams: one fixed-size slot per open stream, shared tensors per layer.
+"""KV cache slots for encoder streams: one fixed-size slot per open stream, shared tensors per layer, and each
+stream's carried state between steps in slot-indexed tensors too.
 
 Each layer holds keys and values as [slots, heads, max_source_positions, head_dim], so one step can
 write the new rows of all streams with one indexed store and attend with one batched call (a view,
@@ -9,6 +10,11 @@ size in float32, the encoder's dtype (16 layers; `slot_bytes`). The pool doubles
 One more slot than the capacity is allocated: `spare`, never handed out, takes the K/V writes of padding tokens
 (a step's streams padded to the same number of new frames, or to a CUDA graph's bucket). A growth reallocates every
 tensor, so `generation` counts them: graphs captured over the old tensors must not be replayed.
+
+The carried state (`mel_tail`, `h1_tail`, `pool`, `peaks`; rows of slot s at s, the spare's at `spare`) has one more
+row, `blank`, never written: a stream's state before its first step (zeros; the peak -inf). A step reads each stream's
+state rows and writes them back by index, so the whole step is a fixed sequence of kernels over index arrays: one CUDA
+graph can hold it (graphs.py), and no per-stream tensor is made, freed or handed between CUDA streams.
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ class KVPool:
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [slots, heads, positions, head_dim]
         self.values: list[torch.Tensor] = []
+        k = cfg.pooling_kernel_size
+        self.mel_tail = torch.zeros(2, 2, cfg.num_mel_bins, dtype=dtype, device=device)  # [slots + 2, 2, n_mels]
+        self.h1_tail = torch.zeros(2, 2, cfg.d_model, dtype=dtype, device=device)  # [slots + 2, 2, d] conv1 outputs
+        self.pool = torch.zeros(2, k - 1, cfg.d_model, dtype=dtype, device=device)  # [slots + 2, k - 1, d]
+        self.peaks = torch.full((2,), float("-inf"), device=device)  # [slots + 2] running log-mel max
         self._free: list[int] = []
         self.in_use = 0
         self.generation = 0  # growths so far
@@ -44,6 +55,11 @@ class KVPool:
     def spare(self) -> int:
         """The slot padding tokens write to (the row after the last real slot)."""
         return self.capacity
+
+    @property
+    def blank(self) -> int:
+        """The state row never written: a fresh stream's carried state."""
+        return self.capacity + 1
 
     def acquire(self) -> int:
         if not self._free:
@@ -54,6 +70,10 @@ class KVPool:
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
         self.in_use -= 1
+
+    def state(self) -> list[torch.Tensor]:
+        """The carried state's tensors other than the peaks (each [slots + 2, rows, width])."""
+        return [self.mel_tail, self.h1_tail, self.pool]
 
     def slot_bytes(self) -> int:
         """Keys and values of one stream over every layer."""
@@ -75,14 +95,21 @@ class KVPool:
             # Zeros, not empty: masked-out rows still enter the weighted sum (as 0 x value), NaN garbage would not.
             keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
             values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+            state = [torch.zeros(capacity + 2, *t.shape[1:], dtype=t.dtype, device=t.device)
+                     for t in (self.mel_tail, self.h1_tail, self.pool)]
+            peaks = torch.full((capacity + 2,), float("-inf"), device=self.device)
         except torch.OutOfMemoryError:
             raise PoolFullError(
                 f"too many streams speaking at once: all {self.capacity} of the speech encoder's KV slots are in use, "
                 f"and growing the pool to {capacity} needs {(capacity - self.capacity) * self.slot_bytes() / 2**30:.1f}"
                 " GiB more GPU memory than is free") from None
-        for new, old in zip(keys + values, self.keys + self.values, strict=False):
-            new[: self.capacity] = old[: self.capacity]
+        if self.capacity:
+            for new, old in zip(keys + values + state + [peaks], self.keys + self.values + self.state() + [self.peaks],
+                                strict=True):
+                new[: self.capacity] = old[: self.capacity]
         self.keys, self.values = keys, values
+        self.mel_tail, self.h1_tail, self.pool = state
+        self.peaks = peaks
         self._free.extend(range(self.capacity, capacity))
         heapq.heapify(self._free)
         self.capacity = capacity

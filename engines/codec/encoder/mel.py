@@ -20,26 +20,36 @@ import torch
 
 from engines.codec.encoder.config import EncoderConfig
 from engines.codec.melscale import mel_filterbank  # noqa: F401  (re-exported for callers of this module)
-from engines.host_copy import upload
 
 FFT_ROWS = 64
 
 
 @dataclass
 class MelState:
-    """Per-stream frontend state: samples not yet fully framed, and the running log-mel peak."""
+    """Per-stream frontend state on the host: samples not yet fully framed. (Its running log-mel peak is on the device,
+    in the KV pool's state rows: kv_pool.py.)"""
 
-    buf: np.ndarray  # [n] float32 (host): stream samples from the start of the next frame on
-    peak: torch.Tensor  # [] float32: running max of log10 mel power (kept on device: no host sync)
+    buf: np.ndarray  # [n] float32: stream samples from the start of the next frame on
     frames_done: int = 0
     samples_seen: int = 0
+
+
+@dataclass
+class MelPlan:
+    """A step's new frames on the host: what `MelFrontend.plan` framed."""
+
+    counts: np.ndarray  # [streams] new frames of each stream
+    samples: np.ndarray  # float32: the samples those frames cover, stream by stream
+    starts: np.ndarray  # [streams] each stream's first sample in `samples`
+    fresh: np.ndarray  # [streams] bool: no frame before these (the running peak starts at -inf)
+    more: bool  # some stream has more complete frames than its limit let through
 
 
 class MelFrontend:
     """Turns PCM pieces of many streams into log-mel frames with one FFT and one matmul.
 
-    Per stream, only host work (its samples kept until framed) and tensor views: the kernels run once for all
-    streams, so a step's launches do not grow with the streams in it."""
+    `plan` keeps each stream's samples on the host until framed; `log_mel` computes every stream's new frames at once
+    from index arrays (the step's kernels do not grow with its streams, and they can be replayed as a CUDA graph)."""
 
     def __init__(self, cfg: EncoderConfig, device: torch.device) -> None:
         self.cfg = cfg
@@ -51,53 +61,47 @@ class MelFrontend:
 
     def new_state(self) -> MelState:
         # Frame 0 starts n_fft/2 samples before the stream: those are the zero padding.
-        return MelState(buf=np.zeros(self.cfg.n_fft // 2, dtype=np.float32),
-                        peak=torch.full((), float("-inf"), dtype=torch.float32, device=self.device))
+        return MelState(buf=np.zeros(self.cfg.n_fft // 2, dtype=np.float32))
 
-    def frames(self, states: list[MelState], pcms: list[np.ndarray]) -> list[torch.Tensor]:
-        """Append each stream's new samples (float32 host arrays, as the encoder's `_as_pcm` checks them); return
-        each stream's newly complete frames [n_i, n_mels] (views of one tensor)."""
+    def plan(self, states: list[MelState], pcms: list[np.ndarray], limits: np.ndarray) -> MelPlan:
+        """Append each stream's new samples (float32 host arrays, as the encoder's `_as_pcm` checks them) and frame at
+        most `limits` of its complete frames (the rest stay for the next plan)."""
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
-        bufs: list[np.ndarray] = []
-        counts: list[int] = []
-        for st, pcm in zip(states, pcms, strict=True):
+        parts: list[np.ndarray] = []
+        counts = np.zeros(len(states), dtype=np.int64)
+        fresh = np.asarray([st.frames_done == 0 for st in states], dtype=bool)
+        more = False
+        for i, (st, pcm, limit) in enumerate(zip(states, pcms, limits.tolist(), strict=True)):
             buf = np.concatenate([st.buf, pcm]) if pcm.size else st.buf
             st.samples_seen += int(pcm.size)
-            n = 0 if buf.size < n_fft else (buf.size - n_fft) // hop + 1
-            counts.append(n)
-            bufs.append(buf)
-            st.buf = buf[n * hop:].copy() if n else buf
+            avail = 0 if buf.size < n_fft else (buf.size - n_fft) // hop + 1
+            n = min(avail, limit)
+            more |= avail > n
+            if n:
+                parts.append(buf[: (n - 1) * hop + n_fft])  # the samples of its n frames
+                buf = buf[n * hop:].copy()
+            st.buf = buf
             st.frames_done += n
-        n_frames = sum(counts)
-        if not n_frames:
-            return [torch.zeros(0, self.cfg.num_mel_bins, device=self.device) for _ in states]
-        # The samples of the streams with new frames go up as they are; the frames are gathered from them on the
-        # device (a frame is 2.5x its hop: framing on the host made and copied 2.5x the data, ~6 ms for 150 streams
-        # of 0.32 s). cuFFT builds a plan per batch size: padded to a multiple of FFT_ROWS, a few plans serve every
-        # load (a new plan mid-serving stalls the engine loop); padding rows frame the first samples.
-        n_arr = np.asarray(counts, dtype=np.int64)
-        active = np.flatnonzero(n_arr)
-        lengths = np.asarray([bufs[b].size for b in active], dtype=np.int64)
-        j = np.arange(n_frames) - np.repeat(np.cumsum(n_arr) - n_arr, n_arr)  # [N] each frame's number in its stream
-        first = np.zeros(n_frames + (-n_frames % FFT_ROWS), dtype=np.int64)  # [N padded] its first sample
-        first[:n_frames] = np.repeat(np.cumsum(lengths) - lengths, n_arr[active]) + j * hop
-        n_max = max(counts)
-        # Causal version of Whisper's clamp to (max - 8): the peak is the max over the stream's frames so far,
-        # a running max along each stream's row of a [streams, n_max] layout (padding -inf).
-        row = np.repeat(np.arange(active.size), n_arr[active])
-        (samples,) = upload([np.concatenate([bufs[b] for b in active.tolist()])], self.device, torch.float32)
-        first_t, row_t, col_t, rows_t, last_t = upload([first, row, j, np.arange(active.size), n_arr[active] - 1],
-                                                       self.device)
-        frames = samples[first_t[:, None] + self.offsets]  # [N padded, n_fft]
-        spec = torch.fft.rfft(frames * self.window, dim=-1)[:n_frames]  # [N, n_bins]
+            counts[i] = n
+        lengths = np.where(counts > 0, (counts - 1) * hop + n_fft, 0)
+        samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        return MelPlan(counts, samples, np.cumsum(lengths) - lengths, fresh, more)
+
+    def log_mel(self, samples: torch.Tensor, first: torch.Tensor, cell: torch.Tensor, peak_src: torch.Tensor,
+                peak_dst: torch.Tensor, peak_last: torch.Tensor, peaks: torch.Tensor, rows: int, cols: int
+                ) -> torch.Tensor:
+        """[frames, n_mels] normalised log-mel of the frames starting at samples[first]. Whisper clamps to (max - 8);
+        causally the max is a running max per stream: each frame's value goes to its `cell` of a [rows, cols] grid
+        (a stream's frames along its row; padding frames to a row of their own), whose running max along rows, from
+        each row's previous peak (peaks[peak_src]), floors the frames; each row's last cell is its new peak
+        (peaks[peak_dst], from peak_last)."""
+        frames = samples[first[:, None] + self.offsets]  # [frames, n_fft]
+        spec = torch.fft.rfft(frames * self.window, dim=-1)  # [frames, n_bins]
         power = spec.real.square() + spec.imag.square()
-        log_mel = (power @ self.filters_t).clamp_min(1e-10).log10()  # [N, n_mels]
-        grid = torch.full((active.size, n_max), float("-inf"), device=self.device)
-        grid[row_t, col_t] = log_mel.amax(dim=1)
-        grid = torch.maximum(torch.cummax(grid, dim=1).values,
-                             torch.stack([states[b].peak for b in active.tolist()])[:, None])
-        floor = grid[row_t, col_t] - self.cfg.log_mel_range  # [N]
-        out_all = (torch.maximum(log_mel, floor[:, None]) + 4.0) / 4.0
-        for b, peak in zip(active.tolist(), grid[rows_t, last_t].unbind(), strict=True):
-            states[b].peak = peak
-        return list(out_all.split(counts))
+        log_mel = (power @ self.filters_t).clamp_min(1e-10).log10()  # [frames, n_mels]
+        grid = torch.full((rows * cols,), float("-inf"), device=samples.device)
+        grid.index_put_((cell,), log_mel.amax(dim=1))
+        grid = torch.maximum(torch.cummax(grid.view(rows, cols), dim=1).values, peaks[peak_src][:, None]).view(-1)
+        peaks[peak_dst] = grid[peak_last]
+        floor = grid[cell] - self.cfg.log_mel_range  # [frames]
+        return (torch.maximum(log_mel, floor[:, None]) + 4.0) / 4.0

@@ -8,9 +8,11 @@ Every step flattens the new frames of all streams into one token matrix (no padd
 one im2col matmul each. The blocks run on the streams' new 50 Hz frames padded to the longest
 ([streams, max new frames], flattened: padding writes its K/V into the pool's spare slot): projections and
 MLPs are one matmul each, attention reads each stream's KV slot (kv_pool.py) in one batched call per
-layer, so a step costs the same number of kernel launches at batch 1 and 64. Small steps (a commit) replay
-the blocks as CUDA graphs over bucketed shapes instead (graphs.py): eagerly they are ~300 launches for a
-few ms of GPU work.
+layer, so a step costs the same number of kernel launches at batch 1 and 64. What a stream carries between
+steps (conv and pooling tails, the mel peak) lives in the KV pool's slot-indexed state rows, read and written by
+index, so a step is a host plan (numpy index arrays, one upload) and a fixed sequence of kernels over it
+(`StreamingRunner.forward`). Small steps (a commit) replay that sequence as one CUDA graph per bucketed shape
+(graphs.py): eagerly it is ~60 torch calls and ~300 launches for a few ms of GPU work.
 
 Positions restart every `max_source_positions` frames (30 s), as
 the reference encodes long audio in independent 30 s windows: at that boundary the stream's conv, KV
@@ -35,6 +37,7 @@ from torch import nn
 
 from engines.codec.encoder.config import EncoderConfig
 from engines.codec.encoder.kv_pool import KVPool
+from engines.codec.encoder.mel import FFT_ROWS, MelFrontend, MelPlan, MelState
 from engines.host_copy import upload
 
 # float32 steps on CUDA run the Triton kernels: attention reading the KV pool in place, GEMMs on tensor cores at
@@ -92,15 +95,15 @@ def _starts(lengths: np.ndarray) -> np.ndarray:
 
 
 class _Rows:
-    """Per stream, the rows of a tensor holding every stream's carried rows (stream by stream), then every stream's
-    new rows: a stream's own rows are its carried ones followed by its new ones. Index arithmetic in numpy: a step of
-    150 streams built these as Python lists in ~25 ms, holding the GIL the engine loop needs."""
+    """Per stream, its rows in a source tensor: `carried` rows from c0 on (its state rows), then `new` rows from n0 on.
+    Index arithmetic in numpy over every stream at once (as Python lists, ~25 ms a step at 150 streams, holding the
+    GIL the engine loop needs)."""
 
-    def __init__(self, carried: np.ndarray, new: np.ndarray) -> None:
+    def __init__(self, carried: np.ndarray, new: np.ndarray, c0: np.ndarray, n0: np.ndarray) -> None:
         self.carried = carried  # [streams]
         self.lengths = carried + new  # [streams]
-        self.c0 = _starts(carried)  # [streams] first carried row
-        self.n0 = int(carried.sum()) + _starts(new)  # [streams] first new row
+        self.c0 = c0  # [streams]
+        self.n0 = n0  # [streams]
 
     def _at(self, stream: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """The row of position `pos` in the stream's own rows."""
@@ -121,49 +124,67 @@ class _Rows:
         return self._at(stream, pos), n
 
 
-def _keep(states: list[TrunkState], name: str, counts: np.ndarray, kept: torch.Tensor,
-          none_if_empty: bool = False) -> None:
-    """Each stream's carried rows (`counts` of them per stream, stream by stream in `kept`) as views of `kept`; a
-    stream with none gets an empty view, or None with `none_if_empty`."""
-    start = 0
-    for st, n in zip(states, counts.tolist(), strict=True):
-        setattr(st, name, None if none_if_empty and not n else kept[start:start + n])
-        start += n
-
-
 @dataclass
 class TrunkState:
-    """One stream's state between steps (everything lives on the encoder's device)."""
+    """One stream's host bookkeeping between steps; its carried rows are in the KV pool's state tensors at `slot`."""
 
-    slot: int  # this stream's rows in the KV pool
-    mel_tail: torch.Tensor  # [2, n_mels] last mel frames: conv1's left context
-    h1_tail: torch.Tensor  # [k, d] conv1 outputs not yet consumed by conv2, from index 2*pos - 2 on
+    slot: int  # this stream's rows in the KV pool (keys, values and carried state)
     pos: int = 0  # 50 Hz frames produced in this segment = rows in the KV cache
     mel_in_segment: int = 0
-    pool_buf: torch.Tensor | None = None  # [<pool, d] trunk outputs waiting for their group to close
+    h1_len: int = 2  # conv1 outputs not yet consumed by conv2 (from index 2*pos - 2 on): 1 or 2
+    pool_len: int = 0  # trunk outputs waiting for their pooling group to close (< pooling kernel)
+    fresh: bool = True  # its state rows not yet written: read the blank row (zeros)
 
 
-@dataclass
-class _Plan:
-    """The step's new 50 Hz tokens as the layers see them: `batch` rows (the streams with new tokens, in order, then
-    padding rows) of `n_max` tokens each, flattened. A stream's row holds its tokens first; the rest is padding, whose
-    K/V go to the pool's spare slot and whose outputs are dropped."""
+@dataclass(frozen=True)
+class StepSizes:
+    """The shapes of a step's device work (`StreamingRunner.forward`): exact for an eager step, a CUDA graph's bucket
+    when replayed (graphs.py: every index array padded, padding reading harmless rows and writing the spare's)."""
 
-    dense: torch.Tensor  # [N] each real token's row in the padded layout
-    tok_pos: torch.Tensor  # [N] each real token's position in its segment
-    kv_slot: torch.Tensor  # [batch * n_max] each layout row's KV slot (padding: the spare)
-    kv_pos: torch.Tensor  # [batch * n_max] its KV row (= position in the segment)
-    slots: torch.Tensor | slice  # [batch] each row's KV slot (slice when consecutive)
-    qpos: torch.Tensor  # [batch, n_max] each query's position: key j is visible iff j <= it
-    t_max: int  # keys each row attends over
-    padded: bool  # some row of the layout is padding
+    streams: int  # streams in the step (rows of its per-stream arrays; the peak grid has one more for padding)
+    fft_rows: int  # frames through the FFT (the new frames, padded)
+    cols: int  # the peak grid's columns: most new frames of a stream
+    windows: int  # conv1 outputs (new frames)
+    keep1: int  # mel rows kept (2 per stream)
+    tokens: int  # conv2 outputs (new 50 Hz tokens)
+    keep2: int  # conv1 outputs kept
+    batch: int  # rows of the blocks' layout
+    n_max: int  # tokens per layout row
+    t_max: int  # keys attended
+    padded: bool  # the layout is not the tokens themselves (some row holds padding)
+    groups: int  # codes closed
+    keep3: int  # tokens kept for pooling
+    samples: int  # (even: they are uploaded two to an int64)
+    pool_kernel: int  # tokens per code
+
+    def parts(self) -> dict[str, int]:
+        """The index arrays in the step's one upload, in order, and their sizes (see `StreamingRunner._plan`)."""
+        lay = self.batch * self.n_max
+        grid_rows = self.streams + 1
+        return {"f_first": self.fft_rows, "f_cell": self.fft_rows, "peak_src": grid_rows, "peak_dst": grid_rows,
+                "peak_last": grid_rows, "c1": 3 * self.windows, "k1_src": self.keep1, "k1_dst": self.keep1,
+                "c2": 3 * self.tokens, "k2_src": self.keep2, "k2_dst": self.keep2, "tok_pos": self.tokens,
+                "lay_src": lay if self.padded else 0, "dense": self.tokens if self.padded else 0, "kv_slot": lay,
+                "kv_pos": lay, "slots": self.batch, "qpos": lay, "groups": self.pool_kernel * self.groups,
+                "k3_src": self.keep3, "k3_dst": self.keep3}
+
+
+def _pad(a: np.ndarray, n: int, fill: int | np.ndarray = 0) -> np.ndarray:
+    """`a` (1-D or 2-D) with rows of `fill` up to `n` rows."""
+    if a.shape[0] == n:
+        return a
+    out = np.empty((n, *a.shape[1:]), dtype=np.int64)
+    out[: a.shape[0]] = a
+    out[a.shape[0]:] = fill
+    return out
 
 
 class StreamingRunner:
-    """Runs the trunk on the new mel frames of many streams at once."""
+    """Runs the frontend and the trunk on the new audio of many streams at once."""
 
-    def __init__(self, trunk: WhisperVQTrunk, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, trunk: WhisperVQTrunk, frontend: MelFrontend, dtype: torch.dtype, device: torch.device) -> None:
         self.trunk = trunk
+        self.frontend = frontend
         self.cfg = cfg = trunk.cfg
         self.dtype = dtype
         self.device = device
@@ -204,124 +225,210 @@ class StreamingRunner:
 
     def new_state(self) -> TrunkState:
         """A fresh stream state holding a KV slot; give it back with `release`."""
-        cfg = self.cfg
-        return TrunkState(
-            slot=self.kv.acquire(),
-            mel_tail=torch.zeros(2, cfg.num_mel_bins, dtype=self.dtype, device=self.device),
-            h1_tail=torch.zeros(2, cfg.d_model, dtype=self.dtype, device=self.device),
-        )
+        return TrunkState(slot=self.kv.acquire())
 
     def release(self, st: TrunkState) -> None:
         self.kv.release(st.slot)
 
-    def reset_segment(self, st: TrunkState) -> None:
-        # Rows past `pos` are masked out, so the slot's old rows need no clearing.
-        st.mel_tail = torch.zeros_like(st.mel_tail)
-        st.h1_tail = torch.zeros(2, self.cfg.d_model, dtype=self.dtype, device=self.device)
-        st.pos, st.mel_in_segment, st.pool_buf = 0, 0, None
+    @staticmethod
+    def reset_segment(st: TrunkState) -> None:
+        # Rows past `pos` are masked out, so the slot's old rows need no clearing; the carried state starts blank.
+        st.pos, st.mel_in_segment, st.h1_len, st.pool_len, st.fresh = 0, 0, 2, 0, True
 
     @torch.no_grad()
-    def run(self, states: list[TrunkState], mels: list[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
-        """Consume each stream's new mel frames (none may cross its segment end).
+    def run(self, states: list[TrunkState], mels: list[MelState], pcms: list[np.ndarray], limits: np.ndarray
+            ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None, bool]:
+        """One step: each stream's new samples in, at most `limits` new mel frames each (none may cross its segment
+        end). Returns the codes closed per stream, the codes [sum] and their pre-VQ features [sum, d] (float32) on the
+        device (None when no frame was new), and whether frames beyond the limits wait for another step.
 
-        Returns the number of codes closed per stream and their pre-VQ features [sum, d] (float32).
-        Each conv's (and the pooling's) input rows of all streams, their carried tails then the new rows, are
-        one tensor gathered by indices; every index of the step follows from row counts known on the host, so
-        they are built first and uploaded in one copy. The kernels of a step do not grow with its streams."""
-        cfg, k = self.cfg, self.cfg.pooling_kernel_size
-        n1 = np.asarray([m.shape[0] for m in mels], dtype=np.int64)
-        if not n1.any():
-            return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
-        # Host: conv1 (k3, causal) over [2 tail frames + new frames]; conv2 (k3, stride 2, causal; output j uses
-        # conv1 outputs 2j-2 .. 2j) over [carried conv1 outputs + new]; pooling x4 over [held outputs + new].
-        rows1 = _Rows(np.full(len(states), 2, dtype=np.int64), n1)
-        rows2 = _Rows(np.asarray([st.h1_tail.shape[0] for st in states], dtype=np.int64), n1)
-        n2 = np.where(rows2.lengths < 3, 0, (rows2.lengths - 3) // 2 + 1)
-        held = np.asarray([0 if st.pool_buf is None else st.pool_buf.shape[0] for st in states], dtype=np.int64)
-        rows3 = _Rows(held, n2)
-        counts = rows3.lengths // k
-        rest1, kept1 = rows1.tails(rows1.lengths - 2)
-        rest2, kept2 = rows2.tails(2 * n2)
-        rest3, kept3 = rows3.tails(counts * k)
-        past = [st.pos for st in states]
-        active = np.flatnonzero(n2).tolist()
-        n_max = int(n2.max())
-        t_max = max((past[b] + int(n2[b]) for b in active), default=0)
-        # The layers' shapes: exact when eager, a captured graph's bucket when one holds this step.
-        sizes = self.graphs.sizes(len(active), n_max, t_max) if self.graphs is not None and active else None
-        batch, n_pad, t_pad = sizes or (len(active), n_max, t_max)
-        slots = [states[b].slot for b in active]
-        # A graph reads its slots from an input; eagerly, consecutive slots are a view of the pool instead of a gather.
-        consecutive = bool(slots) and sizes is None and slots == list(range(slots[0], slots[0] + len(slots)))
-        idx = upload([rows1.windows(n1, 3, 1), rest1, rows2.windows(n2, 3, 2), rest2, rows3.windows(counts, k, k),
-                      rest3, *self._plan_arrays(slots, n2[active], [past[b] for b in active], batch, n_pad,
-                                                self.kv.spare)], self.device)
-        cols1_t, rest1_t, cols2_t, rest2_t, groups_t, rest3_t, dense, tok_pos, kv_slot, kv_pos, slots_t, qpos = idx
-        n1, n2, counts = n1.tolist(), n2.tolist(), counts.tolist()
-        for st, n, c in zip(states, n1, n2, strict=True):
+        Every index of the step follows from row counts known on the host: they are built first (numpy), uploaded in
+        one copy, and the device work is `forward` over them, eagerly or as a captured graph of its bucket."""
+        mp = self.frontend.plan(mels, pcms, limits)
+        if not mp.counts.any():
+            return [0] * len(states), None, None, mp.more
+        sizes, graphed, idx, counts, n2 = self._plan(states, mp)
+        # One upload: the samples ride after the indices as their float32 bit patterns, two to an int64.
+        samples = np.zeros(sizes.samples, np.float32)
+        samples[: mp.samples.size] = mp.samples
+        (flat,) = upload([np.concatenate([idx, samples.view(np.int64)])], self.device)
+        if graphed:
+            codes, feats = self.graphs.run(sizes, flat)
+            feats = feats[: int(counts.sum())].clone()  # the graph's buffers are overwritten by its next replay
+            codes = codes[: feats.shape[0]]
+        else:
+            codes, feats = self.forward(flat, sizes)
+        for st, n, c, k in zip(states, mp.counts.tolist(), n2.tolist(), counts.tolist(), strict=True):
+            h1 = (2 if st.fresh else st.h1_len) + n
+            st.h1_len = h1 - 2 * c
+            st.pool_len = (0 if st.fresh else st.pool_len) + c - k * self.cfg.pooling_kernel_size
             st.mel_in_segment += n
             st.pos += c
-        # Device.
-        src = torch.cat([st.mel_tail for st in states] + [m for m in mels if m.shape[0]]).to(self.dtype)
-        cols = src[cols1_t].transpose(1, 2).reshape(cols1_t.shape[0], -1)  # [N1, n_mels * 3] (unfold's [C, k])
-        _keep(states, "mel_tail", kept1, src[rest1_t])
-        h1 = _linear(cols, self.w1, self.trunk.conv1.bias, gelu=True)  # [N1, d]
-        src = torch.cat([st.h1_tail for st in states] + [h1])
-        _keep(states, "h1_tail", kept2, src[rest2_t])
-        if not active:
-            return [0] * len(states), torch.zeros(0, cfg.d_model, device=self.device)
-        plan = _Plan(dense=dense, tok_pos=tok_pos, kv_slot=kv_slot, kv_pos=kv_pos, qpos=qpos, t_max=t_pad,
-                     slots=slice(slots[0], slots[0] + len(slots)) if consecutive else slots_t,
-                     padded=batch * n_pad != dense.shape[0])
-        cols = src[cols2_t].transpose(1, 2).reshape(cols2_t.shape[0], -1)  # [N2, d * 3]
-        x = _linear(cols, self.w2, self.trunk.conv2.bias, gelu=True)  # [N2, d]
-        x = x + self.trunk.embed_positions(plan.tok_pos)
-        if plan.padded:
-            x = x.new_zeros(batch * n_pad, cfg.d_model).index_copy_(0, plan.dense, x)  # [batch * n_max, d]
-        if sizes is not None:
-            x = self.graphs.run(sizes, x, plan.kv_slot, plan.kv_pos, plan.slots, plan.qpos)
+            st.fresh = False
+        return counts.tolist(), codes, feats, mp.more
+
+    def _plan(self, states: list[TrunkState], mp: MelPlan
+              ) -> tuple[StepSizes, bool, np.ndarray, np.ndarray, np.ndarray]:
+        """The step's sizes (a captured graph's bucket when one holds it: then True), its index arrays (flat, in
+        StepSizes.parts' order), the codes each stream closes and the tokens each makes.
+
+        Sources: the frontend's frames index `samples`; conv1, conv2 and the pooling each read one tensor made of a
+        state tensor's rows (a stream's carried rows at its slot, or the blank row's before its first step) followed
+        by the step's new rows; each writes every stream's new carried rows back to its slot (padding: the spare)."""
+        cfg, kv, k = self.cfg, self.kv, self.cfg.pooling_kernel_size
+        B = len(states)
+        n1 = mp.counts
+        slot = np.asarray([st.slot for st in states], dtype=np.int64)
+        fresh = np.asarray([st.fresh for st in states], dtype=bool)
+        base = np.where(fresh, kv.blank, slot)  # [B] the state row each stream reads
+        h1_len = np.where(fresh, 2, [st.h1_len for st in states]).astype(np.int64)
+        pool_len = np.where(fresh, 0, [st.pool_len for st in states]).astype(np.int64)
+        past = np.where(fresh, 0, [st.pos for st in states]).astype(np.int64)
+        L2 = h1_len + n1
+        n2 = np.where(L2 < 3, 0, (L2 - 3) // 2 + 1)
+        counts = (pool_len + n2) // k
+        # The layout rows: streams with new tokens (eager), or every stream (a graph's bucket).
+        active = np.flatnonzero(n2)
+        n_max = int(n2.max())
+        t_max = int((past + n2)[active].max()) if active.size else 0
+        N1, N2 = int(n1.sum()), int(n2.sum())
+        bucket = None
+        if self.graphs is not None and N2:
+            bucket = self.graphs.sizes(B, max(n_max, -(-int(n1.max()) // 2)), t_max)
+        if bucket is not None:
+            sizes = bucket
+            rows = np.arange(B)
         else:
-            x = self.layers(x, plan.kv_slot, plan.kv_pos, plan.slots, plan.qpos, plan.t_max)
-        if plan.padded:
-            x = x[plan.dense]  # [N2, d]
-        # Average pool x4: a group closes only when its last 50 Hz frame exists.
-        src = torch.cat([st.pool_buf for st in states if st.pool_buf is not None] + [x])
-        _keep(states, "pool_buf", kept3, src[rest3_t], none_if_empty=True)
-        if not any(counts):
-            return counts, torch.zeros(0, cfg.d_model, device=self.device)
-        return counts, src[groups_t].float().mean(dim=1)  # [groups, d]
+            rows = active
+            batch = active.size
+            sizes = StepSizes(streams=B, fft_rows=N1 + (-N1 % FFT_ROWS), cols=int(n1.max()), windows=N1, keep1=2 * B,
+                              tokens=N2, keep2=int((L2 - 2 * n2).sum()), batch=batch, n_max=n_max, t_max=t_max,
+                              padded=batch * n_max != N2, groups=int(counts.sum()),
+                              keep3=int(((pool_len + n2) % k).sum()), samples=mp.samples.size + mp.samples.size % 2,
+                              pool_kernel=k)
+        S = sizes
+        trash = S.streams  # the peak grid's padding row
+        # Frontend: frame j of stream b starts j hops after the stream's first sample; its cell is (b, j).
+        fstream = np.repeat(np.arange(B), n1)
+        j = np.arange(N1) - np.repeat(_starts(n1), n1)
+        f_first = _pad(mp.starts[fstream] + j * cfg.hop_length, S.fft_rows)
+        f_cell = _pad(fstream * S.cols + j, S.fft_rows, trash * S.cols)
+        peak_src = _pad(np.where(mp.fresh, kv.blank, slot), S.streams + 1, kv.blank)
+        peak_dst = _pad(slot, S.streams + 1, kv.spare)
+        peak_last = _pad(np.arange(B) * S.cols + np.maximum(n1 - 1, 0), S.streams + 1, trash * S.cols)
+        # conv1 (k3, causal) over [2 carried mel frames + new]; keeps the last 2.
+        r1 = 2 * (kv.capacity + 2)  # rows of the mel state
+        rows1 = _Rows(np.full(B, 2, dtype=np.int64), n1, 2 * base, r1 + _starts(n1))
+        keep1, _ = rows1.tails(rows1.lengths - 2)
+        c1 = _pad(rows1.windows(n1, 3, 1), S.windows)
+        k1_dst = _pad((2 * slot[:, None] + np.arange(2)).ravel(), S.keep1, 2 * kv.spare)
+        # conv2 (k3, stride 2, causal; output j uses conv1 outputs 2j-2 .. 2j) over [carried + new conv1 outputs].
+        r2 = 2 * (kv.capacity + 2)
+        rows2 = _Rows(h1_len, n1, 2 * base, r2 + _starts(n1))
+        keep2, n_keep2 = rows2.tails(2 * n2)
+        c2 = _pad(rows2.windows(n2, 3, 2), S.tokens)
+        k2_dst = _pad(2 * np.repeat(slot, n_keep2) + np.arange(keep2.size) - np.repeat(_starts(n_keep2), n_keep2),
+                      S.keep2, 2 * kv.spare)
+        tstream = np.repeat(np.arange(B), n2)
+        t_j = np.arange(N2) - np.repeat(_starts(n2), n2)
+        tok_pos = _pad(past[tstream] + t_j, S.tokens)
+        # The blocks' layout: row r holds stream rows[r]'s tokens, then padding (K/V to the spare slot).
+        row_of = np.full(B, -1, dtype=np.int64)
+        row_of[rows] = np.arange(rows.size)
+        dense = row_of[tstream] * S.n_max + t_j  # [N2] each token's layout row
+        # Padded: each layout row's token (padding: the zero row after them), and each token's layout row.
+        none = np.zeros(0, dtype=np.int64)
+        lay_src = _scatter(dense, S.batch * S.n_max, S.tokens) if S.padded else none
+        dense_pad = _pad(dense, S.tokens) if S.padded else none
+        # Pooling x4 over [held tokens + new]: a group closes only when its last 50 Hz frame exists.
+        r3 = (k - 1) * (kv.capacity + 2)
+        rows3 = _Rows(pool_len, n2, (k - 1) * slot, r3 + _starts(n2))
+        keep3, n_keep3 = rows3.tails(counts * k)
+        groups = _pad(rows3.windows(counts, k, k), S.groups)
+        k3_dst = _pad((k - 1) * np.repeat(slot, n_keep3) + np.arange(keep3.size) - np.repeat(_starts(n_keep3), n_keep3),
+                      S.keep3, (k - 1) * kv.spare)
+        kv_slot, kv_pos, row_slot, qpos = self._layout_arrays(slot[rows], n2[rows], past[rows], S.batch, S.n_max,
+                                                              kv.spare)
+        arrays = {"f_first": f_first, "f_cell": f_cell, "peak_src": peak_src, "peak_dst": peak_dst,
+                  "peak_last": peak_last, "c1": c1, "k1_src": _pad(keep1, S.keep1), "k1_dst": k1_dst, "c2": c2,
+                  "k2_src": _pad(keep2, S.keep2), "k2_dst": k2_dst, "tok_pos": tok_pos, "lay_src": lay_src,
+                  "dense": dense_pad, "kv_slot": kv_slot, "kv_pos": kv_pos, "slots": row_slot, "qpos": qpos,
+                  "groups": groups, "k3_src": _pad(keep3, S.keep3), "k3_dst": k3_dst}
+        idx = np.concatenate([arrays[name].ravel() for name in S.parts()]).astype(np.int64)
+        return S, bucket is not None, idx, counts, n2
+
+    def blank_inputs(self, sz: StepSizes) -> list[torch.Tensor]:
+        """The input (indices, then samples) of a step of padding only: every read of row 0, every write to the
+        spare's rows. What a graph is captured on."""
+        spare, k = self.kv.spare, self.cfg.pooling_kernel_size
+        writes = {"peak_dst": spare, "k1_dst": 2 * spare, "k2_dst": 2 * spare, "kv_slot": spare, "slots": spare,
+                  "k3_dst": (k - 1) * spare}
+        idx = [np.full(n, writes.get(name, 0), dtype=np.int64) for name, n in sz.parts().items()]
+        return [torch.from_numpy(np.concatenate([*idx, np.zeros(sz.samples // 2, np.int64)])).to(self.device)]
 
     @staticmethod
-    def _plan_arrays(slots: list[int], n: list[int], past: list[int], batch: int, n_max: int, spare: int
-                     ) -> list[np.ndarray]:
-        """The padded layout's host arrays (see _Plan) for streams with KV `slots`, `n` new tokens each after `past`
-        positions, in `batch` rows of `n_max` tokens: dense, tok_pos, kv_slot, kv_pos, slots, qpos."""
-        rows = len(slots)
-        n_arr = np.asarray(n, dtype=np.int64)
-        past_arr = np.asarray(past, dtype=np.int64)
+    def _layout_arrays(slots: np.ndarray, n: np.ndarray, past: np.ndarray, batch: int, n_max: int, spare: int
+                       ) -> list[np.ndarray]:
+        """The blocks' layout for streams with KV `slots`, `n` new tokens each after `past` positions, in `batch` rows
+        of `n_max` tokens: each layout row's KV slot and position, each row's slot and each query's position (key j
+        is visible iff j <= it)."""
+        rows = slots.size
         i = np.arange(n_max, dtype=np.int64)
         real = np.zeros((batch, n_max), dtype=bool)
-        real[:rows] = i[None, :] < n_arr[:, None]
+        real[:rows] = i[None, :] < n[:, None]
         qpos = np.zeros((batch, n_max), dtype=np.int64)
-        qpos[:rows] = past_arr[:, None] + i[None, :]  # padding queries of a stream's row look at its keys too
+        qpos[:rows] = past[:, None] + i[None, :]  # padding queries of a stream's row look at its keys too
         row_slot = np.full(batch, spare, dtype=np.int64)
         row_slot[:rows] = slots
         kv_slot = np.where(real, row_slot[:, None], spare)
         kv_pos = np.where(real, qpos, 0)
-        dense = np.flatnonzero(real)
-        return [dense, qpos.ravel()[dense], kv_slot.ravel(), kv_pos.ravel(), row_slot, qpos]
+        return [kv_slot.ravel(), kv_pos.ravel(), row_slot, qpos.ravel()]
 
-    def layers(self, x: torch.Tensor, kv_slot: torch.Tensor, kv_pos: torch.Tensor, slots: torch.Tensor | slice,
+    def forward(self, flat: torch.Tensor, sz: StepSizes) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's device work over its index arrays and samples (`run`, `_plan`): frontend, conv1, conv2, the
+        blocks, pooling, VQ. Returns the codes [groups] and their features [groups, d] (float32). What
+        graphs.StepGraphs captures."""
+        cfg, kv, d, k = self.cfg, self.kv, self.cfg.d_model, self.cfg.pooling_kernel_size
+        names = sz.parts()
+        *parts, samples = flat.split([*names.values(), sz.samples // 2])
+        samples = samples.view(torch.float32)  # [samples]
+        i = dict(zip(names, parts, strict=True))
+        mel = self.frontend.log_mel(samples, i["f_first"], i["f_cell"], i["peak_src"], i["peak_dst"], i["peak_last"],
+                                    kv.peaks, sz.streams + 1, sz.cols)  # [fft_rows, n_mels]
+        mel_state = kv.mel_tail.view(-1, cfg.num_mel_bins)
+        src = torch.cat([mel_state, mel.to(self.dtype)])  # [state rows + fft_rows, n_mels]
+        mel_state[i["k1_dst"]] = src[i["k1_src"]]
+        cols = src[i["c1"].view(-1, 3)].transpose(1, 2).reshape(sz.windows, -1)  # [windows, n_mels * 3] (unfold's)
+        h1 = _linear(cols, self.w1, self.trunk.conv1.bias, gelu=True)  # [windows, d]
+        h1_state = kv.h1_tail.view(-1, d)
+        src = torch.cat([h1_state, h1])  # [state rows + windows, d]
+        h1_state[i["k2_dst"]] = src[i["k2_src"]]
+        empty = torch.zeros(0, dtype=torch.long, device=samples.device), torch.zeros(0, d, device=samples.device)
+        if not sz.tokens:
+            return empty
+        cols = src[i["c2"].view(-1, 3)].transpose(1, 2).reshape(sz.tokens, -1)  # [tokens, d * 3]
+        x = _linear(cols, self.w2, self.trunk.conv2.bias, gelu=True)  # [tokens, d]
+        x = x + self.trunk.embed_positions(i["tok_pos"])
+        if sz.padded:
+            x = torch.cat([x, x.new_zeros(1, d)])[i["lay_src"]]  # [batch * n_max, d]; padding from the zero row
+        x = self.layers(x, i["kv_slot"], i["kv_pos"], i["slots"], i["qpos"].view(sz.batch, sz.n_max), sz.t_max)
+        if sz.padded:
+            x = x[i["dense"]]  # [tokens, d]
+        pool_state = kv.pool.view(-1, d)
+        src = torch.cat([pool_state, x])  # [state rows + tokens, d]
+        pool_state[i["k3_dst"]] = src[i["k3_src"]]
+        if not sz.groups:
+            return empty
+        feats = src[i["groups"].view(-1, k)].float().mean(dim=1)  # [groups, d]
+        return self.quantize(feats), feats
+
+    def layers(self, x: torch.Tensor, kv_slot: torch.Tensor, kv_pos: torch.Tensor, slots: torch.Tensor,
                qpos: torch.Tensor, t_max: int) -> torch.Tensor:
-        """The transformer blocks over the padded layout (x [batch * n_max, d], see _Plan); what graphs.StepGraphs
-        captures."""
+        """The transformer blocks over the layout (x [batch * n_max, d]; kv_slot, kv_pos [batch * n_max] where each
+        token's K/V go; slots [batch] each row's KV slot; qpos [batch, n_max] each query's position)."""
         cfg = self.cfg
         if self._fused_attention:
-            # The kernel reads K/V through each row's slot (a consecutive run given as a slice becomes indices) and
-            # applies the causal rule from qpos itself.
-            if isinstance(slots, slice):
-                slots = torch.arange(slots.start, slots.stop, device=x.device)
-            mask = None
+            mask = None  # the kernel reads K/V through each row's slot and applies the causal rule from qpos itself
         else:
             mask = torch.arange(t_max, device=x.device)[None, None, :] <= qpos[:, :, None]  # [batch, n_max, t_max]
             mask = mask[:, None]  # [batch, 1, n_max, t_max]
@@ -345,7 +452,7 @@ class StreamingRunner:
         return self._triton and hd >= 16 and hd & (hd - 1) == 0
 
     def _attention(self, li: int, layer: EncoderLayer, x: torch.Tensor, kv_slot: torch.Tensor, kv_pos: torch.Tensor,
-                   slots: torch.Tensor | slice, qpos: torch.Tensor, t_max: int, mask: torch.Tensor | None
+                   slots: torch.Tensor, qpos: torch.Tensor, t_max: int, mask: torch.Tensor | None
                    ) -> torch.Tensor:
         cfg = self.cfg
         hds, hd = cfg.num_heads, cfg.head_dim
@@ -371,7 +478,13 @@ class StreamingRunner:
 
     def quantize(self, feats: torch.Tensor) -> torch.Tensor:
         """Nearest codebook entry (squared L2; the |x|^2 term is constant per row). [n, d] -> [n] int64."""
-        if feats.shape[0] == 0:
-            return torch.zeros(0, dtype=torch.long, device=self.device)
         dist = self.codebook_sq[None, :] - 2.0 * feats.float() @ self.codebook.T  # [n, V]
         return dist.argmin(dim=1)
+
+
+def _scatter(dense: np.ndarray, n: int, fill: int) -> np.ndarray:
+    """[n]: the inverse of `dense` (layout row -> its token), `fill` where no token lands."""
+    out = np.full(n, fill, dtype=np.int64)
+    out[dense] = np.arange(dense.size)
+    return out
+
