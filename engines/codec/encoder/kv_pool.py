@@ -110,6 +110,10 @@ class KVPool:
         self.keys, self.values = keys, values
         self.mel_tail, self.h1_tail, self.pool = state
         self.peaks = peaks
+        if self.device.type == "cuda":
+            # Made on whichever stream the caller is on (a stream's opening, outside any encoder call); the encoder's
+            # own streams read them next, without an event between: wait here (growths are rare, beyond the reserve).
+            torch.cuda.current_stream(self.device).synchronize()
         self._free.extend(range(self.capacity, capacity))
         heapq.heapify(self._free)
         self.capacity = capacity
