@@ -1,6 +1,6 @@
 """The speech encoder's streaming and batching tests (tests/test_codec_encoder.py) on a CUDA device: the GPU path
-of a step (one pinned upload of every index, gathered rows, views kept per stream) against its own whole-utterance
-and one-stream results."""
+of a step (one pinned upload of every index and the samples, gathered rows, state rows at each slot) against its own
+whole-utterance and one-stream results."""
 
 from __future__ import annotations
 
