@@ -95,8 +95,7 @@ class KVPool:
             # Zeros, not empty: masked-out rows still enter the weighted sum (as 0 x value), NaN garbage would not.
             keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
             values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
-            state = [torch.zeros(capacity + 2, *t.shape[1:], dtype=t.dtype, device=t.device)
-                     for t in (self.mel_tail, self.h1_tail, self.pool)]
+            state = [torch.zeros(capacity + 2, *t.shape[1:], dtype=t.dtype, device=t.device) for t in self.state()]
             peaks = torch.full((capacity + 2,), float("-inf"), device=self.device)
         except torch.OutOfMemoryError:
             raise PoolFullError(

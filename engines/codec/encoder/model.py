@@ -169,6 +169,19 @@ class StepSizes:
                 "k3_src": self.keep3, "k3_dst": self.keep3}
 
 
+def _state_rows(state: torch.Tensor, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Rows of `state` ([slots + 2, width, ...] seen as [(slots + 2) * width, ...]) for `counts[b]` carried rows of
+    the stream at state row `rows[b]` each, stream by stream."""
+    width = state.shape[1]
+    return width * np.repeat(rows, counts) + np.arange(int(counts.sum())) - np.repeat(_starts(counts), counts)
+
+
+def _source(state: torch.Tensor, carried: np.ndarray, new: np.ndarray, base: np.ndarray) -> _Rows:
+    """Each stream's rows in [`state` flattened to rows (its carried rows at state row `base`), the step's new rows]."""
+    width = state.shape[1]
+    return _Rows(carried, new, width * base, state.shape[0] * width + _starts(new))
+
+
 def _pad(a: np.ndarray, n: int, fill: int | np.ndarray = 0) -> np.ndarray:
     """`a` (1-D or 2-D) with rows of `fill` up to `n` rows."""
     if a.shape[0] == n:
@@ -247,7 +260,7 @@ class StreamingRunner:
         mp = self.frontend.plan(mels, pcms, limits)
         if not mp.counts.any():
             return [0] * len(states), None, None, mp.more
-        sizes, graphed, idx, counts, n2 = self._plan(states, mp)
+        sizes, graphed, idx, counts, n2, h1_len, pool_len = self._plan(states, mp)
         # One upload: the samples ride after the indices as their float32 bit patterns, two to an int64.
         samples = np.zeros(sizes.samples, np.float32)
         samples[: mp.samples.size] = mp.samples
@@ -258,19 +271,18 @@ class StreamingRunner:
             codes = codes[: feats.shape[0]]
         else:
             codes, feats = self.forward(flat, sizes)
-        for st, n, c, k in zip(states, mp.counts.tolist(), n2.tolist(), counts.tolist(), strict=True):
-            h1 = (2 if st.fresh else st.h1_len) + n
-            st.h1_len = h1 - 2 * c
-            st.pool_len = (0 if st.fresh else st.pool_len) + c - k * self.cfg.pooling_kernel_size
+        for st, n, c, h1, held in zip(states, mp.counts.tolist(), n2.tolist(), h1_len.tolist(), pool_len.tolist(),
+                                      strict=True):
             st.mel_in_segment += n
             st.pos += c
-            st.fresh = False
+            st.h1_len, st.pool_len, st.fresh = h1, held, False
         return counts.tolist(), codes, feats, mp.more
 
     def _plan(self, states: list[TrunkState], mp: MelPlan
-              ) -> tuple[StepSizes, bool, np.ndarray, np.ndarray, np.ndarray]:
+              ) -> tuple[StepSizes, bool, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The step's sizes (a captured graph's bucket when one holds it: then True), its index arrays (flat, in
-        StepSizes.parts' order), the codes each stream closes and the tokens each makes.
+        StepSizes.parts' order), and per stream the codes it closes, the tokens it makes, and the conv1 outputs and
+        tokens it carries to its next step.
 
         Sources: the frontend's frames index `samples`; conv1, conv2 and the pooling each read one tensor made of a
         state tensor's rows (a stream's carried rows at its slot, or the blank row's before its first step) followed
@@ -301,6 +313,8 @@ class StreamingRunner:
         else:
             rows = active
             batch = active.size
+            # cuFFT builds a plan per batch size: its rows padded to a multiple of FFT_ROWS, a few plans serve every
+            # load (a new plan mid-serving stalls the engine loop); padding frames go to the grid's padding row.
             sizes = StepSizes(streams=B, fft_rows=N1 + (-N1 % FFT_ROWS), cols=int(n1.max()), windows=N1, keep1=2 * B,
                               tokens=N2, keep2=int((L2 - 2 * n2).sum()), batch=batch, n_max=n_max, t_max=t_max,
                               padded=batch * n_max != N2, groups=int(counts.sum()),
@@ -317,18 +331,15 @@ class StreamingRunner:
         peak_dst = _pad(slot, S.streams + 1, kv.spare)
         peak_last = _pad(np.arange(B) * S.cols + np.maximum(n1 - 1, 0), S.streams + 1, trash * S.cols)
         # conv1 (k3, causal) over [2 carried mel frames + new]; keeps the last 2.
-        r1 = 2 * (kv.capacity + 2)  # rows of the mel state
-        rows1 = _Rows(np.full(B, 2, dtype=np.int64), n1, 2 * base, r1 + _starts(n1))
-        keep1, _ = rows1.tails(rows1.lengths - 2)
+        rows1 = _source(kv.mel_tail, np.full(B, 2, dtype=np.int64), n1, base)
+        keep1, n_keep1 = rows1.tails(rows1.lengths - 2)
         c1 = _pad(rows1.windows(n1, 3, 1), S.windows)
-        k1_dst = _pad((2 * slot[:, None] + np.arange(2)).ravel(), S.keep1, 2 * kv.spare)
+        k1_dst = _pad(_state_rows(kv.mel_tail, slot, n_keep1), S.keep1, 2 * kv.spare)
         # conv2 (k3, stride 2, causal; output j uses conv1 outputs 2j-2 .. 2j) over [carried + new conv1 outputs].
-        r2 = 2 * (kv.capacity + 2)
-        rows2 = _Rows(h1_len, n1, 2 * base, r2 + _starts(n1))
+        rows2 = _source(kv.h1_tail, h1_len, n1, base)
         keep2, n_keep2 = rows2.tails(2 * n2)
         c2 = _pad(rows2.windows(n2, 3, 2), S.tokens)
-        k2_dst = _pad(2 * np.repeat(slot, n_keep2) + np.arange(keep2.size) - np.repeat(_starts(n_keep2), n_keep2),
-                      S.keep2, 2 * kv.spare)
+        k2_dst = _pad(_state_rows(kv.h1_tail, slot, n_keep2), S.keep2, 2 * kv.spare)
         tstream = np.repeat(np.arange(B), n2)
         t_j = np.arange(N2) - np.repeat(_starts(n2), n2)
         tok_pos = _pad(past[tstream] + t_j, S.tokens)
@@ -341,12 +352,10 @@ class StreamingRunner:
         lay_src = _scatter(dense, S.batch * S.n_max, S.tokens) if S.padded else none
         dense_pad = _pad(dense, S.tokens) if S.padded else none
         # Pooling x4 over [held tokens + new]: a group closes only when its last 50 Hz frame exists.
-        r3 = (k - 1) * (kv.capacity + 2)
-        rows3 = _Rows(pool_len, n2, (k - 1) * slot, r3 + _starts(n2))
+        rows3 = _source(kv.pool, pool_len, n2, slot)
         keep3, n_keep3 = rows3.tails(counts * k)
         groups = _pad(rows3.windows(counts, k, k), S.groups)
-        k3_dst = _pad((k - 1) * np.repeat(slot, n_keep3) + np.arange(keep3.size) - np.repeat(_starts(n_keep3), n_keep3),
-                      S.keep3, (k - 1) * kv.spare)
+        k3_dst = _pad(_state_rows(kv.pool, slot, n_keep3), S.keep3, (k - 1) * kv.spare)
         kv_slot, kv_pos, row_slot, qpos = self._layout_arrays(slot[rows], n2[rows], past[rows], S.batch, S.n_max,
                                                               kv.spare)
         arrays = {"f_first": f_first, "f_cell": f_cell, "peak_src": peak_src, "peak_dst": peak_dst,
@@ -355,7 +364,7 @@ class StreamingRunner:
                   "dense": dense_pad, "kv_slot": kv_slot, "kv_pos": kv_pos, "slots": row_slot, "qpos": qpos,
                   "groups": groups, "k3_src": _pad(keep3, S.keep3), "k3_dst": k3_dst}
         idx = np.concatenate([arrays[name].ravel() for name in S.parts()]).astype(np.int64)
-        return S, bucket is not None, idx, counts, n2
+        return S, bucket is not None, idx, counts, n2, n_keep2, n_keep3
 
     def blank_inputs(self, sz: StepSizes) -> list[torch.Tensor]:
         """The input (indices, then samples) of a step of padding only: every read of row 0, every write to the
@@ -365,6 +374,10 @@ class StreamingRunner:
                   "k3_dst": (k - 1) * spare}
         idx = [np.full(n, writes.get(name, 0), dtype=np.int64) for name, n in sz.parts().items()]
         return [torch.from_numpy(np.concatenate([*idx, np.zeros(sz.samples // 2, np.int64)])).to(self.device)]
+
+    def _no_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(0, dtype=torch.long, device=self.device),
+                torch.zeros(0, self.cfg.d_model, device=self.device))
 
     @staticmethod
     def _layout_arrays(slots: np.ndarray, n: np.ndarray, past: np.ndarray, batch: int, n_max: int, spare: int
@@ -403,9 +416,8 @@ class StreamingRunner:
         h1_state = kv.h1_tail.view(-1, d)
         src = torch.cat([h1_state, h1])  # [state rows + windows, d]
         h1_state[i["k2_dst"]] = src[i["k2_src"]]
-        empty = torch.zeros(0, dtype=torch.long, device=samples.device), torch.zeros(0, d, device=samples.device)
         if not sz.tokens:
-            return empty
+            return self._no_codes()
         cols = src[i["c2"].view(-1, 3)].transpose(1, 2).reshape(sz.tokens, -1)  # [tokens, d * 3]
         x = _linear(cols, self.w2, self.trunk.conv2.bias, gelu=True)  # [tokens, d]
         x = x + self.trunk.embed_positions(i["tok_pos"])
@@ -418,7 +430,7 @@ class StreamingRunner:
         src = torch.cat([pool_state, x])  # [state rows + tokens, d]
         pool_state[i["k3_dst"]] = src[i["k3_src"]]
         if not sz.groups:
-            return empty
+            return self._no_codes()
         feats = src[i["groups"].view(-1, k)].float().mean(dim=1)  # [groups, d]
         return self.quantize(feats), feats
 
