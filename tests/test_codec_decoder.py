@@ -568,111 +568,32 @@ def test_a_solve_in_pieces_gives_the_same_pcm_and_yields_between_them(hift_dec):
     assert [len(j.codes) for j in tail] == [3] and calls.count(2) == 1 + 1  # a partial chunk: encoder + 1 piece
 
 
-def _band_mask(lengths: list[int], ctx: int) -> torch.Tensor:
-    """bool [L, L] over segments of these lengths (the voice's context, then each chunk): a frame attends to its own
-    segment and to the `ctx` frames before it (none for the first segment)."""
-    ends = np.cumsum(lengths)
-    starts = ends - np.asarray(lengths)
-    L = int(ends[-1])
-    m = torch.zeros(L, L, dtype=torch.bool)
-    for j, (a, b) in enumerate(zip(starts, ends, strict=True)):
-        m[a:b, (a - ctx if j else a):b] = True
-    return m
-
-
-def _flow_with_ctx(dec: CodecDecoder, ctx: int):
-    """A flow with the decoder's weights and a context of `ctx` frames (made outside inference mode: its weights must
-    stay normal tensors)."""
-    import dataclasses
-
-    from engines.codec.decoder.flow import FlowModel
-
-    flow = FlowModel(dec.cfg.flow, dataclasses.replace(dec.cfg.stream, est_ctx_frames=ctx))
-    flow.load_state_dict(dec.flow.state_dict())
-    flow.decoder.estimator.fuse()
-    flow.encoder.fuse()
-    return flow
-
-
-@pytest.mark.parametrize("ctx", [20, 12])
-def test_streamed_flow_equals_one_solve_of_the_whole_answer(hift_dec, ctx):
-    flow = _flow_with_ctx(hift_dec, ctx)
-    with torch.inference_mode():
-        _check_streamed_flow_equals_one_solve(hift_dec, flow, ctx)
-
-
-def _check_streamed_flow_equals_one_solve(hift_dec, flow, ctx):
-    """The dense reference of the context cache: every chunk's Euler solve (new frames only, the previous frames'
-    keys and conv inputs from the cache) gives the mel of one Euler solve of the voice's context and the whole answer
-    at once, written out straightforwardly (_reference_estimator over every frame, at every step), in which each
-    chunk's frames attend to their own chunk and the `ctx` frames before it, and the context's frames to their own.
-    A context shorter than a chunk (12 of 20 frames) too; the last chunk is a short one."""
-    from engines.codec.decoder.mel import SILENCE_LOG_MEL
-
-    cfg = hift_dec.cfg
-    voice = hift_dec.default_voice
-    pv = flow.prepare_voice(torch.as_tensor(voice.codes), voice.mel, voice.xvector)
-    est, r, n_steps = flow.decoder.estimator, cfg.flow.cfg_rate, cfg.flow.n_timesteps
-    calls = []
-    euler = flow.euler
-    flow.euler = lambda z, mu, spks, idx, s0=0, s1=None: calls.append((z, mu, spks, euler(z, mu, spks, idx, s0, s1))) \
-        or calls[-1][3]
-    gen = torch.Generator().manual_seed(3)
-    state = flow.new_state(pv, gen)
-    codes = _codes(23, seed=9).tolist()
-    la = cfg.flow.pre_lookahead
-    for a, n in [(0, 5), (5, 5), (10, 5), (15, 5), (20, 3)]:
-        look = codes[a + n:a + n + la]
-        row = torch.tensor([codes[a:a + n] + look + [0] * (la - len(look))])
-        flow.decode_chunk([state], row, n, [len(look)], [gen])
-    assert [c[0].shape[2] for c in calls] == [20, 20, 20, 20, 12]
-    # The voice's context as FlowModel._voice_context makes it: the prompt's last frames on their ideal path.
-    Cn = min(ctx, pv.mel.shape[1])
-    target = torch.full((80, ctx), SILENCE_LOG_MEL)
-    mu_c, cond_c = torch.zeros(80, ctx), torch.zeros(80, ctx)
-    target[:, ctx - Cn:], mu_c[:, ctx - Cn:], cond_c[:, ctx - Cn:] = pv.mel[:, -Cn:], pv.mu[:, -Cn:], pv.mel[:, -Cn:]
-    z_c = torch.randn(80, ctx, generator=torch.Generator().manual_seed(0))
-    mu = torch.cat([mu_c[None]] + [c[1] for c in calls], dim=2)
-    cond = torch.cat([cond_c[None], torch.zeros(1, 80, mu.shape[2] - ctx)], dim=2)
-    spks = calls[0][2]
-    mask = _band_mask([ctx] + [c[0].shape[2] for c in calls], ctx)
-    x = torch.cat([c[0] for c in calls], dim=2)  # every chunk's noise
-    for s in range(n_steps):
+@torch.inference_mode()
+def test_euler_equals_straightforward_solve(hift_dec):
+    """The Euler solve with the prebuilt input buffer and fused CFG update == the step-by-step textbook solve."""
+    flow, cfg = hift_dec.flow, hift_dec.cfg
+    est = flow.decoder.estimator
+    C, F_ = cfg.stream.est_ctx_frames, 4 * cfg.stream.chunk_codes
+    B = 2
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(B, 80, F_, generator=g)
+    ctx = torch.randn(B, cfg.flow.n_timesteps, 80, C, generator=g)
+    mu, cond = (torch.randn(B, 80, C + F_, generator=g) for _ in range(2))
+    spks = torch.randn(B, 80, generator=g)
+    got_x, got_traj = flow.euler(z, ctx, mu, cond, spks)
+    idx = torch.arange(C + F_)
+    mask = (idx[None, :] < C) | (idx[:, None] >= C)
+    x, r = z, cfg.flow.cfg_rate
+    for s in range(cfg.flow.n_timesteps):
+        torch.testing.assert_close(got_traj[:, s], x, rtol=0, atol=1e-5)
         t0, t1 = flow.t_span[s], flow.t_span[s + 1]
-        xw = torch.cat([((1 - (1 - cfg.flow.sigma_min) * t0) * z_c + t0 * target)[None], x], dim=2)
-        v = _reference_estimator(est, torch.cat([xw, xw]), torch.cat([mu, 0 * mu]), torch.full((2,), t0),
+        xw = torch.cat([ctx[:, s], x], dim=2)
+        t = torch.full((2 * B,), t0)
+        v = _reference_estimator(est, torch.cat([xw, xw]), torch.cat([mu, 0 * mu]), t,
                                  torch.cat([spks, 0 * spks]), torch.cat([cond, 0 * cond]), mask)
-        x = x + (t1 - t0) * ((1 + r) * v[:1] - r * v[1:])[:, :, ctx:]
-    got = torch.cat([c[3] for c in calls], dim=2)
+        x = x + (t1 - t0) * ((1 + r) * v[:B] - r * v[B:])[:, :, C:]
     assert x.abs().max() > 1e-3
-    torch.testing.assert_close(got, x, rtol=0, atol=1e-5 * float(x.abs().max()))
-
-
-def test_context_cache_slots_return_and_survive_a_growth(hift_dec):
-    """A stream's context-cache slot goes back to the pool when the stream closes, or when its state is dropped
-    without a close; streams opened while another is in the middle of its answer (the pool growing under it) leave
-    its audio as it would be alone."""
-    import gc
-
-    pool = hift_dec.flow.ctx_pool
-    codes = _codes(28, seed=4)
-    want = np.concatenate(_stream(hift_dec, codes, [10]))
-    base = pool.in_use
-    a = hift_dec.open_stream("a", seed=0)
-    got = [a.push(codes[:10])]
-    others = [hift_dec.open_stream(f"o{i}", seed=i) for i in range(2 * pool.capacity)]
-    assert pool.capacity > len(others)  # it grew
-    for i, o in enumerate(others):
-        o.push(_codes(8, seed=20 + i))
-    got += [a.push(codes[10:20]), a.push(codes[20:]), a.finalize()]
-    a.close()
-    np.testing.assert_allclose(np.concatenate(got), want, atol=STREAM_TOL, rtol=0)
-    assert pool.in_use == base + len(others)
-    others[0].close()
-    assert pool.in_use == base + len(others) - 1
-    del others, o  # (the loop variable held the last one)
-    gc.collect()
-    assert pool.in_use == base
+    torch.testing.assert_close(got_x, x, rtol=0, atol=1e-5 * float(x.abs().max()))
 
 
 # ---- the encoder's static shapes (what lets EncoderGraphs replay it) -------------------------------------------------

@@ -173,35 +173,22 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 
 
 @triton.jit(do_not_specialize=["M", "T"])
-def _causal_conv_kernel(X, WT, BIAS, OUT, TAIL, RD, WR, M, T, sxb, sxt, sxc, s_tail, COUT, CIN: tl.constexpr,
-                        KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE: tl.constexpr, PDL: tl.constexpr, HAS_TAIL: tl.constexpr, READ_TAIL: tl.constexpr):
+def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                        PDL: tl.constexpr):
     wait_then_trigger(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     b = rm // T
     t = rm % T
-    if HAS_TAIL:  # see causal_conv
-        rd = tl.load(RD + b, mask=rm < M, other=0)
-        wr = tl.load(WR + b, mask=rm < M, other=0)
-        tt = t - (T - (KS - 1))  # this frame's row in the next tail (< 0: not in it)
-        keep = (rm < M) & (tt >= 0) & (tl.program_id(1) == 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tap in tl.static_range(KS):
-        src_t = t - (KS - 1) + tap  # left context only: rows before the start read as zeros (or the tail)
+        src_t = t - (KS - 1) + tap  # left context only: rows before the start read as zeros
         am = (rm < M) & (src_t >= 0)
         for c0 in range(0, CIN, BLOCK_K):
-            cm = (c0 + rk) < CIN
             a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + ((c0 + rk) * sxc)[None, :],
-                        mask=am[:, None] & cm[None, :], other=0.0)
-            if HAS_TAIL:
-                if READ_TAIL:
-                    a += tl.load(TAIL + (rd * s_tail + (src_t + KS - 1) * CIN)[:, None] + (c0 + rk)[None, :],
-                                 mask=((rm < M) & (src_t < 0))[:, None] & cm[None, :], other=0.0)
-                if tap == KS - 1:  # the current frame: the last KS - 1 of them are the next tail
-                    tl.store(TAIL + (wr * s_tail + tt * CIN)[:, None] + (c0 + rk)[None, :], a,
-                             mask=keep[:, None] & cm[None, :])
+                        mask=am[:, None] & ((c0 + rk) < CIN)[None, :], other=0.0)
             w = tl.load(WT + ((tap * CIN + c0 + rk) * COUT)[:, None] + rn[None, :],
                         mask=((c0 + rk) < CIN)[:, None] & (rn < COUT)[None, :], other=0.0)
             if IEEE:
@@ -213,11 +200,10 @@ def _causal_conv_kernel(X, WT, BIAS, OUT, TAIL, RD, WR, M, T, sxb, sxt, sxc, s_t
              mask=(rm < M)[:, None] & (rn < COUT)[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "T", "tail_off"])
-def _conv_whole_kernel(X, WT, BIAS, OUT, TAIL, RD, WR, M, T, sxb, sxt, sxc, s_tail, tail_off, COUT, CIN: tl.constexpr,
-                       KS: tl.constexpr, CIN_P: tl.constexpr, KS_P: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HAS_TAIL: tl.constexpr,
-                       READ_TAIL: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "T"])
+def _conv_whole_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
+                       CIN_P: tl.constexpr, KS_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IEEE: tl.constexpr, PDL: tl.constexpr):
     """_causal_conv_kernel for streaming row counts: the reduction over (tap, channel) is one tile, so a program
     holds its whole weight slice, read before the programmatic-launch wait, and runs one dot."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,26 +218,8 @@ def _conv_whole_kernel(X, WT, BIAS, OUT, TAIL, RD, WR, M, T, sxb, sxt, sxc, s_ta
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
     b = rm // T
     src_t = (rm % T)[:, None] - (KS - 1) + tap[None, :]  # left context only: rows before the start read as zeros
-    offs = (b * sxb)[:, None] + src_t * sxt + (c * sxc)[None, :]
-    if HAS_TAIL and READ_TAIL:  # see causal_conv
-        # Frames before the chunk come from the window's tail row (tail_off: the tails' offset from X, in elements)
-        # in the same load: a second masked load of the whole tile spilled (2.3x the kernel's time at batch 1).
-        rd = tl.load(RD + b, mask=rm < M, other=0)
-        offs = tl.where(src_t >= 0, offs, tail_off + (rd * s_tail)[:, None] + (src_t + KS - 1) * CIN + c[None, :])
-        am = (rm < M)[:, None] & r_ok[None, :]
-    else:
-        am = (rm < M)[:, None] & r_ok[None, :] & (src_t >= 0)
-    a = tl.load(X + offs, mask=am, other=0.0)
-    if HAS_TAIL:
-        if tl.program_id(1) == 0:  # the chunk's last KS - 1 input frames are the next tail: one narrow copy
-            t = rm % T
-            tt = t - (T - (KS - 1))  # this frame's row in the next tail (< 0: not in it)
-            keep = (rm < M) & (tt >= 0)
-            cc = tl.arange(0, CIN_P)
-            km = keep[:, None] & (cc < CIN)[None, :]
-            wr = tl.load(WR + b, mask=keep, other=0)
-            xs = tl.load(X + (b * sxb + t * sxt)[:, None] + (cc * sxc)[None, :], mask=km, other=0.0)
-            tl.store(TAIL + (wr * s_tail + tt * CIN)[:, None] + cc[None, :], xs, mask=km)
+    am = (rm < M)[:, None] & r_ok[None, :] & (src_t >= 0)
+    a = tl.load(X + (b * sxb)[:, None] + src_t * sxt + (c * sxc)[None, :], mask=am, other=0.0)
     if IEEE:
         acc = tl.dot(a, w, input_precision="ieee")
     else:
@@ -279,39 +247,14 @@ def _conv_tiles(rows: int) -> tuple[int, int]:
     return 32, 128
 
 
-def _check_rows(n: int, *rows: torch.Tensor) -> None:
-    """Cache row indices as the kernels read them: n int64 values at stride 1 (a strided column of an index table
-    would be read as its neighbours' values: other sessions' rows, or past the cache)."""
-    for r in rows:
-        if r.dtype != torch.int64 or r.dim() != 1 or r.shape[0] != n or (n > 1 and r.stride(0) != 1):
-            raise ValueError(f"cache rows {tuple(r.shape)} {r.dtype} (stride {r.stride()}) are not {n} dense int64")
-
-
-def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int,
-                tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int) -> torch.Tensor:
     """x [B, Cin, T] (any strides), w_gemm [kernel * Cin, Cout] (estimator.conv_weight_gemm) -> causal conv
     [B, Cout, T] time-major: out[:, :, t] = bias + sum_tap W[:, :, tap] @ x[:, :, t - (kernel - 1) + tap] (zeros
-    before t = 0), accumulated in float32. float32 inputs use IEEE products (no TF32), like the CPU reference.
-    tail (tails [R, kernel - 1, Cin] with dense rows, rows read [B], rows written [B], read?): the frames before
-    t = 0 of row b are tails[read[b]] (zeros if not read), and x[b, :, T - kernel + 1:] is written to
-    tails[written[b]] (T >= kernel - 1; rows read and written must differ: other programs read them)."""
+    before t = 0), accumulated in float32. float32 inputs use IEEE products (no TF32), like the CPU reference."""
     nb, cin, t = x.shape
     cout = w_gemm.shape[1]
     if w_gemm.shape[0] != kernel * cin:
         raise ValueError(f"conv weight {tuple(w_gemm.shape)} does not fit {cin} channels x kernel {kernel}")
-    if tail is not None:
-        tails, rd, wr, read = tail
-        if tails.shape[1:] != (kernel - 1, cin) or tails.stride(2) != 1 or tails.stride(1) != cin or t < kernel - 1:
-            raise ValueError(f"tails {tuple(tails.shape)} do not fit {cin} channels x kernel {kernel} over {t} frames")
-        if tails.dtype != x.dtype:
-            raise ValueError(f"tails are {tails.dtype}, x {x.dtype}")
-        _check_rows(nb, rd, wr)
-        if (tails.data_ptr() - x.data_ptr()) % x.element_size():
-            raise ValueError("tails and x are not aligned to their element size")
-        targs = (tails, rd, wr, tails.stride(0))
-        tail_off = (tails.data_ptr() - x.data_ptr()) // x.element_size()
-    else:
-        targs, read, tail_off = (x, x, x, 0), False, 0
     out = time_major(nb, cout, t, x)
     m = nb * t
     cin_p, ks_p = max(16, triton.next_power_of_2(cin)), triton.next_power_of_2(kernel)
@@ -319,19 +262,16 @@ def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kerne
         tiles = STREAM_TILES
         bn = max(16, min(64, tiles.conv_tile // (cin_p * ks_p)))
         _conv_whole_kernel[(triton.cdiv(m, tiles.conv_m), triton.cdiv(cout, bn))](
-            x, w_gemm, bias, out, *targs[:3], m, t, x.stride(0), x.stride(2), x.stride(1), targs[3], tail_off, cout,
-            CIN=cin,
-            KS=kernel, CIN_P=cin_p, KS_P=ks_p, BLOCK_M=tiles.conv_m, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
-            num_warps=8 if cin_p * ks_p * bn > LINEAR_TILE else 4, num_stages=1, HAS_TAIL=tail is not None,
-            READ_TAIL=read, **_launch(x.device, m))
+            x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, CIN_P=cin_p,
+            KS_P=ks_p, BLOCK_M=tiles.conv_m, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
+            num_warps=8 if cin_p * ks_p * bn > LINEAR_TILE else 4, num_stages=1, **_launch(x.device, m))
     elif m:
         bm, bn = _conv_tiles(m)
         bk = max(16, min(128, triton.next_power_of_2(cin)))
         grid = (triton.cdiv(m, bm), triton.cdiv(cout, bn))
-        _causal_conv_kernel[grid](x, w_gemm, bias, out, *targs[:3], m, t, x.stride(0), x.stride(2), x.stride(1),
-                                  targs[3], cout, CIN=cin, KS=kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                  IEEE=x.dtype == torch.float32, num_warps=4, num_stages=2, HAS_TAIL=tail is not None,
-                                  READ_TAIL=read, **_launch(x.device, m))
+        _causal_conv_kernel[grid](x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout,
+                                  CIN=cin, KS=kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  IEEE=x.dtype == torch.float32, num_warps=4, num_stages=2, **_launch(x.device, m))
     return out
 
 
@@ -496,10 +436,9 @@ def softmax_pv(sc, v, IEEE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _window_attention_kernel(QKV, MASK, OUT, KV, ROWS, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_ob, s_ot, s_kvr, s_kvv,
-                             scale, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
-                             PDL: tl.constexpr, CACHE: tl.constexpr, HAS_CTX: tl.constexpr, WRITE: tl.constexpr,
-                             CTX: tl.constexpr, BLOCK_C: tl.constexpr):
+def _window_attention_kernel(QKV, MASK, OUT, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_ob, s_ot, scale,
+                             H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
+                             PDL: tl.constexpr):
     wait_then_trigger(PDL)
     pid = tl.program_id(0)  # one (batch row, head)
     b = pid // H
@@ -515,44 +454,9 @@ def _window_attention_kernel(QKV, MASK, OUT, KV, ROWS, T, s_qkv_b, s_qkv_t, s_mb
         sc = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         sc = tl.dot(q, tl.trans(k))
-    if CACHE:  # see window_attention
-        sc = tl.where(tm[None, :], sc * scale, float("-inf"))
-        cbase = KV + tl.load(ROWS + b) * s_kvr + h * D
-        rc = tl.arange(0, BLOCK_C)
-        cm = rc < CTX
-        if HAS_CTX:
-            ck = tl.load(cbase + rc[:, None] * (H * D) + rd[None, :], mask=cm[:, None], other=0.0)
-            cv = tl.load(cbase + s_kvv + rc[:, None] * (H * D) + rd[None, :], mask=cm[:, None], other=0.0)
-            if IEEE:
-                scc = tl.dot(q, tl.trans(ck), input_precision="ieee")
-            else:
-                scc = tl.dot(q, tl.trans(ck))
-            scc = tl.where(cm[None, :], scc * scale, float("-inf"))
-            mx = tl.maximum(tl.max(sc, 1), tl.max(scc, 1))
-            p = tl.exp(sc - mx[:, None])
-            pc = tl.exp(scc - mx[:, None])
-            den = tl.sum(p, 1) + tl.sum(pc, 1)
-            p = p / den[:, None]
-            pc = pc / den[:, None]
-            if IEEE:
-                o = (tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                     + tl.dot(pc, cv.to(tl.float32), input_precision="ieee"))
-            else:
-                o = tl.dot(p.to(v.dtype), v) + tl.dot(pc.to(cv.dtype), cv)
-        else:
-            o = softmax_pv(sc, v, IEEE)
-        if WRITE:
-            # Every thread's reads of the old context are done before any writes the new one (the same addresses,
-            # other threads of this program).
-            tl.debug_barrier()
-            tr = rt - (T - CTX)  # the last CTX new frames are the next context
-            wm = (tm & (tr >= 0))[:, None]
-            tl.store(cbase + tr[:, None] * (H * D) + rd[None, :], k, mask=wm)
-            tl.store(cbase + s_kvv + tr[:, None] * (H * D) + rd[None, :], v, mask=wm)
-    else:
-        am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
-                     other=float("-inf")).to(tl.float32)
-        o = softmax_pv(sc * scale + am, v, IEEE)
+    am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
+                 other=float("-inf")).to(tl.float32)
+    o = softmax_pv(sc * scale + am, v, IEEE)
     tl.store(OUT + b * s_ob + rt[:, None] * s_ot + h * D + rd[None, :], o.to(OUT.dtype.element_ty),
              mask=tm[:, None])
 
@@ -560,39 +464,21 @@ def _window_attention_kernel(QKV, MASK, OUT, KV, ROWS, T, s_qkv_b, s_qkv_t, s_mb
 WINDOW_ATTENTION_MAX_T = 128  # one tile of queries and keys per (row, head); longer windows use SDPA
 
 
-def window_attention(qkv: torch.Tensor, mask: torch.Tensor | None, heads: int, head_dim: int,
-                     cache: tuple[torch.Tensor, torch.Tensor, bool, bool] | None = None) -> torch.Tensor:
+def window_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """Softmax attention of a short window in one kernel per call: qkv [B, T, 3 * heads * head_dim] (q | k | v, each
     head-major), mask additive [T, T] or [B, T, T] (0 / -inf, any float dtype) -> [B, T, heads * head_dim].
-    T <= WINDOW_ATTENTION_MAX_T.
-    Or, instead of a mask, a context cache (kv [R, 2, C, heads * head_dim] with dense [C, heads * head_dim] planes,
-    rows [B], read?, write?): row b's queries attend to every one of its T keys and, if read, to the C cached keys
-    kv[rows[b]]; if write (T >= C), its last C keys/values then replace the cached ones. One program per (row, head)
-    reads and writes its own slice, so rows may read and write the same cache row."""
+    T <= WINDOW_ATTENTION_MAX_T."""
     nb, t, three_hd = qkv.shape
     if three_hd != 3 * heads * head_dim or qkv.stride(2) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not [B, T, 3 x {heads} x {head_dim}] with dense rows")
     if t > WINDOW_ATTENTION_MAX_T:
         raise ValueError(f"window of {t} frames exceeds {WINDOW_ATTENTION_MAX_T}")
+    if mask.stride(-1) != 1:
+        raise ValueError("mask rows must be dense")
     out = torch.empty(nb, t, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
-    if cache is not None:
-        kv, rows, read, write = cache
-        ctx = kv.shape[2]
-        if kv.shape[1:] != (2, ctx, heads * head_dim) or kv.stride(3) != 1 or kv.stride(2) != heads * head_dim:
-            raise ValueError(f"cache {tuple(kv.shape)} is not [R, 2, C, {heads} x {head_dim}] with dense planes")
-        if write and t < ctx:
-            raise ValueError(f"{t} new frames cannot replace a context of {ctx}")
-        _check_rows(nb, rows)
-        mask, s_mb, s_mt, s_kvr, s_kvv = qkv, 0, 0, kv.stride(0), kv.stride(1)
-    else:
-        if mask is None or mask.stride(-1) != 1:
-            raise ValueError("mask rows must be dense")
-        kv, rows, read, write, ctx = qkv, qkv, False, False, 1
-        s_mb, s_mt, s_kvr, s_kvv = (mask.stride(0) if mask.dim() == 3 else 0), mask.stride(-2), 0, 0
+    s_mb = mask.stride(0) if mask.dim() == 3 else 0
     _window_attention_kernel[(nb * heads,)](
-        qkv, mask, out, kv, rows, t, qkv.stride(0), qkv.stride(1), s_mb, s_mt, out.stride(0), out.stride(1), s_kvr,
-        s_kvv, head_dim ** -0.5, H=heads, D=head_dim, BLOCK_T=max(16, triton.next_power_of_2(t)),
-        IEEE=qkv.dtype == torch.float32, CACHE=cache is not None, HAS_CTX=read, WRITE=write, CTX=ctx,
-        BLOCK_C=max(16, triton.next_power_of_2(ctx)), num_warps=STREAM_TILES.attention_warps,
-        **_launch(qkv.device, nb * t))
+        qkv, mask, out, t, qkv.stride(0), qkv.stride(1), s_mb, mask.stride(-2), out.stride(0), out.stride(1),
+        head_dim ** -0.5, H=heads, D=head_dim, BLOCK_T=max(16, triton.next_power_of_2(t)),
+        IEEE=qkv.dtype == torch.float32, num_warps=STREAM_TILES.attention_warps, **_launch(qkv.device, nb * t))
     return out

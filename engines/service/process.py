@@ -128,10 +128,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the language model's KV pool; auto (the default on a GPU): the memory left free once "
                         "everything else is loaded, less a headroom (engines/kv/sizing.py); on a CPU default 0.25")
     p.add_argument("--max-running", type=int, default=None)
-    p.add_argument("--codec-slots", type=_int_at_least(1), default=None, metavar="N",
-                   help="answers whose speech the codec holds context for at once, reserved at start (default: "
-                        "--max-running); beyond them the cache grows while serving, which recaptures the codec's "
-                        "solve graphs")
     p.add_argument("--ramp-step-rows", type=_int_at_least(0), default=None, metavar="N",
                    help="while a new answer makes its first rows, steps carry at most N rows (decodes + prefill; "
                         "0: no cap; default: EngineConfig.ramp_step_rows in engines/config.py)")
@@ -229,11 +225,6 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
             decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
                                         cuda_graphs=on_gpu, encoder_graphs=on_gpu,
                                         estimator_dtype="bfloat16" if on_gpu else "float32")
-        if on_gpu:
-            n = getattr(args, "codec_slots", None) or config.max_running
-            with memory.part(f"the codec's context cache for {n} answers "
-                             f"({decoder.flow.ctx_pool.slot_bytes() / 2**20:.0f} MiB each)"):
-                decoder.flow.ctx_pool.reserve(n)  # before the graphs: a growth retires them
         first_lane = _first_lane_on(args, on_gpu)
         if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
             from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS

@@ -143,85 +143,6 @@ def test_window_attention_refuses_long_windows_and_bad_shapes():
         window_attention(qkv[:, :8], torch.zeros(8, 8, device="cuda"), 4, 16)
 
 
-def _cache_rows(R: int, shape: tuple, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(R, *shape, device="cuda", generator=g).to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cin,cout,batch,T,read", [(320, 256, 2, 20, True), (256, 256, 40, 20, True),
-                                                   (512, 256, 3, 12, True), (256, 256, 2, 20, False),
-                                                   (256, 512, 70, 20, True)])
-def test_causal_conv_with_a_tail_matches_torch(dtype, cin, cout, batch, T, read):
-    """The conv over a chunk whose frames before t = 0 are cached rows (or zeros, unread) == the conv over
-    cat(tail, x); the chunk's last 2 input frames land in the rows written and nothing else changes. Both kernels
-    (whole tile up to 160 rows; the looped one at 40 x 20 and 70 x 20)."""
-    k = 3
-    g = torch.Generator(device="cuda").manual_seed(8)
-    x = torch.randn(batch, T, cin, device="cuda", generator=g).to(dtype).transpose(1, 2)  # time-major
-    w = (torch.randn(cout, cin, k, device="cuda", generator=g) / (cin * k) ** 0.5).to(dtype)
-    b = torch.randn(cout, device="cuda", generator=g).to(dtype)
-    tails = _cache_rows(2 * batch + 2, (k - 1, cin), dtype, g)
-    rd = torch.arange(batch, device="cuda") * 2 + 1  # interleaved read / written rows, in reverse for the writes
-    wr = torch.arange(batch, device="cuda").flip(0) * 2
-    before = tails.clone()
-    prev = tails[rd] if read else torch.zeros(batch, k - 1, cin, device="cuda", dtype=dtype)
-    full = torch.cat([prev.transpose(1, 2), x], dim=2)
-    want = F.conv1d(full.double(), w.double(), b.double()).to(dtype)
-    got = causal_conv(x, conv_weight_gemm(w), b, k, (tails, rd, wr, read))
-    torch.testing.assert_close(got, want, **CONV_TOL[dtype])
-    expect = before.clone()
-    expect[wr] = x[:, :, T - (k - 1):].transpose(1, 2)
-    torch.testing.assert_close(tails, expect, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,ctx,read", [(20, 20, True), (20, 12, True), (20, 20, False), (12, 20, True)])
-def test_window_attention_with_a_context_cache_matches_sdpa(dtype, T, ctx, read):
-    """New frames attend to each other and to the cached keys of their row (rows repeated: two windows share none,
-    each reads then writes its own): == SDPA over cat(cache, new); the last ctx new keys/values replace the cached
-    ones (no write with fewer new frames than the context: an answer's last chunk)."""
-    B, H, D = 5, 8, 64
-    g = torch.Generator(device="cuda").manual_seed(9)
-    qkv = torch.randn(B, T, 3 * H * D, device="cuda", generator=g).to(dtype)
-    kv = _cache_rows(2 * B + 1, (2, ctx, H * D), dtype, g)
-    rows = torch.tensor([4, 0, 9, 2, 7], device="cuda")
-    before = kv.clone()
-    write = T >= ctx
-    q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).double().unbind(0)
-    if read:
-        c = before[rows].double().view(B, 2, ctx, H, D).transpose(2, 3)
-        k, v = torch.cat([c[:, 0], k], dim=2), torch.cat([c[:, 1], v], dim=2)
-    want = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, H * D)
-    got = window_attention(qkv, None, H, D, (kv, rows, read, write))
-    torch.testing.assert_close(got, want.to(dtype), **CONV_TOL[dtype])
-    expect = before.clone()
-    if write:
-        new = qkv.view(B, T, 3, H * D)[:, T - ctx:, 1:].transpose(1, 2)  # [B, 2, ctx, H * D]
-        expect[rows] = new
-    torch.testing.assert_close(kv, expect, rtol=0, atol=0)
-
-
-def test_cache_rows_must_be_dense_int64():
-    """A column of the [N, 3] index table (stride 3) would be read at stride 1 (neighbours' rows: another session's
-    context, or past the cache): both kernels refuse it, and rows of another dtype or count."""
-    B, H, D, T, k, cin = 4, 2, 16, 20, 3, 32
-    table = torch.arange(3 * B, device="cuda").view(B, 3)
-    qkv = torch.zeros(B, T, 3 * H * D, device="cuda")
-    kv = torch.zeros(3 * B, 2, T, H * D, device="cuda")
-    x = torch.zeros(B, cin, T, device="cuda")
-    w, b = torch.zeros(k * cin, 8, device="cuda"), torch.zeros(8, device="cuda")
-    tails = torch.zeros(6 * B, k - 1, cin, device="cuda")
-    dense = torch.arange(B, device="cuda")
-    for bad in (table[:, 0], dense.int(), dense[:-1]):
-        with pytest.raises(ValueError, match="cache rows"):
-            window_attention(qkv, None, H, D, (kv, bad, True, True))
-        with pytest.raises(ValueError, match="cache rows"):
-            causal_conv(x, w, b, k, (tails, bad, dense + B, True))
-        with pytest.raises(ValueError, match="cache rows"):
-            causal_conv(x, w, b, k, (tails, dense, bad, True))
-    window_attention(qkv, None, H, D, (kv, table.t().contiguous()[0], True, True))  # the dense copy is taken
-
-
 def test_causal_conv_refuses_a_mismatched_weight():
     x = torch.zeros(1, 8, 4, device="cuda")
     with pytest.raises(ValueError, match="does not fit"):
@@ -276,42 +197,19 @@ def test_solve_graph_is_bit_identical_with_and_without_pdl():
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
     flow, idx = dec.flow, torch.cuda.current_device()
     g = torch.Generator(device="cuda").manual_seed(7)
-    inputs, restore = EulerGraphs(flow).random_inputs(3, g)
+    inputs = [torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
+              for shape in EulerGraphs(flow).input_shapes(3)]
     out = {}
     try:
         for on in (False, True):
             pdl._enabled[idx] = on
-            restore()
             with torch.inference_mode():
                 out[on] = EulerGraphs(flow).run(*inputs)
     finally:
         pdl._enabled.pop(idx, None)
-    assert torch.isfinite(out[False]).all()
-    torch.testing.assert_close(out[False], out[True], rtol=0, atol=0)
-
-
-def test_a_solve_captured_on_first_use_equals_the_eager_solve():
-    """A solve graph captured on its first real call (a shape not captured at start) gives the eager solve's mel and
-    leaves the same context cache: its capture's warm-up runs go to padding rows, not to the sessions' (a warm-up over
-    a session's rows rewrites the keys the replay then reads)."""
-    from engines.codec.decoder import CodecDecoder
-    from engines.codec.decoder.graphs import EulerGraphs
-
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
-    flow, pool = dec.flow, dec.flow.ctx_pool
-    graphs = EulerGraphs(flow)
-    inputs, restore = graphs.random_inputs(2, torch.Generator(device="cuda").manual_seed(5))
-    with torch.inference_mode():
-        want = flow.euler(*inputs)
-        want_kv, want_tails = pool.kv.clone(), [t.clone() for t in pool.tails]
-        restore()
-        got = graphs.run(*inputs)
-    assert len(graphs.graphs) == 1 and torch.isfinite(want).all()
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    n = 2 * pool.capacity  # the real slots' windows (the spare's take the padding's writes)
-    torch.testing.assert_close(pool.kv[:n], want_kv[:n], rtol=0, atol=0)
-    for t, w in zip(pool.tails, want_tails, strict=True):
-        torch.testing.assert_close(t[:2 * n], w[:2 * n], rtol=0, atol=0)
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("codec", ["tiny-random", "full-random"])
@@ -327,23 +225,22 @@ def test_solve_in_chains_equals_each_session_alone(codec):
     flow = dec.flow
     for batch in (2, 4):
         g = torch.Generator(device="cuda").manual_seed(batch)
-        inputs, restore = EulerGraphs(flow).random_inputs(batch, g)
+        inputs = [torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
+                  for shape in EulerGraphs(flow).input_shapes(batch)]
         try:
             with torch.inference_mode():
                 served = EulerGraphs(flow).run(*inputs)
-                alone = []
-                for b in range(batch):
-                    restore()
-                    alone.append(EulerGraphs(flow).run(*(t[b:b + 1] for t in inputs)))
+                alone = [EulerGraphs(flow).run(*(t[b:b + 1] for t in inputs)) for b in range(batch)]
                 flow.solve_chains = 1
-                restore()
                 one = EulerGraphs(flow).run(*inputs)
         finally:
             flow.solve_chains = None
         for b in range(batch):
-            torch.testing.assert_close(served[b:b + 1], alone[b], rtol=0, atol=0)
-        assert torch.isfinite(served).all()
-        torch.testing.assert_close(served, one, rtol=5e-2, atol=5e-2)
+            for got, want in zip(served, alone[b], strict=True):
+                torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=0)
+        for got, want in zip(served, one, strict=True):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
 
 
 def test_snake_is_bit_identical_to_torch():
@@ -487,16 +384,15 @@ def test_solve_in_pieces_is_bit_identical_to_one_graph(codec):
     ranges = [(0, 2), (2, 5), (5, steps)] if steps > 5 else [(0, 1), (1, steps)]
     for batch in (1, 8):
         g = torch.Generator(device="cuda").manual_seed(batch)
+        z, ctx, mu, cond, spks = (torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
+                                  for shape in EulerGraphs(flow).input_shapes(batch))
         graphs = EulerGraphs(flow)
-        (z, mu, spks, idx), restore = graphs.random_inputs(batch, g)
         with torch.inference_mode():
-            want_x = graphs.run(z, mu, spks, idx)
-            want_cache = flow.ctx_pool.kv.clone()
-            restore()
-            x = z
+            want_x, want_traj = graphs.run(z, ctx, mu, cond, spks)
+            x, trajs = z, []
             for r in ranges:
-                x = graphs.run(x, mu, spks, idx, steps=r)
+                x, part = graphs.run(x, ctx, mu, cond, spks, steps=r)
+                trajs.append(part)
         assert len(graphs.graphs) == 1 + len(ranges) and torch.isfinite(want_x).all()
         torch.testing.assert_close(x, want_x, rtol=0, atol=0)
-        n = 2 * flow.ctx_pool.capacity  # the real slots' windows (captures on first use write the spare's)
-        torch.testing.assert_close(flow.ctx_pool.kv[:n], want_cache[:n], rtol=0, atol=0)  # the same context left
+        torch.testing.assert_close(torch.cat(trajs, dim=1), want_traj, rtol=0, atol=0)

@@ -98,7 +98,6 @@ class CodecDecoder:
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         dec.flow.encoder.fuse()
-        dec.flow.ctx_pool  # noqa: B018 - made now, in the estimator's dtype, and before any lane copies the flow
         if cuda_graphs and dec.device.type == "cuda":
             dec._attach_graphs(encoder_graphs)
         return dec
@@ -122,7 +121,6 @@ class CodecDecoder:
         codec worker decodes new answers' first chunks on a lane beside its rounds of playing answers. Graphs, when
         this decoder has them, are captured on first use or by `capture_graphs`, at the most urgent priority (a new
         answer's first audio waits on them; this decoder's own stay at the least)."""
-        self.flow.ctx_pool  # noqa: B018 - made before the copy, so that both flows share it
         twin = copy.copy(self)
         twin.counts = SolveCounts()
         twin.flow = copy.copy(self.flow)  # shares the modules; plain attributes (graphs, streams) become its own

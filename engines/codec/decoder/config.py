@@ -134,9 +134,7 @@ class BigVGANConfig:
 class StreamConfig:
     chunk_codes: int = 5
     enc_left_chunks: int = 4  # encoder attention window behind the current chunk (plus the whole prompt)
-    # Mel frames behind a chunk whose estimator keys (and conv inputs) the chunk attends to, kept from the solve that
-    # made them at every Euler step (FlowModel's context cache); at most one full chunk's frames.
-    est_ctx_frames: int = 20
+    est_ctx_frames: int = 20  # mel frames of the previous chunk the estimator sees (fixed trajectories)
     voc_ctx_frames: int = 8  # mel frames of left context given to the vocoder
     crossfade_frames: int = 2  # held-back tail, crossfaded with the next window (2 frames = 40 ms)
     max_prompt_codes: int = 375  # 30 s of prompt
@@ -160,12 +158,6 @@ class CodecDecoderConfig:
     hift: HiFTConfig = field(default_factory=HiFTConfig)
     bigvgan: BigVGANConfig = field(default_factory=BigVGANConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
-
-    def __post_init__(self) -> None:
-        full = self.stream.chunk_codes * self.flow.token_mel_ratio
-        if self.stream.est_ctx_frames > full:
-            raise ConfigError(f"StreamConfig.est_ctx_frames ({self.stream.est_ctx_frames}) must not exceed a chunk's "
-                              f"{full} mel frames (the context is the previous chunk's last frames)")
 
     def to_json_dict(self) -> dict:
         return asdict(self)

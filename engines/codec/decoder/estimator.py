@@ -5,10 +5,8 @@ Key layout of the checkpoint (`decoder.estimator.` prefix in flow.pt): `time_mlp
 `up_blocks.0.{0,1.N,2}`, `final_block.block.{0: conv, 2: layer norm}`, `final_proj`. A resnet is
 `block1/block2.block.{0: causal conv k3, 2: LayerNorm}`, `mlp.1` (time projection), `res_conv`; a transformer
 block is `norm1`, `attn1.to_{q,k,v}`, `attn1.to_out.0`, `norm3`, `ff.net.0.proj`, `ff.net.2`.
-In a stream the estimator runs on a chunk's new frames only: each transformer block's attention also reads the keys
-and values the previous chunk's frames left at the same Euler step, and each causal conv the last frames of its input
-before the chunk (`ctx_cache.StepCache`, written by the same calls for the next chunk). Without a cache (`forward`,
-tests) it runs over the whole sequence given, under a bool or additive mask.
+The estimator always sees a fixed window (context frames + current chunk), so it needs no cache of its own:
+the context frames' x_t trajectories are kept by the flow.
 
 Inference layout (GPU launch count, see docs/PERF_NOTES.md "Codec estimator: kernel count"): the time
 conditioning of every resnet is a table per Euler step (`time_table`), q/k/v run as one GEMM over a
@@ -31,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.codec.decoder.config import FlowConfig
-from engines.codec.decoder.ctx_cache import StepCache
 from engines.codec.decoder.derived import weights_key
 
 
@@ -51,28 +48,13 @@ class CausalConv1d(nn.Conv1d):
         # [kernel * dim, dim_out]: the weight as the CUDA kernel reads it (built by CausalConditionalDecoder.fuse).
         self.gemm_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cache: StepCache | None = None) -> torch.Tensor:
-        """x [B, Cin, T] -> [B, Cout, T]; with a cache (kernel > 1) the frames before x are the cached tail, and x's
-        last kernel - 1 frames become the next one."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from engines.kernels.codec_fused import causal_conv
 
             w = self.gemm_weight if self.gemm_weight is not None else conv_weight_gemm(self.weight)
-            return causal_conv(x, w, self.bias, self.kernel_size[0], self.tail(cache))
-        k = self.kernel_size[0]
-        if cache is None or k == 1:
-            return super().forward(x)[..., :x.shape[-1]]
-        tails, rd, wr = cache.conv(self)
-        prev = tails.index_select(0, rd) if cache.has_ctx else x.new_zeros(x.shape[0], k - 1, x.shape[1])
-        full = torch.cat([prev.transpose(1, 2).to(x.dtype), x], dim=2)  # [B, Cin, k - 1 + T]
-        tails.index_copy_(0, wr, full[:, :, -(k - 1):].transpose(1, 2).to(tails.dtype))
-        return F.conv1d(full, self.weight, self.bias)
-
-    def tail(self, cache: StepCache | None) -> tuple | None:
-        """The CUDA conv's tail arguments (tails, rows read, rows written, read them?) for this conv, or None."""
-        if cache is None or self.kernel_size[0] == 1:
-            return None
-        return (*cache.conv(self), cache.has_ctx)
+            return causal_conv(x, w, self.bias, self.kernel_size[0])
+        return super().forward(x)[..., :x.shape[-1]]
 
 
 class _Transpose(nn.Module):
@@ -112,9 +94,9 @@ class CausalBlock1D(nn.Module):
         self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), _Transpose(), nn.LayerNorm(dim_out), _Transpose(),
                                    nn.Mish())
 
-    def forward(self, x: torch.Tensor, row: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                cache: StepCache | None = None) -> torch.Tensor:
-        return layernorm_mish(self.block[0](x, cache), self.block[2], row, residual)
+    def forward(self, x: torch.Tensor, row: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        return layernorm_mish(self.block[0](x), self.block[2], row, residual)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -129,22 +111,21 @@ class CausalResnetBlock1D(nn.Module):
         self.conv1_res_gemm: torch.Tensor | None = None
         self.conv1_res_bias: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, t_row: torch.Tensor, cache: StepCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t_row: torch.Tensor) -> torch.Tensor:
         """x [B, dim, T]; t_row [B|1, dim_out] = self.mlp(time embedding), precomputed per Euler step."""
         if x.is_cuda and self.conv1_res_gemm is not None:
-            return self._forward_cuda(x, t_row, cache)
-        return self.block2(self.block1(x, row=t_row, cache=cache), residual=self.res_conv(x), cache=cache)
+            return self._forward_cuda(x, t_row)
+        return self.block2(self.block1(x, row=t_row), residual=self.res_conv(x))
 
-    def _forward_cuda(self, x: torch.Tensor, t_row: torch.Tensor, cache: StepCache | None) -> torch.Tensor:
+    def _forward_cuda(self, x: torch.Tensor, t_row: torch.Tensor) -> torch.Tensor:
         """forward in 4 kernels: block1's conv and res_conv as one conv over x, then block1's LayerNorm + Mish +
         time row, block2's conv, block2's LayerNorm + Mish + residual."""
         from engines.kernels.codec_fused import causal_conv
 
         c = self.conv1_res_bias.shape[0] // 2
-        conv1 = self.block1.block[0]  # the merged conv's input (and so its tail) is block1's conv's
-        both = causal_conv(x, self.conv1_res_gemm, self.conv1_res_bias, conv1.kernel_size[0], conv1.tail(cache))
+        both = causal_conv(x, self.conv1_res_gemm, self.conv1_res_bias, self.block1.block[0].kernel_size[0])
         h = layernorm_mish(both[:, :c], self.block1.block[2], row=t_row)  # both: [B, 2C, T] = block1 conv | res
-        return self.block2(h, residual=both[:, c:], cache=cache)
+        return self.block2(h, residual=both[:, c:])
 
 
 class _GELUProj(nn.Module):
@@ -168,25 +149,12 @@ class _Attention(nn.Module):
         # attribute, so the checkpoint keeps its separate q/k/v keys).
         self.qkv_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: StepCache | None = None,
-                block: nn.Module | None = None) -> torch.Tensor:
-        """x [B, T, d]; mask additive float [T, T] (0 = may attend, -inf = not), or a cache (`block`'s entries):
-        the new frames attend to the cached context and to each other, and their keys/values become the cache."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d]; mask additive float [T, T] (0 = may attend, -inf = not)."""
         B, T, _ = x.shape
         qkv = F.linear(x, self.qkv_weight).view(B, T, 3, self.h, self.dh)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, dh]
-        if cache is None:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            kv, rows = cache.attention(block)  # kv [windows, 2, ctx, H * dh]
-            keys, values = k, v
-            if cache.has_ctx:
-                c = kv.index_select(0, rows).to(q.dtype).view(B, 2, -1, self.h, self.dh).transpose(2, 3)
-                keys, values = torch.cat([c[:, 0], k], dim=2), torch.cat([c[:, 1], v], dim=2)
-            o = F.scaled_dot_product_attention(q, keys, values)
-            if cache.write_kv:
-                new = torch.stack([k, v], dim=1).transpose(2, 3).reshape(B, 2, T, -1)  # [B, 2, T, H * dh]
-                kv.index_copy_(0, rows, new[:, :, T - kv.shape[2]:].to(kv.dtype))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.to_out[0](o.transpose(1, 2).reshape(B, T, self.h * self.dh))
 
 
@@ -212,20 +180,19 @@ class TransformerBlock(nn.Module):
         return (self.qkv_t is not None and d & (d - 1) == 0 and d >= 16 and dh & (dh - 1) == 0 and dh >= 16
                 and x.shape[1] <= WINDOW_ATTENTION_MAX_T)
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor | None, last: bool = False,
-                cache: StepCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input is x + pending (pending None: just x); returns (x, ff_out) whose sum is its output,
-        so each residual add fuses with the next LayerNorm. The last block of a stack returns (output, None).
-        mask: see _Attention (None with a cache)."""
+        so each residual add fuses with the next LayerNorm. The last block of a stack returns (output, None)."""
         if x.is_cuda and self._fused_ok(x):
-            return self._forward_cuda(x, pending, mask, last, cache)
+            return self._forward_cuda(x, pending, mask, last)
         h, x = add_layernorm(x, pending, self.norm1)
-        h, x = add_layernorm(x, self.attn1(h, mask, cache, self), self.norm3)
+        h, x = add_layernorm(x, self.attn1(h, mask), self.norm3)
         ff = self.ff.net[2](self.ff.net[0](h))
         return (x + ff, None) if last else (x, ff)
 
-    def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor | None, last: bool,
-                      cache: StepCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
         GEMM + GELU, ff output GEMM (+ the residual stream, for the last block)."""
         from engines.kernels import codec_fused as k
@@ -233,8 +200,7 @@ class TransformerBlock(nn.Module):
         a, ff = self.attn1, self.ff.net
         qkv, x = k.ln_linear(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.qkv_t)
         out = a.to_out[0]
-        kv = None if cache is None else (*cache.attention(self), cache.has_ctx, cache.write_kv)
-        o = k.linear(k.window_attention(qkv, mask, a.h, a.dh, kv), out.weight, out.bias)  # [B, T, d]
+        o = k.linear(k.window_attention(qkv, mask, a.h, a.dh), out.weight, out.bias)  # [B, T, d]
         h, x = k.ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
                            gelu=True)
         if last:
@@ -314,12 +280,6 @@ class CausalConditionalDecoder(nn.Module):
     def _resnets(self) -> list[CausalResnetBlock1D]:
         return [self.down_blocks[0][0], *(m[0] for m in self.mid_blocks), self.up_blocks[0][0]]
 
-    def cached_modules(self) -> tuple[list[TransformerBlock], list[CausalConv1d]]:
-        """What a context cache holds entries for: every transformer block, every causal conv of kernel > 1."""
-        blocks = [m for m in self.modules() if isinstance(m, TransformerBlock)]
-        convs = [m for m in self.modules() if isinstance(m, CausalConv1d) and m.kernel_size[0] > 1]
-        return blocks, convs
-
     @torch.no_grad()
     def fuse(self) -> None:
         """Build the inference-only tensors derived from the weights (fused q/k/v). Call after loading or changing
@@ -361,32 +321,28 @@ class CausalConditionalDecoder(nn.Module):
         return tab
 
     @staticmethod
-    def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor | None, cache: StepCache | None
-                ) -> torch.Tensor:
+    def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
         """[B, C, T] through the transformer blocks -> [B, C, T]."""
         x, pending = h.transpose(1, 2), None
         for i, b in enumerate(blocks):
-            x, pending = b(x, pending, mask, last=i == len(blocks) - 1, cache=cache)
+            x, pending = b(x, pending, mask, last=i == len(blocks) - 1)
         # Time-major [B, C, T] view of the last block's output: the next conv reads it without a copy.
         return x.transpose(1, 2)
 
-    def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None, cache: StepCache | None = None
-            ) -> torch.Tensor:
+    def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [B, 320, T] = cat(x, mu, spks, cond) in the estimator dtype; rows [n_resnets, B|1, C] (`time_rows` or
-        a `time_table` step); mask additive [T, T] (`window_mask`), or None with a cache (see the module docstring)
-        -> velocity [B, 80, T]."""
-        c = cache
+        a `time_table` step); mask additive [T, T] (`window_mask`) -> velocity [B, 80, T]."""
         resnet, blocks, down = self.down_blocks[0]
-        h = self._attend(resnet(h, rows[0], c), blocks, mask, c)
+        h = self._attend(resnet(h, rows[0]), blocks, mask)
         skip = h
-        h = down(h, c)
+        h = down(h)
         for i, (resnet, blocks) in enumerate(self.mid_blocks):
-            h = self._attend(resnet(h, rows[1 + i], c), blocks, mask, c)
+            h = self._attend(resnet(h, rows[1 + i]), blocks, mask)
         resnet, blocks, up = self.up_blocks[0]
         hs = torch.cat([h.transpose(1, 2), skip.transpose(1, 2)], dim=2).transpose(1, 2)  # time-major [B, 2C, T]
-        h = self._attend(resnet(hs, rows[-1], c), blocks, mask, c)
-        h = up(h, c)
-        return self.final_proj(self.final_block(h, cache=c))
+        h = self._attend(resnet(hs, rows[-1]), blocks, mask)
+        h = up(h)
+        return self.final_proj(self.final_block(h))
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:

@@ -2,14 +2,11 @@
 
 Per chunk of n codes (n = 5 except a final partial chunk) with up to 3 lookahead codes:
   1. embedding + upsampling conformer encoder (prompt + window attention, cached) -> mu [80, 4n]
-  2. Euler solve of the CFM ODE (cosine time schedule, classifier-free guidance) of the new frames (fresh
-     per-session noise). At every Euler step the estimator's attention also sees the keys/values of the previous
-     chunk's last `est_ctx_frames` frames and its causal convs the frames just before the chunk, as the previous
-     solve left them (ctx_cache.py): the streamed solve equals one solve of the whole answer whose frames attend to
-     their own chunk and the `est_ctx_frames` frames before it. A stream's first chunk sees its voice's context:
-     the prompt's last frames on their ideal flow path toward the prompt mel (`prepare_voice`).
-State kept per session is bounded (window of KV, one context-cache slot), so a chunk costs the same at any point of
-an answer.
+  2. Euler solve of the CFM ODE (cosine time schedule, classifier-free guidance) over a window made of the
+     previous chunk's last `est_ctx_frames` frames (their stored x_t trajectories, fixed) and the new frames
+     (fresh per-session noise). Only the new frames are integrated.
+State kept per session is bounded (window of KV, trajectories of one chunk), so a chunk costs the same at
+any point of an answer.
 
 Both stages replay as CUDA graphs (graphs.py) for full chunks: the Euler solve (`euler`) and the encoder (`encode`:
 embedding, conformer stacks, projection). The encoder's shapes are static per (batch bucket, prefix length): the
@@ -20,7 +17,6 @@ to a multiple of PREFIX_ALIGN, so a voice sees only a few prefix lengths over a 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -31,9 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.codec.decoder.config import FlowConfig, StreamConfig
-from engines.codec.decoder.ctx_cache import CtxPool, StepCache, VoiceContext
 from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEncoder
-from engines.codec.decoder.estimator import CausalConditionalDecoder
+from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mask
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
 from engines.graphs import SideStreams
 from engines.host_copy import upload
@@ -72,7 +67,6 @@ class PreparedVoice:
     mu: torch.Tensor  # [80, 4P]
     mel: torch.Tensor  # [80, 4P]
     spks: torch.Tensor  # [80] projected x-vector
-    ctx: VoiceContext | None = None  # the estimator's context of a stream's first chunk (FlowModel._voice_context)
 
 
 @dataclass
@@ -82,20 +76,20 @@ class FlowState:
     voice: PreparedVoice
     pre: torch.Tensor  # [2, D] last conv1 outputs of the lookahead layer
     up: torch.Tensor  # [2*ratio, D] last repeated frames before the upsample conv
-    slot: int  # this stream's rows of the estimator's context cache (ctx_cache.CtxPool), released with the state
-    slot_bytes: int
-    parity: int = 0  # which of the slot's two tail rows per window holds the conv tails now
     codes_done: int = 0
     win_kv: torch.Tensor | None = None  # [layers, 2, <=W, H, dk] this session's latest keys/values
     win_up_kv: torch.Tensor | None = None  # [up_layers, 2, <=W*ratio, H, dk]
+    ctx_traj: torch.Tensor | None = None  # [steps, 80, C] x_t of the context frames at every Euler step
+    ctx_mu: torch.Tensor | None = None  # [80, C]
+    ctx_cond: torch.Tensor | None = None  # [80, C]
 
     def run_key(self) -> tuple[int, int, int]:
         """States with equal keys have the same prompt keys and window lengths (FlowModel._runs)."""
         return id(self.voice), self.win_kv.shape[2], self.win_up_kv.shape[2]
 
     def nbytes(self) -> int:
-        ts = [self.pre, self.up, self.win_kv, self.win_up_kv]
-        return self.slot_bytes + sum(t.numel() * t.element_size() for t in ts if t is not None)
+        ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond, self.win_kv, self.win_up_kv]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 class EncodeInputs(NamedTuple):
@@ -140,16 +134,6 @@ class FlowModel(nn.Module):
         self.solve_parts = 1
         self._chain_streams = SideStreams()
         self._t_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # _step_times
-        self._ctx_pool: CtxPool | None = None  # made at first use, in the estimator's final dtype and device
-
-    @property
-    def ctx_pool(self) -> CtxPool:
-        """The estimator's context cache (shared by this model's lanes: `copy.copy` keeps the reference)."""
-        if self._ctx_pool is None:
-            est = self.decoder.estimator
-            self._ctx_pool = CtxPool(*est.cached_modules(), self.cfg.n_timesteps, self.stream.est_ctx_frames,
-                                     est.final_proj.weight.dtype, self.device)
-        return self._ctx_pool
 
     @property
     def device(self) -> torch.device:
@@ -169,9 +153,7 @@ class FlowModel(nn.Module):
         r = self.cfg.token_mel_ratio
         if P == 0:
             z = torch.zeros(self.cfg.output_size, 0, device=dev, dtype=dt)
-            pv = PreparedVoice(0, self._empty_kv(False), self._empty_kv(True), z, z, spks)
-            pv.ctx = self._voice_context(pv)
-            return pv
+            return PreparedVoice(0, self._empty_kv(False), self._empty_kv(True), z, z, spks)
         la = self.cfg.pre_lookahead
         # The whole prompt as one chunk with no prefix keys and absent lookahead.
         codes = F.pad(codes.to(dev), (0, la))[None]  # [1, P + la]
@@ -183,9 +165,7 @@ class FlowModel(nn.Module):
         none = torch.zeros(1, 0, dtype=torch.long, device=dev)
         mu, _, _, kv, up_kv = self.encode(codes, valid, cache.pre, cache.up, pos, up_pos, self._empty_kv(False)[None],
                                           none, none, self._empty_kv(True)[None], none, none)
-        pv = PreparedVoice(P, kv[0], up_kv[0], mu[0].contiguous(), mel.to(dev, dt), spks)
-        pv.ctx = self._voice_context(pv)
-        return pv
+        return PreparedVoice(P, kv[0], up_kv[0], mu[0].contiguous(), mel.to(dev, dt), spks)
 
     def _empty_kv(self, up: bool) -> torch.Tensor:
         n = len(self.encoder.up_encoders if up else self.encoder.encoders)
@@ -200,15 +180,12 @@ class FlowModel(nn.Module):
             t = self._t_cache[(dev, dt)] = torch.tensor(self.t_span[:-1], dtype=dt).to(dev)[:, None, None]
         return t
 
-    @torch.inference_mode()
-    def _voice_context(self, voice: PreparedVoice) -> VoiceContext:
-        """The context cache a stream of this voice starts from: the prompt's last C frames (left-padded with
-        silence when the prompt is shorter) on their ideal flow path toward the prompt mel, x_t = (1 - (1 - sigma) t)
-        z + t mel, run through the estimator at every Euler step as frames with no context of their own (keys of
-        their own only, zeros before the first), with the prompt's mu and mel as cond. z is drawn from a fixed seed:
-        the context is a property of the voice (its frames are never heard), computed once, not per stream."""
-        cfg, C, pool = self.cfg, self.stream.est_ctx_frames, self.ctx_pool
+    def new_state(self, voice: PreparedVoice, gen: torch.Generator) -> FlowState:
+        cfg, C = self.cfg, self.stream.est_ctx_frames
         dev, dt = self.device, self.dtype
+        cache = self.encoder.empty_cache(1, dev, dt)
+        # Context of the first chunk: the prompt's last C frames on their ideal flow path toward the prompt
+        # mel (left-padded with silence when the prompt is shorter).
         n_have = min(C, voice.mel.shape[1])
         target = torch.full((cfg.output_size, C), SILENCE_LOG_MEL, device=dev, dtype=dt)
         mu = torch.zeros(cfg.output_size, C, device=dev, dtype=dt)
@@ -217,35 +194,11 @@ class FlowModel(nn.Module):
             target[:, C - n_have:] = voice.mel[:, -n_have:]
             mu[:, C - n_have:] = voice.mu[:, -n_have:]
             cond[:, C - n_have:] = voice.mel[:, -n_have:]
-        z = torch.randn(cfg.output_size, C, generator=torch.Generator(dev).manual_seed(0), device=dev, dtype=dt)
+        z = torch.randn(cfg.output_size, C, generator=gen, device=dev, dtype=dt)
         t = self._step_times(dev, dt)  # [steps, 1, 1]
         traj = (1 - (1 - cfg.sigma_min) * t) * z + t * target  # [steps, 80, C]
-        slot = pool.acquire()
-        try:
-            with pool.lock:
-                # Parity 1: the tails are written to parity 0's rows, where a stream's first solve reads them.
-                rows = StepCache.columns(upload([pool.index([slot], [1])[0]], dev)[0])  # [3, 2 (branch)]
-                mem, x_in, h = self._estimator_input(1, C, mu[None], voice.spks[None], cond[None])
-                est = self.decoder.estimator
-                table = est.time_table(self.t_span, dt)
-                for s in range(cfg.n_timesteps):
-                    x_in.copy_(traj[s][None, None].expand_as(x_in))
-                    est.run(h, table[s], None, StepCache(pool, s, rows, has_ctx=False))
-                ctx = pool.save(slot)
-        finally:
-            pool.release(slot)
-        return ctx
-
-    def new_state(self, voice: PreparedVoice, gen: torch.Generator) -> FlowState:
-        dev, dt = self.device, self.dtype
-        cache = self.encoder.empty_cache(1, dev, dt)
-        pool = self.ctx_pool
-        slot = pool.acquire()
-        pool.load(slot, voice.ctx)
-        state = FlowState(voice, cache.pre[0], cache.up[0], slot, pool.slot_bytes(), win_kv=self._empty_kv(False),
-                          win_up_kv=self._empty_kv(True))
-        weakref.finalize(state, pool.release, slot)  # back to the pool when the stream's state goes
-        return state
+        return FlowState(voice, cache.pre[0], cache.up[0], win_kv=self._empty_kv(False),
+                         win_up_kv=self._empty_kv(True), ctx_traj=traj, ctx_mu=mu, ctx_cond=cond)
 
     # ---- one chunk for a batch of sessions ---------------------------------------------------------------
     @staticmethod
@@ -380,78 +333,80 @@ class FlowModel(nn.Module):
 
     def _solve(self, states: list[FlowState], mu: torch.Tensor, Fr: int, gens: list[torch.Generator],
                between: Callable[[], None] | None = None) -> torch.Tensor:
-        cfg, pool = self.cfg, self.ctx_pool
+        cfg, C = self.cfg, self.stream.est_ctx_frames
         dev, dt = self.device, self.dtype
+        B = len(states)
         z = torch.stack([torch.randn(cfg.output_size, Fr, generator=g, device=dev, dtype=dt) for g in gens])
+        ctx_traj = torch.stack([s.ctx_traj for s in states])  # [B, steps, 80, C]
+        mu_w = torch.cat([torch.stack([s.ctx_mu for s in states]), mu], dim=2)
+        cond_w = torch.cat([torch.stack([s.ctx_cond for s in states]),
+                            torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)], dim=2)
         spks = torch.stack([s.voice.spks for s in states])
-        x = z
+        x, trajs = z, []
         for s0, s1 in self.step_ranges(Fr):
-            with pool.lock:  # (not across `between`: it may wait for another lane's solve)
-                idx = upload([pool.index([s.slot for s in states], [s.parity for s in states])], dev)[0]
-                if self.graphs is not None and dev.type == "cuda":
-                    x = self.graphs.run(x, mu, spks, idx, steps=(s0, s1))
-                else:
-                    x = self.euler(x, mu, spks, idx, s0, s1)
+            if self.graphs is not None and dev.type == "cuda":
+                x, part = self.graphs.run(x, ctx_traj, mu_w, cond_w, spks, steps=(s0, s1))
+            else:
+                x, part = self.euler(x, ctx_traj, mu_w, cond_w, spks, s0, s1)
+            trajs.append(part)
             if between is not None:
                 between()
-        for s in states:
-            s.parity ^= 1  # every conv wrote its tail to the other row
+        traj_t = torch.cat(trajs, dim=1) if len(trajs) > 1 else trajs[0]  # [B, steps, 80, F]
+        full_traj = torch.cat([ctx_traj, traj_t], dim=3)[..., -C:]
+        full_mu, full_cond = mu_w[..., -C:], cond_w[..., -C:]
+        for b, s in enumerate(states):
+            s.ctx_traj, s.ctx_mu, s.ctx_cond = full_traj[b], full_mu[b], full_cond[b]
         return x
 
-    def _estimate(self, est: CausalConditionalDecoder, h: torch.Tensor, rows: torch.Tensor, cache: StepCache
+    def _estimate(self, est: CausalConditionalDecoder, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
                   ) -> torch.Tensor:
-        """est.run(h, rows, None, cache) for h [2B, 320, F], its windows split into chains run side by side on CUDA:
-        every window (a session's conditional or unconditional one) is independent of the others through the
-        estimator."""
+        """est.run(h, rows, mask) for h [2B, 320, W], its windows split into chains run side by side on CUDA: every
+        window (a session's conditional or unconditional one) is independent of the others through the estimator."""
         n = h.shape[0]
         k = self.solve_chains
         if k is None:
             k = n // CHAIN_WINDOWS if 2 <= n // 2 <= CHAIN_MAX_SESSIONS else 1
         if not h.is_cuda or k <= 1 or n % k:
-            return est.run(h, rows, None, cache)
+            return est.run(h, rows, mask)
         from engines.streams import side_by_side
 
         g = n // k
         parts = side_by_side(self._chain_streams.get(h.device, k - 1),
-                             *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, None, cache.part(i * g, (i + 1) * g))
-                               for i in range(k)))
+                             *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, mask) for i in range(k)))
         return torch.cat(parts)
 
-    def _estimator_input(self, B: int, F: int, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The estimator input cat(x, mu, spks, cond) of [conditional; unconditional] windows of F frames: only x
-        changes per Euler step, so the rest is written once; the unconditional half has no mu, speaker or cond.
-        Returns the memory, its x part [2, B, 80, F] and the input [2B, 320, F] (views of it)."""
-        n = self.cfg.output_size
-        edt = self.decoder.estimator.final_proj.weight.dtype
-        # Time-major memory [2, B, F, 4n] (the estimator's layout: its first convs read it without a copy).
-        mem = torch.zeros(2, B, F, 4 * n, device=mu.device, dtype=edt)
-        hv = mem.transpose(2, 3)  # [2, B, 4n, F] view
-        hv[0, :, n:2 * n] = mu
-        hv[0, :, 2 * n:3 * n] = spks[:, :, None]
-        if cond is not None:
-            hv[0, :, 3 * n:] = cond
-        return mem, hv[:, :, :n], mem.view(2 * B, F, 4 * n).transpose(1, 2)
-
-    def euler(self, z: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, idx: torch.Tensor, s0: int = 0,
-              s1: int | None = None) -> torch.Tensor:
+    def euler(self, z: torch.Tensor, ctx_traj: torch.Tensor, mu_w: torch.Tensor, cond_w: torch.Tensor,
+              spks: torch.Tensor, s0: int = 0, s1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Integrate the new frames over Euler steps s0..s1 (default all): z [B, 80, F] their x at step s0 (the noise
-        at 0); mu [B, 80, F]; spks [B, 80]; idx [B, 2, 3] long: each session's context-cache rows
-        (CtxPool.index). Returns x at step s1 (the mel at the last) [B, 80, F]."""
-        cfg, pool = self.cfg, self.ctx_pool
-        B, F = z.shape[0], z.shape[2]
+        at 0); ctx_traj [B, steps, 80, C]; mu_w, cond_w [B, 80, C + F]; spks [B, 80]. Returns x at step s1 (the mel
+        at the last) [B, 80, F] and the new frames' x_t at steps s0..s1-1 [B, s1 - s0, 80, F]."""
+        cfg, C = self.cfg, self.stream.est_ctx_frames
+        B, W, dev, dt = z.shape[0], mu_w.shape[2], z.device, z.dtype
         est = self.decoder.estimator
-        table = est.time_table(self.t_span, z.dtype)  # [steps, n_resnets, 1, C]: the time conditioning of every step
-        _, x_in, h = self._estimator_input(B, F, mu, spks, None)
-        # [3, 2B] dense rows (one copy per solve): per window, in the estimator's [conditional; unconditional] order
-        rows = idx.permute(2, 1, 0).contiguous().view(3, 2 * B)
-        write = F >= pool.ctx  # (an answer's last chunk, when shorter than the context: nothing follows it)
+        edt = est.final_proj.weight.dtype
+        table = est.time_table(self.t_span, dt)  # [steps, n_resnets, 1, C]: the time conditioning of every step
+        # Context frames attend only to context; new frames attend to everything in the window.
+        mask = window_mask(W, C, dev, edt)
+        # The estimator input cat(x, mu, spks, cond) for [conditional; unconditional] rows: only x changes per step,
+        # so the rest is written once. The unconditional half has no mu, speaker or cond.
+        n = cfg.output_size
+        # Time-major memory [2, B, W, 4n] (the estimator's layout: its first convs read it without a copy).
+        mem = torch.zeros(2, B, W, 4 * n, device=dev, dtype=edt)
+        hv = mem.transpose(2, 3)  # [2, B, 4n, W] view
+        hv[0, :, n:2 * n] = mu_w
+        hv[0, :, 2 * n:3 * n] = spks[:, :, None]
+        hv[0, :, 3 * n:] = cond_w
+        x_in = hv[:, :, :n]  # [2, B, 80, W] view
+        h = mem.view(2 * B, W, 4 * n).transpose(1, 2)  # [2B, 4n, W] view
         x = z  # the ODE state stays in the flow dtype (float32); the estimator may run in bf16
+        traj = []
         for s in range(s0, cfg.n_timesteps if s1 is None else s1):
             t0, t1 = self.t_span[s], self.t_span[s + 1]
-            x_in.copy_(x[None].expand_as(x_in))
-            v = self._estimate(est, h, table[s], StepCache(pool, s, rows, write_kv=write))  # [2B, 80, F]
+            traj.append(x)
+            x_in[:, :, :, :C] = ctx_traj[:, s]
+            x_in[:, :, :, C:] = x
+            v = self._estimate(est, h, table[s], mask)[:, :, C:]  # [2B, 80, F]
             # x += dt * ((1 + r) v_cond - r v_uncond), as two fused multiply-adds in the flow dtype.
             x = torch.add(x, v[:B], alpha=(t1 - t0) * (1.0 + cfg.cfg_rate))
             x = torch.add(x, v[B:], alpha=-(t1 - t0) * cfg.cfg_rate)
-        return x
+        return x, torch.stack(traj, dim=1)

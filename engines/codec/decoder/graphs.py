@@ -100,15 +100,11 @@ class BucketGraphs:
         sizes.sort()
         return True
 
-    def pad(self, inputs: Sequence[torch.Tensor], batch: int) -> list[torch.Tensor]:
-        """The inputs padded to `batch` rows: copies of the last row (rows are independent)."""
-        return [torch.cat([t, t[-1:].expand(batch - t.shape[0], *t.shape[1:])]) for t in inputs]
-
     def run(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> tuple[torch.Tensor, ...]:
         B = inputs[0].shape[0]
         Bp = self.last_batch = self.padded(B, inputs, static)
         if Bp != B:
-            inputs = self.pad(inputs, Bp)
+            inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
         self.ensure(inputs, static)
         g, static_in, out = self.graphs[self.key(inputs, static)]
         for dst, src in zip(static_in, inputs, strict=True):
@@ -118,95 +114,38 @@ class BucketGraphs:
 
 
 class EulerGraphs(BucketGraphs):
-    """FlowModel.euler: inputs z [B, 80, F], mu [B, 80, F], spks [B, 80], idx [B, 2, 3] (context-cache rows); static
-    the Euler steps (s0, s1). The graphs read and write the flow's context cache (ctx_cache.CtxPool) in place: a
-    padding session's rows are the pool's spare (its kernels must not write a real session's rows), and a growth of
-    the pool retires every graph (they hold the old tensors)."""
-
     def __init__(self, flow, urgent: bool = False) -> None:
-        super().__init__(lambda *args: (flow.euler(*args),), urgent)
+        super().__init__(flow.euler, urgent)
         self.flow = flow
-        self._generation = flow.ctx_pool.generation
 
     @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
     def capture_steady_state(self, max_batch: int, frames: Sequence[int] | None = None) -> int:
-        """Capture the graphs of F new frames (F in `frames`; default a full chunk's frames), one per piece of the
-        solve (FlowModel.step_ranges), for every bucket up to the one holding `max_batch` sessions.
+        """Capture the graphs of the windows est_ctx_frames + F (F in `frames`; default a full chunk's frames), one
+        per piece of the solve (FlowModel.step_ranges), for every bucket up to the one holding `max_batch` sessions.
         Returns how many were newly captured."""
         flow, n = self.flow, 0
+        kw = {"device": flow.device, "dtype": flow.dtype}
         full = flow.stream.chunk_codes * flow.cfg.token_mel_ratio
-        self._check_generation()
         for F in frames or (full,):
             for Bp in buckets_up_to(max_batch, FINE_BUCKETS if F == full else BUCKETS):
                 for steps in flow.step_ranges(F):
-                    n += self.ensure(self.blank_inputs(Bp, F), steps)  # (blank inputs: ensure's own)
+                    # Values are replaced at every replay.
+                    n += self.ensure([torch.zeros(shape, **kw) for shape in self.input_shapes(Bp, F)], steps)
         return n
 
-    def blank_inputs(self, batch: int, frames: int | None = None) -> list[torch.Tensor]:
-        """Inputs of a solve of `batch` padding sessions (zeros; the spare's cache rows) of `frames` new mel frames
-        (default a full chunk's): what graphs are captured on, and what benchmarks replay."""
-        flow = self.flow
-        cfg = flow.cfg
-        F = frames if frames is not None else flow.stream.chunk_codes * cfg.token_mel_ratio
-        kw = {"device": flow.device, "dtype": flow.dtype}
-        idx = torch.as_tensor(flow.ctx_pool.pad_index(), device=flow.device)
-        return [torch.zeros(batch, cfg.output_size, F, **kw), torch.zeros(batch, cfg.output_size, F, **kw),
-                torch.zeros(batch, cfg.output_size, **kw), idx[None].expand(batch, -1, -1).contiguous()]
+    def input_shapes(self, batch: int, frames: int | None = None) -> list[tuple[int, ...]]:
+        """Shapes of z, ctx_traj, mu_w, cond_w, spks (as FlowModel._solve builds them) for `frames` new mel frames
+        (default a full chunk's)."""
+        cfg, C = self.flow.cfg, self.flow.stream.est_ctx_frames
+        F = frames if frames is not None else self.flow.stream.chunk_codes * cfg.token_mel_ratio
+        n = cfg.output_size
+        return [(batch, n, F), (batch, cfg.n_timesteps, n, C), (batch, n, C + F), (batch, n, C + F), (batch, n)]
 
-    @torch.inference_mode()
-    def random_inputs(self, batch: int, generator: torch.Generator) -> tuple[list[torch.Tensor], Callable[[], None]]:
-        """Inputs of a full-chunk solve of `batch` sessions with random values, in slots of the context cache
-        acquired for them and filled with random context (for tests and benchmarks: a solve then reads a context
-        that matters). Also a function that puts every slot's rows back as they were here (a solve rewrites its
-        slots' keys/values: two runs compare equal only from the same cache)."""
-        pool = self.flow.ctx_pool
-        slots = [pool.acquire() for _ in range(batch)]
-        for s in slots:
-            pool.kv[2 * s:2 * s + 2].normal_(generator=generator)
-            for t in pool.tails:
-                t[4 * s:4 * s + 4].normal_(generator=generator)
-        z, mu, spks, idx = self.blank_inputs(batch)
-        for t in (z, mu, spks):
-            t.normal_(generator=generator)
-        idx.copy_(torch.as_tensor(pool.index(slots, [0] * batch)))
-        saved = [pool.kv.clone()] + [t.clone() for t in pool.tails]
-
-        @torch.inference_mode()
-        def restore() -> None:
-            for t, v in zip([pool.kv] + pool.tails, saved, strict=True):
-                t.copy_(v)
-
-        return [z, mu, spks, idx], restore
-
-    def ensure(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> bool:
-        """Captured on padding sessions of the same shapes, never on the caller's: the capture's warm-up runs would
-        rewrite the real sessions' context keys (a solve is not idempotent in them), and the replay would then read
-        what the warm-ups left instead of the previous chunk's."""
-        if self.key(inputs, static) in self.graphs:
-            return False
-        return super().ensure(self.blank_inputs(inputs[0].shape[0], inputs[0].shape[2]), static)
-
-    def _check_generation(self) -> None:
-        gen = self.flow.ctx_pool.generation
-        if gen != self._generation:
-            log.info("the codec's context cache grew: its solve graphs are captured again")
-            self.graphs.clear()
-            self._sizes.clear()
-            self._generation = gen
-
-    def run(self, z, mu, spks, idx, steps: tuple[int, int] | None = None  # type: ignore[override]
-            ) -> torch.Tensor:
-        """FlowModel.euler over Euler steps `steps` = (s0, s1) (default all); one graph per range. Called with the
-        pool's lock held (FlowModel._solve)."""
-        self._check_generation()
-        return super().run([z, mu, spks, idx], steps or (0, self.flow.cfg.n_timesteps))[0]
-
-    def pad(self, inputs: Sequence[torch.Tensor], batch: int) -> list[torch.Tensor]:
-        """Padding sessions read and write the spare's cache rows, not a copy of the last session's."""
-        z, mu, spks, idx = super().pad(inputs, batch)
-        n = inputs[0].shape[0]
-        idx[n:] = torch.as_tensor(self.flow.ctx_pool.pad_index(), device=idx.device)
-        return [z, mu, spks, idx]
+    def run(self, z, ctx_traj, mu_w, cond_w, spks, steps: tuple[int, int] | None = None  # type: ignore[override]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlowModel.euler over Euler steps `steps` = (s0, s1) (default all); one graph per range."""
+        x, traj = super().run([z, ctx_traj, mu_w, cond_w, spks], steps or (0, self.flow.cfg.n_timesteps))
+        return x, traj
 
 
 class EncoderGraphs(BucketGraphs):
