@@ -116,14 +116,21 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
     """PCM the codec worker posts while the engine waits for a step's tokens is sent in that wait (on a GPU the wait
     is most of the loop's time; before, the PCM waited for the step's end); an answer's last result and ResponseDone
     still wait for the step's end. Each step's GPU wait is simulated: at least 20 ms, polled as on a GPU, and the
-    codec's first round runs inside one (the wait lasts until its PCM is posted)."""
+    codec's first round runs inside one (the wait lasts until its PCM is posted; a wait that begins once the first
+    chunk's codes are in also lasts until the round starts, so a slow worker thread cannot miss the answer's steps)."""
     import threading
 
     from engines.runner import PendingTokens
+    from engines.service.codec_worker import FIRST_CHUNK_CODES
 
     real_get = PendingTokens.get
     waiting, wait_no, polls = threading.Event(), [0], []
-    services = []
+    services, gates = [], []
+
+    def first_due(codec) -> bool:
+        """The first chunk's codes are in and its round has not run."""
+        with codec._cv:
+            return any(a.codes_in >= FIRST_CHUNK_CODES and a.first_post is None for a in codec._answers.values())
 
     def get(self, on_wait=None):
         wait_no[0] += 1
@@ -133,8 +140,9 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
         while on_wait is not None:
             polls.append(on_wait())
             codec = services[0]._codec if services else None
-            first_round_on = codec is not None and (codec.first_in_flight or codec._results)
-            if not polls[-1] or time.monotonic() > give_up or (time.monotonic() > end and not first_round_on):
+            hold = codec is not None and (codec.first_in_flight or codec._results
+                                          or (gates and not gates[0].ran_in and first_due(codec)))
+            if not polls[-1] or time.monotonic() > give_up or (time.monotonic() > end and not hold):
                 break
             time.sleep(0.0005)
         if on_wait is None:
@@ -146,6 +154,7 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
     _, chunks0, done0, _ = answer(decoder, 0.0, thread=True)
     assert not polls  # without a step_wait the engine does not poll
     gated = GatedDecoder(decoder, waiting, wait_no)
+    gates.append(gated)
     sent = Sent(wait_no)
     _, chunks, done, msgs = answer(gated, 0.0, thread=True, sent_while_stepping=sent, services=services)
     assert polls
