@@ -17,7 +17,11 @@ def test_bench_codec_reports_every_batch_after_the_window_fills(tmp_path, capsys
     # warm-up runs past them before anything is timed.
     assert rep["warmup_steps"] == DECODER_PRESETS["tiny-random"].stream.enc_left_chunks + 2
     assert [r["batch"] for r in rep["results"]] == [1, 3]
+    hw = rep["hardware"]
+    assert hw["copy_bytes_per_s"] > 0 and hw["matmul_flop_per_s"] > 0  # measured in the same run
     for r in rep["results"]:
         assert r["step_ms_median"] >= r["step_ms_min"] > 0 and r["streams_supported"] >= 0
         assert abs(r["ms_per_chunk"] * r["batch"] - r["step_ms_median"]) <= 0.001 * r["batch"]  # both rounded
+    floors = [r["solve_floor_ms"] for r in rep["results"]]
+    assert 0 < floors[0] <= floors[1]  # three sessions' rows cost at least one's
     assert "batch   3:" in capsys.readouterr().out

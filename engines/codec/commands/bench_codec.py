@@ -3,6 +3,12 @@
 A stream needs one chunk per 0.4 s (5 codes at 12.5 Hz), so streams supported = 0.4 s / (step time / batch).
 Timing uses CUDA events on GPU and perf_counter on CPU; a step is the codec task decoding one steady-state
 chunk for every session of the batch (flow + vocoder + crossfade, PCM copied to the host).
+
+Beside each step, the Euler solve's floor on this machine, from its memory bandwidth and matmul rate measured in the
+same run: every Euler step reads all the estimator's weights once and multiplies each by every row of the CFG
+windows (2 x batch x window frames), so a solve takes at least steps x max(weight bytes / bandwidth, 2 x params x
+rows / matmul rate). It leaves out the flow encoder and the vocoder (their conv FLOPs do not follow from their
+sizes) and the time every dependent kernel takes to start, which bounds batch 1 (docs/BENCHMARKS.md, Codec).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import time
 
 import numpy as np
 import torch
+
+from engines.bench.hardware import measure_bandwidth, measure_matmul
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +47,22 @@ def hardware(device: torch.device) -> dict:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         hw.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
+    on_gpu = device.type == "cuda"
+    hw["copy_bytes_per_s"] = measure_bandwidth(device, 2 << 30 if on_gpu else 64 << 20)
+    hw["matmul_flop_per_s"] = measure_matmul(device, 8192 if on_gpu else 512,
+                                             torch.bfloat16 if on_gpu else torch.float32)
     return hw
+
+
+def solve_floor_ms(dec, batch: int, hw: dict) -> float:
+    """The Euler solve's floor for `batch` sessions on this machine (module docstring)."""
+    est = dec.flow.decoder.estimator
+    params = sum(p.numel() for p in est.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in est.parameters())
+    stream = dec.cfg.stream
+    rows = 2 * batch * (stream.est_ctx_frames + stream.chunk_codes * dec.cfg.flow.token_mel_ratio)
+    per_step_s = max(weight_bytes / hw["copy_bytes_per_s"], 2 * params * rows / hw["matmul_flop_per_s"])
+    return dec.cfg.flow.n_timesteps * per_step_s * 1e3
 
 
 def _time_step(task, sessions, chunk, rng, device) -> float:
@@ -70,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
     hw = hardware(device)
     print(f"hardware: {hw}")
+    print(f"measured: copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
+          f"{hw['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s ({'bf16' if device.type == 'cuda' else 'float32'})")
     print(f"codec {dec.source}, vocoder {args.vocoder}, cuda graphs {dec.flow.graphs is not None} "
           f"(encoder {dec.flow.enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}, estimator {args.estimator_dtype}, chunk {chunk} codes = "
@@ -91,10 +116,11 @@ def run(args: argparse.Namespace) -> int:
         streams = 0.4 / (per_chunk / 1e3)
         row = {"batch": b, "step_ms_median": round(ms, 3), "step_ms_min": round(min(times), 3),
                "ms_per_chunk": round(per_chunk, 3), "streams_supported": int(streams),
-               "state_bytes_per_session": task.streams[sessions[0]].state_bytes()}
+               "state_bytes_per_session": task.streams[sessions[0]].state_bytes(),
+               "solve_floor_ms": round(solve_floor_ms(dec, b, hw), 4)}
         results.append(row)
         print(f"batch {b:3d}: step {ms:8.2f} ms (min {min(times):.2f}), {per_chunk:7.3f} ms per chunk, "
-              f"real-time streams supported: {int(streams)}")
+              f"real-time streams supported: {int(streams)}; the solve's floor {row['solve_floor_ms']:.3f} ms")
         for sid in sessions:
             task.close(sid)
     if args.json:
