@@ -44,25 +44,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def hardware(device: torch.device) -> dict:
     hw = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
           "threads": torch.get_num_threads()}
-    if device.type == "cuda":
+    on_gpu = device.type == "cuda"
+    if on_gpu:
         p = torch.cuda.get_device_properties(device)
         hw.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
-    on_gpu = device.type == "cuda"
+    mm_dtype = torch.bfloat16 if on_gpu else torch.float32
     hw["copy_bytes_per_s"] = measure_bandwidth(device, 2 << 30 if on_gpu else 64 << 20)
-    hw["matmul_flop_per_s"] = measure_matmul(device, 8192 if on_gpu else 512,
-                                             torch.bfloat16 if on_gpu else torch.float32)
+    hw["matmul_flop_per_s"] = measure_matmul(device, 8192 if on_gpu else 512, mm_dtype)
+    hw["matmul_dtype"] = str(mm_dtype).removeprefix("torch.")
     return hw
 
 
-def solve_floor_ms(dec, batch: int, hw: dict) -> float:
-    """The Euler solve's floor for `batch` sessions on this machine (module docstring)."""
-    est = dec.flow.decoder.estimator
-    params = sum(p.numel() for p in est.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in est.parameters())
+def solve_floors_ms(dec, batches: list[int], hw: dict) -> dict[int, float]:
+    """The Euler solve's floor for each batch of sessions on this machine (module docstring)."""
+    params = weight_bytes = 0
+    for p in dec.flow.decoder.estimator.parameters():
+        params += p.numel()
+        weight_bytes += p.numel() * p.element_size()
     stream = dec.cfg.stream
-    rows = 2 * batch * (stream.est_ctx_frames + stream.chunk_codes * dec.cfg.flow.token_mel_ratio)
-    per_step_s = max(weight_bytes / hw["copy_bytes_per_s"], 2 * params * rows / hw["matmul_flop_per_s"])
-    return dec.cfg.flow.n_timesteps * per_step_s * 1e3
+    window = stream.est_ctx_frames + stream.chunk_codes * dec.cfg.flow.token_mel_ratio  # frames per CFG window
+    return {b: dec.cfg.flow.n_timesteps * 1e3 * max(weight_bytes / hw["copy_bytes_per_s"],
+                                                    2 * params * (2 * b * window) / hw["matmul_flop_per_s"])
+            for b in batches}
 
 
 def _time_step(task, sessions, chunk, rng, device) -> float:
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     hw = hardware(device)
     print(f"hardware: {hw}")
     print(f"measured: copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
-          f"{hw['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s ({'bf16' if device.type == 'cuda' else 'float32'})")
+          f"{hw['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s ({hw['matmul_dtype']})")
     print(f"codec {dec.source}, vocoder {args.vocoder}, cuda graphs {dec.flow.graphs is not None} "
           f"(encoder {dec.flow.enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}, estimator {args.estimator_dtype}, chunk {chunk} codes = "
@@ -102,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
     rng = np.random.default_rng(0)
     results = []
-    for b in [int(x) for x in args.batches.split(",")]:
+    batches = [int(x) for x in args.batches.split(",")]
+    floors = solve_floors_ms(dec, batches, hw)
+    for b in batches:
         task = CodecTask(dec, max_batch=b)
         sessions = [f"s{i}" for i in range(b)]
         for i, sid in enumerate(sessions):
@@ -117,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         row = {"batch": b, "step_ms_median": round(ms, 3), "step_ms_min": round(min(times), 3),
                "ms_per_chunk": round(per_chunk, 3), "streams_supported": int(streams),
                "state_bytes_per_session": task.streams[sessions[0]].state_bytes(),
-               "solve_floor_ms": round(solve_floor_ms(dec, b, hw), 4)}
+               "solve_floor_ms": round(floors[b], 4)}
         results.append(row)
         print(f"batch {b:3d}: step {ms:8.2f} ms (min {min(times):.2f}), {per_chunk:7.3f} ms per chunk, "
               f"real-time streams supported: {int(streams)}; the solve's floor {row['solve_floor_ms']:.3f} ms")
