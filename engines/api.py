@@ -68,6 +68,21 @@ class StepOutput:
     finish_reason: FinishReason | None = None
 
 
+# Upper bounds of EngineStats' step row buckets (one more bucket above the last)
+STEP_ROW_BUCKETS = (16, 32, 64, 128)
+
+
+def step_row_bucket(rows: int) -> int:
+    """The index of the bucket a step of `rows` rows counts in."""
+    return next((i for i, top in enumerate(STEP_ROW_BUCKETS) if rows <= top), len(STEP_ROW_BUCKETS))
+
+
+def step_row_labels() -> list[str]:
+    """'1-16', '17-32', ..., '>128': one per bucket."""
+    lows = [1] + [top + 1 for top in STEP_ROW_BUCKETS]
+    return [f"{lo}-{hi}" for lo, hi in zip(lows, STEP_ROW_BUCKETS, strict=False)] + [f">{STEP_ROW_BUCKETS[-1]}"]
+
+
 @dataclass
 class EngineStats:
     """Counters for tests and metrics."""
@@ -81,6 +96,10 @@ class EngineStats:
     launch_gaps: int = 0
     launch_gap_s: float = 0.0
     launch_s: float = 0.0  # host time spent launching steps (inputs, graph replay, sampler), over `steps`
+    # Steps launched, and their rows, by row count (STEP_ROW_BUCKETS): which GEMM path the steps under load take (the
+    # skinny kernel's 16- and 32-row tiles, then the larger GEMMs), which the means alone do not say.
+    step_row_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_ROW_BUCKETS) + 1))
+    step_row_sums: list[int] = field(default_factory=lambda: [0] * (len(STEP_ROW_BUCKETS) + 1))
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0

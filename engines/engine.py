@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.api import EngineStats, InvalidRequestError, SamplingParams, StepOutput
+from engines.api import EngineStats, InvalidRequestError, SamplingParams, StepOutput, step_row_bucket
 from engines.config import EngineConfig, ModelConfig, model_config_for
 from engines.kv.sizing import fit_kv_cache_bytes
 from engines.runner import ModelRunner, PendingTokens
@@ -149,6 +149,10 @@ class Engine:
         codes = after.tokens.audio_codes() if after is not None else None  # [R]: one per decode row, in order
         tokens = self.runner.run(chunks, codes)
         self._stats.steps += 1
+        rows = sum(c.num_rows for c in chunks)
+        bucket = step_row_bucket(rows)
+        self._stats.step_row_counts[bucket] += 1
+        self._stats.step_row_sums[bucket] += rows
         self._stats.launch_s += time.perf_counter() - t0
         return _Launched(chunks, tokens, codes is not None, 0 if codes is None else int(codes.shape[0]))
 
@@ -221,7 +225,8 @@ class Engine:
         s.running = len(self.scheduler.running)
         s.waiting = len(self.scheduler.waiting)
         s.free_blocks = self.scheduler.pool.num_free
-        return EngineStats(**vars(s))
+        return EngineStats(**{**vars(s), "step_row_counts": list(s.step_row_counts),
+                              "step_row_sums": list(s.step_row_sums)})  # (a copy: the caller keeps it)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

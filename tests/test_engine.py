@@ -110,6 +110,23 @@ def test_seeded_sampling_reproduces_across_batch_compositions(tiny_checkpoint):
     assert len(alone) > 0
 
 
+def test_steps_count_in_the_bucket_of_their_rows(tiny_checkpoint) -> None:
+    """EngineStats counts each launched step and its rows in the bucket of its row count (the load log's histogram):
+    a 20-row prompt in one step is a 17-32-row step, its decodes 1-row steps; stats() hands out copies."""
+    from engines.api import STEP_ROW_BUCKETS, step_row_bucket
+
+    assert [step_row_bucket(r) for r in (1, 16, 17, 32, 33, 64, 65, 128, 129)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    eng = make_engine(tiny_checkpoint, block_size=16, overlap=False)
+    eng.add_request("a", text_rows([IM_START, *range(300, 318), IM_END]), greedy(3, min_new=3))
+    while eng.has_work():
+        eng.step()
+    st = eng.stats()
+    assert st.step_row_counts == [2, 1, 0, 0, 0] and st.step_row_sums == [2, 20, 0, 0, 0]
+    assert len(st.step_row_counts) == len(STEP_ROW_BUCKETS) + 1 and sum(st.step_row_counts) == st.steps
+    st.step_row_counts[0] += 5  # the caller's copy
+    assert eng.stats().step_row_counts == [2, 1, 0, 0, 0]
+
+
 def test_launch_gaps_count_host_time_between_steps_with_work_left(tiny_checkpoint, monkeypatch) -> None:
     """The host time from a step's tokens to the next launch (the load log's gap) is counted only while work was
     scheduled: the idle time after the last step is not a gap."""

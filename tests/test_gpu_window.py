@@ -11,6 +11,7 @@ import pytest
 import zmq
 from torch.profiler import ProfilerActivity
 
+from engines.api import step_row_labels
 from engines.config import EngineConfig
 from engines.engine import Engine
 from engines.service import messages as m
@@ -116,14 +117,23 @@ def test_load_log_reports_rows_per_model_step(monkeypatch, caplog) -> None:
         with caplog.at_level(logging.INFO, logger="engines.service"):
             _text_turns(server, ctx, sessions=3)
         steps = decoded = prompt = 0.0
+        by_rows: dict[str, list[int]] = {}  # bucket label -> [steps, rows]
         for r in caplog.records:
             x = re.search(r"; (\d+) model steps \(\d+ launched ahead\) of ([\d.]+) decode \+ ([\d.]+) prompt rows",
                           r.getMessage())
             if x:
                 n = int(x.group(1))
                 steps, decoded, prompt = steps + n, decoded + n * float(x.group(2)), prompt + n * float(x.group(3))
+            for label, n, rows in re.findall(r"([\d>-]+): (\d+) \((\d+) rows\)", r.getMessage()):
+                b = by_rows.setdefault(label, [0, 0])
+                b[0], b[1] = b[0] + int(n), b[1] + int(rows)
         st = server.service.engine.stats()
         assert steps == st.steps > 0
+        # Every step in its row bucket once: the prompts' steps (more rows) apart from the decode steps (one row each)
+        want = {label: [n, rows] for label, n, rows in zip(step_row_labels(), st.step_row_counts, st.step_row_sums,
+                                                          strict=True) if n}
+        assert by_rows == want and sum(n for n, _ in want.values()) == st.steps
+        assert len(want) >= 2 and sum(rows for _, rows in want.values()) >= st.decoded_rows + st.prefilled_rows
         assert decoded == pytest.approx(st.decoded_rows, abs=0.01 * steps) and st.decoded_rows > 0
         assert prompt == pytest.approx(st.prefilled_rows, abs=0.01 * steps) and st.prefilled_rows > 0
     finally:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from engines.api import step_row_labels
 from engines.kv.sizing import GIB
 from engines.service import messages as m
 from engines.service.core import SLOW_STEP_S as SLOW_S
@@ -437,6 +438,11 @@ class _LoadLog:
                 extra += _solves("first-chunk", codec.first_decoders)
             s0 = self.stats0
             launched = st.steps - s0.steps
+            if launched:
+                extra += "; steps by rows " + ", ".join(
+                    f"{label}: {n - n0} ({r - r0} rows)" for label, n, n0, r, r0 in zip(
+                        step_row_labels(), st.step_row_counts, s0.step_row_counts, st.step_row_sums,
+                        s0.step_row_sums, strict=True) if n > n0)
             log.info("load: %d loop steps in %.1f s (%.1f ms mean, %.1f ms max), handling messages %.0f%%, "
                      "stepping %.0f%%; running %d, waiting %d; %d model steps (%d launched ahead) of %.2f decode "
                      "+ %.2f prompt rows, %.1f ms from tokens to the next launch, %.1f ms per launch%s",
