@@ -7,7 +7,7 @@
 # weights, less a headroom; runs up to session 20 gave 24).
 # CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--no-first-lane", "--codec-sms 32 --codec-sms-only").
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored; made by docs/bench/gpu_wheels.sh)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
 export MOSS_MAX_SESSIONS=256 MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning}  # info: per-response server TTFA for stage_marks.py
