@@ -6,6 +6,7 @@ call `step()` in a loop; each step returns at most one new row per running reque
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import time
@@ -225,8 +226,7 @@ class Engine:
         s.running = len(self.scheduler.running)
         s.waiting = len(self.scheduler.waiting)
         s.free_blocks = self.scheduler.pool.num_free
-        return EngineStats(**{**vars(s), "step_row_counts": list(s.step_row_counts),
-                              "step_row_sums": list(s.step_row_sums)})  # (a copy: the caller keeps it)
+        return copy.deepcopy(s)  # (the caller keeps it: its lists too)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
