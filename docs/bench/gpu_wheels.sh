@@ -15,15 +15,16 @@ PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64
   --platform manylinux1_x86_64"
 mkdir -p "$OUT_DIR"
-for name in $NAMES; do
-  version=$(.venv/bin/python -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
-  [ -n "$version" ] || { echo "$name is not installed in .venv: run make first" >&2; exit 1; }
-  # shellcheck disable=SC2086
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
-    -d "$OUT_DIR" "$name==$version"
-done
+# NAME==VERSION of each, as .venv has it (one interpreter for all; a name it lacks stops the script)
+# shellcheck disable=SC2086
+PINS=$(.venv/bin/python -c 'import importlib.metadata as m, sys
+print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $NAMES) \
+  || { echo "a package of NAMES is not installed in .venv: run make first" >&2; exit 1; }
+# shellcheck disable=SC2086
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
+  -d "$OUT_DIR" $PINS
 python3 - "$OUT_DIR" <<'PY'
-import base64, hashlib, pathlib, sys, zipfile
+import pathlib, sys, zipfile
 for whl in pathlib.Path(sys.argv[1]).glob("silero_vad-*.whl"):
     src = zipfile.ZipFile(whl)
     drop = [n for n in src.namelist() if n.endswith((".onnx", ".safetensors"))]
