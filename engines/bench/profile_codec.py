@@ -5,8 +5,7 @@ synchronised around each, counts the kernels of one eager estimator call, and op
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
 programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
 cuBLAS or on codec_fused.linear, and the streaming-size conv kernel on or off; `--tiles` per tiling of the
-streaming-size kernels (codec_fused.StreamTiles); `--chains` per number of estimator chains side by side;
-`--wide` per tiling of the GEMMs with epilogues above streaming sizes (codec_gemm.WideTiles).
+streaming-size kernels (codec_fused.StreamTiles); `--chains` per number of estimator chains side by side.
 A development tool for docs/PERF_NOTES.md, not the server.
 """
 
@@ -225,39 +224,6 @@ def _tiles(dec, batches: list[int], reps: int) -> None:
         k.STREAM_TILES = served
 
 
-def _wide_variants():
-    """The transformer blocks unfused above the streaming sizes (before codec_gemm), then codec_gemm's served
-    WideTiles, then one field changed at a time."""
-    from dataclasses import replace
-
-    from engines.kernels.codec_gemm import WIDE_TILES as w
-
-    out = [("unfused (cuBLAS + add/LayerNorm + GELU kernels)", None), ("served", w)]
-    out += [(f"ln {v}", replace(w, ln=v)) for v in ((64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (32, 64, 4, 3))]
-    out += [(f"act {v}", replace(w, act=v)) for v in ((64, 128, 64, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4))]
-    return out
-
-
-def _wide(dec, batches: list[int], reps: int) -> None:
-    """The solve graph per codec_gemm tiling (and unfused), same inputs for each."""
-    from engines.kernels import codec_gemm as g
-
-    served, served_min = g.WIDE_TILES, g.WIDE_MIN_ROWS
-    try:
-        for batch in batches:
-            ref = None
-            for name, tiles in _wide_variants():
-                g.WIDE_TILES, g.WIDE_MIN_ROWS = (served, 1 << 40) if tiles is None else (tiles, served_min)
-                try:
-                    ms, x = _solve_ms(dec.flow, batch, reps)
-                except Exception as e:  # a tiling Triton cannot compile (shared memory) is reported, not fatal
-                    print(f"solve batch {batch:3d}: failed ({type(e).__name__}: {str(e)[:80]})  {name}", flush=True)
-                    continue
-                ref = _print_solve(batch, ms, x, ref, "unfused", name)
-    finally:
-        g.WIDE_TILES, g.WIDE_MIN_ROWS = served, served_min
-
-
 def _chains(dec, batches: list[int], reps: int) -> None:
     """The solve graph with the estimator's windows in 1, 2, 4 or 8 chains side by side (FlowModel.solve_chains),
     then by the served rule, same inputs for each."""
@@ -303,7 +269,6 @@ def main() -> None:
     p.add_argument("--timeline", action="store_true", help="only the solve graph's replay time, per kernel variant")
     p.add_argument("--tiles", action="store_true", help="only the solve graph's replay time, per StreamTiles variant")
     p.add_argument("--chains", action="store_true", help="only the solve graph's replay time, per number of chains")
-    p.add_argument("--wide", action="store_true", help="only the solve graph's replay time, per codec_gemm tiling")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
                             estimator_dtype="bfloat16")
@@ -312,9 +277,6 @@ def main() -> None:
         return
     if a.chains:
         _chains(dec, [int(x) for x in a.batches.split(",")], a.iters)
-        return
-    if a.wide:
-        _wide(dec, [int(x) for x in a.batches.split(",")], a.iters)
         return
     if a.tiles:
         _tiles(dec, [int(x) for x in a.batches.split(",")], a.iters)

@@ -207,37 +207,6 @@ class TransformerBlock(nn.Module):
             return k.linear(h, ff[2].weight, ff[2].bias, residual=x), None
         return x, k.linear(h, ff[2].weight, ff[2].bias)
 
-    def wide_ok(self, x: torch.Tensor) -> bool:
-        """Whether `forward_wide` takes x [B, T, d]: on CUDA in bf16/fp16 from WIDE_MIN_ROWS rows, where the
-        streaming kernels' LayerNorm prologue no longer pays (engines/kernels/codec_gemm.py)."""
-        if not x.is_cuda:
-            return False
-        from engines.kernels import codec_gemm as g
-
-        ff, out = self.ff.net, self.attn1.to_out[0]
-        return (x.shape[0] * x.shape[1] >= g.WIDE_MIN_ROWS and self._fused_ok(x)
-                and self.attn1.qkv_weight is not None and g.supported(x, ff[0].proj.weight)
-                and g.supported(x.new_empty(0, out.in_features), out.weight, ln=True)
-                and g.supported(x.new_empty(0, ff[2].in_features), ff[2].weight, ln=True))
-
-    def forward_wide(self, x: torch.Tensor, h: torch.Tensor, mask: torch.Tensor,
-                     next_norm: nn.LayerNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward for many rows in 5 kernels, the LayerNorms in the epilogues of the GEMMs before them: x [B, T, d]
-        is the block's input and h = norm1(x). Returns (output, next_norm(output)), or (output, None) for the last
-        block of a stack (next_norm None)."""
-        from engines.kernels import codec_fused as k
-        from engines.kernels import codec_gemm as g
-
-        a, ff = self.attn1, self.ff.net
-        out = a.to_out[0]
-        o = k.window_attention(F.linear(h, a.qkv_weight), mask, a.h, a.dh)  # [B, T, heads * head_dim]
-        h, x = g.linear_ln(o, out.weight, out.bias, x, self.norm3.weight, self.norm3.bias, self.norm3.eps)
-        u = g.linear_act(h, ff[0].proj.weight, ff[0].proj.bias, gelu=True)  # [B, T, 4d]
-        if next_norm is None:
-            return g.linear_act(u, ff[2].weight, ff[2].bias, residual=x), None
-        h, x = g.linear_ln(u, ff[2].weight, ff[2].bias, x, next_norm.weight, next_norm.bias, next_norm.eps)
-        return x, h
-
 
 class _TimeMLP(nn.Module):
     def __init__(self, d_in: int, d: int) -> None:
@@ -355,11 +324,6 @@ class CausalConditionalDecoder(nn.Module):
     def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
         """[B, C, T] through the transformer blocks -> [B, C, T]."""
         x, pending = h.transpose(1, 2), None
-        if all(b.wide_ok(x) for b in blocks):
-            n, x = add_layernorm(x, None, blocks[0].norm1)
-            for i, b in enumerate(blocks):
-                x, n = b.forward_wide(x, n, mask, blocks[i + 1].norm1 if i + 1 < len(blocks) else None)
-            return x.transpose(1, 2)
         for i, b in enumerate(blocks):
             x, pending = b(x, pending, mask, last=i == len(blocks) - 1)
         # Time-major [B, C, T] view of the last block's output: the next conv reads it without a copy.
