@@ -1,6 +1,9 @@
 """Where a step's time goes: `python3 -m engines.bench.profile_step --model full-random` on a GPU.
 
 Prints the split between the captured graph, the host work around it, and a prefill step's kernels.
+`--ncu` instead replays the decode step's graph once between cudaProfilerStart and Stop, for Nsight Compute to time
+each kernel node (torch.profiler's kernel lists of graph replays did not add up on torch 2.11):
+`docs/bench/gpu_step_ncu.sh` runs it and sums the kernels by name and launch grid.
 A development tool for the optimisation notes (docs/PERF_NOTES.md), not part of the server.
 """
 
@@ -23,13 +26,21 @@ def main() -> None:
     p.add_argument("--model", default="full-random")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--fp8-weights", action="store_true", help="EngineConfig.fp8_weights (decode reads fp8 copies)")
+    p.add_argument("--fp8-only", action="store_true", help="EngineConfig.fp8_only (with --fp8-weights)")
+    p.add_argument("--ncu", action="store_true", help="only the decode graph: timed, then one replay in a profiler "
+                   "range (run under `ncu --profile-from-start off --graph-profiling node`)")
     a = p.parse_args()
     dev = torch.device("cuda")
     mc = model_config_for(a.model)
     cfg = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_bytes=mc.kv_bytes_per_row() * 80_000,
-                       max_running=max(64, a.batch), prefill_token_budget=600, max_model_len=2048)
+                       max_running=max(64, a.batch), prefill_token_budget=600, max_model_len=2048,
+                       fp8_weights=a.fp8_weights, fp8_only=a.fp8_only)
     engine = Engine.from_name(a.model, cfg)
     rng = random.Random(0)
+    if a.ncu:
+        _ncu_replay(engine, rng, a.batch, a.context, dev)
+        return
 
     # Prefill of 512 rows: the model alone, then the whole engine step, then its kernels.
     def prefill_step():
@@ -53,6 +64,23 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def _ncu_replay(engine: Engine, rng: random.Random, batch: int, context: int, dev: torch.device) -> None:
+    """A decode batch of `batch` sequences at `context` rows: its graph's replay and the whole step timed, then one
+    replay alone inside a profiler range."""
+    start_decode_batch(engine, rng, batch, context, 200)
+    b = engine.runner.graphs.bucket(batch)
+    graph = engine.runner.graphs.graphs[b]
+    replay = median(timed(graph.replay, dev, repeats=30)) * 1e3
+    step = median(timed(engine.step, dev, repeats=20)) * 1e3
+    print(f"batch {batch} (graph of {b}), context {context}: graph replay {replay:.3f} ms, whole engine step "
+          f"{step:.3f} ms", flush=True)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 if __name__ == "__main__":
