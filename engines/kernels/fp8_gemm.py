@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engines.kernels import skinny_gemm
+from engines.kernels import skinny_gemm, tuning_file
 from engines.kernels.pdl import launch_kwargs, wait_then_trigger
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, SPLIT_K). Split-K (float32 partial sums and a reduce)
@@ -144,9 +144,13 @@ def tune(w8: torch.Tensor, scale: torch.Tensor, rows: int, act_dtype: torch.dtyp
 
 def config_for(w8: torch.Tensor, scale: torch.Tensor, rows: int, act_dtype: torch.dtype) -> Config:
     """The tiling tuned for this weight's shape at `rows`' bucket (tuned now; DEFAULT inside a capture)."""
-    cfg = _choice.get((w8.shape[0], w8.shape[1], bucket(rows)))
+    key = (w8.shape[0], w8.shape[1], bucket(rows))
+    cfg = _choice.get(key)
     if cfg is None:
-        cfg = DEFAULT if torch.cuda.is_current_stream_capturing() else tune(w8, scale, rows, act_dtype)
+        if torch.cuda.is_current_stream_capturing():
+            return DEFAULT
+        cfg = _choice[key] = tuning_file.choose("fp8_gemm", key, w8.device, valid=lambda c: c in CANDIDATES,
+                                                tune=lambda: tune(w8, scale, rows, act_dtype))
     return cfg
 
 

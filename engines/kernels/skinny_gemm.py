@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engines.kernels import tuning_file
 from engines.kernels.pdl import enabled, launch_kwargs, wait_then_trigger
 from engines.model.fp8 import MAX_ROWS as FP8_MAX_ROWS
 
@@ -274,7 +275,10 @@ def config_for(weight: torch.Tensor, scale: torch.Tensor | None = None, act_dtyp
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():
             return None  # untuned shape inside a capture: no timing possible here
-        tune(weight, 1 if block_m == MAX_ROWS else block_m, scale, act_dtype, block_m)
+        offered = FP8_CANDIDATES if scale is not None else (*CANDIDATES, None)  # None: cuBLAS (bf16 weights only)
+        _choice[key] = tuning_file.choose(
+            "skinny", key, weight.device, valid=lambda c: c in offered,
+            tune=lambda: tune(weight, 1 if block_m == MAX_ROWS else block_m, scale, act_dtype, block_m))
     return _choice[key]
 
 

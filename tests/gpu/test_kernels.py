@@ -715,3 +715,38 @@ def test_tuners_skip_the_tilings_a_launch_refuses_or_this_gpu_cannot_run():
         assert got and all(c[split_at] == 1 for c in got), got
         assert set(got) <= {c for c in cands if c[split_at] == 1}
         assert all(t > 0 for t in got.values())
+
+
+def test_tuned_tilings_are_kept_in_the_tuning_file_and_taken_from_it(tmp_path, monkeypatch):
+    """MOSS_TUNING_FILE: the first tuning of an fp8 weight's skinny tile and fp8 GEMM bucket is written to the file
+    under this GPU's name; a later start (the tuners' memory cleared, the tuners made to fail) takes the tilings from
+    it, and they run and give F.linear over the weight's values."""
+    import json
+
+    from engines.kernels import fp8_gemm, skinny_gemm, tuning_file
+    from engines.model import fp8
+
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv(tuning_file.ENV, str(path))
+    monkeypatch.setattr(skinny_gemm, "_choice", {})
+    monkeypatch.setattr(fp8_gemm, "_choice", {})
+    g = torch.Generator(device="cuda").manual_seed(33)
+    w8, scale = fp8.quantize(torch.randn(2048, 1024, device="cuda", generator=g).to(torch.bfloat16) * 0.02)
+    first = (skinny_gemm.config_for(w8, scale, torch.bfloat16, 16), fp8_gemm.config_for(w8, scale, 64, torch.bfloat16))
+    stored = json.loads(path.read_text())["gpus"][torch.cuda.get_device_name()]
+    assert set(stored) == {"skinny 2048 1024 torch.float8_e4m3fn 16", "fp8_gemm 2048 1024 64"}
+
+    def no_tuning(*a, **k):
+        raise AssertionError("tuned although the file holds this shape")
+
+    monkeypatch.setattr(skinny_gemm, "_choice", {})
+    monkeypatch.setattr(fp8_gemm, "_choice", {})
+    monkeypatch.setattr(skinny_gemm, "tune", no_tuning)
+    monkeypatch.setattr(fp8_gemm, "tune", no_tuning)
+    assert (skinny_gemm.config_for(w8, scale, torch.bfloat16, 16),
+            fp8_gemm.config_for(w8, scale, 64, torch.bfloat16)) == first
+    values = fp8.dequantize(w8, scale, torch.bfloat16).double()
+    for m, run in ((5, lambda x: skinny_gemm.launch(x, w8, first[0], scale=scale)),
+                   (64, lambda x: fp8_gemm.linear(x, w8, scale))):
+        x = torch.randn(m, 1024, device="cuda", generator=g).to(torch.bfloat16)
+        assert rel_err(run(x), torch.nn.functional.linear(x.double(), values)) < 1e-2

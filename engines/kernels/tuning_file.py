@@ -1,0 +1,96 @@
+"""The GEMM tuners' choices kept in a file, so that every start of the engine runs the same kernels.
+
+Each engine process times its GEMM tilings when it starts (skinny_gemm.tune, fp8_gemm.tune): one timing per
+candidate, each kernel alone. Candidates within a few percent of each other come out in a different order from one
+start to the next, and the decode step moves with the picks: on an H100 with fp8 weights, four starts of the same code
+measured 3.86-4.12 ms at batch 1 (docs/PERF_NOTES.md, session 38). That is as large as many of the changes an A/B
+capacity run is asked to judge, and an operator cannot tell which start got the good set.
+
+With MOSS_TUNING_FILE=PATH in the engine process's environment, a start takes the choices stored in PATH for its GPU
+model, tunes only the shapes the file lacks, and adds those to it. A choice the tuner no longer offers (a candidate
+list changed) is tuned again. Delete the file, or its GPU's section, to tune afresh. The file is JSON:
+{"version": 1, "gpus": {GPU name: {"KIND N K ...": tiling or null}}}, written whole on each change (a temporary file,
+then a rename), so a reader never sees half of one. Two engines adding to one file at the same moment may each drop
+the other's additions; the next start tunes those again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("engines.kernels")
+
+ENV = "MOSS_TUNING_FILE"
+VERSION = 1
+_lock = threading.Lock()
+
+
+def device_name(device: torch.device) -> str:
+    """The section of the file a device reads and writes: its GPU model ("cpu" off CUDA)."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device)
+
+
+def _key(kind: str, key: tuple) -> str:
+    return " ".join([kind, *(str(k) for k in key)])
+
+
+def _read(path: Path) -> dict:
+    """The file's content, or an empty one where there is no file yet. Anything else that is not a tuning file is
+    refused with the path in the message: the operator named it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {"version": VERSION, "gpus": {}}
+    except OSError as e:
+        raise ValueError(f"{ENV}={path}: cannot read it ({e})") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ENV}={path}: not a tuning file (not JSON: {e})") from e
+    if not (isinstance(data, dict) and data.get("version") == VERSION and isinstance(data.get("gpus"), dict)
+            and all(isinstance(v, dict) for v in data["gpus"].values())):
+        raise ValueError(f'{ENV}={path}: not a tuning file of version {VERSION} ({{"version": {VERSION}, '
+                         '"gpus": {GPU name: {key: tiling}}} expected)')
+    return data
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def choose(kind: str, key: tuple, device: torch.device, tune: Callable[[], Hashable | None],
+           valid: Callable[[Any], bool]) -> Any:
+    """The tiling for one GEMM shape: the file's (MOSS_TUNING_FILE) when it holds a `valid` one for this GPU model,
+    else `tune()`'s, which is then added to the file. Without the variable: `tune()`. Tilings are tuples (stored as
+    lists) or None (the tuner's "use cuBLAS")."""
+    env = os.environ.get(ENV)
+    if not env:
+        return tune()
+    path, gpu, name = Path(env), device_name(device), _key(kind, key)
+    with _lock:  # the tuners run on the engine's loading thread; the lock only keeps threads' writes whole
+        section = _read(path)["gpus"].get(gpu, {})
+    if name in section:
+        stored = section[name]
+        value = tuple(stored) if isinstance(stored, list) else stored
+        if valid(value):
+            return value
+        log.warning("%s: %r for %s on %s is not a tiling the tuner offers now; tuning it again", path, stored, name,
+                    gpu)
+    value = tune()
+    with _lock:
+        data = _read(path)  # again: another engine may have added its own meanwhile
+        data["gpus"].setdefault(gpu, {})[name] = list(value) if isinstance(value, tuple) else value
+        _write(path, data)
+    return value
