@@ -98,3 +98,11 @@ def test_the_file_is_replaced_whole_and_no_temporary_file_stays(tfile):
         choose((n, 1, 16), Tuner((16, 256, 4, 4, 1)))
     assert [p.name for p in tfile.parent.iterdir()] == [tfile.name]
     assert len(json.loads(tfile.read_text())["gpus"]["cpu"]) == 5
+
+
+def test_a_file_that_cannot_be_written_is_refused_with_its_path(tmp_path, monkeypatch):
+    path = tmp_path / "no-such-directory" / "tuning.json"
+    monkeypatch.setenv(tuning_file.ENV, str(path))
+    with pytest.raises(ValueError, match="cannot write it") as e:
+        choose((1, 2, 3), Tuner((16, 256, 4, 4, 1)))
+    assert str(path) in str(e.value) and not path.parent.exists()

@@ -66,8 +66,12 @@ def _read(path: Path) -> dict:
 
 def _write(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"{ENV}={path}: cannot write it ({e})") from e
 
 
 def choose(kind: str, key: tuple, device: torch.device, tune: Callable[[], Hashable | None],
