@@ -2,20 +2,32 @@
 
 Times `_causal_conv_kernel` and `_ln_linear_kernel` per tile configuration inside a CUDA graph (as the Euler solve
 runs them) for the estimator's shapes at streaming batch sizes, against the torch path they replace (cuDNN's conv1d;
-add_layernorm + cuBLAS GEMM + GELU). A development tool for choosing their tiles, not the server.
+add_layernorm + cuBLAS GEMM + GELU). `--flat ROWS` instead sweeps a candidate conv for the playing rounds' row counts
+(`_flat_conv_kernel` below: one pipelined loop over the whole (tap, channel) reduction, where the served kernel
+restarts its pipeline for every tap) against the served kernel and tiles, and checks its output against theirs.
+A development tool for choosing their tiles, not the server.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from engines.codec.decoder.estimator import conv_weight_gemm
-from engines.kernels.codec_fused import _causal_conv_kernel, _ln_linear_kernel, add_layernorm, time_major
+from engines.kernels.codec_fused import (
+    _causal_conv_kernel,
+    _conv_tiles,
+    _ln_linear_kernel,
+    add_layernorm,
+    causal_conv,
+    time_major,
+)
 
 
 def _graph_us(fn, reps: int = 50) -> float:
@@ -103,7 +115,94 @@ def _sweep_ln_linear(rows: int, n: int, gelu: bool, c: int = 256) -> None:
           flush=True)
 
 
+@triton.jit(do_not_specialize=["M", "T"])
+def _flat_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """codec_fused._causal_conv_kernel (bf16, no PDL) with one pipelined loop over the flattened (tap, channel)
+    reduction; BLOCK_K divides CIN, so a K tile lies within one tap and its channels stay contiguous."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    b = rm // T
+    t = rm % T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, KS * CIN, BLOCK_K, num_stages=STAGES):
+        tap = k0 // CIN
+        src_t = t - (KS - 1) + tap  # left context only: rows before the start read as zeros
+        a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + ((k0 - tap * CIN + rk) * sxc)[None, :],
+                    mask=((rm < M) & (src_t >= 0))[:, None], other=0.0)
+        w = tl.load(WT + ((k0 + rk) * COUT)[:, None] + rn[None, :], mask=(rn < COUT)[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+    acc += tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < COUT)[None, :])
+
+
+def flat_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int,
+              config: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """causal_conv's result through _flat_conv_kernel; config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    nb, cin, t = x.shape
+    cout = w_gemm.shape[1]
+    bm, bn, bk, warps, stages = config
+    if cin % bk or w_gemm.shape[0] != kernel * cin:
+        raise ValueError(f"BLOCK_K {bk} must divide Cin {cin}, and the weight fit kernel {kernel}")
+    out = time_major(nb, cout, t, x)
+    m = nb * t
+    _flat_conv_kernel[(triton.cdiv(m, bm), triton.cdiv(cout, bn))](
+        x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps)
+    return out
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): wgmma-sized tiles (the served ones at these rows are (32, 128), 4 warps,
+# 2 stages per tap); 128 x 256 only with 8 warps (its float32 accumulator alone is 256 registers a thread at 4)
+FLAT_CONFIGS = [c for c in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
+                if c[0] * c[1] < 128 * 256 or c[3] == 8]
+
+
+def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
+    """The served conv (its tiles for `rows`) against _flat_conv_kernel per FLAT_CONFIGS, same inputs; each flat
+    result checked against the served one (float32 sums of the same products, in another grouping)."""
+    dt = torch.bfloat16
+    nb = rows // T
+    x = torch.randn(nb, T, cin, device="cuda", dtype=dt).transpose(1, 2)  # time-major, as in the estimator
+    w = torch.randn(cout, cin, k, device="cuda", dtype=dt) / (k * cin) ** 0.5
+    b = torch.randn(cout, device="cuda", dtype=dt)
+    wg = conv_weight_gemm(w)
+    want = causal_conv(x, wg, b, k)
+    served = _graph_us(lambda: causal_conv(x, wg, b, k))
+    res = []
+    for c in FLAT_CONFIGS:
+        if cin % c[2]:
+            continue
+        try:
+            got = flat_conv(x, wg, b, k, c)
+            us = _graph_us(functools.partial(flat_conv, x, wg, b, k, c))
+        except Exception as e:  # noqa: BLE001 (a config that does not fit the SM's shared memory or registers)
+            print(f"  skip {c}: {type(e).__name__}")
+            continue
+        err = float((got.float() - want.float()).abs().max())
+        if err > 2e-2 * float(want.float().abs().max()):
+            raise AssertionError(f"flat conv {c} at {rows} rows differs from the served one by {err}")
+        res.append((us, c))
+    res.sort()
+    best = ", ".join(f"{us:.2f} us {c}" for us, c in res[:4])
+    print(f"rows {rows:5d} cin {cin} cout {cout} k {k}: served {_conv_tiles(rows)} {served:.2f} us; flat best "
+          f"(BM, BN, BK, warps, stages): {best}", flush=True)
+
+
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--flat", default="", help="only the flat conv against the served one at these row counts "
+                   "(comma separated, multiples of 40), e.g. 1280,2560,5120")
+    a = p.parse_args()
+    if a.flat:
+        # the estimator's convs: block1 | res_conv (Cin 320 / 256 / 512 -> 2 x 256: the first and the up resnet
+        # here), block2 and the down / up / final convs (256 -> 256), all kernel 3
+        for rows in (int(r) for r in a.flat.split(",")):
+            for cin, cout, k in ((320, 512, 3), (512, 512, 3), (256, 256, 3)):
+                _sweep_flat(rows, cin, k, cout)
+        return
     for rows, (n, gelu) in itertools.product((80, 320, 640, 1280, 2560), ((1536, False), (1024, True))):
         _sweep_ln_linear(rows, n, gelu)
     for rows, cin in itertools.product((80, 320, 1280, 2560), (320, 256, 512)):
