@@ -2,9 +2,9 @@
 
 Times `_causal_conv_kernel` and `_ln_linear_kernel` per tile configuration inside a CUDA graph (as the Euler solve
 runs them) for the estimator's shapes at streaming batch sizes, against the torch path they replace (cuDNN's conv1d;
-add_layernorm + cuBLAS GEMM + GELU). `--flat ROWS` instead sweeps a candidate conv for the playing rounds' row counts
-(`_flat_conv_kernel` below: one pipelined loop over the whole (tap, channel) reduction, where the served kernel
-restarts its pipeline for every tap) against the served kernel and tiles, and checks its output against theirs.
+add_layernorm + cuBLAS GEMM + GELU). `--flat ROWS` instead sweeps a candidate conv for the playing rounds' row
+counts (codec_fused._causal_conv_kernel with FLAT: one pipelined loop over the whole (tap, channel) reduction, where
+the served loop restarts its pipeline at every tap) against the served kernel and tiles, and checks its output.
 A development tool for choosing their tiles, not the server.
 """
 
@@ -17,7 +17,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from engines.codec.decoder.estimator import conv_weight_gemm
 from engines.kernels.codec_fused import (
@@ -115,32 +114,10 @@ def _sweep_ln_linear(rows: int, n: int, gelu: bool, c: int = 256) -> None:
           flush=True)
 
 
-@triton.jit(do_not_specialize=["M", "T"])
-def _flat_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """codec_fused._causal_conv_kernel (bf16, no PDL) with one pipelined loop over the flattened (tap, channel)
-    reduction; BLOCK_K divides CIN, so a K tile lies within one tap and its channels stay contiguous."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    b = rm // T
-    t = rm % T
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, KS * CIN, BLOCK_K, num_stages=STAGES):
-        tap = k0 // CIN
-        src_t = t - (KS - 1) + tap  # left context only: rows before the start read as zeros
-        a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + ((k0 - tap * CIN + rk) * sxc)[None, :],
-                    mask=((rm < M) & (src_t >= 0))[:, None], other=0.0)
-        w = tl.load(WT + ((k0 + rk) * COUT)[:, None] + rn[None, :], mask=(rn < COUT)[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
-    acc += tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < COUT)[None, :])
-
-
 def flat_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int,
               config: tuple[int, int, int, int, int]) -> torch.Tensor:
-    """causal_conv's result through _flat_conv_kernel; config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    """causal_conv's result through _causal_conv_kernel's FLAT loop (one pipelined loop over the flattened (tap,
+    channel) reduction); config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
     nb, cin, t = x.shape
     cout = w_gemm.shape[1]
     bm, bn, bk, warps, stages = config
@@ -148,9 +125,9 @@ def flat_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel:
         raise ValueError(f"BLOCK_K {bk} must divide Cin {cin}, and the weight fit kernel {kernel}")
     out = time_major(nb, cout, t, x)
     m = nb * t
-    _flat_conv_kernel[(triton.cdiv(m, bm), triton.cdiv(cout, bn))](
+    _causal_conv_kernel[(triton.cdiv(m, bm), triton.cdiv(cout, bn))](
         x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps)
+        BLOCK_N=bn, BLOCK_K=bk, IEEE=False, PDL=False, FLAT=True, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -161,8 +138,8 @@ FLAT_CONFIGS = [c for c in itertools.product((64, 128), (128, 256), (64, 128), (
 
 
 def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
-    """The served conv (its tiles for `rows`) against _flat_conv_kernel per FLAT_CONFIGS, same inputs; each flat
-    result checked against the served one (float32 sums of the same products, in another grouping)."""
+    """The served conv (its tiles for `rows`) against the FLAT loop per FLAT_CONFIGS, same inputs; each flat result
+    checked against the served one (float32 sums of the same products; other tiles group them otherwise)."""
     dt = torch.bfloat16
     nb = rows // T
     x = torch.randn(nb, T, cin, device="cuda", dtype=dt).transpose(1, 2)  # time-major, as in the estimator

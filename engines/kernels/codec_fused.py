@@ -172,10 +172,29 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     return y, s
 
 
+@triton.jit
+def _conv_k_tile(acc, X, WT, b, t, rm, rn, rk, tap, c0, M, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """acc + the products of one K tile of a causal conv: input channels c0 + rk of tap `tap`."""
+    src_t = t - (KS - 1) + tap  # left context only: rows before the start read as zeros
+    a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + ((c0 + rk) * sxc)[None, :],
+                mask=((rm < M) & (src_t >= 0))[:, None] & ((c0 + rk) < CIN)[None, :], other=0.0)
+    w = tl.load(WT + ((tap * CIN + c0 + rk) * COUT)[:, None] + rn[None, :],
+                mask=((c0 + rk) < CIN)[:, None] & (rn < COUT)[None, :], other=0.0)
+    if IEEE:
+        acc += tl.dot(a, w, input_precision="ieee")
+    else:
+        acc += tl.dot(a, w)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "T"])
 def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, FLAT: tl.constexpr = False):
+    """A K loop per tap, or with FLAT (BLOCK_K dividing CIN) one loop over the flattened (tap, channel) reduction, so
+    the loads' pipeline does not start again at each tap (`python3 -m engines.bench.conv_tiles --flat` measures
+    it; not served yet). The same K tiles in the same order either way."""
     wait_then_trigger(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,18 +202,15 @@ def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.con
     b = rm // T
     t = rm % T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for tap in tl.static_range(KS):
-        src_t = t - (KS - 1) + tap  # left context only: rows before the start read as zeros
-        am = (rm < M) & (src_t >= 0)
-        for c0 in range(0, CIN, BLOCK_K):
-            a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + ((c0 + rk) * sxc)[None, :],
-                        mask=am[:, None] & ((c0 + rk) < CIN)[None, :], other=0.0)
-            w = tl.load(WT + ((tap * CIN + c0 + rk) * COUT)[:, None] + rn[None, :],
-                        mask=((c0 + rk) < CIN)[:, None] & (rn < COUT)[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(a, w, input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
+    if FLAT:
+        for k0 in range(0, KS * CIN, BLOCK_K):
+            tap = k0 // CIN
+            acc = _conv_k_tile(acc, X, WT, b, t, rm, rn, rk, tap, k0 - tap * CIN, M, sxb, sxt, sxc, COUT, CIN, KS,
+                               IEEE)
+    else:
+        for tap in tl.static_range(KS):
+            for c0 in range(0, CIN, BLOCK_K):
+                acc = _conv_k_tile(acc, X, WT, b, t, rm, rn, rk, tap, c0, M, sxb, sxt, sxc, COUT, CIN, KS, IEEE)
     acc += tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < COUT)[None, :])

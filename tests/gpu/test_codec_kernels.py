@@ -396,3 +396,30 @@ def test_solve_in_pieces_is_bit_identical_to_one_graph(codec):
         assert len(graphs.graphs) == 1 + len(ranges) and torch.isfinite(want_x).all()
         torch.testing.assert_close(x, want_x, rtol=0, atol=0)
         torch.testing.assert_close(torch.cat(trajs, dim=1), want_traj, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cin,cout,k", [(320, 512, 3), (256, 256, 3), (256, 80, 1)])
+def test_conv_flat_loop_is_bit_identical_to_the_loop_per_tap(cin, cout, k):
+    """_causal_conv_kernel's FLAT loop (one loop over the flattened (tap, channel) reduction, for conv_tiles --flat)
+    takes the same K tiles in the same order as the loop per tap: bit-identical output at the same tiling."""
+    import triton
+
+    from engines.kernels.codec_fused import _causal_conv_kernel, time_major
+
+    g = torch.Generator(device="cuda").manual_seed(cin + k)
+    nb, T = 64, 40  # 2,560 rows: a playing round's
+    x = torch.randn(nb, T, cin, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+    w = (torch.randn(cout, cin, k, device="cuda", generator=g) / (k * cin) ** 0.5).to(torch.bfloat16)
+    b = torch.randn(cout, device="cuda", generator=g).to(torch.bfloat16)
+    wg, m = conv_weight_gemm(w), nb * T
+    outs = []
+    for flat in (False, True):
+        out = time_major(nb, cout, T, x)
+        _causal_conv_kernel[(triton.cdiv(m, 32), triton.cdiv(cout, 128))](
+            x, wg, b, out, m, T, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=k, BLOCK_M=32,
+            BLOCK_N=128, BLOCK_K=64, IEEE=False, PDL=False, FLAT=flat, num_warps=4, num_stages=2)
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    want = F.conv1d(x.float(), w.float(), b.float(), padding=k - 1)[..., :T]
+    torch.testing.assert_close(outs[1].float(), want, **CONV_TOL[torch.bfloat16])
