@@ -54,11 +54,7 @@ def main() -> None:
     _drain(engine)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
 
-    start_decode_batch(engine, rng, a.batch, a.context, 200)
-    b = engine.runner.graphs.bucket(a.batch)
-    replay = median(timed(engine.runner.graphs.graphs[b].replay, dev, repeats=20)) * 1e3
-    step = median(timed(engine.step, dev, repeats=20)) * 1e3
-    print(f"batch {a.batch}: graph replay {replay:.2f} ms, whole engine step {step:.2f} ms")
+    _decode_batch(engine, rng, a.batch, a.context, dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             engine.step()
@@ -66,16 +62,23 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-def _ncu_replay(engine: Engine, rng: random.Random, batch: int, context: int, dev: torch.device) -> None:
-    """A decode batch of `batch` sequences at `context` rows: its graph's replay and the whole step timed, then one
-    replay alone inside a profiler range."""
+def _decode_batch(engine: Engine, rng: random.Random, batch: int, context: int, dev: torch.device
+                  ) -> torch.cuda.CUDAGraph:
+    """A decode batch of `batch` sequences at `context` rows, its graph's replay and the whole step timed and
+    printed. Returns the graph."""
     start_decode_batch(engine, rng, batch, context, 200)
     b = engine.runner.graphs.bucket(batch)
     graph = engine.runner.graphs.graphs[b]
-    replay = median(timed(graph.replay, dev, repeats=30)) * 1e3
+    replay = median(timed(graph.replay, dev, repeats=20)) * 1e3
     step = median(timed(engine.step, dev, repeats=20)) * 1e3
     print(f"batch {batch} (graph of {b}), context {context}: graph replay {replay:.3f} ms, whole engine step "
           f"{step:.3f} ms", flush=True)
+    return graph
+
+
+def _ncu_replay(engine: Engine, rng: random.Random, batch: int, context: int, dev: torch.device) -> None:
+    """_decode_batch, then one replay of its graph alone inside a profiler range."""
+    graph = _decode_batch(engine, rng, batch, context, dev)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     graph.replay()
