@@ -2,9 +2,9 @@
 
 Times `_causal_conv_kernel` and `_ln_linear_kernel` per tile configuration inside a CUDA graph (as the Euler solve
 runs them) for the estimator's shapes at streaming batch sizes, against the torch path they replace (cuDNN's conv1d;
-add_layernorm + cuBLAS GEMM + GELU). `--flat ROWS` instead sweeps a candidate conv for the playing rounds' row
-counts (codec_fused._causal_conv_kernel with FLAT: one pipelined loop over the whole (tap, channel) reduction, where
-the served loop restarts its pipeline at every tap) against the served kernel and tiles, and checks its output.
+add_layernorm + cuBLAS GEMM + GELU). `--flat ROWS` instead sweeps the tilings of the conv's FLAT loop (one
+pipelined loop over the whole (tap, channel) reduction, served for the playing rounds' row counts) against the served
+conv and the per-tap loop (which restarts its pipeline at every tap), and checks their outputs.
 A development tool for choosing their tiles, not the server.
 """
 
@@ -20,12 +20,12 @@ import triton
 
 from engines.codec.decoder.estimator import conv_weight_gemm
 from engines.kernels.codec_fused import (
-    _causal_conv_kernel,
-    _conv_tiles,
+    ConvTiling,
+    _conv_tiling,
     _ln_linear_kernel,
     add_layernorm,
     causal_conv,
-    time_major,
+    launch_causal_conv,
 )
 
 
@@ -57,15 +57,11 @@ def _sweep(rows: int, cin: int, k: int, cout: int = 256, T: int = 40) -> None:
     w = torch.randn(cout, cin, k, device="cuda", dtype=dt)
     b = torch.randn(cout, device="cuda", dtype=dt)
     wg = conv_weight_gemm(w)
-    out = time_major(nb, cout, T, x)
     xc = x.contiguous()
     ref = _graph_us(lambda: F.conv1d(xc, w, b, padding=k - 1))
 
     def run(bm, bn, bk, nw, ns):
-        grid = (triton.cdiv(rows, bm), triton.cdiv(cout, bn))
-        _causal_conv_kernel[grid](x, wg, b, out, rows, T, x.stride(0), x.stride(2), x.stride(1), cout,
-                                  CIN=cin, KS=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=False,
-                                  num_warps=nw, num_stages=ns, PDL=False)
+        launch_causal_conv(x, wg, b, k, ConvTiling(bm, bn, bk, nw, ns))
 
     res = []
     for c in CONFIGS:
@@ -114,23 +110,6 @@ def _sweep_ln_linear(rows: int, n: int, gelu: bool, c: int = 256) -> None:
           flush=True)
 
 
-def flat_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int,
-              config: tuple[int, int, int, int, int]) -> torch.Tensor:
-    """causal_conv's result through _causal_conv_kernel's FLAT loop (one pipelined loop over the flattened (tap,
-    channel) reduction); config (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
-    nb, cin, t = x.shape
-    cout = w_gemm.shape[1]
-    bm, bn, bk, warps, stages = config
-    if cin % bk or w_gemm.shape[0] != kernel * cin:
-        raise ValueError(f"BLOCK_K {bk} must divide Cin {cin}, and the weight fit kernel {kernel}")
-    out = time_major(nb, cout, t, x)
-    m = nb * t
-    _causal_conv_kernel[(triton.cdiv(m, bm), triton.cdiv(cout, bn))](
-        x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, IEEE=False, PDL=False, FLAT=True, num_warps=warps, num_stages=stages)
-    return out
-
-
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): wgmma-sized tiles (the served ones at these rows are (32, 128), 4 warps,
 # 2 stages per tap); 128 x 256 only with 8 warps (its float32 accumulator alone is 256 registers a thread at 4)
 FLAT_CONFIGS = [c for c in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
@@ -138,8 +117,9 @@ FLAT_CONFIGS = [c for c in itertools.product((64, 128), (128, 256), (64, 128), (
 
 
 def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
-    """The served conv (its tiles for `rows`) against the FLAT loop per FLAT_CONFIGS, same inputs; each flat result
-    checked against the served one (float32 sums of the same products; other tiles group them otherwise)."""
+    """The served conv, the per-tap loop at the tiling served before the flat loop ((32, 128), 2 stages), the flat
+    loop per FLAT_CONFIGS and the per-tap loop at the flat loop's best tiling, same inputs; each result checked
+    against the served one (float32 sums of the same products; other tiles group them otherwise)."""
     dt = torch.bfloat16
     nb = rows // T
     x = torch.randn(nb, T, cin, device="cuda", dtype=dt).transpose(1, 2)  # time-major, as in the estimator
@@ -148,24 +128,29 @@ def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
     wg = conv_weight_gemm(w)
     want = causal_conv(x, wg, b, k)
     served = _graph_us(lambda: causal_conv(x, wg, b, k))
+
+    def timed(tiling: ConvTiling) -> float:
+        got = launch_causal_conv(x, wg, b, k, tiling)
+        err = float((got.float() - want.float()).abs().max())
+        if err > 2e-2 * float(want.float().abs().max()):
+            raise AssertionError(f"conv {tiling} at {rows} rows differs from the served one by {err}")
+        return _graph_us(functools.partial(launch_causal_conv, x, wg, b, k, tiling))
+
+    before = timed(ConvTiling(32, 128, max(16, min(128, triton.next_power_of_2(cin)))))
     res = []
     for c in FLAT_CONFIGS:
         if cin % c[2]:
             continue
         try:
-            got = flat_conv(x, wg, b, k, c)
-            us = _graph_us(functools.partial(flat_conv, x, wg, b, k, c))
+            res.append((timed(ConvTiling(*c, flat=True)), c))
         except Exception as e:  # noqa: BLE001 (a config that does not fit the SM's shared memory or registers)
             print(f"  skip {c}: {type(e).__name__}")
-            continue
-        err = float((got.float() - want.float()).abs().max())
-        if err > 2e-2 * float(want.float().abs().max()):
-            raise AssertionError(f"flat conv {c} at {rows} rows differs from the served one by {err}")
-        res.append((us, c))
     res.sort()
     best = ", ".join(f"{us:.2f} us {c}" for us, c in res[:4])
-    print(f"rows {rows:5d} cin {cin} cout {cout} k {k}: served {_conv_tiles(rows)} {served:.2f} us; flat best "
-          f"(BM, BN, BK, warps, stages): {best}", flush=True)
+    per_tap = timed(ConvTiling(*res[0][1], flat=False))
+    print(f"rows {rows:5d} cin {cin} cout {cout} k {k}: served {_conv_tiling(rows, cin, 2)} {served:.2f} us, per-tap "
+          f"(32, 128) {before:.2f} us; flat best (BM, BN, BK, warps, stages): {best}; per-tap loop at the best flat "
+          f"tiling {per_tap:.2f} us", flush=True)
 
 
 def main() -> None:

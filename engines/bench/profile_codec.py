@@ -138,12 +138,14 @@ def _print_solve(batch: int, ms: float, x: torch.Tensor, ref: torch.Tensor | Non
     return x if ref is None else ref
 
 
-# (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add)
+# (name, PDL, to_out/ff2 GEMM, whole-tile convs, block1 conv and res_conv as one conv, a stack's last residual add,
+# the flat conv loop from CONV_FLAT_MIN_ROWS rows)
 TIMELINE_VARIANTS = (
-    ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add"),
-    ("PDL on, Triton GEMMs, whole conv (ba0ecd3)", True, "triton", True, False, "add"),
-    ("  + block1 conv | res_conv as one conv", True, "triton", True, True, "add"),
-    ("  + last add in the GEMM epilogue (served)", True, "triton", True, True, "epilogue"),
+    ("PDL off, cuBLAS GEMMs, looped conv, resnet 5 kernels, add kernel", False, "cublas", False, False, "add", False),
+    ("PDL on, Triton GEMMs, whole conv (ba0ecd3)", True, "triton", True, False, "add", False),
+    ("  + block1 conv | res_conv as one conv", True, "triton", True, True, "add", False),
+    ("  + last add in the GEMM epilogue", True, "triton", True, True, "epilogue", False),
+    ("  + flat conv loop for playing rounds (served)", True, "triton", True, True, "epilogue", True),
 )
 
 
@@ -158,7 +160,7 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     est.fuse()
     resnets = est._resnets()
     merged = [(r.conv1_res_gemm, r.conv1_res_bias) for r in resnets]
-    linear, whole_rows = k.linear, k.CONV_WHOLE_MAX_ROWS
+    linear, whole_rows, flat_rows = k.linear, k.CONV_WHOLE_MAX_ROWS, k.CONV_FLAT_MIN_ROWS
 
     def cublas(x, w, b=None, residual=None):
         y = torch.nn.functional.linear(x, w, b)
@@ -171,17 +173,18 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     try:
         for batch in batches:
             ref = None
-            for name, on, gemm, whole, merge, last in TIMELINE_VARIANTS:
+            for name, on, gemm, whole, merge, last, flat in TIMELINE_VARIANTS:
                 pdl._enabled[idx] = on
                 k.linear = cublas if gemm == "cublas" else separate_add if last == "add" else linear
                 k.CONV_WHOLE_MAX_ROWS = whole_rows if whole else 0
+                k.CONV_FLAT_MIN_ROWS = flat_rows if flat else 1 << 62
                 for r, (w, b) in zip(resnets, merged, strict=True):
                     r.conv1_res_gemm, r.conv1_res_bias = (w, b) if merge else (None, None)
                 ms, x = _solve_ms(flow, batch, reps)
                 ref = _print_solve(batch, ms, x, ref, "first", name)
     finally:
         pdl._enabled.pop(idx, None)
-        k.linear, k.CONV_WHOLE_MAX_ROWS = linear, whole_rows
+        k.linear, k.CONV_WHOLE_MAX_ROWS, k.CONV_FLAT_MIN_ROWS = linear, whole_rows, flat_rows
         for r, (w, b) in zip(resnets, merged, strict=True):
             r.conv1_res_gemm, r.conv1_res_bias = w, b
     _print_kernel_resources()

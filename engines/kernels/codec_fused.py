@@ -193,8 +193,8 @@ def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.con
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                         PDL: tl.constexpr, FLAT: tl.constexpr = False):
     """A K loop per tap, or with FLAT (BLOCK_K dividing CIN) one loop over the flattened (tap, channel) reduction, so
-    the loads' pipeline does not start again at each tap (`python3 -m engines.bench.conv_tiles --flat` measures
-    it; not served yet). The same K tiles in the same order either way."""
+    the loads' pipeline does not start again at each tap (served from CONV_FLAT_MIN_ROWS rows). The same K tiles in
+    the same order either way."""
     wait_then_trigger(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,15 +252,57 @@ CONV_WHOLE_MAX_ROWS = 160
 CONV_WHOLE_MAX_BYTES = 4096
 
 
-def _conv_tiles(rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) by output rows: small tiles (more programs, short K loops) for streaming batches. From
-    `python3 -m engines.bench.conv_tiles` on an H200 (bf16, Cin 256-512, K 3): 80 rows 5.3-8.3 us, 320 rows
-    5.9-9.3 us, 1280 rows 8.0-13.8 us, where cuDNN's conv1d takes 16-22 us plus two layout transforms."""
+@dataclass(frozen=True)
+class ConvTiling:
+    """One launch configuration of _causal_conv_kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 2
+    flat: bool = False  # one pipelined loop over the flattened (tap, channel) reduction; block_k must divide Cin
+
+
+# From this many output rows (eight sessions' CFG windows in a playing round), 2-byte inputs whose channels BLOCK_K
+# divides run the FLAT loop with wgmma-sized tiles. The per-tap loop restarts its 2-stage pipeline at each of the 3
+# taps (2-4 K tiles each) and its 32-row tiles run mma.sync. `python3 -m engines.bench.conv_tiles --flat` on an H100
+# (bf16, Cin 320 / 512 / 256, K 3): 2,560 rows 18.8 / 23.5 / 10.5 us -> 9.9 / 13.1 / 6.3 us; 1,280 rows 14.3 / 18.6 /
+# 7.6 -> 7.1 / 9.7 / 6.3; 5,120 rows 33.9 / 44.9 / 13.6 -> 13.5 / 18.8 / 8.3.
+CONV_FLAT_MIN_ROWS = 640
+CONV_FLAT_TILING = ConvTiling(64, 128, 64, warps=4, stages=3, flat=True)
+
+
+def _conv_tiling(rows: int, cin: int, element_size: int) -> ConvTiling:
+    """_causal_conv_kernel's tiling by output rows: small tiles (more programs, short K loops) for streaming batches,
+    the flat loop for playing rounds. From `python3 -m engines.bench.conv_tiles` on an H200 (bf16, Cin 256-512, K 3):
+    80 rows 5.3-8.3 us, 320 rows 5.9-9.3 us, where cuDNN's conv1d takes 16-22 us plus two layout transforms."""
+    bk = max(16, min(128, triton.next_power_of_2(cin)))
+    flat = CONV_FLAT_TILING
+    if rows >= CONV_FLAT_MIN_ROWS and element_size == 2 and cin % flat.block_k == 0:
+        return flat
     if rows <= 128:
-        return 16, 32
+        return ConvTiling(16, 32, bk)
     if rows <= 512:
-        return 16, 64
-    return 32, 128
+        return ConvTiling(16, 64, bk)
+    return ConvTiling(32, 128, bk)
+
+
+def launch_causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int, tiling: ConvTiling
+                       ) -> torch.Tensor:
+    """causal_conv through _causal_conv_kernel with the given tiling (conv_tiles sweeps tilings through it)."""
+    nb, cin, t = x.shape
+    cout = w_gemm.shape[1]
+    if tiling.flat and cin % tiling.block_k:
+        raise ValueError(f"the flat conv loop needs BLOCK_K ({tiling.block_k}) to divide the {cin} input channels")
+    out = time_major(nb, cout, t, x)
+    m = nb * t
+    if m:
+        _causal_conv_kernel[(triton.cdiv(m, tiling.block_m), triton.cdiv(cout, tiling.block_n))](
+            x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel,
+            BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, IEEE=x.dtype == torch.float32,
+            FLAT=tiling.flat, num_warps=tiling.warps, num_stages=tiling.stages, **_launch(x.device, m))
+    return out
 
 
 def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -271,23 +313,17 @@ def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kerne
     cout = w_gemm.shape[1]
     if w_gemm.shape[0] != kernel * cin:
         raise ValueError(f"conv weight {tuple(w_gemm.shape)} does not fit {cin} channels x kernel {kernel}")
-    out = time_major(nb, cout, t, x)
     m = nb * t
     cin_p, ks_p = max(16, triton.next_power_of_2(cin)), triton.next_power_of_2(kernel)
-    if 0 < m <= CONV_WHOLE_MAX_ROWS and cin_p * ks_p * x.element_size() <= CONV_WHOLE_MAX_BYTES:
-        tiles = STREAM_TILES
-        bn = max(16, min(64, tiles.conv_tile // (cin_p * ks_p)))
-        _conv_whole_kernel[(triton.cdiv(m, tiles.conv_m), triton.cdiv(cout, bn))](
-            x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, CIN_P=cin_p,
-            KS_P=ks_p, BLOCK_M=tiles.conv_m, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
-            num_warps=8 if cin_p * ks_p * bn > LINEAR_TILE else 4, num_stages=1, **_launch(x.device, m))
-    elif m:
-        bm, bn = _conv_tiles(m)
-        bk = max(16, min(128, triton.next_power_of_2(cin)))
-        grid = (triton.cdiv(m, bm), triton.cdiv(cout, bn))
-        _causal_conv_kernel[grid](x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout,
-                                  CIN=cin, KS=kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                  IEEE=x.dtype == torch.float32, num_warps=4, num_stages=2, **_launch(x.device, m))
+    if not (0 < m <= CONV_WHOLE_MAX_ROWS and cin_p * ks_p * x.element_size() <= CONV_WHOLE_MAX_BYTES):
+        return launch_causal_conv(x, w_gemm, bias, kernel, _conv_tiling(m, cin, x.element_size()))
+    out = time_major(nb, cout, t, x)
+    tiles = STREAM_TILES
+    bn = max(16, min(64, tiles.conv_tile // (cin_p * ks_p)))
+    _conv_whole_kernel[(triton.cdiv(m, tiles.conv_m), triton.cdiv(cout, bn))](
+        x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, CIN_P=cin_p,
+        KS_P=ks_p, BLOCK_M=tiles.conv_m, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
+        num_warps=8 if cin_p * ks_p * bn > LINEAR_TILE else 4, num_stages=1, **_launch(x.device, m))
     return out
 
 

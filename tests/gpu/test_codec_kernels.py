@@ -63,11 +63,13 @@ CONV_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cin,cout,k,batch,T", [(320, 256, 3, 2, 40), (256, 256, 3, 32, 40), (512, 256, 3, 3, 37),
                                                  (256, 256, 3, 4, 40), (256, 256, 1, 2, 40), (256, 80, 1, 33, 24),
-                                                 (100, 70, 5, 1, 9)])
+                                                 (100, 70, 5, 1, 9), (320, 512, 3, 17, 40), (100, 70, 5, 9, 80)])
 @pytest.mark.parametrize("layout", ["time_major", "contiguous"])
 def test_causal_conv_matches_torch(dtype, cin, cout, k, batch, T, layout):
-    """Every tile edge: M not a multiple of the row tile, Cout < the column tile, Cin not a multiple of 64; both
-    kernels (whole-tile up to CONV_WHOLE_MAX_ROWS = 160 rows, 2 x 40 and 4 x 40 here; the looped one above)."""
+    """Every tile edge: M not a multiple of the row tile, Cout < the column tile, Cin not a multiple of 64; each
+    kernel and loop (whole-tile up to CONV_WHOLE_MAX_ROWS = 160 rows, 2 x 40 and 4 x 40 here; the looped one above,
+    its flat loop from CONV_FLAT_MIN_ROWS = 640 rows for 2-byte inputs with Cin a multiple of 64: 17 x 40 and
+    32 x 40 here, not 9 x 80)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(batch, cin, T, device="cuda", generator=g).to(dtype)
     if layout == "time_major":
@@ -399,27 +401,27 @@ def test_solve_in_pieces_is_bit_identical_to_one_graph(codec):
 
 
 @pytest.mark.parametrize("cin,cout,k", [(320, 512, 3), (256, 256, 3), (256, 80, 1)])
-def test_conv_flat_loop_is_bit_identical_to_the_loop_per_tap(cin, cout, k):
-    """_causal_conv_kernel's FLAT loop (one loop over the flattened (tap, channel) reduction, for conv_tiles --flat)
-    takes the same K tiles in the same order as the loop per tap: bit-identical output at the same tiling."""
-    import triton
+@pytest.mark.parametrize("tiles", [(32, 128, 64, 4, 2), "served"])
+def test_conv_flat_loop_is_bit_identical_to_the_loop_per_tap(cin, cout, k, tiles):
+    """_causal_conv_kernel's FLAT loop (one loop over the flattened (tap, channel) reduction, served from
+    CONV_FLAT_MIN_ROWS rows) takes the same K tiles in the same order as the loop per tap: bit-identical output at
+    the same tiling, the served one and the per-tap loop's before it."""
+    from dataclasses import replace
 
-    from engines.kernels.codec_fused import _causal_conv_kernel, time_major
+    from engines.kernels.codec_fused import CONV_FLAT_MIN_ROWS, CONV_FLAT_TILING, ConvTiling, launch_causal_conv
 
     g = torch.Generator(device="cuda").manual_seed(cin + k)
     nb, T = 64, 40  # 2,560 rows: a playing round's
+    assert nb * T >= CONV_FLAT_MIN_ROWS
     x = torch.randn(nb, T, cin, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
     w = (torch.randn(cout, cin, k, device="cuda", generator=g) / (k * cin) ** 0.5).to(torch.bfloat16)
     b = torch.randn(cout, device="cuda", generator=g).to(torch.bfloat16)
-    wg, m = conv_weight_gemm(w), nb * T
-    outs = []
-    for flat in (False, True):
-        out = time_major(nb, cout, T, x)
-        _causal_conv_kernel[(triton.cdiv(m, 32), triton.cdiv(cout, 128))](
-            x, wg, b, out, m, T, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=k, BLOCK_M=32,
-            BLOCK_N=128, BLOCK_K=64, IEEE=False, PDL=False, FLAT=flat, num_warps=4, num_stages=2)
-        outs.append(out)
+    wg = conv_weight_gemm(w)
+    tiling = CONV_FLAT_TILING if tiles == "served" else ConvTiling(*tiles)
+    outs = [launch_causal_conv(x, wg, b, k, replace(tiling, flat=flat)) for flat in (False, True)]
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    if tiles == "served":
+        torch.testing.assert_close(causal_conv(x, wg, b, k), outs[1], rtol=0, atol=0)
     want = F.conv1d(x.float(), w.float(), b.float(), padding=k - 1)[..., :T]
     torch.testing.assert_close(outs[1].float(), want, **CONV_TOL[torch.bfloat16])
