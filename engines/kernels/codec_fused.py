@@ -86,30 +86,59 @@ def _mish_f32(y):
     return y * (1.0 - e) / (1.0 + e)
 
 
+# Rows (flattened (b, t) columns of C channels) per program of the two LayerNorm kernels, by call size: one a program
+# up to NORM_ONE_ROW_MAX rows, NORM_ROWS over NORM_WARPS warps above. Alone (H100, `docs/bench/codec-norm-rows-s39.txt`)
+# add_layernorm at 2,560 / 5,120 rows took 3.28 / 4.86 us one row a program and 2.67 / 3.27 with 8 over 4 warps (at 640
+# rows 1.85 against 2.10), but in the solve graph 8 rows a program measured 18.56 -> 18.94 ms at 8 sessions, level at
+# 32 (27.48 -> 27.42) and 41.09 -> 39.54 at 64 (5,120 rows): so only the largest rounds take it.
+NORM_ONE_ROW_MAX = 2560
+NORM_ROWS = 8
+NORM_WARPS = 4
+
+
+def _norm_launch(device: torch.device, rows: int) -> tuple[int, dict]:
+    """(rows per program, launch keyword arguments) of the LayerNorm kernels over `rows` rows."""
+    if rows <= NORM_ONE_ROW_MAX:
+        return 1, {"num_warps": 2, **_launch(device, rows)}
+    return NORM_ROWS, {"num_warps": NORM_WARPS, **_launch(device, rows)}
+
+
 @triton.jit
-def _layernorm_mish_kernel(X, W, B, ROW, RES, OUT, sxb, sxc, sxt, srb, srsb, srsc, srst, T, eps,
-                           C: tl.constexpr, BLOCK: tl.constexpr, HAS_ROW: tl.constexpr, HAS_RES: tl.constexpr,
-                           PDL: tl.constexpr):
-    pid = tl.program_id(0)  # one (b, t) column of C channels
-    b = pid // T
-    t = pid % T
+def _norm_rows(M, T, C: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ROWS flattened (b, t) rows: (row, b, t, channel offsets, [ROWS, BLOCK] mask)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
-    m = offs < C
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)  # weights: read before the wait (never written)
-    bb = tl.load(B + offs, mask=m, other=0.0).to(tl.float32)
+    return r, r // T, r % T, offs, (r < M)[:, None] & (offs < C)[None, :]
+
+
+@triton.jit
+def _layernorm_f32(x, m, w, bb, eps, C: tl.constexpr):
+    """LayerNorm over the channels (axis 1) of float32 rows x [ROWS, BLOCK] (masked channels ignored)."""
+    mean = tl.sum(x, 1) / C
+    d = tl.where(m, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
+    return d * rstd[:, None] * w[None, :] + bb[None, :]
+
+
+@triton.jit
+def _layernorm_mish_kernel(X, W, B, ROW, RES, OUT, M, sxb, sxc, sxt, srb, srsb, srsc, srst, T, eps,
+                           C: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_ROW: tl.constexpr,
+                           HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    r, b, t, offs, m = _norm_rows(M, T, C, ROWS, BLOCK)
+    w = tl.load(W + offs, mask=offs < C, other=0.0).to(tl.float32)  # weights: read before the wait (never written)
+    bb = tl.load(B + offs, mask=offs < C, other=0.0).to(tl.float32)
     trigger_then_wait(PDL)
-    x = tl.load(X + b * sxb + offs * sxc + t * sxt, mask=m, other=0.0).to(tl.float32)
-    mean = tl.sum(x, 0) / C
-    d = tl.where(m, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / C + eps)
+    x = tl.load(X + (b * sxb + t * sxt)[:, None] + (offs * sxc)[None, :], mask=m, other=0.0).to(tl.float32)
     dt = OUT.dtype.element_ty
-    y = (d * rstd * w + bb).to(dt).to(tl.float32)  # LayerNorm output is stored rounded
+    y = _layernorm_f32(x, m, w, bb, eps, C).to(dt).to(tl.float32)  # LayerNorm output is stored rounded
     y = _mish_f32(y).to(dt).to(tl.float32)
     if HAS_ROW:
-        y = (y + tl.load(ROW + b * srb + offs, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        y = (y + tl.load(ROW + (b * srb)[:, None] + offs[None, :], mask=m, other=0.0).to(tl.float32)).to(dt)
+        y = y.to(tl.float32)
     if HAS_RES:
-        y = y + tl.load(RES + b * srsb + offs * srsc + t * srst, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + pid * C + offs, y.to(dt), mask=m)
+        y = y + tl.load(RES + (b * srsb + t * srst)[:, None] + (offs * srsc)[None, :], mask=m, other=0.0).to(
+            tl.float32)
+    tl.store(OUT + r[:, None] * C + offs[None, :], y.to(dt), mask=m)
 
 
 def time_major(nb: int, c: int, t: int, like: torch.Tensor) -> torch.Tensor:
@@ -127,34 +156,29 @@ def layernorm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
         r = row if row is not None else x
         rs = residual if residual is not None else x
         srb = row.stride(0) if row is not None and row.shape[0] > 1 else 0
-        _layernorm_mish_kernel[(nb * t,)](
-            x, weight, bias, r, rs, out, x.stride(0), x.stride(1), x.stride(2), srb, rs.stride(0), rs.stride(1),
-            rs.stride(2), t, eps, C=c, BLOCK=triton.next_power_of_2(c), HAS_ROW=row is not None,
-            HAS_RES=residual is not None, num_warps=2, **_launch(x.device, nb * t))
+        rows, kw = _norm_launch(x.device, nb * t)
+        _layernorm_mish_kernel[(triton.cdiv(nb * t, rows),)](
+            x, weight, bias, r, rs, out, nb * t, x.stride(0), x.stride(1), x.stride(2), srb, rs.stride(0),
+            rs.stride(1), rs.stride(2), t, eps, C=c, BLOCK=triton.next_power_of_2(c), ROWS=rows,
+            HAS_ROW=row is not None, HAS_RES=residual is not None, **kw)
     return out
 
 
 @triton.jit
-def _add_layernorm_kernel(X, R, W, B, Y, S, sxb, sxt, sxc, srb, srt, src, T, eps, C: tl.constexpr,
-                          BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0)  # one (b, t) row of C channels
-    b = pid // T
-    t = pid % T
-    offs = tl.arange(0, BLOCK)
-    m = offs < C
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-    bb = tl.load(B + offs, mask=m, other=0.0).to(tl.float32)
+def _add_layernorm_kernel(X, R, W, B, Y, S, M, sxb, sxt, sxc, srb, srt, src, T, eps, C: tl.constexpr,
+                          BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    r, b, t, offs, m = _norm_rows(M, T, C, ROWS, BLOCK)
+    w = tl.load(W + offs, mask=offs < C, other=0.0).to(tl.float32)
+    bb = tl.load(B + offs, mask=offs < C, other=0.0).to(tl.float32)
     trigger_then_wait(PDL)
     dt = Y.dtype.element_ty
-    x = tl.load(X + b * sxb + t * sxt + offs * sxc, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(X + (b * sxb + t * sxt)[:, None] + (offs * sxc)[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_RES:
-        x = (x + tl.load(R + b * srb + t * srt + offs * src, mask=m, other=0.0).to(tl.float32)).to(dt)
-        x = x.to(tl.float32)
-    tl.store(S + pid * C + offs, x.to(dt), mask=m)
-    mean = tl.sum(x, 0) / C
-    d = tl.where(m, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / C + eps)
-    tl.store(Y + pid * C + offs, (d * rstd * w + bb).to(dt), mask=m)
+        x = x + tl.load(R + (b * srb + t * srt)[:, None] + (offs * src)[None, :], mask=m, other=0.0).to(tl.float32)
+        x = x.to(dt).to(tl.float32)
+    out = r[:, None] * C + offs[None, :]
+    tl.store(S + out, x.to(dt), mask=m)
+    tl.store(Y + out, _layernorm_f32(x, m, w, bb, eps, C).to(dt), mask=m)
 
 
 def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
@@ -165,10 +189,11 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     s = torch.empty_like(y)
     if nb * t:
         r = residual if residual is not None else x
-        _add_layernorm_kernel[(nb * t,)](
-            x, r, weight, bias, y, s, x.stride(0), x.stride(1), x.stride(2), r.stride(0), r.stride(1), r.stride(2),
-            t, eps, C=c, BLOCK=triton.next_power_of_2(c), HAS_RES=residual is not None, num_warps=2,
-            **_launch(x.device, nb * t))
+        rows, kw = _norm_launch(x.device, nb * t)
+        _add_layernorm_kernel[(triton.cdiv(nb * t, rows),)](
+            x, r, weight, bias, y, s, nb * t, x.stride(0), x.stride(1), x.stride(2), r.stride(0), r.stride(1),
+            r.stride(2), t, eps, C=c, BLOCK=triton.next_power_of_2(c), ROWS=rows, HAS_RES=residual is not None,
+            **kw)
     return y, s
 
 

@@ -14,6 +14,7 @@ pytest.importorskip("triton", reason="the codec kernels are Triton kernels")
 
 from engines.codec.decoder.estimator import conv_weight_gemm, window_mask  # noqa: E402
 from engines.kernels.codec_fused import (  # noqa: E402
+    NORM_ONE_ROW_MAX,
     add_layernorm,
     causal_conv,
     layernorm_mish,
@@ -25,6 +26,9 @@ from engines.kernels.codec_fused import (  # noqa: E402
 # float32: same math, different reduction order. bf16: both paths round at the same points, so at most a one-ulp
 # flip (2^-8 relative) where a float32 intermediate lands next to a rounding boundary.
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+# (B, T) of the LayerNorm tests: a row a program, then NORM_ROWS a program (just past NORM_ONE_ROW_MAX, T not a
+# multiple of them)
+NORM_SIZES = [(3, 40), (NORM_ONE_ROW_MAX // 37 + 1, 37)]
 
 
 def _norm_params(c: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +40,9 @@ def _norm_params(c: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_row,with_res", [(False, False), (True, False), (False, True)])
-def test_layernorm_mish_matches_torch(dtype, with_row, with_res):
-    B, C, T = 3, 256, 40
+@pytest.mark.parametrize("B,T", NORM_SIZES)
+def test_layernorm_mish_matches_torch(dtype, with_row, with_res, B, T):
+    C = 256
     g = torch.Generator(device="cuda").manual_seed(0)
     # A strided input, as the causal conv's sliced output is: [B, C, T + 2][..., :T].
     x = (3 * torch.randn(B, C, T + 2, device="cuda", generator=g)).to(dtype)[..., :T]
@@ -153,8 +158,9 @@ def test_causal_conv_refuses_a_mismatched_weight():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_res", [False, True])
-def test_add_layernorm_matches_torch(dtype, with_res):
-    B, T, C = 4, 40, 256
+@pytest.mark.parametrize("B,T", NORM_SIZES)
+def test_add_layernorm_matches_torch(dtype, with_res, B, T):
+    C = 256
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(B, C, T, device="cuda", generator=g).to(dtype).transpose(1, 2)  # [B, T, C] view, as in _attend
     r = torch.randn(B, T, C, device="cuda", generator=g).to(dtype) if with_res else None
