@@ -6,7 +6,6 @@ call `step()` in a loop; each step returns at most one new row per running reque
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import random
 import time
@@ -226,7 +225,9 @@ class Engine:
         s.running = len(self.scheduler.running)
         s.waiting = len(self.scheduler.waiting)
         s.free_blocks = self.scheduler.pool.num_free
-        return copy.deepcopy(s)  # (the caller keeps it: its lists too)
+        # The caller keeps a copy, its lists too. (Not copy.deepcopy: the service loop reads stats() every step,
+        # and a deep copy took ~27 us against ~5 for this.)
+        return dataclasses.replace(s, step_row_counts=list(s.step_row_counts), step_row_sums=list(s.step_row_sums))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
