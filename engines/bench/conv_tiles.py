@@ -25,6 +25,7 @@ from engines.kernels.codec_fused import (
     _ln_linear_kernel,
     add_layernorm,
     causal_conv,
+    conv_block_k,
     launch_causal_conv,
 )
 
@@ -110,8 +111,9 @@ def _sweep_ln_linear(rows: int, n: int, gelu: bool, c: int = 256) -> None:
           flush=True)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): wgmma-sized tiles (the served ones at these rows are (32, 128), 4 warps,
-# 2 stages per tap); 128 x 256 only with 8 warps (its float32 accumulator alone is 256 registers a thread at 4)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): wgmma-sized tiles (the per-tap loop ran (32, 128), 4 warps, 2 stages per
+# tap at these rows before the flat loop was served); 128 x 256 only with 8 warps (its float32 accumulator alone is 256
+# registers a thread at 4)
 FLAT_CONFIGS = [c for c in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
                 if c[0] * c[1] < 128 * 256 or c[3] == 8]
 
@@ -136,7 +138,7 @@ def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
             raise AssertionError(f"conv {tiling} at {rows} rows differs from the served one by {err}")
         return _graph_us(functools.partial(launch_causal_conv, x, wg, b, k, tiling))
 
-    before = timed(ConvTiling(32, 128, max(16, min(128, triton.next_power_of_2(cin)))))
+    before = timed(ConvTiling(32, 128, conv_block_k(cin)))
     res = []
     for c in FLAT_CONFIGS:
         if cin % c[2]:

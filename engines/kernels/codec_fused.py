@@ -299,11 +299,16 @@ CONV_FLAT_MIN_ROWS = 640
 CONV_FLAT_TILING = ConvTiling(64, 128, 64, warps=4, stages=3, flat=True)
 
 
+def conv_block_k(cin: int) -> int:
+    """BLOCK_K of the per-tap loop: the input channels' power of two, 16 to 128."""
+    return max(16, min(128, triton.next_power_of_2(cin)))
+
+
 def _conv_tiling(rows: int, cin: int, element_size: int) -> ConvTiling:
     """_causal_conv_kernel's tiling by output rows: small tiles (more programs, short K loops) for streaming batches,
     the flat loop for playing rounds. From `python3 -m engines.bench.conv_tiles` on an H200 (bf16, Cin 256-512, K 3):
     80 rows 5.3-8.3 us, 320 rows 5.9-9.3 us, where cuDNN's conv1d takes 16-22 us plus two layout transforms."""
-    bk = max(16, min(128, triton.next_power_of_2(cin)))
+    bk = conv_block_k(cin)
     flat = CONV_FLAT_TILING
     if rows >= CONV_FLAT_MIN_ROWS and element_size == 2 and cin % flat.block_k == 0:
         return flat
