@@ -2,9 +2,11 @@
 
 Times `_causal_conv_kernel` and `_ln_linear_kernel` per tile configuration inside a CUDA graph (as the Euler solve
 runs them) for the estimator's shapes at streaming batch sizes, against the torch path they replace (cuDNN's conv1d;
-add_layernorm + cuBLAS GEMM + GELU). `--flat ROWS` instead sweeps the tilings of the conv's FLAT loop (one
-pipelined loop over the whole (tap, channel) reduction, served for the playing rounds' row counts) against the served
-conv and the per-tap loop (which restarts its pipeline at every tap), and checks their outputs.
+add_layernorm + cuBLAS GEMM + GELU). `--gemm ROWS` times the estimator's four GEMMs at playing-round sizes on cuBLAS
+against the conv kernel's flat loop as a kernel-1 conv (a plain pipelined GEMM) per tiling. `--flat ROWS` sweeps the
+tilings of the conv's FLAT loop (one pipelined loop over the whole (tap, channel) reduction, served for the playing
+rounds' row counts) against the served conv and the per-tap loop (which restarts its pipeline at every tap), and
+checks their outputs.
 A development tool for choosing their tiles, not the server.
 """
 
@@ -155,11 +157,68 @@ def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
           f"tiling {per_tap:.2f} us", flush=True)
 
 
+# The estimator's GEMMs as (K, N, bias): q/k/v (one weight, no bias), to_out, ff.net.0, ff.net.2
+ESTIMATOR_GEMMS = ((256, 1536, False), (512, 256, True), (256, 1024, True), (1024, 256, True))
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for the kernel-1 conv: wgmma tiles, 3-4 stages; 128 x 256 only with 8 warps
+GEMM_CONFIGS = [c for c in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4))
+                if (c[0] * c[1] < 128 * 256 or c[3] == 8) and not (c[2] == 128 and c[4] == 4)]
+
+
+def kernel1_gemm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor, tiling: ConvTiling) -> torch.Tensor:
+    """x [M, K] @ w_t [K, N] + bias -> [M, N] on _causal_conv_kernel: a conv of kernel 1 over one sequence of M rows
+    (its output rows are written [M, N] row-major)."""
+    return launch_causal_conv(x.t()[None], w_t, bias, 1, tiling)[0].t()
+
+
+def _sweep_gemm(rows: int, k: int, n: int, has_bias: bool) -> list[tuple[float, tuple]]:
+    """cuBLAS (F.linear, as the estimator runs it above LINEAR_MAX_ROWS / LN_LINEAR_MAX_ROWS rows) against
+    kernel1_gemm per GEMM_CONFIGS, same inputs; each result checked against cuBLAS's. Returns (us, config) sorted,
+    with cuBLAS as config ()."""
+    dt = torch.bfloat16
+    x = torch.randn(rows, k, device="cuda", dtype=dt)
+    w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+    b = torch.randn(n, device="cuda", dtype=dt) if has_bias else None
+    w_t, zero = w.t().contiguous(), torch.zeros(n, device="cuda", dtype=dt)
+    want = F.linear(x, w, b).float()
+    res = [(_graph_us(lambda: F.linear(x, w, b)), ())]
+    for c in GEMM_CONFIGS:
+        if c[1] > n or k % c[2]:
+            continue
+        tiling = ConvTiling(*c, flat=True)
+        try:
+            got = kernel1_gemm(x, w_t, b if has_bias else zero, tiling).float()
+            err = float((got - want).abs().max())
+            if err > 2e-2 * float(want.abs().max()):
+                raise AssertionError(f"kernel-1 conv {c} at {rows} rows differs from cuBLAS by {err}")
+            res.append((_graph_us(functools.partial(kernel1_gemm, x, w_t, b if has_bias else zero, tiling)), c))
+        except Exception as e:  # noqa: BLE001 (a config that does not fit the SM's shared memory or registers)
+            print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}")
+    cublas = res[0][0]
+    res.sort()
+    best = ", ".join(f"{us:.2f} us {c or 'cuBLAS'}" for us, c in res[:5])
+    print(f"gemm rows {rows:5d} K {k:4d} N {n:4d}: cuBLAS {cublas:.2f} us; best (BM, BN, BK, warps, stages): {best}",
+          flush=True)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--flat", default="", help="only the flat conv against the served one at these row counts "
                    "(comma separated, multiples of 40), e.g. 1280,2560,5120")
+    p.add_argument("--gemm", default="", help="only the estimator's GEMMs, cuBLAS against the kernel-1 conv, at these "
+                   "row counts (comma separated), e.g. 1280,2560,5120")
     a = p.parse_args()
+    if a.gemm:
+        for rows in (int(r) for r in a.gemm.split(",")):
+            totals: dict[tuple, list[float]] = {}
+            for k, n, has_bias in ESTIMATOR_GEMMS:
+                for us, c in _sweep_gemm(rows, k, n, has_bias):
+                    totals.setdefault(c, []).append(us)
+            # one tiling for all four (a served tiling would be one): the smallest sum among those that ran every shape
+            whole = sorted((sum(t), c) for c, t in totals.items() if c and len(t) == len(ESTIMATOR_GEMMS))
+            print(f"gemm rows {rows:5d}: the four on cuBLAS {sum(totals[()]):.2f} us; one tiling for all: "
+                  + ", ".join(f"{us:.2f} us {c}" for us, c in whole[:4]), flush=True)
+        return
     if a.flat:
         # the estimator's convs: block1 | res_conv (Cin 320 / 256 / 512 -> 2 x 256: the first and the up resnet
         # here), block2 and the down / up / final convs (256 -> 256), all kernel 3
