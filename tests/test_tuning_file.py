@@ -106,3 +106,47 @@ def test_a_file_that_cannot_be_written_is_refused_with_its_path(tmp_path, monkey
     with pytest.raises(ValueError, match="cannot write it") as e:
         choose((1, 2, 3), Tuner((16, 256, 4, 4, 1)))
     assert str(path) in str(e.value) and not path.parent.exists()
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """A shipped tuning file with a section for this (CPU) device: the package's own picks."""
+    path = tmp_path / "shipped.json"
+    path.write_text(json.dumps({"version": 1, "gpus": {"cpu": {"skinny 1 2 16": [32, 256, 4, 3, 2],
+                                                               "skinny 3 4 16": [8, 8, 8, 8, 8]}}}))
+    monkeypatch.setattr(tuning_file, "SHIPPED", path)
+    return path
+
+
+def test_without_the_variable_the_shipped_picks_are_taken_and_the_rest_tuned(shipped, tmp_path, monkeypatch):
+    monkeypatch.delenv(tuning_file.ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    tuner = Tuner((16, 256, 4, 4, 1), (16, 256, 4, 4, 1))
+    assert choose((1, 2, 16), tuner) == (32, 256, 4, 3, 2) and tuner.calls == 0
+    assert choose((5, 6, 16), tuner) == (16, 256, 4, 4, 1) and tuner.calls == 1  # a shape it lacks
+    assert choose((3, 4, 16), tuner) == (16, 256, 4, 4, 1) and tuner.calls == 2  # a pick the tuner no longer offers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shipped.json"]  # nothing written
+
+
+def test_none_tunes_every_shape_even_a_shipped_one(shipped, monkeypatch):
+    monkeypatch.setenv(tuning_file.ENV, tuning_file.OFF)
+    tuner = Tuner((16, 256, 4, 4, 1))
+    assert choose((1, 2, 16), tuner) == (16, 256, 4, 4, 1) and tuner.calls == 1
+
+
+def test_an_operators_file_is_a_set_of_its_own_and_the_shipped_picks_do_not_enter_it(shipped, tfile):
+    tfile.write_text(json.dumps({"version": 1, "gpus": {"cpu": {"skinny 1 2 16": None}}}))
+    tuner = Tuner((16, 256, 4, 4, 1))
+    assert choose((1, 2, 16), tuner) is None and tuner.calls == 0  # the file's cuBLAS over the shipped tiling
+    tfile.write_text(json.dumps({"version": 1, "gpus": {}}))
+    assert choose((1, 2, 16), tuner) == (16, 256, 4, 4, 1) and tuner.calls == 1  # tuned, as gpu_tuning_pick.sh needs
+    assert json.loads(tfile.read_text())["gpus"] == {"cpu": {"skinny 1 2 16": [16, 256, 4, 4, 1]}}
+
+
+def test_the_shipped_file_is_a_tuning_file_with_the_h100_section():
+    """The package's tunings.json reads as a tuning file (its picks are checked against the tuners' candidate lists in
+    tests/gpu/test_kernels.py, where Triton is installed)."""
+    gpus = tuning_file._read(tuning_file.SHIPPED)["gpus"]
+    assert len(gpus["NVIDIA H100 80GB HBM3"]) >= 20
+    for section in gpus.values():
+        assert {name.split()[0] for name in section} <= {"skinny", "fp8_gemm"}

@@ -6,9 +6,10 @@
 # CAP_KV_GIB: the language model's KV pool in GiB (default auto: what the GPU has free after the codec and the
 # weights, less a headroom; runs up to session 20 gave 24).
 # CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--no-first-lane", "--codec-sms 32 --codec-sms-only").
-# MOSS_TUNING_FILE=PATH (passed on to the engine): serve the GEMM tilings kept in PATH, e.g. a writable copy of
-# docs/bench/tuning-h100-s39.json (the fastest of four starts on an H100, `gpu_tuning_pick.sh`), so both servers of an
-# A/B pair run the same tilings; the engine adds the shapes the file lacks.
+# MOSS_TUNING_FILE=PATH (passed on to the engine): serve the GEMM tilings kept in PATH, so both servers of an A/B pair
+# run the same tilings; the engine tunes and adds the shapes the file lacks. Without it the shipped picks
+# (engines/kernels/tunings.json: the fastest of four starts on an H100 by `gpu_tuning_pick.sh`) serve where they have
+# the GPU model; MOSS_TUNING_FILE=none tunes every shape at start.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored; made by docs/bench/gpu_wheels.sh)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1

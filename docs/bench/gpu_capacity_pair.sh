@@ -9,9 +9,8 @@
 #                             its .whl and the load test's speech sample are taken from this tree
 #   PAIR_LEVEL (136), CAP_ENGINE_ARGS, CAP_LEVEL_S (45): as in gpu_capacity.sh
 #   PAIR_DRY=1                print each run's command instead of running it
-# Example, the kept tuning file against tilings tuned at start (docs/PERF_NOTES.md, session 39):
-#   cp docs/bench/tuning-h100-s39.json /tmp/tuning.json
-#   PAIR_ORDER="A B" PAIR_A="MOSS_TUNING_FILE=/tmp/tuning.json" PAIR_B="" \
+# Example, the shipped tilings against tilings tuned at start (docs/PERF_NOTES.md, sessions 39-40):
+#   PAIR_ORDER="A B" PAIR_A="" PAIR_B="MOSS_TUNING_FILE=none" \
 #     CAP_ENGINE_ARGS="--fp8-weights --fp8-only" bash docs/bench/gpu_capacity_pair.sh
 # Writes $OUT/capacity-<label>-<n>.json per run and prints each run's level line.
 set -u

@@ -750,3 +750,21 @@ def test_tuned_tilings_are_kept_in_the_tuning_file_and_taken_from_it(tmp_path, m
                    (64, lambda x: fp8_gemm.linear(x, w8, scale))):
         x = torch.randn(m, 1024, device="cuda", generator=g).to(torch.bfloat16)
         assert rel_err(run(x), torch.nn.functional.linear(x.double(), values)) < 1e-2
+
+
+def test_the_shipped_tuning_picks_are_tilings_the_tuners_offer():
+    """engines/kernels/tunings.json: every pick one its tuner offers now (a candidate list that changed would drop the
+    pick at every start, with a warning)."""
+    from engines.kernels import fp8_gemm, skinny_gemm, tuning_file
+
+    for gpu, section in tuning_file._read(tuning_file.SHIPPED)["gpus"].items():
+        for name, pick in section.items():
+            value = tuple(pick) if isinstance(pick, list) else pick
+            kind = name.split()[0]
+            if kind == "fp8_gemm":
+                offered = fp8_gemm.CANDIDATES
+            elif "float8" in name:  # a skinny tile over an fp8 copy
+                offered = skinny_gemm.FP8_CANDIDATES
+            else:
+                offered = (*skinny_gemm.CANDIDATES, None)
+            assert value in offered, (gpu, name, pick)
