@@ -10,14 +10,14 @@ A development tool for the optimisation notes (docs/PERF_NOTES.md), not part of 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engines.bench.hardware import median, timed
-from engines.commands.bench_engine import _audio_forever, _drain, _rows, start_decode_batch
-from engines.config import EngineConfig, model_config_for
+from engines.commands.bench_engine import _audio_forever, _drain, _rows, decode_batch_config, start_decode_batch
 from engines.engine import Engine
 
 
@@ -32,10 +32,12 @@ def main() -> None:
                    "range (run under `ncu --profile-from-start off --graph-profiling node`)")
     a = p.parse_args()
     dev = torch.device("cuda")
-    mc = model_config_for(a.model)
-    cfg = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_bytes=mc.kv_bytes_per_row() * 80_000,
-                       max_running=max(64, a.batch), prefill_token_budget=600, max_model_len=2048,
-                       fp8_weights=a.fp8_weights, fp8_only=a.fp8_only)
+    # Answers generate until the batch decodes: while it prefills (at most 64 rows a step while answers ramp) the first
+    # admitted decode every step, so each needs an output budget of ~batch x context / 64 rows (with 200, 20 of 64
+    # had finished before the last began), and the KV pool all those budgets (the scheduler reserves them).
+    new_rows = a.batch * a.context // 64 + 256
+    cfg = dataclasses.replace(decode_batch_config(a.model, max(64, a.batch), max(a.context, 512), new_rows),
+                              fp8_weights=a.fp8_weights, fp8_only=a.fp8_only)
     engine = Engine.from_name(a.model, cfg)
     rng = random.Random(0)
     if a.ncu:
@@ -66,12 +68,14 @@ def _decode_batch(engine: Engine, rng: random.Random, batch: int, context: int, 
                   ) -> torch.cuda.CUDAGraph:
     """A decode batch of `batch` sequences at `context` rows, its graph's replay and the whole step timed and
     printed. Returns the graph."""
-    start_decode_batch(engine, rng, batch, context, 200)
-    # The decode graphs of every bucket read their inputs from the start of one staging buffer, in their own layout:
-    # the steps that brought the batch to decoding may have been mixed (prefill + decode) steps, so replay only after
-    # a decode step of this size has staged its inputs (a stale layout read as this bucket's indexed out of bounds
-    # at 64 rows).
+    start_decode_batch(engine, rng, batch, context, engine.config.max_model_len - context - 128)
+    # The graph replayed below must be the bucket of the decode step staged last (the decode graphs read their inputs
+    # from one buffer in their own layout: a 64-row replay over a 44-row step's words indexed out of bounds), and the
+    # steps that brought the batch to decoding may have been mixed ones: one decode step first.
     engine.step()
+    running = len(engine.scheduler.running)
+    if running != batch:
+        raise RuntimeError(f"decode batch {batch}: {running} sequences running")
     b = engine.runner.graphs.bucket(batch)
     graph = engine.runner.graphs.graphs[b]
     replay = median(timed(graph.replay, dev, repeats=20)) * 1e3
