@@ -8,8 +8,7 @@ depends only on the batch size and can be captured in a CUDA graph.
 
 Splits exist to give a small batch enough programs for the SMs; a large batch has them already, and
 there extra splits only cost (each program's fixed work, empty splits of short contexts, a wider
-merge): the split count falls with the batch (`num_splits`). With one split (batches of 33 or more on 8 KV heads)
-the split kernel writes the output itself and no merge runs.
+merge): the split count falls with the batch (`num_splits`).
 """
 
 from __future__ import annotations
@@ -26,10 +25,6 @@ MAX_SPLITS = 16
 # MAX_SPLITS (the split count before 2026-11-23 (15)).
 PROGRAMS_PER_SM: int | None = 2
 TILE = 64
-WARPS, STAGES = 4, 2  # the split kernel's launch (module constants, so a probe can sweep them)
-# With one split the split kernel divides by the softmax sum and writes the output (the merge, 40 launches of 5.8-7 us
-# a step at 96-128 rows on an H100, computed the same quotient: bit-identical). True: the merge runs anyway (A/B).
-MERGE_ONE_SPLIT = False
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
 # splits); None: the SM count of the launching stream's partition (engines.partition), so every program has an SM
 # of its own (batch 1 on an H200: 128 programs on 132 SMs, 0.05 ms per step faster). With more programs, batches
@@ -77,11 +72,11 @@ def _attend_tile(q, k, v, t_mask, m, l_sum, acc, scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, OUT, scale,
-                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
+                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   TILE_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr,
-                  DIRECT: tl.constexpr, PDL: tl.constexpr):
+                  PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -121,11 +116,6 @@ def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, OUT, scale,
         vt = tl.load(V + tile_rows, mask=ok[:, None], other=0.0)
         m, l_sum, acc = _attend_tile(q, kt, vt, ok, m, l_sum, acc, scale, PREC)
 
-    if DIRECT:  # one split, so the whole context: the merge's quotient with weight exp(0) = 1
-        out = acc / l_sum[:, None]
-        tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=g_mask[:, None])
-        return
     H = tl.num_programs(1) * G
     base = (b * H + heads) * SPLITS + s  # [GP]
     tl.store(M_OUT + base, m, mask=g_mask)
@@ -165,24 +155,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     g = heads // kvh
     splits = splits or num_splits(b, kvh, q.device)
     q = q.contiguous()
-    direct = splits == 1 and not MERGE_ONE_SPLIT
+    m = torch.empty(b, heads, splits, device=q.device, dtype=torch.float32)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(b, heads, splits, d, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    if direct:  # (the split kernel's partial-result arguments, unused)
-        m = l_sum = acc = out
-    else:
-        m = torch.empty(b, heads, splits, device=q.device, dtype=torch.float32)
-        l_sum = torch.empty_like(m)
-        acc = torch.empty(b, heads, splits, d, device=q.device, dtype=torch.float32)
     _split_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, out, scale,
+        q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE,
-        SPLITS=splits, PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
-        PRELOAD=_preload(q.device, b * kvh * splits), DIRECT=direct, num_warps=WARPS, num_stages=STAGES,
-        **launch_kwargs(q.device),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE, SPLITS=splits,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
+        PRELOAD=_preload(q.device, b * kvh * splits), num_warps=4, num_stages=2, **launch_kwargs(q.device),
     )
-    if direct:
-        return out
     _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=splits, num_warps=4,
                               **launch_kwargs(q.device))
     return out

@@ -94,22 +94,6 @@ def test_decode_kernel_every_split_count_matches_torch(splits):
         (num_splits(b, 8, dev) for b in (1, 2, 4, 8, 16, 32, 64, 96, 128)), reverse=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@PRELOAD_LIMITS
-def test_one_split_writes_the_merges_output_itself(monkeypatch, dtype, preload):
-    """With one split the split kernel divides by the softmax sum and writes the output: bit-identical to the merge
-    kernel over that one split (MERGE_ONE_SPLIT), and the reference's attention."""
-    from engines.kernels import paged_decode
-
-    q, cache, batch = make_case(51, 16, [1] * 6, [1, 3, 4095, 300, 65, 129], dtype)
-    args = (q, cache[0], cache[1], batch.block_tables, batch.context_lens, q.shape[-1] ** -0.5)
-    direct = paged_decode.paged_decode_attention(*args, splits=1)
-    monkeypatch.setattr(paged_decode, "MERGE_ONE_SPLIT", True)
-    merged = paged_decode.paged_decode_attention(*args, splits=1)
-    assert torch.equal(direct, merged)
-    assert rel_err(direct, torch_reference(q, cache, batch)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
 MIXED_CASES = [([1, 1, 40, 23], [300, 9, 40, 140]),  # decode rows, a fresh prefill, a chunk on a cached prefix
                ([512], [512]),  # one long fresh prefill: 16 tiles
                ([1, 33, 65, 1000], [4000, 1000, 65, 1130])]
