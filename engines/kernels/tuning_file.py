@@ -38,7 +38,7 @@ import torch
 log = logging.getLogger("engines.kernels")
 
 ENV = "MOSS_TUNING_FILE"
-OFF = "none"  # MOSS_TUNING_FILE=none: tune every shape at start, shipped picks included
+OFF = "none"  # MOSS_TUNING_FILE=none: tune every shape at every start (the shipped picks too)
 SHIPPED = Path(__file__).with_name("tunings.json")
 VERSION = 1
 _lock = threading.Lock()
