@@ -50,32 +50,42 @@ def _graph_us(fn, reps: int = 50) -> float:
     return e0.elapsed_time(e1) * 1e3 / (5 * reps)
 
 
+def _sweep_configs(configs, time_one) -> list[tuple[float, tuple]]:
+    """(us, config) for each config that runs, fastest first; `time_one(config)` times one. A config that does not
+    fit (the SM's shared memory or registers) or fails its check is reported and left out."""
+    res = []
+    for c in configs:
+        try:
+            res.append((time_one(c), c))
+        except Exception as e:  # noqa: BLE001
+            print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}")
+    return sorted(res)
+
+
+def _fastest(res: list[tuple[float, tuple]], n: int = 4) -> str:
+    return ", ".join(f"{us:.2f} us {c}" for us, c in res[:n])
+
+
+def _conv_inputs(rows: int, cin: int, k: int, cout: int, T: int = 40, w_scale: float = 1.0):
+    """bf16 conv operands: x [rows // T, cin, T] in time-major memory (as in the estimator), the weight
+    [cout, cin, k] times w_scale, its implicit-GEMM form, and a bias [cout]."""
+    dt = torch.bfloat16
+    x = torch.randn(rows // T, T, cin, device="cuda", dtype=dt).transpose(1, 2)
+    w = torch.randn(cout, cin, k, device="cuda", dtype=dt) * w_scale
+    b = torch.randn(cout, device="cuda", dtype=dt)
+    return x, w, conv_weight_gemm(w), b
+
+
 CONFIGS = list(itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4,), (2, 3)))  # BM, BN, BK, warps, stages
 
 
 def _sweep(rows: int, cin: int, k: int, cout: int = 256, T: int = 40) -> None:
-    dt = torch.bfloat16
-    nb = rows // T
-    x = torch.randn(nb, T, cin, device="cuda", dtype=dt).transpose(1, 2)  # time-major, as in the estimator
-    w = torch.randn(cout, cin, k, device="cuda", dtype=dt)
-    b = torch.randn(cout, device="cuda", dtype=dt)
-    wg = conv_weight_gemm(w)
+    x, w, wg, b = _conv_inputs(rows, cin, k, cout, T)
     xc = x.contiguous()
     ref = _graph_us(lambda: F.conv1d(xc, w, b, padding=k - 1))
-
-    def run(bm, bn, bk, nw, ns):
-        launch_causal_conv(x, wg, b, k, ConvTiling(bm, bn, bk, nw, ns))
-
-    res = []
-    for c in CONFIGS:
-        if c[2] > cin:
-            continue
-        try:
-            res.append((_graph_us(functools.partial(run, *c)), c))
-        except Exception as e:  # noqa: BLE001 (a config that does not fit the SM's shared memory)
-            print(f"  skip {c}: {type(e).__name__}")
-    res.sort()
-    best = ", ".join(f"{us:.2f} us {c}" for us, c in res[:4])
+    res = _sweep_configs([c for c in CONFIGS if c[2] <= cin], lambda c: _graph_us(
+        functools.partial(launch_causal_conv, x, wg, b, k, ConvTiling(*c))))
+    best = _fastest(res)
     print(f"rows {rows:5d} cin {cin} k {k}: cudnn conv1d (NCW, excl. transforms) {ref:.2f} us; best: {best}",
           flush=True)
 
@@ -101,14 +111,9 @@ def _sweep_ln_linear(rows: int, n: int, gelu: bool, c: int = 256) -> None:
                                 HAS_RES=True, HAS_BIAS=True, GELU=gelu, IEEE=False, num_warps=nw, num_stages=ns,
                                 PDL=False)
 
-    res = []
-    for cfg in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1,)):
-        try:
-            res.append((_graph_us(functools.partial(run, *cfg)), cfg))
-        except Exception as e:  # noqa: BLE001
-            print(f"  skip {cfg}: {type(e).__name__}")
-    res.sort()
-    best = ", ".join(f"{us:.2f} us {c}" for us, c in res[:4])
+    res = _sweep_configs(itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1,)),
+                         lambda c: _graph_us(functools.partial(run, *c)))
+    best = _fastest(res)
     print(f"ln_linear rows {rows:5d} n {n} gelu {gelu}: torch path {ref:.2f} us; best (BM, BN, warps, stages): {best}",
           flush=True)
 
@@ -124,12 +129,7 @@ def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
     """The served conv, the per-tap loop at the tiling served before the flat loop ((32, 128), 2 stages), the flat
     loop per FLAT_CONFIGS and the per-tap loop at the flat loop's best tiling, same inputs; each result checked
     against the served one (float32 sums of the same products; other tiles group them otherwise)."""
-    dt = torch.bfloat16
-    nb = rows // T
-    x = torch.randn(nb, T, cin, device="cuda", dtype=dt).transpose(1, 2)  # time-major, as in the estimator
-    w = torch.randn(cout, cin, k, device="cuda", dtype=dt) / (k * cin) ** 0.5
-    b = torch.randn(cout, device="cuda", dtype=dt)
-    wg = conv_weight_gemm(w)
+    x, _, wg, b = _conv_inputs(rows, cin, k, cout, T, w_scale=(k * cin) ** -0.5)
     want = causal_conv(x, wg, b, k)
     served = _graph_us(lambda: causal_conv(x, wg, b, k))
 
@@ -141,16 +141,8 @@ def _sweep_flat(rows: int, cin: int, k: int, cout: int, T: int = 40) -> None:
         return _graph_us(functools.partial(launch_causal_conv, x, wg, b, k, tiling))
 
     before = timed(ConvTiling(32, 128, conv_block_k(cin)))
-    res = []
-    for c in FLAT_CONFIGS:
-        if cin % c[2]:
-            continue
-        try:
-            res.append((timed(ConvTiling(*c, flat=True)), c))
-        except Exception as e:  # noqa: BLE001 (a config that does not fit the SM's shared memory or registers)
-            print(f"  skip {c}: {type(e).__name__}")
-    res.sort()
-    best = ", ".join(f"{us:.2f} us {c}" for us, c in res[:4])
+    res = _sweep_configs([c for c in FLAT_CONFIGS if cin % c[2] == 0], lambda c: timed(ConvTiling(*c, flat=True)))
+    best = _fastest(res)
     per_tap = timed(ConvTiling(*res[0][1], flat=False))
     print(f"rows {rows:5d} cin {cin} cout {cout} k {k}: served {_conv_tiling(rows, cin, 2)} {served:.2f} us, per-tap "
           f"(32, 128) {before:.2f} us; flat best (BM, BN, BK, warps, stages): {best}; per-tap loop at the best flat "
@@ -180,21 +172,17 @@ def _sweep_gemm(rows: int, k: int, n: int, has_bias: bool) -> list[tuple[float, 
     b = torch.randn(n, device="cuda", dtype=dt) if has_bias else None
     w_t, zero = w.t().contiguous(), torch.zeros(n, device="cuda", dtype=dt)
     want = F.linear(x, w, b).float()
-    res = [(_graph_us(lambda: F.linear(x, w, b)), ())]
-    for c in GEMM_CONFIGS:
-        if c[1] > n or k % c[2]:
-            continue
+    cublas = _graph_us(lambda: F.linear(x, w, b))
+
+    def timed(c: tuple) -> float:
         tiling = ConvTiling(*c, flat=True)
-        try:
-            got = kernel1_gemm(x, w_t, b if has_bias else zero, tiling).float()
-            err = float((got - want).abs().max())
-            if err > 2e-2 * float(want.abs().max()):
-                raise AssertionError(f"kernel-1 conv {c} at {rows} rows differs from cuBLAS by {err}")
-            res.append((_graph_us(functools.partial(kernel1_gemm, x, w_t, b if has_bias else zero, tiling)), c))
-        except Exception as e:  # noqa: BLE001 (a config that does not fit the SM's shared memory or registers)
-            print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}")
-    cublas = res[0][0]
-    res.sort()
+        got = kernel1_gemm(x, w_t, b if has_bias else zero, tiling).float()
+        err = float((got - want).abs().max())
+        if err > 2e-2 * float(want.abs().max()):
+            raise AssertionError(f"kernel-1 conv {c} at {rows} rows differs from cuBLAS by {err}")
+        return _graph_us(functools.partial(kernel1_gemm, x, w_t, b if has_bias else zero, tiling))
+
+    res = sorted([(cublas, ()), *_sweep_configs([c for c in GEMM_CONFIGS if c[1] <= n and k % c[2] == 0], timed)])
     best = ", ".join(f"{us:.2f} us {c or 'cuBLAS'}" for us, c in res[:5])
     print(f"gemm rows {rows:5d} K {k:4d} N {n:4d}: cuBLAS {cublas:.2f} us; best (BM, BN, BK, warps, stages): {best}",
           flush=True)
