@@ -267,6 +267,11 @@ def tune(weight: torch.Tensor, rows: int = 1, scale: torch.Tensor | None = None,
     return choice
 
 
+def offered(fp8: bool) -> tuple[Config | None, ...]:
+    """The choices the tuner may make for a weight: its tilings, and over a bf16 weight None (cuBLAS)."""
+    return FP8_CANDIDATES if fp8 else (*CANDIDATES, None)
+
+
 def config_for(weight: torch.Tensor, scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None,
                block_m: int = MAX_ROWS) -> Config | None:
     """The tuned tiling of this weight's shape (tuned now unless a capture is running); None: cuBLAS (over the
@@ -275,9 +280,9 @@ def config_for(weight: torch.Tensor, scale: torch.Tensor | None = None, act_dtyp
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():
             return None  # untuned shape inside a capture: no timing possible here
-        offered = FP8_CANDIDATES if scale is not None else (*CANDIDATES, None)  # None: cuBLAS (bf16 weights only)
+        choices = offered(fp8=scale is not None)
         _choice[key] = tuning_file.choose(
-            "skinny", key, weight.device, valid=lambda c: c in offered,
+            "skinny", key, weight.device, valid=lambda c: c in choices,
             tune=lambda: tune(weight, 1 if block_m == MAX_ROWS else block_m, scale, act_dtype, block_m))
     return _choice[key]
 

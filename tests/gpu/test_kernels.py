@@ -761,10 +761,6 @@ def test_the_shipped_tuning_picks_are_tilings_the_tuners_offer():
         for name, pick in section.items():
             value = tuple(pick) if isinstance(pick, list) else pick
             kind = name.split()[0]
-            if kind == "fp8_gemm":
-                offered = fp8_gemm.CANDIDATES
-            elif "float8" in name:  # a skinny tile over an fp8 copy
-                offered = skinny_gemm.FP8_CANDIDATES
-            else:
-                offered = (*skinny_gemm.CANDIDATES, None)
+            # a skinny key names the weight's dtype: a tile over an fp8 copy, or over a bf16 weight (cuBLAS offered)
+            offered = fp8_gemm.CANDIDATES if kind == "fp8_gemm" else skinny_gemm.offered(fp8="float8" in name)
             assert value in offered, (gpu, name, pick)
