@@ -21,6 +21,11 @@ def _require(ok: bool, msg: str) -> None:
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+# EngineConfig.kv_dtype -> the cache's element type (None: the model dtype).
+KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # the largest finite e4m3 value: K/V beyond it are stored saturated
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -160,6 +165,12 @@ class EngineConfig:
     # cuBLAS over bf16: level at 33-64 rows, up to ~1.5x slower at prefill sizes (H200). For GPUs where the bf16
     # weights beside the copies leave the KV pool thin (an 80 GB H100 at --max-running 128).
     fp8_only: bool = False
+    # The KV cache's element type: "auto" keeps the model dtype; "fp8" stores K and V as e4m3 (unit scale, values
+    # saturated at +-448), half the bytes of bf16: the pool holds twice the rows and the decode attention, which
+    # reads every cached row of every running sequence each step, reads half as much. A numerics change (keys
+    # keep 3 mantissa bits), so off unless asked for. The attention kernels convert each tile (to fp16 under bf16
+    # queries: engines/kernels/paged_decode.fp16_dots).
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for f in ("block_size", "kv_cache_bytes", "max_running", "prefill_token_budget", "max_model_len"):
@@ -184,6 +195,8 @@ class EngineConfig:
         _require(not self.fp8_weights or self.torch_dtype in (torch.bfloat16, torch.float32),
                  f"EngineConfig.fp8_weights needs dtype bfloat16 or float32 (fp8 values are exact in those), "
                  f"got {self.dtype}")
+        _require(self.kv_dtype in KV_DTYPES, f"EngineConfig.kv_dtype must be one of {sorted(KV_DTYPES)}, "
+                 f"got {self.kv_dtype!r}")
         try:
             torch.device(self.device)
         except RuntimeError as e:
@@ -193,9 +206,14 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
 
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        return KV_DTYPES[self.kv_dtype] or self.torch_dtype
+
     def block_bytes(self, model: ModelConfig) -> int:
         """One KV block of `model` over every layer."""
-        return model.kv_bytes_per_row(self.torch_dtype) * self.block_size
+        return model.kv_bytes_per_row(self.kv_torch_dtype) * self.block_size
 
     def num_blocks(self, model: ModelConfig) -> int:
         per_block = self.block_bytes(model)

@@ -99,7 +99,7 @@ class ModelRunner:
         self.pad_block = num_blocks
         self.kv_cache = torch.zeros(
             model_config.num_attention_layers, 2, num_blocks + 1, config.block_size,
-            model_config.num_key_value_heads, model_config.head_dim, dtype=self.dtype, device=self.device,
+            model_config.num_key_value_heads, model_config.head_dim, dtype=config.kv_torch_dtype, device=self.device,
         )  # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         # One row per running slot, and a spare row that the padding rows of decode graphs mark.
         self.spare_slot = config.max_running

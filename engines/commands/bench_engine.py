@@ -14,7 +14,7 @@ import torch
 from engines.api import ChannelSampling, SamplingParams
 from engines.bench.hardware import device_name, measure_bandwidth, measure_matmul, median, sync, timed
 from engines.bench.hf_baseline import HFStyleModel
-from engines.config import EngineConfig, model_config_for, parse_dtype
+from engines.config import KV_DTYPES, EngineConfig, model_config_for, parse_dtype
 from engines.engine import Engine
 from engines.tokens import AUDIO_PAD, EOSP, SOSP
 
@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "decode steps reading an fp8 copy (the baseline runs the same rounded weights in bf16)")
     p.add_argument("--fp8-only", action="store_true", help="EngineConfig.fp8_only: with --fp8-weights, only the fp8 "
                    "copies are kept (needs --no-baseline: the HF-style baseline multiplies bf16 weights)")
+    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="auto",
+                   help="EngineConfig.kv_dtype: fp8 stores the KV cache as e4m3 (the floor counts its bytes)")
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -136,21 +138,21 @@ def run(args: argparse.Namespace) -> int:
 
     mc = model_config_for(args.model)
     kv_bytes = int(args.kv_gib * 2**30) if args.kv_gib else (max_b * (max_len + EngineConfig.block_size) + 4096) * \
-        mc.kv_bytes_per_row(parse_dtype(dtype))
+        mc.kv_bytes_per_row(KV_DTYPES[args.kv_dtype] or parse_dtype(dtype))
     cfg = EngineConfig(device=args.device, dtype=dtype, kv_cache_bytes=kv_bytes, max_running=max_b,
                        prefill_token_budget=max(args.prefill, max_b + 1) + max_b, max_model_len=max_len + 64,
                        max_waiting=max_b + 8, cuda_graphs=not args.no_graphs, fp8_weights=args.fp8_weights,
-                       fp8_only=args.fp8_only,
+                       fp8_only=args.fp8_only, kv_dtype=args.kv_dtype,
                        ramp_step_rows=0)  # no cap on prefill beside new answers: batches fill in prefill_steps
     engine = Engine.from_name(args.model, cfg, seed=0)
     model = engine.runner.model
     w_audio, w_text = weight_bytes(model, False), weight_bytes(model, True)
-    kv_row = mc.kv_bytes_per_row(cfg.torch_dtype)
+    kv_row = mc.kv_bytes_per_row(cfg.kv_torch_dtype)
     res: dict = {"device": device_name(device), "model": args.model, "dtype": dtype,
                  "hbm_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": mm, "weight_bytes_decode_audio": w_audio,
                  "weight_bytes_decode_text": w_text, "kv_bytes_per_row": kv_row, "context_rows": ctx,
                  "cuda_graphs": engine.runner.graphs is not None, "fp8_weights": args.fp8_weights,
-                 "fp8_only": args.fp8_only}
+                 "fp8_only": args.fp8_only, "kv_dtype": args.kv_dtype}
 
     # Prefill of N rows (the step that runs them and samples the first row), without the first decode step that
     # the engine launches in the same call for a spoken answer (overlap off for this measurement only).

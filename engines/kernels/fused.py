@@ -49,6 +49,14 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 @triton.jit
+def _cache_value(x, ty: tl.constexpr):
+    """x in the KV cache's element type: an fp8 cache saturates at +-448 (engines.model.attention.to_cache)."""
+    if ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(ty)
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(QKV, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOTS, T, stride_qkv, stride_cos,
                             stride_slot_page, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                             PAGE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
@@ -64,9 +72,9 @@ def _qk_norm_rope_kv_kernel(QKV, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOT
     slot = tl.load(SLOTS + rows, mask=r_ok, other=0).to(tl.int64)
     cache_row = ((slot // PAGE) * stride_slot_page + (slot % PAGE) * (KVH * D))[:, None] + half[None, :]
     if h >= H + KVH:  # v: straight into the cache
-        dst = V_CACHE + cache_row + (h - H - KVH) * D
-        tl.store(dst, x1.to(V_CACHE.dtype.element_ty), mask=m)
-        tl.store(dst + D // 2, x2.to(V_CACHE.dtype.element_ty), mask=m)
+        v_dst = V_CACHE + cache_row + (h - H - KVH) * D
+        tl.store(v_dst, _cache_value(x1, V_CACHE.dtype.element_ty), mask=m)
+        tl.store(v_dst + D // 2, _cache_value(x2, V_CACHE.dtype.element_ty), mask=m)
     else:
         if h < H:
             w1 = tl.load(QW + half).to(tl.float32)
@@ -88,10 +96,13 @@ def _qk_norm_rope_kv_kernel(QKV, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOT
         o2 = (y2 * c).to(dt).to(tl.float32) + (y1 * s).to(dt).to(tl.float32)
         if h < H:
             dst = Q_OUT + (rows[:, None].to(tl.int64) * H + h) * D + half[None, :]
+            tl.store(dst, o1.to(dt), mask=m)
+            tl.store(dst + D // 2, o2.to(dt), mask=m)
         else:
-            dst = K_CACHE + cache_row + (h - H) * D
-        tl.store(dst, o1.to(dt), mask=m)
-        tl.store(dst + D // 2, o2.to(dt), mask=m)
+            k_dst = K_CACHE + cache_row + (h - H) * D
+            # rounded to the model dtype first, as the torch path's key is before it is cached
+            tl.store(k_dst, _cache_value(o1.to(dt), K_CACHE.dtype.element_ty), mask=m)
+            tl.store(k_dst + D // 2, _cache_value(o2.to(dt), K_CACHE.dtype.element_ty), mask=m)
 
 
 def qk_norm_rope_write_kv(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,

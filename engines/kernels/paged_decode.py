@@ -25,11 +25,23 @@ MAX_SPLITS = 16
 # MAX_SPLITS (the split count before 2026-11-23 (15)).
 PROGRAMS_PER_SM: int | None = 2
 TILE = 64
+# (tile rows, warps, pipeline stages) of the split kernel over a cache in the query's dtype, and over an fp8 cache:
+# its tiles are converted on their way to the dots, and 2 warps a program were 1.2-1.8x faster than 4 over 1,000-
+# 4,000-row contexts at 8-128 sequences (H100, docs/bench/kv-fp8-tiling-h100-s41.txt).
+TILING = (TILE, 4, 2)
+FP8_TILING = (TILE, 2, 2)
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
 # splits); None: the SM count of the launching stream's partition (engines.partition), so every program has an SM
 # of its own (batch 1 on an H200: 128 programs on 132 SMs, 0.05 ms per step faster). With more programs, batches
 # 4 to 64 measured 4-30% slower (docs/PERF_NOTES.md).
 PRELOAD_MAX_PROGRAMS: int | None = None
+
+
+def fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether attention over this cache runs its dots in fp16: an fp8 (e4m3) cache under a 16-bit query. Every
+    e4m3 value is exact in fp16, and the query's bf16 values are too within fp16's range (|q| < 65504, which a
+    query after its RMSNorm stays far below); the probabilities round to fp16's 11 bits instead of bf16's 8."""
+    return k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
 
 
 def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -59,6 +71,16 @@ def _tile_rows(BT, b, kvh, t0, end, stride_bt, stride_kb, stride_ks, stride_kh, 
 
 
 @triton.jit
+def kv_tile(x, Q, F16: tl.constexpr):
+    """A K or V tile in the dtype of the dots: fp16 over an fp8 cache (one conversion instruction per two values,
+    where e4m3 -> bf16 takes several: 5-10% faster at 64-128 sequences, H100), else the query's."""
+    if F16:
+        return x.to(tl.float16)
+    else:
+        return x.to(Q.dtype.element_ty)
+
+
+@triton.jit
 def _attend_tile(q, k, v, t_mask, m, l_sum, acc, scale, PREC: tl.constexpr):
     """Online-softmax update of (running max, sum, weighted values) with one tile of keys/values [TILE, D]."""
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, TILE] float32
@@ -76,7 +98,7 @@ def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   TILE_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr,
-                  PDL: tl.constexpr):
+                  F16: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -94,26 +116,28 @@ def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
         # before the wait, while the kernels before this one (qkv GEMM, QK-norm) still run.
         offs_t, t_mask, rows = _tile_rows(BT, b, kvh, start, end, stride_bt, stride_kb, stride_ks, stride_kh, PAGE,
                                           TILE_N, D)
-        k = tl.load(K + rows, mask=t_mask[:, None], other=0.0)  # [TILE, D]
-        v = tl.load(V + rows, mask=t_mask[:, None], other=0.0)
+        k = kv_tile(tl.load(K + rows, mask=t_mask[:, None], other=0.0), Q, F16)  # [TILE, D]
+        v = kv_tile(tl.load(V + rows, mask=t_mask[:, None], other=0.0), Q, F16)
     wait_then_trigger(PDL)
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    if F16:
+        q = q.to(tl.float16)  # [GP, D]
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     first = start
     if PRELOAD:
         newest = ((offs_t == ctx - 1) & t_mask)[:, None]  # written by this step's K/V write: read again now
-        k = tl.where(newest, tl.load(K + rows, mask=newest, other=0.0), k)
-        v = tl.where(newest, tl.load(V + rows, mask=newest, other=0.0), v)
+        k = tl.where(newest, kv_tile(tl.load(K + rows, mask=newest, other=0.0), Q, F16), k)
+        v = tl.where(newest, kv_tile(tl.load(V + rows, mask=newest, other=0.0), Q, F16), v)
         if start < end:  # an empty split keeps (-inf, 0, 0): the merge gives it no weight
             m, l_sum, acc = _attend_tile(q, k, v, t_mask, m, l_sum, acc, scale, PREC)
         first = start + TILE_N
     for t0 in range(first, end, TILE_N):
         offs, ok, tile_rows = _tile_rows(BT, b, kvh, t0, end, stride_bt, stride_kb, stride_ks, stride_kh, PAGE,
                                          TILE_N, D)
-        kt = tl.load(K + tile_rows, mask=ok[:, None], other=0.0)
-        vt = tl.load(V + tile_rows, mask=ok[:, None], other=0.0)
+        kt = kv_tile(tl.load(K + tile_rows, mask=ok[:, None], other=0.0), Q, F16)
+        vt = kv_tile(tl.load(V + tile_rows, mask=ok[:, None], other=0.0), Q, F16)
         m, l_sum, acc = _attend_tile(q, kt, vt, ok, m, l_sum, acc, scale, PREC)
 
     H = tl.num_programs(1) * G
@@ -147,7 +171,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            splits: int | None = None) -> torch.Tensor:
     """q [B, heads, D] (one row per sequence, at its last position) -> [B, heads, D].
 
-    k_cache, v_cache: [num_blocks, block_size, kv_heads, D]; block_tables [B, max_blocks]; context_lens [B].
+    k_cache, v_cache: [num_blocks, block_size, kv_heads, D] in q's dtype or fp8 (e4m3: `fp16_dots`); block_tables
+    [B, max_blocks]; context_lens [B].
     splits: of each context, a power of two (default `num_splits`).
     """
     b, heads, d = q.shape
@@ -159,12 +184,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     l_sum = torch.empty_like(m)
     acc = torch.empty(b, heads, splits, d, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
+    tile, warps, stages = FP8_TILING if k_cache.dtype == torch.float8_e4m3fn else TILING
     _split_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=TILE, SPLITS=splits,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=tile, SPLITS=splits,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
-        PRELOAD=_preload(q.device, b * kvh * splits), num_warps=4, num_stages=2, **launch_kwargs(q.device),
+        PRELOAD=_preload(q.device, b * kvh * splits), F16=fp16_dots(q, k_cache), num_warps=warps, num_stages=stages,
+        **launch_kwargs(q.device),
     )
     _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=splits, num_warps=4,
                               **launch_kwargs(q.device))

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engines.kernels.paged_decode import fp16_dots, kv_tile
 from engines.kernels.tiles import BLOCK_M, BLOCK_N
 
 
@@ -20,7 +21,7 @@ from engines.kernels.tiles import BLOCK_M, BLOCK_N
 def _varlen_kernel(Q, K, V, OUT, TILES, QSTART, POS, CTX, BT, scale, stride_tiles,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, F16: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     scale_log2 = scale * 1.4426950408889634  # softmax with exp2: e^x = 2^(x log2 e)
@@ -36,6 +37,8 @@ def _varlen_kernel(Q, K, V, OUT, TILES, QSTART, POS, CTX, BT, scale, stride_tile
         offs_d = tl.arange(0, D)
         rows = (q0 + offs_m).to(tl.int64)
         q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None], other=0.0)
+        if F16:
+            q = q.to(tl.float16)  # dots in fp16 over an fp8 cache (paged_decode.fp16_dots)
         pos = tl.load(POS + rows, mask=m_mask, other=-1)  # [BM]; padding rows see no key
         last = tl.minimum(r0 + BM, n) - 1
         hi = tl.minimum(ctx, tl.load(POS + q0 + last) + 1)
@@ -47,8 +50,9 @@ def _varlen_kernel(Q, K, V, OUT, TILES, QSTART, POS, CTX, BT, scale, stride_tile
             t_mask = offs_t < hi
             blk = tl.load(BT + s * stride_bt + offs_t // PAGE, mask=t_mask, other=0)
             kv_row = blk.to(tl.int64) * stride_kb + (offs_t % PAGE) * stride_ks + kvh * stride_kh
-            k = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)  # [BN, D]
-            v = tl.load(V + kv_row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+            k = kv_tile(tl.load(K + kv_row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0), Q,
+                         F16)  # [BN, D]
+            v = kv_tile(tl.load(V + kv_row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0), Q, F16)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BM, BN] float32, log2 units
             allowed = (offs_t[None, :] <= pos[:, None]) & t_mask[None, :]
             qk = tl.where(allowed, qk, float("-inf"))
@@ -67,8 +71,8 @@ def _varlen_kernel(Q, K, V, OUT, TILES, QSTART, POS, CTX, BT, scale, stride_tile
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: torch.Tensor,
                            query_start: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """q [T, heads, d]; k/v_cache [blocks, page, kv_heads, d]; tiles [2, n_tiles] (tile_map; rows may be a
-    slice of a wider buffer, columns contiguous).
+    """q [T, heads, d]; k/v_cache [blocks, page, kv_heads, d] (q's dtype or fp8); tiles [2, n_tiles] (tile_map;
+    rows may be a slice of a wider buffer, columns contiguous).
     Writes the rows the tiles cover into out [T, heads, d] (contiguous) and returns it."""
     t, heads, d = q.shape
     kvh, page = k_cache.shape[2], k_cache.shape[1]
@@ -81,5 +85,5 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q, k_cache, v_cache, out, tiles, query_start, positions, context_lens, block_tables, scale, tiles.stride(0),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), G=heads // kvh, D=d, PAGE=page, BM=BLOCK_M, BN=BLOCK_N, PREC=prec,
-            num_warps=4, num_stages=2)
+            F16=fp16_dots(q, k_cache), num_warps=4, num_stages=2)
     return out

@@ -28,7 +28,7 @@ def fit_kv_cache_bytes(free_bytes: int, config: EngineConfig, model: ModelConfig
             f"{max(free_bytes - headroom_bytes, 0) / GIB:.1f} GiB of GPU memory is left for the KV pool "
             f"({free_bytes / GIB:.1f} GiB free less {headroom_bytes / GIB:.0f} GiB of headroom); one conversation of "
             f"--max-model-len {config.max_model_len} rows needs {seq_blocks * per_block / GIB:.2f} GiB: lower "
-            "--max-model-len or --max-running, or give --kv-cache-gib")
+            "--max-model-len or --max-running, store K/V in half the bytes (--kv-dtype fp8), or give --kv-cache-gib")
     return blocks * per_block
 
 
@@ -40,11 +40,11 @@ THIN_ROWS_PER_SEQUENCE = 256
 def thin_pool_warning(kv_cache_bytes: int, config: EngineConfig, model: ModelConfig) -> str | None:
     """A warning when the pool holds fewer than THIN_ROWS_PER_SEQUENCE rows per running sequence, else None: once
     the sequences together hold more, requests are refused (server_busy), however fast the GPU is."""
-    rows = kv_cache_bytes // model.kv_bytes_per_row(config.torch_dtype)
+    rows = kv_cache_bytes // model.kv_bytes_per_row(config.kv_torch_dtype)
     per_seq = rows // config.max_running
     if per_seq >= THIN_ROWS_PER_SEQUENCE:
         return None
     return (f"the KV pool ({kv_cache_bytes / GIB:.1f} GiB) holds {rows} rows, {per_seq} per running sequence at "
             f"--max-running {config.max_running}: conversations are refused (server_busy) once together they hold "
-            f"more. Lower --max-running, or free GPU memory (--fp8-weights keeps a second copy of the weights; "
-            f"--fp8-only with it keeps only that copy)")
+            f"more. Lower --max-running, store K/V in half the bytes (--kv-dtype fp8), or free GPU memory "
+            f"(--fp8-weights keeps a second copy of the weights; --fp8-only with it keeps only that copy)")

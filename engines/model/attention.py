@@ -2,22 +2,35 @@
 
 A GPU kernel can replace `write_kv` / `paged_attention` behind the same signatures.
 Cache layer layout: k_cache, v_cache each [num_blocks, block_size, num_kv_heads, head_dim];
-slot s lives at block s // block_size, offset s % block_size.
+slot s lives at block s // block_size, offset s % block_size. The cache's element type is the model dtype or fp8
+(EngineConfig.kv_dtype); attention reads it back in float32 here, in the model dtype on the GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engines.config import FP8_MAX
 from engines.model.batch import ForwardBatch
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows in the cache's element type: an fp8 cache stores them saturated at +-FP8_MAX (the GPU write
+    kernel does the same), rounded to nearest even."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new rows' K/V ([T, kv_heads, head_dim]) at their slots."""
     kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = to_cache(x, cache.dtype)
+        if cache.element_size() == 1:  # index_copy_ has no fp8 kernel: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, kvh, d).index_copy_(0, slot_mapping, x)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,

@@ -140,6 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --fp8-weights: keep only the fp8 copies, so the weights take half their bf16 memory "
                         "instead of 1.5x it (for an 80 GB GPU); steps over 32 rows run the fp8 GEMM, up to ~1.5x "
                         "slower than cuBLAS at prefill sizes")
+    p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",  # EngineConfig.kv_dtype (no torch here)
+                   help="the language model's KV cache: auto (the model dtype) or fp8 (e4m3, unit scale, saturated at "
+                        "+-448): half the bytes, so the pool holds twice the rows and decode attention reads half as "
+                        "much; other numerics than the published model")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--encode-every-ms", type=_non_negative_ms, default=80.0,
@@ -275,6 +279,7 @@ def build_service(args: argparse.Namespace) -> Service:
         kw["ramp_step_rows"] = args.ramp_step_rows
     kw["fp8_weights"] = getattr(args, "fp8_weights", False)
     kw["fp8_only"] = getattr(args, "fp8_only", False)
+    kw["kv_dtype"] = getattr(args, "kv_dtype", "auto")
     config = EngineConfig(**kw)
     codec_sms = getattr(args, "codec_sms", 0)
     if getattr(args, "codec_sms_only", False) and not codec_sms:

@@ -37,7 +37,7 @@ def run(engine: Engine, prompts: dict, steps: int, min_new: int = 0) -> dict:
     return out
 
 
-def make(ckpt, dtype: str, graphs: bool, fp8_weights: str = "") -> Engine:
+def make(ckpt, dtype: str, graphs: bool, fp8_weights: str = "", kv_dtype: str = "auto") -> Engine:
     """fp8_weights: "beside" (copies beside the rounded bf16 weights) or "only" (copies alone), or none."""
     model = load_model(ckpt, device="cuda", dtype=dtype)
     if fp8_weights:
@@ -46,7 +46,7 @@ def make(ckpt, dtype: str, graphs: bool, fp8_weights: str = "") -> Engine:
         fp8.apply(model, keep_weights=fp8_weights == "beside")
     mc = model.config
     cfg = EngineConfig(device="cuda", dtype=dtype, block_size=16, kv_cache_bytes=mc.kv_bytes_per_row() * 8192,
-                       max_running=8, prefill_token_budget=64, cuda_graphs=graphs)
+                       max_running=8, prefill_token_budget=64, cuda_graphs=graphs, kv_dtype=kv_dtype)
     return Engine(model, mc, cfg)
 
 
@@ -79,6 +79,21 @@ def test_gpu_greedy_tokens_equal_cpu_dense_reference(tiny_checkpoint):
     prompts = {f"r{i}": prompt(rng, i % 2 == 1) for i in range(4)}
     got = run(make(tiny_checkpoint, "float32", graphs=True), prompts, 40, min_new=40)
     dense = dense_from_checkpoint(tiny_checkpoint)
+    for i, (rid, rows) in enumerate(prompts.items()):
+        assert got[rid] == dense_greedy(dense, rows, 40, min_new_tokens=40 if i % 2 else 0), rid
+
+
+def test_fp8_kv_cache_graphs_equal_eager_and_float32_equals_the_rounded_dense_reference(tiny_checkpoint):
+    """An fp8 KV cache on the GPU: CUDA-graph replay == eager (bf16), and float32 greedy tokens == the CPU dense
+    reference whose attention reads K/V rounded to e4m3."""
+    rng = random.Random(4)
+    prompts = {f"r{i}": prompt(rng, i % 2 == 1) for i in range(6)}
+    eager = run(make(tiny_checkpoint, "bfloat16", graphs=False, kv_dtype="fp8"), prompts, 40, min_new=40)
+    graphed = make(tiny_checkpoint, "bfloat16", graphs=True, kv_dtype="fp8")
+    assert graphed.runner.graphs is not None and graphed.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert run(graphed, prompts, 40, min_new=40) == eager
+    got = run(make(tiny_checkpoint, "float32", graphs=True, kv_dtype="fp8"), prompts, 40, min_new=40)
+    dense = dense_from_checkpoint(tiny_checkpoint, kv_fp8=True)
     for i, (rid, rows) in enumerate(prompts.items()):
         assert got[rid] == dense_greedy(dense, rows, 40, min_new_tokens=40 if i % 2 else 0), rid
 

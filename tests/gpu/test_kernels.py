@@ -127,6 +127,30 @@ def test_decode_and_varlen_kernels_gqa_group_of_tiny_model():
         assert rel_err(out, torch_reference(q, cache, batch)) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@PRELOAD_LIMITS
+def test_attention_over_an_fp8_cache_is_attention_over_its_values(dtype, preload):
+    """The decode and varlen kernels over an fp8 cache: the float64 attention over the cache's values within the
+    tolerance of the query's dtype (bf16 queries: dots in fp16, paged_decode.fp16_dots), and no further from it than
+    the kernels over a cache holding the same values in the query's dtype (their tilings differ: FP8_TILING)."""
+    from engines.kernels.paged_decode import fp16_dots
+    from engines.model.attention import to_cache
+
+    cases = [([1], [1]), ([1] * 4, [5, 1000, 17, 64]), ([1] * 6, [1, 3, 4095, 300, 65, 129]), *MIXED_CASES]
+    for seed, (q_lens, ctx) in enumerate(cases):
+        q, cache, batch = make_case(70 + seed, 16, q_lens, ctx, torch.float32)
+        fp8 = to_cache(cache * 4, torch.float8_e4m3fn)  # [2, blocks, page, kvh, d]
+        same = fp8.to(dtype)
+        q = q.to(dtype)
+        assert fp16_dots(q, fp8[0]) is (dtype == torch.bfloat16)
+        out = paged_attention(q, fp8[0], fp8[1], batch)
+        plain = paged_attention(q, same[0], same[1], batch)
+        want = torch_reference(q, same, batch)
+        bound = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        err = rel_err(out, want)
+        assert err < bound and err <= 1.5 * rel_err(plain, want) + bound / 10, (q_lens, ctx, err)
+
+
 def _torch_rmsnorm(x, w, eps):
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -173,6 +197,35 @@ def test_fused_qk_norm_rope_kv_write_matches_torch(block_size):
     assert torch.isfinite(written).all()
     assert rel_err(written, caches[2].view(-1, kvh, d)[slots]) < 1e-2
     assert torch.equal(caches[1].view(-1, kvh, d)[slots], caches[3].view(-1, kvh, d)[slots])
+
+
+def test_fused_write_into_an_fp8_cache_stores_the_torch_paths_values():
+    """Keys (normed and rotated, rounded to bf16 first) and values into an fp8 cache: the bf16 cache's values cast
+    as engines.model.attention.to_cache casts them, saturated beyond +-448, bit for bit."""
+    from engines.kernels.fused import qk_norm_rope_write_kv
+    from engines.model.attention import to_cache
+    from engines.model.rope import rope_cos_sin, rope_inv_freq
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    t, h, kvh, d, dtype = 37, 32, 8, 128, torch.bfloat16
+    qkv = torch.randn(t, (h + 2 * kvh) * d, device="cuda", generator=g).to(dtype)
+    qkv[:, (h + kvh) * d:] *= 300  # values beyond e4m3's range
+    qw = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    kw = (300 * torch.randn(d, device="cuda", generator=g)).to(dtype)  # keys over e4m3's range too
+    pos = torch.randint(0, 5000, (t,), device="cuda", generator=g)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(d, 1e6).cuda(), dtype)
+    slots = torch.randperm(64 * 16, device="cuda", generator=g)[:t]
+    plain = [torch.zeros(64, 16, kvh, d, device="cuda", dtype=dtype) for _ in range(2)]
+    fp8 = [torch.zeros(64, 16, kvh, d, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2)]
+    q = qk_norm_rope_write_kv(qkv, qw, kw, cos, sin, plain[0], plain[1], slots, h, kvh, 1e-6)
+    q8 = qk_norm_rope_write_kv(qkv, qw, kw, cos, sin, fp8[0], fp8[1], slots, h, kvh, 1e-6)
+    assert torch.equal(q, q8)
+    for a, b in zip(plain, fp8, strict=True):
+        rows = a.view(-1, kvh, d)[slots]
+        assert rows.abs().max() > 448
+        got, want = b.view(-1, kvh, d)[slots].float(), to_cache(rows, torch.float8_e4m3fn).float()
+        bad = (got != want).nonzero()[:4].tolist()
+        assert not bad, [(rows[tuple(i)].item(), got[tuple(i)].item(), want[tuple(i)].item()) for i in bad]
 
 
 def test_fused_silu_mul_matches_torch():

@@ -18,10 +18,19 @@ from engines.tokens import MODALITY_PAD
 
 
 class DenseMossSpeech:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 kv_fp8: bool = False):
+        """kv_fp8: attention reads keys and values rounded to e4m3 (saturated at +-448), as an fp8 KV cache holds
+        them."""
         self.config = config
         self.dtype = dtype
+        self.kv_fp8 = kv_fp8
         self.w = {k: v.to(dtype) for k, v in weights.items()}
+
+    def _cached(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.kv_fp8:
+            return x
+        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Same rounding order as the release: normalise in float32, back to the working dtype, times weight.
@@ -48,7 +57,8 @@ class DenseMossSpeech:
         k = (h @ w[p + "self_attn.k_proj.weight"].T).view(length, c.num_key_value_heads, c.head_dim).transpose(0, 1)
         v = (h @ w[p + "self_attn.v_proj.weight"].T).view(length, c.num_key_value_heads, c.head_dim).transpose(0, 1)
         q = self._rope(self._norm(q, w[p + "self_attn.q_norm.weight"]), length)
-        k = self._rope(self._norm(k, w[p + "self_attn.k_norm.weight"]), length)
+        k = self._cached(self._rope(self._norm(k, w[p + "self_attn.k_norm.weight"]), length))
+        v = self._cached(v)
         rep = c.num_attention_heads // c.num_key_value_heads
         k = k.repeat_interleave(rep, dim=0)  # [heads, L, d]
         v = v.repeat_interleave(rep, dim=0)
@@ -85,8 +95,8 @@ class DenseMossSpeech:
 
 
 def dense_from_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                          dtype: torch.dtype = torch.float32) -> DenseMossSpeech:
-    return DenseMossSpeech(config, state_dict, dtype)
+                          dtype: torch.dtype = torch.float32, kv_fp8: bool = False) -> DenseMossSpeech:
+    return DenseMossSpeech(config, state_dict, dtype, kv_fp8)
 
 
 def read_checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -101,5 +111,6 @@ def read_checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def dense_from_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> DenseMossSpeech:
-    return DenseMossSpeech(ModelConfig.from_json(path), read_checkpoint_tensors(path), dtype)
+def dense_from_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, kv_fp8: bool = False
+                          ) -> DenseMossSpeech:
+    return DenseMossSpeech(ModelConfig.from_json(path), read_checkpoint_tensors(path), dtype, kv_fp8)
