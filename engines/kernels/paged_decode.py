@@ -25,11 +25,13 @@ MAX_SPLITS = 16
 # MAX_SPLITS (the split count before 2026-11-23 (15)).
 PROGRAMS_PER_SM: int | None = 2
 TILE = 64
-# (tile rows, warps, pipeline stages) of the split kernel over a cache in the query's dtype, and over an fp8 cache:
-# its tiles are converted on their way to the dots, and 2 warps a program were 1.2-1.8x faster than 4 over 1,000-
-# 4,000-row contexts at 8-128 sequences (H100, docs/bench/kv-fp8-tiling-h100-s41.txt).
+# (tile rows, warps, pipeline stages) of the split kernel over a cache in the query's dtype, and over an fp8 cache
+# (its tiles are converted on their way to the dots): with 4 splits or fewer (16+ sequences on an H100) 2 warps a
+# program were 1.2-1.8x faster than 4 over 1,000-4,000-row contexts; with 8-16 splits (1-8 sequences) 32-row tiles
+# over 4 warps held 300-4,000-row contexts nearest the best (H100, docs/bench/kv-fp8-tiling-*h100-s41.txt).
 TILING = (TILE, 4, 2)
 FP8_TILING = (TILE, 2, 2)
+FP8_TILING_MANY_SPLITS = (32, 4, 2)
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
 # splits); None: the SM count of the launching stream's partition (engines.partition), so every program has an SM
 # of its own (batch 1 on an H200: 128 programs on 132 SMs, 0.05 ms per step faster). With more programs, batches
@@ -184,7 +186,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     l_sum = torch.empty_like(m)
     acc = torch.empty(b, heads, splits, d, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    tile, warps, stages = FP8_TILING if k_cache.dtype == torch.float8_e4m3fn else TILING
+    tile, warps, stages = TILING
+    if k_cache.dtype == torch.float8_e4m3fn:
+        tile, warps, stages = FP8_TILING_MANY_SPLITS if splits >= 8 else FP8_TILING
     _split_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

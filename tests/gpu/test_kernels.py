@@ -132,11 +132,13 @@ def test_decode_and_varlen_kernels_gqa_group_of_tiny_model():
 def test_attention_over_an_fp8_cache_is_attention_over_its_values(dtype, preload):
     """The decode and varlen kernels over an fp8 cache: the float64 attention over the cache's values within the
     tolerance of the query's dtype (bf16 queries: dots in fp16, paged_decode.fp16_dots), and no further from it than
-    the kernels over a cache holding the same values in the query's dtype (their tilings differ: FP8_TILING)."""
+    the kernels over a cache holding the same values in the query's dtype (their tilings differ)."""
     from engines.kernels.paged_decode import fp16_dots
     from engines.model.attention import to_cache
 
-    cases = [([1], [1]), ([1] * 4, [5, 1000, 17, 64]), ([1] * 6, [1, 3, 4095, 300, 65, 129]), *MIXED_CASES]
+    # 1-6 sequences run FP8_TILING_MANY_SPLITS, 24 sequences FP8_TILING
+    cases = [([1], [1]), ([1] * 4, [5, 1000, 17, 64]), ([1] * 6, [1, 3, 4095, 300, 65, 129]),
+             ([1] * 24, [7 + 97 * i for i in range(24)]), *MIXED_CASES]
     for seed, (q_lens, ctx) in enumerate(cases):
         q, cache, batch = make_case(70 + seed, 16, q_lens, ctx, torch.float32)
         fp8 = to_cache(cache * 4, torch.float8_e4m3fn)  # [2, blocks, page, kvh, d]
