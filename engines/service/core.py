@@ -45,6 +45,7 @@ import torch
 from engines.api import ChannelSampling, EngineError, InvalidRequestError, SamplingParams, StepOutput
 from engines.codec.audio_io import float32_to_pcm16, pcm16_to_float32
 from engines.config import ConfigError
+from engines.kernels.tuning_file import device_name
 from engines.service import messages as m
 from engines.service.codec_worker import FIRST_CHUNK_CODES, CodecWorker
 from engines.service.encoder_worker import EncoderWorker
@@ -86,12 +87,6 @@ def _speech_error(e: Exception) -> ServiceError:
     every KV slot is taken and the pool cannot grow), else engine_error."""
     return ServiceError(e.code if isinstance(e, EngineError) else "engine_error",
                         f"speech encoder failed: {type(e).__name__}: {e}")
-
-
-def _device_name(device: str) -> str:
-    """The GPU's name for /health (load tests print it), or "cpu"."""
-    dev = torch.device(device)
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
 def sampling_params(s: m.Sampling) -> SamplingParams:
@@ -146,7 +141,8 @@ class Service:
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
                                       first_decoders=first_decoders, period_s=codec_round_period_s, **extra)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
-        self.device_name = _device_name(getattr(getattr(engine, "config", None), "device", "cpu"))
+        # the GPU model for /health (load tests print it), or "cpu"
+        self.device_name = device_name(torch.device(getattr(getattr(engine, "config", None), "device", "cpu")))
         self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes
         self._last_decode = 0.0
         self._finished_ids: deque[str] = deque(maxlen=64)
