@@ -43,6 +43,30 @@ def greedy(n=STEPS, min_new=0):
     return SamplingParams.greedy_params(max_new_tokens=n, min_new_tokens=min_new)
 
 
+def run_mixed_greedy(engine: Engine, seed: int) -> tuple[dict[str, list], dict[str, list]]:
+    """Eight requests of the four prompt kinds added at once and run greedily to the end, the KV checked each step:
+    (prompts, emitted (text, audio, mode) rows) by request id."""
+    rng = random.Random(seed)
+    kinds = ["text", "audio_in", "audio_out", "audio_in_audio_out"]
+    reqs = {f"r{i}": make_prompt(rng, kinds[i % 4]) for i in range(8)}
+    got: dict[str, list] = {rid: [] for rid in reqs}
+    for rid, rows in reqs.items():
+        engine.add_request(rid, rows, greedy(min_new=STEPS if "audio_out" in rid else 0))
+    while engine.has_work():
+        for o in engine.step():
+            got[o.request_id].append((o.text_token, o.audio_token, o.mode))
+        engine.check_integrity()
+    return reqs, got
+
+
+def assert_follows_reference(engine: Engine, reqs: dict[str, list], got: dict[str, list], reference, plain) -> None:
+    """The engine's rows are the `reference` dense model's greedy rows on every request, the `plain` one's not on
+    some (so the test sees the numerics the reference models), and every KV block went back to the pool."""
+    assert all(got[rid] == dense_greedy(reference, rows, STEPS) for rid, rows in reqs.items())
+    assert any(got[rid] != dense_greedy(plain, rows, STEPS) for rid, rows in reqs.items())
+    assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_batched_engine_matches_dense_reference(tiny_checkpoint, dense, block_size):
     rng = random.Random(block_size)

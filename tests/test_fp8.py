@@ -4,7 +4,6 @@ reference over the rounded weights."""
 from __future__ import annotations
 
 import argparse
-import random
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ from engines.engine import Engine
 from engines.loader.checkpoint import load_model
 from engines.model import fp8
 from engines.model.layers import Linear
-from tests.reference.dense_generate import dense_greedy
 from tests.reference.dense_model import dense_from_state_dict, read_checkpoint_tensors
-from tests.test_engine import STEPS, greedy, make_prompt
+from tests.test_engine import assert_follows_reference, run_mixed_greedy
 
 
 def _weights(seed: int) -> torch.Tensor:
@@ -110,21 +108,8 @@ def test_engine_with_fp8_weights_is_the_dense_reference_over_the_rounded_weights
     mc = model.config
     engine = Engine(model, mc, EngineConfig(kv_cache_bytes=mc.kv_bytes_per_row() * 4096, max_running=8,
                                             prefill_token_budget=48))
-    rng = random.Random(7)
-    kinds = ["text", "audio_in", "audio_out", "audio_in_audio_out"]
-    reqs = {f"r{i}": make_prompt(rng, kinds[i % 4]) for i in range(8)}
-    got: dict[str, list] = {rid: [] for rid in reqs}
-    for rid, rows in reqs.items():
-        engine.add_request(rid, rows, greedy(min_new=STEPS if "audio_out" in rid else 0))
-    while engine.has_work():
-        for o in engine.step():
-            got[o.request_id].append((o.text_token, o.audio_token, o.mode))
-        engine.check_integrity()
-    dense = dense_from_state_dict(mc, rounded)
-    plain = dense_from_state_dict(mc, tensors)
-    assert all(got[rid] == dense_greedy(dense, rows, STEPS) for rid, rows in reqs.items())
-    assert any(got[rid] != dense_greedy(plain, rows, STEPS) for rid, rows in reqs.items())
-    assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
+    reqs, got = run_mixed_greedy(engine, seed=7)
+    assert_follows_reference(engine, reqs, got, dense_from_state_dict(mc, rounded), dense_from_state_dict(mc, tensors))
 
 
 def test_fp8_weights_options_reach_the_engine():

@@ -4,7 +4,6 @@ reference whose attention reads K/V rounded the same way; the pool holds twice t
 from __future__ import annotations
 
 import argparse
-import random
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ from engines.engine import Engine
 from engines.kv.sizing import fit_kv_cache_bytes
 from engines.loader.checkpoint import load_model
 from engines.model.attention import to_cache, write_kv
-from tests.reference.dense_generate import dense_greedy
 from tests.reference.dense_model import dense_from_checkpoint
-from tests.test_engine import STEPS, greedy, make_prompt
+from tests.test_engine import assert_follows_reference, run_mixed_greedy
 
 FP8 = torch.float8_e4m3fn
 
@@ -73,20 +71,9 @@ def test_engine_over_an_fp8_cache_is_the_dense_reference_over_rounded_keys_and_v
                        kv_dtype="fp8")
     engine = Engine(model, mc, cfg)
     assert engine.runner.kv_cache.dtype == FP8
-    rng = random.Random(11)
-    kinds = ["text", "audio_in", "audio_out", "audio_in_audio_out"]
-    reqs = {f"r{i}": make_prompt(rng, kinds[i % 4]) for i in range(8)}
-    got: dict[str, list] = {rid: [] for rid in reqs}
-    for rid, rows in reqs.items():
-        engine.add_request(rid, rows, greedy(min_new=STEPS if "audio_out" in rid else 0))
-    while engine.has_work():
-        for o in engine.step():
-            got[o.request_id].append((o.text_token, o.audio_token, o.mode))
-        engine.check_integrity()
-    rounded, plain = dense_from_checkpoint(tiny_checkpoint, kv_fp8=True), dense_from_checkpoint(tiny_checkpoint)
-    assert all(got[rid] == dense_greedy(rounded, rows, STEPS) for rid, rows in reqs.items())
-    assert any(got[rid] != dense_greedy(plain, rows, STEPS) for rid, rows in reqs.items())
-    assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
+    reqs, got = run_mixed_greedy(engine, seed=11)
+    assert_follows_reference(engine, reqs, got, dense_from_checkpoint(tiny_checkpoint, kv_fp8=True),
+                             dense_from_checkpoint(tiny_checkpoint))
 
 
 def test_kv_dtype_option_reaches_the_engine():
