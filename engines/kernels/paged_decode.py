@@ -41,8 +41,9 @@ PRELOAD_MAX_PROGRAMS: int | None = None
 
 def fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether attention over this cache runs its dots in fp16: an fp8 (e4m3) cache under a 16-bit query. Every
-    e4m3 value is exact in fp16, and the query's bf16 values are too within fp16's range (|q| < 65504, which a
-    query after its RMSNorm stays far below); the probabilities round to fp16's 11 bits instead of bf16's 8."""
+    e4m3 value is exact in fp16, and so is a bf16 query's element from 2**-14 to 65504 (a query after its RMSNorm
+    stays far below the top; smaller elements keep fewer bits, and add next to nothing to a dot of 128); the
+    probabilities round to fp16's 11 bits instead of bf16's 8."""
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
 
 
