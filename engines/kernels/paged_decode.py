@@ -8,10 +8,13 @@ depends only on the batch size and can be captured in a CUDA graph.
 
 Splits exist to give a small batch enough programs for the SMs; a large batch has them already, and
 there extra splits only cost (each program's fixed work, empty splits of short contexts, a wider
-merge): the split count falls with the batch (`num_splits`).
+merge): the split count falls with the batch (`num_splits`). With one split the split kernel writes the output itself
+and no merge runs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -22,14 +25,26 @@ from engines.partition import sm_count
 
 MAX_SPLITS = 16
 # Programs per SM the split count aims at (batch x KV heads x splits); batch 1 keeps MAX_SPLITS. None: always
-# MAX_SPLITS (the split count before 2026-11-23 (15)).
-PROGRAMS_PER_SM: int | None = 2
+# MAX_SPLITS (the split count before 2026-11-23 (15)). Over a cache in the query's dtype one program an SM, with the
+# tilings below, was 0.69-0.99x the time of two with 64-row tiles at 1-64 sequences over 150-1,000-row contexts
+# (H100, docs/bench/attn-splits-h100-s42.txt); the fp8 cache's tilings were swept at two.
+PROGRAMS_PER_SM: int | None = 1
+FP8_PROGRAMS_PER_SM: int | None = 2
 TILE = 64
-# (tile rows, warps, pipeline stages) of the split kernel over a cache in the query's dtype, and over an fp8 cache
-# (its tiles are converted on their way to the dots): with 4 splits or fewer (16+ sequences on an H100) 2 warps a
-# program were 1.2-1.8x faster than 4 over 1,000-4,000-row contexts; with 8-16 splits (1-8 sequences) 32-row tiles
-# over 4 warps held 300-4,000-row contexts nearest the best (H100, docs/bench/kv-fp8-tiling-*h100-s41.txt).
+# With one split the split kernel divides by the softmax sum and writes the output (the merge would compute the same
+# quotient: bit-identical, GPU test). True: the merge runs anyway (a probe's A/B).
+MERGE_ONE_SPLIT = False
+# (tile rows, warps, pipeline stages) of the split kernel. Over a 16-bit cache in the query's dtype: 32-row tiles at
+# 8-16 splits (1-4 sequences: a split holds few rows), 128-row tiles at 1-4 splits while a launch has fewer than
+# WIDE_MAX_PROGRAMS_PER_SM programs an SM (5-48 sequences), 64-row tiles above (64+ sequences: 128-row tiles were ~10%
+# slower there) and over float32 caches (a 128-row float32 stage would not fit shared memory).
 TILING = (TILE, 4, 2)
+TILING_MANY_SPLITS = (32, 4, 2)
+TILING_WIDE = (128, 4, 2)
+WIDE_MAX_PROGRAMS_PER_SM = 3
+# Over an fp8 cache (its tiles are converted on their way to the dots): with 4 splits or fewer (16+ sequences on an
+# H100) 2 warps a program were 1.2-1.8x faster than 4 over 1,000-4,000-row contexts; with 8-16 splits (1-8 sequences)
+# 32-row tiles over 4 warps held 300-4,000-row contexts nearest the best (H100, docs/bench/kv-fp8-tiling-*h100-s41.txt).
 FP8_TILING = (TILE, 2, 2)
 FP8_TILING_MANY_SPLITS = (32, 4, 2)
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
@@ -47,13 +62,36 @@ def fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
 
 
-def num_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+def num_splits(batch: int, kv_heads: int, device: torch.device, fp8: bool = False) -> int:
     """Splits of each (sequence, KV head)'s context: the power of two that gives every SM PROGRAMS_PER_SM programs
-    or more, at most MAX_SPLITS."""
-    if PROGRAMS_PER_SM is None:
+    (FP8_PROGRAMS_PER_SM over an fp8 cache) or more, at most MAX_SPLITS."""
+    per_sm = FP8_PROGRAMS_PER_SM if fp8 else PROGRAMS_PER_SM
+    if per_sm is None:
         return MAX_SPLITS
-    want = -(-PROGRAMS_PER_SM * sm_count(device) // (batch * kv_heads))
+    want = -(-per_sm * sm_count(device) // (batch * kv_heads))
     return min(MAX_SPLITS, triton.next_power_of_2(want))  # a power of two: the merge's tl.arange
+
+
+def tiling(cache_dtype: torch.dtype, splits: int, programs: int, device: torch.device) -> tuple[int, int, int]:
+    """(tile rows, warps, stages) of the split kernel over a cache of `cache_dtype` in a launch of `programs`."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return FP8_TILING_MANY_SPLITS if splits >= 8 else FP8_TILING
+    if splits >= 8:
+        return TILING_MANY_SPLITS
+    if (cache_dtype.itemsize == 2 and programs < WIDE_MAX_PROGRAMS_PER_SM * sm_count(device)
+            and _shared_memory(device) >= WIDE_MIN_SHARED_BYTES):
+        return TILING_WIDE
+    return TILING
+
+
+# TILING_WIDE's K and V stages take 128 KiB of shared memory (Hopper has 227 KiB a block; many smaller GPUs ~100)
+WIDE_MIN_SHARED_BYTES = 160 << 10
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory a block may opt in to (0 where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
 
 
 def _preload(device: torch.device, programs: int) -> bool:
@@ -97,11 +135,11 @@ def _attend_tile(q, k, v, t_mask, m, l_sum, acc, scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
-                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, OUT, scale,
+                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   TILE_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, PRELOAD: tl.constexpr,
-                  F16: tl.constexpr, PDL: tl.constexpr):
+                  F16: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -143,6 +181,11 @@ def _split_kernel(Q, K, V, BT, CTX, M_OUT, L_OUT, ACC_OUT, scale,
         vt = kv_tile(tl.load(V + tile_rows, mask=ok[:, None], other=0.0), Q, F16)
         m, l_sum, acc = _attend_tile(q, kt, vt, ok, m, l_sum, acc, scale, PREC)
 
+    if DIRECT:  # one split, so the whole context: the merge's quotient with weight exp(0) = 1
+        out = acc / l_sum[:, None]
+        tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=g_mask[:, None])
+        return
     H = tl.num_programs(1) * G
     base = (b * H + heads) * SPLITS + s  # [GP]
     tl.store(M_OUT + base, m, mask=g_mask)
@@ -181,23 +224,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     b, heads, d = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     g = heads // kvh
-    splits = splits or num_splits(b, kvh, q.device)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    splits = splits or num_splits(b, kvh, q.device, fp8)
     q = q.contiguous()
-    m = torch.empty(b, heads, splits, device=q.device, dtype=torch.float32)
-    l_sum = torch.empty_like(m)
-    acc = torch.empty(b, heads, splits, d, device=q.device, dtype=torch.float32)
+    direct = splits == 1 and not MERGE_ONE_SPLIT
     out = torch.empty_like(q)
-    tile, warps, stages = TILING
-    if k_cache.dtype == torch.float8_e4m3fn:
-        tile, warps, stages = FP8_TILING_MANY_SPLITS if splits >= 8 else FP8_TILING
+    if direct:  # (the split kernel's partial-result arguments, unused)
+        m = l_sum = acc = out
+    else:
+        m = torch.empty(b, heads, splits, device=q.device, dtype=torch.float32)
+        l_sum = torch.empty_like(m)
+        acc = torch.empty(b, heads, splits, d, device=q.device, dtype=torch.float32)
+    tile, warps, stages = tiling(k_cache.dtype, splits, b * kvh * splits, q.device)
     _split_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, scale,
+        q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=tile, SPLITS=splits,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
-        PRELOAD=_preload(q.device, b * kvh * splits), F16=fp16_dots(q, k_cache), num_warps=warps, num_stages=stages,
+        out.stride(0), out.stride(1), G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, TILE_N=tile,
+        SPLITS=splits, PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 caches keep full precision
+        PRELOAD=_preload(q.device, b * kvh * splits), F16=fp16_dots(q, k_cache), DIRECT=direct, num_warps=warps,
+        num_stages=stages,
         **launch_kwargs(q.device),
     )
+    if direct:
+        return out
     _merge_kernel[(b, heads)](m, l_sum, acc, out, out.stride(0), out.stride(1), D=d, SPLITS=splits, num_warps=4,
                               **launch_kwargs(q.device))
     return out

@@ -94,6 +94,44 @@ def test_decode_kernel_every_split_count_matches_torch(splits):
         (num_splits(b, 8, dev) for b in (1, 2, 4, 8, 16, 32, 64, 96, 128)), reverse=True)
 
 
+@pytest.mark.parametrize("name", ["TILING", "TILING_MANY_SPLITS", "TILING_WIDE"])
+@PRELOAD_LIMITS
+def test_every_tiling_of_a_16_bit_cache_matches_torch(monkeypatch, name, preload):
+    """Each tiling `tiling` may pick for a bf16 cache, at 1, 4 and 16 splits, gives the reference's attention; the
+    pick itself follows the launch (many splits, few programs, many programs, float32)."""
+    from engines.kernels import paged_decode
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert paged_decode.tiling(torch.bfloat16, 16, 128, dev) == paged_decode.TILING_MANY_SPLITS
+    assert paged_decode.tiling(torch.bfloat16, 4, sms, dev) == paged_decode.TILING_WIDE
+    assert paged_decode.tiling(torch.bfloat16, 1, 4 * sms, dev) == paged_decode.TILING
+    assert paged_decode.tiling(torch.float32, 1, sms, dev) == paged_decode.TILING
+    picked = getattr(paged_decode, name)
+    monkeypatch.setattr(paged_decode, "tiling", lambda *args: picked)
+    q, cache, batch = make_case(61, 16, [1] * 6, [1, 3, 1500, 300, 65, 129], torch.bfloat16)
+    for splits in (1, 4, 16):
+        out = paged_decode.paged_decode_attention(q, cache[0], cache[1], batch.block_tables, batch.context_lens,
+                                                  q.shape[-1] ** -0.5, splits=splits)
+        assert rel_err(out, torch_reference(q, cache, batch)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@PRELOAD_LIMITS
+def test_one_split_writes_the_merges_output_itself(monkeypatch, dtype, preload):
+    """With one split the split kernel divides by the softmax sum and writes the output: bit-identical to the merge
+    kernel over that one split (MERGE_ONE_SPLIT), and the reference's attention."""
+    from engines.kernels import paged_decode
+
+    q, cache, batch = make_case(51, 16, [1] * 6, [1, 3, 4095, 300, 65, 129], dtype)
+    args = (q, cache[0], cache[1], batch.block_tables, batch.context_lens, q.shape[-1] ** -0.5)
+    direct = paged_decode.paged_decode_attention(*args, splits=1)
+    monkeypatch.setattr(paged_decode, "MERGE_ONE_SPLIT", True)
+    merged = paged_decode.paged_decode_attention(*args, splits=1)
+    assert torch.equal(direct, merged)
+    assert rel_err(direct, torch_reference(q, cache, batch)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 MIXED_CASES = [([1, 1, 40, 23], [300, 9, 40, 140]),  # decode rows, a fresh prefill, a chunk on a cached prefix
                ([512], [512]),  # one long fresh prefill: 16 tiles
                ([1, 33, 65, 1000], [4000, 1000, 65, 1130])]
