@@ -3,7 +3,8 @@
 Each variant (e.g. `pdl=1,sampler=0,fuse=0,attn_preload=0,tails=0`) sets programmatic dependent launch
 (engines/kernels/pdl.py), the fused sampler (engines/kernels/topk_sample.py), gate_up's SiLU*up epilogue
 (engines/kernels/skinny_gemm.py) and the two tails side by side (engines/model/moss.py) on or off (each on unless
-given) and the decode attention's preload limit (engines/kernels/paged_decode.py), and recaptures the decode graphs;
+given), the decode attention's preload limit and its split counts and tilings (`attn=0`: those before session 42,
+engines/kernels/paged_decode.py), and recaptures the decode graphs;
 each then times the graph replay alone and a loop of engine steps (each may launch the next before reading its
 tokens) at each batch size. Variants alternate over several rounds, so drift of the machine shows as spread, not as a
 difference. A development tool for docs/PERF_NOTES.md.
@@ -28,6 +29,11 @@ from engines.commands.bench_engine import (
 from engines.engine import Engine
 from engines.kernels import paged_decode, pdl, skinny_gemm, topk_sample
 
+# The decode attention before session 42 (`attn=0`): two programs an SM, 64-row tiles at every split count, the
+# merge after one split too.
+_ATTN_OLD = {"PROGRAMS_PER_SM": 2, "TILING_MANY_SPLITS": (64, 4, 2), "TILING_WIDE": (64, 4, 2),
+             "MERGE_ONE_SPLIT": True}
+
 
 def _variant(spec: str) -> dict:
     """'pdl=1' -> {'pdl': 1}."""
@@ -39,12 +45,15 @@ def main() -> None:
     add_decode_batch_arguments(p, steps=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=["pdl=0", "pdl=1"])
+    p.add_argument("--fp8-weights", action="store_true", help="EngineConfig.fp8_weights")
+    p.add_argument("--fp8-only", action="store_true", help="EngineConfig.fp8_only (with --fp8-weights)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     dev = torch.device("cuda")
     batches = [int(b) for b in a.batches.split(",")]
     rounds_steps = a.rounds * len(a.variants) * (a.steps + 24) + 64
-    engine = Engine.from_name(a.model, decode_batch_config(a.model, max(batches), a.context, rounds_steps))
+    engine = Engine.from_name(a.model, decode_batch_config(a.model, max(batches), a.context, rounds_steps,
+                                                             fp8_weights=a.fp8_weights, fp8_only=a.fp8_only))
     bw = measure_bandwidth(dev, 2 << 30)
     floor_ms = weight_bytes(engine.runner.model, False) / bw * 1e3
     print(f"device: {device_name(dev)}  copy bandwidth {bw / 1e12:.2f} TB/s  weights-only floor {floor_ms:.2f} ms")
@@ -52,6 +61,7 @@ def main() -> None:
     graphs = engine.runner.graphs
     tail_stream = engine.runner.model.tail_stream
     idx = torch.cuda.current_device()
+    attn_new = {k: getattr(paged_decode, k) for k in _ATTN_OLD}
     res: dict = {"device": device_name(dev), "bandwidth": bw, "floor_weights_ms": floor_ms, "results": {}}
     for b in batches:
         start_decode_batch(engine, rng, b, a.context, rounds_steps)
@@ -64,6 +74,8 @@ def main() -> None:
                 # decode attention's first tile read before the PDL wait up to this many programs (0: never;
                 # default: the SM count)
                 paged_decode.PRELOAD_MAX_PROGRAMS = v.get("attn_preload")
+                for k, new in attn_new.items():  # the split counts and tilings of a bf16 cache
+                    setattr(paged_decode, k, new if v.get("attn", 1) else _ATTN_OLD[k])
                 # the text tail beside the audio tail (engines/model/moss.py), or after it
                 engine.runner.model.tail_stream = tail_stream if v.get("tails", 1) else None
                 torch.cuda.synchronize()  # the step in flight is done (its tokens wait on the host) before its

@@ -74,12 +74,14 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
             floor = bf16_bytes / bw * 1e6
             row = {"batch": batch, "context": ctx, "splits": num_splits(batch, mc.num_key_value_heads, dev),
+                   "fp8_splits": num_splits(batch, mc.num_key_value_heads, dev, fp8=True),
                    "layers_timed": layers, "bf16_us": bf16_us, "fp8_us": fp8_us, "bf16_floor_us": floor,
                    "fp8_floor_us": floor / 2}
             rows.append(row)
-            print(f"batch {batch:4d} context {ctx:5d} ({row['splits']:2d} splits): bf16 {bf16_us:7.2f} us "
-                  f"(floor {floor:6.2f}, {floor / bf16_us:4.0%}), fp8 {fp8_us:7.2f} us (floor {floor / 2:6.2f}, "
-                  f"{floor / 2 / fp8_us:4.0%}): {bf16_us / fp8_us:.2f}x", flush=True)
+            print(f"batch {batch:4d} context {ctx:5d} ({row['splits']:2d} / {row['fp8_splits']:2d} splits): "
+                  f"bf16 {bf16_us:7.2f} us (floor {floor:6.2f}, {floor / bf16_us:4.0%}), "
+                  f"fp8 {fp8_us:7.2f} us (floor {floor / 2:6.2f}, {floor / 2 / fp8_us:4.0%}): "
+                  f"{bf16_us / fp8_us:.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name(dev), "copy_bytes_per_s": bw, "model": "full-random", "rows": rows}, f,

@@ -58,13 +58,14 @@ def add_decode_batch_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--steps", type=int, default=steps, help="decode steps per timed loop")
 
 
-def decode_batch_config(model: str, max_batch: int, context: int, new_rows: int, device: str = "cuda"
-                        ) -> EngineConfig:
+def decode_batch_config(model: str, max_batch: int, context: int, new_rows: int, device: str = "cuda",
+                        fp8_weights: bool = False, fp8_only: bool = False) -> EngineConfig:
     """An engine for decode batches of up to `max_batch` sequences of `context` rows plus `new_rows` generated."""
     mc = model_config_for(model)
     return EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32", max_running=max_batch,
                         prefill_token_budget=1024, max_model_len=context + new_rows + 128,
-                        kv_cache_bytes=mc.kv_bytes_per_row() * (max_batch * (context + new_rows + 64) + 4096))
+                        kv_cache_bytes=mc.kv_bytes_per_row() * (max_batch * (context + new_rows + 64) + 4096),
+                        fp8_weights=fp8_weights, fp8_only=fp8_only)
 
 
 def start_decode_batch(engine: Engine, rng: random.Random, batch: int, context: int, max_new: int) -> None:
