@@ -26,7 +26,7 @@ from engines.partition import sm_count
 MAX_SPLITS = 16
 # Programs per SM the split count aims at (batch x KV heads x splits); batch 1 keeps MAX_SPLITS. None: always
 # MAX_SPLITS (the split count before 2026-11-23 (15)). Over a cache in the query's dtype one program an SM, with the
-# tilings below, was 0.69-0.99x the time of two with 64-row tiles at 1-64 sequences over 150-1,000-row contexts
+# tilings below, took 0.69-0.98x the time of two with 64-row tiles at 1-16 sequences over 150-1,000-row contexts
 # (H100, docs/bench/attn-splits-h100-s42.txt); the fp8 cache's tilings were swept at two.
 PROGRAMS_PER_SM: int | None = 1
 FP8_PROGRAMS_PER_SM: int | None = 2
@@ -42,6 +42,8 @@ TILING = (TILE, 4, 2)
 TILING_MANY_SPLITS = (32, 4, 2)
 TILING_WIDE = (128, 4, 2)
 WIDE_MAX_PROGRAMS_PER_SM = 3
+# TILING_WIDE's K and V stages take 128 KiB of shared memory (Hopper lets a block have 227 KiB; many smaller GPUs ~100)
+WIDE_MIN_SHARED_BYTES = 160 << 10
 # Over an fp8 cache (its tiles are converted on their way to the dots): with 4 splits or fewer (16+ sequences on an
 # H100) 2 warps a program were 1.2-1.8x faster than 4 over 1,000-4,000-row contexts; with 8-16 splits (1-8 sequences)
 # 32-row tiles over 4 warps held 300-4,000-row contexts nearest the best (H100, docs/bench/kv-fp8-tiling-*h100-s41.txt).
@@ -82,10 +84,6 @@ def tiling(cache_dtype: torch.dtype, splits: int, programs: int, device: torch.d
             and _shared_memory(device) >= WIDE_MIN_SHARED_BYTES):
         return TILING_WIDE
     return TILING
-
-
-# TILING_WIDE's K and V stages take 128 KiB of shared memory (Hopper has 227 KiB a block; many smaller GPUs ~100)
-WIDE_MIN_SHARED_BYTES = 160 << 10
 
 
 @functools.cache
