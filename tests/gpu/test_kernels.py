@@ -103,8 +103,13 @@ def test_every_tiling_of_a_16_bit_cache_matches_torch(monkeypatch, name, preload
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    wide_fits = paged_decode._shared_memory(dev) >= paged_decode.WIDE_MIN_SHARED_BYTES
+    if name == "TILING_WIDE" and not wide_fits:
+        pytest.skip(f"128-row bf16 stages need {paged_decode.WIDE_MIN_SHARED_BYTES} bytes of shared memory a block; "
+                    f"this GPU offers {paged_decode._shared_memory(dev)}")
     assert paged_decode.tiling(torch.bfloat16, 16, 128, dev) == paged_decode.TILING_MANY_SPLITS
-    assert paged_decode.tiling(torch.bfloat16, 4, sms, dev) == paged_decode.TILING_WIDE
+    assert paged_decode.tiling(torch.bfloat16, 4, sms, dev) == (paged_decode.TILING_WIDE if wide_fits
+                                                                 else paged_decode.TILING)
     assert paged_decode.tiling(torch.bfloat16, 1, 4 * sms, dev) == paged_decode.TILING
     assert paged_decode.tiling(torch.float32, 1, sms, dev) == paged_decode.TILING
     picked = getattr(paged_decode, name)
