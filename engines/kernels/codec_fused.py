@@ -62,11 +62,18 @@ class StreamTiles:
     conv_m: int = 16  # BLOCK_M of the whole-tile conv; BLOCK_N = conv_tile // (taps x channels) (16..64)
     conv_tile: int = LINEAR_TILE
     attention_warps: int = 4
+    # Independent MMA chains (session 42's reading: at streaming sizes each warp's MMAs otherwise wait for one another
+    # along the whole reduction, 64 in a row for ff.net.2's K = 1024): `linear` splits K into this many dots, the
+    # whole-tile conv runs one dot per tap (and no padded fourth tap). Off until the solve graph measures them.
+    linear_k_dots: int = 1
+    conv_tap_dots: bool = False
 
     def __post_init__(self) -> None:
         for name, v in (("ln_linear", self.ln_linear[:2]), ("linear_m", (self.linear_m,)), ("conv_m", (self.conv_m,))):
             if any(x < 16 or x & (x - 1) for x in v):
                 raise ValueError(f"StreamTiles.{name} must be powers of two >= 16, got {v}")
+        if self.linear_k_dots not in (1, 2, 4):
+            raise ValueError(f"StreamTiles.linear_k_dots must be 1, 2 or 4, got {self.linear_k_dots}")
 
 
 STREAM_TILES = StreamTiles()
@@ -241,13 +248,69 @@ def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.con
              mask=(rm < M)[:, None] & (rn < COUT)[None, :])
 
 
+@triton.jit
+def mma(a, b, IEEE: tl.constexpr):
+    """a @ b in float32 (IEEE products for float32 operands, like the CPU reference)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def add_chain(acc, part):
+    """acc + part for a dot's result `part`, written as a fused multiply-add by 1 (exact): Triton folds a plain add of
+    a fresh dot into that dot's accumulator, which would make the MMA chains one again."""
+    return tl.fma(part, 1.0, acc)
+
+
+@triton.jit
+def _conv_tap_w(WT, tap, rc, c_ok, rn, CIN: tl.constexpr, COUT):
+    """One tap's weight tile [CIN_P, BLOCK_N] of the implicit-GEMM conv weight."""
+    return tl.load(WT + ((tap * CIN + rc) * COUT)[:, None] + rn[None, :], mask=c_ok[:, None] & (rn < COUT)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _conv_tap_dot(X, w, b, t, rm, M, tap, rc, c_ok, sxb, sxt, sxc, KS: tl.constexpr, IEEE: tl.constexpr):
+    """One tap's products [BLOCK_M, BLOCK_N]: the input rows `tap - (KS - 1)` frames back (zeros before the start)."""
+    src_t = t - (KS - 1) + tap
+    a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + (rc * sxc)[None, :],
+                mask=((rm < M) & (src_t >= 0))[:, None] & c_ok[None, :], other=0.0)
+    return mma(a, w, IEEE)
+
+
 @triton.jit(do_not_specialize=["M", "T"])
 def _conv_whole_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
                        CIN_P: tl.constexpr, KS_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr):
+                       IEEE: tl.constexpr, PDL: tl.constexpr, TAP_DOTS: tl.constexpr = False):
     """_causal_conv_kernel for streaming row counts: the reduction over (tap, channel) is one tile, so a program
-    holds its whole weight slice, read before the programmatic-launch wait, and runs one dot."""
+    holds its whole weight slice, read before the programmatic-launch wait, and runs one dot; with TAP_DOTS (KS <= 3)
+    one dot per tap, summed after (independent MMA chains, no padded tap)."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if TAP_DOTS:
+        rc = tl.arange(0, CIN_P)
+        c_ok = rc < CIN
+        w0 = _conv_tap_w(WT, 0, rc, c_ok, rn, CIN, COUT)
+        w1 = w0
+        w2 = w0
+        if KS >= 2:
+            w1 = _conv_tap_w(WT, 1, rc, c_ok, rn, CIN, COUT)
+        if KS >= 3:
+            w2 = _conv_tap_w(WT, 2, rc, c_ok, rn, CIN, COUT)
+        bias = tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)
+        wait_then_trigger(PDL)
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
+        b = rm // T
+        t = rm % T
+        acc = _conv_tap_dot(X, w0, b, t, rm, M, 0, rc, c_ok, sxb, sxt, sxc, KS, IEEE)
+        if KS >= 2:
+            acc = add_chain(acc, _conv_tap_dot(X, w1, b, t, rm, M, 1, rc, c_ok, sxb, sxt, sxc, KS, IEEE))
+        if KS >= 3:
+            acc = add_chain(acc, _conv_tap_dot(X, w2, b, t, rm, M, 2, rc, c_ok, sxb, sxt, sxc, KS, IEEE))
+        acc += bias[None, :]
+        tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=(rm < M)[:, None] & (rn < COUT)[None, :])
+        return
     rr = tl.arange(0, KS_P * CIN_P)  # flattened (tap, channel) reduction axis, padded to powers of two
     tap = rr // CIN_P
     c = rr % CIN_P
@@ -354,6 +417,7 @@ def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kerne
     _conv_whole_kernel[(triton.cdiv(m, tiles.conv_m), triton.cdiv(cout, bn))](
         x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, CIN_P=cin_p,
         KS_P=ks_p, BLOCK_M=tiles.conv_m, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
+        TAP_DOTS=tiles.conv_tap_dots and kernel <= 3,
         num_warps=8 if cin_p * ks_p * bn > LINEAR_TILE else 4, num_stages=1, **_launch(x.device, m))
     return out
 
@@ -442,23 +506,42 @@ def ln_linear(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.T
     return y, s
 
 
+@triton.jit
+def _k_slice(P, rows, row_ok, K: tl.constexpr, start: tl.constexpr, rk):
+    """Columns start + rk of the rows `rows` of a [*, K] matrix (zeros for rows not ok)."""
+    return tl.load(P + rows[:, None] * K + start + rk[None, :], mask=row_ok[:, None], other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, BIAS, RES, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                   K_DOTS: tl.constexpr = 1):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, K)
-    # The whole-K weight tile [BLOCK_N, K] and the bias are read before the wait (see _ln_linear_kernel).
-    w = tl.load(W + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None], other=0.0)
+    KC: tl.constexpr = K // K_DOTS
+    rk = tl.arange(0, KC)
+    # The whole-K weight tile [BLOCK_N, K] (in K_DOTS column slices) and the bias are read before the wait (see
+    # _ln_linear_kernel).
+    n_ok = rn < N
+    w = _k_slice(W, rn, n_ok, K, 0, rk)
+    w1 = w
+    w2 = w
+    w3 = w
+    if K_DOTS >= 2:
+        w1 = _k_slice(W, rn, n_ok, K, KC, rk)
+    if K_DOTS >= 4:
+        w2 = _k_slice(W, rn, n_ok, K, 2 * KC, rk)
+        w3 = _k_slice(W, rn, n_ok, K, 3 * KC, rk)
     if HAS_BIAS:
         bias = tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
     wait_then_trigger(PDL)
     mm = rm < M
-    x = tl.load(X + rm[:, None] * K + rk[None, :], mask=mm[:, None], other=0.0)
-    if IEEE:
-        acc = tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        acc = tl.dot(x, tl.trans(w))
+    acc = mma(_k_slice(X, rm, mm, K, 0, rk), tl.trans(w), IEEE)
+    if K_DOTS >= 2:  # one dot per K slice: independent MMA chains (StreamTiles.linear_k_dots)
+        acc = add_chain(acc, mma(_k_slice(X, rm, mm, K, KC, rk), tl.trans(w1), IEEE))
+    if K_DOTS >= 4:
+        acc = add_chain(acc, mma(_k_slice(X, rm, mm, K, 2 * KC, rk), tl.trans(w2), IEEE))
+        acc = add_chain(acc, mma(_k_slice(X, rm, mm, K, 3 * KC, rk), tl.trans(w3), IEEE))
     if HAS_BIAS:
         acc += bias[None, :]
     om = mm[:, None] & (rn < N)[None, :]
@@ -500,7 +583,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x2, weight, bias if bias is not None else weight, residual if residual is not None else y, y, m, n, K=k,
         BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        IEEE=x.dtype == torch.float32, num_warps=tiles.linear_warps, num_stages=1, **_launch(x.device, m))
+        IEEE=x.dtype == torch.float32, K_DOTS=tiles.linear_k_dots if k >= 16 * tiles.linear_k_dots else 1,
+        num_warps=tiles.linear_warps, num_stages=1, **_launch(x.device, m))
     return y
 
 
