@@ -205,8 +205,8 @@ def _tile_variants():
                {"conv_tile": 32768}, {"attention_warps": 2}, {"attention_warps": 8},
                {"linear_m": 32, "conv_m": 32, "ln_linear": (32, 64, 4)},
                # independent MMA chains (session 42: the served kernels' HMMAs wait on one another along K)
-               {"linear_k_dots": 2}, {"linear_k_dots": 4}, {"conv_tap_dots": True},
-               {"linear_k_dots": 4, "conv_tap_dots": True}):
+               {"linear_k_dots": 2}, {"linear_k_dots": 4}, {"ln_k_dots": 4}, {"conv_tap_dots": True},
+               {"linear_k_dots": 4, "ln_k_dots": 4, "conv_tap_dots": True}):
         out.append((" ".join(f"{k}={v}" for k, v in kw.items()), replace(s, **kw)))
     return out
 

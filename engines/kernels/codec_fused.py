@@ -63,17 +63,20 @@ class StreamTiles:
     conv_tile: int = LINEAR_TILE
     attention_warps: int = 4
     # Independent MMA chains (session 42's reading: at streaming sizes each warp's MMAs otherwise wait for one another
-    # along the whole reduction, 64 in a row for ff.net.2's K = 1024): `linear` splits K into this many dots, the
-    # whole-tile conv runs one dot per tap (and no padded fourth tap). Off until the solve graph measures them.
+    # along the whole reduction, 64 in a row for ff.net.2's K = 1024): `linear` and `ln_linear` split K into this
+    # many dots, the whole-tile conv runs one dot per tap (and no padded fourth tap). Off until the solve graph
+    # measures them.
     linear_k_dots: int = 1
     conv_tap_dots: bool = False
+    ln_k_dots: int = 1  # `ln_linear` splits its channels into this many dots
 
     def __post_init__(self) -> None:
         for name, v in (("ln_linear", self.ln_linear[:2]), ("linear_m", (self.linear_m,)), ("conv_m", (self.conv_m,))):
             if any(x < 16 or x & (x - 1) for x in v):
                 raise ValueError(f"StreamTiles.{name} must be powers of two >= 16, got {v}")
-        if self.linear_k_dots not in (1, 2, 4):
-            raise ValueError(f"StreamTiles.linear_k_dots must be 1, 2 or 4, got {self.linear_k_dots}")
+        for name in ("linear_k_dots", "ln_k_dots"):
+            if getattr(self, name) not in (1, 2, 4):
+                raise ValueError(f"StreamTiles.{name} must be 1, 2 or 4, got {getattr(self, name)}")
 
 
 STREAM_TILES = StreamTiles()
@@ -427,13 +430,30 @@ def _gelu_f32(y):
     return 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
 
 
+@triton.jit
+def _ln_slice_x(X, R, S, rm, mm, C: tl.constexpr, start: tl.constexpr, rs, HAS_RES: tl.constexpr):
+    """Channels start + rs of the rows rm of x (+ the residual, the sum rounded and stored by one column block) in
+    float32."""
+    dt = S.dtype.element_ty
+    x = tl.load(X + rm[:, None] * C + start + rs[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = (x + tl.load(R + rm[:, None] * C + start + rs[None, :], mask=mm[:, None], other=0.0).to(tl.float32)).to(dt)
+        x = x.to(tl.float32)
+        if tl.program_id(1) == 0:  # one column block stores the residual stream
+            tl.store(S + rm[:, None] * C + start + rs[None, :], x.to(dt), mask=mm[:, None])
+    return x
+
+
 @triton.jit(do_not_specialize=["M"])
 def _ln_linear_kernel(X, R, LNW, LNB, WT, BIAS, Y, S, M, N, eps, C: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                      IEEE: tl.constexpr, PDL: tl.constexpr):
+                      IEEE: tl.constexpr, PDL: tl.constexpr, K_DOTS: tl.constexpr = 1):
+    """K_DOTS > 1: the channels in that many slices, one dot each (independent MMA chains, StreamTiles.ln_k_dots);
+    the LayerNorm's sums then add the slices' sums."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rc = tl.arange(0, C)
+    CS: tl.constexpr = C // K_DOTS
+    rc = tl.arange(0, CS)
     mm = rm < M
     dt = Y.dtype.element_ty
     # The weights are read before the wait: nothing in a step writes them, and their loads (HBM misses: the
@@ -441,23 +461,50 @@ def _ln_linear_kernel(X, R, LNW, LNB, WT, BIAS, Y, S, M, N, eps, C: tl.constexpr
     lnw = tl.load(LNW + rc).to(tl.float32)
     lnb = tl.load(LNB + rc).to(tl.float32)
     w = tl.load(WT + rc[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
+    lnw1, lnb1, w1, lnw2, lnb2, w2, lnw3, lnb3, w3 = lnw, lnb, w, lnw, lnb, w, lnw, lnb, w
+    if K_DOTS >= 2:
+        lnw1 = tl.load(LNW + CS + rc).to(tl.float32)
+        lnb1 = tl.load(LNB + CS + rc).to(tl.float32)
+        w1 = tl.load(WT + (CS + rc)[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
+    if K_DOTS >= 4:
+        lnw2 = tl.load(LNW + 2 * CS + rc).to(tl.float32)
+        lnb2 = tl.load(LNB + 2 * CS + rc).to(tl.float32)
+        w2 = tl.load(WT + (2 * CS + rc)[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
+        lnw3 = tl.load(LNW + 3 * CS + rc).to(tl.float32)
+        lnb3 = tl.load(LNB + 3 * CS + rc).to(tl.float32)
+        w3 = tl.load(WT + (3 * CS + rc)[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
     wait_then_trigger(PDL)
-    x = tl.load(X + rm[:, None] * C + rc[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = (x + tl.load(R + rm[:, None] * C + rc[None, :], mask=mm[:, None], other=0.0).to(tl.float32)).to(dt)
-        x = x.to(tl.float32)
-        if tl.program_id(1) == 0:  # one column block stores the residual stream
-            tl.store(S + rm[:, None] * C + rc[None, :], x.to(dt), mask=mm[:, None])
-    mean = tl.sum(x, 1) / C
+    x = _ln_slice_x(X, R, S, rm, mm, C, 0, rc, HAS_RES)
+    x1, x2, x3 = x, x, x
+    total = tl.sum(x, 1)
+    if K_DOTS >= 2:
+        x1 = _ln_slice_x(X, R, S, rm, mm, C, CS, rc, HAS_RES)
+        total += tl.sum(x1, 1)
+    if K_DOTS >= 4:
+        x2 = _ln_slice_x(X, R, S, rm, mm, C, 2 * CS, rc, HAS_RES)
+        x3 = _ln_slice_x(X, R, S, rm, mm, C, 3 * CS, rc, HAS_RES)
+        total += tl.sum(x2, 1) + tl.sum(x3, 1)
+    mean = total / C
     d = x - mean[:, None]
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
+    squares = tl.sum(d * d, 1)
+    d1, d2, d3 = d, d, d
+    if K_DOTS >= 2:
+        d1 = x1 - mean[:, None]
+        squares += tl.sum(d1 * d1, 1)
+    if K_DOTS >= 4:
+        d2 = x2 - mean[:, None]
+        d3 = x3 - mean[:, None]
+        squares += tl.sum(d2 * d2, 1) + tl.sum(d3 * d3, 1)
+    rstd = 1.0 / tl.sqrt(squares / C + eps)
     h = (d * rstd[:, None] * lnw[None, :] + lnb[None, :]).to(dt)  # LayerNorm output, stored rounded by torch
-    if IEEE:
-        acc = tl.dot(h, w, input_precision="ieee")
-    else:
-        acc = tl.dot(h, w)
+    acc = mma(h, w, IEEE)
+    if K_DOTS >= 2:
+        acc = add_chain(acc, mma((d1 * rstd[:, None] * lnw1[None, :] + lnb1[None, :]).to(dt), w1, IEEE))
+    if K_DOTS >= 4:
+        acc = add_chain(acc, mma((d2 * rstd[:, None] * lnw2[None, :] + lnb2[None, :]).to(dt), w2, IEEE))
+        acc = add_chain(acc, mma((d3 * rstd[:, None] * lnw3[None, :] + lnb3[None, :]).to(dt), w3, IEEE))
     if HAS_BIAS:
         acc += bias[None, :]
     y = acc.to(dt)
@@ -498,11 +545,12 @@ def ln_linear(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.T
     if m:
         bm, bn, warps = STREAM_TILES.ln_linear if m <= 128 else (32, 128, 8) if m <= 320 else (64, 128, 8)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        dots = STREAM_TILES.ln_k_dots
         _ln_linear_kernel[grid](x, residual if residual is not None else x, ln_weight, ln_bias, w_t,
                                 bias if bias is not None else ln_bias, y, s, m, n, eps, C=c, BLOCK_M=bm,
                                 BLOCK_N=bn, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GELU=gelu,
-                                IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=1,
-                                **_launch(x.device, nb * t))
+                                IEEE=x.dtype == torch.float32, K_DOTS=dots if c >= 16 * dots else 1,
+                                num_warps=warps, num_stages=1, **_launch(x.device, nb * t))
     return y, s
 
 

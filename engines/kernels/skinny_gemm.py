@@ -57,13 +57,6 @@ _choice: dict[tuple[int, int, torch.dtype, int], Config | None] = {}
 timings: dict[tuple[int, int, torch.dtype, int], dict] = {}
 
 
-# M (rows) changes with every batch the text head sees outside the graphs: specializing on it (M == 1,
-# M % 16 == 0) compiled a new kernel mid-serving, a 100-500 ms stall. It only masks rows.
-#
-# GLU: W is (gate; up) [2F, K]; program i reads BLOCK_N / 2 gate rows and the up rows of the same F columns, and its
-# epilogue writes silu(gate) * up [M, F], rounded as the separate kernel rounds it (bit-identical to it): the MLP's
-# SiLU*up kernel is gone from decode steps. (The RMSNorms and residual adds in the GEMMs' epilogues, or any such
-# work on the input tiles inside the K loop, measured slower: docs/PERF_NOTES.md.)
 @triton.jit
 def _skinny_step(x_ptrs, w_ptrs, k0, offs_k, K, m_ok, n_ok, acc, X, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                  SCALED: tl.constexpr):
@@ -84,6 +77,13 @@ def _skinny_step(x_ptrs, w_ptrs, k0, offs_k, K, m_ok, n_ok, acc, X, EVEN_K: tl.c
     return tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
 
 
+# M (rows) changes with every batch the text head sees outside the graphs: specializing on it (M == 1,
+# M % 16 == 0) compiled a new kernel mid-serving, a 100-500 ms stall. It only masks rows.
+#
+# GLU: W is (gate; up) [2F, K]; program i reads BLOCK_N / 2 gate rows and the up rows of the same F columns, and its
+# epilogue writes silu(gate) * up [M, F], rounded as the separate kernel rounds it (bit-identical to it): the MLP's
+# SiLU*up kernel is gone from decode steps. (The RMSNorms and residual adds in the GEMMs' epilogues, or any such
+# work on the input tiles inside the K loop, measured slower: docs/PERF_NOTES.md.)
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,

@@ -31,10 +31,10 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e
 NORM_SIZES = [(3, 40), (NORM_ONE_ROW_MAX // 37 + 1, 37)]
 
 
-# The streaming kernels' MMA-chain variants (codec_fused.StreamTiles.linear_k_dots / conv_tap_dots, off as served):
-# every linear and conv test runs with each.
-CHAIN_VARIANTS = {"served": {}, "k_dots2": {"linear_k_dots": 2}, "k_dots4_taps": {"linear_k_dots": 4,
-                                                                                   "conv_tap_dots": True}}
+# The streaming kernels' MMA-chain variants (codec_fused.StreamTiles.linear_k_dots / ln_k_dots / conv_tap_dots, off
+# as served): every linear, ln_linear and conv test runs with each.
+CHAIN_VARIANTS = {"served": {}, "k_dots2": {"linear_k_dots": 2, "ln_k_dots": 2},
+                  "k_dots4_taps": {"linear_k_dots": 4, "ln_k_dots": 4, "conv_tap_dots": True}}
 
 
 @pytest.fixture(params=sorted(CHAIN_VARIANTS))
@@ -106,7 +106,7 @@ def test_causal_conv_matches_torch(dtype, cin, cout, k, batch, T, layout, stream
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_res,bias,gelu", [(False, False, False), (True, True, True), (True, False, False)])
 @pytest.mark.parametrize("rows", [80, 400, 1280, 37])  # 1280: the unfused path
-def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows):
+def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows, stream_tiles):
     """add + LayerNorm + Linear (+ bias, + exact GELU) against add_layernorm then F.linear / F.gelu."""
     C, N = 256, 1536 if not gelu else 1024
     g = torch.Generator(device="cuda").manual_seed(4)
