@@ -1,6 +1,6 @@
-"""The skinny kernel over the model's fp8 decode weights with 1, 2 or 4 accumulator chains a warp
-(`skinny_gemm.launch(chains=)`), against the copy rate: `python3 -m engines.bench.skinny_chains [--rows 1,8,16]
-[--chains 1,2,4] [--tilings "32,256,4,5,1;32,512,4,3,1"] [--json OUT]`.
+"""The skinny kernel over the model's decode weights (their fp8 copies, or `--weights bf16`) with 1, 2 or 4
+accumulator chains a warp (`skinny_gemm.launch(chains=)`), against the copy rate: `python3 -m
+engines.bench.skinny_chains [--rows 1,8,16] [--chains 1,2,4] [--tilings "32,256,4,5,1;32,512,4,3,1"] [--json OUT]`.
 
 Why (docs/PERF_NOTES.md, session 42): with one program of 4 warps an SM (o, q/k/v on an H100) every MMA of a warp waits
 for the one before, 256 in a row over K = 4096, and Nsight Compute shows those kernels issue-starved at 47-53% of the
@@ -33,7 +33,7 @@ def _tilings(spec: str) -> list[skinny_gemm.Config]:
     return out
 
 
-def _seconds(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, cfg: skinny_gemm.Config, chains: int,
+def _seconds(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None, cfg: skinny_gemm.Config, chains: int,
              copies: list[torch.Tensor]) -> float | None:
     """Seconds per call of one tiling with `chains` accumulators (None: it does not run on this GPU)."""
     return skinny_gemm.time_tilings(
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chains", default="1,2,4")
     p.add_argument("--tilings", default="", help="tilings to time besides the served one, ';'-separated")
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
+    p.add_argument("--weights", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     dev = torch.device("cuda")
@@ -55,9 +56,16 @@ def main(argv: list[str] | None = None) -> None:
     report = {"device": device_name(dev), "copy_bytes_per_s": bw, "rows": []}
     for name in a.shapes.split(","):
         n, k = SHAPES[name]
-        w8, scale = quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05)
-        copies = skinny_gemm.weight_copies(w8, scale)
-        served = skinny_gemm.config_for(w8, scale, torch.bfloat16, skinny_gemm.MAX_ROWS)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05
+        w, scale = quantize(w) if a.weights == "fp8" else (w, None)
+        copies = skinny_gemm.weight_copies(w, scale)
+        served = skinny_gemm.config_for(w, scale, torch.bfloat16, skinny_gemm.MAX_ROWS)
+        if served is None:  # this bf16 shape goes to cuBLAS: time the tuner's best tiling instead
+            key = (n, k, torch.bfloat16, skinny_gemm.MAX_ROWS)
+            if key not in skinny_gemm.timings:  # (the choice came from a tuning file)
+                skinny_gemm.tune(w)
+            t = skinny_gemm.timings[key]
+            served = min((c for c in t if c != "cublas"), key=t.__getitem__)
         for rows in (int(r) for r in a.rows.split(",")):
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
@@ -69,11 +77,12 @@ def main(argv: list[str] | None = None) -> None:
                     if t is None:
                         print(f"{name:8s} rows {rows:2d} {cfg} chains {chains}: does not run here", flush=True)
                         continue
-                    row = {"shape": name, "n": n, "k": k, "rows": rows, "tiling": list(cfg), "served": cfg == served,
-                           "chains": chains, "us": t * 1e6, "frac_of_copy_bw": n * k / t / bw}
+                    nbytes = n * k * (1 if scale is not None else 2)
+                    row = {"shape": name, "n": n, "k": k, "weights": a.weights, "rows": rows, "tiling": list(cfg),
+                           "served": cfg == served, "chains": chains, "us": t * 1e6, "frac_of_copy_bw": nbytes / t / bw}
                     report["rows"].append(row)
                     print(f"{name:8s} rows {rows:2d} {cfg}{' (served)' if cfg == served else ''} chains {chains}: "
-                          f"{t * 1e6:7.2f} us, {n * k / t / 1e12:.2f} TB/s ({row['frac_of_copy_bw']:.0%} of copy)",
+                          f"{t * 1e6:7.2f} us, {nbytes / t / 1e12:.2f} TB/s ({row['frac_of_copy_bw']:.0%} of copy)",
                           flush=True)
         del copies
         torch.cuda.empty_cache()
