@@ -208,6 +208,21 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 
 
 @triton.jit
+def mma(a, b, IEEE: tl.constexpr):
+    """a @ b in float32 (IEEE products for float32 operands, like the CPU reference)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def add_chain(acc, part):
+    """acc + part for a dot's result `part`, written as a fused multiply-add by 1 (exact): Triton folds a plain add of
+    a fresh dot into that dot's accumulator, which would make the MMA chains one again."""
+    return tl.fma(part, 1.0, acc)
+
+
+@triton.jit
 def _conv_k_tile(acc, X, WT, b, t, rm, rn, rk, tap, c0, M, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
                  IEEE: tl.constexpr):
     """acc + the products of one K tile of a causal conv: input channels c0 + rk of tap `tap`."""
@@ -216,11 +231,7 @@ def _conv_k_tile(acc, X, WT, b, t, rm, rn, rk, tap, c0, M, sxb, sxt, sxc, COUT, 
                 mask=((rm < M) & (src_t >= 0))[:, None] & ((c0 + rk) < CIN)[None, :], other=0.0)
     w = tl.load(WT + ((tap * CIN + c0 + rk) * COUT)[:, None] + rn[None, :],
                 mask=((c0 + rk) < CIN)[:, None] & (rn < COUT)[None, :], other=0.0)
-    if IEEE:
-        acc += tl.dot(a, w, input_precision="ieee")
-    else:
-        acc += tl.dot(a, w)
-    return acc
+    return acc + mma(a, w, IEEE)
 
 
 @triton.jit(do_not_specialize=["M", "T"])
@@ -249,21 +260,6 @@ def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.con
     acc += tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < COUT)[None, :])
-
-
-@triton.jit
-def mma(a, b, IEEE: tl.constexpr):
-    """a @ b in float32 (IEEE products for float32 operands, like the CPU reference)."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def add_chain(acc, part):
-    """acc + part for a dot's result `part`, written as a fused multiply-add by 1 (exact): Triton folds a plain add of
-    a fresh dot into that dot's accumulator, which would make the MMA chains one again."""
-    return tl.fma(part, 1.0, acc)
 
 
 @triton.jit
@@ -300,37 +296,29 @@ def _conv_whole_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.cons
             w1 = _conv_tap_w(WT, 1, rc, c_ok, rn, CIN, COUT)
         if KS >= 3:
             w2 = _conv_tap_w(WT, 2, rc, c_ok, rn, CIN, COUT)
-        bias = tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)
-        wait_then_trigger(PDL)
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
-        b = rm // T
+    else:
+        rr = tl.arange(0, KS_P * CIN_P)  # flattened (tap, channel) reduction axis, padded to powers of two
+        tap = rr // CIN_P
+        c = rr % CIN_P
+        r_ok = (tap < KS) & (c < CIN)
+        w = tl.load(WT + ((tap * CIN + c) * COUT)[:, None] + rn[None, :], mask=r_ok[:, None] & (rn < COUT)[None, :],
+                    other=0.0)
+    bias = tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)
+    wait_then_trigger(PDL)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
+    b = rm // T
+    if TAP_DOTS:
         t = rm % T
         acc = _conv_tap_dot(X, w0, b, t, rm, M, 0, rc, c_ok, sxb, sxt, sxc, KS, IEEE)
         if KS >= 2:
             acc = add_chain(acc, _conv_tap_dot(X, w1, b, t, rm, M, 1, rc, c_ok, sxb, sxt, sxc, KS, IEEE))
         if KS >= 3:
             acc = add_chain(acc, _conv_tap_dot(X, w2, b, t, rm, M, 2, rc, c_ok, sxb, sxt, sxc, KS, IEEE))
-        acc += bias[None, :]
-        tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
-                 mask=(rm < M)[:, None] & (rn < COUT)[None, :])
-        return
-    rr = tl.arange(0, KS_P * CIN_P)  # flattened (tap, channel) reduction axis, padded to powers of two
-    tap = rr // CIN_P
-    c = rr % CIN_P
-    r_ok = (tap < KS) & (c < CIN)
-    w = tl.load(WT + ((tap * CIN + c) * COUT)[:, None] + rn[None, :], mask=r_ok[:, None] & (rn < COUT)[None, :],
-                other=0.0)
-    bias = tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)
-    wait_then_trigger(PDL)
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
-    b = rm // T
-    src_t = (rm % T)[:, None] - (KS - 1) + tap[None, :]  # left context only: rows before the start read as zeros
-    am = (rm < M)[:, None] & r_ok[None, :] & (src_t >= 0)
-    a = tl.load(X + (b * sxb)[:, None] + src_t * sxt + (c * sxc)[None, :], mask=am, other=0.0)
-    if IEEE:
-        acc = tl.dot(a, w, input_precision="ieee")
     else:
-        acc = tl.dot(a, w)
+        src_t = (rm % T)[:, None] - (KS - 1) + tap[None, :]  # left context only: rows before the start read as zeros
+        am = (rm < M)[:, None] & r_ok[None, :] & (src_t >= 0)
+        a = tl.load(X + (b * sxb)[:, None] + src_t * sxt + (c * sxc)[None, :], mask=am, other=0.0)
+        acc = mma(a, w, IEEE)
     acc += bias[None, :]
     tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < COUT)[None, :])
@@ -665,10 +653,7 @@ def _window_attention_kernel(QKV, MASK, OUT, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_
     q = tl.load(base + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
     k = tl.load(base + H * D + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
     v = tl.load(base + 2 * H * D + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
-    if IEEE:
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
+    sc = mma(q, tl.trans(k), IEEE)
     am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
                  other=float("-inf")).to(tl.float32)
     o = softmax_pv(sc * scale + am, v, IEEE)
