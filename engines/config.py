@@ -135,6 +135,11 @@ def model_config_for(name_or_path: str) -> ModelConfig:
     return ModelConfig.from_json(name_or_path)
 
 
+def kv_torch_dtype(kv_dtype: str, dtype: str | torch.dtype) -> torch.dtype:
+    """The KV cache's element type for EngineConfig.kv_dtype and the model dtype."""
+    return KV_DTYPES[kv_dtype] or parse_dtype(dtype)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits of one engine process."""
@@ -209,7 +214,7 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV cache's element type."""
-        return KV_DTYPES[self.kv_dtype] or self.torch_dtype
+        return kv_torch_dtype(self.kv_dtype, self.dtype)
 
     def block_bytes(self, model: ModelConfig) -> int:
         """One KV block of `model` over every layer."""

@@ -14,7 +14,7 @@ import torch
 from engines.api import ChannelSampling, SamplingParams
 from engines.bench.hardware import device_name, measure_bandwidth, measure_matmul, median, sync, timed
 from engines.bench.hf_baseline import HFStyleModel
-from engines.config import KV_DTYPES, EngineConfig, model_config_for, parse_dtype
+from engines.config import KV_DTYPES, EngineConfig, kv_torch_dtype, model_config_for
 from engines.engine import Engine
 from engines.tokens import AUDIO_PAD, EOSP, SOSP
 
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     mc = model_config_for(args.model)
     kv_bytes = int(args.kv_gib * 2**30) if args.kv_gib else (max_b * (max_len + EngineConfig.block_size) + 4096) * \
-        mc.kv_bytes_per_row(KV_DTYPES[args.kv_dtype] or parse_dtype(dtype))
+        mc.kv_bytes_per_row(kv_torch_dtype(args.kv_dtype, dtype))
     cfg = EngineConfig(device=args.device, dtype=dtype, kv_cache_bytes=kv_bytes, max_running=max_b,
                        prefill_token_budget=max(args.prefill, max_b + 1) + max_b, max_model_len=max_len + 64,
                        max_waiting=max_b + 8, cuda_graphs=not args.no_graphs, fp8_weights=args.fp8_weights,
