@@ -5,8 +5,7 @@ synchronised around each, counts the kernels of one eager estimator call, and op
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
 programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
 cuBLAS or on codec_fused.linear, and the streaming-size conv kernel on or off; `--tiles` per tiling of the
-streaming-size kernels (codec_fused.StreamTiles; `--tile-filter dots,tap` for the MMA-chain variants alone);
-`--chains` per number of estimator chains side by side.
+streaming-size kernels (codec_fused.StreamTiles); `--chains` per number of estimator chains side by side.
 A development tool for docs/PERF_NOTES.md, not the server.
 """
 
@@ -203,17 +202,13 @@ def _tile_variants():
     for kw in ({"linear_m": 32}, {"linear_m": 64}, {"linear_tile": 8192}, {"linear_tile": 32768},
                {"linear_warps": 8}, {"linear_warps": 2}, {"conv_m": 32}, {"conv_m": 64}, {"conv_tile": 8192},
                {"conv_tile": 32768}, {"attention_warps": 2}, {"attention_warps": 8},
-               {"linear_m": 32, "conv_m": 32, "ln_linear": (32, 64, 4)},
-               # independent MMA chains (session 42: the served kernels' HMMAs wait on one another along K)
-               {"linear_k_dots": 2}, {"linear_k_dots": 4}, {"ln_k_dots": 4}, {"conv_tap_dots": True},
-               {"linear_k_dots": 4, "ln_k_dots": 4, "conv_tap_dots": True}):
+               {"linear_m": 32, "conv_m": 32, "ln_linear": (32, 64, 4)}):
         out.append((" ".join(f"{k}={v}" for k, v in kw.items()), replace(s, **kw)))
     return out
 
 
-def _tiles(dec, batches: list[int], reps: int, words: list[str]) -> None:
-    """The solve graph per StreamTiles variant (codec_fused.STREAM_TILES; with `words`, the served one and those
-    naming one of them), same inputs for each."""
+def _tiles(dec, batches: list[int], reps: int) -> None:
+    """The solve graph per StreamTiles variant (codec_fused.STREAM_TILES), same inputs for each."""
     from engines.kernels import codec_fused as k
 
     served = k.STREAM_TILES
@@ -221,8 +216,6 @@ def _tiles(dec, batches: list[int], reps: int, words: list[str]) -> None:
         for batch in batches:
             ref = None
             for name, tiles in _tile_variants():
-                if words and name != "served" and not any(w in name for w in words):
-                    continue
                 k.STREAM_TILES = tiles
                 try:
                     ms, x = _solve_ms(dec.flow, batch, reps)
@@ -278,8 +271,6 @@ def main() -> None:
     p.add_argument("--host-profile", action="store_true", help="also cProfile the steady-state rounds")
     p.add_argument("--timeline", action="store_true", help="only the solve graph's replay time, per kernel variant")
     p.add_argument("--tiles", action="store_true", help="only the solve graph's replay time, per StreamTiles variant")
-    p.add_argument("--tile-filter", default="", help="with --tiles: only the variants whose name holds one of these "
-                   "comma-separated words (the served tiles always run), e.g. 'dots,tap'")
     p.add_argument("--chains", action="store_true", help="only the solve graph's replay time, per number of chains")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
@@ -291,7 +282,7 @@ def main() -> None:
         _chains(dec, [int(x) for x in a.batches.split(",")], a.iters)
         return
     if a.tiles:
-        _tiles(dec, [int(x) for x in a.batches.split(",")], a.iters, [w for w in a.tile_filter.split(",") if w])
+        _tiles(dec, [int(x) for x in a.batches.split(",")], a.iters)
         _print_kernel_resources()
         return
     rng = np.random.default_rng(0)

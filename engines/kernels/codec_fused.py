@@ -62,21 +62,11 @@ class StreamTiles:
     conv_m: int = 16  # BLOCK_M of the whole-tile conv; BLOCK_N = conv_tile // (taps x channels) (16..64)
     conv_tile: int = LINEAR_TILE
     attention_warps: int = 4
-    # Independent MMA chains (session 42's reading: at streaming sizes each warp's MMAs otherwise wait for one another
-    # along the whole reduction, 64 in a row for ff.net.2's K = 1024): `linear` and `ln_linear` split K into this
-    # many dots, the whole-tile conv runs one dot per tap (and no padded fourth tap). Off until the solve graph
-    # measures them.
-    linear_k_dots: int = 1
-    conv_tap_dots: bool = False
-    ln_k_dots: int = 1  # `ln_linear` splits its channels into this many dots
 
     def __post_init__(self) -> None:
         for name, v in (("ln_linear", self.ln_linear[:2]), ("linear_m", (self.linear_m,)), ("conv_m", (self.conv_m,))):
             if any(x < 16 or x & (x - 1) for x in v):
                 raise ValueError(f"StreamTiles.{name} must be powers of two >= 16, got {v}")
-        for name in ("linear_k_dots", "ln_k_dots"):
-            if getattr(self, name) not in (1, 2, 4):
-                raise ValueError(f"StreamTiles.{name} must be 1, 2 or 4, got {getattr(self, name)}")
 
 
 STREAM_TILES = StreamTiles()
@@ -216,13 +206,6 @@ def mma(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def add_chain(acc, part):
-    """acc + part for a dot's result `part`, written as a fused multiply-add by 1 (exact): Triton folds a plain add of
-    a fresh dot into that dot's accumulator, which would make the MMA chains one again."""
-    return tl.fma(part, 1.0, acc)
-
-
-@triton.jit
 def _conv_k_tile(acc, X, WT, b, t, rm, rn, rk, tap, c0, M, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
                  IEEE: tl.constexpr):
     """acc + the products of one K tile of a causal conv: input channels c0 + rk of tap `tap`."""
@@ -231,7 +214,8 @@ def _conv_k_tile(acc, X, WT, b, t, rm, rn, rk, tap, c0, M, sxb, sxt, sxc, COUT, 
                 mask=((rm < M) & (src_t >= 0))[:, None] & ((c0 + rk) < CIN)[None, :], other=0.0)
     w = tl.load(WT + ((tap * CIN + c0 + rk) * COUT)[:, None] + rn[None, :],
                 mask=((c0 + rk) < CIN)[:, None] & (rn < COUT)[None, :], other=0.0)
-    return acc + mma(a, w, IEEE)
+    acc += mma(a, w, IEEE)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "T"])
@@ -262,63 +246,27 @@ def _causal_conv_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.con
              mask=(rm < M)[:, None] & (rn < COUT)[None, :])
 
 
-@triton.jit
-def _conv_tap_w(WT, tap, rc, c_ok, rn, CIN: tl.constexpr, COUT):
-    """One tap's weight tile [CIN_P, BLOCK_N] of the implicit-GEMM conv weight."""
-    return tl.load(WT + ((tap * CIN + rc) * COUT)[:, None] + rn[None, :], mask=c_ok[:, None] & (rn < COUT)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _conv_tap_dot(X, w, b, t, rm, M, tap, rc, c_ok, sxb, sxt, sxc, KS: tl.constexpr, IEEE: tl.constexpr):
-    """One tap's products [BLOCK_M, BLOCK_N]: the input rows `tap - (KS - 1)` frames back (zeros before the start)."""
-    src_t = t - (KS - 1) + tap
-    a = tl.load(X + (b * sxb + src_t * sxt)[:, None] + (rc * sxc)[None, :],
-                mask=((rm < M) & (src_t >= 0))[:, None] & c_ok[None, :], other=0.0)
-    return mma(a, w, IEEE)
-
-
 @triton.jit(do_not_specialize=["M", "T"])
 def _conv_whole_kernel(X, WT, BIAS, OUT, M, T, sxb, sxt, sxc, COUT, CIN: tl.constexpr, KS: tl.constexpr,
                        CIN_P: tl.constexpr, KS_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr, TAP_DOTS: tl.constexpr = False):
+                       IEEE: tl.constexpr, PDL: tl.constexpr):
     """_causal_conv_kernel for streaming row counts: the reduction over (tap, channel) is one tile, so a program
-    holds its whole weight slice, read before the programmatic-launch wait, and runs one dot; with TAP_DOTS (KS <= 3)
-    one dot per tap, summed after (independent MMA chains, no padded tap)."""
+    holds its whole weight slice, read before the programmatic-launch wait, and runs one dot."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if TAP_DOTS:
-        rc = tl.arange(0, CIN_P)
-        c_ok = rc < CIN
-        w0 = _conv_tap_w(WT, 0, rc, c_ok, rn, CIN, COUT)
-        w1 = w0
-        w2 = w0
-        if KS >= 2:
-            w1 = _conv_tap_w(WT, 1, rc, c_ok, rn, CIN, COUT)
-        if KS >= 3:
-            w2 = _conv_tap_w(WT, 2, rc, c_ok, rn, CIN, COUT)
-    else:
-        rr = tl.arange(0, KS_P * CIN_P)  # flattened (tap, channel) reduction axis, padded to powers of two
-        tap = rr // CIN_P
-        c = rr % CIN_P
-        r_ok = (tap < KS) & (c < CIN)
-        w = tl.load(WT + ((tap * CIN + c) * COUT)[:, None] + rn[None, :], mask=r_ok[:, None] & (rn < COUT)[None, :],
-                    other=0.0)
+    rr = tl.arange(0, KS_P * CIN_P)  # flattened (tap, channel) reduction axis, padded to powers of two
+    tap = rr // CIN_P
+    c = rr % CIN_P
+    r_ok = (tap < KS) & (c < CIN)
+    w = tl.load(WT + ((tap * CIN + c) * COUT)[:, None] + rn[None, :], mask=r_ok[:, None] & (rn < COUT)[None, :],
+                other=0.0)
     bias = tl.load(BIAS + rn, mask=rn < COUT, other=0.0).to(tl.float32)
     wait_then_trigger(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (b, t) output rows
     b = rm // T
-    if TAP_DOTS:
-        t = rm % T
-        acc = _conv_tap_dot(X, w0, b, t, rm, M, 0, rc, c_ok, sxb, sxt, sxc, KS, IEEE)
-        if KS >= 2:
-            acc = add_chain(acc, _conv_tap_dot(X, w1, b, t, rm, M, 1, rc, c_ok, sxb, sxt, sxc, KS, IEEE))
-        if KS >= 3:
-            acc = add_chain(acc, _conv_tap_dot(X, w2, b, t, rm, M, 2, rc, c_ok, sxb, sxt, sxc, KS, IEEE))
-    else:
-        src_t = (rm % T)[:, None] - (KS - 1) + tap[None, :]  # left context only: rows before the start read as zeros
-        am = (rm < M)[:, None] & r_ok[None, :] & (src_t >= 0)
-        a = tl.load(X + (b * sxb)[:, None] + src_t * sxt + (c * sxc)[None, :], mask=am, other=0.0)
-        acc = mma(a, w, IEEE)
+    src_t = (rm % T)[:, None] - (KS - 1) + tap[None, :]  # left context only: rows before the start read as zeros
+    am = (rm < M)[:, None] & r_ok[None, :] & (src_t >= 0)
+    a = tl.load(X + (b * sxb)[:, None] + src_t * sxt + (c * sxc)[None, :], mask=am, other=0.0)
+    acc = mma(a, w, IEEE)
     acc += bias[None, :]
     tl.store(OUT + rm[:, None] * COUT + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < COUT)[None, :])
@@ -408,7 +356,6 @@ def causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kerne
     _conv_whole_kernel[(triton.cdiv(m, tiles.conv_m), triton.cdiv(cout, bn))](
         x, w_gemm, bias, out, m, t, x.stride(0), x.stride(2), x.stride(1), cout, CIN=cin, KS=kernel, CIN_P=cin_p,
         KS_P=ks_p, BLOCK_M=tiles.conv_m, BLOCK_N=bn, IEEE=x.dtype == torch.float32,
-        TAP_DOTS=tiles.conv_tap_dots and kernel <= 3,
         num_warps=8 if cin_p * ks_p * bn > LINEAR_TILE else 4, num_stages=1, **_launch(x.device, m))
     return out
 
@@ -418,30 +365,13 @@ def _gelu_f32(y):
     return 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
 
 
-@triton.jit
-def _ln_slice_x(X, R, S, rm, mm, C: tl.constexpr, start: tl.constexpr, rs, HAS_RES: tl.constexpr):
-    """Channels start + rs of the rows rm of x (+ the residual, the sum rounded and stored by one column block) in
-    float32."""
-    dt = S.dtype.element_ty
-    x = tl.load(X + rm[:, None] * C + start + rs[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = (x + tl.load(R + rm[:, None] * C + start + rs[None, :], mask=mm[:, None], other=0.0).to(tl.float32)).to(dt)
-        x = x.to(tl.float32)
-        if tl.program_id(1) == 0:  # one column block stores the residual stream
-            tl.store(S + rm[:, None] * C + start + rs[None, :], x.to(dt), mask=mm[:, None])
-    return x
-
-
 @triton.jit(do_not_specialize=["M"])
 def _ln_linear_kernel(X, R, LNW, LNB, WT, BIAS, Y, S, M, N, eps, C: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                      IEEE: tl.constexpr, PDL: tl.constexpr, K_DOTS: tl.constexpr = 1):
-    """K_DOTS > 1: the channels in that many slices, one dot each (independent MMA chains, StreamTiles.ln_k_dots);
-    the LayerNorm's sums then add the slices' sums."""
+                      IEEE: tl.constexpr, PDL: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    CS: tl.constexpr = C // K_DOTS
-    rc = tl.arange(0, CS)
+    rc = tl.arange(0, C)
     mm = rm < M
     dt = Y.dtype.element_ty
     # The weights are read before the wait: nothing in a step writes them, and their loads (HBM misses: the
@@ -449,50 +379,20 @@ def _ln_linear_kernel(X, R, LNW, LNB, WT, BIAS, Y, S, M, N, eps, C: tl.constexpr
     lnw = tl.load(LNW + rc).to(tl.float32)
     lnb = tl.load(LNB + rc).to(tl.float32)
     w = tl.load(WT + rc[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
-    lnw1, lnb1, w1, lnw2, lnb2, w2, lnw3, lnb3, w3 = lnw, lnb, w, lnw, lnb, w, lnw, lnb, w
-    if K_DOTS >= 2:
-        lnw1 = tl.load(LNW + CS + rc).to(tl.float32)
-        lnb1 = tl.load(LNB + CS + rc).to(tl.float32)
-        w1 = tl.load(WT + (CS + rc)[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
-    if K_DOTS >= 4:
-        lnw2 = tl.load(LNW + 2 * CS + rc).to(tl.float32)
-        lnb2 = tl.load(LNB + 2 * CS + rc).to(tl.float32)
-        w2 = tl.load(WT + (2 * CS + rc)[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
-        lnw3 = tl.load(LNW + 3 * CS + rc).to(tl.float32)
-        lnb3 = tl.load(LNB + 3 * CS + rc).to(tl.float32)
-        w3 = tl.load(WT + (3 * CS + rc)[:, None] * N + rn[None, :], mask=(rn < N)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
     wait_then_trigger(PDL)
-    x = _ln_slice_x(X, R, S, rm, mm, C, 0, rc, HAS_RES)
-    x1, x2, x3 = x, x, x
-    total = tl.sum(x, 1)
-    if K_DOTS >= 2:
-        x1 = _ln_slice_x(X, R, S, rm, mm, C, CS, rc, HAS_RES)
-        total += tl.sum(x1, 1)
-    if K_DOTS >= 4:
-        x2 = _ln_slice_x(X, R, S, rm, mm, C, 2 * CS, rc, HAS_RES)
-        x3 = _ln_slice_x(X, R, S, rm, mm, C, 3 * CS, rc, HAS_RES)
-        total += tl.sum(x2, 1) + tl.sum(x3, 1)
-    mean = total / C
+    x = tl.load(X + rm[:, None] * C + rc[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = (x + tl.load(R + rm[:, None] * C + rc[None, :], mask=mm[:, None], other=0.0).to(tl.float32)).to(dt)
+        x = x.to(tl.float32)
+        if tl.program_id(1) == 0:  # one column block stores the residual stream
+            tl.store(S + rm[:, None] * C + rc[None, :], x.to(dt), mask=mm[:, None])
+    mean = tl.sum(x, 1) / C
     d = x - mean[:, None]
-    squares = tl.sum(d * d, 1)
-    d1, d2, d3 = d, d, d
-    if K_DOTS >= 2:
-        d1 = x1 - mean[:, None]
-        squares += tl.sum(d1 * d1, 1)
-    if K_DOTS >= 4:
-        d2 = x2 - mean[:, None]
-        d3 = x3 - mean[:, None]
-        squares += tl.sum(d2 * d2, 1) + tl.sum(d3 * d3, 1)
-    rstd = 1.0 / tl.sqrt(squares / C + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
     h = (d * rstd[:, None] * lnw[None, :] + lnb[None, :]).to(dt)  # LayerNorm output, stored rounded by torch
     acc = mma(h, w, IEEE)
-    if K_DOTS >= 2:
-        acc = add_chain(acc, mma((d1 * rstd[:, None] * lnw1[None, :] + lnb1[None, :]).to(dt), w1, IEEE))
-    if K_DOTS >= 4:
-        acc = add_chain(acc, mma((d2 * rstd[:, None] * lnw2[None, :] + lnb2[None, :]).to(dt), w2, IEEE))
-        acc = add_chain(acc, mma((d3 * rstd[:, None] * lnw3[None, :] + lnb3[None, :]).to(dt), w3, IEEE))
     if HAS_BIAS:
         acc += bias[None, :]
     y = acc.to(dt)
@@ -533,51 +433,28 @@ def ln_linear(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.T
     if m:
         bm, bn, warps = STREAM_TILES.ln_linear if m <= 128 else (32, 128, 8) if m <= 320 else (64, 128, 8)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        dots = STREAM_TILES.ln_k_dots
         _ln_linear_kernel[grid](x, residual if residual is not None else x, ln_weight, ln_bias, w_t,
                                 bias if bias is not None else ln_bias, y, s, m, n, eps, C=c, BLOCK_M=bm,
                                 BLOCK_N=bn, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GELU=gelu,
-                                IEEE=x.dtype == torch.float32, K_DOTS=dots if c >= 16 * dots else 1,
-                                num_warps=warps, num_stages=1, **_launch(x.device, nb * t))
+                                IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=1,
+                                **_launch(x.device, nb * t))
     return y, s
-
-
-@triton.jit
-def _k_slice(P, rows, row_ok, K: tl.constexpr, start: tl.constexpr, rk):
-    """Columns start + rk of the rows `rows` of a [*, K] matrix (zeros for rows not ok)."""
-    return tl.load(P + rows[:, None] * K + start + rk[None, :], mask=row_ok[:, None], other=0.0)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, BIAS, RES, Y, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                   K_DOTS: tl.constexpr = 1):
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    KC: tl.constexpr = K // K_DOTS
-    rk = tl.arange(0, KC)
-    # The whole-K weight tile [BLOCK_N, K] (in K_DOTS column slices) and the bias are read before the wait (see
-    # _ln_linear_kernel).
-    n_ok = rn < N
-    w = _k_slice(W, rn, n_ok, K, 0, rk)
-    w1 = w
-    w2 = w
-    w3 = w
-    if K_DOTS >= 2:
-        w1 = _k_slice(W, rn, n_ok, K, KC, rk)
-    if K_DOTS >= 4:
-        w2 = _k_slice(W, rn, n_ok, K, 2 * KC, rk)
-        w3 = _k_slice(W, rn, n_ok, K, 3 * KC, rk)
+    rk = tl.arange(0, K)
+    # The whole-K weight tile [BLOCK_N, K] and the bias are read before the wait (see _ln_linear_kernel).
+    w = tl.load(W + rn[:, None] * K + rk[None, :], mask=(rn < N)[:, None], other=0.0)
     if HAS_BIAS:
         bias = tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
     wait_then_trigger(PDL)
     mm = rm < M
-    acc = mma(_k_slice(X, rm, mm, K, 0, rk), tl.trans(w), IEEE)
-    if K_DOTS >= 2:  # one dot per K slice: independent MMA chains (StreamTiles.linear_k_dots)
-        acc = add_chain(acc, mma(_k_slice(X, rm, mm, K, KC, rk), tl.trans(w1), IEEE))
-    if K_DOTS >= 4:
-        acc = add_chain(acc, mma(_k_slice(X, rm, mm, K, 2 * KC, rk), tl.trans(w2), IEEE))
-        acc = add_chain(acc, mma(_k_slice(X, rm, mm, K, 3 * KC, rk), tl.trans(w3), IEEE))
+    x = tl.load(X + rm[:, None] * K + rk[None, :], mask=mm[:, None], other=0.0)
+    acc = mma(x, tl.trans(w), IEEE)
     if HAS_BIAS:
         acc += bias[None, :]
     om = mm[:, None] & (rn < N)[None, :]
@@ -619,8 +496,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x2, weight, bias if bias is not None else weight, residual if residual is not None else y, y, m, n, K=k,
         BLOCK_M=bm, BLOCK_N=bn, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        IEEE=x.dtype == torch.float32, K_DOTS=tiles.linear_k_dots if k >= 16 * tiles.linear_k_dots else 1,
-        num_warps=tiles.linear_warps, num_stages=1, **_launch(x.device, m))
+        IEEE=x.dtype == torch.float32, num_warps=tiles.linear_warps, num_stages=1, **_launch(x.device, m))
     return y
 
 

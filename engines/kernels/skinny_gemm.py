@@ -57,26 +57,6 @@ _choice: dict[tuple[int, int, torch.dtype, int], Config | None] = {}
 timings: dict[tuple[int, int, torch.dtype, int], dict] = {}
 
 
-@triton.jit
-def _skinny_step(x_ptrs, w_ptrs, k0, offs_k, K, m_ok, n_ok, acc, X, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 SCALED: tl.constexpr):
-    """acc + x_tile @ w_tile.T for one K tile (its columns from k0 + offs_k)."""
-    if EVEN_K:
-        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        if EVEN_N:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-    else:
-        k_ok = (k0 + offs_k) < K
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-    if SCALED:  # fp8 weight: exact in fp16 and bf16; its row's power-of-two scale comes after the sums. (Through
-        # fp16: Triton's direct e4m3 -> bf16 conversion measured ~20% slower on gate_up, H200.)
-        w = w.to(tl.float16).to(X.dtype.element_ty)
-    return tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
-
-
 # M (rows) changes with every batch the text head sees outside the graphs: specializing on it (M == 1,
 # M % 16 == 0) compiled a new kernel mid-serving, a 100-500 ms stall. It only masks rows.
 #
@@ -87,8 +67,7 @@ def _skinny_step(x_ptrs, w_ptrs, k0, offs_k, K, m_ok, n_ok, acc, X, EVEN_K: tl.c
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr, GLU: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
-                   CHAINS: tl.constexpr = 1):
+                   SPLIT_K: tl.constexpr, GLU: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     wait_then_trigger(PDL)
@@ -102,34 +81,28 @@ def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    # CHAINS > 1: each K tile is CHAINS sub-tiles summed into accumulators of their own, so a warp's MMAs form CHAINS
-    # independent chains instead of one (every MMA of a program otherwise waits for the one before: 256 in a row
-    # over K = 4096; docs/PERF_NOTES.md session 42). Sums in another order: not bit-identical to CHAINS = 1.
-    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K // CHAINS)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     w_ptrs = W + offs_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    kc = BLOCK_K // CHAINS
     for k0 in range(0, K_SPLIT, BLOCK_K):
-        acc = _skinny_step(x_ptrs, w_ptrs, k0, offs_k, K, m_ok, n_ok, acc, X, EVEN_K, EVEN_N, SCALED)
-        if CHAINS >= 2:
-            acc1 = _skinny_step(x_ptrs + kc, w_ptrs + kc, k0 + kc, offs_k, K, m_ok, n_ok, acc1, X, EVEN_K, EVEN_N,
-                                SCALED)
-        if CHAINS >= 4:
-            acc2 = _skinny_step(x_ptrs + 2 * kc, w_ptrs + 2 * kc, k0 + 2 * kc, offs_k, K, m_ok, n_ok, acc2, X, EVEN_K,
-                                EVEN_N, SCALED)
-            acc3 = _skinny_step(x_ptrs + 3 * kc, w_ptrs + 3 * kc, k0 + 3 * kc, offs_k, K, m_ok, n_ok, acc3, X, EVEN_K,
-                                EVEN_N, SCALED)
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if SCALED:  # fp8 weight: exact in fp16 and bf16; its row's power-of-two scale comes after the sums. (Through
+            # fp16: Triton's direct e4m3 -> bf16 conversion measured ~20% slower on gate_up, H200.)
+            w = w.to(tl.float16).to(X.dtype.element_ty)
+        acc = tl.dot(x, tl.trans(w), acc)  # [BLOCK_M, BLOCK_N], float32
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if CHAINS >= 2:
-        acc += acc1
-    if CHAINS >= 4:
-        acc += acc2 + acc3
     if SCALED:  # a power of two per weight row: exact, so these are the sums over the weight's bf16 values
         acc = acc * tl.load(S + offs_n, mask=n_ok, other=1.0)[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
@@ -163,17 +136,12 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Tensor | None = None,
-           glu: bool = False, block_m: int = MAX_ROWS, scale: torch.Tensor | None = None, chains: int = 1
-           ) -> torch.Tensor:
+           glu: bool = False, block_m: int = MAX_ROWS, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= block_m, K] @ weight[N, K].T with one tiling; out [M, N] (contiguous) if given. `glu` (one-pass
     tilings only): the weight is (gate; up) [2F, K] and the output silu(gate) * up [M, F]. `block_m` (a power of two
     >= 16): rows of the one tile every program holds (benchmarks try more than MAX_ROWS). `scale` ([N] float32,
-    powers of two) with an fp8 weight: x @ (weight * scale[:, None]).T (engines/model/fp8.py). `chains` (1, 2 or 4,
-    dividing BLOCK_K into tiles of 16 or more): independent accumulators a warp sums into (a probe: the tuner's
-    tilings run one)."""
+    powers of two) with an fp8 weight: x @ (weight * scale[:, None]).T (engines/model/fp8.py)."""
     block_n, block_k, warps, stages, split = config
-    if chains not in (1, 2, 4) or block_k % (16 * chains):
-        raise ValueError(f"{chains} accumulator chains do not split a K tile of {block_k} into tiles of 16 or more")
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     if (scale is not None) != (weight.dtype == torch.float8_e4m3fn):
@@ -190,7 +158,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
     _skinny_kernel[(triton.cdiv(n, tile_n), split)](
         x, weight, weight if scale is None else scale, dst, m, n, k, k // split if split > 1 else k, x.stride(0),
         weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        EVEN_N=n % tile_n == 0, SPLIT_K=split, GLU=glu, SCALED=scale is not None, CHAINS=chains, num_warps=warps,
+        EVEN_N=n % tile_n == 0, SPLIT_K=split, GLU=glu, SCALED=scale is not None, num_warps=warps,
         num_stages=stages, **launch_kwargs(x.device))
     if split > 1:
         reduce_splits(dst, out)

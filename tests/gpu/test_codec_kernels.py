@@ -31,22 +31,6 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e
 NORM_SIZES = [(3, 40), (NORM_ONE_ROW_MAX // 37 + 1, 37)]
 
 
-# The streaming kernels' MMA-chain variants (codec_fused.StreamTiles.linear_k_dots / ln_k_dots / conv_tap_dots, off
-# as served): every linear, ln_linear and conv test runs with each.
-CHAIN_VARIANTS = {"served": {}, "k_dots2": {"linear_k_dots": 2, "ln_k_dots": 2},
-                  "k_dots4_taps": {"linear_k_dots": 4, "ln_k_dots": 4, "conv_tap_dots": True}}
-
-
-@pytest.fixture(params=sorted(CHAIN_VARIANTS))
-def stream_tiles(request, monkeypatch):
-    from dataclasses import replace
-
-    from engines.kernels import codec_fused
-
-    monkeypatch.setattr(codec_fused, "STREAM_TILES", replace(codec_fused.STREAM_TILES, **CHAIN_VARIANTS[request.param]))
-    return request.param
-
-
 def _norm_params(c: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (1 + 0.1 * torch.randn(c, device="cuda", generator=g)).to(dtype)
@@ -86,7 +70,7 @@ CONV_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol
                                                  (256, 256, 3, 4, 40), (256, 256, 1, 2, 40), (256, 80, 1, 33, 24),
                                                  (100, 70, 5, 1, 9), (320, 512, 3, 17, 40), (100, 70, 5, 9, 80)])
 @pytest.mark.parametrize("layout", ["time_major", "contiguous"])
-def test_causal_conv_matches_torch(dtype, cin, cout, k, batch, T, layout, stream_tiles):
+def test_causal_conv_matches_torch(dtype, cin, cout, k, batch, T, layout):
     """Every tile edge: M not a multiple of the row tile, Cout < the column tile, Cin not a multiple of 64; each
     kernel and loop (whole-tile up to CONV_WHOLE_MAX_ROWS = 160 rows, 2 x 40 and 4 x 40 here; the looped one above,
     its flat loop from CONV_FLAT_MIN_ROWS = 640 rows for 2-byte inputs with Cin a multiple of 64: 17 x 40 and
@@ -106,7 +90,7 @@ def test_causal_conv_matches_torch(dtype, cin, cout, k, batch, T, layout, stream
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_res,bias,gelu", [(False, False, False), (True, True, True), (True, False, False)])
 @pytest.mark.parametrize("rows", [80, 400, 1280, 37])  # 1280: the unfused path
-def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows, stream_tiles):
+def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows):
     """add + LayerNorm + Linear (+ bias, + exact GELU) against add_layernorm then F.linear / F.gelu."""
     C, N = 256, 1536 if not gelu else 1024
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -128,7 +112,7 @@ def test_ln_linear_matches_torch(dtype, with_res, bias, gelu, rows, stream_tiles
 @pytest.mark.parametrize("K,N", [(512, 256), (1024, 256), (64, 48)])
 @pytest.mark.parametrize("rows,bias", [(80, True), (37, False), (160, True), (400, True)])  # 400: F.linear
 @pytest.mark.parametrize("with_res", [False, True])
-def test_linear_matches_torch(dtype, K, N, rows, bias, with_res, stream_tiles):
+def test_linear_matches_torch(dtype, K, N, rows, bias, with_res):
     """The whole-K-tile linear (to_out, ff output; + the residual stream for a stack's last block) against a
     float64 F.linear rounded, then the rounded add; 3-D input as the estimator passes it."""
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -188,9 +172,8 @@ def test_add_layernorm_matches_torch(dtype, with_res, B, T):
     torch.testing.assert_close(y, y_want, **TOL[dtype])
 
 
-def test_estimator_cuda_path_matches_cpu_reference(stream_tiles):
-    """The whole estimator (fused kernels + fused q/k/v + table) on CUDA vs on CPU, float32, tiny-random; with each
-    MMA-chain variant of the streaming kernels."""
+def test_estimator_cuda_path_matches_cpu_reference():
+    """The whole estimator (fused kernels + fused q/k/v + table) on CUDA vs on CPU, float32, tiny-random."""
     from engines.codec.decoder import CodecDecoder
 
     cpu = CodecDecoder.load("tiny-random", vocoder="hift")

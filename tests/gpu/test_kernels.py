@@ -711,48 +711,6 @@ def test_skinny_gemm_over_an_fp8_weight_matches_f_linear_over_its_values(m, bloc
         skinny_gemm.launch(x, values, (32, 256, 4, 4, 1), scale=scale)
 
 
-@pytest.mark.parametrize("weights", ["fp8", "bf16"])
-@pytest.mark.parametrize("chains", [2, 4])
-@pytest.mark.parametrize("m", [1, 8, 16])
-def test_skinny_gemm_accumulator_chains_match_f_linear(weights, chains, m):
-    """`chains` accumulators a warp sums into (skinny_gemm.launch's probe option), over an fp8 weight's copy or a bf16
-    weight: every tiling whose K tile splits into tiles of 16 or more, ragged N and K, split-K and the GLU epilogue,
-    against F.linear over the weight's values, as close as one accumulator; outputs poisoned first. Too few K
-    columns a chain is refused."""
-    from engines.kernels import skinny_gemm
-    from engines.model.fp8 import dequantize, quantize
-
-    g = torch.Generator(device="cuda").manual_seed(43)
-    checked = 0
-    for n, k in ((4096, 4096), (200, 1000)):
-        w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16) * 0.05
-        if weights == "fp8":
-            w, scale = quantize(w)
-            values, candidates = dequantize(w, scale, torch.bfloat16), skinny_gemm.FP8_CANDIDATES
-        else:
-            scale, values, candidates = None, w, skinny_gemm.CANDIDATES
-        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-        ref = torch.nn.functional.linear(x.double(), values.double())
-        gate, up = ref.split(n // 2, dim=-1)
-        ref_glu = torch.nn.functional.silu(gate) * up
-        for cfg in candidates:
-            if cfg[1] % (16 * chains) or (cfg[4] > 1 and k % (cfg[4] * cfg[1])):
-                continue
-            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            if launch_tiling(x, w, cfg, out, scale=scale, chains=chains) is None:
-                continue  # too large for this GPU's shared memory
-            one = skinny_gemm.launch(x, w, cfg, scale=scale)
-            assert torch.isfinite(out).all(), (n, k, cfg)
-            assert rel_err(out, ref) < max(1e-2, 2 * rel_err(one, ref)), (n, k, cfg, rel_err(out, ref))
-            if cfg[4] == 1:
-                got = skinny_gemm.launch(x, w, cfg, glu=True, scale=scale, chains=chains)
-                assert rel_err(got, ref_glu) < 1e-2, (n, k, cfg, rel_err(got, ref_glu))
-            checked += 1
-    assert checked >= 8, checked
-    with pytest.raises(ValueError, match="accumulator chains"):
-        skinny_gemm.launch(x, w, (32, 32, 4, 4, 1), scale=scale, chains=4)
-
-
 def test_linear_with_only_its_fp8_copy_matches_its_values_at_every_row_count():
     """fp8.apply(keep_weights=False) drops a Linear's weight: decode-sized rows read the copy through the skinny
     kernel, more rows through the fp8 GEMM (both tuned by fp8.tune_kernels), and all of them equal F.linear over the
