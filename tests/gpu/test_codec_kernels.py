@@ -264,7 +264,10 @@ def test_snake_is_bit_identical_to_torch():
     a = alpha[None, :, None]
     want = x + (1.0 / (a + 1e-9)) * torch.sin(a * x).pow(2)
     assert torch.equal(snake(x, alpha), want)
-    assert torch.equal(snake(x.transpose(1, 2).contiguous().transpose(1, 2), alpha), want)  # strided input
+    tm = x.transpose(1, 2).contiguous().transpose(1, 2)  # time-major memory (HiFT's layout on CUDA)
+    got = snake(tm, alpha)
+    assert torch.equal(got, want) and got.stride() == tm.stride()  # the output keeps the layout
+    assert torch.equal(snake(x[:, :, ::2], alpha), want[:, :, ::2])  # other strides: made contiguous first
     module = Snake(C).cuda()
     with torch.no_grad():
         module.alpha.copy_(alpha)
@@ -297,19 +300,96 @@ def test_snake_with_bias_and_residual_is_bit_identical_to_torch():
     assert torch.equal(s, r + biased) and torch.equal(y, ref(r + biased))
     s, y = add_snake(x, None, r, None)
     assert torch.equal(s, r + x) and y is None
+    # time-major x (HiFT's layout on CUDA) with a residual in either layout: the same bits, x's layout out
+    xt = x.transpose(1, 2).contiguous().transpose(1, 2)
+    for rr in (r, r.transpose(1, 2).contiguous().transpose(1, 2)):
+        s, y = add_snake(xt, bias, rr, alpha)
+        assert torch.equal(s, r + biased) and torch.equal(y, ref(r + biased))
+        assert s.stride() == y.stride() == xt.stride()
     with pytest.raises(ValueError, match="bias"):
         snake(x, alpha, bias[:3])
     with pytest.raises(ValueError, match="residual"):
         add_snake(x, bias, r[:, :, :5], alpha)
 
 
+@pytest.mark.parametrize("transposed,k,stride,dilation", [(False, 7, 1, 1), (False, 11, 1, 5), (False, 16, 8, 1),
+                                                          (True, 16, 8, 1), (True, 7, 3, 1)])
+def test_hift_conv_time_major_matches_the_1d_conv(monkeypatch, transposed, k, stride, dilation, deterministic_cudnn):
+    """hift.conv on CUDA (a channels-last 2-D conv) gives the 1-D conv's output to TF32 rounding, in time-major memory,
+    from time-major or contiguous input; without its bias when asked; below TIME_MAJOR_MIN_BATCH rows, and with
+    MOSS_HIFT_TIME_MAJOR=0, it is the 1-D conv."""
+    from engines.codec.decoder import hift
+
+    monkeypatch.setattr(hift, "TIME_MAJOR_MIN_BATCH", 2)
+
+    torch.manual_seed(3)
+    cin, cout = 64, 48
+    m = (torch.nn.ConvTranspose1d(cin, cout, k, stride, padding=(k - stride) // 2) if transposed else
+         torch.nn.Conv1d(cin, cout, k, stride, padding=(k * dilation - dilation) // 2, dilation=dilation)).cuda()
+    x = torch.randn(2, cin, 300, device="cuda")
+    with torch.inference_mode():
+        want = m(x)
+        for inp in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):
+            got = hift.conv(m, inp)
+            assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * float(want.abs().max()))
+        no_bias = hift.conv(m, x, bias=False)
+        torch.testing.assert_close(no_bias + m.bias[None, :, None], hift.conv(m, x), rtol=0, atol=1e-5)
+        assert torch.equal(hift.conv(m, x[:1]), m(x[:1]))  # one row: below the minimum batch
+        monkeypatch.setattr(hift, "TIME_MAJOR", False)
+        assert torch.equal(hift.conv(m, x), want)
+
+
+def test_hift_time_major_matches_the_1d_layout(monkeypatch, deterministic_cudnn):
+    """The full-size HiFT generator with its activations time-major (the CUDA default) gives the 1-D layout's body
+    output (before conv_post) and waveform to TF32 rounding through its ~90 convs, at 2 sessions. f0 is held at 0
+    (unvoiced: the source is the noise alone), since a TF32-sized change of f0 moves the harmonic phases a lot over a
+    window; a layout error (a channel read from the wrong place) would be of the signal's own size."""
+    from engines.codec.decoder import hift
+    from engines.codec.decoder.config import HiFTConfig
+
+    monkeypatch.setattr(hift, "TIME_MAJOR_MIN_BATCH", 2)
+    torch.manual_seed(0)
+    gen = hift.HiFTGenerator(HiFTConfig()).cuda().eval()
+    gen.fold_weight_norm()
+    with torch.no_grad():
+        for m in gen.modules():  # small weights keep the 3-stage stack finite
+            if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+                m.weight.mul_(0.3)
+        gen.f0_predictor.classifier.weight.zero_()
+        gen.f0_predictor.classifier.bias.zero_()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T = 32
+    mel = torch.randn(2, 80, T, device="cuda", generator=g) - 5
+    phase = torch.rand(2, gen.n_harmonics, device="cuda", generator=g)
+    noise = torch.randn(2, gen.n_harmonics, T * gen.cfg.mel.hop, device="cuda", generator=g)
+    keep = 20 * gen.cfg.mel.hop
+    with torch.inference_mode():
+        body, got_phase = gen._branched(mel, phase, noise, keep)
+        assert body.transpose(1, 2).is_contiguous()  # time-major to the end
+        got, _ = gen(mel, phase, noise, keep)
+        monkeypatch.setattr(hift, "TIME_MAJOR", False)
+        want_body, want_phase = gen._branched(mel, phase, noise, keep)
+        assert want_body.is_contiguous()
+        want, _ = gen(mel, phase, noise, keep)
+    assert want_body.abs().max() > 1e-2 and want.abs().max() > 1e-3
+    torch.testing.assert_close(body, want_body, rtol=0, atol=1e-2 * float(want_body.abs().max()))
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-2 * float(want.abs().max()))
+    assert torch.equal(got_phase, want_phase)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fused_resblock_is_bit_identical_to_the_reference(batch, deterministic_cudnn):
+@pytest.mark.parametrize("time_major", [False, True])
+def test_fused_resblock_is_bit_identical_to_the_reference(batch, time_major, deterministic_cudnn, monkeypatch):
     """HiFT's resblock with its conv biases and residual adds inside the Snake kernels (the CUDA path) gives the
-    reference order's bits (every conv through cuDNN with its bias added by torch, then Snake, then the add)."""
+    reference order's bits (every conv through cuDNN with its bias added by torch, then Snake, then the add), in
+    either layout of the activations (hift.conv)."""
     from torch.nn.utils import parametrize
 
+    from engines.codec.decoder import hift
     from engines.codec.decoder.hift import ResBlock
+
+    monkeypatch.setattr(hift, "TIME_MAJOR_MIN_BATCH", 1 if time_major else 1 << 30)
 
     torch.manual_seed(0)
     block = ResBlock(64, 7, (1, 3, 5)).cuda().eval()
@@ -341,13 +421,17 @@ def deterministic_cudnn():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_hift_branches_on_streams_equal_the_serial_order(batch, deterministic_cudnn):
+@pytest.mark.parametrize("time_major", [False, True])
+def test_hift_branches_on_streams_equal_the_serial_order(batch, time_major, deterministic_cudnn, monkeypatch):
     """The full-size HiFT body with its source branch and each stage's resblocks on streams of their own gives the
     serial order's bits (before the iSTFT, whose F.fold adds with atomics), eager with the allocator's blocks moving
-    between calls, and replayed from a CUDA graph."""
+    between calls, and replayed from a CUDA graph; in either layout of the activations (hift.conv)."""
+    from engines.codec.decoder import hift
     from engines.codec.decoder.config import HiFTConfig
     from engines.codec.decoder.hift import HiFTGenerator
     from engines.graphs import capture_graph, private_stream
+
+    monkeypatch.setattr(hift, "TIME_MAJOR_MIN_BATCH", 1 if time_major else 1 << 30)
 
     torch.manual_seed(0)
     gen = HiFTGenerator(HiFTConfig()).cuda().eval()

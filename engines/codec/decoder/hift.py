@@ -24,12 +24,20 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engines.codec.decoder.config import HiFTConfig
+from engines.codec.decoder.derived import weights_key
 from engines.graphs import SideStreams
 from engines.streams import side_by_side
 
 # CUDA: Snake as one kernel (engines/kernels/snake.py), and the generator's independent chains (the source branch,
 # a stage's resblocks) on streams of their own. MOSS_HIFT_FUSED=0 turns both off (for A/B timings).
 FUSED = os.environ.get("MOSS_HIFT_FUSED", "1") != "0"
+# CUDA, calls of TIME_MAJOR_MIN_BATCH windows or more: activations time-major ([B, T, C] in memory) and every conv a
+# channels-last 2-D conv (`conv`), so cuDNN's NHWC kernels run without the NCHW <-> NHWC transforms it otherwise puts
+# around each conv (162 of HiFT's 453 kernels at batch 1). `bench codec` rounds on an H100 (docs/PERF_NOTES.md,
+# session 43): 32 sessions 42.4 / 43.2 -> 42.0 / 42.4 ms, 64: 67.6 / 67.0 / 66.4 -> 66.2 / 65.4 / 63.7, but 16: 31.0 /
+# 30.6 / 30.8 -> 31.5 / 31.3 / 31.2, so smaller calls keep the 1-D layout. MOSS_HIFT_TIME_MAJOR=0 turns it off.
+TIME_MAJOR = os.environ.get("MOSS_HIFT_TIME_MAJOR", "1") != "0"
+TIME_MAJOR_MIN_BATCH = 32
 
 
 def _pad(k: int, d: int) -> int:
@@ -47,6 +55,40 @@ def istft(spec: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> tor
     env = F.fold((window * window)[None, :, None].expand(1, n_fft, N), (1, L), (1, n_fft), stride=(1, hop))[0, 0, 0]
     c = n_fft // 2
     return y[:, c:L - c] / env[c:L - c]
+
+
+def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """m(x) for x [B, C, T] (without m's bias when `bias` is False). On CUDA from TIME_MAJOR_MIN_BATCH rows (every
+    conv of a HiFT call sees the same B, so a call keeps one layout throughout) as a channels-last 2-D conv over
+    [B, C, 1, T], which takes time-major x as it is and returns [B, C', T'] time-major: a stack of these passes its
+    activations from conv to conv with no layout transform (cuDNN's choice of algorithm differs from the 1-D call's,
+    so the two layouts agree to TF32 rounding, not bit for bit)."""
+    b = m.bias if bias else None
+    transposed = isinstance(m, nn.ConvTranspose1d)
+    if not (x.is_cuda and TIME_MAJOR and x.shape[0] >= TIME_MAJOR_MIN_BATCH):
+        if transposed:
+            return F.conv_transpose1d(x, m.weight, b, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
+        return m._conv_forward(x, m.weight, b)
+    w = _weight_2d(m)
+    x4 = x.unsqueeze(2)  # [B, C, 1, T]; channels-last when x is time-major (else cuDNN converts it, once)
+    if transposed:
+        y = F.conv_transpose2d(x4, w, b, (1, m.stride[0]), (0, m.padding[0]), (0, m.output_padding[0]), m.groups,
+                               (1, m.dilation[0]))
+    else:
+        y = F.conv2d(x4, w, b, (1, m.stride[0]), (0, m.padding[0]), (1, m.dilation[0]), m.groups)
+    return y.squeeze(2)
+
+
+def _weight_2d(m: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
+    """m's weight as a channels-last 2-D conv weight [*, *, 1, K], made once per weight (weight norm folded)."""
+    if m.padding_mode != "zeros" or isinstance(m.padding, str):
+        raise ValueError(f"conv takes zero padding given as sizes, got {m.padding_mode} {m.padding}")
+    key = weights_key(m)
+    cached = getattr(m, "_weight_2d", None)
+    if cached is None or cached[0] != key:
+        cached = (key, m.weight.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last))
+        m._weight_2d = cached
+    return cached[1]
 
 
 class Snake(nn.Module):
@@ -79,7 +121,7 @@ class ResBlock(nn.Module):
 
     def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
-            x = x + c2(a2(c1(a1(x))))
+            x = x + conv(c2, a2(conv(c1, a1(x))))
         return x
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +132,9 @@ class ResBlock(nn.Module):
         n = len(self.convs1)
         s = snake(x, self.activations1[0].alpha)
         for i, (c1, c2) in enumerate(zip(self.convs1, self.convs2, strict=True)):
-            h = snake(c1._conv_forward(s, c1.weight, None), self.activations2[i].alpha, c1.bias)
+            h = snake(conv(c1, s, bias=False), self.activations2[i].alpha, c1.bias)
             nxt = self.activations1[i + 1].alpha if i + 1 < n else None
-            x, s = add_snake(c2._conv_forward(h, c2.weight, None), c2.bias, x, nxt)
+            x, s = add_snake(conv(c2, h, bias=False), c2.bias, x, nxt)
         return x
 
 
@@ -107,7 +149,10 @@ class F0Predictor(nn.Module):
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [B, 80, T] -> f0 [B, T] in Hz (non-negative)."""
-        return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
+        x = mel
+        for m in self.condnet:
+            x = conv(m, x) if isinstance(m, nn.Conv1d) else m(x)
+        return self.classifier(x.transpose(1, 2)).squeeze(-1).abs()
 
 
 class _Source(nn.Module):
@@ -181,7 +226,7 @@ class HiFTGenerator(nn.Module):
         spec = torch.stft(src, n_fft, hop, n_fft, window=self.stft_window, return_complex=True)
         s_stft = torch.cat([spec.real, spec.imag], dim=1)  # [B, n_fft + 2, S / hop + 1]
         for down, block in zip(self.source_downs, self.source_resblocks, strict=True):
-            yield block(down(s_stft))
+            yield block(conv(down, s_stft))
 
     def _streams(self, device: torch.device) -> list[torch.cuda.Stream]:
         """The branches' streams: one for the source branch, one per resblock of a stage but the first. Private
@@ -199,7 +244,7 @@ class HiFTGenerator(nn.Module):
         n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
         body = self._branched if mel.is_cuda and FUSED else self._serial
         x, nxt = body(mel, phase0, noise, keep_at)
-        x = self.conv_post(F.leaky_relu(x))
+        x = conv(self.conv_post, F.leaky_relu(x))
         half = n_fft // 2 + 1
         mag = torch.exp(x[:, :half]).clamp(max=1e2)
         ph = torch.sin(x[:, half:])
@@ -207,7 +252,7 @@ class HiFTGenerator(nn.Module):
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit), nxt
 
     def _upsample(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        x = self.ups[i](F.leaky_relu(x, self.cfg.lrelu_slope))
+        x = conv(self.ups[i], F.leaky_relu(x, self.cfg.lrelu_slope))
         return F.pad(x, (1, 0), mode="reflect") if i == len(self.ups) - 1 else x
 
     def _serial(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
@@ -216,7 +261,7 @@ class HiFTGenerator(nn.Module):
         nk = len(self.cfg.resblock_kernel_sizes)
         sources = self._source_stages(mel, phase0, noise, keep_at)
         nxt = next(sources)
-        x = self.conv_pre(mel)
+        x = conv(self.conv_pre, mel)
         for i in range(len(self.ups)):
             x = self._upsample(i, x) + next(sources)
             x = sum(self.resblocks[i * nk + j](x) for j in range(nk)) / nk
@@ -240,7 +285,7 @@ class HiFTGenerator(nn.Module):
                 done = torch.cuda.Event()
                 done.record(src_stream)
                 staged.append((src, done))
-        x = self.conv_pre(mel)
+        x = conv(self.conv_pre, mel)
         for i in range(len(self.ups)):
             x = self._upsample(i, x)
             src, done = staged[i]
