@@ -80,7 +80,8 @@ def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: bool = True) 
 
 
 def _weight_2d(m: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
-    """m's weight as a channels-last 2-D conv weight [*, *, 1, K], made once per weight (weight norm folded)."""
+    """m's weight as a channels-last 2-D conv weight [*, *, 1, K], cached on m until a weight changes (HiFT's convs
+    hold these copies, ~70 MB for the full-size generator, from its first call of TIME_MAJOR_MIN_BATCH rows)."""
     if m.padding_mode != "zeros" or isinstance(m.padding, str):
         raise ValueError(f"conv takes zero padding given as sizes, got {m.padding_mode} {m.padding}")
     key = weights_key(m)
