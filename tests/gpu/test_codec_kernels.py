@@ -321,7 +321,6 @@ def test_hift_conv_time_major_matches_the_1d_conv(monkeypatch, transposed, k, st
     from engines.codec.decoder import hift
 
     monkeypatch.setattr(hift, "TIME_MAJOR_MIN_BATCH", 2)
-
     torch.manual_seed(3)
     cin, cout = 64, 48
     m = (torch.nn.ConvTranspose1d(cin, cout, k, stride, padding=(k - stride) // 2) if transposed else
@@ -341,10 +340,11 @@ def test_hift_conv_time_major_matches_the_1d_conv(monkeypatch, transposed, k, st
 
 
 def test_hift_time_major_matches_the_1d_layout(monkeypatch, deterministic_cudnn):
-    """The full-size HiFT generator with its activations time-major (the CUDA default) gives the 1-D layout's body
-    output (before conv_post) and waveform to TF32 rounding through its ~90 convs, at 2 sessions. f0 is held at 0
-    (unvoiced: the source is the noise alone), since a TF32-sized change of f0 moves the harmonic phases a lot over a
-    window; a layout error (a channel read from the wrong place) would be of the signal's own size."""
+    """The full-size HiFT generator with its activations time-major (on CUDA from TIME_MAJOR_MIN_BATCH windows, 2
+    here) gives the 1-D layout's body output (before conv_post) and waveform to TF32 rounding through its ~90 convs,
+    at 2 sessions. f0 is held at 0 (unvoiced: the source is the noise alone), since a TF32-sized change of f0 moves
+    the harmonic phases a lot over a window; a layout error (a channel read from the wrong place) would be of the
+    signal's own size."""
     from engines.codec.decoder import hift
     from engines.codec.decoder.config import HiFTConfig
 
