@@ -827,3 +827,51 @@ def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch
     other = dec.decode(_codes(17, seed=90), voice=voice, seed=4)
     assert set(dec.flow.enc_graphs.graphs) == keys
     np.testing.assert_allclose(other, hift_dec.decode(_codes(17, seed=90), voice=voice, seed=4), atol=BATCH_TOL, rtol=0)
+
+
+def test_encoder_graph_inputs_written_in_place(monkeypatch):
+    """A full chunk whose encoder graph is captured writes its inputs straight into the graph's buffers
+    (EncoderGraphs.buffers, then replay: no per-input copy through EncoderGraphs.run), and what those buffers held
+    before changes nothing: with every buffer filled with large values before it is written (the prefix keys past each
+    session's own are masked; rows past the batch are not read) the PCM is the same, bit for bit."""
+    graphs_mod = _replay_stand_in(monkeypatch)
+    lengths = [13, 21, 9]
+
+    def decode_all(poison: bool) -> tuple[dict[str, np.ndarray], int, int]:
+        dec = CodecDecoder.load("tiny-random", vocoder="hift")
+        graphs = dec.flow.enc_graphs = graphs_mod.EncoderGraphs(dec.flow)
+        dec.capture_graphs(3)
+        calls = {"run": 0, "in_place": 0}
+        run, buffers = graphs.run, graphs.buffers
+
+        def counted_run(*a):
+            calls["run"] += 1
+            return run(*a)
+
+        def poisoned_buffers(*a):
+            got = buffers(*a)
+            if got is not None:
+                calls["in_place"] += 1
+                if poison:
+                    for t in got[1]:
+                        t.fill_(1e3 if t.is_floating_point() else 3)
+            return got
+
+        monkeypatch.setattr(graphs, "run", counted_run)
+        monkeypatch.setattr(graphs, "buffers", poisoned_buffers)
+        task = CodecTask(dec, max_batch=8)
+        got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(3)}
+        for i, n in enumerate(lengths):
+            task.open(f"s{i}", seed=i)
+            task.submit(f"s{i}", _codes(n, seed=80 + i))
+            task.finish(f"s{i}")
+        while task.pending():
+            for sid, pcm in task.step().items():
+                got[sid].append(pcm)
+        return {k: np.concatenate(v) for k, v in got.items()}, calls["run"], calls["in_place"]
+
+    clean, runs, in_place = decode_all(poison=False)
+    poisoned, _, _ = decode_all(poison=True)
+    assert runs == 0 and in_place >= 2, (runs, in_place)  # batches 3 (padded to 4), 2 and 1: all captured
+    for k in clean:
+        np.testing.assert_array_equal(poisoned[k], clean[k])

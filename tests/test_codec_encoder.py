@@ -180,7 +180,7 @@ class EagerStepGraphs(StepGraphs):
     """StepGraphs' buckets with the step run eagerly on the padded inputs a graph would get: the padding (streams,
     frames, tokens, keys, groups, kept rows) on the CPU."""
 
-    def _capture(self, inputs, static):
+    def _capture(self, key, inputs, static):
         return None, None, None
 
     def run(self, sz, flat):

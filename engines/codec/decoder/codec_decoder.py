@@ -272,7 +272,8 @@ class CodecDecoder:
                     results[i] = t if t is not None else np.zeros(0, np.float32)
                     j.stream.voc_state.tail = None
                 continue
-            codes = torch.tensor([j.codes + j.look + [0] * (la - len(j.look)) for j in js], dtype=torch.long)
+            rows = [j.codes + j.look + [0] * (la - len(j.look)) for j in js]
+            codes = torch.from_numpy(np.array(rows, dtype=np.int64))  # (numpy: ~3x faster than torch.tensor here)
             gens = [j.stream.gen for j in js]
             mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens,
                                          between)

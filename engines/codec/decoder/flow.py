@@ -31,7 +31,7 @@ from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEnc
 from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mask
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
 from engines.graphs import SideStreams
-from engines.host_copy import upload
+from engines.host_copy import upload, upload_into
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
 PREFIX_ALIGN = 32
@@ -107,6 +107,16 @@ class EncodeInputs(NamedTuple):
     upX: torch.Tensor
     up_kpos: torch.Tensor
     up_kvalid: torch.Tensor
+
+
+class _PrefixLayout(NamedTuple):
+    """A batch's prefix keys (prompt, then window) in one padded tensor: per session its prompt keys P[b] and window
+    keys W[b]; positions pos [B, L] and validity valid [B, L] (host arrays)."""
+
+    P: list[int]
+    W: list[int]
+    pos: np.ndarray
+    valid: np.ndarray
 
 
 def _stack_kv(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -217,31 +227,32 @@ class FlowModel(nn.Module):
                 runs[-1] = (runs[-1][0], i + 1)
         return runs
 
-    def _prefixes(self, states: list[FlowState], runs: list[tuple[int, int]], up: bool
-                  ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        """Prompt + window keys/values of every session, padded into one tensor [B, layers, 2, L, H, dk]: a few ops per
-        run of `_runs`, not per session or layer. L is the longest prefix rounded up to PREFIX_ALIGN (padding is zeros
-        and masked). Also each session's key positions [B, L] and validity [B, L] (host arrays)."""
+    def _prefix_layout(self, states: list[FlowState], up: bool) -> _PrefixLayout:
+        """Where each session's prompt + window keys go in the padded prefix tensor (`_fill_prefixes`), and their
+        positions and validity."""
         r = self.cfg.token_mel_ratio if up else 1
-        prompts = [s.voice.up_kv if up else s.voice.kv for s in states]  # [layers, 2, P, H, dk]
-        wins = [s.win_up_kv if up else s.win_kv for s in states]  # [layers, 2, W, H, dk]
-        P = [pk.shape[2] for pk in prompts]
-        W = [w.shape[2] for w in wins]
+        P = [(s.voice.up_kv if up else s.voice.kv).shape[2] for s in states]
+        W = [(s.win_up_kv if up else s.win_kv).shape[2] for s in states]
         first = [p + s.codes_done * r - w for p, w, s in zip(P, W, states, strict=True)]
         p, w, f = (np.asarray(a, dtype=np.int64)[:, None] for a in (P, W, first))
-        Lmax = padded_prefix(int((p + w).max()))
-        i = np.arange(Lmax, dtype=np.int64)[None]
+        i = np.arange(padded_prefix(int((p + w).max())), dtype=np.int64)[None]
         valid = i < p + w
         pos = np.where(valid, np.where(i < p, i, f + i - p), 0)  # prompt positions, then the window's
-        layers, _, _, H, dk = prompts[0].shape
-        X = torch.zeros(len(states), layers, 2, Lmax, H, dk, device=self.device, dtype=self.dtype)
+        return _PrefixLayout(P, W, pos, valid)
+
+    @staticmethod
+    def _fill_prefixes(X: torch.Tensor, states: list[FlowState], runs: list[tuple[int, int]], lay: _PrefixLayout,
+                       up: bool) -> None:
+        """Write every session's prompt + window keys/values into X [B, layers, 2, L, H, dk] as `lay` places them: a
+        few ops per run of `_runs`, not per session or layer. Keys past a session's own are left as they are (they
+        are masked)."""
         for a, b in runs:
-            pa, wa = P[a], W[a]
-            if pa:
-                X[a:b, :, :, :pa] = prompts[a]  # one voice: the same prompt keys in every row of the run
+            pa, wa = lay.P[a], lay.W[a]
+            if pa:  # one voice: the same prompt keys in every row of the run
+                X[a:b, :, :, :pa] = states[a].voice.up_kv if up else states[a].voice.kv
             if wa:
-                X[a:b, :, :, pa:pa + wa] = wins[a] if b - a == 1 else torch.stack(wins[a:b])
-        return X, pos, valid
+                wins = [s.win_up_kv if up else s.win_kv for s in states[a:b]]
+                X[a:b, :, :, pa:pa + wa] = wins[0] if b - a == 1 else torch.stack(wins)
 
     def encode(self, codes: torch.Tensor, valid: torch.Tensor, pre: torch.Tensor, up: torch.Tensor, pos: torch.Tensor,
                up_pos: torch.Tensor, X: torch.Tensor, kpos: torch.Tensor, kvalid: torch.Tensor, upX: torch.Tensor,
@@ -265,22 +276,51 @@ class FlowModel(nn.Module):
     def encode_inputs(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
                       runs: list[tuple[int, int]] | None = None) -> EncodeInputs:
         """The arguments of `encode` for a chunk of n codes of every state (codes [B, n + pre_lookahead] long,
-        lookahead slots beyond n_look[b] ignored). runs: `_runs(states)`, if the caller has it."""
-        la, r = self.cfg.pre_lookahead, self.cfg.token_mel_ratio
-        B = len(states)
-        pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
+        lookahead slots beyond n_look[b] ignored), as new tensors. runs: `_runs(states)`, if the caller has it."""
         runs = runs if runs is not None else self._runs(states)
-        X, kpos, kvalid = self._prefixes(states, runs, False)
-        upX, up_kpos, up_kvalid = self._prefixes(states, runs, True)
-        q0 = np.asarray([s.voice.n_codes + s.codes_done for s in states], dtype=np.int64)[:, None]  # [B, 1]
-        pos = q0 + np.arange(n)[None]  # [B, n]
-        up_pos = q0 * r + np.arange(n * r)[None]  # [B, n * r]
-        valid = np.concatenate([np.ones((B, n), dtype=bool), np.arange(la)[None] < np.asarray(n_look)[:, None]], 1)
+        lays = self._prefix_layout(states, False), self._prefix_layout(states, True)
+        pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
+        X, upX = (torch.zeros(len(states), *kv.shape[:2], lay.pos.shape[1], *kv.shape[3:], device=self.device,
+                              dtype=self.dtype) for lay, kv in zip(lays, (states[0].voice.kv, states[0].voice.up_kv),
+                                                                     strict=True))
+        for X_, lay, is_up in ((X, lays[0], False), (upX, lays[1], True)):
+            self._fill_prefixes(X_, states, runs, lay, is_up)
         # Every index tensor of the chunk in one host -> device copy (from pinned memory: no stream sync).
         t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = upload(
-            [codes.cpu().numpy(), valid, pos, up_pos, kpos, kvalid, up_kpos, up_kvalid], self.device)
+            self._index_arrays(states, codes, n, n_look, lays), self.device)
         return EncodeInputs(t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos,
                             t_up_kvalid)
+
+    def _index_arrays(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
+                      lays: tuple[_PrefixLayout, _PrefixLayout], rows: int | None = None) -> list[np.ndarray]:
+        """encode's index inputs as host arrays, in its order (codes, valid, pos, up_pos, kpos, kvalid, up_kpos,
+        up_kvalid); `rows` > len(states): padded to that many rows by repeating the last."""
+        la, r, B = self.cfg.pre_lookahead, self.cfg.token_mel_ratio, len(states)
+        q0 = np.asarray([s.voice.n_codes + s.codes_done for s in states], dtype=np.int64)[:, None]  # [B, 1]
+        valid = np.concatenate([np.ones((B, n), dtype=bool), np.arange(la)[None] < np.asarray(n_look)[:, None]], 1)
+        arrays = [codes.cpu().numpy(), valid, q0 + np.arange(n)[None], q0 * r + np.arange(n * r)[None],
+                  lays[0].pos, lays[0].valid, lays[1].pos, lays[1].valid]
+        if rows is not None and rows > B:
+            arrays = [np.concatenate([a, np.repeat(a[-1:], rows - B, 0)]) for a in arrays]
+        return arrays
+
+    def _encode_in_place(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
+                         runs: list[tuple[int, int]]) -> tuple[EncodeInputs, tuple[torch.Tensor, ...]] | None:
+        """A full chunk through the encoder graph captured for its shapes, its inputs written straight into the
+        graph's buffers (EncoderGraphs.buffers): the inputs (the graph's, batch-padded) and encode's outputs. None
+        when no graph is captured for these shapes (the caller builds the inputs and runs `enc_graphs.run`)."""
+        lays = self._prefix_layout(states, False), self._prefix_layout(states, True)
+        got = self.enc_graphs.buffers(len(states), lays[0].pos.shape[1], lays[1].pos.shape[1])
+        if got is None:
+            return None
+        key, bufs, flat = got
+        args, B = EncodeInputs(*bufs), len(states)
+        upload_into(flat, self._index_arrays(states, codes, n, n_look, lays, rows=key[0]))
+        torch.stack([s.pre for s in states], out=args.pre[:B])
+        torch.stack([s.up for s in states], out=args.up[:B])
+        self._fill_prefixes(args.X, states, runs, lays[0], False)
+        self._fill_prefixes(args.upX, states, runs, lays[1], True)
+        return args, self.enc_graphs.replay(key, B)
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
@@ -290,11 +330,16 @@ class FlowModel(nn.Module):
         solve piece's work is queued (see `solve_parts`)."""
         st, r = self.stream, self.cfg.token_mel_ratio
         runs = self._runs(states)
-        args = self.encode_inputs(states, codes, n, n_look, runs)
-        if self.enc_graphs is not None and n == st.chunk_codes:  # (enc_graphs is only set on CUDA devices)
-            mu, pre, up, new_kv, new_up_kv = self.enc_graphs.run(*args)
-        else:  # a last partial chunk (once per answer), or no CUDA graphs
-            mu, pre, up, new_kv, new_up_kv = self.encode(*args)
+        full = self.enc_graphs is not None and n == st.chunk_codes  # (enc_graphs is only set on CUDA devices)
+        done = self._encode_in_place(states, codes, n, n_look, runs) if full else None
+        if done is not None:
+            args, (mu, pre, up, new_kv, new_up_kv) = done
+        else:
+            args = self.encode_inputs(states, codes, n, n_look, runs)
+            # a first use of these shapes (captured now, or eager once capture_steady_state has run), a last partial
+            # chunk (once per answer), or no CUDA graphs
+            run = self.enc_graphs.run if full else self.encode
+            mu, pre, up, new_kv, new_up_kv = run(*args)
         Fr = n * r
         # Keep at most `enc_left_chunks` chunks of this session's own keys: per run of `_runs`, its windows (as copied
         # into the prefix tensors X, upX) and the new keys in one op; each session keeps a view of its row.

@@ -72,13 +72,20 @@ class BucketGraphs:
     def padded(self, batch: int, inputs: Sequence[torch.Tensor], static: tuple = ()) -> int:
         """The batch a call of `batch` rows with these shapes replays: the smallest captured one that holds it, but
         never more than its power-of-two bucket (that one is captured on first use)."""
-        top = bucket(batch)
-        sizes = self._sizes.get(self.key(inputs, static)[1:], ())
-        return next((s for s in sizes if batch <= s <= top), top)
+        return self._padded(batch, self.key(inputs, static)[1:])
 
-    def _capture(self, inputs: Sequence[torch.Tensor], static: tuple):
+    def _padded(self, batch: int, rest: tuple) -> int:
+        """`padded` for the key without its batch, `rest`."""
+        top = bucket(batch)
+        return next((s for s in self._sizes.get(rest, ()) if batch <= s <= top), top)
+
+    def _static_inputs(self, key: tuple, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph's own input buffers (replays read them), holding copies of `inputs`."""
+        return [t.clone() for t in inputs]
+
+    def _capture(self, key: tuple, inputs: Sequence[torch.Tensor], static: tuple):
         t0 = time.perf_counter()
-        static_in = [t.clone() for t in inputs]
+        static_in = self._static_inputs(key, inputs)
         # The warm-up runs also make cuFFT plans and settle the allocator outside the graph.
         if self.stream is None:
             self.stream = private_stream(inputs[0].device, urgent=self.urgent)
@@ -94,7 +101,7 @@ class BucketGraphs:
         k = self.key(inputs, static)
         if k in self.graphs:
             return False
-        self.graphs[k] = self._capture(inputs, static)
+        self.graphs[k] = self._capture(k, inputs, static)
         sizes = self._sizes.setdefault(k[1:], [])
         sizes.append(k[0])
         sizes.sort()
@@ -106,11 +113,17 @@ class BucketGraphs:
         if Bp != B:
             inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
         self.ensure(inputs, static)
-        g, static_in, out = self.graphs[self.key(inputs, static)]
-        for dst, src in zip(static_in, inputs, strict=True):
+        k = self.key(inputs, static)
+        for dst, src in zip(self.graphs[k][1], inputs, strict=True):
             dst.copy_(src)
+        return self.replay(k, B)
+
+    def replay(self, key: tuple, batch: int) -> tuple[torch.Tensor, ...]:
+        """Replay the graph of `key` on what its input buffers hold; its outputs' first `batch` rows (copies: the next
+        replay overwrites the graph's own)."""
+        g, _, out = self.graphs[key]
         g.replay()
-        return tuple(o[:B].clone() for o in out)
+        return tuple(o[:batch].clone() for o in out)
 
 
 class EulerGraphs(BucketGraphs):
@@ -155,12 +168,64 @@ class EncoderGraphs(BucketGraphs):
 
     Graphs are captured on first use until `capture_steady_state` has run; after it, shapes not captured (another
     voice's prompt length) run eagerly: a capture would stall answers for 0.1-0.5 s, and every graph keeps its own
-    copy of its prefix keys (at full size with a 30 s prompt ~36 MB per row, ~2.3 GB at batch 64)."""
+    copy of its prefix keys (at full size with a 30 s prompt ~36 MB per row, ~2.3 GB at batch 64).
+
+    A captured graph's index inputs (codes, positions, validity: `INDEX_FIELDS`) are views of one flat buffer, so the
+    chunk's caller can write every input in place (`buffers`, then `replay`): one host -> device copy for the indices
+    and the state written straight into the graph's buffers, instead of building the inputs and copying each in (the
+    host time before a batch-1 chunk's first kernel)."""
+
+    INDEX_FIELDS = (0, 1, 4, 5, 7, 8, 10, 11)  # of FlowModel.encode's arguments (flow.EncodeInputs): int64 tensors
 
     def __init__(self, flow, urgent: bool = False) -> None:
         super().__init__(flow.encode, urgent)
         self.flow = flow
         self.frozen = False  # set by capture_steady_state: no more captures
+        self.flat: dict[tuple, torch.Tensor] = {}  # key -> the flat buffer the graph's index inputs view
+
+    def layout(self, L: int, U: int) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
+        """(shape of one row, dtype, a harmless fill value) of each input of a full chunk with prefix lengths L (codes
+        stack) and U (up stack), in FlowModel.encode's order."""
+        flow = self.flow
+        cfg, st = flow.cfg, flow.stream
+        n, r, la, D, H = st.chunk_codes, cfg.token_mel_ratio, cfg.pre_lookahead, cfg.d_model, cfg.heads
+        nl, nu, i, f = len(flow.encoder.encoders), len(flow.encoder.up_encoders), torch.long, flow.dtype
+        return [((n + la,), i, 0), ((n + la,), i, 1), ((2, D), f, 0), ((2 * r, D), f, 0), ((n,), i, 0),
+                ((n * r,), i, 0), ((nl, 2, L, H, D // H), f, 0), ((L,), i, 0), ((L,), i, 1),
+                ((nu, 2, U, H, D // H), f, 0), ((U,), i, 0), ((U,), i, 1)]
+
+    def _static_inputs(self, key: tuple, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        out = super()._static_inputs(key, inputs)
+        idx = [inputs[i] for i in self.INDEX_FIELDS]
+        flat = torch.cat([t.reshape(-1) for t in idx])
+        for i, part in zip(self.INDEX_FIELDS, flat.split([t.numel() for t in idx]), strict=True):
+            out[i] = part.view(inputs[i].shape)
+        self.flat[key] = flat
+        return out
+
+    def buffers(self, batch: int, L: int, U: int) -> tuple[tuple, list[torch.Tensor], torch.Tensor] | None:
+        """For a full chunk of `batch` rows with prefix lengths (L, U), if its graph is captured: (its key, its input
+        buffers in FlowModel.encode's order, padded batch first, and the flat buffer the index inputs view) to be
+        written in place and then replayed (`replay(key, batch)`). Rows past `batch` may keep an earlier call's
+        values: rows are independent and theirs are not read."""
+        rest = tuple(shape for shape, _, _ in self.layout(L, U))
+        key = (self._padded(batch, rest), *rest)
+        if key not in self.graphs:
+            return None
+        return key, self.graphs[key][1], self.flat[key]
+
+    @torch.inference_mode()  # as run_jobs
+    def capture_steady_state(self, max_batch: int, prompt_codes: int) -> int:
+        """Capture every full-chunk graph of a voice with `prompt_codes` prompt codes for every bucket up to the one
+        holding `max_batch` sessions. Returns how many were newly captured."""
+        dev, got = self.flow.device, 0
+        for L, U in self.prefix_lengths(prompt_codes):
+            for Bp in buckets_up_to(max_batch):
+                # Values are replaced at every replay.
+                got += self.ensure([torch.full((Bp, *shape), fill, device=dev, dtype=dt)
+                                    for shape, dt, fill in self.layout(L, U)])
+        self.frozen = True
+        return got
 
     def prefix_lengths(self, prompt_codes: int) -> list[tuple[int, int]]:
         """The padded prefix lengths (codes stack, up stack) a full chunk can see after a prompt of `prompt_codes`:
@@ -168,29 +233,6 @@ class EncoderGraphs(BucketGraphs):
         st, r = self.flow.stream, self.flow.cfg.token_mel_ratio
         lens = [prompt_codes + w * st.chunk_codes for w in range(st.enc_left_chunks + 1)]
         return sorted({(padded_prefix(n), padded_prefix(n * r)) for n in lens})
-
-    @torch.inference_mode()  # as run_jobs
-    def capture_steady_state(self, max_batch: int, prompt_codes: int) -> int:
-        """Capture every full-chunk graph of a voice with `prompt_codes` prompt codes for every bucket up to the one
-        holding `max_batch` sessions. Returns how many were newly captured."""
-        flow = self.flow
-        cfg, st = flow.cfg, flow.stream
-        n, r, la, D = st.chunk_codes, cfg.token_mel_ratio, cfg.pre_lookahead, cfg.d_model
-        H, nl, nu = cfg.heads, len(flow.encoder.encoders), len(flow.encoder.up_encoders)
-        kw = {"device": flow.device, "dtype": flow.dtype}
-        ik = {"device": flow.device, "dtype": torch.long}
-        got = 0
-        for L, U in self.prefix_lengths(prompt_codes):
-            for Bp in buckets_up_to(max_batch):
-                # Shapes as FlowModel.decode_chunk passes them (values are replaced at every replay).
-                inputs = [torch.zeros(Bp, n + la, **ik), torch.ones(Bp, n + la, **ik), torch.zeros(Bp, 2, D, **kw),
-                          torch.zeros(Bp, 2 * r, D, **kw), torch.zeros(Bp, n, **ik), torch.zeros(Bp, n * r, **ik),
-                          torch.zeros(Bp, nl, 2, L, H, D // H, **kw), torch.zeros(Bp, L, **ik), torch.ones(Bp, L, **ik),
-                          torch.zeros(Bp, nu, 2, U, H, D // H, **kw), torch.zeros(Bp, U, **ik),
-                          torch.ones(Bp, U, **ik)]
-                got += self.ensure(inputs)
-        self.frozen = True
-        return got
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         """FlowModel.encode's arguments, in its order; returns its outputs (eagerly for a shape not captured once
