@@ -264,6 +264,7 @@ class CodecDecoder:
         for idx in groups.values():
             idx.sort(key=lambda i: jobs[i].stream.flow_state.run_key())
         la = self.cfg.flow.pre_lookahead
+        rendered = []  # (indices, jobs, the vocoder's windows on their way to the host) per chunk length
         for n, idx in groups.items():
             js = [jobs[i] for i in idx]
             if n == 0:  # tail flush only
@@ -283,12 +284,14 @@ class CodecDecoder:
             c.rows += len(js)
             # (the solve's graphs exist only on CUDA, where every solve replays them)
             c.padded_rows += self.flow.graphs.last_batch if self.flow.graphs is not None else len(js)
-            outs = self.windowed.push(mel, [j.stream.voc_state for j in js], gens, [j.final for j in js])
+            rendered.append((idx, js, self.windowed.render(mel, [j.stream.voc_state for j in js], gens)))
+        t0 = time.perf_counter()
+        wait_releasing_gil(self.device)  # every group's windows on the host
+        self.last_gpu_wait_s = time.perf_counter() - t0  # (load logs: how much of a call was the GPU's)
+        for idx, js, wav in rendered:
+            outs = self.windowed.finish(wav, [j.stream.voc_state for j in js], [j.final for j in js])
             for i, o in zip(idx, outs, strict=True):
                 results[i] = o
-        t0 = time.perf_counter()
-        wait_releasing_gil(self.device)
-        self.last_gpu_wait_s = time.perf_counter() - t0  # (load logs: how much of a call was the GPU's)
         pcm = [np.asarray(r, dtype=np.float32) for r in results]
         for j, p in zip(jobs, pcm, strict=True):
             j.stream.samples_out += p.shape[0]

@@ -12,6 +12,7 @@ import contextlib
 import io
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -120,6 +121,14 @@ def crossfade_windows(n: int) -> tuple[np.ndarray, np.ndarray]:
     return fade_in.numpy(), (1 - fade_in).numpy()
 
 
+class Rendered(NamedTuple):
+    """WindowedVocoder.render's windows on the host [B, samples] (float32; pinned and filled by a queued copy on
+    CUDA) and the new frames F behind each."""
+
+    wav: torch.Tensor
+    frames: int
+
+
 class WindowedVocoder:
     """Streams a Vocoder: left mel context, held tail and crossfade per session."""
 
@@ -133,26 +142,46 @@ class WindowedVocoder:
         return self.vocoder.init_state(prompt_mel, self.stream.voc_ctx_frames, gen)
 
     @torch.inference_mode()
-    def push(self, mel: torch.Tensor, states: list[VocoderState], gens: list[torch.Generator], final: list[bool]
-             ) -> list[np.ndarray]:
-        """mel [B, 80, F] new frames -> per session the PCM that is now final (float32 [samples])."""
-        M, hop, X = self.stream.voc_ctx_frames, self.hop, self.hold
+    def render(self, mel: torch.Tensor, states: list[VocoderState], gens: list[torch.Generator]) -> Rendered:
+        """Queue the vocoder on mel [B, 80, F] new frames (each after its session's left context) and the copy of its
+        windows to the host, valid once the current stream's work is done; then `finish`. Every session's left
+        context moves on now."""
+        M, hop = self.stream.voc_ctx_frames, self.hop
         Fr = mel.shape[2]
         win = torch.cat([torch.stack([s.ctx_mel for s in states]), mel], dim=2)  # [B, 80, M + F]
         # Next window starts F frames later: that is where the carried state must point.
-        # One device -> host copy per batch; seams are cut and crossfaded on the host, in numpy (a few us per
-        # session, where torch's CPU ops took ~5 us each).
         wav = self.vocoder.render(win, states, gens, keep_at=Fr * hop).float()
-        wait_releasing_gil(wav.device)
-        wav = wav.cpu().numpy()  # [B, (M + F) * hop]
-        start, end = M * hop - X, (M + Fr) * hop
+        for b, s in enumerate(states):
+            s.ctx_mel = win[b, :, -M:]
+        if not wav.is_cuda:
+            return Rendered(wav, Fr)
+        # Into pinned memory, queued behind the vocoder: the caller's one wait covers it (a copy to pageable memory
+        # would be a second, synchronous transfer after the wait).
+        host = torch.empty(wav.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(wav, non_blocking=True)
+        return Rendered(host, Fr)
+
+    def finish(self, r: Rendered, states: list[VocoderState], final: list[bool]) -> list[np.ndarray]:
+        """`render`'s windows (once the stream's work is done) -> per session the PCM that is now final (float32
+        [samples]). One device -> host copy per batch; seams are cut and crossfaded on the host, in numpy (a few us per
+        session, where torch's CPU ops took ~5 us each)."""
+        M, hop, X = self.stream.voc_ctx_frames, self.hop, self.hold
+        y_all = r.wav.numpy()  # [B, >= (M + F) * hop]
+        start, end = M * hop - X, (M + r.frames) * hop
         # Every window's seam faded in at once; a session without a tail (its first window) starts after it.
-        seams = wav[:, start:start + X] * self.fade_in  # [B, X]
+        seams = y_all[:, start:start + X] * self.fade_in  # [B, X]
         out = []
         for b, s in enumerate(states):
-            y = wav[b]
+            y = y_all[b]
             body = y[start + X:end if final[b] else end - X]
-            out.append(np.concatenate([s.tail * self.fade_out + seams[b], body]) if s.tail is not None else body)
-            s.tail = None if final[b] else y[end - X:end]
-            s.ctx_mel = win[b, :, -M:]
+            # (copies, never views of `wav`: a pinned buffer goes back to the allocator's cache once unused)
+            out.append(np.concatenate([s.tail * self.fade_out + seams[b], body]) if s.tail is not None else body.copy())
+            s.tail = None if final[b] else y[end - X:end].copy()
         return out
+
+    def push(self, mel: torch.Tensor, states: list[VocoderState], gens: list[torch.Generator], final: list[bool]
+             ) -> list[np.ndarray]:
+        """mel [B, 80, F] new frames -> per session the PCM that is now final (float32 [samples])."""
+        r = self.render(mel, states, gens)
+        wait_releasing_gil(mel.device)
+        return self.finish(r, states, final)
