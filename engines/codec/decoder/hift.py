@@ -31,13 +31,12 @@ from engines.streams import side_by_side
 # CUDA: Snake as one kernel (engines/kernels/snake.py), and the generator's independent chains (the source branch,
 # a stage's resblocks) on streams of their own. MOSS_HIFT_FUSED=0 turns both off (for A/B timings).
 FUSED = os.environ.get("MOSS_HIFT_FUSED", "1") != "0"
-# CUDA, calls of TIME_MAJOR_MIN_BATCH windows or more: activations time-major ([B, T, C] in memory) and every conv a
-# channels-last 2-D conv (`conv`), so cuDNN's NHWC kernels run without the NCHW <-> NHWC transforms it otherwise puts
-# around each conv (162 of HiFT's 453 kernels at batch 1). `bench codec` rounds on an H100 (docs/PERF_NOTES.md,
-# session 43): 32 sessions 42.4 / 43.2 -> 42.0 / 42.4 ms, 64: 67.6 / 67.0 / 66.4 -> 66.2 / 65.4 / 63.7, but 16: 31.0 /
-# 30.6 / 30.8 -> 31.5 / 31.3 / 31.2, so smaller calls keep the 1-D layout. MOSS_HIFT_TIME_MAJOR=0 turns it off.
+# CUDA: activations time-major ([B, T, C] in memory) and every conv a channels-last 2-D conv (`conv`), so cuDNN's
+# NHWC kernels run without the NCHW <-> NHWC transforms it otherwise puts around each conv (162 of HiFT's 453 kernels
+# at batch 1). Codec steps on an H100, same process, alternated (docs/PERF_NOTES.md, session 44): batch 1 13.45 ->
+# 13.34 ms, 2 15.55 -> 15.32, 8 24.57 -> 24.37, 16 30.02 -> 29.86 (session 43's gate at 32 windows came from
+# comparing separate processes, whose spread is larger). MOSS_HIFT_TIME_MAJOR=0 turns it off.
 TIME_MAJOR = os.environ.get("MOSS_HIFT_TIME_MAJOR", "1") != "0"
-TIME_MAJOR_MIN_BATCH = 32
 
 
 def _pad(k: int, d: int) -> int:
@@ -58,14 +57,13 @@ def istft(spec: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> tor
 
 
 def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """m(x) for x [B, C, T] (without m's bias when `bias` is False). On CUDA from TIME_MAJOR_MIN_BATCH rows (every
-    conv of a HiFT call sees the same B, so a call keeps one layout throughout) as a channels-last 2-D conv over
-    [B, C, 1, T], which takes time-major x as it is and returns [B, C', T'] time-major: a stack of these passes its
-    activations from conv to conv with no layout transform (cuDNN's choice of algorithm differs from the 1-D call's,
-    so the two layouts agree to TF32 rounding, not bit for bit)."""
+    """m(x) for x [B, C, T] (without m's bias when `bias` is False). On CUDA (with TIME_MAJOR) as a channels-last 2-D
+    conv over [B, C, 1, T], which takes time-major x as it is and returns [B, C', T'] time-major: a stack of these
+    passes its activations from conv to conv with no layout transform (cuDNN's choice of algorithm differs from the
+    1-D call's, so the two layouts agree to TF32 rounding, not bit for bit)."""
     b = m.bias if bias else None
     transposed = isinstance(m, nn.ConvTranspose1d)
-    if not (x.is_cuda and TIME_MAJOR and x.shape[0] >= TIME_MAJOR_MIN_BATCH):
+    if not (x.is_cuda and TIME_MAJOR):
         if transposed:
             return F.conv_transpose1d(x, m.weight, b, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
         return m._conv_forward(x, m.weight, b)
@@ -81,7 +79,7 @@ def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: bool = True) 
 
 def _weight_2d(m: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
     """m's weight as a channels-last 2-D conv weight [*, *, 1, K], cached on m until a weight changes (HiFT's convs
-    hold these copies, ~70 MB for the full-size generator, from its first call of TIME_MAJOR_MIN_BATCH rows)."""
+    hold these copies, ~70 MB for the full-size generator, from its first call on CUDA)."""
     if m.padding_mode != "zeros" or isinstance(m.padding, str):
         raise ValueError(f"conv takes zero padding given as sizes, got {m.padding_mode} {m.padding}")
     key = weights_key(m)
