@@ -825,6 +825,21 @@ def test_run_jobs_counts_its_solves(hift_dec):
     assert dec.take_counts().solves == 0
 
 
+def _decode_sessions(dec: CodecDecoder, lengths: list[int]) -> dict[str, np.ndarray]:
+    """Sessions s0, s1, ... of `lengths` codes (seeds 80 + i), all submitted and finished at once, then decoded by a
+    CodecTask in rounds: each session's PCM."""
+    task = CodecTask(dec, max_batch=8)
+    got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(len(lengths))}
+    for i, n in enumerate(lengths):
+        task.open(f"s{i}", seed=i)
+        task.submit(f"s{i}", _codes(n, seed=80 + i))
+        task.finish(f"s{i}")
+    while task.pending():
+        for sid, pcm in task.step().items():
+            got[sid].append(pcm)
+    return {k: np.concatenate(v) for k, v in got.items()}
+
+
 def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch):
     """EncoderGraphs on CPU, its capture replaced by a stand-in that re-runs FlowModel.encode on the static inputs at
     every replay: the pre-captured keys are the ones decoding uses (no capture while decoding), full chunks go
@@ -835,21 +850,13 @@ def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch
     assert dec.capture_graphs(3) == 3 * 3  # buckets 1, 2, 4 x 3 prefix lengths (no Euler / vocoder graphs on CPU)
     keys = set(dec.flow.enc_graphs.graphs)
     lengths = [13, 21, 9]
-    task = CodecTask(dec, max_batch=8)
-    got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(3)}
-    for i, n in enumerate(lengths):
-        task.open(f"s{i}", seed=i)
-        task.submit(f"s{i}", _codes(n, seed=80 + i))
-        task.finish(f"s{i}")
-    while task.pending():
-        for sid, pcm in task.step().items():
-            got[sid].append(pcm)
+    got = _decode_sessions(dec, lengths)
     assert set(dec.flow.enc_graphs.graphs) == keys
     replays = {k[0]: g.replays for k, (g, _, _) in dec.flow.enc_graphs.graphs.items() if g.replays}
     assert replays.get(4), replays  # the first chunks of all three sessions: batch 3 padded to 4
     for i, n in enumerate(lengths):
         want = hift_dec.decode(_codes(n, seed=80 + i), seed=i)
-        np.testing.assert_allclose(np.concatenate(got[f"s{i}"]), want, atol=BATCH_TOL, rtol=0)
+        np.testing.assert_allclose(got[f"s{i}"], want, atol=BATCH_TOL, rtol=0)
     # Once pre-captured, another voice's prefix lengths run eagerly instead of capturing in the middle of an answer.
     voice = Voice.random(seed=8, n_codes=30)
     other = dec.decode(_codes(17, seed=90), voice=voice, seed=4)
@@ -887,16 +894,7 @@ def test_encoder_graph_inputs_written_in_place(monkeypatch):
 
         monkeypatch.setattr(graphs, "run", counted_run)
         monkeypatch.setattr(graphs, "buffers", poisoned_buffers)
-        task = CodecTask(dec, max_batch=8)
-        got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(3)}
-        for i, n in enumerate(lengths):
-            task.open(f"s{i}", seed=i)
-            task.submit(f"s{i}", _codes(n, seed=80 + i))
-            task.finish(f"s{i}")
-        while task.pending():
-            for sid, pcm in task.step().items():
-                got[sid].append(pcm)
-        return {k: np.concatenate(v) for k, v in got.items()}, calls["run"], calls["in_place"]
+        return _decode_sessions(dec, lengths), calls["run"], calls["in_place"]
 
     clean, runs, in_place = decode_all(poison=False)
     poisoned, _, _ = decode_all(poison=True)
