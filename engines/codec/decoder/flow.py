@@ -280,11 +280,12 @@ class FlowModel(nn.Module):
         runs = runs if runs is not None else self._runs(states)
         lays = self._prefix_layout(states, False), self._prefix_layout(states, True)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
+        # [B, layers, 2, L, H, dk]: the prompt's keys' shape with the padded prefix length L of each stack
         X, upX = (torch.zeros(len(states), *kv.shape[:2], lay.pos.shape[1], *kv.shape[3:], device=self.device,
-                              dtype=self.dtype) for lay, kv in zip(lays, (states[0].voice.kv, states[0].voice.up_kv),
-                                                                     strict=True))
-        for X_, lay, is_up in ((X, lays[0], False), (upX, lays[1], True)):
-            self._fill_prefixes(X_, states, runs, lay, is_up)
+                              dtype=self.dtype) for kv, lay in ((states[0].voice.kv, lays[0]),
+                                                                (states[0].voice.up_kv, lays[1])))
+        self._fill_prefixes(X, states, runs, lays[0], False)
+        self._fill_prefixes(upX, states, runs, lays[1], True)
         # Every index tensor of the chunk in one host -> device copy (from pinned memory: no stream sync).
         t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = upload(
             self._index_arrays(states, codes, n, n_look, lays), self.device)
