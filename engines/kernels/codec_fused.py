@@ -13,6 +13,8 @@ activation dtype wherever the torch path stores a tensor), so GPU and CPU agree 
 - `linear`: the to_out and ff output GEMMs at streaming row counts (one whole-K weight tile per program; + the
   residual stream in the epilogue for the last block of a stack).
 - `window_attention`: softmax attention of the short estimator window, one program per (row, head).
+- `ln_qkv_attention`: `ln_linear`'s q/k/v GEMM and `window_attention` as one program per (row, head), for the batch
+  rows where its few, larger programs are faster (`QKV_ATTENTION_ROWS`).
 
 Strides are specialized (Triton compiles a variant per stride divisible by 16 or not): the estimator's are, so
 the row loads of the convs and the window attention are vectorized. Unspecialized batch and time strides (before
@@ -558,3 +560,93 @@ def window_attention(qkv: torch.Tensor, mask: torch.Tensor, heads: int, head_dim
         head_dim ** -0.5, H=heads, D=head_dim, BLOCK_T=max(16, triton.next_power_of_2(t)),
         IEEE=qkv.dtype == torch.float32, num_warps=STREAM_TILES.attention_warps, **_launch(qkv.device, nb * t))
     return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def _ln_qkv_attention_kernel(X, R, LNW, LNB, WT, MASK, S, OUT, T, s_mb, s_mt, eps, scale, C: tl.constexpr,
+                             H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_RES: tl.constexpr,
+                             IEEE: tl.constexpr, PDL: tl.constexpr):
+    """_ln_linear_kernel's q/k/v GEMM and _window_attention_kernel as one program per (row, head): the head's q, k, v
+    columns of the GEMM are all its attention reads, so nothing is recomputed but the row's LayerNorm (once a head),
+    and q/k/v never go through memory. Same rounding points as the two kernels."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    K: tl.constexpr = H * D
+    rc = tl.arange(0, C)
+    rd = tl.arange(0, D)
+    rt = tl.arange(0, BLOCK_T)
+    tm = rt < T
+    dt = OUT.dtype.element_ty
+    lnw = tl.load(LNW + rc).to(tl.float32)
+    lnb = tl.load(LNB + rc).to(tl.float32)
+    wcol = WT + rc[:, None] * (3 * K) + h * D + rd[None, :]  # [C, D]: head h's q columns; k and v K columns on
+    wq = tl.load(wcol)  # weights before the wait, as in _ln_linear_kernel
+    wk = tl.load(wcol + K)
+    wv = tl.load(wcol + 2 * K)
+    wait_then_trigger(PDL)
+    rows = (b * T + rt)[:, None] * C + rc[None, :]
+    x = tl.load(X + rows, mask=tm[:, None], other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = (x + tl.load(R + rows, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        if h == 0:  # one head's programs store the residual stream
+            tl.store(S + rows, x.to(dt), mask=tm[:, None])
+    mean = tl.sum(x, 1) / C
+    d = x - mean[:, None]
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
+    hn = (d * rstd[:, None] * lnw[None, :] + lnb[None, :]).to(dt)  # [BLOCK_T, C]
+    q = mma(hn, wq, IEEE).to(dt)  # [BLOCK_T, D], rounded where ln_linear stores qkv
+    k = mma(hn, wk, IEEE).to(dt)
+    v = mma(hn, wv, IEEE).to(dt)
+    am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
+                 other=float("-inf")).to(tl.float32)
+    o = softmax_pv(mma(q, tl.trans(k), IEEE) * scale + am, v, IEEE)
+    tl.store(OUT + (b * T + rt)[:, None] * K + h * D + rd[None, :], o.to(dt), mask=tm[:, None])
+
+
+# Batch rows (CFG windows: two a session) for which `ln_qkv_attention` takes a block's first two kernels. A program
+# holds one head's [C, 3 x D] weights (96 KB at the estimator's shapes) and redoes the row's LayerNorm, so at 2-4 rows
+# its few programs are slower than the two kernels' many, and past 16 rows (128 programs) they no longer fit the SMs
+# in one wave. Solve graph, H100, same process (docs/PERF_NOTES.md, session 45), graphs of 1 / 2 / 4 / 8 / 16
+# sessions: 9.59 -> 10.72 / 11.70 -> 11.99 / 14.94 -> 14.32 / 18.49 -> 18.20 / 21.50 -> 24.41 ms; bit-identical mels.
+QKV_ATTENTION_ROWS = (6, 16)
+QKV_ATTENTION_MAX_T = 64
+QKV_ATTENTION_MAX_WEIGHT_BYTES = 98304  # a program's three weight tiles (shared memory)
+
+
+def ln_qkv_attention_fits(x: torch.Tensor, heads: int, head_dim: int) -> bool:
+    """Whether `ln_qkv_attention` serves a block's input x [B, T, C]: 2-byte activations, B in QKV_ATTENTION_ROWS,
+    short windows, a weight slice that fits shared memory, and no more rows than ln_linear's own kernel takes (so the
+    result is the two kernels' bit for bit)."""
+    nb, t, c = x.shape
+    lo, hi = QKV_ATTENTION_ROWS
+    return (x.is_cuda and x.element_size() == 2 and lo <= nb <= hi and 0 < t <= QKV_ATTENTION_MAX_T
+            and nb * t <= LN_LINEAR_MAX_ROWS and c & (c - 1) == 0 and head_dim & (head_dim - 1) == 0
+            and 16 <= head_dim and 16 <= c and 3 * c * head_dim * x.element_size() <= QKV_ATTENTION_MAX_WEIGHT_BYTES)
+
+
+def ln_qkv_attention(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+                     eps: float, w_t: torch.Tensor, mask: torch.Tensor, heads: int, head_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """window_attention(ln_linear(x, residual, ln_weight, ln_bias, eps, w_t)[0], mask, heads, head_dim) in one
+    kernel, bit for bit, where `ln_qkv_attention_fits`: returns (attention output [B, T, heads * head_dim], the
+    residual stream s = x + residual [B, T, C], x itself when residual is None). w_t [C, 3 * heads * head_dim]."""
+    nb, t, c = x.shape
+    if not ln_qkv_attention_fits(x, heads, head_dim):
+        raise ValueError(f"ln_qkv_attention does not take x {tuple(x.shape)} {x.dtype} with {heads} heads of "
+                         f"{head_dim} (see ln_qkv_attention_fits)")
+    if tuple(w_t.shape) != (c, 3 * heads * head_dim) or w_t.stride(1) != 1 or w_t.stride(0) != w_t.shape[1]:
+        raise ValueError(f"q/k/v weight {tuple(w_t.shape)} is not a dense [{c}, 3 x {heads} x {head_dim}]")
+    if tuple(mask.shape[-2:]) != (t, t) or mask.stride(-1) != 1:
+        raise ValueError(f"mask {tuple(mask.shape)} is not [({nb},) {t}, {t}] with dense rows")
+    x = x if x.is_contiguous() else x.contiguous()
+    s = x
+    if residual is not None:
+        residual = residual if residual.is_contiguous() else residual.contiguous()
+        s = torch.empty_like(x)
+    out = torch.empty(nb, t, heads * head_dim, device=x.device, dtype=x.dtype)
+    _ln_qkv_attention_kernel[(nb, heads)](
+        x, residual if residual is not None else x, ln_weight, ln_bias, w_t, mask, s, out, t,
+        mask.stride(0) if mask.dim() == 3 else 0, mask.stride(-2), eps, head_dim ** -0.5, C=c, H=heads, D=head_dim,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), HAS_RES=residual is not None, IEEE=False, num_warps=8,
+        num_stages=1, **_launch(x.device, nb * t))
+    return out, s

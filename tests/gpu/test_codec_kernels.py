@@ -12,14 +12,17 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 pytest.importorskip("triton", reason="the codec kernels are Triton kernels")
 
-from engines.codec.decoder.estimator import conv_weight_gemm, window_mask  # noqa: E402
+from engines.codec.decoder.estimator import TransformerBlock, conv_weight_gemm, window_mask  # noqa: E402
 from engines.kernels.codec_fused import (  # noqa: E402
     NORM_ONE_ROW_MAX,
+    QKV_ATTENTION_ROWS,
     add_layernorm,
     causal_conv,
     layernorm_mish,
     linear,
     ln_linear,
+    ln_qkv_attention,
+    ln_qkv_attention_fits,
     window_attention,
 )
 
@@ -148,6 +151,74 @@ def test_window_attention_refuses_long_windows_and_bad_shapes():
         window_attention(qkv, torch.zeros(129, 129, device="cuda"), 2, 16)
     with pytest.raises(ValueError, match="is not"):
         window_attention(qkv[:, :8], torch.zeros(8, 8, device="cuda"), 4, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B", sorted(set(QKV_ATTENTION_ROWS)))
+@pytest.mark.parametrize("T,ctx,with_res,batched_mask",
+                         [(40, 20, True, False), (37, 20, False, True), (5, 0, True, True)])
+def test_ln_qkv_attention_is_bit_identical_to_ln_linear_then_window_attention(dtype, B, T, ctx, with_res, batched_mask):
+    """The fused q/k/v GEMM + window attention == the two kernels it replaces, bit for bit (output and residual
+    stream), at the ends of its batch-row band, padded windows, 2-D and per-row masks."""
+    C, H, D = 256, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(B, T, C, device="cuda", generator=g).to(dtype)
+    r = torch.randn(B, T, C, device="cuda", generator=g).to(dtype) if with_res else None
+    w, b = _norm_params(C, dtype)
+    wt = (torch.randn(C, 3 * H * D, device="cuda", generator=g) / C ** 0.5).to(dtype)
+    mask = window_mask(T, ctx, torch.device("cuda"), dtype)
+    if batched_mask:
+        mask = mask.expand(B, T, T).clone()
+    assert ln_qkv_attention_fits(x, H, D)
+    qkv, s_want = ln_linear(x, r, w, b, 1e-5, wt)
+    want = window_attention(qkv, mask, H, D)
+    got, s = ln_qkv_attention(x, r, w, b, 1e-5, wt, mask, H, D)
+    assert torch.equal(s, s_want) and torch.equal(got, want)
+    assert got.abs().max() > 0
+
+
+def test_ln_qkv_attention_refuses_what_it_does_not_take():
+    C, H, D = 256, 8, 64
+    lo, hi = QKV_ATTENTION_ROWS
+    w, b = _norm_params(C, torch.bfloat16)
+    wt = torch.zeros(C, 3 * H * D, device="cuda", dtype=torch.bfloat16)
+    mask = torch.zeros(40, 40, device="cuda", dtype=torch.bfloat16)
+    for x in (torch.zeros(hi + 1, 40, C, device="cuda", dtype=torch.bfloat16),  # past the band
+              torch.zeros(lo, 40, C, device="cuda"),  # float32: three weight tiles past shared memory
+              torch.zeros(lo, 65, C, device="cuda", dtype=torch.bfloat16)):  # window too long
+        assert not ln_qkv_attention_fits(x, H, D)
+        with pytest.raises(ValueError, match="does not take"):
+            ln_qkv_attention(x, None, w, b, 1e-5, wt, mask, H, D)
+    x = torch.zeros(lo, 40, C, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q/k/v weight"):
+        ln_qkv_attention(x, None, w, b, 1e-5, wt[:, :-1], mask, H, D)
+    with pytest.raises(ValueError, match="mask"):
+        ln_qkv_attention(x, None, w, b, 1e-5, wt, mask[:39, :39], H, D)
+
+
+def test_estimator_takes_the_fused_qkv_attention_in_its_band_with_the_same_bits(monkeypatch):
+    """A full-random estimator call (bf16) at a batch inside QKV_ATTENTION_ROWS runs ln_qkv_attention in every block
+    and gives the bits of the two-kernel path (the fusion turned off by an empty band)."""
+    import engines.kernels.codec_fused as cf
+    from engines.codec.decoder import CodecDecoder
+
+    dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    est = dec.flow.decoder.estimator
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, W = QKV_ATTENTION_ROWS[0], 40
+    x, mu, cond = (torch.randn(B, 80, W, device="cuda", generator=g).bfloat16() for _ in range(3))
+    spks, t = torch.randn(B, 80, device="cuda", generator=g).bfloat16(), torch.rand(B, device="cuda", generator=g)
+    mask = torch.ones(W, W, dtype=torch.bool, device="cuda").tril()
+    calls = []
+    fused = cf.ln_qkv_attention
+    monkeypatch.setattr(cf, "ln_qkv_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    with torch.inference_mode():
+        got = est(x, mu, t, spks, cond, mask)
+        n = len(calls)
+        monkeypatch.setattr(cf, "QKV_ATTENTION_ROWS", (1, 0))
+        want = est(x, mu, t, spks, cond, mask)
+    assert n == sum(isinstance(m, TransformerBlock) for m in est.modules()) > 0 and len(calls) == n
+    assert torch.equal(got, want)
 
 
 def test_causal_conv_refuses_a_mismatched_weight():

@@ -194,13 +194,18 @@ class TransformerBlock(nn.Module):
     def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
-        GEMM + GELU, ff output GEMM (+ the residual stream, for the last block)."""
+        GEMM + GELU, ff output GEMM (+ the residual stream, for the last block); the first two as one kernel where
+        `ln_qkv_attention_fits` (same bits)."""
         from engines.kernels import codec_fused as k
 
-        a, ff = self.attn1, self.ff.net
-        qkv, x = k.ln_linear(x, pending, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.qkv_t)
+        a, ff, n1 = self.attn1, self.ff.net, self.norm1
+        if k.ln_qkv_attention_fits(x, a.h, a.dh):
+            att, x = k.ln_qkv_attention(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t, mask, a.h, a.dh)
+        else:
+            qkv, x = k.ln_linear(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t)
+            att = k.window_attention(qkv, mask, a.h, a.dh)  # [B, T, heads * dh]
         out = a.to_out[0]
-        o = k.linear(k.window_attention(qkv, mask, a.h, a.dh), out.weight, out.bias)  # [B, T, d]
+        o = k.linear(att, out.weight, out.bias)  # [B, T, d]
         h, x = k.ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
                            gelu=True)
         if last:
