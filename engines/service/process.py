@@ -224,11 +224,11 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
             with memory.part("the speech encoder's CUDA graphs"):
                 encoder.capture_graphs()
     # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
-    # in bf16.
+    # in bf16, the encoder's float32 matmuls on TF32.
     with codec_home:
         with memory.part("the codec decoder"):
             decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
-                                        cuda_graphs=on_gpu, encoder_graphs=on_gpu,
+                                        cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
                                         estimator_dtype="bfloat16" if on_gpu else "float32")
         first_lane = _first_lane_on(args, on_gpu)
         if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-encoder-graphs", dest="encoder_graphs", action="store_false",
                    help="with --cuda-graphs, run the flow's encoder eagerly (the server replays it as CUDA graphs)")
     p.add_argument("--estimator-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--encoder-tf32", action="store_true",
+                   help="the flow encoder's float32 matmuls on TF32 tensor cores (the server's setting on a GPU)")
 
 
 def hardware(device: torch.device) -> dict:
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device)
     dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
-                            estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs)
+                            estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs,
+                            encoder_tf32=args.encoder_tf32)
     chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
     hw = hardware(device)
     print(f"hardware: {hw}")
@@ -100,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
           f"{hw['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s ({hw['matmul_dtype']})")
     print(f"codec {dec.source}, vocoder {args.vocoder}, cuda graphs {dec.flow.graphs is not None} "
           f"(encoder {dec.flow.enc_graphs is not None}), "
-          f"dtype {dec.flow.dtype}, estimator {args.estimator_dtype}, chunk {chunk} codes = "
+          f"dtype {dec.flow.dtype}{' (matmuls TF32)' if args.encoder_tf32 else ''}, estimator "
+          f"{args.estimator_dtype}, chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
     rng = np.random.default_rng(0)
@@ -132,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder,
                        "cuda_graphs": dec.flow.graphs is not None, "encoder_graphs": dec.flow.enc_graphs is not None,
-                       "estimator_dtype": args.estimator_dtype, "warmup_steps": warmup, "results": results}, f,
+                       "estimator_dtype": args.estimator_dtype, "encoder_tf32": args.encoder_tf32,
+                       "warmup_steps": warmup, "results": results}, f,
                       indent=1)
     return 0

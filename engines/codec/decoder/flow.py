@@ -32,6 +32,7 @@ from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mas
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
 from engines.graphs import SideStreams
 from engines.host_copy import upload, upload_into
+from engines.matmul_precision import float32_matmuls
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
 PREFIX_ALIGN = 32
@@ -142,6 +143,9 @@ class FlowModel(nn.Module):
         # run after each: a caller that must be able to pause a round between pieces (the codec worker's rounds of
         # playing answers, which yield the GPU to new answers) sets it. Same steps, same result.
         self.solve_parts = 1
+        # The encoder's float32 matmuls on TF32 tensor cores (CUDA; CodecDecoder.load(encoder_tf32=True)): set before
+        # any encoder graph is captured.
+        self.encoder_tf32 = False
         self._chain_streams = SideStreams()
         self._t_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # _step_times
 
@@ -268,9 +272,10 @@ class FlowModel(nn.Module):
         kvalid, up_kvalid = kvalid.bool(), up_kvalid.bool()
         prefixes = [KV(X[:, i, 0], X[:, i, 1], kpos, kvalid) for i in range(X.shape[1])]
         up_prefixes = [KV(upX[:, i, 0], upX[:, i, 1], up_kpos, up_kvalid) for i in range(upX.shape[1])]
-        hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
-            self.input_embedding(codes), valid.bool(), EncoderCache(pre, up), pos, up_pos, prefixes, up_prefixes)
-        mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
+        with float32_matmuls(self.encoder_tf32):
+            hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
+                self.input_embedding(codes), valid.bool(), EncoderCache(pre, up), pos, up_pos, prefixes, up_prefixes)
+            mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
         return mu, cache.pre, cache.up, _stack_kv(kvs), _stack_kv(up_kvs)
 
     def encode_inputs(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],

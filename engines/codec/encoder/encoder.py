@@ -16,6 +16,7 @@ from engines.codec.encoder.model import StreamingRunner, TrunkState, WhisperVQTr
 from engines.codec.encoder.presets import ENCODER_PRESETS
 from engines.codec.encoder.weights import PREFIX, load_state, random_state
 from engines.config import parse_dtype
+from engines.matmul_precision import float32_matmuls
 from engines.partition import driver_stream
 from engines.streams import high_priority_stream, wait_releasing_gil
 
@@ -100,7 +101,7 @@ class SpeechEncoder:
             raise ValueError("CUDA graphs need a CUDA device")
         from engines.codec.encoder.graphs import StepGraphs
 
-        with self.lock, self._on_stream():
+        with self.lock, self._on_stream(), float32_matmuls(False):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs
@@ -227,8 +228,9 @@ class EncoderBatch:
         # Steps: no stream may run past its 30 s segment end inside one forward; what is left goes in the next.
         while more:
             limits = np.asarray([seg - s.trunk.mel_in_segment for s in streams], dtype=np.int64)
-            counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams], pcms,
-                                                       limits)
+            with float32_matmuls(False):  # (the flow's encoder may launch on TF32 from another thread)
+                counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams],
+                                                           pcms, limits)
             pcms = [none] * len(streams)
             if ids is not None:
                 wait_releasing_gil(ids.device)  # (the engine loop runs meanwhile when the encoder has a thread)
