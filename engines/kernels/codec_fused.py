@@ -603,37 +603,46 @@ def _ln_qkv_attention_kernel(X, R, LNW, LNB, WT, MASK, S, OUT, T, s_mb, s_mt, ep
     tl.store(OUT + (b * T + rt)[:, None] * K + h * D + rd[None, :], o.to(dt), mask=tm[:, None])
 
 
-# Batch rows (CFG windows: two a session) for which `ln_qkv_attention` takes a block's first two kernels. A program
-# holds one head's [C, 3 x D] weights (96 KB at the estimator's shapes) and redoes the row's LayerNorm, so at 2-4 rows
-# its few programs are slower than the two kernels' many, and past 16 rows (128 programs) they no longer fit the SMs
-# in one wave. Solve graph, H100, same process (docs/PERF_NOTES.md, session 45), graphs of 1 / 2 / 4 / 8 / 16
-# sessions: 9.59 -> 10.72 / 11.70 -> 11.99 / 14.94 -> 14.32 / 18.49 -> 18.20 / 21.50 -> 24.41 ms; bit-identical mels.
+# Windows (CFG rows: two a session) of a solve for which `ln_qkv_attention` takes a block's first two kernels: counted
+# over the chains a solve runs side by side (flow.CHAIN_WINDOWS), since a call's few programs leave the SMs to the
+# other chains. A program holds one head's [C, 3 x D] weights (96 KB at the estimator's shapes) and redoes the row's
+# LayerNorm, so at 2-4 windows its few programs are slower than the two kernels' many, and past 16 (128 programs in
+# one call) they no longer fit the SMs in one wave. Solve graph, H100, same process (docs/PERF_NOTES.md, session
+# 45), graphs of 1 / 2 / 3 / 4 / 8 / 16 sessions: 9.59 -> 10.72 / 11.70 -> 11.99 / 14.93 -> 14.31 / 14.94 -> 14.32 /
+# 18.49 -> 18.20 / 21.50 -> 24.41 ms (2-4 sessions as chains of 2 windows); bit-identical mels.
 QKV_ATTENTION_ROWS = (6, 16)
 QKV_ATTENTION_MAX_T = 64
 QKV_ATTENTION_MAX_WEIGHT_BYTES = 98304  # a program's three weight tiles (shared memory)
 
 
-def ln_qkv_attention_fits(x: torch.Tensor, heads: int, head_dim: int) -> bool:
-    """Whether `ln_qkv_attention` serves a block's input x [B, T, C]: 2-byte activations, B in QKV_ATTENTION_ROWS,
-    short windows, a weight slice that fits shared memory, and no more rows than ln_linear's own kernel takes (so the
-    result is the two kernels' bit for bit)."""
+def _ln_qkv_attention_takes(x: torch.Tensor, head_dim: int) -> bool:
+    """x [B, T, C] the kernel can run: 2-byte activations, short windows, a weight slice that fits shared memory, and
+    no more rows than ln_linear's own kernel takes (so the result is the two kernels' bit for bit)."""
     nb, t, c = x.shape
-    lo, hi = QKV_ATTENTION_ROWS
-    return (x.is_cuda and x.element_size() == 2 and lo <= nb <= hi and 0 < t <= QKV_ATTENTION_MAX_T
+    return (x.is_cuda and x.element_size() == 2 and 0 < nb and 0 < t <= QKV_ATTENTION_MAX_T
             and nb * t <= LN_LINEAR_MAX_ROWS and c & (c - 1) == 0 and head_dim & (head_dim - 1) == 0
             and 16 <= head_dim and 16 <= c and 3 * c * head_dim * x.element_size() <= QKV_ATTENTION_MAX_WEIGHT_BYTES)
+
+
+def ln_qkv_attention_fits(x: torch.Tensor, heads: int, head_dim: int, windows: int | None = None) -> bool:
+    """Whether `ln_qkv_attention` serves a block's input x [B, T, C]: the kernel takes it and `windows` (the rows of
+    every call side by side with this one; default B) are in QKV_ATTENTION_ROWS, B within its top."""
+    lo, hi = QKV_ATTENTION_ROWS
+    return lo <= (windows or x.shape[0]) <= hi and x.shape[0] <= hi and _ln_qkv_attention_takes(x, head_dim)
 
 
 def ln_qkv_attention(x: torch.Tensor, residual: torch.Tensor | None, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
                      eps: float, w_t: torch.Tensor, mask: torch.Tensor, heads: int, head_dim: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """window_attention(ln_linear(x, residual, ln_weight, ln_bias, eps, w_t)[0], mask, heads, head_dim) in one
-    kernel, bit for bit, where `ln_qkv_attention_fits`: returns (attention output [B, T, heads * head_dim], the
-    residual stream s = x + residual [B, T, C], x itself when residual is None). w_t [C, 3 * heads * head_dim]."""
+    kernel, bit for bit (faster where `ln_qkv_attention_fits`): returns (attention output [B, T, heads * head_dim],
+    the residual stream s = x + residual [B, T, C], x itself when residual is None). w_t [C, 3 * heads * head_dim]."""
     nb, t, c = x.shape
-    if not ln_qkv_attention_fits(x, heads, head_dim):
+    if not _ln_qkv_attention_takes(x, head_dim):
         raise ValueError(f"ln_qkv_attention does not take x {tuple(x.shape)} {x.dtype} with {heads} heads of "
-                         f"{head_dim} (see ln_qkv_attention_fits)")
+                         f"{head_dim}: 2-byte activations, windows of <= {QKV_ATTENTION_MAX_T} frames, <= "
+                         f"{LN_LINEAR_MAX_ROWS} rows, power-of-two widths, <= {QKV_ATTENTION_MAX_WEIGHT_BYTES} "
+                         "weight bytes a head")
     if tuple(w_t.shape) != (c, 3 * heads * head_dim) or w_t.stride(1) != 1 or w_t.stride(0) != w_t.shape[1]:
         raise ValueError(f"q/k/v weight {tuple(w_t.shape)} is not a dense [{c}, 3 x {heads} x {head_dim}]")
     if tuple(mask.shape[-2:]) != (t, t) or mask.stride(-1) != 1:

@@ -154,12 +154,12 @@ def test_window_attention_refuses_long_windows_and_bad_shapes():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B", sorted(set(QKV_ATTENTION_ROWS)))
+@pytest.mark.parametrize("B", sorted({2, *QKV_ATTENTION_ROWS}))  # 2: a chain's call
 @pytest.mark.parametrize("T,ctx,with_res,batched_mask",
                          [(40, 20, True, False), (37, 20, False, True), (5, 0, True, True)])
 def test_ln_qkv_attention_is_bit_identical_to_ln_linear_then_window_attention(dtype, B, T, ctx, with_res, batched_mask):
     """The fused q/k/v GEMM + window attention == the two kernels it replaces, bit for bit (output and residual
-    stream), at the ends of its batch-row band, padded windows, 2-D and per-row masks."""
+    stream), at a chain's two rows and the ends of its band, padded windows, 2-D and per-row masks."""
     C, H, D = 256, 8, 64
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(B, T, C, device="cuda", generator=g).to(dtype)
@@ -169,7 +169,6 @@ def test_ln_qkv_attention_is_bit_identical_to_ln_linear_then_window_attention(dt
     mask = window_mask(T, ctx, torch.device("cuda"), dtype)
     if batched_mask:
         mask = mask.expand(B, T, T).clone()
-    assert ln_qkv_attention_fits(x, H, D)
     qkv, s_want = ln_linear(x, r, w, b, 1e-5, wt)
     want = window_attention(qkv, mask, H, D)
     got, s = ln_qkv_attention(x, r, w, b, 1e-5, wt, mask, H, D)
@@ -183,13 +182,16 @@ def test_ln_qkv_attention_refuses_what_it_does_not_take():
     w, b = _norm_params(C, torch.bfloat16)
     wt = torch.zeros(C, 3 * H * D, device="cuda", dtype=torch.bfloat16)
     mask = torch.zeros(40, 40, device="cuda", dtype=torch.bfloat16)
-    for x in (torch.zeros(hi + 1, 40, C, device="cuda", dtype=torch.bfloat16),  # past the band
+    for x in (torch.zeros(hi + 1, 40, C, device="cuda", dtype=torch.bfloat16),  # past ln_linear's 640 rows
               torch.zeros(lo, 40, C, device="cuda"),  # float32: three weight tiles past shared memory
               torch.zeros(lo, 65, C, device="cuda", dtype=torch.bfloat16)):  # window too long
         assert not ln_qkv_attention_fits(x, H, D)
         with pytest.raises(ValueError, match="does not take"):
             ln_qkv_attention(x, None, w, b, 1e-5, wt, mask, H, D)
     x = torch.zeros(lo, 40, C, device="cuda", dtype=torch.bfloat16)
+    # The band counts the windows of every call side by side (a solve's chains), not one call's rows.
+    assert ln_qkv_attention_fits(x, H, D) and not ln_qkv_attention_fits(x[:2], H, D)
+    assert ln_qkv_attention_fits(x[:2], H, D, windows=lo) and not ln_qkv_attention_fits(x[:2], H, D, windows=hi + 1)
     with pytest.raises(ValueError, match="q/k/v weight"):
         ln_qkv_attention(x, None, w, b, 1e-5, wt[:, :-1], mask, H, D)
     with pytest.raises(ValueError, match="mask"):
@@ -218,6 +220,34 @@ def test_estimator_takes_the_fused_qkv_attention_in_its_band_with_the_same_bits(
         monkeypatch.setattr(cf, "QKV_ATTENTION_ROWS", (1, 0))
         want = est(x, mu, t, spks, cond, mask)
     assert n == sum(isinstance(m, TransformerBlock) for m in est.modules()) > 0 and len(calls) == n
+    assert torch.equal(got, want)
+
+
+def test_a_solve_in_chains_takes_the_fused_qkv_attention_by_its_windows(monkeypatch):
+    """Four sessions' eight windows run as four chains of two (flow._estimate): each chain's blocks take
+    ln_qkv_attention (the band counts all eight windows), with the bits of the two-kernel path."""
+    import engines.kernels.codec_fused as cf
+    from engines.codec.decoder import CodecDecoder
+    from engines.codec.decoder.estimator import bool_to_additive
+
+    dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    est, flow = dec.flow.decoder.estimator, dec.flow
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, W = 8, 40
+    assert QKV_ATTENTION_ROWS[0] <= n <= QKV_ATTENTION_ROWS[1]
+    h = torch.randn(n, 320, W, device="cuda", generator=g).bfloat16()
+    rows = est.time_rows(torch.rand(1, device="cuda", generator=g))  # one Euler step: [n_resnets, 1, C]
+    mask = bool_to_additive(torch.ones(W, W, dtype=torch.bool, device="cuda").tril(), torch.bfloat16)
+    calls = []
+    fused = cf.ln_qkv_attention
+    monkeypatch.setattr(cf, "ln_qkv_attention", lambda x, *a, **k: calls.append(x.shape[0]) or fused(x, *a, **k))
+    with torch.inference_mode():
+        got = flow._estimate(est, h, rows, mask)
+        monkeypatch.setattr(cf, "QKV_ATTENTION_ROWS", (1, 0))
+        want = flow._estimate(est, h, rows, mask)
+        torch.cuda.synchronize()
+    blocks = sum(isinstance(m, TransformerBlock) for m in est.modules())
+    assert calls == [2] * (4 * blocks)
     assert torch.equal(got, want)
 
 

@@ -180,26 +180,27 @@ class TransformerBlock(nn.Module):
         return (self.qkv_t is not None and d & (d - 1) == 0 and d >= 16 and dh & (dh - 1) == 0 and dh >= 16
                 and x.shape[1] <= WINDOW_ATTENTION_MAX_T)
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool = False,
+                windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input is x + pending (pending None: just x); returns (x, ff_out) whose sum is its output,
-        so each residual add fuses with the next LayerNorm. The last block of a stack returns (output, None)."""
+        so each residual add fuses with the next LayerNorm. The last block of a stack returns (output, None).
+        windows: the windows (rows of x) of every call running side by side with this one (default x's own)."""
         if x.is_cuda and self._fused_ok(x):
-            return self._forward_cuda(x, pending, mask, last)
+            return self._forward_cuda(x, pending, mask, last, windows)
         h, x = add_layernorm(x, pending, self.norm1)
         h, x = add_layernorm(x, self.attn1(h, mask), self.norm3)
         ff = self.ff.net[2](self.ff.net[0](h))
         return (x + ff, None) if last else (x, ff)
 
-    def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool,
+                      windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
         GEMM + GELU, ff output GEMM (+ the residual stream, for the last block); the first two as one kernel where
         `ln_qkv_attention_fits` (same bits)."""
         from engines.kernels import codec_fused as k
 
         a, ff, n1 = self.attn1, self.ff.net, self.norm1
-        if k.ln_qkv_attention_fits(x, a.h, a.dh):
+        if k.ln_qkv_attention_fits(x, a.h, a.dh, windows):
             att, x = k.ln_qkv_attention(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t, mask, a.h, a.dh)
         else:
             qkv, x = k.ln_linear(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t)
@@ -326,26 +327,28 @@ class CausalConditionalDecoder(nn.Module):
         return tab
 
     @staticmethod
-    def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(h: torch.Tensor, blocks: nn.ModuleList, mask: torch.Tensor, windows: int | None) -> torch.Tensor:
         """[B, C, T] through the transformer blocks -> [B, C, T]."""
         x, pending = h.transpose(1, 2), None
         for i, b in enumerate(blocks):
-            x, pending = b(x, pending, mask, last=i == len(blocks) - 1)
+            x, pending = b(x, pending, mask, last=i == len(blocks) - 1, windows=windows)
         # Time-major [B, C, T] view of the last block's output: the next conv reads it without a copy.
         return x.transpose(1, 2)
 
-    def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def run(self, h: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, windows: int | None = None
+            ) -> torch.Tensor:
         """h [B, 320, T] = cat(x, mu, spks, cond) in the estimator dtype; rows [n_resnets, B|1, C] (`time_rows` or
-        a `time_table` step); mask additive [T, T] (`window_mask`) -> velocity [B, 80, T]."""
+        a `time_table` step); mask additive [T, T] (`window_mask`) -> velocity [B, 80, T]. windows: the windows of
+        every call running side by side with this one (chains of one solve; default B), which picks kernels."""
         resnet, blocks, down = self.down_blocks[0]
-        h = self._attend(resnet(h, rows[0]), blocks, mask)
+        h = self._attend(resnet(h, rows[0]), blocks, mask, windows)
         skip = h
         h = down(h)
         for i, (resnet, blocks) in enumerate(self.mid_blocks):
-            h = self._attend(resnet(h, rows[1 + i]), blocks, mask)
+            h = self._attend(resnet(h, rows[1 + i]), blocks, mask, windows)
         resnet, blocks, up = self.up_blocks[0]
         hs = torch.cat([h.transpose(1, 2), skip.transpose(1, 2)], dim=2).transpose(1, 2)  # time-major [B, 2C, T]
-        h = self._attend(resnet(hs, rows[-1]), blocks, mask)
+        h = self._attend(resnet(hs, rows[-1]), blocks, mask, windows)
         h = up(h)
         return self.final_proj(self.final_block(h))
 

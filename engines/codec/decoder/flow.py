@@ -423,7 +423,7 @@ class FlowModel(nn.Module):
 
         g = n // k
         parts = side_by_side(self._chain_streams.get(h.device, k - 1),
-                             *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, mask) for i in range(k)))
+                             *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, mask, windows=n) for i in range(k)))
         return torch.cat(parts)
 
     def euler(self, z: torch.Tensor, ctx_traj: torch.Tensor, mu_w: torch.Tensor, cond_w: torch.Tensor,
