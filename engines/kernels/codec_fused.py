@@ -13,8 +13,8 @@ activation dtype wherever the torch path stores a tensor), so GPU and CPU agree 
 - `linear`: the to_out and ff output GEMMs at streaming row counts (one whole-K weight tile per program; + the
   residual stream in the epilogue for the last block of a stack).
 - `window_attention`: softmax attention of the short estimator window, one program per (row, head).
-- `ln_qkv_attention`: `ln_linear`'s q/k/v GEMM and `window_attention` as one program per (row, head), for the batch
-  rows where its few, larger programs are faster (`QKV_ATTENTION_ROWS`).
+- `ln_qkv_attention`: `ln_linear`'s q/k/v GEMM and `window_attention` as one program per (row, head), where a solve
+  has the windows for its few, larger programs to be faster (`QKV_ATTENTION_ROWS`).
 
 Strides are specialized (Triton compiles a variant per stride divisible by 16 or not): the estimator's are, so
 the row loads of the convs and the window attention are vectorized. Unspecialized batch and time strides (before
@@ -579,7 +579,7 @@ def _ln_qkv_attention_kernel(X, R, LNW, LNB, WT, MASK, S, OUT, T, s_mb, s_mt, ep
     dt = OUT.dtype.element_ty
     lnw = tl.load(LNW + rc).to(tl.float32)
     lnb = tl.load(LNB + rc).to(tl.float32)
-    wcol = WT + rc[:, None] * (3 * K) + h * D + rd[None, :]  # [C, D]: head h's q columns; k and v K columns on
+    wcol = WT + rc[:, None] * (3 * K) + h * D + rd[None, :]  # [C, D]: head h's q columns (its k, v: K, 2K on)
     wq = tl.load(wcol)  # weights before the wait, as in _ln_linear_kernel
     wk = tl.load(wcol + K)
     wv = tl.load(wcol + 2 * K)
@@ -624,7 +624,7 @@ def _ln_qkv_attention_takes(x: torch.Tensor, head_dim: int) -> bool:
             and 16 <= head_dim and 16 <= c and 3 * c * head_dim * x.element_size() <= QKV_ATTENTION_MAX_WEIGHT_BYTES)
 
 
-def ln_qkv_attention_fits(x: torch.Tensor, heads: int, head_dim: int, windows: int | None = None) -> bool:
+def ln_qkv_attention_fits(x: torch.Tensor, head_dim: int, windows: int | None = None) -> bool:
     """Whether `ln_qkv_attention` serves a block's input x [B, T, C]: the kernel takes it and `windows` (the rows of
     every call side by side with this one; default B) are in QKV_ATTENTION_ROWS, B within its top."""
     lo, hi = QKV_ATTENTION_ROWS

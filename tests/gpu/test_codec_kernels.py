@@ -185,13 +185,13 @@ def test_ln_qkv_attention_refuses_what_it_does_not_take():
     for x in (torch.zeros(hi + 1, 40, C, device="cuda", dtype=torch.bfloat16),  # past ln_linear's 640 rows
               torch.zeros(lo, 40, C, device="cuda"),  # float32: three weight tiles past shared memory
               torch.zeros(lo, 65, C, device="cuda", dtype=torch.bfloat16)):  # window too long
-        assert not ln_qkv_attention_fits(x, H, D)
+        assert not ln_qkv_attention_fits(x, D)
         with pytest.raises(ValueError, match="does not take"):
             ln_qkv_attention(x, None, w, b, 1e-5, wt, mask, H, D)
     x = torch.zeros(lo, 40, C, device="cuda", dtype=torch.bfloat16)
     # The band counts the windows of every call side by side (a solve's chains), not one call's rows.
-    assert ln_qkv_attention_fits(x, H, D) and not ln_qkv_attention_fits(x[:2], H, D)
-    assert ln_qkv_attention_fits(x[:2], H, D, windows=lo) and not ln_qkv_attention_fits(x[:2], H, D, windows=hi + 1)
+    assert ln_qkv_attention_fits(x, D) and not ln_qkv_attention_fits(x[:2], D)
+    assert ln_qkv_attention_fits(x[:2], D, windows=lo) and not ln_qkv_attention_fits(x[:2], D, windows=hi + 1)
     with pytest.raises(ValueError, match="q/k/v weight"):
         ln_qkv_attention(x, None, w, b, 1e-5, wt[:, :-1], mask, H, D)
     with pytest.raises(ValueError, match="mask"):

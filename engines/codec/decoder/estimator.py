@@ -200,7 +200,7 @@ class TransformerBlock(nn.Module):
         from engines.kernels import codec_fused as k
 
         a, ff, n1 = self.attn1, self.ff.net, self.norm1
-        if k.ln_qkv_attention_fits(x, a.h, a.dh, windows):
+        if k.ln_qkv_attention_fits(x, a.dh, windows):
             att, x = k.ln_qkv_attention(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t, mask, a.h, a.dh)
         else:
             qkv, x = k.ln_linear(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t)
