@@ -5,7 +5,10 @@ a CUDA graph, and the switch is process-wide. The flow's encoder may run its flo
 option of the codec decoder: PCM within ~1e-4 of float32), while the speech encoder's must stay IEEE float32 (its
 streamed codes equal whole-utterance codes). Each caller launches inside `float32_matmuls(tf32)`: one lock, so no
 thread launches under another's setting. Replays of captured graphs need no lock (their kernels were chosen at
-capture)."""
+capture). The callers: the flow encoder (its decoder's setting); on IEEE the speech encoder's steps and captures,
+HiFT's generator (its f0 classifier and source merge) and the flow's speaker projection, which may launch on the
+codec's other thread while the flow encoder holds TF32. (The estimator's float32 cuBLAS fallback, past 640 rows, is
+not held: the server runs it in bf16.)"""
 
 from __future__ import annotations
 

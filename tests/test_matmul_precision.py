@@ -91,6 +91,25 @@ def test_the_flow_encoder_launches_on_its_own_setting(monkeypatch):
     assert _switch() is False
 
 
+def test_hift_and_the_speaker_projection_launch_on_ieee_float32():
+    """The vocoder's f0 classifier and source merge and the flow's speaker projection (linears that may launch on the
+    codec's other thread while the flow encoder holds TF32) pin IEEE float32."""
+    dec = CodecDecoder.load("tiny-random", vocoder="hift", encoder_tf32=True)
+    gen = dec.vocoder.generator
+    seen: dict[str, list[bool]] = {"classifier": [], "l_linear": [], "spk": []}
+    hooks = [m.register_forward_hook(lambda *_, name=name: seen[name].append(_switch()))
+             for name, m in (("classifier", gen.f0_predictor.classifier), ("l_linear", gen.m_source.l_linear),
+                             ("spk", dec.flow.spk_embed_affine_layer))]
+    _set_switch(True)
+    try:
+        dec.open_stream("s", seed=0).push(np.arange(8) * 97 % 16384)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert all(v and set(v) == {False} for v in seen.values()), seen
+    assert _switch() is True
+
+
 def test_the_speech_encoder_launches_on_ieee_float32(monkeypatch):
     enc = SpeechEncoder.load("tiny-random", device="cpu")
     seen = []

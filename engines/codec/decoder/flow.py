@@ -162,7 +162,8 @@ class FlowModel(nn.Module):
     def prepare_voice(self, codes: torch.Tensor, mel: torch.Tensor, xvector: torch.Tensor) -> PreparedVoice:
         """codes [P] long, mel [80, 4P], xvector [spk_embed_dim] -> cached encoder KV of the prompt and more."""
         dev, dt = self.device, self.dtype
-        spks = self.spk_embed_affine_layer(F.normalize(xvector.to(dev, dt)[None], dim=1))[0]
+        with float32_matmuls(False):
+            spks = self.spk_embed_affine_layer(F.normalize(xvector.to(dev, dt)[None], dim=1))[0]
         P = int(codes.shape[0])
         r = self.cfg.token_mel_ratio
         if P == 0:

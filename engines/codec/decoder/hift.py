@@ -26,6 +26,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from engines.codec.decoder.config import HiFTConfig
 from engines.codec.decoder.derived import weights_key
 from engines.graphs import SideStreams
+from engines.matmul_precision import float32_matmuls
 from engines.streams import side_by_side
 
 # CUDA: Snake as one kernel (engines/kernels/snake.py), and the generator's independent chains (the source branch,
@@ -242,7 +243,8 @@ class HiFTGenerator(nn.Module):
         cfg = self.cfg
         n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
         body = self._branched if mel.is_cuda and FUSED else self._serial
-        x, nxt = body(mel, phase0, noise, keep_at)
+        with float32_matmuls(False):  # the f0 classifier and source merge: IEEE whatever another thread has set
+            x, nxt = body(mel, phase0, noise, keep_at)
         x = conv(self.conv_post, F.leaky_relu(x))
         half = n_fft // 2 + 1
         mag = torch.exp(x[:, :half]).clamp(max=1e2)
