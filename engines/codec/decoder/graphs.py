@@ -182,6 +182,7 @@ class EncoderGraphs(BucketGraphs):
         self.flow = flow
         self.frozen = False  # set by capture_steady_state: no more captures
         self.flat: dict[tuple, torch.Tensor] = {}  # key -> the flat buffer the graph's index inputs view
+        self._rest: dict[tuple[int, int], tuple] = {}  # (L, U) -> a key's input shapes past the batch (`buffers`)
 
     def layout(self, L: int, U: int) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
         """(shape of one row, dtype, a harmless fill value) of each input of a full chunk with prefix lengths L (codes
@@ -208,7 +209,9 @@ class EncoderGraphs(BucketGraphs):
         buffers in FlowModel.encode's order, padded batch first, and the flat buffer the index inputs view) to be
         written in place and then replayed (`replay(key, batch)`). Rows past `batch` may keep an earlier call's
         values: rows are independent and theirs are not read."""
-        rest = tuple(shape for shape, _, _ in self.layout(L, U))
+        rest = self._rest.get((L, U))
+        if rest is None:  # (host time before a batch-1 chunk's first kernel: built once per prefix length)
+            rest = self._rest[(L, U)] = tuple(shape for shape, _, _ in self.layout(L, U))
         key = (self._padded(batch, rest), *rest)
         if key not in self.graphs:
             return None
