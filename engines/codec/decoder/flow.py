@@ -232,6 +232,10 @@ class FlowModel(nn.Module):
                 runs[-1] = (runs[-1][0], i + 1)
         return runs
 
+    def _prefix_layouts(self, states: list[FlowState]) -> tuple[_PrefixLayout, _PrefixLayout]:
+        """`_prefix_layout` of the codes stack and of the up stack."""
+        return self._prefix_layout(states, False), self._prefix_layout(states, True)
+
     def _prefix_layout(self, states: list[FlowState], up: bool) -> _PrefixLayout:
         """Where each session's prompt + window keys go in the padded prefix tensor (`_fill_prefixes`), and their
         positions and validity."""
@@ -280,11 +284,13 @@ class FlowModel(nn.Module):
         return mu, cache.pre, cache.up, _stack_kv(kvs), _stack_kv(up_kvs)
 
     def encode_inputs(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
-                      runs: list[tuple[int, int]] | None = None) -> EncodeInputs:
+                      runs: list[tuple[int, int]] | None = None,
+                      lays: tuple[_PrefixLayout, _PrefixLayout] | None = None) -> EncodeInputs:
         """The arguments of `encode` for a chunk of n codes of every state (codes [B, n + pre_lookahead] long,
-        lookahead slots beyond n_look[b] ignored), as new tensors. runs: `_runs(states)`, if the caller has it."""
+        lookahead slots beyond n_look[b] ignored), as new tensors. runs: `_runs(states)`, lays: `_prefix_layouts`,
+        if the caller has them."""
         runs = runs if runs is not None else self._runs(states)
-        lays = self._prefix_layout(states, False), self._prefix_layout(states, True)
+        lays = lays if lays is not None else self._prefix_layouts(states)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
         # [B, layers, 2, L, H, dk]: the prompt's keys' shape with the padded prefix length L of each stack
         X, upX = (torch.zeros(len(states), *kv.shape[:2], lay.pos.shape[1], *kv.shape[3:], device=self.device,
@@ -312,11 +318,11 @@ class FlowModel(nn.Module):
         return arrays
 
     def _encode_in_place(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
-                         runs: list[tuple[int, int]]) -> tuple[EncodeInputs, tuple[torch.Tensor, ...]] | None:
+                         runs: list[tuple[int, int]], lays: tuple[_PrefixLayout, _PrefixLayout]
+                         ) -> tuple[EncodeInputs, tuple[torch.Tensor, ...]] | None:
         """A full chunk through the encoder graph captured for its shapes, its inputs written straight into the
         graph's buffers (EncoderGraphs.buffers): the inputs (the graph's, batch-padded) and encode's outputs. None
         when no graph is captured for these shapes (the caller builds the inputs and runs `enc_graphs.run`)."""
-        lays = self._prefix_layout(states, False), self._prefix_layout(states, True)
         got = self.enc_graphs.buffers(len(states), lays[0].pos.shape[1], lays[1].pos.shape[1])
         if got is None:
             return None
@@ -336,13 +342,13 @@ class FlowModel(nn.Module):
         Returns mel [B, 80, n * ratio] and advances every state. `between` is called after the encoder's and each
         solve piece's work is queued (see `solve_parts`)."""
         st, r = self.stream, self.cfg.token_mel_ratio
-        runs = self._runs(states)
+        runs, lays = self._runs(states), self._prefix_layouts(states)
         full = self.enc_graphs is not None and n == st.chunk_codes  # (enc_graphs is only set on CUDA devices)
-        done = self._encode_in_place(states, codes, n, n_look, runs) if full else None
+        done = self._encode_in_place(states, codes, n, n_look, runs, lays) if full else None
         if done is not None:
             args, (mu, pre, up, new_kv, new_up_kv) = done
         else:
-            args = self.encode_inputs(states, codes, n, n_look, runs)
+            args = self.encode_inputs(states, codes, n, n_look, runs, lays)
             # a first use of these shapes (captured now, or eager once capture_steady_state has run), a last partial
             # chunk (once per answer), or no CUDA graphs
             run = self.enc_graphs.run if full else self.encode
