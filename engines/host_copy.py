@@ -31,12 +31,29 @@ def upload(arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype = 
     return [p.view(np.shape(a)) for p, a in zip(parts, arrays, strict=True)]
 
 
-def upload_into(dst: torch.Tensor, arrays: list[np.ndarray]) -> None:
-    """Write the arrays, raveled one after another, into the flat tensor `dst` (as many elements) in one copy:
-    into a buffer that already exists on the device, such as a CUDA graph's input."""
-    host = _packed(arrays, dst.dtype)
-    if host.numel() != dst.numel():
-        raise ValueError(f"{host.numel()} values for a buffer of {dst.numel()}")
-    if dst.is_cuda:
-        host = host.pin_memory()
-    dst.copy_(host, non_blocking=dst.is_cuda)
+class PinnedMirror:
+    """A pinned host copy of a flat device buffer (a CUDA graph's index inputs), written in place through numpy and
+    copied over in one queued copy: no pinned allocation, packing or free per call (~0.1 ms of host time before a
+    batch-1 codec round's first kernel). Starts with the buffer's values; values not rewritten are copied again as
+    they are."""
+
+    def __init__(self, dst: torch.Tensor) -> None:
+        if dst.dim() != 1:
+            raise ValueError(f"a flat buffer, not {tuple(dst.shape)}")
+        self.dst = dst
+        host = dst.to("cpu", copy=True)
+        self.host = host.pin_memory() if dst.is_cuda else host
+        self._copied: torch.cuda.Event | None = None  # the last copy's completion
+
+    def array(self) -> np.ndarray:
+        """The host values to write (a numpy view), once the last copy from them is done (normally long since)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host.numpy()
+
+    def upload(self) -> None:
+        """Queue the copy of the host values to the device buffer on the current stream."""
+        self.dst.copy_(self.host, non_blocking=True)
+        if self.dst.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()

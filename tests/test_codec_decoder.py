@@ -865,10 +865,11 @@ def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch
 
 
 def test_encoder_graph_inputs_written_in_place(monkeypatch):
-    """A full chunk whose encoder graph is captured writes its inputs straight into the graph's buffers
-    (EncoderGraphs.buffers, then replay: no per-input copy through EncoderGraphs.run), and what those buffers held
-    before changes nothing: with every buffer filled with large values before it is written (the prefix keys past each
-    session's own are masked; rows past the batch are not read) the PCM is the same, bit for bit."""
+    """A full chunk whose encoder graph is captured writes its inputs straight into the graph's buffers and its index
+    inputs' host mirror (EncoderGraphs.buffers, then replay_staged: no per-input copy through EncoderGraphs.run), and
+    what those held before changes nothing: with every buffer and host array filled with large values before it is
+    written (the prefix keys past each session's own are masked; rows past the batch are not read) the PCM is the
+    same, bit for bit."""
     graphs_mod = _replay_stand_in(monkeypatch)
     lengths = [13, 21, 9]
 
@@ -890,6 +891,8 @@ def test_encoder_graph_inputs_written_in_place(monkeypatch):
                 if poison:
                     for t in got[1]:
                         t.fill_(1e3 if t.is_floating_point() else 3)
+                    for a in got[2]:
+                        a.fill(3)
             return got
 
         monkeypatch.setattr(graphs, "run", counted_run)

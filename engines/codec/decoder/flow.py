@@ -31,7 +31,7 @@ from engines.codec.decoder.encoder import KV, EncoderCache, UpsampleConformerEnc
 from engines.codec.decoder.estimator import CausalConditionalDecoder, window_mask
 from engines.codec.decoder.mel import SILENCE_LOG_MEL
 from engines.graphs import SideStreams
-from engines.host_copy import upload, upload_into
+from engines.host_copy import upload
 from engines.matmul_precision import float32_matmuls
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
@@ -305,17 +305,14 @@ class FlowModel(nn.Module):
                             t_up_kvalid)
 
     def _index_arrays(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
-                      lays: tuple[_PrefixLayout, _PrefixLayout], rows: int | None = None) -> list[np.ndarray]:
+                      lays: tuple[_PrefixLayout, _PrefixLayout]) -> list[np.ndarray]:
         """encode's index inputs as host arrays, in its order (codes, valid, pos, up_pos, kpos, kvalid, up_kpos,
-        up_kvalid); `rows` > len(states): padded to that many rows by repeating the last."""
+        up_kvalid)."""
         la, r, B = self.cfg.pre_lookahead, self.cfg.token_mel_ratio, len(states)
         q0 = np.asarray([s.voice.n_codes + s.codes_done for s in states], dtype=np.int64)[:, None]  # [B, 1]
         valid = np.concatenate([np.ones((B, n), dtype=bool), np.arange(la)[None] < np.asarray(n_look)[:, None]], 1)
-        arrays = [codes.cpu().numpy(), valid, q0 + np.arange(n)[None], q0 * r + np.arange(n * r)[None],
-                  lays[0].pos, lays[0].valid, lays[1].pos, lays[1].valid]
-        if rows is not None and rows > B:
-            arrays = [np.concatenate([a, np.repeat(a[-1:], rows - B, 0)]) for a in arrays]
-        return arrays
+        return [codes.cpu().numpy(), valid, q0 + np.arange(n)[None], q0 * r + np.arange(n * r)[None],
+                lays[0].pos, lays[0].valid, lays[1].pos, lays[1].valid]
 
     def _encode_in_place(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
                          runs: list[tuple[int, int]], lays: tuple[_PrefixLayout, _PrefixLayout]
@@ -326,14 +323,15 @@ class FlowModel(nn.Module):
         got = self.enc_graphs.buffers(len(states), lays[0].pos.shape[1], lays[1].pos.shape[1])
         if got is None:
             return None
-        key, bufs, flat = got
+        key, bufs, host = got
         args, B = EncodeInputs(*bufs), len(states)
-        upload_into(flat, self._index_arrays(states, codes, n, n_look, lays, rows=key[0]))
+        for dst, a in zip(host, self._index_arrays(states, codes, n, n_look, lays), strict=True):
+            dst[:B] = a
         torch.stack([s.pre for s in states], out=args.pre[:B])
         torch.stack([s.up for s in states], out=args.up[:B])
         self._fill_prefixes(args.X, states, runs, lays[0], False)
         self._fill_prefixes(args.upX, states, runs, lays[1], True)
-        return args, self.enc_graphs.replay(key, B)
+        return args, self.enc_graphs.replay_staged(key, B)
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],

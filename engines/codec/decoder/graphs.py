@@ -19,10 +19,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from engines.codec.decoder.flow import padded_prefix
 from engines.graphs import capture_graph, private_stream
+from engines.host_copy import PinnedMirror
 
 log = logging.getLogger("engines.codec")
 
@@ -170,10 +172,10 @@ class EncoderGraphs(BucketGraphs):
     voice's prompt length) run eagerly: a capture would stall answers for 0.1-0.5 s, and every graph keeps its own
     copy of its prefix keys (at full size with a 30 s prompt ~36 MB per row, ~2.3 GB at batch 64).
 
-    A captured graph's index inputs (codes, positions, validity: `INDEX_FIELDS`) are views of one flat buffer, so the
-    chunk's caller can write every input in place (`buffers`, then `replay`): one host -> device copy for the indices
-    and the state written straight into the graph's buffers, instead of building the inputs and copying each in (the
-    host time before a batch-1 chunk's first kernel)."""
+    A captured graph's index inputs (codes, positions, validity: `INDEX_FIELDS`) are views of one flat buffer with a
+    pinned host mirror, so the chunk's caller can write every input in place (`buffers`, then `replay_staged`): the
+    indices into the mirror, copied over in one host -> device copy, and the state straight into the graph's buffers,
+    instead of building the inputs and copying each in (the host time before a batch-1 chunk's first kernel)."""
 
     INDEX_FIELDS = (0, 1, 4, 5, 7, 8, 10, 11)  # of FlowModel.encode's arguments (flow.EncodeInputs): int64 tensors
 
@@ -181,7 +183,8 @@ class EncoderGraphs(BucketGraphs):
         super().__init__(flow.encode, urgent)
         self.flow = flow
         self.frozen = False  # set by capture_steady_state: no more captures
-        self.flat: dict[tuple, torch.Tensor] = {}  # key -> the flat buffer the graph's index inputs view
+        # key -> the host mirror of the flat buffer its index inputs view, and that mirror split as those inputs
+        self.staged: dict[tuple, tuple[PinnedMirror, list[np.ndarray]]] = {}
         self._rest: dict[tuple[int, int], tuple] = {}  # (L, U) -> a key's input shapes past the batch (`buffers`)
 
     def layout(self, L: int, U: int) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
@@ -201,21 +204,32 @@ class EncoderGraphs(BucketGraphs):
         flat = torch.cat([t.reshape(-1) for t in idx])
         for i, part in zip(self.INDEX_FIELDS, flat.split([t.numel() for t in idx]), strict=True):
             out[i] = part.view(inputs[i].shape)
-        self.flat[key] = flat
+        mirror = PinnedMirror(flat)
+        host = mirror.array()
+        sizes = np.cumsum([out[i].numel() for i in self.INDEX_FIELDS])[:-1]
+        self.staged[key] = mirror, [a.reshape(out[i].shape)
+                                    for i, a in zip(self.INDEX_FIELDS, np.split(host, sizes), strict=True)]
         return out
 
-    def buffers(self, batch: int, L: int, U: int) -> tuple[tuple, list[torch.Tensor], torch.Tensor] | None:
+    def buffers(self, batch: int, L: int, U: int) -> tuple[tuple, list[torch.Tensor], list[np.ndarray]] | None:
         """For a full chunk of `batch` rows with prefix lengths (L, U), if its graph is captured: (its key, its input
-        buffers in FlowModel.encode's order, padded batch first, and the flat buffer the index inputs view) to be
-        written in place and then replayed (`replay(key, batch)`). Rows past `batch` may keep an earlier call's
-        values: rows are independent and theirs are not read."""
+        buffers in FlowModel.encode's order, padded batch first, and its index inputs (INDEX_FIELDS) as host arrays
+        of the same shapes) to be written in place and then replayed (`replay_staged(key, batch)`). Rows past `batch`
+        may keep an earlier call's values: rows are independent and theirs are not read."""
         rest = self._rest.get((L, U))
         if rest is None:  # (host time before a batch-1 chunk's first kernel: built once per prefix length)
             rest = self._rest[(L, U)] = tuple(shape for shape, _, _ in self.layout(L, U))
         key = (self._padded(batch, rest), *rest)
         if key not in self.graphs:
             return None
-        return key, self.graphs[key][1], self.flat[key]
+        mirror, arrays = self.staged[key]
+        mirror.array()  # (waits for the last copy from it)
+        return key, self.graphs[key][1], arrays
+
+    def replay_staged(self, key: tuple, batch: int) -> tuple[torch.Tensor, ...]:
+        """`replay` after copying the index inputs written into `buffers`' host arrays over."""
+        self.staged[key][0].upload()
+        return self.replay(key, batch)
 
     @torch.inference_mode()  # as run_jobs
     def capture_steady_state(self, max_batch: int, prompt_codes: int) -> int:
