@@ -98,9 +98,10 @@ class BucketGraphs:
                         (time.perf_counter() - t0) * 1e3, self.key(inputs, static))
         return g, static_in, out
 
-    def ensure(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> bool:
-        """Capture the graph for these (already bucket-sized) inputs unless it exists. True if newly captured."""
-        k = self.key(inputs, static)
+    def ensure(self, inputs: Sequence[torch.Tensor], static: tuple = (), key: tuple | None = None) -> bool:
+        """Capture the graph for these (already bucket-sized) inputs unless it exists (`key`: theirs, if the caller
+        has it). True if newly captured."""
+        k = key if key is not None else self.key(inputs, static)
         if k in self.graphs:
             return False
         self.graphs[k] = self._capture(k, inputs, static)
@@ -111,11 +112,12 @@ class BucketGraphs:
 
     def run(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> tuple[torch.Tensor, ...]:
         B = inputs[0].shape[0]
-        Bp = self.last_batch = self.padded(B, inputs, static)
+        rest = self.key(inputs, static)[1:]
+        Bp = self.last_batch = self._padded(B, rest)
         if Bp != B:
             inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
-        self.ensure(inputs, static)
-        k = self.key(inputs, static)
+        k = (Bp, *rest)
+        self.ensure(inputs, static, k)
         for dst, src in zip(self.graphs[k][1], inputs, strict=True):
             dst.copy_(src)
         return self.replay(k, B)
@@ -254,8 +256,10 @@ class EncoderGraphs(BucketGraphs):
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         """FlowModel.encode's arguments, in its order; returns its outputs (eagerly for a shape not captured once
         frozen)."""
-        if self.frozen and (self.padded(inputs[0].shape[0], inputs), *self.key(inputs, ())[1:]) not in self.graphs:
-            return self.fn(*inputs)
+        if self.frozen:
+            rest = self.key(inputs, ())[1:]
+            if (self._padded(inputs[0].shape[0], rest), *rest) not in self.graphs:
+                return self.fn(*inputs)
         return super().run(list(inputs))
 
 
