@@ -55,9 +55,10 @@ def _dense_like(x: torch.Tensor, tm: bool) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def _checked(x: torch.Tensor, name: str, C: int | None = None, like: torch.Tensor | None = None) -> torch.Tensor:
+def _checked(x: torch.Tensor, name: str, C: int | None = None, like: torch.Tensor | None = None,
+             tm: bool | None = None) -> torch.Tensor:
     """A float32 operand: [C] for per-channel ones (C given, contiguous), x's shape for `like` (in like's memory
-    order), else x [B, C, T] (contiguous unless time-major)."""
+    order: time-major if `tm`), else x [B, C, T] (contiguous unless time-major)."""
     if x.dtype != torch.float32:
         raise ValueError(f"snake takes float32 (got {name} {x.dtype})")
     if C is not None and x.shape != (C,):
@@ -67,7 +68,7 @@ def _checked(x: torch.Tensor, name: str, C: int | None = None, like: torch.Tenso
     if like is not None and x.shape != like.shape:
         raise ValueError(f"snake takes {name} of x's shape {tuple(like.shape)}, got {tuple(x.shape)}")
     if like is not None:
-        return _dense_like(x, time_major(like))
+        return _dense_like(x, time_major(like) if tm is None else tm)
     if C is not None:
         return x if x.is_contiguous() else x.contiguous()
     return _dense_like(x, time_major(x))
@@ -76,10 +77,10 @@ def _checked(x: torch.Tensor, name: str, C: int | None = None, like: torch.Tenso
 def _launch(x: torch.Tensor, alpha: torch.Tensor | None, bias: torch.Tensor | None,
             residual: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     x = _checked(x, "x")
-    C = x.shape[1]
+    C, tm = x.shape[1], time_major(x)
     alpha = None if alpha is None else _checked(alpha, "alpha", C)
     bias = None if bias is None else _checked(bias, "bias", C)
-    residual = None if residual is None else _checked(residual, "residual", like=x)
+    residual = None if residual is None else _checked(residual, "residual", like=x, tm=tm)
     z = torch.empty_like(x) if residual is not None else None
     y = torch.empty_like(x) if alpha is not None else None
     n = x.numel()
@@ -88,7 +89,7 @@ def _launch(x: torch.Tensor, alpha: torch.Tensor | None, bias: torch.Tensor | No
             x, bias if bias is not None else x, residual if residual is not None else x,
             alpha if alpha is not None else x, z if z is not None else x, y if y is not None else x,
             n, x.shape[2], C, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SNAKE=alpha is not None,
-            TIME_MAJOR=time_major(x), BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
+            TIME_MAJOR=tm, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
     return z, y
 
 
