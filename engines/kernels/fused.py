@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engines.config import FP8_MAX
 from engines.kernels.pdl import launch_kwargs, trigger_then_wait
 
 
@@ -48,11 +49,14 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out, res_out
 
 
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
 @triton.jit
 def _cache_value(x, ty: tl.constexpr):
-    """x in the KV cache's element type: an fp8 cache saturates at +-448 (engines.model.attention.to_cache)."""
+    """x in the KV cache's element type: an fp8 cache saturates at +-FP8_MAX (engines.model.attention.to_cache)."""
     if ty == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
     return x.to(ty)
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from engines.config import FP8_MAX
+
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn magnitude
 # Steps of up to this many rows read the fp8 copy through the skinny kernel (engines/kernels/skinny_gemm.py), more
 # through the fp8 GEMM (engines/kernels/fp8_gemm.py)
 MAX_ROWS = 32
