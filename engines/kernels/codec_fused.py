@@ -390,10 +390,7 @@ def _ln_linear_kernel(X, R, LNW, LNB, WT, BIAS, Y, S, M, N, eps, C: tl.constexpr
         x = x.to(tl.float32)
         if tl.program_id(1) == 0:  # one column block stores the residual stream
             tl.store(S + rm[:, None] * C + rc[None, :], x.to(dt), mask=mm[:, None])
-    mean = tl.sum(x, 1) / C
-    d = x - mean[:, None]
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
-    h = (d * rstd[:, None] * lnw[None, :] + lnb[None, :]).to(dt)  # LayerNorm output, stored rounded by torch
+    h = _layernorm_f32(x, (rc < C)[None, :], lnw, lnb, eps, C).to(dt)  # LayerNorm output, stored rounded by torch
     acc = mma(h, w, IEEE)
     if HAS_BIAS:
         acc += bias[None, :]
@@ -516,6 +513,15 @@ def softmax_pv(sc, v, IEEE: tl.constexpr):
     return tl.dot(p.to(v.dtype), v)
 
 
+@triton.jit
+def _window_softmax_pv(q, k, v, MASK, s_mt, rt, tm, scale, IEEE: tl.constexpr):
+    """softmax(q k^T * scale + mask) v of one window's head: q, k, v [BLOCK_T, D] (rows past the window's T masked by
+    tm), MASK the window's additive [T, T] mask (rows s_mt apart) -> float32 [BLOCK_T, D]."""
+    am = tl.load(MASK + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
+                 other=float("-inf")).to(tl.float32)
+    return softmax_pv(mma(q, tl.trans(k), IEEE) * scale + am, v, IEEE)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _window_attention_kernel(QKV, MASK, OUT, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_ob, s_ot, scale,
                              H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
@@ -531,10 +537,7 @@ def _window_attention_kernel(QKV, MASK, OUT, T, s_qkv_b, s_qkv_t, s_mb, s_mt, s_
     q = tl.load(base + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
     k = tl.load(base + H * D + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
     v = tl.load(base + 2 * H * D + rt[:, None] * s_qkv_t + rd[None, :], mask=tm[:, None], other=0.0)
-    sc = mma(q, tl.trans(k), IEEE)
-    am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
-                 other=float("-inf")).to(tl.float32)
-    o = softmax_pv(sc * scale + am, v, IEEE)
+    o = _window_softmax_pv(q, k, v, MASK + b * s_mb, s_mt, rt, tm, scale, IEEE)
     tl.store(OUT + b * s_ob + rt[:, None] * s_ot + h * D + rd[None, :], o.to(OUT.dtype.element_ty),
              mask=tm[:, None])
 
@@ -590,16 +593,11 @@ def _ln_qkv_attention_kernel(X, R, LNW, LNB, WT, MASK, S, OUT, T, s_mb, s_mt, ep
         x = (x + tl.load(R + rows, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt).to(tl.float32)
         if h == 0:  # one head's programs store the residual stream
             tl.store(S + rows, x.to(dt), mask=tm[:, None])
-    mean = tl.sum(x, 1) / C
-    d = x - mean[:, None]
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 1) / C + eps)
-    hn = (d * rstd[:, None] * lnw[None, :] + lnb[None, :]).to(dt)  # [BLOCK_T, C]
+    hn = _layernorm_f32(x, (rc < C)[None, :], lnw, lnb, eps, C).to(dt)  # [BLOCK_T, C]
     q = mma(hn, wq, IEEE).to(dt)  # [BLOCK_T, D], rounded where ln_linear stores qkv
     k = mma(hn, wk, IEEE).to(dt)
     v = mma(hn, wv, IEEE).to(dt)
-    am = tl.load(MASK + b * s_mb + rt[:, None] * s_mt + rt[None, :], mask=tm[:, None] & tm[None, :],
-                 other=float("-inf")).to(tl.float32)
-    o = softmax_pv(mma(q, tl.trans(k), IEEE) * scale + am, v, IEEE)
+    o = _window_softmax_pv(q, k, v, MASK + b * s_mb, s_mt, rt, tm, scale, IEEE)
     tl.store(OUT + (b * T + rt)[:, None] * K + h * D + rd[None, :], o.to(dt), mask=tm[:, None])
 
 
