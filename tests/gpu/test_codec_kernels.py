@@ -198,55 +198,59 @@ def test_ln_qkv_attention_refuses_what_it_does_not_take():
         ln_qkv_attention(x, None, w, b, 1e-5, wt, mask[:39, :39], H, D)
 
 
-def test_estimator_takes_the_fused_qkv_attention_in_its_band_with_the_same_bits(monkeypatch):
-    """A full-random estimator call (bf16) at a batch inside QKV_ATTENTION_ROWS runs ln_qkv_attention in every block
-    and gives the bits of the two-kernel path (the fusion turned off by an empty band)."""
+def _fused_qkv_on_and_off(monkeypatch, run):
+    """run() with ln_qkv_attention counted (the rows of each call), then again with it turned off by an empty band:
+    (the rows of each fused call, the first result, the second)."""
     import engines.kernels.codec_fused as cf
+
+    calls = []
+    fused = cf.ln_qkv_attention
+    monkeypatch.setattr(cf, "ln_qkv_attention", lambda x, *a, **k: calls.append(x.shape[0]) or fused(x, *a, **k))
+    with torch.inference_mode():
+        got = run()
+        n = len(calls)
+        monkeypatch.setattr(cf, "QKV_ATTENTION_ROWS", (1, 0))
+        want = run()
+        torch.cuda.synchronize()
+    assert len(calls) == n  # no fused call with the band off
+    return calls, got, want
+
+
+def _bf16_estimator():
     from engines.codec.decoder import CodecDecoder
 
     dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
     est = dec.flow.decoder.estimator
+    return dec.flow, est, sum(isinstance(m, TransformerBlock) for m in est.modules())
+
+
+def test_estimator_takes_the_fused_qkv_attention_in_its_band_with_the_same_bits(monkeypatch):
+    """A full-random estimator call (bf16) at a batch inside QKV_ATTENTION_ROWS runs ln_qkv_attention in every block
+    and gives the bits of the two-kernel path (the fusion turned off by an empty band)."""
+    _, est, blocks = _bf16_estimator()
     g = torch.Generator(device="cuda").manual_seed(0)
     B, W = QKV_ATTENTION_ROWS[0], 40
     x, mu, cond = (torch.randn(B, 80, W, device="cuda", generator=g).bfloat16() for _ in range(3))
     spks, t = torch.randn(B, 80, device="cuda", generator=g).bfloat16(), torch.rand(B, device="cuda", generator=g)
     mask = torch.ones(W, W, dtype=torch.bool, device="cuda").tril()
-    calls = []
-    fused = cf.ln_qkv_attention
-    monkeypatch.setattr(cf, "ln_qkv_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    with torch.inference_mode():
-        got = est(x, mu, t, spks, cond, mask)
-        n = len(calls)
-        monkeypatch.setattr(cf, "QKV_ATTENTION_ROWS", (1, 0))
-        want = est(x, mu, t, spks, cond, mask)
-    assert n == sum(isinstance(m, TransformerBlock) for m in est.modules()) > 0 and len(calls) == n
+    calls, got, want = _fused_qkv_on_and_off(monkeypatch, lambda: est(x, mu, t, spks, cond, mask))
+    assert calls == [B] * blocks and blocks > 0
     assert torch.equal(got, want)
 
 
 def test_a_solve_in_chains_takes_the_fused_qkv_attention_by_its_windows(monkeypatch):
     """Four sessions' eight windows run as four chains of two (flow._estimate): each chain's blocks take
     ln_qkv_attention (the band counts all eight windows), with the bits of the two-kernel path."""
-    import engines.kernels.codec_fused as cf
-    from engines.codec.decoder import CodecDecoder
     from engines.codec.decoder.estimator import bool_to_additive
 
-    dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
-    est, flow = dec.flow.decoder.estimator, dec.flow
+    flow, est, blocks = _bf16_estimator()
     g = torch.Generator(device="cuda").manual_seed(1)
     n, W = 8, 40
     assert QKV_ATTENTION_ROWS[0] <= n <= QKV_ATTENTION_ROWS[1]
     h = torch.randn(n, 320, W, device="cuda", generator=g).bfloat16()
     rows = est.time_rows(torch.rand(1, device="cuda", generator=g))  # one Euler step: [n_resnets, 1, C]
     mask = bool_to_additive(torch.ones(W, W, dtype=torch.bool, device="cuda").tril(), torch.bfloat16)
-    calls = []
-    fused = cf.ln_qkv_attention
-    monkeypatch.setattr(cf, "ln_qkv_attention", lambda x, *a, **k: calls.append(x.shape[0]) or fused(x, *a, **k))
-    with torch.inference_mode():
-        got = flow._estimate(est, h, rows, mask)
-        monkeypatch.setattr(cf, "QKV_ATTENTION_ROWS", (1, 0))
-        want = flow._estimate(est, h, rows, mask)
-        torch.cuda.synchronize()
-    blocks = sum(isinstance(m, TransformerBlock) for m in est.modules())
+    calls, got, want = _fused_qkv_on_and_off(monkeypatch, lambda: flow._estimate(est, h, rows, mask))
     assert calls == [2] * (4 * blocks)
     assert torch.equal(got, want)
 
