@@ -39,8 +39,9 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
     # The encoder: its graph replay when graphed (never wrap what a capture runs), else the eager function.
     enc_owner = flow.enc_graphs if flow.enc_graphs is not None else flow
     enc_name = "run" if flow.enc_graphs is not None else "encode"
-    orig_solve, orig_push = flow._solve, win.push
-    flow._solve, win.push = timed("solve", orig_solve), timed("vocoder", orig_push)
+    # (the vocoder's GPU work is queued by render; finish only crossfades on the host)
+    orig_solve, orig_render = flow._solve, win.render
+    flow._solve, win.render = timed("solve", orig_solve), timed("vocoder", orig_render)
     setattr(enc_owner, enc_name, timed("encoder", getattr(enc_owner, enc_name)))
     flow.encode_inputs = timed("encoder_inputs", flow.encode_inputs)
     try:
@@ -57,7 +58,7 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
             if bad:
                 print(f"  non-finite PCM: {bad} samples in a round of {len(pcm)} sessions")
     finally:
-        flow._solve, win.push = orig_solve, orig_push
+        flow._solve, win.render = orig_solve, orig_render
         delattr(enc_owner, enc_name)
         del flow.encode_inputs
     skip = dec.cfg.stream.steady_chunks  # rounds before it capture graphs as the encoder's window grows

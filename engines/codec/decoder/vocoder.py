@@ -21,7 +21,6 @@ from torch import nn
 from engines.codec.decoder.config import BigVGANConfig, HiFTConfig, StreamConfig
 from engines.codec.decoder.hift import HiFTGenerator
 from engines.codec.decoder.mel import SILENCE_LOG_MEL, MelSpec
-from engines.streams import wait_releasing_gil
 
 
 @dataclass
@@ -178,10 +177,3 @@ class WindowedVocoder:
             out.append(np.concatenate([s.tail * self.fade_out + seams[b], body]) if s.tail is not None else body.copy())
             s.tail = None if final[b] else y[end - X:end].copy()
         return out
-
-    def push(self, mel: torch.Tensor, states: list[VocoderState], gens: list[torch.Generator], final: list[bool]
-             ) -> list[np.ndarray]:
-        """mel [B, 80, F] new frames -> per session the PCM that is now final (float32 [samples])."""
-        r = self.render(mel, states, gens)
-        wait_releasing_gil(mel.device)
-        return self.finish(r, states, final)
