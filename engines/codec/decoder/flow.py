@@ -291,18 +291,27 @@ class FlowModel(nn.Module):
         if the caller has them."""
         runs = runs if runs is not None else self._runs(states)
         lays = lays if lays is not None else self._prefix_layouts(states)
-        pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
+        B, s0, kw = len(states), states[0], {"device": self.device, "dtype": self.dtype}
         # [B, layers, 2, L, H, dk]: the prompt's keys' shape with the padded prefix length L of each stack
-        X, upX = (torch.zeros(len(states), *kv.shape[:2], lay.pos.shape[1], *kv.shape[3:], device=self.device,
-                              dtype=self.dtype) for kv, lay in ((states[0].voice.kv, lays[0]),
-                                                                (states[0].voice.up_kv, lays[1])))
-        self._fill_prefixes(X, states, runs, lays[0], False)
-        self._fill_prefixes(upX, states, runs, lays[1], True)
+        X, upX = (torch.zeros(B, *kv.shape[:2], lay.pos.shape[1], *kv.shape[3:], **kw)
+                  for kv, lay in ((s0.voice.kv, lays[0]), (s0.voice.up_kv, lays[1])))
         # Every index tensor of the chunk in one host -> device copy (from pinned memory: no stream sync).
         t_codes, t_valid, t_pos, t_up_pos, t_kpos, t_kvalid, t_up_kpos, t_up_kvalid = upload(
             self._index_arrays(states, codes, n, n_look, lays), self.device)
-        return EncodeInputs(t_codes, t_valid, pre, up, t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos,
-                            t_up_kvalid)
+        args = EncodeInputs(t_codes, t_valid, torch.empty(B, *s0.pre.shape, **kw), torch.empty(B, *s0.up.shape, **kw),
+                            t_pos, t_up_pos, X, t_kpos, t_kvalid, upX, t_up_kpos, t_up_kvalid)
+        self._write_state(args, states, runs, lays)
+        return args
+
+    def _write_state(self, args: EncodeInputs, states: list[FlowState], runs: list[tuple[int, int]],
+                     lays: tuple[_PrefixLayout, _PrefixLayout]) -> None:
+        """The states' carried values into the first len(states) rows of `args`: the conv caches and every session's
+        prompt + window keys, where `lays` places them."""
+        B = len(states)
+        torch.stack([s.pre for s in states], out=args.pre[:B])
+        torch.stack([s.up for s in states], out=args.up[:B])
+        self._fill_prefixes(args.X, states, runs, lays[0], False)
+        self._fill_prefixes(args.upX, states, runs, lays[1], True)
 
     def _index_arrays(self, states: list[FlowState], codes: torch.Tensor, n: int, n_look: list[int],
                       lays: tuple[_PrefixLayout, _PrefixLayout]) -> list[np.ndarray]:
@@ -327,10 +336,7 @@ class FlowModel(nn.Module):
         args, B = EncodeInputs(*bufs), len(states)
         for dst, a in zip(host, self._index_arrays(states, codes, n, n_look, lays), strict=True):
             dst[:B] = a
-        torch.stack([s.pre for s in states], out=args.pre[:B])
-        torch.stack([s.up for s in states], out=args.up[:B])
-        self._fill_prefixes(args.X, states, runs, lays[0], False)
-        self._fill_prefixes(args.upX, states, runs, lays[1], True)
+        self._write_state(args, states, runs, lays)
         return args, self.enc_graphs.replay_staged(key, B)
 
     @torch.inference_mode()
