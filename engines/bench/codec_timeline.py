@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import engines.codec.decoder.codec_decoder as codec_decoder_mod
+from engines.bench.hardware import device_name
 from engines.codec.decoder import CodecDecoder, CodecTask
 
 # The host steps marked: (what owns the function, as an attribute path from the decoder; the function).
@@ -143,7 +144,7 @@ def main() -> None:
     cuda = a.device.startswith("cuda")
     dec = CodecDecoder.load(a.codec, device=a.device, vocoder=a.vocoder, cuda_graphs=cuda,
                             estimator_dtype=a.estimator_dtype, encoder_tf32=cuda and not a.no_encoder_tf32)
-    name = torch.cuda.get_device_name(dec.device) if cuda else "cpu"
+    name = device_name(dec.device)
     rows = timeline(dec, a.batch, a.steps)
     print(f"{name}, codec {a.codec}, {a.vocoder}, batch {a.batch}: median of {a.steps} steps, ms since the step's "
           "start (GPU about host: the GPU waited for the host)")
