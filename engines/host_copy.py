@@ -43,13 +43,13 @@ class PinnedMirror:
         self.dst = dst
         host = dst.to("cpu", copy=True)
         self.host = host.pin_memory() if dst.is_cuda else host
+        self.array = self.host.numpy()  # the host values, written through this view after `wait`
         self._copied: torch.cuda.Event | None = None  # the last copy's completion
 
-    def array(self) -> np.ndarray:
-        """The host values to write (a numpy view), once the last copy from them is done (normally long since)."""
+    def wait(self) -> None:
+        """Until the last copy from the host values is done (normally long since): then they may be rewritten."""
         if self._copied is not None:
             self._copied.synchronize()
-        return self.host.numpy()
 
     def upload(self) -> None:
         """Queue the copy of the host values to the device buffer on the current stream."""

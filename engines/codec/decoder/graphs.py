@@ -207,10 +207,9 @@ class EncoderGraphs(BucketGraphs):
         for i, part in zip(self.INDEX_FIELDS, flat.split([t.numel() for t in idx]), strict=True):
             out[i] = part.view(inputs[i].shape)
         mirror = PinnedMirror(flat)
-        host = mirror.array()
         sizes = np.cumsum([out[i].numel() for i in self.INDEX_FIELDS])[:-1]
         self.staged[key] = mirror, [a.reshape(out[i].shape)
-                                    for i, a in zip(self.INDEX_FIELDS, np.split(host, sizes), strict=True)]
+                                    for i, a in zip(self.INDEX_FIELDS, np.split(mirror.array, sizes), strict=True)]
         return out
 
     def buffers(self, batch: int, L: int, U: int) -> tuple[tuple, list[torch.Tensor], list[np.ndarray]] | None:
@@ -225,7 +224,7 @@ class EncoderGraphs(BucketGraphs):
         if key not in self.graphs:
             return None
         mirror, arrays = self.staged[key]
-        mirror.array()  # (waits for the last copy from it)
+        mirror.wait()
         return key, self.graphs[key][1], arrays
 
     def replay_staged(self, key: tuple, batch: int) -> tuple[torch.Tensor, ...]:
