@@ -798,6 +798,13 @@ def test_bucket_graphs_pad_to_the_smallest_captured_batch_up_to_the_power_of_two
     assert torch.equal(y, x * 3 + 1) and len(g.graphs) == n + 1 and (8, (3,), 3) in g.graphs
     g.ensure([torch.zeros(16, 3)], (4,))
     assert g.padded(3, [x], (4,)) == 4  # 16 is captured, but 3 rows are not padded past their bucket
+    # An owner that captures no more (EncoderGraphs once frozen) runs a shape it lacks eagerly; captured ones replay.
+    g.may_capture = lambda: False
+    n, last = len(g.graphs), g.last_batch
+    (y,) = g.run([x], (5,))
+    assert torch.equal(y, x * 5 + 1) and len(g.graphs) == n and g.last_batch == last
+    (y,) = g.run([x], (2,))
+    assert torch.equal(y, x * 2 + 1) and g.last_batch == 6
 
 
 def test_run_jobs_counts_its_solves(hift_dec):

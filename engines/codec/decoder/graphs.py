@@ -110,13 +110,20 @@ class BucketGraphs:
         sizes.sort()
         return True
 
+    def may_capture(self) -> bool:
+        """Whether `run` may capture a graph it lacks (else it runs `fn` eagerly)."""
+        return True
+
     def run(self, inputs: Sequence[torch.Tensor], static: tuple = ()) -> tuple[torch.Tensor, ...]:
         B = inputs[0].shape[0]
         rest = self.key(inputs, static)[1:]
-        Bp = self.last_batch = self._padded(B, rest)
+        Bp = self._padded(B, rest)
+        k = (Bp, *rest)
+        if k not in self.graphs and not self.may_capture():
+            return self.fn(*inputs, *static)
+        self.last_batch = Bp
         if Bp != B:
             inputs = [torch.cat([t, t[-1:].expand(Bp - B, *t.shape[1:])]) for t in inputs]
-        k = (Bp, *rest)
         self.ensure(inputs, static, k)
         for dst, src in zip(self.graphs[k][1], inputs, strict=True):
             dst.copy_(src)
@@ -252,13 +259,12 @@ class EncoderGraphs(BucketGraphs):
         lens = [prompt_codes + w * st.chunk_codes for w in range(st.enc_left_chunks + 1)]
         return sorted({(padded_prefix(n), padded_prefix(n * r)) for n in lens})
 
+    def may_capture(self) -> bool:
+        return not self.frozen
+
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         """FlowModel.encode's arguments, in its order; returns its outputs (eagerly for a shape not captured once
         frozen)."""
-        if self.frozen:
-            rest = self.key(inputs, ())[1:]
-            if (self._padded(inputs[0].shape[0], rest), *rest) not in self.graphs:
-                return self.fn(*inputs)
         return super().run(list(inputs))
 
 
