@@ -220,6 +220,11 @@ class Engine:
     def live_request(self, request_id: str) -> Sequence | None:
         return self.scheduler.requests.get(request_id)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted (what the service loop reads every step, without `stats()`'s copy)."""
+        return len(self.scheduler.waiting)
+
     def stats(self) -> EngineStats:
         s = self._stats
         s.running = len(self.scheduler.running)

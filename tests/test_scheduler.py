@@ -151,6 +151,7 @@ def test_admission_waits_for_reservation_and_never_preempts():
         engine.add_request(f"r{i}", prompt(8), SamplingParams.greedy_params(max_new_tokens=12))
     first = engine.step()
     assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 2
+    assert engine.num_waiting == engine.stats().waiting == 2  # (what the service loop reads every step)
     out = run_to_end(engine)
     for o in first:
         out[o.request_id].insert(0, o)

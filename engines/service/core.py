@@ -323,7 +323,7 @@ class Service:
         takes 2-3x as long). While an answer ramps, the codec worker holds back rounds of playing answers and user
         audio is not encoded (<= ENCODE_DEFER_S); while a first-chunk round runs and none ramps, the engine skips
         its step."""
-        return self.engine.stats().waiting > 0 or any(
+        return self.engine.num_waiting > 0 or any(
             t.response is not None and not t.response.cancelled and t.response.modality == "audio"
             and len(t.response.code_idx) < FIRST_CHUNK_CODES for _, t in self._requests.values())
 
