@@ -63,7 +63,8 @@ def _sweep_configs(configs, time_one) -> list[tuple[float, tuple]]:
 
 
 def _fastest(res: list[tuple[float, tuple]], n: int = 4) -> str:
-    return ", ".join(f"{us:.2f} us {c}" for us, c in res[:n])
+    """The n fastest of `res` (us, tiling), fastest first; the empty tiling is cuBLAS."""
+    return ", ".join(f"{us:.2f} us {c or 'cuBLAS'}" for us, c in res[:n])
 
 
 def _conv_inputs(rows: int, cin: int, k: int, cout: int, T: int = 40, w_scale: float = 1.0):
@@ -183,7 +184,7 @@ def _sweep_gemm(rows: int, k: int, n: int, has_bias: bool) -> list[tuple[float, 
         return _graph_us(functools.partial(kernel1_gemm, x, w_t, b if has_bias else zero, tiling))
 
     res = sorted([(cublas, ()), *_sweep_configs([c for c in GEMM_CONFIGS if c[1] <= n and k % c[2] == 0], timed)])
-    best = ", ".join(f"{us:.2f} us {c or 'cuBLAS'}" for us, c in res[:5])
+    best = _fastest(res, 5)
     print(f"gemm rows {rows:5d} K {k:4d} N {n:4d}: cuBLAS {cublas:.2f} us; best (BM, BN, BK, warps, stages): {best}",
           flush=True)
     return res
