@@ -9,10 +9,14 @@
 #                             its .whl and the load test's speech sample are taken from this tree
 #   PAIR_LEVEL (136), CAP_ENGINE_ARGS, CAP_LEVEL_S (45): as in gpu_capacity.sh
 #   PAIR_DRY=1                print each run's command instead of running it
+#   MOSS_LOG_LEVEL=info       the engine logs each answer's stage marks: printed per run (docs/bench/stage_marks.py)
+# A fresh machine's first run compiles the Triton kernels (H200, session 47: ~256 s for that run against ~160 s for
+# the next), so plan three runs per call at most.
 # Example, the shipped tilings against tilings tuned at start (docs/PERF_NOTES.md, sessions 39-40):
 #   PAIR_ORDER="A B" PAIR_A="" PAIR_B="MOSS_TUNING_FILE=none" \
 #     CAP_ENGINE_ARGS="--fp8-weights --fp8-only" bash docs/bench/gpu_capacity_pair.sh
-# Writes $OUT/capacity-<label>-<n>.json per run and prints each run's level line.
+# Writes $OUT/capacity-<label>-<n>.json and the server's log $OUT/server-<label>-<n>.log.gz per run and prints each
+# run's level line.
 set -u
 ROOT=$PWD
 OUT=${OUT:-/tmp}
@@ -41,7 +45,11 @@ for label in ${PAIR_ORDER:-A B}; do
   if [ -f "$OUT/capacity.json" ]; then
     mv "$OUT/capacity.json" "$OUT/capacity-$label-$n.json"
   else
-    echo "  no report (see $OUT/server.log)"
+    echo "  no report (see $OUT/server-$label-$n.log.gz)"
   fi
   rm -f "$OUT"/*.png
+  if [ -f "$OUT/server.log" ]; then
+    [ "${MOSS_LOG_LEVEL:-}" = info ] && python3 "$ROOT/docs/bench/stage_marks.py" "$OUT/server.log" "$LEVEL" | tail -1
+    gzip -c "$OUT/server.log" > "$OUT/server-$label-$n.log.gz" && rm "$OUT/server.log"
+  fi
 done
