@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engines.config import ConfigError
+from engines.loader.mismatch import key_mismatches
 
 
 class CheckpointError(ConfigError):
@@ -45,18 +46,8 @@ def load_checked(module: torch.nn.Module, sd: dict[str, torch.Tensor], source: s
         sd = {k[len(strip_prefix):] if k.startswith(strip_prefix) else k: v for k, v in sd.items()}
     if weight_norm_aliases:
         sd = _canonical_weight_norm(sd)
-    expected = module.state_dict()
-    missing = sorted(expected.keys() - sd.keys())
-    unexpected = sorted(sd.keys() - expected.keys())
-    bad_shape = sorted(f"{k} {tuple(sd[k].shape)} != {tuple(expected[k].shape)}"
-                       for k in expected.keys() & sd.keys() if sd[k].shape != expected[k].shape)
-    if missing or unexpected or bad_shape:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        if bad_shape:
-            parts.append(f"wrong shapes {bad_shape}")
-        raise CheckpointError(f"{source}: " + "; ".join(parts))
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    problems = key_mismatches(expected, {k: tuple(v.shape) for k, v in sd.items()})
+    if problems:
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
     module.load_state_dict(sd, strict=True)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from engines.codec.encoder.config import EncoderConfig
 from engines.config import ConfigError
+from engines.loader.mismatch import key_mismatches
 
 PREFIX = "encoder."
 WEIGHTS_FILE = "model.safetensors"
@@ -63,21 +64,10 @@ def _ignored(name: str, cfg: EncoderConfig) -> bool:
 
 def check_names(cfg: EncoderConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
     """Raise one EncoderCheckpointError naming missing, unexpected and wrong-shape tensors."""
-    want = expected_shapes(cfg)
     ours = {k: v for k, v in shapes.items() if k.startswith(PREFIX)}
-    missing = sorted(set(want) - set(ours))
-    unexpected = sorted(k for k in set(ours) - set(want) if not _ignored(k, cfg))
-    wrong = sorted(f"{k}: {tuple(ours[k])} != expected {want[k]}" for k in set(want) & set(ours)
-                   if tuple(ours[k]) != want[k])
-    if missing or unexpected or wrong:
-        parts = [f"{where}: encoder tensors do not match the config"]
-        if missing:
-            parts.append(f"missing {len(missing)}: {missing[:20]}{' ...' if len(missing) > 20 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)}: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
-        if wrong:
-            parts.append(f"wrong shape {len(wrong)}: {wrong[:20]}{' ...' if len(wrong) > 20 else ''}")
-        raise EncoderCheckpointError("; ".join(parts))
+    problems = key_mismatches(expected_shapes(cfg), ours, ignored=lambda k: _ignored(k, cfg))
+    if problems:
+        raise EncoderCheckpointError("; ".join([f"{where}: encoder tensors do not match the config", *problems]))
 
 
 def load_state(path: str | Path, cfg: EncoderConfig, device: torch.device) -> dict[str, torch.Tensor]:
