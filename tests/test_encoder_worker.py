@@ -71,6 +71,22 @@ def test_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded):
     assert enc.runner.kv.in_use == 0  # every stream closed, its slot back
 
 
+def test_the_load_log_gets_each_kind_of_call_with_its_cpu_and_gpu_wait(enc):
+    worker = EncoderWorker(enc)
+    worker.append("a", speech_like(0.5, seed=1))
+    worker.append("b", speech_like(0.5, seed=2))
+    assert worker.run_due(flush=True)  # held audio of both in one call
+    worker.append("a", speech_like(0.2, seed=3))
+    assert worker.commit("a") and worker.run_due()
+    spans = worker.take_spans()
+    names = ("encode", "encode cpu", "encode gpu wait", "encode commits", "encode commits cpu",
+             "encode commits gpu wait")
+    assert set(spans) == set(names)
+    assert all(spans[k][0] == 1 for k in names)  # (count, seconds, max): one call of each kind
+    assert all(0 <= spans[k + " gpu wait"][1] <= spans[k][1] for k in ("encode", "encode commits"))
+    assert worker.take_spans() == {}
+
+
 def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
     worker = EncoderWorker(enc)
     assert not worker.commit("nobody")

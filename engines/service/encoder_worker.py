@@ -229,12 +229,12 @@ class EncoderWorker:
 
     def _call(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> None:
         """One encoder call for these turns (outside _cv), then their results."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             codes = self._encode(commit, work)
         except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
             codes = [e] * len(work)
-        dt, at = time.perf_counter() - t0, time.monotonic()
+        dt, cpu, at = time.perf_counter() - t0, time.thread_time() - cpu0, time.monotonic()
         with self._cv:
             for (t, _), c in zip(work, codes, strict=True):
                 self._in_call.pop(id(t), None)
@@ -245,7 +245,13 @@ class EncoderWorker:
                     self._close(t)
                 if not t.dropped and (commit or failed or c):
                     self._results.append(Encoded(t.key, c, commit, at))
-            self.spans.add("encode commits" if commit else "encode", dt)
+            name = "encode commits" if commit else "encode"
+            self.spans.add(name, dt)
+            # What the call's wall time was made of, as for the codec's rounds: this thread's CPU time and the wait
+            # for the GPU (an event wait that spins counts in both); the rest went waiting for the GIL.
+            self.spans.add(name + " cpu", cpu)
+            if hasattr(self.encoder, "last_gpu_wait_s"):
+                self.spans.add(name + " gpu wait", self.encoder.last_gpu_wait_s)
             self._running = False
             self._cv.notify_all()
 

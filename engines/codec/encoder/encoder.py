@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class SpeechEncoder:
         # Streams may be stepped on one thread (the engine service's encoder worker) while another encodes a voice
         # prompt: calls, stream opening and slot release take turns on the runner's state and KV pool.
         self.lock = threading.RLock()
+        self.last_gpu_wait_s = 0.0  # how long the last call waited for the GPU (the service's load log)
 
     @classmethod
     def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
@@ -224,7 +226,7 @@ class EncoderBatch:
         feats: list[list[torch.Tensor]] = [[] for _ in streams]
         seg = enc.runner.mel_per_segment
         none = np.zeros(0, np.float32)
-        more = True
+        more, waited = True, 0.0
         # Steps: no stream may run past its 30 s segment end inside one forward; what is left goes in the next.
         while more:
             limits = np.asarray([seg - s.trunk.mel_in_segment for s in streams], dtype=np.int64)
@@ -233,7 +235,9 @@ class EncoderBatch:
                                                            pcms, limits)
             pcms = [none] * len(streams)
             if ids is not None:
+                t0 = time.perf_counter()
                 wait_releasing_gil(ids.device)  # (the engine loop runs meanwhile when the encoder has a thread)
+                waited += time.perf_counter() - t0
                 ids_list = ids.tolist()
                 start = 0
                 for i, c in enumerate(counts):
@@ -244,6 +248,7 @@ class EncoderBatch:
             for s in streams:
                 if s.trunk.mel_in_segment == seg:
                     enc.runner.reset_segment(s.trunk)
+        enc.last_gpu_wait_s = waited
         for i, s in enumerate(streams):
             s.codes_out += len(codes[i])
             s.last_features = None if not feats[i] else feats[i][0] if len(feats[i]) == 1 else torch.cat(feats[i])
