@@ -111,3 +111,24 @@ def test_load_log_names_the_codec_solves_and_their_padding():
     assert _solves("first-chunk", lanes) == ""  # taken
     assert _solves("playing", [Dec(2, 0, 66, 80)]) == "; playing solves 2 (0 partial) of 33.0 sessions as 40.0 rows"
     assert _solves("playing", [object()]) == ""  # a decoder without counts (a test's fake)
+
+
+def test_held_audio_level_is_checked_and_needs_a_gpu(capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    assert p.parse_args(base).held_audio_level is None  # the least priority, as before
+    assert p.parse_args(base + ["--held-audio-level", "1"]).held_audio_level == 1
+    for bad in ("-1", "model"):
+        with pytest.raises(SystemExit):
+            p.parse_args(base + ["--held-audio-level", bad])
+        assert "--held-audio-level" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--held-audio-level needs a CUDA device"):
+        build_service(p.parse_args(base + ["--held-audio-level", "0"]))
+
+
+def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
+    from engines.codec.encoder import SpeechEncoder
+
+    with pytest.raises(ValueError, match="CUDA device"):
+        SpeechEncoder.load("tiny-random").set_held_level(1)

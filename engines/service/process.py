@@ -155,6 +155,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-graphs", dest="encoder_graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay the speech encoder's steps of up to 8 sessions as CUDA graphs (a commit's "
                         "step is ~60 torch calls and ~300 launches for a few ms of GPU work)")
+    p.add_argument("--held-audio-level", type=_int_at_least(0), default=None, metavar="N",
+                   help="on a GPU, run the speech encoder's calls of held user audio (audio still being spoken) N "
+                        "CUDA priority levels below the most urgent (0: the commits' level, 1: the language model's) "
+                        "instead of the least, so that under load they are not starved and a commit waits less for "
+                        "the one in flight")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
@@ -213,6 +218,8 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
         vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
     with memory.part("the speech encoder"):
         encoder = SpeechEncoder.load(args.codec, device=args.device)
+    if getattr(args, "held_audio_level", None) is not None:
+        encoder.set_held_level(args.held_audio_level)
     if on_gpu:
         # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
         # engine loop for the allocation and copy.
@@ -286,6 +293,8 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-sms-only needs --codec-sms N")
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
+    if getattr(args, "held_audio_level", None) is not None and not on_gpu:
+        raise ValueError(f"--held-audio-level needs a CUDA device (got --device {args.device})")
     round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000
     if (getattr(args, "codec_round_max", None) is not None and args.codec != "none" and _first_lane_on(args, on_gpu)
             and round_period_s > 0):
