@@ -4,6 +4,7 @@
 # (engine start 70-165 s, then the level), so two fit one call; run the reverse order in the next call for ABBA.
 #   PAIR_ORDER="A B"          the runs, by label (a label may repeat: "A B A")
 #   PAIR_A / PAIR_B ...       environment of that label's server, e.g. "MOSS_TUNING_FILE=/tmp/tuning.json"
+#   PAIR_A_ARGS ...           engine options of that label's server, after CAP_ENGINE_ARGS (e.g. "--held-audio-level 1")
 #   PAIR_A_TREE ...           run that label from another tree (a directory holding an older checkout's engines/,
 #                             server/, moss_speech/, client_web/ and docs/bench/, e.g. `git archive` into .probe/old);
 #                             its .whl and the load test's speech sample are taken from this tree
@@ -24,8 +25,9 @@ LEVEL=${PAIR_LEVEL:-136}
 n=0
 for label in ${PAIR_ORDER:-A B}; do
   n=$((n + 1))
-  envvar="PAIR_$label"; treevar="PAIR_${label}_TREE"
+  envvar="PAIR_$label"; treevar="PAIR_${label}_TREE"; argsvar="PAIR_${label}_ARGS"
   vars=${!envvar-}; tree=${!treevar:-$ROOT}
+  read -r -a words <<< "${CAP_ENGINE_ARGS:-} ${!argsvar-}"; engine_args="${words[*]}"
   if [ "$tree" != "$ROOT" ]; then
     [ -d "$tree/engines" ] || { echo "run $n ($label): $tree holds no engines/"; exit 2; }
     if [ -z "${PAIR_DRY:-}" ]; then
@@ -34,11 +36,11 @@ for label in ${PAIR_ORDER:-A B}; do
     fi
   fi
   # shellcheck disable=SC2086  # vars is a list of NAME=VALUE words
-  cmd=(env $vars CAP_START="$LEVEL" CAP_MAX="$LEVEL" CAP_LEVEL_S="${CAP_LEVEL_S:-45}" CAP_TIMEOUT="${CAP_TIMEOUT:-300}"
+  cmd=(env $vars CAP_ENGINE_ARGS="$engine_args" CAP_START="$LEVEL" CAP_MAX="$LEVEL" CAP_LEVEL_S="${CAP_LEVEL_S:-45}" CAP_TIMEOUT="${CAP_TIMEOUT:-300}"
        CAP_SESSIONS_BENCH=0 CAP_WORKERS_BENCH=0 CAP_ARGS="--keep-going" bash docs/bench/gpu_capacity.sh)
-  echo "run $n ($label, ${vars:-no extra environment}, tree ${tree#"$ROOT"/}):"
+  echo "run $n ($label, ${vars:-no extra environment}, engine options: ${engine_args:-none}, tree ${tree#"$ROOT"/}):"
   if [ -n "${PAIR_DRY:-}" ]; then
-    echo "  (cd $tree && ${cmd[*]})"
+    echo "  (cd $tree && $(printf '%q ' "${cmd[@]}"))"
     continue
   fi
   (cd "$tree" && OUT=$OUT "${cmd[@]}" 2>&1 | grep -E "^ +[0-9]+ |^capacity: [0-9<]|stalls")
