@@ -83,12 +83,17 @@ def _shipped(path: Path) -> dict:
     return _read(path, f"shipped tuning file {path}")["gpus"]
 
 
+def decoded(stored: Any) -> Any:
+    """A tiling as a file stores it (JSON lists) as the tuners name it (tuples); None (cuBLAS) as is."""
+    return tuple(stored) if isinstance(stored, list) else stored
+
+
 def _stored(section: dict, name: str, valid: Callable[[Any], bool], where: str) -> Any:
     """The `valid` choice stored under `name` in a GPU's section, or _MISSING."""
     if name not in section:
         return _MISSING
     stored = section[name]
-    value = tuple(stored) if isinstance(stored, list) else stored
+    value = decoded(stored)
     if valid(value):
         return value
     log.warning("%s: %r for %s is not a tiling the tuner offers now; not taken", where, stored, name)

@@ -857,7 +857,7 @@ def test_the_shipped_tuning_picks_are_tilings_the_tuners_offer():
 
     for gpu, section in tuning_file._read(tuning_file.SHIPPED)["gpus"].items():
         for name, pick in section.items():
-            value = tuple(pick) if isinstance(pick, list) else pick
+            value = tuning_file.decoded(pick)
             kind = name.split()[0]
             # a skinny key names the weight's dtype: a tile over an fp8 copy, or over a bf16 weight (cuBLAS offered)
             offered = fp8_gemm.CANDIDATES if kind == "fp8_gemm" else skinny_gemm.offered(fp8="float8" in name)
