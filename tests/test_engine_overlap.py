@@ -243,3 +243,39 @@ def test_steps_are_launched_ahead_beside_a_user_still_speaking(tiny_checkpoint, 
     # The ramp's steps after the first launched ahead (before, none did while the user spoke); later ones did not.
     assert ramp - 2 <= eng.stats().overlapped_steps <= ramp
     eng.check_integrity()
+
+
+def test_a_request_arriving_while_an_answer_ramps_joins_the_step_launched_ahead(tiny_checkpoint, one_torch_thread):
+    """A request added while a ramping answer's step is in flight is admitted into the step launched ahead (no launch
+    after the tokens are read: neither it nor the ramping answer waits for the host), and both requests get the rows
+    they get one step at a time. Past the ramp, a waiting request is admitted by a normal step, as before."""
+    rows, _, _ = requests(5)["r1"]
+    params = SamplingParams.greedy_params(max_new_tokens=20, min_new_tokens=20)  # audio to the end (make_engine)
+    late_rows, _, _ = requests(6)["r2"]
+
+    def drive(engine: Engine, join: dict[str, int]) -> tuple[dict[str, list], dict[str, bool]]:
+        got: dict[str, list] = {"answer": [], "late": [], "past": []}
+        ahead_with: dict[str, bool] = {}
+        for step in range(200):
+            for rid, at in join.items():
+                if at == step:
+                    engine.add_request(rid, late_rows if rid == "late" else rows, params)
+            gaps = engine.stats().launch_gaps
+            step_into(engine, got)
+            for rid, at in join.items():
+                if at == step:  # launched ahead with this request's prefill, and no launch after tokens were read
+                    inflight = engine._inflight
+                    ahead_with[rid] = (inflight is not None and engine.stats().launch_gaps == gaps
+                                       and any(c.seq.request_id == rid for c in inflight.chunks))
+            if not engine.has_work():
+                break
+        return got, ahead_with
+
+    join = {"answer": 0, "late": 2, "past": 12}  # "late" during the answer's ramp, "past" after it
+    plain, eng = make_engine(tiny_checkpoint, overlap=False), make_engine(tiny_checkpoint, overlap=True)
+    ref, _ = drive(plain, join)
+    got, ahead_with = drive(eng, join)
+    assert got == ref
+    assert eng.scheduler.config.ramp_rows < 12  # (the answers ramp for fewer steps than "past" waits)
+    assert ahead_with == {"answer": True, "late": True, "past": False}
+    eng.check_integrity()

@@ -161,7 +161,14 @@ class Scheduler:
                 budget -= 1
         budget = self._ramp_capped(budget, len(chunks), any(c.seq.num_generated < cfg.ramp_rows for c in chunks))
         budget = self._add_prefills(chunks, {}, budget)
-        # Then admit waiting requests while their reservation fits.
+        self._admit(chunks, budget)
+        for c in chunks:
+            self._ensure_blocks(c.seq, c.start + c.num_rows)
+        return SchedulerOutput(chunks, finished)
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Admit waiting requests, oldest first, while their reservation fits, each with a prefill chunk of its
+        rows within `budget`."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
             need = seq.blocks_needed(self.block_size)
@@ -175,9 +182,6 @@ class Scheduler:
             self.running.append(seq)
             if seq.num_pending > 0:
                 budget -= self._add_prefill(chunks, seq, budget)
-        for c in chunks:
-            self._ensure_blocks(c.seq, c.start + c.num_rows)
-        return SchedulerOutput(chunks, finished)
 
     def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
         """The step after `chunks` (launched, tokens not read yet), or None when it cannot be known without those
@@ -185,11 +189,13 @@ class Scheduler:
         audio-mode decode, or the last chunk of a complete prompt whose first row will be audio, that cannot hit
         its row limit (each then decodes one more row, whose input is the in-flight sample: Engine._launch). Then
         prefill rows known on the host: running sequences' pending rows after those in flight, complete inputs
-        first, within the step budget (as `schedule`). Nothing may wait or be aborted (a normal step admits and
-        aborts), and every generating sequence must be among the decodes. A row whose assumption turns out wrong
-        (its sequence ended, switched modes or was aborted) is dropped by Engine._emit; its KV write is then beyond
-        its computed rows, or rewritten as is."""
-        if self._aborts or self.waiting:
+        first, within the step budget (as `schedule`); while a new answer ramps, waiting requests are admitted
+        there too, so that one arriving then neither waits for a step launched after these tokens are read nor
+        makes the ramping answers wait for that launch. Nothing may be aborted (a normal step aborts), and every
+        generating sequence must be among the decodes. A row whose assumption turns out wrong (its sequence
+        ended, switched modes or was aborted) is dropped by Engine._emit; its KV write is then beyond its computed
+        rows, or rewritten as is."""
+        if self._aborts:
             return None
         running = {id(s) for s in self.running}
         decodes: list[ScheduledChunk] = []
@@ -217,8 +223,8 @@ class Scheduler:
         cfg = self.config
         if any(c.seq.num_generated + 1 < cfg.ramp_rows for c in decodes):
             budget = self._ramp_capped(cfg.prefill_token_budget - len(decodes), len(decodes), True)
-            self._add_prefills(out, inflight, budget)
-        elif len(decodes) != len(self.running):
+            self._admit(out, self._add_prefills(out, inflight, budget))
+        elif self.waiting or len(decodes) != len(self.running):
             # Beside prefill, only while a new answer ramps (its first audio waits on every step): otherwise the
             # host's turn between steps lets the next one gather more rows, in fewer steps each reading all the
             # weights, and leaves the GPU to the codec meanwhile (H200, 132 sessions: ungated, 30% more steps).
