@@ -127,7 +127,7 @@ def test_abort_while_a_step_is_in_flight(tiny_checkpoint, one_torch_thread):
     eng.check_integrity()
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_random_schedules_overlap_equals_one_step_at_a_time(tiny_checkpoint, one_torch_thread, seed):
     """Requests that join late, stream their input over several steps, sample or decode greedily, switch modes
     and are aborted at random: every request gets the same rows with and without overlapped decode, the KV
@@ -162,7 +162,7 @@ def test_random_schedules_overlap_equals_one_step_at_a_time(tiny_checkpoint, one
                 if not rest:
                     del feeding[rid]
             step_into(engine, got)
-            if step > 20 and not engine.has_work():
+            if step > 20 and not feeding and not engine.has_work():  # (input still to come: more work later)
                 break
         assert not engine.has_work()
         return got
@@ -172,10 +172,12 @@ def test_random_schedules_overlap_equals_one_step_at_a_time(tiny_checkpoint, one
     for rid, want in ref.items():
         have = got[rid]
         if any(rows and rows[-1][3] == "abort" for rows in (have, want)):
-            # Rows appended while a step is in flight run a step later with overlap (the step launched ahead holds
-            # the rows known at its launch), so an abort timed by steps may cut an answer a row earlier or later.
+            # With overlap a request's rows can run up to two steps later or earlier than one step at a time: rows
+            # appended while a step is in flight run a step later (the step launched ahead holds the rows known at
+            # its launch), and a request that arrives then is admitted a step later outside a ramp, or into the
+            # step launched ahead during one. So an abort timed by steps may cut an answer up to two rows apart.
             a, b = sorted((r[:-1] if r and r[-1][3] == "abort" else r for r in (have, want)), key=len)
-            assert b[:len(a)] == a and len(b) - len(a) <= 1, rid
+            assert b[:len(a)] == a and len(b) - len(a) <= 2, rid
         else:
             assert have == want, rid
     assert eng.stats().overlapped_steps > 0  # the schedules do reach all-audio stretches
