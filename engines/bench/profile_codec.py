@@ -25,7 +25,13 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
     """Median ms per stage, measured by wrapping the stage methods with synchronised timers."""
     flow, win = dec.flow, dec.windowed
     sync = torch.cuda.synchronize if flow.device.type == "cuda" else (lambda: None)  # (CPU: the tests)
-    acc: dict[str, list[float]] = {"total": [], "solve": [], "vocoder": [], "encoder": []}
+    # The encoder as a steady chunk runs it: its inputs written into the graph's buffers and the replay
+    # (`_encode_in_place`), or, with no encoder graphs, the inputs built and the eager call. Never wrap what a
+    # capture runs. (the vocoder's GPU work is queued by render; finish only crossfades on the host)
+    wrapped = [(flow, "_solve", "solve"), (win, "render", "vocoder")]
+    wrapped += ([(flow, "_encode_in_place", "encoder")] if flow.enc_graphs is not None
+                else [(flow, "encode", "encoder"), (flow, "encode_inputs", "encoder_inputs")])
+    acc: dict[str, list[float]] = {"total": [], **{name: [] for _, _, name in wrapped}}
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -33,16 +39,10 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
             t0 = time.perf_counter()
             out = fn(*a, **k)
             sync()
-            acc.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+            acc[name].append((time.perf_counter() - t0) * 1e3)
             return out
         return wrapper
 
-    # The encoder as a steady chunk runs it: its inputs written into the graph's buffers and the replay
-    # (`_encode_in_place`), or, with no encoder graphs, the inputs built and the eager call. Never wrap what a
-    # capture runs. (the vocoder's GPU work is queued by render; finish only crossfades on the host)
-    wrapped = [(flow, "_solve", "solve"), (win, "render", "vocoder")]
-    wrapped += ([(flow, "_encode_in_place", "encoder")] if flow.enc_graphs is not None
-                else [(flow, "encode", "encoder"), (flow, "encode_inputs", "encoder_inputs")])
     for owner, attr, name in wrapped:
         setattr(owner, attr, timed(name, getattr(owner, attr)))
     try:
