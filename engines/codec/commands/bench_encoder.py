@@ -6,6 +6,9 @@ batched encoder step, after a warm-up long enough that the streams carry a few s
 `--held` steps as the server's calls of held audio do (the encoder's lowest-priority stream); `--gil-busy` times
 them beside a thread that runs Python all the time with the server's 0.5 ms switch interval, as the engine loop
 and the codec's thread compete with the encoder's thread for the GIL under load.
+Each batch also prints what a step's wall time was made of, as the server's load log splits its encoder calls: the
+calling thread's CPU time and the step's wait for the GPU (an event wait that spins counts in both; what is left of
+the wall went waiting for the GIL).
 """
 
 from __future__ import annotations
@@ -82,6 +85,18 @@ def gil_busy(on: bool):
         sys.setswitchinterval(before)
 
 
+def host_split(enc: SpeechEncoder, step: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median CPU time of the calling thread and median GPU wait (`SpeechEncoder.last_gpu_wait_s`) of `repeats`
+    steps, in ms (a step that yields codes ends with its wait for them: no sync is needed around it)."""
+    cpu, wait = [], []
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        step()
+        cpu.append(time.thread_time() - c0)
+        wait.append(enc.last_gpu_wait_s)
+    return median(cpu) * 1e3, median(wait) * 1e3
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
@@ -89,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     enc.reserve(max(batches))  # before the graphs: a growth of the KV pool retires them
     res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "piece_ms": args.piece_ms,
-           "held": args.held, "gil_busy": args.gil_busy, "graphs": 0, f"ms_per_{args.piece_ms}ms": {}}
+           "held": args.held, "gil_busy": args.gil_busy, "graphs": 0, f"ms_per_{args.piece_ms}ms": {},
+           "cpu_ms": {}, "gpu_wait_ms": {}}
     if args.graphs:
         t0 = time.perf_counter()
         res["graphs"] = enc.capture_graphs()
@@ -98,8 +114,11 @@ def run(args: argparse.Namespace) -> int:
         step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng, urgent=not args.held)
         with gil_busy(args.gil_busy):
             t = median(timed(step, device, repeats=args.iters, warmup=1)) * 1e3
+            cpu, gpu_wait = host_split(enc, step, args.iters)
         res[f"ms_per_{args.piece_ms}ms"][str(b)] = t
-        print(f"encoder batch {b:3d}: {t:.2f} ms per {args.piece_ms} ms step ({t / b:.3f} ms per stream)")
+        res["cpu_ms"][str(b)], res["gpu_wait_ms"][str(b)] = cpu, gpu_wait
+        print(f"encoder batch {b:3d}: {t:.2f} ms per {args.piece_ms} ms step ({t / b:.3f} ms per stream); "
+              f"its thread's CPU {cpu:.2f} ms, GPU wait {gpu_wait:.2f} ms")
         for s in streams:
             s.close()
     if args.json:
