@@ -20,7 +20,7 @@ from engines.codec.encoder import (
     StreamClosedError,
     write_random_encoder,
 )
-from engines.codec.encoder.graphs import StepGraphs
+from engines.codec.encoder.graphs import HELD_BATCHES, HELD_FRAMES, StepGraphs
 from engines.codec.encoder.mel import mel_filterbank
 from engines.config import ConfigError
 
@@ -225,6 +225,48 @@ def test_bucketed_steps_across_30s_segment(enc):
     codes1, feats1 = stream_encode(enc, pcm, [8000, 4321])
     assert codes == codes1
     torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+
+
+def test_held_steps_of_many_streams_replay_the_held_buckets(enc):
+    """Held audio's steps of more streams than the urgent graphs hold replay the held graphs' buckets (streams and
+    frames padded up HELD_BATCHES and HELD_FRAMES, padding in the spare KV slot) and give the exact codes; urgent
+    steps of as many streams stay exact (no bucket), and held steps of few streams keep the urgent buckets."""
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    e.reserve(20)
+    e.runner.graphs = EagerStepGraphs(e.runner, 2)
+    e.runner.graphs.capture()
+    e.runner.held_graphs = EagerStepGraphs(e.runner, 24, urgent=False, frames=HELD_FRAMES,
+                                           batches=tuple(b for b in HELD_BATCHES if b > 2))
+    e.runner.held_graphs.capture()
+    held_bucket_steps(e, enc)
+
+
+def held_bucket_steps(e: SpeechEncoder, enc: SpeechEncoder) -> None:
+    """`e`: urgent graphs up to 2 streams and held graphs up to 24, none replayed yet; `enc`: exact steps."""
+    held, urgent_graphs = e.runner.held_graphs, e.runner.graphs
+    assert held.batches == (16, 24) and held.bucket(17, 17, 40).streams == 24 and held.bucket(17, 17, 40).n_max == 20
+    pcms = [speech_like(2.0, seed=i) for i in range(17)]
+    cuts = [0, 5120, 10880, 16000, 25600]  # 320 ms, then 360 ms (17 tokens: padded to 20), 320, 600 (30: to 32)
+    streams = [e.open_stream() for _ in pcms]
+    got = [[] for _ in pcms]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        step = e.batch(urgent=False).step([(s, p[a:b]) for s, p in zip(streams, pcms, strict=True)])
+        for out, c in zip(got, step, strict=True):
+            out.extend(c)
+    assert held.replays == 4 and urgent_graphs.replays == 0
+    urgent = e.batch().finalize(streams[:15], [p[cuts[-1]:] for p in pcms[:15]])  # 15 streams: no bucket
+    assert held.replays == 4 and urgent_graphs.replays == 0
+    few = e.batch(urgent=False).step([(s, p[cuts[-1]:]) for s, p in zip(streams[15:], pcms[15:], strict=True)])
+    assert held.replays == 4 and urgent_graphs.replays == 1  # 2 streams: the urgent graphs' bucket
+    for i, pcm in enumerate(pcms):
+        expected = enc.encode(pcm)
+        tail = urgent[i] if i < 15 else few[i - 15]
+        if i >= 15:  # not finalized: the codes determined so far
+            assert len(got[i]) + len(tail) >= len(expected) - 2
+            expected = expected[:len(got[i]) + len(tail)]
+        assert got[i] + tail == expected, i
+    for s in streams[15:]:
+        s.close()
 
 
 def test_a_kv_pool_growth_retires_the_graphs(enc, caplog):

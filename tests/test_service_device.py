@@ -127,6 +127,17 @@ def test_held_audio_level_is_checked_and_needs_a_gpu(capsys):
         build_service(p.parse_args(base + ["--held-audio-level", "0"]))
 
 
+def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    assert p.parse_args(base).encoder_held_graphs == 0  # off: held steps past 8 sessions run eagerly, as before
+    with pytest.raises(ValueError, match="--encoder-held-graphs 8: steps of up to 8 sessions already replay graphs"):
+        build_service(p.parse_args(base + ["--encoder-held-graphs", "8"]))
+    with pytest.raises(ValueError, match="--encoder-held-graphs 64 needs the encoder's CUDA graphs"):
+        build_service(p.parse_args(base + ["--encoder-held-graphs", "64"]))
+
+
 def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
     from engines.codec.encoder import SpeechEncoder
 

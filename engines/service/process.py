@@ -155,6 +155,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-graphs", dest="encoder_graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay the speech encoder's steps of up to 8 sessions as CUDA graphs (a commit's "
                         "step is ~60 torch calls and ~300 launches for a few ms of GPU work)")
+    p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
+                   help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
+                        "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
+                        "~300 torch calls giving up the GIL under load)")
     p.add_argument("--held-audio-level", type=_int_at_least(0), default=None, metavar="N",
                    help="on a GPU, run the speech encoder's calls of held user audio (audio still being spoken) N "
                         "CUDA priority levels below the most urgent (0: the commits' level, 1: the language model's) "
@@ -229,7 +233,7 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
             encoder.reserve(n)
         if getattr(args, "encoder_graphs", True):  # after the reserve: a growth of the KV pool retires them
             with memory.part("the speech encoder's CUDA graphs"):
-                encoder.capture_graphs()
+                encoder.capture_graphs(held_max_batch=getattr(args, "encoder_held_graphs", 0))
     # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
     # in bf16, the encoder's float32 matmuls on TF32.
     with codec_home:
@@ -293,6 +297,13 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-sms-only needs --codec-sms N")
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
+    held_graphs = getattr(args, "encoder_held_graphs", 0)
+    if held_graphs and held_graphs <= 8:
+        raise ValueError(f"--encoder-held-graphs {held_graphs}: steps of up to 8 sessions already replay graphs; "
+                         "give more than 8, or 0 for off")
+    if held_graphs and not (on_gpu and getattr(args, "encoder_graphs", True)):
+        raise ValueError(f"--encoder-held-graphs {held_graphs} needs the encoder's CUDA graphs (a CUDA device, "
+                         f"without --no-encoder-graphs; got --device {args.device})")
     if getattr(args, "held_audio_level", None) is not None and not on_gpu:
         raise ValueError(f"--held-audio-level needs a CUDA device (got --device {args.device})")
     round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000

@@ -76,3 +76,16 @@ def test_held_audio_on_a_chosen_priority_level_gives_the_same_codes():
     mine.set_held_level(1)
     assert level(mine.bulk_stream) == 1 < least
     same_codes(mine, True)
+
+
+def test_held_graphs_equal_eager_steps(enc):
+    """--encoder-held-graphs: held steps of 9 to N streams replay graphs captured on the least priority, with the
+    eager steps' codes; urgent steps of as many streams stay eager."""
+    from engines.partition import is_urgent
+    from tests.test_codec_encoder import held_bucket_steps
+
+    g = SpeechEncoder.load("tiny-random", device="cuda")
+    g.reserve(20)
+    assert g.capture_graphs(2, held_max_batch=24) == 2 * 6 * 11 + 2 * 7 * 11  # urgent 1-2 streams; held 16, 24
+    assert is_urgent(g.runner.graphs.stream) and not is_urgent(g.runner.held_graphs.stream)
+    held_bucket_steps(g, enc)

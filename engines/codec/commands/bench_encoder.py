@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--piece-ms", type=int, default=80, help="audio per stream per timed step")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for steps of up to 8 streams")
     p.add_argument("--held", action="store_true", help="steps on the lowest-priority stream, as held audio's")
+    p.add_argument("--held-graphs", type=int, default=0, metavar="N",
+                   help="with --graphs: held steps of 9 to N streams replay graphs too (the engine's "
+                        "--encoder-held-graphs)")
     p.add_argument("--gil-busy", action="store_true", help="a thread running Python beside the timed steps")
     p.add_argument("--json", default=None)
 
@@ -99,6 +102,8 @@ def host_split(enc: SpeechEncoder, step: Callable[[], None], repeats: int) -> tu
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
+    if args.held_graphs and not args.graphs:
+        raise SystemExit("--held-graphs needs --graphs")
     enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
     rng = np.random.default_rng(0)
     batches = [int(x) for x in args.batches.split(",")]
@@ -108,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
            "cpu_ms": {}, "gpu_wait_ms": {}}
     if args.graphs:
         t0 = time.perf_counter()
-        res["graphs"] = enc.capture_graphs()
+        res["graphs"] = enc.capture_graphs(held_max_batch=args.held_graphs)
         print(f"{res['graphs']} step graphs captured in {time.perf_counter() - t0:.1f} s")
     for b in batches:
         step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng, urgent=not args.held)

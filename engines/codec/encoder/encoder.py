@@ -95,18 +95,28 @@ class SpeechEncoder:
         with self.lock, self._on_stream():
             self.runner.kv.reserve(streams)
 
-    def capture_graphs(self, max_batch: int = 8) -> int:
-        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs), then the kernels that
-        bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs). Returns how many
-        graphs were captured."""
+    def capture_graphs(self, max_batch: int = 8, held_max_batch: int = 0) -> int:
+        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs, urgent), then the
+        kernels that bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs).
+        `held_max_batch` > max_batch: held audio's steps (`batch(urgent=False)`) of more streams, up to that many,
+        replay graphs of their own too (graphs.HELD_BATCHES, captured on the least priority). Returns how many graphs
+        were captured."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        from engines.codec.encoder.graphs import StepGraphs
+        if held_max_batch and held_max_batch <= max_batch:
+            raise ValueError(f"held audio's graphs are for steps past the urgent ones' {max_batch} streams, "
+                             f"got up to {held_max_batch}")
+        from engines.codec.encoder.graphs import HELD_BATCHES, HELD_FRAMES, StepGraphs
 
         with self.lock, self._on_stream(), float32_matmuls(False):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs
+            if held_max_batch:
+                held = StepGraphs(self.runner, held_max_batch, urgent=False,
+                                  batches=tuple(b for b in HELD_BATCHES if b > max_batch), frames=HELD_FRAMES)
+                n += held.capture()
+                self.runner.held_graphs = held
             self.runner.warm_kernels()
         return n
 
@@ -242,7 +252,7 @@ class EncoderBatch:
             limits = np.asarray([seg - s.trunk.mel_in_segment for s in streams], dtype=np.int64)
             with float32_matmuls(False):  # (the flow's encoder may launch on TF32 from another thread)
                 counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams],
-                                                           pcms, limits)
+                                                           pcms, limits, self.urgent)
             pcms = [none] * len(streams)
             if ids is not None:
                 t0 = time.perf_counter()

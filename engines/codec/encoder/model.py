@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ from engines.codec.encoder.config import EncoderConfig
 from engines.codec.encoder.kv_pool import KVPool
 from engines.codec.encoder.mel import FFT_ROWS, MelFrontend, MelPlan, MelState
 from engines.host_copy import upload
+
+if TYPE_CHECKING:
+    from engines.codec.encoder.graphs import StepGraphs
 
 # float32 steps on CUDA run the Triton kernels: attention reading the KV pool in place, GEMMs on tensor cores at
 # float32 accuracy (engines/kernels/encoder_attention.py, fp32_gemm.py); "0" keeps SDPA over gathered keys and cuBLAS's
@@ -215,6 +219,7 @@ class StreamingRunner:
         self.codebook_sq = self.codebook.square().sum(dim=1)  # [V]
         self.kv = KVPool(cfg, dtype, device)
         self.graphs = None  # graphs.StepGraphs once captured (SpeechEncoder.capture_graphs)
+        self.held_graphs = None  # graphs.StepGraphs of held audio's steps of more streams than `graphs` holds
 
     def warm_kernels(self) -> None:
         """Compile the Triton kernels' variants that CUDA-graph capture does not meet (steps of many streams: attention
@@ -249,24 +254,25 @@ class StreamingRunner:
         st.pos, st.mel_in_segment, st.h1_len, st.pool_len, st.fresh = 0, 0, 2, 0, True
 
     @torch.no_grad()
-    def run(self, states: list[TrunkState], mels: list[MelState], pcms: list[np.ndarray], limits: np.ndarray
-            ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None, bool]:
+    def run(self, states: list[TrunkState], mels: list[MelState], pcms: list[np.ndarray], limits: np.ndarray,
+            urgent: bool = True) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None, bool]:
         """One step: each stream's new samples in, at most `limits` new mel frames each (none may cross its segment
-        end). Returns the codes closed per stream, the codes [sum] and their pre-VQ features [sum, d] (float32) on the
-        device (None when no frame was new), and whether frames beyond the limits wait for another step.
+        end); `urgent=False`: a step of held audio, which may replay `held_graphs`. Returns the codes closed per
+        stream, the codes [sum] and their pre-VQ features [sum, d] (float32) on the device (None when no frame was
+        new), and whether frames beyond the limits wait for another step.
 
         Every index of the step follows from row counts known on the host: they are built first (numpy), uploaded in
         one copy, and the device work is `forward` over them, eagerly or as a captured graph of its bucket."""
         mp = self.frontend.plan(mels, pcms, limits)
         if not mp.counts.any():
             return [0] * len(states), None, None, mp.more
-        sizes, graphed, idx, counts, n2, h1_len, pool_len = self._plan(states, mp)
+        sizes, graphs, idx, counts, n2, h1_len, pool_len = self._plan(states, mp, urgent)
         # One upload: the samples ride after the indices as their float32 bit patterns, two to an int64.
         samples = np.zeros(sizes.samples, np.float32)
         samples[: mp.samples.size] = mp.samples
         (flat,) = upload([np.concatenate([idx, samples.view(np.int64)])], self.device)
-        if graphed:
-            codes, feats = self.graphs.run(sizes, flat)
+        if graphs is not None:
+            codes, feats = graphs.run(sizes, flat)
             feats = feats[: int(counts.sum())].clone()  # the graph's buffers are overwritten by its next replay
             codes = codes[: feats.shape[0]]
         else:
@@ -278,9 +284,10 @@ class StreamingRunner:
             st.h1_len, st.pool_len, st.fresh = h1, held, False
         return counts.tolist(), codes, feats, mp.more
 
-    def _plan(self, states: list[TrunkState], mp: MelPlan
-              ) -> tuple[StepSizes, bool, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The step's sizes (a captured graph's bucket when one holds it: then True), its index arrays (flat, in
+    def _plan(self, states: list[TrunkState], mp: MelPlan, urgent: bool = True
+              ) -> tuple[StepSizes, StepGraphs | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The step's sizes (a captured graph's bucket when one holds it: then those graphs, else None), its index
+        arrays (flat, in
         StepSizes.parts' order), and per stream the codes it closes, the tokens it makes, and the conv1 outputs and
         tokens it carries to its next step.
 
@@ -304,9 +311,12 @@ class StreamingRunner:
         n_max = int(n2.max())
         t_max = int((past + n2)[active].max()) if active.size else 0
         N1, N2 = int(n1.sum()), int(n2.sum())
-        bucket = None
-        if self.graphs is not None and N2:
-            bucket = self.graphs.sizes(B, max(n_max, -(-int(n1.max()) // 2)), t_max)
+        bucket, graphs = None, self.graphs
+        # Held audio's steps past the urgent graphs' largest bucket go to the held graphs (least priority).
+        if not urgent and self.held_graphs is not None and (graphs is None or B > graphs.batches[-1]):
+            graphs = self.held_graphs
+        if graphs is not None and N2:
+            bucket = graphs.sizes(B, max(n_max, -(-int(n1.max()) // 2)), t_max)
         if bucket is not None:
             sizes = bucket
             rows = np.arange(B)
@@ -364,7 +374,7 @@ class StreamingRunner:
                   "dense": dense_pad, "kv_slot": kv_slot, "kv_pos": kv_pos, "slots": row_slot, "qpos": qpos,
                   "groups": groups, "k3_src": _pad(keep3, S.keep3), "k3_dst": k3_dst}
         idx = np.concatenate([arrays[name].ravel() for name in S.parts()]).astype(np.int64)
-        return S, bucket is not None, idx, counts, n2, n_keep2, n_keep3
+        return S, graphs if bucket is not None else None, idx, counts, n2, n_keep2, n_keep3
 
     def blank_inputs(self, sz: StepSizes) -> list[torch.Tensor]:
         """The input (indices, then samples) of a step of padding only: every read of row 0, every write to the
