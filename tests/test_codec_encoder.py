@@ -20,7 +20,7 @@ from engines.codec.encoder import (
     StreamClosedError,
     write_random_encoder,
 )
-from engines.codec.encoder.graphs import HELD_BATCHES, HELD_FRAMES, StepGraphs
+from engines.codec.encoder.graphs import StepGraphs
 from engines.codec.encoder.mel import mel_filterbank
 from engines.config import ConfigError
 
@@ -235,8 +235,7 @@ def test_held_steps_of_many_streams_replay_the_held_buckets(enc):
     e.reserve(20)
     e.runner.graphs = EagerStepGraphs(e.runner, 2)
     e.runner.graphs.capture()
-    e.runner.held_graphs = EagerStepGraphs(e.runner, 24, urgent=False, frames=HELD_FRAMES,
-                                           batches=tuple(b for b in HELD_BATCHES if b > 2))
+    e.runner.held_graphs = EagerStepGraphs.held(e.runner, 24, above=2)
     e.runner.held_graphs.capture()
     held_bucket_steps(e, enc)
 

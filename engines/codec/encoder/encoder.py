@@ -103,18 +103,14 @@ class SpeechEncoder:
         were captured."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        if held_max_batch and held_max_batch <= max_batch:
-            raise ValueError(f"held audio's graphs are for steps past the urgent ones' {max_batch} streams, "
-                             f"got up to {held_max_batch}")
-        from engines.codec.encoder.graphs import HELD_BATCHES, HELD_FRAMES, StepGraphs
+        from engines.codec.encoder.graphs import StepGraphs
 
+        held = StepGraphs.held(self.runner, held_max_batch, max_batch) if held_max_batch else None
         with self.lock, self._on_stream(), float32_matmuls(False):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs
-            if held_max_batch:
-                held = StepGraphs(self.runner, held_max_batch, urgent=False,
-                                  batches=tuple(b for b in HELD_BATCHES if b > max_batch), frames=HELD_FRAMES)
+            if held is not None:
                 n += held.capture()
                 self.runner.held_graphs = held
             self.runner.warm_kernels()

@@ -59,6 +59,16 @@ class StepGraphs(BucketGraphs):
         self.generation = runner.kv.generation
         self.replays = 0
 
+    @classmethod
+    def held(cls, runner, max_batch: int, above: int) -> StepGraphs:
+        """Held audio's graphs: steps of `above` + 1 to `max_batch` streams (past the urgent graphs' `above`), on the
+        HELD_BATCHES and HELD_FRAMES rungs, captured on the least priority."""
+        if max_batch <= above:
+            raise ValueError(f"held audio's graphs are for steps past the urgent ones' {above} streams, "
+                             f"got up to {max_batch}")
+        return cls(runner, max_batch, urgent=False, batches=tuple(b for b in HELD_BATCHES if b > above),
+                   frames=HELD_FRAMES)
+
     @staticmethod
     def key(inputs, static: tuple) -> tuple:
         """(streams, StepSizes) of the graph: BucketGraphs keys lead with the batch."""

@@ -287,9 +287,8 @@ class StreamingRunner:
     def _plan(self, states: list[TrunkState], mp: MelPlan, urgent: bool = True
               ) -> tuple[StepSizes, StepGraphs | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The step's sizes (a captured graph's bucket when one holds it: then those graphs, else None), its index
-        arrays (flat, in
-        StepSizes.parts' order), and per stream the codes it closes, the tokens it makes, and the conv1 outputs and
-        tokens it carries to its next step.
+        arrays (flat, in StepSizes.parts' order), and per stream the codes it closes, the tokens it makes, and the
+        conv1 outputs and tokens it carries to its next step.
 
         Sources: the frontend's frames index `samples`; conv1, conv2 and the pooling each read one tensor made of a
         state tensor's rows (a stream's carried rows at its slot, or the blank row's before its first step) followed
