@@ -7,6 +7,9 @@ samples exactly.
 
 from __future__ import annotations
 
+import ast
+import logging
+
 import numpy as np
 import pytest
 
@@ -186,6 +189,21 @@ def test_audio_turn_incremental_prefill_and_audio_out() -> None:
     assert svc.decoder.streams[0].codes == [a for _, a in gen]
     assert svc.decoder.streams[0].closed
     assert done.engine_ttfa_ms is not None and done.status == "incomplete"
+
+
+def test_a_spoken_answer_marks_where_its_commit_went(caplog) -> None:
+    """The stage marks logged at first audio place the commit's encoder call between the commit's arrival and its
+    last codes, all before the CreateResponse (docs/bench/stage_marks.py splits commit -> its codes there)."""
+    caplog.set_level(logging.INFO, logger="engines.service")
+    svc = make_service()
+    send(svc, m.OpenSession("s"))
+    send(svc, m.AppendUserAudio("s", speech(0.5)))
+    send(svc, m.CommitUserAudio("s", "item"))
+    send(svc, m.CreateResponse("s", "r1", "audio", greedy(6, min_new=6)))
+    run(svc)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("response r1: first audio")]
+    marks = ast.literal_eval(line.split("stages ", 1)[1])
+    assert marks["commit_in"] <= marks["commit_call"] <= marks["commit_encoded"] <= 0 < marks["first_audio"]
 
 
 def test_cancel_then_close_frees_every_block() -> None:

@@ -24,6 +24,8 @@ SERVER_LINE = re.compile(r"response done id=(\S+) status=\S+ reason=\S+ ttfa_ms=
 # (label, from mark, to mark); None: the CreateResponse (0)
 STAGES = [
     ("commit -> its codes", "commit_in", "commit_encoded"),
+    ("(commit -> its call", "commit_in", "commit_call"),
+    ("its call)", "commit_call", "commit_encoded"),
     ("codes -> CreateResponse", "commit_encoded", None),
     ("-> first row", None, "first_row"),
     ("first row -> 8th code", "first_row", "first_chunk_codes"),

@@ -567,7 +567,7 @@ class Service:
                 if s is None:
                     continue
                 if e.commit:
-                    self._commit_done(s, e.codes, e.at)
+                    self._commit_done(s, e.codes, e.at, e.started)
                 elif isinstance(e.codes, Exception):
                     self._speech_failed(s, e.codes)
                 else:
@@ -587,12 +587,12 @@ class Service:
         s.commit_pending, s.commit_at = (client, msg), time.monotonic()
         return True
 
-    def _commit_done(self, s: Session, codes: list[int] | Exception, at: float) -> None:
-        """The committed turn's last codes (or the encoder's failure), produced `at`; then the messages that waited
-        for them."""
+    def _commit_done(self, s: Session, codes: list[int] | Exception, at: float, started: float) -> None:
+        """The committed turn's last codes (or the encoder's failure), produced `at` by a call that began `started`;
+        then the messages that waited for them."""
         (client, msg), waiting = s.commit_pending, s.after_commit
         s.commit_pending, s.after_commit = None, []
-        s.commit_done_at = at
+        s.commit_call_at, s.commit_done_at = started, at
         if isinstance(codes, Exception):  # the turn so far is dropped, as when a call of held audio fails
             log.error("speech encoder failed for session %s's commit: %r", s.session_id, codes)
             self._report(client, msg, codes if isinstance(codes, ValueError) else _speech_error(codes))
@@ -741,8 +741,9 @@ class Service:
         t.response = r
         if s.commit_at is not None:  # where the user turn's end went before this answer (stage marks, < 0)
             r.mark("commit_in", s.commit_at)
+            r.mark("commit_call", s.commit_call_at)
             r.mark("commit_encoded", s.commit_done_at)
-            s.commit_at = s.commit_done_at = None
+            s.commit_at = s.commit_call_at = s.commit_done_at = None
         self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
 
     @staticmethod

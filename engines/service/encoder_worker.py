@@ -55,6 +55,7 @@ class Encoded:
     codes: list[int] | Exception
     commit: bool
     at: float = 0.0  # time.monotonic() when the call ended (the engine loop collects it up to a step later)
+    started: float = 0.0  # ... and when it began (a commit's wait before it: a held call in flight, the GIL)
 
 
 @dataclass(eq=False)
@@ -229,7 +230,7 @@ class EncoderWorker:
 
     def _call(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> None:
         """One encoder call for these turns (outside _cv), then their results."""
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0, cpu0, started = time.perf_counter(), time.thread_time(), time.monotonic()
         try:
             codes = self._encode(commit, work)
         except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
@@ -244,7 +245,7 @@ class EncoderWorker:
                 if t.dropped or failed or commit:
                     self._close(t)
                 if not t.dropped and (commit or failed or c):
-                    self._results.append(Encoded(t.key, c, commit, at))
+                    self._results.append(Encoded(t.key, c, commit, at, started))
             name = "encode commits" if commit else "encode"
             self.spans.add(name, dt)
             # What the call's wall time was made of, as for the codec's rounds: this thread's CPU time and the wait
@@ -302,7 +303,8 @@ class EncoderWorker:
             turns = {id(t): t for t in (*self._turns.values(), *self._in_call.values())}  # a turn in both once
             for t in turns.values():
                 if not t.dropped:
-                    self._results.append(Encoded(t.key, e, t.commit, time.monotonic()))
+                    now = time.monotonic()
+                    self._results.append(Encoded(t.key, e, t.commit, now, now))
                 self._close(t)
             self._turns.clear()
             self._in_call.clear()

@@ -139,6 +139,7 @@ class Session:
     commit_pending: tuple[bytes, Any] | None = None
     after_commit: list[tuple[bytes, Any]] = field(default_factory=list)
     commit_at: float | None = None  # time.monotonic() of the last commit's arrival, until an answer marks it
+    commit_call_at: float | None = None  # ... of the start of the encoder call that finalized it
     commit_done_at: float | None = None  # ... and of its last codes
     turn_codes: int = 0  # speech codes of the current user turn (progress reports)
     active: Turn | None = None
