@@ -19,3 +19,11 @@ def test_bench_encoder_reports_each_batch_with_its_host_split(tmp_path):
         assert res["cpu_ms"][b] > 0  # the step's framing, plan and forward run on this thread
         assert 0 <= res["gpu_wait_ms"][b] < 1  # no GPU: the wait returns at once
     assert r.stdout.count("its thread's CPU") == 2
+
+
+def test_bench_encoder_refuses_held_graphs_the_urgent_graphs_already_cover():
+    r = subprocess.run([sys.executable, "-m", "moss_speech.cli", "bench", "encoder", "--codec", "tiny-random",
+                        "--device", "cpu", "--graphs", "--held-graphs", "8"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "--held-graphs 8: steps of up to 8 streams already replay graphs" in r.stderr

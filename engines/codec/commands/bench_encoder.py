@@ -27,6 +27,7 @@ import torch
 
 from engines.bench.hardware import device_name, median, timed
 from engines.codec.encoder import SpeechEncoder
+from engines.codec.encoder.graphs import BATCHES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if args.held_graphs and not args.graphs:
         raise SystemExit("--held-graphs needs --graphs")
+    if args.held_graphs and args.held_graphs <= BATCHES[-1]:  # (as the engine's --encoder-held-graphs)
+        raise SystemExit(f"--held-graphs {args.held_graphs}: steps of up to {BATCHES[-1]} streams already replay "
+                         f"graphs; give more than {BATCHES[-1]}, or leave it out")
     enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
     rng = np.random.default_rng(0)
     batches = [int(x) for x in args.batches.split(",")]
