@@ -4,7 +4,8 @@
 
 Reads the engine's "response X: first audio at N ms; stages {...}" lines (Service._complete), skips the warm-up,
 and splits them into levels by count (2 answers per session: `bench capacity --turns 2`). Marks are ms from the
-engine's CreateResponse; the commit's are negative (its arrival, and its last codes from the encoder).
+engine's CreateResponse; the commit's are negative (its arrival, the start of the encoder call that finalized it,
+and its last codes).
 Where the server logged at info (MOSS_LOG_LEVEL=info), its "response done id=X ... ttfa_ms=T" lines are joined by
 response id: T is the turn's TTFA as the client sees it (commit sent to the engine -> first audio taken by the
 transport), and "server share" is what the engine's marks do not cover: T - (engine TTFA - commit_in), i.e. the commit's
