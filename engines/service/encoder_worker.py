@@ -55,7 +55,7 @@ class Encoded:
     codes: list[int] | Exception
     commit: bool
     at: float = 0.0  # time.monotonic() when the call ended (the engine loop collects it up to a step later)
-    started: float = 0.0  # ... and when it began (a commit's wait before it: a held call in flight, the GIL)
+    started: float = 0.0  # ... and when it began (before it a commit waits for the call in flight, held or a commit)
 
 
 @dataclass(eq=False)
