@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import wave
 
 import numpy as np
@@ -161,6 +162,24 @@ def test_batched_step_equals_each_alone(enc):
     for (codes, feats), (codes1, feats1) in zip(batched_encode(enc, pcms, BATCH_SIZES), alone, strict=True):
         assert codes == codes1
         torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+
+
+def test_a_call_on_another_thread_leaves_this_threads_gpu_wait(enc):
+    """The encoder worker reads last_gpu_wait_s after its own call; a voice prompt encoded meanwhile on another
+    thread must not overwrite it."""
+    enc.last_gpu_wait_s = 1.5  # (stands for the worker's last call)
+    theirs = []
+
+    def other() -> None:
+        s = enc.open_stream()
+        enc.batch().step([(s, speech_like(0.5, seed=3))])
+        theirs.append(enc.last_gpu_wait_s)
+        s.close()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert enc.last_gpu_wait_s == 1.5 and 0 <= theirs[0] < 1.5
 
 
 def test_many_streams_with_uneven_pushes_equal_each_alone(enc):

@@ -71,7 +71,16 @@ class SpeechEncoder:
         # Streams may be stepped on one thread (the engine service's encoder worker) while another encodes a voice
         # prompt: calls, stream opening and slot release take turns on the runner's state and KV pool.
         self.lock = threading.RLock()
-        self.last_gpu_wait_s = 0.0  # how long the last call waited for the GPU (the service's load log)
+        self._calls = threading.local()  # per thread: a voice prompt's call must not overwrite the worker's figure
+
+    @property
+    def last_gpu_wait_s(self) -> float:
+        """How long the calling thread's last encoder call waited for the GPU (the service's load log)."""
+        return getattr(self._calls, "gpu_wait_s", 0.0)
+
+    @last_gpu_wait_s.setter
+    def last_gpu_wait_s(self, seconds: float) -> None:
+        self._calls.gpu_wait_s = seconds
 
     @classmethod
     def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
