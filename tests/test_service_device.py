@@ -132,7 +132,7 @@ def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
     add_arguments(p)
     base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
     assert p.parse_args(base).encoder_held_graphs == 0  # off: held steps past 8 sessions run eagerly, as before
-    with pytest.raises(ValueError, match="--encoder-held-graphs 8: steps of up to 8 sessions already replay graphs"):
+    with pytest.raises(ValueError, match="--encoder-held-graphs 8: steps of up to 8 streams already replay graphs"):
         build_service(p.parse_args(base + ["--encoder-held-graphs", "8"]))
     with pytest.raises(ValueError, match="--encoder-held-graphs 64 needs the encoder's CUDA graphs"):
         build_service(p.parse_args(base + ["--encoder-held-graphs", "64"]))

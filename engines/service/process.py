@@ -264,6 +264,7 @@ def _first_lane_on(args: argparse.Namespace, on_gpu: bool) -> bool:
 
 
 def build_service(args: argparse.Namespace) -> Service:
+    from engines.codec.encoder.graphs import check_held_max_batch
     from engines.config import ConfigError, EngineConfig, model_config_for
     from engines.engine import Engine
     from engines.kv.sizing import thin_pool_warning
@@ -298,12 +299,7 @@ def build_service(args: argparse.Namespace) -> Service:
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
     held_graphs = getattr(args, "encoder_held_graphs", 0)
-    if held_graphs:
-        from engines.codec.encoder.graphs import BATCHES
-
-        if held_graphs <= BATCHES[-1]:  # (the urgent graphs' streams, as SpeechEncoder.capture_graphs captures them)
-            raise ValueError(f"--encoder-held-graphs {held_graphs}: steps of up to {BATCHES[-1]} sessions already "
-                             f"replay graphs; give more than {BATCHES[-1]}, or 0 for off")
+    check_held_max_batch("--encoder-held-graphs", held_graphs)
     if held_graphs and not (on_gpu and getattr(args, "encoder_graphs", True)):
         raise ValueError(f"--encoder-held-graphs {held_graphs} needs the encoder's CUDA graphs (a CUDA device, "
                          f"without --no-encoder-graphs; got --device {args.device})")

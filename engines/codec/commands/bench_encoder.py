@@ -27,7 +27,7 @@ import torch
 
 from engines.bench.hardware import device_name, median, timed
 from engines.codec.encoder import SpeechEncoder
-from engines.codec.encoder.graphs import BATCHES
+from engines.codec.encoder.graphs import check_held_max_batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if args.held_graphs and not args.graphs:
         raise SystemExit("--held-graphs needs --graphs")
-    if args.held_graphs and args.held_graphs <= BATCHES[-1]:  # (as the engine's --encoder-held-graphs)
-        raise SystemExit(f"--held-graphs {args.held_graphs}: steps of up to {BATCHES[-1]} streams already replay "
-                         f"graphs; give more than {BATCHES[-1]}, or leave it out")
+    try:
+        check_held_max_batch("--held-graphs", args.held_graphs)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
     rng = np.random.default_rng(0)
     batches = [int(x) for x in args.batches.split(",")]

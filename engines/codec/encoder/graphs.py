@@ -35,6 +35,14 @@ HELD_FRAMES = (4, 8, 12, 16, 20, 24, 32)
 KEYS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)  # keys attended, then the segment's length
 
 
+def check_held_max_batch(option: str, n: int) -> None:
+    """Refuse held audio's graphs of up to `n` streams (`option` as the user gave it; 0: off) where the urgent graphs
+    already replay every step of that many: the engine's --encoder-held-graphs and `bench encoder --held-graphs`."""
+    if 0 < n <= BATCHES[-1]:
+        raise ValueError(f"{option} {n}: steps of up to {BATCHES[-1]} streams already replay graphs; give more than "
+                         f"{BATCHES[-1]}, or 0 for off")
+
+
 def _up(x: int, ladder: tuple[int, ...]) -> int | None:
     return next((s for s in ladder if x <= s), None)
 
