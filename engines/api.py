@@ -100,6 +100,10 @@ class EngineStats:
     # skinny kernel's 16- and 32-row tiles, then the larger GEMMs), which the means alone do not say.
     step_row_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_ROW_BUCKETS) + 1))
     step_row_sums: list[int] = field(default_factory=lambda: [0] * (len(STEP_ROW_BUCKETS) + 1))
+    # Steps not launched ahead, by why (Scheduler.ahead_refusal: AHEAD_REFUSALS), and those of them where an answer
+    # in the step before still ramped (its first audio waits on the host's turn between the two).
+    ahead_refused: dict[str, int] = field(default_factory=dict)
+    ahead_refused_ramping: dict[str, int] = field(default_factory=dict)
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0

@@ -138,7 +138,15 @@ class Engine:
             if ahead is not None:
                 self._inflight = self._launch(ahead, launched)
                 self._stats.overlapped_steps += 1
+            elif (why := self.scheduler.ahead_refusal) is not None:
+                self._count_refusal(why, launched.chunks)
         return outputs + self._emit(launched, on_wait)
+
+    def _count_refusal(self, why: str, chunks: list[ScheduledChunk]) -> None:
+        st, ramp = self._stats, self.config.ramp_rows
+        st.ahead_refused[why] = st.ahead_refused.get(why, 0) + 1
+        if any(c.needs_logits and c.seq.num_generated + 1 < ramp for c in chunks):
+            st.ahead_refused_ramping[why] = st.ahead_refused_ramping.get(why, 0) + 1
 
     def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None) -> _Launched:
         if after is None and self._tokens_read_at is not None:
@@ -146,7 +154,14 @@ class Engine:
             self._stats.launch_gap_s += time.perf_counter() - self._tokens_read_at
         self._tokens_read_at = None
         t0 = time.perf_counter()
-        codes = after.tokens.audio_codes() if after is not None else None  # [R]: one per decode row, in order
+        codes = None
+        if after is not None:
+            codes = after.tokens.audio_codes()  # [R]: one per sampled chunk of `after`, in order
+            sampled = {id(c.seq): i for i, c in enumerate(c for c in after.chunks if c.needs_logits)}
+            # The step's leading decode rows take those codes; a sequence ending in flight has none (schedule_ahead).
+            src = [sampled[id(c.seq)] for c in chunks if id(c.seq) in sampled]
+            if len(src) != codes.shape[0]:
+                codes = self.runner.gather(codes, src)
         tokens = self.runner.run(chunks, codes)
         self._stats.steps += 1
         rows = sum(c.num_rows for c in chunks)
@@ -232,7 +247,9 @@ class Engine:
         s.free_blocks = self.scheduler.pool.num_free
         # The caller keeps a copy, its lists too. (Not copy.deepcopy: the service loop reads stats() every step,
         # and a deep copy took ~27 us against ~5 for this.)
-        return dataclasses.replace(s, step_row_counts=list(s.step_row_counts), step_row_sums=list(s.step_row_sums))
+        return dataclasses.replace(s, step_row_counts=list(s.step_row_counts), step_row_sums=list(s.step_row_sums),
+                                   ahead_refused=dict(s.ahead_refused),
+                                   ahead_refused_ramping=dict(s.ahead_refused_ramping))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -189,6 +189,10 @@ class ModelRunner:
             tiles=tiles.view(2, n_tiles) if n_tiles else None,
         )
 
+    def gather(self, values: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """values[index] for values on the device, without waiting for the work that makes them."""
+        return values.index_select(0, self._upload(torch.tensor(index, dtype=torch.long)))
+
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """One host-to-device copy from pinned memory: no stream sync, unlike a copy from pageable memory."""
         if self.device.type != "cuda":

@@ -244,6 +244,9 @@ def test_steps_are_launched_ahead_beside_a_user_still_speaking(tiny_checkpoint, 
     assert len(ref["answer"]) > ramp + 4 and len(speech) > len(ref["answer"]) + 4  # the user speaks throughout
     # The ramp's steps after the first launched ahead (before, none did while the user spoke); later ones did not.
     assert ramp - 2 <= eng.stats().overlapped_steps <= ramp
+    # ... and the stats say why: prefill beside decodes with no answer ramping, never while it ramped
+    st = eng.stats()
+    assert st.ahead_refused.get("prefill, no ramp", 0) >= 4 and st.ahead_refused_ramping == {}, st.ahead_refused
     eng.check_integrity()
 
 
@@ -280,4 +283,48 @@ def test_a_request_arriving_while_an_answer_ramps_joins_the_step_launched_ahead(
     assert got == ref
     assert eng.scheduler.config.ramp_rows < 12  # (the answers ramp for fewer steps than "past" waits)
     assert ahead_with == {"answer": True, "late": True, "past": False}
+    eng.check_integrity()
+
+
+def test_an_answer_ending_beside_a_ramping_one_leaves_the_step_launched_ahead(tiny_checkpoint, one_torch_thread):
+    """An answer whose in-flight row is its last by length gets no row in the step launched ahead, instead of
+    stopping the launch: a second answer ramping beside it never waits for the host's turn between steps. Both get
+    the rows they get one step at a time. A text prompt still stops the launch, and says so in the stats."""
+    rows, _, _ = requests(5)["r1"]
+    short = SamplingParams.greedy_params(max_new_tokens=6, min_new_tokens=6)  # audio to the end (make_engine)
+    long = SamplingParams.greedy_params(max_new_tokens=20, min_new_tokens=20)
+
+    def drive(engine: Engine) -> tuple[dict[str, list], list[int]]:
+        got: dict[str, list] = {"short": [], "long": []}
+        gaps_while_ramping = []
+        for step in range(100):
+            if step == 0:
+                engine.add_request("short", rows, short)
+            if step == 3:
+                engine.add_request("long", rows, long)
+            gaps = engine.stats().launch_gaps
+            step_into(engine, got)
+            if 0 < len(got["long"]) < engine.config.ramp_rows:
+                gaps_while_ramping.append(engine.stats().launch_gaps - gaps)
+            if not engine.has_work():
+                break
+        return got, gaps_while_ramping
+
+    plain, eng = make_engine(tiny_checkpoint, overlap=False), make_engine(tiny_checkpoint, overlap=True)
+    ref, _ = drive(plain)
+    got, gaps = drive(eng)
+    assert got == ref
+    assert len(ref["short"]) == 6 and len(ref["long"]) == 20
+    # "short" ended while "long" ramped (its 6 rows from step 1, "long"'s from step 4 or 5)
+    assert len(gaps) >= 5 and sum(gaps) == 0, gaps
+    assert eng.stats().ahead_refused_ramping == {}
+    eng.check_integrity()
+
+    text_prompt = rows[:-1] + text_rows([IM_END])
+    eng.add_request("text", text_prompt, long)
+    eng.step()
+    assert eng._inflight is None and eng.stats().ahead_refused_ramping == {"text prompt": 1}
+    eng.abort("text")
+    while eng.has_work():
+        eng.step()
     eng.check_integrity()

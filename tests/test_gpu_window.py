@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity
 from engines.api import step_row_labels
 from engines.config import EngineConfig
 from engines.engine import Engine
+from engines.scheduler.scheduler import AHEAD_REFUSALS
 from engines.service import messages as m
 from engines.service import process
 from engines.service.core import Service
@@ -118,7 +119,12 @@ def test_load_log_reports_rows_per_model_step(monkeypatch, caplog) -> None:
             _text_turns(server, ctx, sessions=3)
         steps = decoded = prompt = 0.0
         by_rows: dict[str, list[int]] = {}  # bucket label -> [steps, rows]
+        refused: dict[str, list[int]] = {}  # why -> [steps, of them while an answer ramped]
         for r in caplog.records:
+            if (x := re.search(r"; not launched ahead: ([^;]*)", r.getMessage())) is not None:
+                for why, n, ramping in re.findall(r"([a-z ,]+?) (\d+) \((\d+) ramping\)(?:, |$)", x.group(1)):
+                    c = refused.setdefault(why, [0, 0])
+                    c[0], c[1] = c[0] + int(n), c[1] + int(ramping)
             x = re.search(r"; (\d+) model steps \(\d+ launched ahead\) of ([\d.]+) decode \+ ([\d.]+) prompt rows",
                           r.getMessage())
             if x:
@@ -136,6 +142,10 @@ def test_load_log_reports_rows_per_model_step(monkeypatch, caplog) -> None:
         assert len(want) >= 2 and sum(rows for _, rows in want.values()) >= st.decoded_rows + st.prefilled_rows
         assert decoded == pytest.approx(st.decoded_rows, abs=0.01 * steps) and st.decoded_rows > 0
         assert prompt == pytest.approx(st.prefilled_rows, abs=0.01 * steps) and st.prefilled_rows > 0
+        # Steps the next was not launched ahead of, by why: text answers' rows are decided on the host
+        assert refused and refused == {why: [n, st.ahead_refused_ramping.get(why, 0)]
+                                       for why, n in st.ahead_refused.items()}
+        assert set(refused) <= set(AHEAD_REFUSALS)
     finally:
         server.close()
         ctx.term()

@@ -29,6 +29,12 @@ from engines.tokens import Row
 # decode: speaking users' rows and other prompts keep moving.
 RAMP_MIN_PREFILL = 16
 
+# Why Scheduler.schedule_ahead gave no step (the step after then waits for the host to read the tokens): an abort is
+# pending; a chunk in flight is not where its sequence is; a generated row in flight is text (its successor's input
+# is decided on the host); a prompt ends whose first row is text; nothing would decode; a generating sequence is not
+# in the step; prefill beside decodes with no answer ramping (deliberate: the next step gathers more rows).
+AHEAD_REFUSALS = ("abort", "stale", "text row", "text prompt", "no decode", "a decode left out", "prefill, no ramp")
+
 
 @dataclass
 class ScheduledChunk:
@@ -60,6 +66,7 @@ class Scheduler:
         self._aborts: set[str] = set()
         self._free_slots = list(range(config.max_running - 1, -1, -1))
         self._arrivals = 0
+        self.ahead_refusal: str | None = None  # why the last schedule_ahead gave no step (AHEAD_REFUSALS)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -185,53 +192,63 @@ class Scheduler:
 
     def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
         """The step after `chunks` (launched, tokens not read yet), or None when it cannot be known without those
-        tokens. Its decode rows come first, one per chunk of `chunks` that samples: each such chunk must be an
-        audio-mode decode, or the last chunk of a complete prompt whose first row will be audio, that cannot hit
-        its row limit (each then decodes one more row, whose input is the in-flight sample: Engine._launch). Then
-        prefill rows known on the host: running sequences' pending rows after those in flight, complete inputs
-        first, within the step budget (as `schedule`); while a new answer ramps, waiting requests are admitted
-        there too, so that one arriving then neither waits for a step launched after these tokens are read nor
-        makes the ramping answers wait for that launch. Nothing may be aborted (a normal step aborts), and every
-        generating sequence must be among the decodes. A row whose assumption turns out wrong (its sequence
-        ended, switched modes or was aborted) is dropped by Engine._emit; its KV write is then beyond its computed
-        rows, or rewritten as is."""
+        tokens (why: `ahead_refusal`). Its decode rows come first, one per chunk of `chunks` that samples: each such
+        chunk must be an audio-mode decode, or the last chunk of a complete prompt whose first row will be audio
+        (each then decodes one more row, whose input is the in-flight sample: Engine._launch); a sequence whose
+        in-flight row is its last by length gets none (it ends there whatever that row holds). Then prefill rows
+        known on the host: running sequences' pending rows after those in flight, complete inputs first, within the
+        step budget (as `schedule`); while a new answer ramps, waiting requests are admitted there too, so that one
+        arriving then neither waits for a step launched after these tokens are read nor makes the ramping answers
+        wait for that launch. Nothing may be aborted (a normal step aborts), and every generating sequence must be
+        among the decodes or end in flight. A row whose assumption turns out wrong (its sequence ended, switched
+        modes or was aborted) is dropped by Engine._emit; its KV write is then beyond its computed rows, or
+        rewritten as is."""
+        self.ahead_refusal = None
         if self._aborts:
-            return None
+            return self._refuse("abort")
         running = {id(s) for s in self.running}
         decodes: list[ScheduledChunk] = []
         inflight: dict[int, int] = {}  # id(seq) -> its first row not in flight
+        ending: set[int] = set()  # id(seq): its in-flight row is its last (max_new_tokens)
         for c in chunks:
             s = c.seq
             if id(s) not in running or s.num_computed != c.start:
-                return None
+                return self._refuse("stale")
             inflight[id(s)] = c.start + c.num_rows
             if not c.needs_logits:
                 continue
-            if s.num_generated + 2 > s.params.max_new_tokens:
-                return None
+            if s.num_generated + 1 >= s.params.max_new_tokens:
+                ending.add(id(s))
+                continue
             if s.generating:
                 if not (c.num_rows == 1 and self.audio_row_holds(c)):
-                    return None
+                    return self._refuse("text row")
             elif not (s.input_done and s.num_generated == 0 and c.start + c.num_rows == len(s.rows)
                       and s.first_mode() == "audio"):
-                return None
+                return self._refuse("text prompt")
             decodes.append(ScheduledChunk(s, 1, c.start + c.num_rows, True))
-        ahead = {id(c.seq) for c in decodes}
-        if not decodes or any(s.generating and id(s) not in ahead for s in self.running):
-            return None
+        ahead = {id(c.seq) for c in decodes} | ending
+        if not decodes:
+            return self._refuse("no decode")
+        if any(s.generating and id(s) not in ahead for s in self.running):
+            return self._refuse("a decode left out")
         out = list(decodes)
         cfg = self.config
         if any(c.seq.num_generated + 1 < cfg.ramp_rows for c in decodes):
             budget = self._ramp_capped(cfg.prefill_token_budget - len(decodes), len(decodes), True)
             self._admit(out, self._add_prefills(out, inflight, budget))
-        elif self.waiting or len(decodes) != len(self.running):
+        elif self.waiting or len(decodes) != len(self.running) - len(ending):
             # Beside prefill, only while a new answer ramps (its first audio waits on every step): otherwise the
             # host's turn between steps lets the next one gather more rows, in fewer steps each reading all the
             # weights, and leaves the GPU to the codec meanwhile (H200, 132 sessions: ungated, 30% more steps).
-            return None
+            return self._refuse("prefill, no ramp")
         for c in out:
             self._ensure_blocks(c.seq, c.start + c.num_rows)
         return out
+
+    def _refuse(self, why: str) -> None:  # (AHEAD_REFUSALS)
+        self.ahead_refusal = why
+        return None
 
     def ahead_row_holds(self, c: ScheduledChunk, decode: bool) -> bool:
         """A chunk of a step launched ahead still stands: its decode row's assumption holds (`audio_row_holds`), or

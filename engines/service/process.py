@@ -462,6 +462,11 @@ class _LoadLog:
                 extra += _solves("first-chunk", codec.first_decoders)
             s0 = self.stats0
             launched = st.steps - s0.steps
+            refused = _count_deltas(st.ahead_refused, s0.ahead_refused)
+            if refused:
+                ramping = _count_deltas(st.ahead_refused_ramping, s0.ahead_refused_ramping)
+                extra += "; not launched ahead: " + ", ".join(
+                    f"{why} {n} ({ramping.get(why, 0)} ramping)" for why, n in refused.items())
             if launched:
                 extra += "; steps by rows " + ", ".join(
                     f"{label}: {n - n0} ({r - r0} rows)" for label, n, n0, r, r0 in zip(
@@ -483,6 +488,12 @@ class _LoadLog:
                     parts.update(worker.take_spans())
             log.info("load parts: %s", Spans.describe(parts))
         self._reset(now)
+
+
+def _count_deltas(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """Counters that grew since `before`, by how much, largest first."""
+    grown = {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
+    return dict(sorted(grown.items(), key=lambda kv: -kv[1]))
 
 
 class EngineServer:
