@@ -290,6 +290,11 @@ def test_an_answer_ending_beside_a_ramping_one_leaves_the_step_launched_ahead(ti
     """An answer whose in-flight row is its last by length gets no row in the step launched ahead, instead of
     stopping the launch: a second answer ramping beside it never waits for the host's turn between steps. Both get
     the rows they get one step at a time. A text prompt still stops the launch, and says so in the stats."""
+    ending_beside_ramping(tiny_checkpoint, "cpu")
+
+
+def ending_beside_ramping(tiny_checkpoint, device: str) -> None:
+    """(the test above; tests/gpu runs it with the decode graphs)"""
     rows, _, _ = requests(5)["r1"]
     short = SamplingParams.greedy_params(max_new_tokens=6, min_new_tokens=6)  # audio to the end (make_engine)
     long = SamplingParams.greedy_params(max_new_tokens=20, min_new_tokens=20)
@@ -310,7 +315,9 @@ def test_an_answer_ending_beside_a_ramping_one_leaves_the_step_launched_ahead(ti
                 break
         return got, gaps_while_ramping
 
-    plain, eng = make_engine(tiny_checkpoint, overlap=False), make_engine(tiny_checkpoint, overlap=True)
+    plain = make_engine(tiny_checkpoint, overlap=False, device=device, cuda_graphs=False)
+    eng = make_engine(tiny_checkpoint, overlap=True, device=device)
+    assert device == "cpu" or eng.runner.graphs is not None
     ref, _ = drive(plain)
     got, gaps = drive(eng)
     assert got == ref

@@ -118,6 +118,14 @@ def test_overlapped_graph_decode_emits_the_same_rows(tiny_checkpoint):
     assert eng.stats().overlapped_steps > 0
 
 
+def test_an_answer_ending_beside_a_ramping_one_in_graphs(tiny_checkpoint):
+    """The step launched ahead past an answer that ends in flight takes the other rows' codes by a gather on the
+    device (ModelRunner.gather), here into the decode graphs: the rows equal one step at a time, no launch gap."""
+    from tests.test_engine_overlap import ending_beside_ramping
+
+    ending_beside_ramping(tiny_checkpoint, "cuda")
+
+
 def test_one_row_prefill_chunks_beside_decodes_in_a_graph(tiny_checkpoint):
     """A request whose input arrives one row per step (a user still speaking) runs 1-row prefill chunks that
     need no sample, in the same decode-shaped step as others' decode rows: the graph path must sample only
