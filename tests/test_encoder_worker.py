@@ -452,3 +452,66 @@ def test_user_audio_and_commits_during_a_step_go_to_the_encoder_the_rest_after_i
     early = converse(True)
     assert early == converse(False)
     assert [sid for sid, _, rows in early[1]] == ["a", "b"] and early[1][0][2] == 12 and early[0][0] != early[0][1]
+
+
+class _CallSpy:
+    """The encoder, recording each batched call's sessions: ("held" | "commit", [session keys]) (`worker`: the
+    EncoderWorker it serves, whose turns in the call in flight name the streams)."""
+
+    def __init__(self, enc: SpeechEncoder) -> None:
+        self.enc, self.calls, self.worker = enc, [], None
+
+    def open_stream(self):
+        return self.enc.open_stream()
+
+    def _keys(self, streams) -> list[str]:
+        return [next(t.key for t in self.worker._in_call.values() if t.stream is s) for s in streams]
+
+    def batch(self, urgent: bool = True):
+        spy, inner = self, self.enc.batch(urgent=urgent)
+
+        class Batch:
+            def step(self, items):
+                spy.calls.append(("held", spy._keys(s for s, _ in items)))
+                return inner.step(items)
+
+            def finalize(self, streams, pcms):
+                spy.calls.append(("commit", spy._keys(streams)))
+                return inner.finalize(streams, pcms)
+
+        return Batch()
+
+
+def test_held_audio_in_calls_of_at_most_held_max_sessions_with_commits_between(enc):
+    """With held_max, due held audio goes in calls of at most that many sessions, those holding audio longest
+    first, and a commit that arrives between two of them goes before the next: it waits for one small call, not
+    one of every session. The codes equal each session's audio encoded alone."""
+    spy = _CallSpy(enc)
+    worker = spy.worker = EncoderWorker(spy, every_s=0.0, held_max=2)
+    pcms = {k: speech_like(0.9, seed=10 + i) for i, k in enumerate("abcde")}
+    for k in "abcde":  # a holds audio longest, e least long
+        worker.append(k, pcms[k][:9600])
+    results: list[Encoded] = []
+    by_call = []
+    for commit in (None, "e", None):
+        if commit:
+            assert worker.commit(commit)
+        assert worker.run_due()
+        got = worker.take_results()
+        by_call.append([(e.key, e.commit) for e in got])
+        results += got
+    assert not worker.run_due()  # the due audio went in those three calls
+    assert spy.calls == [("held", ["a", "b"]), ("held", ["c", "d"])]  # (one commit is not a batched call)
+    assert by_call == [[("a", False), ("b", False)], [("e", True)], [("c", False), ("d", False)]]
+    for k in "abcd":
+        worker.append(k, pcms[k][9600:])
+        assert worker.commit(k)
+    results += _wait(worker)
+    assert spy.calls[-1] == ("commit", ["a", "b", "c", "d"])
+    assert _codes_by_key(results) == {k: enc.encode(pcms[k][:9600] if k == "e" else pcms[k]) for k in "abcde"}
+    assert enc.runner.kv.in_use == 0
+
+
+def test_held_max_is_checked(enc):
+    with pytest.raises(ValueError, match="held_max must be >= 0"):
+        EncoderWorker(enc, held_max=-1)

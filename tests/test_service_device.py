@@ -138,6 +138,17 @@ def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
         build_service(p.parse_args(base + ["--encoder-held-graphs", "64"]))
 
 
+def test_encoder_held_max_reaches_the_encoder_worker(capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    assert p.parse_args(base).encoder_held_max == 0  # every session holding audio in one call, as before
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--encoder-held-max", "-2"])
+    assert "--encoder-held-max" in capsys.readouterr().err
+    assert build_service(p.parse_args(base + ["--encoder-held-max", "32"]))._speech.held_max == 32
+
+
 def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
     from engines.codec.encoder import SpeechEncoder
 

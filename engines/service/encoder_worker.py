@@ -65,6 +65,7 @@ class _Turn:
     key: str
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
+    held_at: float = 0.0  # when the oldest of `held` arrived
     commit: bool = False  # finalize it with the next commit call
     dropped: bool = False
 
@@ -73,15 +74,22 @@ class EncoderWorker:
     """`encoder`: `open_stream()` -> stream with `push(pcm) -> codes`, `finalize(last) -> codes`, optionally `close()`;
     with `batch(urgent=True)` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
 
-    def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic
-                 ) -> None:
+    def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic,
+                 held_max: int = 0) -> None:
+        """`held_max` > 0: a call of held audio takes at most this many sessions, those holding audio longest first;
+        the others go in the next call, due at once, and a commit that arrives meanwhile goes between the two (it
+        waits for one call of at most `held_max` sessions instead of one of all). 0: every session in one call."""
+        if held_max < 0:
+            raise ValueError(f"held_max must be >= 0, got {held_max}")
         self.encoder = encoder
         self.every_s = every_s
+        self.held_max = held_max
         self._clock = clock
         self._cv = threading.Condition()
         self._turns: dict[str, _Turn] = {}
         self._results: deque[Encoded] = deque()
         self._held_since: float | None = None  # when the oldest audio held arrived
+        self._cycle: list[_Turn] = []  # with held_max: sessions of the due held audio not yet in a call
         self._ramping = False
         self._running = False  # a call in flight
         self._in_call: dict[int, _Turn] = {}  # id -> turn taken by the call in flight, until its result is out
@@ -117,8 +125,11 @@ class EncoderWorker:
             t = self._turns.get(key)
             if t is None:
                 t = self._turns[key] = _Turn(key)
+            now = self._clock()
             if self._held_since is None:
-                self._held_since = self._clock()
+                self._held_since = now
+            if not t.held:
+                t.held_at = now
             t.held.append(pcm)
             self._cv.notify_all()
 
@@ -189,6 +200,8 @@ class EncoderWorker:
 
     def _due_at(self, holding: int) -> float:
         """When held audio is due (given how many sessions hold some); +inf when none is held."""
+        if self._cycle:
+            return -math.inf
         if self._held_since is None or not holding:
             return math.inf
         every = min(max(self.every_s, ENCODE_MAX_EVERY_S),
@@ -205,9 +218,15 @@ class EncoderWorker:
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
             self._forget_held_since()
-        elif holding and (flush or self._due_at(len(holding)) <= now):
-            taken, commit = holding, False
-            self._held_since = None
+        elif self._cycle or (holding and (flush or self._due_at(len(holding)) <= now)):
+            if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
+                self._cycle = sorted(holding, key=lambda t: t.held_at) if self.held_max else holding
+                self._held_since = None  # audio arriving from now on waits for the next cycle
+            cycle = [t for t in self._cycle if t.held and not t.commit and self._turns.get(t.key) is t]
+            taken, commit = cycle[:self.held_max or len(cycle)], False
+            self._cycle = cycle[len(taken):]
+            if not taken:
+                return None
         else:
             return None
         self._running = True

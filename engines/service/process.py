@@ -155,6 +155,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-graphs", dest="encoder_graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay the speech encoder's steps of up to 8 sessions as CUDA graphs (a commit's "
                         "step is ~60 torch calls and ~300 launches for a few ms of GPU work)")
+    p.add_argument("--encoder-held-max", type=_int_at_least(0), default=0, metavar="N",
+                   help="a call of held user audio takes at most N sessions (those holding audio longest first), the "
+                        "rest going in the calls right after, so that a commit waits for one call of at most N "
+                        "sessions instead of one of every session holding audio (0: all in one call)")
     p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
                    help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
                         "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
@@ -369,7 +373,8 @@ def build_service(args: argparse.Namespace) -> Service:
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
-                      encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread)
+                      encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread,
+                      encoder_held_max=getattr(args, "encoder_held_max", 0))
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
