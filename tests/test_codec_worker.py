@@ -479,39 +479,6 @@ def test_a_playing_round_about_to_run_dry_is_never_paused():
     w.close()
 
 
-@pytest.mark.parametrize("floor_s", [None, 0.2])
-def test_with_a_yield_floor_a_round_with_an_urgent_answer_pauses_down_to_the_floor(monkeypatch, floor_s):
-    """A round holding an answer with less than URGENT_S of audio ahead never pauses for a new answer, unless a
-    yield floor is set: then it pauses while each of its answers has more than the floor ahead, and goes on once one
-    falls to it."""
-    monkeypatch.setattr("engines.service.codec_worker.BULK_HOLD_S", 60.0)
-    now = [0.0]
-    dec, lane = FakeDecoder(), FakeDecoder()
-    dec.sample_rate = lane.sample_rate = 10  # 0.5 s of audio per chunk: under URGENT_S once the first is posted
-    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=60.0, clock=lambda: now[0],
-                    yield_floor_s=floor_s)
-    dec.gate.clear()
-    w.push("A", FakeStream("a"), list(range(13)))  # first chunk on the lane at t = 0, the second in a playing round
-    collect(w, lambda o: len(o) == 1)
-    wait_until(lambda: w._running)
-    w.lm_ramping = True  # another answer waits for its first codes throughout
-    dec.gate.set()
-    if floor_s is None:
-        assert [k for k, _, _ in collect(w, lambda o: len(o) == 1)] == ["A"] and dec.betweens == [False]
-    else:
-        time.sleep(0.2)
-        assert w.take_results() == [] and dec.betweens == [True]  # paused: A has 0.5 s ahead, the floor 0.2
-        now[0] = 0.31  # A's audio ahead falls under the floor
-        assert [k for k, _, _ in collect(w, lambda o: len(o) == 1)] == ["A"]
-        assert w.take_spans()["codec round paused"][0] == 1
-    w.close()
-
-
-def test_a_yield_floor_is_checked():
-    with pytest.raises(ValueError, match="yield_floor_s must be in"):
-        CodecWorker(FakeDecoder(), torch.device("cpu"), yield_floor_s=0.8)
-
-
 def test_a_paused_round_goes_on_when_another_playing_answer_nears_the_end_of_its_audio(monkeypatch):
     """A paused round holds the playing thread: it stops pausing once an answer outside it has a chunk to decode and
     less than URGENT_S of audio ahead, even while a new answer still waits."""

@@ -149,20 +149,6 @@ def test_encoder_held_max_reaches_the_encoder_worker(capsys):
     assert build_service(p.parse_args(base + ["--encoder-held-max", "32"]))._speech.held_max == 32
 
 
-def test_codec_yield_floor_reaches_the_codec_worker():
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up", "--first-lane"]
-    svc = build_service(p.parse_args(base))
-    assert svc._codec.yield_floor_s is None  # rounds with an answer under URGENT_S ahead never pause, as before
-    svc._codec.close()
-    svc = build_service(p.parse_args(base + ["--codec-yield-floor-ms", "200"]))
-    assert svc._codec.yield_floor_s == pytest.approx(0.2)
-    svc._codec.close()
-    with pytest.raises(ValueError, match="yield_floor_s must be in"):
-        build_service(p.parse_args(base + ["--codec-yield-floor-ms", "800"]))
-
-
 def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
     from engines.codec.encoder import SpeechEncoder
 

@@ -20,9 +20,8 @@ A decoder stream is only touched by these threads once handed over. On the GPU t
 and slow the language model's steps that a new answer waits for, so a round of playing answers yields: between the
 pieces of its GPU work (CodecDecoder.run_jobs' `between`: the flow's encoder, each piece of its solve) it keeps at
 most one piece queued ahead of the GPU, and pauses while any answer waits for its first codes or its first chunk:
-at most BULK_HOLD_S per round, never when one of its answers has less than URGENT_S of audio ahead (with a yield
-floor, `yield_floor_s`: while each of them has more than the floor), and not while another answer with less than
-URGENT_S ahead waits for the thread. (Rounds pausing down to 0.4 s of audio ahead measured no
+at most BULK_HOLD_S per round, never when one of its answers has less than URGENT_S of audio ahead, and not while
+another answer with that little ahead waits for the thread. (Rounds pausing down to 0.4 s of audio ahead measured no
 better on TTFA, with 1-3 underruns at 76-108 sessions on an H200: docs/PERF_NOTES.md, session 13.)
 With a period (`period_s`; the engine process's default with a first lane: 200 ms) rounds of playing answers do not
 run back to back: one starts at most once a period, sooner only for an answer about to run dry (DRY_S), and takes every
@@ -97,7 +96,6 @@ class _Answer:
 class _Yield:
     """A round of playing answers yielding to new answers (CodecWorker._yield_point)."""
 
-    batch: list[_Answer] = field(default_factory=list)  # the round's answers
     paused_s: float = 0.0  # paused so far (at most BULK_HOLD_S)
     queued: Any = None  # CUDA event after the piece queued before the last one
 
@@ -107,19 +105,12 @@ class CodecWorker:
 
     def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256, ahead_s: float = AHEAD_S,
                  clock: Any = time.monotonic, bulk_max: int = BULK_MAX, home: torch.cuda.Stream | None = None,
-                 first_decoders: Sequence[Any] = (), first_max: int = FIRST_MAX, period_s: float = 0.0,
-                 yield_floor_s: float | None = None) -> None:
+                 first_decoders: Sequence[Any] = (), first_max: int = FIRST_MAX, period_s: float = 0.0) -> None:
         """`home`: a stream of the SM partition the rounds run in (engines.partition; default: the current
         stream's). `first_decoders`: lanes of `decoder` for first chunks, each on a thread of its own (module doc);
         at most `first_max` per round there. `period_s` (with first lanes): rounds of playing answers start at most
         this often (sooner only for an answer about to run dry, DRY_S), each with every answer due before the next
-        one, instead of back to back with at most `bulk_max`: fewer, larger rounds for the same audio.
-        `yield_floor_s`: a round of playing answers also yields to new answers when some of its answers have less
-        than URGENT_S of audio ahead, pausing only while every one of them has more than this (None: such rounds
-        never yield, nor keep their GPU work to one piece queued ahead)."""
-        if yield_floor_s is not None and not 0 <= yield_floor_s < URGENT_S:
-            raise ValueError(f"yield_floor_s must be in [0, {URGENT_S}) s, got {yield_floor_s}")
-        self.yield_floor_s = yield_floor_s
+        one, instead of back to back with at most `bulk_max`: fewer, larger rounds for the same audio."""
         self.decoder = decoder
         self.first_decoders = list(first_decoders)
         self.first_max = first_max
@@ -402,13 +393,6 @@ class CodecWorker:
                     return False
             return waits
 
-    def _can_wait(self, batch: list[_Answer]) -> bool:
-        """With a yield floor: every answer of this round has more than that much audio ahead."""
-        if self.yield_floor_s is None:
-            return True
-        now = self._clock()
-        return all(self._ahead_falls_to(a, self.yield_floor_s) > now for a in batch)
-
     def _yield_point(self, y: _Yield) -> None:
         """Between two pieces of a playing round's GPU work (module doc): wait until the GPU has at most the piece
         just queued left, then pause while a new answer waits, up to BULK_HOLD_S in all for the round."""
@@ -418,7 +402,7 @@ class CodecWorker:
             before, y.queued = y.queued, ev
             if before is not None:
                 before.synchronize()  # (releases the GIL)
-        while y.paused_s < BULK_HOLD_S and not self._closed and self._pause_wanted() and self._can_wait(y.batch):
+        while y.paused_s < BULK_HOLD_S and not self._closed and self._pause_wanted():
             t0 = time.monotonic()
             time.sleep(0.001)
             y.paused_s += time.monotonic() - t0
@@ -490,8 +474,7 @@ class CodecWorker:
             if take_first:
                 with self._cv:
                     self._first_flying.add(threading.get_ident())
-            yields = kind == "playing" and (not urgent or (self.yield_floor_s is not None and self._can_wait(batch)))
-            y = _Yield(batch) if yields else None
+            y = _Yield() if kind == "playing" and not urgent else None
             try:
                 with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():
                     pcms = decoder.run_jobs(jobs, between=(lambda: self._yield_point(y)) if y is not None else None)

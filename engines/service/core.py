@@ -103,8 +103,7 @@ class Service:
                  encode_every_s: float = 0.0, codec_thread: bool = False,
                  codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
-                 codec_round_period_s: float = 0.0, encoder_held_max: int = 0,
-                 codec_yield_floor_s: float | None = None) -> None:
+                 codec_round_period_s: float = 0.0, encoder_held_max: int = 0) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -125,9 +124,7 @@ class Service:
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
         each with every answer due before the next (0: back to back). `encoder_held_max`: most sessions in one
-        encoder call of held audio (EncoderWorker's held_max; 0: all). `codec_yield_floor_s`: the codec worker's
-        rounds of playing answers also yield to new answers while each of their answers has more than this much
-        audio ahead (CodecWorker's yield_floor_s; None: only rounds with none under URGENT_S ahead yield)."""
+        encoder call of held audio (EncoderWorker's held_max; 0: all)."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -144,8 +141,7 @@ class Service:
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
-                                      first_decoders=first_decoders, period_s=codec_round_period_s,
-                                      yield_floor_s=codec_yield_floor_s, **extra)
+                                      first_decoders=first_decoders, period_s=codec_round_period_s, **extra)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         # the GPU model for /health (load tests print it), or "cpu"
         self.device_name = device_name(torch.device(getattr(getattr(engine, "config", None), "device", "cpu")))

@@ -194,10 +194,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the first lane: rounds of playing answers start at most this often (sooner for one "
                         "about to run dry), each with every answer due before the next; 0: back to back, at most "
                         "--codec-round-max each (docs/BENCHMARKS.md, Capacity)")
-    p.add_argument("--codec-yield-floor-ms", type=_non_negative_ms, default=None, metavar="MS",
-                   help="with the first lane: rounds of playing answers also pause between their pieces for new "
-                        "answers when some of their answers have less than 800 ms of audio ahead, as long as each "
-                        "has more than this (default: such rounds never pause)")
     p.add_argument("--decode-interval-ms", type=_non_negative_ms, default=100.0,
                    help="without the codec thread: batch codec calls for playing answers at most this often "
                         "(first chunks go at once); the codec thread batches by its own rounds")
@@ -378,9 +374,7 @@ def build_service(args: argparse.Namespace) -> Service:
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
                       encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread,
-                      encoder_held_max=getattr(args, "encoder_held_max", 0),
-                      codec_yield_floor_s=(None if getattr(args, "codec_yield_floor_ms", None) is None
-                                           else args.codec_yield_floor_ms / 1000))
+                      encoder_held_max=getattr(args, "encoder_held_max", 0))
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
