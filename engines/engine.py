@@ -136,7 +136,7 @@ class Engine:
         if self.config.overlap:
             ahead = self.scheduler.schedule_ahead(launched.chunks)
             if ahead is not None:
-                self._inflight = self._launch(ahead, launched)
+                self._inflight = self._launch(ahead, launched, self.scheduler.ahead_ending)
                 self._stats.overlapped_steps += 1
             elif (why := self.scheduler.ahead_refusal) is not None:
                 self._count_refusal(why, launched.chunks)
@@ -148,7 +148,9 @@ class Engine:
         if any(c.needs_logits and c.seq.num_generated + 1 < ramp for c in chunks):
             st.ahead_refused_ramping[why] = st.ahead_refused_ramping.get(why, 0) + 1
 
-    def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None) -> _Launched:
+    def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None, skip: Seq[int] = ()) -> _Launched:
+        """`after`: the step in flight whose samples are this one's leading decode rows' inputs, but for the
+        samples in `skip` (Scheduler.ahead_ending)."""
         if after is None and self._tokens_read_at is not None:
             self._stats.launch_gaps += 1
             self._stats.launch_gap_s += time.perf_counter() - self._tokens_read_at
@@ -157,11 +159,9 @@ class Engine:
         codes = None
         if after is not None:
             codes = after.tokens.audio_codes()  # [R]: one per sampled chunk of `after`, in order
-            sampled = {id(c.seq): i for i, c in enumerate(c for c in after.chunks if c.needs_logits)}
-            # The step's leading decode rows take those codes; a sequence ending in flight has none (schedule_ahead).
-            src = [sampled[id(c.seq)] for c in chunks if id(c.seq) in sampled]
-            if len(src) != codes.shape[0]:
-                codes = self.runner.gather(codes, src)
+            if skip:
+                left_out = set(skip)
+                codes = self.runner.gather(codes, [i for i in range(codes.shape[0]) if i not in left_out])
         tokens = self.runner.run(chunks, codes)
         self._stats.steps += 1
         rows = sum(c.num_rows for c in chunks)

@@ -67,6 +67,9 @@ class Scheduler:
         self._free_slots = list(range(config.max_running - 1, -1, -1))
         self._arrivals = 0
         self.ahead_refusal: str | None = None  # why the last schedule_ahead gave no step (AHEAD_REFUSALS)
+        # The samples (places among the in-flight step's) whose sequences the last step given by schedule_ahead
+        # leaves out: they end in flight. Its decode rows take the other samples, in order.
+        self.ahead_ending: list[int] = []
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -203,13 +206,14 @@ class Scheduler:
         among the decodes or end in flight. A row whose assumption turns out wrong (its sequence ended, switched
         modes or was aborted) is dropped by Engine._emit; its KV write is then beyond its computed rows, or
         rewritten as is."""
-        self.ahead_refusal = None
+        self.ahead_refusal, self.ahead_ending = None, []
         if self._aborts:
             return self._refuse("abort")
         running = {id(s) for s in self.running}
         decodes: list[ScheduledChunk] = []
         inflight: dict[int, int] = {}  # id(seq) -> its first row not in flight
-        ending: set[int] = set()  # id(seq): its in-flight row is its last (max_new_tokens)
+        ending: dict[int, int] = {}  # id(seq) -> its sample's place among `chunks`' samples: its in-flight row is
+        # its last (max_new_tokens)
         for c in chunks:
             s = c.seq
             if id(s) not in running or s.num_computed != c.start:
@@ -218,7 +222,7 @@ class Scheduler:
             if not c.needs_logits:
                 continue
             if s.num_generated + 1 >= s.params.max_new_tokens:
-                ending.add(id(s))
+                ending[id(s)] = len(decodes) + len(ending)
                 continue
             if s.generating:
                 if not (c.num_rows == 1 and self.audio_row_holds(c)):
@@ -227,7 +231,7 @@ class Scheduler:
                       and s.first_mode() == "audio"):
                 return self._refuse("text prompt")
             decodes.append(ScheduledChunk(s, 1, c.start + c.num_rows, True))
-        ahead = {id(c.seq) for c in decodes} | ending
+        ahead = {id(c.seq) for c in decodes} | set(ending)
         if not decodes:
             return self._refuse("no decode")
         if any(s.generating and id(s) not in ahead for s in self.running):
@@ -244,6 +248,7 @@ class Scheduler:
             return self._refuse("prefill, no ramp")
         for c in out:
             self._ensure_blocks(c.seq, c.start + c.num_rows)
+        self.ahead_ending = sorted(ending.values())
         return out
 
     def _refuse(self, why: str) -> None:  # (AHEAD_REFUSALS)

@@ -4,7 +4,8 @@ calls, on a thread of its own on a GPU so that the engine loop never waits for t
 The engine loop hands over each session's PCM (`append`) and its commit (`commit`) and collects codes
 (`take_results`, in the order they were produced; a commit's result is the last of its turn). What is due:
 - Commits first: every committed session's stream is finalized, with the audio it still holds, in one call.
-- Held audio of every session in one call (EncoderBatch), at most every `every_s` (0: as soon as it is held);
+- Held audio of every session in one call (EncoderBatch; with `held_max`, in calls of at most that many sessions back
+  to back, a commit going between two), at most every `every_s` (0: as soon as it is held);
   the interval grows with the sessions holding audio (ENCODE_SESSIONS_PER_INTERVAL, up to ENCODE_MAX_EVERY_S), as
   a call's cost grows with them. While an answer waits for its first codes (`lm_ramping`, set by the loop), held
   audio waits up to ENCODE_DEFER_S: those codes decide that answer's time to first audio, a commit flushes
