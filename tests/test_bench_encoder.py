@@ -27,3 +27,33 @@ def test_bench_encoder_refuses_held_graphs_the_urgent_graphs_already_cover():
                        timeout=300)
     assert r.returncode != 0
     assert "--held-graphs 8: steps of up to 8 streams already replay graphs" in r.stderr
+
+
+def test_bench_encoder_times_each_step_once(monkeypatch, tmp_path):
+    """Wall time, CPU time and GPU wait come from the same steps: a batch runs its context, one warm-up step and
+    --iters timed steps (it once ran the timed steps twice, a second time for the host split)."""
+    import argparse
+
+    from engines.codec.commands import bench_encoder
+
+    steps = []
+    warm = bench_encoder.warm_streams
+
+    def counted(*a, **kw):
+        step, streams = warm(*a, **kw)
+        steps.append(0)
+
+        def counting() -> None:
+            steps[-1] += 1
+            step()
+
+        return counting, streams
+
+    monkeypatch.setattr(bench_encoder, "warm_streams", counted)
+    p = argparse.ArgumentParser()
+    bench_encoder.add_arguments(p)
+    args = p.parse_args(["--codec", "tiny-random", "--device", "cpu", "--batches", "1,2", "--iters", "4",
+                         "--context-s", "0.2", "--json", str(tmp_path / "enc.json")])
+    assert bench_encoder.run(args) == 0
+    assert steps == [5, 5]
+    assert set(json.loads((tmp_path / "enc.json").read_text())["cpu_ms"]) == {"1", "2"}

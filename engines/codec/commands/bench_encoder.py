@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engines.bench.hardware import device_name, median, timed
+from engines.bench.hardware import device_name, median, sync
 from engines.codec.encoder import SpeechEncoder
 from engines.codec.encoder.graphs import check_held_max_batch
 
@@ -89,16 +89,22 @@ def gil_busy(on: bool):
         sys.setswitchinterval(before)
 
 
-def host_split(enc: SpeechEncoder, step: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """Median CPU time of the calling thread and median GPU wait (`SpeechEncoder.last_gpu_wait_s`) of `repeats`
-    steps, in ms (a step that yields codes ends with its wait for them: no sync is needed around it)."""
-    cpu, wait = [], []
+def step_times(enc: SpeechEncoder, step: Callable[[], None], device: torch.device, repeats: int
+               ) -> tuple[float, float, float]:
+    """Medians over `repeats` steps (after one more), in ms: each step's wall time, the calling thread's CPU time and
+    its GPU wait (`SpeechEncoder.last_gpu_wait_s`; a step that yields codes ends with its wait for them, so the CPU
+    time is read before the device sync that closes the wall time)."""
+    step()
+    sync(device)
+    wall, cpu, wait = [], [], []
     for _ in range(repeats):
-        c0 = time.thread_time()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step()
         cpu.append(time.thread_time() - c0)
         wait.append(enc.last_gpu_wait_s)
-    return median(cpu) * 1e3, median(wait) * 1e3
+        sync(device)
+        wall.append(time.perf_counter() - t0)
+    return median(wall) * 1e3, median(cpu) * 1e3, median(wait) * 1e3
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
     for b in batches:
         step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng, urgent=not args.held)
         with gil_busy(args.gil_busy):
-            t = median(timed(step, device, repeats=args.iters, warmup=1)) * 1e3
-            cpu, gpu_wait = host_split(enc, step, args.iters)
+            t, cpu, gpu_wait = step_times(enc, step, device, args.iters)
         res[f"ms_per_{args.piece_ms}ms"][str(b)] = t
         res["cpu_ms"][str(b)], res["gpu_wait_ms"][str(b)] = cpu, gpu_wait
         print(f"encoder batch {b:3d}: {t:.2f} ms per {args.piece_ms} ms step ({t / b:.3f} ms per stream); "
