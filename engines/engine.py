@@ -143,9 +143,9 @@ class Engine:
         return outputs + self._emit(launched, on_wait)
 
     def _count_refusal(self, why: str, chunks: list[ScheduledChunk]) -> None:
-        st, ramp = self._stats, self.config.ramp_rows
+        st = self._stats
         st.ahead_refused[why] = st.ahead_refused.get(why, 0) + 1
-        if any(c.needs_logits and c.seq.num_generated + 1 < ramp for c in chunks):
+        if self.scheduler.ramps_after(chunks):
             st.ahead_refused_ramping[why] = st.ahead_refused_ramping.get(why, 0) + 1
 
     def _launch(self, chunks: list[ScheduledChunk], after: _Launched | None, skip: Seq[int] = ()) -> _Launched:

@@ -238,7 +238,7 @@ class Scheduler:
             return self._refuse("a decode left out")
         out = list(decodes)
         cfg = self.config
-        if any(c.seq.num_generated + 1 < cfg.ramp_rows for c in decodes):
+        if self.ramps_after(decodes):
             budget = self._ramp_capped(cfg.prefill_token_budget - len(decodes), len(decodes), True)
             self._admit(out, self._add_prefills(out, inflight, budget))
         elif self.waiting or len(decodes) != len(self.running) - len(ending):
@@ -248,8 +248,12 @@ class Scheduler:
             return self._refuse("prefill, no ramp")
         for c in out:
             self._ensure_blocks(c.seq, c.start + c.num_rows)
-        self.ahead_ending = sorted(ending.values())
+        self.ahead_ending = list(ending.values())  # (in order: places were given as the samples came)
         return out
+
+    def ramps_after(self, chunks: list[ScheduledChunk]) -> bool:
+        """Some chunk of a step in flight samples a row after which its answer is still in its first `ramp_rows`."""
+        return any(c.needs_logits and c.seq.num_generated + 1 < self.config.ramp_rows for c in chunks)
 
     def _refuse(self, why: str) -> None:  # (AHEAD_REFUSALS)
         self.ahead_refusal = why
