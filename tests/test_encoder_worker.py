@@ -512,6 +512,22 @@ def test_held_audio_in_calls_of_at_most_held_max_sessions_with_commits_between(e
     assert enc.runner.kv.in_use == 0
 
 
+def test_a_held_cycle_whose_last_sessions_committed_leaves_the_next_held_audio_due(enc):
+    """The sessions left in a cycle of held_max calls that commit meanwhile go with their commit; held audio that
+    arrives after is due as usual (flushed here at once), not held back by the emptied cycle."""
+    worker = EncoderWorker(enc, every_s=0.0, held_max=1)
+    for k in "ab":
+        worker.append(k, speech_like(0.4, seed=20 + ord(k)))
+    assert worker.run_due()  # a's piece; b is left in the cycle
+    assert worker.commit("b") and worker.run_due()  # b goes with its commit
+    worker.append("a", speech_like(0.4, seed=30))
+    assert worker.run_due(flush=True)  # a's new audio
+    assert not worker.holding("a")
+    assert worker.commit("a")
+    _wait(worker)
+    assert enc.runner.kv.in_use == 0
+
+
 def test_held_max_is_checked(enc):
     with pytest.raises(ValueError, match="held_max must be >= 0"):
         EncoderWorker(enc, held_max=-1)

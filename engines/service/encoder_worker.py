@@ -214,6 +214,8 @@ class EncoderWorker:
         is."""
         commits = [t for t in self._turns.values() if t.commit]
         holding = self._holding()
+        # (a turn of the cycle that committed or was dropped since it began goes with its commit, or not at all)
+        self._cycle = [t for t in self._cycle if t.held and not t.commit and self._turns.get(t.key) is t]
         if commits:
             taken, commit = commits, True
             for t in commits:
@@ -223,11 +225,8 @@ class EncoderWorker:
             if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
                 self._cycle = sorted(holding, key=lambda t: t.held_at) if self.held_max else holding
                 self._held_since = None  # audio arriving from now on waits for the next cycle
-            cycle = [t for t in self._cycle if t.held and not t.commit and self._turns.get(t.key) is t]
-            taken, commit = cycle[:self.held_max or len(cycle)], False
-            self._cycle = cycle[len(taken):]
-            if not taken:
-                return None
+            n = self.held_max or len(self._cycle)
+            taken, self._cycle, commit = self._cycle[:n], self._cycle[n:], False
         else:
             return None
         self._running = True
