@@ -19,7 +19,9 @@ its own (seed it with a copy of tunings.json to start from the shipped picks); d
 from the fastest of several starts. MOSS_TUNING_FILE=none tunes every shape at every start. The H100 80GB HBM3
 section is session 39's fastest of four starts with fp8 weights (3.99 ms a decode step at batch 1, where starts spread
 3.86-4.12 ms); capacity at 136 sessions with it against tuning at start, ABBA on one H100: p95 188 / 180 against
-204 (one underrun) / 180 ms (docs/PERF_NOTES.md, session 40).
+204 (one underrun) / 180 ms (docs/PERF_NOTES.md, session 40). The NVIDIA H200 section is session 51's fastest of
+four starts (fp8 weights; decode steps summed over batches 1, 8 and 16: 11.90-11.94 ms, so on the H200 the picks
+matter little to speed; shipping them spares each start the tuning and keeps every start on one set).
 """
 
 from __future__ import annotations
