@@ -21,8 +21,9 @@ def test_device_auto_resolves_to_an_available_device():
 
 
 def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
-    """--first-lane (default: on a GPU): a lane of the decoder for first chunks, one graph per solve, and the playing
-    decoder's full-chunk solves in PLAYING_SOLVE_PARTS pieces, so its rounds can pause between them."""
+    """--first-lane (default: on a GPU): lanes of the decoder for first chunks (--first-lanes, 2 by default), one graph
+    per solve, and the playing decoder's full-chunk solves in PLAYING_SOLVE_PARTS pieces, so its rounds can pause
+    between them."""
     from engines.service.codec_worker import PLAYING_SOLVE_PARTS
 
     p = argparse.ArgumentParser()
@@ -30,13 +31,14 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
     base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
     plain = build_service(p.parse_args(base))
     assert plain._codec.first_decoder is None and plain.decoder.flow.solve_parts == 1
-    laned = build_service(p.parse_args(base + ["--first-lane"]))
+    laned = build_service(p.parse_args(base + ["--first-lane", "--first-lanes", "1"]))
     lane = laned._codec.first_decoder
     assert lane is not None and lane is not laned.decoder
     assert laned.decoder.flow.solve_parts == PLAYING_SOLVE_PARTS and lane.flow.solve_parts == 1
     assert [t.name for t in laned._codec._threads] == ["codec-worker-first", "codec-worker-playing"]
-    two = build_service(p.parse_args(base + ["--first-lane", "--first-lanes", "2"]))
+    two = build_service(p.parse_args(base + ["--first-lane"]))  # two lanes by default
     assert len(two._codec.first_decoders) == 2 and two._codec.first_decoders[0] is not two._codec.first_decoders[1]
+    assert all(d.flow.solve_parts == 1 for d in two._codec.first_decoders)
     assert [t.name for t in two._codec._threads] == ["codec-worker-first", "codec-worker-first-2",
                                                      "codec-worker-playing"]
     for svc in (plain, laned, two):

@@ -183,9 +183,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
                         "of its own, while rounds of playing answers pause between pieces of their work (default: "
                         "on a GPU; docs/BENCHMARKS.md, Capacity)")
-    p.add_argument("--first-lanes", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--first-lanes", type=_positive_int, default=2, metavar="N",
                    help="with the first lane: this many lanes, each a thread with graphs of its own, so a new answer "
-                        "whose first chunk is ready while another's is decoding need not wait for it")
+                        "whose first chunk is ready while another's is decoding need not wait for it (default 2: "
+                        "at 256 sessions on an H200 p95 214 / 206 ms against 265 / 209 with one; docs/BENCHMARKS.md)")
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
                    help="with the codec thread: most playing answers one round decodes (more only while more are "
                         "about to run dry; default engines/service/codec_worker.py BULK_MAX); refused beside a first "
@@ -253,7 +254,7 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
         with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):
             # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
             decoder.capture_graphs(config.max_running)
-            for _ in range(getattr(args, "first_lanes", 1) if first_lane else 0):
+            for _ in range(getattr(args, "first_lanes", 2) if first_lane else 0):
                 lane = decoder.lane()
                 lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
                 lane.capture_graphs(FIRST_MAX)
