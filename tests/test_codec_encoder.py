@@ -519,3 +519,92 @@ def test_reserved_kv_slots_serve_that_many_streams_without_growing():
     assert pool.capacity == 6  # the fourth doubles the pool
     e.reserve(2)
     assert pool.capacity == 6  # reserving less never shrinks
+
+
+class StepGate:
+    """Steps of one kind (`urgent`) on an encoder wait inside their lane until `gate` is set; `inside` is set once
+    one waits there."""
+
+    def __init__(self, monkeypatch, e: SpeechEncoder, urgent: bool = False) -> None:
+        self.gate, self.inside = threading.Event(), threading.Event()
+        run = e.runner.run
+
+        def gated(states, mels, pcms, limits, urgent_step=True):
+            if urgent_step == urgent:
+                self.inside.set()
+                self.gate.wait(30)
+            return run(states, mels, pcms, limits, urgent_step)
+
+        monkeypatch.setattr(e.runner, "run", gated)
+
+
+def _in_thread(fn, out: list) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t
+
+
+def test_an_urgent_call_runs_beside_a_held_call_in_flight_and_a_growth_waits_for_both(enc, monkeypatch):
+    """The encoder's two lanes: a commit's call (urgent) runs while a call of held audio is in flight; a growth of
+    the KV pool (which moves every stream's rows) waits until no call is in flight, and no call starts meanwhile.
+    Codes equal each stream alone."""
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    e.reserve(2)
+    held, urgent = e.open_stream(), e.open_stream()
+    pcm_h, pcm_u = speech_like(0.6, seed=51), speech_like(0.5, seed=52)
+    gate = StepGate(monkeypatch, e)
+    held_out: list = []
+    t_held = _in_thread(lambda: e.batch(urgent=False).step([(held, pcm_h)]), held_out)
+    assert gate.inside.wait(10)
+    assert e.batch().step([(urgent, pcm_u[:4000])]) == [enc.open_stream().push(pcm_u[:4000])]  # not waiting
+    opened: list = []
+    t_open = _in_thread(e.open_stream, opened)  # both slots taken: the pool must grow
+    t_open.join(0.3)
+    assert t_open.is_alive() and e.runner.kv.capacity == 2  # waiting for the held call
+    urgent_out: list = []
+    t_urgent = _in_thread(lambda: e.batch().finalize([urgent], [pcm_u[4000:]]), urgent_out)
+    t_urgent.join(0.3)
+    assert t_urgent.is_alive()  # a call does not start while a growth waits
+    gate.gate.set()
+    for t in (t_held, t_open, t_urgent):
+        t.join(10)
+    assert e.runner.kv.capacity == 4 and len(opened) == 1
+    alone = enc.open_stream()
+    assert held_out == [[alone.push(pcm_h)]]
+    alone.close()
+    assert e.batch().finalize([held])[0] == enc.encode(pcm_h)[len(held_out[0][0]):]
+    u_alone = enc.open_stream()
+    u_alone.push(pcm_u[:4000])
+    assert urgent_out == [[u_alone.finalize(pcm_u[4000:])]]
+    opened[0].close()
+    assert e.runner.kv.in_use == 0
+
+
+def test_a_held_step_small_enough_for_the_urgent_graphs_goes_in_their_lane():
+    """A held step of no more streams than the urgent graphs hold may replay them, so it waits for an urgent call in
+    flight (one replay of a graph at a time); a bigger one runs beside it."""
+    e = bucketed_encoder(2)
+    e.reserve(8)
+
+    def busy_lane(urgent: bool, streams: int) -> set[str]:
+        with e._lane(urgent, streams):
+            return set(e._busy)
+
+    assert [busy_lane(False, 2), busy_lane(False, 3), busy_lane(True, 3)] == [{"urgent"}, {"held"}, {"urgent"}]
+    with pytest.MonkeyPatch.context() as mp:
+        gate = StepGate(mp, e, urgent=True)
+        streams = [e.open_stream() for _ in range(6)]
+        pcm = speech_like(0.4, seed=53)
+        outs: list[list] = [[], [], []]
+        t_urgent = _in_thread(lambda: e.batch().step([(streams[0], pcm)]), outs[0])
+        assert gate.inside.wait(10)
+        t_small = _in_thread(lambda: e.batch(urgent=False).step([(s, pcm) for s in streams[1:3]]), outs[1])
+        t_big = _in_thread(lambda: e.batch(urgent=False).step([(s, pcm) for s in streams[3:6]]), outs[2])
+        t_big.join(10)
+        t_small.join(0.2)
+        assert outs[2] and t_small.is_alive() and not outs[1]
+        gate.gate.set()
+        t_urgent.join(10)
+        t_small.join(10)
+    alone = SpeechEncoder.load("tiny-random", device="cpu").open_stream().push(pcm)
+    assert outs == [[[alone]], [[alone] * 2], [[alone] * 3]]

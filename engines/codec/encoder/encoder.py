@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,9 +69,17 @@ class SpeechEncoder:
         # Each call ends with a wait for its stream, so the streams never hold each other's tensors in flight.
         self.stream = high_priority_stream(device) if device.type == "cuda" else None
         self.bulk_stream = driver_stream(device) if device.type == "cuda" else None
-        # Streams may be stepped on one thread (the engine service's encoder worker) while another encodes a voice
-        # prompt: calls, stream opening and slot release take turns on the runner's state and KV pool.
+        # The KV pool's slots (opening, release, growth) and the graphs' capture take turns under `lock`. Calls
+        # run in two lanes (`_lane`): one urgent call (a commit, a voice prompt) may run while one of held audio
+        # does, so a commit need not wait for a held call of every speaking session (the service's encoder worker
+        # with a commit thread). A call touches only its own streams' rows of the pool (padding writes go to the
+        # spare), and the lanes never replay the same graphs at once; a growth of the pool, which moves every row,
+        # waits until no call is in flight.
         self.lock = threading.RLock()
+        self._lanes = threading.Condition()
+        self._busy: set[str] = set()  # lanes with a call in flight
+        self._growing = 0  # threads waiting to grow the pool: no call starts until they have
+        self._quiet = False  # the pool grows: no call is in flight or starts
         self._calls = threading.local()  # per thread: a voice prompt's call must not overwrite the worker's figure
 
     @property
@@ -101,8 +110,47 @@ class SpeechEncoder:
 
     def reserve(self, streams: int) -> None:
         """Preallocate KV slots for this many concurrent streams (else the pool doubles as needed)."""
-        with self.lock, self._on_stream():
+        with self._no_calls(), self.lock, self._on_stream():
             self.runner.kv.reserve(streams)
+
+    def new_state(self) -> TrunkState:
+        """A new stream's state holding a KV slot; a growth of the pool first waits for the calls in flight."""
+        with self.lock:
+            if self.runner.kv.has_free:
+                return self.runner.new_state()
+        with self._no_calls(), self.lock:
+            return self.runner.new_state()
+
+    @contextlib.contextmanager
+    def _no_calls(self) -> Iterator[None]:
+        """No encoder call in flight until the block ends (they finish first; new ones wait)."""
+        with self._lanes:
+            self._growing += 1
+            self._lanes.wait_for(lambda: not self._quiet and not self._busy)
+            self._growing -= 1
+            self._quiet = True
+        try:
+            yield
+        finally:
+            with self._lanes:
+                self._quiet = False
+                self._lanes.notify_all()
+
+    @contextlib.contextmanager
+    def _lane(self, urgent: bool, streams: int) -> Iterator[None]:
+        """A call of `streams` streams in its lane: "urgent", or "held" for held audio's steps too big for the urgent
+        graphs (a smaller one may replay those graphs, so it takes the urgent lane: one replay of a graph at a time)."""
+        graphs = self.runner.graphs
+        lane = "urgent" if urgent or (graphs is not None and streams <= graphs.batches[-1]) else "held"
+        with self._lanes:
+            self._lanes.wait_for(lambda: not (self._quiet or self._growing) and lane not in self._busy)
+            self._busy.add(lane)
+        try:
+            yield
+        finally:
+            with self._lanes:
+                self._busy.discard(lane)
+                self._lanes.notify_all()
 
     def capture_graphs(self, max_batch: int = 8, held_max_batch: int = 0) -> int:
         """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs, urgent), then the
@@ -115,7 +163,7 @@ class SpeechEncoder:
         from engines.codec.encoder.graphs import StepGraphs
 
         held = StepGraphs.held(self.runner, held_max_batch, max_batch) if held_max_batch else None
-        with self.lock, self._on_stream(), float32_matmuls(False):
+        with self._no_calls(), self.lock, self._on_stream(), float32_matmuls(False):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs
@@ -182,8 +230,7 @@ class EncoderStream:
         # Host state only: the device rows of a fresh stream are read from the KV pool's blank row until its first step
         # writes its own (so no kernel on one CUDA stream makes state that another reads).
         self.mel: MelState = encoder.frontend.new_state()
-        with encoder.lock:
-            self.trunk: TrunkState = encoder.runner.new_state()
+        self.trunk: TrunkState = encoder.new_state()
         # The KV slot goes back to the pool on finalize/close, or when the stream is dropped.
         self._release = weakref.finalize(self, encoder.release_slot, self.trunk)
         self.codes_out = 0
@@ -233,7 +280,7 @@ class EncoderBatch:
 
     @torch.no_grad()
     def step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
-        with self.encoder.lock, self.encoder._on_stream(self.urgent):
+        with self.encoder._lane(self.urgent, len(items)), self.encoder._on_stream(self.urgent):
             return self._step(items)
 
     def _step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
@@ -255,9 +302,8 @@ class EncoderBatch:
         # Steps: no stream may run past its 30 s segment end inside one forward; what is left goes in the next.
         while more:
             limits = np.asarray([seg - s.trunk.mel_in_segment for s in streams], dtype=np.int64)
-            with float32_matmuls(False):  # (the flow's encoder may launch on TF32 from another thread)
-                counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams],
-                                                           pcms, limits, self.urgent)
+            counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams], pcms,
+                                                       limits, self.urgent)
             pcms = [none] * len(streams)
             if ids is not None:
                 t0 = time.perf_counter()

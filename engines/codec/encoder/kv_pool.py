@@ -61,6 +61,11 @@ class KVPool:
         """The state row never written: a fresh stream's carried state."""
         return self.capacity + 1
 
+    @property
+    def has_free(self) -> bool:
+        """A slot can be handed out without a growth."""
+        return bool(self._free)
+
     def acquire(self) -> int:
         if not self._free:
             self._grow(max(1, 2 * self.capacity))

@@ -40,6 +40,7 @@ from engines.codec.encoder.config import EncoderConfig
 from engines.codec.encoder.kv_pool import KVPool
 from engines.codec.encoder.mel import FFT_ROWS, MelFrontend, MelPlan, MelState
 from engines.host_copy import upload
+from engines.matmul_precision import float32_matmuls
 
 if TYPE_CHECKING:
     from engines.codec.encoder.graphs import StepGraphs
@@ -276,7 +277,8 @@ class StreamingRunner:
             feats = feats[: int(counts.sum())].clone()  # the graph's buffers are overwritten by its next replay
             codes = codes[: feats.shape[0]]
         else:
-            codes, feats = self.forward(flat, sizes)
+            with float32_matmuls(False):  # IEEE (the flow's encoder may launch on TF32 from another thread)
+                codes, feats = self.forward(flat, sizes)
         for st, n, c, h1, held in zip(states, mp.counts.tolist(), n2.tolist(), h1_len.tolist(), pool_len.tolist(),
                                       strict=True):
             st.mel_in_segment += n
