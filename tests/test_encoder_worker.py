@@ -18,7 +18,7 @@ from engines.service import messages as m
 from engines.service.core import Service
 from engines.service.encoder_worker import Encoded, EncoderWorker
 from engines.service.tokenizer import StandInTokenizer
-from tests.test_codec_encoder import speech_like
+from tests.test_codec_encoder import StepGate, speech_like
 
 
 @pytest.fixture(scope="module")
@@ -465,7 +465,7 @@ class _CallSpy:
         return self.enc.open_stream()
 
     def _keys(self, streams) -> list[str]:
-        return [next(t.key for t in self.worker._in_call.values() if t.stream is s) for s in streams]
+        return [next(t.key for t, _ in self.worker._in_call.values() if t.stream is s) for s in streams]
 
     def batch(self, urgent: bool = True):
         spy, inner = self, self.enc.batch(urgent=urgent)
@@ -531,3 +531,95 @@ def test_a_held_cycle_whose_last_sessions_committed_leaves_the_next_held_audio_d
 def test_held_max_is_checked(enc):
     with pytest.raises(ValueError, match="held_max must be >= 0"):
         EncoderWorker(enc, held_max=-1)
+
+
+def _results_until(worker: EncoderWorker, done, timeout_s: float) -> list[Encoded]:
+    """Results as they come, until `done(results)` or the timeout."""
+    out: list[Encoded] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(out) and time.monotonic() < deadline:
+        out += worker.take_results()
+        time.sleep(0.002)
+    return out
+
+
+@pytest.mark.parametrize("commit_thread", [False, True])
+def test_a_commit_thread_runs_a_commit_beside_a_held_call_in_flight(enc, monkeypatch, commit_thread):
+    """With a commit thread, a session's commit is encoded while a call of other sessions' held audio is still in
+    flight (in the encoder's other lane); with one thread it waits for that call. Codes equal each session alone."""
+    gate = StepGate(monkeypatch, enc)
+    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=commit_thread)
+    pcms = {k: speech_like(0.6, seed=40 + i) for i, k in enumerate("abc")}
+    worker.append("a", pcms["a"])
+    worker.append("b", pcms["b"])
+    assert gate.inside.wait(10)  # a call of held audio waits in the encoder
+    worker.append("c", pcms["c"])
+    assert worker.commit("c")
+    early = _results_until(worker, lambda out: bool(out), 10 if commit_thread else 0.5)
+    assert [(e.key, e.commit) for e in early] == ([("c", True)] if commit_thread else [])
+    gate.gate.set()
+    for k in "ab":
+        assert worker.commit(k)
+    results = early + _wait(worker)
+    worker.close()
+    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    assert enc.runner.kv.in_use == 0
+
+
+def test_with_a_commit_thread_a_commit_waits_for_the_held_call_of_its_own_turn(enc, monkeypatch):
+    """A commit whose turn is in the call of held audio in flight waits for it (the stream is in that call), then
+    finalizes what came after: the turn's codes in order, the commit's last."""
+    gate = StepGate(monkeypatch, enc)
+    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
+    pcm = speech_like(0.9, seed=44)
+    worker.append("a", pcm[:8000])
+    assert gate.inside.wait(10)
+    worker.append("a", pcm[8000:])
+    assert worker.commit("a")
+    assert _results_until(worker, lambda out: bool(out), 0.3) == []
+    gate.gate.set()
+    results = _wait(worker)
+    worker.close()
+    assert [(e.key, e.commit) for e in results] == [("a", False), ("a", True)]
+    assert _codes_by_key(results) == {"a": enc.encode(pcm)}
+    assert enc.runner.kv.in_use == 0
+
+
+def test_an_error_on_the_commit_thread_leaves_the_held_call_in_flight_to_its_thread(enc, monkeypatch):
+    """An unexpected error on the commit thread fails the turns it could reach (here b's commit) but not those in
+    the held call in flight on the other thread: a's audio still encodes, and its later commit completes it."""
+    gate = StepGate(monkeypatch, enc)
+    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
+    take = worker._take_due
+    broken = [True]
+
+    def take_due(now, flush, commits_too=True, held_too=True):
+        if broken[0] and not held_too and any(t.commit for t in worker._turns.values()):
+            broken[0] = False
+            raise MemoryError("no room for the audio")
+        return take(now, flush, commits_too, held_too)
+
+    monkeypatch.setattr(worker, "_take_due", take_due)
+    pcm_a = speech_like(0.8, seed=45)
+    worker.append("a", pcm_a[:8000])
+    assert gate.inside.wait(10)
+    worker.append("b", speech_like(0.4, seed=46))
+    assert worker.commit("b")
+    failed = _results_until(worker, lambda out: bool(out), 10)
+    assert [(e.key, e.commit, type(e.codes).__name__) for e in failed] == [("b", True, "MemoryError")]
+    gate.gate.set()
+    worker.append("a", pcm_a[8000:])
+    assert worker.commit("a")
+    results = _wait(worker)
+    worker.close()
+    assert _codes_by_key(results) == {"a": enc.encode(pcm_a)}
+    assert enc.runner.kv.in_use == 0
+
+
+def test_a_commit_thread_needs_the_workers_thread(enc):
+    with pytest.raises(ValueError, match="commit thread needs the worker's thread"):
+        EncoderWorker(enc, commit_thread=True)
+    worker = EncoderWorker(enc, threaded=True, commit_thread=True)
+    assert sorted(t.name for t in worker._threads) == ["encoder-worker", "encoder-worker-commits"]
+    worker.close()
+    assert not any(t.is_alive() for t in worker._threads)

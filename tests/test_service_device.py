@@ -151,6 +151,21 @@ def test_encoder_held_max_reaches_the_encoder_worker(capsys):
     assert build_service(p.parse_args(base + ["--encoder-held-max", "32"]))._speech.held_max == 32
 
 
+def test_encoder_commit_thread_reaches_the_worker_and_needs_the_encoder_thread():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    with pytest.raises(ValueError, match="--encoder-commit-thread needs the encoder thread"):
+        build_service(p.parse_args(base + ["--encoder-commit-thread"]))  # (no encoder thread on the CPU by default)
+    svc = build_service(p.parse_args(base + ["--encoder-thread", "--encoder-commit-thread"]))
+    assert sorted(t.name for t in svc._speech._threads) == ["encoder-worker", "encoder-worker-commits"]
+    plain = build_service(p.parse_args(base + ["--encoder-thread"]))
+    assert [t.name for t in plain._speech._threads] == ["encoder-worker"]
+    for service in (svc, plain):
+        service._speech.close()
+        service._codec.close()
+
+
 def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
     from engines.codec.encoder import SpeechEncoder
 

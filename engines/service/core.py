@@ -103,7 +103,8 @@ class Service:
                  encode_every_s: float = 0.0, codec_thread: bool = False,
                  codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
-                 codec_round_period_s: float = 0.0, encoder_held_max: int = 0) -> None:
+                 codec_round_period_s: float = 0.0, encoder_held_max: int = 0,
+                 encoder_commit_thread: bool = False) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -124,7 +125,8 @@ class Service:
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
         each with every answer due before the next (0: back to back). `encoder_held_max`: most sessions in one
-        encoder call of held audio (EncoderWorker's held_max; 0: all)."""
+        encoder call of held audio (EncoderWorker's held_max; 0: all). `encoder_commit_thread` (with
+        `encoder_thread`): commits on a second thread, beside a call of held audio in flight."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -136,7 +138,8 @@ class Service:
         self.decode_interval_s = decode_interval_s
         self.encode_every_s = encode_every_s
         self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread,
-                                                                  held_max=encoder_held_max)
+                                                                  held_max=encoder_held_max,
+                                                                  commit_thread=encoder_commit_thread)
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}

@@ -17,6 +17,10 @@ audio on its lowest-priority one; its host sync through an event, which releases
 encoder took a quarter of the engine loop's time there (76-108 sessions: 35-39 ms batched calls every ~0.3 s and a
 12-14 ms commit per answer), and decode steps waited behind it. Without a thread (the CPU default, tests)
 `run_due()` runs them on the caller's thread, between its steps.
+`commit_thread` (with `threaded`): commits run on a second thread, beside a call of held audio in flight (the
+encoder's two lanes, SpeechEncoder._lane), so a commit waits only for a call that holds its own turn. With one
+thread, a commit that arrives during a held call waits for all of it (H200, 240-256 sessions: that wait is the
+largest part of the slowest tenth of the turns' time to first audio, ~25-40 ms more than the middle's).
 
 Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
 session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
@@ -76,12 +80,15 @@ class EncoderWorker:
     with `batch(urgent=True)` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
 
     def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic,
-                 held_max: int = 0) -> None:
+                 held_max: int = 0, commit_thread: bool = False) -> None:
         """`held_max` > 0: a call of held audio takes at most this many sessions, those holding audio longest first;
         the others go in the next call, due at once, and a commit that arrives meanwhile goes between the two (it
-        waits for one call of at most `held_max` sessions instead of one of all). 0: every session in one call."""
+        waits for one call of at most `held_max` sessions instead of one of all). 0: every session in one call.
+        `commit_thread`: commits on a thread of their own (needs `threaded`)."""
         if held_max < 0:
             raise ValueError(f"held_max must be >= 0, got {held_max}")
+        if commit_thread and not threaded:
+            raise ValueError("a commit thread needs the worker's thread (threaded=True)")
         self.encoder = encoder
         self.every_s = every_s
         self.held_max = held_max
@@ -92,21 +99,32 @@ class EncoderWorker:
         self._held_since: float | None = None  # when the oldest audio held arrived
         self._cycle: list[_Turn] = []  # with held_max: sessions of the due held audio not yet in a call
         self._ramping = False
-        self._running = False  # a call in flight
-        self._in_call: dict[int, _Turn] = {}  # id -> turn taken by the call in flight, until its result is out
+        self._calling: set[int] = set()  # the threads with a call in flight
+        # id -> (turn, thread) taken by a call in flight, until its result is out
+        self._in_call: dict[int, tuple[_Turn, int]] = {}
         self._closed = False
         self.spans = Spans()  # call times, taken by the load log (under _cv)
-        self._thread = None
+        self._threads: list[threading.Thread] = []
         if threaded:
-            self._thread = threading.Thread(target=self._run, name="encoder-worker", daemon=True)
-            self._thread.start()
+            # (commits, held audio) each thread takes
+            kinds = [(False, True), (True, False)] if commit_thread else [(True, True)]
+            for commits, held in kinds:
+                name = "encoder-worker" if held else "encoder-worker-commits"
+                self._threads.append(threading.Thread(target=self._run, args=(commits, held), name=name, daemon=True))
+            for t in self._threads:
+                t.start()
 
     # ---- engine-loop side ----------------------------------------------------------------
 
     @property
     def threaded(self) -> bool:
-        """The calls run on the worker's thread (else `run_due` runs them)."""
-        return self._thread is not None
+        """The calls run on the worker's threads (else `run_due` runs them)."""
+        return bool(self._threads)
+
+    @property
+    def _running(self) -> bool:
+        """A call in flight."""
+        return bool(self._calling)
 
     @property
     def lm_ramping(self) -> bool:
@@ -194,8 +212,8 @@ class EncoderWorker:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
 
     # ---- the calls -----------------------------------------------------------------------
 
@@ -209,10 +227,12 @@ class EncoderWorker:
                     self.every_s * max(1, math.ceil(holding / ENCODE_SESSIONS_PER_INTERVAL)))
         return self._held_since + (max(every, ENCODE_DEFER_S) if self._ramping else every)
 
-    def _take_due(self, now: float, flush: bool) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
+    def _take_due(self, now: float, flush: bool, commits_too: bool = True, held_too: bool = True
+                  ) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
         """(commit, [(turn, its held audio)]) of the call due now (under _cv), recorded as in the call; None if none
-        is."""
-        commits = [t for t in self._turns.values() if t.commit]
+        is. `commits_too` / `held_too`: the kinds of call the asking thread runs."""
+        # (a commit whose turn is in a call of held audio in flight, on the other thread, waits for it)
+        commits = [t for t in self._turns.values() if t.commit and id(t) not in self._in_call] if commits_too else []
         holding = self._holding()
         # (a turn of the cycle that committed or was dropped since it began goes with its commit, or not at all)
         self._cycle = [t for t in self._cycle if t.held and not t.commit and self._turns.get(t.key) is t]
@@ -221,7 +241,7 @@ class EncoderWorker:
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
             self._forget_held_since()
-        elif self._cycle or (holding and (flush or self._due_at(len(holding)) <= now)):
+        elif held_too and (self._cycle or (holding and (flush or self._due_at(len(holding)) <= now))):
             if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
                 self._cycle = sorted(holding, key=lambda t: t.held_at) if self.held_max else holding
                 self._held_since = None  # audio arriving from now on waits for the next cycle
@@ -229,8 +249,9 @@ class EncoderWorker:
             taken, self._cycle, commit = self._cycle[:n], self._cycle[n:], False
         else:
             return None
-        self._running = True
-        self._in_call.update((id(t), t) for t in taken)  # first: a commit's turn is no longer in _turns
+        me = threading.get_ident()
+        self._calling.add(me)
+        self._in_call.update((id(t), (t, me)) for t in taken)  # first: a commit's turn is no longer in _turns
         work = []
         for t in taken:
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
@@ -272,7 +293,7 @@ class EncoderWorker:
             self.spans.add(name + " cpu", cpu)
             if hasattr(self.encoder, "last_gpu_wait_s"):
                 self.spans.add(name + " gpu wait", self.encoder.last_gpu_wait_s)
-            self._running = False
+            self._calling.discard(threading.get_ident())
             self._cv.notify_all()
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:
@@ -301,12 +322,15 @@ class EncoderWorker:
             except Exception:  # noqa: BLE001 - its slot may leak; the turn is over either way
                 log.exception("speech encoder: closing session %s's stream failed", t.key)
 
-    def _run(self) -> None:
+    def _run(self, commits: bool, held: bool) -> None:
+        """A worker thread: the calls of these kinds, as they fall due."""
+        take = (lambda now: self._take_due(now, False)) if commits and held else \
+            (lambda now: self._take_due(now, False, commits_too=commits, held_too=held))
+        wake_at = (lambda _: self._due_at(len(self._holding()))) if held else (lambda _: math.inf)
         while True:
             try:
                 with self._cv:
-                    work = wait_for_work(self._cv, lambda: self._closed, lambda now: self._take_due(now, False),
-                                         lambda _: self._due_at(len(self._holding())), self._clock, 0.0005)
+                    work = wait_for_work(self._cv, lambda: self._closed, take, wake_at, self._clock, 0.0005)
                 if work is None:
                     return
                 self._call(*work)
@@ -317,16 +341,22 @@ class EncoderWorker:
 
     def _fail_all(self, e: Exception) -> None:
         """After an error outside the encoder's own calls (whose failures `_call` hands back per turn): every turn
-        held or in the call fails with `e` (a committing one as its commit's result), and the worker starts over."""
+        held or in this thread's call fails with `e` (a committing one as its commit's result), and the thread starts
+        over. A turn in the other thread's call in flight is left to that call."""
         with self._cv:
-            turns = {id(t): t for t in (*self._turns.values(), *self._in_call.values())}  # a turn in both once
+            me = threading.get_ident()
+            theirs = {i for i, (_, thread) in self._in_call.items() if thread != me}
+            mine = [t for t, thread in self._in_call.values() if thread == me]
+            turns = {id(t): t for t in (*self._turns.values(), *mine) if id(t) not in theirs}  # a turn in both once
             for t in turns.values():
                 if not t.dropped:
                     now = time.monotonic()
                     self._results.append(Encoded(t.key, e, t.commit, now, now))
                 self._close(t)
-            self._turns.clear()
-            self._in_call.clear()
-            self._held_since = None
-            self._running = False
+                if self._turns.get(t.key) is t:
+                    del self._turns[t.key]
+                self._in_call.pop(id(t), None)
+            self._cycle = []
+            self._forget_held_since()
+            self._calling.discard(me)
             self._cv.notify_all()

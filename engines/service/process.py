@@ -159,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a call of held user audio takes at most N sessions (those holding audio longest first), the "
                         "rest going in the calls right after, so that a commit waits for one call of at most N "
                         "sessions instead of one of every session holding audio (0: all in one call)")
+    p.add_argument("--encoder-commit-thread", action="store_true",
+                   help="with the encoder thread: run commits on a second thread, beside a call of held user audio "
+                        "in flight, so that a commit waits only for a call holding its own turn (off by default)")
     p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
                    help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
                         "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
@@ -308,6 +311,9 @@ def build_service(args: argparse.Namespace) -> Service:
     if held_graphs and not (on_gpu and getattr(args, "encoder_graphs", True)):
         raise ValueError(f"--encoder-held-graphs {held_graphs} needs the encoder's CUDA graphs (a CUDA device, "
                          f"without --no-encoder-graphs; got --device {args.device})")
+    encoder_thread = on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread
+    if getattr(args, "encoder_commit_thread", False) and not encoder_thread:
+        raise ValueError("--encoder-commit-thread needs the encoder thread (--encoder-thread; the default on a GPU)")
     if getattr(args, "held_audio_level", None) is not None and not on_gpu:
         raise ValueError(f"--held-audio-level needs a CUDA device (got --device {args.device})")
     round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000
@@ -374,8 +380,8 @@ def build_service(args: argparse.Namespace) -> Service:
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
-                      encoder_thread=on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread,
-                      encoder_held_max=getattr(args, "encoder_held_max", 0))
+                      encoder_thread=encoder_thread, encoder_held_max=getattr(args, "encoder_held_max", 0),
+                      encoder_commit_thread=getattr(args, "encoder_commit_thread", False))
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
