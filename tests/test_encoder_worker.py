@@ -138,11 +138,11 @@ def test_the_thread_survives_an_error_outside_the_encoders_calls(enc, monkeypatc
     take = worker._take_due
     broken = [True]
 
-    def take_due(now, flush):
+    def take_due(now, flush, commits_too=True, held_too=True):
         if broken[0] and any(t.commit for t in worker._turns.values()):
             broken[0] = False
             raise MemoryError("no room for the audio")
-        return take(now, flush)
+        return take(now, flush, commits_too, held_too)
 
     monkeypatch.setattr(worker, "_take_due", take_due)
     worker.append("a", speech_like(0.4, seed=1))

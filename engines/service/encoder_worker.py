@@ -324,8 +324,9 @@ class EncoderWorker:
 
     def _run(self, commits: bool, held: bool) -> None:
         """A worker thread: the calls of these kinds, as they fall due."""
-        take = (lambda now: self._take_due(now, False)) if commits and held else \
-            (lambda now: self._take_due(now, False, commits_too=commits, held_too=held))
+        def take(now: float) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
+            return self._take_due(now, False, commits, held)
+
         wake_at = (lambda _: self._due_at(len(self._holding()))) if held else (lambda _: math.inf)
         while True:
             try:
