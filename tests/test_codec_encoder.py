@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 import wave
 
 import numpy as np
@@ -559,7 +560,10 @@ def test_an_urgent_call_runs_beside_a_held_call_in_flight_and_a_growth_waits_for
     assert e.batch().step([(urgent, pcm_u[:4000])]) == [enc.open_stream().push(pcm_u[:4000])]  # not waiting
     opened: list = []
     t_open = _in_thread(e.open_stream, opened)  # both slots taken: the pool must grow
-    t_open.join(0.3)
+    deadline = time.monotonic() + 10
+    while e._growing == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    t_open.join(0.2)
     assert t_open.is_alive() and e.runner.kv.capacity == 2  # waiting for the held call
     urgent_out: list = []
     t_urgent = _in_thread(lambda: e.batch().finalize([urgent], [pcm_u[4000:]]), urgent_out)
@@ -582,9 +586,12 @@ def test_an_urgent_call_runs_beside_a_held_call_in_flight_and_a_growth_waits_for
 
 def test_a_held_step_small_enough_for_the_urgent_graphs_goes_in_their_lane():
     """A held step of no more streams than the urgent graphs hold may replay them, so it waits for an urgent call in
-    flight (one replay of a graph at a time); a bigger one runs beside it."""
-    e = bucketed_encoder(2)
+    flight (one replay of a graph at a time); a bigger one runs beside it, and so does a small one once a growth of
+    the pool has retired the graphs."""
+    e = SpeechEncoder.load("tiny-random", device="cpu")
     e.reserve(8)
+    e.runner.graphs = EagerStepGraphs(e.runner, 2)
+    e.runner.graphs.capture()
 
     def busy_lane(urgent: bool, streams: int) -> set[str]:
         with e._lane(urgent, streams):
@@ -608,3 +615,25 @@ def test_a_held_step_small_enough_for_the_urgent_graphs_goes_in_their_lane():
         t_small.join(10)
     alone = SpeechEncoder.load("tiny-random", device="cpu").open_stream().push(pcm)
     assert outs == [[[alone]], [[alone] * 2], [[alone] * 3]]
+    assert e.runner.graphs.replays > 0
+    more = [e.open_stream() for _ in range(3)]  # 9 streams: the pool grows, the graphs hold its old tensors
+    assert e._lane_of(False, 2) == "held" and e._lane_of(True, 1) == "urgent"
+    for s in streams + more:
+        s.close()
+
+
+def test_a_step_that_fails_gives_its_lane_back(monkeypatch):
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    s = e.open_stream()
+
+    def broken(*_a, **_k):
+        raise RuntimeError("the device failed")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(e.runner, "run", broken)
+        for urgent in (True, False):
+            with pytest.raises(RuntimeError, match="the device failed"):
+                e.batch(urgent).step([(s, speech_like(0.2))])
+    assert e._busy == set()
+    assert e.batch().step([(s, speech_like(0.2))]) == [SpeechEncoder.load("tiny-random").open_stream().push(
+        speech_like(0.2))]

@@ -547,6 +547,7 @@ def _results_until(worker: EncoderWorker, done, timeout_s: float) -> list[Encode
 def test_a_commit_thread_runs_a_commit_beside_a_held_call_in_flight(enc, monkeypatch, commit_thread):
     """With a commit thread, a session's commit is encoded while a call of other sessions' held audio is still in
     flight (in the encoder's other lane); with one thread it waits for that call. Codes equal each session alone."""
+    enc.reserve(8)  # (a commit's new stream must not wait for a growth of the pool, which waits for the held call)
     gate = StepGate(monkeypatch, enc)
     worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=commit_thread)
     pcms = {k: speech_like(0.6, seed=40 + i) for i, k in enumerate("abc")}
@@ -569,6 +570,7 @@ def test_a_commit_thread_runs_a_commit_beside_a_held_call_in_flight(enc, monkeyp
 def test_with_a_commit_thread_a_commit_waits_for_the_held_call_of_its_own_turn(enc, monkeypatch):
     """A commit whose turn is in the call of held audio in flight waits for it (the stream is in that call), then
     finalizes what came after: the turn's codes in order, the commit's last."""
+    enc.reserve(8)  # (a commit's new stream must not wait for a growth of the pool, which waits for the held call)
     gate = StepGate(monkeypatch, enc)
     worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
     pcm = speech_like(0.9, seed=44)
@@ -588,6 +590,7 @@ def test_with_a_commit_thread_a_commit_waits_for_the_held_call_of_its_own_turn(e
 def test_an_error_on_the_commit_thread_leaves_the_held_call_in_flight_to_its_thread(enc, monkeypatch):
     """An unexpected error on the commit thread fails the turns it could reach (here b's commit) but not those in
     the held call in flight on the other thread: a's audio still encodes, and its later commit completes it."""
+    enc.reserve(8)  # (a commit's new stream must not wait for a growth of the pool, which waits for the held call)
     gate = StepGate(monkeypatch, enc)
     worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
     take = worker._take_due

@@ -136,14 +136,19 @@ class SpeechEncoder:
                 self._quiet = False
                 self._lanes.notify_all()
 
+    def _lane_of(self, urgent: bool, streams: int) -> str:
+        """"urgent", or "held" for held audio's steps that cannot replay the urgent graphs (one that can takes the
+        urgent lane: one replay of a graph at a time). Read under `_lanes` with no growth or capture going on."""
+        graphs = self.runner.graphs
+        return "urgent" if urgent or (graphs is not None and graphs.may_replay(streams)) else "held"
+
     @contextlib.contextmanager
     def _lane(self, urgent: bool, streams: int) -> Iterator[None]:
-        """A call of `streams` streams in its lane: "urgent", or "held" for held audio's steps too big for the urgent
-        graphs (a smaller one may replay those graphs, so it takes the urgent lane: one replay of a graph at a time)."""
-        graphs = self.runner.graphs
-        lane = "urgent" if urgent or (graphs is not None and streams <= graphs.batches[-1]) else "held"
+        """A call of `streams` streams in its lane (`_lane_of`), chosen once no growth or capture can change it."""
         with self._lanes:
-            self._lanes.wait_for(lambda: not (self._quiet or self._growing) and lane not in self._busy)
+            self._lanes.wait_for(lambda: not (self._quiet or self._growing)
+                                 and self._lane_of(urgent, streams) not in self._busy)
+            lane = self._lane_of(urgent, streams)
             self._busy.add(lane)
         try:
             yield
@@ -281,7 +286,13 @@ class EncoderBatch:
     @torch.no_grad()
     def step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
         with self.encoder._lane(self.urgent, len(items)), self.encoder._on_stream(self.urgent):
-            return self._step(items)
+            try:
+                return self._step(items)
+            except BaseException:
+                # Kernels it queued may still write its streams' rows: done before the lane (and those rows' slots,
+                # once the caller closes the streams) goes to another call or a growth.
+                wait_releasing_gil(self.encoder.device)
+                raise
 
     def _step(self, items: list[tuple[EncoderStream, np.ndarray | torch.Tensor]]) -> list[list[int]]:
         enc = self.encoder

@@ -96,6 +96,10 @@ class StepGraphs(BucketGraphs):
                          keep3=(k - 1) * b, samples=b * ((2 * n - 1) * cfg.hop_length + cfg.n_fft),
                          pool_kernel=k)
 
+    def may_replay(self, streams: int) -> bool:
+        """A step of this many streams may replay one of these graphs (captured over the pool's current tensors)."""
+        return bool(self.graphs) and self.generation == self.runner.kv.generation and streams <= self.batches[-1]
+
     def sizes(self, streams: int, n_max: int, t_max: int):
         """The captured bucket a step of these sizes replays (see `bucket`), or None (run it eagerly)."""
         if self.generation != self.runner.kv.generation:  # the pool grew: the graphs hold its old tensors
