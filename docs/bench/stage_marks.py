@@ -1,4 +1,5 @@
-"""Where answers' time to first audio went, from an engine log: p50 / p95 ms of each stage per load level.
+"""Where answers' time to first audio went, from an engine log: p50 / p95 ms of each stage per load level, then
+which stages make the slowest tenth of the turns slow (`tail`).
 
     python3 docs/bench/stage_marks.py server.log 12 44 76 108
 
@@ -71,6 +72,30 @@ def span(marks: dict[str, float], a: str | None, b: str | None) -> float | None:
     return (0.0 if b is None else marks[b]) - (0.0 if a is None else marks[a])
 
 
+def tail(part: list[tuple[float, dict[str, float]]], worst: float = 0.1, middle: tuple[float, float] = (0.3, 0.7)
+         ) -> str:
+    """Which stages make the slow turns slow: each stage's mean over the `worst` share of the turns (by the client's
+    TTFA, the engine's where the server's line is missing) minus its mean over the `middle` ones, in ms."""
+    if len(part) < 10:
+        return "tail: too few answers"
+    ttfa = np.asarray([d.get("server_ttfa", t) for t, d in part])
+    order = np.argsort(ttfa, kind="stable")
+    n = len(order)
+    slow, mid = order[int(n * (1 - worst)):], order[int(n * middle[0]):int(n * middle[1])]
+
+    def mean(rows: np.ndarray, a: str | None, b: str | None) -> float | None:
+        values = [v for i in rows if (v := span(part[i][1], a, b)) is not None]
+        return float(np.mean(values)) if values else None
+
+    cols = [f"TTFA {ttfa[slow].mean():.0f} against {ttfa[mid].mean():.0f}"]
+    for label, a, b in STAGES:
+        s, m = mean(slow, a, b), mean(mid, a, b)
+        if s is not None and m is not None:
+            cols.append(f"{label.strip('()')} {s - m:+.0f}")
+    return (f"tail (worst {worst:.0%} of turns against the middle {middle[1] - middle[0]:.0%}, mean ms): "
+            + "; ".join(cols))
+
+
 def main(argv: list[str]) -> None:
     answers = read(argv[0])
     sizes = [2 * int(x) for x in argv[1:]] or [len(answers)]
@@ -85,6 +110,7 @@ def main(argv: list[str]) -> None:
         for label, a, b in STAGES:
             cols.append(f"{label} {pct([v for _, d in part if (v := span(d, a, b)) is not None])}")
         print(f"{sessions} sessions ({len(part)} answers): " + "; ".join(cols))
+        print(f"{sessions} sessions {tail(part)}")
 
 
 if __name__ == "__main__":

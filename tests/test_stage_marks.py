@@ -1,0 +1,59 @@
+"""docs/bench/stage_marks.py, the reader of the engine's per-answer stage marks: its tail line names the stages that
+make the slowest turns slow, by the client's TTFA where the server logged it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "docs" / "bench" / "stage_marks.py"
+_spec = importlib.util.spec_from_file_location("stage_marks", _PATH)
+stage_marks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stage_marks)
+
+
+def _log(tmp_path: Path, n: int = 20) -> Path:
+    """n answers: answer i waits 2 i ms for the encoder worker and its first-chunk round takes 30 ms, except the
+    slowest two, whose round takes 60; the server adds 10 ms to each."""
+    lines = []
+    for i in range(n):
+        wait, rnd = 2.0 * i, 60.0 if i >= n - 2 else 30.0
+        marks = {"commit_in": -20.0 - wait, "commit_call": -20.0, "commit_encoded": -5.0, "first_row": 10.0,
+                 "first_chunk_codes": 40.0, "codec_first_round_start": 41.0, "codec_first_round_end": 41.0 + rnd,
+                 "first_audio": 42.0 + rnd}
+        ttfa = marks["first_audio"]
+        lines.append(f"INFO engine: response r{i}: first audio at {ttfa:.1f} ms; stages {marks}")
+        client = ttfa - marks["commit_in"] + 10
+        lines.append(f"INFO server: response done id=r{i} status=completed reason=x ttfa_ms={client:.1f}")
+    lines.append("INFO engine: response warm-up-1: first audio at 1.0 ms; stages {'first_audio': 1.0}")
+    path = tmp_path / "server.log"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_tail_line_names_the_stages_of_the_slowest_turns(tmp_path, capsys):
+    answers = stage_marks.read(str(_log(tmp_path)))
+    assert len(answers) == 20 and all("server_ttfa" in d for _, d in answers)  # the warm-up left out
+    line = stage_marks.tail(answers)
+    # slowest two (i = 18, 19): waits 36, 38, rounds 60, client TTFA 168, 170; middle 40% (i = 6..13): waits 12..26,
+    # rounds 30, client TTFA 114..128
+    assert "commit -> its call +18;" in line and "first-chunk round +30;" in line and "its call +0;" in line
+    assert line.startswith("tail (worst 10% of turns against the middle 40%, mean ms): TTFA 169 against 121")
+    stage_marks.main([str(tmp_path / "server.log"), "10"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("10 sessions (20 answers): engine TTFA") and out[2] == f"10 sessions {line}"
+
+
+def test_too_few_answers_for_a_tail():
+    assert stage_marks.tail([(1.0, {})] * 9) == "tail: too few answers"
+
+
+@pytest.mark.parametrize("worst", [0.1, 0.2])
+def test_the_tail_is_taken_by_client_ttfa(tmp_path, worst):
+    """The order is the server's TTFA: with the engine's reversed, the same turns are the slow ones."""
+    answers = [(100.0 - t, d) for t, d in stage_marks.read(str(_log(tmp_path)))]
+    assert "commit -> its call +" in stage_marks.tail(answers, worst=worst)
+    assert stage_marks.tail(answers, worst=worst) == stage_marks.tail(stage_marks.read(str(_log(tmp_path))),
+                                                                      worst=worst)
