@@ -158,7 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-held-max", type=_int_at_least(0), default=0, metavar="N",
                    help="a call of held user audio takes at most N sessions (those holding audio longest first), the "
                         "rest going in the calls right after, so that a commit waits for one call of at most N "
-                        "sessions instead of one of every session holding audio (0: all in one call)")
+                        "sessions instead of one of every session holding audio (0: all in one call; N = 32 measured "
+                        "worse at 256 sessions on an H200, the extra calls slowing the model: docs/BENCHMARKS.md)")
     p.add_argument("--encoder-commit-thread", action="store_true",
                    help="with the encoder thread: run commits on a second thread, beside a call of held user audio "
                         "in flight, so that a commit waits only for a call holding its own turn (off by default)")
