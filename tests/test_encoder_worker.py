@@ -246,12 +246,13 @@ def _engine() -> Engine:
 
 
 def test_service_on_the_thread_gives_the_same_conversation(enc):
-    """Two sessions speak, commit and are answered: with the encoder's calls on their thread the conversations,
-    messages and codes are those of the inline service."""
+    """Two sessions speak, commit and are answered: with the encoder's calls on their thread (and with commits on a
+    second one) the conversations, messages and codes are those of the inline service."""
     greedy = m.Sampling(greedy=True, max_new_tokens=6, min_new_tokens=6)
 
-    def run(threaded: bool):
-        svc = Service(_engine(), StandInTokenizer(), enc, None, encode_every_s=0.08, encoder_thread=threaded)
+    def run(threaded: bool, commit_thread: bool = False):
+        svc = Service(_engine(), StandInTokenizer(), enc, None, encode_every_s=0.08, encoder_thread=threaded,
+                      encoder_commit_thread=commit_thread)
         out = []
         for sid in "ab":
             out += svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
@@ -276,6 +277,7 @@ def test_service_on_the_thread_gives_the_same_conversation(enc):
     threaded = run(True)
     assert threaded[0] == inline[0] and threaded[0][0] != threaded[0][1]
     assert threaded[1] == inline[1] and ("ResponseDone", "a", "incomplete") in inline[1]  # (max tokens)
+    assert run(True, commit_thread=True) == inline
     assert not any(k[0] == "Error" for k in inline[1])
 
 

@@ -107,11 +107,12 @@ def _spoken_turn(svc: Service) -> list:
     return [(type(x).__name__, getattr(x, "pcm24k", None), getattr(x, "text", None)) for _, x in out]
 
 
-@pytest.mark.parametrize("codec_thread, encoder_thread", [(False, False), (True, False), (True, True)])
-def test_warm_up_leaves_nothing_behind(codec, codec_thread, encoder_thread) -> None:
+@pytest.mark.parametrize("codec_thread, encoder_thread, commit_thread",
+                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
+def test_warm_up_leaves_nothing_behind(codec, codec_thread, encoder_thread, commit_thread) -> None:
     enc, dec = codec
     svc = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_every_s=0.08,
-                  encoder_thread=encoder_thread)
+                  encoder_thread=encoder_thread, encoder_commit_thread=commit_thread)
     asked = []
     create = svc._on_CreateResponse
     svc._on_CreateResponse = lambda client, msg: asked.append(msg.modality) or create(client, msg)
@@ -121,6 +122,7 @@ def test_warm_up_leaves_nothing_behind(codec, codec_thread, encoder_thread) -> N
     st = svc.engine.stats()
     assert svc.sessions == {} and svc._requests == {} and svc._speech._turns == {} and svc._codec_owner == {}
     assert st.running == st.waiting == 0 and st.free_blocks == st.total_blocks and st.steps > 0
+    assert enc.runner.kv.in_use == 0  # every encoder stream closed, its slot back
     svc.engine.check_integrity()
     assert not svc.has_work()
     # A user's turn afterwards is exactly what it is on a service that never warmed up.
