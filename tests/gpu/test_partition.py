@@ -149,6 +149,8 @@ def test_service_with_codec_sms_puts_codec_and_model_in_their_partitions(only):
     """`--codec-sms`: the model's graphs and the speech encoder run in the model's partition; the codec's graphs and
     worker rounds (here with a first-chunk lane too) in the primary context (every SM), or with `--codec-sms-only`
     in the codec's partition; spoken turns still answer."""
+    pytest.importorskip("zmq", reason="engines.service.process needs pyzmq: on the GPU box carry .whl and put "
+                                      "PYTHONPATH=/tmp/site after docs/bench/gpu_capacity.sh's install")
     from engines.partition import green_context
     from engines.service.process import add_arguments, build_service
 
