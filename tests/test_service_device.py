@@ -95,6 +95,22 @@ def test_ramp_step_rows_reaches_the_engine_and_bad_values_are_refused(capsys):
         assert "--ramp-step-rows" in capsys.readouterr().err
 
 
+def test_step_rows_reach_the_engine_and_must_exceed_max_running(capsys):
+    from engines.config import ConfigError, EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
+    for extra, want in (([], EngineConfig.prefill_token_budget), (["--max-running", "300"], 600),
+                        (["--step-rows", "200"], 200), (["--max-running", "64", "--step-rows", "96"], 96)):
+        assert build_service(p.parse_args(base + extra)).engine.config.prefill_token_budget == want
+    with pytest.raises(ConfigError, match=r"--step-rows 64 must exceed .*--max-running 64"):
+        build_service(p.parse_args(base + ["--max-running", "64", "--step-rows", "64"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--step-rows", "0"])
+    assert "--step-rows" in capsys.readouterr().err
+
+
 def test_load_log_names_the_codec_solves_and_their_padding():
     """The load log's codec solves: per kind of round, the decoders' counts since the last log (then reset)."""
     from engines.codec.decoder.codec_decoder import SolveCounts

@@ -129,6 +129,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the language model's KV pool; auto (the default on a GPU): the memory left free once "
                         "everything else is loaded, less a headroom (engines/kv/sizing.py); on a CPU default 0.25")
     p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--step-rows", type=_positive_int, default=None, metavar="N",
+                   help="rows one step carries at most (decodes + prefill chunks; must exceed --max-running; default: "
+                        "EngineConfig.prefill_token_budget, or twice --max-running when that is more). Under load "
+                        "the user audio of every speaking session is prefilled in a few big steps, which a commit's "
+                        "codes wait out before its answer can start")
     p.add_argument("--ramp-step-rows", type=_int_at_least(0), default=None, metavar="N",
                    help="while a new answer makes its first rows, steps carry at most N rows (decodes + prefill; "
                         "0: no cap; default: EngineConfig.ramp_step_rows in engines/config.py)")
@@ -294,6 +299,12 @@ def build_service(args: argparse.Namespace) -> Service:
     if args.max_running is not None:
         kw["max_running"] = args.max_running
         kw["prefill_token_budget"] = max(EngineConfig.prefill_token_budget, 2 * args.max_running)
+    if getattr(args, "step_rows", None) is not None:
+        running = kw.get("max_running", EngineConfig.max_running)
+        if args.step_rows <= running:
+            raise ConfigError(f"--step-rows {args.step_rows} must exceed the sequences one step may decode "
+                              f"(--max-running {running}), so that prefill always makes progress beside them")
+        kw["prefill_token_budget"] = args.step_rows
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
     if getattr(args, "ramp_step_rows", None) is not None:
