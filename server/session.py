@@ -539,13 +539,10 @@ class Session:
                 if speech:
                     await self._speech_started()
             else:
-                await self._send_user_audio(chunk)
-                if speech:
-                    self._silence_run = 0
-                else:
-                    self._silence_run += len(chunk)
-                    if self._silence_run * 1000 >= td.silence_duration_ms * ENGINE_IN_RATE:
-                        await self._speech_stopped()
+                self._silence_run = 0 if speech else self._silence_run + len(chunk)
+                await self._send_user_audio(chunk)  # (sent as quiet while the silence run lasts)
+                if self._silence_run * 1000 >= td.silence_duration_ms * ENGINE_IN_RATE:
+                    await self._speech_stopped()
             if self.closed:
                 return
 
@@ -583,6 +580,7 @@ class Session:
     async def _speech_stopped(self) -> None:
         td = self.config.turn_detection
         assert td is not None
+        await self._flush_user_audio()  # the turn's last audio, quiet (the silence run that ends it)
         self._in_speech = False
         self._silence_run = 0
         # The end of the audio sent for the turn, trailing silence included (GA semantics).
@@ -805,7 +803,10 @@ class Session:
         if self._unsent_16k:
             pcm = np.concatenate(self._unsent_16k) if len(self._unsent_16k) > 1 else self._unsent_16k[0]
             self._unsent_16k = []
-            await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
+            # quiet: the VAD hears the silence that may end the turn, so the engine may keep this audio for the
+            # commit's own encoder call (engines/service/encoder_worker.py)
+            await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm),
+                                                       quiet=self._silence_run > 0))
 
     async def _send_or_hold(self, msg: Any) -> None:
         if self._engine_busy or self._held or self._flushing:

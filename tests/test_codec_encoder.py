@@ -218,7 +218,7 @@ def bucketed_encoder(max_batch: int = 4) -> SpeechEncoder:
 
 def test_bucketed_steps_equal_exact_ones(enc):
     """Steps padded to a graph's bucket (more streams, frames and keys than the step has; padding in the spare KV
-    slot) give the codes and features of the exact shapes; steps without a bucket (a 1.25 s push: 62 frames) run
+    slot) give the codes and features of the exact shapes; steps without a bucket (a 1.5 s push: 75 frames) run
     exactly."""
     e = bucketed_encoder()
     graphs = e.runner.graphs
@@ -230,10 +230,10 @@ def test_bucketed_steps_equal_exact_ones(enc):
     assert graphs.replays > 10
     pcm = speech_like(2.3)
     replays = graphs.replays
-    codes, feats = stream_encode(e, pcm, [20000, 320])
-    # Pushes of 20000, 320 and the last 16480 samples (62, 2 and 51 frames), then the finalize: two in buckets.
-    assert graphs.replays - replays == 2
-    codes1, feats1 = stream_encode(enc, pcm, [20000, 320])
+    codes, feats = stream_encode(e, pcm, [24000, 320])
+    # Pushes of 24000, 320 and the last 12480 samples (75, 2 and 39 frames), then the finalize: three in buckets.
+    assert graphs.replays - replays == 3
+    codes1, feats1 = stream_encode(enc, pcm, [24000, 320])
     assert codes == codes1
     torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
 

@@ -628,3 +628,69 @@ def test_a_commit_thread_needs_the_workers_thread(enc):
     assert sorted(t.name for t in worker._threads) == ["encoder-worker", "encoder-worker-commits"]
     worker.close()
     assert not any(t.is_alive() for t in worker._threads)
+
+
+def test_a_quiet_turn_stays_out_of_held_calls_until_it_commits_or_holds_enough(enc):
+    """AppendUserAudio.quiet (the server's VAD hears the silence that may end the turn): the turn's audio stays out of
+    the calls of held audio, and goes in its commit's call; once it holds QUIET_HOLD_SAMPLES, or its user speaks
+    again, it goes with the held calls as before. Codes equal each session alone."""
+    from engines.service.encoder_worker import QUIET_HOLD_SAMPLES
+
+    spy = _CallSpy(enc)
+    worker = spy.worker = EncoderWorker(spy, every_s=0.0)
+    pcms = {k: speech_like(1.6, seed=70 + i) for i, k in enumerate("abc")}
+    for k in "abc":
+        worker.append(k, pcms[k][:4000])
+    worker.append("b", pcms["b"][4000:8000], quiet=True)  # b falls silent, c too but then speaks again
+    worker.append("c", pcms["c"][4000:8000], quiet=True)
+    worker.append("c", pcms["c"][8000:9000])
+    assert worker.run_due(flush=True) and not worker.run_due(flush=True)
+    assert spy.calls == [("held", ["a", "c"])] and worker.holding("b")
+    assert worker.commit("b") and worker.run_due()
+    assert len(spy.calls) == 1  # (b's commit alone: its stream's finalize, not a batched call)
+    worker.append("a", pcms["a"][4000:4000 + QUIET_HOLD_SAMPLES - 1], quiet=True)
+    assert not worker.run_due(flush=True)  # one sample short of the limit
+    worker.append("a", pcms["a"][4000 + QUIET_HOLD_SAMPLES - 1:4000 + QUIET_HOLD_SAMPLES], quiet=True)
+    assert worker.run_due(flush=True) and spy.calls[-1] == ("held", ["a"])
+    results = worker.take_results()
+    for k in "ac":
+        assert worker.commit(k)
+    results += _wait(worker)
+    assert _codes_by_key(results) == {"a": enc.encode(pcms["a"][:4000 + QUIET_HOLD_SAMPLES]),
+                                      "b": enc.encode(pcms["b"][:8000]), "c": enc.encode(pcms["c"][:9000])}
+    assert enc.runner.kv.in_use == 0
+
+
+def test_with_a_commit_thread_a_quiet_turns_commit_runs_beside_the_held_call(enc, monkeypatch):
+    """The case the commit thread is for: every speaking session is in each call of held audio, so a commit that
+    arrives during one finds its own turn in it, unless the turn went quiet before the call began."""
+    enc.reserve(8)
+    gate = StepGate(monkeypatch, enc)
+    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
+    pcms = {k: speech_like(0.8, seed=80 + i) for i, k in enumerate("ab")}
+    worker.append("b", pcms["b"][:6000])
+    worker.append("b", pcms["b"][6000:], quiet=True)  # b's user fell silent before the held call
+    worker.append("a", pcms["a"][:6000])
+    assert gate.inside.wait(10)  # a held call (of a) waits in the encoder
+    assert worker.commit("b")
+    early = _results_until(worker, lambda out: bool(out), 10)
+    assert [(e.key, e.commit) for e in early] == [("b", True)]
+    gate.gate.set()
+    worker.append("a", pcms["a"][6000:])
+    assert worker.commit("a")
+    results = early + _wait(worker)
+    worker.close()
+    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    assert enc.runner.kv.in_use == 0
+
+
+def test_append_user_audio_quiet_reaches_the_encoder_worker(enc):
+    svc = Service(_engine(), StandInTokenizer(), enc, None)
+    svc.handle(b"c", m.OpenSession("a"))
+    msg = m.decode(m.encode(m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.2, seed=90)), quiet=True)))
+    svc.handle(b"c", msg)
+    assert svc._speech._turns["a"].quiet and svc._speech.holding("a")
+    svc.handle(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.1, seed=91))))
+    assert not svc._speech._turns["a"].quiet
+    svc.handle(b"c", m.CloseSession("a"))
+    assert enc.runner.kv.in_use == 0

@@ -189,8 +189,8 @@ def test_engine_process_over_zmq(tmp_path) -> None:
         err = _recv(b)
         assert isinstance(err, m.Error) and err.code == "invalid_request"
         pcm = question_pcm(0.5)
-        for i in range(0, len(pcm), 640):
-            a.send(m.encode(m.AppendUserAudio("s1", pcm[i:i + 640])))
+        for i in range(0, len(pcm), 640):  # the last 0.1 s quiet, as the server's VAD marks a turn's end
+            a.send(m.encode(m.AppendUserAudio("s1", pcm[i:i + 640], quiet=i >= len(pcm) - 3200)))
         a.send(m.encode(m.CommitUserAudio("s1", "item")))
         a.send(m.encode(m.CreateResponse("s1", "r1", "text", m.Sampling(greedy=True, max_new_tokens=4))))
         got = []

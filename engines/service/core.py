@@ -556,7 +556,7 @@ class Service:
         if self._speech is None:
             raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
-        self._speech.append(s.session_id, pcm)
+        self._speech.append(s.session_id, pcm, quiet=bool(msg.quiet))
 
     def _run_encoder(self, flush: bool) -> None:
         """Codes the encoder worker has produced go to their sessions; without its thread, the calls that are due

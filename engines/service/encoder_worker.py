@@ -21,6 +21,10 @@ encoder took a quarter of the engine loop's time there (76-108 sessions: 35-39 m
 encoder's two lanes, SpeechEncoder._lane), so a commit waits only for a call that holds its own turn. With one
 thread, a commit that arrives during a held call waits for all of it (H200, 240-256 sessions: that wait is the
 largest part of the slowest tenth of the turns' time to first audio, ~25-40 ms more than the middle's).
+A turn whose audio is `quiet` (the server's VAD hears the silence that may end it: AppendUserAudio.quiet) stays out
+of the calls of held audio until it holds QUIET_HOLD_SAMPLES: a turn that is still speaking is in every such call,
+so its commit, which comes within the VAD's silence duration, would otherwise find it in the call in flight and
+wait for that call; held back, its audio goes in the commit's own call.
 
 Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
 session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
@@ -50,6 +54,9 @@ ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits fo
 # for 52-76), so with more sessions holding audio the interval grows (up to ENCODE_MAX_EVERY_S).
 ENCODE_SESSIONS_PER_INTERVAL = 16
 ENCODE_MAX_EVERY_S = 0.32
+# A quiet turn's audio is held back at most this long (1 s at 16 kHz: the VAD's silence duration, 300-500 ms, plus
+# the speech not yet encoded; a commit of that much replays the encoder's graphs, graphs.FRAMES).
+QUIET_HOLD_SAMPLES = 16000
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class _Turn:
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
     held_at: float = 0.0  # when the oldest of `held` arrived
+    held_samples: int = 0  # in `held`
+    quiet: bool = False  # its last audio came with AppendUserAudio.quiet: a commit may follow
     commit: bool = False  # finalize it with the next commit call
     dropped: bool = False
 
@@ -138,8 +147,8 @@ class EncoderWorker:
                 self._ramping = ramping
                 self._cv.notify_all()
 
-    def append(self, key: str, pcm: np.ndarray) -> None:
-        """More user audio (16 kHz float32) of this session's turn."""
+    def append(self, key: str, pcm: np.ndarray, quiet: bool = False) -> None:
+        """More user audio (16 kHz float32) of this session's turn; `quiet`: a commit may follow (module doc)."""
         with self._cv:
             t = self._turns.get(key)
             if t is None:
@@ -150,6 +159,8 @@ class EncoderWorker:
             if not t.held:
                 t.held_at = now
             t.held.append(pcm)
+            t.held_samples += len(pcm)
+            t.quiet = quiet
             self._cv.notify_all()
 
     def commit(self, key: str) -> bool:
@@ -255,13 +266,15 @@ class EncoderWorker:
         work = []
         for t in taken:
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
-            t.held = []
+            t.held, t.held_samples = [], 0
             work.append((t, pcm))
         return commit, work
 
     def _holding(self) -> list[_Turn]:
-        """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit)."""
-        return [t for t in self._turns.values() if t.held and not t.commit]
+        """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit,
+        a quiet one waits for its commit while it holds less than QUIET_HOLD_SAMPLES)."""
+        return [t for t in self._turns.values()
+                if t.held and not t.commit and not (t.quiet and t.held_samples < QUIET_HOLD_SAMPLES)]
 
     def _forget_held_since(self) -> None:
         """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""

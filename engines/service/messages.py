@@ -60,10 +60,13 @@ class UpdateSession:
 
 @dataclass(frozen=True)
 class AppendUserAudio:
-    """User speech as it arrives; encoded and prefilled while the user is still talking."""
+    """User speech as it arrives; encoded and prefilled while the user is still talking. `quiet`: the server's voice
+    activity detection hears the silence that may end the turn (a commit may follow): the engine may hold this audio
+    back for the commit's own encoder call instead of a call of every speaking session's audio."""
 
     session_id: str
     pcm16k: bytes
+    quiet: bool = False
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def test_step_graphs_equal_eager_steps(enc):
 
     g = SpeechEncoder.load("tiny-random", device="cuda")
     g.reserve(4)
-    assert g.capture_graphs(4) == 3 * 6 * 11  # streams 1, 2, 4; frames 1-32; keys 16-1500
+    assert g.capture_graphs(4) == 3 * 7 * 11  # streams 1, 2, 4; frames 1-64; keys 16-1500
     graphs = g.runner.graphs
     from engines.partition import is_urgent
 
@@ -90,7 +90,7 @@ def test_held_graphs_equal_eager_steps(enc):
 
     g = SpeechEncoder.load("tiny-random", device="cuda")
     g.reserve(20)
-    assert g.capture_graphs(2, held_max_batch=24) == 2 * 6 * 11 + 2 * 7 * 11  # urgent 1-2 streams; held 16, 24
+    assert g.capture_graphs(2, held_max_batch=24) == 2 * 7 * 11 + 2 * 7 * 11  # urgent 1-2 streams; held 16, 24
     assert is_urgent(g.runner.graphs.stream) and not is_urgent(g.runner.held_graphs.stream)
     held_bucket_steps(g, enc)
 

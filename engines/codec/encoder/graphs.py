@@ -25,7 +25,8 @@ from engines.codec.decoder.graphs import BucketGraphs
 log = logging.getLogger("engines.codec")
 
 BATCHES = (1, 2, 4, 8)  # streams in the step
-FRAMES = (1, 2, 4, 8, 16, 32)  # new 50 Hz frames per stream (a commit after 0.32 s of held audio: ~20)
+FRAMES = (1, 2, 4, 8, 16, 32, 64)  # new 50 Hz frames per stream (a commit after 0.32 s of held audio: ~20; of a
+# quiet turn held back for it, up to ~1 s: encoder_worker.QUIET_HOLD_SAMPLES)
 # Held audio's steps of more streams (SpeechEncoder.capture_graphs' held_max_batch, off by default): eagerly each of
 # their ~300 torch calls and ~80 launches gives up the GIL and waits to take it back, so under load a step with ~15 ms
 # of GPU work took 55-66 ms (H200, session 48). Their calls carry up to ENCODE_MAX_EVERY_S (0.32 s: 16 frames, often
