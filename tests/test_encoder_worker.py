@@ -637,7 +637,7 @@ def test_a_quiet_turn_stays_out_of_held_calls_until_it_commits_or_holds_enough(e
     from engines.service.encoder_worker import QUIET_HOLD_SAMPLES
 
     spy = _CallSpy(enc)
-    worker = spy.worker = EncoderWorker(spy, every_s=0.0)
+    worker = spy.worker = EncoderWorker(spy, every_s=0.0, hold_quiet=True)
     pcms = {k: speech_like(1.6, seed=70 + i) for i, k in enumerate("abc")}
     for k in "abc":
         worker.append(k, pcms[k][:4000])
@@ -666,7 +666,7 @@ def test_with_a_commit_thread_a_quiet_turns_commit_runs_beside_the_held_call(enc
     arrives during one finds its own turn in it, unless the turn went quiet before the call began."""
     enc.reserve(8)
     gate = StepGate(monkeypatch, enc)
-    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
+    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True, hold_quiet=True)
     pcms = {k: speech_like(0.8, seed=80 + i) for i, k in enumerate("ab")}
     worker.append("b", pcms["b"][:6000])
     worker.append("b", pcms["b"][6000:], quiet=True)  # b's user fell silent before the held call
@@ -685,11 +685,16 @@ def test_with_a_commit_thread_a_quiet_turns_commit_runs_beside_the_held_call(enc
 
 
 def test_append_user_audio_quiet_reaches_the_encoder_worker(enc):
+    """The flag reaches the worker's turn; the worker keeps quiet audio for commits only beside a commit thread."""
+    assert not Service(_engine(), StandInTokenizer(), enc, None)._speech.hold_quiet
+    threaded = Service(_engine(), StandInTokenizer(), enc, None, encoder_thread=True, encoder_commit_thread=True)
+    assert threaded._speech.hold_quiet
+    threaded._speech.close()
     svc = Service(_engine(), StandInTokenizer(), enc, None)
     svc.handle(b"c", m.OpenSession("a"))
     msg = m.decode(m.encode(m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.2, seed=90)), quiet=True)))
     svc.handle(b"c", msg)
-    assert svc._speech._turns["a"].quiet and svc._speech.holding("a")
+    assert svc._speech._turns["a"].quiet
     svc.handle(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.1, seed=91))))
     assert not svc._speech._turns["a"].quiet
     svc.handle(b"c", m.CloseSession("a"))

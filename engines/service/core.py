@@ -126,7 +126,8 @@ class Service:
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
         each with every answer due before the next (0: back to back). `encoder_held_max`: most sessions in one
         encoder call of held audio (EncoderWorker's held_max; 0: all). `encoder_commit_thread` (with
-        `encoder_thread`): commits on a second thread, beside a call of held audio in flight."""
+        `encoder_thread`): commits on a second thread, beside a call of held audio in flight, and quiet user audio
+        kept for them (EncoderWorker's hold_quiet)."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -139,7 +140,8 @@ class Service:
         self.encode_every_s = encode_every_s
         self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread,
                                                                   held_max=encoder_held_max,
-                                                                  commit_thread=encoder_commit_thread)
+                                                                  commit_thread=encoder_commit_thread,
+                                                                  hold_quiet=encoder_commit_thread)
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}

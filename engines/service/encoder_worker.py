@@ -21,8 +21,9 @@ encoder took a quarter of the engine loop's time there (76-108 sessions: 35-39 m
 encoder's two lanes, SpeechEncoder._lane), so a commit waits only for a call that holds its own turn. With one
 thread, a commit that arrives during a held call waits for all of it (H200, 240-256 sessions: that wait is the
 largest part of the slowest tenth of the turns' time to first audio, ~25-40 ms more than the middle's).
-A turn whose audio is `quiet` (the server's VAD hears the silence that may end it: AppendUserAudio.quiet) stays out
-of the calls of held audio until it holds QUIET_HOLD_SAMPLES: a turn that is still speaking is in every such call,
+With `hold_quiet` (the service sets it with the commit thread), a turn whose audio is `quiet` (the server's VAD
+hears the silence that may end it: AppendUserAudio.quiet) stays out of the calls of held audio until it holds
+QUIET_HOLD_SAMPLES: a turn that is still speaking is in every such call,
 so its commit, which comes within the VAD's silence duration, would otherwise find it in the call in flight and
 wait for that call; held back, its audio goes in the commit's own call.
 
@@ -89,11 +90,12 @@ class EncoderWorker:
     with `batch(urgent=True)` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
 
     def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic,
-                 held_max: int = 0, commit_thread: bool = False) -> None:
+                 held_max: int = 0, commit_thread: bool = False, hold_quiet: bool = False) -> None:
         """`held_max` > 0: a call of held audio takes at most this many sessions, those holding audio longest first;
         the others go in the next call, due at once, and a commit that arrives meanwhile goes between the two (it
         waits for one call of at most `held_max` sessions instead of one of all). 0: every session in one call.
-        `commit_thread`: commits on a thread of their own (needs `threaded`)."""
+        `commit_thread`: commits on a thread of their own (needs `threaded`). `hold_quiet`: quiet audio waits for
+        its commit (module doc)."""
         if held_max < 0:
             raise ValueError(f"held_max must be >= 0, got {held_max}")
         if commit_thread and not threaded:
@@ -101,6 +103,7 @@ class EncoderWorker:
         self.encoder = encoder
         self.every_s = every_s
         self.held_max = held_max
+        self.hold_quiet = hold_quiet
         self._clock = clock
         self._cv = threading.Condition()
         self._turns: dict[str, _Turn] = {}
@@ -273,8 +276,8 @@ class EncoderWorker:
     def _holding(self) -> list[_Turn]:
         """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit,
         a quiet one waits for its commit while it holds less than QUIET_HOLD_SAMPLES)."""
-        return [t for t in self._turns.values()
-                if t.held and not t.commit and not (t.quiet and t.held_samples < QUIET_HOLD_SAMPLES)]
+        return [t for t in self._turns.values() if t.held and not t.commit
+                and not (self.hold_quiet and t.quiet and t.held_samples < QUIET_HOLD_SAMPLES)]
 
     def _forget_held_since(self) -> None:
         """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""
