@@ -98,8 +98,9 @@ def test_held_graphs_equal_eager_steps(enc):
 @pytest.mark.parametrize("held_graphs", [0, 24])
 def test_commits_beside_held_calls_on_two_threads_equal_each_session_alone(enc, held_graphs):
     """The encoder worker with a commit thread (--encoder-commit-thread): commits (urgent graphs, the high-priority
-    stream) run while calls of many sessions' held audio (eager, or held graphs: the least-priority stream) are in
-    flight on the other thread, their kernels on the GPU at once; every session's codes equal its audio alone."""
+    stream; each session's last 0.3 s quiet, held back for them) run while calls of many sessions' held audio (eager,
+    or held graphs: the least-priority stream) are in flight on the other thread, their kernels on the GPU at once;
+    every session's codes equal its audio alone."""
     import contextlib
     import time
 
@@ -121,14 +122,14 @@ def test_commits_beside_held_calls_on_two_threads_equal_each_session_alone(enc, 
             yield
 
     g._lane = counted
-    worker = EncoderWorker(g, every_s=0.0, threaded=True, commit_thread=True)
+    worker = EncoderWorker(g, every_s=0.0, threaded=True, commit_thread=True, hold_quiet=True)
     rng = np.random.default_rng(7)
     pcms = {f"s{i}": speech_like(float(rng.uniform(0.5, 1.6)), seed=60 + i) for i in range(20)}
     results = []
     for start in range(0, 25600, 1280):  # 80 ms pieces of every session; each commits when its audio ends
         for key, pcm in pcms.items():
             if start < pcm.size:
-                worker.append(key, pcm[start:start + 1280])
+                worker.append(key, pcm[start:start + 1280], quiet=start + 1280 > pcm.size - 4800)  # (VAD: 0.3 s)
                 if start + 1280 >= pcm.size:
                     assert worker.commit(key)
         results += worker.take_results()
