@@ -23,9 +23,9 @@ thread, a commit that arrives during a held call waits for all of it (H200, 240-
 largest part of the slowest tenth of the turns' time to first audio, ~25-40 ms more than the middle's).
 With `hold_quiet` (the service sets it with the commit thread), a turn whose audio is `quiet` (the server's VAD
 hears the silence that may end it: AppendUserAudio.quiet) stays out of the calls of held audio until it holds
-QUIET_HOLD_SAMPLES: a turn that is still speaking is in every such call,
-so its commit, which comes within the VAD's silence duration, would otherwise find it in the call in flight and
-wait for that call; held back, its audio goes in the commit's own call.
+QUIET_HOLD_SAMPLES: a turn that is still speaking is in every such call, so its commit, which comes within the VAD's
+silence duration, would otherwise find it in the call in flight and wait for that call; held back, its audio goes in
+the commit's own call.
 
 Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
 session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
