@@ -16,6 +16,7 @@ from tests.test_codec_encoder import (  # noqa: F401  (collected here, with this
 from tests.test_encoder_worker import (  # noqa: F401  (the same, with the CUDA `enc`: a commit in the other lane)
     test_a_commit_thread_runs_a_commit_beside_a_held_call_in_flight,
     test_with_a_commit_thread_a_commit_waits_for_the_held_call_of_its_own_turn,
+    test_with_a_commit_thread_a_quiet_turns_commit_runs_beside_the_held_call,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
