@@ -79,7 +79,6 @@ class _Turn:
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
     held_at: float = 0.0  # when the oldest of `held` arrived
-    held_samples: int = 0  # in `held`
     quiet: bool = False  # its last audio came with AppendUserAudio.quiet: a commit may follow
     commit: bool = False  # finalize it with the next commit call
     dropped: bool = False
@@ -162,7 +161,6 @@ class EncoderWorker:
             if not t.held:
                 t.held_at = now
             t.held.append(pcm)
-            t.held_samples += len(pcm)
             t.quiet = quiet
             self._cv.notify_all()
 
@@ -269,7 +267,7 @@ class EncoderWorker:
         work = []
         for t in taken:
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
-            t.held, t.held_samples = [], 0
+            t.held = []
             work.append((t, pcm))
         return commit, work
 
@@ -277,7 +275,7 @@ class EncoderWorker:
         """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit,
         a quiet one waits for its commit while it holds less than QUIET_HOLD_SAMPLES)."""
         return [t for t in self._turns.values() if t.held and not t.commit
-                and not (self.hold_quiet and t.quiet and t.held_samples < QUIET_HOLD_SAMPLES)]
+                and not (self.hold_quiet and t.quiet and sum(map(len, t.held)) < QUIET_HOLD_SAMPLES)]
 
     def _forget_held_since(self) -> None:
         """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""
