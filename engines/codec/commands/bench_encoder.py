@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
     rng = np.random.default_rng(0)
-    batches = [int(x) for x in args.batches.split(",")]
+    batches = [] if args.commit_beside else [int(x) for x in args.batches.split(",")]  # (--commit-beside: instead)
     enc.reserve(max(batches + [args.commit_beside + 1]))  # before the graphs: a growth of the KV pool retires them
     res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "piece_ms": args.piece_ms,
            "held": args.held, "gil_busy": args.gil_busy, "graphs": 0, f"ms_per_{args.piece_ms}ms": {},
@@ -207,7 +207,6 @@ def run(args: argparse.Namespace) -> int:
     if args.commit_beside:
         with gil_busy(args.gil_busy):
             res["commit_beside"] = commit_beside(enc, args.commit_beside, args, rng)
-        batches = []
     for b in batches:
         step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng, urgent=not args.held)
         with gil_busy(args.gil_busy):
