@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 _PATH = Path(__file__).resolve().parents[1] / "docs" / "bench" / "stage_marks.py"
@@ -44,10 +45,26 @@ def test_the_tail_line_names_the_stages_of_the_slowest_turns(tmp_path, capsys):
     stage_marks.main([str(tmp_path / "server.log"), "10"])
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("10 sessions (20 answers): engine TTFA") and out[2] == f"10 sessions {line}"
+    assert out[3] == f"10 sessions {stage_marks.cut(answers)}"
 
 
 def test_too_few_answers_for_a_tail():
     assert stage_marks.tail([(1.0, {})] * 9) == "tail: too few answers"
+    assert stage_marks.cut([(1.0, {})] * 9) == "cut: too few answers"
+
+
+def test_the_cut_line_is_the_p95_without_one_stages_tail(tmp_path):
+    """Client TTFA of answer i is 102 + 2 i (+30 for the slowest two): p95 over 20 answers interpolates between
+    answers 18 and 19. Cutting the worker wait (2 i, median 19) to its median leaves 121 for i >= 10, +30 for the
+    last two; cutting the round's tail (median 30) leaves 102 + 2 i; its own call never varies."""
+    line = stage_marks.cut(stage_marks.read(str(_log(tmp_path))))
+    ttfa = [102 + 2 * i + (30 if i >= 18 else 0) for i in range(20)]
+    p95 = lambda xs: float(np.percentile(xs, 95))  # noqa: E731
+    no_wait = [t - max(0, 2 * i - 19) for i, t in enumerate(ttfa)]
+    no_round = [102 + 2 * i for i in range(20)]
+    assert line.startswith(f"p95 were one stage's tail cut to its median (ms): TTFA {p95(ttfa):.0f}; ")
+    assert f"; commit -> its call {p95(no_wait):.0f};" in line and f"; first-chunk round {p95(no_round):.0f};" in line
+    assert f"; its call {p95(ttfa):.0f};" in line
 
 
 @pytest.mark.parametrize("worst", [0.1, 0.2])

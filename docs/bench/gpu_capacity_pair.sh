@@ -51,7 +51,7 @@ for label in ${PAIR_ORDER:-A B}; do
   fi
   rm -f "$OUT"/*.png
   if [ -f "$OUT/server.log" ]; then
-    [ "${MOSS_LOG_LEVEL:-}" = info ] && python3 "$ROOT/docs/bench/stage_marks.py" "$OUT/server.log" "$LEVEL" | tail -2
+    [ "${MOSS_LOG_LEVEL:-}" = info ] && python3 "$ROOT/docs/bench/stage_marks.py" "$OUT/server.log" "$LEVEL" | tail -3
     gzip -c "$OUT/server.log" > "$OUT/server-$label-$n.log.gz" && rm "$OUT/server.log"
   fi
 done
