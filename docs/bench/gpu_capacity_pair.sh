@@ -18,6 +18,8 @@
 #     CAP_ENGINE_ARGS="--fp8-weights --fp8-only" bash docs/bench/gpu_capacity_pair.sh
 # Writes $OUT/capacity-<label>-<n>.json and the server's log $OUT/server-<label>-<n>.log.gz per run and prints each
 # run's level line.
+# With MOSS_LOG_LEVEL=info, `python3 docs/bench/pair_compare.py DIR...` pools each label's runs (from one call or
+# several: keep the files' names) and prints B's p95 shift from A with a bootstrap interval.
 set -u
 ROOT=$PWD
 OUT=${OUT:-/tmp}
