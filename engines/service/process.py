@@ -167,8 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "worse at 256 sessions on an H200, the extra calls slowing the model: docs/BENCHMARKS.md)")
     p.add_argument("--encoder-commit-thread", action="store_true",
                    help="with the encoder thread: run commits on a second thread, beside a call of held user audio "
-                        "in flight, so that a commit waits only for a call holding its own turn (off by default: at 256 "
-                        "sessions on an H200 it measured worse, commits sharing calls less: docs/BENCHMARKS.md)")
+                        "in flight, so that a commit waits only for a call holding its own turn (off by default: at "
+                        "256 sessions on an H200 it measured worse, the turn's quiet audio going in the commit's "
+                        "urgent call: docs/PERF_NOTES.md, session 52)")
     p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
                    help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
                         "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
