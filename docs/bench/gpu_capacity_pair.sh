@@ -20,6 +20,7 @@
 # run's level line.
 # With MOSS_LOG_LEVEL=info, `python3 docs/bench/pair_compare.py DIR...` pools each label's runs (from one call or
 # several: keep the files' names) and prints B's p95 shift from A with a bootstrap interval.
+# `python3 docs/bench/load_parts.py server-A-1.log.gz server-B-2.log.gz` sums each run's encoder calls and codec rounds.
 set -u
 ROOT=$PWD
 OUT=${OUT:-/tmp}
