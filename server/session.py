@@ -804,9 +804,14 @@ class Session:
             pcm = np.concatenate(self._unsent_16k) if len(self._unsent_16k) > 1 else self._unsent_16k[0]
             self._unsent_16k = []
             # quiet: the VAD hears the silence that may end the turn, so the engine may keep this audio for the
-            # commit's own encoder call (engines/service/encoder_worker.py)
+            # commit's own encoder call, and commit_in_ms says when that commit comes if the silence lasts (the
+            # engine keeps its held calls out of the way; engines/service/encoder_worker.py)
+            quiet = self._silence_run > 0
+            td = self.config.turn_detection
+            commit_in_ms = (max(0.0, td.silence_duration_ms - self._silence_run * 1000 / ENGINE_IN_RATE)
+                            if quiet and td is not None else None)
             await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm),
-                                                       quiet=self._silence_run > 0))
+                                                       quiet=quiet, commit_in_ms=commit_in_ms))
 
     async def _send_or_hold(self, msg: Any) -> None:
         if self._engine_busy or self._held or self._flushing:

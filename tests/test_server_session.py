@@ -118,14 +118,26 @@ async def test_audio_in_the_silence_that_ends_a_turn_reaches_the_engine_as_quiet
     last = kinds.index("CommitUserAudio")
     appends = [x for x in link.sent[:last] if isinstance(x, m.AppendUserAudio)]
     assert not appends[0].quiet and appends[-1].quiet and kinds[last - 1] == "AppendUserAudio"
-    trailing = 0
-    for x in reversed(appends):  # the quiet run the commit ends
-        if not x.quiet:
-            break
-        trailing += len(x.pcm16k) // 2
+    trailing = sum(len(x.pcm16k) // 2 for x in _trailing(appends))  # the quiet run the commit ends
     assert 500 - 96 <= trailing * 1000 // 16000 <= 500 + 96  # the silence duration (500 ms), in 96 ms pieces
     # The speech is not quiet, but for the pauses between its words (the VAD's silence run begins at each).
     assert sum(not x.quiet for x in appends) >= len(appends) // 3
+    # Quiet audio says when the VAD will commit if the silence lasts: the silence still needed, down to 0 in the
+    # audio flushed just before the commit; audio of speech says nothing.
+    assert all((x.commit_in_ms is None) == (not x.quiet) for x in appends)
+    tail = [x.commit_in_ms for x in _trailing(appends)]
+    assert tail[-1] == 0.0 and all(0.0 <= c <= 500.0 for c in tail) and tail == sorted(tail, reverse=True)
+    assert tail[0] > 300.0  # the run's first quiet piece: most of the 500 ms still to come
+
+
+def _trailing(appends: list[m.AppendUserAudio]) -> list[m.AppendUserAudio]:
+    """The quiet run at the end of a turn's audio."""
+    out = []
+    for x in reversed(appends):
+        if not x.quiet:
+            break
+        out.append(x)
+    return out[::-1]
 
 
 async def test_user_audio_reaches_the_engine_in_pieces_of_96_ms_and_the_same_bytes(speech24k, monkeypatch):

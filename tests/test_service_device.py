@@ -182,6 +182,19 @@ def test_encoder_commit_thread_reaches_the_worker_and_needs_the_encoder_thread()
         service._codec.close()
 
 
+def test_encoder_commit_guard_reaches_the_worker_and_is_bounded(capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    assert p.parse_args(base).encoder_commit_guard_ms == 0.0  # off by default
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--encoder-commit-guard-ms", "-5"])
+    assert "--encoder-commit-guard-ms" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--encoder-commit-guard-ms must be at most 1000, got 1500"):
+        build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "1500"]))
+    assert build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "40"]))._speech.commit_guard_s == 0.04
+
+
 def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
     from engines.codec.encoder import SpeechEncoder
 

@@ -104,7 +104,7 @@ class Service:
                  codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
                  codec_round_period_s: float = 0.0, encoder_held_max: int = 0,
-                 encoder_commit_thread: bool = False) -> None:
+                 encoder_commit_thread: bool = False, encoder_commit_guard_s: float = 0.0) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -127,7 +127,8 @@ class Service:
         each with every answer due before the next (0: back to back). `encoder_held_max`: most sessions in one
         encoder call of held audio (EncoderWorker's held_max; 0: all). `encoder_commit_thread` (with
         `encoder_thread`): commits on a second thread, beside a call of held audio in flight, and quiet user audio
-        kept for them (EncoderWorker's hold_quiet)."""
+        kept for them (EncoderWorker's hold_quiet). `encoder_commit_guard_s`: a call of held audio does not start
+        while a commit is expected within this long (EncoderWorker's commit_guard_s; 0: off)."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -141,7 +142,8 @@ class Service:
         self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread,
                                                                   held_max=encoder_held_max,
                                                                   commit_thread=encoder_commit_thread,
-                                                                  hold_quiet=encoder_commit_thread)
+                                                                  hold_quiet=encoder_commit_thread,
+                                                                  commit_guard_s=encoder_commit_guard_s)
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}
@@ -558,7 +560,13 @@ class Service:
         if self._speech is None:
             raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
-        self._speech.append(s.session_id, pcm, quiet=bool(msg.quiet))
+        commit_in = msg.commit_in_ms
+        if commit_in is not None and (isinstance(commit_in, bool) or not isinstance(commit_in, (int, float))
+                                      or not 0 <= commit_in <= 60_000):
+            raise ServiceError("invalid_request",
+                               f"commit_in_ms must be a number of ms in [0, 60000], got {commit_in!r}")
+        self._speech.append(s.session_id, pcm, quiet=bool(msg.quiet),
+                            commit_in_s=None if commit_in is None else float(commit_in) / 1000)
 
     def _run_encoder(self, flush: bool) -> None:
         """Codes the encoder worker has produced go to their sessions; without its thread, the calls that are due

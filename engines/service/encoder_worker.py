@@ -26,6 +26,11 @@ hears the silence that may end it: AppendUserAudio.quiet) stays out of the calls
 QUIET_HOLD_SAMPLES: a turn that is still speaking is in every such call, so its commit, which comes within the VAD's
 silence duration, would otherwise find it in the call in flight and wait for that call; held back, its audio goes in
 the commit's own call.
+With `commit_guard_s` > 0, a call of held audio does not start while a commit is expected within that guard: the
+server's VAD says when one is (AppendUserAudio.commit_in_ms, the silence still needed before it commits the turn), and
+a commit that arrives during a held call waits for all of it. The call starts once the commit has come (its call goes
+first), or COMMIT_LATE_S past the expected time, and at most HELD_GUARD_MAX_S after it fell due. Unlike the commit
+thread this moves no audio: the held calls keep the quiet turns and their priority, only their start moves.
 
 Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
 session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
@@ -58,6 +63,11 @@ ENCODE_MAX_EVERY_S = 0.32
 # A quiet turn's audio is held back at most this long (1 s at 16 kHz: the VAD's silence duration, 300-500 ms, plus
 # the speech not yet encoded; a commit of that much replays the encoder's graphs, graphs.FRAMES).
 QUIET_HOLD_SAMPLES = 16000
+# With a commit guard: an expected commit holds a call of held audio back until this long past its expected time (the
+# VAD's 32 ms windows, the client's audio pieces and the server's loop make commits come late, rarely early) ...
+COMMIT_LATE_S = 0.04
+# ... and no call of held audio waits for expected commits longer than this past its due time.
+HELD_GUARD_MAX_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,7 @@ class _Turn:
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
     held_at: float = 0.0  # when the oldest of `held` arrived
     quiet: bool = False  # its last audio came with AppendUserAudio.quiet: a commit may follow
+    commit_at: float | None = None  # when the server's VAD will commit it if the silence lasts (None: unknown)
     commit: bool = False  # finalize it with the next commit call
     dropped: bool = False
 
@@ -89,12 +100,16 @@ class EncoderWorker:
     with `batch(urgent=True)` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
 
     def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic,
-                 held_max: int = 0, commit_thread: bool = False, hold_quiet: bool = False) -> None:
+                 held_max: int = 0, commit_thread: bool = False, hold_quiet: bool = False,
+                 commit_guard_s: float = 0.0) -> None:
         """`held_max` > 0: a call of held audio takes at most this many sessions, those holding audio longest first;
         the others go in the next call, due at once, and a commit that arrives meanwhile goes between the two (it
         waits for one call of at most `held_max` sessions instead of one of all). 0: every session in one call.
         `commit_thread`: commits on a thread of their own (needs `threaded`). `hold_quiet`: quiet audio waits for
-        its commit (module doc)."""
+        its commit (module doc). `commit_guard_s`: a call of held audio does not start while a commit is expected
+        within this long (module doc; 0: off)."""
+        if not 0.0 <= commit_guard_s <= 1.0:
+            raise ValueError(f"commit_guard_s must be in [0, 1] s, got {commit_guard_s}")
         if held_max < 0:
             raise ValueError(f"held_max must be >= 0, got {held_max}")
         if commit_thread and not threaded:
@@ -103,6 +118,7 @@ class EncoderWorker:
         self.every_s = every_s
         self.held_max = held_max
         self.hold_quiet = hold_quiet
+        self.commit_guard_s = commit_guard_s
         self._clock = clock
         self._cv = threading.Condition()
         self._turns: dict[str, _Turn] = {}
@@ -149,8 +165,9 @@ class EncoderWorker:
                 self._ramping = ramping
                 self._cv.notify_all()
 
-    def append(self, key: str, pcm: np.ndarray, quiet: bool = False) -> None:
-        """More user audio (16 kHz float32) of this session's turn; `quiet`: a commit may follow (module doc)."""
+    def append(self, key: str, pcm: np.ndarray, quiet: bool = False, commit_in_s: float | None = None) -> None:
+        """More user audio (16 kHz float32) of this session's turn; `quiet`: a commit may follow, `commit_in_s`: the
+        server's VAD commits the turn this long from now if the silence lasts (module doc)."""
         with self._cv:
             t = self._turns.get(key)
             if t is None:
@@ -162,6 +179,7 @@ class EncoderWorker:
                 t.held_at = now
             t.held.append(pcm)
             t.quiet = quiet
+            t.commit_at = None if commit_in_s is None else now + commit_in_s
             self._cv.notify_all()
 
     def commit(self, key: str) -> bool:
@@ -239,6 +257,17 @@ class EncoderWorker:
                     self.every_s * max(1, math.ceil(holding / ENCODE_SESSIONS_PER_INTERVAL)))
         return self._held_since + (max(every, ENCODE_DEFER_S) if self._ramping else every)
 
+    def _held_start_at(self, holding: int, now: float) -> float:
+        """When a call of held audio may start (given how many sessions hold some): when it falls due (`_due_at`),
+        later while an expected commit guards the GPU for its own call (`commit_guard_s`; module doc)."""
+        due = self._due_at(holding)
+        if not self.commit_guard_s or due > now or due == -math.inf:  # (not due yet, or a cycle under way)
+            return due
+        guarded = [t.commit_at + COMMIT_LATE_S for t in self._turns.values()
+                   if t.commit_at is not None and not t.commit
+                   and t.commit_at - self.commit_guard_s <= now < t.commit_at + COMMIT_LATE_S]
+        return min(max(guarded), due + HELD_GUARD_MAX_S) if guarded else due
+
     def _take_due(self, now: float, flush: bool, commits_too: bool = True, held_too: bool = True
                   ) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
         """(commit, [(turn, its held audio)]) of the call due now (under _cv), recorded as in the call; None if none
@@ -253,7 +282,7 @@ class EncoderWorker:
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
             self._forget_held_since()
-        elif held_too and (self._cycle or (holding and (flush or self._due_at(len(holding)) <= now))):
+        elif held_too and (self._cycle or (holding and (flush or self._held_start_at(len(holding), now) <= now))):
             if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
                 self._cycle = sorted(holding, key=lambda t: t.held_at) if self.held_max else holding
                 self._held_since = None  # audio arriving from now on waits for the next cycle
@@ -341,7 +370,7 @@ class EncoderWorker:
         def take(now: float) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
             return self._take_due(now, False, commits, held)
 
-        wake_at = (lambda _: self._due_at(len(self._holding()))) if held else (lambda _: math.inf)
+        wake_at = (lambda now: self._held_start_at(len(self._holding()), now)) if held else (lambda _: math.inf)
         while True:
             try:
                 with self._cv:

@@ -170,6 +170,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in flight, so that a commit waits only for a call holding its own turn (off by default: at "
                         "256 sessions on an H200 it measured worse, the turn's quiet audio going in the commit's "
                         "urgent call: docs/PERF_NOTES.md, session 52)")
+    p.add_argument("--encoder-commit-guard-ms", type=_non_negative_ms, default=0.0, metavar="MS",
+                   help="a call of held user audio does not start while a commit is expected within MS (the server's "
+                        "VAD says when: the silence it still needs), nor until it comes (at most 40 ms late; the call "
+                        "waits at most 100 ms past its time), so that the commit need not wait for it (0: off; at most "
+                        "1000)")
     p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
                    help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
                         "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
@@ -328,6 +333,9 @@ def build_service(args: argparse.Namespace) -> Service:
     encoder_thread = on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread
     if getattr(args, "encoder_commit_thread", False) and not encoder_thread:
         raise ValueError("--encoder-commit-thread needs the encoder thread (--encoder-thread; the default on a GPU)")
+    commit_guard_ms = getattr(args, "encoder_commit_guard_ms", 0.0)
+    if commit_guard_ms > 1000:
+        raise ValueError(f"--encoder-commit-guard-ms must be at most 1000, got {commit_guard_ms:g}")
     if getattr(args, "held_audio_level", None) is not None and not on_gpu:
         raise ValueError(f"--held-audio-level needs a CUDA device (got --device {args.device})")
     round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000
@@ -395,7 +403,8 @@ def build_service(args: argparse.Namespace) -> Service:
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
                       encoder_thread=encoder_thread, encoder_held_max=getattr(args, "encoder_held_max", 0),
-                      encoder_commit_thread=getattr(args, "encoder_commit_thread", False))
+                      encoder_commit_thread=getattr(args, "encoder_commit_thread", False),
+                      encoder_commit_guard_s=commit_guard_ms / 1000)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
