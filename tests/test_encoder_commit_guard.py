@@ -50,6 +50,8 @@ def test_a_held_call_waits_for_the_expected_commit_then_runs_after_it(enc):  # n
     assert worker.commit("b") and worker.run_due()  # the commit comes (early): its call goes first
     assert spy.calls == [] and not worker.holding("b")  # (one stream: finalize, not a batched call)
     assert worker.run_due() and spy.calls == [("held", ["a"])]  # then the held call, at once
+    count, waited, _ = worker.take_spans()["encode guard wait"]  # the load log's figure: 20 ms past its due time
+    assert count == 1 and waited == pytest.approx(0.02)
     results = worker.take_results()
     assert worker.commit("a")
     results += _wait(worker)
@@ -111,7 +113,7 @@ def test_without_the_guard_nothing_waits(enc):  # noqa: F811
     worker.append("a", pcms["a"][:4000], quiet=True, commit_in_s=0.0)
     clock.now += 0.08
     assert worker._held_start_at(1, clock.now) == pytest.approx(clock.now)
-    assert worker.run_due()
+    assert worker.run_due() and "encode guard wait" not in worker.take_spans()
     worker.close()
 
 

@@ -119,6 +119,7 @@ class EncoderWorker:
         self.held_max = held_max
         self.hold_quiet = hold_quiet
         self.commit_guard_s = commit_guard_s
+        self._guarded = False  # the guard has held the due call of held audio back (its wait goes to the load log)
         self._clock = clock
         self._cv = threading.Condition()
         self._turns: dict[str, _Turn] = {}
@@ -266,7 +267,9 @@ class EncoderWorker:
         guarded = [t.commit_at + COMMIT_LATE_S for t in self._turns.values()
                    if t.commit_at is not None and not t.commit
                    and t.commit_at - self.commit_guard_s <= now < t.commit_at + COMMIT_LATE_S]
-        return min(max(guarded), due + HELD_GUARD_MAX_S) if guarded else due
+        start = min(max(guarded), due + HELD_GUARD_MAX_S) if guarded else due
+        self._guarded = self._guarded or start > now
+        return start
 
     def _take_due(self, now: float, flush: bool, commits_too: bool = True, held_too: bool = True
                   ) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
@@ -284,6 +287,9 @@ class EncoderWorker:
             self._forget_held_since()
         elif held_too and (self._cycle or (holding and (flush or self._held_start_at(len(holding), now) <= now))):
             if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
+                if self._guarded:  # (how long expected commits held it back: "encode guard wait" in the load log)
+                    self.spans.add("encode guard wait", max(0.0, now - self._due_at(len(holding))))
+                    self._guarded = False
                 self._cycle = sorted(holding, key=lambda t: t.held_at) if self.held_max else holding
                 self._held_since = None  # audio arriving from now on waits for the next cycle
             n = self.held_max or len(self._cycle)
@@ -310,6 +316,7 @@ class EncoderWorker:
         """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""
         if not any(t.held for t in self._turns.values()):
             self._held_since = None
+            self._guarded = False
 
     def _call(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> None:
         """One encoder call for these turns (outside _cv), then their results."""
