@@ -48,6 +48,7 @@ def test_a_held_call_waits_for_the_expected_commit_then_runs_after_it(enc):  # n
     assert worker._held_start_at(2, clock.now) == pytest.approx(clock.now + 0.03 + COMMIT_LATE_S)
     clock.now += 0.02
     assert worker.commit("b") and worker.run_due()  # the commit comes (early): its call goes first
+    assert worker.take_spans()["commit early"] == (1, pytest.approx(0.01), pytest.approx(0.01))  # (load log)
     assert spy.calls == [] and not worker.holding("b")  # (one stream: finalize, not a batched call)
     assert worker.run_due() and spy.calls == [("held", ["a"])]  # then the held call, at once
     count, waited, _ = worker.take_spans()["encode guard wait"]  # the load log's figure: 20 ms past its due time

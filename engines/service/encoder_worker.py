@@ -191,6 +191,9 @@ class EncoderWorker:
             if t is None:
                 return False
             t.commit = True
+            if t.commit_at is not None:  # how well the VAD's expected time held ("commit late" / "early", load log)
+                off = self._clock() - t.commit_at
+                self.spans.add("commit late" if off >= 0 else "commit early", abs(off))
             self._cv.notify_all()
             return True
 
