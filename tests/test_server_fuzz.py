@@ -98,11 +98,17 @@ async def _still_answers(ws: Any, events: list[dict[str, Any]], reader: asyncio.
     await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
     await send(ws, "response.cancel")
     await send(ws, "input_audio_buffer.clear")
+    # The server takes a session's events in order, and on a loaded CPU it may still be working through the fuzzed
+    # ones (answers created and cancelled among them) a second after they were sent: this item's
+    # conversation.item.added says it has taken them all.
+    mark = "item_still_answers"
+    await send(ws, "conversation.item.create", item={"id": mark, "type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "are you still there"}]})
 
-    def settled() -> bool:  # every answer started has ended (a cancel takes a while on a loaded CPU)
+    def settled() -> bool:  # every event taken, and every answer started has ended (a cancel takes a while)
         kinds = [e["type"] for e in events]
-        return "input_audio_buffer.cleared" in kinds and kinds.count("response.created") == kinds.count(
-            "response.done")
+        return any(e["type"] == "conversation.item.added" and e["item"]["id"] == mark for e in events) and (
+            kinds.count("response.created") == kinds.count("response.done"))
 
     calm = 0  # polls in a row with nothing in flight (an automatic answer may follow a cancelled one)
     for _ in range(300):
@@ -116,10 +122,11 @@ async def _still_answers(ws: Any, events: list[dict[str, Any]], reader: asyncio.
         await reader
     except (asyncio.CancelledError, websockets.ConnectionClosed):
         pass
-    await user_text(ws, "are you still there")
     await send(ws, "response.create", response={"output_modalities": ["text"], "max_output_tokens": 8})
     done = await recv_until(ws, "response.done", timeout=60)
     events.extend(done)
+    created = [e["response"]["id"] for e in done if e["type"] == "response.created"]
+    assert created == [done[-1]["response"]["id"]], [e["type"] for e in done]  # this answer's end, nothing else's
     # An answer: whole, or cut at max_output_tokens (the real engine's random weights rarely end by themselves).
     assert done[-1]["response"]["status"] in ("completed", "incomplete"), done[-3:]
 
