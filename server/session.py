@@ -785,7 +785,13 @@ class Session:
             self._tasks.spawn(self._flush_held(), "flush-held")
         if self._auto_response_pending:
             self._auto_response_pending = False
-            self._tasks.spawn(self._create_response(parse_response_create(None, self.config)), "auto-response")
+            self._tasks.spawn(self._auto_response(), "auto-response")
+
+    async def _auto_response(self) -> None:
+        # A response.create handled since the interrupted answer ended already answers the turn; a second
+        # answer created over it would leave it running unseen (its output and end ignored, inputs held).
+        if self._response is None and not self.closed:
+            await self._create_response(parse_response_create(None, self.config))
 
     def _prev_of(self, item_id: str) -> str | None:
         i = self._items.index(item_id) if item_id in self._items else 0

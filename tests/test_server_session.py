@@ -463,3 +463,30 @@ async def test_answer_audio_later_than_real_time_is_counted_as_an_underrun():
     await audio(3)  # on time again, counted from where playback resumed
     assert len(obs.underruns) == 1
     await s.close()
+
+
+async def test_response_create_as_an_interrupted_answer_ends_takes_the_place_of_the_automatic_one(speech24k):
+    """A turn that ended during a cancelled answer is answered once that answer ends, by a task; a response.create
+    handled before that task runs already answers the turn: one answer, not a second one created over the first
+    (whose output and end the session would then ignore, holding every later input behind it)."""
+    s, link = await new_session()
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
+    rid = link.of(m.CreateResponse)[0].response_id
+    s.on_engine_message(m.ResponseStarted("sess_test", rid, prompt_rows=40))
+    await feed(s, np.concatenate([speech24k, silence(1.0)]))  # barge-in, and the new turn ends
+    drain(s)
+    s.on_engine_message(m.ResponseDone("sess_test", rid, "cancelled", reason="client_cancelled"))
+    await s.handle_client_event({"type": "response.create"})  # before the automatic answer's task has run
+    await asyncio.sleep(0.05)
+    creates = [x for x in link.of(m.CreateResponse) if x.response_id != rid]
+    evs = drain(s)
+    t = types(evs)
+    assert len(creates) == 1 and t.count("response.created") == 1 and "error" not in t, t
+    created = evs[t.index("response.created")]["response"]["id"]
+    assert creates[0].response_id == created
+    s.on_engine_message(m.ResponseStarted("sess_test", created, prompt_rows=4))
+    s.on_engine_message(m.TextDelta("sess_test", created, "hi"))
+    s.on_engine_message(m.ResponseDone("sess_test", created, "completed", output_rows=1))
+    done = [e for e in drain(s) if e["type"] == "response.done"]
+    assert [d["response"]["id"] for d in done] == [created] and done[0]["response"]["status"] == "completed"
+    assert not s.response_active
