@@ -74,13 +74,18 @@ def span(marks: dict[str, float], a: str | None, b: str | None) -> float | None:
     return (0.0 if b is None else marks[b]) - (0.0 if a is None else marks[a])
 
 
+def client_ttfa(part: list[tuple[float, dict[str, float]]]) -> np.ndarray:
+    """Each answer's TTFA as the client sees it (the server's line), the engine's where that line is missing."""
+    return np.asarray([d.get("server_ttfa", t) for t, d in part])
+
+
 def tail(part: list[tuple[float, dict[str, float]]], worst: float = 0.1, middle: tuple[float, float] = (0.3, 0.7)
          ) -> str:
     """Which stages make the slow turns slow: each stage's mean over the `worst` share of the turns (by the client's
     TTFA, the engine's where the server's line is missing) minus its mean over the `middle` ones, in ms."""
     if len(part) < 10:
         return "tail: too few answers"
-    ttfa = np.asarray([d.get("server_ttfa", t) for t, d in part])
+    ttfa = client_ttfa(part)
     order = np.argsort(ttfa, kind="stable")
     n = len(order)
     slow, mid = order[int(n * (1 - worst)):], order[int(n * middle[0]):int(n * middle[1])]
@@ -103,7 +108,7 @@ def cut(part: list[tuple[float, dict[str, float]]]) -> str:
     what the stage took over its median (turns without the stage's marks as they were), one stage at a time."""
     if len(part) < 10:
         return "cut: too few answers"
-    ttfa = np.asarray([d.get("server_ttfa", t) for t, d in part])
+    ttfa = client_ttfa(part)
     cols = [f"TTFA {np.percentile(ttfa, 95):.0f}"]
     for label, a, b in STAGES:
         took = [span(d, a, b) for _, d in part]
