@@ -270,9 +270,14 @@ class EncoderWorker:
         guarded = [t.commit_at + COMMIT_LATE_S for t in self._turns.values()
                    if t.commit_at is not None and not t.commit
                    and t.commit_at - self.commit_guard_s <= now < t.commit_at + COMMIT_LATE_S]
-        start = min(max(guarded), due + HELD_GUARD_MAX_S) if guarded else due
-        self._guarded = self._guarded or start > now
-        return start
+        return min(max(guarded), due + HELD_GUARD_MAX_S) if guarded else due
+
+    def _held_may_start(self, holding: int, now: float) -> bool:
+        """A call of held audio may start now (`_held_start_at`); one due but held back by the guard is noted, for
+        the wait the load log shows when it starts."""
+        start = self._held_start_at(holding, now)
+        self._guarded = self._guarded or start > now >= self._due_at(holding)
+        return start <= now
 
     def _take_due(self, now: float, flush: bool, commits_too: bool = True, held_too: bool = True
                   ) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
@@ -288,7 +293,7 @@ class EncoderWorker:
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
             self._forget_held_since()
-        elif held_too and (self._cycle or (holding and (flush or self._held_start_at(len(holding), now) <= now))):
+        elif held_too and (self._cycle or (holding and (flush or self._held_may_start(len(holding), now)))):
             if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
                 if self._guarded:  # (how long expected commits held it back: "encode guard wait" in the load log)
                     self.spans.add("encode guard wait", max(0.0, now - self._due_at(len(holding))))
