@@ -6,7 +6,7 @@ out of the pool (`keys[slots, :, :t_max]`, a copy per layer) and runs SDPA's mem
 query tiles are mostly padding here and whose programs (streams x heads) each scan all keys: at 32 streams x 20 s it
 was 0.62 ms per layer, ~8x its K/V read time (docs/PERF_NOTES.md). Here a program takes one (stream, head, key
 split): its queries in one tile, the split's keys read straight from the pool through the stream's slot, an online
-softmax in float32 (products at float32 accuracy, no plain TF32: the encoder's exactness rule); a second kernel
+softmax in float32 (products at float32 accuracy, or plain TF32 under the encoder's `--encoder-tf32`); a second kernel
 merges the splits when there are several. Splits give a step of few streams (a commit) enough programs; the split
 count depends only on the launch shape (streams, keys), so a CUDA graph can hold it.
 """
@@ -112,11 +112,12 @@ def _encoder_attention_merge_kernel(PO, PML, OUT, n_rows, s_or, SPLITS, H: tl.co
 
 
 def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                      qpos: torch.Tensor, t_max: int) -> torch.Tensor:
+                      qpos: torch.Tensor, t_max: int, tf32: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v per stream and head, over the keys j < t_max of the stream's pool slot with
     j <= the query's position. q [batch * n_max, H, D] (rows stream by stream, head_dim dense); keys, values
     [slots, H, positions, D] (the pool's layer tensors); slots [batch] long; qpos [batch, n_max] long.
-    Returns [batch * n_max, H * D] float32. A query that sees no key gets zeros."""
+    Returns [batch * n_max, H * D] float32. A query that sees no key gets zeros. Products on TF32 if `tf32`, else at
+    float32 accuracy."""
     rows, heads, d = q.shape
     batch, n_max = qpos.shape
     if rows != batch * n_max or slots.shape != (batch,):
@@ -142,7 +143,8 @@ def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     _encoder_attention_kernel[grid](
         q, keys, values, slots, qpos, out, po, pml, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
         keys.stride(2), values.stride(0), values.stride(1), values.stride(2), out.stride(0), n_max, t_max, per_split,
-        d ** -0.5, H=heads, D=d, BLOCK_Q=block_q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, PRECISION=PRECISION,
+        d ** -0.5, H=heads, D=d, BLOCK_Q=block_q, BLOCK_T=BLOCK_T, SPLIT=splits > 1,
+        PRECISION="tf32" if tf32 else PRECISION,
         num_warps=NUM_WARPS)
     if splits > 1:
         _encoder_attention_merge_kernel[(rows * heads,)](po, pml, out, rows, out.stride(0), splits, H=heads, D=d,

@@ -6,6 +6,10 @@ level. Triton's `tf32x3` dot splits each operand into a TF32 high part and a TF3
 products (high x high, high x low, low x high) in float32: errors of the order of float32's own rounding, at tensor-core
 speed. y = x @ w.T + bias [then exact (erf) GELU], one tiling for every M, so a row's result does not depend on the
 rows beside it.
+
+`tf32=True` (the speech encoder's numerics option, `--encoder-tf32`): one TF32 product instead of three, ~3x less
+tensor-core work, errors of TF32's 10-bit mantissa (~1e-3 relative); then this kernel serves every row count, so a
+row's result is the same bits whatever the rows beside it (cuBLAS's TF32 below MIN_ROWS would sum in another order).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ GROUP_M = 8
 
 @triton.jit(do_not_specialize=["M"])
 def _tf32x3_gemm_kernel(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                        PRECISION: tl.constexpr = "tf32x3"):
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -47,7 +52,7 @@ def _tf32x3_gemm_kernel(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.co
                     other=0.0)
         w = tl.load(W + rn[:, None].to(tl.int64) * s_wn + (k0 + rk)[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=nm, other=0.0)[None, :]
     if GELU:
@@ -55,17 +60,17 @@ def _tf32x3_gemm_kernel(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.co
     tl.store(Y + rm[:, None].to(tl.int64) * s_ym + rn[None, :], acc, mask=mm[:, None] & nm[None, :])
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2-D float32 input of at least MIN_ROWS rows on CUDA with a row-major weight."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] >= MIN_ROWS and x.dtype == torch.float32
+def supported(x: torch.Tensor, weight: torch.Tensor, tf32: bool = False) -> bool:
+    """2-D float32 input on CUDA with a row-major weight, of at least MIN_ROWS rows unless on TF32."""
+    return (x.is_cuda and x.dim() == 2 and (tf32 or x.shape[0] >= MIN_ROWS) and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.stride(1) == 1 and x.stride(1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False
-           ) -> torch.Tensor:
-    """[gelu](x @ weight.T + bias) for x [M, K] float32 and weight [N, K]; cuBLAS (then torch's GELU) where
-    `supported` says no."""
-    if not supported(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False,
+           tf32: bool = False) -> torch.Tensor:
+    """[gelu](x @ weight.T + bias) for x [M, K] float32 and weight [N, K], on TF32 if `tf32` (else at float32
+    accuracy); cuBLAS (then torch's GELU) where `supported` says no."""
+    if not supported(x, weight, tf32):
         y = torch.nn.functional.linear(x, weight, bias)
         return torch.nn.functional.gelu(y) if gelu else y
     m, k = x.shape
@@ -77,5 +82,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _tf32x3_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                               weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
-                              HAS_BIAS=bias is not None, GELU=gelu, num_warps=warps, num_stages=stages)
+                              HAS_BIAS=bias is not None, GELU=gelu, PRECISION="tf32" if tf32 else "tf32x3",
+                              num_warps=warps, num_stages=stages)
     return y

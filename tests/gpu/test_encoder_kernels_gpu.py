@@ -97,3 +97,50 @@ def test_fp32_gemm_leaves_small_and_other_inputs_to_torch():
     assert not fp32_gemm.supported(torch.randn(256, 32, device="cuda").half(), w.half())
     x = torch.randn(8, 32, device="cuda")
     torch.testing.assert_close(fp32_gemm.linear(x, w, None, gelu=True), F.gelu(F.linear(x, w)))
+
+
+def test_fp32_gemm_on_tf32_rows_do_not_depend_on_their_neighbours_at_any_row_count():
+    """On TF32 the kernel serves every row count (cuBLAS's TF32 would sum in another order below MIN_ROWS), so a
+    commit's few rows get the bits a whole-utterance step gives them."""
+    from engines.kernels import fp32_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1100, 1280, device="cuda", generator=g)
+    w = torch.randn(640, 1280, device="cuda", generator=g)
+    assert fp32_gemm.supported(x[:1], w, tf32=True) and not fp32_gemm.supported(x[:1], w)
+    whole = fp32_gemm.linear(x, w, None, tf32=True)
+    for rows in (slice(0, 1), slice(0, 3), slice(0, 300), slice(700, None)):
+        assert torch.equal(fp32_gemm.linear(x[rows], w, None, tf32=True), whole[rows])
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_fp32_gemm_on_tf32_is_tf32_accurate(gelu):
+    """Within TF32's rounding of float64, and clearly less accurate than 3xTF32 (the option is in effect)."""
+    from engines.kernels import fp32_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(300, 1280, device="cuda", generator=g)
+    w = torch.randn(3840, 1280, device="cuda", generator=g) / 1280 ** 0.5
+    b = torch.randn(3840, device="cuda", generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    ref = F.gelu(ref) if gelu else ref
+    err = (fp32_gemm.linear(x, w, b, gelu=gelu, tf32=True).double() - ref).abs().max().item()
+    err_x3 = (fp32_gemm.linear(x, w, b, gelu=gelu).double() - ref).abs().max().item()
+    assert 10 * err_x3 < err < 2e-2, (err, err_x3)
+
+
+def test_encoder_attention_on_tf32_is_near_sdpa():
+    from engines.kernels.encoder_attention import encoder_attention
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    batch, n_max, t_max, heads, d = 8, 16, 1000, 20, 64
+    keys = torch.randn(batch + 2, heads, t_max + 8, d, device="cuda", generator=g)
+    values = torch.randn(batch + 2, heads, t_max + 8, d, device="cuda", generator=g)
+    slots = torch.arange(batch, device="cuda") + 1
+    qpos = (t_max - n_max + torch.arange(n_max, device="cuda"))[None].expand(batch, n_max).contiguous()
+    q = torch.randn(batch * n_max, heads, d, device="cuda", generator=g)
+    want = _reference(q, keys, values, slots, qpos, t_max)
+    got = encoder_attention(q, keys, values, slots, qpos, t_max, tf32=True)
+    x3 = encoder_attention(q, keys, values, slots, qpos, t_max)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert (got - want).abs().max() > 10 * (x3 - want).abs().max()
