@@ -200,3 +200,41 @@ def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
 
     with pytest.raises(ValueError, match="CUDA device"):
         SpeechEncoder.load("tiny-random").set_held_level(1)
+
+
+def test_encoder_tf32_needs_a_gpu_and_reaches_the_speech_encoder(monkeypatch):
+    """--encoder-tf32: refused off a GPU with the option named; its value is what the speech encoder is loaded
+    with (the load is stopped there: the rest of the codec is not this test's)."""
+    from engines.codec.encoder import SpeechEncoder
+    from engines.service import process
+    from engines.service.startup_memory import StartupMemory
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    assert p.parse_args(base).encoder_tf32 is False  # float32 accuracy unless asked
+    with pytest.raises(ValueError, match="--encoder-tf32 needs a CUDA device"):
+        build_service(p.parse_args(base + ["--encoder-tf32"]))
+
+    class Loaded(Exception):
+        pass
+
+    seen = []
+
+    def load(cls, path, **kw):
+        seen.append(kw)
+        raise Loaded
+
+    monkeypatch.setattr(SpeechEncoder, "load", classmethod(load))
+    for flag in ([], ["--encoder-tf32"]):
+        with pytest.raises(Loaded):
+            process._load_codec(p.parse_args(base + flag), None, StartupMemory("cpu"), None)
+    assert [kw["tf32"] for kw in seen] == [False, True]
+
+
+def test_a_tf32_speech_encoder_needs_float32_on_cuda():
+    from engines.codec.encoder import SpeechEncoder
+
+    with pytest.raises(ValueError, match="TF32 needs float32 on a CUDA device, got torch.float32 on cpu"):
+        SpeechEncoder.load("tiny-random", device="cpu", tf32=True)
+    assert SpeechEncoder.load("tiny-random", device="cpu").runner.tf32 is False

@@ -1,6 +1,6 @@
 """Where a speech-encoder step's time goes: host (cProfile, by function) and device (torch.profiler, by kernel).
 
-    python3 -m engines.bench.profile_encoder [--codec full-random] [--batch 1] [--piece-ms 80] [--graphs]
+    python3 -m engines.bench.profile_encoder [--codec full-random] [--batch 1] [--piece-ms 80] [--graphs] [--tf32]
 
 Pushes `--context-s` of audio per stream first, then profiles `--steps` steps of `--piece-ms` each and prints the
 median wall time of a step (synchronised), the host's top functions and the GPU kernels summed by name.
@@ -29,8 +29,9 @@ def main() -> None:
     p.add_argument("--context-s", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--graphs", action="store_true")
+    p.add_argument("--tf32", action="store_true", help="float32 products on TF32 (the engine's --encoder-tf32)")
     args = p.parse_args()
-    enc = SpeechEncoder.load(args.codec, device="cuda")
+    enc = SpeechEncoder.load(args.codec, device="cuda", tf32=args.tf32)
     enc.reserve(args.batch)
     if args.graphs:
         enc.capture_graphs()
@@ -42,7 +43,7 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
-    print(f"batch {args.batch}, {args.piece_ms} ms pieces, graphs {args.graphs}: step median "
+    print(f"batch {args.batch}, {args.piece_ms} ms pieces, graphs {args.graphs}, tf32 {args.tf32}: step median "
           f"{1e3 * float(np.median(walls)):.2f} ms (min {1e3 * min(walls):.2f})")
     prof = cProfile.Profile()
     prof.enable()

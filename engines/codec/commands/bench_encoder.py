@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--piece-ms", type=int, default=80, help="audio per stream per timed step")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for steps of up to 8 streams")
+    p.add_argument("--tf32", action="store_true", help="float32 products on TF32 (the engine's --encoder-tf32)")
     p.add_argument("--held", action="store_true", help="steps on the lowest-priority stream, as held audio's")
     p.add_argument("--held-graphs", type=int, default=0, metavar="N",
                    help="with --graphs: held steps of 9 to N streams replay graphs too (the engine's "
@@ -193,11 +194,15 @@ def run(args: argparse.Namespace) -> int:
         check_held_max_batch("--held-graphs", args.held_graphs)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype)
+    try:
+        enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype, tf32=args.tf32)
+    except ValueError as e:  # --tf32 without float32 on CUDA
+        raise SystemExit(str(e)) from None
     rng = np.random.default_rng(0)
     batches = [] if args.commit_beside else [int(x) for x in args.batches.split(",")]  # (--commit-beside: instead)
     enc.reserve(max(batches + [args.commit_beside + 1]))  # before the graphs: a growth of the KV pool retires them
-    res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "piece_ms": args.piece_ms,
+    res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "tf32": args.tf32,
+           "piece_ms": args.piece_ms,
            "held": args.held, "gil_busy": args.gil_busy, "graphs": 0, f"ms_per_{args.piece_ms}ms": {},
            "cpu_ms": {}, "gpu_wait_ms": {}}
     if args.graphs:

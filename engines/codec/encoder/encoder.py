@@ -51,7 +51,9 @@ class SpeechEncoder:
     """Causal Whisper-VQ speech encoder: 16 kHz PCM -> 12.5 Hz codes in [0, codebook_size)."""
 
     def __init__(self, cfg: EncoderConfig, state: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tf32: bool = False) -> None:
+        if tf32 and (device.type != "cuda" or dtype != torch.float32):
+            raise ValueError(f"the speech encoder on TF32 needs float32 on a CUDA device, got {dtype} on {device}")
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -60,7 +62,7 @@ class SpeechEncoder:
         trunk.load_state_dict(state, strict=True, assign=True)
         self.trunk = trunk.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.frontend = MelFrontend(cfg, device)
-        self.runner = StreamingRunner(self.trunk, self.frontend, dtype, device)
+        self.runner = StreamingRunner(self.trunk, self.frontend, dtype, device, tf32)
         # Its own CUDA streams: the codes are read back at once (a host sync), which on the language model's
         # stream would also wait for the decode steps queued there.
         # High priority: a commit's last codes are on every answer's path to first audio. Audio still being spoken
@@ -93,8 +95,9 @@ class SpeechEncoder:
 
     @classmethod
     def load(cls, path_or_preset: str | Path, device: str | torch.device = "cpu",
-             dtype: str | torch.dtype | None = None, seed: int = 0) -> SpeechEncoder:
-        """A preset name (random weights, seeded) or a codec directory (config.json + model.safetensors)."""
+             dtype: str | torch.dtype | None = None, seed: int = 0, tf32: bool = False) -> SpeechEncoder:
+        """A preset name (random weights, seeded) or a codec directory (config.json + model.safetensors); `tf32`:
+        float32 products on TF32 (StreamingRunner.tf32)."""
         dev = torch.device(device)
         name = str(path_or_preset)
         if name in ENCODER_PRESETS:
@@ -106,7 +109,7 @@ class SpeechEncoder:
             cfg = EncoderConfig.from_dir(path_or_preset)
             tdtype = parse_dtype(dtype or cfg.torch_dtype)
             state = load_state(path_or_preset, cfg, dev)
-        return cls(cfg, state, dev, tdtype)
+        return cls(cfg, state, dev, tdtype, tf32)
 
     def reserve(self, streams: int) -> None:
         """Preallocate KV slots for this many concurrent streams (else the pool doubles as needed)."""
@@ -168,7 +171,7 @@ class SpeechEncoder:
         from engines.codec.encoder.graphs import StepGraphs
 
         held = StepGraphs.held(self.runner, held_max_batch, max_batch) if held_max_batch else None
-        with self._no_calls(), self.lock, self._on_stream(), float32_matmuls(False):
+        with self._no_calls(), self.lock, self._on_stream(), float32_matmuls(self.runner.tf32):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs

@@ -1,0 +1,66 @@
+"""The speech encoder on TF32 (`--encoder-tf32`, StreamingRunner.tf32) on a CUDA device: its streaming and batching
+tests (tests/test_codec_encoder.py) with a TF32 encoder, its CUDA graphs against its eager steps, and its features
+and codes against the float32-accurate encoder's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.test_codec_encoder as cpu_tests
+from engines.codec.encoder import SpeechEncoder
+from tests.test_codec_encoder import (  # noqa: F401  (collected here, with this module's TF32 `enc`)
+    test_batched_step_equals_each_alone,
+    test_finalize_with_the_last_samples_equals_push_then_finalize,
+    test_streaming_equals_whole,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Streamed and whole steps split a query's keys differently (encoder_attention.num_splits), so the attention's
+# float32 sums differ in their last bits; on TF32 the next GEMM's inputs are cut to 10 mantissa bits, where such a
+# difference now and then lands across a cut (float32 accuracy: within 1e-4). The codes must still be equal.
+TF32_FEATURE_ATOL = 2e-3
+
+
+@pytest.fixture(autouse=True)
+def _tf32_feature_tolerance(monkeypatch):
+    monkeypatch.setattr(cpu_tests, "FEATURE_ATOL", TF32_FEATURE_ATOL)
+
+
+@pytest.fixture(scope="module")
+def enc() -> SpeechEncoder:
+    e = SpeechEncoder.load("tiny-random", device="cuda", tf32=True)
+    assert e.runner.tf32
+    return e
+
+
+def test_tf32_step_graphs_equal_its_eager_steps(enc):
+    """Graphs captured under TF32 (the capture reads the setting) give the eager TF32 steps' codes and features."""
+    g = SpeechEncoder.load("tiny-random", device="cuda", tf32=True)
+    g.reserve(4)
+    g.capture_graphs(4)
+    pcms = [cpu_tests.speech_like(t, seed=seed) for t, seed in cpu_tests.BATCH_PCMS]
+    for (codes, feats), (codes1, feats1) in zip(cpu_tests.batched_encode(g, pcms, cpu_tests.BATCH_SIZES),
+                                                cpu_tests.batched_encode(enc, pcms, cpu_tests.BATCH_SIZES),
+                                                strict=True):
+        assert codes == codes1
+        torch.testing.assert_close(feats, feats1, atol=TF32_FEATURE_ATOL, rtol=0)
+    assert g.runner.graphs.replays > 10
+
+
+@pytest.mark.parametrize("preset", ["tiny-random", "full-random"])
+def test_tf32_features_are_near_the_float32_ones_and_most_codes_equal(enc, preset):
+    """Same weights, same audio: TF32 moves the pre-VQ features (so the option is in effect) by at most ~1e-3 of
+    their scale, and the nearest codebook entry stays the same for almost every code."""
+    ieee = SpeechEncoder.load(preset, device="cuda")
+    tf32 = enc if preset == "tiny-random" else SpeechEncoder.load(preset, device="cuda", tf32=True)
+    pcm = cpu_tests.speech_like(6.0, seed=7)
+    codes, feats = cpu_tests.stream_encode(ieee, pcm, [1280])
+    codes1, feats1 = cpu_tests.stream_encode(tf32, pcm, [1280])
+    diff = (feats1 - feats).abs().max().item()
+    scale = feats.abs().max().item()
+    same = sum(a == b for a, b in zip(codes, codes1, strict=True)) / len(codes)
+    print(f"{preset}: {len(codes)} codes, {same:.1%} equal; features max diff {diff:.2e} of max {scale:.2e}")
+    assert 0 < diff <= 5e-3 * scale
+    assert same >= 0.9
