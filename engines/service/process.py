@@ -174,7 +174,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a call of held user audio does not start while a commit is expected within MS (the server's "
                         "VAD says when: the silence it still needs), nor until it comes (at most 40 ms late; the call "
                         "waits at most 100 ms past its time), so that the commit need not wait for it (0: off; at most "
-                        "1000)")
+                        "1000; 40 measured no better at 256 sessions on an H200: docs/PERF_NOTES.md, session 53)")
     p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
                    help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
                         "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
