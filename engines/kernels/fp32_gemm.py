@@ -29,9 +29,9 @@ GROUP_M = 8
 
 
 @triton.jit(do_not_specialize=["M"])
-def _tf32x3_gemm_kernel(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                        PRECISION: tl.constexpr = "tf32x3"):
+def _encoder_gemm_kernel(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                         PRECISION: tl.constexpr = "tf32x3"):
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -80,8 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n, device=x.device, dtype=torch.float32)
     bm, bn, bk, warps, stages = TILES[m >= LARGE_ROWS]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _tf32x3_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
-                              weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
-                              HAS_BIAS=bias is not None, GELU=gelu, PRECISION="tf32" if tf32 else "tf32x3",
-                              num_warps=warps, num_stages=stages)
+    _encoder_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
+                               weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
+                               HAS_BIAS=bias is not None, GELU=gelu, PRECISION="tf32" if tf32 else "tf32x3",
+                               num_warps=warps, num_stages=stages)
     return y
