@@ -182,8 +182,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-tf32", action="store_true",
                    help="on a GPU, run the speech encoder's float32 products (its GEMMs and attention) on TF32 tensor "
                         "cores instead of at float32 accuracy (3xTF32): ~3x less tensor-core work in its calls, other "
-                        "numerics than float32 (features within ~1e-3; streamed codes still equal whole-utterance "
-                        "codes)")
+                        "numerics than float32 (features within ~3e-3 of their scale; streamed codes still equal "
+                        "whole-utterance codes)")
     p.add_argument("--held-audio-level", type=_int_at_least(0), default=None, metavar="N",
                    help="on a GPU, run the speech encoder's calls of held user audio (audio still being spoken) N "
                         "CUDA priority levels below the most urgent (0: the commits' level, 1: the language model's) "
