@@ -51,18 +51,6 @@ if TYPE_CHECKING:
 TRITON_KERNELS = os.environ.get("MOSS_ENCODER_TRITON", "1") != "0"
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False, tf32: bool = False
-            ) -> torch.Tensor:
-    """[gelu](x @ weight.T + bias): on CUDA in float32, fp32_gemm (3xTF32 from its row threshold on, or TF32 at every
-    row count if `tf32`); else torch."""
-    if TRITON_KERNELS and x.is_cuda and x.dtype == torch.float32:
-        from engines.kernels import fp32_gemm
-
-        return fp32_gemm.linear(x, weight, bias, gelu, tf32)
-    y = F.linear(x, weight, bias)
-    return F.gelu(y) if gelu else y
-
-
 class SelfAttention(nn.Module):
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
@@ -242,10 +230,19 @@ class StreamingRunner:
             x = torch.zeros(rows, cfg.d_model, device=self.device)
             self.layers(x, spare, torch.zeros(rows, **kw), torch.full((batch,), self.kv.spare, **kw),
                         torch.zeros(batch, n_max, **kw), 16)
-            _linear(torch.zeros(rows, self.w1.shape[1], device=self.device), self.w1, self.trunk.conv1.bias, True,
-                    self.tf32)
-            _linear(torch.zeros(rows, self.w2.shape[1], device=self.device), self.w2, self.trunk.conv2.bias, True,
-                    self.tf32)
+            self._linear(torch.zeros(rows, self.w1.shape[1], device=self.device), self.w1, self.trunk.conv1.bias, True)
+            self._linear(torch.zeros(rows, self.w2.shape[1], device=self.device), self.w2, self.trunk.conv2.bias, True)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False
+                ) -> torch.Tensor:
+        """[gelu](x @ weight.T + bias): on CUDA in float32, fp32_gemm (3xTF32 from its row threshold on, or TF32 at
+        every row count with `tf32`); else torch."""
+        if TRITON_KERNELS and x.is_cuda and x.dtype == torch.float32:
+            from engines.kernels import fp32_gemm
+
+            return fp32_gemm.linear(x, weight, bias, gelu, self.tf32)
+        y = F.linear(x, weight, bias)
+        return F.gelu(y) if gelu else y
 
     @property
     def mel_per_segment(self) -> int:
@@ -432,14 +429,14 @@ class StreamingRunner:
         src = torch.cat([mel_state, mel.to(self.dtype)])  # [state rows + fft_rows, n_mels]
         mel_state[i["k1_dst"]] = src[i["k1_src"]]
         cols = src[i["c1"].view(-1, 3)].transpose(1, 2).reshape(sz.windows, -1)  # [windows, n_mels * 3] (unfold's)
-        h1 = _linear(cols, self.w1, self.trunk.conv1.bias, gelu=True, tf32=self.tf32)  # [windows, d]
+        h1 = self._linear(cols, self.w1, self.trunk.conv1.bias, gelu=True)  # [windows, d]
         h1_state = kv.h1_tail.view(-1, d)
         src = torch.cat([h1_state, h1])  # [state rows + windows, d]
         h1_state[i["k2_dst"]] = src[i["k2_src"]]
         if not sz.tokens:
             return self._no_codes()
         cols = src[i["c2"].view(-1, 3)].transpose(1, 2).reshape(sz.tokens, -1)  # [tokens, d * 3]
-        x = _linear(cols, self.w2, self.trunk.conv2.bias, gelu=True, tf32=self.tf32)  # [tokens, d]
+        x = self._linear(cols, self.w2, self.trunk.conv2.bias, gelu=True)  # [tokens, d]
         x = x + self.trunk.embed_positions(i["tok_pos"])
         if sz.padded:
             x = torch.cat([x, x.new_zeros(1, d)])[i["lay_src"]]  # [batch * n_max, d]; padding from the zero row
@@ -468,8 +465,8 @@ class StreamingRunner:
             x = x + self._attention(li, layer, x, kv_slot, kv_pos, slots, qpos, t_max, mask)
             h = F.layer_norm(x, (cfg.d_model,), layer.final_layer_norm.weight, layer.final_layer_norm.bias,
                              cfg.layer_norm_eps)
-            h = _linear(h, layer.fc1.weight, layer.fc1.bias, gelu=True, tf32=self.tf32)  # [rows, ffn]
-            x = x + _linear(h, layer.fc2.weight, layer.fc2.bias, tf32=self.tf32)
+            x = x + self._linear(self._linear(h, layer.fc1.weight, layer.fc1.bias, gelu=True), layer.fc2.weight,
+                                 layer.fc2.bias)
         return x
 
     @property
@@ -493,8 +490,7 @@ class StreamingRunner:
         h = F.layer_norm(x, (cfg.d_model,), layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
                          cfg.layer_norm_eps)
         w, b = self.qkv[li]
-        qkv = _linear(h, w, b, tf32=self.tf32)  # [batch * n_max, 3 * d]
-        q, k, v = qkv.view(-1, 3, hds, hd).unbind(1)  # each [batch * n_max, heads, head_dim]
+        q, k, v = self._linear(h, w, b).view(-1, 3, hds, hd).unbind(1)  # each [batch * n_max, heads, head_dim]
         keys, values = self.kv.keys[li], self.kv.values[li]  # [slots, heads, positions, head_dim]
         keys[kv_slot, :, kv_pos] = k
         values[kv_slot, :, kv_pos] = v
@@ -502,13 +498,13 @@ class StreamingRunner:
             from engines.kernels.encoder_attention import encoder_attention
 
             o = encoder_attention(q, keys, values, slots, qpos, t_max, self.tf32)  # [batch * n_max, d]
-            return _linear(o, layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, tf32=self.tf32)
+            return self._linear(o, layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias)
         kb = keys[slots, :, :t_max]  # [batch, heads, t_max, head_dim]
         vb = values[slots, :, :t_max]
         qb = q.view(batch, n_max, hds, hd).transpose(1, 2)  # [batch, heads, n_max, head_dim]
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)  # [batch, heads, n_max, head_dim]
-        return _linear(o.transpose(1, 2).reshape(-1, cfg.d_model), layer.self_attn.out_proj.weight,
-                       layer.self_attn.out_proj.bias, tf32=self.tf32)
+        return self._linear(o.transpose(1, 2).reshape(-1, cfg.d_model), layer.self_attn.out_proj.weight,
+                            layer.self_attn.out_proj.bias)
 
     def quantize(self, feats: torch.Tensor) -> torch.Tensor:
         """Nearest codebook entry (squared L2; the |x|^2 term is constant per row). [n, d] -> [n] int64."""
