@@ -17,13 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from engines.kernels.fp32_gemm import input_precision
 from engines.partition import sm_count
 
 BLOCK_T = 64  # keys per inner iteration
 MAX_SPLITS = 16
-# Products as three TF32 tensor-core products summed in float32 (see fp32_gemm.py): 2.5x faster than IEEE products
-# (float32 FMAs) at 32 streams x 1000 keys (121 vs 305 us), and as close to SDPA's float32 result (~1e-6).
-PRECISION = "tf32x3"
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # the split count aims at this many programs per SM (streams x heads x splits)
 
@@ -144,8 +142,9 @@ def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q, keys, values, slots, qpos, out, po, pml, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
         keys.stride(2), values.stride(0), values.stride(1), values.stride(2), out.stride(0), n_max, t_max, per_split,
         d ** -0.5, H=heads, D=d, BLOCK_Q=block_q, BLOCK_T=BLOCK_T, SPLIT=splits > 1,
-        PRECISION="tf32" if tf32 else PRECISION,
-        num_warps=NUM_WARPS)
+        # Unless tf32, products as three TF32 tensor-core products summed in float32 (fp32_gemm.py): 2.5x faster than
+        # IEEE products (float32 FMAs) at 32 streams x 1000 keys (121 vs 305 us), as close to SDPA's float32 (~1e-6).
+        PRECISION=input_precision(tf32), num_warps=NUM_WARPS)
     if splits > 1:
         _encoder_attention_merge_kernel[(rows * heads,)](po, pml, out, rows, out.stride(0), splits, H=heads, D=d,
                                                         SPLITS_P=MAX_SPLITS, num_warps=2)

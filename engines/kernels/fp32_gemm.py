@@ -31,7 +31,7 @@ GROUP_M = 8
 @triton.jit(do_not_specialize=["M"])
 def _encoder_gemm_kernel(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                         PRECISION: tl.constexpr = "tf32x3"):
+                         PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -60,6 +60,12 @@ def _encoder_gemm_kernel(X, W, BIAS, Y, M, N, K, s_xm, s_wn, s_ym, BLOCK_M: tl.c
     tl.store(Y + rm[:, None].to(tl.int64) * s_ym + rn[None, :], acc, mask=mm[:, None] & nm[None, :])
 
 
+def input_precision(tf32: bool) -> str:
+    """Triton's dot precision for the speech encoder's float32 kernels (this GEMM, encoder_attention.py): one TF32
+    product with `tf32`, else three (float32 accuracy)."""
+    return "tf32" if tf32 else "tf32x3"
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor, tf32: bool = False) -> bool:
     """2-D float32 input on CUDA with a row-major weight, of at least MIN_ROWS rows unless on TF32."""
     return (x.is_cuda and x.dim() == 2 and (tf32 or x.shape[0] >= MIN_ROWS) and x.dtype == torch.float32
@@ -82,6 +88,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _encoder_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                                weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M,
-                               HAS_BIAS=bias is not None, GELU=gelu, PRECISION="tf32" if tf32 else "tf32x3",
+                               HAS_BIAS=bias is not None, GELU=gelu, PRECISION=input_precision(tf32),
                                num_warps=warps, num_stages=stages)
     return y
