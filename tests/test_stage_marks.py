@@ -74,3 +74,14 @@ def test_the_tail_is_taken_by_client_ttfa(tmp_path, worst):
     assert "commit -> its call +" in stage_marks.tail(answers, worst=worst)
     assert stage_marks.tail(answers, worst=worst) == stage_marks.tail(stage_marks.read(str(_log(tmp_path))),
                                                                       worst=worst)
+
+
+def test_a_gzipped_log_reads_as_the_plain_one(tmp_path):
+    """The pair script keeps each run's log gzipped (server-<label>-<n>.log.gz): read as it is."""
+    import gzip
+
+    plain = _log(tmp_path)
+    packed = tmp_path / "server-A-1.log.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    answers = stage_marks.read(str(packed))
+    assert len(answers) == 20 and answers == stage_marks.read(str(plain))

@@ -11,9 +11,12 @@ Each row: count x mean ms (max ms) per log; parts in the first log's order of to
 from __future__ import annotations
 
 import argparse
-import gzip
 import re
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage_marks import open_log  # noqa: E402
 
 # One part as engines.service.spans.Spans.describe writes it: "name 12x 3.1 ms (max 9)".
 PART = re.compile(r"(?:^|, )(?P<name>[^,]+?) (?P<n>\d+)x (?P<mean>[\d.]+) ms \(max (?P<max>\d+)\)")
@@ -21,9 +24,8 @@ PART = re.compile(r"(?:^|, )(?P<name>[^,]+?) (?P<n>\d+)x (?P<mean>[\d.]+) ms \(m
 
 def read(path: Path) -> dict[str, tuple[int, float, float]]:
     """{part: (count, total ms, max ms)} over every "load parts" line of one log (.log or .log.gz)."""
-    opener = gzip.open if path.suffix == ".gz" else open
     out: dict[str, tuple[int, float, float]] = {}
-    with opener(path, "rt") as f:
+    with open_log(path) as f:
         for line in f:
             if "load parts: " not in line:
                 continue

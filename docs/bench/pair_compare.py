@@ -12,7 +12,6 @@ not a shift that a whole run takes (a slower machine): read it beside the per-ru
 
 from __future__ import annotations
 
-import gzip
 import re
 import sys
 from pathlib import Path
@@ -20,15 +19,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stage_marks import SERVER_LINE  # noqa: E402  (the server's per-turn line, read the same way there)
+from stage_marks import SERVER_LINE, open_log  # noqa: E402  (the server's per-turn line, read the same way there)
 
 NAME = re.compile(r"server-(?P<label>[^-]+)-(?P<n>\d+)\.log(\.gz)?$")
 
 
 def server_ttfas(path: Path) -> np.ndarray:
     """The server's per-turn TTFA (ms) in one log, warm-up turns (no server line) aside."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
+    with open_log(path) as f:
         return np.asarray([float(hit.group(2)) for line in f if (hit := SERVER_LINE.search(line))])
 
 

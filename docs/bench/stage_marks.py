@@ -18,8 +18,10 @@ way in (server loop, socket, the engine's pickup) and the first audio's way out.
 from __future__ import annotations
 
 import ast
+import gzip
 import re
 import sys
+from typing import TextIO
 
 import numpy as np
 
@@ -39,10 +41,15 @@ STAGES = [
 ]
 
 
+def open_log(path: object) -> TextIO:
+    """A server log as text, plain or gzipped (.gz: as gpu_capacity_pair.sh keeps them)."""
+    return gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)
+
+
 def read(path: str) -> list[tuple[float, dict[str, float]]]:
     """(engine TTFA, marks) per answer in log order; a mark "server_ttfa" where the server's line for it is there."""
     out, by_id, server = [], {}, {}
-    with open(path) as f:
+    with open_log(path) as f:
         for line in f:
             hit = LINE.search(line)
             if hit and "warm-up" not in hit.group(1):
