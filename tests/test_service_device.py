@@ -9,10 +9,19 @@ import torch
 
 from engines.service.process import add_arguments, build_service
 
+# The engine's options for a CPU service of the tiny model, with its codec or none, no warm-up turns.
+TINY = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+NO_CODEC = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
 
-def test_device_auto_resolves_to_an_available_device():
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     add_arguments(p)
+    return p
+
+
+def test_device_auto_resolves_to_an_available_device():
+    p = _parser()
     args = p.parse_args(["--device", "auto", "--codec", "none"])
     svc = build_service(args)
     want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,9 +35,7 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
     between them."""
     from engines.service.codec_worker import PLAYING_SOLVE_PARTS
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     plain = build_service(p.parse_args(base))
     assert plain._codec.first_decoder is None and plain.decoder.flow.solve_parts == 1
     laned = build_service(p.parse_args(base + ["--first-lane", "--first-lanes", "1"]))
@@ -48,9 +55,7 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
 def test_codec_round_options_reach_the_worker_and_bad_values_are_refused(capsys):
     from engines.service.codec_worker import BULK_MAX
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     for extra, want in (([], BULK_MAX), (["--codec-round-max", "24"], 24)):
         svc = build_service(p.parse_args(base + extra))
         assert svc._codec.bulk_max == want
@@ -82,9 +87,7 @@ def test_codec_round_options_reach_the_worker_and_bad_values_are_refused(capsys)
 def test_ramp_step_rows_reaches_the_engine_and_bad_values_are_refused(capsys):
     from engines.config import EngineConfig
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
+    p, base = _parser(), NO_CODEC
     for extra, want in (([], EngineConfig.ramp_step_rows), (["--ramp-step-rows", "0"], 0),
                         (["--ramp-step-rows", "96"], 96)):
         svc = build_service(p.parse_args(base + extra))
@@ -98,9 +101,7 @@ def test_ramp_step_rows_reaches_the_engine_and_bad_values_are_refused(capsys):
 def test_step_rows_reach_the_engine_and_must_exceed_max_running(capsys):
     from engines.config import ConfigError, EngineConfig
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
+    p, base = _parser(), NO_CODEC
     for extra, want in (([], EngineConfig.prefill_token_budget), (["--max-running", "300"], 600),
                         (["--step-rows", "200"], 200), (["--max-running", "64", "--step-rows", "96"], 96)):
         assert build_service(p.parse_args(base + extra)).engine.config.prefill_token_budget == want
@@ -132,9 +133,7 @@ def test_load_log_names_the_codec_solves_and_their_padding():
 
 
 def test_held_audio_level_is_checked_and_needs_a_gpu(capsys):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     assert p.parse_args(base).held_audio_level is None  # the least priority, as before
     assert p.parse_args(base + ["--held-audio-level", "1"]).held_audio_level == 1
     for bad in ("-1", "model"):
@@ -146,9 +145,7 @@ def test_held_audio_level_is_checked_and_needs_a_gpu(capsys):
 
 
 def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     assert p.parse_args(base).encoder_held_graphs == 0  # off: held steps past 8 sessions run eagerly, as before
     with pytest.raises(ValueError, match="--encoder-held-graphs 8: steps of up to 8 streams already replay graphs"):
         build_service(p.parse_args(base + ["--encoder-held-graphs", "8"]))
@@ -157,9 +154,7 @@ def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
 
 
 def test_encoder_held_max_reaches_the_encoder_worker(capsys):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     assert p.parse_args(base).encoder_held_max == 0  # every session holding audio in one call, as before
     with pytest.raises(SystemExit):
         p.parse_args(base + ["--encoder-held-max", "-2"])
@@ -168,9 +163,7 @@ def test_encoder_held_max_reaches_the_encoder_worker(capsys):
 
 
 def test_encoder_commit_thread_reaches_the_worker_and_needs_the_encoder_thread():
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     with pytest.raises(ValueError, match="--encoder-commit-thread needs the encoder thread"):
         build_service(p.parse_args(base + ["--encoder-commit-thread"]))  # (no encoder thread on the CPU by default)
     svc = build_service(p.parse_args(base + ["--encoder-thread", "--encoder-commit-thread"]))
@@ -183,9 +176,7 @@ def test_encoder_commit_thread_reaches_the_worker_and_needs_the_encoder_thread()
 
 
 def test_encoder_commit_guard_reaches_the_worker_and_is_bounded(capsys):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     assert p.parse_args(base).encoder_commit_guard_ms == 0.0  # off by default
     with pytest.raises(SystemExit):
         p.parse_args(base + ["--encoder-commit-guard-ms", "-5"])
@@ -209,9 +200,7 @@ def test_encoder_tf32_needs_a_gpu_and_reaches_the_speech_encoder(monkeypatch):
     from engines.service import process
     from engines.service.startup_memory import StartupMemory
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    base = ["--device", "cpu", "--model", "tiny-random", "--codec", "tiny-random", "--no-warm-up"]
+    p, base = _parser(), TINY
     assert p.parse_args(base).encoder_tf32 is False  # float32 accuracy unless asked
     with pytest.raises(ValueError, match="--encoder-tf32 needs a CUDA device"):
         build_service(p.parse_args(base + ["--encoder-tf32"]))
