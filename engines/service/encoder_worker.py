@@ -119,7 +119,8 @@ class EncoderWorker:
         self.held_max = held_max
         self.hold_quiet = hold_quiet
         self.commit_guard_s = commit_guard_s
-        self._guarded = False  # the guard has held the due call of held audio back (its wait goes to the load log)
+        # When the call of held audio that the guard holds back fell due (its wait goes to the load log); None: not held
+        self._guarded_due: float | None = None
         self._clock = clock
         self._cv = threading.Condition()
         self._turns: dict[str, _Turn] = {}
@@ -264,7 +265,10 @@ class EncoderWorker:
     def _held_start_at(self, holding: int, now: float) -> float:
         """When a call of held audio may start (given how many sessions hold some): when it falls due (`_due_at`),
         later while an expected commit guards the GPU for its own call (`commit_guard_s`; module doc)."""
-        due = self._due_at(holding)
+        return self._guarded_start(self._due_at(holding), now)
+
+    def _guarded_start(self, due: float, now: float) -> float:
+        """When a call of held audio due at `due` may start, given the commits expected now."""
         if not self.commit_guard_s or due > now or due == -math.inf:  # (not due yet, or a cycle under way)
             return due
         guarded = [t.commit_at + COMMIT_LATE_S for t in self._turns.values()
@@ -275,8 +279,10 @@ class EncoderWorker:
     def _held_may_start(self, holding: int, now: float) -> bool:
         """A call of held audio may start now (`_held_start_at`); one due but held back by the guard is noted, for
         the wait the load log shows when it starts."""
-        start = self._held_start_at(holding, now)
-        self._guarded = self._guarded or start > now >= self._due_at(holding)
+        due = self._due_at(holding)
+        start = self._guarded_start(due, now)
+        if start > now >= due and self._guarded_due is None:
+            self._guarded_due = due
         return start <= now
 
     def _take_due(self, now: float, flush: bool, commits_too: bool = True, held_too: bool = True
@@ -295,9 +301,9 @@ class EncoderWorker:
             self._forget_held_since()
         elif held_too and (self._cycle or (holding and (flush or self._held_may_start(len(holding), now)))):
             if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
-                if self._guarded:  # (how long expected commits held it back: "encode guard wait" in the load log)
-                    self.spans.add("encode guard wait", max(0.0, now - self._due_at(len(holding))))
-                    self._guarded = False
+                if self._guarded_due is not None:  # (how long expected commits held it back: the load log's
+                    self.spans.add("encode guard wait", max(0.0, now - self._guarded_due))  # "encode guard wait")
+                    self._guarded_due = None
                 self._cycle = sorted(holding, key=lambda t: t.held_at) if self.held_max else holding
                 self._held_since = None  # audio arriving from now on waits for the next cycle
             n = self.held_max or len(self._cycle)
@@ -324,7 +330,7 @@ class EncoderWorker:
         """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""
         if not any(t.held for t in self._turns.values()):
             self._held_since = None
-            self._guarded = False
+            self._guarded_due = None
 
     def _call(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> None:
         """One encoder call for these turns (outside _cv), then their results."""
