@@ -1,0 +1,93 @@
+"""The cluster-chain probe's host side (engines/bench/cluster_chain.py): the stage list, the weight packing the
+kernel reads, its stage records and the torch reference the GPU test checks the kernel against."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines.bench.cluster_chain import (
+    CLUSTER,
+    Stage,
+    check_stages,
+    estimator_stages,
+    pack,
+    random_weights,
+    reference_chain,
+    table,
+    unpack_stage,
+)
+
+
+def test_one_estimator_call_is_308_stages_of_the_served_weight_size():
+    stages = estimator_stages()
+    assert len(stages) == 14 * (2 + 4 * 5)
+    assert sum(st.kind == "attn" for st in stages) == 14 * 4
+    params = sum(st.k * st.n for st in stages if st.kind == "gemm")
+    assert 128e6 < 2 * params < 130e6  # bytes of bf16: the served estimator reads ~130 MiB a call
+    check_stages(stages, 48)
+
+
+def test_pack_gives_each_block_its_columns_and_unpacks_to_the_weight():
+    stages = estimator_stages(blocks=1, transformers=1)
+    weights = random_weights(stages, seed=3)
+    flat, offsets = pack(stages, weights)
+    for st, w, off in zip(stages, weights, offsets, strict=True):
+        if w is None:
+            continue
+        assert torch.equal(unpack_stage(flat, off, st), w.to(torch.bfloat16))
+        block = flat[off:off + st.k * st.n].reshape(CLUSTER, st.k, st.n // CLUSTER)[5]  # block 5's slice
+        assert torch.equal(block, w.to(torch.bfloat16)[:, 5 * st.n // CLUSTER:6 * st.n // CLUSTER])
+    rec = table(stages, offsets)
+    assert rec.dtype == torch.int32 and rec.shape == (len(stages), 8)
+    assert rec[:, 6].tolist() == offsets and rec[:, 0].tolist() == [int(st.kind == "attn") for st in stages]
+
+
+def test_table_keeps_offsets_past_two_to_the_31():
+    st = Stage("gemm", 256, 256)
+    rec = table([st], [2**31 + 48])
+    lo, hi = rec[0, 6].item() & 0xFFFFFFFF, rec[0, 7].item()
+    assert (hi << 32) | lo == 2**31 + 48
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ([Stage("gemm", 256, 200)], "multiples"),
+    ([Stage("gemm", 256, 512, resid=True)], "residual"),
+    ([Stage("gemm", 256, 512), Stage("gemm", 512, 256, taps=3)], "conv"),
+    ([Stage("gemm", 256, 512)], "end on"),
+    ([Stage("gemm", 512, 256)], "reads 512"),
+])
+def test_shapes_the_kernel_cannot_run_are_refused(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        check_stages(bad, 48)
+    with pytest.raises(ValueError, match="rows"):
+        check_stages(estimator_stages(blocks=1, transformers=1), 40)
+
+
+def test_reference_conv_is_a_causal_conv1d():
+    st = [Stage("gemm", 256, 256, taps=3, act=False)]
+    w = random_weights(st, seed=1)
+    x = torch.randn(48, 256).to(torch.bfloat16)
+    got = reference_chain(st, w, x).float()
+    weight = w[0].to(torch.bfloat16).float().reshape(3, 256, 256).permute(2, 1, 0)  # [out, in, taps]
+    want = F.conv1d(F.pad(x.float().t()[None], (2, 0)), weight)[0].t()
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_reference_is_causal_over_rows():
+    stages = estimator_stages(blocks=1, transformers=2)
+    w = random_weights(stages, seed=2)
+    x = (torch.randn(48, 256) * 0.5).to(torch.bfloat16)
+    y = x.clone()
+    y[30:] = (torch.randn(18, 256) * 0.5).to(torch.bfloat16)  # later rows changed
+    a, b = reference_chain(stages, w, x), reference_chain(stages, w, y)
+    assert torch.equal(a[:30], b[:30]) and not torch.equal(a[30:], b[30:])
+
+
+@pytest.mark.parametrize("kw, msg", [({"nb": 3}, "1 or 2"), ({"mode": "fast"}, "mode")])
+def test_run_refuses_what_the_kernel_does_not_offer(kw, msg):
+    from engines.bench.cluster_chain import Chain
+
+    stages = estimator_stages(blocks=1, transformers=1)
+    chain = Chain.build(stages, random_weights(stages), 32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=msg):
+        chain.run(torch.zeros(32, 256, dtype=torch.bfloat16), **kw)
