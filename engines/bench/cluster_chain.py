@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.bench.cluster_launch import LAUNCH_CLUSTER
+
 CLUSTER = 16  # blocks of the cluster (a non-portable size: Hopper allows 16)
 PAD = 2  # zero rows above each activation buffer: the causal conv's taps read them
 RESID = 16  # the residual stream's columns per block (256 / CLUSTER)
@@ -244,26 +246,12 @@ void run(torch::Tensor stages, torch::Tensor weights, torch::Tensor x, torch::Te
   const int R = x.size(1), L = stages.size(0);
   const size_t smem = (size_t)(nb * max_slice + 2 * (PAD + R) * max_ld) * sizeof(bf16)
                       + (size_t)(scratch_floats + R * RESID) * sizeof(float);
-  TORCH_CHECK(cudaFuncSetAttribute(chain, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
-  TORCH_CHECK(cudaFuncSetAttribute(chain, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess,
-              "shared memory ", smem, " bytes refused");
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(C, 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = reinterpret_cast<cudaStream_t>(stream);  // (torch's current stream, from Python)
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, chain, reinterpret_cast<const Stage*>(stages.data_ptr<int>()), L,
-      (int)reps, reinterpret_cast<const bf16*>(weights.data_ptr<at::BFloat16>()),
+  cudaError_t e = launch_cluster(chain, C, THREADS, smem, reinterpret_cast<cudaStream_t>(stream),  // (torch's stream)
+      reinterpret_cast<const Stage*>(stages.data_ptr<int>()), L, (int)reps,
+      reinterpret_cast<const bf16*>(weights.data_ptr<at::BFloat16>()),
       reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>()), reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()),
       R, (int)nb, (int)max_slice, (int)max_ld, (int)scratch_floats, (int)mode);
-  TORCH_CHECK(e == cudaSuccess, "cluster launch: ", cudaGetErrorString(e));
+  TORCH_CHECK(e == cudaSuccess, "cluster launch (", smem, " bytes of shared memory): ", cudaGetErrorString(e));
 }
 """
 
@@ -394,8 +382,8 @@ def _module():
     if _ext is None:
         from torch.utils.cpp_extension import load_inline
 
-        _ext = load_inline("moss_cluster_chain", _CPP, cuda_sources=_CUDA + _BINDING, functions=["run"],
-                           extra_cuda_cflags=["-O3", "-arch=sm_90a"])
+        _ext = load_inline("moss_cluster_chain", _CPP, cuda_sources=LAUNCH_CLUSTER + _CUDA + _BINDING,
+                           functions=["run"], extra_cuda_cflags=["-O3", "-arch=sm_90a"])
     return _ext
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from engines.bench.cluster_launch import LAUNCH_CLUSTER
+
 _CUDA = r"""
 #include <cooperative_groups.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -60,21 +62,8 @@ __global__ void stages(float* gbuf, float* out, int n, int mode) {
 
 void run(torch::Tensor gbuf, torch::Tensor out, int64_t blocks, int64_t n, int64_t mode) {
   const int smem = 2 * TILE * sizeof(float);
-  TORCH_CHECK(cudaFuncSetAttribute(stages, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
-  TORCH_CHECK(cudaFuncSetAttribute(stages, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks, 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = blocks;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, stages, gbuf.data_ptr<float>(), out.data_ptr<float>(), (int)n, (int)mode);
+  cudaError_t e = launch_cluster(stages, (int)blocks, THREADS, smem, at::cuda::getCurrentCUDAStream(),
+                                 gbuf.data_ptr<float>(), out.data_ptr<float>(), (int)n, (int)mode);
   TORCH_CHECK(e == cudaSuccess, "cluster launch of ", blocks, " blocks: ", cudaGetErrorString(e));
 }
 """
@@ -89,7 +78,7 @@ def _module():
     if _ext is None:
         from torch.utils.cpp_extension import load_inline
 
-        _ext = load_inline("moss_cluster_handoff", _CPP, cuda_sources=_CUDA, functions=["run"],
+        _ext = load_inline("moss_cluster_handoff", _CPP, cuda_sources=LAUNCH_CLUSTER + _CUDA, functions=["run"],
                            extra_cuda_cflags=["-O3", "-arch=sm_90"])
     return _ext
 
