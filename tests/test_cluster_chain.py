@@ -91,3 +91,16 @@ def test_run_refuses_what_the_kernel_does_not_offer(kw, msg):
     chain = Chain.build(stages, random_weights(stages), 32, torch.device("cpu"))
     with pytest.raises(ValueError, match=msg):
         chain.run(torch.zeros(32, 256, dtype=torch.bfloat16), **kw)
+
+
+def test_plan_fits_the_served_layouts_and_run_refuses_one_that_does_not():
+    from engines.bench.cluster_chain import SMEM_LIMIT, Chain
+
+    stages = estimator_stages()
+    chain = Chain.build(stages, random_weights(stages), 64, torch.device("cpu"))
+    max_slice, max_ld, _, copy, smem = chain.plan(2, "full")
+    assert max_slice == 256 * 1536 // CLUSTER  # qkv's slice; attention fetches no weights
+    assert max_ld == 1536 // CLUSTER and copy == 0 and smem <= SMEM_LIMIT
+    assert chain.plan(2, "gather")[3] == (2 + 64) * 1024  # ff2's whole input, pad rows included
+    with pytest.raises(ValueError, match="shared memory"):
+        chain.run(torch.zeros(64, 256, dtype=torch.bfloat16), nb=2, mode="gather")

@@ -13,13 +13,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="needs a Hopper GPU (thread-block clusters of 16)")
 
 
-def _check(stages, rows, nb, reps=1, seed=0):
+def _check(stages, rows, nb, reps=1, seed=0, mode="full"):
     from engines.bench.cluster_chain import Chain, random_weights, reference_chain
 
     weights = random_weights(stages, seed=seed)
     x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(seed)) * 0.5).to(torch.bfloat16)
     chain = Chain.build(stages, weights, rows, torch.device("cuda"))
-    got = chain.run(x.cuda(), reps=reps, nb=nb).cpu().float()
+    got = chain.run(x.cuda(), reps=reps, nb=nb, mode=mode).cpu().float()
     want = reference_chain(stages, weights, x, reps=reps).float()
     err = (got - want).abs()
     assert want.std() > 0.05  # (the chain does not collapse to a constant the kernel could match by accident)
@@ -34,7 +34,15 @@ def test_one_block_equals_the_reference(rows, nb):
     _check(estimator_stages(blocks=1, transformers=2), rows, nb)
 
 
-def test_a_whole_call_twice_over_equals_the_reference():  # (reps: the stage table wraps, the ring runs across it)
+@pytest.mark.parametrize("rows,nb", [(16, 2), (32, 2), (48, 1)])  # (what fits a block's shared memory)
+def test_one_block_gathered_equals_the_reference(rows, nb):  # (inputs copied into each block's memory first)
     from engines.bench.cluster_chain import estimator_stages
 
-    _check(estimator_stages(), 48, 2, reps=2)
+    _check(estimator_stages(blocks=1, transformers=2), rows, nb, mode="gather")
+
+
+@pytest.mark.parametrize("nb,mode", [(2, "full"), (1, "gather")])
+def test_a_whole_call_twice_over_equals_the_reference(nb, mode):  # (reps: the stage table wraps, the fetch across it)
+    from engines.bench.cluster_chain import estimator_stages
+
+    _check(estimator_stages(), 48, nb, reps=2, mode=mode)
