@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.service.messages import Sampling
+from engines.service.messages import Sampling, number_in
 
 
 class ProtocolError(Exception):
@@ -117,8 +117,7 @@ def _off(d: dict[str, Any], name: str, param: str, off_values: tuple[Any, ...]) 
 
 
 def _num(v: Any, param: str, lo: float, hi: float, *, integer: bool = False) -> Any:
-    ok_type = isinstance(v, int) if integer else isinstance(v, int | float)
-    if isinstance(v, bool) or not ok_type or not (lo <= v <= hi):
+    if not number_in(v, lo, hi, integer=integer):
         kind = "an integer" if integer else "a number"
         raise ProtocolError("invalid_value", f"{param} must be {kind} in [{lo:g}, {hi:g}], got {v!r}", param)
     return v

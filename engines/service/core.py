@@ -561,8 +561,7 @@ class Service:
             raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
         commit_in = msg.commit_in_ms
-        if commit_in is not None and (isinstance(commit_in, bool) or not isinstance(commit_in, (int, float))
-                                      or not 0 <= commit_in <= 60_000):
+        if commit_in is not None and not m.number_in(commit_in, 0, 60_000):
             raise ServiceError("invalid_request",
                                f"commit_in_ms must be a number of ms in [0, 60000], got {commit_in!r}")
         self._speech.append(s.session_id, pcm, quiet=bool(msg.quiet),

@@ -22,6 +22,13 @@ import msgpack
 Modality = Literal["audio", "text"]
 
 
+def number_in(v: Any, lo: float, hi: float, *, integer: bool = False) -> bool:
+    """A message field holds a number (an int where `integer`; never a bool, never NaN) within [lo, hi]: the one
+    check both sides apply to numeric fields (the server's protocol to the client's, the engine to the server's)."""
+    ok_type = isinstance(v, int) if integer else isinstance(v, int | float)
+    return not isinstance(v, bool) and ok_type and lo <= v <= hi
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Per-session sampling settings; fields mirror engines.api.SamplingParams (one value for both channels)."""
