@@ -68,6 +68,8 @@ QUIET_HOLD_SAMPLES = 16000
 COMMIT_LATE_S = 0.04
 # ... and no call of held audio waits for expected commits longer than this past its due time.
 HELD_GUARD_MAX_S = 0.1
+# The longest commit guard taken (--encoder-commit-guard-ms checks against it too).
+COMMIT_GUARD_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,8 @@ class EncoderWorker:
         `commit_thread`: commits on a thread of their own (needs `threaded`). `hold_quiet`: quiet audio waits for
         its commit (module doc). `commit_guard_s`: a call of held audio does not start while a commit is expected
         within this long (module doc; 0: off)."""
-        if not 0.0 <= commit_guard_s <= 1.0:
-            raise ValueError(f"commit_guard_s must be in [0, 1] s, got {commit_guard_s}")
+        if not 0.0 <= commit_guard_s <= COMMIT_GUARD_MAX_S:
+            raise ValueError(f"commit_guard_s must be in [0, {COMMIT_GUARD_MAX_S:g}] s, got {commit_guard_s}")
         if held_max < 0:
             raise ValueError(f"held_max must be >= 0, got {held_max}")
         if commit_thread and not threaded:

@@ -56,6 +56,7 @@ from engines.kv.sizing import GIB
 from engines.service import messages as m
 from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
+from engines.service.encoder_worker import COMMIT_GUARD_MAX_S
 from engines.service.spans import Spans
 from engines.service.stall_watch import StallWatch
 from engines.service.startup_memory import StartupMemory
@@ -339,8 +340,9 @@ def build_service(args: argparse.Namespace) -> Service:
     if getattr(args, "encoder_commit_thread", False) and not encoder_thread:
         raise ValueError("--encoder-commit-thread needs the encoder thread (--encoder-thread; the default on a GPU)")
     commit_guard_ms = getattr(args, "encoder_commit_guard_ms", 0.0)
-    if commit_guard_ms > 1000:
-        raise ValueError(f"--encoder-commit-guard-ms must be at most 1000, got {commit_guard_ms:g}")
+    if commit_guard_ms > COMMIT_GUARD_MAX_S * 1000:  # (EncoderWorker's bound, named by its option here)
+        raise ValueError(f"--encoder-commit-guard-ms must be at most {COMMIT_GUARD_MAX_S * 1000:g}, "
+                         f"got {commit_guard_ms:g}")
     if getattr(args, "encoder_tf32", False) and not on_gpu:
         raise ValueError(f"--encoder-tf32 needs a CUDA device (got --device {args.device})")
     if getattr(args, "held_audio_level", None) is not None and not on_gpu:
