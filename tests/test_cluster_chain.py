@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from engines.bench.cluster_chain import (
     CLUSTER,
+    SMEM_LIMIT,
+    Chain,
     Stage,
     check_stages,
     estimator_stages,
@@ -85,8 +87,6 @@ def test_reference_is_causal_over_rows():
 
 @pytest.mark.parametrize("kw, msg", [({"nb": 3}, "1 or 2"), ({"mode": "fast"}, "mode")])
 def test_run_refuses_what_the_kernel_does_not_offer(kw, msg):
-    from engines.bench.cluster_chain import Chain
-
     stages = estimator_stages(blocks=1, transformers=1)
     chain = Chain.build(stages, random_weights(stages), 32, torch.device("cpu"))
     with pytest.raises(ValueError, match=msg):
@@ -94,8 +94,6 @@ def test_run_refuses_what_the_kernel_does_not_offer(kw, msg):
 
 
 def test_plan_fits_the_served_layouts_and_run_refuses_one_that_does_not():
-    from engines.bench.cluster_chain import SMEM_LIMIT, Chain
-
     stages = estimator_stages()
     chain = Chain.build(stages, random_weights(stages), 64, torch.device("cpu"))
     max_slice, max_ld, _, copy, smem = chain.plan(2, "full")

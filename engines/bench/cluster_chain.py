@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -479,7 +480,7 @@ class Chain:
         return out.transpose(0, 1).reshape(r, CLUSTER * RESID)
 
 def main() -> None:
-    from engines.bench.hardware import device_name, measure_bandwidth, median
+    from engines.bench.hardware import device_name, measure_bandwidth, median, timed
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="32,48", help="rows a stage (batch 1 with CFG: 2 x 20 frames, padded to 48)")
@@ -510,15 +511,7 @@ def main() -> None:
                 except ValueError as e:  # (shared memory: the mode does not fit these rows and buffers)
                     line.append(f"{mode} -- ({e})")
                     continue
-                times = []
-                for _ in range(7):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    chain.run(x, reps=args.reps, nb=nb, mode=mode)
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                ms = median(times)
+                ms = 1e3 * median(timed(partial(chain.run, x, reps=args.reps, nb=nb, mode=mode), dev, repeats=7))
                 check = ""
                 if mode in ("full", "gather"):  # (the timing variants compute something else)
                     err = (out.cpu().float() - ref.float()).abs()
