@@ -56,7 +56,7 @@ from engines.kv.sizing import GIB
 from engines.service import messages as m
 from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
-from engines.service.encoder_worker import COMMIT_GUARD_MAX_S
+from engines.service.encoder_worker import COMMIT_GUARD_MAX_S, COMMIT_LATE_S, HELD_GUARD_MAX_S
 from engines.service.spans import Spans
 from engines.service.stall_watch import StallWatch
 from engines.service.startup_memory import StartupMemory
@@ -173,9 +173,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "urgent call: docs/PERF_NOTES.md, session 52)")
     p.add_argument("--encoder-commit-guard-ms", type=_non_negative_ms, default=0.0, metavar="MS",
                    help="a call of held user audio does not start while a commit is expected within MS (the server's "
-                        "VAD says when: the silence it still needs), nor until it comes (at most 40 ms late; the call "
-                        "waits at most 100 ms past its time), so that the commit need not wait for it (0: off; at most "
-                        "1000; 40 measured no better at 256 sessions on an H200: docs/PERF_NOTES.md, session 53)")
+                        f"VAD says when: the silence it still needs), nor until it comes (at most "
+                        f"{COMMIT_LATE_S * 1000:g} ms late; the call waits at most {HELD_GUARD_MAX_S * 1000:g} ms past "
+                        "its time), so that the "
+                        "commit need not wait for it (0: off; at most "
+                        f"{COMMIT_GUARD_MAX_S * 1000:g}; 40 measured no better at 256 sessions on an H200: "
+                        "docs/PERF_NOTES.md, session 53)")
     p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
                    help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
                         "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
