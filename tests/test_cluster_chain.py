@@ -13,10 +13,15 @@ from engines.bench.cluster_chain import (
     check_stages,
     estimator_stages,
     pack,
+    pack_fragments,
+    push_regions,
+    push_table,
     random_weights,
     reference_chain,
+    stage_label,
     table,
     unpack_stage,
+    warps_along_n,
 )
 
 
@@ -102,3 +107,76 @@ def test_plan_fits_the_served_layouts_and_run_refuses_one_that_does_not():
     assert chain.plan(2, "gather")[3] == (2 + 64) * 1024  # ff2's whole input, pad rows included
     with pytest.raises(ValueError, match="shared memory"):
         chain.run(torch.zeros(64, 256, dtype=torch.bfloat16), nb=2, mode="gather")
+
+
+def test_fragments_hold_each_lanes_b_operand_of_mma_m16n8k16():
+    stages = estimator_stages(blocks=1, transformers=1)
+    weights = random_weights(stages, seed=4)
+    flat, offsets = pack(stages, weights)
+    frag = pack_fragments(stages, flat, offsets)
+    for st, w, off in zip(stages, weights, offsets, strict=True):
+        if w is None:  # (attention reads no weights)
+            continue
+        nc = st.n // CLUSTER
+        f = frag[off:off + st.k * st.n].reshape(CLUSTER, st.k // 16, nc // 8, 32, 4)
+        wb = w.to(torch.bfloat16)
+        for b, ks, t8, lane in [(0, 0, 0, 0), (3, 5, nc // 8 - 1, 31), (15, st.k // 16 - 1, 1, 6)]:
+            # PTX: b0 = B[2q, 2q + 1][g], b1 = B[2q + 8, 2q + 9][g], g = lane / 4, q = lane % 4
+            g, q = lane // 4, lane % 4
+            col = b * nc + t8 * 8 + g
+            rows = [ks * 16 + 2 * q, ks * 16 + 2 * q + 1, ks * 16 + 2 * q + 8, ks * 16 + 2 * q + 9]
+            assert torch.equal(f[b, ks, t8, lane], wb[rows, col])
+
+
+@pytest.mark.parametrize("rows", [16, 32, 48, 64])
+def test_push_copies_of_neighbouring_stages_never_overlap(rows):
+    stages = estimator_stages()
+    regions = push_regions(stages, rows)
+    sizes = []
+    for st, (off, ld) in zip(stages, regions, strict=True):
+        width = st.cin if st.kind == "gemm" else 128 + st.n // CLUSTER  # q | k | this block's part of v
+        assert ld == width + 8 and off % 16 == 0  # (rows 16 bytes apart in the banks; 32-byte aligned tiles)
+        sizes.append((2 + rows) * ld)
+    for i in range(len(stages)):  # stage i's copy (read) and stage i + 1's (written by peers), wrapping around
+        j = (i + 1) % len(stages)
+        (a, _), (b, _) = regions[i], regions[j]
+        assert a + sizes[i] <= b or b + sizes[j] <= a, (i, j)
+
+
+def test_push_refuses_a_chain_that_cannot_wrap():
+    with pytest.raises(ValueError, match="wrap"):
+        push_regions([Stage("gemm", 256, 256)], 32)  # one stage: its copy is the next call's
+
+
+def test_push_table_points_each_stage_at_the_next_ones_copy():
+    stages = estimator_stages(blocks=2, transformers=2)
+    offsets = pack(stages, random_weights(stages))[1]
+    rec = push_table(stages, offsets, 32)
+    regions = push_regions(stages, 32)
+    assert rec.shape == (len(stages), 16) and torch.equal(rec[:, :8], table(stages, offsets))
+    for i, st in enumerate(stages):
+        nxt = (i + 1) % len(stages)
+        assert tuple(rec[i, 8:10].tolist()) == regions[i] and tuple(rec[i, 10:12].tolist()) == regions[nxt]
+        assert rec[i, 12].item() == int(stages[nxt].kind == "attn") == int(stage_label(st) == "qkv")
+        if stages[nxt].kind == "attn":
+            assert rec[i, 13].item() == 512 // CLUSTER
+
+
+def test_warp_splits_cover_each_gemm_within_the_scratch():
+    for st in estimator_stages(blocks=1, transformers=1):
+        if st.kind != "gemm":
+            continue
+        wn, nt8 = warps_along_n(st, 48), st.n // CLUSTER // 8
+        assert 8 % wn == 0 and nt8 % wn == 0 and nt8 // wn <= 4 and (8 // wn) * st.n // CLUSTER <= 192
+    with pytest.raises(ValueError, match="warp split"):
+        warps_along_n(Stage("gemm", 256, 16 * 8 * 5), 32)  # 5 n8 tiles a block
+
+
+def test_push_plan_fits_32_rows_with_two_buffers_48_with_one():
+    stages = estimator_stages()
+    w = random_weights(stages)
+    assert Chain.build(stages, w, 32, torch.device("cpu")).push_plan(2)[-1] <= SMEM_LIMIT
+    chain = Chain.build(stages, w, 48, torch.device("cpu"))
+    assert chain.push_plan(1)[-1] <= SMEM_LIMIT < chain.push_plan(2)[-1]
+    with pytest.raises(ValueError, match="shared memory"):
+        chain.run(torch.zeros(48, 256, dtype=torch.bfloat16), nb=2, mode="push")

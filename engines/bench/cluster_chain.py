@@ -22,10 +22,17 @@ kernel stores them): tests/gpu/test_cluster_chain_gpu.py checks the kernel again
 `python3 -m engines.bench.cluster_chain` (Hopper, nvcc) prints the time per stage and per solve next to the copy
 bandwidth floor of the weights measured in the same run.
 
-Measured (H200, session 54; docs/bench/cluster-chain-h200-s54.txt): the kernel matches the reference (a whole call at
-32 rows: max |diff| 0.0073, mean 0.001) but takes 12.0-12.7 us a stage, 37-39 ms for a solve's 10 calls against the
-served kernels' 9.6 ms; fetching the next stage's weights ahead saved 0.7 us a stage, so the time is the blocks' own
-work. Where it goes (the "local" and "no-math" variants) and the "gather" variant are not measured yet.
+Mode "push" (session 55) turns the exchange around: every block keeps its own copy of each stage's input, and the
+owner of an output slice stores it into the copies of the blocks that read it (16-byte `st.shared::cluster` stores
+posted before the barrier), so every read is local; its GEMMs run on `mma.sync` with the weights packed in fragment
+order and fetched by the tensor memory accelerator; `Chain.trace` reads block 0's clock at each stage's phases.
+
+Measured (H200, sessions 54-55; docs/bench/cluster-chain-*-h200-s5[45].txt, per stage of a 308-stage call, 32 rows,
+two weight buffers): peer tile loads ("full") 12.75 us, inputs gathered first ("gather") 9.05, "push" 5.88 against
+3.85 with the pushes skipped ("push-local"); the served kernels take ~3.1 us a stage (9.6 ms a solve). The pushes
+cost ~2 us a stage (stores ~14-17 GB/s per SM into the peers, the barrier's release ~0.5 us waiting for them), 2.9
+at 48 rows: more than the ~2.25 us a stage, all in, that a 10 ms chunk leaves the solve (docs/PERF_NOTES.md,
+session 55).
 """
 
 from __future__ import annotations
@@ -139,24 +146,11 @@ __device__ void gemm_stage(cg::cluster_group& cluster, const Stage& st, const bf
   __syncthreads();
 }
 
-// Causal attention of the head this block's output columns belong to: softmax(q k^T / sqrt(64)) v[:, mine].
-// q, k, v are the qkv stage's output (columns [0, 512), [512, 1024), [1024, 1536) over all blocks).
-__device__ void attn_stage(cg::cluster_group& cluster, const Stage& st, const bf16* in, bf16* copy, float* scratch,
-                           int R, int mode) {
-  const int ncols = st.n / C, kp = st.cin / C, MT = R / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int c0 = cluster.block_rank() * ncols, head = c0 / 64, half = c0 % 64;
-  // The columns this block reads: its head's q and k, its part of the head's v (a copy holds them side by side).
-  int qc = head * 64, kc = 512 + head * 64, vc = 1024 + head * 64 + half;
-  Input src{in, 0, kp, false};
-  if (mode == M_GATHER) {
-    const int ld = 128 + ncols;
-    gather(cluster, in, kp, PAD + R, qc, 64, copy, ld, 0);
-    gather(cluster, in, kp, PAD + R, kc, 64, copy, ld, 64);
-    gather(cluster, in, kp, PAD + R, vc, ncols, copy, ld, 128);
-    src = Input{copy, ld, kp, true};
-    qc = 0, kc = 64, vc = 128;
-    __syncthreads();
-  }
+// Causal attention of one head for this block's ncols of its v: softmax(q k^T / sqrt(64)) v[:, mine], q at column
+// qc, k at kc, the block's v at vc of `src`. Scores, probabilities and the output [R, ncols] go to `scratch`.
+__device__ void attention(cg::cluster_group& cluster, const Input& src, int qc, int kc, int vc, int ncols,
+                          float* scratch, int R, int mode) {
+  const int MT = R / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lda = ld_of(src);
   float* S = scratch;                                   // [R, R] scores
   bf16* P = reinterpret_cast<bf16*>(scratch + R * R);    // [R, R] probabilities
@@ -202,6 +196,27 @@ __device__ void attn_stage(cg::cluster_group& cluster, const Stage& st, const bf
     wmma::store_matrix_sync(O + mi * 16 * ncols + nt * 16, acc, ncols, wmma::mem_row_major);
   }
   __syncthreads();
+}
+
+// The attention stage of the head this block's output columns belong to; q, k, v are the qkv stage's output
+// (columns [0, 512), [512, 1024), [1024, 1536) over all blocks), read from their owners or gathered first.
+__device__ void attn_stage(cg::cluster_group& cluster, const Stage& st, const bf16* in, bf16* copy, float* scratch,
+                           int R, int mode) {
+  const int ncols = st.n / C, kp = st.cin / C;
+  const int c0 = cluster.block_rank() * ncols, head = c0 / 64, half = c0 % 64;
+  // The columns this block reads: its head's q and k, its part of the head's v (a copy holds them side by side).
+  int qc = head * 64, kc = 512 + head * 64, vc = 1024 + head * 64 + half;
+  Input src{in, 0, kp, false};
+  if (mode == M_GATHER) {
+    const int ld = 128 + ncols;
+    gather(cluster, in, kp, PAD + R, qc, 64, copy, ld, 0);
+    gather(cluster, in, kp, PAD + R, kc, 64, copy, ld, 64);
+    gather(cluster, in, kp, PAD + R, vc, ncols, copy, ld, 128);
+    src = Input{copy, ld, kp, true};
+    qc = 0, kc = 64, vc = 128;
+    __syncthreads();
+  }
+  attention(cluster, src, qc, kc, vc, ncols, scratch, R, mode);
 }
 
 // The whole chain, `reps` times over (the solve's Euler steps), in one launch of one cluster of C blocks.
@@ -277,6 +292,249 @@ __global__ void __launch_bounds__(THREADS) chain(const Stage* stages, int L, int
   const bf16* fin = act + ((total - 1) & 1) * buf_elems + PAD * ncols;
   for (int i = threadIdx.x; i < R * ncols; i += THREADS) out[rank * R * ncols + i] = fin[i];
 }
+
+// ---- mode "push": every block keeps its own copy of each stage's input; the owner of an output slice stores it
+// into the copies of every block that reads it (16-byte stores to the peers' shared memory, posted before the
+// barrier), so all reads of a stage are local; the GEMMs run on mma.sync with weights packed in fragment order.
+// A push stage: Stage's fields, then its input region (offset, row length) in the block's arena, the next stage's,
+// how the output goes there (0: every block, same columns; 1: an attention's q | k | v-part layout), the attention's
+// columns a block, warps along n.
+struct PStage { Stage b; int in_off, in_ld, nx_off, nx_ld, nx_kind, nx_acols, wn, pad; };
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// out[R, n / C] = causal-conv(in)[R, taps * cin] @ W. in: this block's copy of the whole input (rows of in_ld);
+// W: [k16 step][n8 tile][lane][4] (each lane's B fragment, 8 bytes). Warps: wn along the n8 tiles (NW each), 8 / wn
+// along the k steps (interleaved); partial sums [8 / wn, R, n / C] in scratch. MT (row tiles) and NW are template
+// arguments: with them known, a k step's fragment loads are unconditional and go out before its products.
+template <int MT, int NW>
+__device__ void mma_gemm_t(const PStage& st, const bf16* W, const bf16* in, float* scratch, int R) {
+  const int ncols = st.b.n / C, nt8 = ncols / 8, wn = st.wn, wk = WARPS / wn;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wni = warp % wn, wki = warp / wn;
+  const int kc = st.b.cin / 16;
+  float acc[MT][NW][4] = {};
+  for (int t = 0; t < st.b.taps; ++t) {  // (the causal taps: rows t - (taps - 1) above)
+    const bf16* arow = in + (PAD - (st.b.taps - 1 - t) + lane % 16) * st.in_ld + (lane / 16) * 8;
+    const uint2* wt = reinterpret_cast<const uint2*>(W + ((size_t)t * kc * nt8 + wni * NW) * 128) + lane;
+#pragma unroll 2
+    for (int kk = wki; kk < kc; kk += wk) {
+      unsigned a[MT][4];
+      uint2 b[NW];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) ldsm_x4(a[m], arow + m * 16 * st.in_ld + kk * 16);
+#pragma unroll
+      for (int j = 0; j < NW; ++j) b[j] = wt[kk * nt8 * 32 + j * 32];
+#pragma unroll
+      for (int j = 0; j < NW; ++j)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) mma16816(acc[m][j], a[m], b[j].x, b[j].y);
+    }
+  }
+  float* part = scratch + wki * R * ncols;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < NW; ++j) {
+      const int r = m * 16 + lane / 4, c = (wni * NW + j) * 8 + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(part + r * ncols + c) = make_float2(acc[m][j][0], acc[m][j][1]);
+      *reinterpret_cast<float2*>(part + (r + 8) * ncols + c) = make_float2(acc[m][j][2], acc[m][j][3]);
+    }
+  __syncthreads();
+}
+
+template <int MT>
+__device__ void mma_gemm_rows(const PStage& st, const bf16* W, const bf16* in, float* scratch, int R) {
+  switch (st.b.n / C / 8 / st.wn) {  // (n8 tiles a warp: 1-4, `warps_along_n`)
+    case 1: mma_gemm_t<MT, 1>(st, W, in, scratch, R); break;
+    case 2: mma_gemm_t<MT, 2>(st, W, in, scratch, R); break;
+    case 3: mma_gemm_t<MT, 3>(st, W, in, scratch, R); break;
+    default: mma_gemm_t<MT, 4>(st, W, in, scratch, R); break;
+  }
+}
+
+__device__ void mma_gemm(const PStage& st, const bf16* W, const bf16* in, float* scratch, int R) {
+  switch (R / 16) {  // (16-64 rows, `check_stages`)
+    case 1: mma_gemm_rows<1>(st, W, in, scratch, R); break;
+    case 2: mma_gemm_rows<2>(st, W, in, scratch, R); break;
+    case 3: mma_gemm_rows<3>(st, W, in, scratch, R); break;
+    default: mma_gemm_rows<4>(st, W, in, scratch, R); break;
+  }
+}
+
+// 16 bytes into block `d`'s shared memory at the place `mine` has in this block's (mapa + st.shared::cluster: no
+// generic addressing).
+__device__ __forceinline__ void st_peer(const bf16* mine, int d, uint4 v) {
+  unsigned a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(mine)), "r"(d));
+  asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// This block's output tile [R, ncols] (stile) into the next stage's input copies of the blocks that read it.
+__device__ void push_out(cg::cluster_group& cluster, const PStage& st, bf16* arena, const bf16* stile, int R) {
+  const int ncols = st.b.n / C, vecs = ncols / 8, rank = cluster.block_rank();
+  if (st.nx_kind == 0) {  // the next stage is a GEMM: every block reads every column
+    // A thread per (vector, group of destinations): one division per vector, then a store per destination.
+    const int items = R * vecs, G = THREADS / items > 1 ? THREADS / items : 1, g = threadIdx.x % G;
+    for (int i = threadIdx.x / G; i < items; i += THREADS / G) {
+      const int r = i / vecs, c = (i % vecs) * 8;
+      const uint4 v = *reinterpret_cast<const uint4*>(stile + r * ncols + c);
+      bf16* mine = arena + st.nx_off + (PAD + r) * st.nx_ld + rank * ncols + c;
+      for (int d = g; d < C; d += G) st_peer(mine, d, v);
+    }
+    return;
+  }
+  // The next stage is attention: q and k of head h go to its blocks (q | k at columns 0 | 64), v's columns to the
+  // block owning them (column 128 on).
+  const int inner = st.b.n / 3, ac = st.nx_acols, bph = 64 / ac;
+  for (int i = threadIdx.x; i < R * vecs; i += THREADS) {
+    const int r = i / vecs, c = (i % vecs) * 8, g = rank * ncols + c;
+    const uint4 v = *reinterpret_cast<const uint4*>(stile + r * ncols + c);
+    if (g < 2 * inner) {
+      const int part = g / inner, h = (g % inner) / 64, dc = part * 64 + g % 64;
+      for (int b = 0; b < bph; ++b) st_peer(arena + st.nx_off + (PAD + r) * st.nx_ld + dc, h * bph + b, v);
+    } else {
+      const int cc = g - 2 * inner;
+      st_peer(arena + st.nx_off + (PAD + r) * st.nx_ld + 128 + cc % ac, cc / ac, v);
+    }
+  }
+}
+
+// Mode "push"'s weights by the tensor memory accelerator: one thread asks for a stage's slice as one bulk copy that
+// completes on the buffer's mbarrier, which every thread then waits on (no warp issues 16-byte copies).
+__device__ __forceinline__ void bulk_fetch(bf16* dst, const bf16* src, int elems, unsigned long long* bar) {
+  const unsigned bytes = elems * 2;
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (generic reads of the buffer before it)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The chain in mode "push", `reps` times over. weights: `pack_fragments`' vector; x: [C, R, RESID] (every block
+// reads all of it: stage 0's input copy); out as `chain`'s. trace (or null): block 0's clock at each stage's start,
+// after its record is read and the next weights asked for, after its weights landed, after its products, after its
+// pushes ([total, 5]), then clock and global timer (ns) at the kernel's start and end.
+__global__ void __launch_bounds__(THREADS) chain_push(const PStage* stages, int L, int reps, const bf16* weights,
+                                                      const bf16* x, bf16* out, int R, int nb, int max_slice,
+                                                      int arena_elems, int stile_elems, int scratch_floats,
+                                                      int exchange, long long* trace) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = cluster.block_rank(), total = L * reps;
+  const bool tr = trace != nullptr && rank == 0 && threadIdx.x == 0;
+  if (tr) trace[5 * total] = clock64(), trace[5 * total + 1] = globaltimer();
+  bf16* wbuf = reinterpret_cast<bf16*>(smem);                        // [nb, max_slice]
+  bf16* arena = wbuf + nb * max_slice;                               // [arena_elems]: the stages' input copies
+  bf16* stile = arena + arena_elems;                                 // [R, n / C]: this block's output of a stage
+  float* scratch = reinterpret_cast<float*>(stile + stile_elems);    // [scratch_floats]
+  float* resid = scratch + scratch_floats;                           // [R, RESID]
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(resid + R * RESID);  // [2]: the buffers' mbarriers
+  PStage* recs = reinterpret_cast<PStage*>(bars + 2);  // [3]: the records of stages s, s + 1, s + 2 (slot s % 3)
+  if (threadIdx.x < 32)  // (stages 0 and 1)
+    reinterpret_cast<int*>(recs)[threadIdx.x] = reinterpret_cast<const int*>(stages + (threadIdx.x / 16) % L)[
+        threadIdx.x % 16];
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < nb; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(bars + b)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const PStage s0 = stages[0];
+  bf16* in0 = arena + s0.in_off;
+  for (int i = threadIdx.x; i < PAD * s0.in_ld; i += THREADS) in0[i] = __float2bfloat16(0.f);
+  for (int i = threadIdx.x; i < R * s0.b.cin; i += THREADS) {  // the whole input, every block
+    const int r = i / s0.b.cin, c = i % s0.b.cin;
+    in0[(PAD + r) * s0.in_ld + c] = x[(c / RESID) * R * RESID + r * RESID + c % RESID];
+  }
+  for (int i = threadIdx.x; i < R * RESID; i += THREADS) resid[i] = __bfloat162float(x[rank * R * RESID + i]);
+  for (int s = 0; s < nb - 1 && s < total && threadIdx.x == 0; ++s) {
+    const PStage st = stages[s % L];
+    const long long off = ((long long)st.b.w_hi << 32) | (unsigned)st.b.w_lo;
+    if (slice_elems(st.b)) bulk_fetch(wbuf + s * max_slice, weights + off + rank * slice_elems(st.b), slice_elems(st.b),
+                                      bars + s);
+  }
+  cluster.sync();  // (every block's memory is ready before a peer stores into it)
+  unsigned phases = 0;  // bit b: the parity of buffer b's next completion
+  for (int s = 0; s < total; ++s) {
+    if (tr) trace[5 * s] = clock64();
+    const PStage st = recs[s % 3];
+    // Stage s + 2's record, a word a thread, stored into its slot at the end of this stage: a global load right
+    // after the cluster barrier (an acquire: the L1 is dropped) costs ~0.9 us.
+    const int rec_word = threadIdx.x < 16 ? reinterpret_cast<const int*>(stages + (s + 2) % L)[threadIdx.x] : 0;
+    const int ahead = s + nb - 1;
+    if (ahead < total && threadIdx.x == 0) {  // its buffer's last reader was stage s - 1, ended by the barrier
+      const PStage sa = recs[ahead % 3];
+      const long long off = ((long long)sa.b.w_hi << 32) | (unsigned)sa.b.w_lo;
+      if (slice_elems(sa.b))
+        bulk_fetch(wbuf + (ahead % nb) * max_slice, weights + off + rank * slice_elems(sa.b), slice_elems(sa.b),
+                   bars + ahead % nb);
+    }
+    // The next stage's copy: its rows above the first stay zero (the convs' causal taps read them); peers store
+    // only below them, and its last reader was stage s - 1, ended by the barrier.
+    bf16* nx = arena + st.nx_off;
+    for (int i = threadIdx.x; i < PAD * st.nx_ld; i += THREADS) nx[i] = __float2bfloat16(0.f);
+    if (tr) trace[5 * s + 1] = clock64();
+    if (slice_elems(st.b)) {  // (each thread waits: the copy's bytes are visible to it once the phase completes)
+      bulk_wait(bars + s % nb, (phases >> (s % nb)) & 1);
+      phases ^= 1u << (s % nb);
+    }
+    if (tr) trace[5 * s + 2] = clock64();
+    const bf16* in = arena + st.in_off;
+    const int ncols = st.b.n / C;
+    const float* res;
+    int parts;
+    if (st.b.kind == K_GEMM) {
+      mma_gemm(st, wbuf + (s % nb) * max_slice, in, scratch, R);
+      parts = WARPS / st.wn;
+      res = scratch;
+    } else {
+      attention(cluster, Input{in, st.in_ld, 0, true}, 0, 64, 128, ncols, scratch, R, M_LOCAL);  // (a copy: local)
+      parts = 1;
+      res = scratch + R * R + R * R / 2;
+    }
+    if (tr) trace[5 * s + 3] = clock64();
+    for (int i = threadIdx.x; i < R * ncols; i += THREADS) {
+      float v = 0.f;
+      for (int g = 0; g < parts; ++g) v += res[g * R * ncols + i];
+      if (st.b.resid) v += resid[i];
+      if (st.b.act) v = tanhf(v);
+      if (st.b.resid) resid[i] = v;
+      stile[i] = __float2bfloat16(v);
+    }
+    __syncthreads();
+    if (s + 1 < total) {
+      if (exchange) push_out(cluster, st, arena, stile, R);  // (0: mode "push-local", a timing variant)
+    }
+    else
+      for (int i = threadIdx.x; i < R * ncols; i += THREADS) out[rank * R * ncols + i] = stile[i];
+    if (tr) trace[5 * s + 4] = clock64();
+    if (threadIdx.x < 16) reinterpret_cast<int*>(recs + (s + 2) % 3)[threadIdx.x] = rec_word;
+    cluster.sync();  // the pushes visible to their readers; this stage's input copy free to be overwritten
+  }
+  if (tr) trace[5 * total + 2] = clock64(), trace[5 * total + 3] = globaltimer();
+}
 """
 
 _BINDING = r"""
@@ -295,13 +553,32 @@ void run(torch::Tensor stages, torch::Tensor weights, torch::Tensor x, torch::Te
       R, (int)nb, (int)max_slice, (int)max_ld, (int)scratch_floats, (int)copy_elems, (int)mode);
   TORCH_CHECK(e == cudaSuccess, "cluster launch (", smem, " bytes of shared memory): ", cudaGetErrorString(e));
 }
+
+void run_push(torch::Tensor stages, torch::Tensor weights, torch::Tensor x, torch::Tensor out, torch::Tensor trace,
+              int64_t reps, int64_t nb, int64_t max_slice, int64_t arena, int64_t stile, int64_t scratch_floats,
+              int64_t exchange, int64_t stream) {
+  const int R = x.size(1), L = stages.size(0);
+  const size_t smem = (size_t)(nb * max_slice + arena + stile) * sizeof(bf16)
+                      + (size_t)(scratch_floats + R * RESID) * sizeof(float) + 2 * sizeof(unsigned long long)
+                      + 3 * 16 * sizeof(int);  // (the mbarriers, the stage records)
+  cudaError_t e = launch_cluster(chain_push, C, THREADS, smem, reinterpret_cast<cudaStream_t>(stream),
+      reinterpret_cast<const PStage*>(stages.data_ptr<int>()), L, (int)reps,
+      reinterpret_cast<const bf16*>(weights.data_ptr<at::BFloat16>()),
+      reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>()), reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()),
+      R, (int)nb, (int)max_slice, (int)arena, (int)stile, (int)scratch_floats, (int)exchange,
+      trace.numel() ? reinterpret_cast<long long*>(trace.data_ptr<int64_t>()) : nullptr);
+  TORCH_CHECK(e == cudaSuccess, "cluster launch (", smem, " bytes of shared memory): ", cudaGetErrorString(e));
+}
 """
 
 _CPP = ("void run(torch::Tensor stages, torch::Tensor weights, torch::Tensor x, torch::Tensor out, int64_t reps, "
         "int64_t nb, int64_t max_slice, int64_t max_ld, int64_t scratch_floats, int64_t copy_elems, int64_t mode, "
-        "int64_t stream);")
+        "int64_t stream);\n"
+        "void run_push(torch::Tensor stages, torch::Tensor weights, torch::Tensor x, torch::Tensor out, "
+        "torch::Tensor trace, int64_t reps, int64_t nb, int64_t max_slice, int64_t arena, int64_t stile, "
+        "int64_t scratch_floats, int64_t exchange, int64_t stream);")
 _ext = None
-MODES = {"full": 0, "local": 1, "no-math": 2, "gather": 3}
+MODES = {"full": 0, "local": 1, "no-math": 2, "gather": 3, "push": 4, "push-local": 5}  # (push*: their own kernel)
 
 
 @dataclass(frozen=True)
@@ -372,6 +649,60 @@ def pack(stages: list[Stage], weights: list[torch.Tensor | None]) -> tuple[torch
     return torch.cat(parts), offsets
 
 
+def pack_fragments(stages: list[Stage], flat: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """`pack`'s vector with each block's [K, n / C] slice reordered for mode "push": mma.sync B fragments
+    [K / 16, n / C / 8, 32 lanes, 4], lane 4 g + q holding column g of its n8 tile at k = 2q, 2q + 1, 2q + 8, 2q + 9
+    of the k step (PTX m16n8k16 .bf16), so a warp reads a fragment as 256 contiguous bytes."""
+    out = flat.clone()
+    for st, off in zip(stages, offsets, strict=True):
+        if st.kind != "gemm":
+            continue
+        nc = st.n // CLUSTER
+        sl = flat[off:off + st.k * st.n].reshape(CLUSTER, st.k // 16, 2, 4, 2, nc // 8, 8)  # [b, ks, h, q, p, t8, g]
+        out[off:off + st.k * st.n] = sl.permute(0, 1, 5, 6, 3, 2, 4).reshape(-1)
+    return out
+
+
+def push_regions(stages: list[Stage], rows: int) -> list[tuple[int, int]]:
+    """(offset, row length) of each stage's input copy in a block's arena (mode "push", elements). Two copies are
+    live at a time, a stage's (read) and the next one's (written by the peers), so consecutive stages' copies must not
+    overlap; neither may the last stage's and the first's (the next call's). Rows are 8 elements longer than the
+    input (16 bytes: an ldmatrix's 8 rows fall in different banks)."""
+    lds = [(st.cin if st.kind == "gemm" else 128 + st.n // CLUSTER) + 8 for st in stages]
+    sizes = [-(-(PAD + rows) * ld // 16) * 16 for ld in lds]  # (whole 32-byte units: wmma's tile alignment)
+    offs = [0]
+    for s in range(1, len(stages)):
+        offs.append(0 if sizes[s] <= offs[-1] else offs[-1] + sizes[s - 1])
+    if offs[-1] < sizes[0]:
+        raise ValueError("the last stage's input copy overlaps the first's: the chain cannot wrap in mode 'push'")
+    return list(zip(offs, lds, strict=True))
+
+
+def warps_along_n(st: Stage, rows: int) -> int:
+    """Mode "push": of the 8 warps, how many split a GEMM's n8 tiles (the rest split its k steps): the fewest that
+    leave a warp <= 4 tiles, its partial sums (8 / wn of [rows, n / C]) within rows x 192 floats (so that 48 rows fit
+    a block's shared memory)."""
+    nt8 = st.n // CLUSTER // 8
+    for wn in (1, 2, 4, 8):
+        if nt8 % wn == 0 and nt8 // wn <= 4 and (8 // wn) * (st.n // CLUSTER) <= 192:
+            return wn
+    raise ValueError(f"no warp split for a stage writing {st.n} columns")
+
+
+def push_table(stages: list[Stage], offsets: list[int], rows: int) -> torch.Tensor:
+    """[L, 16] int32: `table`'s records, then each stage's input copy, the next stage's and how the output goes there
+    (0: every block, 1: an attention's q | k | v-part), the attention's columns a block, warps along n."""
+    regions = push_regions(stages, rows)
+    base = table(stages, offsets)
+    extra = []
+    for i, st in enumerate(stages):
+        nxt = stages[(i + 1) % len(stages)]
+        wn = warps_along_n(st, rows) if st.kind == "gemm" else 1
+        extra.append([*regions[i], *regions[(i + 1) % len(stages)], int(nxt.kind == "attn"), nxt.n // CLUSTER, wn,
+                      0])
+    return torch.cat([base, torch.tensor(extra, dtype=torch.int32)], dim=1)
+
+
 def unpack_stage(flat: torch.Tensor, offset: int, st: Stage) -> torch.Tensor:
     """One stage's [K, n] weight back from `pack`'s vector (the kernel's view of it)."""
     sl = flat[offset:offset + st.k * st.n].reshape(CLUSTER, st.k, st.n // CLUSTER)
@@ -426,23 +757,39 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         _ext = load_inline("moss_cluster_chain", _CPP, cuda_sources=LAUNCH_CLUSTER + _CUDA + _BINDING,
-                           functions=["run"], extra_cuda_cflags=["-O3", "-arch=sm_90a"])
+                           functions=["run", "run_push"], extra_cuda_cflags=["-O3", "-arch=sm_90a"])
     return _ext
 
 
 @dataclass
 class Chain:
-    """A chain ready on the GPU: its table, packed weights and shared memory plan."""
+    """A chain ready on the GPU: its tables, packed weights and shared memory plan."""
     stages: list[Stage]
     table: torch.Tensor
     flat: torch.Tensor
     rows: int
+    push_table: torch.Tensor  # mode "push"'s records
+    fragments: torch.Tensor  # mode "push"'s weights (`pack_fragments`)
 
     @classmethod
     def build(cls, stages: list[Stage], weights: list[torch.Tensor | None], rows: int, device: torch.device) -> Chain:
         check_stages(stages, rows)
         flat, offsets = pack(stages, weights)
-        return cls(stages, table(stages, offsets).to(device), flat.to(device), rows)
+        flat = flat.to(device)
+        return cls(stages, table(stages, offsets).to(device), flat, rows,
+                   push_table(stages, offsets, rows).to(device), pack_fragments(stages, flat, offsets))
+
+    def push_plan(self, nb: int) -> tuple[int, int, int, int, int]:
+        """Mode "push": (max weight slice, arena, output tile and scratch elements, shared memory bytes)."""
+        r = self.rows
+        max_slice = max(st.k * st.n // CLUSTER for st in self.stages if st.kind == "gemm")
+        arena = max(off + -(-(PAD + r) * ld // 16) * 16 for off, ld in push_regions(self.stages, r))
+        stile = -(-r * max(st.n // CLUSTER for st in self.stages) // 16) * 16
+        gemm = max(8 // warps_along_n(st, r) * r * st.n // CLUSTER for st in self.stages if st.kind == "gemm")
+        attn = max((r * r + r * r // 2 + r * st.n // CLUSTER for st in self.stages if st.kind == "attn"), default=0)
+        scratch = -(-max(gemm, attn) // 32) * 32
+        smem = 2 * (nb * max_slice + arena + stile) + 4 * (scratch + r * RESID) + 16 + 192  # (mbarriers, records)
+        return max_slice, arena, stile, scratch, smem
 
     def plan(self, nb: int, mode: str) -> tuple[int, int, int, int, int]:
         """(max weight slice elements, max activation columns a block, scratch floats, input copy elements, shared
@@ -461,23 +808,78 @@ class Chain:
 
     def run(self, x: torch.Tensor, reps: int = 1, nb: int = 2, mode: str = "full") -> torch.Tensor:
         """x [R, 256] bf16 on the GPU -> the chain's output after `reps` passes, [R, 256] bf16. `mode`: "full"
-        (tiles read from their owners' shared memory) or "gather" (each stage first copies the input columns it
-        needs into the block's own memory); timing variants with wrong outputs: "local" reads every input part from
-        the block's own shared memory, "no-math" skips the products (weights still fetched, epilogue and barrier)."""
+        (tiles read from their owners' shared memory), "gather" (each stage first copies the input columns it
+        needs into the block's own memory) or "push" (each block stores its outputs into the input copies of the
+        blocks that read them; products on mma.sync); timing variants with wrong outputs: "local" reads every input
+        part from the block's own shared memory, "no-math" skips the products (weights still fetched, epilogue and
+        barrier), "push-local" skips the pushes."""
+        return self._run(x, reps, nb, mode, None)
+
+    def trace(self, x: torch.Tensor, reps: int = 1, nb: int = 2, mode: str = "push") -> tuple[torch.Tensor, float]:
+        """Mode "push" (or "push-local") with block 0's clock read at each stage's phases: [reps * L, 5] nanoseconds
+        a stage spends reading its record and asking for the next weights, waiting for its weights, in its products
+        (or attention), in its epilogue and pushes, at the cluster barrier; and the SM clock over the launch (GHz,
+        from the global timer)."""
+        total = reps * len(self.stages)
+        buf = torch.zeros(5 * total + 4, dtype=torch.int64, device=x.device)
+        self._run(x, reps, nb, mode, buf)
+        t = buf.cpu()
+        ns_per_clock = (t[-1] - t[-3]).item() / (t[-2] - t[-4]).item()
+        marks = t[:5 * total].reshape(total, 5)
+        ends = torch.cat([marks[1:, 0], t[-2:-1]])  # (the next stage's start; the kernel's end for the last)
+        spans = torch.cat([marks[:, 1:] - marks[:, :-1], (ends - marks[:, 4])[:, None]], dim=1)
+        return spans.double() * ns_per_clock, 1 / ns_per_clock
+
+    def _run(self, x: torch.Tensor, reps: int, nb: int, mode: str, trace: torch.Tensor | None) -> torch.Tensor:
         if nb not in (1, 2):  # (a second buffer saved 0.7 of 12 us a stage on an H200: a third is not offered)
             raise ValueError(f"nb (weight buffers) must be 1 or 2, got {nb}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-        max_slice, max_ld, scratch, copy, smem = self.plan(nb, mode)
+        if mode.startswith("push"):
+            max_slice, arena, stile, scratch, smem = self.push_plan(nb)
+        else:
+            max_slice, max_ld, scratch, copy, smem = self.plan(nb, mode)
         if smem > SMEM_LIMIT:
             raise ValueError(f"{self.rows} rows with {nb} weight buffers in mode {mode!r} need {smem} bytes of shared "
                              f"memory, a block has {SMEM_LIMIT}: fewer rows or one buffer")
         r = self.rows
         xs = x.reshape(r, CLUSTER, RESID).transpose(0, 1).contiguous()  # [C, R, 16]: each block's columns
         out = torch.empty_like(xs)
-        _module().run(self.table, self.flat, xs, out, reps, nb, max_slice, max_ld, scratch, copy, MODES[mode],
-                      torch.cuda.current_stream(x.device).cuda_stream)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if mode.startswith("push"):
+            no_trace = torch.empty(0, dtype=torch.int64, device=x.device)
+            _module().run_push(self.push_table, self.fragments, xs, out, no_trace if trace is None else trace, reps,
+                               nb, max_slice, arena, stile, scratch, int(mode == "push"), stream)
+        else:
+            _module().run(self.table, self.flat, xs, out, reps, nb, max_slice, max_ld, scratch, copy, MODES[mode],
+                          stream)
         return out.transpose(0, 1).reshape(r, CLUSTER * RESID)
+
+def stage_label(st: Stage) -> str:
+    if st.kind == "attn":
+        return "attn"
+    if st.taps > 1:
+        return "conv"
+    return {(256, 1536): "qkv", (512, 256): "out", (256, 1024): "ff1", (1024, 256): "ff2"}.get((st.cin, st.n), "gemm")
+
+
+def phase_split(stages: list[Stage], ns: torch.Tensor) -> str:
+    """`Chain.trace`'s phases, the launch's last call only (the first pays the launch): mean us a stage, all stages and
+    by kind."""
+    ns = ns[-len(stages):]
+    labels = [stage_label(st) for st in stages]
+    names = ("record", "weights", "math", "epilogue+push", "barrier")
+
+    def fmt(rows: torch.Tensor) -> str:
+        m = rows.mean(0) / 1e3
+        return " ".join(f"{n} {v:.2f}" for n, v in zip(names, m.tolist(), strict=True)) + f" = {m.sum():.2f}"
+
+    parts = [f"all {len(stages)}: {fmt(ns)}"]
+    for lab in dict.fromkeys(labels):
+        idx = [i for i, x in enumerate(labels) if x == lab]
+        parts.append(f"{lab} x{len(idx)}: {fmt(ns[idx])}")
+    return "; ".join(parts)
+
 
 def main() -> None:
     from engines.bench.hardware import device_name, measure_bandwidth, median, timed
@@ -485,7 +887,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="32,48", help="rows a stage (batch 1 with CFG: 2 x 20 frames, padded to 48)")
     ap.add_argument("--nb", default="1,2", help="weight buffers: 1 (no fetch ahead) or 2 (the next stage's)")
-    ap.add_argument("--modes", default="full,gather,local,no-math",
+    ap.add_argument("--modes", default="full,gather,local,no-math,push,push-local",
                     help=f"variants timed ({', '.join(MODES)}; Chain.run)")
     ap.add_argument("--reps", type=int, default=10, help="estimator calls a launch (a solve: 10 Euler steps)")
     ap.add_argument("--served-solve-ms", type=float, default=9.6,
@@ -513,11 +915,17 @@ def main() -> None:
                     continue
                 ms = 1e3 * median(timed(partial(chain.run, x, reps=args.reps, nb=nb, mode=mode), dev, repeats=7))
                 check = ""
-                if mode in ("full", "gather"):  # (the timing variants compute something else)
+                if mode in ("full", "gather", "push"):  # (the timing variants compute something else)
                     err = (out.cpu().float() - ref.float()).abs()
                     check = f", |diff| from the reference max {err.max():.4f} mean {err.mean():.5f}"
                 line.append(f"{mode} {ms:.3f} ms ({ms / args.reps / len(stages) * 1e3:.2f} us a stage{check})")
             print(" ".join(line) + f"; served solve {args.served_solve_ms} ms", flush=True)
+            for mode in (m for m in args.modes.split(",") if m.startswith("push")):
+                try:
+                    ns, ghz = chain.trace(x, 2, nb, mode)
+                except ValueError:  # (shared memory, printed above)
+                    continue
+                print(f"  {mode}, block 0's phases (us a stage, SM clock {ghz:.2f} GHz): {phase_split(stages, ns)}")
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,27 @@ def test_one_block_gathered_equals_the_reference(rows, nb):  # (inputs copied in
     _check(estimator_stages(blocks=1, transformers=2), rows, nb, mode="gather")
 
 
-@pytest.mark.parametrize("nb,mode", [(2, "full"), (1, "gather")])
+@pytest.mark.parametrize("rows,nb", [(16, 2), (32, 2), (32, 1), (48, 1)])  # (what fits a block's shared memory)
+def test_one_block_pushed_equals_the_reference(rows, nb):  # (outputs stored into the readers' copies; mma.sync)
+    from engines.bench.cluster_chain import estimator_stages
+
+    _check(estimator_stages(blocks=1, transformers=2), rows, nb, mode="push")
+
+
+def test_the_trace_splits_each_stage_into_its_phases():
+    from engines.bench.cluster_chain import Chain, estimator_stages, random_weights
+
+    stages = estimator_stages(blocks=1, transformers=2)
+    chain = Chain.build(stages, random_weights(stages), 32, torch.device("cuda"))
+    x = (torch.randn(32, 256) * 0.5).to(torch.bfloat16).cuda()
+    ns, ghz = chain.trace(x, reps=2, nb=2)
+    assert ns.shape == (2 * len(stages), 5) and (ns >= 0).all() and 0.3 < ghz < 3
+    per_stage = ns.sum(1)
+    assert 100 < per_stage.median() < 1e6  # (nanoseconds: a stage is between 0.1 us and 1 ms)
+    assert (ns[:, 2] > 0).all()  # every stage computes something
+
+
+@pytest.mark.parametrize("nb,mode", [(2, "full"), (1, "gather"), (1, "push")])
 def test_a_whole_call_twice_over_equals_the_reference(nb, mode):  # (reps: the stage table wraps, the fetch across it)
     from engines.bench.cluster_chain import estimator_stages
 
