@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(THREADS) chain_push(const PStage* stages, int 
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const PStage s0 = stages[0];
+  const PStage s0 = recs[0];
   bf16* in0 = arena + s0.in_off;
   for (int i = threadIdx.x; i < PAD * s0.in_ld; i += THREADS) in0[i] = __float2bfloat16(0.f);
   for (int i = threadIdx.x; i < R * s0.b.cin; i += THREADS) {  // the whole input, every block
@@ -469,8 +469,8 @@ __global__ void __launch_bounds__(THREADS) chain_push(const PStage* stages, int 
     in0[(PAD + r) * s0.in_ld + c] = x[(c / RESID) * R * RESID + r * RESID + c % RESID];
   }
   for (int i = threadIdx.x; i < R * RESID; i += THREADS) resid[i] = __bfloat162float(x[rank * R * RESID + i]);
-  for (int s = 0; s < nb - 1 && s < total && threadIdx.x == 0; ++s) {
-    const PStage st = stages[s % L];
+  for (int s = 0; s < nb - 1 && s < total && threadIdx.x == 0; ++s) {  // (nb <= 2: stage 0 at most)
+    const PStage st = recs[s];
     const long long off = ((long long)st.b.w_hi << 32) | (unsigned)st.b.w_lo;
     if (slice_elems(st.b)) bulk_fetch(wbuf + s * max_slice, weights + off + rank * slice_elems(st.b), slice_elems(st.b),
                                       bars + s);
@@ -524,11 +524,10 @@ __global__ void __launch_bounds__(THREADS) chain_push(const PStage* stages, int 
       stile[i] = __float2bfloat16(v);
     }
     __syncthreads();
-    if (s + 1 < total) {
-      if (exchange) push_out(cluster, st, arena, stile, R);  // (0: mode "push-local", a timing variant)
-    }
-    else
+    if (s + 1 == total)
       for (int i = threadIdx.x; i < R * ncols; i += THREADS) out[rank * R * ncols + i] = stile[i];
+    else if (exchange)  // (0: mode "push-local", a timing variant)
+      push_out(cluster, st, arena, stile, R);
     if (tr) trace[5 * s + 4] = clock64();
     if (threadIdx.x < 16) reinterpret_cast<int*>(recs + (s + 2) % 3)[threadIdx.x] = rec_word;
     cluster.sync();  // the pushes visible to their readers; this stage's input copy free to be overwritten
