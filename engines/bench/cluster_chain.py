@@ -108,6 +108,22 @@ __device__ __forceinline__ int slice_elems(const Stage& st) {
   return st.kind == K_GEMM ? st.taps * st.cin * (st.n / C) : 0;
 }
 
+// Block `rank`'s slice of a stage's weights in the packed vector (its offset split in two ints in the record).
+__device__ __forceinline__ const bf16* slice_of(const bf16* weights, const Stage& st, int rank) {
+  return weights + (((long long)st.w_hi << 32) | (unsigned)st.w_lo) + rank * slice_elems(st);
+}
+
+// A stage's epilogue, element i of this block's [R, n / C] output: its `parts` partial sums in res, the residual
+// stream added and carried (resid stages), the tanh; the value as stored (bf16).
+__device__ __forceinline__ bf16 finish(const Stage& st, const float* res, int parts, float* resid, int R, int i) {
+  float v = 0.f;
+  for (int g = 0; g < parts; ++g) v += res[g * R * (st.n / C) + i];
+  if (st.resid) v += resid[i];
+  if (st.act) v = tanhf(v);
+  if (st.resid) resid[i] = v;
+  return __float2bfloat16(v);
+}
+
 // The stage's GEMM: out[R, n / C] = causal-conv(in)[R, taps * cin] @ W; in read from its owners' shared memory.
 // Warps take output tiles; with fewer tiles than warps they split K and sum in `scratch`.
 __device__ void gemm_stage(cg::cluster_group& cluster, const Stage& st, const bf16* W, const bf16* in, bf16* copy,
@@ -147,8 +163,9 @@ __device__ void gemm_stage(cg::cluster_group& cluster, const Stage& st, const bf
 }
 
 // Causal attention of one head for this block's ncols of its v: softmax(q k^T / sqrt(64)) v[:, mine], q at column
-// qc, k at kc, the block's v at vc of `src`. Scores, probabilities and the output [R, ncols] go to `scratch`.
-__device__ void attention(cg::cluster_group& cluster, const Input& src, int qc, int kc, int vc, int ncols,
+// qc, k at kc, the block's v at vc of `src`. Scores, probabilities and the output [R, ncols] go to `scratch`;
+// returns where the output is.
+__device__ const float* attention(cg::cluster_group& cluster, const Input& src, int qc, int kc, int vc, int ncols,
                           float* scratch, int R, int mode) {
   const int MT = R / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lda = ld_of(src);
@@ -196,12 +213,13 @@ __device__ void attention(cg::cluster_group& cluster, const Input& src, int qc, 
     wmma::store_matrix_sync(O + mi * 16 * ncols + nt * 16, acc, ncols, wmma::mem_row_major);
   }
   __syncthreads();
+  return O;
 }
 
 // The attention stage of the head this block's output columns belong to; q, k, v are the qkv stage's output
 // (columns [0, 512), [512, 1024), [1024, 1536) over all blocks), read from their owners or gathered first.
-__device__ void attn_stage(cg::cluster_group& cluster, const Stage& st, const bf16* in, bf16* copy, float* scratch,
-                           int R, int mode) {
+__device__ const float* attn_stage(cg::cluster_group& cluster, const Stage& st, const bf16* in, bf16* copy,
+                                   float* scratch, int R, int mode) {
   const int ncols = st.n / C, kp = st.cin / C;
   const int c0 = cluster.block_rank() * ncols, head = c0 / 64, half = c0 % 64;
   // The columns this block reads: its head's q and k, its part of the head's v (a copy holds them side by side).
@@ -216,7 +234,7 @@ __device__ void attn_stage(cg::cluster_group& cluster, const Stage& st, const bf
     qc = 0, kc = 64, vc = 128;
     __syncthreads();
   }
-  attention(cluster, src, qc, kc, vc, ncols, scratch, R, mode);
+  return attention(cluster, src, qc, kc, vc, ncols, scratch, R, mode);
 }
 
 // The whole chain, `reps` times over (the solve's Euler steps), in one launch of one cluster of C blocks.
@@ -243,8 +261,7 @@ __global__ void __launch_bounds__(THREADS) chain(const Stage* stages, int L, int
   const int total = L * reps;
   for (int s = 0; s < nb - 1 && s < total; ++s) {
     const Stage st = stages[s % L];
-    const long long off = ((long long)st.w_hi << 32) | (unsigned)st.w_lo;
-    fetch_weights(wbuf + s * max_slice, weights + off + rank * slice_elems(st), slice_elems(st));
+    fetch_weights(wbuf + s * max_slice, slice_of(weights, st, rank), slice_elems(st));
   }
   cluster.sync();
   for (int s = 0; s < total; ++s) {
@@ -252,8 +269,7 @@ __global__ void __launch_bounds__(THREADS) chain(const Stage* stages, int L, int
     const int ahead = s + nb - 1;
     if (ahead < total) {  // its buffer's last reader was stage s - 1, ended by the barrier
       const Stage sa = stages[ahead % L];
-      const long long off = ((long long)sa.w_hi << 32) | (unsigned)sa.w_lo;
-      fetch_weights(wbuf + (ahead % nb) * max_slice, weights + off + rank * slice_elems(sa), slice_elems(sa));
+      fetch_weights(wbuf + (ahead % nb) * max_slice, slice_of(weights, sa, rank), slice_elems(sa));
     } else {
       asm volatile("cp.async.commit_group;" ::: "memory");
     }
@@ -273,18 +289,10 @@ __global__ void __launch_bounds__(THREADS) chain(const Stage* stages, int L, int
       parts = T >= WARPS ? 1 : WARPS / T;
       res = scratch;
     } else {
-      attn_stage(cluster, st, in, copy, scratch, R, mode);
+      res = attn_stage(cluster, st, in, copy, scratch, R, mode);
       parts = 1;
-      res = scratch + R * R + R * R / 2;
     }
-    for (int i = threadIdx.x; i < R * ncols; i += THREADS) {
-      float v = 0.f;
-      for (int g = 0; g < parts; ++g) v += res[g * R * ncols + i];
-      if (st.resid) v += resid[i];
-      if (st.act) v = tanhf(v);
-      if (st.resid) resid[i] = v;
-      dst[PAD * ncols + i] = __float2bfloat16(v);
-    }
+    for (int i = threadIdx.x; i < R * ncols; i += THREADS) dst[PAD * ncols + i] = finish(st, res, parts, resid, R, i);
     cluster.sync();  // this stage's outputs visible to the cluster; its inputs free to be overwritten
   }
   const Stage last = stages[(total - 1) % L];
@@ -471,9 +479,7 @@ __global__ void __launch_bounds__(THREADS) chain_push(const PStage* stages, int 
   for (int i = threadIdx.x; i < R * RESID; i += THREADS) resid[i] = __bfloat162float(x[rank * R * RESID + i]);
   for (int s = 0; s < nb - 1 && s < total && threadIdx.x == 0; ++s) {  // (nb <= 2: stage 0 at most)
     const PStage st = recs[s];
-    const long long off = ((long long)st.b.w_hi << 32) | (unsigned)st.b.w_lo;
-    if (slice_elems(st.b)) bulk_fetch(wbuf + s * max_slice, weights + off + rank * slice_elems(st.b), slice_elems(st.b),
-                                      bars + s);
+    if (slice_elems(st.b)) bulk_fetch(wbuf + s * max_slice, slice_of(weights, st.b, rank), slice_elems(st.b), bars + s);
   }
   cluster.sync();  // (every block's memory is ready before a peer stores into it)
   unsigned phases = 0;  // bit b: the parity of buffer b's next completion
@@ -486,9 +492,8 @@ __global__ void __launch_bounds__(THREADS) chain_push(const PStage* stages, int 
     const int ahead = s + nb - 1;
     if (ahead < total && threadIdx.x == 0) {  // its buffer's last reader was stage s - 1, ended by the barrier
       const PStage sa = recs[ahead % 3];
-      const long long off = ((long long)sa.b.w_hi << 32) | (unsigned)sa.b.w_lo;
       if (slice_elems(sa.b))
-        bulk_fetch(wbuf + (ahead % nb) * max_slice, weights + off + rank * slice_elems(sa.b), slice_elems(sa.b),
+        bulk_fetch(wbuf + (ahead % nb) * max_slice, slice_of(weights, sa.b, rank), slice_elems(sa.b),
                    bars + ahead % nb);
     }
     // The next stage's copy: its rows above the first stay zero (the convs' causal taps read them); peers store
@@ -510,19 +515,11 @@ __global__ void __launch_bounds__(THREADS) chain_push(const PStage* stages, int 
       parts = WARPS / st.wn;
       res = scratch;
     } else {
-      attention(cluster, Input{in, st.in_ld, 0, true}, 0, 64, 128, ncols, scratch, R, M_LOCAL);  // (a copy: local)
+      res = attention(cluster, Input{in, st.in_ld, 0, true}, 0, 64, 128, ncols, scratch, R, M_LOCAL);  // (local)
       parts = 1;
-      res = scratch + R * R + R * R / 2;
     }
     if (tr) trace[5 * s + 3] = clock64();
-    for (int i = threadIdx.x; i < R * ncols; i += THREADS) {
-      float v = 0.f;
-      for (int g = 0; g < parts; ++g) v += res[g * R * ncols + i];
-      if (st.b.resid) v += resid[i];
-      if (st.b.act) v = tanhf(v);
-      if (st.b.resid) resid[i] = v;
-      stile[i] = __float2bfloat16(v);
-    }
+    for (int i = threadIdx.x; i < R * ncols; i += THREADS) stile[i] = finish(st.b, res, parts, resid, R, i);
     __syncthreads();
     if (s + 1 == total)
       for (int i = threadIdx.x; i < R * ncols; i += THREADS) out[rank * R * ncols + i] = stile[i];
