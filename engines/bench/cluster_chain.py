@@ -659,13 +659,28 @@ def pack_fragments(stages: list[Stage], flat: torch.Tensor, offsets: list[int]) 
     return out
 
 
+def copy_width(st: Stage) -> int:
+    """The columns of a stage's input a block keeps in its own memory (modes "gather" and "push"): every column of a
+    GEMM's input; for attention its head's q and k and its part of v."""
+    return st.cin if st.kind == "gemm" else 128 + st.n // CLUSTER
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _copy_elems(rows: int, ld: int) -> int:
+    """A push copy's elements: its rows (pad rows included) in whole 32-byte units (wmma's tile alignment)."""
+    return _round_up((PAD + rows) * ld, 16)
+
+
 def push_regions(stages: list[Stage], rows: int) -> list[tuple[int, int]]:
     """(offset, row length) of each stage's input copy in a block's arena (mode "push", elements). Two copies are
     live at a time, a stage's (read) and the next one's (written by the peers), so consecutive stages' copies must not
     overlap; neither may the last stage's and the first's (the next call's). Rows are 8 elements longer than the
     input (16 bytes: an ldmatrix's 8 rows fall in different banks)."""
-    lds = [(st.cin if st.kind == "gemm" else 128 + st.n // CLUSTER) + 8 for st in stages]
-    sizes = [-(-(PAD + rows) * ld // 16) * 16 for ld in lds]  # (whole 32-byte units: wmma's tile alignment)
+    lds = [copy_width(st) + 8 for st in stages]
+    sizes = [_copy_elems(rows, ld) for ld in lds]
     offs = [0]
     for s in range(1, len(stages)):
         offs.append(0 if sizes[s] <= offs[-1] else offs[-1] + sizes[s - 1])
@@ -775,15 +790,22 @@ class Chain:
         return cls(stages, table(stages, offsets).to(device), flat, rows,
                    push_table(stages, offsets, rows).to(device), pack_fragments(stages, flat, offsets))
 
+    def _slice_and_attention(self) -> tuple[int, int]:
+        """What both kernels' layouts share: the largest weight slice a block fetches (attention reads none) and the
+        floats an attention stage's scores, probabilities and output take."""
+        r = self.rows
+        max_slice = max(st.k * st.n // CLUSTER for st in self.stages if st.kind == "gemm")
+        attn = max((r * r + r * r // 2 + r * st.n // CLUSTER for st in self.stages if st.kind == "attn"), default=0)
+        return max_slice, attn
+
     def push_plan(self, nb: int) -> tuple[int, int, int, int, int]:
         """Mode "push": (max weight slice, arena, output tile and scratch elements, shared memory bytes)."""
         r = self.rows
-        max_slice = max(st.k * st.n // CLUSTER for st in self.stages if st.kind == "gemm")
-        arena = max(off + -(-(PAD + r) * ld // 16) * 16 for off, ld in push_regions(self.stages, r))
-        stile = -(-r * max(st.n // CLUSTER for st in self.stages) // 16) * 16
+        max_slice, attn = self._slice_and_attention()
+        arena = max(off + _copy_elems(r, ld) for off, ld in push_regions(self.stages, r))
+        stile = _round_up(r * max(st.n // CLUSTER for st in self.stages), 16)
         gemm = max(8 // warps_along_n(st, r) * r * st.n // CLUSTER for st in self.stages if st.kind == "gemm")
-        attn = max((r * r + r * r // 2 + r * st.n // CLUSTER for st in self.stages if st.kind == "attn"), default=0)
-        scratch = -(-max(gemm, attn) // 32) * 32
+        scratch = _round_up(max(gemm, attn), 32)
         smem = 2 * (nb * max_slice + arena + stile) + 4 * (scratch + r * RESID) + 16 + 192  # (mbarriers, records)
         return max_slice, arena, stile, scratch, smem
 
@@ -791,14 +813,13 @@ class Chain:
         """(max weight slice elements, max activation columns a block, scratch floats, input copy elements, shared
         memory bytes) for `nb` weight buffers in `mode`; the kernel's layout (binding's `smem`)."""
         r = self.rows
-        max_slice = max(st.k * st.n // CLUSTER for st in self.stages if st.kind == "gemm")  # (attention reads none)
+        max_slice, attn = self._slice_and_attention()
         max_ld = max(st.n // CLUSTER for st in self.stages)
         gemm = max(max(r * st.n // CLUSTER, 8 * 256) for st in self.stages if st.kind == "gemm")
-        attn = max((r * r + r * r // 2 + r * st.n // CLUSTER for st in self.stages if st.kind == "attn"), default=0)
-        scratch = -(-max(gemm, attn) // 32) * 32  # (whole 128-byte lines: what follows stays aligned)
+        scratch = _round_up(max(gemm, attn), 32)  # (whole 128-byte lines: what follows stays aligned)
         copy = 0
-        if mode == "gather":  # every column of a GEMM's input; q, k and the block's part of v for attention
-            copy = (PAD + r) * max(st.cin if st.kind == "gemm" else 128 + st.n // CLUSTER for st in self.stages)
+        if mode == "gather":
+            copy = (PAD + r) * max(copy_width(st) for st in self.stages)
         smem = 2 * (nb * max_slice + 2 * (PAD + r) * max_ld + copy) + 4 * (scratch + r * RESID)
         return max_slice, max_ld, scratch, copy, smem
 
@@ -850,6 +871,7 @@ class Chain:
             _module().run(self.table, self.flat, xs, out, reps, nb, max_slice, max_ld, scratch, copy, MODES[mode],
                           stream)
         return out.transpose(0, 1).reshape(r, CLUSTER * RESID)
+
 
 def stage_label(st: Stage) -> str:
     if st.kind == "attn":
