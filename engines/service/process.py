@@ -175,8 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a call of held user audio does not start while a commit is expected within MS (the server's "
                         f"VAD says when: the silence it still needs), nor until it comes (at most "
                         f"{COMMIT_LATE_S * 1000:g} ms late; the call waits at most {HELD_GUARD_MAX_S * 1000:g} ms past "
-                        "its time), so that the "
-                        "commit need not wait for it (0: off; at most "
+                        "its time), so that the commit need not wait for it (0: off; at most "
                         f"{COMMIT_GUARD_MAX_S * 1000:g}; 40 measured no better at 256 sessions on an H200: "
                         "docs/PERF_NOTES.md, session 53)")
     p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",

@@ -202,9 +202,8 @@ def run(args: argparse.Namespace) -> int:
     batches = [] if args.commit_beside else [int(x) for x in args.batches.split(",")]  # (--commit-beside: instead)
     enc.reserve(max(batches + [args.commit_beside + 1]))  # before the graphs: a growth of the KV pool retires them
     res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "tf32": args.tf32,
-           "piece_ms": args.piece_ms,
-           "held": args.held, "gil_busy": args.gil_busy, "graphs": 0, f"ms_per_{args.piece_ms}ms": {},
-           "cpu_ms": {}, "gpu_wait_ms": {}}
+           "piece_ms": args.piece_ms, "held": args.held, "gil_busy": args.gil_busy, "graphs": 0,
+           f"ms_per_{args.piece_ms}ms": {}, "cpu_ms": {}, "gpu_wait_ms": {}}
     if args.graphs:
         t0 = time.perf_counter()
         res["graphs"] = enc.capture_graphs(held_max_batch=args.held_graphs)
