@@ -2,10 +2,10 @@
 # GPU capacity run: server with full-size random weights + capacity sweep against it (run from repo root).
 # The vocoder is HiFT (CUDA graphs) unless CAP_VOCODER=bigvgan (the bigvgan package's generator, eager).
 # CAP_WORKERS: server processes (default 4: one process's loop fell behind real time from ~140 sessions on an H200
-# host, VAD commits 1.6 s late at 172; docs/PERF_NOTES.md, session 19).
+# host, VAD commits 1.6 s late at 172; docs/operations.md, Workers).
 # CAP_KV_GIB: the language model's KV pool in GiB (default auto: what the GPU has free after the codec and the
-# weights, less a headroom; runs up to session 20 gave 24).
-# CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--no-first-lane", "--codec-sms 32 --codec-sms-only").
+# weights, less a headroom).
+# CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--fp8-weights --encoder-tf32").
 # MOSS_TUNING_FILE=PATH (passed on to the engine): serve the GEMM tilings kept in PATH, so both servers of an A/B pair
 # run the same tilings; the engine tunes and adds the shapes the file lacks. Without it the shipped picks
 # (engines/kernels/tunings.json: the fastest of four starts on an H100 by `gpu_tuning_pick.sh`) serve where they have

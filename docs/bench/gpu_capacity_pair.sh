@@ -4,16 +4,16 @@
 # (engine start 70-165 s, then the level), so two fit one call; run the reverse order in the next call for ABBA.
 #   PAIR_ORDER="A B"          the runs, by label (a label may repeat: "A B A")
 #   PAIR_A / PAIR_B ...       environment of that label's server, e.g. "MOSS_TUNING_FILE=/tmp/tuning.json"
-#   PAIR_A_ARGS ...           engine options of that label's server, after CAP_ENGINE_ARGS (e.g. "--held-audio-level 1")
+#   PAIR_A_ARGS ...           engine options of that label's server, after CAP_ENGINE_ARGS (e.g. "--encoder-tf32")
 #   PAIR_A_TREE ...           run that label from another tree (a directory holding an older checkout's engines/,
 #                             server/, moss_speech/, client_web/ and docs/bench/, e.g. `git archive` into .probe/old);
 #                             its .whl and the load test's speech sample are taken from this tree
 #   PAIR_LEVEL (136), CAP_ENGINE_ARGS, CAP_LEVEL_S (45): as in gpu_capacity.sh
 #   PAIR_DRY=1                print each run's command instead of running it
 #   MOSS_LOG_LEVEL=info       the engine logs each answer's stage marks: printed per run (docs/bench/stage_marks.py)
-# A fresh machine's first run compiles the Triton kernels (H200, session 47: ~256 s for that run against ~160 s for
+# A fresh machine's first run compiles the Triton kernels (H200, 2026-11-28: ~256 s for that run against ~160 s for
 # the next), so plan three runs per call at most.
-# Example, the shipped tilings against tilings tuned at start (docs/PERF_NOTES.md, sessions 39-40):
+# Example, the shipped tilings against tilings tuned at start:
 #   PAIR_ORDER="A B" PAIR_A="" PAIR_B="MOSS_TUNING_FILE=none" \
 #     CAP_ENGINE_ARGS="--fp8-weights --fp8-only" bash docs/bench/gpu_capacity_pair.sh
 # Writes $OUT/capacity-<label>-<n>.json and the server's log $OUT/server-<label>-<n>.log.gz per run and prints each

@@ -1,6 +1,6 @@
 """The engine's "load parts" lines (every 5 s at MOSS_LOG_LEVEL=info: each part's count, mean and max) summed over a
 whole run, one column per log: how many encoder calls, codec rounds and first-chunk rounds a run made and how long
-they took. A pair's runs differ in these where the stage marks only show their effect (session 52: a tree that made
+they took. A pair's runs differ in these where the stage marks only show their effect (2026-11-29: a tree that made
 ~10% more commit calls and first-chunk rounds for the same turns).
 
     python3 docs/bench/load_parts.py server-A-1.log.gz server-B-2.log.gz [--parts "encode,encode commits"]
