@@ -132,18 +132,6 @@ def test_load_log_names_the_codec_solves_and_their_padding():
     assert _solves("playing", [object()]) == ""  # a decoder without counts (a test's fake)
 
 
-def test_held_audio_level_is_checked_and_needs_a_gpu(capsys):
-    p, base = _parser(), TINY
-    assert p.parse_args(base).held_audio_level is None  # the least priority, as before
-    assert p.parse_args(base + ["--held-audio-level", "1"]).held_audio_level == 1
-    for bad in ("-1", "model"):
-        with pytest.raises(SystemExit):
-            p.parse_args(base + ["--held-audio-level", bad])
-        assert "--held-audio-level" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--held-audio-level needs a CUDA device"):
-        build_service(p.parse_args(base + ["--held-audio-level", "0"]))
-
-
 def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
     p, base = _parser(), TINY
     assert p.parse_args(base).encoder_held_graphs == 0  # off: held steps past 8 sessions run eagerly, as before
@@ -184,13 +172,6 @@ def test_encoder_commit_guard_reaches_the_worker_and_is_bounded(capsys):
     with pytest.raises(ValueError, match="--encoder-commit-guard-ms must be at most 1000, got 1500"):
         build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "1500"]))
     assert build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "40"]))._speech.commit_guard_s == 0.04
-
-
-def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
-    from engines.codec.encoder import SpeechEncoder
-
-    with pytest.raises(ValueError, match="CUDA device"):
-        SpeechEncoder.load("tiny-random").set_held_level(1)
 
 
 def test_encoder_tf32_needs_a_gpu_and_reaches_the_speech_encoder(monkeypatch):

@@ -187,11 +187,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cores instead of at float32 accuracy (3xTF32): ~3x less tensor-core work in its calls, other "
                         "numerics than float32 (features within ~3e-3 of their scale; streamed codes still equal "
                         "whole-utterance codes)")
-    p.add_argument("--held-audio-level", type=_int_at_least(0), default=None, metavar="N",
-                   help="on a GPU, run the speech encoder's calls of held user audio (audio still being spoken) N "
-                        "CUDA priority levels below the most urgent (0: the commits' level, 1: the language model's) "
-                        "instead of the least, so that under load they are not starved and a commit waits less for "
-                        "the one in flight")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
@@ -251,8 +246,6 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
         vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
     with memory.part("the speech encoder"):
         encoder = SpeechEncoder.load(args.codec, device=args.device, tf32=getattr(args, "encoder_tf32", False))
-    if getattr(args, "held_audio_level", None) is not None:
-        encoder.set_held_level(args.held_audio_level)
     if on_gpu:
         # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
         # engine loop for the allocation and copy.
@@ -347,8 +340,6 @@ def build_service(args: argparse.Namespace) -> Service:
                          f"got {commit_guard_ms:g}")
     if getattr(args, "encoder_tf32", False) and not on_gpu:
         raise ValueError(f"--encoder-tf32 needs a CUDA device (got --device {args.device})")
-    if getattr(args, "held_audio_level", None) is not None and not on_gpu:
-        raise ValueError(f"--held-audio-level needs a CUDA device (got --device {args.device})")
     round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000
     if (getattr(args, "codec_round_max", None) is not None and args.codec != "none" and _first_lane_on(args, on_gpu)
             and round_period_s > 0):

@@ -70,19 +70,6 @@ def test_step_graphs_equal_eager_steps(enc):
         torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
 
 
-def test_held_audio_on_a_chosen_priority_level_gives_the_same_codes():
-    """--held-audio-level: the held calls' stream is at that level (not the least), and the worker's codes are still
-    one stream's alone."""
-    from engines.partition import level
-    from tests.test_encoder_worker import test_codes_equal_one_stream_alone_and_the_commit_comes_last as same_codes
-
-    mine = SpeechEncoder.load("tiny-random", device="cuda")
-    least = level(mine.bulk_stream)
-    mine.set_held_level(1)
-    assert level(mine.bulk_stream) == 1 < least
-    same_codes(mine, True)
-
-
 def test_held_graphs_equal_eager_steps(enc):
     """--encoder-held-graphs: held steps of 9 to N streams replay graphs captured on the least priority, with the
     eager steps' codes; urgent steps of as many streams stay eager."""

@@ -185,16 +185,6 @@ class SpeechEncoder:
         with self.lock:
             self.runner.release(state)
 
-    def set_held_level(self, level: int) -> None:
-        """Held audio's calls (`batch(urgent=False)`) on a new stream `level` priority levels below the most urgent,
-        instead of the least (clamped there). Before serving: a call in flight keeps its stream."""
-        if self.device.type != "cuda":
-            raise ValueError("a held-audio priority needs a CUDA device")
-        if level < 0:
-            raise ValueError(f"a priority level counts down from the most urgent (0), got {level}")
-        with self.lock:
-            self.bulk_stream = driver_stream(self.device, level=level)
-
     def _on_stream(self, urgent: bool = True) -> contextlib.AbstractContextManager:
         """Encoder work and the state it keeps go on the encoder's stream (when it has one)."""
         stream = self.stream if urgent else self.bulk_stream
