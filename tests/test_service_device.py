@@ -132,15 +132,6 @@ def test_load_log_names_the_codec_solves_and_their_padding():
     assert _solves("playing", [object()]) == ""  # a decoder without counts (a test's fake)
 
 
-def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
-    p, base = _parser(), TINY
-    assert p.parse_args(base).encoder_held_graphs == 0  # off: held steps past 8 sessions run eagerly, as before
-    with pytest.raises(ValueError, match="--encoder-held-graphs 8: steps of up to 8 streams already replay graphs"):
-        build_service(p.parse_args(base + ["--encoder-held-graphs", "8"]))
-    with pytest.raises(ValueError, match="--encoder-held-graphs 64 needs the encoder's CUDA graphs"):
-        build_service(p.parse_args(base + ["--encoder-held-graphs", "64"]))
-
-
 def test_encoder_held_max_reaches_the_encoder_worker(capsys):
     p, base = _parser(), TINY
     assert p.parse_args(base).encoder_held_max == 0  # every session holding audio in one call, as before

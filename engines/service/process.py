@@ -178,10 +178,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its time), so that the commit need not wait for it (0: off; at most "
                         f"{COMMIT_GUARD_MAX_S * 1000:g}; 40 measured no better at 256 sessions on an H200: "
                         "docs/PERF_NOTES.md, session 53)")
-    p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
-                   help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
-                        "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
-                        "~300 torch calls giving up the GIL under load)")
     p.add_argument("--encoder-tf32", action="store_true",
                    help="on a GPU, run the speech encoder's float32 products (its GEMMs and attention) on TF32 tensor "
                         "cores instead of at float32 accuracy (3xTF32): ~3x less tensor-core work in its calls, other "
@@ -255,7 +251,7 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
             encoder.reserve(n)
         if getattr(args, "encoder_graphs", True):  # after the reserve: a growth of the KV pool retires them
             with memory.part("the speech encoder's CUDA graphs"):
-                encoder.capture_graphs(held_max_batch=getattr(args, "encoder_held_graphs", 0))
+                encoder.capture_graphs()
     # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
     # in bf16, the encoder's float32 matmuls on TF32.
     with codec_home:
@@ -286,7 +282,6 @@ def _first_lane_on(args: argparse.Namespace, on_gpu: bool) -> bool:
 
 
 def build_service(args: argparse.Namespace) -> Service:
-    from engines.codec.encoder.graphs import check_held_max_batch
     from engines.config import ConfigError, EngineConfig, model_config_for
     from engines.engine import Engine
     from engines.kv.sizing import thin_pool_warning
@@ -326,11 +321,6 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-sms-only needs --codec-sms N")
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
-    held_graphs = getattr(args, "encoder_held_graphs", 0)
-    check_held_max_batch("--encoder-held-graphs", held_graphs)
-    if held_graphs and not (on_gpu and getattr(args, "encoder_graphs", True)):
-        raise ValueError(f"--encoder-held-graphs {held_graphs} needs the encoder's CUDA graphs (a CUDA device, "
-                         f"without --no-encoder-graphs; got --device {args.device})")
     encoder_thread = on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread
     if getattr(args, "encoder_commit_thread", False) and not encoder_thread:
         raise ValueError("--encoder-commit-thread needs the encoder thread (--encoder-thread; the default on a GPU)")

@@ -70,24 +70,10 @@ def test_step_graphs_equal_eager_steps(enc):
         torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
 
 
-def test_held_graphs_equal_eager_steps(enc):
-    """--encoder-held-graphs: held steps of 9 to N streams replay graphs captured on the least priority, with the
-    eager steps' codes; urgent steps of as many streams stay eager."""
-    from engines.partition import is_urgent
-    from tests.test_codec_encoder import held_bucket_steps
-
-    g = SpeechEncoder.load("tiny-random", device="cuda")
-    g.reserve(20)
-    assert g.capture_graphs(2, held_max_batch=24) == 2 * 7 * 11 + 2 * 7 * 11  # urgent 1-2 streams; held 16, 24
-    assert is_urgent(g.runner.graphs.stream) and not is_urgent(g.runner.held_graphs.stream)
-    held_bucket_steps(g, enc)
-
-
-@pytest.mark.parametrize("held_graphs", [0, 24])
-def test_commits_beside_held_calls_on_two_threads_equal_each_session_alone(enc, held_graphs):
+def test_commits_beside_held_calls_on_two_threads_equal_each_session_alone(enc):
     """The encoder worker with a commit thread (--encoder-commit-thread): commits (urgent graphs, the high-priority
     stream; each session's last 0.3 s quiet, held back for them) run while calls of many sessions' held audio (eager,
-    or held graphs: the least-priority stream) are in flight on the other thread, their kernels on the GPU at once;
+    the least-priority stream) are in flight on the other thread, their kernels on the GPU at once;
     every session's codes equal its audio alone."""
     import contextlib
     import time
@@ -100,7 +86,7 @@ def test_commits_beside_held_calls_on_two_threads_equal_each_session_alone(enc, 
 
     g = SpeechEncoder.load("tiny-random", device="cuda")
     g.reserve(24)
-    g.capture_graphs(4, held_max_batch=held_graphs)
+    g.capture_graphs(4)
     lane, most = g._lane, [0]
 
     @contextlib.contextmanager

@@ -31,7 +31,6 @@ import torch
 
 from engines.bench.hardware import device_name, median, sync
 from engines.codec.encoder import SpeechEncoder
-from engines.codec.encoder.graphs import check_held_max_batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,9 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for steps of up to 8 streams")
     p.add_argument("--tf32", action="store_true", help="float32 products on TF32 (the engine's --encoder-tf32)")
     p.add_argument("--held", action="store_true", help="steps on the lowest-priority stream, as held audio's")
-    p.add_argument("--held-graphs", type=int, default=0, metavar="N",
-                   help="with --graphs: held steps of 9 to N streams replay graphs too (the engine's "
-                        "--encoder-held-graphs)")
     p.add_argument("--gil-busy", action="store_true", help="a thread running Python beside the timed steps")
     p.add_argument("--commit-beside", type=int, default=0, metavar="N",
                    help="time commits while a thread steps N streams' held audio (module doc)")
@@ -188,12 +184,6 @@ def commit_beside(enc: SpeechEncoder, held: int, args: argparse.Namespace, rng: 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
-    if args.held_graphs and not args.graphs:
-        raise SystemExit("--held-graphs needs --graphs")
-    try:
-        check_held_max_batch("--held-graphs", args.held_graphs)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
     try:
         enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype, tf32=args.tf32)
     except ValueError as e:  # --tf32 without float32 on CUDA
@@ -206,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
            f"ms_per_{args.piece_ms}ms": {}, "cpu_ms": {}, "gpu_wait_ms": {}}
     if args.graphs:
         t0 = time.perf_counter()
-        res["graphs"] = enc.capture_graphs(held_max_batch=args.held_graphs)
+        res["graphs"] = enc.capture_graphs()
         print(f"{res['graphs']} step graphs captured in {time.perf_counter() - t0:.1f} s")
     if args.commit_beside:
         with gil_busy(args.gil_busy):

@@ -160,24 +160,18 @@ class SpeechEncoder:
                 self._busy.discard(lane)
                 self._lanes.notify_all()
 
-    def capture_graphs(self, max_batch: int = 8, held_max_batch: int = 0) -> int:
-        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs, urgent), then the
-        kernels that bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs).
-        `held_max_batch` > max_batch: held audio's steps (`batch(urgent=False)`) of more streams, up to that many,
-        replay graphs of their own too (graphs.HELD_BATCHES, captured on the least priority). Returns how many graphs
-        were captured."""
+    def capture_graphs(self, max_batch: int = 8) -> int:
+        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs), then the kernels that
+        bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs). Returns how many
+        graphs were captured."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         from engines.codec.encoder.graphs import StepGraphs
 
-        held = StepGraphs.held(self.runner, held_max_batch, max_batch) if held_max_batch else None
         with self._no_calls(), self.lock, self._on_stream(), float32_matmuls(self.runner.tf32):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs
-            if held is not None:
-                n += held.capture()
-                self.runner.held_graphs = held
             self.runner.warm_kernels()
         return n
 
@@ -307,7 +301,7 @@ class EncoderBatch:
         while more:
             limits = np.asarray([seg - s.trunk.mel_in_segment for s in streams], dtype=np.int64)
             counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams], pcms,
-                                                       limits, self.urgent)
+                                                       limits)
             pcms = [none] * len(streams)
             if ids is not None:
                 t0 = time.perf_counter()
