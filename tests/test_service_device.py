@@ -132,39 +132,6 @@ def test_load_log_names_the_codec_solves_and_their_padding():
     assert _solves("playing", [object()]) == ""  # a decoder without counts (a test's fake)
 
 
-def test_encoder_held_max_reaches_the_encoder_worker(capsys):
-    p, base = _parser(), TINY
-    assert p.parse_args(base).encoder_held_max == 0  # every session holding audio in one call, as before
-    with pytest.raises(SystemExit):
-        p.parse_args(base + ["--encoder-held-max", "-2"])
-    assert "--encoder-held-max" in capsys.readouterr().err
-    assert build_service(p.parse_args(base + ["--encoder-held-max", "32"]))._speech.held_max == 32
-
-
-def test_encoder_commit_thread_reaches_the_worker_and_needs_the_encoder_thread():
-    p, base = _parser(), TINY
-    with pytest.raises(ValueError, match="--encoder-commit-thread needs the encoder thread"):
-        build_service(p.parse_args(base + ["--encoder-commit-thread"]))  # (no encoder thread on the CPU by default)
-    svc = build_service(p.parse_args(base + ["--encoder-thread", "--encoder-commit-thread"]))
-    assert sorted(t.name for t in svc._speech._threads) == ["encoder-worker", "encoder-worker-commits"]
-    plain = build_service(p.parse_args(base + ["--encoder-thread"]))
-    assert [t.name for t in plain._speech._threads] == ["encoder-worker"]
-    for service in (svc, plain):
-        service._speech.close()
-        service._codec.close()
-
-
-def test_encoder_commit_guard_reaches_the_worker_and_is_bounded(capsys):
-    p, base = _parser(), TINY
-    assert p.parse_args(base).encoder_commit_guard_ms == 0.0  # off by default
-    with pytest.raises(SystemExit):
-        p.parse_args(base + ["--encoder-commit-guard-ms", "-5"])
-    assert "--encoder-commit-guard-ms" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--encoder-commit-guard-ms must be at most 1000, got 1500"):
-        build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "1500"]))
-    assert build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "40"]))._speech.commit_guard_s == 0.04
-
-
 def test_encoder_tf32_needs_a_gpu_and_reaches_the_speech_encoder(monkeypatch):
     """--encoder-tf32: refused off a GPU with the option named; its value is what the speech encoder is loaded
     with (the load is stopped there: the rest of the codec is not this test's)."""

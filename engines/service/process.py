@@ -56,7 +56,6 @@ from engines.kv.sizing import GIB
 from engines.service import messages as m
 from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
-from engines.service.encoder_worker import COMMIT_GUARD_MAX_S, COMMIT_LATE_S, HELD_GUARD_MAX_S
 from engines.service.spans import Spans
 from engines.service.stall_watch import StallWatch
 from engines.service.startup_memory import StartupMemory
@@ -161,23 +160,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-graphs", dest="encoder_graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay the speech encoder's steps of up to 8 sessions as CUDA graphs (a commit's "
                         "step is ~60 torch calls and ~300 launches for a few ms of GPU work)")
-    p.add_argument("--encoder-held-max", type=_int_at_least(0), default=0, metavar="N",
-                   help="a call of held user audio takes at most N sessions (those holding audio longest first), the "
-                        "rest going in the calls right after, so that a commit waits for one call of at most N "
-                        "sessions instead of one of every session holding audio (0: all in one call; N = 32 measured "
-                        "worse at 256 sessions on an H200, the extra calls slowing the model: docs/BENCHMARKS.md)")
-    p.add_argument("--encoder-commit-thread", action="store_true",
-                   help="with the encoder thread: run commits on a second thread, beside a call of held user audio "
-                        "in flight, so that a commit waits only for a call holding its own turn (off by default: at "
-                        "256 sessions on an H200 it measured worse, the turn's quiet audio going in the commit's "
-                        "urgent call: docs/PERF_NOTES.md, session 52)")
-    p.add_argument("--encoder-commit-guard-ms", type=_non_negative_ms, default=0.0, metavar="MS",
-                   help="a call of held user audio does not start while a commit is expected within MS (the server's "
-                        f"VAD says when: the silence it still needs), nor until it comes (at most "
-                        f"{COMMIT_LATE_S * 1000:g} ms late; the call waits at most {HELD_GUARD_MAX_S * 1000:g} ms past "
-                        "its time), so that the commit need not wait for it (0: off; at most "
-                        f"{COMMIT_GUARD_MAX_S * 1000:g}; 40 measured no better at 256 sessions on an H200: "
-                        "docs/PERF_NOTES.md, session 53)")
     p.add_argument("--encoder-tf32", action="store_true",
                    help="on a GPU, run the speech encoder's float32 products (its GEMMs and attention) on TF32 tensor "
                         "cores instead of at float32 accuracy (3xTF32): ~3x less tensor-core work in its calls, other "
@@ -322,12 +304,6 @@ def build_service(args: argparse.Namespace) -> Service:
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
     encoder_thread = on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread
-    if getattr(args, "encoder_commit_thread", False) and not encoder_thread:
-        raise ValueError("--encoder-commit-thread needs the encoder thread (--encoder-thread; the default on a GPU)")
-    commit_guard_ms = getattr(args, "encoder_commit_guard_ms", 0.0)
-    if commit_guard_ms > COMMIT_GUARD_MAX_S * 1000:  # (EncoderWorker's bound, named by its option here)
-        raise ValueError(f"--encoder-commit-guard-ms must be at most {COMMIT_GUARD_MAX_S * 1000:g}, "
-                         f"got {commit_guard_ms:g}")
     if getattr(args, "encoder_tf32", False) and not on_gpu:
         raise ValueError(f"--encoder-tf32 needs a CUDA device (got --device {args.device})")
     round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000
@@ -394,9 +370,7 @@ def build_service(args: argparse.Namespace) -> Service:
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
-                      encoder_thread=encoder_thread, encoder_held_max=getattr(args, "encoder_held_max", 0),
-                      encoder_commit_thread=getattr(args, "encoder_commit_thread", False),
-                      encoder_commit_guard_s=commit_guard_ms / 1000)
+                      encoder_thread=encoder_thread)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()

@@ -72,9 +72,9 @@ class SpeechEncoder:
         self.stream = high_priority_stream(device) if device.type == "cuda" else None
         self.bulk_stream = driver_stream(device) if device.type == "cuda" else None
         # The KV pool's slots (opening, release, growth) and the graphs' capture take turns under `lock`. Calls
-        # run in two lanes (`_lane`): one urgent call (a commit, a voice prompt) may run while one of held audio
-        # does, so a commit need not wait for a held call of every speaking session (the service's encoder worker
-        # with a commit thread). A call touches only its own streams' rows of the pool (padding writes go to the
+        # run in two lanes (`_lane`): one urgent call (a voice prompt's, on the engine loop) may run while one of
+        # held audio does (on the service's encoder worker), so the loop need not wait for a held call of every
+        # speaking session. A call touches only its own streams' rows of the pool (padding writes go to the
         # spare), and the lanes never replay the same graphs at once; a growth of the pool, which moves every row,
         # waits until no call is in flight.
         self.lock = threading.RLock()

@@ -25,8 +25,7 @@ from engines.codec.decoder.graphs import BucketGraphs
 log = logging.getLogger("engines.codec")
 
 BATCHES = (1, 2, 4, 8)  # streams in the step
-FRAMES = (1, 2, 4, 8, 16, 32, 64)  # new 50 Hz frames per stream (a commit after 0.32 s of held audio: ~20; of a
-# quiet turn held back for it, up to ~1 s: encoder_worker.QUIET_HOLD_SAMPLES)
+FRAMES = (1, 2, 4, 8, 16, 32, 64)  # new 50 Hz frames per stream (a commit after 0.32 s of held audio: ~20)
 KEYS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)  # keys attended, then the segment's length
 
 
