@@ -540,7 +540,7 @@ class Session:
                     await self._speech_started()
             else:
                 self._silence_run = 0 if speech else self._silence_run + len(chunk)
-                await self._send_user_audio(chunk)  # (sent as quiet while the silence run lasts)
+                await self._send_user_audio(chunk)
                 if self._silence_run * 1000 >= td.silence_duration_ms * ENGINE_IN_RATE:
                     await self._speech_stopped()
             if self.closed:
@@ -580,7 +580,7 @@ class Session:
     async def _speech_stopped(self) -> None:
         td = self.config.turn_detection
         assert td is not None
-        await self._flush_user_audio()  # the turn's last audio, quiet (the silence run that ends it)
+        await self._flush_user_audio()  # the turn's last audio (the silence run that ends it)
         self._in_speech = False
         self._silence_run = 0
         # The end of the audio sent for the turn, trailing silence included (GA semantics).
@@ -809,15 +809,7 @@ class Session:
         if self._unsent_16k:
             pcm = np.concatenate(self._unsent_16k) if len(self._unsent_16k) > 1 else self._unsent_16k[0]
             self._unsent_16k = []
-            # quiet: the VAD hears the silence that may end the turn, so the engine may keep this audio for the
-            # commit's own encoder call, and commit_in_ms says when that commit comes if the silence lasts (the
-            # engine keeps its held calls out of the way; engines/service/encoder_worker.py)
-            quiet = self._silence_run > 0
-            td = self.config.turn_detection
-            commit_in_ms = (max(0.0, td.silence_duration_ms - self._silence_run * 1000 / ENGINE_IN_RATE)
-                            if quiet and td is not None else None)
-            await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm),
-                                                       quiet=quiet, commit_in_ms=commit_in_ms))
+            await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
 
     async def _send_or_hold(self, msg: Any) -> None:
         if self._engine_busy or self._held or self._flushing:

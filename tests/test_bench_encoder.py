@@ -21,14 +21,6 @@ def test_bench_encoder_reports_each_batch_with_its_host_split(tmp_path):
     assert r.stdout.count("its thread's CPU") == 2
 
 
-def test_bench_encoder_refuses_held_graphs_the_urgent_graphs_already_cover():
-    r = subprocess.run([sys.executable, "-m", "moss_speech.cli", "bench", "encoder", "--codec", "tiny-random",
-                        "--device", "cpu", "--graphs", "--held-graphs", "8"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode != 0
-    assert "--held-graphs 8: steps of up to 8 streams already replay graphs" in r.stderr
-
-
 def test_bench_encoder_times_each_step_once(monkeypatch, tmp_path):
     """Wall time, CPU time and GPU wait come from the same steps: a batch runs its context, one warm-up step and
     --iters timed steps (it once ran the timed steps twice, a second time for the host split)."""
@@ -57,17 +49,3 @@ def test_bench_encoder_times_each_step_once(monkeypatch, tmp_path):
     assert bench_encoder.run(args) == 0
     assert steps == [5, 5]
     assert set(json.loads((tmp_path / "enc.json").read_text())["cpu_ms"]) == {"1", "2"}
-
-
-def test_bench_encoder_times_commits_beside_held_steps_in_one_lane_and_two(tmp_path):
-    out = tmp_path / "enc.json"
-    r = subprocess.run([sys.executable, "-m", "moss_speech.cli", "bench", "encoder", "--codec", "tiny-random",
-                        "--device", "cpu", "--commit-beside", "3", "--commit-ms", "300", "--iters", "4",
-                        "--context-s", "0.2", "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    res = json.loads(out.read_text())
-    assert set(res["commit_beside"]) == {"one lane", "two lanes"} and res["ms_per_80ms"] == {}
-    for mode in res["commit_beside"].values():
-        assert 0 < mode["commit_p50_ms"] <= mode["commit_p95_ms"] and mode["held_steps"] > 0
-        assert mode["held_step_ms"] > 0
-    assert r.stdout.count("beside held steps of 3 streams") == 2

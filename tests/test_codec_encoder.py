@@ -247,45 +247,22 @@ def test_bucketed_steps_across_30s_segment(enc):
     torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
 
 
-def test_held_steps_of_many_streams_replay_the_held_buckets(enc):
-    """Held audio's steps of more streams than the urgent graphs hold replay the held graphs' buckets (streams and
-    frames padded up HELD_BATCHES and HELD_FRAMES, padding in the spare KV slot) and give the exact codes; urgent
-    steps of as many streams stay exact (no bucket), and held steps of few streams keep the urgent buckets."""
+def test_held_steps_replay_the_buckets_up_to_the_graphs_streams(enc):
+    """Held audio's steps (`batch(urgent=False)`) of no more streams than the graphs hold replay their buckets, as
+    urgent steps do; bigger ones run exactly. The codes equal each stream encoded alone."""
     e = SpeechEncoder.load("tiny-random", device="cpu")
-    e.reserve(20)
-    e.runner.graphs = EagerStepGraphs(e.runner, 2)
-    e.runner.graphs.capture()
-    e.runner.held_graphs = EagerStepGraphs.held(e.runner, 24, above=2)
-    e.runner.held_graphs.capture()
-    held_bucket_steps(e, enc)
-
-
-def held_bucket_steps(e: SpeechEncoder, enc: SpeechEncoder) -> None:
-    """`e`: urgent graphs up to 2 streams and held graphs up to 24, none replayed yet; `enc`: exact steps."""
-    held, urgent_graphs = e.runner.held_graphs, e.runner.graphs
-    assert held.batches == (16, 24) and held.bucket(17, 17, 40).streams == 24 and held.bucket(17, 17, 40).n_max == 20
-    pcms = [speech_like(2.0, seed=i) for i in range(17)]
-    cuts = [0, 5120, 10880, 16000, 25600]  # 320 ms, then 360 ms (17 tokens: padded to 20), 320, 600 (30: to 32)
+    e.reserve(3)
+    graphs = e.runner.graphs = EagerStepGraphs(e.runner, 2)
+    graphs.capture()
+    pcms = [speech_like(1.0, seed=i) for i in range(3)]
     streams = [e.open_stream() for _ in pcms]
-    got = [[] for _ in pcms]
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        step = e.batch(urgent=False).step([(s, p[a:b]) for s, p in zip(streams, pcms, strict=True)])
-        for out, c in zip(got, step, strict=True):
-            out.extend(c)
-    assert held.replays == 4 and urgent_graphs.replays == 0
-    urgent = e.batch().finalize(streams[:15], [p[cuts[-1]:] for p in pcms[:15]])  # 15 streams: no bucket
-    assert held.replays == 4 and urgent_graphs.replays == 0
-    few = e.batch(urgent=False).step([(s, p[cuts[-1]:]) for s, p in zip(streams[15:], pcms[15:], strict=True)])
-    assert held.replays == 4 and urgent_graphs.replays == 1  # 2 streams: the urgent graphs' bucket
-    for i, pcm in enumerate(pcms):
-        expected = enc.encode(pcm)
-        tail = urgent[i] if i < 15 else few[i - 15]
-        if i >= 15:  # not finalized: the codes determined so far
-            assert len(got[i]) + len(tail) >= len(expected) - 2
-            expected = expected[:len(got[i]) + len(tail)]
-        assert got[i] + tail == expected, i
-    for s in streams[15:]:
-        s.close()
+    three = e.batch(urgent=False).step([(s, p[:5120]) for s, p in zip(streams, pcms, strict=True)])
+    assert graphs.replays == 0  # 3 streams: no bucket
+    two = e.batch(urgent=False).step([(s, p[5120:10240]) for s, p in zip(streams[:2], pcms[:2], strict=True)])
+    assert graphs.replays == 1
+    last = e.batch().finalize(streams, [pcms[0][10240:], pcms[1][10240:], pcms[2][5120:]])
+    assert graphs.replays == 1
+    assert [three[i] + (two[i] if i < 2 else []) + last[i] for i in range(3)] == [enc.encode(p) for p in pcms]
 
 
 def test_a_kv_pool_growth_retires_the_graphs(enc, caplog):
@@ -528,15 +505,15 @@ class StepGate:
 
     def __init__(self, monkeypatch, e: SpeechEncoder, urgent: bool = False) -> None:
         self.gate, self.inside = threading.Event(), threading.Event()
-        run = e.runner.run
+        on_stream = e._on_stream
 
-        def gated(states, mels, pcms, limits, urgent_step=True):
+        def gated(urgent_step: bool = True):  # (a step enters its stream once inside its lane)
             if urgent_step == urgent:
                 self.inside.set()
                 self.gate.wait(30)
-            return run(states, mels, pcms, limits, urgent_step)
+            return on_stream(urgent_step)
 
-        monkeypatch.setattr(e.runner, "run", gated)
+        monkeypatch.setattr(e, "_on_stream", gated)
 
 
 def _in_thread(fn, out: list) -> threading.Thread:

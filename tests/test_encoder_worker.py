@@ -138,11 +138,11 @@ def test_the_thread_survives_an_error_outside_the_encoders_calls(enc, monkeypatc
     take = worker._take_due
     broken = [True]
 
-    def take_due(now, flush, commits_too=True, held_too=True):
+    def take_due(now, flush):
         if broken[0] and any(t.commit for t in worker._turns.values()):
             broken[0] = False
             raise MemoryError("no room for the audio")
-        return take(now, flush, commits_too, held_too)
+        return take(now, flush)
 
     monkeypatch.setattr(worker, "_take_due", take_due)
     worker.append("a", speech_like(0.4, seed=1))
@@ -246,13 +246,12 @@ def _engine() -> Engine:
 
 
 def test_service_on_the_thread_gives_the_same_conversation(enc):
-    """Two sessions speak, commit and are answered: with the encoder's calls on their thread (and with commits on a
-    second one) the conversations, messages and codes are those of the inline service."""
+    """Two sessions speak, commit and are answered: with the encoder's calls on their thread the conversations,
+    messages and codes are those of the inline service."""
     greedy = m.Sampling(greedy=True, max_new_tokens=6, min_new_tokens=6)
 
-    def run(threaded: bool, commit_thread: bool = False):
-        svc = Service(_engine(), StandInTokenizer(), enc, None, encode_every_s=0.08, encoder_thread=threaded,
-                      encoder_commit_thread=commit_thread)
+    def run(threaded: bool):
+        svc = Service(_engine(), StandInTokenizer(), enc, None, encode_every_s=0.08, encoder_thread=threaded)
         out = []
         for sid in "ab":
             out += svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
@@ -277,7 +276,6 @@ def test_service_on_the_thread_gives_the_same_conversation(enc):
     threaded = run(True)
     assert threaded[0] == inline[0] and threaded[0][0] != threaded[0][1]
     assert threaded[1] == inline[1] and ("ResponseDone", "a", "incomplete") in inline[1]  # (max tokens)
-    assert run(True, commit_thread=True) == inline
     assert not any(k[0] == "Error" for k in inline[1])
 
 
@@ -456,85 +454,6 @@ def test_user_audio_and_commits_during_a_step_go_to_the_encoder_the_rest_after_i
     assert [sid for sid, _, rows in early[1]] == ["a", "b"] and early[1][0][2] == 12 and early[0][0] != early[0][1]
 
 
-class _CallSpy:
-    """The encoder, recording each batched call's sessions: ("held" | "commit", [session keys]) (`worker`: the
-    EncoderWorker it serves, whose turns in the call in flight name the streams)."""
-
-    def __init__(self, enc: SpeechEncoder) -> None:
-        self.enc, self.calls, self.worker = enc, [], None
-
-    def open_stream(self):
-        return self.enc.open_stream()
-
-    def _keys(self, streams) -> list[str]:
-        return [next(t.key for t, _ in self.worker._in_call.values() if t.stream is s) for s in streams]
-
-    def batch(self, urgent: bool = True):
-        spy, inner = self, self.enc.batch(urgent=urgent)
-
-        class Batch:
-            def step(self, items):
-                spy.calls.append(("held", spy._keys(s for s, _ in items)))
-                return inner.step(items)
-
-            def finalize(self, streams, pcms):
-                spy.calls.append(("commit", spy._keys(streams)))
-                return inner.finalize(streams, pcms)
-
-        return Batch()
-
-
-def test_held_audio_in_calls_of_at_most_held_max_sessions_with_commits_between(enc):
-    """With held_max, due held audio goes in calls of at most that many sessions, those holding audio longest
-    first, and a commit that arrives between two of them goes before the next: it waits for one small call, not
-    one of every session. The codes equal each session's audio encoded alone."""
-    spy = _CallSpy(enc)
-    worker = spy.worker = EncoderWorker(spy, every_s=0.0, held_max=2)
-    pcms = {k: speech_like(0.9, seed=10 + i) for i, k in enumerate("abcde")}
-    for k in "abcde":  # a holds audio longest, e least long
-        worker.append(k, pcms[k][:9600])
-    results: list[Encoded] = []
-    by_call = []
-    for commit in (None, "e", None):
-        if commit:
-            assert worker.commit(commit)
-        assert worker.run_due()
-        got = worker.take_results()
-        by_call.append([(e.key, e.commit) for e in got])
-        results += got
-    assert not worker.run_due()  # the due audio went in those three calls
-    assert spy.calls == [("held", ["a", "b"]), ("held", ["c", "d"])]  # (one commit is not a batched call)
-    assert by_call == [[("a", False), ("b", False)], [("e", True)], [("c", False), ("d", False)]]
-    for k in "abcd":
-        worker.append(k, pcms[k][9600:])
-        assert worker.commit(k)
-    results += _wait(worker)
-    assert spy.calls[-1] == ("commit", ["a", "b", "c", "d"])
-    assert _codes_by_key(results) == {k: enc.encode(pcms[k][:9600] if k == "e" else pcms[k]) for k in "abcde"}
-    assert enc.runner.kv.in_use == 0
-
-
-def test_a_held_cycle_whose_last_sessions_committed_leaves_the_next_held_audio_due(enc):
-    """The sessions left in a cycle of held_max calls that commit meanwhile go with their commit; held audio that
-    arrives after is due as usual (flushed here at once), not held back by the emptied cycle."""
-    worker = EncoderWorker(enc, every_s=0.0, held_max=1)
-    for k in "ab":
-        worker.append(k, speech_like(0.4, seed=20 + ord(k)))
-    assert worker.run_due()  # a's piece; b is left in the cycle
-    assert worker.commit("b") and worker.run_due()  # b goes with its commit
-    worker.append("a", speech_like(0.4, seed=30))
-    assert worker.run_due(flush=True)  # a's new audio
-    assert not worker.holding("a")
-    assert worker.commit("a")
-    _wait(worker)
-    assert enc.runner.kv.in_use == 0
-
-
-def test_held_max_is_checked(enc):
-    with pytest.raises(ValueError, match="held_max must be >= 0"):
-        EncoderWorker(enc, held_max=-1)
-
-
 def _results_until(worker: EncoderWorker, done, timeout_s: float) -> list[Encoded]:
     """Results as they come, until `done(results)` or the timeout."""
     out: list[Encoded] = []
@@ -545,157 +464,23 @@ def _results_until(worker: EncoderWorker, done, timeout_s: float) -> list[Encode
     return out
 
 
-@pytest.mark.parametrize("commit_thread", [False, True])
-def test_a_commit_thread_runs_a_commit_beside_a_held_call_in_flight(enc, monkeypatch, commit_thread):
-    """With a commit thread, a session's commit is encoded while a call of other sessions' held audio is still in
-    flight (in the encoder's other lane); with one thread it waits for that call. Codes equal each session alone."""
+def test_a_commit_during_a_held_call_waits_for_it(enc, monkeypatch):
+    """A session's commit that arrives while a call of other sessions' held audio is in flight is encoded after that
+    call (one call at a time on the worker's thread). Codes equal each session alone."""
     enc.reserve(8)  # (a commit's new stream must not wait for a growth of the pool, which waits for the held call)
     gate = StepGate(monkeypatch, enc)
-    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=commit_thread)
+    worker = EncoderWorker(enc, every_s=0.0, threaded=True)
     pcms = {k: speech_like(0.6, seed=40 + i) for i, k in enumerate("abc")}
     worker.append("a", pcms["a"])
     worker.append("b", pcms["b"])
     assert gate.inside.wait(10)  # a call of held audio waits in the encoder
     worker.append("c", pcms["c"])
     assert worker.commit("c")
-    early = _results_until(worker, lambda out: bool(out), 10 if commit_thread else 0.5)
-    assert [(e.key, e.commit) for e in early] == ([("c", True)] if commit_thread else [])
+    assert _results_until(worker, lambda out: bool(out), 0.5) == []
     gate.gate.set()
     for k in "ab":
         assert worker.commit(k)
-    results = early + _wait(worker)
-    worker.close()
-    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
-    assert enc.runner.kv.in_use == 0
-
-
-def test_with_a_commit_thread_a_commit_waits_for_the_held_call_of_its_own_turn(enc, monkeypatch):
-    """A commit whose turn is in the call of held audio in flight waits for it (the stream is in that call), then
-    finalizes what came after: the turn's codes in order, the commit's last."""
-    enc.reserve(8)  # (a commit's new stream must not wait for a growth of the pool, which waits for the held call)
-    gate = StepGate(monkeypatch, enc)
-    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
-    pcm = speech_like(0.9, seed=44)
-    worker.append("a", pcm[:8000])
-    assert gate.inside.wait(10)
-    worker.append("a", pcm[8000:])
-    assert worker.commit("a")
-    assert _results_until(worker, lambda out: bool(out), 0.3) == []
-    gate.gate.set()
     results = _wait(worker)
     worker.close()
-    assert [(e.key, e.commit) for e in results] == [("a", False), ("a", True)]
-    assert _codes_by_key(results) == {"a": enc.encode(pcm)}
-    assert enc.runner.kv.in_use == 0
-
-
-def test_an_error_on_the_commit_thread_leaves_the_held_call_in_flight_to_its_thread(enc, monkeypatch):
-    """An unexpected error on the commit thread fails the turns it could reach (here b's commit) but not those in
-    the held call in flight on the other thread: a's audio still encodes, and its later commit completes it."""
-    enc.reserve(8)  # (a commit's new stream must not wait for a growth of the pool, which waits for the held call)
-    gate = StepGate(monkeypatch, enc)
-    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True)
-    take = worker._take_due
-    broken = [True]
-
-    def take_due(now, flush, commits_too=True, held_too=True):
-        if broken[0] and not held_too and any(t.commit for t in worker._turns.values()):
-            broken[0] = False
-            raise MemoryError("no room for the audio")
-        return take(now, flush, commits_too, held_too)
-
-    monkeypatch.setattr(worker, "_take_due", take_due)
-    pcm_a = speech_like(0.8, seed=45)
-    worker.append("a", pcm_a[:8000])
-    assert gate.inside.wait(10)
-    worker.append("b", speech_like(0.4, seed=46))
-    assert worker.commit("b")
-    failed = _results_until(worker, lambda out: bool(out), 10)
-    assert [(e.key, e.commit, type(e.codes).__name__) for e in failed] == [("b", True, "MemoryError")]
-    gate.gate.set()
-    worker.append("a", pcm_a[8000:])
-    assert worker.commit("a")
-    results = _wait(worker)
-    worker.close()
-    assert _codes_by_key(results) == {"a": enc.encode(pcm_a)}
-    assert enc.runner.kv.in_use == 0
-
-
-def test_a_commit_thread_needs_the_workers_thread(enc):
-    with pytest.raises(ValueError, match="commit thread needs the worker's thread"):
-        EncoderWorker(enc, commit_thread=True)
-    worker = EncoderWorker(enc, threaded=True, commit_thread=True)
-    assert sorted(t.name for t in worker._threads) == ["encoder-worker", "encoder-worker-commits"]
-    worker.close()
-    assert not any(t.is_alive() for t in worker._threads)
-
-
-def test_a_quiet_turn_stays_out_of_held_calls_until_it_commits_or_holds_enough(enc):
-    """AppendUserAudio.quiet (the server's VAD hears the silence that may end the turn): the turn's audio stays out of
-    the calls of held audio, and goes in its commit's call; once it holds QUIET_HOLD_SAMPLES, or its user speaks
-    again, it goes with the held calls as before. Codes equal each session alone."""
-    from engines.service.encoder_worker import QUIET_HOLD_SAMPLES
-
-    spy = _CallSpy(enc)
-    worker = spy.worker = EncoderWorker(spy, every_s=0.0, hold_quiet=True)
-    pcms = {k: speech_like(1.6, seed=70 + i) for i, k in enumerate("abc")}
-    for k in "abc":
-        worker.append(k, pcms[k][:4000])
-    worker.append("b", pcms["b"][4000:8000], quiet=True)  # b falls silent, c too but then speaks again
-    worker.append("c", pcms["c"][4000:8000], quiet=True)
-    worker.append("c", pcms["c"][8000:9000])
-    assert worker.run_due(flush=True) and not worker.run_due(flush=True)
-    assert spy.calls == [("held", ["a", "c"])] and worker.holding("b")
-    assert worker.commit("b") and worker.run_due()
-    assert len(spy.calls) == 1  # (b's commit alone: its stream's finalize, not a batched call)
-    worker.append("a", pcms["a"][4000:4000 + QUIET_HOLD_SAMPLES - 1], quiet=True)
-    assert not worker.run_due(flush=True)  # one sample short of the limit
-    worker.append("a", pcms["a"][4000 + QUIET_HOLD_SAMPLES - 1:4000 + QUIET_HOLD_SAMPLES], quiet=True)
-    assert worker.run_due(flush=True) and spy.calls[-1] == ("held", ["a"])
-    results = worker.take_results()
-    for k in "ac":
-        assert worker.commit(k)
-    results += _wait(worker)
-    assert _codes_by_key(results) == {"a": enc.encode(pcms["a"][:4000 + QUIET_HOLD_SAMPLES]),
-                                      "b": enc.encode(pcms["b"][:8000]), "c": enc.encode(pcms["c"][:9000])}
-    assert enc.runner.kv.in_use == 0
-
-
-def test_with_a_commit_thread_a_quiet_turns_commit_runs_beside_the_held_call(enc, monkeypatch):
-    """The case the commit thread is for: every speaking session is in each call of held audio, so a commit that
-    arrives during one finds its own turn in it, unless the turn went quiet before the call began."""
-    enc.reserve(8)
-    gate = StepGate(monkeypatch, enc)
-    worker = EncoderWorker(enc, every_s=0.0, threaded=True, commit_thread=True, hold_quiet=True)
-    pcms = {k: speech_like(0.8, seed=80 + i) for i, k in enumerate("ab")}
-    worker.append("b", pcms["b"][:6000])
-    worker.append("b", pcms["b"][6000:], quiet=True)  # b's user fell silent before the held call
-    worker.append("a", pcms["a"][:6000])
-    assert gate.inside.wait(10)  # a held call (of a) waits in the encoder
-    assert worker.commit("b")
-    early = _results_until(worker, lambda out: bool(out), 10)
-    assert [(e.key, e.commit) for e in early] == [("b", True)]
-    gate.gate.set()
-    worker.append("a", pcms["a"][6000:])
-    assert worker.commit("a")
-    results = early + _wait(worker)
-    worker.close()
     assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
-    assert enc.runner.kv.in_use == 0
-
-
-def test_append_user_audio_quiet_reaches_the_encoder_worker(enc):
-    """The flag reaches the worker's turn; the worker keeps quiet audio for commits only beside a commit thread."""
-    assert not Service(_engine(), StandInTokenizer(), enc, None)._speech.hold_quiet
-    threaded = Service(_engine(), StandInTokenizer(), enc, None, encoder_thread=True, encoder_commit_thread=True)
-    assert threaded._speech.hold_quiet
-    threaded._speech.close()
-    svc = Service(_engine(), StandInTokenizer(), enc, None)
-    svc.handle(b"c", m.OpenSession("a"))
-    msg = m.decode(m.encode(m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.2, seed=90)), quiet=True)))
-    svc.handle(b"c", msg)
-    assert svc._speech._turns["a"].quiet
-    svc.handle(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.1, seed=91))))
-    assert not svc._speech._turns["a"].quiet
-    svc.handle(b"c", m.CloseSession("a"))
     assert enc.runner.kv.in_use == 0

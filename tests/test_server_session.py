@@ -108,38 +108,6 @@ async def test_server_vad_turn_streams_only_speech_and_commits(speech24k):
     assert link.of(m.CommitUserAudio)[0].item_id == evs[2]["item_id"]
 
 
-async def test_audio_in_the_silence_that_ends_a_turn_reaches_the_engine_as_quiet(speech24k):
-    """AppendUserAudio.quiet marks the audio sent while the VAD hears the silence that may end the turn (the engine
-    keeps it for the commit's own encoder call): the trailing silence is quiet up to the commit, the speech is not
-    but for the pauses between words."""
-    s, link = await new_session()
-    await feed(s, np.concatenate([silence(1.0), speech24k, silence(1.0)]))
-    kinds = [type(x).__name__ for x in link.sent]
-    last = kinds.index("CommitUserAudio")
-    appends = [x for x in link.sent[:last] if isinstance(x, m.AppendUserAudio)]
-    assert not appends[0].quiet and appends[-1].quiet and kinds[last - 1] == "AppendUserAudio"
-    trailing = sum(len(x.pcm16k) // 2 for x in _trailing(appends))  # the quiet run the commit ends
-    assert 500 - 96 <= trailing * 1000 // 16000 <= 500 + 96  # the silence duration (500 ms), in 96 ms pieces
-    # The speech is not quiet, but for the pauses between its words (the VAD's silence run begins at each).
-    assert sum(not x.quiet for x in appends) >= len(appends) // 3
-    # Quiet audio says when the VAD will commit if the silence lasts: the silence still needed, down to 0 in the
-    # audio flushed just before the commit; audio of speech says nothing.
-    assert all((x.commit_in_ms is None) == (not x.quiet) for x in appends)
-    tail = [x.commit_in_ms for x in _trailing(appends)]
-    assert tail[-1] == 0.0 and all(0.0 <= c <= 500.0 for c in tail) and tail == sorted(tail, reverse=True)
-    assert tail[0] > 300.0  # the run's first quiet piece: most of the 500 ms still to come
-
-
-def _trailing(appends: list[m.AppendUserAudio]) -> list[m.AppendUserAudio]:
-    """The quiet run at the end of a turn's audio."""
-    out = []
-    for x in reversed(appends):
-        if not x.quiet:
-            break
-        out.append(x)
-    return out[::-1]
-
-
 async def test_user_audio_reaches_the_engine_in_pieces_of_96_ms_and_the_same_bytes(speech24k, monkeypatch):
     """A speaking user's audio goes to the engine in messages of at least APPEND_MIN_SAMPLES (one per VAD window
     before), the rest ahead of the commit: the same bytes in the same order as one message per window."""

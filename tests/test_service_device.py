@@ -132,67 +132,6 @@ def test_load_log_names_the_codec_solves_and_their_padding():
     assert _solves("playing", [object()]) == ""  # a decoder without counts (a test's fake)
 
 
-def test_held_audio_level_is_checked_and_needs_a_gpu(capsys):
-    p, base = _parser(), TINY
-    assert p.parse_args(base).held_audio_level is None  # the least priority, as before
-    assert p.parse_args(base + ["--held-audio-level", "1"]).held_audio_level == 1
-    for bad in ("-1", "model"):
-        with pytest.raises(SystemExit):
-            p.parse_args(base + ["--held-audio-level", bad])
-        assert "--held-audio-level" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--held-audio-level needs a CUDA device"):
-        build_service(p.parse_args(base + ["--held-audio-level", "0"]))
-
-
-def test_encoder_held_graphs_is_checked_and_needs_the_encoder_graphs():
-    p, base = _parser(), TINY
-    assert p.parse_args(base).encoder_held_graphs == 0  # off: held steps past 8 sessions run eagerly, as before
-    with pytest.raises(ValueError, match="--encoder-held-graphs 8: steps of up to 8 streams already replay graphs"):
-        build_service(p.parse_args(base + ["--encoder-held-graphs", "8"]))
-    with pytest.raises(ValueError, match="--encoder-held-graphs 64 needs the encoder's CUDA graphs"):
-        build_service(p.parse_args(base + ["--encoder-held-graphs", "64"]))
-
-
-def test_encoder_held_max_reaches_the_encoder_worker(capsys):
-    p, base = _parser(), TINY
-    assert p.parse_args(base).encoder_held_max == 0  # every session holding audio in one call, as before
-    with pytest.raises(SystemExit):
-        p.parse_args(base + ["--encoder-held-max", "-2"])
-    assert "--encoder-held-max" in capsys.readouterr().err
-    assert build_service(p.parse_args(base + ["--encoder-held-max", "32"]))._speech.held_max == 32
-
-
-def test_encoder_commit_thread_reaches_the_worker_and_needs_the_encoder_thread():
-    p, base = _parser(), TINY
-    with pytest.raises(ValueError, match="--encoder-commit-thread needs the encoder thread"):
-        build_service(p.parse_args(base + ["--encoder-commit-thread"]))  # (no encoder thread on the CPU by default)
-    svc = build_service(p.parse_args(base + ["--encoder-thread", "--encoder-commit-thread"]))
-    assert sorted(t.name for t in svc._speech._threads) == ["encoder-worker", "encoder-worker-commits"]
-    plain = build_service(p.parse_args(base + ["--encoder-thread"]))
-    assert [t.name for t in plain._speech._threads] == ["encoder-worker"]
-    for service in (svc, plain):
-        service._speech.close()
-        service._codec.close()
-
-
-def test_encoder_commit_guard_reaches_the_worker_and_is_bounded(capsys):
-    p, base = _parser(), TINY
-    assert p.parse_args(base).encoder_commit_guard_ms == 0.0  # off by default
-    with pytest.raises(SystemExit):
-        p.parse_args(base + ["--encoder-commit-guard-ms", "-5"])
-    assert "--encoder-commit-guard-ms" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--encoder-commit-guard-ms must be at most 1000, got 1500"):
-        build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "1500"]))
-    assert build_service(p.parse_args(base + ["--encoder-commit-guard-ms", "40"]))._speech.commit_guard_s == 0.04
-
-
-def test_a_speech_encoder_off_the_gpu_refuses_a_held_audio_priority():
-    from engines.codec.encoder import SpeechEncoder
-
-    with pytest.raises(ValueError, match="CUDA device"):
-        SpeechEncoder.load("tiny-random").set_held_level(1)
-
-
 def test_encoder_tf32_needs_a_gpu_and_reaches_the_speech_encoder(monkeypatch):
     """--encoder-tf32: refused off a GPU with the option named; its value is what the speech encoder is loaded
     with (the load is stopped there: the rest of the codec is not this test's)."""

@@ -107,12 +107,11 @@ def _spoken_turn(svc: Service) -> list:
     return [(type(x).__name__, getattr(x, "pcm24k", None), getattr(x, "text", None)) for _, x in out]
 
 
-@pytest.mark.parametrize("codec_thread, encoder_thread, commit_thread",
-                         [(False, False, False), (True, False, False), (True, True, False), (True, True, True)])
-def test_warm_up_leaves_nothing_behind(codec, codec_thread, encoder_thread, commit_thread) -> None:
+@pytest.mark.parametrize("codec_thread, encoder_thread", [(False, False), (True, False), (True, True)])
+def test_warm_up_leaves_nothing_behind(codec, codec_thread, encoder_thread) -> None:
     enc, dec = codec
     svc = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_every_s=0.08,
-                  encoder_thread=encoder_thread, encoder_commit_thread=commit_thread)
+                  encoder_thread=encoder_thread)
     asked = []
     create = svc._on_CreateResponse
     svc._on_CreateResponse = lambda client, msg: asked.append(msg.modality) or create(client, msg)
@@ -189,8 +188,8 @@ def test_engine_process_over_zmq(tmp_path) -> None:
         err = _recv(b)
         assert isinstance(err, m.Error) and err.code == "invalid_request"
         pcm = question_pcm(0.5)
-        for i in range(0, len(pcm), 640):  # the last 0.1 s quiet, as the server's VAD marks a turn's end
-            a.send(m.encode(m.AppendUserAudio("s1", pcm[i:i + 640], quiet=i >= len(pcm) - 3200)))
+        for i in range(0, len(pcm), 640):
+            a.send(m.encode(m.AppendUserAudio("s1", pcm[i:i + 640])))
         a.send(m.encode(m.CommitUserAudio("s1", "item")))
         a.send(m.encode(m.CreateResponse("s1", "r1", "text", m.Sampling(greedy=True, max_new_tokens=4))))
         got = []

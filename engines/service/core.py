@@ -103,8 +103,7 @@ class Service:
                  encode_every_s: float = 0.0, codec_thread: bool = False,
                  codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
-                 codec_round_period_s: float = 0.0, encoder_held_max: int = 0,
-                 encoder_commit_thread: bool = False, encoder_commit_guard_s: float = 0.0) -> None:
+                 codec_round_period_s: float = 0.0) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
         `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
@@ -124,11 +123,7 @@ class Service:
         `decoder` (CodecDecoder.lane) on which the worker decodes first chunks beside its other rounds.
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
-        each with every answer due before the next (0: back to back). `encoder_held_max`: most sessions in one
-        encoder call of held audio (EncoderWorker's held_max; 0: all). `encoder_commit_thread` (with
-        `encoder_thread`): commits on a second thread, beside a call of held audio in flight, and quiet user audio
-        kept for them (EncoderWorker's hold_quiet). `encoder_commit_guard_s`: a call of held audio does not start
-        while a commit is expected within this long (EncoderWorker's commit_guard_s; 0: off)."""
+        each with every answer due before the next (0: back to back)."""
         self.engine = engine
         self.voice_loader = voice_loader
         self.tokenizer = tokenizer
@@ -139,11 +134,7 @@ class Service:
         self._requests: dict[str, tuple[Session, Turn]] = {}
         self.decode_interval_s = decode_interval_s
         self.encode_every_s = encode_every_s
-        self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread,
-                                                                  held_max=encoder_held_max,
-                                                                  commit_thread=encoder_commit_thread,
-                                                                  hold_quiet=encoder_commit_thread,
-                                                                  commit_guard_s=encoder_commit_guard_s)
+        self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread)
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}
@@ -560,12 +551,7 @@ class Service:
         if self._speech is None:
             raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
-        commit_in = msg.commit_in_ms
-        if commit_in is not None and not m.number_in(commit_in, 0, 60_000):
-            raise ServiceError("invalid_request",
-                               f"commit_in_ms must be a number of ms in [0, 60000], got {commit_in!r}")
-        self._speech.append(s.session_id, pcm, quiet=bool(msg.quiet),
-                            commit_in_s=None if commit_in is None else float(commit_in) / 1000)
+        self._speech.append(s.session_id, pcm)
 
     def _run_encoder(self, flush: bool) -> None:
         """Codes the encoder worker has produced go to their sessions; without its thread, the calls that are due

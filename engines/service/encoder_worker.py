@@ -4,8 +4,7 @@ calls, on a thread of its own on a GPU so that the engine loop never waits for t
 The engine loop hands over each session's PCM (`append`) and its commit (`commit`) and collects codes
 (`take_results`, in the order they were produced; a commit's result is the last of its turn). What is due:
 - Commits first: every committed session's stream is finalized, with the audio it still holds, in one call.
-- Held audio of every session in one call (EncoderBatch; with `held_max`, in calls of at most that many sessions back
-  to back, a commit going between two), at most every `every_s` (0: as soon as it is held);
+- Held audio of every session in one call (EncoderBatch), at most every `every_s` (0: as soon as it is held);
   the interval grows with the sessions holding audio (ENCODE_SESSIONS_PER_INTERVAL, up to ENCODE_MAX_EVERY_S), as
   a call's cost grows with them. While an answer waits for its first codes (`lm_ramping`, set by the loop), held
   audio waits up to ENCODE_DEFER_S: those codes decide that answer's time to first audio, a commit flushes
@@ -16,23 +15,10 @@ Codes are the same however the audio is cut into calls (the encoder streams exac
 audio on its lowest-priority one; its host sync through an event, which releases the GIL). Under load on an H200 the
 encoder took a quarter of the engine loop's time there (76-108 sessions: 35-39 ms batched calls every ~0.3 s and a
 12-14 ms commit per answer), and decode steps waited behind it. Without a thread (the CPU default, tests)
-`run_due()` runs them on the caller's thread, between its steps.
-`commit_thread` (with `threaded`): commits run on a second thread, beside a call of held audio in flight (the
-encoder's two lanes, SpeechEncoder._lane), so a commit waits only for a call that holds its own turn. With one
-thread, a commit that arrives during a held call waits for all of it (H200, 240-256 sessions: that wait is the
-largest part of the slowest tenth of the turns' time to first audio, ~25-40 ms more than the middle's).
-With `hold_quiet` (the service sets it with the commit thread), a turn whose audio is `quiet` (the server's VAD
-hears the silence that may end it: AppendUserAudio.quiet) stays out of the calls of held audio until it holds
-QUIET_HOLD_SAMPLES: a turn that is still speaking is in every such call, so its commit, which comes within the VAD's
-silence duration, would otherwise find it in the call in flight and wait for that call; held back, its audio goes in
-the commit's own call.
-With `commit_guard_s` > 0, a call of held audio does not start while a commit is expected within that guard: the
-server's VAD says when one is (AppendUserAudio.commit_in_ms, the silence still needed before it commits the turn), and
-a commit that arrives during a held call waits for all of it. The call starts once the commit has come (its call goes
-first), or COMMIT_LATE_S past the expected time, and at most HELD_GUARD_MAX_S after it fell due. Unlike the commit
-thread this moves no audio: the held calls keep the quiet turns and their priority, only their start moves.
+`run_due()` runs them on the caller's thread, between its steps. A commit that arrives during a call of held audio
+waits for that call, then goes before the next one.
 
-Streams are opened, stepped and closed only by whichever thread runs the calls; a turn dropped (`drop`: the
+Streams are opened, stepped and closed only by the thread that runs the calls; a turn dropped (`drop`: the
 session's audio cleared, the session closed) while in a call is closed after it, and none of its results reach
 the loop after `drop` returns. An encoder call that fails fails its turns; any other error on the thread fails every
 turn the worker holds (each session gets an error, a committing one as its commit's result) and the thread goes on.
@@ -60,16 +46,6 @@ ENCODE_DEFER_S = 0.3  # longest user audio is held back while an answer waits fo
 # for 52-76), so with more sessions holding audio the interval grows (up to ENCODE_MAX_EVERY_S).
 ENCODE_SESSIONS_PER_INTERVAL = 16
 ENCODE_MAX_EVERY_S = 0.32
-# A quiet turn's audio is held back at most this long (1 s at 16 kHz: the VAD's silence duration, 300-500 ms, plus
-# the speech not yet encoded; a commit of that much replays the encoder's graphs, graphs.FRAMES).
-QUIET_HOLD_SAMPLES = 16000
-# With a commit guard: an expected commit holds a call of held audio back until this long past its expected time (the
-# VAD's 32 ms windows, the client's audio pieces and the server's loop make commits come late, rarely early) ...
-COMMIT_LATE_S = 0.04
-# ... and no call of held audio waits for expected commits longer than this past its due time.
-HELD_GUARD_MAX_S = 0.1
-# The longest commit guard taken (--encoder-commit-guard-ms checks against it too).
-COMMIT_GUARD_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,9 +66,6 @@ class _Turn:
     key: str
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
-    held_at: float = 0.0  # when the oldest of `held` arrived
-    quiet: bool = False  # its last audio came with AppendUserAudio.quiet: a commit may follow
-    commit_at: float | None = None  # when the server's VAD will commit it if the silence lasts (None: unknown)
     commit: bool = False  # finalize it with the next commit call
     dropped: bool = False
 
@@ -101,61 +74,31 @@ class EncoderWorker:
     """`encoder`: `open_stream()` -> stream with `push(pcm) -> codes`, `finalize(last) -> codes`, optionally `close()`;
     with `batch(urgent=True)` (engines.codec.encoder.EncoderBatch) several streams go in one call."""
 
-    def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic,
-                 held_max: int = 0, commit_thread: bool = False, hold_quiet: bool = False,
-                 commit_guard_s: float = 0.0) -> None:
-        """`held_max` > 0: a call of held audio takes at most this many sessions, those holding audio longest first;
-        the others go in the next call, due at once, and a commit that arrives meanwhile goes between the two (it
-        waits for one call of at most `held_max` sessions instead of one of all). 0: every session in one call.
-        `commit_thread`: commits on a thread of their own (needs `threaded`). `hold_quiet`: quiet audio waits for
-        its commit (module doc). `commit_guard_s`: a call of held audio does not start while a commit is expected
-        within this long (module doc; 0: off)."""
-        if not 0.0 <= commit_guard_s <= COMMIT_GUARD_MAX_S:
-            raise ValueError(f"commit_guard_s must be in [0, {COMMIT_GUARD_MAX_S:g}] s, got {commit_guard_s}")
-        if held_max < 0:
-            raise ValueError(f"held_max must be >= 0, got {held_max}")
-        if commit_thread and not threaded:
-            raise ValueError("a commit thread needs the worker's thread (threaded=True)")
+    def __init__(self, encoder: Any, every_s: float = 0.0, threaded: bool = False, clock: Any = time.monotonic
+                 ) -> None:
         self.encoder = encoder
         self.every_s = every_s
-        self.held_max = held_max
-        self.hold_quiet = hold_quiet
-        self.commit_guard_s = commit_guard_s
-        # When the call of held audio that the guard holds back fell due (its wait goes to the load log); None: not held
-        self._guarded_due: float | None = None
         self._clock = clock
         self._cv = threading.Condition()
         self._turns: dict[str, _Turn] = {}
         self._results: deque[Encoded] = deque()
         self._held_since: float | None = None  # when the oldest audio held arrived
-        self._cycle: list[_Turn] = []  # with held_max: sessions of the due held audio not yet in a call
         self._ramping = False
-        self._calling: set[int] = set()  # the threads with a call in flight
-        # id -> (turn, thread) taken by a call in flight, until its result is out
-        self._in_call: dict[int, tuple[_Turn, int]] = {}
+        self._running = False  # a call in flight
+        self._in_call: dict[int, _Turn] = {}  # id -> turn taken by the call in flight, until its result is out
         self._closed = False
         self.spans = Spans()  # call times, taken by the load log (under _cv)
-        self._threads: list[threading.Thread] = []
+        self._thread = None
         if threaded:
-            # (commits, held audio) each thread takes
-            kinds = [(False, True), (True, False)] if commit_thread else [(True, True)]
-            for commits, held in kinds:
-                name = "encoder-worker" if held else "encoder-worker-commits"
-                self._threads.append(threading.Thread(target=self._run, args=(commits, held), name=name, daemon=True))
-            for t in self._threads:
-                t.start()
+            self._thread = threading.Thread(target=self._run, name="encoder-worker", daemon=True)
+            self._thread.start()
 
     # ---- engine-loop side ----------------------------------------------------------------
 
     @property
     def threaded(self) -> bool:
-        """The calls run on the worker's threads (else `run_due` runs them)."""
-        return bool(self._threads)
-
-    @property
-    def _running(self) -> bool:
-        """A call in flight."""
-        return bool(self._calling)
+        """The calls run on the worker's thread (else `run_due` runs them)."""
+        return self._thread is not None
 
     @property
     def lm_ramping(self) -> bool:
@@ -169,21 +112,15 @@ class EncoderWorker:
                 self._ramping = ramping
                 self._cv.notify_all()
 
-    def append(self, key: str, pcm: np.ndarray, quiet: bool = False, commit_in_s: float | None = None) -> None:
-        """More user audio (16 kHz float32) of this session's turn; `quiet`: a commit may follow, `commit_in_s`: the
-        server's VAD commits the turn this long from now if the silence lasts (module doc)."""
+    def append(self, key: str, pcm: np.ndarray) -> None:
+        """More user audio (16 kHz float32) of this session's turn."""
         with self._cv:
             t = self._turns.get(key)
             if t is None:
                 t = self._turns[key] = _Turn(key)
-            now = self._clock()
             if self._held_since is None:
-                self._held_since = now
-            if not t.held:
-                t.held_at = now
+                self._held_since = self._clock()
             t.held.append(pcm)
-            t.quiet = quiet
-            t.commit_at = None if commit_in_s is None else now + commit_in_s
             self._cv.notify_all()
 
     def commit(self, key: str) -> bool:
@@ -194,9 +131,6 @@ class EncoderWorker:
             if t is None:
                 return False
             t.commit = True
-            if t.commit_at is not None:  # how well the VAD's expected time held ("commit late" / "early", load log)
-                off = self._clock() - t.commit_at
-                self.spans.add("commit late" if off >= 0 else "commit early", abs(off))
             self._cv.notify_all()
             return True
 
@@ -249,72 +183,36 @@ class EncoderWorker:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        for t in self._threads:
-            t.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     # ---- the calls -----------------------------------------------------------------------
 
     def _due_at(self, holding: int) -> float:
         """When held audio is due (given how many sessions hold some); +inf when none is held."""
-        if self._cycle:
-            return -math.inf
         if self._held_since is None or not holding:
             return math.inf
         every = min(max(self.every_s, ENCODE_MAX_EVERY_S),
                     self.every_s * max(1, math.ceil(holding / ENCODE_SESSIONS_PER_INTERVAL)))
         return self._held_since + (max(every, ENCODE_DEFER_S) if self._ramping else every)
 
-    def _held_start_at(self, holding: int, now: float) -> float:
-        """When a call of held audio may start (given how many sessions hold some): when it falls due (`_due_at`),
-        later while an expected commit guards the GPU for its own call (`commit_guard_s`; module doc)."""
-        return self._guarded_start(self._due_at(holding), now)
-
-    def _guarded_start(self, due: float, now: float) -> float:
-        """When a call of held audio due at `due` may start, given the commits expected now."""
-        if not self.commit_guard_s or due > now or due == -math.inf:  # (not due yet, or a cycle under way)
-            return due
-        guarded = [t.commit_at + COMMIT_LATE_S for t in self._turns.values()
-                   if t.commit_at is not None and not t.commit
-                   and t.commit_at - self.commit_guard_s <= now < t.commit_at + COMMIT_LATE_S]
-        return min(max(guarded), due + HELD_GUARD_MAX_S) if guarded else due
-
-    def _held_may_start(self, holding: int, now: float) -> bool:
-        """A call of held audio may start now (`_held_start_at`); one due but held back by the guard is noted, for
-        the wait the load log shows when it starts."""
-        due = self._due_at(holding)
-        start = self._guarded_start(due, now)
-        if start > now >= due and self._guarded_due is None:
-            self._guarded_due = due
-        return start <= now
-
-    def _take_due(self, now: float, flush: bool, commits_too: bool = True, held_too: bool = True
-                  ) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
+    def _take_due(self, now: float, flush: bool) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
         """(commit, [(turn, its held audio)]) of the call due now (under _cv), recorded as in the call; None if none
-        is. `commits_too` / `held_too`: the kinds of call the asking thread runs."""
-        # (a commit whose turn is in a call of held audio in flight, on the other thread, waits for it)
-        commits = [t for t in self._turns.values() if t.commit and id(t) not in self._in_call] if commits_too else []
+        is."""
+        commits = [t for t in self._turns.values() if t.commit]
         holding = self._holding()
-        # (a turn of the cycle that committed or was dropped since it began goes with its commit, or not at all)
-        self._cycle = [t for t in self._cycle if t.held and not t.commit and self._turns.get(t.key) is t]
         if commits:
             taken, commit = commits, True
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
             self._forget_held_since()
-        elif held_too and (self._cycle or (holding and (flush or self._held_may_start(len(holding), now)))):
-            if not self._cycle:  # held audio is due: every session holding some now goes, held_max at a time
-                if self._guarded_due is not None:  # (how long expected commits held it back: the load log's
-                    self.spans.add("encode guard wait", max(0.0, now - self._guarded_due))  # "encode guard wait")
-                    self._guarded_due = None
-                self._cycle = sorted(holding, key=lambda t: t.held_at) if self.held_max else holding
-                self._held_since = None  # audio arriving from now on waits for the next cycle
-            n = self.held_max or len(self._cycle)
-            taken, self._cycle, commit = self._cycle[:n], self._cycle[n:], False
+        elif holding and (flush or self._due_at(len(holding)) <= now):
+            taken, commit = holding, False
+            self._held_since = None  # audio arriving from now on waits for the next call
         else:
             return None
-        me = threading.get_ident()
-        self._calling.add(me)
-        self._in_call.update((id(t), (t, me)) for t in taken)  # first: a commit's turn is no longer in _turns
+        self._running = True
+        self._in_call.update((id(t), t) for t in taken)  # first: a commit's turn is no longer in _turns
         work = []
         for t in taken:
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
@@ -323,16 +221,13 @@ class EncoderWorker:
         return commit, work
 
     def _holding(self) -> list[_Turn]:
-        """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit,
-        a quiet one waits for its commit while it holds less than QUIET_HOLD_SAMPLES)."""
-        return [t for t in self._turns.values() if t.held and not t.commit
-                and not (self.hold_quiet and t.quiet and sum(map(len, t.held)) < QUIET_HOLD_SAMPLES)]
+        """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit)."""
+        return [t for t in self._turns.values() if t.held and not t.commit]
 
     def _forget_held_since(self) -> None:
         """No audio is held any more (the last holder committed or was dropped): the next to arrive starts the wait."""
         if not any(t.held for t in self._turns.values()):
             self._held_since = None
-            self._guarded_due = None
 
     def _call(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> None:
         """One encoder call for these turns (outside _cv), then their results."""
@@ -359,7 +254,7 @@ class EncoderWorker:
             self.spans.add(name + " cpu", cpu)
             if hasattr(self.encoder, "last_gpu_wait_s"):
                 self.spans.add(name + " gpu wait", self.encoder.last_gpu_wait_s)
-            self._calling.discard(threading.get_ident())
+            self._running = False
             self._cv.notify_all()
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:
@@ -388,16 +283,12 @@ class EncoderWorker:
             except Exception:  # noqa: BLE001 - its slot may leak; the turn is over either way
                 log.exception("speech encoder: closing session %s's stream failed", t.key)
 
-    def _run(self, commits: bool, held: bool) -> None:
-        """A worker thread: the calls of these kinds, as they fall due."""
-        def take(now: float) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
-            return self._take_due(now, False, commits, held)
-
-        wake_at = (lambda now: self._held_start_at(len(self._holding()), now)) if held else (lambda _: math.inf)
+    def _run(self) -> None:
         while True:
             try:
                 with self._cv:
-                    work = wait_for_work(self._cv, lambda: self._closed, take, wake_at, self._clock, 0.0005)
+                    work = wait_for_work(self._cv, lambda: self._closed, lambda now: self._take_due(now, False),
+                                         lambda _: self._due_at(len(self._holding())), self._clock, 0.0005)
                 if work is None:
                     return
                 self._call(*work)
@@ -408,22 +299,16 @@ class EncoderWorker:
 
     def _fail_all(self, e: Exception) -> None:
         """After an error outside the encoder's own calls (whose failures `_call` hands back per turn): every turn
-        held or in this thread's call fails with `e` (a committing one as its commit's result), and the thread starts
-        over. A turn in the other thread's call in flight is left to that call."""
+        held or in the call fails with `e` (a committing one as its commit's result), and the worker starts over."""
         with self._cv:
-            me = threading.get_ident()
-            theirs = {i for i, (_, thread) in self._in_call.items() if thread != me}
-            mine = [t for t, thread in self._in_call.values() if thread == me]
-            turns = {id(t): t for t in (*self._turns.values(), *mine) if id(t) not in theirs}  # a turn in both once
+            turns = {id(t): t for t in (*self._turns.values(), *self._in_call.values())}  # a turn in both once
             for t in turns.values():
                 if not t.dropped:
                     now = time.monotonic()
                     self._results.append(Encoded(t.key, e, t.commit, now, now))
                 self._close(t)
-                if self._turns.get(t.key) is t:
-                    del self._turns[t.key]
-                self._in_call.pop(id(t), None)
-            self._cycle = []
-            self._forget_held_since()
-            self._calling.discard(me)
+            self._turns.clear()
+            self._in_call.clear()
+            self._held_since = None
+            self._running = False
             self._cv.notify_all()

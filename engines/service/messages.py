@@ -67,16 +67,10 @@ class UpdateSession:
 
 @dataclass(frozen=True)
 class AppendUserAudio:
-    """User speech as it arrives; encoded and prefilled while the user is still talking. `quiet`: the server's voice
-    activity detection hears the silence that may end the turn (a commit may follow): the engine may hold this audio
-    back for the commit's own encoder call instead of a call of every speaking session's audio. `commit_in_ms` (with
-    `quiet`): the silence still needed before that detection commits the turn, i.e. when the commit is expected if
-    the silence lasts (None: no such detection)."""
+    """User speech as it arrives; encoded and prefilled while the user is still talking."""
 
     session_id: str
     pcm16k: bytes
-    quiet: bool = False
-    commit_in_ms: float | None = None
 
 
 @dataclass(frozen=True)

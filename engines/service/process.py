@@ -56,7 +56,6 @@ from engines.kv.sizing import GIB
 from engines.service import messages as m
 from engines.service.core import SLOW_STEP_S as SLOW_S
 from engines.service.core import Out, Service
-from engines.service.encoder_worker import COMMIT_GUARD_MAX_S, COMMIT_LATE_S, HELD_GUARD_MAX_S
 from engines.service.spans import Spans
 from engines.service.stall_watch import StallWatch
 from engines.service.startup_memory import StartupMemory
@@ -161,37 +160,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-graphs", dest="encoder_graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay the speech encoder's steps of up to 8 sessions as CUDA graphs (a commit's "
                         "step is ~60 torch calls and ~300 launches for a few ms of GPU work)")
-    p.add_argument("--encoder-held-max", type=_int_at_least(0), default=0, metavar="N",
-                   help="a call of held user audio takes at most N sessions (those holding audio longest first), the "
-                        "rest going in the calls right after, so that a commit waits for one call of at most N "
-                        "sessions instead of one of every session holding audio (0: all in one call; N = 32 measured "
-                        "worse at 256 sessions on an H200, the extra calls slowing the model: docs/BENCHMARKS.md)")
-    p.add_argument("--encoder-commit-thread", action="store_true",
-                   help="with the encoder thread: run commits on a second thread, beside a call of held user audio "
-                        "in flight, so that a commit waits only for a call holding its own turn (off by default: at "
-                        "256 sessions on an H200 it measured worse, the turn's quiet audio going in the commit's "
-                        "urgent call: docs/PERF_NOTES.md, session 52)")
-    p.add_argument("--encoder-commit-guard-ms", type=_non_negative_ms, default=0.0, metavar="MS",
-                   help="a call of held user audio does not start while a commit is expected within MS (the server's "
-                        f"VAD says when: the silence it still needs), nor until it comes (at most "
-                        f"{COMMIT_LATE_S * 1000:g} ms late; the call waits at most {HELD_GUARD_MAX_S * 1000:g} ms past "
-                        "its time), so that the commit need not wait for it (0: off; at most "
-                        f"{COMMIT_GUARD_MAX_S * 1000:g}; 40 measured no better at 256 sessions on an H200: "
-                        "docs/PERF_NOTES.md, session 53)")
-    p.add_argument("--encoder-held-graphs", type=_int_at_least(0), default=0, metavar="N",
-                   help="on a GPU, also replay the speech encoder's steps of held user audio of 9 to N sessions as "
-                        "CUDA graphs (captured at the least priority; 0: off, such steps run eagerly, each of their "
-                        "~300 torch calls giving up the GIL under load)")
     p.add_argument("--encoder-tf32", action="store_true",
                    help="on a GPU, run the speech encoder's float32 products (its GEMMs and attention) on TF32 tensor "
                         "cores instead of at float32 accuracy (3xTF32): ~3x less tensor-core work in its calls, other "
                         "numerics than float32 (features within ~3e-3 of their scale; streamed codes still equal "
                         "whole-utterance codes)")
-    p.add_argument("--held-audio-level", type=_int_at_least(0), default=None, metavar="N",
-                   help="on a GPU, run the speech encoder's calls of held user audio (audio still being spoken) N "
-                        "CUDA priority levels below the most urgent (0: the commits' level, 1: the language model's) "
-                        "instead of the least, so that under load they are not starved and a commit waits less for "
-                        "the one in flight")
     p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
                    help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
@@ -251,8 +224,6 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
         vocoder = "hift" if Path(args.codec).is_dir() and not (Path(args.codec) / "bigvgan").is_dir() else "bigvgan"
     with memory.part("the speech encoder"):
         encoder = SpeechEncoder.load(args.codec, device=args.device, tf32=getattr(args, "encoder_tf32", False))
-    if getattr(args, "held_audio_level", None) is not None:
-        encoder.set_held_level(args.held_audio_level)
     if on_gpu:
         # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
         # engine loop for the allocation and copy.
@@ -262,7 +233,7 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
             encoder.reserve(n)
         if getattr(args, "encoder_graphs", True):  # after the reserve: a growth of the KV pool retires them
             with memory.part("the speech encoder's CUDA graphs"):
-                encoder.capture_graphs(held_max_batch=getattr(args, "encoder_held_graphs", 0))
+                encoder.capture_graphs()
     # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
     # in bf16, the encoder's float32 matmuls on TF32.
     with codec_home:
@@ -293,7 +264,6 @@ def _first_lane_on(args: argparse.Namespace, on_gpu: bool) -> bool:
 
 
 def build_service(args: argparse.Namespace) -> Service:
-    from engines.codec.encoder.graphs import check_held_max_batch
     from engines.config import ConfigError, EngineConfig, model_config_for
     from engines.engine import Engine
     from engines.kv.sizing import thin_pool_warning
@@ -333,22 +303,9 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-sms-only needs --codec-sms N")
     if codec_sms and not on_gpu:
         raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
-    held_graphs = getattr(args, "encoder_held_graphs", 0)
-    check_held_max_batch("--encoder-held-graphs", held_graphs)
-    if held_graphs and not (on_gpu and getattr(args, "encoder_graphs", True)):
-        raise ValueError(f"--encoder-held-graphs {held_graphs} needs the encoder's CUDA graphs (a CUDA device, "
-                         f"without --no-encoder-graphs; got --device {args.device})")
     encoder_thread = on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread
-    if getattr(args, "encoder_commit_thread", False) and not encoder_thread:
-        raise ValueError("--encoder-commit-thread needs the encoder thread (--encoder-thread; the default on a GPU)")
-    commit_guard_ms = getattr(args, "encoder_commit_guard_ms", 0.0)
-    if commit_guard_ms > COMMIT_GUARD_MAX_S * 1000:  # (EncoderWorker's bound, named by its option here)
-        raise ValueError(f"--encoder-commit-guard-ms must be at most {COMMIT_GUARD_MAX_S * 1000:g}, "
-                         f"got {commit_guard_ms:g}")
     if getattr(args, "encoder_tf32", False) and not on_gpu:
         raise ValueError(f"--encoder-tf32 needs a CUDA device (got --device {args.device})")
-    if getattr(args, "held_audio_level", None) is not None and not on_gpu:
-        raise ValueError(f"--held-audio-level needs a CUDA device (got --device {args.device})")
     round_period_s = getattr(args, "codec_round_period_ms", 200.0) / 1000
     if (getattr(args, "codec_round_max", None) is not None and args.codec != "none" and _first_lane_on(args, on_gpu)
             and round_period_s > 0):
@@ -413,9 +370,7 @@ def build_service(args: argparse.Namespace) -> Service:
                       codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
-                      encoder_thread=encoder_thread, encoder_held_max=getattr(args, "encoder_held_max", 0),
-                      encoder_commit_thread=getattr(args, "encoder_commit_thread", False),
-                      encoder_commit_guard_s=commit_guard_ms / 1000)
+                      encoder_thread=encoder_thread)
     warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
     if warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()

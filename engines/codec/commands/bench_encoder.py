@@ -9,10 +9,6 @@ and the codec's thread compete with the encoder's thread for the GIL under load.
 Each batch also prints what a step's wall time was made of, as the server's load log splits its encoder calls: the
 calling thread's CPU time and the step's wait for the GPU (an event wait that spins counts in both; what is left of
 the wall went waiting for the GIL).
-`--commit-beside N`: instead, a thread steps N streams' held audio back to back (as the server's held calls under
-load) while this one times commits (a fresh stream finalized with `--commit-ms` of audio, the urgent lane), first
-with the two calls taking turns (one lane: the served default, where a commit waits for the held call in flight),
-then in the encoder's two lanes (--encoder-commit-thread): each mode's commit wall time (p50 / p95) and held steps.
 """
 
 from __future__ import annotations
@@ -24,14 +20,13 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from engines.bench.hardware import device_name, median, sync
 from engines.codec.encoder import SpeechEncoder
-from engines.codec.encoder.graphs import check_held_max_batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,13 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for steps of up to 8 streams")
     p.add_argument("--tf32", action="store_true", help="float32 products on TF32 (the engine's --encoder-tf32)")
     p.add_argument("--held", action="store_true", help="steps on the lowest-priority stream, as held audio's")
-    p.add_argument("--held-graphs", type=int, default=0, metavar="N",
-                   help="with --graphs: held steps of 9 to N streams replay graphs too (the engine's "
-                        "--encoder-held-graphs)")
     p.add_argument("--gil-busy", action="store_true", help="a thread running Python beside the timed steps")
-    p.add_argument("--commit-beside", type=int, default=0, metavar="N",
-                   help="time commits while a thread steps N streams' held audio (module doc)")
-    p.add_argument("--commit-ms", type=int, default=600, help="with --commit-beside: audio a commit finalizes")
     p.add_argument("--json", default=None)
 
 
@@ -115,102 +104,22 @@ def step_times(enc: SpeechEncoder, step: Callable[[], None], device: torch.devic
     return median(wall) * 1e3, median(cpu) * 1e3, median(wait) * 1e3
 
 
-class _OneLane:
-    """The served default's order: a commit waits for the held step in flight, then goes before the next one (the
-    worker takes commits first). `two=True`: no turns at all (the encoder's two lanes)."""
-
-    def __init__(self, two: bool) -> None:
-        self.two, self.lock, self.pending = two, threading.Lock(), threading.Event()
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        if self.two:
-            yield
-            return
-        while self.pending.is_set():  # a commit waits: it goes first
-            time.sleep(0.0001)
-        with self.lock:
-            yield
-
-    @contextlib.contextmanager
-    def commit(self) -> Iterator[None]:
-        if self.two:
-            yield
-            return
-        self.pending.set()
-        with self.lock:
-            self.pending.clear()
-            yield
-
-
-def commit_beside(enc: SpeechEncoder, held: int, args: argparse.Namespace, rng: np.random.Generator) -> dict:
-    """Commits timed while a thread steps `held` streams' held audio back to back: one lane (a commit waits for the
-    held step in flight) and two (the encoder's lanes). Returns per mode the commits' p50 / p95 ms and the held
-    steps' count and median ms."""
-    step, streams = warm_streams(enc, held, args.piece_ms, args.context_s, rng, urgent=False)
-    audio = (0.1 * rng.standard_normal(16 * args.commit_ms)).astype(np.float32)
-    out = {}
-
-    def held_loop(stop: threading.Event, turns: _OneLane, held_ms: list[float]) -> None:
-        while not stop.is_set():
-            with turns.held():
-                t0 = time.perf_counter()
-                step()
-                held_ms.append((time.perf_counter() - t0) * 1e3)
-
-    for mode in ("one lane", "two lanes"):
-        turns, stop, held_ms = _OneLane(two=mode == "two lanes"), threading.Event(), []
-        thread = threading.Thread(target=held_loop, args=(stop, turns, held_ms), daemon=True)
-        thread.start()
-        commits = []
-        try:
-            for i in range(args.iters + 1):
-                time.sleep(float(rng.uniform(0.0, 0.02)))  # (commits land anywhere in a held step)
-                s = enc.open_stream()
-                t0 = time.perf_counter()
-                with turns.commit():
-                    enc.batch().finalize([s], [audio])
-                if i:  # (the first warms this mode up)
-                    commits.append((time.perf_counter() - t0) * 1e3)
-        finally:
-            stop.set()
-            thread.join()
-        out[mode] = {"commit_p50_ms": float(np.percentile(commits, 50)),
-                     "commit_p95_ms": float(np.percentile(commits, 95)),
-                     "held_steps": len(held_ms), "held_step_ms": median(held_ms)}
-        print(f"commit of {args.commit_ms} ms beside held steps of {held} streams, {mode}: p50 "
-              f"{out[mode]['commit_p50_ms']:.2f} / p95 {out[mode]['commit_p95_ms']:.2f} ms; "
-              f"{len(held_ms)} held steps, median {out[mode]['held_step_ms']:.2f} ms")
-    for st in streams:
-        st.close()
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
-    if args.held_graphs and not args.graphs:
-        raise SystemExit("--held-graphs needs --graphs")
-    try:
-        check_held_max_batch("--held-graphs", args.held_graphs)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
     try:
         enc = SpeechEncoder.load(args.codec, device=device, dtype=args.dtype, tf32=args.tf32)
     except ValueError as e:  # --tf32 without float32 on CUDA
         raise SystemExit(str(e)) from None
     rng = np.random.default_rng(0)
-    batches = [] if args.commit_beside else [int(x) for x in args.batches.split(",")]  # (--commit-beside: instead)
-    enc.reserve(max(batches + [args.commit_beside + 1]))  # before the graphs: a growth of the KV pool retires them
+    batches = [int(x) for x in args.batches.split(",")]
+    enc.reserve(max(batches))  # before the graphs: a growth of the KV pool retires them
     res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "tf32": args.tf32,
            "piece_ms": args.piece_ms, "held": args.held, "gil_busy": args.gil_busy, "graphs": 0,
            f"ms_per_{args.piece_ms}ms": {}, "cpu_ms": {}, "gpu_wait_ms": {}}
     if args.graphs:
         t0 = time.perf_counter()
-        res["graphs"] = enc.capture_graphs(held_max_batch=args.held_graphs)
+        res["graphs"] = enc.capture_graphs()
         print(f"{res['graphs']} step graphs captured in {time.perf_counter() - t0:.1f} s")
-    if args.commit_beside:
-        with gil_busy(args.gil_busy):
-            res["commit_beside"] = commit_beside(enc, args.commit_beside, args, rng)
     for b in batches:
         step, streams = warm_streams(enc, b, args.piece_ms, args.context_s, rng, urgent=not args.held)
         with gil_busy(args.gil_busy):

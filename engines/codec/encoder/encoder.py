@@ -72,9 +72,9 @@ class SpeechEncoder:
         self.stream = high_priority_stream(device) if device.type == "cuda" else None
         self.bulk_stream = driver_stream(device) if device.type == "cuda" else None
         # The KV pool's slots (opening, release, growth) and the graphs' capture take turns under `lock`. Calls
-        # run in two lanes (`_lane`): one urgent call (a commit, a voice prompt) may run while one of held audio
-        # does, so a commit need not wait for a held call of every speaking session (the service's encoder worker
-        # with a commit thread). A call touches only its own streams' rows of the pool (padding writes go to the
+        # run in two lanes (`_lane`): one urgent call (a voice prompt's, on the engine loop) may run while one of
+        # held audio does (on the service's encoder worker), so the loop need not wait for a held call of every
+        # speaking session. A call touches only its own streams' rows of the pool (padding writes go to the
         # spare), and the lanes never replay the same graphs at once; a growth of the pool, which moves every row,
         # waits until no call is in flight.
         self.lock = threading.RLock()
@@ -160,40 +160,24 @@ class SpeechEncoder:
                 self._busy.discard(lane)
                 self._lanes.notify_all()
 
-    def capture_graphs(self, max_batch: int = 8, held_max_batch: int = 0) -> int:
-        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs, urgent), then the
-        kernels that bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs).
-        `held_max_batch` > max_batch: held audio's steps (`batch(urgent=False)`) of more streams, up to that many,
-        replay graphs of their own too (graphs.HELD_BATCHES, captured on the least priority). Returns how many graphs
-        were captured."""
+    def capture_graphs(self, max_batch: int = 8) -> int:
+        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs), then the kernels that
+        bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs). Returns how many
+        graphs were captured."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         from engines.codec.encoder.graphs import StepGraphs
 
-        held = StepGraphs.held(self.runner, held_max_batch, max_batch) if held_max_batch else None
         with self._no_calls(), self.lock, self._on_stream(), float32_matmuls(self.runner.tf32):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()
             self.runner.graphs = graphs
-            if held is not None:
-                n += held.capture()
-                self.runner.held_graphs = held
             self.runner.warm_kernels()
         return n
 
     def release_slot(self, state: TrunkState) -> None:
         with self.lock:
             self.runner.release(state)
-
-    def set_held_level(self, level: int) -> None:
-        """Held audio's calls (`batch(urgent=False)`) on a new stream `level` priority levels below the most urgent,
-        instead of the least (clamped there). Before serving: a call in flight keeps its stream."""
-        if self.device.type != "cuda":
-            raise ValueError("a held-audio priority needs a CUDA device")
-        if level < 0:
-            raise ValueError(f"a priority level counts down from the most urgent (0), got {level}")
-        with self.lock:
-            self.bulk_stream = driver_stream(self.device, level=level)
 
     def _on_stream(self, urgent: bool = True) -> contextlib.AbstractContextManager:
         """Encoder work and the state it keeps go on the encoder's stream (when it has one)."""
@@ -317,7 +301,7 @@ class EncoderBatch:
         while more:
             limits = np.asarray([seg - s.trunk.mel_in_segment for s in streams], dtype=np.int64)
             counts, ids, pooled, more = enc.runner.run([s.trunk for s in streams], [s.mel for s in streams], pcms,
-                                                       limits, self.urgent)
+                                                       limits)
             pcms = [none] * len(streams)
             if ids is not None:
                 t0 = time.perf_counter()

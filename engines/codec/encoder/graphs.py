@@ -7,7 +7,7 @@ Every answer waits for its commit's codes, so steps of up to `max_batch` streams
 of (streams, new 50 Hz frames per stream, keys attended): the whole step reads and writes its streams' carried state
 in the KV pool's state rows by index (kv_pool.py), so its input is one upload (indices, then samples) padded to the
 bucket's sizes (`StreamingRunner._plan`): padding frames, tokens and groups read harmless rows and write the spare's.
-Bigger steps (held audio of many sessions) stay eager unless held graphs are captured too (`HELD_BATCHES`).
+Bigger steps (held audio of many sessions) stay eager.
 
 All buckets are captured ahead of time (`capture`); a step whose shape has no bucket runs eagerly. The graphs hold
 the KV pool's tensors, so a growth of the pool (`KVPool.generation`) retires them: reserve the pool first.
@@ -25,23 +25,8 @@ from engines.codec.decoder.graphs import BucketGraphs
 log = logging.getLogger("engines.codec")
 
 BATCHES = (1, 2, 4, 8)  # streams in the step
-FRAMES = (1, 2, 4, 8, 16, 32, 64)  # new 50 Hz frames per stream (a commit after 0.32 s of held audio: ~20; of a
-# quiet turn held back for it, up to ~1 s: encoder_worker.QUIET_HOLD_SAMPLES)
-# Held audio's steps of more streams (SpeechEncoder.capture_graphs' held_max_batch, off by default): eagerly each of
-# their ~300 torch calls and ~80 launches gives up the GIL and waits to take it back, so under load a step with ~15 ms
-# of GPU work took 55-66 ms (H200, session 48). Their calls carry up to ENCODE_MAX_EVERY_S (0.32 s: 16 frames, often
-# 17) of every speaking session's audio, so finer rungs keep the padding small.
-HELD_BATCHES = (16, 24, 32, 48, 64, 96, 128, 192, 256)
-HELD_FRAMES = (4, 8, 12, 16, 20, 24, 32)
+FRAMES = (1, 2, 4, 8, 16, 32, 64)  # new 50 Hz frames per stream (a commit after 0.32 s of held audio: ~20)
 KEYS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)  # keys attended, then the segment's length
-
-
-def check_held_max_batch(option: str, n: int) -> None:
-    """Refuse held audio's graphs of up to `n` streams (`option` as the user gave it; 0: off) where the urgent graphs
-    already replay every step of that many: the engine's --encoder-held-graphs and `bench encoder --held-graphs`."""
-    if 0 < n <= BATCHES[-1]:
-        raise ValueError(f"{option} {n}: steps of up to {BATCHES[-1]} streams already replay graphs; give more than "
-                         f"{BATCHES[-1]}, or 0 for off")
 
 
 def _up(x: int, ladder: tuple[int, ...]) -> int | None:
@@ -53,30 +38,18 @@ class StepGraphs(BucketGraphs):
     as the codec's graphs are (BucketGraphs: inputs cloned, the owner's private stream, one memory pool), but replayed
     on inputs already of their bucket's sizes."""
 
-    def __init__(self, runner, max_batch: int = BATCHES[-1], urgent: bool = True,
-                 batches: tuple[int, ...] = BATCHES, frames: tuple[int, ...] = FRAMES) -> None:
-        """`urgent`: captured (so replayed) on the most urgent priority, as a commit's call waits on them; else on the
-        least (held audio's graphs). `batches`: the ladder of streams below `max_batch`, which is the last rung."""
+    def __init__(self, runner, max_batch: int = BATCHES[-1]) -> None:
+        """Captured (so replayed) on the most urgent priority, as a commit's call waits on them; `max_batch` is the last
+        rung of the streams' ladder."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        super().__init__(runner.forward, urgent=urgent)
+        super().__init__(runner.forward, urgent=True)
         self.runner = runner
-        self.batches = tuple(b for b in batches if b < max_batch) + (max_batch,)
-        self.frames = frames
+        self.batches = tuple(b for b in BATCHES if b < max_batch) + (max_batch,)
         seg = runner.cfg.max_source_positions
         self.keys = tuple(t for t in KEYS if t < seg) + (seg,)
         self.generation = runner.kv.generation
         self.replays = 0
-
-    @classmethod
-    def held(cls, runner, max_batch: int, above: int) -> StepGraphs:
-        """Held audio's graphs: steps of `above` + 1 to `max_batch` streams (past the urgent graphs' `above`), on the
-        HELD_BATCHES and HELD_FRAMES rungs, captured on the least priority."""
-        if max_batch <= above:
-            raise ValueError(f"held audio's graphs are for steps past the urgent ones' {above} streams, "
-                             f"got up to {max_batch}")
-        return cls(runner, max_batch, urgent=False, batches=tuple(b for b in HELD_BATCHES if b > above),
-                   frames=HELD_FRAMES)
 
     @staticmethod
     def key(inputs, static: tuple) -> tuple:
@@ -88,7 +61,7 @@ class StepGraphs(BucketGraphs):
         mel frames) per stream at most, `t_max` keys at most, whether captured or not; None beyond the buckets."""
         from engines.codec.encoder.model import StepSizes
 
-        b, n, t = _up(streams, self.batches), _up(n_max, self.frames), _up(t_max, self.keys)
+        b, n, t = _up(streams, self.batches), _up(n_max, FRAMES), _up(t_max, self.keys)
         if b is None or n is None or t is None:
             return None
         cfg, k = self.runner.cfg, self.runner.cfg.pooling_kernel_size
@@ -115,12 +88,12 @@ class StepGraphs(BucketGraphs):
         """Capture every bucket; returns how many graphs that made."""
         t0 = time.perf_counter()
         for b in self.batches:
-            for n in self.frames:
+            for n in FRAMES:
                 for t in self.keys:
                     sz = self.bucket(b, n, t)
                     self.ensure(self.runner.blank_inputs(sz), (sz,))
-        log.info("speech encoder: %d step graphs (%s, up to %d streams) captured in %.1f s", len(self.graphs),
-                 "urgent" if self.urgent else "held audio", self.batches[-1], time.perf_counter() - t0)
+        log.info("speech encoder: %d step graphs (up to %d streams) captured in %.1f s", len(self.graphs),
+                 self.batches[-1], time.perf_counter() - t0)
         return len(self.graphs)
 
     def run(self, sz, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]

@@ -215,7 +215,6 @@ class StreamingRunner:
         self.codebook_sq = self.codebook.square().sum(dim=1)  # [V]
         self.kv = KVPool(cfg, dtype, device)
         self.graphs = None  # graphs.StepGraphs once captured (SpeechEncoder.capture_graphs)
-        self.held_graphs = None  # graphs.StepGraphs of held audio's steps of more streams than `graphs` holds
 
     def warm_kernels(self) -> None:
         """Compile the Triton kernels' variants that CUDA-graph capture does not meet (steps of many streams: attention
@@ -261,19 +260,18 @@ class StreamingRunner:
         st.pos, st.mel_in_segment, st.h1_len, st.pool_len, st.fresh = 0, 0, 2, 0, True
 
     @torch.no_grad()
-    def run(self, states: list[TrunkState], mels: list[MelState], pcms: list[np.ndarray], limits: np.ndarray,
-            urgent: bool = True) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None, bool]:
+    def run(self, states: list[TrunkState], mels: list[MelState], pcms: list[np.ndarray], limits: np.ndarray
+            ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None, bool]:
         """One step: each stream's new samples in, at most `limits` new mel frames each (none may cross its segment
-        end); `urgent=False`: a step of held audio, which may replay `held_graphs`. Returns the codes closed per
-        stream, the codes [sum] and their pre-VQ features [sum, d] (float32) on the device (None when no frame was
-        new), and whether frames beyond the limits wait for another step.
+        end). Returns the codes closed per stream, the codes [sum] and their pre-VQ features [sum, d] (float32) on
+        the device (None when no frame was new), and whether frames beyond the limits wait for another step.
 
         Every index of the step follows from row counts known on the host: they are built first (numpy), uploaded in
         one copy, and the device work is `forward` over them, eagerly or as a captured graph of its bucket."""
         mp = self.frontend.plan(mels, pcms, limits)
         if not mp.counts.any():
             return [0] * len(states), None, None, mp.more
-        sizes, graphs, idx, counts, n2, h1_len, pool_len = self._plan(states, mp, urgent)
+        sizes, graphs, idx, counts, n2, h1_len, pool_len = self._plan(states, mp)
         # One upload: the samples ride after the indices as their float32 bit patterns, two to an int64.
         samples = np.zeros(sizes.samples, np.float32)
         samples[: mp.samples.size] = mp.samples
@@ -292,7 +290,7 @@ class StreamingRunner:
             st.h1_len, st.pool_len, st.fresh = h1, held, False
         return counts.tolist(), codes, feats, mp.more
 
-    def _plan(self, states: list[TrunkState], mp: MelPlan, urgent: bool = True
+    def _plan(self, states: list[TrunkState], mp: MelPlan
               ) -> tuple[StepSizes, StepGraphs | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The step's sizes (a captured graph's bucket when one holds it: then those graphs, else None), its index
         arrays (flat, in StepSizes.parts' order), and per stream the codes it closes, the tokens it makes, and the
@@ -319,9 +317,6 @@ class StreamingRunner:
         t_max = int((past + n2)[active].max()) if active.size else 0
         N1, N2 = int(n1.sum()), int(n2.sum())
         bucket, graphs = None, self.graphs
-        # Held audio's steps past the urgent graphs' largest bucket go to the held graphs (least priority).
-        if not urgent and self.held_graphs is not None and (graphs is None or B > graphs.batches[-1]):
-            graphs = self.held_graphs
         if graphs is not None and N2:
             bucket = graphs.sizes(B, max(n_max, -(-int(n1.max()) // 2)), t_max)
         if bucket is not None:
