@@ -217,7 +217,7 @@ def test_encoder_tf32_needs_a_gpu_and_reaches_the_speech_encoder(monkeypatch):
     monkeypatch.setattr(SpeechEncoder, "load", classmethod(load))
     for flag in ([], ["--encoder-tf32"]):
         with pytest.raises(Loaded):
-            process._load_codec(p.parse_args(base + flag), None, StartupMemory("cpu"), None)
+            process._load_codec(p.parse_args(base + flag), None, StartupMemory("cpu"))
     assert [kw["tf32"] for kw in seen] == [False, True]
 
 

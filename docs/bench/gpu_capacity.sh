@@ -5,7 +5,7 @@
 # host, VAD commits 1.6 s late at 172; docs/PERF_NOTES.md, session 19).
 # CAP_KV_GIB: the language model's KV pool in GiB (default auto: what the GPU has free after the codec and the
 # weights, less a headroom; runs up to session 20 gave 24).
-# CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--no-first-lane", "--codec-sms 32 --codec-sms-only").
+# CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--no-first-lane").
 # MOSS_TUNING_FILE=PATH (passed on to the engine): serve the GEMM tilings kept in PATH, so both servers of an A/B pair
 # run the same tilings; the engine tunes and adds the shapes the file lacks. Without it the shipped picks
 # (engines/kernels/tunings.json: the fastest of four starts on an H100 by `gpu_tuning_pick.sh`) serve where they have

@@ -100,8 +100,7 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
-                 encode_every_s: float = 0.0, codec_thread: bool = False,
-                 codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
+                 encode_every_s: float = 0.0, codec_thread: bool = False, first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
                  codec_round_period_s: float = 0.0, encoder_held_max: int = 0,
                  encoder_commit_thread: bool = False, encoder_commit_guard_s: float = 0.0) -> None:
@@ -119,8 +118,7 @@ class Service:
         finalized in one call. Codes are the same either way (the encoder streams exactly). `encoder_thread`: those
         calls run on a thread of their own, beside the engine steps (engines/service/encoder_worker.py).
         `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
-        a GPU) while the engine steps; the PCM is the same, only when it leaves changes. `codec_stream`: a stream of
-        the codec's SM partition (engines.partition), where the worker's rounds run. `first_decoders`: lanes of
+        a GPU) while the engine steps; the PCM is the same, only when it leaves changes. `first_decoders`: lanes of
         `decoder` (CodecDecoder.lane) on which the worker decodes first chunks beside its other rounds.
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
@@ -147,7 +145,7 @@ class Service:
         self._codec = None
         if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}
-            self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
+            self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")),
                                       first_decoders=first_decoders, period_s=codec_round_period_s, **extra)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         # the GPU model for /health (load tests print it), or "cpu"

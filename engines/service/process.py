@@ -31,7 +31,6 @@ supervisor restarts it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -197,12 +196,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
                    help="run throw-away spoken turns before serving (default: on a GPU), so the first users do not "
                         "pay one-time kernel compiles and plan builds")
-    p.add_argument("--codec-sms", type=int, default=0,
-                   help="on a GPU, keep this many SMs free of the language model's and speech encoder's kernels (a "
-                        "green context; rounded up by the driver, to 8 on an H100/H200), so the codec's "
-                        "latency-bound kernels always find SMs; the codec still uses every SM (0: no partition)")
-    p.add_argument("--codec-sms-only", action="store_true",
-                   help="with --codec-sms: the codec runs on its SMs only")
     p.add_argument("--first-lane", dest="first_lane", action=argparse.BooleanOptionalAction, default=None,
                    help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
                         "of its own, while rounds of playing answers pause between pieces of their work (default: "
@@ -237,8 +230,7 @@ def _free_bytes(device: str) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupMemory, codec_home: Any
-                ) -> tuple[Any, Any, Any]:
+def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupMemory) -> tuple[Any, Any, Any]:
     """The speech encoder, the codec decoder and its first-chunk lanes (none off a GPU or without --first-lane),
     with their KV slots and CUDA graphs on a GPU."""
     from engines.codec.decoder.codec_decoder import CodecDecoder
@@ -265,24 +257,23 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
                 encoder.capture_graphs(held_max_batch=getattr(args, "encoder_held_graphs", 0))
     # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
     # in bf16, the encoder's float32 matmuls on TF32.
-    with codec_home:
-        with memory.part("the codec decoder"):
-            decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
-                                        cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
-                                        estimator_dtype="bfloat16" if on_gpu else "float32")
-        first_lane = _first_lane_on(args, on_gpu)
-        if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
-            from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
+    with memory.part("the codec decoder"):
+        decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
+                                    cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
+                                    estimator_dtype="bfloat16" if on_gpu else "float32")
+    first_lane = _first_lane_on(args, on_gpu)
+    if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
+        from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
 
-            decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
-        with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):
-            # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
-            decoder.capture_graphs(config.max_running)
-            for _ in range(getattr(args, "first_lanes", 2) if first_lane else 0):
-                lane = decoder.lane()
-                lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
-                lane.capture_graphs(FIRST_MAX)
-                first_decoders.append(lane)
+        decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
+    with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):
+        # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
+        decoder.capture_graphs(config.max_running)
+        for _ in range(getattr(args, "first_lanes", 2) if first_lane else 0):
+            lane = decoder.lane()
+            lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
+            lane.capture_graphs(FIRST_MAX)
+            first_decoders.append(lane)
     return encoder, decoder, first_decoders
 
 
@@ -328,11 +319,6 @@ def build_service(args: argparse.Namespace) -> Service:
     kw["fp8_only"] = getattr(args, "fp8_only", False)
     kw["kv_dtype"] = getattr(args, "kv_dtype", "auto")
     config = EngineConfig(**kw)
-    codec_sms = getattr(args, "codec_sms", 0)
-    if getattr(args, "codec_sms_only", False) and not codec_sms:
-        raise ValueError("--codec-sms-only needs --codec-sms N")
-    if codec_sms and not on_gpu:
-        raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
     held_graphs = getattr(args, "encoder_held_graphs", 0)
     check_held_max_batch("--encoder-held-graphs", held_graphs)
     if held_graphs and not (on_gpu and getattr(args, "encoder_graphs", True)):
@@ -355,31 +341,16 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-round-max bounds rounds of playing answers run back to back; with a first lane they "
                          "run once a period (--codec-round-period-ms) and take every answer due: give "
                          "--codec-round-period-ms 0 with it")
-    codec_home = contextlib.nullcontext()
-    codec_stream = None
     if on_gpu:
         import torch
 
         from engines.streams import model_stream
 
-        lm_stream = None
-        if codec_sms:
-            from engines.partition import driver_stream, split
-
-            # Streams made later follow the stream current when they are made (engines.partition): the model's
-            # graphs and the encoder land in the model's partition, the codec's graphs and rounds in the codec's.
-            sms = split(args.device, codec_sms)
-            lm_stream = sms.stream("lm", urgent=True)
-            codec_stream = (sms.stream("codec") if args.codec_sms_only
-                            else driver_stream(args.device, like=torch.cuda.default_stream(args.device)))
-            codec_home = torch.cuda.stream(codec_stream)
-            log.info("SM partitions: language model and speech encoder on %d SMs, codec on %s", sms.lm_sms,
-                     f"the other {sms.codec_sms} only" if args.codec_sms_only else "every SM")
         # The language model's steps run on a high-priority stream, so they never queue behind the codec
         # worker's rounds of playing answers (lowest priority) for SMs: a decode step is a few ms of GPU work
         # that every session waits for. (The speech encoder's commits and the first-chunk lanes have streams one
         # level above it: engines.streams.model_stream.)
-        torch.cuda.set_stream(lm_stream if lm_stream is not None else model_stream(args.device))
+        torch.cuda.set_stream(model_stream(args.device))
     # The codec and encoder worker threads run Python between their GPU waits; a short switch interval keeps the
     # engine loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)
@@ -389,8 +360,7 @@ def build_service(args: argparse.Namespace) -> Service:
     # codec. (The weights first: building random ones takes more than they keep.)
     with memory.part("the language model's weights"):
         model, model_config = Engine.load_weights(args.model, config, seed=args.seed)
-    encoder, decoder, first_decoders = (_load_codec(args, config, memory, codec_home) if args.codec != "none"
-                                        else (None, None, []))
+    encoder, decoder, first_decoders = _load_codec(args, config, memory) if args.codec != "none" else (None, None, [])
     with memory.part("the language model's KV pool and CUDA graphs"):
         engine = Engine.build(model, model_config, config, seed=args.seed,
                               kv_free_bytes=_free_bytes(args.device) if kv_auto else None)
@@ -410,7 +380,7 @@ def build_service(args: argparse.Namespace) -> Service:
     service = Service(engine, tokenizer, encoder, decoder, voices,
                       decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
-                      codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
+                      codec_thread=getattr(args, "codec_thread", False),
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
                       encoder_thread=encoder_thread, encoder_held_max=getattr(args, "encoder_held_max", 0),

@@ -266,7 +266,7 @@ def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
     mine, theirs = (g.vocoder.generator._branch_streams.all() for g in (lane, dec))
     assert not {x.cuda_stream for x in mine} & {x.cuda_stream for x in theirs}
     # A new answer's first chunk is urgent, the playing rounds are not: a graph runs at its capture stream's priority.
-    from engines.partition import is_urgent
+    from engines.streams import is_urgent
 
     assert all(is_urgent(g.stream) for g in (lane.flow.graphs, lane.vocoder.graphs)) and all(map(is_urgent, mine))
     assert not any(is_urgent(g.stream) for g in (dec.flow.graphs, dec.vocoder.graphs))

@@ -53,7 +53,7 @@ def test_step_graphs_equal_eager_steps(enc):
     g.reserve(4)
     assert g.capture_graphs(4) == 3 * 7 * 11  # streams 1, 2, 4; frames 1-64; keys 16-1500
     graphs = g.runner.graphs
-    from engines.partition import is_urgent
+    from engines.streams import is_urgent
 
     assert is_urgent(graphs.stream)  # a commit's call waits on them: captured (so replayed) urgent
     pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]
@@ -73,7 +73,7 @@ def test_step_graphs_equal_eager_steps(enc):
 def test_held_audio_on_a_chosen_priority_level_gives_the_same_codes():
     """--held-audio-level: the held calls' stream is at that level (not the least), and the worker's codes are still
     one stream's alone."""
-    from engines.partition import level
+    from engines.streams import level
     from tests.test_encoder_worker import test_codes_equal_one_stream_alone_and_the_commit_comes_last as same_codes
 
     mine = SpeechEncoder.load("tiny-random", device="cuda")
@@ -86,7 +86,7 @@ def test_held_audio_on_a_chosen_priority_level_gives_the_same_codes():
 def test_held_graphs_equal_eager_steps(enc):
     """--encoder-held-graphs: held steps of 9 to N streams replay graphs captured on the least priority, with the
     eager steps' codes; urgent steps of as many streams stay eager."""
-    from engines.partition import is_urgent
+    from engines.streams import is_urgent
     from tests.test_codec_encoder import held_bucket_steps
 
     g = SpeechEncoder.load("tiny-random", device="cuda")

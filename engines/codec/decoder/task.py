@@ -15,7 +15,7 @@ import torch
 from engines.codec.decoder.codec_decoder import CodecDecoder
 from engines.codec.decoder.stream import DecodeStream, Job
 from engines.codec.decoder.voice import Voice
-from engines.partition import driver_stream
+from engines.streams import driver_stream
 
 
 class CodecTask:
