@@ -191,30 +191,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "CUDA priority levels below the most urgent (0: the commits' level, 1: the language model's) "
                         "instead of the least, so that under load they are not starved and a commit waits less for "
                         "the one in flight")
-    p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
-                   help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
                    help="run throw-away spoken turns before serving (default: on a GPU), so the first users do not "
                         "pay one-time kernel compiles and plan builds")
     p.add_argument("--first-lane", dest="first_lane", action=argparse.BooleanOptionalAction, default=None,
-                   help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
-                        "of its own, while rounds of playing answers pause between pieces of their work (default: "
-                        "on a GPU; docs/BENCHMARKS.md, Capacity)")
+                   help="decode new answers' first chunks on a second codec thread with graphs of its own, while "
+                        "rounds of playing answers pause between pieces of their work (default: on a GPU; "
+                        "docs/BENCHMARKS.md, Capacity)")
     p.add_argument("--first-lanes", type=_positive_int, default=2, metavar="N",
                    help="with the first lane: this many lanes, each a thread with graphs of its own, so a new answer "
                         "whose first chunk is ready while another's is decoding need not wait for it (default 2: "
                         "at 256 sessions on an H200 p95 214 / 206 ms against 265 / 209 with one; docs/BENCHMARKS.md)")
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
-                   help="with the codec thread: most playing answers one round decodes (more only while more are "
-                        "about to run dry; default engines/service/codec_worker.py BULK_MAX); refused beside a first "
-                        "lane unless --codec-round-period-ms 0 (rounds once a period take every answer due)")
+                   help="most playing answers one codec round decodes (more only while more are about to run dry; "
+                        "default engines/service/codec_worker.py BULK_MAX); refused beside a first lane unless "
+                        "--codec-round-period-ms 0 (rounds once a period take every answer due)")
     p.add_argument("--codec-round-period-ms", type=_non_negative_ms, default=200.0, metavar="MS",
                    help="with the first lane: rounds of playing answers start at most this often (sooner for one "
                         "about to run dry), each with every answer due before the next; 0: back to back, at most "
                         "--codec-round-max each (docs/BENCHMARKS.md, Capacity)")
-    p.add_argument("--decode-interval-ms", type=_non_negative_ms, default=100.0,
-                   help="without the codec thread: batch codec calls for playing answers at most this often "
-                        "(first chunks go at once); the codec thread batches by its own rounds")
     p.add_argument("--gpu-window", default=None, metavar="SESSIONS,SECONDS,PATH",
                    help="development: once SESSIONS sessions are open, record every kernel of the process for SECONDS "
                         "with the torch profiler, write them to PATH (.npz) and log each stream's busy time "
@@ -278,9 +273,9 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
 
 
 def _first_lane_on(args: argparse.Namespace, on_gpu: bool) -> bool:
-    """--first-lane as given, else on a GPU; only beside the codec thread."""
+    """--first-lane as given, else on a GPU."""
     first_lane = getattr(args, "first_lane", None)
-    return bool((on_gpu if first_lane is None else first_lane) and getattr(args, "codec_thread", False))
+    return on_gpu if first_lane is None else first_lane
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -378,9 +373,7 @@ def build_service(args: argparse.Namespace) -> Service:
     log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
              time.monotonic() - t0)
     service = Service(engine, tokenizer, encoder, decoder, voices,
-                      decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
-                      codec_thread=getattr(args, "codec_thread", False),
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
                       encoder_thread=encoder_thread, encoder_held_max=getattr(args, "encoder_held_max", 0),
