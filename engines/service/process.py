@@ -72,9 +72,8 @@ LOAD_LOG_S = 5.0
 MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot stall decoding
 CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it declares us lost
 # While the engine waits for a step's tokens, decoded audio leaves and user audio and commits reach the encoder
-# (EngineServer._while_stepping); MOSS_SEND_WHILE_STEPPING=0: only between steps, as before (A/B runs).
-SEND_WHILE_STEPPING = os.environ.get("MOSS_SEND_WHILE_STEPPING", "1") != "0"
-STEP_POLL_S = 0.0002  # how often the loop looks for that during a step's wait (a step takes ~5-12 ms under load)
+# (EngineServer._while_stepping): the loop looks for them this often (a step takes ~5-12 ms under load).
+STEP_POLL_S = 0.0002
 
 
 def _kv_gib(text: str) -> float | str:
@@ -514,8 +513,7 @@ class EngineServer:
         if client_timeout_s <= 0:
             raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
         self.service = service
-        if SEND_WHILE_STEPPING:
-            service.step_wait = self._while_stepping
+        service.step_wait = self._while_stepping
         self._later: list[tuple[bytes, Any]] = []  # received during a step, to be handled after it (in order)
         self.endpoint = endpoint
         self.ctx = ctx or zmq.Context.instance()
