@@ -15,7 +15,7 @@ import torch
 
 from engines.kernels.tiles import max_tiles
 from engines.model.batch import ForwardBatch
-from engines.streams import side_by_side
+from engines.streams import driver_stream, level, side_by_side
 
 INPUT_WORDS = 6  # int64 words per row of a decode graph's inputs: (text, audio), position, slot, context, history slot
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
@@ -24,9 +24,9 @@ T = TypeVar("T")
 
 
 def private_stream(device: torch.device | str | None = None, urgent: bool | None = None) -> torch.cuda.ExternalStream:
-    """A CUDA stream that is nobody else's: made by the driver, outside PyTorch's stream pool, and never freed; in
-    the SM partition of the current stream (engines.partition.driver_stream). `urgent`: the most urgent priority,
-    else the least; None: the current stream's priority.
+    """A CUDA stream that is nobody else's: made by the driver, outside PyTorch's stream pool, and never freed
+    (engines.streams.driver_stream). `urgent`: the most urgent priority, else the least; None: the current stream's
+    priority.
 
     A graph's kernels keep the priority of the stream they were captured on, whatever stream replays them (H200:
     the codec's batch-1 solve graph beside a GEMM load took 24.2 ms captured on an urgent stream and 38.2 captured
@@ -40,8 +40,6 @@ def private_stream(device: torch.device | str | None = None, urgent: bool | None
     semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
     docs/PERF_NOTES.md, "The hang's cause"). Destroying a graph also drops its capture stream's workspaces, which
     would pull them from under the live graphs of another owner of the same pool stream."""
-    from engines.partition import driver_stream, level
-
     if urgent is None:
         return driver_stream(device, level=level(torch.cuda.current_stream(device)))
     return driver_stream(device, urgent=urgent)
@@ -52,12 +50,10 @@ class SideStreams:
     set per priority, each branch at its fork's priority (a captured branch keeps its stream's priority)."""
 
     def __init__(self) -> None:
-        self._sets: dict[int, list[torch.cuda.ExternalStream]] = {}  # by priority level (engines.partition.level)
+        self._sets: dict[int, list[torch.cuda.ExternalStream]] = {}  # by priority level (engines.streams.level)
 
     def get(self, device: torch.device | str, n: int) -> list[torch.cuda.ExternalStream]:
         """n streams of the current stream's priority."""
-        from engines.partition import level
-
         streams = self._sets.setdefault(level(torch.cuda.current_stream(device)), [])
         while len(streams) < n:
             streams.append(private_stream(device))
@@ -123,7 +119,7 @@ class CudaGraphDecoder:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None  # memory pool of the captured graphs, shared with CudaGraphMixed
         self.stream = private_stream(dev)  # every graph's capture stream (and so its cuBLAS workspace)
-        self.side_stream = private_stream(dev)  # the history update's branch, in the graphs' SM partition
+        self.side_stream = private_stream(dev)  # the history update's branch
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, ...]:

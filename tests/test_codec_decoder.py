@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import math
 import wave
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from engines.bench.codec_rounds import SteadyRounds
 from engines.codec.audio_io import write_wav
-from engines.codec.decoder import BadCodesError, CodecDecoder, CodecTask, MelMismatchError, MelSpec, Voice
+from engines.codec.decoder import BadCodesError, CodecDecoder, MelMismatchError, MelSpec, Voice
 from engines.codec.decoder.checkpoint import CheckpointError
 from engines.codec.decoder.config import HiFTConfig
 from engines.codec.decoder.vocoder import HiFTVocoder
@@ -161,21 +163,14 @@ def test_batch_equals_alone_with_different_voices(hift_dec):
     lengths = [13, 27, 9, 21]
     codes = [_codes(n, seed=20 + i) for i, n in enumerate(lengths)]
     alone = [hift_dec.decode(c, voice=v, seed=i) for i, (c, v) in enumerate(zip(codes, voices, strict=True))]
-    task = CodecTask(hift_dec, max_batch=8)
+    streams = []
     for i, (c, v) in enumerate(zip(codes, voices, strict=True)):
-        task.open(f"s{i}", voice=v, seed=i)
-        task.submit(f"s{i}", c)
-        task.finish(f"s{i}")
-    got = {f"s{i}": [] for i in range(4)}
-    batch_sizes = []
-    while task.pending():
-        out = task.step()
-        batch_sizes.append(len(out))
-        for sid, pcm in out.items():
-            got[sid].append(pcm)
+        streams.append(hift_dec.open_stream(f"s{i}", voice=v, seed=i))
+        streams[-1].add(c)
+    got, batch_sizes = _in_rounds(hift_dec, streams)
     assert max(batch_sizes) == 4  # really decoded together
     for i in range(4):
-        y = np.concatenate(got[f"s{i}"])
+        y = got[i]
         assert y.shape == (lengths[i] * SPC,)
         np.testing.assert_allclose(y, alone[i], atol=BATCH_TOL, rtol=0)
 
@@ -194,8 +189,8 @@ def test_batch_of_sessions_at_different_points_equals_each_alone(hift_dec):
     n = 6
     codes = [_codes(5 * (3 + i % 4), seed=70 + i) for i in range(n)]
     alone = [hift_dec.decode(c, voice=voices[i % 2], seed=i) for i, c in enumerate(codes)]
-    task = CodecTask(hift_dec, max_batch=n)
-    got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(n)}
+    queues: list[deque] = [deque() for _ in range(n)]
+    got: list[list[np.ndarray]] = [[] for _ in range(n)]
     runs_seen = []
     runs = hift_dec.flow._runs
     hift_dec.flow._runs = lambda states: runs_seen.append(r := runs(states)) or r
@@ -203,17 +198,19 @@ def test_batch_of_sessions_at_different_points_equals_each_alone(hift_dec):
         for rnd in range(12):
             for i in range(n):
                 if rnd == i % 3:  # starts staggered by a round: windows of 0, 5 and 10 codes side by side
-                    task.open(f"s{i}", voice=voices[i % 2], seed=i)
-                    task.submit(f"s{i}", codes[i])
-                    task.finish(f"s{i}")
-            for sid, pcm in task.step().items():
-                got[sid].append(pcm)
+                    s = hift_dec.open_stream(f"s{i}", voice=voices[i % 2], seed=i)
+                    s.add(codes[i])
+                    queues[i].extend(s.take_jobs(finishing=True))
+            idx = [i for i, q in enumerate(queues) if q]
+            if idx:
+                for i, pcm in zip(idx, hift_dec.run_jobs([queues[i].popleft() for i in idx]), strict=True):
+                    got[i].append(pcm)
     finally:
         del hift_dec.flow._runs  # the class's own again
-    assert not task.pending()
+    assert not any(queues)
     assert max(len(r) for r in runs_seen) >= 4  # really mixed: several (voice, window) runs in one batch
     for i in range(n):
-        np.testing.assert_allclose(np.concatenate(got[f"s{i}"]), alone[i], atol=BATCH_TOL, rtol=0)
+        np.testing.assert_allclose(np.concatenate(got[i]), alone[i], atol=BATCH_TOL, rtol=0)
 
 
 def _steady_round_ops(dec: CodecDecoder, batch: int, voices: list) -> dict[str, int]:
@@ -234,19 +231,14 @@ def _steady_round_ops(dec: CodecDecoder, batch: int, voices: list) -> dict[str, 
                 self.ops[name] = self.ops.get(name, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    task = CodecTask(dec, max_batch=batch)
-    rng = np.random.default_rng(0)
-    for i in range(batch):
-        task.open(f"s{i}", voice=voices[i % len(voices)], seed=i)
-        task.submit(f"s{i}", rng.integers(0, 16384, 3))
+    rounds = SteadyRounds(dec, batch, voices=voices)
     for _ in range(dec.cfg.stream.steady_chunks):  # until every window is full
-        for i in range(batch):
-            task.submit(f"s{i}", rng.integers(0, 16384, 5))
-        assert len(task.step()) == batch
-    for i in range(batch):
-        task.submit(f"s{i}", rng.integers(0, 16384, 5))
+        rounds.feed()
+        assert len(rounds.decode()) == batch
+    rounds.feed()
     with Count() as c:
-        assert len(task.step()) == batch
+        assert len(rounds.decode()) == batch
+    rounds.close()
     return c.ops
 
 
@@ -259,23 +251,6 @@ def test_round_ops_grow_with_the_batch_only_by_each_sessions_noise_draws(hift_de
     small, large = _steady_round_ops(hift_dec, 4, voices), _steady_round_ops(hift_dec, 8, voices)
     grown = {k: large.get(k, 0) - small.get(k, 0) for k in set(small) | set(large)}
     assert {k: v for k, v in grown.items() if v} == {"randn": 2 * (8 - 4)}
-
-
-def test_task_sessions_do_not_block_each_other_and_close_frees(hift_dec):
-    task = CodecTask(hift_dec, max_batch=4)
-    task.open("long", seed=0)
-    task.open("short", seed=1)
-    task.submit("long", _codes(48))  # 8 chunks queued at once
-    task.submit("short", _codes(8, seed=1))  # 1 chunk queued behind them
-    first = task.step()
-    assert set(first) == {"long", "short"}  # one chunk per session per step, FIFO across sessions
-    assert first["long"].size == first["short"].size == 5 * SPC - 2 * 480
-    task.close("long")
-    assert "long" not in task.streams and task.pending() == 0
-    task.submit("short", _codes(5, seed=2))
-    assert set(task.step()) == {"short"}
-    with pytest.raises(KeyError):
-        task.submit("long", [1, 2, 3])
 
 
 def test_state_is_bounded(hift_dec):
@@ -824,18 +799,27 @@ def test_run_jobs_counts_its_solves(hift_dec):
 
 
 def _decode_sessions(dec: CodecDecoder, lengths: list[int]) -> dict[str, np.ndarray]:
-    """Sessions s0, s1, ... of `lengths` codes (seeds 80 + i), all submitted and finished at once, then decoded by a
-    CodecTask in rounds: each session's PCM."""
-    task = CodecTask(dec, max_batch=8)
-    got: dict[str, list[np.ndarray]] = {f"s{i}": [] for i in range(len(lengths))}
-    for i, n in enumerate(lengths):
-        task.open(f"s{i}", seed=i)
-        task.submit(f"s{i}", _codes(n, seed=80 + i))
-        task.finish(f"s{i}")
-    while task.pending():
-        for sid, pcm in task.step().items():
-            got[sid].append(pcm)
-    return {k: np.concatenate(v) for k, v in got.items()}
+    """Sessions s0, s1, ... of `lengths` codes (seeds 80 + i), all given at once and finished, then decoded in
+    rounds (_in_rounds): each session's PCM."""
+    streams = [dec.open_stream(f"s{i}", seed=i) for i in range(len(lengths))]
+    for i, (s, n) in enumerate(zip(streams, lengths, strict=True)):
+        s.add(_codes(n, seed=80 + i))
+    return {f"s{i}": pcm for i, pcm in enumerate(_in_rounds(dec, streams)[0])}
+
+
+def _in_rounds(dec: CodecDecoder, streams: list) -> tuple[list[np.ndarray], list[int]]:
+    """Every stream finished and its chunks decoded as the engine's codec worker decodes them: rounds of one
+    `run_jobs` batch with the next chunk of every stream that has one left. Each stream's PCM, and each round's batch
+    size."""
+    queues = [deque(s.take_jobs(finishing=True)) for s in streams]
+    got: list[list[np.ndarray]] = [[] for _ in streams]
+    sizes = []
+    while any(queues):
+        idx = [i for i, q in enumerate(queues) if q]
+        for i, pcm in zip(idx, dec.run_jobs([queues[i].popleft() for i in idx]), strict=True):
+            got[i].append(pcm)
+        sizes.append(len(idx))
+    return [np.concatenate(g) for g in got], sizes
 
 
 def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch):

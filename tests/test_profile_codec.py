@@ -1,19 +1,14 @@
 """engines/bench/profile_codec.py's stage times on CPU (the tool is run on a GPU; this checks what it wraps)."""
 
-import numpy as np
 
+from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.profile_codec import _stage_times
-from engines.codec.decoder import CodecDecoder, CodecTask
+from engines.codec.decoder import CodecDecoder
 
 
 def test_stage_times_cover_the_stages_a_step_runs_and_restore_every_wrapped_method():
     dec = CodecDecoder.load("tiny-random", vocoder="hift")
-    task = CodecTask(dec, max_batch=2)
-    rng = np.random.default_rng(0)
-    for i, sid in enumerate(("a", "b")):
-        task.open(sid, seed=i)
-        task.submit(sid, rng.integers(0, 16384, dec.cfg.flow.pre_lookahead))
-    st = _stage_times(dec, task, ["a", "b"], rng, dec.cfg.stream.steady_chunks + 2)
+    st = _stage_times(dec, SteadyRounds(dec, 2), dec.cfg.stream.steady_chunks + 2)
     # No encoder graphs off CUDA: the inputs are built and the encoder runs eagerly, each timed.
     assert set(st) == {"total", "solve", "vocoder", "encoder", "encoder_inputs", "host_and_rest"}
     assert all(v > 0 for k, v in st.items() if k != "host_and_rest")

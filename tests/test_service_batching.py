@@ -1,4 +1,5 @@
-"""Service batching: codec calls on an interval (first chunk at once) and user audio encoded in 80 ms groups."""
+"""Service batching: answers' speech decoded by the codec worker while the engine steps, and user audio encoded in
+80 ms groups."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 
 import pytest
 
+from engines.codec.audio_io import float32_to_pcm16
 from engines.codec.decoder.codec_decoder import CodecDecoder
 from engines.config import EngineConfig
 from engines.engine import Engine
@@ -21,16 +23,16 @@ def decoder() -> CodecDecoder:
     return CodecDecoder.load("tiny-random")
 
 
-def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False, then_create: bool = False,
-           sent_while_stepping: list | None = None, services: list | None = None
-           ) -> tuple[list[int], list[m.AudioChunk], m.ResponseDone, list]:
-    """`sent_while_stepping`: messages are also sent while the engine waits for a step (Service.while_stepping);
-    those go there, and into the returned messages in the order sent. `services` gets the Service."""
+def answer(decoder: CodecDecoder, then_create: bool = False, sent_while_stepping: list | None = None,
+           services: list | None = None) -> tuple[list[m.AudioChunk], m.ResponseDone, list, list[int]]:
+    """(the answer's audio chunks, its ResponseDone, every message, its codes). `sent_while_stepping`: messages are
+    also sent while the engine waits for a step (Service.while_stepping); those go there, and into the returned
+    messages in the order sent. `services` gets the Service."""
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
-    svc = Service(engine, StandInTokenizer(), None, decoder, decode_interval_s=interval_s, codec_thread=thread)
+    svc = Service(engine, StandInTokenizer(), None, decoder)
     if services is not None:
         services.append(svc)
-    chunks_at_step, msgs, step = [], [], 0
+    msgs, codes = [], None
     if sent_while_stepping is not None:
         def step_wait():  # as the engine process does
             outs = [x for _, x in svc.while_stepping()]
@@ -43,34 +45,20 @@ def answer(decoder: CodecDecoder, interval_s: float, thread: bool = False, then_
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
     while svc.has_work():
-        sent = len(msgs)
         msgs += [x for _, x in svc.step()]
-        chunks_at_step += [step for x in msgs[sent:] if isinstance(x, m.AudioChunk)]
-        step += 1
+        a = svc.sessions["s"].answer
+        if codes is None and a is not None and a.response_id == "r":
+            codes = [a.rows[i][1] for i in a.code_idx]
         if then_create and svc.sessions["s"].completing is not None:
             # asked while the answer's last audio is still decoding: it must wait for that answer's ResponseDone
             msgs += [x for _, x in svc.handle(b"c", m.CreateResponse("s", "r2", "text", greedy))]
             then_create = False
     done = next(x for x in msgs if isinstance(x, m.ResponseDone))
-    return chunks_at_step, [x for x in msgs if isinstance(x, m.AudioChunk)], done, msgs
+    return [x for x in msgs if isinstance(x, m.AudioChunk)], done, msgs, codes
 
 
-def test_first_chunk_at_once_then_held_until_interval_and_same_audio(decoder):
-    steps0, chunks0, done0, _ = answer(decoder, 0.0)
-    steps_long, chunks_long, done_long, _ = answer(decoder, 3600.0)  # no interval passes during the answer
-    assert done0.status == done_long.status and done0.output_rows == done_long.output_rows == ROWS
-    # The first audio is not delayed by the interval.
-    assert steps_long[0] == steps0[0]
-    # Every later chunk waited: the held codes are decoded with the final flush when the answer finishes.
-    assert len(chunks0) > 3 and len(chunks_long) == 2
-    assert steps_long[1] == steps0[-1]
-    assert b"".join(c.pcm24k for c in chunks_long) == b"".join(c.pcm24k for c in chunks0)
-    assert done_long.audio_samples == done0.audio_samples == ROWS * 1920  # every row a code: eosp is masked
-
-
-def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
-    _, chunks0, done0, _ = answer(decoder, 0.0)
-    _, chunks_t, done_t, msgs = answer(decoder, 0.0, thread=True, then_create=True)
+def test_codec_worker_gives_the_offline_audio_in_order(decoder):
+    chunks_t, done_t, msgs, codes = answer(decoder, then_create=True)
     assert [c.index for c in chunks_t] == list(range(len(chunks_t)))
     assert len(chunks_t) >= ROWS // 5  # chunk by chunk as the worker decodes them, not all at the end
     # The last audio is finalized on the worker; ResponseDone follows it, and a response asked for meanwhile
@@ -80,8 +68,10 @@ def test_codec_worker_thread_gives_the_same_audio_in_order(decoder):
     assert all(i < done_at for i, k in enumerate(kinds) if k == ("AudioChunk", "r"))
     r2 = [i for i, k in enumerate(kinds) if k[1] == "r2"]
     assert r2 and min(r2) > done_at
-    assert b"".join(c.pcm24k for c in chunks_t) == b"".join(c.pcm24k for c in chunks0)
-    assert done_t.audio_samples == done0.audio_samples and done_t.output_rows == done0.output_rows == ROWS
+    # The same PCM as the whole answer's codes decoded offline (the same chunks, in the same order).
+    assert len(codes) == ROWS  # every row a code: eosp is masked
+    assert b"".join(c.pcm24k for c in chunks_t) == float32_to_pcm16(decoder.decode(codes, seed=0))
+    assert done_t.audio_samples == ROWS * 1920 and done_t.output_rows == ROWS
 
 
 class GatedDecoder:
@@ -151,12 +141,12 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
         return real_get(self)
 
     monkeypatch.setattr(PendingTokens, "get", get)
-    _, chunks0, done0, _ = answer(decoder, 0.0, thread=True)
+    chunks0, done0, _, _ = answer(decoder)
     assert not polls  # without a step_wait the engine does not poll
     gated = GatedDecoder(decoder, waiting, wait_no)
     gates.append(gated)
     sent = Sent(wait_no)
-    _, chunks, done, msgs = answer(gated, 0.0, thread=True, sent_while_stepping=sent, services=services)
+    chunks, done, msgs, _ = answer(gated, sent_while_stepping=sent, services=services)
     assert polls
     in_wait, first = next((w, x) for w, x in sent if isinstance(x, m.AudioChunk))
     assert first.index == 0 and in_wait == gated.ran_in[0]  # sent in the wait its round ran in
@@ -281,7 +271,7 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     """Right after an answer ends its last audio is still on the codec worker: cancelling it drops that audio
     (ResponseDone says cancelled, no chunk follows), closing the session ends quietly; blocks all return."""
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
-    svc = Service(engine, StandInTokenizer(), None, decoder, codec_thread=True)
+    svc = Service(engine, StandInTokenizer(), None, decoder)
     greedy = m.Sampling(greedy=True, max_new_tokens=ROWS, min_new_tokens=ROWS)
     svc.handle(b"c", m.OpenSession("s", sampling=greedy))
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))

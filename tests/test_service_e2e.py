@@ -107,11 +107,10 @@ def _spoken_turn(svc: Service) -> list:
     return [(type(x).__name__, getattr(x, "pcm24k", None), getattr(x, "text", None)) for _, x in out]
 
 
-@pytest.mark.parametrize("codec_thread, encoder_thread", [(False, False), (True, False), (True, True)])
-def test_warm_up_leaves_nothing_behind(codec, codec_thread, encoder_thread) -> None:
+@pytest.mark.parametrize("encoder_thread", [False, True])
+def test_warm_up_leaves_nothing_behind(codec, encoder_thread) -> None:
     enc, dec = codec
-    svc = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_every_s=0.08,
-                  encoder_thread=encoder_thread)
+    svc = Service(engine(), StandInTokenizer(), enc, dec, encode_every_s=0.08, encoder_thread=encoder_thread)
     asked = []
     create = svc._on_CreateResponse
     svc._on_CreateResponse = lambda client, msg: asked.append(msg.modality) or create(client, msg)
@@ -125,7 +124,7 @@ def test_warm_up_leaves_nothing_behind(codec, codec_thread, encoder_thread) -> N
     svc.engine.check_integrity()
     assert not svc.has_work()
     # A user's turn afterwards is exactly what it is on a service that never warmed up.
-    fresh = Service(engine(), StandInTokenizer(), enc, dec, codec_thread=codec_thread, encode_every_s=0.08,
+    fresh = Service(engine(), StandInTokenizer(), enc, dec, encode_every_s=0.08,
                     encoder_thread=encoder_thread)
     assert _spoken_turn(svc) == _spoken_turn(fresh)
 
@@ -254,7 +253,7 @@ def test_silent_client_sessions_are_closed_and_their_kv_freed(codec) -> None:
     enc, dec = codec
     now = [0.0]
     ctx = zmq.Context()
-    server = EngineServer(Service(engine(), StandInTokenizer(), enc, dec, codec_thread=False), "inproc://eng", ctx,
+    server = EngineServer(Service(engine(), StandInTokenizer(), enc, dec), "inproc://eng", ctx,
                           client_timeout_s=30.0, clock=lambda: now[0])
     dead, alive = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     try:
@@ -325,7 +324,7 @@ def _commit_during_a_step(codec, monkeypatch, while_stepping: bool) -> list:
     ctx = zmq.Context()
     server = EngineServer(Service(engine(), StandInTokenizer(), enc, None, encoder_thread=True), "inproc://eng", ctx)
     if not while_stepping:
-        server.service.step_wait = None  # (MOSS_SEND_WHILE_STEPPING=0)
+        server.service.step_wait = None  # messages read between steps only
     client = ctx.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
     client.connect("inproc://eng")

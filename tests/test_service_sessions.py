@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ast
 import logging
+import time
 
 import numpy as np
 import pytest
 
+from engines.codec.decoder.stream import Job
 from engines.config import EngineConfig
 from engines.engine import Engine
 from engines.service import messages as m
@@ -55,35 +57,45 @@ class FakeEncoder:
 
 
 class FakeDecoderStream:
-    def __init__(self, log: list) -> None:
-        self.pending = 0
+    """Chunks of 5 codes as they come; finishing takes the rest (the last chunk final)."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
         self.codes: list[int] = []
-        self.log = log
         self.closed = False
 
-    def push(self, codes: list[int]) -> np.ndarray:
+    def add(self, codes: list[int]) -> None:
         self.codes += codes
-        self.pending += len(codes)
-        n = self.pending // 5 * 5
-        self.pending -= n
-        return np.full(n * 1920, 0.25, np.float32)
+        self.pending += codes
 
-    def finalize(self) -> np.ndarray:
-        n, self.pending = self.pending, 0
-        return np.full(n * 1920, 0.25, np.float32)
+    def take_jobs(self, finishing: bool = False) -> list[Job]:
+        jobs = []
+        while len(self.pending) >= 5 or (finishing and self.pending):
+            jobs.append(Job(self, self.pending[:5], [], False))
+            del self.pending[:5]
+        if finishing:
+            if not jobs:
+                jobs.append(Job(self, [], [], False))
+            jobs[-1].final = True
+        return jobs
 
     def close(self) -> None:
         self.closed = True
 
 
 class FakeDecoder:
+    """1920 samples per code."""
+
     def __init__(self) -> None:
         self.streams: list[FakeDecoderStream] = []
 
     def open_stream(self, session_id: str, voice=None, seed: int = 0) -> FakeDecoderStream:
-        s = FakeDecoderStream([])
+        s = FakeDecoderStream()
         self.streams.append(s)
         return s
+
+    def run_jobs(self, jobs: list[Job], between=None) -> list[np.ndarray]:
+        return [np.full(len(j.codes) * 1920, 0.25, np.float32) for j in jobs]
 
 
 def make_service(**cfg) -> Service:
@@ -94,6 +106,8 @@ def make_service(**cfg) -> Service:
 def run(svc: Service) -> list:
     out = []
     while svc.has_work():
+        if not svc.engine.has_work():
+            time.sleep(0.002)  # only the codec worker is busy: let it have the GIL, as the engine process's loop does
         out += [msg for _, msg in svc.step()]
     return out
 
@@ -422,18 +436,18 @@ def test_decoder_fault_fails_only_that_response() -> None:
     svc = make_service()
 
     class Broken(FakeDecoderStream):
-        def push(self, codes: list[int]) -> np.ndarray:
+        def add(self, codes: list[int]) -> None:
             raise RuntimeError("boom")
 
-    svc.decoder.open_stream = lambda session_id, voice=None, seed=0: Broken([])
+    svc.decoder.open_stream = lambda session_id, voice=None, seed=0: Broken()
     send(svc, m.OpenSession("s"))
     send(svc, m.AddUserText("s", "i", "talk"))
-    send(svc, m.CreateResponse("s", "r1", "audio", greedy(20, min_new=20)))
+    send(svc, m.CreateResponse("s", "r1", "audio", greedy(60, min_new=60)))
     out = run(svc)
     err = of(out, m.Error)[0]
     assert err.code == "engine_error" and "boom" in err.message and err.response_id == "r1"
     done = of(out, m.ResponseDone)[0]
-    assert done.status == "failed" and done.output_rows < 20
+    assert done.status == "failed" and done.output_rows < 60  # aborted when the worker reported it
     send(svc, m.CreateResponse("s", "r2", "text", greedy(2)))
     assert of(run(svc), m.ResponseDone)[0].status == "incomplete"
     svc.engine.check_integrity()

@@ -1,12 +1,12 @@
 """Where one codec step's time goes, host against GPU: `python3 -m engines.bench.codec_timeline --codec full-random`
 (a GPU; on a CPU the host marks only).
 
-Marks at the stages of `CodecTask.step`, with no synchronisation between them: a CUDA event on the current stream
-beside the host clock at every CUDA graph replay and around the wait for a round's PCM, and host-clock marks around
-the host's steps (the job pick, the chunk inputs, the prefix fills, the vocoder's windows, the crossfade). Printed as
-the median over steady-state steps of each mark's host and GPU time since the step began: where a mark's GPU time is
-about its host time the GPU was waiting for the host there. A development tool (docs/PERF_NOTES.md, sessions 44-46),
-not the server.
+Marks at the stages of a codec round as the server's codec worker runs it (engines/bench/codec_rounds.py), with no
+synchronisation between them: a CUDA event on the current stream beside the host clock at every CUDA graph replay
+and around the wait for a round's PCM, and host-clock marks around the host's steps (the job pick, the chunk
+inputs, the prefix fills, the vocoder's windows, the crossfade). Printed as the median over steady-state steps of each
+mark's host and GPU time since the step began: where a mark's GPU time is about its host time the GPU was waiting for
+the host there. A development tool (docs/PERF_NOTES.md, sessions 44-46), not the server.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 import engines.codec.decoder.codec_decoder as codec_decoder_mod
+from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import device_name
-from engines.codec.decoder import CodecDecoder, CodecTask
+from engines.codec.decoder import CodecDecoder
 
 # The host steps marked: (what owns the function, as an attribute path from the decoder; the function).
 HOST_STEPS = (("", "run_jobs"), ("flow", "decode_chunk"), ("flow", "_prefix_layouts"), ("flow", "_encode_in_place"),
@@ -80,23 +80,16 @@ def timeline(dec: CodecDecoder, batch: int, steps: int, seed: int = 0) -> list[t
     """(mark, median host ms, median GPU ms since the step's start; nan off CUDA) of `steps` steady-state steps of
     `batch` sessions, in the order the marks first came. The k-th mark of a name in a step is `name#k`."""
     cuda = dec.device.type == "cuda"
-    task = CodecTask(dec, max_batch=batch)
-    chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
-    rng = np.random.default_rng(seed)
-    sessions = [f"s{i}" for i in range(batch)]
-    for i, s in enumerate(sessions):
-        task.open(s, seed=i)
-        task.submit(s, rng.integers(0, 16384, la))
+    rounds = SteadyRounds(dec, batch, seed)
     tl = Timeline(cuda)
 
     def step() -> list[tuple[str, float, float]]:
-        for s in sessions:
-            task.submit(s, rng.integers(0, 16384, chunk))
+        rounds.feed()
         if cuda:
             torch.cuda.synchronize(dec.device)
         tl.marks.clear()
         tl.mark("start", gpu=True)
-        task.step()
+        rounds.decode()
         tl.mark("end", gpu=True)
         if cuda:
             torch.cuda.synchronize(dec.device)
@@ -115,6 +108,7 @@ def timeline(dec: CodecDecoder, batch: int, steps: int, seed: int = 0) -> list[t
         rows = [step() for _ in range(steps)]
     finally:
         tl.restore()
+        rounds.close()
     agg: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     order: list[str] = []
     for r in rows:

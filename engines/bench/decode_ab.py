@@ -1,13 +1,11 @@
 """Decode-step variants on one engine: `python3 -m engines.bench.decode_ab --model full-random` on a GPU.
 
-Each variant (e.g. `pdl=1,sampler=0,fuse=0,attn_preload=0,tails=0`) sets programmatic dependent launch
-(engines/kernels/pdl.py), the fused sampler (engines/kernels/topk_sample.py), gate_up's SiLU*up epilogue
-(engines/kernels/skinny_gemm.py) and the two tails side by side (engines/model/moss.py) on or off (each on unless
-given), the decode attention's preload limit and its split counts and tilings (`attn=0`: those before session 42,
-engines/kernels/paged_decode.py), and recaptures the decode graphs;
-each then times the graph replay alone and a loop of engine steps (each may launch the next before reading its
-tokens) at each batch size. Variants alternate over several rounds, so drift of the machine shows as spread, not as a
-difference. A development tool for docs/PERF_NOTES.md.
+Each variant (e.g. `pdl=1,attn_preload=0,tails=0`) sets programmatic dependent launch (engines/kernels/pdl.py) and
+the two tails side by side (engines/model/moss.py) on or off (each on unless given), the decode attention's preload
+limit and its split counts and tilings (`attn=0`: those before session 42, engines/kernels/paged_decode.py), and
+recaptures the decode graphs; each then times the graph replay alone and a loop of engine steps (each may launch the
+next before reading its tokens) at each batch size. Variants alternate over several rounds, so drift of the machine
+shows as spread, not as a difference. A development tool for docs/PERF_NOTES.md.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from engines.commands.bench_engine import (
     weight_bytes,
 )
 from engines.engine import Engine
-from engines.kernels import paged_decode, pdl, skinny_gemm, topk_sample
+from engines.kernels import paged_decode, pdl, skinny_gemm
 
 # The decode attention before session 42 (`attn=0`): two programs an SM, 64-row tiles at every split count, the
 # merge after one split too.
@@ -69,8 +67,6 @@ def main() -> None:
             for spec in a.variants:
                 v = _variant(spec)
                 pdl._enabled[idx] = bool(v.get("pdl", 1))
-                topk_sample.ENABLED = bool(v.get("sampler", 1))  # fused top-k sampler (two launches per channel)
-                skinny_gemm.FUSE = bool(v.get("fuse", 1))  # the MLP's SiLU*up in gate_up's epilogue
                 # decode attention's first tile read before the PDL wait up to this many programs (0: never;
                 # default: the SM count)
                 paged_decode.PRELOAD_MAX_PROGRAMS = v.get("attn_preload")

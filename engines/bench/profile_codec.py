@@ -1,6 +1,7 @@
 """Where a codec chunk's time goes: `python3 -m engines.bench.profile_codec --codec full-random` on a GPU.
 
-Splits one steady-state 5-code chunk into its stages (flow encoder, Euler solve, vocoder) with the device
+Splits one steady-state 5-code chunk, decoded in a round as the server's codec worker decodes it
+(engines/bench/codec_rounds.py), into its stages (flow encoder, Euler solve, vocoder) with the device
 synchronised around each, counts the kernels of one eager estimator call, and optionally times the Euler
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
 programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
@@ -18,10 +19,11 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import median, replay_ms
 
 
-def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
+def _stage_times(dec, rounds: SteadyRounds, iters: int) -> dict[str, float]:
     """Median ms per stage, measured by wrapping the stage methods with synchronised timers."""
     flow, win = dec.flow, dec.windowed
     sync = torch.cuda.synchronize if flow.device.type == "cuda" else (lambda: None)  # (CPU: the tests)
@@ -46,16 +48,14 @@ def _stage_times(dec, task, sessions, rng, iters: int) -> dict[str, float]:
     for owner, attr, name in wrapped:
         setattr(owner, attr, timed(name, getattr(owner, attr)))
     try:
-        chunk = dec.cfg.stream.chunk_codes
         for _ in range(iters):
-            for sid in sessions:
-                task.submit(sid, rng.integers(0, 16384, chunk))
+            rounds.feed()
             sync()
             t0 = time.perf_counter()
-            pcm = task.step()
+            pcm = rounds.decode()
             sync()
             acc["total"].append((time.perf_counter() - t0) * 1e3)
-            bad = sum(int((~np.isfinite(p)).sum()) for p in pcm.values())
+            bad = sum(int((~np.isfinite(p)).sum()) for p in pcm)
             if bad:
                 print(f"  non-finite PCM: {bad} samples in a round of {len(pcm)} sessions")
     finally:
@@ -100,19 +100,17 @@ def _print_top(evs, top: int) -> None:
         print(f"  {sum(ts):8.1f} us  {len(ts):4d} x {sum(ts) / len(ts):6.2f} us  {name}")
 
 
-def _host_profile(dec, task, sessions, rng, iters: int, top: int = 25) -> None:
+def _host_profile(rounds: SteadyRounds, iters: int, top: int = 25) -> None:
     """cProfile of `iters` steady-state rounds (host time per function: what a codec round costs the GIL)."""
     import cProfile
     import pstats
 
-    chunk = dec.cfg.stream.chunk_codes
     prof = cProfile.Profile()
     for _ in range(iters):
-        for sid in sessions:
-            task.submit(sid, rng.integers(0, 16384, chunk))
+        rounds.feed()
         torch.cuda.synchronize()
         prof.enable()
-        task.step()
+        rounds.decode()
         prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
@@ -260,7 +258,7 @@ def _print_kernel_resources() -> None:
 
 
 def main() -> None:
-    from engines.codec.decoder import CodecDecoder, CodecTask
+    from engines.codec.decoder import CodecDecoder
 
     p = argparse.ArgumentParser()
     p.add_argument("--codec", default="full-random")
@@ -286,33 +284,26 @@ def main() -> None:
         _tiles(dec, [int(x) for x in a.batches.split(",")], a.iters)
         _print_kernel_resources()
         return
-    rng = np.random.default_rng(0)
-    la = dec.cfg.flow.pre_lookahead
     for b in [int(x) for x in a.batches.split(",")]:
         n, us = _estimator_kernels(dec, b, a.top)
         print(f"batch {b}: one eager estimator call = {n} kernels, {us / 1e3:.2f} ms GPU time "
               f"(x {dec.cfg.flow.n_timesteps} Euler steps per chunk)")
-        task = CodecTask(dec, max_batch=b)
-        sessions = [f"s{i}" for i in range(b)]
-        for i, sid in enumerate(sessions):
-            task.open(sid, seed=i)
-            task.submit(sid, rng.integers(0, 16384, la))
-        st = _stage_times(dec, task, sessions, rng, a.iters)
+        rounds = SteadyRounds(dec, b)
+        st = _stage_times(dec, rounds, a.iters)
         print(f"batch {b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in st.items()))
         if a.host_profile:
-            _host_profile(dec, task, sessions, rng, a.iters)
+            _host_profile(rounds, a.iters)
         if a.compile:
             est = dec.flow.decoder.estimator
             t0 = time.perf_counter()
             est.run = torch.compile(est.run, dynamic=False)  # what the Euler solve calls
             dec.flow.graphs = type(dec.flow.graphs)(dec.flow)  # fresh graphs and pool
-            st = _stage_times(dec, task, sessions, rng, a.iters)
+            st = _stage_times(dec, rounds, a.iters)
             print(f"batch {b} compiled (first use incl. compile+capture {time.perf_counter() - t0:.1f} s): "
                   + ", ".join(f"{k} {v:.2f} ms" for k, v in st.items()))
             del est.run
             dec.flow.graphs = type(dec.flow.graphs)(dec.flow)
-        for sid in sessions:
-            task.close(sid)
+        rounds.close()
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # the engine process's settings
     ns = argparse.Namespace(model=args.model, codec=args.codec, device=args.device, dtype=None,
                             vocoder=args.vocoder, kv_cache_gib=8.0, max_running=64, max_model_len=4096, seed=0,
-                            decode_interval_ms=100.0, encode_every_ms=80.0, codec_thread=True)
+                            encode_every_ms=80.0)
     svc = build_service(ns)
     rng = np.random.default_rng(0)
     res = {"device": device_name(__import__("torch").device(args.device)), "model": args.model,

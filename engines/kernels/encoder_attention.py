@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from engines.kernels.fp32_gemm import input_precision
-from engines.partition import sm_count
 
 BLOCK_T = 64  # keys per inner iteration
 MAX_SPLITS = 16
@@ -29,7 +28,7 @@ PROGRAMS_PER_SM = 2  # the split count aims at this many programs per SM (stream
 def num_splits(batch: int, heads: int, t_max: int, device: torch.device) -> int:
     """Key splits per (stream, head): enough programs for PROGRAMS_PER_SM per SM, at most one per BLOCK_T keys and
     at most MAX_SPLITS."""
-    want = -(-PROGRAMS_PER_SM * sm_count(device) // (batch * heads))
+    want = -(-PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // (batch * heads))
     return max(1, min(want, MAX_SPLITS, -(-t_max // BLOCK_T)))
 
 

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from engines.kernels.pdl import launch_kwargs, trigger_then_wait, wait_then_trigger
-from engines.partition import sm_count
 
 MAX_SPLITS = 16
 # Programs per SM the split count aims at (batch x KV heads x splits); batch 1 keeps MAX_SPLITS. None: always
@@ -50,9 +49,8 @@ WIDE_MIN_SHARED_BYTES = 160 << 10
 FP8_TILING = (TILE, 2, 2)
 FP8_TILING_MANY_SPLITS = (32, 4, 2)
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
-# splits); None: the SM count of the launching stream's partition (engines.partition), so every program has an SM
-# of its own (batch 1 on an H200: 128 programs on 132 SMs, 0.05 ms per step faster). With more programs, batches
-# 4 to 64 measured 4-30% slower (docs/PERF_NOTES.md).
+# splits); None: the device's SM count, so every program has an SM of its own (batch 1 on an H200: 128 programs on
+# 132 SMs, 0.05 ms per step faster). With more programs, batches 4 to 64 measured 4-30% slower (docs/PERF_NOTES.md).
 PRELOAD_MAX_PROGRAMS: int | None = None
 
 
@@ -70,7 +68,7 @@ def num_splits(batch: int, kv_heads: int, device: torch.device, fp8: bool = Fals
     per_sm = FP8_PROGRAMS_PER_SM if fp8 else PROGRAMS_PER_SM
     if per_sm is None:
         return MAX_SPLITS
-    want = -(-per_sm * sm_count(device) // (batch * kv_heads))
+    want = -(-per_sm * _sm_count(device) // (batch * kv_heads))
     return min(MAX_SPLITS, triton.next_power_of_2(want))  # a power of two: the merge's tl.arange
 
 
@@ -80,10 +78,15 @@ def tiling(cache_dtype: torch.dtype, splits: int, programs: int, device: torch.d
         return FP8_TILING_MANY_SPLITS if splits >= 8 else FP8_TILING
     if splits >= 8:
         return TILING_MANY_SPLITS
-    if (cache_dtype.itemsize == 2 and programs < WIDE_MAX_PROGRAMS_PER_SM * sm_count(device)
+    if (cache_dtype.itemsize == 2 and programs < WIDE_MAX_PROGRAMS_PER_SM * _sm_count(device)
             and _shared_memory(device) >= WIDE_MIN_SHARED_BYTES):
         return TILING_WIDE
     return TILING
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -93,7 +96,7 @@ def _shared_memory(device: torch.device) -> int:
 
 
 def _preload(device: torch.device, programs: int) -> bool:
-    limit = PRELOAD_MAX_PROGRAMS if PRELOAD_MAX_PROGRAMS is not None else sm_count(device)
+    limit = PRELOAD_MAX_PROGRAMS if PRELOAD_MAX_PROGRAMS is not None else _sm_count(device)
     return programs <= limit
 
 

@@ -15,12 +15,10 @@ The rules every kernel here keeps (in `wait_then_trigger` / `trigger_then_wait`)
   kernels ahead are launched and waiting. Tiny elementwise kernels trigger first, so the GEMM after them is
   launched during the tail of the GEMM before them.
 
-`MOSS_PDL=0` turns it off (kernels then launch as usual; the wait and trigger are no-ops without the launch flag).
+Before Hopper the kernels launch as usual (the wait and trigger compile to nothing without the PDL constexpr).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -31,12 +29,12 @@ _enabled: dict[int, bool] = {}
 
 
 def enabled(device: torch.device) -> bool:
-    """PDL for kernels launched on this device: Hopper or later, and not turned off by MOSS_PDL=0."""
+    """PDL for kernels launched on this device: Hopper or later."""
     if device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _enabled:
-        _enabled[idx] = os.environ.get("MOSS_PDL", "1") != "0" and torch.cuda.get_device_capability(idx)[0] >= 9
+        _enabled[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
     return _enabled[idx]
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +33,6 @@ _L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies over this many bytes when t
 # (engines/kernels/pdl.py), unless cuBLAS beats it by 2%: in a step the Triton kernel launches under its
 # predecessor's tail, which a tuning run of one kernel shows only in part (gate_up: 47.8 vs 48.5 us alone, H200).
 _WIN_MARGIN = {False: 0.98, True: 1.02}
-# The MLP's SiLU*up in gate_up's epilogue at decode sizes (`glu`)
-FUSE = os.environ.get("MOSS_FUSED_GEMM", "1") != "0"
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K (partial sums through a float32 buffer and a
 # reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape (PERF_NOTES).
@@ -304,10 +301,8 @@ def fp8_tile(rows: int) -> int:
 def glu(x: torch.Tensor, weight: torch.Tensor | None, fp8: tuple[torch.Tensor, torch.Tensor] | None = None
         ) -> torch.Tensor | None:
     """silu(gate) * up of x @ (gate; up).T in one kernel, or None where it cannot run (rows not decode-sized,
-    the shape tuned to cuBLAS or split-K, or MOSS_FUSED_GEMM=0). `fp8`: the weight's fp8 copy (w8, scale), read
-    instead of it where the rows allow (engines/model/fp8.py); `weight` None: the layer keeps only that copy."""
-    if not FUSE:
-        return None
+    or the shape tuned to cuBLAS or split-K). `fp8`: the weight's fp8 copy (w8, scale), read instead of it where the
+    rows allow (engines/model/fp8.py); `weight` None: the layer keeps only that copy."""
     cfg, block_m = _fp8_tiling(x, fp8)
     if cfg is not None:
         return launch(x, fp8[0], cfg, glu=True, block_m=block_m, scale=fp8[1]) if cfg[4] == 1 else None

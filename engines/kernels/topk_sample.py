@@ -17,8 +17,6 @@ candidates' scores tie to those bits (tests/gpu: tokens equal to the torch path 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -27,8 +25,6 @@ from triton.language.extra import libdevice
 from engines.kernels.sampling import exp_noise
 
 MAX_TOP_K = 64  # wider top-k (or top-k off) takes the torch path
-# MOSS_FUSED_SAMPLER=0 keeps every draw on the torch path (A/B runs; tests flip it).
-ENABLED = os.environ.get("MOSS_FUSED_SAMPLER", "1") != "0"
 
 
 @triton.jit
@@ -98,9 +94,8 @@ def _pick_kernel(CAND, TOP_K, TOP_P, GREEDY, SEEDS, STEPS, OUT, NC, stride_out, 
 
 
 def supported(logits: torch.Tensor, max_top_k: int) -> bool:
-    """float32 logits on CUDA, and every row's top-k on and at most MAX_TOP_K (and not turned off)."""
-    return (ENABLED and logits.is_cuda and logits.dim() == 2 and logits.dtype == torch.float32
-            and 0 < max_top_k <= MAX_TOP_K)
+    """float32 logits on CUDA, and every row's top-k on and at most MAX_TOP_K."""
+    return logits.is_cuda and logits.dim() == 2 and logits.dtype == torch.float32 and 0 < max_top_k <= MAX_TOP_K
 
 
 def topk_sample(logits: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor, temperature: torch.Tensor,

@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.partition import driver_stream
 from engines.service.spans import Spans
 from engines.service.worker_wait import wait_for_work
+from engines.streams import driver_stream
 
 log = logging.getLogger("engines.service")
 
@@ -104,10 +104,9 @@ class CodecWorker:
     """`decoder` batches chunks of many streams: `run_jobs(jobs) -> PCM per job` (engines.codec.decoder)."""
 
     def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256, ahead_s: float = AHEAD_S,
-                 clock: Any = time.monotonic, bulk_max: int = BULK_MAX, home: torch.cuda.Stream | None = None,
-                 first_decoders: Sequence[Any] = (), first_max: int = FIRST_MAX, period_s: float = 0.0) -> None:
-        """`home`: a stream of the SM partition the rounds run in (engines.partition; default: the current
-        stream's). `first_decoders`: lanes of `decoder` for first chunks, each on a thread of its own (module doc);
+                 clock: Any = time.monotonic, bulk_max: int = BULK_MAX, first_decoders: Sequence[Any] = (),
+                 first_max: int = FIRST_MAX, period_s: float = 0.0) -> None:
+        """`first_decoders`: lanes of `decoder` for first chunks, each on a thread of its own (module doc);
         at most `first_max` per round there. `period_s` (with first lanes): rounds of playing answers start at most
         this often (sooner only for an answer about to run dry, DRY_S), each with every answer due before the next
         one, instead of back to back with at most `bulk_max`: fewer, larger rounds for the same audio."""
@@ -133,9 +132,9 @@ class CodecWorker:
         self._stream = self._first_stream = None
         self._lane_streams: list[Any] = [None] * len(self.first_decoders)
         if device.type == "cuda":
-            self._stream = driver_stream(device, like=home)
-            self._first_stream = driver_stream(device, urgent=True, like=home)
-            self._lane_streams = [self._first_stream] + [driver_stream(device, urgent=True, like=home)
+            self._stream = driver_stream(device)
+            self._first_stream = driver_stream(device, urgent=True)
+            self._lane_streams = [self._first_stream] + [driver_stream(device, urgent=True)
                                                          for _ in self.first_decoders[1:]]
         self._cv = threading.Condition()
         self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left

@@ -36,7 +36,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -67,17 +66,6 @@ class ServiceError(Exception):
         self.response_id = response_id
 
 
-@dataclass
-class _DecodeWork:
-    """Codes of one answer for its decoder stream; `final`: then finalize and close the stream."""
-
-    session: Session
-    response: ResponseState
-    stream: Any
-    codes: list[int]
-    final: bool = False
-
-
 SLOW_STEP_S = 0.1
 _WARM_UP = b"warm-up"  # the client id of the start-up turns
 
@@ -99,28 +87,22 @@ def sampling_params(s: m.Sampling) -> SamplingParams:
 
 class Service:
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
-                 voice_loader: Callable[[bytes], Any] | None = None, decode_interval_s: float = 0.0,
-                 encode_every_s: float = 0.0, codec_thread: bool = False,
-                 codec_stream: torch.cuda.Stream | None = None, first_decoders: Sequence[Any] = (),
+                 voice_loader: Callable[[bytes], Any] | None = None, encode_every_s: float = 0.0,
+                 first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
                  codec_round_period_s: float = 0.0) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
-        `decoder`: has `open_stream(session_id, seed=)` -> stream with `push(codes) -> pcm24k float32`,
-        `finalize()`; with `run_jobs` (engines.codec.decoder.CodecDecoder) chunks of all sessions are
-        decoded in one batch per step. `voice_loader`: WAV bytes -> the decoder's speaker prompt
-        (raises ValueError for a bad recording); without it a session's voice_wav is refused.
-        `decode_interval_s` (without the codec thread): chunks of answers that already play are decoded at most
-        this often, in one batch, so the language model keeps stepping ahead of real time between codec calls;
-        an answer's first chunk is decoded at once (it decides TTFA). 0 decodes every step. The codec thread
-        batches by its own rounds instead (engines/service/codec_worker.py).
+        `decoder` (engines.codec.decoder.CodecDecoder): has `open_stream(session_id, voice=, seed=)` -> stream
+        with `add(codes)`, `take_jobs(finishing=)` and `close()`, and `run_jobs(jobs)` -> PCM (24 kHz float32) of
+        chunks of many streams in one batch. Speech is decoded on the codec worker's thread (its own CUDA streams on
+        a GPU) while the engine steps (engines/service/codec_worker.py). `voice_loader`: WAV bytes -> the decoder's
+        speaker prompt (raises ValueError for a bad recording); without it a session's voice_wav is refused.
         `encode_every_s`: user audio of every session is held and encoded together, in one batched encoder
         call, at most this often (0: at the end of each batch of messages); commits of several sessions are
         finalized in one call. Codes are the same either way (the encoder streams exactly). `encoder_thread`: those
         calls run on a thread of their own, beside the engine steps (engines/service/encoder_worker.py).
-        `codec_thread` (a decoder with `run_jobs`): decode speech on a worker thread (its own CUDA stream on
-        a GPU) while the engine steps; the PCM is the same, only when it leaves changes. `codec_stream`: a stream of
-        the codec's SM partition (engines.partition), where the worker's rounds run. `first_decoders`: lanes of
-        `decoder` (CodecDecoder.lane) on which the worker decodes first chunks beside its other rounds.
+        `first_decoders`: lanes of `decoder` (CodecDecoder.lane) on which the codec worker decodes first chunks
+        beside its other rounds.
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
         each with every answer due before the next (0: back to back)."""
@@ -132,19 +114,16 @@ class Service:
         self.decoder = decoder
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, tuple[Session, Turn]] = {}
-        self.decode_interval_s = decode_interval_s
         self.encode_every_s = encode_every_s
         self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread)
         self._codec = None
-        if codec_thread and hasattr(decoder, "run_jobs"):  # the worker batches streams through run_jobs
+        if decoder is not None:
             extra = {} if codec_round_max is None else {"bulk_max": codec_round_max}
-            self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")), home=codec_stream,
+            self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")),
                                       first_decoders=first_decoders, period_s=codec_round_period_s, **extra)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
         # the GPU model for /health (load tests print it), or "cpu"
         self.device_name = device_name(torch.device(getattr(getattr(engine, "config", None), "device", "cpu")))
-        self._to_decode: dict[int, tuple[Session, ResponseState]] = {}  # responses holding undecoded codes
-        self._last_decode = 0.0
         self._finished_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
         # Set by the engine process: called again and again while the engine waits for a step's tokens, until it
@@ -263,7 +242,7 @@ class Service:
             self._send(client, m.Error(sid, "invalid_request", str(e), rid))
 
     def has_work(self) -> bool:
-        return (self.engine.has_work() or bool(self._to_decode) or (self._speech is not None and self._speech.busy())
+        return (self.engine.has_work() or (self._speech is not None and self._speech.busy())
                 or (self._codec is not None and self._codec.busy()))
 
     def step(self) -> list[Out]:
@@ -302,7 +281,7 @@ class Service:
                 live.append((s, r))
             if o.finished:
                 finished.append((s, t, o))
-        self._decode_due(live)
+        self._push_codes(live)
         t3 = time.perf_counter()
         for s, t, o in finished:
             try:
@@ -370,65 +349,17 @@ class Service:
         r.chunks += 1
         r.audio_samples += len(pcm)
 
-    def _decode_due(self, live: list[tuple[Session, ResponseState]]) -> None:
-        """With the codec worker: hand over new codes at once (it batches by rounds). Without: decode now when
-        an answer still waits for its first audio or the interval has passed; else hold."""
-        if self._codec is not None:
-            for s, r in live:
-                if r.decoder_stream is not None and r.new_codes and not r.cancelled:
-                    self._codec_owner[id(r)] = s
-                    self._codec.push(r, r.decoder_stream, r.new_codes)
-                    r.new_codes = []
-                    if len(r.code_idx) >= FIRST_CHUNK_CODES:
-                        r.mark("first_chunk_sent")
-            return
+    def _push_codes(self, live: list[tuple[Session, ResponseState]]) -> None:
+        """Hand live answers' new codes to the codec worker at once (it batches them by rounds)."""
         for s, r in live:
-            self._to_decode[id(r)] = (s, r)
-        now = time.monotonic()
-        first = any(r.ttfa_ms is None for _, r in self._to_decode.values())
-        if self._to_decode and (first or now - self._last_decode >= self.decode_interval_s):
-            items, self._to_decode = list(self._to_decode.values()), {}
-            self._last_decode = now
-            self._decode(items)
-
-    def _decode(self, items: list[tuple[Session, ResponseState]]) -> None:
-        """Give each live audio response's new codes to its decoder stream (one batched call if offered)."""
-        work = []
-        for s, r in items:
-            if r.cancelled:
-                r.new_codes = []  # nobody will hear it
-            elif r.decoder_stream is not None and r.new_codes:
-                work.append(_DecodeWork(s, r, r.decoder_stream, r.new_codes))
+            if r.decoder_stream is not None and r.new_codes and not r.cancelled:
+                self._codec_owner[id(r)] = s
+                self._codec.push(r, r.decoder_stream, r.new_codes)
                 r.new_codes = []
                 if len(r.code_idx) >= FIRST_CHUNK_CODES:
                     r.mark("first_chunk_sent")
-        if not work:
-            return
-        try:
-            self._deliver(work, self._decode_pcm(work))
-        except Exception as e:  # noqa: BLE001 - see _deliver
-            self._deliver(work, e)
 
-    def _decode_pcm(self, work: list[_DecodeWork]) -> list[np.ndarray]:
-        """PCM of each item (decoded here: the path without a codec worker)."""
-        if hasattr(self.decoder, "run_jobs"):
-            pcm = self._decode_batched([(w.stream, w.codes) for w in work])
-        else:
-            pcm = [w.stream.push(w.codes) for w in work]
-        for i, w in enumerate(work):
-            if w.final:
-                if not w.response.cancelled:
-                    pcm[i] = np.concatenate([pcm[i], w.stream.finalize()])
-                if hasattr(w.stream, "close"):
-                    w.stream.close()  # its flow/vocoder state is no longer needed
-        return pcm
-
-    def _deliver(self, work: list[_DecodeWork], result: list[np.ndarray] | Exception) -> None:
-        pcms = [result] * len(work) if isinstance(result, Exception) else result
-        for w, pcm in zip(work, pcms, strict=True):
-            self._deliver_one(w.session, w.response, pcm, w.final)
-
-    def _deliver_one(self, s: Session, r: ResponseState, pcm: np.ndarray | Exception, final: bool) -> None:
+    def _deliver(self, s: Session, r: ResponseState, pcm: np.ndarray | Exception, final: bool) -> None:
         """Decoded audio of one answer (or the decoder's failure); `final`: its last, then ResponseDone."""
         if isinstance(pcm, Exception):  # the speech decoder failing ends this answer, not the engine
             log.error("speech decoder failed for %s: %r", r.response_id, pcm)
@@ -462,7 +393,7 @@ class Service:
                 r.mark("codec_first_round_end", rounds[1])
             # A failure ends the worker's part; the answer itself is complete only once it has finished.
             final = s.completing is r if isinstance(result, Exception) else worker_done
-            self._deliver_one(s, r, result, final)
+            self._deliver(s, r, result, final)
 
     def _fail(self, s: Session, r: ResponseState, why: str) -> None:
         """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
@@ -471,20 +402,6 @@ class Service:
         t = s.active
         if t is not None and t.response is r:
             self.engine.abort(t.request_id)
-
-    def _decode_batched(self, items: list[tuple[Any, list[int]]]) -> list[np.ndarray]:
-        """Ready 5-code chunks of all (stream, new codes) items through the codec together: round k decodes
-        the k-th ready chunk of every stream (a stream's chunks are sequential, so one per stream per call)."""
-        jobs = []
-        for stream, codes in items:
-            stream.add(codes)
-            jobs.append(stream.take_jobs())
-        pcms: list[list[np.ndarray]] = [[] for _ in items]
-        for k in range(max(len(j) for j in jobs)):
-            idx = [i for i, j in enumerate(jobs) if len(j) > k]
-            for i, pcm in zip(idx, self.decoder.run_jobs([jobs[i][k] for i in idx]), strict=True):
-                pcms[i].append(pcm)
-        return [np.concatenate(p) if p else np.zeros(0, np.float32) for p in pcms]
 
     # ---- session lifecycle --------------------------------------------------------------
 
@@ -859,14 +776,13 @@ class Service:
         s.pending_rows = restored + s.pending_rows
 
     def _finish_response(self, s: Session, t: Turn, r: ResponseState, o: StepOutput) -> None:
-        self._to_decode.pop(id(r), None)
         stream, r.decoder_stream = r.decoder_stream, None
-        final = None
+        last_codes: list[int] = []
         if stream is not None:
-            # The answer's last codes, its final partial chunk and the vocoder tail. On the codec worker
-            # this queues behind the stream's earlier batches, and the engine keeps stepping meanwhile (a
-            # long answer's undecoded codes are seconds of codec work); ResponseDone follows the audio.
-            final = _DecodeWork(s, r, stream, [] if r.cancelled else r.new_codes, final=True)
+            # The answer's last codes, its final partial chunk and the vocoder tail: on the codec worker this
+            # queues behind the stream's earlier chunks, and the engine keeps stepping meanwhile (a long answer's
+            # undecoded codes are seconds of codec work); ResponseDone follows the audio.
+            last_codes = [] if r.cancelled else r.new_codes
             r.new_codes = []
         self._text(s, r, r.detok.flush())
         gen_start = self.engine.conversation_rows(s.conversation_id) - len(r.rows)
@@ -882,19 +798,14 @@ class Service:
         status, why = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
                        "abort": ("cancelled", "client_cancelled")}.get(reason, ("failed", reason))
         r.done = (status, why)
-        if final is None:
+        if stream is None:
             self._complete(s, r)
-        elif self._codec is not None:
+        else:
             s.completing = r
             self._codec_owner[id(r)] = s
-            self._codec.push(r, stream, final.codes, final=True)
+            self._codec.push(r, stream, last_codes, final=True)
             if r.cancelled:
                 self._codec.cancel(r)
-        else:
-            try:
-                self._deliver([final], self._decode_pcm([final]))
-            except Exception as e:  # noqa: BLE001 - see _deliver
-                self._deliver([final], e)
 
     def _drop_last_audio(self, r: ResponseState) -> None:
         """A finished answer whose last audio is still decoding will not be heard: send none, decode no more."""

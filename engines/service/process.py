@@ -31,7 +31,6 @@ supervisor restarts it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -72,9 +71,8 @@ LOAD_LOG_S = 5.0
 MAX_DRAIN = 1024  # messages handled between two engine steps, so a flood cannot stall decoding
 CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it declares us lost
 # While the engine waits for a step's tokens, decoded audio leaves and user audio and commits reach the encoder
-# (EngineServer._while_stepping); MOSS_SEND_WHILE_STEPPING=0: only between steps, as before (A/B runs).
-SEND_WHILE_STEPPING = os.environ.get("MOSS_SEND_WHILE_STEPPING", "1") != "0"
-STEP_POLL_S = 0.0002  # how often the loop looks for that during a step's wait (a step takes ~5-12 ms under load)
+# (EngineServer._while_stepping): the loop looks for them this often (a step takes ~5-12 ms under load).
+STEP_POLL_S = 0.0002
 
 
 def _kv_gib(text: str) -> float | str:
@@ -165,36 +163,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cores instead of at float32 accuracy (3xTF32): ~3x less tensor-core work in its calls, other "
                         "numerics than float32 (features within ~3e-3 of their scale; streamed codes still equal "
                         "whole-utterance codes)")
-    p.add_argument("--no-codec-thread", dest="codec_thread", action="store_false",
-                   help="decode speech in the engine loop instead of on its own thread and CUDA stream")
     p.add_argument("--warm-up", dest="warm_up", action=argparse.BooleanOptionalAction, default=None,
                    help="run throw-away spoken turns before serving (default: on a GPU), so the first users do not "
                         "pay one-time kernel compiles and plan builds")
-    p.add_argument("--codec-sms", type=int, default=0,
-                   help="on a GPU, keep this many SMs free of the language model's and speech encoder's kernels (a "
-                        "green context; rounded up by the driver, to 8 on an H100/H200), so the codec's "
-                        "latency-bound kernels always find SMs; the codec still uses every SM (0: no partition)")
-    p.add_argument("--codec-sms-only", action="store_true",
-                   help="with --codec-sms: the codec runs on its SMs only")
     p.add_argument("--first-lane", dest="first_lane", action=argparse.BooleanOptionalAction, default=None,
-                   help="with the codec thread: decode new answers' first chunks on a second codec thread with graphs "
-                        "of its own, while rounds of playing answers pause between pieces of their work (default: "
-                        "on a GPU; docs/BENCHMARKS.md, Capacity)")
+                   help="decode new answers' first chunks on a second codec thread with graphs of its own, while "
+                        "rounds of playing answers pause between pieces of their work (default: on a GPU; "
+                        "docs/BENCHMARKS.md, Capacity)")
     p.add_argument("--first-lanes", type=_positive_int, default=2, metavar="N",
                    help="with the first lane: this many lanes, each a thread with graphs of its own, so a new answer "
                         "whose first chunk is ready while another's is decoding need not wait for it (default 2: "
                         "at 256 sessions on an H200 p95 214 / 206 ms against 265 / 209 with one; docs/BENCHMARKS.md)")
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
-                   help="with the codec thread: most playing answers one round decodes (more only while more are "
-                        "about to run dry; default engines/service/codec_worker.py BULK_MAX); refused beside a first "
-                        "lane unless --codec-round-period-ms 0 (rounds once a period take every answer due)")
+                   help="most playing answers one codec round decodes (more only while more are about to run dry; "
+                        "default engines/service/codec_worker.py BULK_MAX); refused beside a first lane unless "
+                        "--codec-round-period-ms 0 (rounds once a period take every answer due)")
     p.add_argument("--codec-round-period-ms", type=_non_negative_ms, default=200.0, metavar="MS",
                    help="with the first lane: rounds of playing answers start at most this often (sooner for one "
                         "about to run dry), each with every answer due before the next; 0: back to back, at most "
                         "--codec-round-max each (docs/BENCHMARKS.md, Capacity)")
-    p.add_argument("--decode-interval-ms", type=_non_negative_ms, default=100.0,
-                   help="without the codec thread: batch codec calls for playing answers at most this often "
-                        "(first chunks go at once); the codec thread batches by its own rounds")
     p.add_argument("--gpu-window", default=None, metavar="SESSIONS,SECONDS,PATH",
                    help="development: once SESSIONS sessions are open, record every kernel of the process for SECONDS "
                         "with the torch profiler, write them to PATH (.npz) and log each stream's busy time "
@@ -210,8 +197,7 @@ def _free_bytes(device: str) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupMemory, codec_home: Any
-                ) -> tuple[Any, Any, Any]:
+def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupMemory) -> tuple[Any, Any, Any]:
     """The speech encoder, the codec decoder and its first-chunk lanes (none off a GPU or without --first-lane),
     with their KV slots and CUDA graphs on a GPU."""
     from engines.codec.decoder.codec_decoder import CodecDecoder
@@ -236,31 +222,30 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
                 encoder.capture_graphs()
     # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
     # in bf16, the encoder's float32 matmuls on TF32.
-    with codec_home:
-        with memory.part("the codec decoder"):
-            decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
-                                        cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
-                                        estimator_dtype="bfloat16" if on_gpu else "float32")
-        first_lane = _first_lane_on(args, on_gpu)
-        if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
-            from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
+    with memory.part("the codec decoder"):
+        decoder = CodecDecoder.load(args.codec, device=args.device, vocoder=vocoder, seed=args.seed,
+                                    cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
+                                    estimator_dtype="bfloat16" if on_gpu else "float32")
+    first_lane = _first_lane_on(args, on_gpu)
+    if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
+        from engines.service.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
 
-            decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
-        with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):
-            # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
-            decoder.capture_graphs(config.max_running)
-            for _ in range(getattr(args, "first_lanes", 2) if first_lane else 0):
-                lane = decoder.lane()
-                lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
-                lane.capture_graphs(FIRST_MAX)
-                first_decoders.append(lane)
+        decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
+    with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):
+        # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
+        decoder.capture_graphs(config.max_running)
+        for _ in range(getattr(args, "first_lanes", 2) if first_lane else 0):
+            lane = decoder.lane()
+            lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
+            lane.capture_graphs(FIRST_MAX)
+            first_decoders.append(lane)
     return encoder, decoder, first_decoders
 
 
 def _first_lane_on(args: argparse.Namespace, on_gpu: bool) -> bool:
-    """--first-lane as given, else on a GPU; only beside the codec thread."""
+    """--first-lane as given, else on a GPU."""
     first_lane = getattr(args, "first_lane", None)
-    return bool((on_gpu if first_lane is None else first_lane) and getattr(args, "codec_thread", False))
+    return on_gpu if first_lane is None else first_lane
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -298,11 +283,6 @@ def build_service(args: argparse.Namespace) -> Service:
     kw["fp8_only"] = getattr(args, "fp8_only", False)
     kw["kv_dtype"] = getattr(args, "kv_dtype", "auto")
     config = EngineConfig(**kw)
-    codec_sms = getattr(args, "codec_sms", 0)
-    if getattr(args, "codec_sms_only", False) and not codec_sms:
-        raise ValueError("--codec-sms-only needs --codec-sms N")
-    if codec_sms and not on_gpu:
-        raise ValueError(f"--codec-sms {codec_sms} needs a CUDA device (got --device {args.device})")
     encoder_thread = on_gpu if getattr(args, "encoder_thread", None) is None else args.encoder_thread
     if getattr(args, "encoder_tf32", False) and not on_gpu:
         raise ValueError(f"--encoder-tf32 needs a CUDA device (got --device {args.device})")
@@ -312,31 +292,16 @@ def build_service(args: argparse.Namespace) -> Service:
         raise ValueError("--codec-round-max bounds rounds of playing answers run back to back; with a first lane they "
                          "run once a period (--codec-round-period-ms) and take every answer due: give "
                          "--codec-round-period-ms 0 with it")
-    codec_home = contextlib.nullcontext()
-    codec_stream = None
     if on_gpu:
         import torch
 
         from engines.streams import model_stream
 
-        lm_stream = None
-        if codec_sms:
-            from engines.partition import driver_stream, split
-
-            # Streams made later follow the stream current when they are made (engines.partition): the model's
-            # graphs and the encoder land in the model's partition, the codec's graphs and rounds in the codec's.
-            sms = split(args.device, codec_sms)
-            lm_stream = sms.stream("lm", urgent=True)
-            codec_stream = (sms.stream("codec") if args.codec_sms_only
-                            else driver_stream(args.device, like=torch.cuda.default_stream(args.device)))
-            codec_home = torch.cuda.stream(codec_stream)
-            log.info("SM partitions: language model and speech encoder on %d SMs, codec on %s", sms.lm_sms,
-                     f"the other {sms.codec_sms} only" if args.codec_sms_only else "every SM")
         # The language model's steps run on a high-priority stream, so they never queue behind the codec
         # worker's rounds of playing answers (lowest priority) for SMs: a decode step is a few ms of GPU work
         # that every session waits for. (The speech encoder's commits and the first-chunk lanes have streams one
         # level above it: engines.streams.model_stream.)
-        torch.cuda.set_stream(lm_stream if lm_stream is not None else model_stream(args.device))
+        torch.cuda.set_stream(model_stream(args.device))
     # The codec and encoder worker threads run Python between their GPU waits; a short switch interval keeps the
     # engine loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)
@@ -346,8 +311,7 @@ def build_service(args: argparse.Namespace) -> Service:
     # codec. (The weights first: building random ones takes more than they keep.)
     with memory.part("the language model's weights"):
         model, model_config = Engine.load_weights(args.model, config, seed=args.seed)
-    encoder, decoder, first_decoders = (_load_codec(args, config, memory, codec_home) if args.codec != "none"
-                                        else (None, None, []))
+    encoder, decoder, first_decoders = _load_codec(args, config, memory) if args.codec != "none" else (None, None, [])
     with memory.part("the language model's KV pool and CUDA graphs"):
         engine = Engine.build(model, model_config, config, seed=args.seed,
                               kv_free_bytes=_free_bytes(args.device) if kv_auto else None)
@@ -365,9 +329,7 @@ def build_service(args: argparse.Namespace) -> Service:
     log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", args.model, args.codec, args.device, dtype,
              time.monotonic() - t0)
     service = Service(engine, tokenizer, encoder, decoder, voices,
-                      decode_interval_s=getattr(args, "decode_interval_ms", 0.0) / 1000,
                       encode_every_s=getattr(args, "encode_every_ms", 0.0) / 1000,
-                      codec_thread=getattr(args, "codec_thread", False), codec_stream=codec_stream,
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
                       encoder_thread=encoder_thread)
@@ -506,8 +468,7 @@ class EngineServer:
         if client_timeout_s <= 0:
             raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
         self.service = service
-        if SEND_WHILE_STEPPING:
-            service.step_wait = self._while_stepping
+        service.step_wait = self._while_stepping
         self._later: list[tuple[bytes, Any]] = []  # received during a step, to be handled after it (in order)
         self.endpoint = endpoint
         self.ctx = ctx or zmq.Context.instance()

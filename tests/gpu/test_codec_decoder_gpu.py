@@ -1,4 +1,4 @@
-"""CUDA-only checks of the codec decoder (CUDA graphs, the task's side stream). Run on a GPU machine:
+"""CUDA-only checks of the codec decoder (CUDA graphs, batches decoded on another stream). Run on a GPU machine:
 `pytest tests/gpu/test_codec_decoder_gpu.py`. On CPU-only CI every test here is skipped with the reason below."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from engines.codec.decoder import CodecDecoder, CodecTask
+from engines.codec.decoder import CodecDecoder
+from engines.streams import driver_stream
+from tests.test_codec_decoder import _in_rounds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CPU paths are covered by "
                                 "tests/test_codec_decoder.py")
@@ -34,22 +36,21 @@ def test_cuda_graphs_match_eager_and_stream_matches_offline(vocoder):
     np.testing.assert_allclose(streamed, b, atol=TOL, rtol=0)
 
 
-def test_task_batch_equals_alone_on_cuda_with_graphs():
+def test_rounds_on_another_stream_equal_alone_on_cuda_with_graphs():
+    """Batches of sessions opened on the current stream and decoded on another (as on the codec worker's) give each
+    session its PCM alone."""
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
     assert dec.flow.enc_graphs is not None  # the flow's encoder replays too (as in the server)
     lengths = [13, 21, 9]
     alone = [dec.decode(_codes(n, i), seed=i) for i, n in enumerate(lengths)]
-    task = CodecTask(dec, max_batch=8)
-    got: dict[str, list[np.ndarray]] = {}
-    for i, n in enumerate(lengths):
-        task.open(f"s{i}", seed=i)
-        task.submit(f"s{i}", _codes(n, i))
-        task.finish(f"s{i}")
-    while task.pending():
-        for sid, pcm in task.step().items():
-            got.setdefault(sid, []).append(pcm)
+    streams = [dec.open_stream(f"s{i}", seed=i) for i in range(len(lengths))]
+    for i, (s, n) in enumerate(zip(streams, lengths, strict=True)):
+        s.add(_codes(n, i))
+    with torch.cuda.stream(driver_stream("cuda")):
+        got, sizes = _in_rounds(dec, streams)
+    assert max(sizes) == 3
     for i in range(3):
-        np.testing.assert_allclose(np.concatenate(got[f"s{i}"]), alone[i], atol=TOL, rtol=0)
+        np.testing.assert_allclose(got[i], alone[i], atol=TOL, rtol=0)
 
 
 def test_full_random_chunk_runs_bf16():
@@ -266,7 +267,7 @@ def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
     mine, theirs = (g.vocoder.generator._branch_streams.all() for g in (lane, dec))
     assert not {x.cuda_stream for x in mine} & {x.cuda_stream for x in theirs}
     # A new answer's first chunk is urgent, the playing rounds are not: a graph runs at its capture stream's priority.
-    from engines.partition import is_urgent
+    from engines.streams import is_urgent
 
     assert all(is_urgent(g.stream) for g in (lane.flow.graphs, lane.vocoder.graphs)) and all(map(is_urgent, mine))
     assert not any(is_urgent(g.stream) for g in (dec.flow.graphs, dec.vocoder.graphs))

@@ -419,10 +419,9 @@ def test_snake_with_bias_and_residual_is_bit_identical_to_torch():
 
 @pytest.mark.parametrize("transposed,k,stride,dilation", [(False, 7, 1, 1), (False, 11, 1, 5), (False, 16, 8, 1),
                                                           (True, 16, 8, 1), (True, 7, 3, 1)])
-def test_hift_conv_time_major_matches_the_1d_conv(monkeypatch, transposed, k, stride, dilation, deterministic_cudnn):
+def test_hift_conv_time_major_matches_the_1d_conv(transposed, k, stride, dilation, deterministic_cudnn):
     """hift.conv on CUDA (a channels-last 2-D conv) gives the 1-D conv's output to TF32 rounding, in time-major memory,
-    from time-major or contiguous input, at one row or two; without its bias when asked; with MOSS_HIFT_TIME_MAJOR=0
-    it is the 1-D conv."""
+    from time-major or contiguous input, at one row or two; without its bias when asked."""
     from engines.codec.decoder import hift
 
     torch.manual_seed(3)
@@ -441,20 +440,21 @@ def test_hift_conv_time_major_matches_the_1d_conv(monkeypatch, transposed, k, st
         one = hift.conv(m, x[:1])
         assert one.transpose(1, 2).is_contiguous()
         torch.testing.assert_close(one, want[:1], rtol=0, atol=2e-3 * float(want.abs().max()))
-        monkeypatch.setattr(hift, "TIME_MAJOR", False)
-        assert torch.equal(hift.conv(m, x), want)
 
 
-def test_hift_time_major_matches_the_1d_layout(monkeypatch, deterministic_cudnn):
+def test_hift_time_major_matches_the_1d_layout(deterministic_cudnn):
     """The full-size HiFT generator with its activations time-major (on CUDA) gives the 1-D layout's body output
-    (before conv_post) and waveform to TF32 rounding through its ~90 convs, at 2 sessions. f0 is held at 0 (unvoiced:
-    the source is the noise alone), since a TF32-sized change of f0 moves the harmonic phases a lot over a window; a
-    layout error (a channel read from the wrong place) would be of the signal's own size."""
+    (before conv_post) and waveform (the CPU's, every conv in float32 on both sides) through its ~90 convs, at 2
+    sessions. f0 is held at 0 (unvoiced: the source is the noise alone), since a rounding-sized change of f0 moves the
+    harmonic phases a lot over a window; a layout error (a channel read from the wrong place) would be of the
+    signal's own size."""
+    import copy
+
     from engines.codec.decoder import hift
     from engines.codec.decoder.config import HiFTConfig
 
     torch.manual_seed(0)
-    gen = hift.HiFTGenerator(HiFTConfig()).cuda().eval()
+    gen = hift.HiFTGenerator(HiFTConfig()).eval()
     gen.fold_weight_norm()
     with torch.no_grad():
         for m in gen.modules():  # small weights keep the 3-stage stack finite
@@ -462,38 +462,38 @@ def test_hift_time_major_matches_the_1d_layout(monkeypatch, deterministic_cudnn)
                 m.weight.mul_(0.3)
         gen.f0_predictor.classifier.weight.zero_()
         gen.f0_predictor.classifier.bias.zero_()
-    g = torch.Generator(device="cuda").manual_seed(1)
+    cpu, gen = gen, copy.deepcopy(gen).cuda()
+    g = torch.Generator().manual_seed(1)
     T = 32
-    mel = torch.randn(2, 80, T, device="cuda", generator=g) - 5
-    phase = torch.rand(2, gen.n_harmonics, device="cuda", generator=g)
-    noise = torch.randn(2, gen.n_harmonics, T * gen.cfg.mel.hop, device="cuda", generator=g)
+    mel = torch.randn(2, 80, T, generator=g) - 5
+    phase = torch.rand(2, gen.n_harmonics, generator=g)
+    noise = torch.randn(2, gen.n_harmonics, T * gen.cfg.mel.hop, generator=g)
     keep = 20 * gen.cfg.mel.hop
-    with torch.inference_mode():
-        body, got_phase = gen._branched(mel, phase, noise, keep)
-        assert body.transpose(1, 2).is_contiguous()  # time-major to the end
-        got, _ = gen(mel, phase, noise, keep)
-        monkeypatch.setattr(hift, "TIME_MAJOR", False)
-        want_body, want_phase = gen._branched(mel, phase, noise, keep)
-        assert want_body.is_contiguous()
-        want, _ = gen(mel, phase, noise, keep)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # float32 convs in full float32, like the CPU
+    try:
+        with torch.inference_mode():
+            body, got_phase = gen._branched(mel.cuda(), phase.cuda(), noise.cuda(), keep)
+            assert body.transpose(1, 2).is_contiguous()  # time-major to the end
+            got, _ = gen(mel.cuda(), phase.cuda(), noise.cuda(), keep)
+            want_body, want_phase = cpu._serial(mel, phase, noise, keep)
+            assert want_body.is_contiguous()
+            want, _ = cpu(mel, phase, noise, keep)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     assert want_body.abs().max() > 1e-2 and want.abs().max() > 1e-3
-    torch.testing.assert_close(body, want_body, rtol=0, atol=1e-2 * float(want_body.abs().max()))
-    torch.testing.assert_close(got, want, rtol=0, atol=5e-2 * float(want.abs().max()))
-    assert torch.equal(got_phase, want_phase)
+    torch.testing.assert_close(body.cpu(), want_body, rtol=0, atol=1e-2 * float(want_body.abs().max()))
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=5e-2 * float(want.abs().max()))
+    assert torch.equal(got_phase.cpu(), want_phase)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("time_major", [False, True])
-def test_fused_resblock_is_bit_identical_to_the_reference(batch, time_major, deterministic_cudnn, monkeypatch):
+def test_fused_resblock_is_bit_identical_to_the_reference(batch, deterministic_cudnn):
     """HiFT's resblock with its conv biases and residual adds inside the Snake kernels (the CUDA path) gives the
-    reference order's bits (every conv through cuDNN with its bias added by torch, then Snake, then the add), in
-    either layout of the activations (hift.conv)."""
+    reference order's bits (every conv through cuDNN with its bias added by torch, then Snake, then the add)."""
     from torch.nn.utils import parametrize
 
-    from engines.codec.decoder import hift
     from engines.codec.decoder.hift import ResBlock
-
-    monkeypatch.setattr(hift, "TIME_MAJOR", time_major)
 
     torch.manual_seed(0)
     block = ResBlock(64, 7, (1, 3, 5)).cuda().eval()
@@ -525,17 +525,13 @@ def deterministic_cudnn():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("time_major", [False, True])
-def test_hift_branches_on_streams_equal_the_serial_order(batch, time_major, deterministic_cudnn, monkeypatch):
+def test_hift_branches_on_streams_equal_the_serial_order(batch, deterministic_cudnn):
     """The full-size HiFT body with its source branch and each stage's resblocks on streams of their own gives the
     serial order's bits (before the iSTFT, whose F.fold adds with atomics), eager with the allocator's blocks moving
-    between calls, and replayed from a CUDA graph; in either layout of the activations (hift.conv)."""
-    from engines.codec.decoder import hift
+    between calls, and replayed from a CUDA graph."""
     from engines.codec.decoder.config import HiFTConfig
     from engines.codec.decoder.hift import HiFTGenerator
     from engines.graphs import capture_graph, private_stream
-
-    monkeypatch.setattr(hift, "TIME_MAJOR", time_major)
 
     torch.manual_seed(0)
     gen = HiFTGenerator(HiFTConfig()).cuda().eval()

@@ -120,3 +120,38 @@ def test_capture_while_another_thread_allocates_and_waits_on_the_gpu():
     for g, out in graphs:
         g.replay()
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_private_streams_take_the_priority_asked_or_the_current_streams():
+    """A graph's kernels run at its capture stream's priority (engines.graphs.private_stream): capture streams and
+    the side streams forked inside a capture are urgent exactly when asked, or when the stream they are made under
+    is."""
+    from engines.graphs import SideStreams, private_stream
+    from engines.streams import high_priority_stream, is_urgent
+
+    assert is_urgent(private_stream(urgent=True)) and not is_urgent(private_stream(urgent=False))
+    assert not is_urgent(private_stream())  # made under the default stream
+    side = SideStreams()
+    with torch.cuda.stream(high_priority_stream("cuda")):
+        assert is_urgent(private_stream()) and not is_urgent(private_stream(urgent=False))
+        hi = side.get("cuda", 2)
+        assert side.get("cuda", 1) == hi[:1]  # made once per priority
+    lo = side.get("cuda", 3)
+    assert all(map(is_urgent, hi)) and not any(map(is_urgent, lo)) and len(side.all()) == 5
+
+
+def test_model_stream_sits_between_the_urgent_and_the_playing_rounds():
+    """The model's steps run one level below the commits and first chunks and above the playing rounds; what is made
+    under its stream (its graphs' capture streams, their side branches) takes that exact priority."""
+    from engines.graphs import SideStreams, private_stream
+    from engines.streams import high_priority_stream, is_urgent, level, model_stream
+
+    model, urgent, low = model_stream("cuda"), high_priority_stream("cuda"), private_stream(urgent=False)
+    assert level(urgent) < level(model) < level(low) and not is_urgent(model)
+    side = SideStreams()
+    with torch.cuda.stream(model):
+        made = [private_stream(), *side.get("cuda", 2)]
+    with torch.cuda.stream(urgent):
+        made_urgent = side.get("cuda", 1)
+    assert [level(s) for s in made] == [level(model)] * 3
+    assert level(made_urgent[0]) == level(urgent) and len(side.all()) == 3

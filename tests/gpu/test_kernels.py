@@ -417,7 +417,14 @@ def test_fused_top_k_sampler_draws_the_torch_paths_tokens(vocab, audio):
     paths draw with the same counter-based noise, so only last-bit differences of softmax/cumsum could make them
     differ, and these rows have none. The logits are left intact."""
     from engines.kernels import topk_sample
-    from engines.sampler.sampler import AUDIO_CHANNEL, TEXT_CHANNEL, ChannelTensors, sample_rows
+    from engines.sampler.sampler import (
+        AUDIO_CHANNEL,
+        TEXT_CHANNEL,
+        ChannelTensors,
+        mask_audio_logits,
+        sample_channel,
+        sample_rows,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(11)
     channel = AUDIO_CHANNEL if audio else TEXT_CHANNEL
@@ -443,11 +450,8 @@ def test_fused_top_k_sampler_draws_the_torch_paths_tokens(vocab, audio):
         assert topk_sample.supported(logits, max_k)
         got = sample_rows(logits, seen, slots, t, seeds, steps, channel, min_new)
         assert torch.equal(logits, before)
-        topk_sample.ENABLED = False
-        try:
-            ref = sample_rows(logits, seen, slots, t, seeds, steps, channel, min_new)
-        finally:
-            topk_sample.ENABLED = True
+        masked = mask_audio_logits(logits.clone(), steps, min_new) if audio else logits
+        ref = sample_channel(masked, seen[slots], t, seeds, steps, channel)  # sample_rows' torch path
         assert torch.equal(got, ref), (b, max_k, (got != ref).nonzero().flatten().tolist())
         if audio:
             assert int(got.max()) <= 16384
@@ -619,23 +623,20 @@ def test_skinny_gemm_glu_epilogue_equals_silu_mul_after_the_gemm(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_decoder_layers_with_the_glu_epilogue_equal_the_separate_kernels(rows):
+def test_decoder_layers_with_the_glu_epilogue_equal_the_separate_kernels(rows, monkeypatch):
     """Four full-size layers at decode sizes with SiLU*up in gate_up's epilogue give the bits (outputs and K/V
-    written) of the same layers with the separate SiLU*up kernel."""
+    written) of the same layers with the separate SiLU*up kernel (what a layer runs where the epilogue cannot)."""
     from engines.kernels import skinny_gemm
 
     layers, x, kv, cache, batch, forward = full_size_layers(rows)
     assert skinny_gemm.glu(x, layers[0].gate_up_proj.weight) is not None  # the epilogue runs in these layers
     outs = {}
-    saved = skinny_gemm.FUSE
-    try:
-        for fuse in (True, False):
-            skinny_gemm.FUSE = fuse
-            for c in kv:
-                c.copy_(cache)
-            outs[fuse] = (forward(), [c.clone() for c in kv])
-    finally:
-        skinny_gemm.FUSE = saved
+    for fuse in (True, False):
+        if not fuse:
+            monkeypatch.setattr(skinny_gemm, "glu", lambda *a, **k: None)
+        for c in kv:
+            c.copy_(cache)
+        outs[fuse] = (forward(), [c.clone() for c in kv])
     (fused, kv_fused), (plain, kv_plain) = outs[True], outs[False]
     assert torch.isfinite(fused).all()
     assert torch.equal(fused, plain)

@@ -48,7 +48,7 @@ def test_step_graphs_equal_eager_steps(enc):
     g.reserve(4)
     assert g.capture_graphs(4) == 3 * 7 * 11  # streams 1, 2, 4; frames 1-64; keys 16-1500
     graphs = g.runner.graphs
-    from engines.partition import is_urgent
+    from engines.streams import is_urgent
 
     assert is_urgent(graphs.stream)  # a commit's call waits on them: captured (so replayed) urgent
     pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]

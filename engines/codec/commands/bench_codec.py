@@ -1,8 +1,9 @@
 """`moss-speech bench codec`: time per 5-code chunk at several batch sizes, and real-time streams it supports.
 
 A stream needs one chunk per 0.4 s (5 codes at 12.5 Hz), so streams supported = 0.4 s / (step time / batch).
-Timing uses CUDA events on GPU and perf_counter on CPU; a step is the codec task decoding one steady-state
-chunk for every session of the batch (flow + vocoder + crossfade, PCM copied to the host).
+Timing uses CUDA events on GPU and perf_counter on CPU; a step is a round of the server's codec worker decoding one
+steady-state chunk for every session of the batch in one batch (engines/bench/codec_rounds.py: flow + vocoder +
+crossfade, PCM copied to the host).
 
 Beside each step, the Euler solve's floor on this machine, from its memory bandwidth and matmul rate measured in the
 same run: every Euler step reads all the estimator's weights once and multiplies each by every row of the CFG
@@ -19,9 +20,9 @@ import platform
 import statistics
 import time
 
-import numpy as np
 import torch
 
+from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import measure_bandwidth, measure_matmul
 
 
@@ -70,33 +71,32 @@ def solve_floors_ms(dec, batches: list[int], hw: dict) -> dict[int, float]:
             for b in batches}
 
 
-def _time_step(task, sessions, chunk, rng, device) -> float:
-    for sid in sessions:
-        task.submit(sid, rng.integers(0, 16384, chunk))
+def _time_step(rounds: SteadyRounds, device: torch.device) -> float:
+    rounds.feed()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
-        start.record()
-        out = task.step()
-        end.record()
+        start.record(rounds.cuda_stream)
+        out = rounds.decode()
+        end.record(rounds.cuda_stream)
         torch.cuda.synchronize(device)
         ms = start.elapsed_time(end)
     else:
         t0 = time.perf_counter()
-        out = task.step()
+        out = rounds.decode()
         ms = (time.perf_counter() - t0) * 1e3
-    assert len(out) == len(sessions)
+    assert len(out) == len(rounds.streams)
     return ms
 
 
 def run(args: argparse.Namespace) -> int:
-    from engines.codec.decoder import CodecDecoder, CodecTask
+    from engines.codec.decoder import CodecDecoder
 
     device = torch.device(args.device)
     dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
                             estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs,
                             encoder_tf32=args.encoder_tf32)
-    chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
+    chunk = dec.cfg.stream.chunk_codes
     hw = hardware(device)
     print(f"hardware: {hw}")
     print(f"measured: copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
@@ -107,31 +107,25 @@ def run(args: argparse.Namespace) -> int:
           f"{args.estimator_dtype}, chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
-    rng = np.random.default_rng(0)
     results = []
     batches = [int(x) for x in args.batches.split(",")]
     floors = solve_floors_ms(dec, batches, hw)
     for b in batches:
-        task = CodecTask(dec, max_batch=b)
-        sessions = [f"s{i}" for i in range(b)]
-        for i, sid in enumerate(sessions):
-            task.open(sid, seed=i)
-            task.submit(sid, rng.integers(0, 16384, la))  # lookahead codes, so every later chunk is ready
+        rounds = SteadyRounds(dec, b)
         for _ in range(warmup):
-            _time_step(task, sessions, chunk, rng, device)
-        times = [_time_step(task, sessions, chunk, rng, device) for _ in range(args.iters)]
+            _time_step(rounds, device)
+        times = [_time_step(rounds, device) for _ in range(args.iters)]
         ms = statistics.median(times)
         per_chunk = ms / b
         streams = 0.4 / (per_chunk / 1e3)
         row = {"batch": b, "step_ms_median": round(ms, 3), "step_ms_min": round(min(times), 3),
                "ms_per_chunk": round(per_chunk, 3), "streams_supported": int(streams),
-               "state_bytes_per_session": task.streams[sessions[0]].state_bytes(),
+               "state_bytes_per_session": rounds.streams[0].state_bytes(),
                "solve_floor_ms": round(floors[b], 4)}
         results.append(row)
         print(f"batch {b:3d}: step {ms:8.2f} ms (min {min(times):.2f}), {per_chunk:7.3f} ms per chunk, "
               f"real-time streams supported: {int(streams)}; the solve's floor {row['solve_floor_ms']:.3f} ms")
-        for sid in sessions:
-            task.close(sid)
+        rounds.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder,

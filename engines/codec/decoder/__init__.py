@@ -2,7 +2,7 @@
 
 Public API (what the engine/server uses):
 
-    from engines.codec.decoder import CodecDecoder, CodecTask, Voice, BadCodesError
+    from engines.codec.decoder import CodecDecoder, Voice, BadCodesError
 
     dec = CodecDecoder.load("tiny-random" | "full-random" | "/path/to/MOSS-Speech-Codec",
                             device="cuda", vocoder="bigvgan" | "hift",
@@ -16,9 +16,8 @@ Public API (what the engine/server uses):
     s.close()                # frees the session state
     pcm = dec.decode(codes, voice=None, seed=1234)  # offline: identical result to push-all + finalize
 
-    task = CodecTask(dec, max_batch=64)  # one queue of 5-code chunks for all sessions
-    task.open(sid, voice=None, seed=0); task.submit(sid, codes); task.finish(sid); task.close(sid)
-    out = task.step()        # {sid: pcm} for up to max_batch sessions, decoded as one batch
+    s.add(codes); jobs = s.take_jobs()  # ready chunks in order (finishing=True: the rest, the last one final)
+    pcms = dec.run_jobs(jobs_of_many_sessions)  # at most one chunk per session, decoded as one batch: PCM per job
 
 Streaming schedule: 5 codes per chunk + 3 lookahead codes (the first chunk needs 8 codes), 4 mel frames
 per code, 1920 samples per code; a stream of N codes yields exactly N x 1920 samples over push + finalize.
@@ -46,8 +45,7 @@ from engines.codec.decoder.codec_decoder import CodecDecoder
 from engines.codec.decoder.codes import BadCodesError, validate_codes
 from engines.codec.decoder.mel import CODEC_MEL, MelMismatchError, MelSpec
 from engines.codec.decoder.stream import DecodeStream
-from engines.codec.decoder.task import CodecTask
 from engines.codec.decoder.voice import Voice
 
-__all__ = ["BadCodesError", "CODEC_MEL", "CodecDecoder", "CodecTask", "DecodeStream", "MelMismatchError", "MelSpec",
-           "Voice", "validate_codes"]
+__all__ = ["BadCodesError", "CODEC_MEL", "CodecDecoder", "DecodeStream", "MelMismatchError", "MelSpec", "Voice",
+           "validate_codes"]

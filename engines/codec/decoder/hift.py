@@ -14,7 +14,6 @@ as a CUDA graph (engines/codec/decoder/graphs.py) with the same result as eager.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 
 import torch
@@ -28,16 +27,6 @@ from engines.codec.decoder.derived import weights_key
 from engines.graphs import SideStreams
 from engines.matmul_precision import float32_matmuls
 from engines.streams import side_by_side
-
-# CUDA: Snake as one kernel (engines/kernels/snake.py), and the generator's independent chains (the source branch,
-# a stage's resblocks) on streams of their own. MOSS_HIFT_FUSED=0 turns both off (for A/B timings).
-FUSED = os.environ.get("MOSS_HIFT_FUSED", "1") != "0"
-# CUDA: activations time-major ([B, T, C] in memory) and every conv a channels-last 2-D conv (`conv`), so cuDNN's
-# NHWC kernels run without the NCHW <-> NHWC transforms it otherwise puts around each conv (162 of HiFT's 453 kernels
-# at batch 1). Codec steps on an H100, same process, alternated (docs/PERF_NOTES.md, session 44): batch 1 13.45 ->
-# 13.34 ms, 2 15.55 -> 15.32, 8 24.57 -> 24.37, 16 30.02 -> 29.86 (session 43's gate at 32 windows came from
-# comparing separate processes, whose spread is larger). MOSS_HIFT_TIME_MAJOR=0 turns it off.
-TIME_MAJOR = os.environ.get("MOSS_HIFT_TIME_MAJOR", "1") != "0"
 
 
 def _pad(k: int, d: int) -> int:
@@ -58,13 +47,15 @@ def istft(spec: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> tor
 
 
 def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """m(x) for x [B, C, T] (without m's bias when `bias` is False). On CUDA (with TIME_MAJOR) as a channels-last 2-D
-    conv over [B, C, 1, T], which takes time-major x as it is and returns [B, C', T'] time-major: a stack of these
-    passes its activations from conv to conv with no layout transform (cuDNN's choice of algorithm differs from the
-    1-D call's, so the two layouts agree to TF32 rounding, not bit for bit)."""
+    """m(x) for x [B, C, T] (without m's bias when `bias` is False). On CUDA as a channels-last 2-D conv over
+    [B, C, 1, T], which takes time-major x ([B, T, C] in memory) as it is and returns [B, C', T'] time-major: a stack
+    of these passes its activations from conv to conv with no layout transform, where cuDNN's NHWC kernels otherwise
+    run behind an NCHW <-> NHWC transform around each conv (162 of HiFT's 453 kernels at batch 1; codec steps on an
+    H100 at batch 1 13.45 -> 13.34 ms, 16 30.02 -> 29.86: docs/PERF_NOTES.md). cuDNN's choice of algorithm differs
+    from the 1-D call's, so the two layouts agree to TF32 rounding, not bit for bit."""
     b = m.bias if bias else None
     transposed = isinstance(m, nn.ConvTranspose1d)
-    if not (x.is_cuda and TIME_MAJOR):
+    if not x.is_cuda:
         if transposed:
             return F.conv_transpose1d(x, m.weight, b, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
         return m._conv_forward(x, m.weight, b)
@@ -97,7 +88,7 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(ch))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == torch.float32 and FUSED:
+        if x.is_cuda and x.dtype == torch.float32:  # one kernel instead of torch's seven
             from engines.kernels.snake import snake
 
             return snake(x, self.alpha)  # one kernel, the same bits
@@ -115,7 +106,7 @@ class ResBlock(nn.Module):
         self.activations2 = nn.ModuleList(Snake(ch) for _ in dilations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == torch.float32 and FUSED:
+        if x.is_cuda and x.dtype == torch.float32:
             return self._forward_fused(x)
         return self._forward_reference(x)
 
@@ -242,7 +233,7 @@ class HiFTGenerator(nn.Module):
         order, so the output is the same."""
         cfg = self.cfg
         n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
-        body = self._branched if mel.is_cuda and FUSED else self._serial
+        body = self._branched if mel.is_cuda else self._serial
         with float32_matmuls(False):  # the f0 classifier and source merge: IEEE whatever another thread has set
             x, nxt = body(mel, phase0, noise, keep_at)
         x = conv(self.conv_post, F.leaky_relu(x))

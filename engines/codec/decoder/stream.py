@@ -29,7 +29,8 @@ class Job:
 
 @dataclass
 class DecodeStream:
-    """Per-session state. `push` / `finalize` decode at batch 1; the CodecTask batches many streams."""
+    """Per-session state. `push` / `finalize` decode at batch 1; `add` / `take_jobs` hand chunks to
+    CodecDecoder.run_jobs, which decodes those of many streams in one batch (the engine's codec worker)."""
 
     decoder: CodecDecoder
     session_id: str

@@ -19,8 +19,7 @@ from engines.codec.encoder.presets import ENCODER_PRESETS
 from engines.codec.encoder.weights import PREFIX, load_state, random_state
 from engines.config import parse_dtype
 from engines.matmul_precision import float32_matmuls
-from engines.partition import driver_stream
-from engines.streams import high_priority_stream, wait_releasing_gil
+from engines.streams import driver_stream, high_priority_stream, wait_releasing_gil
 
 
 class EncoderInputError(ValueError):

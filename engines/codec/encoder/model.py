@@ -27,7 +27,6 @@ approximation of the offline encoder.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,12 +43,6 @@ from engines.matmul_precision import float32_matmuls
 
 if TYPE_CHECKING:
     from engines.codec.encoder.graphs import StepGraphs
-
-# float32 steps on CUDA run the Triton kernels: attention reading the KV pool in place, GEMMs on tensor cores at
-# float32 accuracy (engines/kernels/encoder_attention.py, fp32_gemm.py); "0" keeps SDPA over gathered keys and cuBLAS's
-# SGEMM (the A/B of docs/PERF_NOTES.md).
-TRITON_KERNELS = os.environ.get("MOSS_ENCODER_TRITON", "1") != "0"
-
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: EncoderConfig) -> None:
@@ -236,7 +229,7 @@ class StreamingRunner:
                 ) -> torch.Tensor:
         """[gelu](x @ weight.T + bias): on CUDA in float32, fp32_gemm (3xTF32 from its row threshold on, or TF32 at
         every row count with `tf32`); else torch."""
-        if TRITON_KERNELS and x.is_cuda and x.dtype == torch.float32:
+        if x.is_cuda and x.dtype == torch.float32:
             from engines.kernels import fp32_gemm
 
             return fp32_gemm.linear(x, weight, bias, gelu, self.tf32)
@@ -466,8 +459,10 @@ class StreamingRunner:
 
     @property
     def _triton(self) -> bool:
-        """float32 on CUDA: the Triton kernels (unless MOSS_ENCODER_TRITON=0)."""
-        return self.device.type == "cuda" and self.dtype == torch.float32 and TRITON_KERNELS
+        """float32 on CUDA: the Triton kernels (attention reading the KV pool in place, GEMMs on tensor cores at
+        float32 accuracy: engines/kernels/encoder_attention.py, fp32_gemm.py); else SDPA over gathered keys and
+        torch's GEMMs."""
+        return self.device.type == "cuda" and self.dtype == torch.float32
 
     @property
     def _fused_attention(self) -> bool:
