@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from server.engine_client import EngineClient, engine_command
+from server.engine_options import engine_argv
 from server.metrics import Metrics
 from server.routes import ops, realtime_ws
 from server.session import SessionLimits
@@ -66,13 +67,13 @@ class _VadStreams:
 
 
 def engine_client(settings: Settings, endpoint: str, **callbacks: Any) -> EngineClient:
-    """The link to the engine at `endpoint`: it spawns and supervises the engine when settings say so."""
+    """The link to the engine at `endpoint`: it spawns and supervises the engine when settings say so, with the
+    engine options the settings give (after the engine command's own arguments, when the settings replace it)."""
     command = None
     if settings.spawn_engine:
-        command = list(settings.engine_command) if settings.engine_command else engine_command(
+        command = [*settings.engine_command, "--endpoint", endpoint] if settings.engine_command else engine_command(
             settings.model, settings.codec, settings.device, endpoint, settings.vocoder)
-        if settings.engine_command:
-            command += ["--endpoint", endpoint]
+        command += engine_argv(settings)
     return EngineClient(endpoint, command, ready_timeout_s=settings.engine_ready_timeout_s,
                         ping_interval_s=settings.engine_ping_interval_s,
                         ping_timeout_s=settings.engine_ping_timeout_s, **callbacks)

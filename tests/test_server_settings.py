@@ -38,7 +38,7 @@ def test_bad_settings_are_refused_by_name(monkeypatch, capsys):
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     assert serve.run(p.parse_args(["--max-message-bytes", "10"])) == 2
-    assert "max_message_bytes" in capsys.readouterr().err
+    assert "MOSS_MAX_MESSAGE_BYTES: Input should be greater than or equal to 1024" in capsys.readouterr().err
 
 
 def test_each_log_line_names_its_session():

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from server import engine_options
+
 if TYPE_CHECKING:
     from server.settings import Settings
 
@@ -43,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vad", dest="vad", action="store_const", const=False, help="disable server_vad")
     p.add_argument("--log-level", help="debug, info, warning, error (default info) [MOSS_LOG_LEVEL]")
     p.add_argument("--log-format", choices=("kv", "json"), help="key=value (default) or JSON lines")
+    engine_options.add_arguments(p)
 
 
 # Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
@@ -65,13 +68,13 @@ def run(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.logs import setup_logging
     from server.serving import DrainingServer, uvicorn_config
-    from server.settings import Settings
+    from server.settings import Settings, describe_errors
 
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as e:
-        print(f"moss-speech serve: invalid settings:\n{e}", file=sys.stderr)
+        print(f"moss-speech serve: invalid settings:\n{describe_errors(e)}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
     if (advice := workers_advice(settings)) is not None:

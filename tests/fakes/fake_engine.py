@@ -8,7 +8,8 @@ rules, which the tests rely on:
   FAKE_ENGINE_CHUNKS (default 4) steps, each a TextDelta "w{i} " and an AudioChunk of 5 codes
   (9600 samples of a 440 Hz tone), FAKE_ENGINE_STEP_S (default 0.02) apart, then ResponseDone;
 - KV: 16 rows per block, 4096 blocks; a session's blocks are held until CloseSession; Pong reports
-  kv_free / kv_total / running / sessions.
+  kv_free / kv_total / running / sessions, and `argv`, its command line's arguments.
+It takes every option the engine process takes (engines/service/options.py) and ignores those it has no use for.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import numpy as np
 import zmq
 
 from engines.service import messages as m
+from engines.service.options import add_arguments
 
 BLOCK_ROWS = 16
 KV_TOTAL = 4096
@@ -57,10 +60,7 @@ class _Sess:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model")
-    ap.add_argument("--codec")
-    ap.add_argument("--device")
-    ap.add_argument("--endpoint", required=True)
+    add_arguments(ap)
     args = ap.parse_args()
     chunks = int(os.environ.get("FAKE_ENGINE_CHUNKS", "4"))
     step_s = float(os.environ.get("FAKE_ENGINE_STEP_S", "0.02"))
@@ -102,7 +102,8 @@ def main() -> None:
             if isinstance(msg, m.Ping):
                 send(ident, m.Pong(nonce=msg.nonce, stats={
                     "kv_total": KV_TOTAL, "kv_free": KV_TOTAL - blocks_used(), "sessions": len(sessions),
-                    "running": sum(1 for s in sessions.values() if s.resp), "waiting": 0, "fake": True}))
+                    "running": sum(1 for s in sessions.values() if s.resp), "waiting": 0, "fake": True,
+                    "argv": sys.argv[1:]}))
                 continue
             sid = msg.session_id
             if isinstance(msg, m.OpenSession):
