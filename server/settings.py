@@ -63,7 +63,7 @@ class Settings(_EngineSettings):
     allowed_origins: Annotated[list[str], NoDecode] = []  # empty: any Origin (and none) accepted; "*" too
 
     # Limits
-    max_sessions: int = Field(64, ge=1)
+    max_sessions: int | None = Field(None, ge=1)  # None: sized from the engine once it is ready (server/limits.py)
     max_message_bytes: int = Field(1 << 20, ge=1024)  # a WebSocket message above this closes with 1009
     max_input_buffer_seconds: float = Field(60.0, gt=0)
     output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
