@@ -41,7 +41,8 @@ COPY client_web ./client_web
 # The speech sample `moss-speech loadtest` uses when given no --audio.
 COPY tests/data/speech_en_16k.wav ./tests/data/speech_en_16k.wav
 
-# Editable install: the server finds the web page (client_web/) next to its package, as in a checkout.
+# Editable install: `moss-speech loadtest` finds its default speech sample (tests/data/) beside the packages, as
+# in a checkout. (The web page is package data: an ordinary install serves it too.)
 # bigvgan without its training extras, as the Makefile does (we only use its generator class).
 # hadolint ignore=DL3013
 RUN pip install -e . \

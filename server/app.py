@@ -19,6 +19,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from server.engine_client import EngineClient, engine_command
+from server.engine_options import engine_argv
+from server.limits import CPU_MAX_SESSIONS, size_from_engine
 from server.metrics import Metrics
 from server.routes import ops, realtime_ws
 from server.session import SessionLimits
@@ -66,13 +68,13 @@ class _VadStreams:
 
 
 def engine_client(settings: Settings, endpoint: str, **callbacks: Any) -> EngineClient:
-    """The link to the engine at `endpoint`: it spawns and supervises the engine when settings say so."""
+    """The link to the engine at `endpoint`: it spawns and supervises the engine when settings say so, with the
+    engine options the settings give (after the engine command's own arguments, when the settings replace it)."""
     command = None
     if settings.spawn_engine:
-        command = list(settings.engine_command) if settings.engine_command else engine_command(
+        command = [*settings.engine_command, "--endpoint", endpoint] if settings.engine_command else engine_command(
             settings.model, settings.codec, settings.device, endpoint, settings.vocoder)
-        if settings.engine_command:
-            command += ["--endpoint", endpoint]
+        command += engine_argv(settings)
     return EngineClient(endpoint, command, ready_timeout_s=settings.engine_ready_timeout_s,
                         ping_interval_s=settings.engine_ping_interval_s,
                         ping_timeout_s=settings.engine_ping_timeout_s, **callbacks)
@@ -93,10 +95,12 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     limits = SessionLimits(max_message_bytes=settings.max_message_bytes,
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
                            output_queue_size=settings.output_queue_size)
-    slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, settings.max_sessions,
+    # Unset, the limit is sized from the engine once it is ready; until then no session is admitted anyway.
+    max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
+    slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
                                                     worker.slots_lock_path)
     vad_streams = _VadStreams() if settings.vad else None
-    sessions = SessionManager(engine, max_sessions=settings.max_sessions, limits=limits, model=settings.model_name,
+    sessions = SessionManager(engine, max_sessions=max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
     relay = WorkerRelay(worker) if worker is not None else None
 
@@ -105,6 +109,8 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
         if settings.model == "tiny-random":
             log.warning("serving RANDOM weights (tiny-random): answers are noise; pass --model/--codec for real ones")
         await asyncio.gather(engine.start(), *([vad_streams.preload()] if vad_streams is not None else []))
+        if settings.max_sessions is None:  # (a worker's supervisor sets it for its workers when it runs the engine)
+            sessions.slots.set_limit(size_from_engine(engine.stats, settings.workers, log))
         refresher = asyncio.create_task(_refresh_gauges(app)) if worker is not None else None
         try:
             yield

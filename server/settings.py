@@ -1,7 +1,8 @@
 """Server settings: environment variables with the `MOSS_` prefix, overridden by `moss-speech serve` flags.
 
 Lists (api_keys, allowed_origins, engine_command) are given in the environment as JSON
-(`MOSS_API_KEYS='["k1","k2"]'`) or comma separated (`MOSS_API_KEYS=k1,k2`).
+(`MOSS_API_KEYS='["k1","k2"]'`) or comma separated (`MOSS_API_KEYS=k1,k2`). A variable set to the empty string
+counts as unset. Every option of the engine process is a setting too (server/engine_options.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import secrets
 import tempfile
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from server import engine_options
 
 
 def _split(v: Any) -> Any:
@@ -29,8 +32,12 @@ def _split(v: Any) -> Any:
 RANDOM_PRESETS = {"tiny-random", "full-random"}
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MOSS_", extra="forbid")
+# The engine process's options, one field each (None: the engine's default), beside the server's own below.
+_EngineSettings = create_model("_EngineSettings", __base__=BaseSettings, **engine_options.settings_fields())
+
+
+class Settings(_EngineSettings):
+    model_config = SettingsConfigDict(env_prefix=engine_options.ENV_PREFIX, extra="forbid", env_ignore_empty=True)
 
     @property
     def random_weights(self) -> bool:
@@ -56,7 +63,7 @@ class Settings(BaseSettings):
     allowed_origins: Annotated[list[str], NoDecode] = []  # empty: any Origin (and none) accepted; "*" too
 
     # Limits
-    max_sessions: int = Field(64, ge=1)
+    max_sessions: int | None = Field(None, ge=1)  # None: sized from the engine once it is ready (server/limits.py)
     max_message_bytes: int = Field(1 << 20, ge=1024)  # a WebSocket message above this closes with 1009
     max_input_buffer_seconds: float = Field(60.0, gt=0)
     output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
@@ -90,3 +97,22 @@ class Settings(BaseSettings):
             return self.engine_endpoint
         name = f"moss-speech-engine-{os.getpid()}-{secrets.token_hex(4)}.sock"
         return "ipc://" + os.path.join(tempfile.gettempdir(), name)
+
+
+_clash = set(_EngineSettings.model_fields) & set(Settings.__annotations__)
+if _clash:
+    raise TypeError(f"engine options {sorted(_clash)} have the names of server settings: rename one of each")
+
+
+def describe_errors(e: ValidationError) -> str:
+    """One line per invalid setting, named by its environment variable (and flag, for an engine option)."""
+    lines = []
+    for err in e.errors():
+        name = str(err["loc"][0]) if err["loc"] else ""
+        where = engine_options.ENV_PREFIX + name.upper()
+        if name in engine_options.BY_DEST:
+            where += f" ({engine_options.BY_DEST[name].flag})"
+        msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        lines.append(f"  {where}: {msg}" + ("" if isinstance(got, dict) or str(got) in msg else f" (got {got!r})"))
+    return "\n".join(lines)

@@ -18,10 +18,14 @@ class Slots:
     """A counted limit in one process."""
 
     def __init__(self, limit: int) -> None:
+        self.set_limit(limit)
+        self._used = 0
+
+    def set_limit(self, limit: int) -> None:
+        """A new limit: sessions over it stay, new ones wait until fewer than it are left."""
         if limit < 1:
             raise ValueError(f"a limit of {limit} admits nothing; it must be >= 1")
         self.limit = limit
-        self._used = 0
 
     def try_take(self) -> bool:
         if self._used >= self.limit:

@@ -112,6 +112,7 @@ def test_compose_server_env_values_are_valid_settings(monkeypatch):
         monkeypatch.setenv(k, fill(v))
     s = Settings()
     assert s.port == DEFAULT_PORT and s.model == "/models/moss-speech" and s.api_keys == []
+    assert s.max_sessions is None and s.max_calls == int(example["MAX_CALLS"])  # (None: sized from the engine)
     from server.webrtc.config import parse_ice_servers
 
     (srv,) = parse_ice_servers(s.ice_servers)

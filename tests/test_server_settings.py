@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from server.commands import serve
+from server.limits import workers_advice
 from server.logs import _Formatter
 from server.settings import Settings
 
@@ -38,7 +39,7 @@ def test_bad_settings_are_refused_by_name(monkeypatch, capsys):
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     assert serve.run(p.parse_args(["--max-message-bytes", "10"])) == 2
-    assert "max_message_bytes" in capsys.readouterr().err
+    assert "MOSS_MAX_MESSAGE_BYTES: Input should be greater than or equal to 1024" in capsys.readouterr().err
 
 
 def test_each_log_line_names_its_session():
@@ -74,7 +75,7 @@ def test_vocoder_reaches_the_engine_command(monkeypatch):
 def test_serve_warns_when_the_session_limit_outgrows_its_server_processes():
     """One process's loop carries ~100 real-time sessions; a larger limit with too few workers gets a warning that
     names the --workers to use."""
-    assert serve.workers_advice(Settings(max_sessions=64)) is None
-    assert serve.workers_advice(Settings(max_sessions=300, workers=3)) is None
-    advice = serve.workers_advice(Settings(max_sessions=256))
+    assert workers_advice(64, 1) is None
+    assert workers_advice(300, 3) is None
+    advice = workers_advice(256, 1)
     assert advice is not None and "--workers 3" in advice and "max_sessions 256" in advice

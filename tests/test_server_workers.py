@@ -383,6 +383,26 @@ async def test_supervisor_serves_restarts_and_stops(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_supervisor_passes_engine_settings_on_and_sizes_the_limit_for_every_worker(tmp_path):
+    """Engine options set as MOSS_* reach the engine the supervisor starts; the session limit it sizes from that
+    engine (on a GPU, none set) is every worker's, and logged once."""
+    on_gpu = [*FAKE_ENGINE[:-1], "cuda"]
+    srv = Supervised(tmp_path, MOSS_ENGINE_COMMAND=json.dumps(on_gpu), MOSS_FP8_WEIGHTS="1", MOSS_MAX_RUNNING="12")
+    try:
+        srv.wait_ready()
+        seen = {}
+        while set(seen) != {0, 1}:
+            body = srv.health().json()
+            seen[body["worker"]] = body
+        for body in seen.values():
+            assert body["max_sessions"] == 12, body
+            assert body["engine"]["argv"][-3:] == ["--max-running", "12", "--fp8-weights"], body["engine"]
+        assert srv.text().count("max_sessions 12: the engine runs 12 sequences") == 1, srv.text()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_ctrl_c_drains_answers_in_progress(tmp_path, workers):
     """Ctrl-C in a terminal signals the whole foreground process group: the answer in progress still

@@ -122,8 +122,14 @@ class Service:
             self._codec = CodecWorker(decoder, torch.device(getattr(decoder, "device", "cpu")),
                                       first_decoders=first_decoders, period_s=codec_round_period_s, **extra)
         self._codec_owner: dict[int, Session] = {}  # id(response) -> its session, while the worker has its audio
+        config = getattr(engine, "config", None)
         # the GPU model for /health (load tests print it), or "cpu"
-        self.device_name = device_name(torch.device(getattr(getattr(engine, "config", None), "device", "cpu")))
+        self.device_name = device_name(torch.device(getattr(config, "device", "cpu")))
+        # What the server sizes its session limit by when none is set (server/limits.py): where the engine runs,
+        # the sequences it runs at once, the rows a conversation may reach and those of a KV block.
+        self._capacity = {} if config is None else {
+            "device": config.device, "max_running": config.max_running, "max_model_len": config.max_model_len,
+            "kv_block_rows": config.block_size}
         self._finished_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
         # Set by the engine process: called again and again while the engine waits for a step's tokens, until it
@@ -310,7 +316,7 @@ class Service:
         st = self.engine.stats()
         return {"running": st.running, "waiting": st.waiting, "kv_free": st.free_blocks, "kv_total": st.total_blocks,
                 "steps": st.steps, "prefilled_rows": st.prefilled_rows, "decoded_rows": st.decoded_rows,
-                "sessions": len(self.sessions), "device_name": self.device_name}
+                "sessions": len(self.sessions), "device_name": self.device_name, **self._capacity}
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-if TYPE_CHECKING:
-    from server.settings import Settings
+from server import engine_options
+from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, workers_advice
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int,
                    help="server processes sharing the port and one engine (default 1); one process's event loop "
                         "carries ~100 real-time WebSocket sessions on a small CPU [MOSS_WORKERS]")
-    p.add_argument("--max-sessions", type=int, help="concurrent sessions (default 64) [MOSS_MAX_SESSIONS]")
+    p.add_argument("--max-sessions", type=int,
+                   help="concurrent sessions (default: on a GPU, the engine's --max-running or the conversations "
+                        f"of {SESSION_ROWS} rows its KV pool holds, whichever is fewer; on a CPU "
+                        f"{CPU_MAX_SESSIONS}) [MOSS_MAX_SESSIONS]")
     p.add_argument("--max-message-bytes", type=int, help="largest WebSocket message (default 1 MiB)")
     p.add_argument("--max-input-buffer-seconds", type=float, help="uncommitted input audio limit (default 60)")
     p.add_argument("--output-queue-size", type=int, help="outbound events per session before 'slow_consumer'")
@@ -43,38 +45,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vad", dest="vad", action="store_const", const=False, help="disable server_vad")
     p.add_argument("--log-level", help="debug, info, warning, error (default info) [MOSS_LOG_LEVEL]")
     p.add_argument("--log-format", choices=("kv", "json"), help="key=value (default) or JSON lines")
-
-
-# Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
-# events). On a 16-core H200 host one process fell behind real time at 140 sessions: the VAD's commits came 0.9 s
-# (p95) after speech end, 2.6 s at 172 (docs/PERF_NOTES.md, session 19).
-SESSIONS_PER_WORKER = 100
-
-
-def workers_advice(settings: Settings) -> str | None:
-    """A warning when the session limit is more than the server processes carry in real time, else None."""
-    need = -(-settings.max_sessions // SESSIONS_PER_WORKER)
-    if settings.workers >= need:
-        return None
-    return (f"max_sessions {settings.max_sessions} with {settings.workers} server process(es): one process carries "
-            f"~{SESSIONS_PER_WORKER} real-time sessions, beyond that turns end late and audio stutters; "
-            f"use --workers {need} (MOSS_WORKERS) or more, cores allowing")
+    engine_options.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.logs import setup_logging
     from server.serving import DrainingServer, uvicorn_config
-    from server.settings import Settings
+    from server.settings import Settings, describe_errors
 
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as e:
-        print(f"moss-speech serve: invalid settings:\n{e}", file=sys.stderr)
+        print(f"moss-speech serve: invalid settings:\n{describe_errors(e)}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format)
-    if (advice := workers_advice(settings)) is not None:
+    if settings.max_sessions is not None and (advice := workers_advice(settings.max_sessions, settings.workers)):
         logging.getLogger("server").warning("%s", advice)
     if settings.workers > 1:
         from server.workers.supervisor import Supervisor

@@ -24,7 +24,7 @@ async def health(request: Request) -> JSONResponse:
         "codec": st.settings.codec,
         "random_weights": st.settings.random_weights,
         "sessions": st.sessions.in_use(),  # the whole server's, all workers'
-        "max_sessions": st.settings.max_sessions,
+        "max_sessions": st.sessions.slots.limit,
         "worker": st.worker.index if getattr(st, "worker", None) is not None else None,
         "draining": st.sessions.draining,
         "engine_restarts": engine.restarts,

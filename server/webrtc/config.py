@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from aiortc import RTCConfiguration, RTCIceServer
 
-DEFAULT_WEB_ROOT = Path(__file__).resolve().parents[2] / "client_web"
+# The page's package data where it is installed (a checkout's own folder under an editable install). Installed
+# packages are folders on disk, so the resource is a real path, as StaticFiles needs.
+DEFAULT_WEB_ROOT = Path(str(resources.files("client_web")))
 _SCHEMES = ("stun:", "stuns:", "turn:", "turns:")
 
 

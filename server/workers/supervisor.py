@@ -28,6 +28,7 @@ import time
 from multiprocessing.process import BaseProcess
 
 from server.app import engine_client
+from server.limits import size_from_engine
 from server.metrics import MULTIPROC_ENV
 from server.settings import Settings
 from server.workers.context import WorkerContext
@@ -73,6 +74,7 @@ class Supervisor:
         self._backoff = [RESTART_MIN_S] * self.n
         self._restart_at = [0.0] * self.n
         self.port: int | None = None
+        self.max_sessions = settings.max_sessions  # unset: sized from the engine this process starts
         self._stop: asyncio.Event | None = None
 
     def run(self) -> int:
@@ -88,7 +90,8 @@ class Supervisor:
 
     def _worker_settings(self) -> dict:
         # Workers never spawn an engine: they connect to the one this process runs (or the operator's).
-        return {**self.settings.model_dump(), "spawn_engine": False, "engine_endpoint": self.endpoint}
+        return {**self.settings.model_dump(), "spawn_engine": False, "engine_endpoint": self.endpoint,
+                "max_sessions": self.max_sessions}
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -106,6 +109,8 @@ class Supervisor:
         try:
             if engine is not None and not await self._start_engine(engine):
                 return 1 if not self._stop.is_set() else 0
+            if engine is not None and self.max_sessions is None:  # one figure for every worker, logged once
+                self.max_sessions = size_from_engine(engine.stats, self.n, log)
             log.info("serving on %s:%d with %d workers", s.host, self.port, self.n)
             while not self._stop.is_set():
                 self._keep_workers(listener)

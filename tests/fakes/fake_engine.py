@@ -8,7 +8,9 @@ rules, which the tests rely on:
   FAKE_ENGINE_CHUNKS (default 4) steps, each a TextDelta "w{i} " and an AudioChunk of 5 codes
   (9600 samples of a 440 Hz tone), FAKE_ENGINE_STEP_S (default 0.02) apart, then ResponseDone;
 - KV: 16 rows per block, 4096 blocks; a session's blocks are held until CloseSession; Pong reports
-  kv_free / kv_total / running / sessions.
+  kv_free / kv_total / running / sessions, and as the engine does, its device, max_running and max_model_len
+  (the options given, else EngineConfig's defaults) and kv_block_rows; and `argv`, its command line's arguments.
+It takes every option the engine process takes (engines/service/options.py) and ignores those it has no use for.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -23,9 +26,11 @@ import numpy as np
 import zmq
 
 from engines.service import messages as m
+from engines.service.options import add_arguments
 
 BLOCK_ROWS = 16
 KV_TOTAL = 4096
+MAX_RUNNING, MAX_MODEL_LEN = 64, 8192  # EngineConfig's defaults
 SAMPLES_PER_CODE = 1920  # 24 kHz / 12.5 Hz
 
 
@@ -57,11 +62,11 @@ class _Sess:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model")
-    ap.add_argument("--codec")
-    ap.add_argument("--device")
-    ap.add_argument("--endpoint", required=True)
+    add_arguments(ap)
     args = ap.parse_args()
+    capacity = {"device": args.device, "max_running": args.max_running or MAX_RUNNING,
+                "max_model_len": args.max_model_len or MAX_MODEL_LEN, "kv_block_rows": BLOCK_ROWS,
+                "argv": sys.argv[1:]}
     chunks = int(os.environ.get("FAKE_ENGINE_CHUNKS", "4"))
     step_s = float(os.environ.get("FAKE_ENGINE_STEP_S", "0.02"))
     tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(5 * SAMPLES_PER_CODE) / 24000) * 32767).astype("<i2").tobytes()
@@ -102,7 +107,7 @@ def main() -> None:
             if isinstance(msg, m.Ping):
                 send(ident, m.Pong(nonce=msg.nonce, stats={
                     "kv_total": KV_TOTAL, "kv_free": KV_TOTAL - blocks_used(), "sessions": len(sessions),
-                    "running": sum(1 for s in sessions.values() if s.resp), "waiting": 0, "fake": True}))
+                    "running": sum(1 for s in sessions.values() if s.resp), "waiting": 0, "fake": True, **capacity}))
                 continue
             sid = msg.session_id
             if isinstance(msg, m.OpenSession):

@@ -1,0 +1,63 @@
+"""The server's session limit when none is set (MOSS_MAX_SESSIONS), and whether its server processes carry it.
+
+On a GPU the limit is what the engine can hold, read from the stats it reports once ready: no more sessions than
+the sequences it runs at once (--max-running), nor than its KV pool holds conversations of SESSION_ROWS rows
+(fewer when --max-model-len is shorter). Off a GPU, or when the engine does not report those figures, it is
+CPU_MAX_SESSIONS.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+CPU_MAX_SESSIONS = 64
+# Rows of KV a session is counted as holding: a modest conversation of ~2.7 minutes at 12.5 rows a second (user
+# speech and answers alike), about twenty exchanges of a spoken turn and its answer (~80-130 rows each).
+SESSION_ROWS = 2048
+_REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
+
+# Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
+# events). On a 16-core H200 host one process fell behind real time at 140 sessions: the VAD's commits came 0.9 s
+# (p95) after speech end, 2.6 s at 172 (docs/PERF_NOTES.md, session 19).
+SESSIONS_PER_WORKER = 100
+
+
+@dataclass(frozen=True)
+class SessionLimit:
+    sessions: int
+    why: str
+
+
+def session_limit(stats: dict[str, Any]) -> SessionLimit:
+    """The session limit the engine's stats (its Pong) allow."""
+    if not all(isinstance(stats.get(k), int | str) for k in _REPORTED):
+        return SessionLimit(CPU_MAX_SESSIONS, "the engine does not report its capacity")
+    if not str(stats["device"]).startswith("cuda"):
+        return SessionLimit(CPU_MAX_SESSIONS, f"the engine runs on {stats['device']}")
+    rows = int(stats["kv_total"]) * int(stats["kv_block_rows"])
+    per_session = min(SESSION_ROWS, int(stats["max_model_len"]))
+    by_pool = max(rows // per_session, 1)
+    running = int(stats["max_running"])
+    return SessionLimit(min(running, by_pool), f"the engine runs {running} sequences at once and its KV pool of "
+                                               f"{rows} rows holds {by_pool} conversations of {per_session} rows")
+
+
+def size_from_engine(stats: dict[str, Any], workers: int, log: logging.Logger) -> int:
+    """session_limit's figure, logged with why (and workers_advice's warning where it has one)."""
+    limit = session_limit(stats)
+    log.info("max_sessions %d: %s (MOSS_MAX_SESSIONS sets it)", limit.sessions, limit.why)
+    if (advice := workers_advice(limit.sessions, workers)) is not None:
+        log.warning("%s", advice)
+    return limit.sessions
+
+
+def workers_advice(max_sessions: int, workers: int) -> str | None:
+    """A warning when the session limit is more than the server processes carry in real time, else None."""
+    need = -(-max_sessions // SESSIONS_PER_WORKER)
+    if workers >= need:
+        return None
+    return (f"max_sessions {max_sessions} with {workers} server process(es): one process carries "
+            f"~{SESSIONS_PER_WORKER} real-time sessions, beyond that turns end late and audio stutters; "
+            f"use --workers {need} (MOSS_WORKERS) or more, cores allowing")

@@ -1,0 +1,58 @@
+"""The session limit when none is set: sized from what the engine reports once ready, on a GPU; 64 elsewhere."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, session_limit
+from tests.fakes.fake_engine import BLOCK_ROWS, KV_TOTAL
+from tests.fakes.harness import RunningServer, fake_settings
+
+GPU = {"device": "cuda", "max_running": 128, "max_model_len": 8192, "kv_total": 40_000, "kv_block_rows": 16}
+FAKE_ON_GPU = [sys.executable, "-m", "tests.fakes.fake_engine", "--model", "x", "--codec", "x", "--device", "cuda"]
+FAKE_POOL_SESSIONS = KV_TOTAL * BLOCK_ROWS // SESSION_ROWS
+
+
+def test_on_a_gpu_the_limit_is_the_running_sequences_or_the_conversations_the_pool_holds():
+    assert session_limit(GPU).sessions == 128  # 640,000 rows hold 312 conversations: the running limit binds
+    small_pool = {**GPU, "kv_total": 4_000}  # 64,000 rows
+    assert session_limit(small_pool).sessions == 64_000 // SESSION_ROWS
+    short = {**small_pool, "max_model_len": 1024}  # no conversation is longer than that
+    assert session_limit(short).sessions == 62
+    tiny = {**GPU, "kv_total": 1}
+    assert session_limit(tiny).sessions == 1
+    assert "runs 128 sequences" in session_limit(GPU).why and "holds 312 conversations" in session_limit(GPU).why
+
+
+def test_off_a_gpu_or_without_the_figures_the_limit_is_the_cpu_default():
+    assert session_limit({**GPU, "device": "cpu"}).sessions == CPU_MAX_SESSIONS
+    assert "runs on cpu" in session_limit({**GPU, "device": "cpu"}).why
+    without = {k: v for k, v in GPU.items() if k != "max_running"}
+    assert session_limit(without).sessions == CPU_MAX_SESSIONS  # an engine that does not say
+    assert session_limit({}).sessions == CPU_MAX_SESSIONS
+
+
+@pytest.mark.parametrize(("settings", "limit"), [
+    ({"max_running": "12"}, 12),  # the engine option, passed on, bounds the sessions
+    ({"max_running": "500"}, FAKE_POOL_SESSIONS),  # the fake's pool of 65,536 rows does
+    ({"max_running": "12", "max_sessions": 40}, 40),  # a set limit wins
+])
+def test_the_server_sizes_its_limit_from_the_engine_once_ready(settings, limit, caplog):
+    with caplog.at_level("INFO", logger="server.app"), \
+            RunningServer(fake_settings(engine_command=FAKE_ON_GPU, vad=False, **settings)) as srv:
+        health = srv.health().json()
+        assert health["max_sessions"] == limit
+        assert health["engine"]["argv"][-2:] == ["--max-running", settings["max_running"]]
+        assert srv.app.state.sessions.slots.limit == limit
+    sized = [r.getMessage() for r in caplog.records if r.getMessage().startswith("max_sessions ")]
+    if "max_sessions" in settings:
+        assert sized == []
+    else:
+        assert len(sized) == 1 and sized[0].startswith(f"max_sessions {limit}: the engine runs"), sized
+
+
+def test_the_server_keeps_the_cpu_default_for_an_engine_on_the_cpu():
+    with RunningServer(fake_settings(vad=False)) as srv:
+        assert srv.health().json()["max_sessions"] == CPU_MAX_SESSIONS
