@@ -11,7 +11,7 @@ from engines.config import EngineConfig
 from engines.engine import Engine
 from engines.loader.checkpoint import load_model
 from engines.tokens import AUDIO_PAD, IM_END, IM_START, SOSP, audio_span_rows, text_rows
-from tests.reference.dense_generate import dense_greedy
+from tests.reference.dense_generate import FP32_MARGIN, check_follows_greedy
 from tests.reference.dense_model import dense_from_checkpoint
 
 STEPS = 64
@@ -51,7 +51,7 @@ def run_mixed_greedy(engine: Engine, seed: int) -> tuple[dict[str, list], dict[s
     reqs = {f"r{i}": make_prompt(rng, kinds[i % 4]) for i in range(8)}
     got: dict[str, list] = {rid: [] for rid in reqs}
     for rid, rows in reqs.items():
-        engine.add_request(rid, rows, greedy(min_new=STEPS if "audio_out" in rid else 0))
+        engine.add_request(rid, rows, greedy())
     while engine.has_work():
         for o in engine.step():
             got[o.request_id].append((o.text_token, o.audio_token, o.mode))
@@ -59,11 +59,21 @@ def run_mixed_greedy(engine: Engine, seed: int) -> tuple[dict[str, list], dict[s
     return reqs, got
 
 
-def assert_follows_reference(engine: Engine, reqs: dict[str, list], got: dict[str, list], reference, plain) -> None:
-    """The engine's rows are the `reference` dense model's greedy rows on every request, the `plain` one's not on
+def assert_follows(reference, rows: list, got: list, steps: int = STEPS, min_new: int = 0,
+                   margin: float = FP32_MARGIN) -> None:
+    """The engine's greedy rows are the dense reference's, near-ties (logits within `margin`) either way."""
+    verdict = check_follows_greedy(reference, rows, got, steps, min_new_tokens=min_new, margin=margin)
+    assert verdict.follows, verdict.wrong
+
+
+def assert_follows_reference(engine: Engine, reqs: dict[str, list], got: dict[str, list], reference, plain,
+                             margin: float = FP32_MARGIN) -> None:
+    """The engine's rows are the `reference` dense model's greedy rows on every request, not the `plain` one's on
     some (so the test sees the numerics the reference models), and every KV block went back to the pool."""
-    assert all(got[rid] == dense_greedy(reference, rows, STEPS) for rid, rows in reqs.items())
-    assert any(got[rid] != dense_greedy(plain, rows, STEPS) for rid, rows in reqs.items())
+    for rid, rows in reqs.items():
+        assert_follows(reference, rows, got[rid], margin=margin)
+    assert not all(check_follows_greedy(plain, rows, got[rid], STEPS, margin=margin).follows
+                   for rid, rows in reqs.items())
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
 
 
@@ -80,7 +90,7 @@ def test_batched_engine_matches_dense_reference(tiny_checkpoint, dense, block_si
     while step < 500:
         for rid, at in join_step.items():
             if at == step:
-                engine.add_request(rid, reqs[rid], greedy(min_new=STEPS if "audio_out" in rid else 0))
+                engine.add_request(rid, reqs[rid], greedy())
         for o in engine.step():
             got[o.request_id].append((o.text_token, o.audio_token, o.mode))
         engine.check_integrity()
@@ -88,8 +98,7 @@ def test_batched_engine_matches_dense_reference(tiny_checkpoint, dense, block_si
         if step > max(join_step.values()) and not engine.has_work():
             break
     for rid, rows in reqs.items():
-        want = dense_greedy(dense, rows, STEPS)
-        assert got[rid] == want, rid
+        assert_follows(dense, rows, got[rid])
     assert any(m == "audio" for rows in got.values() for _, _, m in rows)
     assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
 
@@ -111,7 +120,7 @@ def test_second_turn_on_cached_history_matches_dense(tiny_checkpoint, dense):
         got += [(o.text_token, o.audio_token, o.mode) for o in engine.step()]
     # Only the new rows (and turn 1's last generated row, never run) were prefilled.
     assert engine.stats().prefilled_rows - before == len(turn2) + 1
-    assert got == dense_greedy(dense, history + turn2, 24)
+    assert_follows(dense, history + turn2, got, steps=24, min_new=24)
 
 
 def test_seeded_sampling_reproduces_across_batch_compositions(tiny_checkpoint):

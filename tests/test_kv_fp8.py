@@ -13,6 +13,7 @@ from engines.engine import Engine
 from engines.kv.sizing import fit_kv_cache_bytes
 from engines.loader.checkpoint import load_model
 from engines.model.attention import to_cache, write_kv
+from tests.reference.dense_generate import FP8_KV_MARGIN
 from tests.reference.dense_model import dense_from_checkpoint
 from tests.test_engine import assert_follows_reference, run_mixed_greedy
 
@@ -63,8 +64,10 @@ def test_write_kv_stores_each_row_at_its_slot_in_an_fp8_cache():
 
 
 def test_engine_over_an_fp8_cache_is_the_dense_reference_over_rounded_keys_and_values(tiny_checkpoint):
-    """Greedy tokens on both channels equal the dense model's whose attention reads K/V rounded to e4m3; the dense
-    model without the rounding differs on some request (the test sees the cache's numerics)."""
+    """Greedy tokens on both channels are the dense model's whose attention reads K/V rounded to e4m3 (near-ties
+    within the e4m3 margin either way: which side of a rounding boundary a value lands on depends on the CPU's
+    kernels); the dense model without the rounding is not followed on some request (the test sees the cache's
+    numerics)."""
     model = load_model(tiny_checkpoint, device="cpu")
     mc = model.config
     cfg = EngineConfig(kv_cache_bytes=mc.kv_bytes_per_row(FP8) * 4096, max_running=8, prefill_token_budget=48,
@@ -73,7 +76,7 @@ def test_engine_over_an_fp8_cache_is_the_dense_reference_over_rounded_keys_and_v
     assert engine.runner.kv_cache.dtype == FP8
     reqs, got = run_mixed_greedy(engine, seed=11)
     assert_follows_reference(engine, reqs, got, dense_from_checkpoint(tiny_checkpoint, kv_fp8=True),
-                             dense_from_checkpoint(tiny_checkpoint))
+                             dense_from_checkpoint(tiny_checkpoint), margin=FP8_KV_MARGIN)
 
 
 def test_kv_dtype_option_reaches_the_engine():

@@ -1,4 +1,4 @@
-"""Engine on the GPU: CUDA-graph replay == eager, and greedy tokens == the CPU dense reference (tiny model)."""
+"""Engine on the GPU: CUDA-graph replay == eager, and greedy tokens follow the CPU dense reference (tiny model)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engines.config import EngineConfig
 from engines.engine import Engine
 from engines.loader.checkpoint import load_model
 from engines.tokens import AUDIO_PAD, IM_END, IM_START, MODALITY_PAD, SOSP, audio_span_rows, text_rows
-from tests.reference.dense_generate import dense_greedy
+from tests.reference.dense_generate import FP8_KV_MARGIN, FP32_MARGIN, check_follows_greedy
 from tests.reference.dense_model import dense_from_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -42,10 +42,13 @@ def run(engine: Engine, prompts: dict, steps: int, min_new: int = 0) -> dict:
     return out
 
 
-def dense_rows(dense, prompts: dict, steps: int, min_new: int = 0) -> dict:
-    """The dense reference's greedy rows for the prompts, asked for as `run` asks the engine."""
-    return {rid: dense_greedy(dense, rows, steps, min_new_tokens=_min_new(i, min_new))
-            for i, (rid, rows) in enumerate(prompts.items())}
+def assert_follow_dense(dense, prompts: dict, got: dict, steps: int, min_new: int = 0,
+                        margin: float = FP32_MARGIN) -> None:
+    """The engine's rows are the dense reference's greedy rows for the prompts, asked for as `run` asks the engine
+    (near-ties within `margin` either way: the GPU's kernels sum in another order than the CPU's)."""
+    for i, (rid, rows) in enumerate(prompts.items()):
+        verdict = check_follows_greedy(dense, rows, got[rid], steps, min_new_tokens=_min_new(i, min_new), margin=margin)
+        assert verdict.follows, f"{rid}: {verdict.wrong}"
 
 
 def make(ckpt, dtype: str, graphs: bool, fp8_weights: str = "", kv_dtype: str = "auto") -> Engine:
@@ -89,7 +92,7 @@ def test_gpu_greedy_tokens_equal_cpu_dense_reference(tiny_checkpoint):
     rng = random.Random(2)
     prompts = {f"r{i}": prompt(rng, i % 2 == 1) for i in range(4)}
     got = run(make(tiny_checkpoint, "float32", graphs=True), prompts, 40, min_new=40)
-    assert got == dense_rows(dense_from_checkpoint(tiny_checkpoint), prompts, 40, min_new=40)
+    assert_follow_dense(dense_from_checkpoint(tiny_checkpoint), prompts, got, 40, min_new=40)
 
 
 def test_fp8_kv_cache_graphs_equal_eager_and_float32_equals_the_rounded_dense_reference(tiny_checkpoint):
@@ -102,7 +105,8 @@ def test_fp8_kv_cache_graphs_equal_eager_and_float32_equals_the_rounded_dense_re
     assert graphed.runner.graphs is not None and graphed.runner.kv_cache.dtype == torch.float8_e4m3fn
     assert run(graphed, prompts, 40, min_new=40) == eager
     got = run(make(tiny_checkpoint, "float32", graphs=True, kv_dtype="fp8"), prompts, 40, min_new=40)
-    assert got == dense_rows(dense_from_checkpoint(tiny_checkpoint, kv_fp8=True), prompts, 40, min_new=40)
+    assert_follow_dense(dense_from_checkpoint(tiny_checkpoint, kv_fp8=True), prompts, got, 40, min_new=40,
+                        margin=FP8_KV_MARGIN)
 
 
 def test_overlapped_graph_decode_emits_the_same_rows(tiny_checkpoint):
