@@ -1,9 +1,9 @@
-"""engines/bench/profile_codec.py's stage times on CPU (the tool is run on a GPU; this checks what it wraps)."""
+"""engines/profiling/profile_codec.py's stage times on CPU (the tool is run on a GPU; this checks what it wraps)."""
 
 import numpy as np
 
-from engines.bench.profile_codec import _stage_times
 from engines.codec.decoder import CodecDecoder, CodecTask
+from engines.profiling.profile_codec import _stage_times
 
 
 def test_stage_times_cover_the_stages_a_step_runs_and_restore_every_wrapped_method():

@@ -45,7 +45,7 @@ from engines.kernels.pdl import launch_kwargs, trigger_then_wait, wait_then_trig
 LINEAR_TILE = 16384
 
 # Programmatic dependent launch (engines/kernels/pdl.py) for calls of up to this many rows (4 sessions' CFG windows).
-# Solve graph on an H200 (`python3 -m engines.bench.profile_codec --timeline`): batch 1 16.3 -> 15.9 ms with PDL
+# Solve graph on an H200 (`python3 -m engines.profiling.profile_codec --timeline`): batch 1 16.3 -> 15.9 ms with PDL
 # alone, batch 4 18.5 -> 18.1, but batch 16 23.9 -> 25.3 ms, so larger calls launch plainly.
 PDL_MAX_ROWS = 320
 
@@ -53,7 +53,7 @@ PDL_MAX_ROWS = 320
 @dataclass(frozen=True)
 class StreamTiles:
     """Tilings of the whole-tile kernels at streaming row counts (`linear` and the conv up to their row limits,
-    `ln_linear` up to 128 rows, `window_attention`). A development knob: `python3 -m engines.bench.profile_codec
+    `ln_linear` up to 128 rows, `window_attention`). A development knob: `python3 -m engines.profiling.profile_codec
     --tiles` times the solve graph per variant, since a kernel timed alone favours more programs than a chain of
     kernels under PDL does."""
 
