@@ -30,7 +30,7 @@ def private_stream(device: torch.device | str | None = None, urgent: bool | None
 
     A graph's kernels keep the priority of the stream they were captured on, whatever stream replays them (H200:
     the codec's batch-1 solve graph beside a GEMM load took 24.2 ms captured on an urgent stream and 38.2 captured
-    on a low one, replayed on either; `python3 -m engines.bench.graph_priority`). So each owner captures on a stream
+    on a low one, replayed on either; docs/bench/graph-priority-h200.txt). So each owner captures on a stream
     of the priority its replays are meant to have, and side streams made inside a capture take the capture's.
 
     Graphs are captured on such streams because cuBLAS work takes the workspace PyTorch keys by (handle, stream),

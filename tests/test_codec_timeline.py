@@ -1,12 +1,12 @@
-"""engines/bench/codec_timeline.py on CPU (host marks; the GPU columns need CUDA: the tool is run on a GPU)."""
+"""engines/profiling/codec_timeline.py on CPU (host marks; the GPU columns need CUDA: the tool is run on a GPU)."""
 
 import math
 
 import pytest
 
-from engines.bench import codec_timeline as ct
 from engines.codec.decoder import CodecDecoder
 from engines.codec.decoder.codec_decoder import CodecDecoder as DecoderClass
+from engines.profiling import codec_timeline as ct
 
 
 @pytest.fixture(scope="module")

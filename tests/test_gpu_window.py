@@ -152,7 +152,7 @@ def test_load_log_reports_rows_per_model_step(monkeypatch, caplog) -> None:
 
 
 def test_window_report_names_the_parts_and_the_model_steps() -> None:
-    from engines.bench.window_report import report
+    from engines.profiling.window_report import report
 
     names = ["_skinny_kernel", "_ln_linear_kernel", "_snake_kernel", "gemmSN_TN_kernel<float>", "memset"]
     # Stream 1: two language-model steps of 60 kernels (one launch each), 10 ms apart, 4 ms long. Stream 2: the codec's
@@ -179,7 +179,7 @@ def test_window_report_names_the_parts_and_the_model_steps() -> None:
 
 def test_window_report_knows_the_speech_encoders_triton_kernels() -> None:
     """A held-audio step on a GPU runs only the encoder's Triton kernels (no cuBLAS SGEMM, no SDPA) on its stream."""
-    from engines.bench.window_report import part_of
+    from engines.profiling.window_report import part_of
 
     assert part_of({"_encoder_attention_kernel", "vectorized_layer_norm_kernel"}) == "speech encoder"
     assert part_of({"_tf32x3_gemm_kernel"}) == "speech encoder"  # its name in windows recorded before session 53

@@ -1,19 +1,14 @@
-"""docs/bench/load_parts.py reads back what the engine's load log writes (Spans.describe) and sums it over a run."""
+"""engines/profiling/load_parts.py reads back what the engine's load log writes (Spans.describe) and sums it over a
+run."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
-from pathlib import Path
 
 import pytest
 
+from engines.profiling import load_parts
 from engines.service.spans import Spans
-
-_PATH = Path(__file__).resolve().parents[1] / "docs" / "bench" / "load_parts.py"
-_spec = importlib.util.spec_from_file_location("load_parts", _PATH)
-load_parts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(load_parts)
 
 
 def _window(spans: dict[str, list[float]]) -> str:

@@ -1,18 +1,15 @@
-"""docs/bench/pair_compare.py: an A/B pair's server logs pooled per label, and B's p95 shift with its interval."""
+"""engines/profiling/pair_compare.py: an A/B pair's server logs pooled per label, and B's p95 shift with its
+interval."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "docs" / "bench" / "pair_compare.py"
-_spec = importlib.util.spec_from_file_location("pair_compare", _PATH)
-pair_compare = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pair_compare)
+from engines.profiling import pair_compare
 
 
 def _write(path: Path, ttfas: np.ndarray) -> None:

@@ -1,9 +1,9 @@
-"""engines/bench/profile_codec.py's stage times on CPU (the tool is run on a GPU; this checks what it wraps)."""
+"""engines/profiling/profile_codec.py's stage times on CPU (the tool is run on a GPU; this checks what it wraps)."""
 
 
 from engines.bench.codec_rounds import SteadyRounds
-from engines.bench.profile_codec import _stage_times
 from engines.codec.decoder import CodecDecoder
+from engines.profiling.profile_codec import _stage_times
 
 
 def test_stage_times_cover_the_stages_a_step_runs_and_restore_every_wrapped_method():

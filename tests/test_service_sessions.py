@@ -207,7 +207,7 @@ def test_audio_turn_incremental_prefill_and_audio_out() -> None:
 
 def test_a_spoken_answer_marks_where_its_commit_went(caplog) -> None:
     """The stage marks logged at first audio place the commit's encoder call between the commit's arrival and its
-    last codes, all before the CreateResponse (docs/bench/stage_marks.py splits commit -> its codes there)."""
+    last codes, all before the CreateResponse (engines/profiling/stage_marks.py splits commit -> its codes there)."""
     caplog.set_level(logging.INFO, logger="engines.service")
     svc = make_service()
     send(svc, m.OpenSession("s"))

@@ -1,18 +1,14 @@
-"""docs/bench/stage_marks.py, the reader of the engine's per-answer stage marks: its tail line names the stages that
-make the slowest turns slow, by the client's TTFA where the server logged it."""
+"""engines/profiling/stage_marks.py, the reader of the engine's per-answer stage marks: its tail line names the
+stages that make the slowest turns slow, by the client's TTFA where the server logged it."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "docs" / "bench" / "stage_marks.py"
-_spec = importlib.util.spec_from_file_location("stage_marks", _PATH)
-stage_marks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(stage_marks)
+from engines.profiling import stage_marks
 
 
 def _log(tmp_path: Path, n: int = 20) -> Path:

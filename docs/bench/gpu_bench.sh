@@ -31,14 +31,14 @@ if ! skip engine; then
 fi
 if ! skip profile; then
   stamp profile
-  timeout ${PROFILE_S:-150} python3 -m engines.bench.profile_step --batch 1 > "$OUT/profile-step.txt" 2>&1
+  timeout ${PROFILE_S:-150} python3 -m engines.profiling.profile_step --batch 1 > "$OUT/profile-step.txt" 2>&1
   grep -E "graph replay|Self CUDA time total" "$OUT/profile-step.txt"
 fi
 if ! skip codec; then
   stamp codec
   timeout ${CODEC_S:-200} python3 -m moss_speech.cli bench codec --codec full-random --vocoder hift --cuda-graphs \
     --estimator-dtype bfloat16 --batches ${CODEC_BATCHES:-1,16,64,128,256} --json "$OUT/codec.json" 2>&1 | tail -10
-  timeout ${PCODEC_S:-150} python3 -m engines.bench.profile_codec --batches 1,16 > "$OUT/profile-codec.txt" 2>&1
+  timeout ${PCODEC_S:-150} python3 -m engines.profiling.profile_codec --batches 1,16 > "$OUT/profile-codec.txt" 2>&1
   tail -25 "$OUT/profile-codec.txt"
 fi
 stamp done

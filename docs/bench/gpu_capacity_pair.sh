@@ -10,7 +10,7 @@
 #                             its .whl and the load test's speech sample are taken from this tree
 #   PAIR_LEVEL (136), CAP_ENGINE_ARGS, CAP_LEVEL_S (45): as in gpu_capacity.sh
 #   PAIR_DRY=1                print each run's command instead of running it
-#   MOSS_LOG_LEVEL=info       the engine logs each answer's stage marks: printed per run (docs/bench/stage_marks.py)
+#   MOSS_LOG_LEVEL=info       the engine logs each answer's stage marks: printed per run (engines.profiling.stage_marks)
 # A fresh machine's first run compiles the Triton kernels (H200, 2026-11-28: ~256 s for that run against ~160 s for
 # the next), so plan three runs per call at most.
 # Example, the shipped tilings against tilings tuned at start:
@@ -18,9 +18,10 @@
 #     CAP_ENGINE_ARGS="--fp8-weights --fp8-only" bash docs/bench/gpu_capacity_pair.sh
 # Writes $OUT/capacity-<label>-<n>.json and the server's log $OUT/server-<label>-<n>.log.gz per run and prints each
 # run's level line.
-# With MOSS_LOG_LEVEL=info, `python3 docs/bench/pair_compare.py DIR...` pools each label's runs (from one call or
-# several: keep the files' names) and prints B's p95 shift from A with a bootstrap interval.
-# `python3 docs/bench/load_parts.py server-A-1.log.gz server-B-2.log.gz` sums each run's encoder calls and codec rounds.
+# With MOSS_LOG_LEVEL=info, `python3 -m engines.profiling.pair_compare DIR...` pools each label's runs (from one call
+# or several: keep the files' names) and prints B's p95 shift from A with a bootstrap interval.
+# `python3 -m engines.profiling.load_parts server-A-1.log.gz server-B-2.log.gz` sums each run's encoder calls and
+# codec rounds.
 set -u
 ROOT=$PWD
 OUT=${OUT:-/tmp}
@@ -54,7 +55,7 @@ for label in ${PAIR_ORDER:-A B}; do
   fi
   rm -f "$OUT"/*.png
   if [ -f "$OUT/server.log" ]; then
-    [ "${MOSS_LOG_LEVEL:-}" = info ] && python3 "$ROOT/docs/bench/stage_marks.py" "$OUT/server.log" "$LEVEL" | tail -3
+    [ "${MOSS_LOG_LEVEL:-}" = info ] && python3 -m engines.profiling.stage_marks "$OUT/server.log" "$LEVEL" | tail -3
     gzip -c "$OUT/server.log" > "$OUT/server-$label-$n.log.gz" && rm "$OUT/server.log"
   fi
 done

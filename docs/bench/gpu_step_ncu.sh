@@ -11,7 +11,7 @@ CSV=$OUT/step-ncu.csv
 # shellcheck disable=SC2086  # STEP_ARGS is a list of options
 timeout ${NCU_TIMEOUT:-300} "$NCU" --profile-from-start off --graph-profiling node --clock-control none \
   --cache-control none --metrics gpu__time_duration.sum --csv \
-  python3 -m engines.bench.profile_step --ncu ${STEP_ARGS:---batch 8 --context 300} > "$CSV" 2> "$OUT/step-ncu.err"
+  python3 -m engines.profiling.profile_step --ncu ${STEP_ARGS:---batch 8 --context 300} > "$CSV" 2> "$OUT/step-ncu.err"
 # (profile_step's own timing line: taken under ncu, whose launch interception makes it many times the real time)
 grep -h "graph replay" "$OUT/step-ncu.err" "$CSV" | head -1 | sed 's/$/  [timed under ncu: not the step'"'"'s time]/'
 python3 - "$CSV" <<'PY'

@@ -1,5 +1,5 @@
 """Steady-state codec rounds as the server decodes them, for `moss-speech bench codec` and the codec profilers
-(engines/bench/profile_codec.py, engines/bench/codec_timeline.py).
+(engines/profiling/profile_codec.py, engines/profiling/codec_timeline.py).
 
 A round makes the decoder calls a round of the engine's codec worker makes for playing answers
 (engines/service/codec_worker.py): each answer's new codes go to its decoder stream (`DecodeStream.add`), its ready

@@ -45,7 +45,7 @@ from engines.kernels.pdl import launch_kwargs, trigger_then_wait, wait_then_trig
 LINEAR_TILE = 16384
 
 # Programmatic dependent launch (engines/kernels/pdl.py) for calls of up to this many rows (4 sessions' CFG windows).
-# Solve graph on an H200 (`python3 -m engines.bench.profile_codec --timeline`): batch 1 16.3 -> 15.9 ms with PDL
+# Solve graph on an H200 (`python3 -m engines.profiling.profile_codec --timeline`): batch 1 16.3 -> 15.9 ms with PDL
 # alone, batch 4 18.5 -> 18.1, but batch 16 23.9 -> 25.3 ms, so larger calls launch plainly.
 PDL_MAX_ROWS = 320
 
@@ -53,7 +53,7 @@ PDL_MAX_ROWS = 320
 @dataclass(frozen=True)
 class StreamTiles:
     """Tilings of the whole-tile kernels at streaming row counts (`linear` and the conv up to their row limits,
-    `ln_linear` up to 128 rows, `window_attention`). A development knob: `python3 -m engines.bench.profile_codec
+    `ln_linear` up to 128 rows, `window_attention`). A development knob: `python3 -m engines.profiling.profile_codec
     --tiles` times the solve graph per variant, since a kernel timed alone favours more programs than a chain of
     kernels under PDL does."""
 
@@ -295,8 +295,8 @@ class ConvTiling:
 
 # From this many output rows (eight sessions' CFG windows in a playing round), 2-byte inputs whose channels BLOCK_K
 # divides run the FLAT loop with wgmma-sized tiles. The per-tap loop restarts its 2-stage pipeline at each of the 3
-# taps (2-4 K tiles each) and its 32-row tiles run mma.sync. `python3 -m engines.bench.conv_tiles --flat` on an H100
-# (bf16, Cin 320 / 512 / 256, K 3), the per-tap loop at 32 x 128 against the flat loop's best tiling: 2,560 rows
+# taps (2-4 K tiles each) and its 32-row tiles run mma.sync. A tile sweep on an H100 (bf16, Cin 320 / 512 / 256,
+# K 3; docs/bench/conv-flat-s39.txt), the per-tap loop at 32 x 128 against the flat loop's best tiling: 2,560 rows
 # 18.8 / 23.5 / 10.5 -> 9.6 / 12.5 / 6.3 us, 5,120 rows 33.9 / 44.9 / 13.6 -> 13.5 / 18.8 / 7.9; this tiling was within
 # 0.5 us of the best wherever timed (640-5,120 rows). Solve graph at 32 sessions 28.71 -> 27.42 ms (BENCHMARKS.md).
 CONV_FLAT_MIN_ROWS = 640
@@ -310,7 +310,7 @@ def conv_block_k(cin: int) -> int:
 
 def _conv_tiling(rows: int, cin: int, element_size: int) -> ConvTiling:
     """_causal_conv_kernel's tiling by output rows: small tiles (more programs, short K loops) for streaming batches,
-    the flat loop for playing rounds. From `python3 -m engines.bench.conv_tiles` on an H200 (bf16, Cin 256-512, K 3):
+    the flat loop for playing rounds. From a tile sweep on an H200 (bf16, Cin 256-512, K 3):
     80 rows 5.3-8.3 us, 320 rows 5.9-9.3 us, where cuDNN's conv1d takes 16-22 us plus two layout transforms."""
     bk = conv_block_k(cin)
     flat = CONV_FLAT_TILING
@@ -325,7 +325,7 @@ def _conv_tiling(rows: int, cin: int, element_size: int) -> ConvTiling:
 
 def launch_causal_conv(x: torch.Tensor, w_gemm: torch.Tensor, bias: torch.Tensor, kernel: int, tiling: ConvTiling
                        ) -> torch.Tensor:
-    """causal_conv through _causal_conv_kernel with the given tiling (conv_tiles sweeps tilings through it)."""
+    """causal_conv through _causal_conv_kernel with the given tiling (the GPU tests run other tilings through it)."""
     nb, cin, t = x.shape
     cout = w_gemm.shape[1]
     if tiling.flat and cin % tiling.block_k:
@@ -401,7 +401,7 @@ def _ln_linear_kernel(X, R, LNW, LNB, WT, BIAS, Y, S, M, N, eps, C: tl.constexpr
 
 
 # Above this many rows the LayerNorm prologue, redone by every column block, costs more than the separate LayerNorm
-# kernel it saves (`python3 -m engines.bench.conv_tiles`, H200, C 256, N 1024-1536: fused 3.2-3.3 us vs 4.4-6.3 at 80
+# kernel it saves (a tile sweep on an H200, C 256, N 1024-1536: fused 3.2-3.3 us vs 4.4-6.3 at 80
 # rows, 5.9-7.2 vs 5.9-7.6 at 640, 9.3-11.4 vs 7.3-9.4 at 1280), so larger batches take add_layernorm + cuBLAS.
 LN_LINEAR_MAX_ROWS = 640
 

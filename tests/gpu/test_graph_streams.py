@@ -3,15 +3,19 @@ two owners' graphs (nor a graph and eager work) share a cuBLAS workspace while t
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
+import torch.nn.functional as F
+
+from engines.graphs import capture_graph, private_stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_private_streams_are_not_pool_streams():
-    from engines.graphs import private_stream
-
     mine = [private_stream() for _ in range(3)]
     lo, hi = torch.cuda.Stream.priority_range()
     # More than the pool's 32 streams per priority: every pool stream comes back at least once.
@@ -27,23 +31,46 @@ def test_private_streams_are_not_pool_streams():
     torch.testing.assert_close(y, x @ x)
 
 
+# Skinny GEMMs of the kinds that run beside each other in the server (decode batches of the language model, codec
+# chunks): few output tiles over a long K, where cuBLAS splits K and reduces through its workspace.
+SKINNY_SHAPES = ((56, 4096, 4096), (64, 1024, 14336), (64, 512, 16384), (128, 256, 8192))
+
+
 def test_graphs_of_two_owners_replayed_at_once_match_eager():
     """The server's case: one owner's graphs replay on its stream while another owner's replay on another, with
-    split-K-prone GEMM shapes; every output equals the eager one and the replays finish."""
-    from engines.bench.workspace_race import race
-
-    got = race("private", rounds=150, timeout_s=60.0)
-    assert got["finished"], got
-    assert got["mismatched_outputs"] == 0, got
+    split-K-prone GEMM shapes; every output equals the eager one and the replays finish. (cuBLAS takes its workspace
+    by (handle, stream) and a captured GEMM keeps that address: two owners captured on one stream would share it,
+    and their split-K partial sums and semaphores overwrite each other.)"""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    owners = [[(torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16),
+                torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * scale)
+               for m, n, k in SKINNY_SHAPES] for scale in (0.01, 0.02)]
+    refs = [[F.linear(x, w) for x, w in mats] for mats in owners]
+    graphs = [capture_graph(lambda m=mats: [F.linear(x, w) for x, w in m], private_stream()) for mats in owners]
+    torch.cuda.synchronize()
+    run_on = [torch.cuda.Stream(), torch.cuda.Stream()]  # no order between them: the two owners' GEMMs overlap
+    deadline = time.monotonic() + 60.0
+    for _ in range(150):
+        for (g, _), s in zip(graphs, run_on, strict=True):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(4):
+                    g.replay()
+        for s in run_on:
+            torch.cuda.current_stream().wait_stream(s)
+        end = torch.cuda.Event()
+        end.record()
+        while not end.query():  # polled: a workspace race can hang the replays, and the test must report it
+            assert time.monotonic() < deadline, "the replays did not finish within 60 s"
+            time.sleep(0.001)
+        for (_, outs), ref in zip(graphs, refs, strict=True):
+            for o, r in zip(outs, ref, strict=True):
+                torch.testing.assert_close(o, r, rtol=0, atol=1e-2 * float(r.float().abs().max()))
 
 
 def test_private_stream_from_a_new_thread():
     """The codec worker captures graphs it meets while serving on its own thread: a private stream made there
     (no CUDA call on that thread before) works."""
-    import threading
-
-    from engines.graphs import private_stream
-
     x = torch.randn(128, 128, device="cuda")
     want = x @ x
     got: dict = {}
@@ -69,11 +96,6 @@ def test_capture_while_another_thread_allocates_and_waits_on_the_gpu():
     """A graph captured while serving (a shape first seen then) runs beside the other threads' work: another thread
     that keeps allocating, launching and waiting for its results (as the engine loop does each step) neither breaks
     the capture nor fails itself, and the captured graphs replay the eager results."""
-    import threading
-    import time
-
-    from engines.graphs import capture_graph, private_stream
-
     stop, errors, steps = threading.Event(), [], [0]
 
     def busy() -> None:  # the engine loop's pattern: fresh allocations, kernels, then a wait for the result

@@ -1,4 +1,4 @@
-"""Where a codec chunk's time goes: `python3 -m engines.bench.profile_codec --codec full-random` on a GPU.
+"""Where a codec chunk's time goes: `python3 -m engines.profiling.profile_codec --codec full-random` on a GPU.
 
 Splits one steady-state 5-code chunk, decoded in a round as the server's codec worker decodes it
 (engines/bench/codec_rounds.py), into its stages (flow encoder, Euler solve, vocoder) with the device

@@ -1,6 +1,6 @@
 """Where a speech-encoder step's time goes: host (cProfile, by function) and device (torch.profiler, by kernel).
 
-    python3 -m engines.bench.profile_encoder [--codec full-random] [--batch 1] [--piece-ms 80] [--graphs] [--tf32]
+    python3 -m engines.profiling.profile_encoder [--codec full-random] [--batch 1] [--piece-ms 80] [--graphs] [--tf32]
 
 Pushes `--context-s` of audio per stream first, then profiles `--steps` steps of `--piece-ms` each and prints the
 median wall time of a step (synchronised), the host's top functions and the GPU kernels summed by name.

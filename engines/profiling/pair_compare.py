@@ -1,7 +1,7 @@
 """An A/B pair's runs pooled per label: TTFA p95 over all of a label's turns, and each label's difference from the
 first one with a bootstrap interval, from the server logs `gpu_capacity_pair.sh` writes.
 
-    python3 docs/bench/pair_compare.py DIR_OR_LOG...   (server-<label>-<n>.log[.gz], from one call or several)
+    python3 -m engines.profiling.pair_compare DIR_OR_LOG...   (server-<label>-<n>.log[.gz], from one call or several)
 
 A single run's p95 over 512 turns has a 90% interval ~20 ms wide, as wide as the effects the pairs look for; pooling
 a label's runs (ABBA) narrows it. The TTFA is the server's per-turn line (MOSS_LOG_LEVEL=info: commit sent to the
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stage_marks import SERVER_LINE, open_log  # noqa: E402  (the server's per-turn line, read the same way there)
+from engines.profiling.stage_marks import SERVER_LINE, open_log  # the server's per-turn line, read the same way there
 
 NAME = re.compile(r"server-(?P<label>[^-]+)-(?P<n>\d+)\.log(\.gz)?$")
 

@@ -3,7 +3,7 @@ which stages make the slowest tenth of the turns slow (`tail`), and what the p95
 (`cut`: each turn's TTFA less what that stage took over its median; the other stages as they were, so an upper
 bound on what removing that tail alone could buy).
 
-    python3 docs/bench/stage_marks.py server.log 12 44 76 108
+    python3 -m engines.profiling.stage_marks server.log 12 44 76 108
 
 Reads the engine's "response X: first audio at N ms; stages {...}" lines (Service._complete), skips the warm-up,
 and splits them into levels by count (2 answers per session: `bench capacity --turns 2`). Marks are ms from the

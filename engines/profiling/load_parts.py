@@ -3,7 +3,7 @@ whole run, one column per log: how many encoder calls, codec rounds and first-ch
 they took. A pair's runs differ in these where the stage marks only show their effect (2026-11-29: a tree that made
 ~10% more commit calls and first-chunk rounds for the same turns).
 
-    python3 docs/bench/load_parts.py server-A-1.log.gz server-B-2.log.gz [--parts "encode,encode commits"]
+    python3 -m engines.profiling.load_parts server-A-1.log.gz server-B-2.log.gz [--parts "encode,encode commits"]
 
 Each row: count x mean ms (max ms) per log; parts in the first log's order of total time.
 """
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stage_marks import open_log  # noqa: E402
+from engines.profiling.stage_marks import open_log
 
 # One part as engines.service.spans.Spans.describe writes it: "name 12x 3.1 ms (max 9)".
 PART = re.compile(r"(?:^|, )(?P<name>[^,]+?) (?P<n>\d+)x (?P<mean>[\d.]+) ms \(max (?P<max>\d+)\)")

@@ -1,4 +1,4 @@
-"""What a loaded engine process's GPU was doing: `python3 -m engines.bench.window_report WINDOW.npz`.
+"""What a loaded engine process's GPU was doing: `python3 -m engines.profiling.window_report WINDOW.npz`.
 
 Reads the events an engine process recorded with `--gpu-window` (engines/service/gpu_window.py) and prints, per part
 of the process (its streams recognised by the kernels they run), the share of the window its streams were busy, its

@@ -1,4 +1,4 @@
-"""Where a step's time goes: `python3 -m engines.bench.profile_step --model full-random` on a GPU.
+"""Where a step's time goes: `python3 -m engines.profiling.profile_step --model full-random` on a GPU.
 
 Prints the split between the captured graph, the host work around it, and a prefill step's kernels.
 `--ncu` instead replays the decode step's graph once between cudaProfilerStart and Stop, for Nsight Compute to time

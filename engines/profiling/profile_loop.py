@@ -1,4 +1,4 @@
-"""Where a loop of decode steps spends its time: `python3 -m engines.bench.profile_loop --batches 1,64` on a GPU.
+"""Where a loop of decode steps spends its time: `python3 -m engines.profiling.profile_loop --batches 1,64` on a GPU.
 
 Per batch size: the step time of a loop of engine steps, the GPU's busy and idle time in that loop (kernel spans
 from the torch profiler; idle = no kernel or copy running), the host functions that cost the most (cProfile of the

@@ -1,4 +1,4 @@
-"""Skinny GEMM vs cuBLAS on the model's decode shapes: `python3 -m engines.bench.skinny_gemm [--json PATH]`.
+"""Skinny GEMM vs cuBLAS on the model's decode shapes: `python3 -m engines.profiling.skinny_gemm [--json PATH]`.
 
 Times every candidate tiling (weights rotated over copies larger than L2) and reports bandwidth
 against the measured copy bandwidth. A development tool for docs/PERF_NOTES.md.

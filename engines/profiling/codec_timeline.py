@@ -1,4 +1,4 @@
-"""Where one codec step's time goes, host against GPU: `python3 -m engines.bench.codec_timeline --codec full-random`
+"""Where one codec step's time goes, host against GPU: `python3 -m engines.profiling.codec_timeline --codec full-random`
 (a GPU; on a CPU the host marks only).
 
 Marks at the stages of a codec round as the server's codec worker runs it (engines/bench/codec_rounds.py), with no

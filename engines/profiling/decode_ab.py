@@ -1,4 +1,4 @@
-"""Decode-step variants on one engine: `python3 -m engines.bench.decode_ab --model full-random` on a GPU.
+"""Decode-step variants on one engine: `python3 -m engines.profiling.decode_ab --model full-random` on a GPU.
 
 Each variant (e.g. `pdl=1,attn_preload=0,tails=0`) sets programmatic dependent launch (engines/kernels/pdl.py) and
 the two tails side by side (engines/model/moss.py) on or off (each on unless given), the decode attention's preload

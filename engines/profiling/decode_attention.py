@@ -1,6 +1,6 @@
 """The decode attention alone over a bf16 and an fp8 KV cache (EngineConfig.kv_dtype), against the byte floor of each.
 
-    python3 -m engines.bench.decode_attention [--batches 1,8,16,64,128] [--contexts 300,1000,4000] [--json OUT]
+    python3 -m engines.profiling.decode_attention [--batches 1,8,16,64,128] [--contexts 300,1000,4000] [--json OUT]
 
 Every sequence of a batch has the same context. Each timing is a CUDA graph of one launch per layer over caches of
 their own (as many layers as keep the caches well past the L2, at most the model's 40), replayed; the figure is the
