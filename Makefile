@@ -36,11 +36,11 @@ serve: $(STAMP)
 	$(BIN)/moss-speech serve --model tiny-random --codec tiny-random --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
 
 test: $(DEV_STAMP) $(SYS_STAMP)
-	$(BIN)/ruff check engines server tests
+	$(BIN)/ruff check engines server tests moss_speech client_web
 	$(BIN)/python -m pytest -q tests --ignore=tests/gpu
 
 lint: $(DEV_STAMP)
-	$(BIN)/ruff check engines server tests
+	$(BIN)/ruff check engines server tests moss_speech client_web
 
 # On a GPU machine that has only PyTorch: no venv needed.
 gpu-test:

@@ -1,2 +1,2 @@
 """The browser page the server serves at `/` (index.html, app.js, style.css): package data, so that an installed
-server finds it where it was installed (server/webrtc/config.py)."""
+server finds it where it was installed (server/transports/webrtc/config.py)."""

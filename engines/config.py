@@ -161,12 +161,12 @@ class EngineConfig:
     # Launch the next all-audio decode step before reading this one's tokens, so the GPU never waits for
     # the host between steps (Engine.step); tokens are identical either way.
     overlap: bool = True
-    # Round the language model's weights to fp8 (e4m3, a power-of-two scale per row: engines/model/fp8.py) and read
+    # Round the language model's weights to fp8 (e4m3, a power-of-two scale per row: engines/lm/model/fp8.py) and read
     # an fp8 copy in decode-sized GEMMs (half the bytes of a step). This changes the model's numerics against the
     # published bf16 weights, so it is off unless asked for.
     fp8_weights: bool = False
     # With fp8_weights: keep only the fp8 copies (the bf16 weights go, so the weights take half their bf16 memory
-    # instead of 1.5x it), and steps of more than 32 rows run the fp8 GEMM (engines/kernels/fp8_gemm.py) instead of
+    # instead of 1.5x it), and steps of more than 32 rows run the fp8 GEMM (engines/kernels/lm/fp8_gemm.py) instead of
     # cuBLAS over bf16: level at 33-64 rows, up to ~1.5x slower at prefill sizes (H200). For GPUs where the bf16
     # weights beside the copies leave the KV pool thin (an 80 GB H100 at --max-running 128).
     fp8_only: bool = False

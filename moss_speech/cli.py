@@ -13,18 +13,18 @@ import sys
 
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("serve",), "server.commands.serve", "serve the realtime API and the web page"),
-    (("generate",), "engines.commands.generate", "generate one answer and print both channels"),
-    (("write-checkpoint",), "engines.loader.random_checkpoint", "write a random checkpoint in the real layout"),
-    (("bench", "engine"), "engines.commands.bench_engine", "time prefill and decode against their floors"),
-    (("bench", "codec"), "engines.codec.commands.bench_codec", "time codec chunks at several batch sizes"),
-    (("bench", "turn"), "engines.commands.bench_turn", "engine TTFA of a spoken turn, incremental vs at once"),
-    (("bench", "encoder"), "engines.codec.commands.bench_encoder", "time the speech encoder per step of audio"),
-    (("bench", "sessions"), "server.commands.bench_sessions", "the server process's CPU per real-time session"),
-    (("bench", "capacity"), "server.loadtest.capacity", "raise concurrency until TTFA or underruns break"),
-    (("codec", "decode"), "engines.codec.commands.decode", "codes -> 24 kHz WAV"),
-    (("codec", "encode"), "engines.codec.commands.encode", "WAV -> 12.5 Hz codes"),
-    (("loadtest",), "server.loadtest.run", "simulated users against a running server"),
+    (("serve",), "moss_speech.commands.serve", "serve the realtime API and the web page"),
+    (("generate",), "moss_speech.commands.generate", "generate one answer and print both channels"),
+    (("write-checkpoint",), "engines.lm.loader.random_checkpoint", "write a random checkpoint in the real layout"),
+    (("bench", "engine"), "moss_speech.commands.bench_engine", "time prefill and decode against their floors"),
+    (("bench", "codec"), "moss_speech.commands.bench_codec", "time codec chunks at several batch sizes"),
+    (("bench", "turn"), "moss_speech.commands.bench_turn", "engine TTFA of a spoken turn, incremental vs at once"),
+    (("bench", "encoder"), "moss_speech.commands.bench_encoder", "time the speech encoder per step of audio"),
+    (("bench", "sessions"), "moss_speech.commands.bench_sessions", "the server process's CPU per real-time session"),
+    (("bench", "capacity"), "moss_speech.loadtest.capacity", "raise concurrency until TTFA or underruns break"),
+    (("codec", "decode"), "moss_speech.commands.codec_decode", "codes -> 24 kHz WAV"),
+    (("codec", "encode"), "moss_speech.commands.codec_encode", "WAV -> 12.5 Hz codes"),
+    (("loadtest",), "moss_speech.loadtest.run", "simulated users against a running server"),
 ]
 
 

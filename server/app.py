@@ -21,15 +21,16 @@ from fastapi import FastAPI
 from server.engine_client import EngineClient, engine_command
 from server.engine_options import engine_argv
 from server.limits import CPU_MAX_SESSIONS, size_from_engine
-from server.metrics import Metrics
-from server.routes import ops, realtime_ws
-from server.session import SessionLimits
-from server.session_manager import SessionManager
+from server.ops import routes as ops
+from server.ops.metrics import Metrics
+from server.session.manager import SessionManager
+from server.session.session import SessionLimits
 from server.settings import Settings
-from server.slots import SharedSlots
-from server.webrtc import routes as webrtc_routes
+from server.transports import ws as realtime_ws
+from server.transports.webrtc import routes as webrtc_routes
 from server.workers.context import WorkerContext
 from server.workers.relay import WorkerRelay
+from server.workers.slots import SharedSlots
 
 log = logging.getLogger("server.app")
 

@@ -2,7 +2,7 @@
 
 The engine binds a ZeroMQ ROUTER on `endpoint`; each server process connects one DEALER, so several
 servers (or uvicorn workers) can share one engine. Frames are msgpack messages of
-engines.service.messages. Incoming messages go to the session named by their `session_id`.
+engines.protocol.messages. Incoming messages go to the session named by their `session_id`.
 
 Supervision: a Ping every `ping_interval_s`; if the spawned process exits, or no Pong arrives for
 `ping_timeout_s`, the engine is declared lost: every registered session gets `on_engine_lost()` (it
@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engines.service import messages as m
+from engines.protocol import messages as m
 
 log = logging.getLogger("server.engine")
 
@@ -55,7 +55,7 @@ def resolve_device(device: str) -> str:
 
 def engine_command(model: str, codec: str, device: str, endpoint: str, vocoder: str | None = None) -> list[str]:
     device = resolve_device(device)
-    return [sys.executable, "-m", "engines.service.process", "--model", model, "--codec", codec,
+    return [sys.executable, "-m", "engines.process.main", "--model", model, "--codec", codec,
             "--device", device, "--endpoint", endpoint, *(["--vocoder", vocoder] if vocoder else [])]
 
 

@@ -1,6 +1,6 @@
 """The engine process's options as `moss-speech serve` flags and MOSS_* settings, passed on to the engine it starts.
 
-They are read from the engine's own definitions (engines/service/options.py), so every option the engine has is
+They are read from the engine's own definitions (engines/process/options.py), so every option the engine has is
 one `serve` has, spelt the same: `--fp8-weights`, `--kv-cache-gib 40`. Each is also a setting named after the
 option's destination: MOSS_FP8_WEIGHTS=1, MOSS_KV_CACHE_GIB=40, MOSS_CODEC_THREAD=0 for `--no-codec-thread`. A
 setting left unset gives the engine nothing, so the engine's own default holds. The options `serve` sets itself
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator
 
-from engines.service.options import add_arguments as add_engine_arguments
+from engines.process.options import add_arguments as add_engine_arguments
 
 ENV_PREFIX = "MOSS_"
 SET_BY_SERVE = frozenset({"model", "codec", "device", "vocoder", "endpoint", "ready_file"})

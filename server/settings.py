@@ -80,7 +80,7 @@ class Settings(_EngineSettings):
     # Turn detection
     vad: bool = True  # False: server_vad is refused (clients must commit)
 
-    # WebRTC (server/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
+    # WebRTC (server/transports/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
     # '[{"urls":"stun:s.example.org:3478"},{"urls":"turn:t.example.org:3478","username":"u","credential":"p"}]'
     ice_servers: list[dict[str, Any]] = []  # empty: host candidates only (localhost, LAN)
     max_calls: int = Field(16, ge=0)  # concurrent WebRTC calls (each is also a session)

@@ -7,7 +7,7 @@ batched call per round, in one worker thread. Per session, a window costs ~0.35 
 ~0.03 ms in a batch of 64 or more, and the executor's threads no longer take the GIL in turn once per
 window per session: at a few hundred sessions this is the difference between cores of VAD work and a
 fraction of one. Batched and alone agree to ~1e-8 in probability (the same LSTM, a different matmul
-blocking), which tests/test_server_vad.py pins.
+blocking), which tests/server/test_vad.py pins.
 """
 
 from __future__ import annotations

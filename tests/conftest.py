@@ -18,7 +18,7 @@ def tiny_config() -> ModelConfig:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """Directory with config.json, 2 safetensors shards, index and stand-in tokenizer.json (tiny-random, seed 0)."""
-    from engines.loader.random_checkpoint import write_random_checkpoint
+    from engines.lm.loader.random_checkpoint import write_random_checkpoint
 
     return write_random_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), "tiny-random", seed=0, num_shards=2)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engines.config import ModelConfig
-from engines.model.batch import ForwardBatch
+from engines.lm.model.batch import ForwardBatch
 
 
 class FakeModel(torch.nn.Module):

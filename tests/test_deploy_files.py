@@ -113,7 +113,7 @@ def test_compose_server_env_values_are_valid_settings(monkeypatch):
     s = Settings()
     assert s.port == DEFAULT_PORT and s.model == "/models/moss-speech" and s.api_keys == []
     assert s.max_sessions is None and s.max_calls == int(example["MAX_CALLS"])  # (None: sized from the engine)
-    from server.webrtc.config import parse_ice_servers
+    from server.transports.webrtc.config import parse_ice_servers
 
     (srv,) = parse_ice_servers(s.ice_servers)
     assert any(u.startswith("turn:") for u in srv.urls) and srv.username == example["TURN_USER"]

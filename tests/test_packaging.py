@@ -21,7 +21,7 @@ import json, client_web, server
 from starlette.testclient import TestClient
 from server.app import create_app
 from server.settings import Settings
-from server.webrtc.config import DEFAULT_WEB_ROOT
+from server.transports.webrtc.config import DEFAULT_WEB_ROOT
 
 client = TestClient(create_app(Settings()))
 page, script = client.get("/"), client.get("/web/app.js")

@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
 export MOSS_MAX_SESSIONS=${MOSS_MAX_SESSIONS:-288} MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning}  # info: per-response server TTFA for stage_marks.py
 EXTRA=""; for a in ${CAP_ENGINE_ARGS:-}; do EXTRA="$EXTRA,\"$a\""; done
-export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.service.process\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"${CAP_KV_GIB:-auto}\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"$EXTRA]"
+export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.process.main\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"${CAP_KV_GIB:-auto}\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"$EXTRA]"
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 \
   --workers ${CAP_WORKERS:-4} > $OUT/server.log 2>&1 &
 SERVER=$!

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Keep the GEMM tilings of the fastest of several engine starts (MOSS_TUNING_FILE, engines/kernels/tuning_file.py).
+# Keep the GEMM tilings of the fastest of several engine starts (MOSS_TUNING_FILE, engines/kernels/tuning.py).
 # Each start tunes anew and may pick differently (H100, fp8: decode steps 3.86-4.12 ms at batch 1 over four starts of
 # one code, 2026-11-27). Run from the repo root on the GPU box:
 #   PICK_STARTS=4 PICK_ARGS="--fp8-weights --fp8-only" bash docs/bench/gpu_tuning_pick.sh

@@ -2,7 +2,7 @@
 # Wheels of the server's packages for the GPU box (Python 3.12, x86-64, nothing can be fetched there) into .whl/
 # (git-ignored), at the versions .venv runs (make the .venv first). The device tool carries them (`carry: [".whl"]`,
 # ~50 MiB of its 64) and docs/bench/gpu_capacity.sh installs them there.
-# NAMES: what `serve` (its workers import server.webrtc at start, so aiortc and av too), `bench capacity`,
+# NAMES: what `serve` (its workers import server.transports.webrtc at start, so aiortc and av too), `bench capacity`,
 # `bench sessions` and the engine process import that the box's image lacks (/work/.library/device/KINDS.md lists
 # what it has), with their own requirements; bigvgan and librosa's share only for CAP_VOCODER=bigvgan.
 # silero-vad's wheel is carried without its ONNX and safetensors models (9 MB): server/vad.py loads the JIT one.

@@ -2,7 +2,7 @@
 (engines/profiling/profile_codec.py, engines/profiling/codec_timeline.py).
 
 A round makes the decoder calls a round of the engine's codec worker makes for playing answers
-(engines/service/codec_worker.py): each answer's new codes go to its decoder stream (`DecodeStream.add`), its ready
+(engines/process/codec_worker.py): each answer's new codes go to its decoder stream (`DecodeStream.add`), its ready
 chunk is taken (`take_jobs`), and the chunks of every answer are decoded in one batch (`CodecDecoder.run_jobs`), on
 a driver stream of the least priority, as the worker's are. Here every round gives each session one full chunk.
 """
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engines.codec.decoder import CodecDecoder, DecodeStream, Voice
-from engines.streams import driver_stream
+from engines.cuda.streams import driver_stream
+from engines.speech_out import CodecDecoder, DecodeStream, Voice
 
 
 class SteadyRounds:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.model.moss import MossSpeechModel
-from engines.model.rope import apply_rope, rope_cos_sin
+from engines.lm.model.moss import MossSpeechModel
+from engines.lm.model.rope import apply_rope, rope_cos_sin
 
 
 class HFStyleModel:

@@ -1,4 +1,4 @@
-"""How the varlen attention kernel (engines/kernels/paged_prefill.py) splits prefill rows into tiles.
+"""How the varlen attention kernel (engines/kernels/lm/paged_prefill.py) splits prefill rows into tiles.
 
 Plain Python: the runner builds the tile list on every device, the kernel itself is GPU only.
 """

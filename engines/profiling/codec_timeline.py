@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-import engines.codec.decoder.codec_decoder as codec_decoder_mod
+import engines.speech_out.decoder as codec_decoder_mod
 from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import device_name
-from engines.codec.decoder import CodecDecoder
+from engines.speech_out import CodecDecoder
 
 # The host steps marked: (what owns the function, as an attribute path from the decoder; the function).
 HOST_STEPS = (("", "run_jobs"), ("flow", "decode_chunk"), ("flow", "_prefix_layouts"), ("flow", "_encode_in_place"),

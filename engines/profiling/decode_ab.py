@@ -1,8 +1,8 @@
 """Decode-step variants on one engine: `python3 -m engines.profiling.decode_ab --model full-random` on a GPU.
 
 Each variant (e.g. `pdl=1,attn_preload=0,tails=0`) sets programmatic dependent launch (engines/kernels/pdl.py) and
-the two tails side by side (engines/model/moss.py) on or off (each on unless given), the decode attention's preload
-limit and its split counts and tilings (`attn=0`: those before session 42, engines/kernels/paged_decode.py), and
+the two tails side by side (engines/lm/model/moss.py) on or off (each on unless given), the decode attention's preload
+limit and its split counts and tilings (`attn=0`: those before session 42, engines/kernels/lm/paged_decode.py), and
 recaptures the decode graphs; each then times the graph replay alone and a loop of engine steps (each may launch the
 next before reading its tokens) at each batch size. Variants alternate over several rounds, so drift of the machine
 shows as spread, not as a difference. A development tool for docs/PERF_NOTES.md.
@@ -17,15 +17,16 @@ import random
 import torch
 
 from engines.bench.hardware import device_name, measure_bandwidth, median, timed
-from engines.commands.bench_engine import (
+from engines.kernels import pdl
+from engines.kernels.lm import paged_decode, skinny_gemm
+from engines.lm.engine import Engine
+from moss_speech.commands.bench_engine import (
     _drain,
     add_decode_batch_arguments,
     decode_batch_config,
     start_decode_batch,
     weight_bytes,
 )
-from engines.engine import Engine
-from engines.kernels import paged_decode, pdl, skinny_gemm
 
 # The decode attention before session 42 (`attn=0`): two programs an SM, 64-row tiles at every split count, the
 # merge after one split too.
@@ -72,7 +73,7 @@ def main() -> None:
                 paged_decode.PRELOAD_MAX_PROGRAMS = v.get("attn_preload")
                 for k, new in attn_new.items():  # the split counts and tilings of a bf16 cache
                     setattr(paged_decode, k, new if v.get("attn", 1) else _ATTN_OLD[k])
-                # the text tail beside the audio tail (engines/model/moss.py), or after it
+                # the text tail beside the audio tail (engines/lm/model/moss.py), or after it
                 engine.runner.model.tail_stream = tail_stream if v.get("tails", 1) else None
                 torch.cuda.synchronize()  # the step in flight is done (its tokens wait on the host) before its
                 graphs.capture()  # graphs and their outputs are replaced

@@ -16,8 +16,8 @@ import torch
 
 from engines.bench.hardware import device_name, measure_bandwidth, replay_ms
 from engines.config import ModelConfig
-from engines.kernels.paged_decode import num_splits, paged_decode_attention
-from engines.model.attention import to_cache
+from engines.kernels.lm.paged_decode import num_splits, paged_decode_attention
+from engines.lm.model.attention import to_cache
 
 PAGE = 16
 L2_MULTIPLE_BYTES = 256 << 20  # caches of all layers together at least this large: no layer's K/V left in the L2

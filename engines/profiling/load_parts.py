@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engines.profiling.stage_marks import open_log
 
-# One part as engines.service.spans.Spans.describe writes it: "name 12x 3.1 ms (max 9)".
+# One part as engines.process.observe.spans.Spans.describe writes it: "name 12x 3.1 ms (max 9)".
 PART = re.compile(r"(?:^|, )(?P<name>[^,]+?) (?P<n>\d+)x (?P<mean>[\d.]+) ms \(max (?P<max>\d+)\)")
 
 

@@ -117,7 +117,7 @@ def _host_profile(rounds: SteadyRounds, iters: int, top: int = 25) -> None:
 
 def _solve_ms(flow, batch: int, reps: int) -> tuple[float, torch.Tensor]:
     """Capture the solve at `batch` on fresh graphs and time `reps` replays: ms per solve, and its mel."""
-    from engines.codec.decoder.graphs import EulerGraphs
+    from engines.speech_out.chunk_graphs import EulerGraphs
 
     graphs = EulerGraphs(flow)
     g = torch.Generator(device=flow.device).manual_seed(0)
@@ -151,8 +151,8 @@ TIMELINE_VARIANTS = (
 def _timeline(dec, batches: list[int], reps: int) -> None:
     """The solve graph per variant of TIMELINE_VARIANTS, same inputs for each. (Per-kernel times of graph replays
     from torch.profiler did not add up to one replay's kernels on torch 2.11, so only replay times are reported.)"""
-    from engines.kernels import codec_fused as k
     from engines.kernels import pdl
+    from engines.kernels.speech_out import flow_fused as k
 
     flow, idx = dec.flow, torch.cuda.current_device()
     est = flow.decoder.estimator
@@ -193,7 +193,7 @@ def _tile_variants():
     """The served StreamTiles, then one field changed at a time (and a few pairs)."""
     from dataclasses import replace
 
-    from engines.kernels.codec_fused import STREAM_TILES as s
+    from engines.kernels.speech_out.flow_fused import STREAM_TILES as s
 
     out = [("served", s)]
     for v in ((16, 128, 4), (16, 128, 8), (16, 32, 4), (32, 64, 4), (32, 128, 8), (64, 64, 8), (16, 256, 8)):
@@ -208,7 +208,7 @@ def _tile_variants():
 
 def _tiles(dec, batches: list[int], reps: int) -> None:
     """The solve graph per StreamTiles variant (codec_fused.STREAM_TILES), same inputs for each."""
-    from engines.kernels import codec_fused as k
+    from engines.kernels.speech_out import flow_fused as k
 
     served = k.STREAM_TILES
     try:
@@ -244,7 +244,7 @@ def _chains(dec, batches: list[int], reps: int) -> None:
 
 def _print_kernel_resources() -> None:
     """Registers and spills of every compiled codec kernel variant (spills put tiles in local memory)."""
-    from engines.kernels import codec_fused as k
+    from engines.kernels.speech_out import flow_fused as k
 
     for fn in (k._conv_whole_kernel, k._causal_conv_kernel, k._linear_kernel, k._ln_linear_kernel,
                k._window_attention_kernel, k._layernorm_mish_kernel, k._add_layernorm_kernel):
@@ -258,7 +258,7 @@ def _print_kernel_resources() -> None:
 
 
 def main() -> None:
-    from engines.codec.decoder import CodecDecoder
+    from engines.speech_out import CodecDecoder
 
     p = argparse.ArgumentParser()
     p.add_argument("--codec", default="full-random")

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from engines.codec.commands.bench_encoder import warm_streams
-from engines.codec.encoder import SpeechEncoder
+from engines.speech_in import SpeechEncoder
+from moss_speech.commands.bench_encoder import warm_streams
 
 
 def main() -> None:

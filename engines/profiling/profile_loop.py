@@ -17,8 +17,13 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engines.commands.bench_engine import _drain, add_decode_batch_arguments, decode_batch_config, start_decode_batch
-from engines.engine import Engine
+from engines.lm.engine import Engine
+from moss_speech.commands.bench_engine import (
+    _drain,
+    add_decode_batch_arguments,
+    decode_batch_config,
+    start_decode_batch,
+)
 
 
 def gpu_busy(prof) -> tuple[float, float, int]:

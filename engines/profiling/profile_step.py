@@ -17,8 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engines.bench.hardware import median, timed
-from engines.commands.bench_engine import _audio_forever, _drain, _rows, decode_batch_config, start_decode_batch
-from engines.engine import Engine
+from engines.lm.engine import Engine
+from moss_speech.commands.bench_engine import _audio_forever, _drain, _rows, decode_batch_config, start_decode_batch
 
 
 def main() -> None:

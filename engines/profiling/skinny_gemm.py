@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 
 from engines.bench.hardware import device_name, measure_bandwidth, measure_matmul
-from engines.kernels import skinny_gemm
+from engines.kernels.lm import skinny_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "audio_head": (16512, 4096)}
@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--wide", default="", help="also rows beyond MAX_ROWS (e.g. 32,48,64): cuBLAS against every "
                    "candidate tiling with one tile of the next power-of-two rows")
-    p.add_argument("--fp8", default="", help="also the fp8 copy of each weight (engines/model/fp8.py) at these rows "
+    p.add_argument("--fp8", default="", help="also the fp8 copy of each weight (engines/lm/model/fp8.py) at these rows "
                    "(e.g. 1,8,16,32,64,128,512): every skinny tiling to 64 rows, every fp8 GEMM tiling from 33, "
                    "against the bf16 weight's best and cuBLAS")
     a = p.parse_args()
@@ -103,8 +103,8 @@ def _fp8_rows(m: int, copies: list[torch.Tensor], bw: float) -> dict:
     tiling's over the bf16 values of the fp8 weights (the scaling is exact, but the compiled sums may be ordered
     differently: H200, some tilings equal, others not), and the fp8 GEMM's largest difference from cuBLAS over those
     values, in units of the output's largest magnitude."""
-    from engines.kernels import fp8_gemm
-    from engines.model.fp8 import dequantize, quantize
+    from engines.kernels.lm import fp8_gemm
+    from engines.lm.model.fp8 import dequantize, quantize
 
     x, block_m, tc, tb = _bf16_rows(m, copies, tilings=m <= 64)
     q = [quantize(w) for w in copies]

@@ -1,6 +1,7 @@
 """What a loaded engine process's GPU was doing: `python3 -m engines.profiling.window_report WINDOW.npz`.
 
-Reads the events an engine process recorded with `--gpu-window` (engines/service/gpu_window.py) and prints, per part
+Reads the events an engine process recorded with `--gpu-window` (engines/process/observe/gpu_window.py) and prints,
+per part
 of the process (its streams recognised by the kernels they run), the share of the window its streams were busy, its
 kernel count and kernel time; then the language model's step launches (a CUDA graph replay, or an eager step's
 kernels, is one launch): how long each took and how far apart they started. A development tool for
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.service.gpu_window import Events, busy_us
+from engines.process.observe.gpu_window import Events, busy_us
 
 # The first part whose marker names one of a stream's kernels owns the stream (Triton kernel names of each part).
 PARTS = (

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.codec.audio_io import AudioFormatError, float32_to_pcm16
-from engines.codec.audio_io import pcm16_to_float32 as _pcm16_to_float32
-from engines.codec.audio_io import read_wav as _read_wav_native
+from engines.audio.wav import AudioFormatError, float32_to_pcm16
+from engines.audio.wav import pcm16_to_float32 as _pcm16_to_float32
+from engines.audio.wav import read_wav as _read_wav_native
 from server.audio.resample import AudioError, resample
 
 __all__ = ["float32_to_pcm16", "pcm16_to_float32", "read_wav"]

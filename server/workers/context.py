@@ -15,7 +15,7 @@ class WorkerContext:
     index: int
     count: int
     socket_dir: str  # worker i serves its private unix socket at socket_dir/worker-i.sock
-    session_counts: Any  # shared array of `count` ints: each worker's open sessions (server/slots.py)
+    session_counts: Any  # shared array of `count` ints: each worker's open sessions (server/workers/slots.py)
     engine_generation: Any = None  # multiprocessing Value("i"): engines lost so far; None: engine run elsewhere
 
     def __post_init__(self) -> None:

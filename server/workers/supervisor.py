@@ -29,7 +29,7 @@ from multiprocessing.process import BaseProcess
 
 from server.app import engine_client
 from server.limits import size_from_engine
-from server.metrics import MULTIPROC_ENV
+from server.ops.metrics import MULTIPROC_ENV
 from server.settings import Settings
 from server.workers.context import WorkerContext
 from server.workers.worker import run_worker
@@ -66,7 +66,7 @@ class Supervisor:
         self._mp = multiprocessing.get_context("spawn")
         self.endpoint = settings.resolved_endpoint()
         self.generation = self._mp.Value("i", 0)
-        self.counts = self._mp.Array("i", self.n, lock=False)  # admissions lock a file (server/slots.py)
+        self.counts = self._mp.Array("i", self.n, lock=False)  # admissions lock a file (server/workers/slots.py)
         self.socket_dir = ""
         self.metrics_dir = ""
         self.procs: list[BaseProcess | None] = [None] * self.n

@@ -30,7 +30,7 @@ def private_socket(path: str) -> socket.socket:
 def run_worker(settings_data: dict[str, Any], ctx: WorkerContext, listener: socket.socket) -> None:
     from server.app import create_app
     from server.engine_client import die_with_parent
-    from server.logs import setup_logging
+    from server.ops.logs import setup_logging
     from server.serving import DrainingServer, uvicorn_config
     from server.settings import Settings
 

@@ -1,4 +1,4 @@
-"""A scripted stand-in for `engines.service.process`: same CLI, same socket and messages, no model.
+"""A scripted stand-in for `engines.process.main`: same CLI, same socket and messages, no model.
 
 For server protocol tests that must not depend on the model (error paths, limits, supervision). Its
 rules, which the tests rely on:
@@ -10,7 +10,7 @@ rules, which the tests rely on:
 - KV: 16 rows per block, 4096 blocks; a session's blocks are held until CloseSession; Pong reports
   kv_free / kv_total / running / sessions, and as the engine does, its device, max_running and max_model_len
   (the options given, else EngineConfig's defaults) and kv_block_rows; and `argv`, its command line's arguments.
-It takes every option the engine process takes (engines/service/options.py) and ignores those it has no use for.
+It takes every option the engine process takes (engines/process/options.py) and ignores those it has no use for.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from engines.service import messages as m
-from engines.service.options import add_arguments
+from engines.process.options import add_arguments
+from engines.protocol import messages as m
 
 BLOCK_ROWS = 16
 KV_TOTAL = 4096

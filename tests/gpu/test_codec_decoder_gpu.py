@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from engines.codec.decoder import CodecDecoder
-from engines.streams import driver_stream
-from tests.test_codec_decoder import _in_rounds
+from engines.cuda.streams import driver_stream
+from engines.speech_out import CodecDecoder
+from tests.engines.speech_out.test_decoder import _in_rounds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CPU paths are covered by "
-                                "tests/test_codec_decoder.py")
+                                "tests/engines/speech_out/test_decoder.py")
 TOL = 1e-4  # float32 on GPU; kernels may differ between batch sizes and between graph and eager
 
 
@@ -172,7 +172,7 @@ def test_vocoder_graph_replay_equals_eager(codec):
 def _encoder_inputs(dec: CodecDecoder, seed: int) -> tuple[torch.Tensor, ...]:
     """FlowModel.encode's inputs for the next full chunk of 3 sessions at different points (different voices and
     windows, so prefix lengths and padding differ per row)."""
-    from engines.codec.decoder import Voice
+    from engines.speech_out import Voice
 
     flow, la = dec.flow, dec.cfg.flow.pre_lookahead
     states = []
@@ -244,7 +244,7 @@ def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
     """The codec worker's first-chunk lane: a stream's first chunk decoded by CodecDecoder.lane on one CUDA stream,
     the rest by the decoder on another (the state changes streams: DecodeStream.adopt), equals the offline decode;
     the lane replays graphs of its own."""
-    from engines.graphs import private_stream
+    from engines.lm.step_graphs import private_stream
 
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
     lane = dec.lane()
@@ -267,7 +267,7 @@ def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
     mine, theirs = (g.vocoder.generator._branch_streams.all() for g in (lane, dec))
     assert not {x.cuda_stream for x in mine} & {x.cuda_stream for x in theirs}
     # A new answer's first chunk is urgent, the playing rounds are not: a graph runs at its capture stream's priority.
-    from engines.streams import is_urgent
+    from engines.cuda.streams import is_urgent
 
     assert all(is_urgent(g.stream) for g in (lane.flow.graphs, lane.vocoder.graphs)) and all(map(is_urgent, mine))
     assert not any(is_urgent(g.stream) for g in (dec.flow.graphs, dec.vocoder.graphs))
@@ -280,7 +280,7 @@ def test_two_first_lanes_on_their_threads_give_the_offline_pcm():
     offline decode, and both lanes did decode."""
     import time
 
-    from engines.service.codec_worker import PLAYING_SOLVE_PARTS, CodecWorker
+    from engines.process.codec_worker import PLAYING_SOLVE_PARTS, CodecWorker
 
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
     lanes = [dec.lane(), dec.lane()]

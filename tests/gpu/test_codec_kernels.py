@@ -1,4 +1,4 @@
-"""Triton fusions of the codec estimator (engines/kernels/codec_fused.py) against the torch path they replace.
+"""Triton fusions of the codec estimator (engines/kernels/speech_out/flow_fused.py) against the torch path they replace.
 Run on a GPU machine: `pytest tests/gpu/test_codec_kernels.py`. On CPU-only CI the whole module is skipped."""
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ import torch
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (Triton kernels); the CPU path is tests/test_codec_decoder.py",
+    pytest.skip("needs a CUDA GPU (Triton kernels); the CPU path is tests/engines/speech_out/test_decoder.py",
                 allow_module_level=True)
 pytest.importorskip("triton", reason="the codec kernels are Triton kernels")
 
-from engines.codec.decoder.estimator import TransformerBlock, conv_weight_gemm, window_mask  # noqa: E402
-from engines.kernels.codec_fused import (  # noqa: E402
+from engines.kernels.speech_out.flow_fused import (  # noqa: E402
     NORM_ONE_ROW_MAX,
     QKV_ATTENTION_ROWS,
     add_layernorm,
@@ -25,6 +24,7 @@ from engines.kernels.codec_fused import (  # noqa: E402
     ln_qkv_attention_fits,
     window_attention,
 )
+from engines.speech_out.flow.estimator import TransformerBlock, conv_weight_gemm, window_mask  # noqa: E402
 
 # float32: same math, different reduction order. bf16: both paths round at the same points, so at most a one-ulp
 # flip (2^-8 relative) where a float32 intermediate lands next to a rounding boundary.
@@ -201,7 +201,7 @@ def test_ln_qkv_attention_refuses_what_it_does_not_take():
 def _fused_qkv_on_and_off(monkeypatch, run):
     """run() with ln_qkv_attention counted (the rows of each call), then again with it turned off by an empty band:
     (the rows of each fused call, the first result, the second)."""
-    import engines.kernels.codec_fused as cf
+    import engines.kernels.speech_out.flow_fused as cf
 
     calls = []
     fused = cf.ln_qkv_attention
@@ -217,7 +217,7 @@ def _fused_qkv_on_and_off(monkeypatch, run):
 
 
 def _bf16_estimator():
-    from engines.codec.decoder import CodecDecoder
+    from engines.speech_out import CodecDecoder
 
     dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
     est = dec.flow.decoder.estimator
@@ -241,7 +241,7 @@ def test_estimator_takes_the_fused_qkv_attention_in_its_band_with_the_same_bits(
 def test_a_solve_in_chains_takes_the_fused_qkv_attention_by_its_windows(monkeypatch):
     """Four sessions' eight windows run as four chains of two (flow._estimate): each chain's blocks take
     ln_qkv_attention (the band counts all eight windows), with the bits of the two-kernel path."""
-    from engines.codec.decoder.estimator import bool_to_additive
+    from engines.speech_out.flow.estimator import bool_to_additive
 
     flow, est, blocks = _bf16_estimator()
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -279,7 +279,7 @@ def test_add_layernorm_matches_torch(dtype, with_res, B, T):
 
 def test_estimator_cuda_path_matches_cpu_reference():
     """The whole estimator (fused kernels + fused q/k/v + table) on CUDA vs on CPU, float32, tiny-random."""
-    from engines.codec.decoder import CodecDecoder
+    from engines.speech_out import CodecDecoder
 
     cpu = CodecDecoder.load("tiny-random", vocoder="hift")
     gpu = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
@@ -303,9 +303,9 @@ def test_estimator_cuda_path_matches_cpu_reference():
 def test_solve_graph_is_bit_identical_with_and_without_pdl():
     """The Euler solve's CUDA graph with every codec kernel under programmatic dependent launch (each waits for its
     predecessor before touching activations, weights read before the wait) == the same graph launched plainly."""
-    from engines.codec.decoder import CodecDecoder
-    from engines.codec.decoder.graphs import EulerGraphs
     from engines.kernels import pdl
+    from engines.speech_out import CodecDecoder
+    from engines.speech_out.chunk_graphs import EulerGraphs
 
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
     flow, idx = dec.flow, torch.cuda.current_device()
@@ -331,8 +331,8 @@ def test_solve_in_chains_equals_each_session_alone(codec):
     each): bit-identical to each session solved alone, and equal to one chain within what bf16 rounding grows to over
     the solve's 10 steps (one chain of 160 or 320 rows takes other tilings and, at 320, cuBLAS GEMMs; different kernel
     choices measured up to 1.9e-2 apart at full size)."""
-    from engines.codec.decoder import CodecDecoder
-    from engines.codec.decoder.graphs import EulerGraphs
+    from engines.speech_out import CodecDecoder
+    from engines.speech_out.chunk_graphs import EulerGraphs
 
     dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16")
     flow = dec.flow
@@ -359,8 +359,8 @@ def test_solve_in_chains_equals_each_session_alone(codec):
 def test_snake_is_bit_identical_to_torch():
     """HiFT's Snake in one kernel gives torch's bits (IEEE division, libdevice sinf, no FMA), over alphas from tiny
     to large and inputs spanning many periods; other dtypes and shapes are refused."""
-    from engines.codec.decoder.hift import Snake
-    from engines.kernels.snake import snake
+    from engines.kernels.speech_out.snake import snake
+    from engines.speech_out.vocoder.hift import Snake
 
     g = torch.Generator(device="cuda").manual_seed(7)
     B, C, T = 3, 64, 1001  # T not a multiple of the kernel's block: the tail is masked
@@ -386,7 +386,7 @@ def test_snake_is_bit_identical_to_torch():
 def test_snake_with_bias_and_residual_is_bit_identical_to_torch():
     """The bias and residual adds taken into the Snake pass give torch's bits: snake(x, alpha, bias) ==
     Snake(x + bias), add_snake(x, bias, r, alpha) == (r + (x + bias), Snake(that)); wrong shapes are refused."""
-    from engines.kernels.snake import add_snake, snake
+    from engines.kernels.speech_out.snake import add_snake, snake
 
     g = torch.Generator(device="cuda").manual_seed(8)
     B, C, T = 2, 48, 777
@@ -422,7 +422,7 @@ def test_snake_with_bias_and_residual_is_bit_identical_to_torch():
 def test_hift_conv_time_major_matches_the_1d_conv(transposed, k, stride, dilation, deterministic_cudnn):
     """hift.conv on CUDA (a channels-last 2-D conv) gives the 1-D conv's output to TF32 rounding, in time-major memory,
     from time-major or contiguous input, at one row or two; without its bias when asked."""
-    from engines.codec.decoder import hift
+    from engines.speech_out.vocoder import hift
 
     torch.manual_seed(3)
     cin, cout = 64, 48
@@ -450,8 +450,8 @@ def test_hift_time_major_matches_the_1d_layout(deterministic_cudnn):
     signal's own size."""
     import copy
 
-    from engines.codec.decoder import hift
-    from engines.codec.decoder.config import HiFTConfig
+    from engines.speech_out.config import HiFTConfig
+    from engines.speech_out.vocoder import hift
 
     torch.manual_seed(0)
     gen = hift.HiFTGenerator(HiFTConfig()).eval()
@@ -493,7 +493,7 @@ def test_fused_resblock_is_bit_identical_to_the_reference(batch, deterministic_c
     reference order's bits (every conv through cuDNN with its bias added by torch, then Snake, then the add)."""
     from torch.nn.utils import parametrize
 
-    from engines.codec.decoder.hift import ResBlock
+    from engines.speech_out.vocoder.hift import ResBlock
 
     torch.manual_seed(0)
     block = ResBlock(64, 7, (1, 3, 5)).cuda().eval()
@@ -529,9 +529,9 @@ def test_hift_branches_on_streams_equal_the_serial_order(batch, deterministic_cu
     """The full-size HiFT body with its source branch and each stage's resblocks on streams of their own gives the
     serial order's bits (before the iSTFT, whose F.fold adds with atomics), eager with the allocator's blocks moving
     between calls, and replayed from a CUDA graph."""
-    from engines.codec.decoder.config import HiFTConfig
-    from engines.codec.decoder.hift import HiFTGenerator
-    from engines.graphs import capture_graph, private_stream
+    from engines.lm.step_graphs import capture_graph, private_stream
+    from engines.speech_out.config import HiFTConfig
+    from engines.speech_out.vocoder.hift import HiFTGenerator
 
     torch.manual_seed(0)
     gen = HiFTGenerator(HiFTConfig()).cuda().eval()
@@ -567,8 +567,8 @@ def test_hift_branches_on_streams_equal_the_serial_order(batch, deterministic_cu
 def test_solve_in_pieces_is_bit_identical_to_one_graph(codec):
     """FlowModel.solve_parts: the served solve of playing answers as graphs of consecutive Euler steps (the codec
     worker pauses between them) == the solve as one graph, bit for bit, at 1 and 8 sessions."""
-    from engines.codec.decoder import CodecDecoder
-    from engines.codec.decoder.graphs import EulerGraphs
+    from engines.speech_out import CodecDecoder
+    from engines.speech_out.chunk_graphs import EulerGraphs
 
     dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16")
     flow = dec.flow
@@ -598,7 +598,12 @@ def test_conv_flat_loop_is_bit_identical_to_the_loop_per_tap(cin, cout, k, tiles
     the same tiling, the served one and the per-tap loop's before it."""
     from dataclasses import replace
 
-    from engines.kernels.codec_fused import CONV_FLAT_MIN_ROWS, CONV_FLAT_TILING, ConvTiling, launch_causal_conv
+    from engines.kernels.speech_out.flow_fused import (
+        CONV_FLAT_MIN_ROWS,
+        CONV_FLAT_TILING,
+        ConvTiling,
+        launch_causal_conv,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(cin + k)
     nb, T = 64, 40  # 2,560 rows: a playing round's

@@ -1,7 +1,8 @@
 """The speech encoder's float32 kernels on a CUDA device against the torch paths they replace: the attention
-(engines/kernels/encoder_attention.py) against SDPA over the gathered keys, at the shapes of a commit (one stream,
+(engines/kernels/speech_in/attention.py) against SDPA over the gathered keys, at the shapes of a commit (one stream,
 splits and their merge) and of held audio (many streams, one split), keys up to a whole segment; the 3xTF32 GEMM
-(engines/kernels/fp32_gemm.py) against float64, no less accurate than cuBLAS's SGEMM, a row's result independent of
+(engines/kernels/speech_in/fp32_gemm.py) against float64, no less accurate than cuBLAS's SGEMM, a row's result
+independent of
 the rows beside it. The encoder's streaming tests (test_speech_encoder_gpu.py) run through both."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _reference(q, keys, values, slots, qpos, t_max):
     (32, 16, 1000, 20, 64), (2, 40, 300, 4, 16),
 ])
 def test_encoder_attention_equals_sdpa(batch, n_max, t_max, heads, d):
-    from engines.kernels.encoder_attention import encoder_attention
+    from engines.kernels.speech_in.attention import encoder_attention
 
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + t_max)
     n_slots, positions = batch + 3, max(t_max, 64) + 8
@@ -45,7 +46,7 @@ def test_encoder_attention_equals_sdpa(batch, n_max, t_max, heads, d):
 
 
 def test_encoder_attention_refuses_what_it_cannot_do():
-    from engines.kernels.encoder_attention import encoder_attention
+    from engines.kernels.speech_in.attention import encoder_attention
 
     kv = torch.zeros(2, 2, 32, 16, device="cuda")
     q = torch.zeros(4, 2, 16, device="cuda")
@@ -60,7 +61,7 @@ def test_encoder_attention_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("m,n,k", [(128, 3840, 1280), (300, 1280, 5120), (1100, 5120, 1280), (200, 100, 384)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_fp32_gemm_is_as_accurate_as_sgemm(m, n, k, gelu):
-    from engines.kernels import fp32_gemm
+    from engines.kernels.speech_in import fp32_gemm
 
     g = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", generator=g)
@@ -79,7 +80,7 @@ def test_fp32_gemm_is_as_accurate_as_sgemm(m, n, k, gelu):
 
 def test_fp32_gemm_rows_do_not_depend_on_their_neighbours():
     """Streamed and whole-utterance steps put a frame's row in GEMMs of different sizes (both tilings included)."""
-    from engines.kernels import fp32_gemm
+    from engines.kernels.speech_in import fp32_gemm
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1100, 1280, device="cuda", generator=g)
@@ -90,7 +91,7 @@ def test_fp32_gemm_rows_do_not_depend_on_their_neighbours():
 
 
 def test_fp32_gemm_leaves_small_and_other_inputs_to_torch():
-    from engines.kernels import fp32_gemm
+    from engines.kernels.speech_in import fp32_gemm
 
     w = torch.randn(64, 32, device="cuda")
     assert not fp32_gemm.supported(torch.randn(fp32_gemm.MIN_ROWS - 1, 32, device="cuda"), w)
@@ -102,7 +103,7 @@ def test_fp32_gemm_leaves_small_and_other_inputs_to_torch():
 def test_fp32_gemm_on_tf32_rows_do_not_depend_on_their_neighbours_at_any_row_count():
     """On TF32 the kernel serves every row count (cuBLAS's TF32 would sum in another order below MIN_ROWS), so a
     commit's few rows get the bits a whole-utterance step gives them."""
-    from engines.kernels import fp32_gemm
+    from engines.kernels.speech_in import fp32_gemm
 
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(1100, 1280, device="cuda", generator=g)
@@ -116,7 +117,7 @@ def test_fp32_gemm_on_tf32_rows_do_not_depend_on_their_neighbours_at_any_row_cou
 @pytest.mark.parametrize("gelu", [False, True])
 def test_fp32_gemm_on_tf32_is_tf32_accurate(gelu):
     """Within TF32's rounding of float64, and clearly less accurate than 3xTF32 (the option is in effect)."""
-    from engines.kernels import fp32_gemm
+    from engines.kernels.speech_in import fp32_gemm
 
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(300, 1280, device="cuda", generator=g)
@@ -130,7 +131,7 @@ def test_fp32_gemm_on_tf32_is_tf32_accurate(gelu):
 
 
 def test_encoder_attention_on_tf32_is_near_sdpa():
-    from engines.kernels.encoder_attention import encoder_attention
+    from engines.kernels.speech_in.attention import encoder_attention
 
     g = torch.Generator(device="cuda").manual_seed(4)
     batch, n_max, t_max, heads, d = 8, 16, 1000, 20, 64

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.graphs import capture_graph, private_stream
+from engines.lm.step_graphs import capture_graph, private_stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -145,11 +145,12 @@ def test_capture_while_another_thread_allocates_and_waits_on_the_gpu():
 
 
 def test_private_streams_take_the_priority_asked_or_the_current_streams():
-    """A graph's kernels run at its capture stream's priority (engines.graphs.private_stream): capture streams and
+    """A graph's kernels run at its capture stream's priority (engines.lm.step_graphs.private_stream): capture streams
+    and
     the side streams forked inside a capture are urgent exactly when asked, or when the stream they are made under
     is."""
-    from engines.graphs import SideStreams, private_stream
-    from engines.streams import high_priority_stream, is_urgent
+    from engines.cuda.streams import high_priority_stream, is_urgent
+    from engines.lm.step_graphs import SideStreams, private_stream
 
     assert is_urgent(private_stream(urgent=True)) and not is_urgent(private_stream(urgent=False))
     assert not is_urgent(private_stream())  # made under the default stream
@@ -165,8 +166,8 @@ def test_private_streams_take_the_priority_asked_or_the_current_streams():
 def test_model_stream_sits_between_the_urgent_and_the_playing_rounds():
     """The model's steps run one level below the commits and first chunks and above the playing rounds; what is made
     under its stream (its graphs' capture streams, their side branches) takes that exact priority."""
-    from engines.graphs import SideStreams, private_stream
-    from engines.streams import high_priority_stream, is_urgent, level, model_stream
+    from engines.cuda.streams import high_priority_stream, is_urgent, level, model_stream
+    from engines.lm.step_graphs import SideStreams, private_stream
 
     model, urgent, low = model_stream("cuda"), high_priority_stream("cuda"), private_stream(urgent=False)
     assert level(urgent) < level(model) < level(low) and not is_urgent(model)

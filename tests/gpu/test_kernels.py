@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engines.api import ChannelSampling
-from engines.model.attention import paged_attention
-from engines.model.batch import ForwardBatch
+from engines.lm.model.attention import paged_attention
+from engines.lm.model.batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: tests/gpu runs on the GPU box")
@@ -61,7 +61,7 @@ PRELOAD_LIMITS = pytest.mark.parametrize("preload_limit", [0, 1 << 30], ids=["af
 
 @pytest.fixture
 def preload(monkeypatch, preload_limit):
-    from engines.kernels import paged_decode
+    from engines.kernels.lm import paged_decode
 
     monkeypatch.setattr(paged_decode, "PRELOAD_MAX_PROGRAMS", preload_limit)
 
@@ -81,7 +81,7 @@ def test_decode_kernel_matches_torch(block_size, dtype, bound, preload):
 def test_decode_kernel_every_split_count_matches_torch(splits):
     """The split count falls with the batch (num_splits); every count gives the reference's attention, also with
     contexts shorter than the splits' tiles (empty splits) and one split over a 4095-row context."""
-    from engines.kernels.paged_decode import num_splits, paged_decode_attention
+    from engines.kernels.lm.paged_decode import num_splits, paged_decode_attention
 
     for seed, ctx in enumerate([[1], [5, 1000, 17, 64], [1, 3, 4095, 300, 65, 129]]):
         q, cache, batch = make_case(40 + seed, 16, [1] * len(ctx), ctx, torch.bfloat16)
@@ -99,7 +99,7 @@ def test_decode_kernel_every_split_count_matches_torch(splits):
 def test_every_tiling_of_a_16_bit_cache_matches_torch(monkeypatch, name, preload):
     """Each tiling `tiling` may pick for a bf16 cache, at 1, 4 and 16 splits, gives the reference's attention; the
     pick itself follows the launch (many splits, few programs, many programs, float32)."""
-    from engines.kernels import paged_decode
+    from engines.kernels.lm import paged_decode
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -126,7 +126,7 @@ def test_every_tiling_of_a_16_bit_cache_matches_torch(monkeypatch, name, preload
 def test_one_split_writes_the_merges_output_itself(monkeypatch, dtype, preload):
     """With one split the split kernel divides by the softmax sum and writes the output: bit-identical to the merge
     kernel over that one split (MERGE_ONE_SPLIT), and the reference's attention."""
-    from engines.kernels import paged_decode
+    from engines.kernels.lm import paged_decode
 
     q, cache, batch = make_case(51, 16, [1] * 6, [1, 3, 4095, 300, 65, 129], dtype)
     args = (q, cache[0], cache[1], batch.block_tables, batch.context_lens, q.shape[-1] ** -0.5)
@@ -176,8 +176,8 @@ def test_attention_over_an_fp8_cache_is_attention_over_its_values(dtype, preload
     """The decode and varlen kernels over an fp8 cache: the float64 attention over the cache's values within the
     tolerance of the query's dtype (bf16 queries: dots in fp16, paged_decode.fp16_dots), and no further from it than
     the kernels over a cache holding the same values in the query's dtype (their tilings differ)."""
-    from engines.kernels.paged_decode import fp16_dots
-    from engines.model.attention import to_cache
+    from engines.kernels.lm.paged_decode import fp16_dots
+    from engines.lm.model.attention import to_cache
 
     # 1-6 sequences run FP8_TILING_MANY_SPLITS, 24 sequences FP8_TILING
     cases = [([1], [1]), ([1] * 4, [5, 1000, 17, 64]), ([1] * 6, [1, 3, 4095, 300, 65, 129]),
@@ -203,7 +203,7 @@ def _torch_rmsnorm(x, w, eps):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_add_rmsnorm_matches_torch(dtype):
-    from engines.kernels.fused import add_rmsnorm
+    from engines.kernels.lm.fused import add_rmsnorm
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for t, n in [(1, 4096), (37, 4096), (5, 64)]:
@@ -219,9 +219,9 @@ def test_fused_add_rmsnorm_matches_torch(dtype):
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_fused_qk_norm_rope_kv_write_matches_torch(block_size):
-    from engines.kernels.fused import qk_norm_rope_write_kv
-    from engines.model.attention import write_kv
-    from engines.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+    from engines.kernels.lm.fused import qk_norm_rope_write_kv
+    from engines.lm.model.attention import write_kv
+    from engines.lm.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
     g = torch.Generator(device="cuda").manual_seed(1)
     t, h, kvh, d, dtype = 19, 32, 8, 128, torch.bfloat16
@@ -246,10 +246,10 @@ def test_fused_qk_norm_rope_kv_write_matches_torch(block_size):
 
 def test_fused_write_into_an_fp8_cache_stores_the_torch_paths_values():
     """Keys (normed and rotated, rounded to bf16 first) and values into an fp8 cache: the bf16 cache's values cast
-    as engines.model.attention.to_cache casts them, saturated beyond +-448, bit for bit."""
-    from engines.kernels.fused import qk_norm_rope_write_kv
-    from engines.model.attention import to_cache
-    from engines.model.rope import rope_cos_sin, rope_inv_freq
+    as engines.lm.model.attention.to_cache casts them, saturated beyond +-448, bit for bit."""
+    from engines.kernels.lm.fused import qk_norm_rope_write_kv
+    from engines.lm.model.attention import to_cache
+    from engines.lm.model.rope import rope_cos_sin, rope_inv_freq
 
     g = torch.Generator(device="cuda").manual_seed(2)
     t, h, kvh, d, dtype = 37, 32, 8, 128, torch.bfloat16
@@ -274,7 +274,7 @@ def test_fused_write_into_an_fp8_cache_stores_the_torch_paths_values():
 
 
 def test_fused_silu_mul_matches_torch():
-    from engines.kernels.fused import silu_mul
+    from engines.kernels.lm.fused import silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(2)
     gu = torch.randn(7, 2 * 12288, device="cuda", generator=g).to(torch.bfloat16)
@@ -285,7 +285,7 @@ def test_fused_silu_mul_matches_torch():
 def launch_tiling(*args, launch=None, **kwargs) -> torch.Tensor | None:
     """skinny_gemm.launch (or `launch`, another kernel's), or None for a tiling too large for this GPU (the tuners
     skip those too)."""
-    from engines.kernels import skinny_gemm
+    from engines.kernels.lm import skinny_gemm
 
     try:
         return (launch or skinny_gemm.launch)(*args, **kwargs)
@@ -297,7 +297,7 @@ def launch_tiling(*args, launch=None, **kwargs) -> torch.Tensor | None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_skinny_gemm_every_tiling_matches_f_linear(dtype):
-    from engines.kernels import skinny_gemm
+    from engines.kernels.lm import skinny_gemm
 
     g = torch.Generator(device="cuda").manual_seed(3)
     # (N, K, M): a model shape with one row, then ragged N and K (masked tails) with several rows. Each tiling
@@ -340,7 +340,7 @@ def test_skinny_gemm_tiles_of_more_rows_match_f_linear(m, block_m):
 
 
 def test_skinny_gemm_tuned_linear_replays_in_a_cuda_graph():
-    from engines.kernels import skinny_gemm
+    from engines.kernels.lm import skinny_gemm
 
     g = torch.Generator(device="cuda").manual_seed(4)
     w = torch.randn(6144, 4096, device="cuda", generator=g).to(torch.bfloat16)
@@ -370,8 +370,8 @@ def test_skinny_gemm_tuned_linear_replays_in_a_cuda_graph():
 
 @pytest.mark.parametrize("channel", [0, 1])
 def test_race_noise_kernel_is_bit_identical_to_torch(channel):
-    from engines.kernels.sampling import race_noise
-    from engines.sampler.sampler import exponential_noise, row_keys
+    from engines.kernels.lm.sampling import race_noise
+    from engines.lm.sampler import exponential_noise, row_keys
 
     g = torch.Generator(device="cuda").manual_seed(5)
     for b, k in [(1, 50), (7, 16512), (3, 1)]:
@@ -392,7 +392,7 @@ def test_two_stage_top_k_equals_torch_topk(width):
     """The sampler's staged top-k (slices of 128, then the candidates) == torch.topk: same sorted values, and
     indices that hold those values; with masked (-inf) tails as the audio channel has, and a width that needs
     padding (5000)."""
-    from engines.sampler.sampler import top_k
+    from engines.lm.sampler import top_k
 
     g = torch.Generator(device="cuda").manual_seed(9)
     for rows, k in [(1, 20), (5, 1), (3, 64)]:
@@ -412,12 +412,12 @@ def test_two_stage_top_k_equals_torch_topk(width):
 
 @pytest.mark.parametrize("vocab,audio", [(16512, True), (151680, False), (3000, False)])
 def test_fused_top_k_sampler_draws_the_torch_paths_tokens(vocab, audio):
-    """engines/kernels/topk_sample.py against the torch sampler (mask, penalty over a slot's history, temperature,
+    """engines/kernels/lm/topk_sample.py against the torch sampler (mask, penalty over a slot's history, temperature,
     top-k, top-p, noise race, greedy) on random rows with per-row parameters: the same token in every row. Both
     paths draw with the same counter-based noise, so only last-bit differences of softmax/cumsum could make them
     differ, and these rows have none. The logits are left intact."""
-    from engines.kernels import topk_sample
-    from engines.sampler.sampler import (
+    from engines.kernels.lm import topk_sample
+    from engines.lm.sampler import (
         AUDIO_CHANNEL,
         TEXT_CHANNEL,
         ChannelTensors,
@@ -463,7 +463,7 @@ def test_fused_top_k_sampler_compiles_once_for_every_batch_and_column_offset():
     """The per-row columns are views into the step's staged upload at offsets that move with the batch size: after
     the first call, no batch size or offset compiles another kernel (a compile while serving stalls every session;
     a 12-session load test once waited 2.1 s for one)."""
-    from engines.kernels import topk_sample
+    from engines.kernels.lm import topk_sample
 
     def compiled() -> int:
         return sum(len(c[0]) for k in (topk_sample._candidates_kernel, topk_sample._pick_kernel)
@@ -493,7 +493,7 @@ def test_fused_top_k_sampler_compiles_once_for_every_batch_and_column_offset():
 
 def test_fused_top_k_sampler_greedy_ties_pick_the_lowest_id():
     """Equal best logits: greedy takes the lowest id (torch.argmax's rule), also across the kernel's slices."""
-    from engines.sampler.sampler import ChannelTensors, sample_rows
+    from engines.lm.sampler import ChannelTensors, sample_rows
 
     logits = torch.full((2, 16512), -5.0, device="cuda")
     logits[0, [9000, 70, 4000]] = 3.0
@@ -511,9 +511,9 @@ def full_size_layers(rows: int, n: int = 4):
     layer's output). The GEMM shapes are tuned, then forced to their best Triton tiling with one pass over K (the
     one gate_up's SiLU*up epilogue needs), whatever the tuner chose."""
     from engines.config import model_config_for
-    from engines.kernels import skinny_gemm
-    from engines.model.layers import DecoderLayer
-    from engines.model.rope import rope_cos_sin, rope_inv_freq
+    from engines.kernels.lm import skinny_gemm
+    from engines.lm.model.layers import DecoderLayer
+    from engines.lm.model.rope import rope_cos_sin, rope_inv_freq
 
     mc = model_config_for("full-random")
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -554,8 +554,8 @@ def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
     with programmatic dependent launch) captured in one CUDA graph give the same bits as the same graph without
     PDL, replay after replay with fresh inputs. The graph pool reuses buffers between layers, so a kernel that
     wrote before its predecessor finished reading (or read before it finished writing) would show up here."""
-    from engines.graphs import capture_graph, private_stream
     from engines.kernels import pdl
+    from engines.lm.step_graphs import capture_graph, private_stream
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper (sm_90) or later")
@@ -594,8 +594,8 @@ def test_pdl_decoder_layers_in_a_graph_equal_without_pdl(preload):
 def test_skinny_gemm_glu_epilogue_equals_silu_mul_after_the_gemm(rows):
     """gate_up's SiLU*up in the GEMM's epilogue gives the bits of the separate kernel after the plain GEMM, for
     every one-pass tiling, and matches the float64 reference within bf16 rounding."""
-    from engines.kernels import skinny_gemm
-    from engines.kernels.fused import silu_mul
+    from engines.kernels.lm import skinny_gemm
+    from engines.kernels.lm.fused import silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(21)
     bf = torch.bfloat16
@@ -626,7 +626,7 @@ def test_skinny_gemm_glu_epilogue_equals_silu_mul_after_the_gemm(rows):
 def test_decoder_layers_with_the_glu_epilogue_equal_the_separate_kernels(rows, monkeypatch):
     """Four full-size layers at decode sizes with SiLU*up in gate_up's epilogue give the bits (outputs and K/V
     written) of the same layers with the separate SiLU*up kernel (what a layer runs where the epilogue cannot)."""
-    from engines.kernels import skinny_gemm
+    from engines.kernels.lm import skinny_gemm
 
     layers, x, kv, cache, batch, forward = full_size_layers(rows)
     assert skinny_gemm.glu(x, layers[0].gate_up_proj.weight) is not None  # the epilogue runs in these layers
@@ -650,9 +650,9 @@ def test_embed_rope_kernel_equals_embed_and_rope_cos_sin(dtype):
     modality_pad) look up their audio id, text rows their text id whatever audio id they carry, and cos/sin of
     positions up to the model's longest."""
     from engines.config import model_config_for
-    from engines.kernels.fused import embed_rope
-    from engines.model.moss import MossSpeechModel
-    from engines.model.rope import rope_cos_sin
+    from engines.kernels.lm.fused import embed_rope
+    from engines.lm.model.moss import MossSpeechModel
+    from engines.lm.model.rope import rope_cos_sin
     from engines.tokens import MODALITY_PAD
 
     model = MossSpeechModel(model_config_for("tiny-random"), device="cuda", dtype=dtype)
@@ -675,10 +675,10 @@ def test_embed_rope_kernel_equals_embed_and_rope_cos_sin(dtype):
 @pytest.mark.parametrize("m,block_m", [(1, 16), (7, 16), (16, 16), (24, 32), (32, 32)])
 def test_skinny_gemm_over_an_fp8_weight_matches_f_linear_over_its_values(m, block_m):
     """Every fp8 tiling (split-K and the GLU epilogue included), ragged N and K, against F.linear over the exact
-    bf16 values of the fp8 weight (engines/model/fp8.py); outputs poisoned first."""
-    from engines.kernels import skinny_gemm
-    from engines.kernels.fused import silu_mul
-    from engines.model.fp8 import dequantize, quantize
+    bf16 values of the fp8 weight (engines/lm/model/fp8.py); outputs poisoned first."""
+    from engines.kernels.lm import skinny_gemm
+    from engines.kernels.lm.fused import silu_mul
+    from engines.lm.model.fp8 import dequantize, quantize
 
     g = torch.Generator(device="cuda").manual_seed(31)
     checked = glu_checked = tried = 0
@@ -716,8 +716,8 @@ def test_linear_with_only_its_fp8_copy_matches_its_values_at_every_row_count():
     """fp8.apply(keep_weights=False) drops a Linear's weight: decode-sized rows read the copy through the skinny
     kernel, more rows through the fp8 GEMM (both tuned by fp8.tune_kernels), and all of them equal F.linear over the
     rounded values up to summation order. A float32 input takes the dequantized values (no kernel for it)."""
-    from engines.model import fp8
-    from engines.model.layers import Linear
+    from engines.lm.model import fp8
+    from engines.lm.model.layers import Linear
 
     g = torch.Generator(device="cuda").manual_seed(32)
     lin = Linear(6144, 4096, "cuda", torch.bfloat16)
@@ -740,8 +740,8 @@ def test_linear_with_only_its_fp8_copy_matches_its_values_at_every_row_count():
 def test_decoder_layers_over_fp8_copies_match_the_same_layers_over_their_values(rows):
     """Four full-size layers with fp8 copies (the GLU epilogue included) against the same layers reading the bf16
     values of those copies, in a CUDA graph as the engine runs them: the same up to the GEMMs' summation order."""
-    from engines.graphs import capture_graph, private_stream
-    from engines.model import fp8
+    from engines.lm.model import fp8
+    from engines.lm.step_graphs import capture_graph, private_stream
 
     layers, x, kv, cache, batch, forward = full_size_layers(rows)
     linears = [lin for layer in layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
@@ -772,8 +772,8 @@ def test_decoder_layers_over_fp8_copies_match_the_same_layers_over_their_values(
 def test_fp8_gemm_matches_f_linear_over_the_weight_values(m):
     """Every fp8 GEMM tiling (both operand orders, split-K), ragged N and K, rows past the skinny kernel's tiles,
     against F.linear over the exact bf16 values of the fp8 weight; outputs poisoned first."""
-    from engines.kernels import fp8_gemm
-    from engines.model.fp8 import dequantize, quantize
+    from engines.kernels.lm import fp8_gemm
+    from engines.lm.model.fp8 import dequantize, quantize
 
     g = torch.Generator(device="cuda").manual_seed(33)
     checked = tried = 0
@@ -800,8 +800,8 @@ def test_fp8_gemm_matches_f_linear_over_the_weight_values(m):
 def test_tuners_skip_the_tilings_a_launch_refuses_or_this_gpu_cannot_run():
     """skinny_gemm.time_tilings, behind both tuners: at K = 1000 every split-K tiling is refused by its launch (the
     split does not divide K) and is left out; the one-pass tilings that fit are timed."""
-    from engines.kernels import fp8_gemm, skinny_gemm
-    from engines.model.fp8 import quantize
+    from engines.kernels.lm import fp8_gemm, skinny_gemm
+    from engines.lm.model.fp8 import quantize
 
     g = torch.Generator(device="cuda").manual_seed(34)
     w = torch.randn(200, 1000, device="cuda", generator=g).to(torch.bfloat16)
@@ -822,8 +822,9 @@ def test_tuned_tilings_are_kept_in_the_tuning_file_and_taken_from_it(tmp_path, m
     it, and they run and give F.linear over the weight's values."""
     import json
 
-    from engines.kernels import fp8_gemm, skinny_gemm, tuning_file
-    from engines.model import fp8
+    from engines.kernels import tuning as tuning_file
+    from engines.kernels.lm import fp8_gemm, skinny_gemm
+    from engines.lm.model import fp8
 
     path = tmp_path / "tuning.json"
     monkeypatch.setenv(tuning_file.ENV, str(path))
@@ -854,7 +855,8 @@ def test_tuned_tilings_are_kept_in_the_tuning_file_and_taken_from_it(tmp_path, m
 def test_the_shipped_tuning_picks_are_tilings_the_tuners_offer():
     """engines/kernels/tunings.json: every pick one its tuner offers now (a candidate list that changed would drop the
     pick at every start, with a warning)."""
-    from engines.kernels import fp8_gemm, skinny_gemm, tuning_file
+    from engines.kernels import tuning as tuning_file
+    from engines.kernels.lm import fp8_gemm, skinny_gemm
 
     for gpu, section in tuning_file._read(tuning_file.SHIPPED)["gpus"].items():
         for name, pick in section.items():

@@ -33,7 +33,7 @@ def test_sync_debug_mode_catches_a_synchronous_copy():
 
 
 def test_opening_an_answers_codec_stream_does_not_wait_for_the_gpu():
-    from engines.codec.decoder.codec_decoder import CodecDecoder
+    from engines.speech_out.decoder import CodecDecoder
 
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
     dec.open_stream("warm", seed=1).close()  # the voice's prompt is prepared once per voice, at its first use
@@ -48,7 +48,7 @@ def test_opening_an_answers_codec_stream_does_not_wait_for_the_gpu():
 def test_adding_and_extending_requests_does_not_wait_for_the_gpu():
     from engines.api import SamplingParams
     from engines.config import EngineConfig
-    from engines.engine import Engine
+    from engines.lm.engine import Engine
     from engines.tokens import IM_END, IM_START, audio_span_rows, text_rows
 
     eng = Engine.from_name("tiny-random", EngineConfig(device="cuda", dtype="float32"), seed=0)

@@ -1,4 +1,5 @@
-"""The speech encoder's streaming and batching tests (tests/test_codec_encoder.py) on a CUDA device: the GPU path
+"""The speech encoder's streaming and batching tests (tests/engines/speech_in/test_encoder.py) on a CUDA device: the
+GPU path
 of a step (one pinned upload of every index and the samples, gathered rows, state rows at each slot) against its own
 whole-utterance and one-stream results."""
 
@@ -7,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.codec.encoder import SpeechEncoder
-from tests.test_codec_encoder import (  # noqa: F401  (collected here, with this module's CUDA `enc`)
+from engines.speech_in import SpeechEncoder
+from tests.engines.speech_in.test_encoder import (  # noqa: F401  (collected here, with this module's CUDA `enc`)
     test_batched_step_equals_each_alone,
     test_finalize_with_the_last_samples_equals_push_then_finalize,
     test_streaming_equals_whole,
@@ -25,7 +26,9 @@ def enc() -> SpeechEncoder:
 def test_encoder_worker_on_its_thread_equals_one_stream_alone(enc):
     """The service's encoder worker on the GPU, on its thread and inline: the step's host sync goes through an
     event there."""
-    from tests.test_encoder_worker import test_codes_equal_one_stream_alone_and_the_commit_comes_last as same_codes
+    from tests.engines.process.test_encoder_worker import (
+        test_codes_equal_one_stream_alone_and_the_commit_comes_last as same_codes,
+    )
 
     for threaded in (False, True):
         same_codes(enc, threaded)
@@ -35,7 +38,7 @@ def test_step_graphs_equal_eager_steps(enc):
     """Steps of up to 4 streams replayed as CUDA graphs (buckets of streams, frames and keys; padding in the spare KV
     slot) give the eager steps' codes and features: batched, streamed with pushes in and out of the buckets, and
     across a 30 s segment."""
-    from tests.test_codec_encoder import (
+    from tests.engines.speech_in.test_encoder import (
         BATCH_PCMS,
         BATCH_SIZES,
         FEATURE_ATOL,
@@ -48,7 +51,7 @@ def test_step_graphs_equal_eager_steps(enc):
     g.reserve(4)
     assert g.capture_graphs(4) == 3 * 7 * 11  # streams 1, 2, 4; frames 1-64; keys 16-1500
     graphs = g.runner.graphs
-    from engines.streams import is_urgent
+    from engines.cuda.streams import is_urgent
 
     assert is_urgent(graphs.stream)  # a commit's call waits on them: captured (so replayed) urgent
     pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]

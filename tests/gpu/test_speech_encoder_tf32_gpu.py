@@ -1,5 +1,6 @@
 """The speech encoder on TF32 (`--encoder-tf32`, StreamingRunner.tf32) on a CUDA device: its streaming and batching
-tests (tests/test_codec_encoder.py) with a TF32 encoder, its CUDA graphs against its eager steps, and its features
+tests (tests/engines/speech_in/test_encoder.py) with a TF32 encoder, its CUDA graphs against its eager steps, and its
+features
 and codes against the float32-accurate encoder's."""
 
 from __future__ import annotations
@@ -7,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tests.test_codec_encoder as cpu_tests
-from engines.codec.encoder import SpeechEncoder
-from tests.test_codec_encoder import (  # noqa: F401  (collected here, with this module's TF32 `enc`)
+import tests.engines.speech_in.test_encoder as cpu_tests
+from engines.speech_in import SpeechEncoder
+from tests.engines.speech_in.test_encoder import (  # noqa: F401  (collected here, with this module's TF32 `enc`)
     test_batched_step_equals_each_alone,
     test_finalize_with_the_last_samples_equals_push_then_finalize,
     test_streaming_equals_whole,

@@ -1,6 +1,6 @@
 """Reference generation loop over the dense model: the published generation rules written out plainly, greedy only.
 
-Independent of engines/sampler and engines/scheduler: one sequence, whole history recomputed each step.
+Independent of engines/lm and engines/lm: one sequence, whole history recomputed each step.
 
 Two uses: `dense_greedy` generates, and `check_follows_greedy` judges rows another implementation generated. Two
 numerically different paths (a paged engine and this dense model) sum in different orders, so where two logits lie

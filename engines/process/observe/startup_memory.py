@@ -1,0 +1,50 @@
+"""What holds the GPU's memory at start-up, so that running out of it while loading says which part took how much
+and which options shrink them, instead of a traceback from deep inside a CUDA graph capture.
+
+Why: the parts sized by options add up past an 80 GB card easily. With `--max-running 128` the speech encoder
+reserves float32 KV slots for 128 streams (~31 GiB at full size) next to the model (~17 GiB) and its KV pool
+(`--kv-cache-gib`); on an H100 with `--kv-cache-gib 24` the codec's graph capture ran out of memory last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from engines.config import ConfigError
+from engines.lm.kv.sizing import GIB
+
+ADVICE = ("lower --kv-cache-gib (the language model's KV pool) or --max-running (sequences decoded together; also "
+          "the speech encoder's KV slots and the codec's largest batch)")
+
+
+class StartupMemory:
+    """Measures each loading step's GPU memory (`part`); an out-of-memory error inside one becomes a ConfigError that
+    names it, the parts loaded before it with their sizes, the device's capacity and ADVICE."""
+
+    def __init__(self, device: str, allocated: Callable[[], int] | None = None,
+                 capacity: Callable[[], int] | None = None) -> None:
+        on_gpu = device.startswith("cuda") and torch.cuda.is_available()
+        self.device = device
+        self._allocated = allocated or ((lambda: torch.cuda.memory_allocated(device)) if on_gpu else (lambda: 0))
+        self._capacity = capacity or ((lambda: torch.cuda.get_device_properties(device).total_memory) if on_gpu
+                                      else (lambda: 0))
+        self.parts: list[tuple[str, int]] = []  # (what, bytes it kept allocated)
+
+    @contextlib.contextmanager
+    def part(self, what: str) -> Iterator[None]:
+        before = self._allocated()
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            raise ConfigError(self.message(what, e)) from None
+        self.parts.append((what, self._allocated() - before))
+
+    def message(self, what: str, error: BaseException) -> str:
+        loaded = ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in self.parts) or "nothing yet"
+        cap = self._capacity()
+        on = f"{self.device} ({cap / GIB:.1f} GiB)" if cap else self.device
+        tried = ". ".join(str(error).split(". ")[:2])  # "CUDA out of memory. Tried to allocate N MiB"
+        return f"out of GPU memory on {on} while loading {what} ({tried}); loaded before: {loaded}; {ADVICE}"

@@ -1,0 +1,301 @@
+"""CodecDecoder: load the flow + a vocoder, open per-session streams, decode chunks of many sessions at once."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engines.config import ConfigError, parse_dtype
+from engines.cuda.streams import wait_releasing_gil
+from engines.lm.step_graphs import SideStreams
+from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
+from engines.speech_out.codes import validate_codes
+from engines.speech_out.config import CodecDecoderConfig
+from engines.speech_out.flow.flow import FlowModel, PreparedVoice
+from engines.speech_out.mel_spec import MelSpec, check_same_mel
+from engines.speech_out.stream import DecodeStream, Job
+from engines.speech_out.vocoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
+from engines.speech_out.voice import Voice
+
+VOCODERS = ("bigvgan", "hift")
+
+
+def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
+    """Unloaded modules (weight norm not folded yet)."""
+    return (FlowModel(cfg.flow, cfg.stream), HiFTVocoder(cfg.hift),
+            BigVGANVocoder(cfg.bigvgan) if with_bigvgan else None)
+
+
+def _bigvgan_mel(h: dict, source: str) -> MelSpec:
+    try:
+        return MelSpec(sample_rate=int(h["sampling_rate"]), n_mels=int(h["num_mels"]), hop=int(h["hop_size"]),
+                       n_fft=int(h["n_fft"]), win=int(h["win_size"]), fmin=float(h["fmin"]),
+                       fmax=float(h["fmax"]) if h.get("fmax") is not None else int(h["sampling_rate"]) / 2)
+    except KeyError as e:
+        raise ConfigError(f"{source}: missing mel field {e}") from None
+
+
+@dataclass
+class SolveCounts:
+    """What `run_jobs` decoded since the last `take_counts` (the engine's load log): flow solves (one per chunk length
+    in a call), of them for last chunks shorter than a full one, and their sessions against the rows the solve ran
+    (with CUDA graphs: padded up to the graph's batch)."""
+
+    solves: int = 0
+    partial: int = 0
+    rows: int = 0
+    padded_rows: int = 0
+
+
+class CodecDecoder:
+    """Flow + vocoder on one device. See engines/speech_out/__init__.py for the public API."""
+
+    def __init__(self, cfg: CodecDecoderConfig, flow: FlowModel, vocoder: Vocoder, source: str,
+                 default_voice: Voice) -> None:
+        check_same_mel(cfg.flow.mel, vocoder.mel, vocoder.name)
+        if flow.device.type == "cpu":
+            # Mish/softplus on very negative inputs yields denormal floats, which are ~50x slower on x86 CPUs.
+            # The engine process owns its threads, so flushing them process-wide is acceptable.
+            torch.set_flush_denormal(True)
+        self.cfg, self.flow, self.source = cfg, flow.eval(), source
+        self.vocoder = vocoder.eval()
+        self.windowed = WindowedVocoder(vocoder, cfg.stream)
+        self.default_voice = default_voice
+        self._voices: OrderedDict[str, PreparedVoice] = OrderedDict()
+        self.counts = SolveCounts()
+
+    @property
+    def device(self) -> torch.device:
+        return self.flow.device
+
+    @property
+    def sample_rate(self) -> int:
+        return self.cfg.flow.mel.sample_rate
+
+    @property
+    def samples_per_code(self) -> int:
+        return self.cfg.flow.token_mel_ratio * self.cfg.flow.mel.hop
+
+    # ---- loading -----------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
+             seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32",
+             encoder_graphs: bool = True, encoder_tf32: bool = False) -> CodecDecoder:
+        """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py).
+        cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only);
+        encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs; False: eager).
+        estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
+        encoder and vocoder stay float32.
+        encoder_tf32: the flow encoder's float32 matmuls on TF32 tensor cores (CUDA; its convs already are, by
+        torch's cuDNN default): PCM within ~1e-4 of float32, a batch-16 chunk ~1 ms shorter on an H100."""
+        dec = cls._load(codec, device, vocoder, seed)
+        dec.flow.encoder_tf32 = encoder_tf32
+        dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
+        dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
+        dec.flow.encoder.fuse()
+        if cuda_graphs and dec.device.type == "cuda":
+            dec._attach_graphs(encoder_graphs)
+        return dec
+
+    def _attach_graphs(self, encoder_graphs: bool, urgent: bool = False) -> None:
+        """Empty graph sets (captured on first use or by `capture_graphs`) for the Euler solve, the flow's encoder
+        when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority."""
+        from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
+
+        self.flow.graphs = EulerGraphs(self.flow, urgent)
+        if encoder_graphs:
+            self.flow.enc_graphs = EncoderGraphs(self.flow, urgent)
+        if isinstance(self.vocoder, HiFTVocoder):
+            st = self.cfg.stream
+            self.vocoder.graphs = VocoderGraphs(self.vocoder.generator, st.voc_ctx_frames,
+                                                st.chunk_codes * self.cfg.flow.token_mel_ratio, urgent)
+
+    def lane(self) -> CodecDecoder:
+        """Another decoder over the same weights, voices and streams' state, with CUDA graphs, graph memory and side
+        streams of its own, so that its calls can run while this one's run (on another thread and CUDA stream): the
+        codec worker decodes new answers' first chunks on a lane beside its rounds of playing answers. Graphs, when
+        this decoder has them, are captured on first use or by `capture_graphs`, at the most urgent priority (a new
+        answer's first audio waits on them; this decoder's own stay at the least)."""
+        twin = copy.copy(self)
+        twin.counts = SolveCounts()
+        twin.flow = copy.copy(self.flow)  # shares the modules; plain attributes (graphs, streams) become its own
+        twin.flow._chain_streams = SideStreams()
+        twin.vocoder = copy.copy(self.vocoder)
+        twin.vocoder._modules = dict(self.vocoder._modules)  # so that a new generator does not replace ours
+        gen = getattr(self.vocoder, "generator", None)
+        if gen is not None and hasattr(gen, "_branch_streams"):
+            twin.vocoder.generator = copy.copy(gen)
+            twin.vocoder.generator._branch_streams = SideStreams()
+        twin.windowed = WindowedVocoder(twin.vocoder, self.cfg.stream)
+        if self.flow.graphs is not None:
+            twin._attach_graphs(self.flow.enc_graphs is not None, urgent=True)
+        return twin
+
+    def take_counts(self) -> SolveCounts:
+        """The counts since the last call (a round that runs meanwhile may land in either)."""
+        c, self.counts = self.counts, SolveCounts()
+        return c
+
+    def capture_graphs(self, max_batch: int, partial_chunks: bool = True) -> int:
+        """With CUDA graphs on, capture the graphs (encoder, Euler solve, HiFT vocoder) of full chunks and, with
+        `partial_chunks`, of every shorter last chunk (1..chunk-1 codes: one per answer; the encoder runs those
+        eagerly), for every batch bucket up to `max_batch` sessions now (seconds), instead of on first use inside an
+        answer (a capture stalls the codec worker for ~0.1-0.5 s). The encoder's graphs depend on the prompt's
+        length: those of the default voice are captured (other voices capture theirs on first use).
+        Returns graphs captured (0 without CUDA graphs)."""
+        st, r = self.cfg.stream, self.cfg.flow.token_mel_ratio
+        codes = range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,)
+        n = 0
+        if self.flow.enc_graphs is not None:
+            n += self.flow.enc_graphs.capture_steady_state(max_batch, self.prepared(self.default_voice).n_codes)
+        for g in (self.flow.graphs, getattr(self.vocoder, "graphs", None)):
+            if g is not None:
+                n += g.capture_steady_state(max_batch, [c * r for c in codes])
+        return n
+
+    @classmethod
+    def _load(cls, codec: str | Path, device: str | torch.device, vocoder: str, seed: int) -> CodecDecoder:
+        from engines.speech_out.presets import DECODER_PRESETS
+
+        if vocoder not in VOCODERS:
+            raise ConfigError(f"vocoder {vocoder!r} not one of {VOCODERS}")
+        device = torch.device(device)
+        if str(codec) in DECODER_PRESETS:
+            cfg = DECODER_PRESETS[str(codec)]
+            torch.manual_seed(seed)
+            flow, hift, big = build_modules(cfg, with_bigvgan=vocoder == "bigvgan")
+            voc = big if vocoder == "bigvgan" else hift
+            voc.fold_weight_norm()
+            voice = Voice.random(seed=1234, n_mels=cfg.flow.output_size, spk_dim=cfg.flow.spk_embed_dim)
+            return cls(cfg, flow.to(device), voc.to(device), f"preset {codec} (random weights)", voice)
+        root = Path(codec)
+        if not root.is_dir():
+            raise ConfigError(f"codec {codec!r} is neither a preset nor a directory")
+        cfg_file = root / "flow" / "decoder.json"
+        cfg = CodecDecoderConfig.from_json(cfg_file) if cfg_file.is_file() else CodecDecoderConfig()
+        flow_file = root / "flow" / "flow.pt"
+        if vocoder == "bigvgan":
+            hp_file = root / "bigvgan" / "config.json"
+            if not hp_file.is_file():
+                raise ConfigError(f"{root}: no BigVGAN vocoder (bigvgan/config.json) trained on the codec mel; "
+                                  f"use vocoder='hift' for the public codec")
+            try:
+                h = json.loads(hp_file.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{hp_file}: invalid JSON ({e})") from None
+            check_same_mel(cfg.flow.mel, _bigvgan_mel(h, str(hp_file)), f"bigvgan ({hp_file})")
+        flow, hift, big = build_modules(cfg, with_bigvgan=vocoder == "bigvgan")
+        load_checked(flow, read_state_dict(flow_file), str(flow_file))
+        if vocoder == "hift":
+            hift_file = root / "flow" / "hift.pt"
+            load_checked(hift.generator, read_state_dict(hift_file), str(hift_file), strip_prefix="generator.",
+                         weight_norm_aliases=True)
+            hift.fold_weight_norm()
+            voc: Vocoder = hift
+        else:
+            gen_file = root / "bigvgan" / "bigvgan_generator.pt"
+            if not gen_file.is_file():
+                raise CheckpointError(f"codec checkpoint {gen_file} does not exist")
+            raw = torch.load(gen_file, map_location="cpu", weights_only=True)
+            sd = raw.get("generator", raw) if isinstance(raw, dict) else raw
+            load_checked(big.generator, sd, str(gen_file))
+            big.fold_weight_norm()
+            voc = big
+        default_voice = Voice.empty(cfg.flow.output_size, cfg.flow.spk_embed_dim)
+        return cls(cfg, flow.to(device), voc.to(device), str(root), default_voice)
+
+    # ---- sessions ----------------------------------------------------------------------------------------
+    def prepared(self, voice: Voice) -> PreparedVoice:
+        pv = self._voices.get(voice.name)
+        if pv is None:
+            if voice.codes.shape[0] > self.cfg.stream.max_prompt_codes:
+                raise ConfigError(f"voice {voice.name}: prompt of {voice.codes.shape[0]} codes exceeds "
+                                  f"{self.cfg.stream.max_prompt_codes}")
+            validate_codes(voice.codes)
+            pv = self.flow.prepare_voice(voice.codes, voice.mel, voice.xvector)
+            self._voices[voice.name] = pv
+            while len(self._voices) > 32:
+                self._voices.popitem(last=False)
+        return pv
+
+    def open_stream(self, session_id: str, voice: Voice | None = None, seed: int = 0) -> DecodeStream:
+        voice = voice or self.default_voice
+        pv = self.prepared(voice)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        fs = self.flow.new_state(pv, gen)
+        vs = self.windowed.new_state(pv.mel, gen)
+        ready = None
+        if self.device.type == "cuda":  # the state may be decoded on another thread's stream: see DecodeStream.adopt
+            ready = torch.cuda.Event()
+            ready.record()
+        return DecodeStream(self, session_id, fs, vs, gen, ready=ready)
+
+    def decode(self, codes, voice: Voice | None = None, seed: int = 0) -> np.ndarray:
+        """Offline decode: the streaming algorithm over all codes in one call (same chunk schedule)."""
+        s = self.open_stream("offline", voice, seed)
+        s.add(codes)
+        out = [s._run(s.take_jobs()), s.finalize()]
+        s.close()
+        return np.concatenate(out)
+
+    # ---- batched chunk decoding --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_jobs(self, jobs: list[Job], between: Callable[[], None] | None = None) -> list[np.ndarray]:
+        """Decode jobs of distinct sessions together (grouped by chunk length). Returns PCM per job, in order.
+        `between` is called each time a piece of the GPU work is queued (the flow's encoder, each piece of its solve:
+        FlowModel.solve_parts), on this thread: the caller may wait there, e.g. to give the GPU to more urgent work
+        before queueing the rest (the vocoder follows the last piece)."""
+        if len({id(j.stream) for j in jobs}) != len(jobs):
+            raise ValueError("run_jobs takes at most one chunk per session (chunks of a session are sequential)")
+        for j in jobs:
+            j.stream.adopt()
+        results: list[np.ndarray | None] = [None] * len(jobs)
+        groups: dict[int, list[int]] = {}
+        for i, j in enumerate(jobs):
+            groups.setdefault(len(j.codes), []).append(i)
+        # Sessions of one voice and window length side by side: the flow copies their keys as one run (FlowModel._runs).
+        # Rows are independent, so the order changes no result.
+        for idx in groups.values():
+            idx.sort(key=lambda i: jobs[i].stream.flow_state.run_key())
+        la = self.cfg.flow.pre_lookahead
+        rendered = []  # (indices, jobs, the vocoder's windows on their way to the host) per chunk length
+        for n, idx in groups.items():
+            js = [jobs[i] for i in idx]
+            if n == 0:  # tail flush only
+                for i, j in zip(idx, js, strict=True):
+                    t = j.stream.voc_state.tail
+                    results[i] = t if t is not None else np.zeros(0, np.float32)
+                    j.stream.voc_state.tail = None
+                continue
+            rows = [j.codes + j.look + [0] * (la - len(j.look)) for j in js]
+            codes = torch.from_numpy(np.array(rows, dtype=np.int64))  # (numpy: ~3x faster than torch.tensor here)
+            gens = [j.stream.gen for j in js]
+            mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens,
+                                         between)
+            c = self.counts
+            c.solves += 1
+            c.partial += n < self.cfg.stream.chunk_codes
+            c.rows += len(js)
+            # (the solve's graphs exist only on CUDA, where every solve replays them)
+            c.padded_rows += self.flow.graphs.last_batch if self.flow.graphs is not None else len(js)
+            rendered.append((idx, js, self.windowed.render(mel, [j.stream.voc_state for j in js], gens)))
+        t0 = time.perf_counter()
+        wait_releasing_gil(self.device)  # every group's windows on the host
+        self.last_gpu_wait_s = time.perf_counter() - t0  # (load logs: how much of a call was the GPU's)
+        for idx, js, wav in rendered:
+            outs = self.windowed.finish(wav, [j.stream.voc_state for j in js], [j.final for j in js])
+            for i, o in zip(idx, outs, strict=True):
+                results[i] = o
+        pcm = [np.asarray(r, dtype=np.float32) for r in results]
+        for j, p in zip(jobs, pcm, strict=True):
+            j.stream.samples_out += p.shape[0]
+        return pcm

@@ -1,0 +1,317 @@
+"""Validation of client-provided session and response settings (OpenAI Realtime GA shape + our extension).
+
+Every unknown field is refused with its dotted name. Fields of the GA shape that this server does not
+implement (tools, transcription, noise reduction...) are accepted only with their "off" values, so a
+client that sends defaults works and a client that relies on a feature learns it is missing.
+Updates are atomic: on any error nothing changes.
+
+Extension `session.moss` (and `response.moss`):
+  {"sampling": {temperature, top_p, top_k, repetition_penalty, min_output_tokens, seed, greedy},
+   "voice_prompt": {"wav": "<base64 WAV file>"} | null}
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.protocol.messages import Sampling, number_in
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def _not_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _lone_surrogate(x: Any) -> bool:
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(x, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in x.items())
+    if isinstance(x, list):
+        return any(_lone_surrogate(v) for v in x)
+    return False
+
+
+def decode_client_event(text: str | bytes) -> dict[str, Any]:
+    """A client event's JSON text (a WebSocket frame, a data channel message) -> the event object.
+
+    ProtocolError `invalid_json` for text that is not strict JSON (NaN and Infinity are not JSON) or that escapes a
+    lone UTF-16 surrogate (valid JSON syntax, but no UTF-8 string: it could reach no engine message or log),
+    `invalid_event` for JSON that is not an object."""
+    try:
+        event = json.loads(text, parse_constant=_not_json_constant)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (bytes), NaN / Infinity
+        raise ProtocolError("invalid_json", f"message is not valid JSON: {e}") from None
+    # Only an escape can make a surrogate (UTF-8 text cannot carry one); base64 audio has no backslash.
+    if (b"\\u" in text if isinstance(text, bytes) else "\\u" in text) and _lone_surrogate(event):
+        raise ProtocolError("invalid_json", "message escapes a lone UTF-16 surrogate (\\ud800-\\udfff unpaired)")
+    if not isinstance(event, dict):
+        raise ProtocolError("invalid_event", "a client event must be a JSON object")
+    return event
+
+
+@dataclass(frozen=True)
+class TurnDetection:
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
+MAX_OUTPUT_TOKENS_DEFAULT = Sampling().max_new_tokens
+MAX_VOICE_PROMPT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    model: str = "moss-speech"
+    instructions: str | None = None
+    output_modalities: tuple[str, ...] = ("audio",)
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    voice: str | None = None
+    max_output_tokens: int | str = "inf"
+    sampling: Sampling = field(default_factory=Sampling)
+    voice_prompt_wav: bytes | None = None
+
+    def sampling_dict(self) -> dict[str, Any]:
+        s = self.sampling
+        return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "repetition_penalty": s.repetition_penalty, "min_output_tokens": s.min_new_tokens,
+                "seed": s.seed, "greedy": s.greedy}
+
+
+def _obj(v: Any, param: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ProtocolError("invalid_value", f"{param} must be an object", param)
+    return v
+
+
+def _keys(d: dict[str, Any], allowed: set[str], param: str) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        names = ", ".join(f"{param}.{k}" for k in unknown)
+        raise ProtocolError("unknown_parameter", f"unknown or unsupported field(s): {names}", f"{param}.{unknown[0]}")
+
+
+def _off(d: dict[str, Any], name: str, param: str, off_values: tuple[Any, ...]) -> None:
+    if name in d and d[name] not in off_values:
+        raise ProtocolError("unsupported_parameter", f"{param}.{name} is not supported by this server "
+                            f"(only {' or '.join(repr(v) for v in off_values)})", f"{param}.{name}")
+
+
+def _num(v: Any, param: str, lo: float, hi: float, *, integer: bool = False) -> Any:
+    if not number_in(v, lo, hi, integer=integer):
+        kind = "an integer" if integer else "a number"
+        raise ProtocolError("invalid_value", f"{param} must be {kind} in [{lo:g}, {hi:g}], got {v!r}", param)
+    return v
+
+
+def _bool(v: Any, param: str) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError("invalid_value", f"{param} must be true or false, got {v!r}", param)
+    return v
+
+
+def _format(v: Any, param: str) -> None:
+    f = _obj(v, param)
+    _keys(f, {"type", "rate"}, param)
+    if f.get("type", "audio/pcm") != "audio/pcm":
+        raise ProtocolError("unsupported_audio_format", f"{param}.type {f.get('type')!r} is not supported "
+                            "(only 'audio/pcm')", f"{param}.type")
+    if f.get("rate", 24000) != 24000:
+        raise ProtocolError("unsupported_audio_format", f"{param}.rate must be 24000", f"{param}.rate")
+
+
+def _turn_detection(v: Any, cur: TurnDetection | None, param: str) -> TurnDetection | None:
+    if v is None:
+        return None
+    td = _obj(v, param)
+    _keys(td, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+               "interrupt_response", "idle_timeout_ms"}, param)
+    if td.get("type") != "server_vad":
+        raise ProtocolError("unsupported_turn_detection", f"{param}.type {td.get('type')!r} is not supported "
+                            "(only 'server_vad' or turn_detection null)", f"{param}.type")
+    _off(td, "idle_timeout_ms", param, (None,))
+    base = cur or TurnDetection()
+    return TurnDetection(
+        threshold=float(_num(td.get("threshold", base.threshold), f"{param}.threshold", 0.0, 1.0)),
+        prefix_padding_ms=_num(td.get("prefix_padding_ms", base.prefix_padding_ms), f"{param}.prefix_padding_ms",
+                               0, 5000, integer=True),
+        silence_duration_ms=_num(td.get("silence_duration_ms", base.silence_duration_ms),
+                                 f"{param}.silence_duration_ms", 32, 10000, integer=True),
+        create_response=_bool(td.get("create_response", base.create_response), f"{param}.create_response"),
+        interrupt_response=_bool(td.get("interrupt_response", base.interrupt_response),
+                                 f"{param}.interrupt_response"),
+    )
+
+
+def _modalities(v: Any, param: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not v or any(x not in ("audio", "text") for x in v):
+        raise ProtocolError("invalid_value", f"{param} must be ['audio'] or ['text']", param)
+    # MOSS-Speech answers in one modality; audio answers carry their text as the transcript.
+    return ("audio",) if "audio" in v else ("text",)
+
+
+def _max_tokens(v: Any, param: str) -> int | str:
+    if v == "inf":
+        return "inf"
+    return _num(v, param, 1, 1 << 20, integer=True)
+
+
+def _sampling(v: Any, cur: Sampling, param: str) -> Sampling:
+    s = _obj(v, param)
+    _keys(s, {"temperature", "top_p", "top_k", "repetition_penalty", "min_output_tokens", "seed", "greedy"}, param)
+    out: dict[str, Any] = {}
+    if "temperature" in s:
+        out["temperature"] = float(_num(s["temperature"], f"{param}.temperature", 0.0, 10.0))
+    if "top_p" in s:
+        out["top_p"] = float(_num(s["top_p"], f"{param}.top_p", 1e-6, 1.0))
+    if "top_k" in s:
+        out["top_k"] = _num(s["top_k"], f"{param}.top_k", 0, 1 << 20, integer=True)
+    if "repetition_penalty" in s:
+        out["repetition_penalty"] = float(_num(s["repetition_penalty"], f"{param}.repetition_penalty", 1e-3, 10.0))
+    if "min_output_tokens" in s:
+        out["min_new_tokens"] = _num(s["min_output_tokens"], f"{param}.min_output_tokens", 0, 1 << 20, integer=True)
+    if "seed" in s:
+        out["seed"] = None if s["seed"] is None else _num(s["seed"], f"{param}.seed", 0, 2**63 - 1, integer=True)
+    if "greedy" in s:
+        out["greedy"] = _bool(s["greedy"], f"{param}.greedy")
+    return dataclasses.replace(cur, **out)
+
+
+def _voice_prompt(v: Any, param: str) -> bytes | None:
+    if v is None:
+        return None
+    vp = _obj(v, param)
+    _keys(vp, {"wav"}, param)
+    try:
+        raw = base64.b64decode(vp.get("wav") or "", validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise ProtocolError("invalid_audio", f"{param}.wav is not valid base64", f"{param}.wav") from None
+    if not raw.startswith(b"RIFF") or raw[8:12] != b"WAVE":
+        raise ProtocolError("invalid_audio", f"{param}.wav must be a WAV file", f"{param}.wav")
+    if len(raw) > MAX_VOICE_PROMPT_BYTES:
+        raise ProtocolError("invalid_audio", f"{param}.wav is larger than {MAX_VOICE_PROMPT_BYTES} bytes",
+                            f"{param}.wav")
+    return raw
+
+
+def _moss(v: Any, cfg: dict[str, Any], cur: SessionConfig, param: str) -> None:
+    mo = _obj(v, param)
+    _keys(mo, {"sampling", "voice_prompt"}, param)
+    if "sampling" in mo:
+        cfg["sampling"] = _sampling(mo["sampling"], cur.sampling, f"{param}.sampling")
+    if "voice_prompt" in mo:
+        cfg["voice_prompt_wav"] = _voice_prompt(mo["voice_prompt"], f"{param}.voice_prompt")
+
+
+def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
+    s = _obj(v, "session")
+    _keys(s, {"type", "object", "id", "model", "instructions", "output_modalities", "audio", "max_output_tokens",
+              "tools", "tool_choice", "tracing", "truncation", "prompt", "include", "expires_at", "moss"}, "session")
+    if s.get("type", "realtime") != "realtime":
+        raise ProtocolError("unsupported_session_type", "session.type must be 'realtime'", "session.type")
+    _off(s, "tools", "session", ([], None))
+    _off(s, "tool_choice", "session", ("auto", "none", None))
+    _off(s, "tracing", "session", (None,))
+    _off(s, "truncation", "session", ("auto", None))
+    _off(s, "prompt", "session", (None,))
+    _off(s, "include", "session", (None, []))
+    cfg: dict[str, Any] = {}
+    if "model" in s and s["model"] != cur.model:
+        raise ProtocolError("invalid_value", f"session.model cannot change (this server serves {cur.model!r})",
+                            "session.model")
+    if "instructions" in s:
+        if s["instructions"] is not None and not isinstance(s["instructions"], str):
+            raise ProtocolError("invalid_value", "session.instructions must be a string", "session.instructions")
+        cfg["instructions"] = s["instructions"] or None
+    if "output_modalities" in s:
+        cfg["output_modalities"] = _modalities(s["output_modalities"], "session.output_modalities")
+    if "max_output_tokens" in s:
+        cfg["max_output_tokens"] = _max_tokens(s["max_output_tokens"], "session.max_output_tokens")
+    if "audio" in s:
+        a = _obj(s["audio"], "session.audio")
+        _keys(a, {"input", "output"}, "session.audio")
+        if "input" in a:
+            i = _obj(a["input"], "session.audio.input")
+            _keys(i, {"format", "transcription", "noise_reduction", "turn_detection"}, "session.audio.input")
+            if "format" in i:
+                _format(i["format"], "session.audio.input.format")
+            _off(i, "transcription", "session.audio.input", (None,))
+            _off(i, "noise_reduction", "session.audio.input", (None,))
+            if "turn_detection" in i:
+                cfg["turn_detection"] = _turn_detection(i["turn_detection"], cur.turn_detection,
+                                                        "session.audio.input.turn_detection")
+        if "output" in a:
+            o = _obj(a["output"], "session.audio.output")
+            _keys(o, {"format", "voice", "speed"}, "session.audio.output")
+            if "format" in o:
+                _format(o["format"], "session.audio.output.format")
+            _off(o, "speed", "session.audio.output", (1, 1.0, None))
+            if "voice" in o:
+                # No named voices: the name is echoed; a voice prompt (session.moss.voice_prompt) sets the voice.
+                if o["voice"] is not None and not isinstance(o["voice"], str):
+                    raise ProtocolError("unsupported_parameter", "session.audio.output.voice must be a name; use "
+                                        "session.moss.voice_prompt for a custom voice", "session.audio.output.voice")
+                cfg["voice"] = o["voice"]
+    if "moss" in s:
+        _moss(s["moss"], cfg, cur, "session.moss")
+    return dataclasses.replace(cur, **cfg)
+
+
+def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
+    """Options of one response: {modality, sampling (engine Sampling), max_output_tokens, metadata}."""
+    r = {} if v is None else _obj(v, "response")
+    _keys(r, {"output_modalities", "max_output_tokens", "metadata", "conversation", "instructions", "audio",
+              "tools", "tool_choice", "input", "prompt", "moss"}, "response")
+    _off(r, "conversation", "response", ("auto", None))
+    _off(r, "tools", "response", ([], None))
+    _off(r, "tool_choice", "response", ("auto", "none", None))
+    _off(r, "prompt", "response", (None,))
+    _off(r, "input", "response", (None,))
+    if r.get("instructions") not in (None, cur.instructions):
+        raise ProtocolError("unsupported_parameter", "per-response instructions are not supported; "
+                            "set session.instructions with session.update", "response.instructions")
+    if "audio" in r:
+        a = _obj(r["audio"], "response.audio")
+        _keys(a, {"output"}, "response.audio")
+        o = _obj(a.get("output", {}), "response.audio.output")
+        _keys(o, {"format", "voice"}, "response.audio.output")
+        if "format" in o:
+            _format(o["format"], "response.audio.output.format")
+    metadata = r.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ProtocolError("invalid_value", "response.metadata must be an object", "response.metadata")
+    modality = (_modalities(r["output_modalities"], "response.output_modalities") if "output_modalities" in r
+                else cur.output_modalities)[0]
+    max_tokens = _max_tokens(r["max_output_tokens"], "response.max_output_tokens") if "max_output_tokens" in r \
+        else cur.max_output_tokens
+    sampling = cur.sampling
+    if "moss" in r:
+        mo = _obj(r["moss"], "response.moss")
+        _keys(mo, {"sampling"}, "response.moss")
+        if "sampling" in mo:
+            sampling = _sampling(mo["sampling"], sampling, "response.moss.sampling")
+    sampling = dataclasses.replace(
+        sampling, max_new_tokens=MAX_OUTPUT_TOKENS_DEFAULT if max_tokens == "inf" else int(max_tokens))
+    if sampling.min_new_tokens > sampling.max_new_tokens:
+        raise ProtocolError("invalid_value", "moss.sampling.min_output_tokens exceeds max_output_tokens",
+                            "max_output_tokens")
+    return {"modality": modality, "sampling": sampling, "max_output_tokens": max_tokens, "metadata": metadata}

@@ -1,0 +1,211 @@
+"""`GET /v1/realtime` WebSocket: the OpenAI Realtime event protocol over JSON text frames.
+
+Handshake refusals (HTTP status instead of an upgrade): bad Origin -> 403, missing or wrong API key
+-> 401, unknown `call_id` -> 404. After the upgrade:
+
+  close 1000  normal end (client closed, or session ended)
+  close 1001  server shutting down (after an `error` event `server_shutting_down`)
+  close 1008  client did not read its events (after an `error` event `slow_consumer`)
+  close 1009  a message larger than max_message_bytes
+  close 1011  engine process lost (after an `error` event `engine_unavailable`)
+  close 1013  too many sessions / engine restarting (after an `error` event `server_busy` /
+              `engine_unavailable`)
+
+`?model=` is accepted (the openai SDK always sends one) and not used: this server serves one model.
+`?call_id=` binds the socket to a WebRTC call's session as its control channel (events both ways, audio
+stays on the call's tracks); the call owns that session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from starlette.responses import PlainTextResponse
+
+from server import auth
+from server.session import server_events as ev
+from server.session.manager import SessionRefused
+
+log = logging.getLogger("server.ws")
+router = APIRouter()
+
+SEND_TIMEOUT_S = 5.0  # a final event or close frame that cannot be written in this time is abandoned
+
+
+async def _deny(ws: WebSocket, status: int, reason: str) -> None:
+    try:
+        await ws.send_denial_response(PlainTextResponse(reason, status_code=status))
+    except RuntimeError:  # server without the denial-response extension
+        await ws.close(code=1008, reason=reason)
+
+
+def _subprotocol(ws: WebSocket) -> str | None:
+    offered = auth.offered_subprotocols(ws.headers)
+    return "realtime" if "realtime" in offered else None
+
+
+@router.websocket("/v1/realtime")
+async def realtime(ws: WebSocket) -> None:
+    async with ws.app.state.sessions.transport():  # the drain waits for this socket's close frame
+        await _serve(ws)
+
+
+async def _serve(ws: WebSocket) -> None:
+    st = ws.app.state
+    settings = st.settings
+    if not auth.origin_ok(settings.allowed_origins, ws.headers.get("origin")):
+        await _deny(ws, 403, "origin not allowed")
+        return
+    if not auth.key_ok(settings.api_keys, auth.presented_key(ws.headers, ws.query_params)):
+        await _deny(ws, 401, "missing or invalid API key (Authorization: Bearer KEY)")
+        return
+    call_id = ws.query_params.get("call_id")
+    if call_id is not None:
+        await _control_socket(ws, call_id)
+        return
+    await ws.accept(subprotocol=_subprotocol(ws))
+    try:
+        session = st.sessions.create(audio_out="events")
+    except SessionRefused as e:
+        st.metrics.error(e.code)
+        await _send_and_close(ws, ev.error_event(e.code, e.message, etype="server_error"), 1013)
+        return
+    try:
+        await session.start()
+    except Exception as e:  # noqa: BLE001 - e.g. the engine went away or VAD failed to load
+        session.log.exception("session start failed")
+        await session.close("start_failed", 1011)
+        await _send_and_close(ws, ev.error_event("server_error", f"session could not start: {type(e).__name__}",
+                                                 etype="server_error"), 1011)
+        return
+    await _pump(ws, session, settings.max_message_bytes)
+
+
+async def _send_and_close(ws: WebSocket, event: dict[str, Any], code: int) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.send_text(json.dumps(event)), SEND_TIMEOUT_S)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(code=code), SEND_TIMEOUT_S)
+
+
+class _Reader:
+    """Client messages until `ended` completes: that interrupts the wait for the next message, never a
+    handler half-way. (Not a task and a wait per message: ~10 us each, at 50 messages per second per
+    session a tenth of a core at 256 sessions.)"""
+
+    def __init__(self, ws: WebSocket, ended: asyncio.Future[Any]) -> None:
+        self.ws = ws
+        self.ended = ended
+        self._me = asyncio.current_task()
+        self._waiting = False
+        ended.add_done_callback(self._interrupt)
+
+    def _interrupt(self, _: asyncio.Future[Any]) -> None:
+        if self._waiting and self._me is not None:
+            self._me.cancel()
+
+    async def receive(self) -> dict[str, Any] | None:
+        """The next ASGI message; None once `ended` has completed."""
+        if self.ended.done():
+            return None
+        self._waiting = True
+        try:
+            return await self.ws.receive()
+        except asyncio.CancelledError:
+            if self._me is None or not self.ended.done() or self._me.uncancel() > 0:  # cancelled from outside too
+                raise
+            return None
+        finally:
+            self._waiting = False
+
+
+async def _pump(ws: WebSocket, session: Any, max_bytes: int) -> None:
+    writer = asyncio.create_task(_writer(ws, session), name=f"ws-writer-{session.id}")
+    close_code: int | None = None
+    # The writer ends when the session closed elsewhere (engine lost, slow client, drain).
+    reader = _Reader(ws, writer)
+    try:
+        while not session.closed:
+            msg = await reader.receive()
+            if msg is None:
+                break
+            if msg["type"] == "websocket.disconnect":
+                await session.close("client_disconnected")
+                return
+            text = msg.get("text")
+            data = msg.get("bytes")
+            size = len(text.encode()) if text is not None else len(data or b"")
+            if size > max_bytes:
+                session.log.info("message of %d bytes over the limit of %d: closing 1009", size, max_bytes)
+                close_code = 1009
+                await session.close("message_too_big", 1009)
+                break
+            if text is None:
+                session._error("invalid_event", "binary frames are not supported; send JSON text events")
+                continue
+            await session.handle_client_text(text)
+    except WebSocketDisconnect:
+        await session.close("client_disconnected")
+        return
+    finally:
+        if not session.closed:
+            await session.close("transport_ended")
+    # Let the writer send what is queued (e.g. the error explaining the close), then close the socket.
+    with contextlib.suppress(asyncio.TimeoutError, Exception):
+        await asyncio.wait_for(asyncio.shield(writer), SEND_TIMEOUT_S)
+    writer.cancel()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(code=close_code or session.close_code), SEND_TIMEOUT_S)
+
+
+async def _writer(ws: WebSocket, session: Any) -> None:
+    while True:
+        item = await session.outbound.get()
+        if item is None:
+            return
+        try:
+            await ws.send_text(json.dumps(item))
+        except Exception:  # noqa: BLE001 - the peer went away; the reader sees the disconnect
+            return
+
+
+async def _control_socket(ws: WebSocket, call_id: str) -> None:
+    calls = getattr(ws.app.state, "calls", None)
+    call = calls.get(call_id) if calls is not None else None
+    if call is None:
+        relay = getattr(ws.app.state, "relay", None)  # under --workers: the call may be a sibling worker's
+        owner = relay.owner(call_id) if relay is not None else None
+        if owner is not None:
+            await relay.websocket(ws, owner, _deny)
+            return
+        await _deny(ws, 404, f"unknown call_id {call_id!r}")
+        return
+    await ws.accept(subprotocol=_subprotocol(ws))
+
+    async def sink(text: str) -> None:
+        await ws.send_text(text)
+
+    call.bind(sink)
+    ended = asyncio.ensure_future(call.session.wait_closed())
+    reader = _Reader(ws, ended)
+    try:
+        while True:
+            msg = await reader.receive()
+            if msg is None:  # the call's session ended (hangup, peer gone, engine lost): say so by closing
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(ws.close(code=call.session.close_code), SEND_TIMEOUT_S)
+                return
+            if msg["type"] == "websocket.disconnect":
+                return
+            if msg.get("text") is not None:
+                await call.session.handle_client_text(msg["text"])
+    except WebSocketDisconnect:
+        return
+    finally:
+        ended.cancel()
+        call.unbind(sink)

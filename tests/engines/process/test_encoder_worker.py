@@ -1,0 +1,486 @@
+"""The engine service's speech encoder worker (engines/process/encoder_worker.py): the same codes on its thread as
+inline and as one stream alone; a dropped turn leaves nothing behind; a failing encoder fails only its sessions'
+turns; and with the thread, the engine loop steps while an encoder call is still running."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engines.audio.wav import float32_to_pcm16
+from engines.config import EngineConfig
+from engines.lm.engine import Engine
+from engines.process.encoder_worker import Encoded, EncoderWorker
+from engines.process.service import Service
+from engines.process.tokenizer import StandInTokenizer
+from engines.protocol import messages as m
+from engines.speech_in import SpeechEncoder
+from tests.engines.speech_in.test_encoder import StepGate, speech_like
+
+
+@pytest.fixture(scope="module")
+def enc() -> SpeechEncoder:
+    return SpeechEncoder.load("tiny-random")
+
+
+def _wait(worker: EncoderWorker, timeout_s: float = 30.0) -> list[Encoded]:
+    """Every result until the worker is idle."""
+    out: list[Encoded] = []
+    deadline = time.monotonic() + timeout_s
+    while worker.busy() and time.monotonic() < deadline:
+        if not worker.threaded:
+            worker.run_due(flush=True)
+        out += worker.take_results()
+        time.sleep(0.001)
+    assert not worker.busy(), "the worker did not finish"
+    return out + worker.take_results()
+
+
+def _codes_by_key(results: list[Encoded]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for e in results:
+        assert not isinstance(e.codes, Exception), e.codes
+        out.setdefault(e.key, []).extend(e.codes)
+    return out
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded):
+    pcms = {k: speech_like(sec, seed=i) for i, (k, sec) in enumerate([("a", 1.3), ("b", 0.7), ("c", 2.0)])}
+    worker = EncoderWorker(enc, every_s=0.0, threaded=threaded)
+    results: list[Encoded] = []
+    for i in range(0, 32000, 1600):  # 100 ms pieces of every session
+        for k, pcm in pcms.items():
+            if i < pcm.size:
+                worker.append(k, pcm[i:i + 1600])
+        if not threaded:
+            worker.run_due()
+        results += worker.take_results()
+    for k in pcms:
+        assert worker.commit(k)
+    results += _wait(worker)
+    worker.close()
+    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    for k in pcms:  # one commit result per turn, after its other codes
+        mine = [e for e in results if e.key == k]
+        assert [e.commit for e in mine].count(True) == 1 and mine[-1].commit
+    assert not worker.commit("a")  # the turn ended with its commit
+    assert enc.runner.kv.in_use == 0  # every stream closed, its slot back
+
+
+def test_the_load_log_gets_each_kind_of_call_with_its_cpu_and_gpu_wait(enc):
+    worker = EncoderWorker(enc)
+    worker.append("a", speech_like(0.5, seed=1))
+    worker.append("b", speech_like(0.5, seed=2))
+    assert worker.run_due(flush=True)  # held audio of both in one call
+    worker.append("a", speech_like(0.2, seed=3))
+    assert worker.commit("a") and worker.run_due()
+    spans = worker.take_spans()
+    names = ("encode", "encode cpu", "encode gpu wait", "encode commits", "encode commits cpu",
+             "encode commits gpu wait")
+    assert set(spans) == set(names)
+    assert all(spans[k][0] == 1 for k in names)  # (count, seconds, max): one call of each kind
+    assert all(0 <= spans[k + " gpu wait"][1] <= spans[k][1] for k in ("encode", "encode commits"))
+    assert worker.take_spans() == {}
+
+
+def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
+    worker = EncoderWorker(enc)
+    assert not worker.commit("nobody")
+    worker.append("a", np.zeros(0, np.float32))  # an empty append opens a turn with no audio
+    assert worker.commit("a")
+    (e,) = _wait(worker)
+    assert (e.key, e.codes, e.commit) == ("a", [], True) and 0 < e.started <= e.at
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_dropped_turn_gives_no_more_results_and_frees_its_stream(enc, threaded):
+    gate = threading.Event()
+
+    class SlowEncoder:  # holds its call until the test drops the turn
+        def open_stream(self):
+            return enc.open_stream()
+
+        def batch(self, urgent=True):
+            gate.wait(10)
+            return enc.batch(urgent)
+
+    worker = EncoderWorker(SlowEncoder(), threaded=threaded)
+    worker.append("a", speech_like(0.5, seed=1))
+    worker.append("b", speech_like(0.5, seed=2))
+    if threaded:
+        deadline = time.monotonic() + 10
+        while not worker._running and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert worker._running  # the call is in flight ...
+        worker.drop("a")  # ... when a's turn is dropped
+        gate.set()
+    else:
+        gate.set()
+        worker.run_due(flush=True)
+        worker.drop("a")  # results produced but not yet taken go too
+    results = _wait(worker)
+    worker.close()
+    alone = enc.open_stream()
+    assert [e.key for e in results] == ["b"] and results[0].codes == alone.push(speech_like(0.5, seed=2))
+    alone.close()
+    worker.drop("b")
+    assert not worker.busy() and enc.runner.kv.in_use == 0
+
+
+def test_the_thread_survives_an_error_outside_the_encoders_calls(enc, monkeypatch):
+    """An error the worker did not expect (here, in taking the due work) fails every turn it holds, a committing one
+    as its commit's result, instead of killing the thread and leaving those sessions waiting; later turns encode."""
+    worker = EncoderWorker(enc, every_s=60.0, threaded=True)  # held audio is not due: only the commit runs
+    take = worker._take_due
+    broken = [True]
+
+    def take_due(now, flush):
+        if broken[0] and any(t.commit for t in worker._turns.values()):
+            broken[0] = False
+            raise MemoryError("no room for the audio")
+        return take(now, flush)
+
+    monkeypatch.setattr(worker, "_take_due", take_due)
+    worker.append("a", speech_like(0.4, seed=1))
+    worker.append("b", speech_like(0.4, seed=2))
+    assert worker.commit("a")
+    results = _wait(worker)
+    assert sorted((e.key, e.commit, type(e.codes).__name__) for e in results) == [
+        ("a", True, "MemoryError"), ("b", False, "MemoryError")]
+    assert worker._turns == {} and enc.runner.kv.in_use == 0  # their streams closed
+    worker.append("c", speech_like(0.4, seed=3))  # the thread lives on
+    assert worker.commit("c")
+    after = _wait(worker)
+    worker.close()
+    assert _codes_by_key(after) == {"c": enc.encode(speech_like(0.4, seed=3))}
+
+
+def test_every_committing_turn_fails_when_gathering_their_audio_fails(enc):
+    """Commits are taken out of the worker's turns before their audio is gathered: a failure there still fails every
+    one of them (none is left waiting for its commit's codes)."""
+    worker = EncoderWorker(enc, every_s=60.0, threaded=True)
+    for key in "ab":
+        worker.append(key, speech_like(0.2, seed=5))
+        worker.append(key, speech_like(0.2, seed=6)[None, :])  # a piece that cannot be joined to the first
+    for key in "ab":
+        assert worker.commit(key)
+    results = _wait(worker)
+    worker.close()
+    assert sorted((e.key, e.commit, type(e.codes).__name__) for e in results) == [
+        ("a", True, "ValueError"), ("b", True, "ValueError")]
+
+
+def test_a_stream_that_fails_to_close_does_not_stop_the_worker(enc):
+    class Stream:
+        def __init__(self) -> None:
+            self.inner = enc.open_stream()
+
+        def push(self, pcm):
+            return self.inner.push(pcm)
+
+        def finalize(self, last=None):
+            return self.inner.finalize(last)
+
+        def close(self) -> None:
+            self.inner.close()
+            raise RuntimeError("close failed")
+
+    class Encoder:
+        def open_stream(self):
+            return Stream()
+
+    worker = EncoderWorker(Encoder(), threaded=True)
+    for key in "ab":
+        worker.append(key, speech_like(0.4, seed=4))
+        assert worker.commit(key)
+        results = _wait(worker)
+        assert [(e.key, e.commit) for e in results][-1] == (key, True)
+        assert not any(isinstance(e.codes, Exception) for e in results)
+    worker.close()
+
+
+class BrokenEncoder:
+    """The tiny encoder, failing every call that includes a session whose audio is all at full scale."""
+
+    def __init__(self, enc: SpeechEncoder) -> None:
+        self.enc = enc
+
+    def open_stream(self):
+        return self.enc.open_stream()
+
+    def batch(self, urgent=True):
+        real = self.enc.batch(urgent)
+
+        class Batch:
+            def step(self, items):
+                if any(np.all(pcm > 0.99) for _, pcm in items if len(pcm)):
+                    raise RuntimeError("kernel failed")
+                return real.step(items)
+
+            def finalize(self, streams, last=None):
+                if last is not None and any(np.all(p > 0.99) for p in last if len(p)):
+                    raise RuntimeError("kernel failed")
+                return real.finalize(streams, last)
+        return Batch()
+
+
+def test_a_failed_call_fails_its_turns_only(enc):
+    worker = EncoderWorker(BrokenEncoder(enc))
+    worker.append("a", np.ones(3200, np.float32))
+    worker.append("b", speech_like(0.4, seed=3))
+    results = _wait(worker)
+    assert sorted(e.key for e in results) == ["a", "b"]
+    assert all(isinstance(e.codes, RuntimeError) and not e.commit for e in results)
+    assert enc.runner.kv.in_use == 0 and not worker.commit("a")  # both turns are over
+    worker.append("b", speech_like(0.4, seed=3))  # the session's next turn encodes as usual
+    assert worker.commit("b")
+    assert _codes_by_key(_wait(worker)) == {"b": enc.encode(speech_like(0.4, seed=3))}
+
+
+def _engine() -> Engine:
+    return Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+
+
+def test_service_on_the_thread_gives_the_same_conversation(enc):
+    """Two sessions speak, commit and are answered: with the encoder's calls on their thread the conversations,
+    messages and codes are those of the inline service."""
+    greedy = m.Sampling(greedy=True, max_new_tokens=6, min_new_tokens=6)
+
+    def run(threaded: bool):
+        svc = Service(_engine(), StandInTokenizer(), enc, None, encode_every_s=0.08, encoder_thread=threaded)
+        out = []
+        for sid in "ab":
+            out += svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+        speech = {sid: speech_like(1.2, seed=i) for i, sid in enumerate("ab")}
+        for i in range(0, 19200, 640):
+            for sid, pcm in speech.items():
+                out += svc.handle(b"c", m.AppendUserAudio(sid, float32_to_pcm16(pcm[i:i + 640])))
+            out += svc.step()
+        out += svc.handle_many([(b"c", msg) for sid in "ab" for msg in (
+            m.CommitUserAudio(sid, "i"), m.CreateResponse(sid, "r", "text", greedy))])
+        deadline = time.monotonic() + 60
+        while svc.has_work() and time.monotonic() < deadline:
+            out += svc.step()
+            time.sleep(0.0005)
+        svc._speech.close()
+        hist = [svc.engine.conversation_history(sid) for sid in "ab"]
+        final = {(type(x).__name__, x.session_id, getattr(x, "status", None)) for _, x in out
+                 if not isinstance(x, m.UserAudioProgress)}
+        return hist, final
+
+    inline = run(False)
+    threaded = run(True)
+    assert threaded[0] == inline[0] and threaded[0][0] != threaded[0][1]
+    assert threaded[1] == inline[1] and ("ResponseDone", "a", "incomplete") in inline[1]  # (max tokens)
+    assert not any(k[0] == "Error" for k in inline[1])
+
+
+def test_service_steps_while_a_commit_is_encoding(enc):
+    """With the thread, a commit's encoder call does not hold the engine loop: another session's answer keeps
+    stepping, and the committing session's CreateResponse waits for its last codes, then runs."""
+    gate = threading.Event()
+
+    class GatedStream:  # every call waits for the gate
+        def __init__(self) -> None:
+            self.stream = enc.open_stream()
+
+        def push(self, pcm):
+            gate.wait(30)
+            return self.stream.push(pcm)
+
+        def finalize(self, last=None):
+            gate.wait(30)
+            return self.stream.finalize(last)
+
+        def close(self) -> None:
+            self.stream.close()
+
+    class GatedEncoder:
+        def open_stream(self):
+            return GatedStream()
+
+    svc = Service(_engine(), StandInTokenizer(), GatedEncoder(), None, encoder_thread=True)
+    greedy = m.Sampling(greedy=True, max_new_tokens=40, min_new_tokens=40)
+    for sid in "ab":
+        svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+    svc.handle(b"c", m.AddUserText("b", "i", "hello"))
+    svc.handle(b"c", m.CreateResponse("b", "rb", "text", greedy))
+    svc.handle(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.5, seed=4))))
+    out = svc.handle_many([(b"c", m.CommitUserAudio("a", "i")), (b"c", m.CreateResponse("a", "ra", "text", greedy))])
+    assert not any(isinstance(x, m.ResponseStarted) for _, x in out)  # a's answer waits for its commit
+    assert svc.sessions["a"].commit_pending is not None and len(svc.sessions["a"].after_commit) == 1
+    steps_before = svc.engine.stats().steps
+    for _ in range(5):
+        out += svc.step()
+    assert svc.engine.stats().steps >= steps_before + 5  # b's answer stepped meanwhile
+    assert not any(isinstance(x, m.ResponseStarted) and x.session_id == "a" for _, x in out)
+    gate.set()
+    deadline = time.monotonic() + 60
+    while svc.has_work() and time.monotonic() < deadline:
+        out += svc.step()
+        time.sleep(0.0005)
+    svc._speech.close()
+    done = {x.session_id: x.status for _, x in out if isinstance(x, m.ResponseDone)}
+    assert done == {"a": "incomplete", "b": "incomplete"}  # (max tokens)
+    assert not any(isinstance(x, m.Error) for _, x in out)
+    assert svc.sessions["a"].commit_pending is None and svc.sessions["a"].after_commit == []
+
+
+def test_no_kv_slot_for_another_speaker_is_server_busy_for_that_session(enc):
+    """The speech encoder's pool full and unable to grow (PoolFullError): that session's turn fails with server_busy
+    and the reason; once a slot is back, its next turn is encoded."""
+    from engines.speech_in.slot_pool import PoolFullError
+
+    class FullEncoder:
+        full = True
+
+        def open_stream(self):
+            if self.full:
+                raise PoolFullError("too many streams speaking at once: all 2 of the speech encoder's KV slots ...")
+            return enc.open_stream()
+
+    full = FullEncoder()
+    svc = Service(_engine(), StandInTokenizer(), full, None)
+    svc.handle(b"c", m.OpenSession("a"))
+    out = svc.handle(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.3, seed=5))))
+    errors = [(x.code, x.message) for _, x in out if isinstance(x, m.Error)]
+    assert len(errors) == 1 and errors[0][0] == "server_busy"
+    assert "speech encoder failed: PoolFullError: too many streams speaking at once" in errors[0][1]
+    full.full = False
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.5, seed=6)))),
+                           (b"c", m.CommitUserAudio("a", "i"))])
+    assert not any(isinstance(x, m.Error) for _, x in out)
+    svc.handle(b"c", m.CloseSession("a"))
+    while svc.has_work():
+        svc.step()
+    assert enc.runner.kv.in_use == 0
+
+
+def test_service_reports_an_encoder_failure_and_keeps_the_session(enc):
+    """A call that fails: the sessions in it get an engine_error and their turns are dropped; the next turn of the
+    same session is encoded and answered."""
+    svc = Service(_engine(), StandInTokenizer(), BrokenEncoder(enc), None)
+    greedy = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
+    svc.handle(b"c", m.OpenSession("a", sampling=greedy))
+    svc.handle(b"c", m.OpenSession("b", sampling=greedy))
+    ones = float32_to_pcm16(np.ones(3200))
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", ones)),
+                           (b"c", m.AppendUserAudio("b", float32_to_pcm16(speech_like(0.3, seed=5))))])
+    errors = sorted((x.session_id, x.code) for _, x in out if isinstance(x, m.Error))
+    assert errors == [("a", "engine_error"), ("b", "engine_error")]
+    assert all("speech encoder failed" in x.message for _, x in out if isinstance(x, m.Error))
+    out = svc.handle(b"c", m.CommitUserAudio("a", "i"))  # nothing left of the failed turn
+    assert [(type(x).__name__, x.code) for _, x in out] == [("Error", "invalid_request")]
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", float32_to_pcm16(speech_like(0.5, seed=6)))),
+                           (b"c", m.CommitUserAudio("a", "i")), (b"c", m.CreateResponse("a", "r", "text", greedy))])
+    while svc.has_work():
+        out += svc.step()
+    assert [x.status for _, x in out if isinstance(x, m.ResponseDone)] == ["incomplete"]  # (max tokens)
+    # Two commits in one call, one of them at full scale: both fail with the encoder's error and their turns (already
+    # partly in the engine) are dropped; each session's next message runs as usual.
+    speech = float32_to_pcm16(speech_like(0.5, seed=7))
+    svc.handle_many([(b"c", m.AppendUserAudio("a", speech)), (b"c", m.AppendUserAudio("b", speech))])
+    assert svc.sessions["a"].active is not None and svc.sessions["a"].active.audio_open  # prefilling a's turn
+    out = svc.handle_many([(b"c", m.AppendUserAudio("a", ones)), (b"c", m.CommitUserAudio("a", "i")),
+                           (b"c", m.CommitUserAudio("b", "i")), (b"c", m.AddUserText("a", "i2", "hi")),
+                           (b"c", m.CreateResponse("a", "r2", "text", greedy))])
+    assert sorted((x.session_id, x.code) for _, x in out if isinstance(x, m.Error)) == [("a", "engine_error"),
+                                                                                      ("b", "engine_error")]
+    while svc.has_work():
+        out += svc.step()
+    assert [(x.response_id, x.status) for _, x in out if isinstance(x, m.ResponseDone)] == [("r2", "incomplete")]
+    for sid in "ab":
+        svc.handle(b"c", m.CloseSession(sid))
+    while svc.has_work():
+        svc.step()
+    st = svc.engine.stats()
+    assert st.free_blocks == st.total_blocks and enc.runner.kv.in_use == 0
+
+
+def test_user_audio_and_commits_during_a_step_go_to_the_encoder_the_rest_after_it(enc):
+    """Service.handle_early (messages that arrive while the engine waits for a step): user audio and commits reach the
+    encoder's thread at once; anything touching the engine, a commit with nothing to finalize, a message of another
+    client's or an unknown session, and every later message of a session with one put off, wait, in order. Handling
+    them so gives the same conversations as handling them all after the step."""
+    greedy = m.Sampling(greedy=True, max_new_tokens=12, min_new_tokens=12)
+    speech = {sid: float32_to_pcm16(speech_like(0.6, seed=i)) for i, sid in enumerate("ab")}
+
+    def service(threaded: bool) -> Service:
+        svc = Service(_engine(), StandInTokenizer(), enc, None, encoder_thread=threaded)
+        for sid in "abc":
+            svc.handle(b"c", m.OpenSession(sid, sampling=greedy))
+        svc.handle(b"x", m.OpenSession("x", sampling=greedy))
+        return svc
+
+    svc = service(True)
+    items = [(b"c", m.AppendUserAudio("a", speech["a"])), (b"c", m.CommitUserAudio("a", "i")),
+             (b"c", m.AppendUserAudio("a", speech["b"])),  # after a's commit: waits for it, as in handle_many
+             (b"c", m.CreateResponse("a", "ra", "audio", greedy)),  # the engine's: after the step
+             (b"c", m.AppendUserAudio("a", speech["b"])),  # behind the one put off
+             (b"c", m.AppendUserAudio("x", speech["b"])),  # another client's session
+             (b"c", m.CommitUserAudio("c", "i")),  # nothing to finalize: the engine ends the turn
+             (b"c", m.AppendUserAudio("c", speech["a"])), (b"c", m.Ping(1)),
+             (b"c", m.AppendUserAudio("b", speech["b"]))]
+    later = svc.handle_early(items)
+    assert later == items[3:9]
+    assert svc.sessions["a"].commit_pending is not None and len(svc.sessions["a"].after_commit) == 1
+    assert svc._speech.holding("b") or svc._speech.busy()
+    svc._speech.close()
+    assert service(False).handle_early(items) == items  # without the encoder's thread: all after the step
+
+    def converse(early: bool) -> tuple[list, list]:
+        svc = service(True)
+        turns = [[(b"c", m.AppendUserAudio(sid, speech[sid])), (b"c", m.CommitUserAudio(sid, "i")),
+                  (b"c", m.CreateResponse(sid, "r" + sid, "audio", greedy))] for sid in "ab"]
+        out = []
+        for turn in turns:
+            out += svc.handle_many(svc.handle_early(turn) if early else turn)
+            for _ in range(3):
+                out += svc.step()
+        deadline = time.monotonic() + 60
+        while svc.has_work() and time.monotonic() < deadline:
+            out += svc.step()
+            time.sleep(0.0005)
+        svc._speech.close()
+        done = sorted((x.session_id, x.status, x.output_rows) for _, x in out if isinstance(x, m.ResponseDone))
+        return [svc.engine.conversation_history(sid) for sid in "ab"], done
+
+    early = converse(True)
+    assert early == converse(False)
+    assert [sid for sid, _, rows in early[1]] == ["a", "b"] and early[1][0][2] == 12 and early[0][0] != early[0][1]
+
+
+def _results_until(worker: EncoderWorker, done, timeout_s: float) -> list[Encoded]:
+    """Results as they come, until `done(results)` or the timeout."""
+    out: list[Encoded] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(out) and time.monotonic() < deadline:
+        out += worker.take_results()
+        time.sleep(0.002)
+    return out
+
+
+def test_a_commit_during_a_held_call_waits_for_it(enc, monkeypatch):
+    """A session's commit that arrives while a call of other sessions' held audio is in flight is encoded after that
+    call (one call at a time on the worker's thread). Codes equal each session alone."""
+    enc.reserve(8)  # (a commit's new stream must not wait for a growth of the pool, which waits for the held call)
+    gate = StepGate(monkeypatch, enc)
+    worker = EncoderWorker(enc, every_s=0.0, threaded=True)
+    pcms = {k: speech_like(0.6, seed=40 + i) for i, k in enumerate("abc")}
+    worker.append("a", pcms["a"])
+    worker.append("b", pcms["b"])
+    assert gate.inside.wait(10)  # a call of held audio waits in the encoder
+    worker.append("c", pcms["c"])
+    assert worker.commit("c")
+    assert _results_until(worker, lambda out: bool(out), 0.5) == []
+    gate.gate.set()
+    for k in "ab":
+        assert worker.commit(k)
+    results = _wait(worker)
+    worker.close()
+    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    assert enc.runner.kv.in_use == 0

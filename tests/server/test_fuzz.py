@@ -1,0 +1,229 @@
+"""Client events at volume: malformed ones (valid templates with fields deleted, replaced by values of the wrong
+type or range - NaN, 2**63, lone surrogates, huge strings - or added), and real speech under server_vad with turn
+and answer events thrown in at random. Every error is of the client-mistake kind (never `server_error`), the server
+logs no exception, no session is closed, each still answers afterwards, and the engine (the fake one, and the real
+one on the CPU) ends idle with every KV block free. Seeds are fixed."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import websockets
+
+from server.audio.pcm import float32_to_pcm16, read_wav
+from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, tiny_settings, user_text
+from tests.server.transports.webrtc_support import SPEECH_WAV
+
+SESSIONS = 6
+EVENTS = 250
+
+# What a malformed event may be refused with (client mistakes; README "Errors").
+CLIENT_CODES = {
+    "invalid_json", "unknown_event", "unknown_parameter", "unsupported_parameter", "invalid_value", "invalid_audio",
+    "invalid_item", "unsupported_item_type", "unsupported_content_type", "unsupported_session_type",
+    "unsupported_audio_format", "unsupported_turn_detection", "input_audio_buffer_commit_empty",
+    "input_audio_buffer_too_large", "input_audio_buffer_not_empty", "conversation_already_has_active_response",
+    "response_cancel_not_active",
+    "item_truncate_invalid_item_id", "item_truncate_invalid_content_index", "item_truncate_invalid_audio_end_ms",
+}
+
+
+def _tone_b64(samples: int = 2400) -> str:
+    return base64.b64encode((np.sin(np.arange(samples) / 5.0) * 8000).astype("<i2").tobytes()).decode()
+
+
+TEMPLATES: list[dict[str, Any]] = [
+    {"type": "session.update", "session": {
+        "type": "realtime", "instructions": "be brief", "max_output_tokens": 20, "output_modalities": ["audio"],
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": {
+            "type": "server_vad", "threshold": 0.5, "silence_duration_ms": 300, "prefix_padding_ms": 300}},
+            "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "alloy"}},
+        "moss": {"sampling": {"temperature": 0.6, "top_k": 20, "seed": 1}}}},
+    {"type": "input_audio_buffer.append", "audio": _tone_b64()},
+    {"type": "input_audio_buffer.commit"},
+    {"type": "input_audio_buffer.clear"},
+    {"type": "response.create", "response": {"output_modalities": ["audio"], "max_output_tokens": 5,
+                                             "moss": {"sampling": {"top_p": 0.9}}}},
+    {"type": "response.cancel"},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "hi"}]}},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": _tone_b64()}]}},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "ok"}]}},
+    {"type": "conversation.item.truncate", "item_id": "item_x", "content_index": 0, "audio_end_ms": 100},
+]
+ODD_VALUES: list[Any] = [None, True, -1, 0, 2 ** 63, 1e308, float("nan"), float("inf"), "", "x" * 5000, [], [1, 2], {},
+                         {"a": {"b": []}}, "\ud800", "\x00", -0.0, 3.5, "audio/pcmu", "server_vad"]
+
+
+def _mutate(obj: Any, rng: random.Random) -> Any:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            r = rng.random()
+            if r < 0.1:
+                continue
+            out[k] = rng.choice(ODD_VALUES) if r < 0.3 else _mutate(v, rng)
+        if rng.random() < 0.1:
+            out[rng.choice(["zzz", "type", "event_id", "session", "response", "item"])] = rng.choice(ODD_VALUES)
+        return out
+    if isinstance(obj, list):
+        return [_mutate(x, rng) for x in obj] if obj and rng.random() < 0.8 else rng.choice(ODD_VALUES + [obj * 3])
+    return obj if rng.random() < 0.7 else rng.choice(ODD_VALUES)
+
+
+def _frame(event: dict[str, Any]) -> str:
+    # NaN / Infinity are not JSON; the server must refuse them like any other malformed text.
+    return json.dumps(event, allow_nan=True)
+
+
+async def _reading(ws: Any, events: list[dict[str, Any]]) -> asyncio.Task:
+    async def read() -> None:
+        async for message in ws:
+            events.append(json.loads(message))
+
+    return asyncio.create_task(read())
+
+
+async def _still_answers(ws: Any, events: list[dict[str, Any]], reader: asyncio.Task) -> None:
+    """Back to a known state (no VAD, no answer, empty input buffer), then one answer must still come."""
+    await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    await send(ws, "response.cancel")
+    await send(ws, "input_audio_buffer.clear")
+    # The server takes a session's events in order, and on a loaded CPU it may still be working through the fuzzed
+    # ones (answers created and cancelled among them) a second after they were sent: this item's
+    # conversation.item.added says it has taken them all.
+    mark = "item_still_answers"
+    await send(ws, "conversation.item.create", item={"id": mark, "type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "are you still there"}]})
+
+    def settled() -> bool:  # every event taken, and every answer started has ended (a cancel takes a while)
+        kinds = [e["type"] for e in events]
+        return any(e["type"] == "conversation.item.added" and e["item"]["id"] == mark for e in events) and (
+            kinds.count("response.created") == kinds.count("response.done"))
+
+    calm = 0  # polls in a row with nothing in flight (an automatic answer may follow a cancelled one)
+    for _ in range(300):
+        await asyncio.sleep(0.1)
+        calm = calm + 1 if settled() else 0
+        if calm == 5:
+            break
+    assert calm == 5, [e["type"] for e in events[-5:]]
+    reader.cancel()
+    try:
+        await reader
+    except (asyncio.CancelledError, websockets.ConnectionClosed):
+        pass
+    await send(ws, "response.create", response={"output_modalities": ["text"], "max_output_tokens": 8})
+    done = await recv_until(ws, "response.done", timeout=60)
+    events.extend(done)
+    created = [e["response"]["id"] for e in done if e["type"] == "response.created"]
+    assert created == [done[-1]["response"]["id"]], [e["type"] for e in done]  # this answer's end, nothing else's
+    # An answer: whole, or cut at max_output_tokens (the real engine's random weights rarely end by themselves).
+    assert done[-1]["response"]["status"] in ("completed", "incomplete"), done[-3:]
+
+
+async def _fuzz_one(url: str, seed: int) -> tuple[list[dict[str, Any]], int | None]:
+    rng = random.Random(seed)
+    async with websockets.connect(url, max_size=None) as ws:
+        assert (await recv_event(ws))["type"] == "session.created"
+        events: list[dict[str, Any]] = []
+        reader = await _reading(ws, events)
+        for _ in range(EVENTS):
+            template = rng.choice(TEMPLATES)
+            await ws.send(_frame(_mutate(template, rng) if rng.random() < 0.85 else template))
+            if rng.random() < 0.05:
+                await asyncio.sleep(0.02)
+        await _still_answers(ws, events, reader)
+        return events, ws.close_code
+
+
+async def _speak_chaotically(url: str, seed: int, speech: np.ndarray, seconds: float
+                             ) -> tuple[list[dict[str, Any]], int | None]:
+    """Real speech at about real time in odd chunk sizes (server_vad), with commits, clears, cancels, answers,
+    truncations and turn-detection changes thrown in at random."""
+    rng = random.Random(seed)
+    signal = np.concatenate([speech, np.zeros(24000, np.float32), 0.5 * speech, np.zeros(30000, np.float32)])
+    async with websockets.connect(url, max_size=None) as ws:
+        assert (await recv_event(ws))["type"] == "session.created"
+        events: list[dict[str, Any]] = []
+        reader = await _reading(ws, events)
+        await send(ws, "session.update", session={"type": "realtime", "max_output_tokens": 10, "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "silence_duration_ms": rng.choice([200, 400, 800])}}}})
+        pos, end = 0, asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < end:
+            r = rng.random()
+            if r < 0.75:
+                n = rng.choice([7, 240, 480, 960, 2400, 4800])
+                chunk = np.take(signal, np.arange(pos, pos + n), mode="wrap")
+                pos += n
+                await send(ws, "input_audio_buffer.append", audio=base64.b64encode(float32_to_pcm16(chunk)).decode())
+                await asyncio.sleep(n / 24000 * rng.choice([0.3, 1.0, 1.0, 2.0]))
+            elif r < 0.8:
+                await send(ws, "input_audio_buffer.clear")
+            elif r < 0.85:
+                await send(ws, "input_audio_buffer.commit")
+            elif r < 0.88:
+                await send(ws, "response.cancel")
+            elif r < 0.91:
+                await send(ws, "response.create")
+            elif r < 0.93:
+                await send(ws, "conversation.item.truncate", item_id="item_x", content_index=0,
+                           audio_end_ms=rng.randint(0, 3000))
+            elif r < 0.96:
+                td = rng.choice([None, {"type": "server_vad"}, {"type": "server_vad", "create_response": False},
+                                 {"type": "server_vad", "interrupt_response": False}])
+                await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {
+                    "turn_detection": td}}})
+            else:
+                await user_text(ws, "hello")
+        await _still_answers(ws, events, reader)
+        return events, ws.close_code
+
+
+def _assert_only_client_errors(results: list[tuple[list[dict[str, Any]], int | None]]) -> None:
+    for events, close_code in results:
+        assert close_code in (None, 1000)  # closed by this client at the end, never by the server
+        codes = [e["error"]["code"] for e in events if e["type"] == "error"]
+        assert codes, "the session drew no error at all"
+        assert set(codes) <= CLIENT_CODES, sorted(set(codes) - CLIENT_CODES)
+
+
+async def _assert_engine_idle(srv: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    st = await srv.wait_engine_idle(60)
+    assert st["sessions"] == 0 and st["running"] == 0 and st["kv_free"] == st["kv_total"], st
+    assert srv.health().json()["sessions"] == 0
+    raised = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not raised, [r.getMessage() for r in raised]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("engine", ["fake", "tiny-random"])
+async def test_malformed_events_get_client_errors_and_leave_nothing_behind(caplog, engine):
+    caplog.set_level(logging.ERROR)  # the real engine on a CPU logs slow steps as warnings
+    limits = {"max_sessions": SESSIONS + 1, "max_message_bytes": 256 * 1024}
+    with RunningServer(fake_settings(**limits) if engine == "fake" else tiny_settings(**limits)) as srv:
+        _assert_only_client_errors(await asyncio.gather(*(_fuzz_one(srv.ws, seed) for seed in range(SESSIONS))))
+        await _assert_engine_idle(srv, caplog)
+
+
+@pytest.mark.timeout(240)
+async def test_speech_with_random_turn_events_on_the_real_engine(caplog):
+    """server_vad turns on real speech, interleaved with every turn and answer event at random: only client
+    errors (a response.create mid-speech used to fail inside the engine as a server error), and still nothing
+    left behind."""
+    caplog.set_level(logging.ERROR)
+    speech, _ = read_wav(SPEECH_WAV, target_rate=24000)
+    with RunningServer(tiny_settings(max_sessions=4)) as srv:
+        results = await asyncio.gather(*(_speak_chaotically(srv.ws, seed, speech, 8.0) for seed in range(3)))
+        _assert_only_client_errors(results)
+        assert any(e["type"] == "input_audio_buffer.speech_started" for events, _ in results for e in events)
+        await _assert_engine_idle(srv, caplog)
