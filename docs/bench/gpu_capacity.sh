@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # GPU capacity run: server with full-size random weights + capacity sweep against it (run from repo root).
+# The engine runs with --max-running 128 --max-model-len 4096, set as MOSS_MAX_RUNNING / MOSS_MAX_MODEL_LEN (give
+# those variables to change them).
 # The vocoder is HiFT (CUDA graphs) unless CAP_VOCODER=bigvgan (the bigvgan package's generator, eager).
 # CAP_WORKERS: server processes (default 4: one process's loop fell behind real time from ~140 sessions on an H200
 # host, VAD commits 1.6 s late at 172; docs/operations.md, Workers).
-# CAP_KV_GIB: the language model's KV pool in GiB (default auto: what the GPU has free after the codec and the
-# weights, less a headroom).
-# CAP_ENGINE_ARGS: more engine options, space-separated (e.g. "--fp8-weights --encoder-tf32").
+# CAP_KV_GIB: the language model's KV pool in GiB (MOSS_KV_CACHE_GIB; default auto: what the GPU has free after the
+# codec and the weights, less a headroom).
+# CAP_ENCODE_MS: the speech encoder's interval for held audio (MOSS_ENCODE_EVERY_MS; default 80).
+# CAP_ENGINE_ARGS: more engine options, as `moss-speech serve` flags (e.g. "--fp8-weights --encoder-tf32"); a flag
+# wins over its MOSS_* variable.
 # MOSS_TUNING_FILE=PATH (passed on to the engine): serve the GEMM tilings kept in PATH, so both servers of an A/B pair
 # run the same tilings; the engine tunes and adds the shapes the file lacks. Without it the shipped picks
 # (engines/kernels/tunings.json: the fastest of four starts on an H100 by `gpu_tuning_pick.sh`) serve where they have
@@ -14,11 +18,12 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1  # server wheels carried to the GPU box in .whl/ (git-ignored; made by docs/bench/gpu_wheels.sh)
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}  # kernels compiled after start-up are listed below
-export MOSS_MAX_SESSIONS=${MOSS_MAX_SESSIONS:-288} MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning}  # info: per-response server TTFA for stage_marks.py
-EXTRA=""; for a in ${CAP_ENGINE_ARGS:-}; do EXTRA="$EXTRA,\"$a\""; done
-export MOSS_ENGINE_COMMAND="[\"python3\",\"-m\",\"engines.process.main\",\"--model\",\"full-random\",\"--codec\",\"full-random\",\"--device\",\"cuda\",\"--kv-cache-gib\",\"${CAP_KV_GIB:-auto}\",\"--max-running\",\"128\",\"--max-model-len\",\"4096\",\"--encode-every-ms\",\"${CAP_ENCODE_MS:-80}\",\"--vocoder\",\"${CAP_VOCODER:-hift}\"$EXTRA]"
-python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --host 127.0.0.1 --port 8000 \
-  --workers ${CAP_WORKERS:-4} > $OUT/server.log 2>&1 &
+export MOSS_MAX_SESSIONS=${MOSS_MAX_SESSIONS:-288} MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning}  # info: per-response server TTFA for engines.profiling.stage_marks
+export MOSS_MAX_RUNNING=${MOSS_MAX_RUNNING:-128} MOSS_MAX_MODEL_LEN=${MOSS_MAX_MODEL_LEN:-4096} \
+  MOSS_KV_CACHE_GIB=${CAP_KV_GIB:-auto} MOSS_ENCODE_EVERY_MS=${CAP_ENCODE_MS:-80}
+# shellcheck disable=SC2086  # CAP_ENGINE_ARGS is a list of serve flags
+python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --vocoder "${CAP_VOCODER:-hift}" \
+  --host 127.0.0.1 --port 8000 --workers "${CAP_WORKERS:-4}" ${CAP_ENGINE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for i in $(seq 1 300); do  # (start-up: ~70 s on an H200, 164 s on an H100 with a cold Triton cache)
   curl -sf http://127.0.0.1:8000/health > /dev/null && break; grep -q "engine did not start" $OUT/server.log && break
@@ -30,7 +35,7 @@ timeout ${CAP_TIMEOUT:-420} python3 -m moss_speech.cli bench capacity --url http
   --turns 2 --ramp 16 --max-output-tokens 50 --level-duration ${CAP_LEVEL_S:-60} --json $OUT/capacity.json $PLOTS ${CAP_ARGS:-} 2>&1 | tail -40
 BENCH_RC=${PIPESTATUS[0]}
 # A sweep cut off by CAP_TIMEOUT may have stalled: every engine thread's stack (faulthandler on SIGUSR1) to the log.
-[ "$BENCH_RC" = 124 ] && { echo "capacity sweep cut off by CAP_TIMEOUT: engine stacks in server.log"; pkill -USR1 -f '^python3 -m engines[.]service[.]process'; }
+[ "$BENCH_RC" = 124 ] && { echo "capacity sweep cut off by CAP_TIMEOUT: engine stacks in server.log"; pkill -USR1 -P "$SERVER" -f 'engines[.]process[.]main'; }
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> $OUT/server.log 2>&1; sleep 1
 kill $SERVER; sleep 3; tail -5 $OUT/server.log
 echo "Triton kernels compiled while serving (each one stalls its caller):"

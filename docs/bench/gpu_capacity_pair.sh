@@ -4,7 +4,7 @@
 # (engine start 70-165 s, then the level), so two fit one call; run the reverse order in the next call for ABBA.
 #   PAIR_ORDER="A B"          the runs, by label (a label may repeat: "A B A")
 #   PAIR_A / PAIR_B ...       environment of that label's server, e.g. "MOSS_TUNING_FILE=/tmp/tuning.json"
-#   PAIR_A_ARGS ...           engine options of that label's server, after CAP_ENGINE_ARGS (e.g. "--encoder-tf32")
+#   PAIR_A_ARGS ...           engine options of that label's server (serve flags), after CAP_ENGINE_ARGS (e.g. "--encoder-tf32")
 #   PAIR_A_TREE ...           run that label from another tree (a directory holding an older checkout's engines/,
 #                             server/, moss_speech/, client_web/ and docs/bench/, e.g. `git archive` into .probe/old);
 #                             its .whl and the load test's speech sample are taken from this tree
