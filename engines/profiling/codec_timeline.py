@@ -6,7 +6,7 @@ synchronisation between them: a CUDA event on the current stream beside the host
 and around the wait for a round's PCM, and host-clock marks around the host's steps (the job pick, the chunk
 inputs, the prefix fills, the vocoder's windows, the crossfade). Printed as the median over steady-state steps of each
 mark's host and GPU time since the step began: where a mark's GPU time is about its host time the GPU was waiting for
-the host there. A development tool (docs/PERF_NOTES.md, sessions 44-46), not the server.
+the host there.
 """
 
 from __future__ import annotations

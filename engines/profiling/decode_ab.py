@@ -2,10 +2,10 @@
 
 Each variant (e.g. `pdl=1,attn_preload=0,tails=0`) sets programmatic dependent launch (engines/kernels/pdl.py) and
 the two tails side by side (engines/lm/model/moss.py) on or off (each on unless given), the decode attention's preload
-limit and its split counts and tilings (`attn=0`: those before session 42, engines/kernels/lm/paged_decode.py), and
+limit and its split counts and tilings (`attn=0`: as served until 2026-11-27, engines/kernels/lm/paged_decode.py), and
 recaptures the decode graphs; each then times the graph replay alone and a loop of engine steps (each may launch the
 next before reading its tokens) at each batch size. Variants alternate over several rounds, so drift of the machine
-shows as spread, not as a difference. A development tool for docs/PERF_NOTES.md.
+shows as spread, not as a difference.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from moss_speech.commands.bench_engine import (
     weight_bytes,
 )
 
-# The decode attention before session 42 (`attn=0`): two programs an SM, 64-row tiles at every split count, the
+# The decode attention served until 2026-11-27 (`attn=0`): two programs an SM, 64-row tiles at every split count, the
 # merge after one split too.
 _ATTN_OLD = {"PROGRAMS_PER_SM": 2, "TILING_MANY_SPLITS": (64, 4, 2), "TILING_WIDE": (64, 4, 2),
              "MERGE_ONE_SPLIT": True}

@@ -5,9 +5,8 @@ Splits one steady-state 5-code chunk, decoded in a round as the server's codec w
 synchronised around each, counts the kernels of one eager estimator call, and optionally times the Euler
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
 programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
-cuBLAS or on codec_fused.linear, and the streaming-size conv kernel on or off; `--tiles` per tiling of the
-streaming-size kernels (codec_fused.StreamTiles); `--chains` per number of estimator chains side by side.
-A development tool for docs/PERF_NOTES.md, not the server.
+cuBLAS or on flow_fused.linear, and the streaming-size conv kernel on or off; `--tiles` per tiling of the
+streaming-size kernels (flow_fused.StreamTiles); `--chains` per number of estimator chains side by side.
 """
 
 from __future__ import annotations
@@ -207,7 +206,7 @@ def _tile_variants():
 
 
 def _tiles(dec, batches: list[int], reps: int) -> None:
-    """The solve graph per StreamTiles variant (codec_fused.STREAM_TILES), same inputs for each."""
+    """The solve graph per StreamTiles variant (flow_fused.STREAM_TILES), same inputs for each."""
     from engines.kernels.speech_out import flow_fused as k
 
     served = k.STREAM_TILES

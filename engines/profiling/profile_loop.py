@@ -2,7 +2,7 @@
 
 Per batch size: the step time of a loop of engine steps, the GPU's busy and idle time in that loop (kernel spans
 from the torch profiler; idle = no kernel or copy running), the host functions that cost the most (cProfile of the
-same loop), and optionally a chrome trace. A development tool for docs/PERF_NOTES.md.
+same loop), and optionally a chrome trace.
 """
 
 from __future__ import annotations

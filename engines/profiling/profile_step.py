@@ -4,7 +4,6 @@ Prints the split between the captured graph, the host work around it, and a pref
 `--ncu` instead replays the decode step's graph once between cudaProfilerStart and Stop, for Nsight Compute to time
 each kernel node (torch.profiler's kernel lists of graph replays did not add up on torch 2.11):
 `docs/bench/gpu_step_ncu.sh` runs it and sums the kernels by name and launch grid.
-A development tool for the optimisation notes (docs/PERF_NOTES.md), not part of the server.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Skinny GEMM vs cuBLAS on the model's decode shapes: `python3 -m engines.profiling.skinny_gemm [--json PATH]`.
 
 Times every candidate tiling (weights rotated over copies larger than L2) and reports bandwidth
-against the measured copy bandwidth. A development tool for docs/PERF_NOTES.md.
+against the measured copy bandwidth.
 """
 
 from __future__ import annotations

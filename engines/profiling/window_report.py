@@ -4,8 +4,7 @@ Reads the events an engine process recorded with `--gpu-window` (engines/process
 per part
 of the process (its streams recognised by the kernels they run), the share of the window its streams were busy, its
 kernel count and kernel time; then the language model's step launches (a CUDA graph replay, or an eager step's
-kernels, is one launch): how long each took and how far apart they started. A development tool for
-docs/PERF_NOTES.md.
+kernels, is one launch): how long each took and how far apart they started.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ PARTS = (
     ("language model", ("_skinny_kernel", "_embed_rope_kernel", "_varlen_kernel", "_candidates_kernel")),
     ("codec flow (estimator, flow encoder)", ("_window_attention_kernel", "_ln_linear_kernel")),
     ("codec vocoder (HiFT)", ("_snake_kernel",)),
-    # (_tf32x3_gemm: the encoder GEMM's name in windows recorded before session 53)
+    # (_tf32x3_gemm: the encoder GEMM's name in windows recorded before 2026-11-29)
     ("speech encoder", ("_encoder_attention", "_encoder_gemm", "_tf32x3_gemm", "fmha_cutlassF_f32", "gemmSN_TN_kernel",
                         "f32f32_f32f32")),
 )

@@ -9,7 +9,7 @@ Beside each step, the Euler solve's floor on this machine, from its memory bandw
 same run: every Euler step reads all the estimator's weights once and multiplies each by every row of the CFG
 windows (2 x batch x window frames), so a solve takes at least steps x max(weight bytes / bandwidth, 2 x params x
 rows / matmul rate). It leaves out the flow encoder and the vocoder (their conv FLOPs do not follow from their
-sizes) and the time every dependent kernel takes to start, which bounds batch 1 (docs/BENCHMARKS.md, Codec).
+sizes) and the time every dependent kernel takes to start, which bounds batch 1 (docs/performance.md, Codec decoder).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`moss-speech bench capacity`: raise concurrency until p95 TTFA passes its budget or underruns appear.
 
-Capacity (DESIGN.md, Measures) is the largest number of concurrent sessions with p95 TTFA under the budget,
+Capacity (docs/performance.md, Capacity) is the largest number of concurrent sessions with p95 TTFA under the budget,
 no underruns, no errors and every turn answered. The server paces audio at real time, so a generation RTF
 above 1 shows up to the listener as underruns: the underrun criterion is how the client sees RTF >= 1.
 With server_vad, a level also fails when the server ends turns late: the p95 time from speech end to the commit more
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttfa-budget-ms", type=float, default=200.0, help="p95 TTFA budget (default 200)")
     p.add_argument("--ttfa-metric", choices=TTFA_METRICS, default="ttfa_commit_ms",
                    help="ttfa_commit_ms (default): from the commit (commit sent, or the server's "
-                        "input_audio_buffer.committed received) to the first audio delta, DESIGN.md's TTFA seen "
+                        "input_audio_buffer.committed received) to the first audio delta: the server's TTFA seen "
                         "from the client; ttfa_ms: from speech end (includes VAD silence); server_ttfa_ms: the "
                         "server's own number")
     p.add_argument("--vad-lag-budget-ms", type=float, default=200.0,
