@@ -113,8 +113,8 @@ def _load_codec(args: argparse.Namespace, config: EngineConfig, memory: StartupM
                                     cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
                                     estimator_dtype="bfloat16" if on_gpu else "float32")
     first_lane = _first_lane_on(args, on_gpu)
-    if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_worker)
-        from engines.process.codec_worker import FIRST_MAX, PLAYING_SOLVE_PARTS
+    if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_pacing)
+        from engines.process.codec_pacing import FIRST_MAX, PLAYING_SOLVE_PARTS
 
         decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
     with memory.part(f"the codec's CUDA graphs for batches of up to {config.max_running}"):

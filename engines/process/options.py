@@ -115,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "at 256 sessions on an H200 p95 214 / 206 ms against 265 / 209 with one; docs/BENCHMARKS.md)")
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
                    help="most playing answers one codec round decodes (more only while more are about to run dry; "
-                        "default engines/process/codec_worker.py BULK_MAX); refused beside a first lane unless "
+                        "default engines/process/codec_pacing.py BULK_MAX); refused beside a first lane unless "
                         "--codec-round-period-ms 0 (rounds once a period take every answer due)")
     p.add_argument("--codec-round-period-ms", type=_non_negative_ms, default=200.0, metavar="MS",
                    help="with the first lane: rounds of playing answers start at most this often (sooner for one "

@@ -45,7 +45,8 @@ from engines.api import ChannelSampling, EngineError, InvalidRequestError, Sampl
 from engines.audio.wav import float32_to_pcm16, pcm16_to_float32
 from engines.config import ConfigError
 from engines.kernels.tuning import device_name
-from engines.process.codec_worker import FIRST_CHUNK_CODES, CodecWorker
+from engines.process.codec_pacing import FIRST_CHUNK_CODES
+from engines.process.codec_worker import CodecWorker
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.observe.spans import Spans
 from engines.process.prompt import PromptBuilder

@@ -33,7 +33,7 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
     """--first-lane (default: on a GPU): lanes of the decoder for first chunks (--first-lanes, 2 by default), one graph
     per solve, and the playing decoder's full-chunk solves in PLAYING_SOLVE_PARTS pieces, so its rounds can pause
     between them."""
-    from engines.process.codec_worker import PLAYING_SOLVE_PARTS
+    from engines.process.codec_pacing import PLAYING_SOLVE_PARTS
 
     p, base = _parser(), TINY
     plain = build_service(p.parse_args(base))
@@ -53,7 +53,7 @@ def test_first_lane_is_off_on_the_cpu_by_default_and_wired_when_asked():
 
 
 def test_codec_round_options_reach_the_worker_and_bad_values_are_refused(capsys):
-    from engines.process.codec_worker import BULK_MAX
+    from engines.process.codec_pacing import BULK_MAX
 
     p, base = _parser(), TINY
     for extra, want in (([], BULK_MAX), (["--codec-round-max", "24"], 24)):
