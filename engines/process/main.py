@@ -55,8 +55,10 @@ from engines.process.observe.spans import Spans
 from engines.process.observe.stall_watch import StallWatch
 from engines.process.observe.startup_memory import StartupMemory
 from engines.process.options import CLIENT_TIMEOUT_S, add_arguments
+from engines.process.outputs import Out
 from engines.process.service import SLOW_STEP_S as SLOW_S
-from engines.process.service import Out, Service
+from engines.process.service import Service
+from engines.process.warm_up import warm_up
 from engines.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -219,11 +221,11 @@ def build_service(args: argparse.Namespace) -> Service:
                       first_decoders=first_decoders, codec_round_max=getattr(args, "codec_round_max", None),
                       codec_round_period_s=round_period_s,
                       encoder_thread=encoder_thread)
-    warm_up = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
-    if warm_up and encoder is not None and decoder is not None:
+    warm = on_gpu if getattr(args, "warm_up", None) is None else args.warm_up
+    if warm and encoder is not None and decoder is not None:
         t1 = time.monotonic()
         with memory.part("the warm-up turns"):
-            service.warm_up()
+            warm_up(service)
         log.info("warm-up turns in %.1f s", time.monotonic() - t1)
     # Everything loaded so far lives as long as the process: keep it out of every later collection's scan.
     gc.collect()
