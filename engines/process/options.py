@@ -51,6 +51,15 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The engine process's command line (config.ProcessConfig.from_args checks the options together)."""
+    p = argparse.ArgumentParser(prog="python -m engines.process.main",
+                                description="The engine process: owns the GPU, serves session messages over a "
+                                            "ZeroMQ ROUTER socket.")
+    add_arguments(p)
+    return p
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random", help="tiny-random | full-random | checkpoint dir")
     p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec dir | none")

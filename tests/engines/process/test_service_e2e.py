@@ -16,6 +16,8 @@ from engines.api import SamplingParams
 from engines.audio.wav import float32_to_pcm16, read_wav, write_wav
 from engines.config import EngineConfig
 from engines.lm.engine import Engine
+from engines.process.loading import voice_loader
+from engines.process.loop import EngineServer
 from engines.process.prompt import PromptBuilder
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
@@ -183,8 +185,6 @@ def test_engine_process_refuses_bad_arguments(tmp_path) -> None:
 
 
 def test_voice_prompt_from_wav(codec, tmp_path) -> None:
-    from engines.process.main import voice_loader
-
     enc, dec = codec
     svc = Service(engine(), StandInTokenizer(), enc, dec, voice_loader(enc, "tiny-random"))
     pcm, rate = read_wav(WAV)
@@ -208,8 +208,6 @@ def test_voice_prompt_from_wav(codec, tmp_path) -> None:
 def test_silent_client_sessions_are_closed_and_their_kv_freed(codec) -> None:
     """A server worker that dies never sends CloseSession: after client_timeout_s of silence the engine
     closes its sessions (blocks back to the pool); a client that keeps pinging keeps its own."""
-    from engines.process.main import EngineServer
-
     enc, dec = codec
     now = [0.0]
     ctx = zmq.Context()
@@ -266,8 +264,6 @@ def test_a_commit_arriving_during_a_step_reaches_the_encoder_then(codec, monkeyp
 def _commit_during_a_step(codec, monkeypatch, while_stepping: bool) -> list:
     """The answer's conversation history (test above)."""
     from engines.lm.runner import PendingTokens
-    from engines.process.main import EngineServer
-
     enc, _ = codec
     arrive: list = []  # messages to send from inside the next step's wait
     real_get = PendingTokens.get
