@@ -3,31 +3,15 @@ into PCM while the language model keeps stepping.
 
 The engine loop hands over codes as they are sampled (`push`) and collects PCM as it comes (`take_results`);
 it never waits for the codec. The worker runs rounds; each decodes at most one 5-code chunk per answer, in one
-batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once. Time to first audio decides the order:
-- Answers that have played nothing yet get a round of their own (their first chunks only), ahead of the rest:
-  in a round with every playing answer's next chunk, the first chunk took as long as the whole batch. Two
-  first-chunk rounds never run back to back while a playing answer has less than URGENT_S of audio ahead.
-- A playing answer's next chunk is decoded only once its audio sent is less than `ahead_s` ahead of real time
-  (playback assumed to start when its first chunk is posted). Decoding further ahead would not help its
-  listener; it would only make the round that a new answer's first chunk waits behind longer.
+batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once. Which answers a round takes, and when, and how a
+round of playing answers yields to new ones: codec_pacing.py.
 With `first_decoders` (lanes of the decoder: CodecDecoder.lane, graphs of their own) a thread per lane decodes the
 first chunks on it, at the same time as the rounds of playing answers: a new answer's first chunk no longer waits
 for the round in flight (H200, 28-60 sessions: that wait was p50 27 / p95 78 ms of TTFA). With two lanes or more, a
 new answer whose first chunk is ready while another's round is in flight takes a free lane instead of waiting for
 that round (or for a coalesced one). Each answer is decoded by one thread at a time: a first-chunk thread until its
 first chunk is posted, then the playing one.
-A decoder stream is only touched by these threads once handed over. On the GPU two rounds at once share the SMs
-and slow the language model's steps that a new answer waits for, so a round of playing answers yields: between the
-pieces of its GPU work (CodecDecoder.run_jobs' `between`: the flow's encoder, each piece of its solve) it keeps at
-most one piece queued ahead of the GPU, and pauses while any answer waits for its first codes or its first chunk:
-at most BULK_HOLD_S per round, never when one of its answers has less than URGENT_S of audio ahead, and not while
-another answer with that little ahead waits for the thread. (Rounds pausing down to 0.4 s of audio ahead measured no
-better on TTFA, with 1-3 underruns at 76-108 sessions on an H200: docs/PERF_NOTES.md, session 13.)
-With a period (`period_s`; the engine process's default with a first lane: 200 ms) rounds of playing answers do not
-run back to back: one starts at most once a period, sooner only for an answer about to run dry (DRY_S), and takes every
-answer due before the next could start. The same audio then goes in ~6 rounds a second of ~27 answers instead of ~16
-of ~10 (H200, 132 sessions; the codec threads busy ~100% instead of ~145%): the codec's per-round cost is paid a third
-as often, and the language model's steps beside it are shorter (a new answer's first row -> 8th code p50 64 -> 52 ms).
+A decoder stream is only touched by these threads once handed over.
 A decoder failure ends the answers of its batch; any other error in a round ends that round's answers, and the thread
 goes on.
 """
@@ -41,66 +25,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from engines.cuda.streams import driver_stream
+from engines.process.codec_pacing import AHEAD_S, BULK_MAX, FIRST_MAX, CodecAnswer, CodecPacing, RoundYield
 from engines.process.observe.spans import Spans
 from engines.process.worker_wait import wait_for_work
 
 log = logging.getLogger("engines.process")
 
-# Audio a playing answer is kept ahead of real time: margin for a round or two of new answers' first chunks
-# and the network, without decoding far ahead of what anyone can hear yet.
-AHEAD_S = 1.6
-URGENT_S = 0.8  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
-FIRST_CHUNK_CODES = 8  # 5 codes + 3 lookahead: an answer's first chunk can be decoded
-COALESCE_CODES = 2  # a new answer this many codes short of its first chunk is waited for ...
-COALESCE_S = 0.02  # ... at most this long
-BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language model's urgent steps
-# A round of playing answers decodes at most this many (more only while more are about to run dry): a new answer's
-# first chunk waits for the round in flight, so rounds are kept short (H200, 12-28 sessions: that wait was the
-# largest part of p95 TTFA, 101 ms, behind rounds of ~75 ms).
-BULK_MAX = 8
-FIRST_MAX = 16  # most first chunks in one round on the first-chunk lane (its graphs are captured up to this)
-# With a first lane, a full chunk's solve in rounds of playing answers runs in this many pieces (FlowModel.solve_parts),
-# so that a round yields within ~a piece: a solve on an H200 takes 11 ms at 1 session, ~25 ms at 16.
-PLAYING_SOLVE_PARTS = 5
-# With a period for rounds of playing answers: one starts sooner for an answer with less than this much audio ahead,
-# about what a round takes under load (H200, 132 sessions: ~100 ms, up to ~160). A new answer's second chunk is due
-# 0.36 s after its first, so with 0.12 s here and a 200 ms period some came late (2 underruns in 264 turns).
-DRY_S = 0.2
-
-
-@dataclass(eq=False)
-class _Answer:
-    key: Any  # the caller's handle for this answer (returned with its results)
-    stream: Any  # engines.speech_out.DecodeStream
-    since: float  # when its first codes arrived (round order among answers in the same state)
-    new_codes: list[int] = field(default_factory=list)  # pushed, not yet given to the stream
-    jobs: deque = field(default_factory=deque)  # chunks ready to decode, in order
-    first_post: float | None = None  # when its first chunk was posted (its playback is assumed to start then)
-    audio_s: float = 0.0  # seconds of audio posted
-    codes_in: int = 0  # codes pushed
-    final: bool = False  # no more codes: finish the stream after its last chunk
-    finishing: bool = False  # the stream's last jobs were taken
-    cancelled: bool = False  # decode nothing more; close the stream
-    closed: bool = False
-    busy: bool = False  # taken by a round in flight (with two threads, the other leaves it alone)
-
-
-@dataclass
-class _Yield:
-    """A round of playing answers yielding to new answers (CodecWorker._yield_point)."""
-
-    paused_s: float = 0.0  # paused so far (at most BULK_HOLD_S)
-    queued: Any = None  # CUDA event after the piece queued before the last one
-
-
-class CodecWorker:
+class CodecWorker(CodecPacing):
     """`decoder` batches chunks of many streams: `run_jobs(jobs) -> PCM per job` (engines.speech_out)."""
 
     def __init__(self, decoder: Any, device: torch.device, max_batch: int = 256, ahead_s: float = AHEAD_S,
@@ -137,7 +74,7 @@ class CodecWorker:
             self._lane_streams = [self._first_stream] + [driver_stream(device, urgent=True)
                                                          for _ in self.first_decoders[1:]]
         self._cv = threading.Condition()
-        self._answers: dict[int, _Answer] = {}  # id(key) -> answer with work left
+        self._answers: dict[int, CodecAnswer] = {}  # id(key) -> answer with work left
         self._results: deque[tuple[Any, np.ndarray | Exception, bool]] = deque()
         self._running = 0  # rounds in flight
         self._closed = False
@@ -160,11 +97,6 @@ class CodecWorker:
         """The first lane (None without lanes)."""
         return self.first_decoders[0] if self.first_decoders else None
 
-    @property
-    def first_in_flight(self) -> bool:
-        """A first-chunk round is on the GPU (read by the engine loop: it skips steps that are not urgent)."""
-        return bool(self._first_flying)
-
     # ---- engine-loop side ----------------------------------------------------------------
 
     def push(self, key: Any, stream: Any, codes: list[int], final: bool = False) -> None:
@@ -172,7 +104,7 @@ class CodecWorker:
         with self._cv:
             a = self._answers.get(id(key))
             if a is None:
-                a = self._answers[id(key)] = _Answer(key, stream, time.monotonic())
+                a = self._answers[id(key)] = CodecAnswer(key, stream, time.monotonic())
             a.new_codes += codes
             a.codes_in += len(codes)
             a.final = a.final or final
@@ -221,86 +153,6 @@ class CodecWorker:
         for t in self._threads:
             t.join(timeout=5)
 
-    # ---- worker side ---------------------------------------------------------------------
-
-    def _coalesce(self, first: list[_Answer], now: float) -> bool:
-        """Hold a first-chunk round (at most COALESCE_S) while another new answer is a code or two short of its
-        first chunk and no other lane is free for it: sessions answering at once get their 8th codes a step or so
-        apart, and a round for each in turn made the last one wait for all the others' rounds."""
-        with self._cv:  # the engine loop adds answers meanwhile
-            if len(self._first_flying) + 1 < len(self.first_decoders):
-                return False  # another lane is free: the near answer gets a round of its own there at once
-            near = any(a.first_post is None and not a.cancelled and a not in first
-                       and FIRST_CHUNK_CODES - COALESCE_CODES <= a.codes_in < FIRST_CHUNK_CODES
-                       for a in self._answers.values())
-        if not near:
-            self._coalesce_since = None
-            return False
-        self._coalesce_since = self._coalesce_since or now
-        if now - self._coalesce_since < COALESCE_S:
-            return True
-        self._coalesce_since = None
-        return False
-
-    @staticmethod
-    def _ahead_falls_to(a: _Answer, s: float) -> float:
-        """When a playing answer's audio posted is only `s` seconds ahead of real time (playback assumed to start
-        when its first chunk was posted)."""
-        return a.first_post + a.audio_s - s
-
-    def _due_at(self, a: _Answer) -> float:
-        """When this answer's next chunk should be decoded (now for an answer that has played nothing)."""
-        if a.first_post is None:
-            return float("-inf")
-        return self._ahead_falls_to(a, self.ahead_s)
-
-    @classmethod
-    def _urgent(cls, a: _Answer, now: float) -> bool:
-        """A playing answer about to run dry: less than URGENT_S of its audio ahead of real time."""
-        return cls._ahead_falls_to(a, URGENT_S) <= now
-
-    def _has_work(self, a: _Answer, now: float) -> bool:
-        if a.cancelled:
-            return not a.closed or (a.final and not a.finishing)
-        return bool(a.new_codes or (a.jobs and self._due_at(a) <= now) or (a.final and not a.finishing))
-
-    def _mine(self, a: _Answer, kind: str) -> bool:
-        """Whether a thread running rounds of `kind` may take this answer now."""
-        if a.busy:
-            return False
-        return kind == "all" or (a.first_post is None) == (kind == "first")
-
-    def _periodic(self, kind: str) -> bool:
-        """Rounds of `kind` start at most once a period (`period_s`)."""
-        return kind == "playing" and self.period_s > 0
-
-    def _gated(self, kind: str, now: float) -> bool:
-        """Rounds of `kind` wait for their period to pass since the last one began."""
-        return self._periodic(kind) and now < self._playing_started + self.period_s
-
-    def _dry_at(self, a: _Answer) -> float:
-        """When a playing answer with chunks to come (or its last one to finish) gets down to DRY_S of audio ahead
-        (inf: nothing to decode)."""
-        if a.first_post is None or a.cancelled or not (a.jobs or a.new_codes or (a.final and not a.finishing)):
-            return math.inf
-        return self._ahead_falls_to(a, DRY_S)
-
-    def _with_work(self, kind: str, now: float) -> list[_Answer] | None:
-        """The answers a thread running rounds of `kind` has work for now, if any."""
-        answers = [a for a in self._answers.values() if self._mine(a, kind) and self._has_work(a, now)]
-        if answers and self._gated(kind, now) and all(self._dry_at(a) > now for a in answers):
-            return None  # within the period, and nobody about to run dry
-        return answers or None
-
-    def _next_due(self, kind: str, now: float) -> float:
-        """When the next chunk held for real time falls due among the answers of `kind` (inf: none is held), or,
-        within a period of rounds, when the period ends or an answer is about to run dry."""
-        mine = [a for a in self._answers.values() if self._mine(a, kind)]
-        due = min((self._due_at(a) for a in mine if a.jobs and not a.cancelled), default=math.inf)
-        if not self._gated(kind, now):
-            return due
-        return min(max(due, self._playing_started + self.period_s), min(map(self._dry_at, mine), default=math.inf))
-
     def _run(self, kind: str, lane: int) -> None:
         """Rounds of `kind`: "all" (the one thread), or "first" (on first lane `lane`) / "playing" (with lanes)."""
         decoder = self.first_decoders[lane] if kind == "first" else self.decoder
@@ -320,7 +172,7 @@ class CodecWorker:
             t0, started, cpu0 = time.perf_counter(), time.monotonic(), time.thread_time()
             new = [a for a, _, _ in taken if a.first_post is None]
             decoded, first = 0, False
-            released: list[_Answer] = []  # taken answers the round let go of before it ended
+            released: list[CodecAnswer] = []  # taken answers the round let go of before it ended
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     posts, done, decoded, first = self._round(taken, kind, decoder, released)
@@ -361,7 +213,7 @@ class CodecWorker:
                 time.sleep(0.002)
 
     @classmethod
-    def _end_failed(cls, a: _Answer, e: Exception, posts: list, done: list[_Answer]) -> None:
+    def _end_failed(cls, a: CodecAnswer, e: Exception, posts: list, done: list[CodecAnswer]) -> None:
         """End an answer with `e` (its decoder failed, or its round did): no more jobs, its stream closed (its state is
         unknown), the error posted as its final result."""
         a.jobs.clear()
@@ -371,51 +223,33 @@ class CodecWorker:
         done.append(a)
 
     @staticmethod
-    def _close_stream(a: _Answer) -> None:
+    def _close_stream(a: CodecAnswer) -> None:
         """Close the answer's decoder stream, once (a cancelled answer's, its last chunk's, or after a failed round)."""
         if not a.closed and hasattr(a.stream, "close"):
             a.stream.close()
         a.closed = True
 
-    def _pause_wanted(self) -> bool:
-        """An answer waits for its first codes or its first chunk (or a first-chunk round is on the GPU), and no
-        playing answer outside the round (a paused round holds its thread) has work and less than URGENT_S ahead."""
-        with self._cv:  # the engine loop adds answers meanwhile
-            now = self._clock()
-            waits = self.lm_ramping or self.first_in_flight
-            for a in self._answers.values():
-                if a.cancelled:
-                    continue
-                if a.first_post is None:
-                    waits = True
-                elif not a.busy and (a.jobs or a.new_codes) and self._urgent(a, now):
-                    return False
-            return waits
-
-    def _yield_point(self, y: _Yield) -> None:
-        """Between two pieces of a playing round's GPU work (module doc): wait until the GPU has at most the piece
-        just queued left, then pause while a new answer waits, up to BULK_HOLD_S in all for the round."""
+    def _yield_point(self, y: RoundYield) -> None:
+        """Between two pieces of a playing round's GPU work (codec_pacing.py): wait until the GPU has at most the piece
+        just queued left, then pause while a new answer waits (CodecPacing._pause)."""
         if self._stream is not None:
             ev = torch.cuda.Event()
             ev.record()
             before, y.queued = y.queued, ev
             if before is not None:
                 before.synchronize()  # (releases the GIL)
-        while y.paused_s < BULK_HOLD_S and not self._closed and self._pause_wanted():
-            t0 = time.monotonic()
-            time.sleep(0.001)
-            y.paused_s += time.monotonic() - t0
+        self._pause(y)
 
-    def _round(self, taken: list[tuple[_Answer, list[int], bool]], kind: str, decoder: Any, released: list[_Answer]
-               ) -> tuple[list, list[_Answer], int, bool]:
-        """Give new codes to their streams, then decode one ready chunk of each answer that has played nothing
-        (if any has one ready), else of each playing answer whose next chunk is due (with a first lane, each thread
-        only has answers of its own kind). The taken answers outside the batch are let go of (appended to
-        `released`) before the decode, so another lane can take one whose first chunk becomes ready meanwhile.
+    def _round(self, taken: list[tuple[CodecAnswer, list[int], bool]], kind: str, decoder: Any,
+               released: list[CodecAnswer]) -> tuple[list, list[CodecAnswer], int, bool]:
+        """Give new codes to their streams, then decode the batch CodecPacing._pick makes of the answers with a chunk
+        ready (with a first lane, each thread only has answers of its own kind). The taken answers outside the batch
+        are let go of (appended to `released`) before the decode, so another lane can take one whose first chunk
+        becomes ready meanwhile.
         Returns (posts, answers done, chunks decoded, whether first chunks)."""
         posts: list[tuple[Any, np.ndarray | Exception, bool]] = []
-        done: list[_Answer] = []
-        ready: list[_Answer] = []
+        done: list[CodecAnswer] = []
+        ready: list[CodecAnswer] = []
         for a, codes, finishing in taken:
             try:
                 if a.cancelled:
@@ -433,47 +267,22 @@ class CodecWorker:
             except Exception as e:  # noqa: BLE001 - bad codes or a broken stream end this answer only
                 posts.append((a.key, e, True))
                 done.append(a)
-        now = self._clock()
-        first = sorted((a for a in ready if a.first_post is None), key=lambda a: a.since)
-        # With a period, a round takes every answer that falls due before the next one can start.
-        horizon = now + (self.period_s if self._periodic(kind) else 0.0)
-        due = sorted((a for a in ready if a.first_post is not None and self._due_at(a) <= horizon), key=self._due_at)
-        # First chunks first, but never two such rounds in a row while a playing answer is about to run dry.
-        # `due` is in due order, so the answers about to run dry are its first n_urgent.
-        n_urgent = sum(1 for a in due if self._urgent(a, now))
-        urgent = n_urgent > 0
-        take_first = bool(first) and not (self._after_first and urgent)
-        if take_first:
-            batch = first
-        elif self._periodic(kind):
-            batch = due  # every answer due before the next round (the period bounds how many rounds, not this)
-        else:
-            batch = due[: max(self.bulk_max, n_urgent)]
-        if batch and take_first and self._coalesce(first, now):
-            return posts, done, -1, True  # another answer's first chunk is a step or two away: one round for both
-        if batch and not take_first and self.lm_ramping and not urgent:
-            self._held_since = self._held_since or now
-            if now - self._held_since < BULK_HOLD_S:
-                return posts, done, -1, False  # the language model's urgent steps go first
-        self._held_since = None
-        if kind == "all":
-            self._after_first = take_first
-        batch = batch[: self.first_max if kind == "first" else self.max_batch]
+        batch, take_first, urgent = self._pick(ready, kind)
+        if batch is None:
+            return posts, done, -1, take_first  # held back (CodecPacing._pick)
         if batch:
             with self._cv:
                 for a, _, _ in taken:
                     if a not in batch and a not in done:
                         a.busy = False
                         released.append(a)
-            if self._periodic(kind):
-                self._playing_started = now
             jobs = [a.jobs.popleft() for a in batch]
             # The one thread runs first chunks on the urgent stream; a first lane's thread is on it already.
             fast = self._first_stream if take_first and kind == "all" else None
             if take_first:
                 with self._cv:
                     self._first_flying.add(threading.get_ident())
-            y = _Yield() if kind == "playing" and not urgent else None
+            y = RoundYield() if kind == "playing" and not urgent else None
             try:
                 with torch.cuda.stream(fast) if fast is not None else contextlib.nullcontext():
                     pcms = decoder.run_jobs(jobs, between=(lambda: self._yield_point(y)) if y is not None else None)

@@ -51,6 +51,15 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The engine process's command line (config.ProcessConfig.from_args checks the options together)."""
+    p = argparse.ArgumentParser(prog="python -m engines.process.main",
+                                description="The engine process: owns the GPU, serves session messages over a "
+                                            "ZeroMQ ROUTER socket.")
+    add_arguments(p)
+    return p
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random", help="tiny-random | full-random | checkpoint dir")
     p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec dir | none")
@@ -108,19 +117,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-lane", dest="first_lane", action=argparse.BooleanOptionalAction, default=None,
                    help="decode new answers' first chunks on a second codec thread with graphs of its own, while "
                         "rounds of playing answers pause between pieces of their work (default: on a GPU; "
-                        "docs/BENCHMARKS.md, Capacity)")
+                        "docs/performance.md, Capacity)")
     p.add_argument("--first-lanes", type=_positive_int, default=2, metavar="N",
                    help="with the first lane: this many lanes, each a thread with graphs of its own, so a new answer "
                         "whose first chunk is ready while another's is decoding need not wait for it (default 2: "
-                        "at 256 sessions on an H200 p95 214 / 206 ms against 265 / 209 with one; docs/BENCHMARKS.md)")
+                        "at 256 sessions on an H200 p95 TTFA 214 / 206 ms against 265 / 209 with one, 2026-11-29)")
     p.add_argument("--codec-round-max", type=_positive_int, default=None, metavar="N",
                    help="most playing answers one codec round decodes (more only while more are about to run dry; "
-                        "default engines/process/codec_worker.py BULK_MAX); refused beside a first lane unless "
+                        "default engines/process/codec_pacing.py BULK_MAX); refused beside a first lane unless "
                         "--codec-round-period-ms 0 (rounds once a period take every answer due)")
     p.add_argument("--codec-round-period-ms", type=_non_negative_ms, default=200.0, metavar="MS",
                    help="with the first lane: rounds of playing answers start at most this often (sooner for one "
                         "about to run dry), each with every answer due before the next; 0: back to back, at most "
-                        "--codec-round-max each (docs/BENCHMARKS.md, Capacity)")
+                        "--codec-round-max each (docs/performance.md, Capacity)")
     p.add_argument("--gpu-window", default=None, metavar="SESSIONS,SECONDS,PATH",
                    help="development: once SESSIONS sessions are open, record every kernel of the process for SECONDS "
                         "with the torch profiler, write them to PATH (.npz) and log each stream's busy time "

@@ -6,7 +6,7 @@ request per session is live at a time; it is a `Turn`:
 - A user audio turn opens a request with `input_done=False` at the first speech code
   (`<|im_start|>user\\n` + sosp + codes), grows by one row per code while the user talks, gets its
   closing rows (eosp, `<|im_end|>\\n`) at commit, and becomes the response's request when the
-  assistant prefix is appended with `input_done=True` (incremental prefill, issue 5).
+  assistant prefix is appended with `input_done=True` (incremental prefill).
 - Otherwise a response opens a request with all its new rows at once.
 
 Rows that cannot go to the engine yet wait in the session: `close_rows` (what makes the previous

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from engines.config import ConfigError
+from engines.config import PRESETS, ConfigError
 from engines.tokens import ENDOFTEXT
 
 FIRST_SPECIAL_ID = ENDOFTEXT  # Qwen's added tokens all have ids >= <|endoftext|>
@@ -100,8 +100,6 @@ class HFTokenizer:
 
 def load_tokenizer(name_or_path: str) -> TextTokenizer:
     """`tiny-random` / `full-random` -> stand-in; a checkpoint dir -> its tokenizer.json."""
-    from engines.config import PRESETS
-
     if name_or_path in PRESETS:
         return StandInTokenizer()
     return HFTokenizer(name_or_path)

@@ -8,7 +8,7 @@ PCM on the wire: little-endian int16 mono. User audio is 16 kHz (the server resa
 answer audio is 24 kHz (the codec's rate).
 
 What the engine does with each message (one ResponseDone per CreateResponse, error codes,
-truncation rule, readiness) is written down in engines/process/service.py and process.py.
+truncation rule, readiness) is written down in engines/process/service.py and main.py.
 """
 
 from __future__ import annotations

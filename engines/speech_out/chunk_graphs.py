@@ -52,7 +52,7 @@ def buckets_up_to(max_batch: int, sizes: tuple[int, ...] = BUCKETS) -> list[int]
 class BucketGraphs:
     """Replays `fn(*tensors, *static) -> tuple of tensors` (every tensor batch-first) as one CUDA graph per key."""
 
-    # Set once a server is serving (engines/process/main.py): from then on every capture is logged as a warning,
+    # Set once a server is serving (engines/process/loading.py): from then on every capture is logged as a warning,
     # since a capture stalls its caller and runs while other threads use the GPU.
     warn_captures = False
 

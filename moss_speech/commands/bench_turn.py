@@ -17,6 +17,8 @@ import numpy as np
 
 from engines.audio.wav import float32_to_pcm16
 from engines.bench.hardware import device_name, median
+from engines.process.config import ProcessConfig
+from engines.process.loading import build_service
 from engines.protocol import messages as m
 
 PIECE = 320  # 20 ms at 16 kHz
@@ -78,13 +80,11 @@ def _turns(svc, sids: list[str], pcm: np.ndarray, incremental: bool, stages: dic
 
 
 def run(args: argparse.Namespace) -> int:
-    from engines.process.main import build_service
-
-    # the engine process's settings
-    ns = argparse.Namespace(model=args.model, codec=args.codec, device=args.device, dtype=None,
-                            vocoder=args.vocoder, kv_cache_gib=8.0, max_running=64, max_model_len=4096, seed=0,
-                            encode_every_ms=80.0)
-    svc = build_service(ns)
+    # the engine process's settings, its defaults otherwise
+    svc = build_service(ProcessConfig.parse([
+        "--model", args.model, "--codec", args.codec, "--device", args.device, "--vocoder", args.vocoder,
+        "--kv-cache-gib", "8", "--max-running", "64", "--max-model-len", "4096", "--seed", "0",
+        "--encode-every-ms", "80"]))
     rng = np.random.default_rng(0)
     res = {"device": device_name(__import__("torch").device(args.device)), "model": args.model,
            "codec": args.codec, "vocoder": args.vocoder, "ttfa_ms": {}}

@@ -280,7 +280,8 @@ def test_two_first_lanes_on_their_threads_give_the_offline_pcm():
     offline decode, and both lanes did decode."""
     import time
 
-    from engines.process.codec_worker import PLAYING_SOLVE_PARTS, CodecWorker
+    from engines.process.codec_pacing import PLAYING_SOLVE_PARTS
+    from engines.process.codec_worker import CodecWorker
 
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
     lanes = [dec.lane(), dec.lane()]

@@ -13,6 +13,8 @@ from engines.lm.engine import Engine
 from engines.lm.loader.checkpoint import load_model
 from engines.lm.model import fp8
 from engines.lm.model.layers import Linear
+from engines.process.config import ProcessConfig
+from engines.process.loading import build_service
 from tests.engines.lm.test_engine import assert_follows_reference, run_mixed_greedy
 from tests.reference.dense_model import dense_from_state_dict, read_checkpoint_tensors
 
@@ -113,19 +115,15 @@ def test_engine_with_fp8_weights_is_the_dense_reference_over_the_rounded_weights
 
 
 def test_fp8_weights_options_reach_the_engine():
-    from engines.process.main import add_arguments, build_service
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
     base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
     for extra, copies, weights in (([], False, True), (["--fp8-weights"], True, True),
                                    (["--fp8-weights", "--fp8-only"], True, False)):
-        svc = build_service(p.parse_args(base + extra))
+        svc = build_service(ProcessConfig.parse(base + extra))
         assert svc.engine.config.fp8_weights is copies and svc.engine.config.fp8_only is not weights
         linears = [m for m in svc.engine.runner.model.modules() if isinstance(m, Linear)]
         assert all((m.fp8 is not None) is copies and (m.weight is not None) is weights for m in linears), extra
     with pytest.raises(ConfigError, match="fp8_only needs fp8_weights"):
-        build_service(p.parse_args(base + ["--fp8-only"]))
+        build_service(ProcessConfig.parse(base + ["--fp8-only"]))
 
 
 @pytest.mark.parametrize("keep", [True, False])

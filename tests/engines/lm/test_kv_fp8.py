@@ -3,8 +3,6 @@ reference whose attention reads K/V rounded the same way; the pool holds twice t
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
@@ -13,6 +11,9 @@ from engines.lm.engine import Engine
 from engines.lm.kv.sizing import fit_kv_cache_bytes
 from engines.lm.loader.checkpoint import load_model
 from engines.lm.model.attention import to_cache, write_kv
+from engines.process.config import ProcessConfig
+from engines.process.loading import build_service
+from engines.process.options import parser
 from tests.engines.lm.test_engine import assert_follows_reference, run_mixed_greedy
 from tests.reference.dense_generate import FP8_KV_MARGIN
 from tests.reference.dense_model import dense_from_checkpoint
@@ -80,15 +81,12 @@ def test_engine_over_an_fp8_cache_is_the_dense_reference_over_rounded_keys_and_v
 
 
 def test_kv_dtype_option_reaches_the_engine():
-    from engines.process.main import add_arguments, build_service
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
+    p = parser()
     (choices,) = [a.choices for a in p._actions if a.dest == "kv_dtype"]
     assert sorted(choices) == sorted(KV_DTYPES)  # the process lists them without importing torch
     base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up"]
     for extra, dtype in (([], torch.float32), (["--kv-dtype", "fp8"], FP8)):
-        svc = build_service(p.parse_args(base + extra))
+        svc = build_service(ProcessConfig.parse(base + extra))
         assert svc.engine.runner.kv_cache.dtype == dtype, extra
     with pytest.raises(SystemExit):
         p.parse_args(base + ["--kv-dtype", "int8"])

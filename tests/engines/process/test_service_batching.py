@@ -111,7 +111,7 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
     import threading
 
     from engines.lm.runner import PendingTokens
-    from engines.process.codec_worker import FIRST_CHUNK_CODES
+    from engines.process.codec_pacing import FIRST_CHUNK_CODES
 
     real_get = PendingTokens.get
     waiting, wait_no, polls = threading.Event(), [0], []

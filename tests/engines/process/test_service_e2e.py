@@ -16,6 +16,8 @@ from engines.api import SamplingParams
 from engines.audio.wav import float32_to_pcm16, read_wav, write_wav
 from engines.config import EngineConfig
 from engines.lm.engine import Engine
+from engines.process.loading import voice_loader
+from engines.process.loop import EngineServer
 from engines.process.prompt import PromptBuilder
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
@@ -94,46 +96,6 @@ def test_spoken_turn_incremental_prefill_equals_prefill_at_once(codec) -> None:
     assert all(t == MODALITY_PAD and a != EOSP for t, a in ref_rows)
     assert done.audio_samples == sum(len(c.pcm24k) // 2 for c in chunks) == N_OUT * 1920
     assert done.engine_ttfa_ms is not None and done.engine_ttfa_ms > 0
-
-
-def _spoken_turn(svc: Service) -> list:
-    greedy = m.Sampling(greedy=True, max_new_tokens=N_OUT, min_new_tokens=N_OUT)
-    out = svc.handle(b"c", m.OpenSession("s", sampling=greedy))
-    out += svc.handle_many([(b"c", m.AppendUserAudio("s", question_pcm(0.8)))])
-    out += svc.handle(b"c", m.CommitUserAudio("s", "item"))
-    out += svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
-    while svc.has_work():
-        out += svc.step()
-    return [(type(x).__name__, getattr(x, "pcm24k", None), getattr(x, "text", None)) for _, x in out]
-
-
-@pytest.mark.parametrize("encoder_thread", [False, True])
-def test_warm_up_leaves_nothing_behind(codec, encoder_thread) -> None:
-    enc, dec = codec
-    svc = Service(engine(), StandInTokenizer(), enc, dec, encode_every_s=0.08, encoder_thread=encoder_thread)
-    asked = []
-    create = svc._on_CreateResponse
-    svc._on_CreateResponse = lambda client, msg: asked.append(msg.modality) or create(client, msg)
-    svc.warm_up(batches=(1, 3), rows=10)
-    del svc._on_CreateResponse
-    assert asked == ["audio"] * 3 + ["text"]  # the text channel's sampling is warmed up too
-    st = svc.engine.stats()
-    assert svc.sessions == {} and svc._requests == {} and svc._speech._turns == {} and svc._codec_owner == {}
-    assert st.running == st.waiting == 0 and st.free_blocks == st.total_blocks and st.steps > 0
-    assert enc.runner.kv.in_use == 0  # every encoder stream closed, its slot back
-    svc.engine.check_integrity()
-    assert not svc.has_work()
-    # A user's turn afterwards is exactly what it is on a service that never warmed up.
-    fresh = Service(engine(), StandInTokenizer(), enc, dec, encode_every_s=0.08,
-                    encoder_thread=encoder_thread)
-    assert _spoken_turn(svc) == _spoken_turn(fresh)
-
-
-def test_warm_up_failure_is_raised(codec) -> None:
-    enc, dec = codec
-    svc = Service(engine(), StandInTokenizer(), enc, dec)
-    with pytest.raises(RuntimeError, match="warm-up with 1 sessions failed"):
-        svc.warm_up(batches=(1,), rows=10_000_000)  # more rows than the model length: refused
 
 
 def test_encoder_batches_sessions_like_alone(codec) -> None:
@@ -223,8 +185,6 @@ def test_engine_process_refuses_bad_arguments(tmp_path) -> None:
 
 
 def test_voice_prompt_from_wav(codec, tmp_path) -> None:
-    from engines.process.main import voice_loader
-
     enc, dec = codec
     svc = Service(engine(), StandInTokenizer(), enc, dec, voice_loader(enc, "tiny-random"))
     pcm, rate = read_wav(WAV)
@@ -248,8 +208,6 @@ def test_voice_prompt_from_wav(codec, tmp_path) -> None:
 def test_silent_client_sessions_are_closed_and_their_kv_freed(codec) -> None:
     """A server worker that dies never sends CloseSession: after client_timeout_s of silence the engine
     closes its sessions (blocks back to the pool); a client that keeps pinging keeps its own."""
-    from engines.process.main import EngineServer
-
     enc, dec = codec
     now = [0.0]
     ctx = zmq.Context()
@@ -306,8 +264,6 @@ def test_a_commit_arriving_during_a_step_reaches_the_encoder_then(codec, monkeyp
 def _commit_during_a_step(codec, monkeypatch, while_stepping: bool) -> list:
     """The answer's conversation history (test above)."""
     from engines.lm.runner import PendingTokens
-    from engines.process.main import EngineServer
-
     enc, _ = codec
     arrive: list = []  # messages to send from inside the next step's wait
     real_get = PendingTokens.get

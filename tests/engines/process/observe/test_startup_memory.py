@@ -10,6 +10,8 @@ import torch
 
 from engines.config import ConfigError
 from engines.process import main as process
+from engines.process.config import ProcessConfig
+from engines.process.loading import build_service
 from engines.process.observe.startup_memory import GIB, StartupMemory
 from engines.speech_in.config import EncoderConfig
 from engines.speech_in.slot_pool import KVPool
@@ -101,26 +103,9 @@ def test_the_engine_sizes_its_pool_from_the_free_memory_it_is_given():
     assert plain.config.kv_cache_bytes == cfg.kv_cache_bytes
 
 
-def test_kv_cache_gib_takes_a_number_or_auto_and_auto_needs_a_gpu(capsys):
-    import argparse
-
-    p = argparse.ArgumentParser()
-    process.add_arguments(p)
-    assert p.parse_args(["--kv-cache-gib", "auto"]).kv_cache_gib == "auto"
-    assert p.parse_args(["--kv-cache-gib", "8"]).kv_cache_gib == 8.0
-    for bad in ("0", "-1", "lots"):
-        with pytest.raises(SystemExit):
-            p.parse_args(["--kv-cache-gib", bad])
-        assert "--kv-cache-gib" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="auto sizes the pool from a GPU's free memory"):
-        process.build_service(p.parse_args(["--device", "cpu", "--codec", "none", "--kv-cache-gib", "auto"]))
-
-
 def test_a_kv_pool_of_few_rows_per_running_sequence_is_warned_about(caplog):
-    """The H100 case of session 27: --fp8-weights left a 2.2 GiB pool at --max-running 128 (~112 rows a sequence), and
-    every turn of 60 sessions was refused; the bf16 pool of 9.9 GiB (~500 rows a sequence) served them."""
-    import argparse
-
+    """An H100 with --fp8-weights left a 2.2 GiB pool at --max-running 128 (~112 rows a sequence), and every turn of
+    60 sessions was refused (2026-11-24); the bf16 pool of 9.9 GiB (~500 rows a sequence) served them."""
     from engines.config import EngineConfig, model_config_for
     from engines.lm.kv.sizing import THIN_ROWS_PER_SEQUENCE, thin_pool_warning
 
@@ -131,13 +116,11 @@ def test_a_kv_pool_of_few_rows_per_running_sequence_is_warned_about(caplog):
     assert thin_pool_warning(int(9.9 * GIB), cfg, mc) is None
     edge = THIN_ROWS_PER_SEQUENCE * 128 * mc.kv_bytes_per_row(torch.bfloat16)
     assert thin_pool_warning(edge, cfg, mc) is None and thin_pool_warning(edge - 1, cfg, mc) is not None
-    p = argparse.ArgumentParser()
-    process.add_arguments(p)
     base = ["--device", "cpu", "--model", "tiny-random", "--codec", "none", "--no-warm-up", "--max-running", "8"]
     with caplog.at_level("WARNING", logger="engines.process"):
-        process.build_service(p.parse_args(base + ["--kv-cache-gib", "0.001"]))
+        build_service(ProcessConfig.parse(base + ["--kv-cache-gib", "0.001"]))
     assert "per running sequence at --max-running 8" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="engines.process"):
-        process.build_service(p.parse_args(base))
+        build_service(ProcessConfig.parse(base))
     assert "per running sequence" not in caplog.text

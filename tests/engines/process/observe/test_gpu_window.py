@@ -1,5 +1,5 @@
-"""The engine process's load instruments: the window on its device work (`--gpu-window`) and the load log's rows per
-model step. On the CPU the window records host operators instead of kernels; the plumbing is the same."""
+"""The window on the engine process's device work (`--gpu-window`). On the CPU the window records host operators
+instead of kernels; the plumbing is the same."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ import pytest
 import zmq
 from torch.profiler import ProfilerActivity
 
-from engines.api import step_row_labels
 from engines.config import EngineConfig
 from engines.lm.engine import Engine
-from engines.lm.scheduler import AHEAD_REFUSALS
 from engines.process import main as process
-from engines.process.main import EngineServer
+from engines.process.loop import EngineServer
 from engines.process.observe.gpu_window import Events, GpuWindow, WindowConfig, busy_us, summary
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
@@ -111,46 +109,6 @@ def test_engine_process_refuses_a_bad_window() -> None:
     assert e.value.code == 2
 
 
-def test_load_log_reports_rows_per_model_step(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(process, "LOAD_LOG_S", 0.0)  # a line after every loop step
-    server, ctx = _server()
-    try:
-        with caplog.at_level(logging.INFO, logger="engines.process"):
-            _text_turns(server, ctx, sessions=3)
-        steps = decoded = prompt = 0.0
-        by_rows: dict[str, list[int]] = {}  # bucket label -> [steps, rows]
-        refused: dict[str, list[int]] = {}  # why -> [steps, of them while an answer ramped]
-        for r in caplog.records:
-            if (x := re.search(r"; not launched ahead: ([^;]*)", r.getMessage())) is not None:
-                for why, n, ramping in re.findall(r"([a-z ,]+?) (\d+) \((\d+) ramping\)(?:, |$)", x.group(1)):
-                    c = refused.setdefault(why, [0, 0])
-                    c[0], c[1] = c[0] + int(n), c[1] + int(ramping)
-            x = re.search(r"; (\d+) model steps \(\d+ launched ahead\) of ([\d.]+) decode \+ ([\d.]+) prompt rows",
-                          r.getMessage())
-            if x:
-                n = int(x.group(1))
-                steps, decoded, prompt = steps + n, decoded + n * float(x.group(2)), prompt + n * float(x.group(3))
-            for label, n, rows in re.findall(r"([\d>-]+): (\d+) \((\d+) rows\)", r.getMessage()):
-                b = by_rows.setdefault(label, [0, 0])
-                b[0], b[1] = b[0] + int(n), b[1] + int(rows)
-        st = server.service.engine.stats()
-        assert steps == st.steps > 0
-        # Every step in its row bucket once: the prompts' steps (more rows) apart from the decode steps (one row each)
-        want = {label: [n, rows] for label, n, rows in zip(step_row_labels(), st.step_row_counts, st.step_row_sums,
-                                                          strict=True) if n}
-        assert by_rows == want and sum(n for n, _ in want.values()) == st.steps
-        assert len(want) >= 2 and sum(rows for _, rows in want.values()) >= st.decoded_rows + st.prefilled_rows
-        assert decoded == pytest.approx(st.decoded_rows, abs=0.01 * steps) and st.decoded_rows > 0
-        assert prompt == pytest.approx(st.prefilled_rows, abs=0.01 * steps) and st.prefilled_rows > 0
-        # Steps the next was not launched ahead of, by why: text answers' rows are decided on the host
-        assert refused and refused == {why: [n, st.ahead_refused_ramping.get(why, 0)]
-                                       for why, n in st.ahead_refused.items()}
-        assert set(refused) <= set(AHEAD_REFUSALS)
-    finally:
-        server.close()
-        ctx.term()
-
-
 def test_window_report_names_the_parts_and_the_model_steps() -> None:
     from engines.profiling.window_report import report
 
@@ -182,5 +140,5 @@ def test_window_report_knows_the_speech_encoders_triton_kernels() -> None:
     from engines.profiling.window_report import part_of
 
     assert part_of({"_encoder_attention_kernel", "vectorized_layer_norm_kernel"}) == "speech encoder"
-    assert part_of({"_tf32x3_gemm_kernel"}) == "speech encoder"  # its name in windows recorded before session 53
+    assert part_of({"_tf32x3_gemm_kernel"}) == "speech encoder"  # the encoder GEMM's former name, in older windows
     assert part_of({"_encoder_gemm_kernel"}) == "speech encoder"

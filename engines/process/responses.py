@@ -1,0 +1,292 @@
+"""The answer's side of a turn in the engine service: CreateResponse (its rows appended to the open user turn, or a
+new engine request), CancelResponse and TruncateResponse, and what happens when the engine finishes a request: the
+answer kept (cut to what the user heard), an undone turn put back, ResponseDone once the answer's last audio is out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from engines.api import ChannelSampling, EngineError, SamplingParams, StepOutput
+from engines.process.codec_pacing import FIRST_CHUNK_CODES
+from engines.process.codec_worker import CodecWorker
+from engines.process.errors import ServiceError
+from engines.process.prompt import PromptBuilder
+from engines.process.sessions import Answer, ResponseState, Session, Turn
+from engines.process.tokenizer import IncrementalDetokenizer, TextTokenizer
+from engines.protocol import messages as m
+from engines.tokens import Row
+
+log = logging.getLogger("engines.process")
+
+
+def sampling_params(s: m.Sampling) -> SamplingParams:
+    """One setting for both channels; invalid values raise ConfigError."""
+    ch = ChannelSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                         repetition_penalty=s.repetition_penalty)
+    return SamplingParams(text=ch, audio=ch, greedy=s.greedy, min_new_tokens=s.min_new_tokens,
+                          max_new_tokens=s.max_new_tokens, seed=s.seed)
+
+
+class Responses:
+    """Part of Service (service.py): the answers of turns. Calls Service's _session and _release, UserInput's _pump
+    and _system_rows (user_input.py), and Outputs' _send and _text (outputs.py)."""
+
+    engine: Any
+    tokenizer: TextTokenizer
+    prompts: PromptBuilder
+    decoder: Any
+    sessions: dict[str, Session]
+    _requests: dict[str, tuple[Session, Turn]]  # engine request id -> its session and turn
+    _codec: CodecWorker | None
+    _codec_owner: dict[int, Session]
+    _finished_ids: deque[str]  # the latest responses finished (a late cancel of one is no error)
+
+    def _ramping(self) -> bool:
+        """An answer still waits for its first chunk's codes. The GPU is shared by urgency: the codec's rounds are
+        ~800 tiny kernels per Euler step and, run beside decode steps, each waits behind a step's kernels (a round
+        takes 2-3x as long). While an answer ramps, the codec worker holds back rounds of playing answers and user
+        audio is not encoded (<= ENCODE_DEFER_S); while a first-chunk round runs and none ramps, the engine skips
+        its step."""
+        return self.engine.num_waiting > 0 or any(
+            t.response is not None and not t.response.cancelled and t.response.modality == "audio"
+            and len(t.response.code_idx) < FIRST_CHUNK_CODES for _, t in self._requests.values())
+
+    def _on_CreateResponse(self, client: bytes, msg: m.CreateResponse) -> None:
+        s = self._session(client, msg.session_id)
+        try:
+            self._create(s, msg)
+        except Exception as e:  # noqa: BLE001 - whatever the fault, this response ends with ResponseDone
+            if isinstance(e, ServiceError | EngineError):
+                code = e.code
+            elif isinstance(e, ValueError):  # ConfigError included: bad sampling values
+                code = "invalid_request"
+            else:
+                code = "engine_error"
+                log.exception("CreateResponse %s failed", msg.response_id)
+            self._send(client, m.Error(s.session_id, code, str(e), msg.response_id))
+            self._send(client, m.ResponseDone(s.session_id, msg.response_id, "failed", reason=code))
+
+    def _create(self, s: Session, msg: m.CreateResponse) -> None:
+        params = sampling_params(msg.sampling)
+        t = s.active
+        if s.completing is not None or (
+                t is not None and (t.undo is not None or (t.response is not None and t.response.cancelled))):
+            s.deferred.append(msg)  # runs when the abort in flight is reported, or the last answer is done
+            return
+        if t is not None and t.response is not None:
+            raise ServiceError("invalid_request", f"response {t.response.response_id!r} is still in progress")
+        if t is not None and t.audio_open:
+            raise ServiceError("invalid_request", "commit or clear the input audio buffer before creating a response")
+        if t is not None and params != t.params and not self._prompt_settled(s, t, msg.modality):
+            # The open request's system turn was chosen for the other modality: prefill the user turn
+            # again (same rows, the system prompt for this answer) with the new settings.
+            s.sampling = params
+            t.undo = "requeue"
+            self.engine.abort(t.request_id)
+            s.deferred.append(msg)
+            return
+        prefix = self.prompts.assistant_prefix_rows(msg.modality)
+        stream = None
+        if msg.modality == "audio" and self.decoder is not None:
+            stream = self.decoder.open_stream(s.session_id, voice=s.voice, seed=params.seed or 0)
+        try:
+            t = self._submit_response(s, t, params, msg, prefix)
+        except BaseException:
+            if stream is not None and hasattr(stream, "close"):
+                stream.close()
+            raise
+        s.sampling = params
+        s.answer = None
+        r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added + t.rerun_rows,
+                          cached_rows=t.base_rows - t.rerun_rows, prefix_last_row=prefix[-1],
+                          detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
+        t.response = r
+        if s.commit_at is not None:  # where the user turn's end went before this answer (stage marks, < 0)
+            r.mark("commit_in", s.commit_at)
+            r.mark("commit_call", s.commit_call_at)
+            r.mark("commit_encoded", s.commit_done_at)
+            s.commit_at = s.commit_call_at = s.commit_done_at = None
+        self._send(s.owner, m.ResponseStarted(s.session_id, msg.response_id, r.prompt_rows))
+
+    @staticmethod
+    def _prompt_settled(s: Session, t: Turn, modality: m.Modality) -> bool:
+        """True when the open turn's rows fit this answer as they are: no default system prompt went in
+        with it, or it was the spoken one and the answer is spoken. New sampling settings then go in with
+        the closing rows (Engine.append_input(params=)) instead of a second prefill."""
+        return not t.system_included or s.instructions is not None or modality == "audio"
+
+    def _submit_response(self, s: Session, t: Turn | None, params: SamplingParams, msg: m.CreateResponse,
+                         prefix: list[Row]) -> Turn:
+        """The response's rows into the engine: appended to the open user turn, or a new request."""
+        if t is not None:
+            rows = s.pending_rows + prefix
+            self.engine.append_input(t.request_id, rows, input_done=True,
+                                     params=params if params != t.params else None)
+            t.params = params
+            t.carried_rows = t.carried_rows + s.pending_rows
+            s.pending_rows = []
+            t.rows_added += len(rows)
+        else:
+            rows = s.close_rows + self._system_rows(s, msg.modality) + s.pending_rows + prefix
+            rid = s.new_request_id()
+            base = self.engine.conversation_rows(s.conversation_id)
+            rerun = self.engine.conversation_unrun_rows(s.conversation_id)
+            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=True)
+            t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
+                     system_included=not s.system_sent, rows_added=len(rows), rerun_rows=rerun)
+            s.active = t
+            self._requests[rid] = (s, t)
+            s.close_rows, s.pending_rows, s.system_sent = [], [], True
+        return t
+
+    def _on_CancelResponse(self, client: bytes, msg: m.CancelResponse) -> None:
+        s = self._session(client, msg.session_id)
+        t = s.active
+        if t is not None and t.response is not None and t.response.response_id == msg.response_id:
+            if not t.response.cancelled:
+                t.response.cancelled = True
+                self.engine.abort(t.request_id)
+            return
+        if s.completing is not None and s.completing.response_id == msg.response_id:
+            self._drop_last_audio(s.completing)
+            return
+        if msg.response_id in self._finished_ids or any(d.response_id == msg.response_id for d in s.deferred):
+            s.deferred = [d for d in s.deferred if d.response_id != msg.response_id]
+            return  # finished already (a benign race), or not started: nothing to stop
+        raise ServiceError("invalid_request", f"no response {msg.response_id!r} in this session", msg.response_id)
+
+    def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:
+        s = self._session(client, msg.session_id)
+        t = s.active
+        if t is not None and t.response is not None and t.response.response_id == msg.response_id:
+            t.response.truncate_samples = msg.audio_samples_played
+            if not t.response.cancelled:
+                t.response.cancelled = True
+                self.engine.abort(t.request_id)
+            return
+        a = s.answer
+        if a is None or a.response_id != msg.response_id:
+            raise ServiceError("invalid_request", f"response {msg.response_id!r} is not the latest answer of this "
+                               "session (only that one can be truncated)", msg.response_id)
+        if s.completing is not None and s.completing.response_id == msg.response_id:
+            self._drop_last_audio(s.completing)  # the client stopped playing it
+        keep = a.cut(msg.audio_samples_played)
+        if keep is None:
+            return
+        cut_rows, last = a.gen_start + keep, a.last_row(keep)
+        a.rows, a.code_idx = a.rows[:keep], [i for i in a.code_idx if i < keep]
+        if t is None:
+            self.engine.truncate_conversation(s.conversation_id, cut_rows)
+            s.close_rows = self.prompts.assistant_close_rows(last)
+            return
+        # A user turn after the answer is already in the engine: undo it, cut, prefill it again.
+        t.cut_rows, t.cut_last_row = cut_rows, last
+        if t.undo is None:
+            t.undo = "requeue"
+            self.engine.abort(t.request_id)
+
+    # ---- completion ---------------------------------------------------------------------
+
+    def _finish(self, s: Session, t: Turn, o: StepOutput) -> None:
+        self._requests.pop(t.request_id, None)
+        if s.active is t:
+            s.active = None
+        if t.undo == "close" or self.sessions.get(s.session_id) is not s:
+            self._release(s)
+            return
+        if t.undo is not None and t.response is None:
+            self._undo(s, t)
+        elif t.response is not None:
+            self._finish_response(s, t, t.response, o)
+        self._pump(s)
+        deferred, s.deferred = s.deferred, []
+        for d in deferred:
+            self._on_CreateResponse(s.owner, d)
+
+    def _undo(self, s: Session, t: Turn) -> None:
+        if t.cut_rows is not None:
+            self.engine.truncate_conversation(s.conversation_id, t.cut_rows)
+            s.close_rows = self.prompts.assistant_close_rows(t.cut_last_row)
+        else:
+            self.engine.truncate_conversation(s.conversation_id, t.base_rows)
+            s.close_rows = t.close_rows
+            if t.system_included:
+                s.system_sent = False
+        restored = list(t.carried_rows)
+        if t.undo == "requeue":
+            if t.committed:
+                restored += self.prompts.user_audio_turn_rows(t.codes)
+            else:
+                s.pending_codes = t.codes + s.pending_codes
+        s.pending_rows = restored + s.pending_rows
+
+    def _finish_response(self, s: Session, t: Turn, r: ResponseState, o: StepOutput) -> None:
+        stream, r.decoder_stream = r.decoder_stream, None
+        last_codes: list[int] = []
+        if stream is not None:
+            # The answer's last codes, its final partial chunk and the vocoder tail: on the codec worker this
+            # queues behind the stream's earlier chunks, and the engine keeps stepping meanwhile (a long answer's
+            # undecoded codes are seconds of codec work); ResponseDone follows the audio.
+            last_codes = [] if r.cancelled else r.new_codes
+            r.new_codes = []
+        self._text(s, r, r.detok.flush())
+        gen_start = self.engine.conversation_rows(s.conversation_id) - len(r.rows)
+        a = Answer(r.response_id, gen_start, r.rows, r.code_idx, r.prefix_last_row)
+        keep = a.cut(r.truncate_samples) if r.truncate_samples is not None else None
+        if keep is not None:
+            self.engine.truncate_conversation(s.conversation_id, gen_start + keep)
+            a.rows, a.code_idx = a.rows[:keep], [i for i in a.code_idx if i < keep]
+        s.close_rows = self.prompts.assistant_close_rows(a.last_row(len(a.rows)))
+        s.answer = a
+        self._finished_ids.append(r.response_id)
+        reason = o.finish_reason
+        status, why = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
+                       "abort": ("cancelled", "client_cancelled")}.get(reason, ("failed", reason))
+        r.done = (status, why)
+        if stream is None:
+            self._complete(s, r)
+        else:
+            s.completing = r
+            self._codec_owner[id(r)] = s
+            self._codec.push(r, stream, last_codes, final=True)
+            if r.cancelled:
+                self._codec.cancel(r)
+
+    def _fail(self, s: Session, r: ResponseState, why: str) -> None:
+        """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
+        self._send(s.owner, m.Error(s.session_id, "engine_error", why, r.response_id))
+        r.failed, r.cancelled, r.decoder_stream, r.new_codes = why, True, None, []
+        t = s.active
+        if t is not None and t.response is r:
+            self.engine.abort(t.request_id)
+
+    def _drop_last_audio(self, r: ResponseState) -> None:
+        """A finished answer whose last audio is still decoding will not be heard: send none, decode no more."""
+        r.cancelled = True
+        if self._codec is not None:
+            self._codec.cancel(r)
+
+    def _complete(self, s: Session, r: ResponseState) -> None:
+        """ResponseDone once the answer's last audio is out; then any response asked for meanwhile."""
+        status, why = r.done
+        if r.cancelled:
+            status, why = ("failed", "engine_error") if r.failed else ("cancelled", "client_cancelled")
+        if r.ttfa_ms is not None:
+            log.info("response %s: first audio at %.1f ms; stages %s", r.response_id, r.ttfa_ms, r.marks)
+        if self.sessions.get(s.session_id) is not s:  # closed meanwhile: nobody to tell
+            return
+        self._send(s.owner, m.ResponseDone(
+            s.session_id, r.response_id, status, reason=why, output_rows=len(r.rows), prompt_rows=r.prompt_rows,
+            cached_rows=r.cached_rows, audio_samples=r.audio_samples, text="".join(r.text),
+            engine_ttfa_ms=r.ttfa_ms))
+        if s.completing is r:
+            s.completing = None
+            if s.active is None and self.sessions.get(s.session_id) is s:
+                deferred, s.deferred = s.deferred, []
+                for d in deferred:
+                    self._on_CreateResponse(s.owner, d)
+
