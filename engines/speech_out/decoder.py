@@ -19,7 +19,8 @@ from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
 from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
-from engines.speech_out.flow.flow import FlowModel, PreparedVoice
+from engines.speech_out.flow.flow import FlowModel
+from engines.speech_out.flow.state import PreparedVoice
 from engines.speech_out.mel_spec import MelSpec, check_same_mel
 from engines.speech_out.stream import DecodeStream, Job
 from engines.speech_out.vocoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder

@@ -657,7 +657,7 @@ def _args_at(dec: CodecDecoder, voice, done: int, codes_seed: int):
 
 @torch.inference_mode()
 def test_prefix_padded_to_alignment_gives_the_unpadded_encoding(hift_dec):
-    from engines.speech_out.flow.flow import PREFIX_ALIGN, padded_prefix
+    from engines.speech_out.flow.state import PREFIX_ALIGN, padded_prefix
 
     flow, r = hift_dec.flow, hift_dec.cfg.flow.token_mel_ratio
     state = _args_at(hift_dec, Voice.random(seed=3, n_codes=11), 10, 40)
