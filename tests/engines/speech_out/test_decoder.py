@@ -17,7 +17,8 @@ from engines.bench.codec_rounds import SteadyRounds
 from engines.speech_out import BadCodesError, CodecDecoder, MelMismatchError, MelSpec, Voice
 from engines.speech_out.checkpoint import CheckpointError
 from engines.speech_out.config import HiFTConfig
-from engines.speech_out.presets import DECODER_PRESETS, write_random_codec, write_random_decoder
+from engines.speech_out.presets import DECODER_PRESETS
+from engines.speech_out.random_codec import write_random_codec, write_random_decoder
 from engines.speech_out.vocoder.vocoder import HiFTVocoder
 
 SPC = 1920  # samples per code
