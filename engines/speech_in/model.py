@@ -23,6 +23,9 @@ encoder builds a block-causal mask (`quantize_causal_block_size` 200 frames = 4 
 inside a block); its streaming path keeps a KV cache. Strict causality is what lets a code come out
 80 ms after its audio rather than at the end of a 4 s block; with the real weights this is an
 approximation of the offline encoder.
+
+The GPU kernels (engines/kernels/speech_in) are imported inside the CUDA branches: they need Triton, which a CPU-only
+machine may lack.
 """
 
 from __future__ import annotations

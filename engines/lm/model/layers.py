@@ -1,7 +1,7 @@
 """Building blocks of the serving model: parameters are allocated uninitialised (the loader fills them).
 
-The GPU kernels (engines/kernels/lm) import Triton, which a CPU-only machine may lack: each is imported where a CUDA
-tensor takes it, so the CPU path runs without.
+The GPU kernels (engines/kernels/lm) are imported inside the CUDA branches: they need Triton, which a CPU-only machine
+may lack.
 """
 
 from __future__ import annotations

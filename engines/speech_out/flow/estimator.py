@@ -8,7 +8,7 @@ block is `norm1`, `attn1.to_{q,k,v}`, `attn1.to_out.0`, `norm3`, `ff.net.0.proj`
 The estimator always sees a fixed window (context frames + current chunk), so it needs no cache of its own:
 the context frames' x_t trajectories are kept by the flow.
 
-Inference layout (GPU launch count, see docs/PERF_NOTES.md "Codec estimator: kernel count"): the time
+Inference layout (GPU launch count): the time
 conditioning of every resnet is a table per Euler step (`time_table`), q/k/v run as one GEMM over a
 concatenated weight (`fuse`), the attention mask is an additive float mask built once per solve
 (`window_mask`), and LayerNorm tails and the convolutions are Triton kernels on CUDA
@@ -17,7 +17,8 @@ attention kernel for the short window, the stack's last residual add in the last
 (block1's conv and res_conv as one conv over the same input). Activations stay
 [B, C, T] in shape but time-major in memory, the layout of the transformer blocks, so no transposes are copied
 between resnets and transformer blocks.
-`forward` (arbitrary t, bool mask) is kept for tests and runs the same core.
+`forward` (arbitrary t, bool mask) is kept for tests and runs the same core. The kernels are imported inside the CUDA
+branches: they need Triton, which a CPU-only machine may lack.
 """
 
 from __future__ import annotations

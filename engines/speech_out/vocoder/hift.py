@@ -8,7 +8,9 @@ Key layout: `f0_predictor.condnet.{0,2,4,6,8}` (weight-normed convs, ELU between
 Streaming differences from a one-shot call: the harmonic phases start from a per-session carried phase (so
 overlapping windows share the same sine source) and all noise comes from the session's generator. The generator
 takes that noise as an input (`HiFTVocoder.render` draws it), so its forward is deterministic and can be replayed
-as a CUDA graph (engines/speech_out/chunk_graphs.py) with the same result as eager.
+as a CUDA graph (engines/speech_out/chunk_graphs.py) with the same result as eager. The Snake kernel
+(engines/kernels/speech_out/snake.py) is imported inside the CUDA branches: they need Triton, which a CPU-only machine
+may lack.
 """
 
 from __future__ import annotations
