@@ -2,7 +2,7 @@
 
 Eagerly a step is ~60 torch calls (frontend, convs, pooling, VQ) around the blocks' ~300 launches: a commit of one
 stream took ~10 ms of host time for ~3 ms of GPU work, and under load 14-21 ms mean, because each call gives up the
-GIL that the engine loop and the codec's threads share, and waits to get it back (docs/PERF_NOTES.md, session 34).
+GIL that the engine loop and the codec's threads share, and waits to get it back (2026-11-25).
 Every answer waits for its commit's codes, so steps of up to `max_batch` streams are replayed as one graph per bucket
 of (streams, new 50 Hz frames per stream, keys attended): the whole step reads and writes its streams' carried state
 in the KV pool's state rows by index (slot_pool.py), so its input is one upload (indices, then samples) padded to the

@@ -35,7 +35,7 @@ CANDIDATES: tuple[Config, ...] = (
     (64, 64, 256, 4, 3, False, 4), (128, 64, 128, 4, 3, True, 1), (128, 64, 128, 4, 3, True, 2),
     (128, 64, 256, 8, 3, True, 1),
     # Three stages of K 128: room for more than one program an SM (three of 256 hold 128 KiB: one). gate_up at 48 / 64
-    # rows on an H100: 42.2 / 42.8 us against 50.8 / 51.1 for the best before (docs/bench/fp8-tilings-h100-s37.txt)
+    # rows on an H100: 42.2 / 42.8 us against 50.8 / 51.1 for the best of the others (2026-11-27)
     (64, 64, 128, 4, 3, True, 1),
 )
 # A shape first met while a CUDA graph is being captured runs this (no timing can happen inside a capture)

@@ -3,7 +3,7 @@ x [M <= 32, K] over an fp8 copy of W with power-of-two row scales (engines/lm/mo
 
 At decode sizes a linear layer is a pass over its weight: time = bytes / bandwidth. cuBLAS picks
 GEMM tilings meant for larger M and reaches 73-95% of copy bandwidth on this model's shapes (o_proj
-the worst; docs/PERF_NOTES.md). This kernel gives each program BLOCK_N weight rows and streams them along K with a
+the worst; 2026-11-22). This kernel gives each program BLOCK_N weight rows and streams them along K with a
 software-pipelined loop (M padded to the 16 rows of one tensor-core tile), so the whole GPU is busy
 reading the weight once.
 
@@ -33,8 +33,8 @@ MAX_ROWS = 16  # one tensor-core tile of rows; larger batches go to cuBLAS
 _WIN_MARGIN = {False: 0.98, True: 1.02}
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K (partial sums through a float32 buffer and a
-# reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape (PERF_NOTES).
-# (Persistent tilings, a few programs per SM walking the N tiles, never won on the H200: PERF_NOTES.)
+# reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape.
+# (Persistent tilings, a few programs per SM walking the N tiles, never won on the H200.)
 Config = tuple[int, int, int, int, int]
 CANDIDATES: tuple[Config, ...] = (
     (16, 256, 4, 4, 1), (16, 256, 4, 6, 1), (16, 512, 4, 3, 1), (16, 512, 4, 4, 1),
@@ -58,7 +58,7 @@ timings: dict[tuple[int, int, torch.dtype, int], dict] = {}
 # GLU: W is (gate; up) [2F, K]; program i reads BLOCK_N / 2 gate rows and the up rows of the same F columns, and its
 # epilogue writes silu(gate) * up [M, F], rounded as the separate kernel rounds it (bit-identical to it): the MLP's
 # SiLU*up kernel is gone from decode steps. (The RMSNorms and residual adds in the GEMMs' epilogues, or any such
-# work on the input tiles inside the K loop, measured slower: docs/PERF_NOTES.md.)
+# work on the input tiles inside the K loop, measured slower.)
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,

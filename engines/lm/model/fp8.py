@@ -1,6 +1,6 @@
 """Weights rounded to fp8 (e4m3) with a power-of-two scale per output row.
 
-A decode step reads every weight once, so its time is the weights' bytes over the HBM bandwidth (docs/BENCHMARKS.md):
+A decode step reads every weight once, so its time is the weights' bytes over the HBM bandwidth (docs/performance.md):
 an fp8 copy halves what the decode-sized GEMMs read. The scale of each row is the power of two that brings its
 largest magnitude into e4m3's range, so w8 * scale is exactly a bf16 (or float32) number: the model with fp8 weights
 is the same model as the bf16 one whose weights are `dequantize(quantize(w))`, and a GEMM over the fp8 copy that

@@ -53,7 +53,7 @@ def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: bool = True) 
     [B, C, 1, T], which takes time-major x ([B, T, C] in memory) as it is and returns [B, C', T'] time-major: a stack
     of these passes its activations from conv to conv with no layout transform, where cuDNN's NHWC kernels otherwise
     run behind an NCHW <-> NHWC transform around each conv (162 of HiFT's 453 kernels at batch 1; codec steps on an
-    H100 at batch 1 13.45 -> 13.34 ms, 16 30.02 -> 29.86: docs/PERF_NOTES.md). cuDNN's choice of algorithm differs
+    H100 at batch 1 13.45 -> 13.34 ms, 16 30.02 -> 29.86; 2026-12-01). cuDNN's choice of algorithm differs
     from the 1-D call's, so the two layouts agree to TF32 rounding, not bit for bit."""
     b = m.bias if bias else None
     transposed = isinstance(m, nn.ConvTranspose1d)

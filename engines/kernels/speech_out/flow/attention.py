@@ -119,12 +119,12 @@ def _ln_qkv_attention_kernel(X, R, LNW, LNB, WT, MASK, S, OUT, T, s_mb, s_mt, ep
 
 
 # Windows (CFG rows: two a session) of a solve for which `ln_qkv_attention` takes a block's first two kernels: counted
-# over the chains a solve runs side by side (flow.CHAIN_WINDOWS), since a call's few programs leave the SMs to the
-# other chains. A program holds one head's [C, 3 x D] weights (96 KB at the estimator's shapes) and redoes the row's
-# LayerNorm, so at 2-4 windows its few programs are slower than the two kernels' many, and past 16 (128 programs in
-# one call) they no longer fit the SMs in one wave. Solve graph, H100, same process (docs/PERF_NOTES.md, session
-# 45), graphs of 1 / 2 / 3 / 4 / 8 / 16 sessions: 9.59 -> 10.72 / 11.70 -> 11.99 / 14.93 -> 14.31 / 14.94 -> 14.32 /
-# 18.49 -> 18.20 / 21.50 -> 24.41 ms (2-4 sessions as chains of 2 windows); bit-identical mels.
+# over the chains a solve runs side by side (engines/speech_out/flow/flow.py CHAIN_WINDOWS), since a call's few programs
+# leave the SMs to the other chains. A program holds one head's [C, 3 x D] weights (96 KB at the estimator's shapes) and
+# redoes the row's LayerNorm, so at 2-4 windows its few programs are slower than the two kernels' many, and past 16 (128
+# programs in one call) they no longer fit the SMs in one wave. Solve graph, H100, same process (2026-11-28), graphs of
+# 1 / 2 / 3 / 4 / 8 / 16 sessions: 9.59 -> 10.72 / 11.70 -> 11.99 / 14.93 -> 14.31 / 14.94 -> 14.32 / 18.49 -> 18.20 /
+# 21.50 -> 24.41 ms (2-4 sessions as chains of 2 windows); bit-identical mels.
 QKV_ATTENTION_ROWS = (6, 16)
 QKV_ATTENTION_MAX_T = 64
 QKV_ATTENTION_MAX_WEIGHT_BYTES = 98304  # a program's three weight tiles (shared memory)

@@ -24,9 +24,9 @@ PDL_MAX_ROWS = 320
 @dataclass(frozen=True)
 class StreamTiles:
     """Tilings of the whole-tile kernels at streaming row counts (`linear` and the conv up to their row limits,
-    `ln_linear` up to 128 rows, `window_attention`). A development knob: `python3 -m engines.profiling.profile_codec
-    --tiles` times the solve graph per variant, since a kernel timed alone favours more programs than a chain of
-    kernels under PDL does."""
+    `ln_linear` up to 128 rows, `window_attention`), chosen with `python3 -m engines.profiling.profile_codec --tiles`,
+    which times the solve graph per variant: a kernel timed alone favours more programs than a chain of kernels under
+    PDL does."""
 
     ln_linear: tuple[int, int, int] = (16, 64, 4)  # BLOCK_M, BLOCK_N, warps
     linear_m: int = 16  # BLOCK_M of `linear`; BLOCK_N = linear_tile // K (16..64)

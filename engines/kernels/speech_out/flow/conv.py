@@ -104,9 +104,9 @@ class ConvTiling:
 # From this many output rows (eight sessions' CFG windows in a playing round), 2-byte inputs whose channels BLOCK_K
 # divides run the FLAT loop with wgmma-sized tiles. The per-tap loop restarts its 2-stage pipeline at each of the 3
 # taps (2-4 K tiles each) and its 32-row tiles run mma.sync. A tile sweep on an H100 (bf16, Cin 320 / 512 / 256,
-# K 3; docs/bench/conv-flat-s39.txt), the per-tap loop at 32 x 128 against the flat loop's best tiling: 2,560 rows
+# K 3; 2026-11-27), the per-tap loop at 32 x 128 against the flat loop's best tiling: 2,560 rows
 # 18.8 / 23.5 / 10.5 -> 9.6 / 12.5 / 6.3 us, 5,120 rows 33.9 / 44.9 / 13.6 -> 13.5 / 18.8 / 7.9; this tiling was within
-# 0.5 us of the best wherever timed (640-5,120 rows). Solve graph at 32 sessions 28.71 -> 27.42 ms (BENCHMARKS.md).
+# 0.5 us of the best wherever timed (640-5,120 rows). Solve graph at 32 sessions 28.71 -> 27.42 ms.
 CONV_FLAT_MIN_ROWS = 640
 CONV_FLAT_TILING = ConvTiling(64, 128, 64, warps=4, stages=3, flat=True)
 

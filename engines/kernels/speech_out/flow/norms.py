@@ -23,11 +23,11 @@ def _mish_f32(y):
     return y * (1.0 - e) / (1.0 + e)
 
 
-# Rows (flattened (b, t) columns of C channels) per program of the two LayerNorm kernels, by call size: one a program
-# up to NORM_ONE_ROW_MAX rows, NORM_ROWS over NORM_WARPS warps above. Alone (H100, `docs/bench/codec-norm-rows-s39.txt`)
-# add_layernorm at 2,560 / 5,120 rows took 3.28 / 4.86 us one row a program and 2.67 / 3.27 with 8 over 4 warps (at 640
-# rows 1.85 against 2.10), but in the solve graph 8 rows a program measured 18.56 -> 18.94 ms at 8 sessions, level at
-# 32 (27.48 -> 27.42) and 41.09 -> 39.54 at 64 (5,120 rows): so only the largest rounds take it.
+# Rows (flattened (b, t) columns of C channels) per program of the two LayerNorm kernels, by call size: one a program up
+# to NORM_ONE_ROW_MAX rows, NORM_ROWS over NORM_WARPS warps above. Alone (H100, 2026-11-27) add_layernorm at 2,560 /
+# 5,120 rows took 3.28 / 4.86 us one row a program and 2.67 / 3.27 with 8 over 4 warps (at 640 rows 1.85 against 2.10),
+# but in the solve graph 8 rows a program measured 18.56 -> 18.94 ms at 8 sessions, level at 32 (27.48 -> 27.42) and
+# 41.09 -> 39.54 at 64 (5,120 rows): so only the largest rounds take it.
 NORM_ONE_ROW_MAX = 2560
 NORM_ROWS = 8
 NORM_WARPS = 4
