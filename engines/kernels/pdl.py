@@ -5,7 +5,7 @@ next kernel's launch while the GPU drains the previous kernel's tail. With PDL a
 predecessor still runs and waits in `griddepcontrol.wait` until the predecessor has completed and its writes are
 visible, so the launch and the programs' start-up overlap the predecessor's tail. (Reading weights early, into L2
 before or after the wait - each GEMM its own first bytes, the attention kernel o_proj's weight - or o_proj's first
-tiles into registers before the wait, measured slower: docs/PERF_NOTES.md.)
+tiles into registers before the wait, measured slower.)
 
 The rules every kernel here keeps (in `wait_then_trigger` / `trigger_then_wait`):
 - Every program executes the wait, unconditionally, before it reads anything an earlier kernel wrote and before it

@@ -3,8 +3,8 @@
 Each engine process times its GEMM tilings when it starts (skinny_gemm.tune, fp8_gemm.tune): one timing per
 candidate, each kernel alone. Candidates within a few percent of each other come out in a different order from one
 start to the next, and the decode step moves with the picks: on an H100 with fp8 weights, four starts of the same code
-measured 3.86-4.12 ms at batch 1 (docs/PERF_NOTES.md, session 38). That is as large as many of the changes an A/B
-capacity run is asked to judge, and an operator cannot tell which start got the good set.
+measured 3.86-4.12 ms at batch 1 (2026-11-27). That is as large as many of the changes an A/B capacity run is asked to
+judge, and an operator cannot tell which start got the good set.
 
 With MOSS_TUNING_FILE=PATH in the engine process's environment, a start takes the choices stored in PATH for its GPU
 model, tunes only the shapes the file lacks, and adds those to it. A choice the tuner no longer offers (a candidate
@@ -17,11 +17,11 @@ The package ships picks of its own (SHIPPED, tunings.json beside this file) for 
 without MOSS_TUNING_FILE a start takes them for the shapes they hold and tunes the rest. An operator's file is a set of
 its own (seed it with a copy of tunings.json to start from the shipped picks); docs/bench/gpu_tuning_pick.sh makes one
 from the fastest of several starts. MOSS_TUNING_FILE=none tunes every shape at every start. The H100 80GB HBM3
-section is session 39's fastest of four starts with fp8 weights (3.99 ms a decode step at batch 1, where starts spread
+section is the fastest of four starts with fp8 weights (3.99 ms a decode step at batch 1, where starts spread
 3.86-4.12 ms); capacity at 136 sessions with it against tuning at start, ABBA on one H100: p95 188 / 180 against
-204 (one underrun) / 180 ms (docs/PERF_NOTES.md, session 40). The NVIDIA H200 section is session 51's fastest of
-four starts (fp8 weights; decode steps summed over batches 1, 8 and 16: 11.90-11.94 ms, so on the H200 the picks
-matter little to speed; shipping them spares each start the tuning and keeps every start on one set).
+204 (one underrun) / 180 ms (2026-11-27). The NVIDIA H200 section is the fastest of four starts (fp8 weights; decode
+steps summed over batches 1, 8 and 16: 11.90-11.94 ms, 2026-11-29, so on the H200 the picks matter little to speed;
+shipping them spares each start the tuning and keeps every start on one set).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import torch
 from engines.api import EngineStats, InvalidRequestError, SamplingParams, StepOutput, step_row_bucket
 from engines.config import EngineConfig, ModelConfig, model_config_for
 from engines.lm.kv.sizing import fit_kv_cache_bytes
+from engines.lm.loader.checkpoint import load_model, random_model
+from engines.lm.model import fp8_copies
 from engines.lm.runner import ModelRunner, PendingTokens
 from engines.lm.scheduler import ScheduledChunk, Scheduler
 from engines.lm.sequence import Sequence
@@ -73,17 +75,13 @@ class Engine:
     @staticmethod
     def load_weights(name_or_path: str, config: EngineConfig, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
         """The model on `config`'s device and dtype (random for the presets) and its config."""
-        from engines.lm.loader.checkpoint import load_model, random_model
-
         mc = model_config_for(name_or_path)
         if name_or_path in ("tiny-random", "full-random"):
             model = random_model(mc, device=config.device, dtype=config.torch_dtype, seed=seed)
         else:
             model = load_model(name_or_path, device=config.device, dtype=config.torch_dtype)
         if config.fp8_weights:
-            from engines.lm.model import fp8
-
-            fp8.apply(model, keep_weights=not config.fp8_only)
+            fp8_copies.apply(model, keep_weights=not config.fp8_only)
         return model, mc
 
     @classmethod

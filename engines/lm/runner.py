@@ -15,10 +15,12 @@ import torch
 
 from engines.config import EngineConfig, ModelConfig
 from engines.kernels.tiles import tile_map
+from engines.lm.model import fp8_copies
 from engines.lm.model.batch import ForwardBatch
 from engines.lm.sampler import TEXT_CHANNEL, ChannelColumns, ChannelTensors, sample_audio, sample_rows
 from engines.lm.scheduler import ScheduledChunk
 from engines.lm.sequence import Sequence
+from engines.lm.step_graphs import CudaGraphDecoder, CudaGraphMixed, private_stream
 from engines.tokens import MODALITY_PAD, Row
 
 
@@ -112,16 +114,11 @@ class ModelRunner:
         self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self.graphs = self.mixed_graphs = None
         if self.device.type == "cuda":
-            from engines.lm.model import fp8
-            from engines.lm.step_graphs import private_stream
-
             # The text tail's stream (MossSpeechModel.forward): private, as it runs cuBLAS GEMMs inside the graphs.
             model.tail_stream = private_stream(self.device)
             # fp8 copies (if any): their GEMMs tuned for every row count a step can bring, before the graphs
-            fp8.tune_kernels(model, config.prefill_token_budget, config.max_running)
+            fp8_copies.tune_kernels(model, config.prefill_token_budget, config.max_running)
         if self.device.type == "cuda" and config.cuda_graphs:
-            from engines.lm.step_graphs import CudaGraphDecoder, CudaGraphMixed
-
             max_blocks = -(-config.max_model_len // config.block_size)
             self.graphs = CudaGraphDecoder(model, self.kv_cache, config.max_running, max_blocks, self.pad_block,
                                            mark_history=self._mark_history, spare_slot=self.spare_slot)

@@ -5,7 +5,9 @@ Per channel, in order: float32 -> mask -> repetition penalty over the channel's 
 
 Randomness is counter-based: the noise for a candidate token is a hash of (seed, generation
 step, channel, token id). A seeded request therefore reproduces whatever else shares its batch,
-and sampling needs no generator state, no host sync and no per-row launches.
+and sampling needs no generator state, no host sync and no per-row launches. The GPU kernels
+(engines/kernels/lm/topk_sample.py, sampling.py) are imported inside the CUDA branches: they need Triton, which a
+CPU-only machine may lack.
 """
 
 from __future__ import annotations

@@ -30,15 +30,15 @@ def private_stream(device: torch.device | str | None = None, urgent: bool | None
 
     A graph's kernels keep the priority of the stream they were captured on, whatever stream replays them (H200:
     the codec's batch-1 solve graph beside a GEMM load took 24.2 ms captured on an urgent stream and 38.2 captured
-    on a low one, replayed on either; docs/bench/graph-priority-h200.txt). So each owner captures on a stream
+    on a low one, replayed on either; 2026-11-25). So each owner captures on a stream
     of the priority its replays are meant to have, and side streams made inside a capture take the capture's.
 
     Graphs are captured on such streams because cuBLAS work takes the workspace PyTorch keys by (handle, stream),
     and a captured GEMM keeps that workspace's address for every replay. Pool streams come round-robin (32 per
     priority), so two graph sets captured on pool streams, or a graph and eager work on a pool stream, could share
     one workspace while running at the same time on different streams: a split-K GEMM's partial sums and
-    semaphores are then overwritten by the other's, which reads wrong values or spins forever (the GPU hang of
-    docs/PERF_NOTES.md, "The hang's cause"). Destroying a graph also drops its capture stream's workspaces, which
+    semaphores are then overwritten by the other's, which reads wrong values or spins forever (a GPU hang).
+    Destroying a graph also drops its capture stream's workspaces, which
     would pull them from under the live graphs of another owner of the same pool stream."""
     if urgent is None:
         return driver_stream(device, level=level(torch.cuda.current_stream(device)))

@@ -5,8 +5,10 @@ Splits one steady-state 5-code chunk, decoded in a round as the server's codec w
 synchronised around each, counts the kernels of one eager estimator call, and optionally times the Euler
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
 programmatic dependent launch (engines/kernels/pdl.py) off and on, the estimator's to_out / ff output GEMMs on
-cuBLAS or on flow_fused.linear, and the streaming-size conv kernel on or off; `--tiles` per tiling of the
-streaming-size kernels (flow_fused.StreamTiles); `--chains` per number of estimator chains side by side.
+cuBLAS or on the kernels' `linear` (engines/kernels/speech_out/flow/gemm.py), and the streaming-size conv kernel on or
+off; `--tiles` per tiling of the streaming-size kernels (StreamTiles, engines/kernels/speech_out/flow/common.py);
+`--chains` per number of estimator chains side by side.
+A development tool, not the server.
 """
 
 from __future__ import annotations
@@ -151,14 +153,14 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     """The solve graph per variant of TIMELINE_VARIANTS, same inputs for each. (Per-kernel times of graph replays
     from torch.profiler did not add up to one replay's kernels on torch 2.11, so only replay times are reported.)"""
     from engines.kernels import pdl
-    from engines.kernels.speech_out import flow_fused as k
+    from engines.kernels.speech_out.flow import conv, gemm
 
     flow, idx = dec.flow, torch.cuda.current_device()
     est = flow.decoder.estimator
     est.fuse()
     resnets = est._resnets()
     merged = [(r.conv1_res_gemm, r.conv1_res_bias) for r in resnets]
-    linear, whole_rows, flat_rows = k.linear, k.CONV_WHOLE_MAX_ROWS, k.CONV_FLAT_MIN_ROWS
+    linear, whole_rows, flat_rows = gemm.linear, conv.CONV_WHOLE_MAX_ROWS, conv.CONV_FLAT_MIN_ROWS
 
     def cublas(x, w, b=None, residual=None):
         y = torch.nn.functional.linear(x, w, b)
@@ -171,18 +173,18 @@ def _timeline(dec, batches: list[int], reps: int) -> None:
     try:
         for batch in batches:
             ref = None
-            for name, on, gemm, whole, merge, last, flat in TIMELINE_VARIANTS:
+            for name, on, gemms, whole, merge, last, flat in TIMELINE_VARIANTS:
                 pdl._enabled[idx] = on
-                k.linear = cublas if gemm == "cublas" else separate_add if last == "add" else linear
-                k.CONV_WHOLE_MAX_ROWS = whole_rows if whole else 0
-                k.CONV_FLAT_MIN_ROWS = flat_rows if flat else 1 << 62
+                gemm.linear = cublas if gemms == "cublas" else separate_add if last == "add" else linear
+                conv.CONV_WHOLE_MAX_ROWS = whole_rows if whole else 0
+                conv.CONV_FLAT_MIN_ROWS = flat_rows if flat else 1 << 62
                 for r, (w, b) in zip(resnets, merged, strict=True):
                     r.conv1_res_gemm, r.conv1_res_bias = (w, b) if merge else (None, None)
                 ms, x = _solve_ms(flow, batch, reps)
                 ref = _print_solve(batch, ms, x, ref, "first", name)
     finally:
         pdl._enabled.pop(idx, None)
-        k.linear, k.CONV_WHOLE_MAX_ROWS, k.CONV_FLAT_MIN_ROWS = linear, whole_rows, flat_rows
+        gemm.linear, conv.CONV_WHOLE_MAX_ROWS, conv.CONV_FLAT_MIN_ROWS = linear, whole_rows, flat_rows
         for r, (w, b) in zip(resnets, merged, strict=True):
             r.conv1_res_gemm, r.conv1_res_bias = w, b
     _print_kernel_resources()
@@ -192,7 +194,7 @@ def _tile_variants():
     """The served StreamTiles, then one field changed at a time (and a few pairs)."""
     from dataclasses import replace
 
-    from engines.kernels.speech_out.flow_fused import STREAM_TILES as s
+    from engines.kernels.speech_out.flow.common import STREAM_TILES as s
 
     out = [("served", s)]
     for v in ((16, 128, 4), (16, 128, 8), (16, 32, 4), (32, 64, 4), (32, 128, 8), (64, 64, 8), (16, 256, 8)):
@@ -206,15 +208,17 @@ def _tile_variants():
 
 
 def _tiles(dec, batches: list[int], reps: int) -> None:
-    """The solve graph per StreamTiles variant (flow_fused.STREAM_TILES), same inputs for each."""
-    from engines.kernels.speech_out import flow_fused as k
+    """The solve graph per StreamTiles variant (flow.common.STREAM_TILES), same inputs for each."""
+    from engines.kernels.speech_out.flow import attention, common, conv, gemm
 
-    served = k.STREAM_TILES
+    readers = (conv, gemm, attention)  # the kernel modules that read STREAM_TILES (imported from common)
+    served = common.STREAM_TILES
     try:
         for batch in batches:
             ref = None
             for name, tiles in _tile_variants():
-                k.STREAM_TILES = tiles
+                for m in readers:
+                    m.STREAM_TILES = tiles
                 try:
                     ms, x = _solve_ms(dec.flow, batch, reps)
                 except Exception as e:  # a tiling Triton cannot compile (shared memory) is reported, not fatal
@@ -222,7 +226,8 @@ def _tiles(dec, batches: list[int], reps: int) -> None:
                     continue
                 ref = _print_solve(batch, ms, x, ref, "served", name)
     finally:
-        k.STREAM_TILES = served
+        for m in readers:
+            m.STREAM_TILES = served
 
 
 def _chains(dec, batches: list[int], reps: int) -> None:
@@ -243,10 +248,10 @@ def _chains(dec, batches: list[int], reps: int) -> None:
 
 def _print_kernel_resources() -> None:
     """Registers and spills of every compiled codec kernel variant (spills put tiles in local memory)."""
-    from engines.kernels.speech_out import flow_fused as k
+    from engines.kernels.speech_out.flow import attention, conv, gemm, norms
 
-    for fn in (k._conv_whole_kernel, k._causal_conv_kernel, k._linear_kernel, k._ln_linear_kernel,
-               k._window_attention_kernel, k._layernorm_mish_kernel, k._add_layernorm_kernel):
+    for fn in (conv._conv_whole_kernel, conv._causal_conv_kernel, gemm._linear_kernel, gemm._ln_linear_kernel,
+               attention._window_attention_kernel, norms._layernorm_mish_kernel, norms._add_layernorm_kernel):
         try:
             for cache in fn.device_caches.values():
                 for ck in cache[0].values():

@@ -16,6 +16,7 @@ import triton
 
 from engines.bench.hardware import device_name, measure_bandwidth, measure_matmul
 from engines.kernels.lm import skinny_gemm
+from engines.kernels.lm.gemm_common import time_per_call
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "audio_head": (16512, 4096)}
@@ -46,9 +47,8 @@ def main() -> None:
         rows = {}
         for m in (1, 2, 4, 8, 16):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            tc = skinny_gemm.time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
-            tt = skinny_gemm.time_per_call(lambda ww, x=x, c=best_c: skinny_gemm.launch(x, ww, c), copies,
-                                            rounds=10)
+            tc = time_per_call(lambda ww, x=x: F.linear(x, ww), copies, rounds=10)
+            tt = time_per_call(lambda ww, x=x, c=best_c: skinny_gemm.launch(x, ww, c), copies, rounds=10)
             rows[m] = {"cublas_us": tc * 1e6, "triton_us": tt * 1e6, "cublas_frac_bw": nbytes / tc / bw,
                        "triton_frac_bw": nbytes / tt / bw}
         wide = {m: _bf16_rows(m, copies)[1:] for m in (int(r) for r in a.wide.split(",") if r)}
@@ -90,7 +90,7 @@ def _bf16_rows(m: int, copies: list[torch.Tensor], tilings: bool = True) -> tupl
     """One row count over the bf16 weights: (x [m, K], tile rows, cuBLAS s, {config: s} with one tile of the next
     power-of-two rows; without `tilings`, cuBLAS only: tile rows 0 and no configs)."""
     x = torch.randn(m, copies[0].shape[1], device=copies[0].device, dtype=torch.bfloat16)
-    tc = skinny_gemm.time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10)
+    tc = time_per_call(lambda ww: F.linear(x, ww), copies, rounds=10)
     if not tilings:
         return x, 0, tc, {}
     block_m = max(16, triton.next_power_of_2(m))

@@ -25,7 +25,7 @@ bfloat16 is not chunking-invariant: different piece sizes give different matmul 
 moves features by ~1% (full-random, 80 ms pieces: 1 code in 25 flipped). Use float32 where streaming
 must equal offline; the encoder is ~0.34 B parameters, so float32 costs little.
 Write a random codec encoder in the real layout with
-`write_random_encoder(dir, ENCODER_PRESETS["tiny-random"])`. Module docstrings of mel.py and model.py
+`write_random_encoder(dir, ENCODER_PRESETS["tiny-random"])`. Module docstrings of log_mel.py and model.py
 list where this differs from the reference encoder (causal log-mel floor, strictly causal attention).
 """
 

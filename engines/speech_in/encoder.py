@@ -17,8 +17,10 @@ from engines.cuda.precision import float32_matmuls
 from engines.cuda.streams import driver_stream, high_priority_stream, wait_releasing_gil
 from engines.speech_in.config import EncoderConfig
 from engines.speech_in.log_mel import MelFrontend, MelState
-from engines.speech_in.model import StreamingRunner, TrunkState, WhisperVQTrunk
+from engines.speech_in.model import StreamingRunner, WhisperVQTrunk
 from engines.speech_in.presets import ENCODER_PRESETS
+from engines.speech_in.step_graphs import StepGraphs
+from engines.speech_in.step_plan import TrunkState
 from engines.speech_in.weights import PREFIX, load_state, random_state
 
 
@@ -160,13 +162,11 @@ class SpeechEncoder:
                 self._lanes.notify_all()
 
     def capture_graphs(self, max_batch: int = 8) -> int:
-        """CUDA graphs of the blocks for steps of up to `max_batch` streams (graphs.StepGraphs), then the kernels that
+        """CUDA graphs of the blocks for steps of up to `max_batch` streams (StepGraphs), then the kernels that
         bigger (eager) steps use compiled; reserve the KV pool first (a growth retires the graphs). Returns how many
         graphs were captured."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        from engines.speech_in.step_graphs import StepGraphs
-
         with self._no_calls(), self.lock, self._on_stream(), float32_matmuls(self.runner.tf32):
             graphs = StepGraphs(self.runner, max_batch)
             n = graphs.capture()

@@ -27,7 +27,7 @@ FFT_ROWS = 64
 @dataclass
 class MelState:
     """Per-stream frontend state on the host: samples not yet fully framed. (Its running log-mel peak is on the device,
-    in the KV pool's state rows: kv_pool.py.)"""
+    in the KV pool's state rows: slot_pool.py.)"""
 
     buf: np.ndarray  # [n] float32: stream samples from the start of the next frame on
     frames_done: int = 0

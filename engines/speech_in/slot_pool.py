@@ -14,7 +14,7 @@ tensor, so `generation` counts them: graphs captured over the old tensors must n
 The carried state (`mel_tail`, `h1_tail`, `pool`, `peaks`; rows of slot s at s, the spare's at `spare`) has one more
 row, `blank`, never written: a stream's state before its first step (zeros; the peak -inf). A step reads each stream's
 state rows and writes them back by index, so the whole step is a fixed sequence of kernels over index arrays: one CUDA
-graph can hold it (graphs.py), and no per-stream tensor is made, freed or handed between CUDA streams.
+graph can hold it (step_graphs.py), and no per-stream tensor is made, freed or handed between CUDA streams.
 """
 
 from __future__ import annotations

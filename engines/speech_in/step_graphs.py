@@ -2,11 +2,11 @@
 
 Eagerly a step is ~60 torch calls (frontend, convs, pooling, VQ) around the blocks' ~300 launches: a commit of one
 stream took ~10 ms of host time for ~3 ms of GPU work, and under load 14-21 ms mean, because each call gives up the
-GIL that the engine loop and the codec's threads share, and waits to get it back (docs/PERF_NOTES.md, session 34).
+GIL that the engine loop and the codec's threads share, and waits to get it back (2026-11-25).
 Every answer waits for its commit's codes, so steps of up to `max_batch` streams are replayed as one graph per bucket
 of (streams, new 50 Hz frames per stream, keys attended): the whole step reads and writes its streams' carried state
-in the KV pool's state rows by index (kv_pool.py), so its input is one upload (indices, then samples) padded to the
-bucket's sizes (`StreamingRunner._plan`): padding frames, tokens and groups read harmless rows and write the spare's.
+in the KV pool's state rows by index (slot_pool.py), so its input is one upload (indices, then samples) padded to the
+bucket's sizes (`step_plan.plan_step`): padding frames, tokens and groups read harmless rows and write the spare's.
 Bigger steps (held audio of many sessions) stay eager.
 
 All buckets are captured ahead of time (`capture`); a step whose shape has no bucket runs eagerly. The graphs hold
@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from engines.speech_in.step_plan import StepSizes
 from engines.speech_out.chunk_graphs import BucketGraphs
 
 log = logging.getLogger("engines.audio")
@@ -59,8 +60,6 @@ class StepGraphs(BucketGraphs):
     def bucket(self, streams: int, n_max: int, t_max: int):
         """The StepSizes of the bucket holding a step of `streams` streams, `n_max` new tokens (and twice that many
         mel frames) per stream at most, `t_max` keys at most, whether captured or not; None beyond the buckets."""
-        from engines.speech_in.model import StepSizes
-
         b, n, t = _up(streams, self.batches), _up(n_max, FRAMES), _up(t_max, self.keys)
         if b is None or n is None or t is None:
             return None

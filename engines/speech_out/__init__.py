@@ -23,7 +23,7 @@ Streaming schedule: 5 codes per chunk + 3 lookahead codes (the first chunk needs
 per code, 1920 samples per code; a stream of N codes yields exactly N x 1920 samples over push + finalize.
 Bad codes (negative, >= 16384, non-integer, not 1-D) raise BadCodesError (a ValueError).
 Voices: `Voice.random(seed)`, `Voice.empty()`, `Voice.from_wav(path, encode=..., campplus=...)`.
-Random codec directories: `engines.speech_out.presets.write_random_codec(dir, "tiny-random")`.
+Random codec directories: `engines.speech_out.random_codec.write_random_codec(dir, "tiny-random")`.
 
 Where this differs from the reference (CosyVoice2-style) streaming, by design or for lack of facts:
 - Flow encoder: each chunk attends to the whole prompt, the previous `enc_left_chunks` (4) chunks and itself

@@ -24,7 +24,7 @@ import torch
 
 from engines.cuda.host_copy import PinnedMirror
 from engines.lm.step_graphs import capture_graph, private_stream
-from engines.speech_out.flow.flow import padded_prefix
+from engines.speech_out.flow.state import padded_prefix
 
 log = logging.getLogger("engines.audio")
 
@@ -186,7 +186,8 @@ class EncoderGraphs(BucketGraphs):
     indices into the mirror, copied over in one host -> device copy, and the state straight into the graph's buffers,
     instead of building the inputs and copying each in (the host time before a batch-1 chunk's first kernel)."""
 
-    INDEX_FIELDS = (0, 1, 4, 5, 7, 8, 10, 11)  # of FlowModel.encode's arguments (flow.EncodeInputs): int64 tensors
+    # of FlowModel.encode's arguments (flow.state.EncodeInputs): the int64 tensors
+    INDEX_FIELDS = (0, 1, 4, 5, 7, 8, 10, 11)
 
     def __init__(self, flow, urgent: bool = False) -> None:
         super().__init__(flow.encode, urgent)

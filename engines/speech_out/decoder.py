@@ -17,10 +17,13 @@ from engines.config import ConfigError, parse_dtype
 from engines.cuda.streams import wait_releasing_gil
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
+from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
 from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
-from engines.speech_out.flow.flow import FlowModel, PreparedVoice
+from engines.speech_out.flow.flow import FlowModel
+from engines.speech_out.flow.state import PreparedVoice
 from engines.speech_out.mel_spec import MelSpec, check_same_mel
+from engines.speech_out.presets import DECODER_PRESETS
 from engines.speech_out.stream import DecodeStream, Job
 from engines.speech_out.vocoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
 from engines.speech_out.voice import Voice
@@ -89,7 +92,7 @@ class CodecDecoder:
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
              seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32",
              encoder_graphs: bool = True, encoder_tf32: bool = False) -> CodecDecoder:
-        """codec: a preset name ("tiny-random", "full-random") or a codec directory (see presets.py).
+        """codec: a preset name ("tiny-random", "full-random") or a codec directory (its layout: random_codec.py).
         cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only);
         encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs; False: eager).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
@@ -108,8 +111,6 @@ class CodecDecoder:
     def _attach_graphs(self, encoder_graphs: bool, urgent: bool = False) -> None:
         """Empty graph sets (captured on first use or by `capture_graphs`) for the Euler solve, the flow's encoder
         when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority."""
-        from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
-
         self.flow.graphs = EulerGraphs(self.flow, urgent)
         if encoder_graphs:
             self.flow.enc_graphs = EncoderGraphs(self.flow, urgent)
@@ -163,8 +164,6 @@ class CodecDecoder:
 
     @classmethod
     def _load(cls, codec: str | Path, device: str | torch.device, vocoder: str, seed: int) -> CodecDecoder:
-        from engines.speech_out.presets import DECODER_PRESETS
-
         if vocoder not in VOCODERS:
             raise ConfigError(f"vocoder {vocoder!r} not one of {VOCODERS}")
         device = torch.device(device)

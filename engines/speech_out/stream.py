@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engines.speech_out.codes import validate_codes
-from engines.speech_out.flow.flow import FlowState
+from engines.speech_out.flow.state import FlowState
 from engines.speech_out.vocoder.vocoder import VocoderState
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Triton fusions of the codec estimator (engines/kernels/speech_out/flow_fused.py) against the torch path they replace.
+"""Triton fusions of the codec estimator (engines/kernels/speech_out/flow/) against the torch path they replace.
 Run on a GPU machine: `pytest tests/gpu/test_codec_kernels.py`. On CPU-only CI the whole module is skipped."""
 
 from __future__ import annotations
@@ -12,18 +12,15 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 pytest.importorskip("triton", reason="the codec kernels are Triton kernels")
 
-from engines.kernels.speech_out.flow_fused import (  # noqa: E402
-    NORM_ONE_ROW_MAX,
+from engines.kernels.speech_out.flow.attention import (  # noqa: E402
     QKV_ATTENTION_ROWS,
-    add_layernorm,
-    causal_conv,
-    layernorm_mish,
-    linear,
-    ln_linear,
     ln_qkv_attention,
     ln_qkv_attention_fits,
     window_attention,
 )
+from engines.kernels.speech_out.flow.conv import causal_conv  # noqa: E402
+from engines.kernels.speech_out.flow.gemm import linear, ln_linear  # noqa: E402
+from engines.kernels.speech_out.flow.norms import NORM_ONE_ROW_MAX, add_layernorm, layernorm_mish  # noqa: E402
 from engines.speech_out.flow.estimator import TransformerBlock, conv_weight_gemm, window_mask  # noqa: E402
 
 # float32: same math, different reduction order. bf16: both paths round at the same points, so at most a one-ulp
@@ -201,7 +198,7 @@ def test_ln_qkv_attention_refuses_what_it_does_not_take():
 def _fused_qkv_on_and_off(monkeypatch, run):
     """run() with ln_qkv_attention counted (the rows of each call), then again with it turned off by an empty band:
     (the rows of each fused call, the first result, the second)."""
-    import engines.kernels.speech_out.flow_fused as cf
+    import engines.kernels.speech_out.flow.attention as cf
 
     calls = []
     fused = cf.ln_qkv_attention
@@ -598,7 +595,7 @@ def test_conv_flat_loop_is_bit_identical_to_the_loop_per_tap(cin, cout, k, tiles
     the same tiling, the served one and the per-tap loop's before it."""
     from dataclasses import replace
 
-    from engines.kernels.speech_out.flow_fused import (
+    from engines.kernels.speech_out.flow.conv import (
         CONV_FLAT_MIN_ROWS,
         CONV_FLAT_TILING,
         ConvTiling,

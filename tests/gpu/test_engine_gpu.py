@@ -55,9 +55,9 @@ def make(ckpt, dtype: str, graphs: bool, fp8_weights: str = "", kv_dtype: str = 
     """fp8_weights: "beside" (copies beside the rounded bf16 weights) or "only" (copies alone), or none."""
     model = load_model(ckpt, device="cuda", dtype=dtype)
     if fp8_weights:
-        from engines.lm.model import fp8
+        from engines.lm.model import fp8_copies
 
-        fp8.apply(model, keep_weights=fp8_weights == "beside")
+        fp8_copies.apply(model, keep_weights=fp8_weights == "beside")
     mc = model.config
     cfg = EngineConfig(device="cuda", dtype=dtype, block_size=16, kv_cache_bytes=mc.kv_bytes_per_row() * 8192,
                        max_running=8, prefill_token_budget=64, cuda_graphs=graphs, kv_dtype=kv_dtype)

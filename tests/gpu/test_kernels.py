@@ -713,10 +713,11 @@ def test_skinny_gemm_over_an_fp8_weight_matches_f_linear_over_its_values(m, bloc
 
 
 def test_linear_with_only_its_fp8_copy_matches_its_values_at_every_row_count():
-    """fp8.apply(keep_weights=False) drops a Linear's weight: decode-sized rows read the copy through the skinny
-    kernel, more rows through the fp8 GEMM (both tuned by fp8.tune_kernels), and all of them equal F.linear over the
-    rounded values up to summation order. A float32 input takes the dequantized values (no kernel for it)."""
-    from engines.lm.model import fp8
+    """fp8_copies.apply(keep_weights=False) drops a Linear's weight: decode-sized rows read the copy through the
+    skinny kernel, more rows through the fp8 GEMM (both tuned by fp8_copies.tune_kernels), and all of them equal
+    F.linear over the rounded values up to summation order. A float32 input takes the dequantized values (no kernel for
+    it)."""
+    from engines.lm.model import fp8, fp8_copies
     from engines.lm.model.layers import Linear
 
     g = torch.Generator(device="cuda").manual_seed(32)
@@ -726,9 +727,10 @@ def test_linear_with_only_its_fp8_copy_matches_its_values_at_every_row_count():
     holder.lin = lin
     holder.dtype = torch.bfloat16
     values = fp8.dequantize(*fp8.quantize(lin.weight.data), torch.bfloat16)
-    assert fp8.apply(holder, keep_weights=False) == 6144 * 4096 + 6144 * 4 and lin.weight is None
-    assert fp8.tune_kernels(holder, 300, 8) == 2 + 4  # skinny tiles of 16 and 32 rows; buckets 64-512 (300 -> 512)
-    assert fp8.tune_kernels(holder, 20, 20) == 2  # 17-20 rows run the 32-row tile: tuned too
+    assert fp8_copies.apply(holder, keep_weights=False) == 6144 * 4096 + 6144 * 4 and lin.weight is None
+    # skinny tiles of 16 and 32 rows; buckets 64-512 (300 -> 512)
+    assert fp8_copies.tune_kernels(holder, 300, 8) == 2 + 4
+    assert fp8_copies.tune_kernels(holder, 20, 20) == 2  # 17-20 rows run the 32-row tile: tuned too
     for m in (1, 9, 16, 17, fp8.MAX_ROWS, fp8.MAX_ROWS + 1, 64, 65, 300):
         x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
         assert rel_err(lin(x), torch.nn.functional.linear(x.double(), values.double())) < 1e-2, m
@@ -798,7 +800,7 @@ def test_fp8_gemm_matches_f_linear_over_the_weight_values(m):
 
 
 def test_tuners_skip_the_tilings_a_launch_refuses_or_this_gpu_cannot_run():
-    """skinny_gemm.time_tilings, behind both tuners: at K = 1000 every split-K tiling is refused by its launch (the
+    """gemm_common.time_tilings, behind both tuners: at K = 1000 every split-K tiling is refused by its launch (the
     split does not divide K) and is left out; the one-pass tilings that fit are timed."""
     from engines.kernels.lm import fp8_gemm, skinny_gemm
     from engines.lm.model.fp8 import quantize

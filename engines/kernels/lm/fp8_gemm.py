@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from engines.kernels import tuning as tuning_file
-from engines.kernels.lm import skinny_gemm
+from engines.kernels.lm.gemm_common import operands, reduce_splits, time_tilings, weight_copies
 from engines.kernels.pdl import launch_kwargs, wait_then_trigger
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, SPLIT_K). Split-K (float32 partial sums and a reduce)
@@ -35,7 +35,7 @@ CANDIDATES: tuple[Config, ...] = (
     (64, 64, 256, 4, 3, False, 4), (128, 64, 128, 4, 3, True, 1), (128, 64, 128, 4, 3, True, 2),
     (128, 64, 256, 8, 3, True, 1),
     # Three stages of K 128: room for more than one program an SM (three of 256 hold 128 KiB: one). gate_up at 48 / 64
-    # rows on an H100: 42.2 / 42.8 us against 50.8 / 51.1 for the best before (docs/bench/fp8-tilings-h100-s37.txt)
+    # rows on an H100: 42.2 / 42.8 us against 50.8 / 51.1 for the best of the others (2026-11-27)
     (64, 64, 128, 4, 3, True, 1),
 )
 # A shape first met while a CUDA graph is being captured runs this (no timing can happen inside a capture)
@@ -107,13 +107,13 @@ def launch(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, config: Confi
         raise ValueError(f"x has {k} columns, the weight {w8.shape[1]}")
     if split > 1 and k % (split * block_k):
         raise ValueError(f"split-K {split} x {block_k} does not divide K={k}")
-    x, out, dst = skinny_gemm.operands(x, n, split, out)
+    x, out, dst = operands(x, n, split, out)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
     _fp8_gemm_kernel[grid](x, w8, scale, dst, m, n, k, k // split, x.stride(0), w8.stride(0), dst.stride(-2),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SWAP=swap,
                            SPLIT_K=split, num_warps=warps, num_stages=stages, **launch_kwargs(x.device))
     if split > 1:
-        skinny_gemm.reduce_splits(dst, out)
+        reduce_splits(dst, out)
     return out
 
 
@@ -126,13 +126,13 @@ def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], scale: torch.Te
                     ) -> dict[Config, float]:
     """Seconds per call of every candidate that runs here (copies: the fp8 weight's rotated copies)."""
     out = torch.empty(x.shape[0], copies[0].shape[0], device=x.device, dtype=x.dtype)
-    return skinny_gemm.time_tilings(CANDIDATES, lambda w, cfg: launch(x, w, scale, cfg, out), copies, rounds)
+    return time_tilings(CANDIDATES, lambda w, cfg: launch(x, w, scale, cfg, out), copies, rounds)
 
 
 def tune(w8: torch.Tensor, scale: torch.Tensor, rows: int, act_dtype: torch.dtype) -> Config:
     """Time every candidate at `rows` rows on this weight's shape; remember and return the fastest."""
     key = (w8.shape[0], w8.shape[1], bucket(rows))
-    copies = skinny_gemm.weight_copies(w8, scale)
+    copies = weight_copies(w8, scale)
     x = torch.randn(key[2], w8.shape[1], device=w8.device, dtype=act_dtype)
     result = time_candidates(x, copies, scale)
     del copies

@@ -26,12 +26,12 @@ MAX_SPLITS = 16
 # Programs per SM the split count aims at (batch x KV heads x splits); batch 1 keeps MAX_SPLITS. None: always
 # MAX_SPLITS (the split count before 2026-11-23 (15)). Over a cache in the query's dtype one program an SM, with the
 # tilings below, took 0.69-0.98x the time of two with 64-row tiles at 1-16 sequences over 150-1,000-row contexts
-# (H100, docs/bench/attn-splits-h100-s42.txt); the fp8 cache's tilings were swept at two.
+# (H100, 2026-11-27); the fp8 cache's tilings were swept at two.
 PROGRAMS_PER_SM: int | None = 1
 FP8_PROGRAMS_PER_SM: int | None = 2
 TILE = 64
 # With one split the split kernel divides by the softmax sum and writes the output (the merge would compute the same
-# quotient: bit-identical, GPU test). True: the merge runs anyway (a probe's A/B).
+# quotient: bit-identical, GPU test). True: the merge runs anyway (engines/profiling/decode_ab.py times both).
 MERGE_ONE_SPLIT = False
 # (tile rows, warps, pipeline stages) of the split kernel. Over a 16-bit cache in the query's dtype: 32-row tiles at
 # 8-16 splits (1-4 sequences: a split holds few rows), 128-row tiles at 1-4 splits while a launch has fewer than
@@ -45,12 +45,12 @@ WIDE_MAX_PROGRAMS_PER_SM = 3
 WIDE_MIN_SHARED_BYTES = 160 << 10
 # Over an fp8 cache (its tiles are converted on their way to the dots): with 4 splits or fewer (16+ sequences on an
 # H100) 2 warps a program were 1.2-1.8x faster than 4 over 1,000-4,000-row contexts; with 8-16 splits (1-8 sequences)
-# 32-row tiles over 4 warps held 300-4,000-row contexts nearest the best (H100, docs/bench/kv-fp8-tiling-*h100-s41.txt).
+# 32-row tiles over 4 warps held 300-4,000-row contexts nearest the best (H100, 2026-11-27).
 FP8_TILING = (TILE, 2, 2)
 FP8_TILING_MANY_SPLITS = (32, 4, 2)
 # The split kernel reads its first tile before the PDL wait only up to this many programs (batch x KV heads x
 # splits); None: the device's SM count, so every program has an SM of its own (batch 1 on an H200: 128 programs on
-# 132 SMs, 0.05 ms per step faster). With more programs, batches 4 to 64 measured 4-30% slower (docs/PERF_NOTES.md).
+# 132 SMs, 0.05 ms per step faster). With more programs, batches 4 to 64 measured 4-30% slower (2026-11-23).
 PRELOAD_MAX_PROGRAMS: int | None = None
 
 

@@ -3,7 +3,7 @@ x [M <= 32, K] over an fp8 copy of W with power-of-two row scales (engines/lm/mo
 
 At decode sizes a linear layer is a pass over its weight: time = bytes / bandwidth. cuBLAS picks
 GEMM tilings meant for larger M and reaches 73-95% of copy bandwidth on this model's shapes (o_proj
-the worst; docs/PERF_NOTES.md). This kernel gives each program BLOCK_N weight rows and streams them along K with a
+the worst; 2026-11-22). This kernel gives each program BLOCK_N weight rows and streams them along K with a
 software-pipelined loop (M padded to the 16 rows of one tensor-core tile), so the whole GPU is busy
 reading the weight once.
 
@@ -15,28 +15,26 @@ being captured falls back to cuBLAS, so capture never syncs or times anything.
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from engines.kernels import tuning as tuning_file
+from engines.kernels.lm import fp8_gemm
+from engines.kernels.lm.gemm_common import operands, reduce_splits, time_per_call, time_tilings, weight_copies
 from engines.kernels.pdl import enabled, launch_kwargs, wait_then_trigger
 from engines.lm.model.fp8 import MAX_ROWS as FP8_MAX_ROWS
 
 MAX_ROWS = 16  # one tensor-core tile of rows; larger batches go to cuBLAS
-_L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies over this many bytes when timing (H100 L2: 50 MB)
 # Without programmatic dependent launch, take the Triton kernel only where it beats cuBLAS by at least 2%; with it
 # (engines/kernels/pdl.py), unless cuBLAS beats it by 2%: in a step the Triton kernel launches under its
 # predecessor's tail, which a tuning run of one kernel shows only in part (gate_up: 47.8 vs 48.5 us alone, H200).
 _WIN_MARGIN = {False: 0.98, True: 1.02}
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K). Split-K (partial sums through a float32 buffer and a
-# reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape (PERF_NOTES).
-# (Persistent tilings, a few programs per SM walking the N tiles, never won on the H200: PERF_NOTES.)
+# reduce) is for GPUs where N / BLOCK_N leaves SMs idle; on the H100 it lost on every model shape.
+# (Persistent tilings, a few programs per SM walking the N tiles, never won on the H200.)
 Config = tuple[int, int, int, int, int]
 CANDIDATES: tuple[Config, ...] = (
     (16, 256, 4, 4, 1), (16, 256, 4, 6, 1), (16, 512, 4, 3, 1), (16, 512, 4, 4, 1),
@@ -60,7 +58,7 @@ timings: dict[tuple[int, int, torch.dtype, int], dict] = {}
 # GLU: W is (gate; up) [2F, K]; program i reads BLOCK_N / 2 gate rows and the up rows of the same F columns, and its
 # epilogue writes silu(gate) * up [M, F], rounded as the separate kernel rounds it (bit-identical to it): the MLP's
 # SiLU*up kernel is gone from decode steps. (The RMSNorms and residual adds in the GEMMs' epilogues, or any such
-# work on the input tiles inside the K loop, measured slower: docs/PERF_NOTES.md.)
+# work on the input tiles inside the K loop, measured slower.)
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -116,16 +114,6 @@ def _skinny_kernel(X, W, S, Y, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym
         tl.store(Y + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
 
 
-@triton.jit
-def _split_reduce_kernel(P, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(P + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(P + s * MN + offs, mask=mask, other=0.0)
-    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
-
-
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Half-precision 2-D decode-sized input on CUDA (float32 stays on cuBLAS: tl.dot would round to tf32)."""
     return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dtype in (torch.bfloat16,
@@ -162,54 +150,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: Config, out: torch.Ten
     return out
 
 
-def operands(x: torch.Tensor, n: int, split: int, out: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x with unit column stride, out [M, n], where the kernel writes: out, or float32 partials [split, M, n] for
-    `reduce_splits`)."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
-    return x, out, out if split == 1 else torch.empty(split, x.shape[0], n, device=x.device, dtype=torch.float32)
-
-
-def reduce_splits(partials: torch.Tensor, out: torch.Tensor) -> None:
-    """out [M, N] (contiguous) = the sum of split-K partials [SPLIT_K, M, N] (float32), rounded once."""
-    mn = out.numel()
-    _split_reduce_kernel[(triton.cdiv(mn, 1024),)](partials, out, mn, SPLIT_K=partials.shape[0], BLOCK=1024,
-                                                   num_warps=4)
-
-
-@functools.cache
-def _tuner_stream(device: torch.device) -> torch.cuda.Stream:
-    from engines.lm.step_graphs import private_stream
-
-    return private_stream(device)
-
-
-def time_per_call(fn, copies: list[torch.Tensor], rounds: int = 4) -> float:
-    """Seconds per call with the calls replayed from a CUDA graph, as the decode step runs them (eager timing
-    would measure Triton's host-side launch cost instead of the kernel)."""
-    for w in copies[:2]:
-        fn(w)  # compiles, and fails here (not inside the capture) when a tiling does not fit
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # Captured on a stream of the tuner's own: this graph is destroyed after timing, which drops its capture
-    # stream's cuBLAS workspaces (see engines.lm.step_graphs.private_stream).
-    with torch.cuda.graph(graph, stream=_tuner_stream(copies[0].device)):
-        for _ in range(rounds):
-            for w in copies:
-                fn(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e-3 / (3 * rounds * len(copies))
-
-
 def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], block_m: int = MAX_ROWS, rounds: int = 4,
                     scale: torch.Tensor | None = None) -> dict[Config, float]:
     """Seconds per call of x @ w.T for every candidate tiling that runs here (copies: the weight's rotated copies;
@@ -217,29 +157,6 @@ def time_candidates(x: torch.Tensor, copies: list[torch.Tensor], block_m: int = 
     out = torch.empty(x.shape[0], copies[0].shape[0], device=x.device, dtype=x.dtype)
     return time_tilings(CANDIDATES if scale is None else FP8_CANDIDATES,
                         lambda w, cfg: launch(x, w, cfg, out, block_m=block_m, scale=scale), copies, rounds)
-
-
-def time_tilings(candidates, call, copies: list[torch.Tensor], rounds: int) -> dict:
-    """Seconds per call of `call(w, config)` over the rotated copies for every candidate that runs here (this
-    kernel's and fp8_gemm's tuners). One the launch refuses (a split-K that does not divide K) or that does not fit
-    this GPU (shared memory, registers) fails in time_per_call's warm-up, before any capture, and is skipped."""
-    result = {}
-    for cfg in candidates:
-        try:
-            result[cfg] = time_per_call(lambda w, cfg=cfg: call(w, cfg), copies, rounds)
-        except Exception:  # noqa: BLE001 - see above: a tiling that cannot run here is not a candidate
-            continue
-    return result
-
-
-def weight_copies(weight: torch.Tensor, scale: torch.Tensor | None) -> list[torch.Tensor]:
-    """The weight and random copies of it, together larger than L2 (an fp8 weight's copies are fp8 as well)."""
-    nbytes = weight.numel() * weight.element_size()
-    # at most 16 copies: a weight too small to defeat L2 with them is cheap whichever kernel runs it
-    extra = min(15, max(0, math.ceil(_L2_DEFEAT_BYTES / nbytes) - 1))
-    dtype = torch.bfloat16 if scale is not None else weight.dtype
-    return [weight] + [torch.randn(weight.shape, device=weight.device, dtype=dtype).to(weight.dtype)
-                       for _ in range(extra)]
 
 
 def _key(weight: torch.Tensor, block_m: int) -> tuple[int, int, torch.dtype, int]:
@@ -323,8 +240,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, fp8: tuple[torch.Tensor
     if weight is None:
         if fp8 is None:
             raise ValueError("a linear layer with neither a weight nor an fp8 copy")
-        from engines.kernels.lm import fp8_gemm
-
         return fp8_gemm.linear(x, *fp8)
     cfg = config_for(weight) if supported(x, weight) else None
     return F.linear(x, weight) if cfg is None else launch(x, weight, cfg)

@@ -2,7 +2,7 @@
 
 The torch path (mask, repetition penalty, temperature, staged top-k, softmax, cumsum, top-p, noise, argmax,
 gather) was ~35 launches after every decode step: ~0.14 ms of GPU time plus the gaps between them at batch 1, on
-a step of ~5 ms (docs/PERF_NOTES.md). Here:
+a step of ~5 ms (2026-11-23). Here:
 
 1. `_candidates_kernel`, grid (rows, slices): a slice of the row's logits through the mask, the penalty and the
    temperature, then its top KP as packed int64 keys (value's order bits above, index below);

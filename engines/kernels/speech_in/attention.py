@@ -4,7 +4,7 @@ The encoder (engines/speech_in/model.py) attends each stream's few new 50 Hz que
 to the keys of its segment so far (up to 1500) in float32. The torch path gathers every stream's keys and values
 out of the pool (`keys[slots, :, :t_max]`, a copy per layer) and runs SDPA's memory-efficient kernel, whose 64-row
 query tiles are mostly padding here and whose programs (streams x heads) each scan all keys: at 32 streams x 20 s it
-was 0.62 ms per layer, ~8x its K/V read time (docs/PERF_NOTES.md). Here a program takes one (stream, head, key
+was 0.62 ms per layer, ~8x its K/V read time (H200, 2026-11-24). Here a program takes one (stream, head, key
 split): its queries in one tile, the split's keys read straight from the pool through the stream's slot, an online
 softmax in float32 (products at float32 accuracy, or plain TF32 under the encoder's `--encoder-tf32`); a second kernel
 merges the splits when there are several. Splits give a step of few streams (a commit) enough programs; the split

@@ -1,6 +1,8 @@
 """Paged attention, pure-torch path (CPU and fallback).
 
-A GPU kernel can replace `write_kv` / `paged_attention` behind the same signatures.
+A GPU kernel can replace `write_kv` / `paged_attention` behind the same signatures; the one that does
+(engines/kernels/lm/attention_gpu.py) is imported inside the CUDA branches: they need Triton, which a CPU-only machine
+may lack.
 Cache layer layout: k_cache, v_cache each [num_blocks, block_size, num_kv_heads, head_dim];
 slot s lives at block s // block_size, offset s % block_size. The cache's element type is the model dtype or fp8
 (EngineConfig.kv_dtype); attention reads it back in float32 here, in the model dtype on the GPU.

@@ -1,4 +1,8 @@
-"""Building blocks of the serving model: parameters are allocated uninitialised (the loader fills them)."""
+"""Building blocks of the serving model: parameters are allocated uninitialised (the loader fills them).
+
+The GPU kernels (engines/kernels/lm) are imported inside the CUDA branches: they need Triton, which a CPU-only machine
+may lack.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from torch import nn
 from engines.config import ModelConfig
 from engines.lm.model.attention import paged_attention, write_kv
 from engines.lm.model.batch import ForwardBatch
+from engines.lm.model.fp8 import dequantize
 from engines.lm.model.rope import apply_rope
 
 
@@ -23,8 +28,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty((out_features, in_features), device, dtype)
         # (w8 [out, in] fp8, scale [out]) with the weight rounded to fp8 (engines/lm/model/fp8.py), or None. Set after
-        # loading (fp8.apply): decode-sized GEMMs read it; with keep_weights=False the weight is dropped (None) and
-        # every GEMM reads it. Not a buffer: never saved or moved with the module.
+        # loading (fp8_copies.apply): decode-sized GEMMs read it; with keep_weights=False the weight is dropped (None)
+        # and every GEMM reads it. Not a buffer: never saved or moved with the module.
         self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,8 +38,6 @@ class Linear(nn.Module):
 
             return skinny_gemm.linear(x, self.weight, self.fp8)  # decode batch: a pass over the weight
         if self.weight is None:  # fp8 on a CPU or in float32: no kernel reads the copy, its exact values instead
-            from engines.lm.model.fp8 import dequantize
-
             return F.linear(x, dequantize(*self.fp8, x.dtype))
         return F.linear(x, self.weight)
 

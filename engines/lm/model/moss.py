@@ -1,4 +1,8 @@
-"""MOSS-Speech serving model: shared trunk, then a text tail and an audio tail on the same hidden states."""
+"""MOSS-Speech serving model: shared trunk, then a text tail and an audio tail on the same hidden states.
+
+The GPU kernels (engines/kernels/lm) are imported inside the CUDA branches: they need Triton, which a CPU-only machine
+may lack.
+"""
 
 from __future__ import annotations
 

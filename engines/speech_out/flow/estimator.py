@@ -8,16 +8,17 @@ block is `norm1`, `attn1.to_{q,k,v}`, `attn1.to_out.0`, `norm3`, `ff.net.0.proj`
 The estimator always sees a fixed window (context frames + current chunk), so it needs no cache of its own:
 the context frames' x_t trajectories are kept by the flow.
 
-Inference layout (GPU launch count, see docs/PERF_NOTES.md "Codec estimator: kernel count"): the time
+Inference layout (GPU launch count): the time
 conditioning of every resnet is a table per Euler step (`time_table`), q/k/v run as one GEMM over a
 concatenated weight (`fuse`), the attention mask is an additive float mask built once per solve
 (`window_mask`), and LayerNorm tails and the convolutions are Triton kernels on CUDA
-(engines/kernels/speech_out/flow_fused.py), where a transformer block is 5 kernels (LayerNorms as GEMM prologues, one
+(engines/kernels/speech_out/flow/), where a transformer block is 5 kernels (LayerNorms as GEMM prologues, one
 attention kernel for the short window, the stack's last residual add in the last GEMM's epilogue) and a resnet 4
 (block1's conv and res_conv as one conv over the same input). Activations stay
 [B, C, T] in shape but time-major in memory, the layout of the transformer blocks, so no transposes are copied
 between resnets and transformer blocks.
-`forward` (arbitrary t, bool mask) is kept for tests and runs the same core.
+`forward` (arbitrary t, bool mask) is kept for tests and runs the same core. The kernels are imported inside the CUDA
+branches: they need Triton, which a CPU-only machine may lack.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def conv_weight_gemm(weight: torch.Tensor) -> torch.Tensor:
 
 class CausalConv1d(nn.Conv1d):
     """Conv1d seeing `kernel - 1` frames of left context (kernel 1: pointwise). On CUDA one implicit-GEMM Triton
-    kernel that writes time-major memory (engines/kernels/speech_out/flow_fused.py)."""
+    kernel that writes time-major memory (engines/kernels/speech_out/flow/conv.py)."""
 
     def __init__(self, dim: int, dim_out: int, kernel: int) -> None:
         # Padding on both sides then dropping the tail equals left padding: one kernel instead of pad + conv.
@@ -50,7 +51,7 @@ class CausalConv1d(nn.Conv1d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from engines.kernels.speech_out.flow_fused import causal_conv
+            from engines.kernels.speech_out.flow.conv import causal_conv
 
             w = self.gemm_weight if self.gemm_weight is not None else conv_weight_gemm(self.weight)
             return causal_conv(x, w, self.bias, self.kernel_size[0])
@@ -66,7 +67,7 @@ def layernorm_mish(x: torch.Tensor, norm: nn.LayerNorm, row: torch.Tensor | None
                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, C, T] -> mish(LayerNorm over C) (+ row [B|1, C] over T) (+ residual [B, C, T]); one kernel on CUDA."""
     if x.is_cuda:
-        from engines.kernels.speech_out.flow_fused import layernorm_mish as fused
+        from engines.kernels.speech_out.flow.norms import layernorm_mish as fused
 
         return fused(x, norm.weight, norm.bias, norm.eps, row, residual)
     y = F.mish(norm(x.transpose(1, 2)).transpose(1, 2))
@@ -79,7 +80,7 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Layer
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(LayerNorm(x + residual), x + residual) for x [B, T, C]; one kernel on CUDA."""
     if x.is_cuda:
-        from engines.kernels.speech_out.flow_fused import add_layernorm as fused
+        from engines.kernels.speech_out.flow.norms import add_layernorm as fused
 
         return fused(x, residual, norm.weight, norm.bias, norm.eps)
     if residual is not None:
@@ -120,7 +121,7 @@ class CausalResnetBlock1D(nn.Module):
     def _forward_cuda(self, x: torch.Tensor, t_row: torch.Tensor) -> torch.Tensor:
         """forward in 4 kernels: block1's conv and res_conv as one conv over x, then block1's LayerNorm + Mish +
         time row, block2's conv, block2's LayerNorm + Mish + residual."""
-        from engines.kernels.speech_out.flow_fused import causal_conv
+        from engines.kernels.speech_out.flow.conv import causal_conv
 
         c = self.conv1_res_bias.shape[0] // 2
         both = causal_conv(x, self.conv1_res_gemm, self.conv1_res_bias, self.block1.block[0].kernel_size[0])
@@ -174,7 +175,7 @@ class TransformerBlock(nn.Module):
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         """The CUDA kernels take a power-of-two width (one tile per row) and windows of <= 128 frames."""
-        from engines.kernels.speech_out.flow_fused import WINDOW_ATTENTION_MAX_T
+        from engines.kernels.speech_out.flow.attention import WINDOW_ATTENTION_MAX_T
 
         d, dh = x.shape[2], self.attn1.dh
         return (self.qkv_t is not None and d & (d - 1) == 0 and d >= 16 and dh & (dh - 1) == 0 and dh >= 16
@@ -197,21 +198,21 @@ class TransformerBlock(nn.Module):
         """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
         GEMM + GELU, ff output GEMM (+ the residual stream, for the last block); the first two as one kernel where
         `ln_qkv_attention_fits` (same bits)."""
-        from engines.kernels.speech_out import flow_fused as k
+        from engines.kernels.speech_out.flow import attention, gemm
 
         a, ff, n1 = self.attn1, self.ff.net, self.norm1
-        if k.ln_qkv_attention_fits(x, a.dh, windows):
-            att, x = k.ln_qkv_attention(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t, mask, a.h, a.dh)
+        if attention.ln_qkv_attention_fits(x, a.dh, windows):
+            att, x = attention.ln_qkv_attention(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t, mask, a.h, a.dh)
         else:
-            qkv, x = k.ln_linear(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t)
-            att = k.window_attention(qkv, mask, a.h, a.dh)  # [B, T, heads * dh]
+            qkv, x = gemm.ln_linear(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t)
+            att = attention.window_attention(qkv, mask, a.h, a.dh)  # [B, T, heads * dh]
         out = a.to_out[0]
-        o = k.linear(att, out.weight, out.bias)  # [B, T, d]
-        h, x = k.ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
-                           gelu=True)
+        o = gemm.linear(att, out.weight, out.bias)  # [B, T, d]
+        h, x = gemm.ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
+                              gelu=True)
         if last:
-            return k.linear(h, ff[2].weight, ff[2].bias, residual=x), None
-        return x, k.linear(h, ff[2].weight, ff[2].bias)
+            return gemm.linear(h, ff[2].weight, ff[2].bias, residual=x), None
+        return x, gemm.linear(h, ff[2].weight, ff[2].bias)
 
 
 class _TimeMLP(nn.Module):

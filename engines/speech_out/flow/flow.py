@@ -8,9 +8,9 @@ Per chunk of n codes (n = 5 except a final partial chunk) with up to 3 lookahead
 State kept per session is bounded (window of KV, trajectories of one chunk), so a chunk costs the same at
 any point of an answer.
 
-Both stages replay as CUDA graphs (graphs.py) for full chunks: the Euler solve (`euler`) and the encoder (`encode`:
-embedding, conformer stacks, projection). The encoder's shapes are static per (batch bucket, prefix length): the
-relative positions need no distance table (encoder.AttnContext), and the prompt + window keys are padded (masked)
+Both stages replay as CUDA graphs (chunk_graphs.py) for full chunks: the Euler solve (`euler`) and the encoder
+(`encode`: embedding, conformer stacks, projection). The encoder's shapes are static per (batch bucket, prefix length):
+the relative positions need no distance table (conformer.AttnContext), and the prompt + window keys are padded (masked)
 to a multiple of PREFIX_ALIGN, so a voice sees only a few prefix lengths over a whole answer.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -28,14 +27,13 @@ from torch import nn
 
 from engines.cuda.host_copy import upload
 from engines.cuda.precision import float32_matmuls
+from engines.cuda.streams import side_by_side
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.config import FlowConfig, StreamConfig
 from engines.speech_out.flow.conformer import KV, EncoderCache, UpsampleConformerEncoder
 from engines.speech_out.flow.estimator import CausalConditionalDecoder, window_mask
+from engines.speech_out.flow.state import EncodeInputs, FlowState, PreparedVoice, padded_prefix
 from engines.speech_out.mel_spec import SILENCE_LOG_MEL
-
-# Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
-PREFIX_ALIGN = 32
 
 # A solve of 2..CHAIN_MAX_SESSIONS sessions runs the estimator's windows (each session's conditional and
 # unconditional one) as independent chains of CHAIN_WINDOWS windows side by side on CUDA. The estimator is a chain of
@@ -47,67 +45,11 @@ CHAIN_WINDOWS = 2
 CHAIN_MAX_SESSIONS = 4
 
 
-def padded_prefix(n: int) -> int:
-    """Prefix length n (keys) rounded up to a multiple of PREFIX_ALIGN."""
-    return -(-n // PREFIX_ALIGN) * PREFIX_ALIGN
-
-
 class _CFM(nn.Module):
     def __init__(self, cfg: FlowConfig) -> None:
         super().__init__()
         self.estimator = CausalConditionalDecoder(cfg)
 
-
-@dataclass
-class PreparedVoice:
-    """Everything about a voice the flow needs, computed once per voice (`FlowModel.prepare_voice`)."""
-
-    n_codes: int
-    kv: torch.Tensor  # [layers, 2 (k, v), P, H, dk] encoder keys/values of the prompt
-    up_kv: torch.Tensor  # [up_layers, 2, 4P, H, dk]
-    mu: torch.Tensor  # [80, 4P]
-    mel: torch.Tensor  # [80, 4P]
-    spks: torch.Tensor  # [80] projected x-vector
-
-
-@dataclass
-class FlowState:
-    """One session's flow state between chunks (no batch dimension)."""
-
-    voice: PreparedVoice
-    pre: torch.Tensor  # [2, D] last conv1 outputs of the lookahead layer
-    up: torch.Tensor  # [2*ratio, D] last repeated frames before the upsample conv
-    codes_done: int = 0
-    win_kv: torch.Tensor | None = None  # [layers, 2, <=W, H, dk] this session's latest keys/values
-    win_up_kv: torch.Tensor | None = None  # [up_layers, 2, <=W*ratio, H, dk]
-    ctx_traj: torch.Tensor | None = None  # [steps, 80, C] x_t of the context frames at every Euler step
-    ctx_mu: torch.Tensor | None = None  # [80, C]
-    ctx_cond: torch.Tensor | None = None  # [80, C]
-
-    def run_key(self) -> tuple[int, int, int]:
-        """States with equal keys have the same prompt keys and window lengths (FlowModel._runs)."""
-        return id(self.voice), self.win_kv.shape[2], self.win_up_kv.shape[2]
-
-    def nbytes(self) -> int:
-        ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond, self.win_kv, self.win_up_kv]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-class EncodeInputs(NamedTuple):
-    """The arguments of `FlowModel.encode`, in its order (see there), for one chunk of a batch of states."""
-
-    codes: torch.Tensor
-    valid: torch.Tensor
-    pre: torch.Tensor
-    up: torch.Tensor
-    pos: torch.Tensor
-    up_pos: torch.Tensor
-    X: torch.Tensor
-    kpos: torch.Tensor
-    kvalid: torch.Tensor
-    upX: torch.Tensor
-    up_kpos: torch.Tensor
-    up_kvalid: torch.Tensor
 
 
 class _PrefixLayout(NamedTuple):
@@ -430,8 +372,6 @@ class FlowModel(nn.Module):
             k = n // CHAIN_WINDOWS if 2 <= n // 2 <= CHAIN_MAX_SESSIONS else 1
         if not h.is_cuda or k <= 1 or n % k:
             return est.run(h, rows, mask)
-        from engines.cuda.streams import side_by_side
-
         g = n // k
         parts = side_by_side(self._chain_streams.get(h.device, k - 1),
                              *(lambda i=i: est.run(h[i * g:(i + 1) * g], rows, mask, windows=n) for i in range(k)))

@@ -8,7 +8,9 @@ Key layout: `f0_predictor.condnet.{0,2,4,6,8}` (weight-normed convs, ELU between
 Streaming differences from a one-shot call: the harmonic phases start from a per-session carried phase (so
 overlapping windows share the same sine source) and all noise comes from the session's generator. The generator
 takes that noise as an input (`HiFTVocoder.render` draws it), so its forward is deterministic and can be replayed
-as a CUDA graph (engines/speech_out/chunk_graphs.py) with the same result as eager.
+as a CUDA graph (engines/speech_out/chunk_graphs.py) with the same result as eager. The Snake kernel
+(engines/kernels/speech_out/snake.py) is imported inside the CUDA branches: they need Triton, which a CPU-only machine
+may lack.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor, bias: bool = True) 
     [B, C, 1, T], which takes time-major x ([B, T, C] in memory) as it is and returns [B, C', T'] time-major: a stack
     of these passes its activations from conv to conv with no layout transform, where cuDNN's NHWC kernels otherwise
     run behind an NCHW <-> NHWC transform around each conv (162 of HiFT's 453 kernels at batch 1; codec steps on an
-    H100 at batch 1 13.45 -> 13.34 ms, 16 30.02 -> 29.86: docs/PERF_NOTES.md). cuDNN's choice of algorithm differs
+    H100 at batch 1 13.45 -> 13.34 ms, 16 30.02 -> 29.86; 2026-12-01). cuDNN's choice of algorithm differs
     from the 1-D call's, so the two layouts agree to TF32 rounding, not bit for bit."""
     b = m.bias if bias else None
     transposed = isinstance(m, nn.ConvTranspose1d)

@@ -1,5 +1,5 @@
-"""fp8 weights (engines/lm/model/fp8.py): rounding that is exact in the model's dtype, and an engine that is the dense
-reference over the rounded weights."""
+"""fp8 weights (engines/lm/model/fp8.py, fp8_copies.py): rounding that is exact in the model's dtype, and an engine
+that is the dense reference over the rounded weights."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from engines.config import ConfigError, EngineConfig
 from engines.lm.engine import Engine
 from engines.lm.loader.checkpoint import load_model
-from engines.lm.model import fp8
+from engines.lm.model import fp8, fp8_copies
 from engines.lm.model.layers import Linear
 from engines.process.config import ProcessConfig
 from engines.process.loading import build_service
@@ -66,7 +66,7 @@ def test_apply_gives_every_linear_its_copy_beside_or_instead_of_the_weight(tiny_
     assert len(linears) == 4 * model.config.num_attention_layers + 2  # qkv, o, gate_up, down; two heads
     rounded = [fp8.dequantize(*fp8.quantize(m.weight), m.weight.dtype) for m in linears]
     params_before = sum(p.numel() for p in model.parameters())
-    nbytes = fp8.apply(model, keep_weights=keep)
+    nbytes = fp8_copies.apply(model, keep_weights=keep)
     assert nbytes == sum(r.numel() + 4 * r.shape[0] for r in rounded)
     for m, r in zip(linears, rounded, strict=True):
         w8, scale = m.fp8
@@ -79,7 +79,7 @@ def test_apply_gives_every_linear_its_copy_beside_or_instead_of_the_weight(tiny_
     assert torch.equal(linears[0](x), torch.nn.functional.linear(x, rounded[0]))
     half = load_model(tiny_checkpoint, device="cpu", dtype=torch.float16)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        fp8.apply(half, keep_weights=keep)
+        fp8_copies.apply(half, keep_weights=keep)
 
 
 def test_config_refuses_fp8_weights_in_float16_and_non_bools():
@@ -106,7 +106,7 @@ def test_engine_with_fp8_weights_is_the_dense_reference_over_the_rounded_weights
     model = load_model(tiny_checkpoint, device="cpu")
     # q, k, v, o, gate, up, down of every layer and the two heads changed; nothing else
     assert sum(not torch.equal(rounded[k], tensors[k]) for k in tensors) == 7 * model.config.num_attention_layers + 2
-    fp8.apply(model, keep_weights=keep)
+    fp8_copies.apply(model, keep_weights=keep)
     mc = model.config
     engine = Engine(model, mc, EngineConfig(kv_cache_bytes=mc.kv_bytes_per_row() * 4096, max_running=8,
                                             prefill_token_budget=48))
@@ -135,7 +135,7 @@ def test_bench_floor_counts_the_fp8_copies_where_steps_read_them(tiny_checkpoint
     heads_and_layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.text_lm_head]
     linear_bytes = sum(m.weight.numel() * 4 for m in heads_and_layers)
     copy_bytes = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in heads_and_layers)
-    fp8.apply(model, keep_weights=keep)
+    fp8_copies.apply(model, keep_weights=keep)
     assert weight_bytes(model, False, 1) == full - linear_bytes + copy_bytes
     # past fp8.MAX_ROWS rows cuBLAS reads the kept weights; without them the fp8 GEMM reads the copies
     assert weight_bytes(model, False, fp8.MAX_ROWS + 1) == (full if keep else full - linear_bytes + copy_bytes)

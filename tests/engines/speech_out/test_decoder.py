@@ -17,7 +17,8 @@ from engines.bench.codec_rounds import SteadyRounds
 from engines.speech_out import BadCodesError, CodecDecoder, MelMismatchError, MelSpec, Voice
 from engines.speech_out.checkpoint import CheckpointError
 from engines.speech_out.config import HiFTConfig
-from engines.speech_out.presets import DECODER_PRESETS, write_random_codec, write_random_decoder
+from engines.speech_out.presets import DECODER_PRESETS
+from engines.speech_out.random_codec import write_random_codec, write_random_decoder
 from engines.speech_out.vocoder.vocoder import HiFTVocoder
 
 SPC = 1920  # samples per code
@@ -657,7 +658,7 @@ def _args_at(dec: CodecDecoder, voice, done: int, codes_seed: int):
 
 @torch.inference_mode()
 def test_prefix_padded_to_alignment_gives_the_unpadded_encoding(hift_dec):
-    from engines.speech_out.flow.flow import PREFIX_ALIGN, padded_prefix
+    from engines.speech_out.flow.state import PREFIX_ALIGN, padded_prefix
 
     flow, r = hift_dec.flow, hift_dec.cfg.flow.token_mel_ratio
     state = _args_at(hift_dec, Voice.random(seed=3, n_codes=11), 10, 40)
