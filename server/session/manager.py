@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from server.session import server_events as ev
-from server.session.session import AudioOutMode, EngineLink, Session, SessionLimits, SessionObserver
+from server.session.engine_link import EngineLink
+from server.session.session import AudioOutMode, Session, SessionLimits, SessionObserver
 from server.workers.slots import Slots
 
 log = logging.getLogger("server.sessions")
@@ -113,7 +114,7 @@ class SessionManager:
         while any(s.response_active for s in self.sessions.values()) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for s in list(self.sessions.values()):
-            s._error("server_shutting_down", "the server is shutting down", etype="server_error")
+            s.error("server_shutting_down", "the server is shutting down", etype="server_error")
             await s.close("server_shutdown", 1001)
         # A socket relayed to a sibling worker closes when that worker's drain closes the call's session.
         with contextlib.suppress(TimeoutError):

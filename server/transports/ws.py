@@ -146,7 +146,7 @@ async def _pump(ws: WebSocket, session: Any, max_bytes: int) -> None:
                 await session.close("message_too_big", 1009)
                 break
             if text is None:
-                session._error("invalid_event", "binary frames are not supported; send JSON text events")
+                session.error("invalid_event", "binary frames are not supported; send JSON text events")
                 continue
             await session.handle_client_text(text)
     except WebSocketDisconnect:
