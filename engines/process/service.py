@@ -51,6 +51,7 @@ from engines.process.observe.spans import Spans
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Answer, ResponseState, Session, Turn
 from engines.process.tokenizer import IncrementalDetokenizer, TextTokenizer
+from engines.protocol import errors
 from engines.protocol import messages as m
 from engines.tokens import Row
 
@@ -73,7 +74,7 @@ _WARM_UP = b"warm-up"  # the client id of the start-up turns
 def _speech_error(e: Exception) -> ServiceError:
     """What a client is told of a speech encoder failure: the engine's own code where it has one (server_busy when
     every KV slot is taken and the pool cannot grow), else engine_error."""
-    return ServiceError(e.code if isinstance(e, EngineError) else "engine_error",
+    return ServiceError(e.code if isinstance(e, EngineError) else errors.ENGINE_ERROR,
                         f"speech encoder failed: {type(e).__name__}: {e}")
 
 
@@ -187,7 +188,7 @@ class Service:
     def _dispatch(self, client: bytes, msg: Any) -> None:
         handler = getattr(self, "_on_" + type(msg).__name__, None)
         if handler is None:
-            self._send(client, m.Error(getattr(msg, "session_id", None), "invalid_request",
+            self._send(client, m.Error(getattr(msg, "session_id", None), errors.INVALID_REQUEST,
                                        f"{type(msg).__name__} is not a request to the engine"))
             return
         with self.spans.span(type(msg).__name__):
@@ -245,7 +246,7 @@ class Service:
         elif isinstance(e, EngineError):
             self._send(client, m.Error(sid, e.code, str(e), rid))
         else:
-            self._send(client, m.Error(sid, "invalid_request", str(e), rid))
+            self._send(client, m.Error(sid, errors.INVALID_REQUEST, str(e), rid))
 
     def has_work(self) -> bool:
         return (self.engine.has_work() or (self._speech is not None and self._speech.busy())
@@ -330,9 +331,9 @@ class Service:
     def _session(self, client: bytes, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None:
-            raise ServiceError("invalid_request", f"unknown session {sid!r}")
+            raise ServiceError(errors.INVALID_REQUEST, f"unknown session {sid!r}")
         if s.owner != client:
-            raise ServiceError("invalid_request", f"session {sid!r} belongs to another client")
+            raise ServiceError(errors.INVALID_REQUEST, f"session {sid!r} belongs to another client")
         return s
 
     def _system_rows(self, s: Session, modality: m.Modality) -> list[Row]:
@@ -403,7 +404,7 @@ class Service:
 
     def _fail(self, s: Session, r: ResponseState, why: str) -> None:
         """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
-        self._send(s.owner, m.Error(s.session_id, "engine_error", why, r.response_id))
+        self._send(s.owner, m.Error(s.session_id, errors.ENGINE_ERROR, why, r.response_id))
         r.failed, r.cancelled, r.decoder_stream, r.new_codes = why, True, None, []
         t = s.active
         if t is not None and t.response is r:
@@ -413,9 +414,9 @@ class Service:
 
     def _on_OpenSession(self, client: bytes, msg: m.OpenSession) -> None:
         if msg.session_id in self.sessions:
-            raise ServiceError("invalid_request", f"session {msg.session_id!r} is already open")
+            raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is already open")
         if self.engine.conversation_rows(msg.session_id):
-            raise ServiceError("invalid_request", f"session {msg.session_id!r} is still closing")
+            raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is still closing")
         s = Session(msg.session_id, client, instructions=msg.instructions, voice_wav=msg.voice_wav,
                     sampling=sampling_params(msg.sampling) if msg.sampling else None,
                     voice=self._voice(msg.voice_wav))
@@ -439,7 +440,7 @@ class Service:
         if wav is None:
             return None
         if self.voice_loader is None:
-            raise ServiceError("invalid_request", "this engine cannot use voice prompts (no codec loaded)")
+            raise ServiceError(errors.INVALID_REQUEST, "this engine cannot use voice prompts (no codec loaded)")
         return self.voice_loader(wav)
 
     def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:
@@ -472,7 +473,7 @@ class Service:
     def _on_AppendUserAudio(self, client: bytes, msg: m.AppendUserAudio) -> None:
         s = self._session(client, msg.session_id)
         if self._speech is None:
-            raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
+            raise ServiceError(errors.INVALID_REQUEST, "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
         self._speech.append(s.session_id, pcm)
 
@@ -531,7 +532,7 @@ class Service:
     def _committed(self, s: Session, codes: list[int]) -> None:
         """The user's turn ends with these last codes (its encoder stream is finalized)."""
         if s.turn_codes + len(codes) == 0:
-            raise ServiceError("invalid_request", "the input audio buffer holds no speech to commit")
+            raise ServiceError(errors.INVALID_REQUEST, "the input audio buffer holds no speech to commit")
         self._user_codes(s, codes, commit=True)
         s.turn_codes = 0
 
@@ -620,9 +621,9 @@ class Service:
             if isinstance(e, ServiceError | EngineError):
                 code = e.code
             elif isinstance(e, ValueError):  # ConfigError included: bad sampling values
-                code = "invalid_request"
+                code = errors.INVALID_REQUEST
             else:
-                code = "engine_error"
+                code = errors.ENGINE_ERROR
                 log.exception("CreateResponse %s failed", msg.response_id)
             self._send(client, m.Error(s.session_id, code, str(e), msg.response_id))
             self._send(client, m.ResponseDone(s.session_id, msg.response_id, "failed", reason=code))
@@ -635,9 +636,10 @@ class Service:
             s.deferred.append(msg)  # runs when the abort in flight is reported, or the last answer is done
             return
         if t is not None and t.response is not None:
-            raise ServiceError("invalid_request", f"response {t.response.response_id!r} is still in progress")
+            raise ServiceError(errors.INVALID_REQUEST, f"response {t.response.response_id!r} is still in progress")
         if t is not None and t.audio_open:
-            raise ServiceError("invalid_request", "commit or clear the input audio buffer before creating a response")
+            raise ServiceError(errors.INVALID_REQUEST,
+                               "commit or clear the input audio buffer before creating a response")
         if t is not None and params != t.params and not self._prompt_settled(s, t, msg.modality):
             # The open request's system turn was chosen for the other modality: prefill the user turn
             # again (same rows, the system prompt for this answer) with the new settings.
@@ -714,7 +716,7 @@ class Service:
         if msg.response_id in self._finished_ids or any(d.response_id == msg.response_id for d in s.deferred):
             s.deferred = [d for d in s.deferred if d.response_id != msg.response_id]
             return  # finished already (a benign race), or not started: nothing to stop
-        raise ServiceError("invalid_request", f"no response {msg.response_id!r} in this session", msg.response_id)
+        raise ServiceError(errors.INVALID_REQUEST, f"no response {msg.response_id!r} in this session", msg.response_id)
 
     def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:
         s = self._session(client, msg.session_id)
@@ -727,7 +729,7 @@ class Service:
             return
         a = s.answer
         if a is None or a.response_id != msg.response_id:
-            raise ServiceError("invalid_request", f"response {msg.response_id!r} is not the latest answer of this "
+            raise ServiceError(errors.INVALID_REQUEST, f"response {msg.response_id!r} is not the latest answer of this "
                                "session (only that one can be truncated)", msg.response_id)
         if s.completing is not None and s.completing.response_id == msg.response_id:
             self._drop_last_audio(s.completing)  # the client stopped playing it
@@ -823,7 +825,7 @@ class Service:
         """ResponseDone once the answer's last audio is out; then any response asked for meanwhile."""
         status, why = r.done
         if r.cancelled:
-            status, why = ("failed", "engine_error") if r.failed else ("cancelled", "client_cancelled")
+            status, why = ("failed", errors.ENGINE_ERROR) if r.failed else ("cancelled", "client_cancelled")
         if r.ttfa_ms is not None:
             log.info("response %s: first audio at %.1f ms; stages %s", r.response_id, r.ttfa_ms, r.marks)
         if self.sessions.get(s.session_id) is not s:  # closed meanwhile: nobody to tell

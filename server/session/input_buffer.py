@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engines.protocol import errors
 from engines.protocol import messages as m
 from server.audio.resample import AudioError, Resampler
 from server.session import server_events as ev
@@ -41,13 +42,13 @@ class InputBuffer:
             self.samples_client = 0  # server_vad between turns buffers nothing (a live mic idles here)
         limit = int(s.limits.max_input_buffer_seconds * CLIENT_RATE)
         if self.samples_client + client_samples > limit:
-            raise ProtocolError("input_audio_buffer_too_large",
+            raise ProtocolError(errors.INPUT_AUDIO_BUFFER_TOO_LARGE,
                                 f"the uncommitted input audio would exceed {s.limits.max_input_buffer_seconds:g} s;"
                                 " commit or clear it")
         try:
             pcm16k = self._resampler(rate).process(pcm)
         except AudioError as e:
-            raise ProtocolError("invalid_audio", str(e)) from None
+            raise ProtocolError(errors.INVALID_AUDIO, str(e)) from None
         self.samples_client += client_samples
         if s.config.turn_detection is None:
             await self.send(pcm16k)
@@ -126,10 +127,10 @@ class InputBuffer:
             await self.clear()
             return
         if self.s.config.turn_detection is None:
-            raise ProtocolError("input_audio_buffer_not_empty",
+            raise ProtocolError(errors.INPUT_AUDIO_BUFFER_NOT_EMPTY,
                                 f"the input audio buffer holds {held * 1000 // CLIENT_RATE} ms not yet committed: "
                                 f"send input_audio_buffer.commit or input_audio_buffer.clear before {before}")
-        raise ProtocolError("input_audio_buffer_not_empty",
+        raise ProtocolError(errors.INPUT_AUDIO_BUFFER_NOT_EMPTY,
                             "the input audio buffer holds speech not yet committed (server_vad commits it when the "
                             "speech stops): wait, or send input_audio_buffer.commit or input_audio_buffer.clear "
                             f"before {before}")

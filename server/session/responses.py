@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engines.protocol import errors
 from engines.protocol import messages as m
 from server.session import server_events as ev
 from server.session.client_events import parse_response_create
@@ -95,10 +96,9 @@ class Responses:
         r = self.active
         rid = getattr(msg, "response_id", None)
         if isinstance(msg, m.Error):
-            s.error(msg.code, msg.message, etype="server_error")
+            s.error(msg.code, msg.message)
             if r is not None and rid == r.id:
-                self.finish(r, "failed", msg.code, error={"type": "server_error", "code": msg.code,
-                                                          "message": msg.message})
+                self.fail(r, msg.code, msg.message)
             return
         if r is None or rid != r.id:
             return  # SessionReady, UserAudioProgress, or late output of a finished response
@@ -143,6 +143,10 @@ class Responses:
             if status == "cancelled":
                 reason = r.cancel_reason or reason or "client_cancelled"
             self.finish(r, status, reason, done=msg)
+
+    def fail(self, r: Response, code: str, message: str) -> None:
+        """The answer ends `failed`, its status details carrying the error (engines.protocol.errors `code`)."""
+        self.finish(r, "failed", code, error={"type": errors.error_type(code), "code": code, "message": message})
 
     def finish(self, r: Response, status: str, reason: str | None, *, done: m.ResponseDone | None = None,
                error: dict[str, Any] | None = None) -> None:

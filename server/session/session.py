@@ -40,6 +40,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from engines.protocol import errors
 from engines.protocol import messages as m
 from server.session import server_events as ev
 from server.session.client_events import ProtocolError, SessionConfig, decode_client_event
@@ -101,7 +102,7 @@ class Session:
         self.tasks = Background(session_id, self.log, self._background_failed)
         self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self._overflow_error)
         self.closed = False
-        self.close_code = 1000
+        self.close_code = errors.CLOSE_NORMAL
         self._closed_event = asyncio.Event()
         self._started = False
         self.items: list[str] = []  # conversation item ids in order
@@ -122,11 +123,11 @@ class Session:
         self.emit(ev.session_event("session.created", self.id, self.config))
         self.log.info("session opened audio_out=%s", self.audio_out)
 
-    async def close(self, reason: str = "client_closed", code: int = 1000) -> None:
+    async def close(self, reason: str = "client_closed", code: int = errors.CLOSE_NORMAL) -> None:
         if self.closed:
             return
         self.closed = True
-        if self.close_code == 1000:
+        if self.close_code == errors.CLOSE_NORMAL:
             self.close_code = code
         r = self.responses.active
         try:
@@ -168,7 +169,7 @@ class Session:
         client_event_id = event.get("event_id")
         handler = HANDLERS.get(etype) if isinstance(etype, str) else None
         if handler is None:
-            self.error("unknown_event", f"unknown or unsupported client event type {etype!r}",
+            self.error(errors.UNKNOWN_EVENT, f"unknown or unsupported client event type {etype!r}",
                        param="type", event_id=client_event_id)
             return
         try:
@@ -177,8 +178,8 @@ class Session:
             self.error(e.code, e.message, param=e.param, event_id=client_event_id)
         except Exception as e:  # noqa: BLE001 - a server bug on one event must not end the conversation
             self.log.exception("failed to handle %s", etype)
-            self.error("server_error", f"internal error handling {etype}: {type(e).__name__}",
-                       event_id=client_event_id, etype="server_error")
+            self.error(errors.SERVER_ERROR, f"internal error handling {etype}: {type(e).__name__}",
+                       event_id=client_event_id)
 
     async def feed_audio(self, pcm: np.ndarray, rate: int) -> None:
         """Microphone audio from a track transport: float32 mono in [-1, 1] at `rate` Hz.
@@ -206,14 +207,11 @@ class Session:
             return
         r = self.responses.active
         if r is not None:
-            self.responses.finish(r, "failed", "engine_unavailable",
-                                  error={"type": "server_error", "code": "engine_unavailable",
-                                         "message": "the engine process stopped"})
-        self.error("engine_unavailable", "the engine process stopped; this session has ended, please reconnect",
-                   etype="server_error")
-        self.close_code = 1011
+            self.responses.fail(r, errors.ENGINE_UNAVAILABLE, "the engine process stopped")
+        self.error(errors.ENGINE_UNAVAILABLE, "the engine process stopped; this session has ended, please reconnect")
+        self.close_code = errors.close_code(errors.ENGINE_UNAVAILABLE)
         self._started = False  # nothing to close on the (new) engine
-        self.tasks.spawn(self.close("engine_lost", 1011), "close")
+        self.tasks.spawn(self.close("engine_lost", self.close_code), "close")
 
     # ---- the conversation's items ------------------------------------------------------------
 
@@ -234,32 +232,31 @@ class Session:
         if not self.outbound.put(event, on_taken=on_taken):
             self.slow_consumer()
 
-    def error(self, code: str, message: str, *, param: str | None = None, event_id: Any = None,
-              etype: str = "invalid_request_error") -> None:
+    def error(self, code: str, message: str, *, param: str | None = None, event_id: Any = None) -> None:
+        """An `error` event for the client (`code` from engines.protocol.errors, which gives its type)."""
         if self.observer is not None:
             self.observer.error(code)
         self.log.info("error code=%s message=%s", code, message)
-        self.emit(ev.error_event(code, message, param=param, event_id=event_id, etype=etype))
+        self.emit(ev.error_event(code, message, param=param, event_id=event_id))
 
     def _background_failed(self, name: str) -> None:
         """A task this session started failed (logged by Background): end the session rather than leave it
         waiting for what that task should have done."""
         if self.closed:
             return
-        self.error("server_error", f"internal error ({name}); this session has ended, please reconnect",
-                   etype="server_error")
-        self.close_code = 1011
-        self.tasks.spawn(self.close("internal_error", 1011), "close")
+        self.error(errors.SERVER_ERROR, f"internal error ({name}); this session has ended, please reconnect")
+        self.close_code = errors.close_code(errors.SERVER_ERROR)
+        self.tasks.spawn(self.close("internal_error", self.close_code), "close")
 
     def _overflow_error(self) -> dict[str, Any]:
-        return ev.error_event("slow_consumer", "the client is not reading server events fast enough; closing",
-                              etype="server_error")
+        return ev.error_event(errors.SLOW_CONSUMER, "the client is not reading server events fast enough; closing")
 
     def slow_consumer(self) -> None:
-        if self.closed or not self.outbound.overflowed or self.close_code == 1008:
+        code = errors.close_code(errors.SLOW_CONSUMER)
+        if self.closed or not self.outbound.overflowed or self.close_code == code:
             return
         if self.observer is not None:
-            self.observer.error("slow_consumer")
-        self.close_code = 1008
+            self.observer.error(errors.SLOW_CONSUMER)
+        self.close_code = code
         self.log.warning("outbound queue full (%d): closing", self.outbound.maxsize)
-        self.tasks.spawn(self.close("slow_consumer", 1008), "close")
+        self.tasks.spawn(self.close("slow_consumer", code), "close")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engines.protocol import errors
 from server.session import server_events as ev
 from server.session.client_events import ProtocolError
 from server.session.input_buffer import ENGINE_IN_RATE
@@ -90,7 +91,7 @@ class TurnDetector:
     async def ensure_vad(self) -> Any:
         if self._vad is None:
             if self._vad_factory is None:
-                raise ProtocolError("server_vad_unavailable", "server_vad is not available on this server")
+                raise ProtocolError(errors.SERVER_VAD_UNAVAILABLE, "server_vad is not available on this server")
             vad = await asyncio.to_thread(self._vad_factory)  # the first one imports torch
             await vad.ready()  # the shared model loads once per process (tens of ms), not on a turn
             if self._vad is None:
