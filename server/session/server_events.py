@@ -66,7 +66,7 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
             },
             "output": {"format": _audio_format(24000), "voice": c.voice, "speed": 1.0},
         },
-        # Our extension (documented in README "Realtime API: extensions").
+        # Our extension (docs/api.md, "Extension fields: `moss`").
         "moss": {"sampling": c.sampling_dict(), "voice_prompt": c.voice_prompt_wav is not None},
     }
 
