@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engines.config import ConfigError
+from engines.protocol import errors
 
 Mode = Literal["text", "audio"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -111,22 +112,18 @@ class EngineStats:
 
 
 class EngineError(Exception):
-    """Base of the errors the engine raises to its caller; `code` is stable for clients."""
+    """Base of the errors the engine raises to its caller; `code` is stable for clients (engines.protocol.errors)."""
 
-    code = "engine_error"
+    code = errors.ENGINE_ERROR
 
 
 class InvalidRequestError(EngineError):
-    code = "invalid_request"
+    code = errors.INVALID_REQUEST
 
 
 class QueueFullError(EngineError):
-    code = "server_busy"
+    code = errors.SERVER_BUSY
 
 
 class RequestTooLargeError(EngineError):
-    code = "request_too_large"
-
-
-class UnknownRequestError(EngineError):
-    code = "unknown_request"
+    code = errors.REQUEST_TOO_LARGE

@@ -20,7 +20,7 @@ _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_row
 
 # Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
 # events). On a 16-core H200 host one process fell behind real time at 140 sessions: the VAD's commits came 0.9 s
-# (p95) after speech end, 2.6 s at 172 (docs/PERF_NOTES.md, session 19).
+# (p95) after speech end, 2.6 s at 172 (docs/operations.md, "Workers").
 SESSIONS_PER_WORKER = 100
 
 

@@ -4,7 +4,7 @@ Silero is stateful across 512-sample windows of 16 kHz audio (32 ms): an LSTM st
 last 64 samples as context. One model serves every session of the process: each session holds its own
 state (`VadStream`), and `VadBatcher` classifies the windows that all sessions have pending in one
 batched call per round, in one worker thread. Per session, a window costs ~0.35 ms of CPU alone and
-~0.03 ms in a batch of 64 or more, and the executor's threads no longer take the GIL in turn once per
+~0.03 ms in a batch of 64 or more, and no executor thread takes the GIL in turn once per
 window per session: at a few hundred sessions this is the difference between cores of VAD work and a
 fraction of one. Batched and alone agree to ~1e-8 in probability (the same LSTM, a different matmul
 blocking), which tests/server/test_vad.py pins.

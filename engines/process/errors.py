@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engines.api import EngineError
+from engines.protocol import errors
 
 
 class ServiceError(Exception):
@@ -15,5 +16,5 @@ class ServiceError(Exception):
 def speech_error(e: Exception) -> ServiceError:
     """What a client is told of a speech encoder failure: the engine's own code where it has one (server_busy when
     every KV slot is taken and the pool cannot grow), else engine_error."""
-    return ServiceError(e.code if isinstance(e, EngineError) else "engine_error",
+    return ServiceError(e.code if isinstance(e, EngineError) else errors.ENGINE_ERROR,
                         f"speech encoder failed: {type(e).__name__}: {e}")

@@ -34,6 +34,7 @@ from engines.process.options import CLIENT_TIMEOUT_S
 from engines.process.outputs import Out
 from engines.process.service import SLOW_STEP_S as SLOW_S
 from engines.process.service import Service
+from engines.protocol import errors
 from engines.protocol import messages as m
 
 log = logging.getLogger("engines.process")
@@ -103,7 +104,7 @@ class EngineServer:
             try:
                 items.append((client, m.decode(payload)))
             except m.MessageError as e:
-                self._send([(client, m.Error(None, "invalid_request", str(e)))])
+                self._send([(client, m.Error(None, errors.INVALID_REQUEST, str(e)))])
         return items
 
     def _while_stepping(self) -> bool:
@@ -124,7 +125,7 @@ class EngineServer:
 
     def _fail_messages(self, items: list[tuple[bytes, Any]], e: Exception) -> None:
         log.exception("error handling %d messages", len(items))
-        self._send([(client, m.Error(getattr(msg, "session_id", None), "engine_error", f"{type(e).__name__}: {e}",
+        self._send([(client, m.Error(getattr(msg, "session_id", None), errors.ENGINE_ERROR, f"{type(e).__name__}: {e}",
                                      getattr(msg, "response_id", None))) for client, msg in items])
 
     def _recv_all(self) -> None:
@@ -210,8 +211,9 @@ class EngineServer:
         for s in self.service.sessions.values():
             r = s.active.response if s.active is not None else None
             if r is not None:
-                outs.append((s.owner, m.Error(s.session_id, "engine_error", "engine step failed", r.response_id)))
-                outs.append((s.owner, m.ResponseDone(s.session_id, r.response_id, "failed", reason="engine_error")))
+                outs.append((s.owner, m.Error(s.session_id, errors.ENGINE_ERROR, "engine step failed", r.response_id)))
+                outs.append((s.owner, m.ResponseDone(s.session_id, r.response_id, "failed",
+                                                     reason=errors.ENGINE_ERROR)))
         return outs
 
     def serve_forever(self) -> None:

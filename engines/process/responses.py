@@ -17,6 +17,7 @@ from engines.process.errors import ServiceError
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Answer, ResponseState, Session, Turn
 from engines.process.tokenizer import IncrementalDetokenizer, TextTokenizer
+from engines.protocol import errors
 from engines.protocol import messages as m
 from engines.tokens import Row
 
@@ -63,9 +64,9 @@ class Responses:
             if isinstance(e, ServiceError | EngineError):
                 code = e.code
             elif isinstance(e, ValueError):  # ConfigError included: bad sampling values
-                code = "invalid_request"
+                code = errors.INVALID_REQUEST
             else:
-                code = "engine_error"
+                code = errors.ENGINE_ERROR
                 log.exception("CreateResponse %s failed", msg.response_id)
             self._send(client, m.Error(s.session_id, code, str(e), msg.response_id))
             self._send(client, m.ResponseDone(s.session_id, msg.response_id, "failed", reason=code))
@@ -78,9 +79,10 @@ class Responses:
             s.deferred.append(msg)  # runs when the abort in flight is reported, or the last answer is done
             return
         if t is not None and t.response is not None:
-            raise ServiceError("invalid_request", f"response {t.response.response_id!r} is still in progress")
+            raise ServiceError(errors.INVALID_REQUEST, f"response {t.response.response_id!r} is still in progress")
         if t is not None and t.audio_open:
-            raise ServiceError("invalid_request", "commit or clear the input audio buffer before creating a response")
+            raise ServiceError(errors.INVALID_REQUEST,
+                               "commit or clear the input audio buffer before creating a response")
         if t is not None and params != t.params and not self._prompt_settled(s, t, msg.modality):
             # The open request's system turn was chosen for the other modality: prefill the user turn
             # again (same rows, the system prompt for this answer) with the new settings.
@@ -157,7 +159,7 @@ class Responses:
         if msg.response_id in self._finished_ids or any(d.response_id == msg.response_id for d in s.deferred):
             s.deferred = [d for d in s.deferred if d.response_id != msg.response_id]
             return  # finished already (a benign race), or not started: nothing to stop
-        raise ServiceError("invalid_request", f"no response {msg.response_id!r} in this session", msg.response_id)
+        raise ServiceError(errors.INVALID_REQUEST, f"no response {msg.response_id!r} in this session", msg.response_id)
 
     def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:
         s = self._session(client, msg.session_id)
@@ -170,7 +172,7 @@ class Responses:
             return
         a = s.answer
         if a is None or a.response_id != msg.response_id:
-            raise ServiceError("invalid_request", f"response {msg.response_id!r} is not the latest answer of this "
+            raise ServiceError(errors.INVALID_REQUEST, f"response {msg.response_id!r} is not the latest answer of this "
                                "session (only that one can be truncated)", msg.response_id)
         if s.completing is not None and s.completing.response_id == msg.response_id:
             self._drop_last_audio(s.completing)  # the client stopped playing it
@@ -258,7 +260,7 @@ class Responses:
 
     def _fail(self, s: Session, r: ResponseState, why: str) -> None:
         """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
-        self._send(s.owner, m.Error(s.session_id, "engine_error", why, r.response_id))
+        self._send(s.owner, m.Error(s.session_id, errors.ENGINE_ERROR, why, r.response_id))
         r.failed, r.cancelled, r.decoder_stream, r.new_codes = why, True, None, []
         t = s.active
         if t is not None and t.response is r:
@@ -274,7 +276,7 @@ class Responses:
         """ResponseDone once the answer's last audio is out; then any response asked for meanwhile."""
         status, why = r.done
         if r.cancelled:
-            status, why = ("failed", "engine_error") if r.failed else ("cancelled", "client_cancelled")
+            status, why = ("failed", errors.ENGINE_ERROR) if r.failed else ("cancelled", "client_cancelled")
         if r.ttfa_ms is not None:
             log.info("response %s: first audio at %.1f ms; stages %s", r.response_id, r.ttfa_ms, r.marks)
         if self.sessions.get(s.session_id) is not s:  # closed meanwhile: nobody to tell

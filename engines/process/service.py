@@ -7,7 +7,7 @@ the GPU, touching no engine request).
 
 Rules the server can rely on:
 - Every message about an unknown session, or a session opened by another client, gets
-  `Error(code="invalid_request")`. Engine errors keep their `code` (engines/api.py). No error ends
+  `Error(code=errors.INVALID_REQUEST)`. Engine errors keep their `code` (engines/api.py). No error ends
   a session.
 - Every CreateResponse ends in exactly one `ResponseDone` (status completed / incomplete
   (max_output_tokens) / cancelled / failed); a refused one gets an `Error` with its response_id
@@ -54,6 +54,7 @@ from engines.process.responses import Responses, sampling_params
 from engines.process.sessions import ResponseState, Session, Turn
 from engines.process.tokenizer import TextTokenizer
 from engines.process.user_input import UserInput
+from engines.protocol import errors
 from engines.protocol import messages as m
 
 log = logging.getLogger("engines.process")
@@ -140,7 +141,7 @@ class Service(UserInput, Responses, Outputs):
     def _dispatch(self, client: bytes, msg: Any) -> None:
         handler = getattr(self, "_on_" + type(msg).__name__, None)
         if handler is None:
-            self._send(client, m.Error(getattr(msg, "session_id", None), "invalid_request",
+            self._send(client, m.Error(getattr(msg, "session_id", None), errors.INVALID_REQUEST,
                                        f"{type(msg).__name__} is not a request to the engine"))
             return
         with self.spans.span(type(msg).__name__):
@@ -160,7 +161,7 @@ class Service(UserInput, Responses, Outputs):
         elif isinstance(e, EngineError):
             self._send(client, m.Error(sid, e.code, str(e), rid))
         else:
-            self._send(client, m.Error(sid, "invalid_request", str(e), rid))
+            self._send(client, m.Error(sid, errors.INVALID_REQUEST, str(e), rid))
 
     def has_work(self) -> bool:
         return (self.engine.has_work() or (self._speech is not None and self._speech.busy())
@@ -234,18 +235,18 @@ class Service(UserInput, Responses, Outputs):
     def _session(self, client: bytes, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None:
-            raise ServiceError("invalid_request", f"unknown session {sid!r}")
+            raise ServiceError(errors.INVALID_REQUEST, f"unknown session {sid!r}")
         if s.owner != client:
-            raise ServiceError("invalid_request", f"session {sid!r} belongs to another client")
+            raise ServiceError(errors.INVALID_REQUEST, f"session {sid!r} belongs to another client")
         return s
 
     # ---- session lifecycle --------------------------------------------------------------
 
     def _on_OpenSession(self, client: bytes, msg: m.OpenSession) -> None:
         if msg.session_id in self.sessions:
-            raise ServiceError("invalid_request", f"session {msg.session_id!r} is already open")
+            raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is already open")
         if self.engine.conversation_rows(msg.session_id):
-            raise ServiceError("invalid_request", f"session {msg.session_id!r} is still closing")
+            raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is still closing")
         s = Session(msg.session_id, client, instructions=msg.instructions, voice_wav=msg.voice_wav,
                     sampling=sampling_params(msg.sampling) if msg.sampling else None,
                     voice=self._voice(msg.voice_wav))
@@ -269,7 +270,7 @@ class Service(UserInput, Responses, Outputs):
         if wav is None:
             return None
         if self.voice_loader is None:
-            raise ServiceError("invalid_request", "this engine cannot use voice prompts (no codec loaded)")
+            raise ServiceError(errors.INVALID_REQUEST, "this engine cannot use voice prompts (no codec loaded)")
         return self.voice_loader(wav)
 
     def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:

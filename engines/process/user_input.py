@@ -19,6 +19,7 @@ from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError, speech_error
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Session, Turn
+from engines.protocol import errors
 from engines.protocol import messages as m
 from engines.tokens import Row
 
@@ -67,7 +68,7 @@ class UserInput:
     def _on_AppendUserAudio(self, client: bytes, msg: m.AppendUserAudio) -> None:
         s = self._session(client, msg.session_id)
         if self._speech is None:
-            raise ServiceError("invalid_request", "this engine has no speech encoder loaded")
+            raise ServiceError(errors.INVALID_REQUEST, "this engine has no speech encoder loaded")
         pcm = pcm16_to_float32(msg.pcm16k)  # odd length: ValueError
         self._speech.append(s.session_id, pcm)
 
@@ -126,7 +127,7 @@ class UserInput:
     def _committed(self, s: Session, codes: list[int]) -> None:
         """The user's turn ends with these last codes (its encoder stream is finalized)."""
         if s.turn_codes + len(codes) == 0:
-            raise ServiceError("invalid_request", "the input audio buffer holds no speech to commit")
+            raise ServiceError(errors.INVALID_REQUEST, "the input audio buffer holds no speech to commit")
         self._user_codes(s, codes, commit=True)
         s.turn_codes = 0
 

@@ -7,8 +7,9 @@ the wire it is a msgpack map with a `type` field naming the class.
 PCM on the wire: little-endian int16 mono. User audio is 16 kHz (the server resamples);
 answer audio is 24 kHz (the codec's rate).
 
-What the engine does with each message (one ResponseDone per CreateResponse, error codes,
-truncation rule, readiness) is written down in engines/process/service.py and main.py.
+What the engine does with each message (one ResponseDone per CreateResponse, truncation rule,
+readiness) is written down in engines/process/service.py and main.py; error codes are those of
+errors.py.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class ResponseDone:
 @dataclass(frozen=True)
 class Error:
     session_id: str | None
-    code: str  # stable: invalid_request, server_busy, request_too_large, engine_error, ...
+    code: str  # errors.py: invalid_request, server_busy, request_too_large, engine_error
     message: str
     response_id: str | None = None
 

@@ -24,6 +24,7 @@ import heapq
 import torch
 
 from engines.api import EngineError
+from engines.protocol import errors
 from engines.speech_in.config import EncoderConfig
 
 
@@ -31,7 +32,7 @@ class PoolFullError(EngineError):
     """Every slot is taken and the GPU has no memory to grow the pool: the stream that asked fails, not the engine.
     (The pool is reserved at start for --max-running streams; more users may speak at once than that.)"""
 
-    code = "server_busy"
+    code = errors.SERVER_BUSY
 
 
 class KVPool:

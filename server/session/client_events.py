@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.protocol import errors
 from engines.protocol.messages import Sampling, number_in
 
 
@@ -57,12 +58,12 @@ def decode_client_event(text: str | bytes) -> dict[str, Any]:
     try:
         event = json.loads(text, parse_constant=_not_json_constant)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (bytes), NaN / Infinity
-        raise ProtocolError("invalid_json", f"message is not valid JSON: {e}") from None
+        raise ProtocolError(errors.INVALID_JSON, f"message is not valid JSON: {e}") from None
     # Only an escape can make a surrogate (UTF-8 text cannot carry one); base64 audio has no backslash.
     if (b"\\u" in text if isinstance(text, bytes) else "\\u" in text) and _lone_surrogate(event):
-        raise ProtocolError("invalid_json", "message escapes a lone UTF-16 surrogate (\\ud800-\\udfff unpaired)")
+        raise ProtocolError(errors.INVALID_JSON, "message escapes a lone UTF-16 surrogate (\\ud800-\\udfff unpaired)")
     if not isinstance(event, dict):
-        raise ProtocolError("invalid_event", "a client event must be a JSON object")
+        raise ProtocolError(errors.INVALID_EVENT, "a client event must be a JSON object")
     return event
 
 
@@ -99,7 +100,7 @@ class SessionConfig:
 
 def _obj(v: Any, param: str) -> dict[str, Any]:
     if not isinstance(v, dict):
-        raise ProtocolError("invalid_value", f"{param} must be an object", param)
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be an object", param)
     return v
 
 
@@ -107,25 +108,26 @@ def _keys(d: dict[str, Any], allowed: set[str], param: str) -> None:
     unknown = sorted(set(d) - allowed)
     if unknown:
         names = ", ".join(f"{param}.{k}" for k in unknown)
-        raise ProtocolError("unknown_parameter", f"unknown or unsupported field(s): {names}", f"{param}.{unknown[0]}")
+        raise ProtocolError(errors.UNKNOWN_PARAMETER, f"unknown or unsupported field(s): {names}",
+                            f"{param}.{unknown[0]}")
 
 
 def _off(d: dict[str, Any], name: str, param: str, off_values: tuple[Any, ...]) -> None:
     if name in d and d[name] not in off_values:
-        raise ProtocolError("unsupported_parameter", f"{param}.{name} is not supported by this server "
+        raise ProtocolError(errors.UNSUPPORTED_PARAMETER, f"{param}.{name} is not supported by this server "
                             f"(only {' or '.join(repr(v) for v in off_values)})", f"{param}.{name}")
 
 
 def _num(v: Any, param: str, lo: float, hi: float, *, integer: bool = False) -> Any:
     if not number_in(v, lo, hi, integer=integer):
         kind = "an integer" if integer else "a number"
-        raise ProtocolError("invalid_value", f"{param} must be {kind} in [{lo:g}, {hi:g}], got {v!r}", param)
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be {kind} in [{lo:g}, {hi:g}], got {v!r}", param)
     return v
 
 
 def _bool(v: Any, param: str) -> bool:
     if not isinstance(v, bool):
-        raise ProtocolError("invalid_value", f"{param} must be true or false, got {v!r}", param)
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be true or false, got {v!r}", param)
     return v
 
 
@@ -133,10 +135,10 @@ def _format(v: Any, param: str) -> None:
     f = _obj(v, param)
     _keys(f, {"type", "rate"}, param)
     if f.get("type", "audio/pcm") != "audio/pcm":
-        raise ProtocolError("unsupported_audio_format", f"{param}.type {f.get('type')!r} is not supported "
+        raise ProtocolError(errors.UNSUPPORTED_AUDIO_FORMAT, f"{param}.type {f.get('type')!r} is not supported "
                             "(only 'audio/pcm')", f"{param}.type")
     if f.get("rate", 24000) != 24000:
-        raise ProtocolError("unsupported_audio_format", f"{param}.rate must be 24000", f"{param}.rate")
+        raise ProtocolError(errors.UNSUPPORTED_AUDIO_FORMAT, f"{param}.rate must be 24000", f"{param}.rate")
 
 
 def _turn_detection(v: Any, cur: TurnDetection | None, param: str) -> TurnDetection | None:
@@ -146,8 +148,8 @@ def _turn_detection(v: Any, cur: TurnDetection | None, param: str) -> TurnDetect
     _keys(td, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                "interrupt_response", "idle_timeout_ms"}, param)
     if td.get("type") != "server_vad":
-        raise ProtocolError("unsupported_turn_detection", f"{param}.type {td.get('type')!r} is not supported "
-                            "(only 'server_vad' or turn_detection null)", f"{param}.type")
+        raise ProtocolError(errors.UNSUPPORTED_TURN_DETECTION, f"{param}.type {td.get('type')!r} is not "
+                            "supported (only 'server_vad' or turn_detection null)", f"{param}.type")
     _off(td, "idle_timeout_ms", param, (None,))
     base = cur or TurnDetection()
     return TurnDetection(
@@ -164,7 +166,7 @@ def _turn_detection(v: Any, cur: TurnDetection | None, param: str) -> TurnDetect
 
 def _modalities(v: Any, param: str) -> tuple[str, ...]:
     if not isinstance(v, list) or not v or any(x not in ("audio", "text") for x in v):
-        raise ProtocolError("invalid_value", f"{param} must be ['audio'] or ['text']", param)
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be ['audio'] or ['text']", param)
     # MOSS-Speech answers in one modality; audio answers carry their text as the transcript.
     return ("audio",) if "audio" in v else ("text",)
 
@@ -204,11 +206,11 @@ def _voice_prompt(v: Any, param: str) -> bytes | None:
     try:
         raw = base64.b64decode(vp.get("wav") or "", validate=True)
     except (binascii.Error, ValueError, TypeError):
-        raise ProtocolError("invalid_audio", f"{param}.wav is not valid base64", f"{param}.wav") from None
+        raise ProtocolError(errors.INVALID_AUDIO, f"{param}.wav is not valid base64", f"{param}.wav") from None
     if not raw.startswith(b"RIFF") or raw[8:12] != b"WAVE":
-        raise ProtocolError("invalid_audio", f"{param}.wav must be a WAV file", f"{param}.wav")
+        raise ProtocolError(errors.INVALID_AUDIO, f"{param}.wav must be a WAV file", f"{param}.wav")
     if len(raw) > MAX_VOICE_PROMPT_BYTES:
-        raise ProtocolError("invalid_audio", f"{param}.wav is larger than {MAX_VOICE_PROMPT_BYTES} bytes",
+        raise ProtocolError(errors.INVALID_AUDIO, f"{param}.wav is larger than {MAX_VOICE_PROMPT_BYTES} bytes",
                             f"{param}.wav")
     return raw
 
@@ -227,7 +229,7 @@ def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
     _keys(s, {"type", "object", "id", "model", "instructions", "output_modalities", "audio", "max_output_tokens",
               "tools", "tool_choice", "tracing", "truncation", "prompt", "include", "expires_at", "moss"}, "session")
     if s.get("type", "realtime") != "realtime":
-        raise ProtocolError("unsupported_session_type", "session.type must be 'realtime'", "session.type")
+        raise ProtocolError(errors.UNSUPPORTED_SESSION_TYPE, "session.type must be 'realtime'", "session.type")
     _off(s, "tools", "session", ([], None))
     _off(s, "tool_choice", "session", ("auto", "none", None))
     _off(s, "tracing", "session", (None,))
@@ -236,11 +238,12 @@ def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
     _off(s, "include", "session", (None, []))
     cfg: dict[str, Any] = {}
     if "model" in s and s["model"] != cur.model:
-        raise ProtocolError("invalid_value", f"session.model cannot change (this server serves {cur.model!r})",
-                            "session.model")
+        raise ProtocolError(errors.INVALID_VALUE, "session.model cannot change (this server serves "
+                            f"{cur.model!r})", "session.model")
     if "instructions" in s:
         if s["instructions"] is not None and not isinstance(s["instructions"], str):
-            raise ProtocolError("invalid_value", "session.instructions must be a string", "session.instructions")
+            raise ProtocolError(errors.INVALID_VALUE, "session.instructions must be a string",
+                                "session.instructions")
         cfg["instructions"] = s["instructions"] or None
     if "output_modalities" in s:
         cfg["output_modalities"] = _modalities(s["output_modalities"], "session.output_modalities")
@@ -268,8 +271,9 @@ def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
             if "voice" in o:
                 # No named voices: the name is echoed; a voice prompt (session.moss.voice_prompt) sets the voice.
                 if o["voice"] is not None and not isinstance(o["voice"], str):
-                    raise ProtocolError("unsupported_parameter", "session.audio.output.voice must be a name; use "
-                                        "session.moss.voice_prompt for a custom voice", "session.audio.output.voice")
+                    raise ProtocolError(errors.UNSUPPORTED_PARAMETER, "session.audio.output.voice must be a name; "
+                                        "use session.moss.voice_prompt for a custom voice",
+                                        "session.audio.output.voice")
                 cfg["voice"] = o["voice"]
     if "moss" in s:
         _moss(s["moss"], cfg, cur, "session.moss")
@@ -287,7 +291,7 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
     _off(r, "prompt", "response", (None,))
     _off(r, "input", "response", (None,))
     if r.get("instructions") not in (None, cur.instructions):
-        raise ProtocolError("unsupported_parameter", "per-response instructions are not supported; "
+        raise ProtocolError(errors.UNSUPPORTED_PARAMETER, "per-response instructions are not supported; "
                             "set session.instructions with session.update", "response.instructions")
     if "audio" in r:
         a = _obj(r["audio"], "response.audio")
@@ -298,7 +302,7 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
             _format(o["format"], "response.audio.output.format")
     metadata = r.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise ProtocolError("invalid_value", "response.metadata must be an object", "response.metadata")
+        raise ProtocolError(errors.INVALID_VALUE, "response.metadata must be an object", "response.metadata")
     modality = (_modalities(r["output_modalities"], "response.output_modalities") if "output_modalities" in r
                 else cur.output_modalities)[0]
     max_tokens = _max_tokens(r["max_output_tokens"], "response.max_output_tokens") if "max_output_tokens" in r \
@@ -312,6 +316,6 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
     sampling = dataclasses.replace(
         sampling, max_new_tokens=MAX_OUTPUT_TOKENS_DEFAULT if max_tokens == "inf" else int(max_tokens))
     if sampling.min_new_tokens > sampling.max_new_tokens:
-        raise ProtocolError("invalid_value", "moss.sampling.min_output_tokens exceeds max_output_tokens",
+        raise ProtocolError(errors.INVALID_VALUE, "moss.sampling.min_output_tokens exceeds max_output_tokens",
                             "max_output_tokens")
     return {"modality": modality, "sampling": sampling, "max_output_tokens": max_tokens, "metadata": metadata}

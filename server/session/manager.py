@@ -12,8 +12,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from engines.protocol import errors
 from server.session import server_events as ev
-from server.session.session import AudioOutMode, EngineLink, Session, SessionLimits, SessionObserver
+from server.session.engine_link import EngineLink
+from server.session.session import AudioOutMode, Session, SessionLimits, SessionObserver
 from server.workers.slots import Slots
 
 log = logging.getLogger("server.sessions")
@@ -24,7 +26,7 @@ CLOSE_GRACE_S = 10.0
 
 
 class SessionRefused(Exception):
-    code = "session_refused"
+    code: str  # each kind's stable code (engines.protocol.errors)
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -32,15 +34,15 @@ class SessionRefused(Exception):
 
 
 class ServerBusy(SessionRefused):
-    code = "server_busy"
+    code = errors.SERVER_BUSY
 
 
 class EngineUnavailable(SessionRefused):
-    code = "engine_unavailable"
+    code = errors.ENGINE_UNAVAILABLE
 
 
 class Draining(SessionRefused):
-    code = "server_shutting_down"
+    code = errors.SERVER_SHUTTING_DOWN
 
 
 class SessionManager:
@@ -113,8 +115,8 @@ class SessionManager:
         while any(s.response_active for s in self.sessions.values()) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for s in list(self.sessions.values()):
-            s._error("server_shutting_down", "the server is shutting down", etype="server_error")
-            await s.close("server_shutdown", 1001)
+            s.error(errors.SERVER_SHUTTING_DOWN, "the server is shutting down")
+            await s.close("server_shutdown", errors.close_code(errors.SERVER_SHUTTING_DOWN))
         # A socket relayed to a sibling worker closes when that worker's drain closes the call's session.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._no_transports.wait(), max(deadline - loop.time(), 0.0) + CLOSE_GRACE_S)

@@ -1,4 +1,5 @@
-"""A session's bounded outbound stream: server events and answer audio, in order, for one transport.
+"""A session's bounded outbound stream (server events and answer audio, in order, for one transport), and how an
+answer's audio plays out for its listener.
 
 The session puts items without waiting (it runs inside the engine's receive loop and must never
 block it); the transport awaits `get()`. When a client does not read, the queue fills; instead of
@@ -9,10 +10,19 @@ growing memory the stream drops what is queued, keeps one final `error` event (c
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moss_speech.loadtest.stats import PlaybackBuffer
+
+if TYPE_CHECKING:
+    from server.session.session import SessionObserver
+
+ANSWER_RATE = 24000
+LISTENER_PREBUFFER_S = 0.06  # the modelled listener's jitter buffer (the load test's and the WebRTC track's default)
 
 
 @dataclass(frozen=True)
@@ -109,3 +119,48 @@ class Outbound:
         if e.on_taken is not None:
             e.on_taken()
         return e.item
+
+
+@dataclass
+class Playback:
+    """One answer's audio as it leaves the queue, heard by a listener playing it at real time from its first audio
+    on, as the load test models one: the time to first audio, the underruns the server itself caused (a chunk
+    leaving after that listener ran dry; network not counted), and how much of it the user has heard."""
+
+    turn_start: float  # monotonic; TTFA starts at the commit that led to the answer (or at its creation)
+    first_audio_at: float | None = None  # monotonic time the first audio left the queue
+    played_reported: int | None = None  # track mode: samples played, reported by the transport
+    ttfa_ms: float | None = None
+    listener: PlaybackBuffer = field(default_factory=lambda: PlaybackBuffer(ANSWER_RATE, LISTENER_PREBUFFER_S))
+
+    @property
+    def samples_sent(self) -> int:
+        """24 kHz samples of answer audio that have left the queue (the listener has been given them all)."""
+        return self.listener.samples
+
+    def taken(self, samples: int, observer: SessionObserver | None) -> None:
+        """`samples` of the answer's audio left the queue (the transport took them)."""
+        now = time.monotonic()
+        if self.first_audio_at is None:
+            self.first_audio_at = now
+            self.ttfa_ms = (self.first_audio_at - self.turn_start) * 1000.0
+            if observer is not None:
+                observer.ttfa(self.ttfa_ms / 1000.0)
+        heard, silent_s = self.listener.underruns, self.listener.stall_s
+        self.listener.on_audio(now, samples)
+        if self.listener.underruns > heard and observer is not None:
+            observer.underrun(self.listener.stall_s - silent_s)
+
+    def report_played(self, samples: int) -> None:
+        """A track transport's count of the samples it has played."""
+        self.played_reported = max(self.played_reported or 0, int(samples))
+
+    def played(self) -> int:
+        """24 kHz samples the user has heard: as the track transport reported; else the samples sent, capped by real
+        time since the first audio (the client plays at real time)."""
+        if self.played_reported is not None:
+            return min(self.played_reported, self.samples_sent)
+        if self.first_audio_at is None:
+            return 0
+        by_clock = int((time.monotonic() - self.first_audio_at) * ANSWER_RATE)
+        return min(self.samples_sent, by_clock)

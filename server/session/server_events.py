@@ -5,6 +5,8 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING, Any
 
+from engines.protocol import errors
+
 if TYPE_CHECKING:
     from engines.protocol.messages import ResponseDone
     from server.session.client_events import SessionConfig
@@ -18,10 +20,10 @@ def event(etype: str, **fields: Any) -> dict[str, Any]:
     return {"event_id": new_id("event"), "type": etype, **fields}
 
 
-def error_event(code: str, message: str, *, param: str | None = None, event_id: Any = None,
-                etype: str = "invalid_request_error") -> dict[str, Any]:
-    """`error.event_id` is the client's event that caused it (None when not caused by one)."""
-    return event("error", error={"type": etype, "code": code, "message": message, "param": param,
+def error_event(code: str, message: str, *, param: str | None = None, event_id: Any = None) -> dict[str, Any]:
+    """`error.type` is the code's (engines.protocol.errors); `error.event_id` is the client's event that caused it
+    (None when not caused by one)."""
+    return event("error", error={"type": errors.error_type(code), "code": code, "message": message, "param": param,
                                  "event_id": event_id if isinstance(event_id, str) else None})
 
 
@@ -64,7 +66,7 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
             },
             "output": {"format": _audio_format(24000), "voice": c.voice, "speed": 1.0},
         },
-        # Our extension (documented in README "Realtime API: extensions").
+        # Our extension (docs/api.md, "Extension fields: `moss`").
         "moss": {"sampling": c.sampling_dict(), "voice_prompt": c.voice_prompt_wav is not None},
     }
 

@@ -7,9 +7,12 @@ Handshake refusals (HTTP status instead of an upgrade): bad Origin -> 403, missi
   close 1001  server shutting down (after an `error` event `server_shutting_down`)
   close 1008  client did not read its events (after an `error` event `slow_consumer`)
   close 1009  a message larger than max_message_bytes
-  close 1011  engine process lost (after an `error` event `engine_unavailable`)
-  close 1013  too many sessions / engine restarting (after an `error` event `server_busy` /
-              `engine_unavailable`)
+  close 1011  engine process lost, or an internal error (after an `error` event `engine_unavailable` /
+              `server_error`)
+  close 1013  too many sessions / engine restarting / shutting down (after an `error` event `server_busy` /
+              `engine_unavailable` / `server_shutting_down`)
+
+The codes and their close codes are engines/protocol/errors.py's.
 
 `?model=` is accepted (the openai SDK always sends one) and not used: this server serves one model.
 `?call_id=` binds the socket to a WebRTC call's session as its control channel (events both ways, audio
@@ -27,6 +30,7 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.responses import PlainTextResponse
 
+from engines.protocol import errors
 from server import auth
 from server.session import server_events as ev
 from server.session.manager import SessionRefused
@@ -41,7 +45,7 @@ async def _deny(ws: WebSocket, status: int, reason: str) -> None:
     try:
         await ws.send_denial_response(PlainTextResponse(reason, status_code=status))
     except RuntimeError:  # server without the denial-response extension
-        await ws.close(code=1008, reason=reason)
+        await ws.close(code=errors.CLOSE_POLICY_VIOLATION, reason=reason)
 
 
 def _subprotocol(ws: WebSocket) -> str | None:
@@ -59,10 +63,11 @@ async def _serve(ws: WebSocket) -> None:
     st = ws.app.state
     settings = st.settings
     if not auth.origin_ok(settings.allowed_origins, ws.headers.get("origin")):
-        await _deny(ws, 403, "origin not allowed")
+        await _deny(ws, errors.http_status(errors.ORIGIN_NOT_ALLOWED), "origin not allowed")
         return
     if not auth.key_ok(settings.api_keys, auth.presented_key(ws.headers, ws.query_params)):
-        await _deny(ws, 401, "missing or invalid API key (Authorization: Bearer KEY)")
+        await _deny(ws, errors.http_status(errors.INVALID_API_KEY),
+                    "missing or invalid API key (Authorization: Bearer KEY)")
         return
     call_id = ws.query_params.get("call_id")
     if call_id is not None:
@@ -73,15 +78,15 @@ async def _serve(ws: WebSocket) -> None:
         session = st.sessions.create(audio_out="events")
     except SessionRefused as e:
         st.metrics.error(e.code)
-        await _send_and_close(ws, ev.error_event(e.code, e.message, etype="server_error"), 1013)
+        await _send_and_close(ws, ev.error_event(e.code, e.message), errors.CLOSE_TRY_AGAIN_LATER)
         return
     try:
         await session.start()
     except Exception as e:  # noqa: BLE001 - e.g. the engine went away or VAD failed to load
         session.log.exception("session start failed")
-        await session.close("start_failed", 1011)
-        await _send_and_close(ws, ev.error_event("server_error", f"session could not start: {type(e).__name__}",
-                                                 etype="server_error"), 1011)
+        await session.close("start_failed", errors.close_code(errors.SERVER_ERROR))
+        await _send_and_close(ws, ev.error_event(errors.SERVER_ERROR, f"session could not start: {type(e).__name__}"),
+                              errors.close_code(errors.SERVER_ERROR))
         return
     await _pump(ws, session, settings.max_message_bytes)
 
@@ -142,11 +147,11 @@ async def _pump(ws: WebSocket, session: Any, max_bytes: int) -> None:
             size = len(text.encode()) if text is not None else len(data or b"")
             if size > max_bytes:
                 session.log.info("message of %d bytes over the limit of %d: closing 1009", size, max_bytes)
-                close_code = 1009
-                await session.close("message_too_big", 1009)
+                close_code = errors.CLOSE_MESSAGE_TOO_BIG
+                await session.close("message_too_big", close_code)
                 break
             if text is None:
-                session._error("invalid_event", "binary frames are not supported; send JSON text events")
+                session.error(errors.INVALID_EVENT, "binary frames are not supported; send JSON text events")
                 continue
             await session.handle_client_text(text)
     except WebSocketDisconnect:
@@ -183,7 +188,7 @@ async def _control_socket(ws: WebSocket, call_id: str) -> None:
         if owner is not None:
             await relay.websocket(ws, owner, _deny)
             return
-        await _deny(ws, 404, f"unknown call_id {call_id!r}")
+        await _deny(ws, errors.http_status(errors.CALL_NOT_FOUND), f"unknown call_id {call_id!r}")
         return
     await ws.accept(subprotocol=_subprotocol(ws))
 

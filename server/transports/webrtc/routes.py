@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from engines.protocol import errors
 from server import auth
 from server.session.client_events import ProtocolError, parse_session_update
 from server.session.manager import SessionManager, SessionRefused
@@ -39,10 +40,10 @@ log = logging.getLogger("server.transports.webrtc")
 RANDOM_MODEL = "tiny-random"
 
 
-def _error(status: int, code: str, message: str, etype: str = "invalid_request_error",
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"type": etype, "code": code, "message": message}}, status_code=status,
-                        headers=headers)
+def _error(code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A refusal: the code's HTTP status and type from engines.protocol.errors."""
+    return JSONResponse({"error": {"type": errors.error_type(code), "code": code, "message": message}},
+                        status_code=errors.http_status(code), headers=headers)
 
 
 class WebRTCService:
@@ -68,10 +69,9 @@ class WebRTCService:
 
     def access_error(self, headers: Any, query: Any) -> JSONResponse | None:
         if not auth.origin_ok(getattr(self.settings, "allowed_origins", []), headers.get("origin")):
-            return _error(403, "origin_not_allowed", f"Origin {headers.get('origin')!r} is not allowed")
+            return _error(errors.ORIGIN_NOT_ALLOWED, f"Origin {headers.get('origin')!r} is not allowed")
         if not auth.key_ok(getattr(self.settings, "api_keys", []), auth.presented_key(headers, query)):
-            return _error(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)",
-                          etype="authentication_error")
+            return _error(errors.INVALID_API_KEY, "missing or wrong API key (Authorization: Bearer KEY)")
         return None
 
     async def create_call(self, request: Request) -> Response:
@@ -80,18 +80,18 @@ class WebRTCService:
             return denied
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/sdp":
-            return _error(415, "unsupported_media_type",
+            return _error(errors.UNSUPPORTED_MEDIA_TYPE,
                           f"send the SDP offer with Content-Type: application/sdp (got {ctype or 'none'!r})")
         body = await request.body()
         if len(body) > MAX_SDP_BYTES:
-            return _error(413, "offer_too_large", f"the SDP offer is {len(body)} bytes; the limit is {MAX_SDP_BYTES}")
+            return _error(errors.OFFER_TOO_LARGE, f"the SDP offer is {len(body)} bytes; the limit is {MAX_SDP_BYTES}")
         try:
             offer = check_offer(body)
         except OfferError as e:
-            return _error(400, "invalid_offer", str(e))
+            return _error(errors.INVALID_OFFER, str(e))
         if not self.calls.try_reserve():
-            return _error(503, "server_busy", f"the server is at its limit of {self.calls.max_calls} WebRTC calls; "
-                          "retry later", etype="server_error", headers={"Retry-After": "5"})
+            return _error(errors.SERVER_BUSY, f"the server is at its limit of {self.calls.max_calls} WebRTC calls; "
+                          "retry later", headers={"Retry-After": "5"})
         try:
             return await self._negotiate(offer)
         finally:
@@ -103,7 +103,7 @@ class WebRTCService:
             session = self.sessions.create(audio_out="track")
         except SessionRefused as e:
             await pc.close()
-            return _error(503, e.code, e.message, etype="server_error", headers={"Retry-After": "5"})
+            return _error(e.code, e.message, headers={"Retry-After": "5"})
         call_id = new_call_id(self.relay.ctx.call_id_prefix) if self.relay is not None else new_call_id()
         call = Call(call_id, pc, session, prebuffer_ms=self.config.prebuffer_ms,
                     ice_timeout_s=self.config.ice_timeout_s, on_closed=self._closed)
@@ -114,14 +114,13 @@ class WebRTCService:
         except Exception as e:  # aiortc reports unusable offers with assorted exception types
             log.info("call %s: offer refused: %s", call_id, e)
             await call.close(f"offer refused: {e}")
-            return _error(400, "invalid_offer", f"the offer cannot be answered: {type(e).__name__}: {e}")
+            return _error(errors.INVALID_OFFER, f"the offer cannot be answered: {type(e).__name__}: {e}")
         try:
             await session.start()
         except Exception as e:  # the engine went away between create() and start()
             log.warning("call %s: session start failed: %s", call_id, e)
             await call.close(f"session start failed: {e}")
-            return _error(503, "engine_unavailable", f"could not open a session: {e}", etype="server_error",
-                          headers={"Retry-After": "5"})
+            return _error(errors.ENGINE_UNAVAILABLE, f"could not open a session: {e}", headers={"Retry-After": "5"})
         self.calls.add(call)
         call.start()
         log.info("call %s: answered (session %s)", call_id, session.id)
@@ -145,7 +144,7 @@ class WebRTCService:
             reply = await self.relay.http(request, owner)
             if reply is not None:
                 return reply
-        return _error(404, "call_not_found", f"no active call with id {call_id!r}")
+        return _error(errors.CALL_NOT_FOUND, f"no active call with id {call_id!r}")
 
     async def call_state(self, request: Request, call_id: str) -> Response:
         call = await self._call_or_reply(request, call_id)
@@ -177,7 +176,7 @@ class WebRTCService:
         try:
             parse_session_update(event["session"], call.session.config)
         except ProtocolError as e:
-            return _error(400, e.code, e.message)
+            return _error(e.code, e.message)
         await call.session.handle_client_event(event)
         return Response(status_code=204)
 
@@ -199,7 +198,7 @@ def install(app: FastAPI, settings: Any, sessions: SessionManager) -> WebRTCServ
 
     async def page() -> Response:
         if not index.is_file():
-            return _error(404, "page_not_found", f"the web page is not installed ({index} is missing)")
+            return _error(errors.PAGE_NOT_FOUND, f"the web page is not installed ({index} is missing)")
         return FileResponse(index, media_type="text/html")
 
     app.add_api_route("/", page, methods=["GET"], include_in_schema=False)

@@ -14,6 +14,7 @@ import pytest
 
 from engines.protocol import messages as m
 from server.audio.pcm import read_wav
+from server.session import engine_link
 from server.session.pacing import AudioOut
 from server.session.session import Session, SessionLimits
 from server.vad import VadBatcher
@@ -111,20 +112,18 @@ async def test_server_vad_turn_streams_only_speech_and_commits(speech24k):
 async def test_user_audio_reaches_the_engine_in_pieces_of_96_ms_and_the_same_bytes(speech24k, monkeypatch):
     """A speaking user's audio goes to the engine in messages of at least APPEND_MIN_SAMPLES (one per VAD window
     before), the rest ahead of the commit: the same bytes in the same order as one message per window."""
-    import server.session.session as session_mod
-
     async def run() -> list:
         s, link = await new_session()
         await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
         return link.sent
 
     coalesced = await run()
-    monkeypatch.setattr(session_mod, "APPEND_MIN_SAMPLES", 1)
+    monkeypatch.setattr(engine_link, "APPEND_MIN_SAMPLES", 1)
     per_window = await run()
     sizes = [len(x.pcm16k) // 2 for x in coalesced if isinstance(x, m.AppendUserAudio)]
     kinds = [type(x).__name__ for x in coalesced]
     assert kinds[-2:] == ["CommitUserAudio", "CreateResponse"] and set(kinds[1:-2]) == {"AppendUserAudio"}
-    assert all(n >= session_mod.APPEND_MIN_SAMPLES for n in sizes[:-1]) and sizes[-1] > 0, sizes
+    assert all(n >= engine_link.APPEND_MIN_SAMPLES for n in sizes[:-1]) and sizes[-1] > 0, sizes
     n_windows = sum(isinstance(x, m.AppendUserAudio) for x in per_window)
     assert len(sizes) <= n_windows // 3 + 2, (len(sizes), n_windows)
 

@@ -1,0 +1,196 @@
+"""What each client event does to a Session (the OpenAI Realtime GA events; settings are parsed in client_events.py).
+
+Each handler raises ProtocolError for a client mistake; the session answers it with an `error` event and goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engines.protocol import errors
+from engines.protocol import messages as m
+from server.audio.pcm import float32_to_pcm16, pcm16_to_float32
+from server.audio.resample import AudioError, resample
+from server.session import server_events as ev
+from server.session.client_events import ProtocolError, parse_response_create, parse_session_update
+from server.session.input_buffer import CLIENT_RATE, ENGINE_IN_RATE
+from server.session.pacing import ANSWER_RATE
+
+if TYPE_CHECKING:
+    from server.session.session import Session
+
+
+async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id", "session"})
+    new = parse_session_update(event.get("session"), s.config)
+    if new.turn_detection is not None and not s.turns.available:
+        raise ProtocolError(errors.SERVER_VAD_UNAVAILABLE, "server_vad is disabled on this server; use "
+                            "turn_detection null and input_audio_buffer.commit",
+                            "session.audio.input.turn_detection")
+    old = s.config
+    s.config = new
+    if new.turn_detection != old.turn_detection:
+        s.turns.reset()
+    if (new.instructions, new.voice_prompt_wav) != (old.instructions, old.voice_prompt_wav):
+        await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=new.instructions,
+                                                   voice_wav=new.voice_prompt_wav))
+    s.emit(ev.session_event("session.updated", s.id, s.config))
+
+
+async def _on_append(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id", "audio"})
+    pcm = _decode_pcm16(event.get("audio"), "audio")
+    await s.input_buffer.add(pcm, CLIENT_RATE, client_samples=len(pcm))
+    s.input_buffer.appended = True
+
+
+async def _on_commit(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id"})
+    if not s.input_buffer.uncommitted_samples() and not (s.config.turn_detection and s.turns.prefix_samples):
+        raise ProtocolError(errors.INPUT_AUDIO_BUFFER_COMMIT_EMPTY, "the input audio buffer is empty")
+    await s.input_buffer.flush_resamplers()
+    if s.config.turn_detection is not None and not s.turns.in_speech:
+        await s.turns.flush_prefix()
+    await s.input_buffer.commit(auto_response=False)
+
+
+async def _on_clear(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id"})
+    await s.input_buffer.clear()
+
+
+async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id", "previous_item_id", "item"})
+    prev = event.get("previous_item_id")
+    if prev is not None and prev != (s.items[-1] if s.items else None):
+        raise ProtocolError(errors.UNSUPPORTED_PREVIOUS_ITEM_ID,
+                            "items can only be appended at the end of the conversation", "previous_item_id")
+    item = event.get("item")
+    if not isinstance(item, dict):
+        raise ProtocolError(errors.INVALID_ITEM, "item must be an object", "item")
+    _check_keys(item, {"id", "type", "object", "role", "content", "status"}, "item.")
+    if item.get("type", "message") != "message":
+        raise ProtocolError(errors.UNSUPPORTED_ITEM_TYPE, f"item.type {item.get('type')!r} is not supported "
+                            "(only 'message')", "item.type")
+    role = item.get("role")
+    if role not in ("user", "system", "assistant"):
+        raise ProtocolError(errors.INVALID_ITEM, f"item.role must be user, system or assistant, got {role!r}",
+                            "item.role")
+    content = item.get("content")
+    if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], dict):
+        raise ProtocolError(errors.INVALID_ITEM, "item.content must be a list with one content part",
+                            "item.content")
+    part = content[0]
+    item_id = item.get("id") or ev.new_id("item")
+    if not isinstance(item_id, str) or len(item_id) > 64 or item_id in s.items:
+        raise ProtocolError(errors.INVALID_ITEM, "item.id must be a new string of at most 64 characters",
+                            "item.id")
+    ptype = part.get("type")
+    text_types = {"user": "input_text", "system": "input_text", "assistant": "output_text"}
+    if ptype in (text_types[role], "text"):
+        _check_keys(part, {"type", "text"}, "item.content[0].")
+        text = part.get("text")
+        if not isinstance(text, str) or not text:
+            raise ProtocolError(errors.INVALID_ITEM, "text content needs a non-empty string 'text'",
+                                "item.content[0].text")
+        msg = m.AddUserText(session_id=s.id, item_id=item_id, text=text, role=role)
+        out_part = {"type": text_types[role], "text": text}
+    elif ptype == "input_audio" and role == "user":
+        _check_keys(part, {"type", "audio", "transcript"}, "item.content[0].")
+        try:
+            pcm = resample(_decode_pcm16(part.get("audio"), "item.content[0].audio"), CLIENT_RATE,
+                           ENGINE_IN_RATE)
+        except AudioError as e:
+            raise ProtocolError(errors.INVALID_AUDIO, str(e), "item.content[0].audio") from None
+        await s.input_buffer.settle("adding an audio item")  # after the checks: a bad item clears nothing
+        await s.engine_inputs.send(m.AppendUserAudio(session_id=s.id, pcm16k=float32_to_pcm16(pcm)))
+        msg = m.CommitUserAudio(session_id=s.id, item_id=item_id)
+        out_part = {"type": "input_audio", "transcript": part.get("transcript")}
+    else:
+        raise ProtocolError(errors.UNSUPPORTED_CONTENT_TYPE, f"content type {ptype!r} is not supported for "
+                            f"role {role!r}", "item.content[0].type")
+    await s.engine_inputs.send(msg)
+    s.add_item(item_id, role, [out_part])
+
+
+async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id", "item_id", "content_index", "audio_end_ms"})
+    item_id = event.get("item_id")
+    audio_end_ms = event.get("audio_end_ms")
+    active = s.responses.active
+    r = active if active and active.item_id == item_id else s.responses.last
+    if r is None or r.item_id != item_id:
+        raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID,
+                            "only the latest assistant audio item can be truncated", "item_id")
+    if not isinstance(audio_end_ms, int) or audio_end_ms < 0:
+        raise ProtocolError(errors.INVALID_VALUE, "audio_end_ms must be an integer >= 0", "audio_end_ms")
+    samples = audio_end_ms * ANSWER_RATE // 1000
+    if samples > r.audio_samples_queued:
+        raise ProtocolError(errors.INVALID_VALUE, f"audio_end_ms {audio_end_ms} is beyond the item's audio "
+                            f"({r.audio_samples_queued * 1000 // ANSWER_RATE} ms)", "audio_end_ms")
+    if r is s.responses.active:
+        await s.responses.cancel("client_cancelled", samples)
+    else:
+        await s.engine_inputs.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
+                                                      audio_samples_played=samples))
+    s.emit(ev.event("conversation.item.truncated", item_id=item_id,
+                    content_index=event.get("content_index", 0), audio_end_ms=audio_end_ms))
+
+
+async def _on_response_create(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id", "response"})
+    opts = parse_response_create(event.get("response"), s.config)
+    if s.responses.active is not None:
+        raise ProtocolError(errors.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
+                            f"response {s.responses.active.id} is still in progress")
+    await s.input_buffer.settle("response.create")
+    await s.responses.create(opts)
+
+
+async def _on_response_cancel(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id", "response_id"})
+    rid = event.get("response_id")
+    r = s.responses.active
+    if r is None or (rid is not None and rid != r.id):
+        raise ProtocolError(errors.RESPONSE_CANCEL_NOT_ACTIVE, "there is no active response to cancel"
+                            + (f" with id {rid!r}" if rid else ""))
+    await s.responses.cancel("client_cancelled", None)
+
+
+HANDLERS: dict[str, Callable[[Session, dict[str, Any]], Awaitable[None]]] = {
+    "session.update": _on_session_update,
+    "input_audio_buffer.append": _on_append,
+    "input_audio_buffer.commit": _on_commit,
+    "input_audio_buffer.clear": _on_clear,
+    "conversation.item.create": _on_item_create,
+    "conversation.item.truncate": _on_item_truncate,
+    "response.create": _on_response_create,
+    "response.cancel": _on_response_cancel,
+}
+
+
+def _check_keys(d: dict[str, Any], allowed: set[str], prefix: str = "") -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ProtocolError(errors.UNKNOWN_PARAMETER, "unknown or unsupported field(s): "
+                            + ", ".join(prefix + k for k in unknown), prefix + unknown[0])
+
+
+def _decode_pcm16(data: Any, param: str) -> np.ndarray:
+    """base64 PCM16 LE -> float32 [n] in [-1, 1)."""
+    if not isinstance(data, str):
+        raise ProtocolError(errors.INVALID_AUDIO, "audio must be a base64 string of PCM16 little-endian samples",
+                            param)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(errors.INVALID_AUDIO, "audio is not valid base64", param) from None
+    if len(raw) % 2:
+        raise ProtocolError(errors.INVALID_AUDIO, "audio has an odd number of bytes (PCM16 needs 2 per sample)",
+                            param)
+    return pcm16_to_float32(raw)

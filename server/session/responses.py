@@ -1,0 +1,204 @@
+"""A session's answers: creating one, the engine's output turned into server events, cancelling one (barge-in
+truncates the engine's history to the audio the user heard), and its end (`response.done`)."""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engines.protocol import errors
+from engines.protocol import messages as m
+from server.session import server_events as ev
+from server.session.client_events import parse_response_create
+from server.session.pacing import ANSWER_RATE, AudioOut, Playback
+
+if TYPE_CHECKING:
+    from server.session.session import Session
+
+
+@dataclass
+class Response:
+    id: str
+    item_id: str
+    modality: str
+    created_at: float  # monotonic
+    playback: Playback
+    metadata: Any = None
+    max_output_tokens: int | str = "inf"
+    started: bool = False
+    prompt_rows: int = 0
+    audio_samples_queued: int = 0
+    text: list[str] = field(default_factory=list)
+    cancel_sent: bool = False
+    cancel_reason: str | None = None
+
+    @property
+    def ttfa_ms(self) -> float | None:
+        return self.playback.ttfa_ms
+
+
+class Responses:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+        self.active: Response | None = None
+        self.last: Response | None = None  # for conversation.item.truncate after it ended
+        self.turn_committed_at: float | None = None  # the user turn the next answer answers (TTFA starts there)
+        self._auto_response_pending = False  # a VAD turn ended while a cancelled answer was still finishing
+
+    def audio_played(self, response_id: str, samples: int) -> None:
+        for r in (self.active, self.last):
+            if r is not None and r.id == response_id:
+                r.playback.report_played(samples)
+
+    async def create(self, opts: dict[str, Any]) -> None:
+        s = self.s
+        now = time.monotonic()
+        r = Response(id=ev.new_id("resp"), item_id=ev.new_id("item"), modality=opts["modality"], created_at=now,
+                     playback=Playback(turn_start=self.turn_committed_at or now), metadata=opts.get("metadata"),
+                     max_output_tokens=opts["max_output_tokens"])
+        self.turn_committed_at = None
+        self.active = r
+        sampling = opts["sampling"]
+        s.emit(ev.event("response.created", response=ev.response_obj(r, s.id, "in_progress")))
+        await s.engine_inputs.send(m.CreateResponse(session_id=s.id, response_id=r.id, modality=r.modality,
+                                                    sampling=sampling))
+        s.log.info("response created id=%s modality=%s", r.id, r.modality)
+
+    async def turn_ended(self) -> None:
+        """A VAD turn ended and asks for an answer (create_response)."""
+        if self.active is None:
+            await self.create(parse_response_create(None, self.s.config))
+        elif self.active.cancel_sent:  # barge-in: answer once the interrupted one has ended
+            self._auto_response_pending = True
+
+    async def cancel(self, reason: str, played_samples: int | None) -> None:
+        s = self.s
+        r = self.active
+        if r is None or r.cancel_sent:
+            return
+        r.cancel_sent = True
+        r.cancel_reason = reason
+        if s.engine_inputs.unsend_create(r.id):  # the engine never saw it: end it here
+            self.finish(r, "cancelled", reason)
+            return
+        await s.engine.send(m.CancelResponse(session_id=s.id, response_id=r.id))
+        if played_samples is not None:
+            dropped = s.outbound.drop_audio(r.id)
+            r.audio_samples_queued -= dropped
+            await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
+                                                   audio_samples_played=int(played_samples)))
+        s.log.info("response cancel id=%s reason=%s played=%s", r.id, reason, played_samples)
+
+    def on_engine_message(self, msg: Any) -> None:
+        s = self.s
+        r = self.active
+        rid = getattr(msg, "response_id", None)
+        if isinstance(msg, m.Error):
+            s.error(msg.code, msg.message)
+            if r is not None and rid == r.id:
+                self.fail(r, msg.code, msg.message)
+            return
+        if r is None or rid != r.id:
+            return  # SessionReady, UserAudioProgress, or late output of a finished response
+        if isinstance(msg, m.ResponseStarted):
+            r.started = True
+            r.prompt_rows = msg.prompt_rows
+            part = {"type": "output_audio" if r.modality == "audio" else "output_text",
+                    **({"transcript": ""} if r.modality == "audio" else {"text": ""})}
+            s.emit(ev.event("response.output_item.added", response_id=r.id, output_index=0,
+                            item=ev.item(r.item_id, "assistant", [], status="in_progress")))
+            prev = s.items[-1] if s.items else None
+            s.items.append(r.item_id)
+            s.emit(ev.event("conversation.item.added", previous_item_id=prev,
+                            item=ev.item(r.item_id, "assistant", [], status="in_progress")))
+            s.emit(ev.event("response.content_part.added", response_id=r.id, item_id=r.item_id,
+                            output_index=0, content_index=0, part=part))
+        elif isinstance(msg, m.TextDelta):
+            if not msg.text or r.cancel_sent:
+                return
+            r.text.append(msg.text)
+            etype = "response.output_audio_transcript.delta" if r.modality == "audio" else "response.output_text.delta"
+            s.emit(ev.event(etype, response_id=r.id, item_id=r.item_id, output_index=0, content_index=0,
+                            delta=msg.text))
+        elif isinstance(msg, m.AudioChunk):
+            if r.cancel_sent or r.modality != "audio" or not msg.pcm24k:
+                return
+            samples = len(msg.pcm24k) // 2
+            r.audio_samples_queued += samples
+            if s.audio_out == "track":
+                item: Any = AudioOut(r.id, r.item_id, msg.pcm24k, msg.index)
+            else:
+                item = ev.event("response.output_audio.delta", response_id=r.id, item_id=r.item_id, output_index=0,
+                                content_index=0, delta=base64.b64encode(msg.pcm24k).decode("ascii"))
+            if not s.outbound.put(item, response_id=r.id, samples=samples,
+                                  on_taken=lambda: r.playback.taken(samples, s.observer)):
+                s.slow_consumer()
+        elif isinstance(msg, m.ResponseDone):
+            status = msg.status
+            reason = msg.reason
+            if r.cancel_sent and status == "completed":
+                status = "cancelled"
+            if status == "cancelled":
+                reason = r.cancel_reason or reason or "client_cancelled"
+            self.finish(r, status, reason, done=msg)
+
+    def fail(self, r: Response, code: str, message: str) -> None:
+        """The answer ends `failed`, its status details carrying the error (engines.protocol.errors `code`)."""
+        self.finish(r, "failed", code, error={"type": errors.error_type(code), "code": code, "message": message})
+
+    def finish(self, r: Response, status: str, reason: str | None, *, done: m.ResponseDone | None = None,
+               error: dict[str, Any] | None = None) -> None:
+        s = self.s
+        text = "".join(r.text)
+        if r.started:
+            base = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
+            if r.modality == "audio":
+                part = {"type": "output_audio", "transcript": text}
+                s.emit(ev.event("response.output_audio.done", **base))
+                s.emit(ev.event("response.output_audio_transcript.done", transcript=text, **base))
+            else:
+                part = {"type": "output_text", "text": text}
+                s.emit(ev.event("response.output_text.done", text=text, **base))
+            s.emit(ev.event("response.content_part.done", part=part, **base))
+            item_status = "completed" if status == "completed" else "incomplete"
+            item = ev.item(r.item_id, "assistant", [part], status=item_status)
+            s.emit(ev.event("response.output_item.done", response_id=r.id, output_index=0, item=item))
+            s.emit(ev.event("conversation.item.done", previous_item_id=s.prev_of(r.item_id), item=item))
+            output = [item]
+        else:
+            output = []
+        usage = ev.usage(done, r.modality) if done is not None else None
+        if done is not None:
+            s.usage_totals["input_rows"] += done.prompt_rows
+            s.usage_totals["output_rows"] += done.output_rows
+        details = None
+        if status != "completed":
+            details = {"type": status, "reason": reason}
+            if error is not None:
+                details["error"] = error
+        resp = ev.response_obj(r, s.id, status, output=output, usage=usage, status_details=details)
+        audio_samples = done.audio_samples if done is not None else 0
+
+        def sent() -> None:
+            # Queued behind the answer's audio: by now the first audio has left, so TTFA is known.
+            resp["ttfa_ms"] = None if r.ttfa_ms is None else round(r.ttfa_ms, 2)
+            first_audio_at = r.playback.first_audio_at
+            if s.observer is not None and first_audio_at is not None and audio_samples:
+                s.observer.rtf((time.monotonic() - first_audio_at) / (audio_samples / ANSWER_RATE))
+            s.log.info("response done id=%s status=%s reason=%s ttfa_ms=%s", r.id, status, reason, resp["ttfa_ms"])
+
+        s.emit(ev.event("response.done", response=resp), on_taken=sent)
+        self.last = r
+        self.active = None
+        s.engine_inputs.answer_ended()
+        if self._auto_response_pending:
+            self._auto_response_pending = False
+            s.tasks.spawn(self._auto_response(), "auto-response")
+
+    async def _auto_response(self) -> None:
+        # A response.create handled since the interrupted answer ended already answers the turn; a second
+        # answer created over it would leave it running unseen (its output and end ignored, inputs held).
+        if self.active is None and not self.s.closed:
+            await self.create(parse_response_create(None, self.s.config))
