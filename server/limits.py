@@ -1,9 +1,9 @@
 """The server's session limit when none is set (MOSS_MAX_SESSIONS), and whether its server processes carry it.
 
 On a GPU the limit is what the engine can hold, read from the stats it reports once ready: no more sessions than
-the sequences it runs at once (--max-running), nor than its KV pool holds conversations of SESSION_ROWS rows
-(fewer when --max-model-len is shorter). Off a GPU, or when the engine does not report those figures, it is
-CPU_MAX_SESSIONS.
+SESSIONS_PER_RUNNING times the sequences it runs at once (--max-running), nor than its KV pool holds conversations of
+SESSION_ROWS rows (fewer when --max-model-len is shorter). Off a GPU, or when the engine does not report those
+figures, it is CPU_MAX_SESSIONS.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ CPU_MAX_SESSIONS = 64
 # Rows of KV a session is counted as holding: a modest conversation of ~2.7 minutes at 12.5 rows a second (user
 # speech and answers alike), about twenty exchanges of a spoken turn and its answer (~80-130 rows each).
 SESSION_ROWS = 2048
+# A session holds a running sequence only while its turn is prefilled or its answer decoded, not while the user
+# listens or speaks: 256 sessions passed the capacity criteria at --max-running 128 on an H200 (2026-12-01,
+# docs/performance.md, Capacity).
+SESSIONS_PER_RUNNING = 2
 _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
 
 # Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
@@ -40,8 +44,10 @@ def session_limit(stats: dict[str, Any]) -> SessionLimit:
     per_session = min(SESSION_ROWS, int(stats["max_model_len"]))
     by_pool = max(rows // per_session, 1)
     running = int(stats["max_running"])
-    return SessionLimit(min(running, by_pool), f"the engine runs {running} sequences at once and its KV pool of "
-                                               f"{rows} rows holds {by_pool} conversations of {per_session} rows")
+    by_running = SESSIONS_PER_RUNNING * running
+    return SessionLimit(min(by_running, by_pool), f"the engine runs {running} sequences at once ({by_running} sessions "
+                                                  f"at {SESSIONS_PER_RUNNING} a sequence) and its KV pool of {rows} "
+                                                  f"rows holds {by_pool} conversations of {per_session} rows")
 
 
 def size_from_engine(stats: dict[str, Any], workers: int, log: logging.Logger) -> int:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, session_limit
+from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, SESSIONS_PER_RUNNING, session_limit
 from tests.fakes.fake_engine import BLOCK_ROWS, KV_TOTAL
 from tests.fakes.harness import RunningServer, fake_settings
 
@@ -15,15 +15,17 @@ FAKE_ON_GPU = [sys.executable, "-m", "tests.fakes.fake_engine", "--model", "x", 
 FAKE_POOL_SESSIONS = KV_TOTAL * BLOCK_ROWS // SESSION_ROWS
 
 
-def test_on_a_gpu_the_limit_is_the_running_sequences_or_the_conversations_the_pool_holds():
-    assert session_limit(GPU).sessions == 128  # 640,000 rows hold 312 conversations: the running limit binds
+def test_on_a_gpu_the_limit_is_twice_the_running_sequences_or_the_conversations_the_pool_holds():
+    assert SESSIONS_PER_RUNNING == 2
+    assert session_limit(GPU).sessions == 256  # 640,000 rows hold 312 conversations: 2 x 128 running binds
     small_pool = {**GPU, "kv_total": 4_000}  # 64,000 rows
     assert session_limit(small_pool).sessions == 64_000 // SESSION_ROWS
     short = {**small_pool, "max_model_len": 1024}  # no conversation is longer than that
     assert session_limit(short).sessions == 62
     tiny = {**GPU, "kv_total": 1}
     assert session_limit(tiny).sessions == 1
-    assert "runs 128 sequences" in session_limit(GPU).why and "holds 312 conversations" in session_limit(GPU).why
+    why = session_limit(GPU).why
+    assert "runs 128 sequences at once (256 sessions" in why and "holds 312 conversations" in why
 
 
 def test_off_a_gpu_or_without_the_figures_the_limit_is_the_cpu_default():
@@ -35,7 +37,7 @@ def test_off_a_gpu_or_without_the_figures_the_limit_is_the_cpu_default():
 
 
 @pytest.mark.parametrize(("settings", "limit"), [
-    ({"max_running": "12"}, 12),  # the engine option, passed on, bounds the sessions
+    ({"max_running": "12"}, 24),  # the engine option, passed on, bounds the sessions (two a sequence)
     ({"max_running": "500"}, FAKE_POOL_SESSIONS),  # the fake's pool of 65,536 rows does
     ({"max_running": "12", "max_sessions": 40}, 40),  # a set limit wins
 ])
