@@ -17,7 +17,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 @dataclass(frozen=True)
 class ChannelSampling:
-    """Sampling of one channel (MODEL_CONTRACT.md section 3 defaults)."""
+    """Sampling of one channel (the published defaults)."""
 
     temperature: float = 0.6
     top_p: float = 0.95

@@ -36,7 +36,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the MOSS-Speech language model (MODEL_CONTRACT.md section 1)."""
+    """Shape of the MOSS-Speech language model as published."""
 
     hidden_size: int = 4096
     intermediate_size: int = 12288

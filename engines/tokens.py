@@ -1,4 +1,4 @@
-"""Special token ids and the row rules of MODEL_CONTRACT.md section 2.
+"""Special token ids and the row rules of the published model.
 
 A row is one grid position: (text-channel token, audio-channel token).
 """

@@ -1,4 +1,4 @@
-"""Dual-channel sampler (MODEL_CONTRACT.md section 3), batched with per-row parameters.
+"""Dual-channel sampler: the published generation rules, batched with per-row parameters.
 
 Per channel, in order: float32 -> mask -> repetition penalty over the channel's whole history
 -> temperature -> top-k -> top-p -> sample (greedy: argmax, lowest index wins ties).

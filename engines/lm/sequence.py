@@ -13,7 +13,8 @@ def blocks_for(rows: int, block_size: int) -> int:
 
 
 def _mode_before_forward(mode: Mode, last: Row) -> Mode:
-    """MODEL_CONTRACT §3: before each forward, sosp in text mode enters audio; eosp in audio mode leaves it."""
+    """The published generation rule: before each forward, sosp in text mode enters audio; eosp in audio mode leaves
+    it."""
     text, audio = last
     if mode == "text" and text == SOSP:
         return "audio"

@@ -1,4 +1,4 @@
-"""Qwen chat prompt rows (MODEL_CONTRACT.md section 2), built by hand, turn by turn.
+"""Qwen chat prompt rows in the published model's chat format, built by hand, turn by turn.
 
 A text turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`; `{role}\\n{content}` is tokenized as
 one piece, which is what tokenizing the whole template does (control tokens split the text).

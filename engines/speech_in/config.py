@@ -21,7 +21,7 @@ def _require(ok: bool, msg: str) -> None:
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    """Causal Whisper-VQ encoder (MODEL_CONTRACT.md section 4)."""
+    """Causal Whisper-VQ encoder of the published codec."""
 
     num_mel_bins: int = 128
     d_model: int = 1280

@@ -1,6 +1,6 @@
 """Frozen shapes of the decoder halves of the codec (flow and vocoders) and the streaming schedule.
 
-Defaults are the real MOSS-Speech-Codec shapes (MODEL_CONTRACT.md section 4; CosyVoice2 lineage).
+Defaults are the real MOSS-Speech-Codec shapes (CosyVoice2 lineage).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Dense reference of MOSS-Speech: the test oracle.
 
-Written from MODEL_CONTRACT.md alone, independent of engines/lm/model: no paging, no fused weights, the whole
+Written from the published model's description alone, independent of engines/lm/model: no paging, no fused weights,
+the whole
 sequence recomputed every call with a full causal mask. Reads the checkpoint's own key names.
 """
 

@@ -1,4 +1,4 @@
-"""The checkpoint's key layout (MODEL_CONTRACT section 1) and how it maps onto the serving model.
+"""The checkpoint's key layout of the published release and how it maps onto the serving model.
 
 Checkpoint layers are numbered per block (`shared_block.layers.0-31`, `text_block.layers.0-3`,
 `audio_block.layers.0-3`); the serving model keeps one flat `layers` list in KV-cache order

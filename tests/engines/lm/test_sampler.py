@@ -1,4 +1,4 @@
-"""MODEL_CONTRACT §3, one rule per test: masks, penalty, temperature, top-k, top-p, greedy, modes, stops."""
+"""The published sampling rules, one per test: masks, penalty, temperature, top-k, top-p, greedy, modes, stops."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prompt rows (MODEL_CONTRACT §2), the stand-in tokenizer and streaming detokenisation."""
+"""Prompt rows in the published chat format, the stand-in tokenizer and streaming detokenisation."""
 
 from __future__ import annotations
 
