@@ -228,8 +228,8 @@ async def test_push_to_talk_answer_clears_uncommitted_track_audio_but_refuses_ap
 
 async def test_a_failing_background_task_ends_the_session_with_an_error(caplog):
     """Input held behind an answer is sent by a task of its own once the answer ends; if that task fails, the
-    failure is logged and the session ends with a server_error (it used to be an unretrieved task exception and a
-    session waiting for input that never reached the engine)."""
+    failure is logged and the session ends with a server_error (not an unretrieved task exception and a session
+    waiting for input that never reaches the engine)."""
     s, link = await new_session()
     await s.handle_client_event({"type": "session.update", "session": {"type": "realtime", "audio": {
         "input": {"turn_detection": None}}}})
