@@ -16,11 +16,31 @@ from engines.protocol import messages as m
 from engines.speech_out.decoder import CodecDecoder
 
 ROWS = 23  # first chunk (5 + 3 lookahead), then three more, then the final partial one
+WAIT_S = 60.0  # bound on a wait for something the service's threads must do: a hang fails instead of blocking
+
+# The codec worker's PCM is compared byte for byte with a decode on the test's thread. A decode's float sums depend on
+# how many intra-op threads split them (1 vs 2 threads: last-bit differences, now and then a sample across an int16
+# step), so both run on one; on an oversubscribed box that is also several times faster.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def decoder() -> CodecDecoder:
     return CodecDecoder.load("tiny-random")
+
+
+def wait_for_codec(svc: Service) -> None:
+    """With only the codec worker busy: until it posts a result or has nothing left (instead of spinning the loop)."""
+    codec = svc._codec
+    with codec._cv:  # (notified whenever a round ends)
+        assert codec._cv.wait_for(lambda: codec._results or not codec.busy(), WAIT_S), "the codec worker hangs"
+
+
+def run_step(svc: Service) -> list:
+    """One iteration of the engine process's loop: a step, or with only the codec busy, its next result first."""
+    if not svc.engine.has_work():
+        wait_for_codec(svc)
+    return [x for _, x in svc.step()]
 
 
 def answer(decoder: CodecDecoder, then_create: bool = False, sent_while_stepping: list | None = None,
@@ -45,7 +65,7 @@ def answer(decoder: CodecDecoder, then_create: bool = False, sent_while_stepping
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
     while svc.has_work():
-        msgs += [x for _, x in svc.step()]
+        msgs += run_step(svc)
         a = svc.sessions["s"].answer
         if codes is None and a is not None and a.response_id == "r":
             codes = [a.rows[i][1] for i in a.code_idx]
@@ -86,7 +106,7 @@ class GatedDecoder:
 
     def run_jobs(self, jobs, between=None):
         if not self.ran_in:
-            assert self.waiting.wait(10)
+            assert self.waiting.wait(WAIT_S), "the engine never waited for a step"
             self.ran_in.append(self.wait_no[0])
         return self._decoder.run_jobs(jobs, between=between)
 
@@ -114,7 +134,7 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
     from engines.process.codec_pacing import FIRST_CHUNK_CODES
 
     real_get = PendingTokens.get
-    waiting, wait_no, polls = threading.Event(), [0], []
+    waiting, wait_no, polls, stuck = threading.Event(), [0], [], []
     services, gates = [], []
 
     def first_due(codec) -> bool:
@@ -126,13 +146,15 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
         wait_no[0] += 1
         waiting.set()
         now = time.monotonic()
-        end, give_up = now + 0.02, now + 10
+        end, give_up = now + 0.02, now + WAIT_S  # (the GPU's time for a step; then a bound on the hold)
         while on_wait is not None:
             polls.append(on_wait())
             codec = services[0]._codec if services else None
             hold = codec is not None and (codec.first_in_flight or codec._results
                                           or (gates and not gates[0].ran_in and first_due(codec)))
-            if not polls[-1] or time.monotonic() > give_up or (time.monotonic() > end and not hold):
+            if hold and time.monotonic() > give_up:
+                stuck.append(wait_no[0])
+            if not polls[-1] or stuck or (time.monotonic() > end and not hold):
                 break
             time.sleep(0.0005)
         if on_wait is None:
@@ -147,7 +169,7 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
     gates.append(gated)
     sent = Sent(wait_no)
     chunks, done, msgs, _ = answer(gated, sent_while_stepping=sent, services=services)
-    assert polls
+    assert polls and not stuck, f"the first chunk's round never posted in wait {stuck}"
     in_wait, first = next((w, x) for w, x in sent if isinstance(x, m.AudioChunk))
     assert first.index == 0 and in_wait == gated.ran_in[0]  # sent in the wait its round ran in
     assert not any(isinstance(x, m.ResponseDone) for _, x in sent)
@@ -277,11 +299,8 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
     msgs, acted_at = [], None
-    deadline = time.monotonic() + 60
-    while svc.has_work() and time.monotonic() < deadline:
-        if not engine.has_work():
-            time.sleep(0.002)  # only the codec worker is busy: let it run (the engine process's loop does the same)
-        msgs += [x for _, x in svc.step()]
+    while svc.has_work():
+        msgs += run_step(svc)
         if acted_at is None and "s" in svc.sessions and svc.sessions["s"].completing is not None:
             acted_at = len(msgs)
             msg = m.CancelResponse("s", "r") if then == "cancel" else m.CloseSession("s")
@@ -298,7 +317,7 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     if then == "cancel":
         svc.handle(b"c", m.CloseSession("s"))
         while svc.has_work():
-            svc.step()
+            run_step(svc)
     assert engine.stats().free_blocks == engine.stats().total_blocks
     engine.check_integrity()
     svc._codec.close()
