@@ -20,23 +20,39 @@ from engines.protocol import messages as m
 from engines.speech_in import SpeechEncoder
 from tests.engines.speech_in.test_encoder import StepGate, speech_like
 
+WAIT_S = 60.0  # bound on a wait for something the worker must do: a hang fails the test instead of blocking it
+
 
 @pytest.fixture(scope="module")
 def enc() -> SpeechEncoder:
     return SpeechEncoder.load("tiny-random")
 
 
-def _wait(worker: EncoderWorker, timeout_s: float = 30.0) -> list[Encoded]:
-    """Every result until the worker is idle."""
+def _wait(worker: EncoderWorker) -> list[Encoded]:
+    """Every result until the worker is idle (inline: running what is due; threaded: as its calls post them)."""
     out: list[Encoded] = []
-    deadline = time.monotonic() + timeout_s
-    while worker.busy() and time.monotonic() < deadline:
+    deadline = time.monotonic() + WAIT_S
+    while True:
         if not worker.threaded:
             worker.run_due(flush=True)
         out += worker.take_results()
-        time.sleep(0.001)
-    assert not worker.busy(), "the worker did not finish"
-    return out + worker.take_results()
+        with worker._cv:  # (notified whenever a call ends)
+            if not worker.busy():
+                return out
+            if worker.threaded and not worker._results:
+                assert worker._cv.wait(max(0.0, deadline - time.monotonic())), "the worker did not finish"
+
+
+def _step_until_idle(svc: Service) -> list:
+    """The engine process's loop until the service has no work; while only the encoder's thread is busy, its next
+    result is waited for (instead of spinning)."""
+    out, speech = [], svc._speech
+    while svc.has_work():
+        if not svc.engine.has_work() and speech.threaded:
+            with speech._cv:  # (notified whenever a call ends)
+                assert speech._cv.wait_for(lambda: speech._results or not speech.busy(), WAIT_S), "encoder hangs"
+        out += svc.step()
+    return out
 
 
 def _codes_by_key(results: list[Encoded]) -> dict[str, list[int]]:
@@ -98,24 +114,22 @@ def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_dropped_turn_gives_no_more_results_and_frees_its_stream(enc, threaded):
-    gate = threading.Event()
+    gate, calling = threading.Event(), threading.Event()
 
     class SlowEncoder:  # holds its call until the test drops the turn
         def open_stream(self):
             return enc.open_stream()
 
         def batch(self, urgent=True):
-            gate.wait(10)
+            calling.set()
+            assert gate.wait(WAIT_S), "the test never opened the gate"
             return enc.batch(urgent)
 
     worker = EncoderWorker(SlowEncoder(), threaded=threaded)
     worker.append("a", speech_like(0.5, seed=1))
     worker.append("b", speech_like(0.5, seed=2))
     if threaded:
-        deadline = time.monotonic() + 10
-        while not worker._running and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert worker._running  # the call is in flight ...
+        assert calling.wait(WAIT_S) and worker._running  # the call is in flight ...
         worker.drop("a")  # ... when a's turn is dropped
         gate.set()
     else:
@@ -262,10 +276,7 @@ def test_service_on_the_thread_gives_the_same_conversation(enc):
             out += svc.step()
         out += svc.handle_many([(b"c", msg) for sid in "ab" for msg in (
             m.CommitUserAudio(sid, "i"), m.CreateResponse(sid, "r", "text", greedy))])
-        deadline = time.monotonic() + 60
-        while svc.has_work() and time.monotonic() < deadline:
-            out += svc.step()
-            time.sleep(0.0005)
+        out += _step_until_idle(svc)
         svc._speech.close()
         hist = [svc.engine.conversation_history(sid) for sid in "ab"]
         final = {(type(x).__name__, x.session_id, getattr(x, "status", None)) for _, x in out
@@ -289,11 +300,11 @@ def test_service_steps_while_a_commit_is_encoding(enc):
             self.stream = enc.open_stream()
 
         def push(self, pcm):
-            gate.wait(30)
+            assert gate.wait(WAIT_S), "the test never opened the gate"
             return self.stream.push(pcm)
 
         def finalize(self, last=None):
-            gate.wait(30)
+            assert gate.wait(WAIT_S), "the test never opened the gate"
             return self.stream.finalize(last)
 
         def close(self) -> None:
@@ -319,10 +330,7 @@ def test_service_steps_while_a_commit_is_encoding(enc):
     assert svc.engine.stats().steps >= steps_before + 5  # b's answer stepped meanwhile
     assert not any(isinstance(x, m.ResponseStarted) and x.session_id == "a" for _, x in out)
     gate.set()
-    deadline = time.monotonic() + 60
-    while svc.has_work() and time.monotonic() < deadline:
-        out += svc.step()
-        time.sleep(0.0005)
+    out += _step_until_idle(svc)
     svc._speech.close()
     done = {x.session_id: x.status for _, x in out if isinstance(x, m.ResponseDone)}
     assert done == {"a": "incomplete", "b": "incomplete"}  # (max tokens)
@@ -441,10 +449,7 @@ def test_user_audio_and_commits_during_a_step_go_to_the_encoder_the_rest_after_i
             out += svc.handle_many(svc.handle_early(turn) if early else turn)
             for _ in range(3):
                 out += svc.step()
-        deadline = time.monotonic() + 60
-        while svc.has_work() and time.monotonic() < deadline:
-            out += svc.step()
-            time.sleep(0.0005)
+        out += _step_until_idle(svc)
         svc._speech.close()
         done = sorted((x.session_id, x.status, x.output_rows) for _, x in out if isinstance(x, m.ResponseDone))
         return [svc.engine.conversation_history(sid) for sid in "ab"], done
@@ -452,16 +457,6 @@ def test_user_audio_and_commits_during_a_step_go_to_the_encoder_the_rest_after_i
     early = converse(True)
     assert early == converse(False)
     assert [sid for sid, _, rows in early[1]] == ["a", "b"] and early[1][0][2] == 12 and early[0][0] != early[0][1]
-
-
-def _results_until(worker: EncoderWorker, done, timeout_s: float) -> list[Encoded]:
-    """Results as they come, until `done(results)` or the timeout."""
-    out: list[Encoded] = []
-    deadline = time.monotonic() + timeout_s
-    while not done(out) and time.monotonic() < deadline:
-        out += worker.take_results()
-        time.sleep(0.002)
-    return out
 
 
 def test_a_commit_during_a_held_call_waits_for_it(enc, monkeypatch):
@@ -473,14 +468,18 @@ def test_a_commit_during_a_held_call_waits_for_it(enc, monkeypatch):
     pcms = {k: speech_like(0.6, seed=40 + i) for i, k in enumerate("abc")}
     worker.append("a", pcms["a"])
     worker.append("b", pcms["b"])
-    assert gate.inside.wait(10)  # a call of held audio waits in the encoder
+    assert gate.inside.wait(WAIT_S)  # a call of held audio waits in the encoder
     worker.append("c", pcms["c"])
     assert worker.commit("c")
-    assert _results_until(worker, lambda out: bool(out), 0.5) == []
+    assert worker.take_results() == []
     gate.gate.set()
     for k in "ab":
         assert worker.commit(k)
     results = _wait(worker)
     worker.close()
+    # The held call's results (a's and b's audio so far) come out first; c's commit started once it had ended.
+    held = [e for e in results if e.key in "ab" and not e.commit]
+    (c,) = [e for e in results if e.key == "c"]
+    assert len(held) == 2 and results[:2] == held and c.commit and c.started >= max(e.at for e in held)
     assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
     assert enc.runner.kv.in_use == 0
