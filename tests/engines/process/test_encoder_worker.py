@@ -18,9 +18,9 @@ from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
 from engines.speech_in import SpeechEncoder
+from tests.engines.process import service_loop
+from tests.engines.process.service_loop import WAIT_S
 from tests.engines.speech_in.test_encoder import StepGate, speech_like
-
-WAIT_S = 60.0  # bound on a wait for something the worker must do: a hang fails the test instead of blocking it
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +41,6 @@ def _wait(worker: EncoderWorker) -> list[Encoded]:
                 return out
             if worker.threaded and not worker._results:
                 assert worker._cv.wait(max(0.0, deadline - time.monotonic())), "the worker did not finish"
-
-
-def _step_until_idle(svc: Service) -> list:
-    """The engine process's loop until the service has no work; while only the encoder's thread is busy, its next
-    result is waited for (instead of spinning)."""
-    out, speech = [], svc._speech
-    while svc.has_work():
-        if not svc.engine.has_work() and speech.threaded:
-            with speech._cv:  # (notified whenever a call ends)
-                assert speech._cv.wait_for(lambda: speech._results or not speech.busy(), WAIT_S), "encoder hangs"
-        out += svc.step()
-    return out
 
 
 def _codes_by_key(results: list[Encoded]) -> dict[str, list[int]]:
@@ -276,7 +264,7 @@ def test_service_on_the_thread_gives_the_same_conversation(enc):
             out += svc.step()
         out += svc.handle_many([(b"c", msg) for sid in "ab" for msg in (
             m.CommitUserAudio(sid, "i"), m.CreateResponse(sid, "r", "text", greedy))])
-        out += _step_until_idle(svc)
+        out += service_loop.until_idle(svc)
         svc._speech.close()
         hist = [svc.engine.conversation_history(sid) for sid in "ab"]
         final = {(type(x).__name__, x.session_id, getattr(x, "status", None)) for _, x in out
@@ -330,7 +318,7 @@ def test_service_steps_while_a_commit_is_encoding(enc):
     assert svc.engine.stats().steps >= steps_before + 5  # b's answer stepped meanwhile
     assert not any(isinstance(x, m.ResponseStarted) and x.session_id == "a" for _, x in out)
     gate.set()
-    out += _step_until_idle(svc)
+    out += service_loop.until_idle(svc)
     svc._speech.close()
     done = {x.session_id: x.status for _, x in out if isinstance(x, m.ResponseDone)}
     assert done == {"a": "incomplete", "b": "incomplete"}  # (max tokens)
@@ -449,7 +437,7 @@ def test_user_audio_and_commits_during_a_step_go_to_the_encoder_the_rest_after_i
             out += svc.handle_many(svc.handle_early(turn) if early else turn)
             for _ in range(3):
                 out += svc.step()
-        out += _step_until_idle(svc)
+        out += service_loop.until_idle(svc)
         svc._speech.close()
         done = sorted((x.session_id, x.status, x.output_rows) for _, x in out if isinstance(x, m.ResponseDone))
         return [svc.engine.conversation_history(sid) for sid in "ab"], done

@@ -14,9 +14,10 @@ from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
 from engines.speech_out.decoder import CodecDecoder
+from tests.engines.process import service_loop
+from tests.engines.process.service_loop import WAIT_S
 
 ROWS = 23  # first chunk (5 + 3 lookahead), then three more, then the final partial one
-WAIT_S = 60.0  # bound on a wait for something the service's threads must do: a hang fails instead of blocking
 
 # The codec worker's PCM is compared byte for byte with a decode on the test's thread. A decode's float sums depend on
 # how many intra-op threads split them (1 vs 2 threads: last-bit differences, now and then a sample across an int16
@@ -27,20 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def decoder() -> CodecDecoder:
     return CodecDecoder.load("tiny-random")
-
-
-def wait_for_codec(svc: Service) -> None:
-    """With only the codec worker busy: until it posts a result or has nothing left (instead of spinning the loop)."""
-    codec = svc._codec
-    with codec._cv:  # (notified whenever a round ends)
-        assert codec._cv.wait_for(lambda: codec._results or not codec.busy(), WAIT_S), "the codec worker hangs"
-
-
-def run_step(svc: Service) -> list:
-    """One iteration of the engine process's loop: a step, or with only the codec busy, its next result first."""
-    if not svc.engine.has_work():
-        wait_for_codec(svc)
-    return [x for _, x in svc.step()]
 
 
 def answer(decoder: CodecDecoder, then_create: bool = False, sent_while_stepping: list | None = None,
@@ -65,7 +52,7 @@ def answer(decoder: CodecDecoder, then_create: bool = False, sent_while_stepping
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
     while svc.has_work():
-        msgs += run_step(svc)
+        msgs += [x for _, x in service_loop.step(svc)]
         a = svc.sessions["s"].answer
         if codes is None and a is not None and a.response_id == "r":
             codes = [a.rows[i][1] for i in a.code_idx]
@@ -300,7 +287,7 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", greedy))
     msgs, acted_at = [], None
     while svc.has_work():
-        msgs += run_step(svc)
+        msgs += [x for _, x in service_loop.step(svc)]
         if acted_at is None and "s" in svc.sessions and svc.sessions["s"].completing is not None:
             acted_at = len(msgs)
             msg = m.CancelResponse("s", "r") if then == "cancel" else m.CloseSession("s")
@@ -317,7 +304,7 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     if then == "cancel":
         svc.handle(b"c", m.CloseSession("s"))
         while svc.has_work():
-            run_step(svc)
+            [x for _, x in service_loop.step(svc)]
     assert engine.stats().free_blocks == engine.stats().total_blocks
     engine.check_integrity()
     svc._codec.close()

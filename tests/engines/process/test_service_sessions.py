@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import logging
-import time
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
 from engines.speech_out.stream import Job
 from engines.tokens import AUDIO_PAD, EOSP, IM_END, MODALITY_PAD, SOSP
+from tests.engines.process import service_loop
 
 C = b"client-1"
 SAMPLES_16K_PER_CODE = 1280
@@ -104,12 +104,7 @@ def make_service(**cfg) -> Service:
 
 
 def run(svc: Service) -> list:
-    out = []
-    while svc.has_work():
-        if not svc.engine.has_work():
-            time.sleep(0.002)  # only the codec worker is busy: let it have the GIL, as the engine process's loop does
-        out += [msg for _, msg in svc.step()]
-    return out
+    return [msg for _, msg in service_loop.until_idle(svc)]
 
 
 def send(svc: Service, msg, client: bytes = C) -> list:
