@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import threading
-import time
 import wave
 
 import numpy as np
@@ -28,6 +27,7 @@ from engines.speech_in.step_graphs import StepGraphs
 
 SR = 16000
 FEATURE_ATOL = 1e-4  # pre-VQ features, float32: streaming vs whole and batched vs alone
+WAIT_S = 60.0  # bound on a wait for another thread: a hang fails the test instead of blocking it
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -168,7 +168,7 @@ def test_batched_step_equals_each_alone(enc):
 def test_a_call_on_another_thread_leaves_this_threads_gpu_wait(enc):
     """The encoder worker reads last_gpu_wait_s after its own call; a voice prompt encoded meanwhile on another
     thread must not overwrite it."""
-    enc.last_gpu_wait_s = 1.5  # (stands for the worker's last call)
+    enc.last_gpu_wait_s = -1.0  # (stands for the worker's last call: a value no call measures)
     theirs = []
 
     def other() -> None:
@@ -180,7 +180,7 @@ def test_a_call_on_another_thread_leaves_this_threads_gpu_wait(enc):
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert enc.last_gpu_wait_s == 1.5 and 0 <= theirs[0] < 1.5
+    assert enc.last_gpu_wait_s == -1.0 and theirs[0] >= 0
 
 
 def test_many_streams_with_uneven_pushes_equal_each_alone(enc):
@@ -510,10 +510,34 @@ class StepGate:
         def gated(urgent_step: bool = True):  # (a step enters its stream once inside its lane)
             if urgent_step == urgent:
                 self.inside.set()
-                self.gate.wait(30)
+                assert self.gate.wait(WAIT_S), "the test never opened the gate"
             return on_stream(urgent_step)
 
         monkeypatch.setattr(e, "_on_stream", gated)
+
+
+class CountedLanes(threading.Condition):
+    """The encoder's `_lanes` condition, counting the threads blocked in it: a test waits until a call or a growth
+    of the pool waits for its turn there, instead of sleeping and seeing that it has not finished."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocked = 0
+        self._changed = threading.Condition()  # (taken with ours held, never the other way round)
+
+    def wait(self, timeout=None):
+        with self._changed:
+            self.blocked += 1
+            self._changed.notify_all()
+        try:
+            return super().wait(timeout)
+        finally:
+            with self._changed:
+                self.blocked -= 1
+
+    def until_blocked(self, n: int) -> None:
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.blocked >= n, WAIT_S), f"{n} waiting, {self.blocked} came"
 
 
 def _in_thread(fn, out: list) -> threading.Thread:
@@ -531,24 +555,23 @@ def test_an_urgent_call_runs_beside_a_held_call_in_flight_and_a_growth_waits_for
     held, urgent = e.open_stream(), e.open_stream()
     pcm_h, pcm_u = speech_like(0.6, seed=51), speech_like(0.5, seed=52)
     gate = StepGate(monkeypatch, e)
+    lanes = CountedLanes()
+    monkeypatch.setattr(e, "_lanes", lanes)
     held_out: list = []
     t_held = _in_thread(lambda: e.batch(urgent=False).step([(held, pcm_h)]), held_out)
-    assert gate.inside.wait(10)
+    assert gate.inside.wait(WAIT_S)
     assert e.batch().step([(urgent, pcm_u[:4000])]) == [enc.open_stream().push(pcm_u[:4000])]  # not waiting
     opened: list = []
     t_open = _in_thread(e.open_stream, opened)  # both slots taken: the pool must grow
-    deadline = time.monotonic() + 10
-    while e._growing == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    t_open.join(0.2)
-    assert t_open.is_alive() and e.runner.kv.capacity == 2  # waiting for the held call
+    lanes.until_blocked(1)
+    assert e._growing == 1 and opened == [] and e.runner.kv.capacity == 2  # waiting for the held call
     urgent_out: list = []
     t_urgent = _in_thread(lambda: e.batch().finalize([urgent], [pcm_u[4000:]]), urgent_out)
-    t_urgent.join(0.3)
-    assert t_urgent.is_alive()  # a call does not start while a growth waits
+    lanes.until_blocked(2)
+    assert urgent_out == [] and t_urgent.is_alive()  # a call does not start while a growth waits
     gate.gate.set()
     for t in (t_held, t_open, t_urgent):
-        t.join(10)
+        t.join(WAIT_S)
     assert e.runner.kv.capacity == 4 and len(opened) == 1
     alone = enc.open_stream()
     assert held_out == [[alone.push(pcm_h)]]
@@ -578,18 +601,20 @@ def test_a_held_step_small_enough_for_the_urgent_graphs_goes_in_their_lane():
     with pytest.MonkeyPatch.context() as mp:
         gate = StepGate(mp, e, urgent=True)
         streams = [e.open_stream() for _ in range(6)]
+        lanes = CountedLanes()
+        mp.setattr(e, "_lanes", lanes)
         pcm = speech_like(0.4, seed=53)
         outs: list[list] = [[], [], []]
         t_urgent = _in_thread(lambda: e.batch().step([(streams[0], pcm)]), outs[0])
-        assert gate.inside.wait(10)
+        assert gate.inside.wait(WAIT_S)
         t_small = _in_thread(lambda: e.batch(urgent=False).step([(s, pcm) for s in streams[1:3]]), outs[1])
         t_big = _in_thread(lambda: e.batch(urgent=False).step([(s, pcm) for s in streams[3:6]]), outs[2])
-        t_big.join(10)
-        t_small.join(0.2)
+        t_big.join(WAIT_S)
+        lanes.until_blocked(1)  # the small step waits for the urgent lane
         assert outs[2] and t_small.is_alive() and not outs[1]
         gate.gate.set()
-        t_urgent.join(10)
-        t_small.join(10)
+        t_urgent.join(WAIT_S)
+        t_small.join(WAIT_S)
     alone = SpeechEncoder.load("tiny-random", device="cpu").open_stream().push(pcm)
     assert outs == [[[alone]], [[alone] * 2], [[alone] * 3]]
     assert e.runner.graphs.replays > 0
