@@ -13,6 +13,8 @@ from engines.cuda.precision import float32_matmuls
 from engines.speech_in import SpeechEncoder
 from engines.speech_out import CodecDecoder
 
+WAIT_S = 60.0  # bound on a wait for another thread: a hang fails the test instead of blocking it
+
 
 def _switch() -> bool:
     return torch.backends.cuda.matmul.allow_tf32
@@ -39,28 +41,46 @@ def test_the_switch_is_set_inside_and_restored_after():
     assert _switch() is before
 
 
-def test_a_second_thread_waits_until_the_first_block_ends():
+class WatchedLock:
+    """The switch's lock, telling when a thread has to wait for it (another holds it)."""
+
+    def __init__(self) -> None:
+        self._lock, self.contended = threading.RLock(), threading.Event()
+
+    def __enter__(self) -> WatchedLock:
+        if not self._lock.acquire(blocking=False):
+            self.contended.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def test_a_second_thread_waits_until_the_first_block_ends(monkeypatch):
+    lock = WatchedLock()
+    monkeypatch.setattr("engines.cuda.precision._lock", lock)
     inside, release, seen = threading.Event(), threading.Event(), []
 
     def tf32_caller():
         with float32_matmuls(True):
             inside.set()
-            release.wait(10)
+            assert release.wait(WAIT_S)
             seen.append(("tf32 block ends", _switch()))
 
     def fp32_caller():
-        inside.wait(10)
+        assert inside.wait(WAIT_S)
         with float32_matmuls(False):
             seen.append(("fp32 block", _switch()))
 
     a, b = threading.Thread(target=tf32_caller), threading.Thread(target=fp32_caller)
     a.start()
     b.start()
-    b.join(0.3)
+    assert lock.contended.wait(WAIT_S)
     assert b.is_alive() and seen == []  # blocked while the TF32 block holds the switch
     release.set()
-    a.join(10)
-    b.join(10)
+    a.join(WAIT_S)
+    b.join(WAIT_S)
     assert seen == [("tf32 block ends", True), ("fp32 block", False)]
 
 
