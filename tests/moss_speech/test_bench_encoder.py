@@ -17,7 +17,7 @@ def test_bench_encoder_reports_each_batch_with_its_host_split(tmp_path):
     for b in ("1", "3"):
         assert res["ms_per_80ms"][b] > 0
         assert res["cpu_ms"][b] > 0  # the step's framing, plan and forward run on this thread
-        assert 0 <= res["gpu_wait_ms"][b] < 1  # no GPU: the wait returns at once
+        assert 0 <= res["gpu_wait_ms"][b] <= res["ms_per_80ms"][b]  # a part of each step (on a CPU: nothing to wait)
     assert r.stdout.count("its thread's CPU") == 2
 
 
