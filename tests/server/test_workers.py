@@ -396,9 +396,9 @@ def test_supervisor_passes_engine_settings_on_and_sizes_the_limit_for_every_work
             body = srv.health().json()
             seen[body["worker"]] = body
         for body in seen.values():
-            assert body["max_sessions"] == 12, body
+            assert body["max_sessions"] == 24, body  # two sessions a running sequence
             assert body["engine"]["argv"][-3:] == ["--max-running", "12", "--fp8-weights"], body["engine"]
-        assert srv.text().count("max_sessions 12: the engine runs 12 sequences") == 1, srv.text()
+        assert srv.text().count("max_sessions 24: the engine runs 12 sequences") == 1, srv.text()
     finally:
         srv.stop()
 
