@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -42,13 +41,6 @@ def speech24k() -> np.ndarray:
 
 def by_type(evs: list[dict], t: str) -> list[dict]:
     return [e for e in evs if e["type"] == t]
-
-
-def engine_stats(s: RunningServer, after: float | None = None) -> dict:
-    """Pong stats; with `after`, wait for a Pong newer than that time."""
-    if after is not None:
-        time.sleep(max(0.0, after + 0.6 - time.monotonic()))
-    return s.engine_stats()
 
 
 async def test_spoken_turn_with_server_vad(srv):
@@ -86,10 +78,10 @@ async def test_text_turns_second_reuses_cached_history(srv):
         results = []
         for text in ("Hello, who are you?", "Tell me more."):
             await user_text(ws, text)
-            before = engine_stats(srv, after=time.monotonic())["prefilled_rows"]
+            before = srv.engine_stats_now()["prefilled_rows"]
             await send(ws, "response.create")
             evs = await recv_until(ws, "response.done", timeout=180)
-            after = engine_stats(srv, after=time.monotonic())["prefilled_rows"]
+            after = srv.engine_stats_now()["prefilled_rows"]
             assert "response.output_audio.delta" not in [e["type"] for e in evs]
             resp = evs[-1]["response"]
             assert resp["output_modalities"] == ["text"]
@@ -157,7 +149,7 @@ async def test_cancel_mid_answer_frees_kv(srv):
 async def test_disconnect_mid_answer_frees_kv(srv):
     async with websockets.connect(srv.ws, max_size=None) as ws:
         await _start_long_answer(ws)
-        assert engine_stats(srv, after=time.monotonic())["running"] == 1
+        assert srv.engine_stats_now()["running"] == 1
     st = await srv.wait_engine_idle()
     assert st["running"] == 0 and st["sessions"] == 0 and st["kv_free"] == st["kv_total"], st
 
