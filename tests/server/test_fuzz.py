@@ -93,30 +93,36 @@ async def _reading(ws: Any, events: list[dict[str, Any]]) -> asyncio.Task:
     return asyncio.create_task(read())
 
 
-async def _still_answers(ws: Any, events: list[dict[str, Any]], reader: asyncio.Task) -> None:
+async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dict[str, Any]], reader: asyncio.Task
+                         ) -> None:
     """Back to a known state (no VAD, no answer, empty input buffer), then one answer must still come."""
     await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
     await send(ws, "response.cancel")
     await send(ws, "input_audio_buffer.clear")
     # The server takes a session's events in order, and on a loaded CPU it may still be working through the fuzzed
-    # ones (answers created and cancelled among them) a second after they were sent: this item's
-    # conversation.item.added says it has taken them all.
-    mark = "item_still_answers"
-    await send(ws, "conversation.item.create", item={"id": mark, "type": "message", "role": "user", "content": [
-        {"type": "input_text", "text": "are you still there"}]})
+    # ones (answers created and cancelled among them) a while after they were sent: an item's
+    # conversation.item.added says it has taken every event sent before it.
 
-    def settled() -> bool:  # every event taken, and every answer started has ended (a cancel takes a while)
-        kinds = [e["type"] for e in events]
-        return any(e["type"] == "conversation.item.added" and e["item"]["id"] == mark for e in events) and (
-            kinds.count("response.created") == kinds.count("response.done"))
+    def last() -> list[str]:
+        return [e["type"] for e in events[-5:]]
 
-    calm = 0  # polls in a row with nothing in flight (an automatic answer may follow a cancelled one)
-    for _ in range(300):
-        await asyncio.sleep(0.1)
-        calm = calm + 1 if settled() else 0
-        if calm == 5:
-            break
-    assert calm == 5, [e["type"] for e in events[-5:]]
+    async def taken(mark: str) -> None:
+        await send(ws, "conversation.item.create", item={"id": mark, "type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "are you still there"}]})
+        await _until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == mark for e in events),
+                     f"{mark} taken", last)
+
+    def quiet() -> bool:
+        """The server's session has no answer and no task of its own left (a held input's flush, an automatic
+        answer after a cancelled one): nothing starts an answer by itself any more."""
+        s = srv.app.state.sessions.sessions.get(sid)
+        return s is not None and not s.response_active and not s._tasks.tasks
+
+    await taken("item_still_answers")
+    await _until(quiet, "the session to settle", last)
+    await taken("item_settled")  # (every event the server sent before has reached the reader)
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.created") == kinds.count("response.done"), kinds[-5:]
     reader.cancel()
     try:
         await reader
@@ -131,10 +137,25 @@ async def _still_answers(ws: Any, events: list[dict[str, Any]], reader: asyncio.
     assert done[-1]["response"]["status"] in ("completed", "incomplete"), done[-3:]
 
 
-async def _fuzz_one(url: str, seed: int) -> tuple[list[dict[str, Any]], int | None]:
+async def _until(pred, what: str, got, timeout: float = 120.0) -> None:
+    """Poll `pred` (the server's state, or the events a reader task collects) until it holds; the timeout only
+    bounds a hang (then `got()` says what there was)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {got()}"
+        await asyncio.sleep(0.05)
+
+
+async def _opened(ws: Any) -> str:
+    created = await recv_event(ws)
+    assert created["type"] == "session.created"
+    return created["session"]["id"]
+
+
+async def _fuzz_one(srv: RunningServer, seed: int) -> tuple[list[dict[str, Any]], int | None]:
     rng = random.Random(seed)
-    async with websockets.connect(url, max_size=None) as ws:
-        assert (await recv_event(ws))["type"] == "session.created"
+    async with websockets.connect(srv.ws, max_size=None) as ws:
+        sid = await _opened(ws)
         events: list[dict[str, Any]] = []
         reader = await _reading(ws, events)
         for _ in range(EVENTS):
@@ -142,18 +163,18 @@ async def _fuzz_one(url: str, seed: int) -> tuple[list[dict[str, Any]], int | No
             await ws.send(_frame(_mutate(template, rng) if rng.random() < 0.85 else template))
             if rng.random() < 0.05:
                 await asyncio.sleep(0.02)
-        await _still_answers(ws, events, reader)
+        await _still_answers(srv, sid, ws, events, reader)
         return events, ws.close_code
 
 
-async def _speak_chaotically(url: str, seed: int, speech: np.ndarray, seconds: float
+async def _speak_chaotically(srv: RunningServer, seed: int, speech: np.ndarray, seconds: float
                              ) -> tuple[list[dict[str, Any]], int | None]:
     """Real speech at about real time in odd chunk sizes (server_vad), with commits, clears, cancels, answers,
     truncations and turn-detection changes thrown in at random."""
     rng = random.Random(seed)
     signal = np.concatenate([speech, np.zeros(24000, np.float32), 0.5 * speech, np.zeros(30000, np.float32)])
-    async with websockets.connect(url, max_size=None) as ws:
-        assert (await recv_event(ws))["type"] == "session.created"
+    async with websockets.connect(srv.ws, max_size=None) as ws:
+        sid = await _opened(ws)
         events: list[dict[str, Any]] = []
         reader = await _reading(ws, events)
         await send(ws, "session.update", session={"type": "realtime", "max_output_tokens": 10, "audio": {"input": {
@@ -185,7 +206,7 @@ async def _speak_chaotically(url: str, seed: int, speech: np.ndarray, seconds: f
                     "turn_detection": td}}})
             else:
                 await user_text(ws, "hello")
-        await _still_answers(ws, events, reader)
+        await _still_answers(srv, sid, ws, events, reader)
         return events, ws.close_code
 
 
@@ -211,7 +232,7 @@ async def test_malformed_events_get_client_errors_and_leave_nothing_behind(caplo
     caplog.set_level(logging.ERROR)  # the real engine on a CPU logs slow steps as warnings
     limits = {"max_sessions": SESSIONS + 1, "max_message_bytes": 256 * 1024}
     with RunningServer(fake_settings(**limits) if engine == "fake" else tiny_settings(**limits)) as srv:
-        _assert_only_client_errors(await asyncio.gather(*(_fuzz_one(srv.ws, seed) for seed in range(SESSIONS))))
+        _assert_only_client_errors(await asyncio.gather(*(_fuzz_one(srv, seed) for seed in range(SESSIONS))))
         await _assert_engine_idle(srv, caplog)
 
 
@@ -223,7 +244,7 @@ async def test_speech_with_random_turn_events_on_the_real_engine(caplog):
     caplog.set_level(logging.ERROR)
     speech, _ = read_wav(SPEECH_WAV, target_rate=24000)
     with RunningServer(tiny_settings(max_sessions=4)) as srv:
-        results = await asyncio.gather(*(_speak_chaotically(srv.ws, seed, speech, 8.0) for seed in range(3)))
+        results = await asyncio.gather(*(_speak_chaotically(srv, seed, speech, 8.0) for seed in range(3)))
         _assert_only_client_errors(results)
         assert any(e["type"] == "input_audio_buffer.speech_started" for events, _ in results for e in events)
         await _assert_engine_idle(srv, caplog)
