@@ -138,6 +138,16 @@ class Client:
     def send(self, event: dict) -> None:
         self.channel.send(json.dumps(event))
 
+    async def frames_through(self, call, timeout: float = 60.0) -> None:
+        """Until the frames the server's answer track has sent so far have reached this client: those in flight when
+        an event on the data channel overtook them included. (Silence keeps coming after the answer, so frames the
+        client never had, before its receiver was ready, only make this wait a few frames longer.)"""
+        n = call.track.stats.frames_sent
+        await wait_until(lambda: len(self.frames) >= n, timeout, f"{n} frames of the answer track")
+
+    def loud(self, frames: list[tuple[float, np.ndarray]] | None = None) -> list[bool]:
+        return [np.sqrt(np.mean(x ** 2)) > SILENT_RMS for _, x in (self.frames if frames is None else frames)]
+
     def first_audible_after(self, t0: float) -> float | None:
         for t, x in self.frames:
             if t >= t0 and np.sqrt(np.mean(x ** 2)) > SILENT_RMS:
@@ -192,18 +202,17 @@ async def test_spoken_turn_over_webrtc_then_hangup_frees_the_peer(engine):
             _, started = await client.wait_event("output_audio_buffer.started", 10)
             _, done = await client.wait_event("response.done", 10)
             await client.wait_event("output_audio_buffer.stopped", 10)
-            await asyncio.sleep(0.3)  # the last frames are still in flight when `stopped` arrives
+            await client.frames_through(svc.calls.get(client.call_id))  # the last frames were still in flight
 
             # The user's speech reached the engine as 16 kHz PCM, then the turn was committed.
             assert engine.count(m.CommitUserAudio) == 1
             assert 1.0 < engine.user_audio_seconds() < 6.0
             # The answer came back as audio on the track: about the scripted length, at the scripted pitch.
-            t_first = client.first_audible_after(t_stop)
+            t_first = client.first_audible_after(float("-inf"))  # (the track was silent until the answer)
             assert t_first is not None, "no audible answer frame arrived"
             ttfa_ms = (t_first - t_stop) * 1000
             answer = client.audio_after(t_first)
-            loud = np.array([np.sqrt(np.mean(x ** 2)) > SILENT_RMS for t, x in client.frames if t >= t_first])
-            audible_s = loud.sum() * FRAME_SAMPLES / OPUS_RATE
+            audible_s = sum(client.loud()) * FRAME_SAMPLES / OPUS_RATE
             expected_s = engine.chunks * CHUNK_SAMPLES / 24000
             assert abs(audible_s - expected_s) < 0.25, (audible_s, expected_s)
             first_chunk = answer[: int(0.3 * OPUS_RATE)]
@@ -245,6 +254,7 @@ async def test_typed_turn_and_peer_close_without_hangup(engine):
             _, delta = await client.wait_event("response.output_audio_transcript.delta", 10)
             assert delta["delta"] == "scripted answer"
             await client.wait_event("output_audio_buffer.stopped", 10)
+            await client.frames_through(svc.calls.get(client.call_id))
             assert client.first_audible_after(t0) is not None
             assert "response.output_audio.delta" not in client.types()  # audio goes on the track only
             assert any(isinstance(x, m.AddUserText) and x.text == "hello" for x in engine.received)
@@ -274,14 +284,16 @@ async def test_barge_in_clears_the_answer_audio(engine):
                                   "content": [{"type": "input_text", "text": "talk"}]}})
             client.send({"type": "response.create"})
             await client.wait_event("output_audio_buffer.started", 10)
-            await client.wait_event("response.done", 10)  # generation done; most audio still queued here
-            await asyncio.sleep(0.5)
-            client.send({"type": "output_audio_buffer.clear"})
-            t_clear, cleared = await client.wait_event("output_audio_buffer.cleared", 5)
-            await asyncio.sleep(0.5)
-            late = [x for t, x in client.frames if t > t_clear + 0.25]
-            assert late and all(np.sqrt(np.mean(x ** 2)) <= SILENT_RMS for x in late), "audio kept playing"
+            await client.wait_event("response.done", 10)  # generation done: the whole answer is on the track
             call = app.state.webrtc.calls.get(client.call_id)
+            await wait_until(lambda: any(client.loud()), 30, "the answer heard")
+            queued_ms = call.track.buffered_ms  # (read before the clear)
+            client.send({"type": "output_audio_buffer.clear"})
+            await client.wait_event("output_audio_buffer.cleared", 10)
+            n = call.track.stats.frames_sent  # every frame the track sends from here on comes after the clear
+            await wait_until(lambda: len(client.frames) >= n + 10, 60, "frames after the clear")
+            late = client.frames[n + 2:]  # (two frames for the codec's own tail)
+            assert queued_ms > 1000 and late and not any(client.loud(late)), "audio kept playing"
             played_ms = call.track.played_samples_24k  # reset by clear
             assert played_ms == 0
             await client.close()
@@ -395,7 +407,7 @@ async def test_ice_timeout_frees_the_call(engine):
                             headers={"Content-Type": "application/sdp"})
         assert r.status_code == 201
         assert len(app.state.webrtc.calls) == 1
-        await wait_until(lambda: len(app.state.webrtc.calls) == 0, 5, "ICE timeout")
+        await wait_until(lambda: len(app.state.webrtc.calls) == 0, 30, "ICE timeout")
         await wait_until(lambda: len(app.state.sessions) == 0, 5, "session closed")
 
 
@@ -532,6 +544,7 @@ async def test_control_websocket_bound_to_a_call_in_the_real_app():
                 events = await recv_until(ws, "response.done", 20)
                 assert not any(e["type"] == "response.output_audio.delta" for e in events)
                 await client.wait_event("output_audio_buffer.stopped", 10)
+                await client.frames_through(srv.app.state.calls.get(client.call_id))
                 assert client.first_audible_after(t0) is not None
                 r = await http.delete(f"{srv.http}/v1/realtime/calls/{client.call_id}")
                 assert r.status_code == 204
