@@ -136,7 +136,7 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             updates = stats["events"].get("session.updated", 0)
             page.select_option("#turn-detection", "none")
             page.click("#apply")
-            _wait(page, f"() => window.__mossStats.events['session.updated'] > {updates}", 5, "push to talk applied")
+            _wait(page, f"() => window.__mossStats.events['session.updated'] > {updates}", 30, "push to talk applied")
             # No answer in flight (the looping mic may have made a second VAD turn before the switch).
             _wait(page, "() => (window.__mossStats.events['response.done'] || 0) === "
                         "(window.__mossStats.events['response.created'] || 0)", 20, "no answer in flight")
@@ -155,7 +155,7 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             assert after["events"].get("input_audio_buffer.cleared", 0) > cleared, "the mic audio was not cleared"
 
         page.click("#hangup")
-        _wait(page, "() => !window.__mossStats.connected && window.__mossStats.state === 'idle'", 5, "hung up")
+        _wait(page, "() => !window.__mossStats.connected && window.__mossStats.state === 'idle'", 30, "hung up")
         deadline = time.monotonic() + 10
         while len(calls) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -226,7 +226,7 @@ async def test_spoken_turn_over_webrtc_then_hangup_frees_the_peer(engine):
             r = await http.post(f"{srv.url}/v1/realtime/calls/{client.call_id}/hangup")
             assert r.status_code == 204
             assert len(svc.calls) == 0
-            await wait_until(lambda: len(app.state.sessions) == 0, 5, "session closed")
+            await wait_until(lambda: len(app.state.sessions) == 0, 30, "session closed")
             assert server_pc.connectionState == "closed"
             assert engine.count(m.CloseSession) == 1
             r = await http.get(f"{srv.url}/v1/realtime/calls/{client.call_id}")
@@ -266,7 +266,7 @@ async def test_typed_turn_and_peer_close_without_hangup(engine):
 
             await client.close()  # no hang-up request: the server must notice the peer went away
             await wait_until(lambda: len(svc.calls) == 0, 15, "call freed after the client closed its peer")
-            await wait_until(lambda: len(app.state.sessions) == 0, 5, "session closed")
+            await wait_until(lambda: len(app.state.sessions) == 0, 30, "session closed")
 
 
 @pytest.mark.timeout(60)
@@ -408,7 +408,7 @@ async def test_ice_timeout_frees_the_call(engine):
         assert r.status_code == 201
         assert len(app.state.webrtc.calls) == 1
         await wait_until(lambda: len(app.state.webrtc.calls) == 0, 30, "ICE timeout")
-        await wait_until(lambda: len(app.state.sessions) == 0, 5, "session closed")
+        await wait_until(lambda: len(app.state.sessions) == 0, 30, "session closed")
 
 
 async def test_session_end_closes_the_call(engine):
@@ -418,7 +418,7 @@ async def test_session_end_closes_the_call(engine):
                             headers={"Content-Type": "application/sdp"})
         call = app.state.webrtc.calls.get(r.headers["location"].rsplit("/", 1)[1])
         await call.session.close("engine_lost", 1011)
-        await wait_until(lambda: call.closed, 5, "call closed")
+        await wait_until(lambda: call.closed, 30, "call closed")
         assert call.pc.connectionState == "closed" and len(app.state.webrtc.calls) == 0
 
 
