@@ -303,8 +303,7 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     assert not svc.has_work()
     if then == "cancel":
         svc.handle(b"c", m.CloseSession("s"))
-        while svc.has_work():
-            [x for _, x in service_loop.step(svc)]
+        service_loop.until_idle(svc)
     assert engine.stats().free_blocks == engine.stats().total_blocks
     engine.check_integrity()
     svc._codec.close()
