@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from engines.protocol import messages as m
 from server.audio.pcm import read_wav
-from server.session import engine_link
+from server.session import engine_link, pacing
 from server.session.pacing import AudioOut
 from server.session.session import Session, SessionLimits
 from server.vad import VadBatcher
@@ -42,6 +43,13 @@ class Link:
 
     def of(self, cls) -> list:
         return [x for x in self.sent if isinstance(x, cls)]
+
+
+async def settled(s: Session) -> None:
+    """Until the tasks the session started and does not await (the held input's flush, an automatic answer, a close)
+    have ended, those they started included."""
+    while s.tasks.tasks:
+        await asyncio.gather(*list(s.tasks.tasks), return_exceptions=True)
 
 
 def drain(s: Session) -> list:
@@ -184,7 +192,7 @@ async def test_push_to_talk_answer_clears_uncommitted_track_audio_but_refuses_ap
     kinds = [type(x).__name__ for x in link.sent]
     assert kinds[-2:] == ["ClearUserAudio", "CreateResponse"], kinds
     s.on_engine_message(m.ResponseDone(s.id, link.of(m.CreateResponse)[0].response_id, "completed"))
-    await asyncio.sleep(0)
+    await settled(s)
     drain(s)
 
     # One append event among the track's frames makes the buffer the client's: refused, nothing cleared.
@@ -203,7 +211,7 @@ async def test_push_to_talk_answer_clears_uncommitted_track_audio_but_refuses_ap
     await s.handle_client_event({"type": "response.create", "event_id": "r3"})
     assert types(drain(s))[:2] == ["input_audio_buffer.cleared", "response.created"]
     s.on_engine_message(m.ResponseDone(s.id, link.of(m.CreateResponse)[-1].response_id, "completed"))
-    await asyncio.sleep(0)
+    await settled(s)
     drain(s)
 
     # An audio item follows the same rule: track audio cleared, appended audio refused.
@@ -276,7 +284,7 @@ async def test_barge_in_cancels_truncates_flushes_and_holds_new_speech(speech24k
     assert "response.output_audio.delta" not in types(evs)  # queued answer audio was dropped
     assert "input_audio_buffer.speech_started" in types(evs)
     s.on_engine_message(m.ResponseDone("sess_test", rid, "cancelled", reason="client_cancelled", output_rows=25))
-    await asyncio.sleep(0.01)  # held inputs go out on the loop
+    await settled(s)  # held inputs go out on the loop
     assert any(isinstance(x, m.AppendUserAudio) for x in link.sent[n_before + 2:])
     done = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected"
@@ -316,7 +324,7 @@ async def test_slow_consumer_is_closed_with_error():
     rid = link.of(m.CreateResponse)[0].response_id
     for i in range(20):
         s.on_engine_message(m.AudioChunk("sess_test", rid, CHUNK, i))
-    await asyncio.sleep(0.01)
+    await settled(s)
     assert s.closed and s.close_code == 1008
     items = [await s.outbound.get(), await s.outbound.get()]
     assert items[0]["type"] == "error" and items[0]["error"]["code"] == "slow_consumer" and items[1] is None
@@ -347,7 +355,7 @@ async def test_turn_ending_before_interrupted_answer_ends_gets_answered_after_it
     assert [type(x).__name__ for x in new] == ["CancelResponse", "TruncateResponse"]
     assert "input_audio_buffer.speech_stopped" in types(drain(s))
     s.on_engine_message(m.ResponseDone("sess_test", rid, "cancelled", reason="client_cancelled"))
-    await asyncio.sleep(0.05)
+    await settled(s)
     after = [type(x).__name__ for x in link.sent[n_before + 2:]]
     # Held in order: the new turn's audio, its commit, then the answer to it.
     assert after[-2:] == ["CommitUserAudio", "CreateResponse"] and set(after[:-2]) == {"AppendUserAudio"}
@@ -389,9 +397,12 @@ async def test_sampling_voice_prompt_and_instructions_reach_the_engine(tmp_path,
     assert s.config.voice_prompt_wav == wav
 
 
-async def test_answer_audio_later_than_real_time_is_counted_as_an_underrun():
+async def test_answer_audio_later_than_real_time_is_counted_as_an_underrun(monkeypatch):
     """The server's own underrun count: a chunk that leaves after a listener playing from the answer's first
-    audio at real time has run dry (here 0.8 s of audio, then the next chunk 1.0 s after the first)."""
+    audio at real time has run dry (here 0.8 s of audio, then the next chunk 1.0 s after the first, on the
+    session's clock)."""
+    now = [1000.0]
+    monkeypatch.setattr(pacing, "time", SimpleNamespace(monotonic=lambda: now[0]))
 
     class Observer:
         def __init__(self) -> None:
@@ -424,9 +435,9 @@ async def test_answer_audio_later_than_real_time_is_counted_as_an_underrun():
     await audio(0)
     await audio(1)  # on time: 0.8 s buffered
     assert obs.underruns == []
-    await asyncio.sleep(1.0)
-    await audio(2)  # the listener ran dry ~0.2 s ago
-    assert len(obs.underruns) == 1 and 0.1 < obs.underruns[0] < 1.0
+    now[0] += 1.0
+    await audio(2)  # the listener ran dry 0.2 s ago
+    assert obs.underruns == [pytest.approx(0.2)]
     await audio(3)  # on time again, counted from where playback resumed
     assert len(obs.underruns) == 1
     await s.close()
@@ -444,7 +455,7 @@ async def test_response_create_as_an_interrupted_answer_ends_takes_the_place_of_
     drain(s)
     s.on_engine_message(m.ResponseDone("sess_test", rid, "cancelled", reason="client_cancelled"))
     await s.handle_client_event({"type": "response.create"})  # before the automatic answer's task has run
-    await asyncio.sleep(0.05)
+    await settled(s)
     creates = [x for x in link.of(m.CreateResponse) if x.response_id != rid]
     evs = drain(s)
     t = types(evs)
