@@ -82,7 +82,8 @@ class ErrorCode:
 
 
 ERRORS: dict[str, ErrorCode] = {
-    INVALID_JSON: ErrorCode(_CLIENT, "the message is not JSON (or escapes a lone UTF-16 surrogate)"),
+    INVALID_JSON: ErrorCode(_CLIENT, "the message is not JSON (or escapes a lone UTF-16 surrogate, or nests arrays "
+                                        "and objects more than 64 deep)"),
     INVALID_EVENT: ErrorCode(_CLIENT, "the message is not a JSON object (or is a binary frame)"),
     UNKNOWN_EVENT: ErrorCode(_CLIENT, "an unknown or unsupported client event `type`"),
     UNKNOWN_PARAMETER: ErrorCode(_CLIENT, "a field that does not exist"),

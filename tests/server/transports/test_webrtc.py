@@ -263,6 +263,10 @@ async def test_typed_turn_and_peer_close_without_hangup(engine):
             client.channel.send("{not json")
             _, err = await client.wait_event("error", 5)
             assert err["error"]["code"] == "invalid_json"
+            client.channel.send('{"type": "response.create", "response": ' + "[" * 5000 + "]" * 5000 + "}")
+            errors = lambda: [e for _, e in client.events if e["type"] == "error"]  # noqa: E731
+            await wait_until(lambda: len(errors()) == 2, 5, "an error for the nested message")
+            assert errors()[1]["error"]["code"] == "invalid_json" and "deep" in errors()[1]["error"]["message"]
 
             await client.close()  # no hang-up request: the server must notice the peer went away
             await wait_until(lambda: len(svc.calls) == 0, 15, "call freed after the client closed its peer")
