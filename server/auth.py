@@ -11,6 +11,8 @@ import hmac
 from collections.abc import Mapping, Sequence
 
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+# Ephemeral client secrets (POST /v1/realtime/client_secrets) start with this, as OpenAI's do: logs redact them.
+CLIENT_SECRET_PREFIX = "ek_"
 
 
 def offered_subprotocols(headers: Mapping[str, str]) -> list[str]:

@@ -92,6 +92,10 @@ class Settings(_EngineSettings):
     def _lists(cls, v: Any) -> Any:
         return _split(v)
 
+    def secrets(self) -> list[str]:
+        """What logs must never show (server/ops/logs.py redacts each)."""
+        return list(self.api_keys)
+
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:
             return self.engine_endpoint

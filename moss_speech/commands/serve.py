@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"moss-speech serve: invalid settings:\n{describe_errors(e)}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, settings.log_format)
+    setup_logging(settings.log_level, settings.log_format, secrets=settings.secrets())
     if settings.max_sessions is not None and (advice := workers_advice(settings.max_sessions, settings.workers)):
         logging.getLogger("server").warning("%s", advice)
     if settings.workers > 1:

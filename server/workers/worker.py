@@ -37,7 +37,7 @@ def run_worker(settings_data: dict[str, Any], ctx: WorkerContext, listener: sock
     die_with_parent()
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor alone; it sends each worker one SIGTERM
     settings = Settings(**settings_data)
-    setup_logging(settings.log_level, settings.log_format, worker=ctx.index)
+    setup_logging(settings.log_level, settings.log_format, worker=ctx.index, secrets=settings.secrets())
     app = create_app(settings, worker=ctx)
     server = DrainingServer(uvicorn_config(app, settings.host, settings.port, settings.log_level))
     server.run(sockets=[listener, private_socket(ctx.socket_path(ctx.index))])
