@@ -127,6 +127,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
 
     app = FastAPI(title="moss-speech-server", lifespan=lifespan)
     app.state.settings = settings
+    app.state.client_secret_ok = None  # server.auth.ClientSecretCheck, set where client secrets are issued
     app.state.metrics = metrics
     app.state.engine = engine
     app.state.sessions = sessions

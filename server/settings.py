@@ -83,6 +83,10 @@ class Settings(_EngineSettings):
     # WebRTC (server/transports/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
     # '[{"urls":"stun:s.example.org:3478"},{"urls":"turn:t.example.org:3478","username":"u","credential":"p"}]'
     ice_servers: list[dict[str, Any]] = []  # empty: host candidates only (localhost, LAN)
+    # TURN REST API shared secret (coturn's static-auth-secret): TURN servers in ice_servers are then listed without
+    # a username and credential, and each client gets time-limited ones, valid turn_ttl_s
+    turn_secret: str | None = None
+    turn_ttl_s: int = Field(86400, ge=60)
     max_calls: int = Field(16, ge=0)  # concurrent WebRTC calls (each is also a session)
     ice_timeout_s: float = Field(20.0, ge=1, le=600)  # a call whose ICE has not connected by then is closed
     webrtc_prebuffer_ms: int = Field(60, ge=0, le=1000)  # outbound jitter buffer before an answer plays
@@ -94,7 +98,7 @@ class Settings(_EngineSettings):
 
     def secrets(self) -> list[str]:
         """What logs must never show (server/ops/logs.py redacts each)."""
-        return list(self.api_keys)
+        return [*self.api_keys, *([self.turn_secret] if self.turn_secret else [])]
 
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:
