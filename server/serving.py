@@ -2,13 +2,16 @@
 
 On the first signal: stop accepting sessions (/health turns 503), let answers in progress finish up to
 `drain_timeout_s`, close every session with an `error` event `server_shutting_down` (close 1001), wait for the
-client sockets to close (uvicorn's shutdown would close any still open with 1012), then let uvicorn stop. A second
-signal skips the wait.
+client sockets to close (uvicorn's shutdown would close any still open with 1012), then let uvicorn stop. After SIGTERM
+the process exits with status 0 (the shutdown asked for happened: what a supervisor expects of a clean stop); after
+Ctrl-C it ends by SIGINT, as a shell expects. A second signal skips the wait, and the process ends by that signal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 from types import FrameType
 
 import uvicorn
@@ -49,3 +52,8 @@ class DrainingServer(uvicorn.Server):
             await app.state.sessions.drain(app.state.settings.drain_timeout_s)
         finally:
             super().handle_exit(sig, frame)
+            # uvicorn raises the signals it caught again once it has stopped (the process then died by SIGTERM,
+            # status -15): a drained SIGTERM is a clean exit. A second signal, caught during the drain, stays.
+            if sig == signal.SIGTERM:
+                with contextlib.suppress(AttributeError, ValueError):
+                    self._captured_signals.remove(sig)

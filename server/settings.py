@@ -68,6 +68,7 @@ class Settings(_EngineSettings):
     max_input_buffer_seconds: float = Field(60.0, gt=0)
     output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
     drain_timeout_s: float = Field(10.0, ge=0)
+    idle_timeout_s: float = Field(600.0, gt=0)  # a session whose client sends nothing this long is closed
 
     # Engine process
     engine_endpoint: str | None = None  # default: an ipc:// socket in the temp directory, unique per server

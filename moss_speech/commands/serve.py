@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-buffer-seconds", type=float, help="uncommitted input audio limit (default 60)")
     p.add_argument("--output-queue-size", type=int, help="outbound events per session before 'slow_consumer'")
     p.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, wait this long for answers (default 10)")
+    p.add_argument("--idle-timeout-s", type=float,
+                   help="close a session whose client sends nothing this long while no answer runs (default 600)")
     p.add_argument("--engine-endpoint", help="ZeroMQ endpoint of the engine (default: a private ipc socket)")
     p.add_argument("--no-spawn-engine", dest="spawn_engine", action="store_const", const=False,
                    help="connect to an engine already running at --engine-endpoint instead of starting one")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -74,6 +75,11 @@ class SessionLimits:
     max_message_bytes: int = 1 << 20
     max_input_buffer_seconds: float = 60.0
     output_queue_size: int = 512
+    idle_timeout_s: float | None = None  # None: a session that sends nothing stays open
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
 
 
 class Session:
@@ -103,6 +109,9 @@ class Session:
         self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self._overflow_error)
         self.closed = False
         self.close_code = errors.CLOSE_NORMAL
+        self.close_reason = ""  # the close frame's reason, where the code alone does not say why
+        self._last_heard = time.monotonic()  # when the client last sent an event or audio
+        self._idle_watch: asyncio.Task[None] | None = None
         self._closed_event = asyncio.Event()
         self._started = False
         self.items: list[str] = []  # conversation item ids in order
@@ -122,6 +131,8 @@ class Session:
         await self.engine.send(m.OpenSession(session_id=self.id, instructions=self.config.instructions))
         self.emit(ev.session_event("session.created", self.id, self.config))
         self.log.info("session opened audio_out=%s", self.audio_out)
+        if self.limits.idle_timeout_s is not None:
+            self._idle_watch = self.tasks.spawn(self._close_when_idle(self.limits.idle_timeout_s), "idle")
 
     async def close(self, reason: str = "client_closed", code: int = errors.CLOSE_NORMAL) -> None:
         if self.closed:
@@ -129,6 +140,8 @@ class Session:
         self.closed = True
         if self.close_code == errors.CLOSE_NORMAL:
             self.close_code = code
+        if self._idle_watch is not None and self._idle_watch is not asyncio.current_task():
+            self._idle_watch.cancel()
         r = self.responses.active
         try:
             if self._started and self.engine.ready:
@@ -148,6 +161,37 @@ class Session:
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
 
+    async def _close_when_idle(self, timeout_s: float) -> None:
+        """Close the session once the client has sent nothing (no event, no audio) for `timeout_s` while no answer
+        ran: a forgotten or half-open connection must not hold a session slot for ever."""
+        while not self.closed:
+            wait = self._last_heard + timeout_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            if self.response_active:  # an answer playing is not idleness
+                self._last_heard = time.monotonic()
+                continue
+            self.error(errors.SESSION_IDLE_TIMEOUT, f"no client event or audio for {timeout_s:g} s; closing")
+            self.close_code = errors.close_code(errors.SESSION_IDLE_TIMEOUT)
+            self.close_reason = "idle timeout"
+            await self.close("idle_timeout", self.close_code)
+
+    async def cut_answer(self, reason: str) -> None:
+        """End the answer in progress now as `cancelled` with `reason` (the drain ran out of time): the client gets
+        its `response.done` before whatever ends the session."""
+        r = self.responses.active
+        if r is None:
+            return
+        if not r.cancel_sent and self._started and self.engine.ready:
+            r.cancel_sent = True
+            try:
+                await self.engine.send(m.CancelResponse(session_id=self.id, response_id=r.id))
+            except Exception as e:  # noqa: BLE001 - the session closes next whatever the engine says
+                self.log.warning("engine cancel failed: %s", e)
+        if self.responses.active is r:
+            self.responses.finish(r, "cancelled", reason)
+
     @property
     def response_active(self) -> bool:
         return self.responses.active is not None
@@ -155,6 +199,7 @@ class Session:
     # ---- inbound: client events and audio ----------------------------------------------------
 
     async def handle_client_text(self, text: str) -> None:
+        self._last_heard = time.monotonic()
         try:
             event = decode_client_event(text)
         except ProtocolError as e:
@@ -165,6 +210,7 @@ class Session:
     async def handle_client_event(self, event: dict[str, Any]) -> None:
         if self.closed:
             return
+        self._last_heard = time.monotonic()
         etype = event.get("type")
         client_event_id = event.get("event_id")
         handler = HANDLERS.get(etype) if isinstance(etype, str) else None
@@ -188,6 +234,7 @@ class Session:
         transport decides how to report it (an `append` event gets an `error` event instead)."""
         if self.closed:
             return
+        self._last_heard = time.monotonic()
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
         await self.input_buffer.add(pcm, rate, client_samples=int(round(len(pcm) * CLIENT_RATE / rate)))
 

@@ -4,7 +4,8 @@ Handshake refusals (HTTP status instead of an upgrade): bad Origin -> 403, missi
 -> 401, unknown `call_id` -> 404. After the upgrade:
 
   close 1000  normal end (client closed, or session ended)
-  close 1001  server shutting down (after an `error` event `server_shutting_down`)
+  close 1001  server shutting down (after an `error` event `server_shutting_down`), or reason "idle timeout" after
+              an `error` event `session_idle_timeout` (nothing sent for idle_timeout_s while no answer ran)
   close 1008  client did not read its events (after an `error` event `slow_consumer`)
   close 1009  a message larger than max_message_bytes
   close 1011  engine process lost, or an internal error (after an `error` event `engine_unavailable` /
@@ -165,7 +166,8 @@ async def _pump(ws: WebSocket, session: Any, max_bytes: int) -> None:
         await asyncio.wait_for(asyncio.shield(writer), SEND_TIMEOUT_S)
     writer.cancel()
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(ws.close(code=close_code or session.close_code), SEND_TIMEOUT_S)
+        await asyncio.wait_for(ws.close(code=close_code or session.close_code, reason=session.close_reason),
+                               SEND_TIMEOUT_S)
 
 
 async def _writer(ws: WebSocket, session: Any) -> None:
