@@ -17,10 +17,12 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from server.transports.connections import RealtimeWebSocket
+
 
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     settings = app.state.settings
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, ws="websockets-sansio",
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, ws=RealtimeWebSocket,
                           ws_max_size=settings.max_message_bytes, ws_ping_interval=20.0, ws_ping_timeout=20.0,
                           timeout_graceful_shutdown=5, log_config=None, lifespan="on")
 

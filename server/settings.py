@@ -67,6 +67,8 @@ class Settings(_EngineSettings):
     max_message_bytes: int = Field(1 << 20, ge=1024)  # a WebSocket message above this closes with 1009
     max_input_buffer_seconds: float = Field(60.0, gt=0)
     output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
+    # a WebSocket client that takes none of the bytes waiting for it this long is closed as slow (1008)
+    slow_consumer_timeout_s: float = Field(5.0, gt=0)
     drain_timeout_s: float = Field(10.0, ge=0)
     idle_timeout_s: float = Field(600.0, gt=0)  # a session whose client sends nothing this long is closed
 

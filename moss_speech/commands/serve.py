@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, help="largest WebSocket message (default 1 MiB)")
     p.add_argument("--max-input-buffer-seconds", type=float, help="uncommitted input audio limit (default 60)")
     p.add_argument("--output-queue-size", type=int, help="outbound events per session before 'slow_consumer'")
+    p.add_argument("--slow-consumer-timeout-s", type=float,
+                   help="close a WebSocket client that takes none of the bytes waiting for it this long as "
+                        "'slow_consumer' (default 5)")
     p.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, wait this long for answers (default 10)")
     p.add_argument("--idle-timeout-s", type=float,
                    help="close a session whose client sends nothing this long while no answer runs (default 600)")

@@ -106,12 +106,12 @@ class Session:
         self._on_closed = on_closed
         self.log = logging.LoggerAdapter(log, {"session_id": session_id})
         self.tasks = Background(session_id, self.log, self._background_failed)
-        self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self._overflow_error)
+        self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self.slow_consumer_error)
         self.closed = False
         self.close_code = errors.CLOSE_NORMAL
         self.close_reason = ""  # the close frame's reason, where the code alone does not say why
         self._last_heard = time.monotonic()  # when the client last sent an event or audio
-        self._idle_watch: asyncio.Task[None] | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._closed_event = asyncio.Event()
         self._started = False
         self.items: list[str] = []  # conversation item ids in order
@@ -131,8 +131,7 @@ class Session:
         await self.engine.send(m.OpenSession(session_id=self.id, instructions=self.config.instructions))
         self.emit(ev.session_event("session.created", self.id, self.config))
         self.log.info("session opened audio_out=%s", self.audio_out)
-        if self.limits.idle_timeout_s is not None:
-            self._idle_watch = self.tasks.spawn(self._close_when_idle(self.limits.idle_timeout_s), "idle")
+        self._check_idle()
 
     async def close(self, reason: str = "client_closed", code: int = errors.CLOSE_NORMAL) -> None:
         if self.closed:
@@ -140,8 +139,8 @@ class Session:
         self.closed = True
         if self.close_code == errors.CLOSE_NORMAL:
             self.close_code = code
-        if self._idle_watch is not None and self._idle_watch is not asyncio.current_task():
-            self._idle_watch.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         r = self.responses.active
         try:
             if self._started and self.engine.ready:
@@ -161,21 +160,25 @@ class Session:
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
 
-    async def _close_when_idle(self, timeout_s: float) -> None:
-        """Close the session once the client has sent nothing (no event, no audio) for `timeout_s` while no answer
-        ran: a forgotten or half-open connection must not hold a session slot for ever."""
-        while not self.closed:
-            wait = self._last_heard + timeout_s - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
-            if self.response_active:  # an answer playing is not idleness
-                self._last_heard = time.monotonic()
-                continue
-            self.error(errors.SESSION_IDLE_TIMEOUT, f"no client event or audio for {timeout_s:g} s; closing")
-            self.close_code = errors.close_code(errors.SESSION_IDLE_TIMEOUT)
-            self.close_reason = "idle timeout"
-            await self.close("idle_timeout", self.close_code)
+    def _check_idle(self) -> None:
+        """Close the session once the client has sent nothing (no event, no audio) for the idle timeout while no
+        answer ran: a forgotten or half-open connection must not hold a session slot for ever. (A timer, not a
+        task per session.)"""
+        timeout_s = self.limits.idle_timeout_s
+        if self.closed or timeout_s is None:
+            return
+        now = time.monotonic()
+        if self.response_active:  # an answer playing is not idleness
+            self._last_heard = now
+        due = self._last_heard + timeout_s
+        if now < due:
+            self._idle_timer = asyncio.get_running_loop().call_later(due - now, self._check_idle)
+            return
+        self._idle_timer = None
+        self.error(errors.SESSION_IDLE_TIMEOUT, f"no client event or audio for {timeout_s:g} s; closing")
+        self.close_code = errors.close_code(errors.SESSION_IDLE_TIMEOUT)
+        self.close_reason = "idle timeout"
+        self.tasks.spawn(self.close("idle_timeout", self.close_code), "close")
 
     async def cut_answer(self, reason: str) -> None:
         """End the answer in progress now as `cancelled` with `reason` (the drain ran out of time): the client gets
@@ -295,15 +298,26 @@ class Session:
         self.close_code = errors.close_code(errors.SERVER_ERROR)
         self.tasks.spawn(self.close("internal_error", self.close_code), "close")
 
-    def _overflow_error(self) -> dict[str, Any]:
+    def slow_consumer_error(self) -> dict[str, Any]:
         return ev.error_event(errors.SLOW_CONSUMER, "the client is not reading server events fast enough; closing")
 
     def slow_consumer(self) -> None:
-        code = errors.close_code(errors.SLOW_CONSUMER)
-        if self.closed or not self.outbound.overflowed or self.close_code == code:
+        if self.outbound.overflowed:
+            self._close_slow(f"outbound queue full ({self.outbound.maxsize})")
+
+    def consumer_stalled(self, waiting: int, seconds: float) -> None:
+        """The transport saw the client take none of the `waiting` bytes for `seconds`."""
+        self._close_slow(f"the client took none of {waiting} bytes in {seconds:.1f} s")
+
+    @property
+    def closed_as_slow(self) -> bool:
+        return self.close_code == errors.close_code(errors.SLOW_CONSUMER)
+
+    def _close_slow(self, why: str) -> None:
+        if self.closed or self.closed_as_slow:
             return
         if self.observer is not None:
             self.observer.error(errors.SLOW_CONSUMER)
-        self.close_code = code
-        self.log.warning("outbound queue full (%d): closing", self.outbound.maxsize)
-        self.tasks.spawn(self.close("slow_consumer", code), "close")
+        self.close_code = errors.close_code(errors.SLOW_CONSUMER)
+        self.log.warning("slow consumer: %s: closing", why)
+        self.tasks.spawn(self.close("slow_consumer", self.close_code), "close")
