@@ -71,6 +71,8 @@ class Settings(_EngineSettings):
     slow_consumer_timeout_s: float = Field(5.0, gt=0)
     drain_timeout_s: float = Field(10.0, ge=0)
     idle_timeout_s: float = Field(600.0, gt=0)  # a session whose client sends nothing this long is closed
+    header_timeout_s: float = Field(10.0, gt=0)  # a connection's request head must arrive within this
+    max_connections: int = Field(2048, ge=16)  # open connections past which HTTP requests get 503
 
     # Engine process
     engine_endpoint: str | None = None  # default: an ipc:// socket in the temp directory, unique per server

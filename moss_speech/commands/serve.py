@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="close a WebSocket client that takes none of the bytes waiting for it this long as "
                         "'slow_consumer' (default 5)")
     p.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, wait this long for answers (default 10)")
+    p.add_argument("--header-timeout-s", type=float,
+                   help="close a connection whose request head has not arrived in this time (default 10)")
+    p.add_argument("--max-connections", type=int,
+                   help="open connections past which HTTP requests get 503 (default 2048)")
     p.add_argument("--idle-timeout-s", type=float,
                    help="close a session whose client sends nothing this long while no answer runs (default 600)")
     p.add_argument("--engine-endpoint", help="ZeroMQ endpoint of the engine (default: a private ipc socket)")
@@ -56,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.ops.logs import setup_logging
-    from server.serving import DrainingServer, uvicorn_config
+    from server.serving import DrainingServer, raise_open_file_limit, uvicorn_config
     from server.settings import Settings, describe_errors
 
     overrides = {k: v for k, v in vars(args).items() if v is not None}
@@ -73,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
         return Supervisor(settings).run()
     app = create_app(settings)
+    raise_open_file_limit(settings.max_connections)
     server = DrainingServer(uvicorn_config(app, settings.host, settings.port, settings.log_level))
     server.run()
     return 0 if server.started else 1
