@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 
@@ -14,6 +15,7 @@ from websockets.client import ClientProtocol
 from websockets.frames import Opcode
 from websockets.uri import parse_uri
 
+from server.transports import connections
 from tests.fakes.harness import (
     FAKE_ENGINE,
     RunningServer,
@@ -89,7 +91,8 @@ def _read_to_close(sock: socket.socket, p: ClientProtocol) -> tuple[list[dict], 
     return texts, p.close_rcvd.code if p.close_rcvd is not None else None
 
 
-async def test_a_client_that_stops_reading_while_an_answer_streams_is_closed_as_slow(tiny):
+async def test_a_client_that_stops_reading_while_an_answer_streams_is_closed_as_slow(tiny, caplog):
+    caplog.set_level(logging.INFO, logger="server")
     sock, p = _raw_client(tiny.port, tiny.ws)
     try:
         for event in ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
@@ -106,6 +109,8 @@ async def test_a_client_that_stops_reading_while_an_answer_streams_is_closed_as_
     assert code == 1008
     assert texts[-1]["type"] == "error" and texts[-1]["error"]["code"] == "slow_consumer", texts[-1]
     assert any(t["type"] == "response.output_audio.delta" for t in texts)  # it was closed mid-answer
+    # Found by what it took (nothing), long before its outbound queue could fill.
+    assert any("slow consumer: the client took none of" in r.getMessage() for r in caplog.records)
     st = await tiny.wait_engine_idle(60)
     assert st["running"] == 0 and st["kv_free"] == st["kv_total"]
 
@@ -147,3 +152,20 @@ async def _until(cond, what: str, timeout: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"not reached in {timeout} s: {what}"
         await asyncio.sleep(0.02)
+
+
+async def test_a_client_that_never_reads_again_is_aborted_after_the_final_grace(monkeypatch):
+    """Its last event and close frame cannot reach it: the server drops the connection (and its file descriptor)
+    instead of waiting on it for ever."""
+    monkeypatch.setattr(connections, "FINAL_GRACE_S", 0.5)
+    engine = ["env", "FAKE_ENGINE_CHUNKS=3000", "FAKE_ENGINE_STEP_S=0.002", *FAKE_ENGINE]
+    with RunningServer(fake_settings(engine_command=engine, slow_consumer_timeout_s=0.5, vad=False)) as s:
+        sock, p = _raw_client(s.port, s.ws)
+        try:
+            p.send_text(json.dumps({"type": "response.create"}).encode())
+            sock.sendall(b"".join(p.data_to_send()))
+            await _until(lambda: bool(s.app.state.sessions.sessions), "the session opened")
+            await _until(lambda: not s.app.state.sessions.sessions, "the session closed as slow")
+            await _until(lambda: not s.server.server_state.connections, "the connection dropped")
+        finally:
+            sock.close()
