@@ -22,6 +22,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "encoder"), "moss_speech.commands.bench_encoder", "time the speech encoder per step of audio"),
     (("bench", "sessions"), "moss_speech.commands.bench_sessions", "the server process's CPU per real-time session"),
     (("bench", "capacity"), "moss_speech.loadtest.capacity", "raise concurrency until TTFA or underruns break"),
+    (("bench", "soak"), "moss_speech.loadtest.soak", "sessions churning for long: memory, KV and TTFA drift"),
     (("codec", "decode"), "moss_speech.commands.codec_decode", "codes -> 24 kHz WAV"),
     (("codec", "encode"), "moss_speech.commands.codec_encode", "WAV -> 12.5 Hz codes"),
     (("loadtest",), "moss_speech.loadtest.run", "simulated users against a running server"),

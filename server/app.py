@@ -95,7 +95,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
         else None)
     limits = SessionLimits(max_message_bytes=settings.max_message_bytes,
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
-                           output_queue_size=settings.output_queue_size)
+                           output_queue_size=settings.output_queue_size, idle_timeout_s=settings.idle_timeout_s)
     # Unset, the limit is sized from the engine once it is ready; until then no session is admitted anyway.
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
@@ -127,6 +127,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
 
     app = FastAPI(title="moss-speech-server", lifespan=lifespan)
     app.state.settings = settings
+    app.state.client_secret_ok = None  # server.auth.ClientSecretCheck, set where client secrets are issued
     app.state.metrics = metrics
     app.state.engine = engine
     app.state.sessions = sessions

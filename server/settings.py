@@ -67,7 +67,12 @@ class Settings(_EngineSettings):
     max_message_bytes: int = Field(1 << 20, ge=1024)  # a WebSocket message above this closes with 1009
     max_input_buffer_seconds: float = Field(60.0, gt=0)
     output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
+    # a WebSocket client that takes none of the bytes waiting for it this long is closed as slow (1008)
+    slow_consumer_timeout_s: float = Field(5.0, gt=0)
     drain_timeout_s: float = Field(10.0, ge=0)
+    idle_timeout_s: float = Field(600.0, gt=0)  # a session whose client sends nothing this long is closed
+    header_timeout_s: float = Field(10.0, gt=0)  # a connection's request head must arrive within this
+    max_connections: int = Field(2048, ge=16)  # open connections past which HTTP requests get 503
 
     # Engine process
     engine_endpoint: str | None = None  # default: an ipc:// socket in the temp directory, unique per server
@@ -83,6 +88,10 @@ class Settings(_EngineSettings):
     # WebRTC (server/transports/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
     # '[{"urls":"stun:s.example.org:3478"},{"urls":"turn:t.example.org:3478","username":"u","credential":"p"}]'
     ice_servers: list[dict[str, Any]] = []  # empty: host candidates only (localhost, LAN)
+    # TURN REST API shared secret (coturn's static-auth-secret): TURN servers in ice_servers are then listed without
+    # a username and credential, and each client gets time-limited ones, valid turn_ttl_s
+    turn_secret: str | None = None
+    turn_ttl_s: int = Field(86400, ge=60)
     max_calls: int = Field(16, ge=0)  # concurrent WebRTC calls (each is also a session)
     ice_timeout_s: float = Field(20.0, ge=1, le=600)  # a call whose ICE has not connected by then is closed
     webrtc_prebuffer_ms: int = Field(60, ge=0, le=1000)  # outbound jitter buffer before an answer plays
@@ -91,6 +100,10 @@ class Settings(_EngineSettings):
     @classmethod
     def _lists(cls, v: Any) -> Any:
         return _split(v)
+
+    def secrets(self) -> list[str]:
+        """What logs must never show (server/ops/logs.py redacts each)."""
+        return [*self.api_keys, *([self.turn_secret] if self.turn_secret else [])]
 
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:

@@ -57,6 +57,7 @@ SLOW_CONSUMER = "slow_consumer"
 SERVER_BUSY = "server_busy"
 ENGINE_UNAVAILABLE = "engine_unavailable"
 SERVER_SHUTTING_DOWN = "server_shutting_down"
+SESSION_IDLE_TIMEOUT = "session_idle_timeout"
 
 # ---- the engine's side (Error messages, passed on to the client; the session goes on) --------------------------
 INVALID_REQUEST = "invalid_request"
@@ -82,7 +83,8 @@ class ErrorCode:
 
 
 ERRORS: dict[str, ErrorCode] = {
-    INVALID_JSON: ErrorCode(_CLIENT, "the message is not JSON (or escapes a lone UTF-16 surrogate)"),
+    INVALID_JSON: ErrorCode(_CLIENT, "the message is not JSON (or escapes a lone UTF-16 surrogate, or nests arrays "
+                                        "and objects more than 64 deep)"),
     INVALID_EVENT: ErrorCode(_CLIENT, "the message is not a JSON object (or is a binary frame)"),
     UNKNOWN_EVENT: ErrorCode(_CLIENT, "an unknown or unsupported client event `type`"),
     UNKNOWN_PARAMETER: ErrorCode(_CLIENT, "a field that does not exist"),
@@ -113,6 +115,8 @@ ERRORS: dict[str, ErrorCode] = {
     ENGINE_UNAVAILABLE: ErrorCode(_SERVER, "the engine is (re)starting, or its process stopped",
                                   close=CLOSE_INTERNAL_ERROR, http=503),
     SERVER_SHUTTING_DOWN: ErrorCode(_SERVER, "the server is shutting down", close=CLOSE_GOING_AWAY, http=503),
+    SESSION_IDLE_TIMEOUT: ErrorCode(_SERVER, "the client sent nothing for the idle timeout while no answer ran",
+                                    close=CLOSE_GOING_AWAY),
     INVALID_REQUEST: ErrorCode(_SERVER, "the engine refused a message (a bad value, or out of order)"),
     ENGINE_ERROR: ErrorCode(_SERVER, "the engine failed on a request"),
     REQUEST_TOO_LARGE: ErrorCode(_SERVER, "the conversation and answer would exceed the engine's context or KV "

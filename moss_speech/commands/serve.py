@@ -38,7 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int, help="largest WebSocket message (default 1 MiB)")
     p.add_argument("--max-input-buffer-seconds", type=float, help="uncommitted input audio limit (default 60)")
     p.add_argument("--output-queue-size", type=int, help="outbound events per session before 'slow_consumer'")
+    p.add_argument("--slow-consumer-timeout-s", type=float,
+                   help="close a WebSocket client that takes none of the bytes waiting for it this long as "
+                        "'slow_consumer' (default 5)")
     p.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, wait this long for answers (default 10)")
+    p.add_argument("--header-timeout-s", type=float,
+                   help="close a connection whose request head has not arrived in this time (default 10)")
+    p.add_argument("--max-connections", type=int,
+                   help="open connections past which HTTP requests get 503 (default 2048)")
+    p.add_argument("--idle-timeout-s", type=float,
+                   help="close a session whose client sends nothing this long while no answer runs (default 600)")
     p.add_argument("--engine-endpoint", help="ZeroMQ endpoint of the engine (default: a private ipc socket)")
     p.add_argument("--no-spawn-engine", dest="spawn_engine", action="store_const", const=False,
                    help="connect to an engine already running at --engine-endpoint instead of starting one")
@@ -51,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.ops.logs import setup_logging
-    from server.serving import DrainingServer, uvicorn_config
+    from server.serving import DrainingServer, raise_open_file_limit, uvicorn_config
     from server.settings import Settings, describe_errors
 
     overrides = {k: v for k, v in vars(args).items() if v is not None}
@@ -60,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"moss-speech serve: invalid settings:\n{describe_errors(e)}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level, settings.log_format)
+    setup_logging(settings.log_level, settings.log_format, secrets=settings.secrets())
     if settings.max_sessions is not None and (advice := workers_advice(settings.max_sessions, settings.workers)):
         logging.getLogger("server").warning("%s", advice)
     if settings.workers > 1:
@@ -68,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
         return Supervisor(settings).run()
     app = create_app(settings)
+    raise_open_file_limit(settings.max_connections)
     server = DrainingServer(uvicorn_config(app, settings.host, settings.port, settings.log_level))
     server.run()
     return 0 if server.started else 1

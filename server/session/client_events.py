@@ -21,6 +21,7 @@ from typing import Any
 
 from engines.protocol import errors
 from engines.protocol.messages import Sampling, number_in
+from server.session.json_depth import MAX_DEPTH, deeper_than
 
 
 class ProtocolError(Exception):
@@ -53,8 +54,10 @@ def decode_client_event(text: str | bytes) -> dict[str, Any]:
     """A client event's JSON text (a WebSocket frame, a data channel message) -> the event object.
 
     ProtocolError `invalid_json` for text that is not strict JSON (NaN and Infinity are not JSON) or that escapes a
-    lone UTF-16 surrogate (valid JSON syntax, but no UTF-8 string: it could reach no engine message or log),
-    `invalid_event` for JSON that is not an object."""
+    lone UTF-16 surrogate (valid JSON syntax, but no UTF-8 string: it could reach no engine message or log) or that
+    nests arrays and objects more than MAX_DEPTH deep, `invalid_event` for JSON that is not an object."""
+    if deeper_than(text):
+        raise ProtocolError(errors.INVALID_JSON, f"message nests arrays and objects more than {MAX_DEPTH} deep")
     try:
         event = json.loads(text, parse_constant=_not_json_constant)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (bytes), NaN / Infinity

@@ -107,14 +107,16 @@ class SessionManager:
             self.slots.put_back()
 
     async def drain(self, timeout_s: float) -> None:
-        """Stop accepting sessions; let answers in progress finish (up to timeout_s), close all, then wait for the
-        client sockets to close (up to what is left of timeout_s plus CLOSE_GRACE_S)."""
+        """Stop accepting sessions; let answers in progress finish (up to timeout_s; one still running then ends
+        `cancelled`, reason `server_shutting_down`), close all, then wait for the client sockets to close (up to
+        what is left of timeout_s plus CLOSE_GRACE_S)."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while any(s.response_active for s in self.sessions.values()) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for s in list(self.sessions.values()):
+            await s.cut_answer(errors.SERVER_SHUTTING_DOWN)  # its response.done (cancelled) comes first
             s.error(errors.SERVER_SHUTTING_DOWN, "the server is shutting down")
             await s.close("server_shutdown", errors.close_code(errors.SERVER_SHUTTING_DOWN))
         # A socket relayed to a sibling worker closes when that worker's drain closes the call's session.

@@ -4,7 +4,9 @@ answer's audio plays out for its listener.
 The session puts items without waiting (it runs inside the engine's receive loop and must never
 block it); the transport awaits `get()`. When a client does not read, the queue fills; instead of
 growing memory the stream drops what is queued, keeps one final `error` event (code
-`slow_consumer`) and ends, and the transport closes the connection after sending it.
+`slow_consumer`) and ends, and the transport closes the connection after sending it. A transport waits on `room()`
+before it reads the client's next event, so that a client's own events (each answered by one or more) fill the queue
+only as fast as the client reads it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Outbound:
         self.maxsize = maxsize
         self._q: deque[_Entry] = deque()
         self._wake = asyncio.Event()
+        self._taken = asyncio.Event()
         self._closed = False
         self.overflowed = False
         self._overflow_event = overflow_event
@@ -108,6 +111,13 @@ class Outbound:
         """No more puts; `get()` drains what is queued, then returns None."""
         self._closed = True
         self._wake.set()
+        self._taken.set()
+
+    async def room(self) -> None:
+        """Until the queue is at most half full (or closed)."""
+        while len(self._q) > self.maxsize // 2 and not self._closed:
+            self._taken.clear()
+            await self._taken.wait()
 
     async def get(self) -> OutItem | None:
         while not self._q:
@@ -116,6 +126,7 @@ class Outbound:
             self._wake.clear()
             await self._wake.wait()
         e = self._q.popleft()
+        self._taken.set()
         if e.on_taken is not None:
             e.on_taken()
         return e.item

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -74,6 +75,11 @@ class SessionLimits:
     max_message_bytes: int = 1 << 20
     max_input_buffer_seconds: float = 60.0
     output_queue_size: int = 512
+    idle_timeout_s: float | None = None  # None: a session that sends nothing stays open
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
 
 
 class Session:
@@ -100,9 +106,12 @@ class Session:
         self._on_closed = on_closed
         self.log = logging.LoggerAdapter(log, {"session_id": session_id})
         self.tasks = Background(session_id, self.log, self._background_failed)
-        self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self._overflow_error)
+        self.outbound = Outbound(self.limits.output_queue_size, overflow_event=self.slow_consumer_error)
         self.closed = False
         self.close_code = errors.CLOSE_NORMAL
+        self.close_reason = ""  # the close frame's reason, where the code alone does not say why
+        self._last_heard = time.monotonic()  # when the client last sent an event or audio
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._closed_event = asyncio.Event()
         self._started = False
         self.items: list[str] = []  # conversation item ids in order
@@ -122,6 +131,7 @@ class Session:
         await self.engine.send(m.OpenSession(session_id=self.id, instructions=self.config.instructions))
         self.emit(ev.session_event("session.created", self.id, self.config))
         self.log.info("session opened audio_out=%s", self.audio_out)
+        self._check_idle()
 
     async def close(self, reason: str = "client_closed", code: int = errors.CLOSE_NORMAL) -> None:
         if self.closed:
@@ -129,6 +139,8 @@ class Session:
         self.closed = True
         if self.close_code == errors.CLOSE_NORMAL:
             self.close_code = code
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         r = self.responses.active
         try:
             if self._started and self.engine.ready:
@@ -148,6 +160,41 @@ class Session:
     async def wait_closed(self) -> None:
         await self._closed_event.wait()
 
+    def _check_idle(self) -> None:
+        """Close the session once the client has sent nothing (no event, no audio) for the idle timeout while no
+        answer ran: a forgotten or half-open connection must not hold a session slot for ever. (A timer, not a
+        task per session.)"""
+        timeout_s = self.limits.idle_timeout_s
+        if self.closed or timeout_s is None:
+            return
+        now = time.monotonic()
+        if self.response_active:  # an answer playing is not idleness
+            self._last_heard = now
+        due = self._last_heard + timeout_s
+        if now < due:
+            self._idle_timer = asyncio.get_running_loop().call_later(due - now, self._check_idle)
+            return
+        self._idle_timer = None
+        self.error(errors.SESSION_IDLE_TIMEOUT, f"no client event or audio for {timeout_s:g} s; closing")
+        self.close_code = errors.close_code(errors.SESSION_IDLE_TIMEOUT)
+        self.close_reason = "idle timeout"
+        self.tasks.spawn(self.close("idle_timeout", self.close_code), "close")
+
+    async def cut_answer(self, reason: str) -> None:
+        """End the answer in progress now as `cancelled` with `reason` (the drain ran out of time): the client gets
+        its `response.done` before whatever ends the session."""
+        r = self.responses.active
+        if r is None:
+            return
+        if not r.cancel_sent and self._started and self.engine.ready:
+            r.cancel_sent = True
+            try:
+                await self.engine.send(m.CancelResponse(session_id=self.id, response_id=r.id))
+            except Exception as e:  # noqa: BLE001 - the session closes next whatever the engine says
+                self.log.warning("engine cancel failed: %s", e)
+        if self.responses.active is r:
+            self.responses.finish(r, "cancelled", reason)
+
     @property
     def response_active(self) -> bool:
         return self.responses.active is not None
@@ -155,6 +202,7 @@ class Session:
     # ---- inbound: client events and audio ----------------------------------------------------
 
     async def handle_client_text(self, text: str) -> None:
+        self._last_heard = time.monotonic()
         try:
             event = decode_client_event(text)
         except ProtocolError as e:
@@ -165,6 +213,7 @@ class Session:
     async def handle_client_event(self, event: dict[str, Any]) -> None:
         if self.closed:
             return
+        self._last_heard = time.monotonic()
         etype = event.get("type")
         client_event_id = event.get("event_id")
         handler = HANDLERS.get(etype) if isinstance(etype, str) else None
@@ -188,6 +237,7 @@ class Session:
         transport decides how to report it (an `append` event gets an `error` event instead)."""
         if self.closed:
             return
+        self._last_heard = time.monotonic()
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
         await self.input_buffer.add(pcm, rate, client_samples=int(round(len(pcm) * CLIENT_RATE / rate)))
 
@@ -248,15 +298,26 @@ class Session:
         self.close_code = errors.close_code(errors.SERVER_ERROR)
         self.tasks.spawn(self.close("internal_error", self.close_code), "close")
 
-    def _overflow_error(self) -> dict[str, Any]:
+    def slow_consumer_error(self) -> dict[str, Any]:
         return ev.error_event(errors.SLOW_CONSUMER, "the client is not reading server events fast enough; closing")
 
     def slow_consumer(self) -> None:
-        code = errors.close_code(errors.SLOW_CONSUMER)
-        if self.closed or not self.outbound.overflowed or self.close_code == code:
+        if self.outbound.overflowed:
+            self._close_slow(f"outbound queue full ({self.outbound.maxsize})")
+
+    def consumer_stalled(self, waiting: int, seconds: float) -> None:
+        """The transport saw the client take none of the `waiting` bytes for `seconds`."""
+        self._close_slow(f"the client took none of {waiting} bytes in {seconds:.1f} s")
+
+    @property
+    def closed_as_slow(self) -> bool:
+        return self.close_code == errors.close_code(errors.SLOW_CONSUMER)
+
+    def _close_slow(self, why: str) -> None:
+        if self.closed or self.closed_as_slow:
             return
         if self.observer is not None:
             self.observer.error(errors.SLOW_CONSUMER)
-        self.close_code = code
-        self.log.warning("outbound queue full (%d): closing", self.outbound.maxsize)
-        self.tasks.spawn(self.close("slow_consumer", code), "close")
+        self.close_code = errors.close_code(errors.SLOW_CONSUMER)
+        self.log.warning("slow consumer: %s: closing", why)
+        self.tasks.spawn(self.close("slow_consumer", self.close_code), "close")

@@ -4,8 +4,12 @@ Handshake refusals (HTTP status instead of an upgrade): bad Origin -> 403, missi
 -> 401, unknown `call_id` -> 404. After the upgrade:
 
   close 1000  normal end (client closed, or session ended)
-  close 1001  server shutting down (after an `error` event `server_shutting_down`)
-  close 1008  client did not read its events (after an `error` event `slow_consumer`)
+  close 1001  server shutting down (after an `error` event `server_shutting_down`), or reason "idle timeout" after
+              an `error` event `session_idle_timeout` (nothing sent for idle_timeout_s while no answer ran)
+  close 1008  client did not read its events (after an `error` event `slow_consumer`): it took none of the bytes
+              waiting for it for slow_consumer_timeout_s (server/transports/connections.py measures
+              what it takes), or its outbound queue filled
+
   close 1009  a message larger than max_message_bytes
   close 1011  engine process lost, or an internal error (after an `error` event `engine_unavailable` /
               `server_error`)
@@ -34,11 +38,13 @@ from engines.protocol import errors
 from server import auth
 from server.session import server_events as ev
 from server.session.manager import SessionRefused
+from server.transports.connections import SEND_METER, SendMeter
 
 log = logging.getLogger("server.ws")
 router = APIRouter()
 
 SEND_TIMEOUT_S = 5.0  # a final event or close frame that cannot be written in this time is abandoned
+STALL_CHECKS = 4  # looks at what the client has taken per slow_consumer_timeout_s
 
 
 async def _deny(ws: WebSocket, status: int, reason: str) -> None:
@@ -65,7 +71,7 @@ async def _serve(ws: WebSocket) -> None:
     if not auth.origin_ok(settings.allowed_origins, ws.headers.get("origin")):
         await _deny(ws, errors.http_status(errors.ORIGIN_NOT_ALLOWED), "origin not allowed")
         return
-    if not auth.key_ok(settings.api_keys, auth.presented_key(ws.headers, ws.query_params)):
+    if not auth.request_authorized(settings.api_keys, st, ws.headers, ws.query_params):
         await _deny(ws, errors.http_status(errors.INVALID_API_KEY),
                     "missing or invalid API key (Authorization: Bearer KEY)")
         return
@@ -88,7 +94,8 @@ async def _serve(ws: WebSocket) -> None:
         await _send_and_close(ws, ev.error_event(errors.SERVER_ERROR, f"session could not start: {type(e).__name__}"),
                               errors.close_code(errors.SERVER_ERROR))
         return
-    await _pump(ws, session, settings.max_message_bytes)
+    meter = ws.scope.get("extensions", {}).get(SEND_METER)
+    await _pump(ws, session, settings.max_message_bytes, meter, settings.slow_consumer_timeout_s)
 
 
 async def _send_and_close(ws: WebSocket, event: dict[str, Any], code: int) -> None:
@@ -101,11 +108,13 @@ async def _send_and_close(ws: WebSocket, event: dict[str, Any], code: int) -> No
 class _Reader:
     """Client messages until `ended` completes: that interrupts the wait for the next message, never a
     handler half-way. (Not a task and a wait per message: ~10 us each, at 50 messages per second per
-    session a tenth of a core at 256 sessions.)"""
+    session a tenth of a core at 256 sessions.) With `outbound`, the next message waits until that queue has room:
+    a client's events are answered by events, so it cannot pile them up faster than it reads them."""
 
-    def __init__(self, ws: WebSocket, ended: asyncio.Future[Any]) -> None:
+    def __init__(self, ws: WebSocket, ended: asyncio.Future[Any], outbound: Any = None) -> None:
         self.ws = ws
         self.ended = ended
+        self.outbound = outbound
         self._me = asyncio.current_task()
         self._waiting = False
         ended.add_done_callback(self._interrupt)
@@ -120,6 +129,8 @@ class _Reader:
             return None
         self._waiting = True
         try:
+            if self.outbound is not None:
+                await self.outbound.room()
             return await self.ws.receive()
         except asyncio.CancelledError:
             if self._me is None or not self.ended.done() or self._me.uncancel() > 0:  # cancelled from outside too
@@ -129,11 +140,17 @@ class _Reader:
             self._waiting = False
 
 
-async def _pump(ws: WebSocket, session: Any, max_bytes: int) -> None:
+async def _pump(ws: WebSocket, session: Any, max_bytes: int, meter: SendMeter | None = None,
+                stall_timeout_s: float = 5.0) -> None:
     writer = asyncio.create_task(_writer(ws, session), name=f"ws-writer-{session.id}")
+    watch = asyncio.create_task(_watch_taken(meter, session, stall_timeout_s), name=f"ws-watch-{session.id}") \
+        if meter is not None else None
     close_code: int | None = None
-    # The writer ends when the session closed elsewhere (engine lost, slow client, drain).
-    reader = _Reader(ws, writer)
+    # The writer ends when the session closed elsewhere (engine lost, drain) and what was queued is sent; a writer
+    # blocked on a client that stopped reading does not, so the session's close ends the reading too.
+    closed = asyncio.ensure_future(session.wait_closed())
+    ended = asyncio.ensure_future(asyncio.wait({writer, closed}, return_when=asyncio.FIRST_COMPLETED))
+    reader = _Reader(ws, ended, session.outbound)
     try:
         while not session.closed:
             msg = await reader.receive()
@@ -160,12 +177,21 @@ async def _pump(ws: WebSocket, session: Any, max_bytes: int) -> None:
     finally:
         if not session.closed:
             await session.close("transport_ended")
+        for task in (watch, ended, closed):
+            if task is not None:
+                task.cancel()
+    if session.closed_as_slow and meter is not None:
+        # What is queued would wait behind what the client has not read: it gets the reason and the close now.
+        writer.cancel()
+        meter.send_final(json.dumps(session.slow_consumer_error()), errors.close_code(errors.SLOW_CONSUMER))
+        return
     # Let the writer send what is queued (e.g. the error explaining the close), then close the socket.
     with contextlib.suppress(asyncio.TimeoutError, Exception):
         await asyncio.wait_for(asyncio.shield(writer), SEND_TIMEOUT_S)
     writer.cancel()
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(ws.close(code=close_code or session.close_code), SEND_TIMEOUT_S)
+        await asyncio.wait_for(ws.close(code=close_code or session.close_code, reason=session.close_reason),
+                               SEND_TIMEOUT_S)
 
 
 async def _writer(ws: WebSocket, session: Any) -> None:
@@ -176,6 +202,24 @@ async def _writer(ws: WebSocket, session: Any) -> None:
         try:
             await ws.send_text(json.dumps(item))
         except Exception:  # noqa: BLE001 - the peer went away; the reader sees the disconnect
+            return
+
+
+async def _watch_taken(meter: SendMeter, session: Any, timeout_s: float) -> None:
+    """Close the session as a slow consumer once its client has taken none of the bytes waiting for it for
+    `timeout_s`. A client that reads keeps taking (at least at the pace it plays audio), however much it is sent;
+    one that stopped reading takes nothing once its own socket buffer is full."""
+    loop = asyncio.get_running_loop()
+    taken = meter.taken()
+    progress_at = loop.time()
+    while not session.closed:
+        await asyncio.sleep(timeout_s / STALL_CHECKS)
+        now, waiting, was = loop.time(), meter.waiting(), taken
+        taken = meter.taken()
+        if waiting == 0 or taken > was:
+            progress_at = now
+        elif now - progress_at >= timeout_s:
+            session.consumer_stalled(waiting, now - progress_at)
             return
 
 

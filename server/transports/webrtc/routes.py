@@ -5,7 +5,9 @@
   GET    /v1/realtime/calls/{call_id}       the call's state (JSON)
   POST   /v1/realtime/calls/{call_id}/hangup  (also DELETE /v1/realtime/calls/{call_id}) -> 204
   POST   /v1/realtime/calls/{call_id}/voice   body: a WAV file -> sets the session's voice prompt
-  GET    /v1/info                           {model, weights, random_weights, ice_servers, ...} for the page
+  GET    /v1/info                           {model, weights, random_weights, ice_servers, ...} for the page; with
+                                            API keys set, `ice_servers` is empty unless the request carries a
+                                            key or a client secret (TURN credentials are not for anyone)
   GET    /                                  the page (client_web/index.html); /web/* its files
 
 Errors are JSON `{"error": {"type", "code", "message"}}`: 400 bad offer (the reason), 401 bad key,
@@ -56,26 +58,32 @@ class WebRTCService:
         self.config = config
         self.calls = CallRegistry(config.max_calls)
 
-    def info(self) -> dict[str, Any]:
+    def info(self, request: Request) -> dict[str, Any]:
         weights = getattr(self.settings, "model", RANDOM_MODEL)
+        authorized = self.authorized(request)
         return {
             "model": getattr(self.settings, "model_name", "moss-speech"),
             "weights": weights,
             "random_weights": bool(getattr(self.settings, "random_weights", weights == RANDOM_MODEL)),
-            "ice_servers": [s.to_json() for s in self.config.ice_servers],
+            "ice_servers": [s.to_json() for s in self.config.ice_servers_now()] if authorized else [],
             "max_calls": self.config.max_calls,
             "api_key_required": bool(getattr(self.settings, "api_keys", [])),
         }
 
-    def access_error(self, headers: Any, query: Any) -> JSONResponse | None:
-        if not auth.origin_ok(getattr(self.settings, "allowed_origins", []), headers.get("origin")):
-            return _error(errors.ORIGIN_NOT_ALLOWED, f"Origin {headers.get('origin')!r} is not allowed")
-        if not auth.key_ok(getattr(self.settings, "api_keys", []), auth.presented_key(headers, query)):
+    def authorized(self, request: Request) -> bool:
+        return auth.request_authorized(getattr(self.settings, "api_keys", []), request.app.state, request.headers,
+                                       request.query_params)
+
+    def access_error(self, request: Request) -> JSONResponse | None:
+        origin = request.headers.get("origin")
+        if not auth.origin_ok(getattr(self.settings, "allowed_origins", []), origin):
+            return _error(errors.ORIGIN_NOT_ALLOWED, f"Origin {origin!r} is not allowed")
+        if not self.authorized(request):
             return _error(errors.INVALID_API_KEY, "missing or wrong API key (Authorization: Bearer KEY)")
         return None
 
     async def create_call(self, request: Request) -> Response:
-        denied = self.access_error(request.headers, request.query_params)
+        denied = self.access_error(request)
         if denied is not None:
             return denied
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -133,7 +141,7 @@ class WebRTCService:
     async def _call_or_reply(self, request: Request, call_id: str) -> Call | Response:
         """The call; or the reply: a refusal (auth/origin, then unknown id -> 404), or the answer of the
         sibling worker that holds the call."""
-        denied = self.access_error(request.headers, request.query_params)
+        denied = self.access_error(request)
         if denied is not None:
             return denied
         call = self.calls.get(call_id)
@@ -184,6 +192,10 @@ class WebRTCService:
 def install(app: FastAPI, settings: Any, sessions: SessionManager) -> WebRTCService:
     """Add the WebRTC routes, `/v1/info` and the page to `app`; returns the service (also app.state.webrtc)."""
     svc = WebRTCService(settings, sessions, WebRTCConfig.from_settings(settings), getattr(app.state, "relay", None))
+    for server in svc.config.ice_servers:
+        if server.turn and server.static_credential:
+            log.warning("TURN server %s has a static password, handed to every client allowed to read /v1/info; "
+                        "MOSS_TURN_SECRET gives each client time-limited credentials instead", server.urls[0])
     app.state.webrtc = svc
     app.state.calls = svc.calls  # the control WebSocket's lookup of `?call_id=`
     app.add_api_route("/v1/realtime/calls", svc.create_call, methods=["POST"], status_code=201)

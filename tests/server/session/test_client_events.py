@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import websockets
 
+from server.session.client_events import ProtocolError, decode_client_event
+from server.session.json_depth import MAX_DEPTH, deeper_than
 from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, start_answer, user_text
 
 KEY = "test-key"
@@ -151,6 +153,9 @@ async def test_audio_turn_with_client_commit(srv):
     ('{"type": "session.update", "session": {"instructions": "\\udfff"}}', "invalid_json", None),
     ('{"type": "session.update", "session": {"type": "realtime", "max_output_tokens": NaN}}', "invalid_json", None),
     ("[1, 2]", "invalid_event", None),
+    # Nested past the decoder's recursion limit: this closed the socket with 1006 (an unhandled RecursionError).
+    ("[" * 60000, "invalid_json", None),
+    ('{"type": "session.update", "session": {"instructions": ' + "[" * 5000 + "]" * 5000 + "}}", "invalid_json", None),
 ])
 async def test_client_mistakes_get_error_events_and_session_survives(srv, raw, code, param):
     async with connect(srv.ws) as ws:
@@ -207,6 +212,21 @@ def test_decode_client_event_keeps_escaped_text_and_refuses_lone_surrogates():
         with pytest.raises(ProtocolError) as e:
             decode_client_event(bad)
         assert e.value.code == "invalid_json", bad
+
+
+def test_nesting_is_bounded_outside_strings_only():
+    for text in ("[" * 100000, '{"a": ' * 5000 + "1" + "}" * 5000, "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)):
+        assert deeper_than(text) and deeper_than(text.encode())
+        with pytest.raises(ProtocolError) as e:
+            decode_client_event(text)
+        assert e.value.code == "invalid_json" and "deep" in e.value.message
+    deepest = "[" * MAX_DEPTH + "]" * MAX_DEPTH
+    assert not deeper_than(deepest) and decode_client_event('{"v": ' + deepest[2:-2] + "}")
+    # Brackets in strings, escaped quotes and backslashes included, are text, not nesting.
+    inside = r'{"type": "x", "text": "' + "[{" * 500 + r'\\ \"' + "[" * 200 + '"}'
+    assert not deeper_than(inside) and decode_client_event(inside)["text"].endswith('"' + "[" * 200)
+    escaped_backslash_then_open = r'{"t": "\\", "v": ' + "[" * 70 + "]" * 70 + "}"
+    assert deeper_than(escaped_backslash_then_open)
 
 
 async def test_input_buffer_limit(srv):

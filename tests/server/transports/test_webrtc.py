@@ -9,7 +9,10 @@ resampling, pacing, events on the data channel, the call's lifecycle and its doc
 from __future__ import annotations
 
 import asyncio
+import base64
 import fractions
+import hashlib
+import hmac
 import json
 import time
 
@@ -263,6 +266,10 @@ async def test_typed_turn_and_peer_close_without_hangup(engine):
             client.channel.send("{not json")
             _, err = await client.wait_event("error", 5)
             assert err["error"]["code"] == "invalid_json"
+            client.channel.send('{"type": "response.create", "response": ' + "[" * 5000 + "]" * 5000 + "}")
+            errors = lambda: [e for _, e in client.events if e["type"] == "error"]  # noqa: E731
+            await wait_until(lambda: len(errors()) == 2, 5, "an error for the nested message")
+            assert errors()[1]["error"]["code"] == "invalid_json" and "deep" in errors()[1]["error"]["message"]
 
             await client.close()  # no hang-up request: the server must notice the peer went away
             await wait_until(lambda: len(svc.calls) == 0, 15, "call freed after the client closed its peer")
@@ -437,10 +444,50 @@ async def test_info_reports_random_weights_and_ice_servers(engine):
     assert js.status_code == 200 and "__mossStats" in js.text
 
 
+async def test_info_gives_ice_servers_only_to_a_key_or_client_secret(engine):
+    ice = [{"urls": "stun:stun.example.org:3478"},
+           {"urls": ["turn:turn.example.org:3478"], "username": "u", "credential": "p"}]
+    app = build_app(engine, FakeSettings(ice_servers=ice, api_keys=["k1"]))
+    app.state.client_secret_ok = lambda secret: secret == "ek_live"
+    async with _asgi(app) as http:
+        anyone = (await http.get("/v1/info")).json()
+        wrong = (await http.get("/v1/info", headers={"Authorization": "Bearer k2"})).json()
+        keyed = (await http.get("/v1/info", headers={"Authorization": "Bearer k1"})).json()
+        secret = (await http.get("/v1/info?api_key=ek_live")).json()
+        offer_with_secret = await http.post("/v1/realtime/calls", content=b"v=0", headers={
+            "Authorization": "Bearer ek_live", "Content-Type": "application/sdp"})
+        offer_without = await http.post("/v1/realtime/calls", content=b"v=0", headers={
+            "Content-Type": "application/sdp"})
+    assert anyone["api_key_required"] and anyone["ice_servers"] == [] and wrong["ice_servers"] == []
+    assert keyed["ice_servers"][1]["credential"] == "p" and secret["ice_servers"] == keyed["ice_servers"]
+    assert offer_with_secret.status_code == 400 and offer_without.status_code == 401  # past auth: a bad offer
+
+
+async def test_turn_secret_gives_each_client_time_limited_credentials(engine):
+    ice = [{"urls": "stun:stun.example.org:3478"}, {"urls": ["turn:turn.example.org:3478", "turns:t.example.org"]}]
+    app = build_app(engine, FakeSettings(ice_servers=ice, turn_secret="shared-secret", turn_ttl_s=3600))
+    before = int(time.time())
+    async with _asgi(app) as http:
+        info = (await http.get("/v1/info")).json()
+    stun, turn = info["ice_servers"]
+    assert stun == {"urls": ["stun:stun.example.org:3478"]}
+    expiry, user = turn["username"].split(":")
+    assert user == "moss" and before + 3600 <= int(expiry) <= int(time.time()) + 3600
+    # What coturn's use-auth-secret checks: base64(HMAC-SHA1(secret, username)).
+    digest = hmac.new(b"shared-secret", turn["username"].encode(), hashlib.sha1).digest()
+    assert turn["credential"] == base64.b64encode(digest).decode()
+    own = app.state.webrtc.config.rtc_configuration().iceServers[1]  # the server's own peer gets them too
+    assert own.username.endswith(":moss") and own.credential
+
+
 def test_ice_server_config_is_validated():
     assert parse_ice_servers('[{"urls": "stun:a:1"}]')[0].urls == ("stun:a:1",)
     with pytest.raises(WebRTCConfigError, match="username"):
-        parse_ice_servers([{"urls": "turn:a:1"}])
+        WebRTCConfig(ice_servers=parse_ice_servers([{"urls": "turn:a:1"}]))
+    with pytest.raises(WebRTCConfigError, match="time-limited"):
+        WebRTCConfig(ice_servers=parse_ice_servers([{"urls": "turn:a:1", "username": "u", "credential": "p"}]),
+                     turn_secret="s")
+    assert WebRTCConfig(ice_servers=parse_ice_servers([{"urls": "turn:a:1"}]), turn_secret="s")
     with pytest.raises(WebRTCConfigError, match="must start with"):
         parse_ice_servers([{"urls": "http://a"}])
     with pytest.raises(WebRTCConfigError, match="JSON"):

@@ -97,6 +97,8 @@ class FakeSettings:
     max_calls: int = 4
     ice_timeout_s: float = 20.0
     webrtc_prebuffer_ms: int = 60
+    turn_secret: str | None = None
+    turn_ttl_s: int = 86400
 
 
 @functools.cache
