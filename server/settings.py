@@ -12,7 +12,7 @@ import secrets
 import tempfile
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server import engine_options
@@ -48,6 +48,7 @@ class Settings(_EngineSettings):
     model: str = "tiny-random"  # tiny-random or a MOSS-Speech checkpoint directory
     codec: str = "tiny-random"  # tiny-random or a MOSS-Speech-Codec directory
     device: str = "auto"  # passed to the engine: auto, cpu, cuda, cuda:N
+    gpus: str | None = Field(None, pattern="^(all|[1-9][0-9]*)$")  # one engine per GPU (N, or all); None: one engine
     vocoder: str | None = Field(None, pattern="^(bigvgan|hift)$")  # None: the engine's default for the codec
     model_name: str = "moss-speech"  # the `model` reported to clients (session.model)
 
@@ -92,6 +93,35 @@ class Settings(_EngineSettings):
     def _lists(cls, v: Any) -> Any:
         return _split(v)
 
+    @model_validator(mode="after")
+    def _gpus(self) -> Settings:
+        if self.gpus is None:
+            return self
+        where = "MOSS_GPUS (--gpus)"
+        if self.workers > 1:
+            raise ValueError(f"{where}: its engines are placed on by one server process; leave --workers at 1")
+        if self.engine_endpoint or not self.spawn_engine:
+            raise ValueError(f"{where}: the server starts these engines itself, each on a private socket; unset "
+                             "--engine-endpoint and --no-spawn-engine")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"{where}: each engine gets a GPU of its own, so --device is auto, cuda or cpu "
+                             f"(got {self.device!r})")
+        if self.gpus == "all" and self.device == "cpu":
+            raise ValueError(f"{where}: 'all' counts GPUs; with --device cpu give the number of engines")
+        return self
+
+    def engine_devices(self, gpu_count: int) -> list[str]:
+        """The device of each engine: one engine on `device`, or with `gpus` one per GPU (cuda:0, cuda:1...; on the
+        CPU, N engines on cpu). `gpu_count` is the GPUs this host has."""
+        if self.gpus is None:
+            return [self.device]
+        n = gpu_count if self.gpus == "all" else int(self.gpus)
+        if self.device == "cpu":
+            return ["cpu"] * n
+        if n < 1 or n > gpu_count:
+            raise ValueError(f"--gpus {self.gpus}: this host has {gpu_count} GPU(s)")
+        return [f"cuda:{i}" for i in range(n)]
+
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:
             return self.engine_endpoint
@@ -108,11 +138,14 @@ def describe_errors(e: ValidationError) -> str:
     """One line per invalid setting, named by its environment variable (and flag, for an engine option)."""
     lines = []
     for err in e.errors():
-        name = str(err["loc"][0]) if err["loc"] else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a check across settings: its message names them
+            lines.append(f"  {msg}")
+            continue
+        name = str(err["loc"][0])
         where = engine_options.ENV_PREFIX + name.upper()
         if name in engine_options.BY_DEST:
             where += f" ({engine_options.BY_DEST[name].flag})"
-        msg = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
         lines.append(f"  {where}: {msg}" + ("" if isinstance(got, dict) or str(got) in msg else f" (got {got!r})"))
     return "\n".join(lines)

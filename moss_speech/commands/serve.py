@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="tiny-random (default) or a MOSS-Speech checkpoint directory [MOSS_MODEL]")
     p.add_argument("--codec", help="tiny-random (default) or a MOSS-Speech-Codec directory [MOSS_CODEC]")
     p.add_argument("--device", help="engine device: auto, cpu, cuda, cuda:N [MOSS_DEVICE]")
+    p.add_argument("--gpus", help="one engine per GPU of this host: N or all (default: one engine on --device); each "
+                                  "new session goes to the engine with the most headroom; with --device cpu, N engines "
+                                  "on the CPU [MOSS_GPUS]")
     p.add_argument("--vocoder", choices=("bigvgan", "hift"),
                    help="codec vocoder (default: hift for a codec directory without bigvgan/, else bigvgan); "
                         "hift runs as CUDA graphs and serves far more sessions on a GPU [MOSS_VOCODER]")
