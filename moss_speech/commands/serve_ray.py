@@ -8,6 +8,8 @@ front end CPU replicas (server/cluster/). The cluster is started first: `ray sta
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import socket
 import sys
 from typing import TYPE_CHECKING, Any
@@ -80,8 +82,23 @@ def run(settings: Settings, ray_args: dict[str, Any]) -> int:
     try:
         ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, TimeoutError) as e:
-        print(f"moss-speech serve: cannot join the Ray cluster at {address}: {e}", file=sys.stderr)
+        # Ray turns token authentication on for a cluster whose head found a token (~/.ray/auth_token); a client
+        # that names the address uses it only when told to.
+        hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+            "; if the cluster uses token authentication, set RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN, or the head's "
+            "~/.ray/auth_token on this host)")
+        print(f"moss-speech serve: cannot join the Ray cluster at {address}: {e}{hint}", file=sys.stderr)
         return 2
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    serve.run(application(opts), name=APP_NAME, route_prefix="/", blocking=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        serve.run(application(opts), name=APP_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:  # the application lives as long as this command: its front ends drain, its engines stop
+        serve.delete(APP_NAME)
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

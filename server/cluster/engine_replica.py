@@ -56,9 +56,15 @@ class EngineReplica:
 
     async def _renew(self) -> None:
         while self._up():
-            with contextlib.suppress(Exception):  # the directory restarting: the next beat reaches its new replica
-                await self.directory.heartbeat.remote(asdict(self.entry))
+            # A call waits for a directory replica: while it restarts (or once the application is being deleted)
+            # there is none, and the next beat goes on.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._call(self.directory.heartbeat, asdict(self.entry)), HEARTBEAT_S)
             await asyncio.sleep(HEARTBEAT_S)
+
+    @staticmethod
+    async def _call(method: Any, *args: Any) -> Any:
+        return await method.remote(*args)
 
     async def check_health(self) -> None:
         """Ray Serve's health check: an engine that was lost fails it, and Ray replaces this replica."""
@@ -78,7 +84,7 @@ class EngineReplica:
         to drain_s), then stop it."""
         self._heartbeat.cancel()
         with contextlib.suppress(Exception):
-            await self.directory.leave.remote(self.entry.replica)
+            await asyncio.wait_for(self._call(self.directory.leave, self.entry.replica), HEARTBEAT_S)
         deadline = time.monotonic() + self.drain_s
         while self._up() and self.engine.stats.get("sessions", 0) and time.monotonic() < deadline:
             await asyncio.sleep(1.0)

@@ -34,7 +34,8 @@ SETTINGS = {"model": "tiny-random", "codec": "tiny-random", "device": "cpu", "en
 @pytest.fixture(scope="module")
 def url():
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
+    ray.init("local", num_cpus=4,  # a cluster of its own, even where another one runs
+             include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
