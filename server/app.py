@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from server.engine_client import EngineClient, engine_command, gpu_count
 from server.engine_options import engine_argv
 from server.engine_pool import EnginePool, stats_callback
-from server.limits import CPU_MAX_SESSIONS, size_from_engine
+from server.limits import CPU_MAX_SESSIONS, size_from_engines
 from server.ops import routes as ops
 from server.ops.metrics import Metrics
 from server.session.manager import SessionManager
@@ -131,7 +131,12 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
             log.warning("serving RANDOM weights (tiny-random): answers are noise; pass --model/--codec for real ones")
         await asyncio.gather(engine.start(), *([vad_streams.preload()] if vad_streams is not None else []))
         if settings.max_sessions is None:  # (a worker's supervisor sets it for its workers when it runs the engine)
-            sessions.slots.set_limit(engine.session_limit(lambda st: size_from_engine(st, settings.workers, log)))
+
+            def resize() -> None:
+                sessions.slots.set_limit(engine.session_limit(lambda st: size_from_engines(st, settings.workers, log)))
+
+            resize()
+            engine.on_change = resize  # Ray's engine replicas come and go
         refresher = asyncio.create_task(_refresh_gauges(app)) if worker is not None else None
         try:
             yield

@@ -43,6 +43,7 @@ class EnginePool:
     def __init__(self, engines: Iterable[EngineClient] = ()) -> None:
         self.engines: dict[str, EngineClient] = {e.name: e for e in engines}
         self.removed_restarts = 0  # restarts counted by engines no longer in the pool (Ray replicas gone)
+        self.on_change: Callable[[], None] | None = None  # called once an engine joined or left
 
     @property
     def ready(self) -> bool:
@@ -63,9 +64,9 @@ class EnginePool:
                 best, best_room = e, room
         return best
 
-    def session_limit(self, per_engine: Callable[[dict[str, Any]], int]) -> int:
-        """The sessions all engines hold together, each engine's from its stats."""
-        return sum(per_engine(e.stats) for e in self.engines.values())
+    def session_limit(self, size: Callable[[list[dict[str, Any]]], int]) -> int:
+        """The sessions the engines hold together: `size` of their stats (server.limits.size_from_engines)."""
+        return size([e.stats for e in self.engines.values()])
 
     def stats(self) -> dict[str, Any]:
         """The aggregate of the engines' last stats: counts summed; the rest from the first engine that has them."""
@@ -99,6 +100,8 @@ class EnginePool:
         self.engines[engine.name] = engine
         await engine.start()
         log.info("engine %s joined at %s", engine.name, engine.endpoint)
+        if self.on_change is not None:
+            self.on_change()
 
     async def remove(self, name: str, why: str) -> None:
         """Drop an engine that is gone (a Ray replica that stopped): its sessions end with engine_unavailable."""
@@ -109,6 +112,8 @@ class EnginePool:
         e.end_sessions()
         self.removed_restarts += e.restarts + 1
         await e.stop()
+        if self.on_change is not None:
+            self.on_change()
 
 
 def stats_callback(metrics: Any, pool: Callable[[], EnginePool], name: str) -> Callable[[dict[str, Any]], None]:

@@ -44,7 +44,7 @@ def application(opts: RayOptions) -> Application:
         IngressFrontend, name="Frontend", num_replicas=opts.frontends,
         max_ongoing_requests=opts.sessions_per_frontend, ray_actor_options={"num_cpus": opts.frontend_cpus},
         graceful_shutdown_timeout_s=FRONTEND_SHUTDOWN_S,
-    ).bind(directory, engine, opts.settings)
+    ).bind(directory, engine, opts.settings, opts.frontends)
     return frontend
 
 

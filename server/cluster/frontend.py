@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -28,13 +30,18 @@ log = logging.getLogger("server.cluster")
 class RayEngines(EnginePool):
     """The engine replicas the directory lists, each joined once it answers and dropped once its entry expired."""
 
-    def __init__(self, directory: Any, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, directory: Any, settings: Settings, metrics: Metrics, frontends: int) -> None:
         super().__init__()
+        self._frontends = frontends
         self._directory = directory
         self._settings = settings
         self._metrics = metrics
         self._joining: dict[str, asyncio.Task[None]] = {}
         self._sync: asyncio.Task[None] | None = None
+
+    def session_limit(self, size: Callable[[list[dict[str, Any]]], int]) -> int:
+        """This front end's share of what the engines hold: Ray's proxy gives each front end as many sessions."""
+        return max(1, math.ceil(super().session_limit(size) / self._frontends))
 
     async def start(self) -> None:
         """Follow the directory; return once an engine takes sessions (EngineStartError if none does in time)."""
@@ -87,16 +94,19 @@ class RayEngines(EnginePool):
 
 
 class Frontend:
-    """Bound with the directory's handle and the engine deployment's (which puts the engines in the application)."""
+    """Bound with the directory's handle and the engine deployment's (which puts the engines in the application), and
+    the number of front end replicas (each admits its share of the sessions the engines hold)."""
 
-    def __init__(self, directory: Any, engines: Any, settings: dict[str, Any]) -> None:
+    def __init__(self, directory: Any, engines: Any, settings: dict[str, Any], frontends: int) -> None:
         self.directory = directory
         self.engines = engines
+        self.frontends = frontends
         # Sessions are placed on the replicas' engines: this process starts none.
         self.settings = Settings(**{**settings, "spawn_engine": False})
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.settings, engines=lambda metrics: RayEngines(self.directory, self.settings, metrics))
+        return create_app(self.settings, engines=lambda metrics: RayEngines(self.directory, self.settings, metrics,
+                                                                            self.frontends))
 
 
 IngressFrontend = serve.ingress()(Frontend)

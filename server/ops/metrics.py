@@ -48,13 +48,17 @@ class Metrics:
         # The same per engine (label `engine`: "0".."N-1" under --gpus, a replica's id under Ray); the ones above are
         # their sum over the engines (engine_up: 1 while any engine takes sessions).
         each = {"labelnames": ["engine"], **engine}
-        self.each_up = Gauge("moss_engines_up", "1 when this engine answers pings", **each)
+        # (under --workers: every worker's link up, the sessions of all workers, a loss every worker saw once)
+        self.each_up = Gauge("moss_engines_up", "1 when this engine answers pings", labelnames=["engine"],
+                             registry=r, multiprocess_mode="livemin")
         self.each_kv_free = Gauge("moss_engines_kv_blocks_free", "Free KV blocks in this engine", **each)
         self.each_running = Gauge("moss_engines_running_requests", "Requests this engine decodes", **each)
         self.each_waiting = Gauge("moss_engines_waiting_requests", "Requests waiting in this engine", **each)
-        self.each_sessions = Gauge("moss_engines_sessions", "Sessions placed on this engine", **each)
+        self.each_sessions = Gauge("moss_engines_sessions", "Sessions placed on this engine", labelnames=["engine"],
+                                   registry=r, multiprocess_mode="livesum")
         self.each_step_ms = Gauge("moss_engines_step_ms", "This engine's recent step time (ms)", **each)
-        self.each_restarts = Gauge("moss_engines_restarts", "Times this engine was lost and restarted", **each)
+        self.each_restarts = Gauge("moss_engines_restarts", "Times this engine was lost and restarted",
+                                   labelnames=["engine"], registry=r, multiprocess_mode="livemax")
 
     # SessionObserver
     def error(self, code: str) -> None:

@@ -17,6 +17,7 @@ from moss_speech.loadtest.audio import load_utterance
 from moss_speech.loadtest.config import LoadConfig
 from moss_speech.loadtest.driver import run_load
 from moss_speech.loadtest.report import build_report
+from server.limits import CPU_MAX_SESSIONS
 from tests.fakes.harness import RunningServer, recv_event, recv_until, send, tiny_settings, user_text
 from tests.server.engines_support import ended_by_engine_loss, long_answer, short_answer, until_health
 
@@ -45,6 +46,7 @@ async def test_twenty_sessions_spread_over_both_engines_and_stay(srv):
         assert placed(srv) == on
         body = srv.health().json()
         assert body["engine"]["kv_total"] == sum(e["stats"]["kv_total"] for e in body["engines"].values())
+        assert body["max_sessions"] == 2 * CPU_MAX_SESSIONS  # each engine's limit, summed
         metrics = httpx.get(srv.http + "/metrics", timeout=10).text
         assert f'moss_engines_sessions{{engine="0"}} {on["0"]:.1f}' in metrics
         assert 'moss_engines_up{engine="1"} 1.0' in metrics

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,9 +21,10 @@ from moss_speech.loadtest.audio import load_utterance
 from moss_speech.loadtest.config import LoadConfig
 from moss_speech.loadtest.driver import run_load
 from moss_speech.loadtest.report import build_report
-from server.cluster.autoscale import desired_engines
+from server.cluster.autoscale import desired_engines, sessions_per_engine
 from server.cluster.deploy import APP_NAME, application
 from server.cluster.options import RayOptions, RayOptionsError
+from server.limits import CPU_MAX_SESSIONS
 from tests.fakes.harness import free_port, recv_event, send, user_text
 from tests.paths import REPO
 from tests.server.engines_support import ended_by_engine_loss, long_answer, short_answer, until_health
@@ -78,6 +80,8 @@ async def test_twenty_sessions_spread_over_both_engine_replicas(url):
             await recv_event(ws)
         on = await placed(url)
         assert sum(on.values()) == 20 and len(on) == 2 and min(on.values()) >= 8, on
+        # the one front end admits what both engines hold (CPU_MAX_SESSIONS each, engines on the CPU)
+        assert (await until_health(url, lambda b: True))["max_sessions"] == 2 * CPU_MAX_SESSIONS
     finally:
         for ws in sockets:
             await ws.close()
@@ -109,6 +113,7 @@ async def test_engine_replica_killed_mid_answer_ends_only_its_sessions(url):
     # Ray replaces the replica: a new one (a new id) registers, loads and takes sessions
     body = await until_health(url, lambda b: len(b["engines"]) == 2 and victim not in b["engines"]
                               and all(e["alive"] for e in b["engines"].values()))
+    assert body["max_sessions"] == 2 * CPU_MAX_SESSIONS  # the new engine's share counted again
     await until_health(url, lambda b: all(e["sessions_placed"] == 0 for e in b["engines"].values()))
     new = next(n for n in body["engines"] if n not in {name for _, name in opened})
     fresh = [await open_session(url) for _ in range(2)]
@@ -145,6 +150,22 @@ def test_options_are_checked_by_name():
     with pytest.raises(RayOptionsError, match="unknown \\['gpus'\\]"):
         RayOptions.from_args({"gpus": 2})
     assert RayOptions(engines=1, max_engines=4).autoscaling and not RayOptions(engines=2).autoscaling
+
+
+def test_autoscaling_policy_reads_the_replicas_sessions_within_rays_bounds():
+    def ctx(sessions: list[float], capacity: list[float], lo: int = 1, hi: int = 8) -> SimpleNamespace:
+        return SimpleNamespace(aggregated_metrics={"sessions": dict(enumerate(sessions)),
+                                                   "capacity": dict(enumerate(capacity))},
+                               current_num_replicas=len(sessions), capacity_adjusted_min_replicas=lo,
+                               capacity_adjusted_max_replicas=hi)
+
+    assert sessions_per_engine(ctx([150, 130], [256, 256])) == (2, {})
+    assert sessions_per_engine(ctx([250, 250], [256, 256])) == (3, {})
+    assert sessions_per_engine(ctx([250, 250, 250], [256, 256, 256], hi=3)) == (3, {})  # no more GPUs
+    assert sessions_per_engine(ctx([3, 2], [256, 256], lo=2)) == (2, {})
+    assert sessions_per_engine(SimpleNamespace(aggregated_metrics=None, current_num_replicas=2,
+                                               capacity_adjusted_min_replicas=1,
+                                               capacity_adjusted_max_replicas=8)) == (2, {})
 
 
 def test_autoscaling_wants_engines_at_three_quarters_of_what_each_holds():
