@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.engine_client import EngineClient, engine_command, gpu_count
+from server.engine_client import EngineClient, engine_command
 from server.engine_options import engine_argv
 from server.engine_pool import EnginePool, stats_callback
 from server.limits import CPU_MAX_SESSIONS, size_from_engines
@@ -26,7 +26,7 @@ from server.ops import routes as ops
 from server.ops.metrics import Metrics
 from server.session.manager import SessionManager
 from server.session.session import SessionLimits
-from server.settings import Settings
+from server.settings import Settings, gpu_count
 from server.transports import ws as realtime_ws
 from server.transports.webrtc import routes as webrtc_routes
 from server.workers.context import WorkerContext

@@ -53,17 +53,6 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def gpu_count() -> int:
-    """The GPUs this process may use (CUDA_VISIBLE_DEVICES, else the driver's list), without loading CUDA."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
-
-
 def engine_command(model: str, codec: str, device: str, endpoint: str, vocoder: str | None = None) -> list[str]:
     device = resolve_device(device)
     return [sys.executable, "-m", "engines.process.main", "--model", model, "--codec", codec,

@@ -32,6 +32,17 @@ def _split(v: Any) -> Any:
 RANDOM_PRESETS = {"tiny-random", "full-random"}
 
 
+def gpu_count() -> int:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES, else the driver's list), without loading CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
 # The engine process's options, one field each (None: the engine's default), beside the server's own below.
 _EngineSettings = create_model("_EngineSettings", __base__=BaseSettings, **engine_options.settings_fields())
 
@@ -108,6 +119,8 @@ class Settings(_EngineSettings):
                              f"(got {self.device!r})")
         if self.gpus == "all" and self.device == "cpu":
             raise ValueError(f"{where}: 'all' counts GPUs; with --device cpu give the number of engines")
+        if self.device != "cpu" and (n := gpu_count()) < (1 if self.gpus == "all" else int(self.gpus)):
+            raise ValueError(f"{where}: this host has {n} GPU(s) (CUDA_VISIBLE_DEVICES, else the driver's list)")
         return self
 
     def engine_devices(self, gpu_count: int) -> list[str]:
@@ -118,9 +131,7 @@ class Settings(_EngineSettings):
         n = gpu_count if self.gpus == "all" else int(self.gpus)
         if self.device == "cpu":
             return ["cpu"] * n
-        if n < 1 or n > gpu_count:
-            raise ValueError(f"--gpus {self.gpus}: this host has {gpu_count} GPU(s)")
-        return [f"cuda:{i}" for i in range(n)]
+        return [f"cuda:{i}" for i in range(n)]  # (the settings' check saw that many)
 
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:

@@ -13,11 +13,13 @@ import httpx
 import pytest
 import websockets
 
+from moss_speech.cli import main
 from moss_speech.loadtest.audio import load_utterance
 from moss_speech.loadtest.config import LoadConfig
 from moss_speech.loadtest.driver import run_load
 from moss_speech.loadtest.report import build_report
 from server.limits import CPU_MAX_SESSIONS
+from server.settings import gpu_count
 from tests.fakes.harness import RunningServer, recv_event, recv_until, send, tiny_settings, user_text
 from tests.server.engines_support import ended_by_engine_loss, long_answer, short_answer, until_health
 
@@ -111,12 +113,17 @@ def test_load_test_against_two_engines_has_no_errors(srv):
     assert srv.health().json()["engines"]["1"]["stats"]["steps"] > 0
 
 
-def test_start_up_asks_for_a_sane_gpus_setting():
+def test_start_up_asks_for_a_sane_gpus_setting(monkeypatch, capsys):
     with pytest.raises(ValueError, match="leave --workers at 1"):
         tiny_settings(gpus="2", workers=2)
     with pytest.raises(ValueError, match="'all' counts GPUs"):
         tiny_settings(gpus="all")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ValueError, match="this host has 0 GPU"):
-        tiny_settings(gpus="2", device="auto").engine_devices(0)
+        tiny_settings(gpus="2", device="auto")
+    assert main(["serve", "--gpus", "1", "--device", "cuda"]) == 2
+    assert "MOSS_GPUS (--gpus): this host has 0 GPU(s)" in capsys.readouterr().err
     assert tiny_settings(gpus="2").engine_devices(0) == ["cpu", "cpu"]
-    assert tiny_settings(gpus="all", device="cuda").engine_devices(3) == ["cuda:0", "cuda:1", "cuda:2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert tiny_settings(gpus="all", device="cuda").engine_devices(gpu_count()) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert tiny_settings(gpus="2", device="auto").engine_devices(gpu_count()) == ["cuda:0", "cuda:1"]
