@@ -42,10 +42,10 @@ COPY client_web ./client_web
 COPY tests/data/speech_en_16k.wav ./tests/data/speech_en_16k.wav
 
 # Editable install: `moss-speech loadtest` finds its default speech sample (tests/data/) beside the packages, as
-# in a checkout. (The web page is package data: an ordinary install serves it too.)
+# in a checkout. With Ray Serve: the same image runs under KubeRay (docker/kuberay-rayservice.yaml). (The web page is package data: an ordinary install serves it too.)
 # bigvgan without its training extras, as the Makefile does (we only use its generator class).
 # hadolint ignore=DL3013
-RUN pip install -e . \
+RUN pip install -e '.[ray]' \
  && pip install --no-deps bigvgan==2.4.1 \
  && python -c "import torch; v = torch.__version__; assert v.split('+')[0] == '2.13.0', v"
 

@@ -13,19 +13,20 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
 
 from server.engine_client import EngineClient, engine_command
 from server.engine_options import engine_argv
-from server.limits import CPU_MAX_SESSIONS, size_from_engine
+from server.engine_pool import EnginePool, stats_callback
+from server.limits import CPU_MAX_SESSIONS, size_from_engines
 from server.ops import routes as ops
 from server.ops.metrics import Metrics
 from server.session.manager import SessionManager
 from server.session.session import SessionLimits
-from server.settings import Settings
+from server.settings import Settings, gpu_count
 from server.transports import ws as realtime_ws
 from server.transports.webrtc import routes as webrtc_routes
 from server.workers.context import WorkerContext
@@ -68,31 +69,50 @@ class _VadStreams:
         return self._batcher is not None and self._batcher.loaded
 
 
-def engine_client(settings: Settings, endpoint: str, **callbacks: Any) -> EngineClient:
-    """The link to the engine at `endpoint`: it spawns and supervises the engine when settings say so, with the
-    engine options the settings give (after the engine command's own arguments, when the settings replace it)."""
+def engine_client(settings: Settings, endpoint: str, device: str | None = None, **callbacks: Any) -> EngineClient:
+    """The link to the engine at `endpoint`: it spawns and supervises the engine (on `device`, else the settings')
+    when settings say so, with the engine options the settings give (after the engine command's own arguments,
+    when the settings replace it)."""
     command = None
     if settings.spawn_engine:
-        command = [*settings.engine_command, "--endpoint", endpoint] if settings.engine_command else engine_command(
-            settings.model, settings.codec, settings.device, endpoint, settings.vocoder)
+        if settings.engine_command:
+            command = [*settings.engine_command, "--endpoint", endpoint]
+            if device is not None:
+                command += ["--device", device]
+        else:
+            command = engine_command(settings.model, settings.codec, device or settings.device, endpoint,
+                                     settings.vocoder)
         command += engine_argv(settings)
     return EngineClient(endpoint, command, ready_timeout_s=settings.engine_ready_timeout_s,
                         ping_interval_s=settings.engine_ping_interval_s,
                         ping_timeout_s=settings.engine_ping_timeout_s, **callbacks)
 
 
+def local_engines(settings: Settings, metrics: Metrics, worker: WorkerContext | None) -> EnginePool:
+    """The engine this server runs (or connects to), or with --gpus one per GPU, each on a private socket."""
+    pool = EnginePool()
+    # Every worker sees each engine loss; one of them counts it.
+    on_lost = metrics.engine_restarts.inc if worker is None or worker.index == 0 else None
+    generation = worker.engine_generation_now if worker is not None and worker.engine_generation is not None else None
+    devices = settings.engine_devices(gpu_count() if settings.gpus is not None else 0)
+    for i, device in enumerate(devices):
+        name = str(i)
+        pool.engines[name] = engine_client(
+            settings, settings.resolved_endpoint(), device if settings.gpus is not None else None, name=name,
+            on_stats=stats_callback(metrics, lambda: pool, name), on_lost=on_lost, generation=generation)
+    return pool
+
+
 GAUGE_REFRESH_S = 1.0  # under --workers: how stale another worker's share of a gauge may be at a scrape
 
 
-def create_app(settings: Settings | None = None, worker: WorkerContext | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, worker: WorkerContext | None = None,
+               engines: Callable[[Metrics], EnginePool] | None = None) -> FastAPI:
+    """`engines`: the engines to place sessions on, given the app's metrics (Ray Serve's replicas); default: the
+    engine (or with --gpus the engines) this server runs."""
     settings = settings or Settings()
     metrics = Metrics()
-    engine = engine_client(
-        settings, settings.resolved_endpoint(), on_stats=metrics.engine_stats,
-        # Every worker sees each engine loss; one of them counts it.
-        on_lost=metrics.engine_restarts.inc if worker is None or worker.index == 0 else None,
-        generation=worker.engine_generation_now if worker is not None and worker.engine_generation is not None
-        else None)
+    engine = engines(metrics) if engines is not None else local_engines(settings, metrics, worker)
     limits = SessionLimits(max_message_bytes=settings.max_message_bytes,
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
                            output_queue_size=settings.output_queue_size, idle_timeout_s=settings.idle_timeout_s)
@@ -111,7 +131,12 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
             log.warning("serving RANDOM weights (tiny-random): answers are noise; pass --model/--codec for real ones")
         await asyncio.gather(engine.start(), *([vad_streams.preload()] if vad_streams is not None else []))
         if settings.max_sessions is None:  # (a worker's supervisor sets it for its workers when it runs the engine)
-            sessions.slots.set_limit(size_from_engine(engine.stats, settings.workers, log))
+
+            def resize() -> None:
+                sessions.slots.set_limit(engine.session_limit(lambda st: size_from_engines(st, settings.workers, log)))
+
+            resize()
+            engine.on_change = resize  # Ray's engine replicas come and go
         refresher = asyncio.create_task(_refresh_gauges(app)) if worker is not None else None
         try:
             yield
@@ -129,7 +154,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     app.state.settings = settings
     app.state.client_secret_ok = None  # server.auth.ClientSecretCheck, set where client secrets are issued
     app.state.metrics = metrics
-    app.state.engine = engine
+    app.state.engines = engine
     app.state.sessions = sessions
     app.state.vad_streams = vad_streams
     app.state.worker = worker

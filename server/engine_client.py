@@ -72,7 +72,9 @@ class EngineClient:
         on_stats: Callable[[dict[str, Any]], None] | None = None,
         on_lost: Callable[[], None] | None = None,
         generation: Callable[[], int] | None = None,
+        name: str = "0",
     ) -> None:
+        self.name = name  # the label of this engine in /health and /metrics
         self.endpoint = endpoint
         self.command = command  # None: connect to an engine run elsewhere
         self.ready_timeout_s = ready_timeout_s
@@ -104,6 +106,20 @@ class EngineClient:
 
     def unregister(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+
+    @property
+    def placed(self) -> int:
+        """Sessions open on this engine."""
+        return len(self._sessions)
+
+    def end_sessions(self) -> None:
+        """The engine is gone with their history: every session on it ends with engine_unavailable."""
+        for session in list(self._sessions.values()):
+            try:
+                session.on_engine_lost()
+            except Exception:  # noqa: BLE001
+                log.exception("session failed to handle engine loss")
+        self._sessions.clear()
 
     async def send(self, msg: Any) -> None:
         sock = self._sock
@@ -229,14 +245,9 @@ class EngineClient:
                 await self._engine_lost(why)
 
     async def _engine_lost(self, why: str) -> None:
-        log.error("engine lost (%s): ending %d session(s) and restarting", why, len(self._sessions))
+        log.error("engine lost (%s): ending %d session(s) and restarting engine=%s", why, self.placed, self.name)
         self.ready = False
-        for session in list(self._sessions.values()):
-            try:
-                session.on_engine_lost()
-            except Exception:  # noqa: BLE001
-                log.exception("session failed to handle engine loss")
-        self._sessions.clear()
+        self.end_sessions()
         if self._on_lost is not None:
             self._on_lost()
         await self._close_socket()

@@ -59,6 +59,22 @@ def size_from_engine(stats: dict[str, Any], workers: int, log: logging.Logger) -
     return limit.sessions
 
 
+def size_from_engines(stats: list[dict[str, Any]], workers: int, log: logging.Logger) -> int:
+    """The session limit of several engines (--gpus, Ray's replicas): the sum of each one's, logged once. One engine:
+    size_from_engine's."""
+    if len(stats) == 1:
+        return size_from_engine(stats[0], workers, log)
+    each = [session_limit(s).sessions for s in stats]
+    total = sum(each)
+    log.info("max_sessions %d: the sum of %d engines' (%s; MOSS_MAX_SESSIONS sets it)", total, len(each),
+             " + ".join(map(str, each)))
+    if total > SESSIONS_PER_WORKER:
+        log.warning("max_sessions %d in one server process: it carries ~%d real-time sessions, beyond that turns end "
+                    "late and audio stutters; past that run on Ray Serve with more front ends (docs/operations.md, "
+                    "Scaling out)", total, SESSIONS_PER_WORKER)
+    return total
+
+
 def workers_advice(max_sessions: int, workers: int) -> str | None:
     """A warning when the session limit is more than the server processes carry in real time, else None."""
     need = -(-max_sessions // SESSIONS_PER_WORKER)

@@ -12,7 +12,7 @@ import secrets
 import tempfile
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server import engine_options
@@ -32,6 +32,17 @@ def _split(v: Any) -> Any:
 RANDOM_PRESETS = {"tiny-random", "full-random"}
 
 
+def gpu_count() -> int:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES, else the driver's list), without loading CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
 # The engine process's options, one field each (None: the engine's default), beside the server's own below.
 _EngineSettings = create_model("_EngineSettings", __base__=BaseSettings, **engine_options.settings_fields())
 
@@ -48,6 +59,7 @@ class Settings(_EngineSettings):
     model: str = "tiny-random"  # tiny-random or a MOSS-Speech checkpoint directory
     codec: str = "tiny-random"  # tiny-random or a MOSS-Speech-Codec directory
     device: str = "auto"  # passed to the engine: auto, cpu, cuda, cuda:N
+    gpus: str | None = Field(None, pattern="^(all|[1-9][0-9]*)$")  # one engine per GPU (N, or all); None: one engine
     vocoder: str | None = Field(None, pattern="^(bigvgan|hift)$")  # None: the engine's default for the codec
     model_name: str = "moss-speech"  # the `model` reported to clients (session.model)
 
@@ -105,6 +117,35 @@ class Settings(_EngineSettings):
         """What logs must never show (server/ops/logs.py redacts each)."""
         return [*self.api_keys, *([self.turn_secret] if self.turn_secret else [])]
 
+    @model_validator(mode="after")
+    def _gpus(self) -> Settings:
+        if self.gpus is None:
+            return self
+        where = "MOSS_GPUS (--gpus)"
+        if self.workers > 1:
+            raise ValueError(f"{where}: its engines are placed on by one server process; leave --workers at 1")
+        if self.engine_endpoint or not self.spawn_engine:
+            raise ValueError(f"{where}: the server starts these engines itself, each on a private socket; unset "
+                             "--engine-endpoint and --no-spawn-engine")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"{where}: each engine gets a GPU of its own, so --device is auto, cuda or cpu "
+                             f"(got {self.device!r})")
+        if self.gpus == "all" and self.device == "cpu":
+            raise ValueError(f"{where}: 'all' counts GPUs; with --device cpu give the number of engines")
+        if self.device != "cpu" and (n := gpu_count()) < (1 if self.gpus == "all" else int(self.gpus)):
+            raise ValueError(f"{where}: this host has {n} GPU(s) (CUDA_VISIBLE_DEVICES, else the driver's list)")
+        return self
+
+    def engine_devices(self, gpu_count: int) -> list[str]:
+        """The device of each engine: one engine on `device`, or with `gpus` one per GPU (cuda:0, cuda:1...; on the
+        CPU, N engines on cpu). `gpu_count` is the GPUs this host has."""
+        if self.gpus is None:
+            return [self.device]
+        n = gpu_count if self.gpus == "all" else int(self.gpus)
+        if self.device == "cpu":
+            return ["cpu"] * n
+        return [f"cuda:{i}" for i in range(n)]  # (the settings' check saw that many)
+
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:
             return self.engine_endpoint
@@ -121,11 +162,14 @@ def describe_errors(e: ValidationError) -> str:
     """One line per invalid setting, named by its environment variable (and flag, for an engine option)."""
     lines = []
     for err in e.errors():
-        name = str(err["loc"][0]) if err["loc"] else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a check across settings: its message names them
+            lines.append(f"  {msg}")
+            continue
+        name = str(err["loc"][0])
         where = engine_options.ENV_PREFIX + name.upper()
         if name in engine_options.BY_DEST:
             where += f" ({engine_options.BY_DEST[name].flag})"
-        msg = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
         lines.append(f"  {where}: {msg}" + ("" if isinstance(got, dict) or str(got) in msg else f" (got {got!r})"))
     return "\n".join(lines)

@@ -60,6 +60,7 @@ from engines.protocol import messages as m
 log = logging.getLogger("engines.process")
 
 SLOW_STEP_S = 0.1
+STEP_MS_WEIGHT = 0.1  # the weight of the latest step in the recent step time the engine reports
 
 
 class Service(UserInput, Responses, Outputs):
@@ -119,6 +120,7 @@ class Service(UserInput, Responses, Outputs):
         # returns False (Engine.step's `on_wait`; it calls handle_early and while_stepping).
         self.step_wait: Callable[[], bool] | None = None
         self.spans = Spans()  # where the loop's time goes, per message kind and step part (the load log)
+        self._step_ms = 0.0  # recent time of a step that ran rows (an average over ~10), for the server's placement
 
     # ---- entry points -------------------------------------------------------------------
 
@@ -185,6 +187,8 @@ class Service(UserInput, Responses, Outputs):
         t1 = time.perf_counter()
         outputs: list[StepOutput] = self.engine.step(on_wait=self.step_wait)
         t2 = time.perf_counter()
+        if outputs:
+            self._step_ms += STEP_MS_WEIGHT * ((t2 - t1) * 1e3 - self._step_ms)
         finished: list[tuple[Session, Turn, StepOutput]] = []
         live: list[tuple[Session, ResponseState]] = []
         for o in outputs:
@@ -229,6 +233,7 @@ class Service(UserInput, Responses, Outputs):
     def stats(self) -> dict[str, Any]:
         st = self.engine.stats()
         return {"running": st.running, "waiting": st.waiting, "kv_free": st.free_blocks, "kv_total": st.total_blocks,
+                "step_ms": round(self._step_ms, 3) if st.running else 0.0,
                 "steps": st.steps, "prefilled_rows": st.prefilled_rows, "decoded_rows": st.decoded_rows,
                 "sessions": len(self.sessions), "device_name": self.device_name, **self._capacity}
 

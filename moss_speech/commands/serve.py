@@ -11,6 +11,7 @@ import sys
 
 from pydantic import ValidationError
 
+from moss_speech.commands import serve_ray
 from server import engine_options
 from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, workers_advice
 
@@ -19,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="tiny-random (default) or a MOSS-Speech checkpoint directory [MOSS_MODEL]")
     p.add_argument("--codec", help="tiny-random (default) or a MOSS-Speech-Codec directory [MOSS_CODEC]")
     p.add_argument("--device", help="engine device: auto, cpu, cuda, cuda:N [MOSS_DEVICE]")
+    p.add_argument("--gpus", help="one engine per GPU of this host: N or all (default: one engine on --device); each "
+                                  "new session goes to the engine with the most headroom; with --device cpu, N engines "
+                                  "on the CPU [MOSS_GPUS]")
     p.add_argument("--vocoder", choices=("bigvgan", "hift"),
                    help="codec vocoder (default: hift for a codec directory without bigvgan/, else bigvgan); "
                         "hift runs as CUDA graphs and serves far more sessions on a GPU [MOSS_VOCODER]")
@@ -55,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="debug, info, warning, error (default info) [MOSS_LOG_LEVEL]")
     p.add_argument("--log-format", choices=("kv", "json"), help="key=value (default) or JSON lines")
     engine_options.add_arguments(p)
+    serve_ray.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,13 +68,16 @@ def run(args: argparse.Namespace) -> int:
     from server.serving import DrainingServer, raise_open_file_limit, uvicorn_config
     from server.settings import Settings, describe_errors
 
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    ray_args = {k: getattr(args, k, None) for k in serve_ray.FLAGS}
+    overrides = {k: v for k, v in vars(args).items() if v is not None and k not in serve_ray.FLAGS}
     try:
         settings = Settings(**overrides)
     except ValidationError as e:
         print(f"moss-speech serve: invalid settings:\n{describe_errors(e)}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level, settings.log_format, secrets=settings.secrets())
+    if ray_args["ray"] is not None:
+        return serve_ray.run(settings, ray_args)
     if settings.max_sessions is not None and (advice := workers_advice(settings.max_sessions, settings.workers)):
         logging.getLogger("server").warning("%s", advice)
     if settings.workers > 1:

@@ -45,6 +45,20 @@ class Metrics:
         self.kv_blocks_used = Gauge("moss_kv_blocks_used", "Used KV blocks in the engine", **engine)
         self.engine_running = Gauge("moss_engine_running_requests", "Requests being decoded", **engine)
         self.engine_waiting = Gauge("moss_engine_waiting_requests", "Requests waiting for admission", **engine)
+        # The same per engine (label `engine`: "0".."N-1" under --gpus, a replica's id under Ray); the ones above are
+        # their sum over the engines (engine_up: 1 while any engine takes sessions).
+        each = {"labelnames": ["engine"], **engine}
+        # (under --workers: every worker's link up, the sessions of all workers, a loss every worker saw once)
+        self.each_up = Gauge("moss_engines_up", "1 when this engine answers pings", labelnames=["engine"],
+                             registry=r, multiprocess_mode="livemin")
+        self.each_kv_free = Gauge("moss_engines_kv_blocks_free", "Free KV blocks in this engine", **each)
+        self.each_running = Gauge("moss_engines_running_requests", "Requests this engine decodes", **each)
+        self.each_waiting = Gauge("moss_engines_waiting_requests", "Requests waiting in this engine", **each)
+        self.each_sessions = Gauge("moss_engines_sessions", "Sessions placed on this engine", labelnames=["engine"],
+                                   registry=r, multiprocess_mode="livesum")
+        self.each_step_ms = Gauge("moss_engines_step_ms", "This engine's recent step time (ms)", **each)
+        self.each_restarts = Gauge("moss_engines_restarts", "Times this engine was lost and restarted",
+                                   labelnames=["engine"], registry=r, multiprocess_mode="livemax")
 
     # SessionObserver
     def error(self, code: str) -> None:
@@ -60,8 +74,15 @@ class Metrics:
         self.underruns.inc()
         self.underrun_seconds.inc(seconds)
 
-    def engine_stats(self, stats: dict[str, Any]) -> None:
+    def engine_stats(self, stats: dict[str, Any], engine: str | None = None) -> None:
+        """The figures of an engine's Pong (`engine` named) or of all engines together."""
         free, total = stats.get("kv_free"), stats.get("kv_total")
+        if engine is not None:
+            for key, gauge in (("kv_free", self.each_kv_free), ("running", self.each_running),
+                               ("waiting", self.each_waiting), ("step_ms", self.each_step_ms)):
+                if isinstance(stats.get(key), int | float):
+                    gauge.labels(engine=engine).set(stats[key])
+            return
         if isinstance(free, int | float):
             self.kv_blocks_free.set(free)
             if isinstance(total, int | float):
@@ -69,6 +90,18 @@ class Metrics:
         for key, gauge in (("running", self.engine_running), ("waiting", self.engine_waiting)):
             if isinstance(stats.get(key), int | float):
                 gauge.set(stats[key])
+
+    def engines(self, each: dict[str, dict[str, Any]]) -> None:
+        """Each engine's liveness, sessions and restarts (server.engine_pool.EnginePool.each); gone ones dropped."""
+        for gauge in (self.each_up, self.each_sessions, self.each_restarts, self.each_kv_free, self.each_running,
+                      self.each_waiting, self.each_step_ms):
+            for (name,) in list(gauge._metrics):  # the labels set so far
+                if name not in each:
+                    gauge.remove(name)
+        for name, e in each.items():
+            self.each_up.labels(engine=name).set(1 if e["alive"] else 0)
+            self.each_sessions.labels(engine=name).set(e["sessions_placed"])
+            self.each_restarts.labels(engine=name).set(e["restarts"])
 
     def render(self) -> bytes:
         path = os.environ.get(MULTIPROC_ENV)

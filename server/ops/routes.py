@@ -15,10 +15,10 @@ router = APIRouter()
 async def health(request: Request) -> JSONResponse:
     """200 when the engine answers pings and the server accepts sessions; 503 otherwise (with why)."""
     st = request.app.state
-    engine = st.engine
+    engine = st.engines
     body = {
         "status": "ok",
-        "engine_alive": bool(engine.ready),
+        "engine_alive": bool(engine.ready),  # any engine takes sessions
         "model_loaded": bool(engine.ready),
         "model": st.settings.model,
         "codec": st.settings.codec,
@@ -28,7 +28,8 @@ async def health(request: Request) -> JSONResponse:
         "worker": st.worker.index if getattr(st, "worker", None) is not None else None,
         "draining": st.sessions.draining,
         "engine_restarts": engine.restarts,
-        "engine": engine.stats,
+        "engine": engine.stats(),  # summed over the engines
+        "engines": engine.each(),
     }
     if not engine.ready or st.sessions.draining:
         body["status"] = "draining" if st.sessions.draining else "engine_unavailable"
@@ -39,7 +40,8 @@ async def health(request: Request) -> JSONResponse:
 def refresh_gauges(st: Any) -> None:
     """This process's gauges from its sessions (under --workers each worker's share; the scrape adds them)."""
     st.metrics.queue_depth.set(sum(len(s.outbound) for s in st.sessions.sessions.values()))
-    st.metrics.engine_up.set(1 if st.engine.ready else 0)
+    st.metrics.engine_up.set(1 if st.engines.ready else 0)
+    st.metrics.engines(st.engines.each())
     st.metrics.active_sessions.set(len(st.sessions))  # WebSocket and WebRTC sessions alike
 
 

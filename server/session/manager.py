@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from engines.protocol import errors
 from server.session import server_events as ev
@@ -45,11 +45,19 @@ class Draining(SessionRefused):
     code = errors.SERVER_SHUTTING_DOWN
 
 
+class Placement(Protocol):
+    """The engines sessions are placed on (server.engine_pool.EnginePool)."""
+
+    ready: bool
+
+    def pick(self) -> EngineLink | None: ...
+
+
 class SessionManager:
-    def __init__(self, engine: EngineLink, *, max_sessions: int, limits: SessionLimits, model: str,
+    def __init__(self, engines: Placement, *, max_sessions: int, limits: SessionLimits, model: str,
                  vad_factory: Callable[[], Any] | None = None, observer: SessionObserver | None = None,
                  slots: Slots | None = None) -> None:
-        self.engine = engine
+        self.engines = engines
         # The admission count and its limit: this process's sessions, or the whole server's under --workers.
         self.slots = slots if slots is not None else Slots(max_sessions)
         self.limits = limits
@@ -68,18 +76,21 @@ class SessionManager:
     def create(self, audio_out: AudioOutMode = "events") -> Session:
         if self.draining:
             raise Draining("the server is shutting down")
-        if not self.engine.ready:
+        engine = self.engines.pick()
+        if engine is None:
             raise EngineUnavailable("the engine is not ready (starting or restarting); retry shortly")
         if not self.slots.try_take():
             raise ServerBusy(f"the server is at its limit of {self.slots.limit} sessions; retry later")
         sid = ev.new_id("sess")
         try:
-            s = Session(sid, self.engine, model=self.model, limits=self.limits, audio_out=audio_out,
+            s = Session(sid, engine, model=self.model, limits=self.limits, audio_out=audio_out,
                         vad_factory=self.vad_factory, observer=self.observer, on_closed=self._forget)
         except BaseException:
             self.slots.put_back()
             raise
         self.sessions[sid] = s
+        # Counted on its engine now, not at start(): the next session's placement must see this one.
+        engine.register(sid, s)
         return s
 
     @contextlib.asynccontextmanager

@@ -64,10 +64,14 @@ class RunningServer:
         """The engine's stats from its last Pong (one ping interval old at most)."""
         return self.health().json()["engine"]
 
-    def engine_stats_now(self, timeout: float = 60.0) -> dict[str, Any]:
+    def engine(self, name: str = "0") -> Any:
+        """The server's link to one of its engines (server.engine_client.EngineClient)."""
+        return self.app.state.engines.engines[name]
+
+    def engine_stats_now(self, timeout: float = 60.0, name: str = "0") -> dict[str, Any]:
         """The engine's stats from a Pong to a Ping sent now, on the server's engine socket: the engine has handled
         every message the server sent it before (one socket, in order)."""
-        engine = self.app.state.engine
+        engine = self.engine(name)
         ping = engine._ping(engine._sock, timeout)
         pong = asyncio.run_coroutine_threadsafe(ping, engine._recv_task.get_loop()).result(timeout + 10)
         assert pong is not None, f"the engine did not answer a ping within {timeout} s"

@@ -157,7 +157,7 @@ async def test_disconnect_mid_answer_frees_kv(srv):
 async def test_engine_killed_mid_session_then_new_session_works(srv):
     async with websockets.connect(srv.ws, max_size=None) as ws:
         await _start_long_answer(ws)
-        os.kill(srv.app.state.engine.proc.pid, signal.SIGKILL)
+        os.kill(srv.engine().proc.pid, signal.SIGKILL)
         evs = []
         with pytest.raises(websockets.ConnectionClosed) as e:
             while True:

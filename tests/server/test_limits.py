@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
 
-from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, SESSIONS_PER_RUNNING, session_limit
+from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, SESSIONS_PER_RUNNING, session_limit, size_from_engines
 from tests.fakes.fake_engine import BLOCK_ROWS, KV_TOTAL
 from tests.fakes.harness import RunningServer, fake_settings
 
@@ -34,6 +35,19 @@ def test_off_a_gpu_or_without_the_figures_the_limit_is_the_cpu_default():
     without = {k: v for k, v in GPU.items() if k != "max_running"}
     assert session_limit(without).sessions == CPU_MAX_SESSIONS  # an engine that does not say
     assert session_limit({}).sessions == CPU_MAX_SESSIONS
+
+
+def test_several_engines_hold_the_sum_of_their_limits_and_one_process_says_when_that_is_too_many(caplog):
+    log = logging.getLogger("server.app")
+    with caplog.at_level("INFO", logger="server.app"):
+        assert size_from_engines([GPU, {**GPU, "kv_total": 4_000}], 1, log) == 256 + 64_000 // SESSION_ROWS
+    assert "the sum of 2 engines' (256 + 31" in caplog.text and "run on Ray Serve" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="server.app"):
+        assert size_from_engines([{"device": "cpu"}] * 2, 1, log) == 2 * CPU_MAX_SESSIONS
+    assert "Ray Serve" in caplog.text  # 128 sessions on one server process
+    with caplog.at_level("INFO", logger="server.app"):
+        assert size_from_engines([GPU], 4, log) == 256  # one engine: as before
 
 
 @pytest.mark.parametrize(("settings", "limit"), [

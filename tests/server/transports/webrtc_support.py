@@ -48,6 +48,9 @@ class ScriptedEngine:
     def unregister(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 
+    def pick(self) -> ScriptedEngine | None:  # the one engine sessions are placed on
+        return self if self.ready else None
+
     def count(self, kind: type) -> int:
         return sum(isinstance(x, kind) for x in self.received)
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The Ray Serve path against the direct one on one GPU, same host, same load: `moss-speech serve` with two server
+# processes (--workers 2) and `moss-speech serve --ray` with two front end replicas and one engine replica, each
+# driven by `moss-speech loadtest` at RVD_SESSIONS (128) sessions. Reports p95 commit -> first audio
+# (ttfa_commit_ms) of each and the server side's CPU per session (docs/bench/proc_cpu.py: the server processes, or
+# Ray's front ends, proxy, engine replica and control processes; not the engine process, not the client).
+# Run from the repository root on the GPU host, one step per call on the same machine while it is warm (the carry
+# limit is 64 MiB a call; results are kept in /tmp/rvd between calls and copied to $OUT):
+#   RVD_MODE=stage  bash docs/bench/gpu_ray_vs_direct.sh      carrying .whl-ray/a  (docs/bench/gpu_ray_wheels.sh)
+#   RVD_MODE=stage  bash docs/bench/gpu_ray_vs_direct.sh      carrying .whl-ray/b
+#   RVD_MODE=direct bash docs/bench/gpu_ray_vs_direct.sh      carrying .whl        (docs/bench/gpu_wheels.sh; ~4 min)
+#   RVD_MODE=ray    bash docs/bench/gpu_ray_vs_direct.sh      (~5 min; ends with the table of both)
+set -u
+OUT=${OUT:-/tmp}; N=${RVD_SESSIONS:-128}; PORT=8000; MODE=${RVD_MODE:-direct}
+SITE=/tmp/site; WHEELS=/tmp/moss-ray-wheels; KEEP=/tmp/rvd; mkdir -p $WHEELS $KEEP
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0  # (the checkout: Ray's workers start elsewhere)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
+export MOSS_MAX_SESSIONS=${MOSS_MAX_SESSIONS:-288} MOSS_LOG_LEVEL=warning MOSS_MAX_RUNNING=${MOSS_MAX_RUNNING:-128} \
+  MOSS_MAX_MODEL_LEN=${MOSS_MAX_MODEL_LEN:-4096} MOSS_MODEL=full-random MOSS_CODEC=full-random MOSS_VOCODER=hift
+if [ "$MODE" = stage ]; then
+  cp .whl-ray/a/* .whl-ray/b/* $WHEELS/ 2>/dev/null; ls -la $WHEELS; exit 0
+fi
+compare() {
+  python3 - "$KEEP" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = []
+for mode in ("direct", "ray"):
+    rep, cpu = json.load(open(f"{out}/rvd-{mode}.json")), json.load(open(f"{out}/rvd-{mode}-cpu.json"))
+    t = rep["metrics"]["ttfa_commit_ms"]
+    rows.append((mode, t["p50"], t["p95"], t["p95_ci"], rep["errors"]["total"], rep["turns"]["ok"],
+                 cpu["server_side"]["ms_per_session_s"]))
+print(f"{'mode':8} {'p50 ms':>8} {'p95 ms':>8} {'p95 90% interval':>20} {'errors':>7} {'turns ok':>9} {'CPU ms/session-s':>17}")
+for r in rows:
+    print(f"{r[0]:8} {r[1]:8.1f} {r[2]:8.1f} {str(r[3]):>20} {r[4]:7d} {r[5]:9d} {r[6]:17.3f}")
+print(f"ray - direct: p95 {rows[1][2] - rows[0][2]:+.1f} ms, CPU {rows[1][6] - rows[0][6]:+.3f} ms per session-second")
+PY
+}
+if [ "$MODE" = ray ] && ls $WHEELS/ray-*.part-* > /dev/null 2>&1; then
+  WHL=$(ls $WHEELS/ray-*.part-aa); cat $WHEELS/ray-*.part-* > "${WHL%.part-aa}" && rm $WHEELS/ray-*.part-*
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl \
+  $([ "$MODE" = ray ] && echo $WHEELS/*.whl) || exit 1
+if [ "$MODE" = ray ]; then
+  python3 -m ray.scripts.scripts start --head --port 6379 --num-gpus 1 --include-dashboard false > $OUT/rvd-ray-start.log 2>&1 \
+    || { tail -20 $OUT/rvd-ray-start.log; exit 1; }
+  python3 -m moss_speech.cli serve --ray 127.0.0.1:6379 --ray-engines 1 --ray-frontends 2 --ray-engine-gpus 1 \
+    --host 127.0.0.1 --port $PORT > $OUT/rvd-ray-server.log 2>&1 &
+else
+  python3 -m moss_speech.cli serve --device cuda --workers 2 --host 127.0.0.1 --port $PORT > $OUT/rvd-direct-server.log 2>&1 &
+fi
+SERVER=$!
+for i in $(seq 1 400); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; kill -0 $SERVER || break; sleep 1; done
+curl -s http://127.0.0.1:$PORT/health | head -c 600; echo
+# warm-up: one turn per session level, not recorded
+python3 -m moss_speech.cli loadtest --url http://127.0.0.1:$PORT --sessions 16 --turns 1 --max-output-tokens 25 --quiet > /dev/null 2>&1
+python3 docs/bench/proc_cpu.py snapshot > $KEEP/rvd-$MODE-cpu-0.json; T0=$(date +%s.%N)
+python3 -m moss_speech.cli loadtest --url http://127.0.0.1:$PORT --sessions $N --turns 3 --ramp 16 --max-output-tokens 50 \
+  --duration 240 --turn-timeout 60 --quiet --json $KEEP/rvd-$MODE.json 2>&1 | tail -15
+T1=$(date +%s.%N); python3 docs/bench/proc_cpu.py snapshot > $KEEP/rvd-$MODE-cpu-1.json
+python3 docs/bench/proc_cpu.py diff $KEEP/rvd-$MODE-cpu-0.json $KEEP/rvd-$MODE-cpu-1.json \
+  "$(python3 -c "print($T1 - $T0)")" $N | tee $KEEP/rvd-$MODE-cpu.json
+kill $SERVER; wait $SERVER 2>/dev/null
+[ "$MODE" = ray ] && python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+[ -f $KEEP/rvd-direct.json ] && [ -f $KEEP/rvd-ray.json ] && compare | tee $KEEP/rvd-table.txt
+cp $KEEP/rvd-*.json $KEEP/rvd-*.txt $OUT/ 2>/dev/null
+exit 0

@@ -1,0 +1,177 @@
+"""The server on Ray Serve, on a local Ray cluster this module starts: two engine replicas on the CPU (tiny-random)
+and one front end behind Ray Serve's HTTP proxy. Sessions spread over both engines; an engine replica killed
+mid-answer ends only its own sessions, and Ray's new replica takes sessions again; the load test (WebSocket and
+WebRTC) through the proxy has no errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+import websockets
+from ray import serve
+
+from moss_speech.cli import main
+from moss_speech.loadtest.audio import load_utterance
+from moss_speech.loadtest.config import LoadConfig
+from moss_speech.loadtest.driver import run_load
+from moss_speech.loadtest.report import build_report
+from server.cluster.autoscale import desired_engines, sessions_per_engine
+from server.cluster.deploy import APP_NAME, application
+from server.cluster.options import RayOptions, RayOptionsError
+from server.limits import CPU_MAX_SESSIONS
+from tests.fakes.harness import free_port, recv_event, send, user_text
+from tests.paths import REPO
+from tests.server.engines_support import ended_by_engine_loss, long_answer, short_answer, until_health
+
+SETTINGS = {"model": "tiny-random", "codec": "tiny-random", "device": "cpu", "engine_ping_interval_s": 0.25,
+            "engine_ping_timeout_s": 20.0, "engine_ready_timeout_s": 300.0, "drain_timeout_s": 1.0}
+
+
+@pytest.fixture(scope="module")
+def url():
+    port = free_port()
+    ray.init("local", num_cpus=4,  # a cluster of its own, even where another one runs
+             include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # the least a CI machine of 2 cores carries: fractions of a CPU each, engines on the CPU
+        opts = RayOptions(engines=2, engine_gpus=0, engine_cpus=0.5, frontend_cpus=0.5, engine_drain_s=0,
+                          health_check_period_s=1.0, settings=SETTINGS)
+        serve.run(application(opts), name=APP_NAME, route_prefix="/", blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(until_health(base, lambda b: sum(e["alive"] for e in b.get("engines", {}).values()) == 2))
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + "/v1/realtime"
+
+
+async def placed(base: str) -> dict[str, int]:
+    body = await until_health(base, lambda b: True)
+    return {name: e["sessions_placed"] for name, e in body["engines"].items()}
+
+
+async def open_session(base: str) -> tuple[Any, str]:
+    """A session, and the engine it was placed on (the one whose count grew)."""
+    before = await placed(base)
+    ws = await websockets.connect(ws_url(base), max_size=None)
+    await recv_event(ws)
+    after = await placed(base)
+    grew = [n for n, k in after.items() if k > before.get(n, 0)]
+    assert len(grew) == 1, (before, after)
+    return ws, grew[0]
+
+
+async def test_twenty_sessions_spread_over_both_engine_replicas(url):
+    sockets = [await websockets.connect(ws_url(url), max_size=None) for _ in range(20)]
+    try:
+        for ws in sockets:
+            await recv_event(ws)
+        on = await placed(url)
+        assert sum(on.values()) == 20 and len(on) == 2 and min(on.values()) >= 8, on
+        # the one front end admits what both engines hold (CPU_MAX_SESSIONS each, engines on the CPU)
+        assert (await until_health(url, lambda b: True))["max_sessions"] == 2 * CPU_MAX_SESSIONS
+    finally:
+        for ws in sockets:
+            await ws.close()
+    await until_health(url, lambda b: all(e["sessions_placed"] == 0 for e in b["engines"].values()))
+
+
+async def test_engine_replica_killed_mid_answer_ends_only_its_sessions(url):
+    opened = [await open_session(url) for _ in range(4)]
+    victim = opened[0][1]
+    doomed = [ws for ws, name in opened if name == victim]
+    spared = [ws for ws, name in opened if name != victim]
+    assert len(doomed) == len(spared) == 2
+    directory = serve.get_deployment_handle("EngineDirectory", APP_NAME)
+    pid = next(e["pid"] for e in await directory.engines.remote() if e["replica"] == victim)
+    for ws in doomed:
+        await long_answer(ws)
+    for ws in spared:
+        await user_text(ws, "Hi.")
+        await send(ws, "response.create", response={"max_output_tokens": 12})
+    os.kill(pid, signal.SIGKILL)
+    for code, errors in await asyncio.gather(*(ended_by_engine_loss(ws) for ws in doomed)):
+        assert code == 1011 and errors[-1] == "engine_unavailable"
+    for ws in spared:
+        evs = []
+        while not evs or evs[-1]["type"] != "response.done":
+            evs.append(await recv_event(ws, timeout=180))
+        assert not [e for e in evs if e["type"] == "error"], evs
+        await ws.close()
+    # Ray replaces the replica: a new one (a new id) registers, loads and takes sessions
+    body = await until_health(url, lambda b: len(b["engines"]) == 2 and victim not in b["engines"]
+                              and all(e["alive"] for e in b["engines"].values()))
+    assert body["max_sessions"] == 2 * CPU_MAX_SESSIONS  # the new engine's share counted again
+    await until_health(url, lambda b: all(e["sessions_placed"] == 0 for e in b["engines"].values()))
+    new = next(n for n in body["engines"] if n not in {name for _, name in opened})
+    fresh = [await open_session(url) for _ in range(2)]
+    assert new in {name for _, name in fresh}
+    for ws, _ in fresh:
+        assert (await short_answer(ws))["status"] in ("completed", "incomplete")
+        await ws.close()
+
+
+@pytest.mark.parametrize("transport", ["ws", "webrtc"])
+def test_load_test_through_the_ray_proxy_has_no_errors(url, transport):
+    """WebRTC: the offer is answered by the front end replica the proxy chose, and the media flows between the
+    client and that replica's process directly (here on loopback)."""
+    sessions = 4 if transport == "ws" else 1
+    cfg = LoadConfig(url=url, sessions=sessions, turns=1, max_output_tokens=10, think_ms=100.0, turn_timeout_s=120.0,
+                     duration_s=200.0, transport=transport)
+    utt = load_utterance(None)
+    collector, wall = run_load(cfg, utt, progress=False)
+    rep = build_report(cfg, collector, wall, {"gpu": "unknown", "source": None}, utt)
+    assert rep["errors"]["total"] == 0, rep["errors"]
+    assert rep["turns"]["ok"] == sessions, rep["turns"]
+
+
+def test_unreachable_cluster_is_a_clear_error_naming_its_address(capsys):
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["serve", "--ray", address, "--ray-engine-gpus", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach the Ray cluster at {address}" in err and "ConnectionRefusedError" in err
+
+
+def test_options_are_checked_by_name():
+    with pytest.raises(RayOptionsError, match=r"max_engines \(1\) must be >= engines \(2\)"):
+        RayOptions(engines=2, max_engines=1)
+    with pytest.raises(RayOptionsError, match="unknown \\['gpus'\\]"):
+        RayOptions.from_args({"gpus": 2})
+    assert RayOptions(engines=1, max_engines=4).autoscaling and not RayOptions(engines=2).autoscaling
+
+
+def test_autoscaling_policy_reads_the_replicas_sessions_within_rays_bounds():
+    def ctx(sessions: list[float], capacity: list[float], lo: int = 1, hi: int = 8) -> SimpleNamespace:
+        return SimpleNamespace(aggregated_metrics={"sessions": dict(enumerate(sessions)),
+                                                   "capacity": dict(enumerate(capacity))},
+                               current_num_replicas=len(sessions), capacity_adjusted_min_replicas=lo,
+                               capacity_adjusted_max_replicas=hi)
+
+    assert sessions_per_engine(ctx([150, 130], [256, 256])) == (2, {})
+    assert sessions_per_engine(ctx([250, 250], [256, 256])) == (3, {})
+    assert sessions_per_engine(ctx([250, 250, 250], [256, 256, 256], hi=3)) == (3, {})  # no more GPUs
+    assert sessions_per_engine(ctx([3, 2], [256, 256], lo=2)) == (2, {})
+    assert sessions_per_engine(SimpleNamespace(aggregated_metrics=None, current_num_replicas=2,
+                                               capacity_adjusted_min_replicas=1,
+                                               capacity_adjusted_max_replicas=8)) == (2, {})
+
+
+def test_autoscaling_wants_engines_at_three_quarters_of_what_each_holds():
+    assert desired_engines(0, 256, current=3) == 1
+    assert desired_engines(192, 256, current=1) == 1
+    assert desired_engines(193, 256, current=1) == 2
+    assert desired_engines(1000, 256, current=2) == 6
+    assert desired_engines(50, 0, current=2) == 2  # capacity not reported yet: as is
+
