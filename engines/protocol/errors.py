@@ -92,8 +92,8 @@ ERRORS: dict[str, ErrorCode] = {
     UNSUPPORTED_AUDIO_FORMAT: ErrorCode(_CLIENT, "an audio format other than 24 kHz PCM"),
     UNSUPPORTED_TURN_DETECTION: ErrorCode(_CLIENT, "turn detection other than `server_vad` or null"),
     SERVER_VAD_UNAVAILABLE: ErrorCode(_CLIENT, "`server_vad` on a server started without VAD"),
-    INVALID_AUDIO: ErrorCode(_CLIENT, "audio that is not base64 PCM16, or a voice prompt that is not a WAV file",
-                             http=400),
+    INVALID_AUDIO: ErrorCode(_CLIENT, "audio that is not base64 PCM16, or a voice prompt that is not a WAV file, whose "
+                             "sample rate is outside 8-192 kHz or that is longer than 30 s", http=400),
     INVALID_ITEM: ErrorCode(_CLIENT, "a `conversation.item.create` item the server cannot take"),
     UNSUPPORTED_ITEM_TYPE: ErrorCode(_CLIENT, "an item type other than `message`"),
     UNSUPPORTED_CONTENT_TYPE: ErrorCode(_CLIENT, "a content part the item's role cannot have"),
