@@ -4,12 +4,10 @@ warm-up turns."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import logging
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,21 +135,18 @@ def build_service(config: ProcessConfig) -> Service:
 
 
 def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
-    """WAV bytes -> a decoder Voice: codes by our speech encoder, x-vector by the codec's campplus.onnx
-    when the codec directory has it (random presets: zero x-vector). Named by content, so the
-    decoder's voice cache serves sessions that send the same recording."""
+    """WAV bytes -> a decoder Voice: codes by our speech encoder (in pieces, on its lowest-priority stream), x-vector
+    by the codec's campplus.onnx when the codec directory has it (random presets: zero x-vector). A recording it
+    cannot use raises ValueError saying why. Named by content, so the decoder's voice cache serves sessions that send
+    the same recording."""
     campplus = Path(codec) / "flow" / "campplus.onnx"
     campplus_path = campplus if campplus.is_file() else None
 
     def load(wav: bytes) -> Any:
-        digest = hashlib.sha1(wav).hexdigest()[:16]
+        name = f"wav-{hashlib.sha1(wav).hexdigest()[:16]}"
         try:
-            with tempfile.TemporaryDirectory() as d:
-                path = Path(d) / "voice.wav"
-                path.write_bytes(wav)
-                voice = Voice.from_wav(path, encode=encoder.encode, campplus=campplus_path)
-        except Exception as e:  # noqa: BLE001 - any unreadable recording is one client error
-            raise ValueError(f"voice_wav is not a usable recording: {type(e).__name__}: {e}") from None
-        return dataclasses.replace(voice, name=f"wav-{digest}")
+            return Voice.from_wav(wav, encode=encoder.encode_in_pieces, campplus=campplus_path, name=name)
+        except ValueError as e:
+            raise ValueError(f"voice_wav is not a usable recording: {e}") from None
 
     return load

@@ -74,9 +74,10 @@ class Responses:
     def _create(self, s: Session, msg: m.CreateResponse) -> None:
         params = sampling_params(msg.sampling)
         t = s.active
-        if s.completing is not None or (
+        if s.voice_waiting or s.completing is not None or (
                 t is not None and (t.undo is not None or (t.response is not None and t.response.cancelled))):
-            s.deferred.append(msg)  # runs when the abort in flight is reported, or the last answer is done
+            # runs when the session's voice prompt is made, the abort in flight is reported, or the last answer is done
+            s.deferred.append(msg)
             return
         if t is not None and t.response is not None:
             raise ServiceError(errors.INVALID_REQUEST, f"response {t.response.response_id!r} is still in progress")

@@ -25,6 +25,10 @@ Rules the server can rely on:
   `UserAudioProgress` follows each batch of codes. A session's messages after a commit wait until the encoder
   has finalized the turn (encoder_worker.py; on a GPU that runs on a thread of its own while the engine steps).
   Text items (AddUserText) wait and go in with the next response, after any user speech already in the engine.
+- A voice prompt (`voice_wav`) outside the bounds of engines/audio/voice_prompt.py (sample rate, duration) is
+  refused from its header with `Error(invalid_audio)` and the message changes nothing. Any other is made on the
+  voice worker's thread (voice_worker.py), never on this loop; the session's answers wait for it, and a recording it
+  cannot use gets `Error(invalid_audio)` then, the voice staying as it was.
 - The system turn goes in with the first rows sent: `instructions`, else the default prompt for
   the first response's modality (the spoken one when user speech comes first). New instructions
   after that are added as another system turn.
@@ -41,6 +45,8 @@ from typing import Any
 import torch
 
 from engines.api import EngineError, InvalidRequestError, StepOutput
+from engines.audio.voice_prompt import check_voice_prompt
+from engines.audio.wav import AudioFormatError
 from engines.config import ConfigError
 from engines.kernels.tuning import device_name
 from engines.process.codec_pacing import FIRST_CHUNK_CODES
@@ -54,6 +60,7 @@ from engines.process.responses import Responses, sampling_params
 from engines.process.sessions import ResponseState, Session, Turn
 from engines.process.tokenizer import TextTokenizer
 from engines.process.user_input import UserInput
+from engines.process.voice_worker import VoiceWorker
 from engines.protocol import errors
 from engines.protocol import messages as m
 
@@ -79,7 +86,8 @@ class Service(UserInput, Responses, Outputs):
         with `add(codes)`, `take_jobs(finishing=)` and `close()`, and `run_jobs(jobs)` -> PCM (24 kHz float32) of
         chunks of many streams in one batch. Speech is decoded on the codec worker's thread (its own CUDA streams on
         a GPU) while the engine steps (engines/process/codec_worker.py). `voice_loader`: WAV bytes -> the decoder's
-        speaker prompt (raises ValueError for a bad recording); without it a session's voice_wav is refused.
+        speaker prompt (raises ValueError for a bad recording), run on a thread of its own (voice_worker.py); without
+        it a session's voice_wav is refused.
         `encode_every_s`: user audio of every session is held and encoded together, in one batched encoder
         call, at most this often (0: at the end of each batch of messages); commits of several sessions are
         finalized in one call. Codes are the same either way (the encoder streams exactly). `encoder_thread`: those
@@ -91,6 +99,7 @@ class Service(UserInput, Responses, Outputs):
         each with every answer due before the next (0: back to back)."""
         self.engine = engine
         self.voice_loader = voice_loader
+        self._voices = None if voice_loader is None else VoiceWorker(voice_loader)
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
         self.encoder = encoder
@@ -165,11 +174,13 @@ class Service(UserInput, Responses, Outputs):
 
     def has_work(self) -> bool:
         return (self.engine.has_work() or (self._speech is not None and self._speech.busy())
-                or (self._codec is not None and self._codec.busy()))
+                or (self._codec is not None and self._codec.busy())
+                or (self._voices is not None and self._voices.busy()))
 
     def step(self) -> list[Out]:
         """One engine step; its rows become deltas, audio chunks and completions."""
         t0 = time.perf_counter()
+        self._collect_voices()
         self._collect_decoded()
         ramping = self._ramping()
         if self._speech is not None:
@@ -247,15 +258,17 @@ class Service(UserInput, Responses, Outputs):
             raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is already open")
         if self.engine.conversation_rows(msg.session_id):
             raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is still closing")
-        s = Session(msg.session_id, client, instructions=msg.instructions, voice_wav=msg.voice_wav,
-                    sampling=sampling_params(msg.sampling) if msg.sampling else None,
-                    voice=self._voice(msg.voice_wav))
+        self._check_voice(msg.voice_wav)
+        s = Session(msg.session_id, client, instructions=msg.instructions,
+                    sampling=sampling_params(msg.sampling) if msg.sampling else None)
         self.sessions[msg.session_id] = s
+        if msg.voice_wav is not None:
+            self._submit_voice(s, msg.voice_wav)
         self._send(client, m.SessionReady(msg.session_id))
 
     def _on_UpdateSession(self, client: bytes, msg: m.UpdateSession) -> None:
         s = self._session(client, msg.session_id)
-        voice = self._voice(msg.voice_wav)  # first: a bad update changes nothing
+        self._check_voice(msg.voice_wav)  # first: a bad update changes nothing
         if msg.sampling is not None:
             s.sampling = sampling_params(msg.sampling)
         if msg.instructions is not None and msg.instructions != s.instructions:
@@ -263,21 +276,56 @@ class Service(UserInput, Responses, Outputs):
             if s.system_sent:
                 s.pending_rows += self.prompts.text_turn_rows("system", msg.instructions)
         if msg.voice_wav is not None:
-            s.voice_wav, s.voice = msg.voice_wav, voice  # from the next response on
+            self._submit_voice(s, msg.voice_wav)  # from the next response on
         self._send(client, m.SessionReady(msg.session_id))
 
-    def _voice(self, wav: bytes | None) -> Any:
+    def _check_voice(self, wav: bytes | None) -> None:
+        """Refuse a prompt from its header alone (rate, duration: engines/audio/voice_prompt.py), before any work."""
         if wav is None:
-            return None
-        if self.voice_loader is None:
+            return
+        if self._voices is None:
             raise ServiceError(errors.INVALID_REQUEST, "this engine cannot use voice prompts (no codec loaded)")
-        return self.voice_loader(wav)
+        try:
+            check_voice_prompt(wav)
+        except AudioFormatError as e:
+            raise ServiceError(errors.INVALID_AUDIO, f"voice_wav: {e}") from None
+
+    def _submit_voice(self, s: Session, wav: bytes) -> None:
+        """The prompt is made on the voice worker; the session's answers wait for it (Responses._create)."""
+        s.voice_job += 1
+        s.voice_waiting = True
+        self._voices.submit(s.session_id, s.voice_job, wav)
+
+    def _collect_voices(self) -> None:
+        """Prompts the voice worker made: each session's latest becomes its voice (a recording it could not use is
+        refused with an Error, and the voice stays as it was); then the answers that waited for it."""
+        if self._voices is None:
+            return
+        for r in self._voices.take_results():
+            s = self.sessions.get(r.key)
+            if s is None or r.job != s.voice_job:
+                continue  # closed, or a later prompt replaced it
+            s.voice_waiting = False
+            if isinstance(r.voice, ValueError):
+                self._send(s.owner, m.Error(s.session_id, errors.INVALID_AUDIO, str(r.voice)))
+            elif isinstance(r.voice, Exception):
+                log.error("voice prompt of session %s failed: %s: %s", s.session_id, type(r.voice).__name__, r.voice)
+                code = r.voice.code if isinstance(r.voice, EngineError) else errors.ENGINE_ERROR
+                self._send(s.owner, m.Error(s.session_id, code, f"voice prompt failed: {type(r.voice).__name__}: "
+                                                                 f"{r.voice}"))
+            else:
+                s.voice, s.voice_wav = r.voice, r.wav
+            deferred, s.deferred = s.deferred, []
+            for d in deferred:
+                self._on_CreateResponse(s.owner, d)
 
     def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:
         s = self._session(client, msg.session_id)
         del self.sessions[msg.session_id]
         if self._speech is not None:
             self._speech.drop(s.session_id)
+        if self._voices is not None:
+            self._voices.drop(s.session_id)
         if s.completing is not None:
             self._drop_last_audio(s.completing)
         t = s.active
