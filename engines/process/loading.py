@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engines.config import EngineConfig
+from engines.config import ConfigError, EngineConfig
 from engines.cuda.streams import model_stream
 from engines.lm.engine import Engine
 from engines.lm.kv.sizing import GIB, thin_pool_warning
@@ -28,7 +28,7 @@ from engines.process.warm_up import warm_up
 from engines.speech_in import SpeechEncoder
 from engines.speech_out.chunk_graphs import BucketGraphs
 from engines.speech_out.decoder import CodecDecoder
-from engines.speech_out.voice import Voice
+from engines.speech_out.voice import DEFAULT_VOICE_WAV, Voice
 
 log = logging.getLogger("engines.process")
 
@@ -66,6 +66,8 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
         decoder = CodecDecoder.load(config.codec, device=config.device, vocoder=vocoder, seed=config.seed,
                                     cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
                                     estimator_dtype="bfloat16" if on_gpu else "float32")
+    # First: the graphs captured below are those of the default voice's prompt length.
+    decoder.default_voice = default_voice(encoder, config)
     first_lane = config.first_lane
     if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_pacing)
         decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
@@ -132,6 +134,15 @@ def build_service(config: ProcessConfig) -> Service:
     gc.freeze()
     BucketGraphs.warn_captures = True
     return service
+
+
+def default_voice(encoder: Any, config: ProcessConfig) -> Voice:
+    """The voice of sessions that set none: --voice's recording, else the bundled one (DEFAULT_VOICE_WAV)."""
+    path = Path(config.voice) if config.voice is not None else DEFAULT_VOICE_WAV
+    try:
+        return voice_loader(encoder, config.codec)(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--voice {path}: {e}") from None
 
 
 def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:

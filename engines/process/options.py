@@ -97,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "much; other numerics than the published model")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--voice", default=None, metavar="WAV",
+                   help="the voice answers speak in when a session sets no voice prompt: an integer-PCM WAV of "
+                        "8-192 kHz and at most 30 s (default: the bundled voice, synthesized speech; "
+                        "docs/operations.md, Voice)")
     p.add_argument("--encode-every-ms", type=_non_negative_ms, default=80.0,
                    help="encode every session's held user audio together, in one batch, at most this often "
                         "(0: as it arrives)")

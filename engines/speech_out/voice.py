@@ -23,6 +23,10 @@ from engines.audio.wav import AudioFormatError, read_wav
 from engines.config import ConfigError
 from engines.speech_out.mel_spec import CODEC_MEL, log_mel
 
+# The voice answers speak in when a session sets none (the engine's --voice chooses another): eSpeak NG speech,
+# dedicated to the public domain (CC0); docs/operations.md, Voice.
+DEFAULT_VOICE_WAV = Path(__file__).resolve().parent / "voices" / "default.wav"
+
 
 @dataclass(frozen=True, eq=False)
 class Voice:
