@@ -123,7 +123,7 @@ def build_service(config: ProcessConfig) -> Service:
                       encode_every_s=config.encode_every_ms / 1000,
                       first_decoders=first_decoders, codec_round_max=config.codec_round_max,
                       codec_round_period_s=config.codec_round_period_ms / 1000,
-                      encoder_thread=config.encoder_thread)
+                      encoder_thread=config.encoder_thread, limits=config.input_limits())
     if config.warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
         with memory.part("the warm-up turns"):

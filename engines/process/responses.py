@@ -14,6 +14,7 @@ from engines.api import ChannelSampling, EngineError, SamplingParams, StepOutput
 from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.errors import ServiceError
+from engines.process.limits import InputLimits
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Answer, ResponseState, Session, Turn
 from engines.process.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -45,6 +46,7 @@ class Responses:
     _codec: CodecWorker | None
     _codec_owner: dict[int, Session]
     _finished_ids: deque[str]  # the latest responses finished (a late cancel of one is no error)
+    limits: InputLimits
 
     def _ramping(self) -> bool:
         """An answer still waits for its first chunk's codes. The GPU is shared by urgency: the codec's rounds are
@@ -72,6 +74,7 @@ class Responses:
             self._send(client, m.ResponseDone(s.session_id, msg.response_id, "failed", reason=code))
 
     def _create(self, s: Session, msg: m.CreateResponse) -> None:
+        self.limits.check_output(msg.sampling.max_new_tokens, msg.response_id)
         params = sampling_params(msg.sampling)
         t = s.active
         if s.voice_waiting or s.completing is not None or (

@@ -53,6 +53,7 @@ from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError
+from engines.process.limits import InputLimits
 from engines.process.observe.spans import Spans
 from engines.process.outputs import Out, Outputs
 from engines.process.prompt import PromptBuilder
@@ -80,7 +81,7 @@ class Service(UserInput, Responses, Outputs):
                  voice_loader: Callable[[bytes], Any] | None = None, encode_every_s: float = 0.0,
                  first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
-                 codec_round_period_s: float = 0.0) -> None:
+                 codec_round_period_s: float = 0.0, limits: InputLimits = InputLimits()) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder` (engines.speech_out.CodecDecoder): has `open_stream(session_id, voice=, seed=)` -> stream
         with `add(codes)`, `take_jobs(finishing=)` and `close()`, and `run_jobs(jobs)` -> PCM (24 kHz float32) of
@@ -96,9 +97,11 @@ class Service(UserInput, Responses, Outputs):
         beside its other rounds.
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
-        each with every answer due before the next (0: back to back)."""
+        each with every answer due before the next (0: back to back).
+        `limits`: what one session may hand over (limits.py)."""
         self.engine = engine
         self.voice_loader = voice_loader
+        self.limits = limits
         self._voices = None if voice_loader is None else VoiceWorker(voice_loader)
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -122,6 +125,8 @@ class Service(UserInput, Responses, Outputs):
         self._capacity = {} if config is None else {
             "device": config.device, "max_running": config.max_running, "max_model_len": config.max_model_len,
             "kv_block_rows": config.block_size}
+        # More rows than the model's context can never go in one request (limits.py)
+        self.max_waiting_rows = None if config is None else config.max_model_len
         self._finished_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
         # Set by the engine process: called again and again while the engine waits for a step's tokens, until it
@@ -259,6 +264,9 @@ class Service(UserInput, Responses, Outputs):
         if self.engine.conversation_rows(msg.session_id):
             raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is still closing")
         self._check_voice(msg.voice_wav)
+        self.limits.check_text("instructions", msg.instructions)
+        if msg.sampling is not None:
+            self.limits.check_output(msg.sampling.max_new_tokens)
         s = Session(msg.session_id, client, instructions=msg.instructions,
                     sampling=sampling_params(msg.sampling) if msg.sampling else None)
         self.sessions[msg.session_id] = s
@@ -269,6 +277,9 @@ class Service(UserInput, Responses, Outputs):
     def _on_UpdateSession(self, client: bytes, msg: m.UpdateSession) -> None:
         s = self._session(client, msg.session_id)
         self._check_voice(msg.voice_wav)  # first: a bad update changes nothing
+        self.limits.check_text("instructions", msg.instructions)
+        if msg.sampling is not None:
+            self.limits.check_output(msg.sampling.max_new_tokens)
         if msg.sampling is not None:
             s.sampling = sampling_params(msg.sampling)
         if msg.instructions is not None and msg.instructions != s.instructions:

@@ -62,6 +62,7 @@ SERVER_SHUTTING_DOWN = "server_shutting_down"
 INVALID_REQUEST = "invalid_request"
 ENGINE_ERROR = "engine_error"
 REQUEST_TOO_LARGE = "request_too_large"
+INPUT_TOO_LARGE = "input_too_large"
 
 # ---- HTTP refusals (WebRTC calls and the page) -----------------------------------------------------------------
 INVALID_OFFER = "invalid_offer"
@@ -117,6 +118,8 @@ ERRORS: dict[str, ErrorCode] = {
     ENGINE_ERROR: ErrorCode(_SERVER, "the engine failed on a request"),
     REQUEST_TOO_LARGE: ErrorCode(_SERVER, "the conversation and answer would exceed the engine's context or KV "
                                  "pool"),
+    INPUT_TOO_LARGE: ErrorCode(_CLIENT, "a text, instructions, items waiting for the next answer or "
+                               "`max_output_tokens` over the engine's bounds (the message changes nothing)"),
     INVALID_OFFER: ErrorCode(_CLIENT, "an SDP offer the server cannot answer", http=400),
     INVALID_API_KEY: ErrorCode(_AUTH, "a missing or wrong API key", http=401),
     ORIGIN_NOT_ALLOWED: ErrorCode(_CLIENT, "an `Origin` not allowed", http=403),
