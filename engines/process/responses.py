@@ -204,11 +204,34 @@ class Responses:
         if t.undo == "close" or self.sessions.get(s.session_id) is not s:
             self._release(s)
             return
+        if o.finish_reason == "no_kv":
+            self._refused(s, t)
+            return
         if t.undo is not None and t.response is None:
             self._undo(s, t)
         elif t.response is not None:
             self._finish_response(s, t, t.response, o)
         self._pump(s)
+        deferred, s.deferred = s.deferred, []
+        for d in deferred:
+            self._on_CreateResponse(s.owner, d)
+
+    def _refused(self, s: Session, t: Turn) -> None:
+        """A request the scheduler refused while it waited ("no_kv": other conversations' histories hold the KV
+        pool): its rows are put back as pending, as if it had never been sent (the next answer tries them again, and
+        is refused at once while there is still no room); its answer, if any, fails with server_busy."""
+        r = t.response
+        self._send(s.owner, m.Error(s.session_id, errors.SERVER_BUSY, "the engine's KV pool has no room for this turn "
+                                    "now: other conversations' histories hold it", r.response_id if r else None))
+        t.undo = "requeue"
+        self._undo(s, t)
+        if r is not None:
+            stream, r.decoder_stream = r.decoder_stream, None
+            if stream is not None and hasattr(stream, "close"):
+                stream.close()
+            r.done = ("failed", errors.SERVER_BUSY)
+            self._finished_ids.append(r.response_id)
+            self._complete(s, r)
         deferred, s.deferred = s.deferred, []
         for d in deferred:
             self._on_CreateResponse(s.owner, d)

@@ -209,7 +209,7 @@ class Service(UserInput, Responses, Outputs):
                 continue
             s, t = entry
             r = t.response
-            if r is not None and o.finish_reason != "abort":  # an abort output carries no row
+            if r is not None and o.finish_reason not in ("abort", "no_kv"):  # those outputs carry no row
                 r.add_row(o.text_token, o.audio_token, o.mode)
                 r.mark("first_row")
                 if len(r.code_idx) >= FIRST_CHUNK_CODES:
