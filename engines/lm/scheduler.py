@@ -177,8 +177,8 @@ class Scheduler:
 
     def _no_kv_message(self, need: int) -> str:
         held = sum(len(c.block_ids) for c in self.conversations.values() if not c.busy)
-        return (f"the KV pool has no room for this request ({need} blocks; {self._obtainable()} can be freed by the "
-                f"requests running, {held} of {self.pool.num_blocks} hold other conversations' histories)")
+        return (f"the KV pool has no room for this request ({need} blocks; {self._obtainable()} are free or will be "
+                f"when the running requests end, {held} of {self.pool.num_blocks} hold other conversations' histories)")
 
     def _refuse_unadmittable(self) -> list[Sequence]:
         """The requests at the head of the queue that could never be admitted (module doc): retired, "no_kv"."""

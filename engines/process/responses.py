@@ -223,7 +223,8 @@ class Responses:
         r = t.response
         self._send(s.owner, m.Error(s.session_id, errors.SERVER_BUSY, "the engine's KV pool has no room for this turn "
                                     "now: other conversations' histories hold it", r.response_id if r else None))
-        t.undo = "requeue"
+        if t.undo is None:  # (an undo asked for meanwhile keeps its own kind: cleared audio stays cleared)
+            t.undo = "requeue"
         self._undo(s, t)
         if r is not None:
             stream, r.decoder_stream = r.decoder_stream, None
