@@ -25,6 +25,10 @@ Rules the server can rely on:
   `UserAudioProgress` follows each batch of codes. A session's messages after a commit wait until the encoder
   has finalized the turn (encoder_worker.py; on a GPU that runs on a thread of its own while the engine steps).
   Text items (AddUserText) wait and go in with the next response, after any user speech already in the engine.
+- A message over one of a session's bounds (limits.py: a text's length, the rows of items waiting for the next
+  answer, `max_new_tokens`) gets `Error(input_too_large)` and changes nothing. A turn that could never get its KV
+  blocks while other conversations keep their histories gets `Error(server_busy)`, its answer fails, and its rows
+  wait in the session for the next answer (engines/lm/scheduler.py).
 - A voice prompt (`voice_wav`) outside the bounds of engines/audio/voice_prompt.py (sample rate, duration) is
   refused from its header with `Error(invalid_audio)` and the message changes nothing. Any other is made on the
   voice worker's thread (voice_worker.py), never on this loop; the session's answers wait for it, and a recording it
