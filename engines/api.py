@@ -12,7 +12,8 @@ from engines.config import ConfigError
 from engines.protocol import errors
 
 Mode = Literal["text", "audio"]
-FinishReason = Literal["stop", "length", "abort", "error"]
+# "no_kv": refused while waiting, the KV pool being held by other conversations' histories (Scheduler.schedule)
+FinishReason = Literal["stop", "length", "abort", "error", "no_kv"]
 
 
 @dataclass(frozen=True)

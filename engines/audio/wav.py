@@ -5,7 +5,9 @@ Shared by the codec commands and the server (server/audio/pcm.py), so engines ne
 
 from __future__ import annotations
 
+import io
 import wave
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,16 +48,50 @@ def _decode_frames(raw: bytes, width: int) -> np.ndarray:
     raise AudioFormatError(f"unsupported WAV sample width {width} bytes")
 
 
-def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
-    """Integer-PCM WAV -> (mono float32 samples [n], sample rate). Channels are averaged."""
+@dataclass(frozen=True)
+class WavHeader:
+    channels: int
+    width: int  # bytes per sample
+    rate: int
+    frames: int  # frames present: the header's count, or fewer where the data ends sooner
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.rate if self.rate > 0 else float("inf")
+
+
+def _source(path: str | Path | bytes) -> str | io.BytesIO:
+    return io.BytesIO(path) if isinstance(path, bytes | bytearray) else str(path)
+
+
+def _name(path: str | Path | bytes) -> str:
+    return "WAV data" if isinstance(path, bytes | bytearray) else str(path)
+
+
+def read_wav_header(path: str | Path | bytes) -> WavHeader:
+    """What an integer-PCM WAV file (a path or its bytes) holds, from its header, without decoding its samples. The
+    frame count is bounded by the file's size: a header may claim more than the file holds."""
     try:
-        with wave.open(str(path), "rb") as w:
+        size = len(path) if isinstance(path, bytes | bytearray) else Path(path).stat().st_size
+        with wave.open(_source(path), "rb") as w:
+            channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
+    except FileNotFoundError:
+        raise AudioFormatError(f"no such WAV file: {path}") from None
+    except (wave.Error, EOFError) as e:
+        raise AudioFormatError(f"{_name(path)}: not a PCM WAV file ({e}); float WAVs are not read here") from None
+    return WavHeader(channels, width, rate, min(n, size // max(1, channels * width)))
+
+
+def read_wav(path: str | Path | bytes) -> tuple[np.ndarray, int]:
+    """Integer-PCM WAV (a path or its bytes) -> (mono float32 samples [n], sample rate). Channels are averaged."""
+    try:
+        with wave.open(_source(path), "rb") as w:
             channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
             raw = w.readframes(n)
     except FileNotFoundError:
         raise AudioFormatError(f"no such WAV file: {path}") from None
     except (wave.Error, EOFError) as e:
-        raise AudioFormatError(f"{path}: not a PCM WAV file ({e}); float WAVs are not read here") from None
+        raise AudioFormatError(f"{_name(path)}: not a PCM WAV file ({e}); float WAVs are not read here") from None
     x = _decode_frames(raw, width)
     if channels > 1:
         x = x[: len(x) // channels * channels].reshape(-1, channels).mean(axis=1)

@@ -127,7 +127,7 @@ class Engine:
         launched, self._inflight = self._inflight, None
         if launched is None:
             sched = self.scheduler.schedule()
-            outputs = [StepOutput(s.request_id, -1, -1, s.mode, True, "abort") for s in sched.finished]
+            outputs = [StepOutput(s.request_id, -1, -1, s.mode, True, s.finish_reason) for s in sched.finished]
             if not sched.chunks:
                 return outputs
             launched = self._launch(sched.chunks, None)

@@ -7,6 +7,12 @@ the step's rows are capped (EngineConfig.ramp_step_rows): a long prefill would l
 answer's first audio waits on. A request
 is admitted only when its whole KV need (history + prompt + output budget) can be reserved, so
 nothing running is ever preempted. Aborts take effect at the next step boundary.
+
+The blocks of idle conversations' histories go back to the pool only when a conversation is truncated or
+released. A request whose need exceeds what could ever be free without that (the free blocks nobody reserved, plus
+what the running sequences give back when they finish) is refused: at `add` with
+QueueFullError, and, when that changes later (a request waiting grew, the running ones used their reservations),
+at the next `schedule` with finish reason "no_kv", so that it never waits forever, nor the requests behind it.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
-    finished: list[Sequence]  # aborted since the last step (emitted with finish_reason "abort")
+    finished: list[Sequence]  # aborted or refused ("no_kv") since the last step, emitted with their finish_reason
 
     @property
     def num_rows(self) -> int:
@@ -101,6 +107,9 @@ class Scheduler:
                 f"the pool has {self.pool.num_blocks}")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        need = blocks_for(total, self.block_size) - (len(conv.block_ids) if conv is not None else 0)
+        if need > self._obtainable():
+            raise QueueFullError(self._no_kv_message(need))
         seq = Sequence(
             request_id=request_id, params=params, seed=seed, rows=history + list(rows),
             num_computed=conv.num_computed if conv else 0, block_ids=conv.block_ids if conv else [],
@@ -159,8 +168,34 @@ class Scheduler:
         """Something to run or report: waiting requests, pending aborts, or running rows to compute."""
         return bool(self.waiting or self._aborts or any(q.generating or q.num_pending for q in self.running))
 
+    def _obtainable(self) -> int:
+        """Blocks a waiting request could ever reserve while every conversation keeps its history: those free and
+        unreserved, and what the running sequences give back when they finish (their reservations; all their blocks
+        for one without a conversation)."""
+        return self.pool.num_available + sum(s.reserved_blocks + (len(s.block_ids) if s.conversation is None else 0)
+                                             for s in self.running)
+
+    def _no_kv_message(self, need: int) -> str:
+        held = sum(len(c.block_ids) for c in self.conversations.values() if not c.busy)
+        return (f"the KV pool has no room for this request ({need} blocks; {self._obtainable()} are free or will be "
+                f"when the running requests end, {held} of {self.pool.num_blocks} hold other conversations' histories)")
+
+    def _refuse_unadmittable(self) -> list[Sequence]:
+        """The requests at the head of the queue that could never be admitted (module doc): retired, "no_kv"."""
+        out = []
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.blocks_needed(self.block_size) <= self._obtainable():
+                break
+            self.waiting.popleft()
+            seq.finish_reason = "no_kv"
+            self.finish(seq)
+            out.append(seq)
+        return out
+
     def schedule(self) -> SchedulerOutput:
         finished = self._apply_aborts()
+        finished += self._refuse_unadmittable()
         cfg = self.config
         budget = cfg.prefill_token_budget
         chunks: list[ScheduledChunk] = []

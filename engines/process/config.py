@@ -10,8 +10,11 @@ from typing import Any, Literal
 
 import torch
 
+from engines.audio.voice_prompt import check_voice_prompt
+from engines.audio.wav import AudioFormatError
 from engines.config import ConfigError, EngineConfig, model_config_for
 from engines.lm.kv.sizing import GIB
+from engines.process.limits import InputLimits
 from engines.process.observe.gpu_window import WindowConfig
 from engines.process.options import parser
 
@@ -39,6 +42,9 @@ class ProcessConfig:
     kv_dtype: str
     max_model_len: int | None
     seed: int
+    voice: str | None  # the default voice's WAV; None: the bundled one
+    max_text_chars: int
+    max_output_tokens: int
     encode_every_ms: float
     encoder_thread: bool
     encoder_graphs: bool
@@ -70,7 +76,9 @@ class ProcessConfig:
             kv_cache_gib="auto" if args.kv_cache_gib is None and on_gpu else args.kv_cache_gib,
             max_running=args.max_running, step_rows=args.step_rows, ramp_step_rows=args.ramp_step_rows,
             fp8_weights=args.fp8_weights, fp8_only=args.fp8_only, kv_dtype=args.kv_dtype,
-            max_model_len=args.max_model_len, seed=args.seed, encode_every_ms=args.encode_every_ms,
+            max_model_len=args.max_model_len, seed=args.seed, voice=args.voice,
+            max_text_chars=args.max_text_chars, max_output_tokens=args.max_output_tokens,
+            encode_every_ms=args.encode_every_ms,
             encoder_thread=on_gpu if args.encoder_thread is None else args.encoder_thread,
             encoder_graphs=args.encoder_graphs, encoder_tf32=args.encoder_tf32,
             warm_up=on_gpu if args.warm_up is None else args.warm_up,
@@ -106,6 +114,17 @@ class ProcessConfig:
             if self.step_rows <= running:
                 raise ConfigError(f"--step-rows {self.step_rows} must exceed the sequences one step may decode "
                                   f"(--max-running {running}), so that prefill always makes progress beside them")
+        try:
+            self.input_limits()
+        except ConfigError as e:
+            raise ConfigError(f"--max-text-chars / --max-output-tokens: {e}") from None
+        if self.voice is not None:
+            if self.codec == "none":
+                raise ConfigError("--voice needs a codec (--codec none speaks no audio)")
+            try:
+                check_voice_prompt(self.voice)
+            except AudioFormatError as e:
+                raise ConfigError(f"--voice {self.voice}: {e}") from None
         if self.encoder_tf32 and not self.on_gpu:
             raise ConfigError(f"--encoder-tf32 needs a CUDA device (got --device {self.device})")
         if (self.codec_round_max is not None and self.codec != "none" and self.first_lane
@@ -117,6 +136,9 @@ class ProcessConfig:
     @property
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(max_text_chars=self.max_text_chars, max_output_tokens=self.max_output_tokens)
 
     @property
     def kv_auto(self) -> bool:

@@ -4,12 +4,10 @@ warm-up turns."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import logging
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engines.config import EngineConfig
+from engines.config import ConfigError, EngineConfig
 from engines.cuda.streams import model_stream
 from engines.lm.engine import Engine
 from engines.lm.kv.sizing import GIB, thin_pool_warning
@@ -30,7 +28,7 @@ from engines.process.warm_up import warm_up
 from engines.speech_in import SpeechEncoder
 from engines.speech_out.chunk_graphs import BucketGraphs
 from engines.speech_out.decoder import CodecDecoder
-from engines.speech_out.voice import Voice
+from engines.speech_out.voice import DEFAULT_VOICE_WAV, Voice
 
 log = logging.getLogger("engines.process")
 
@@ -68,6 +66,8 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
         decoder = CodecDecoder.load(config.codec, device=config.device, vocoder=vocoder, seed=config.seed,
                                     cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
                                     estimator_dtype="bfloat16" if on_gpu else "float32")
+    # First: the graphs captured below are those of the default voice's prompt length.
+    decoder.default_voice = default_voice(encoder, config)
     first_lane = config.first_lane
     if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_pacing)
         decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
@@ -123,7 +123,7 @@ def build_service(config: ProcessConfig) -> Service:
                       encode_every_s=config.encode_every_ms / 1000,
                       first_decoders=first_decoders, codec_round_max=config.codec_round_max,
                       codec_round_period_s=config.codec_round_period_ms / 1000,
-                      encoder_thread=config.encoder_thread)
+                      encoder_thread=config.encoder_thread, limits=config.input_limits())
     if config.warm_up and encoder is not None and decoder is not None:
         t1 = time.monotonic()
         with memory.part("the warm-up turns"):
@@ -136,22 +136,28 @@ def build_service(config: ProcessConfig) -> Service:
     return service
 
 
+def default_voice(encoder: Any, config: ProcessConfig) -> Voice:
+    """The voice of sessions that set none: --voice's recording, else the bundled one (DEFAULT_VOICE_WAV)."""
+    path = Path(config.voice) if config.voice is not None else DEFAULT_VOICE_WAV
+    try:
+        return voice_loader(encoder, config.codec)(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--voice {path}: {e}") from None
+
+
 def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
-    """WAV bytes -> a decoder Voice: codes by our speech encoder, x-vector by the codec's campplus.onnx
-    when the codec directory has it (random presets: zero x-vector). Named by content, so the
-    decoder's voice cache serves sessions that send the same recording."""
+    """WAV bytes -> a decoder Voice: codes by our speech encoder (in pieces, on its lowest-priority stream), x-vector
+    by the codec's campplus.onnx when the codec directory has it (random presets: zero x-vector). A recording it
+    cannot use raises ValueError saying why. Named by content, so the decoder's voice cache serves sessions that send
+    the same recording."""
     campplus = Path(codec) / "flow" / "campplus.onnx"
     campplus_path = campplus if campplus.is_file() else None
 
     def load(wav: bytes) -> Any:
-        digest = hashlib.sha1(wav).hexdigest()[:16]
+        name = f"wav-{hashlib.sha1(wav).hexdigest()[:16]}"
         try:
-            with tempfile.TemporaryDirectory() as d:
-                path = Path(d) / "voice.wav"
-                path.write_bytes(wav)
-                voice = Voice.from_wav(path, encode=encoder.encode, campplus=campplus_path)
-        except Exception as e:  # noqa: BLE001 - any unreadable recording is one client error
-            raise ValueError(f"voice_wav is not a usable recording: {type(e).__name__}: {e}") from None
-        return dataclasses.replace(voice, name=f"wav-{digest}")
+            return Voice.from_wav(wav, encode=encoder.encode_in_pieces, campplus=campplus_path, name=name)
+        except ValueError as e:
+            raise ValueError(f"voice_wav is not a usable recording: {e}") from None
 
     return load

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable
 
 CLIENT_TIMEOUT_S = 30.0  # as long as a server waits for our Pong before it declares us lost
+MAX_TEXT_CHARS = 32_768  # a text is tokenized on the engine loop (~10-30 ms at this length)
+MAX_OUTPUT_TOKENS = 2_048  # 164 s of speech
 
 
 def _kv_gib(text: str) -> float | str:
@@ -97,6 +99,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "much; other numerics than the published model")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-text-chars", type=_positive_int, default=MAX_TEXT_CHARS, metavar="N",
+                   help="longest text a session may send (instructions, a text item), in characters; past it the "
+                        "message is refused with input_too_large")
+    p.add_argument("--max-output-tokens", type=_positive_int, default=MAX_OUTPUT_TOKENS, metavar="N",
+                   help="longest answer a session may ask for, in rows (12.5 per second of speech); an answer's KV is "
+                        "reserved whole when it starts. Past it the response is refused with input_too_large")
+    p.add_argument("--voice", default=None, metavar="WAV",
+                   help="the voice answers speak in when a session sets no voice prompt: an integer-PCM WAV of "
+                        "8-192 kHz and at most 30 s (default: the bundled voice, synthesized speech; "
+                        "docs/operations.md, Voice)")
     p.add_argument("--encode-every-ms", type=_non_negative_ms, default=80.0,
                    help="encode every session's held user audio together, in one batch, at most this often "
                         "(0: as it arrives)")

@@ -14,6 +14,7 @@ from engines.api import ChannelSampling, EngineError, SamplingParams, StepOutput
 from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.errors import ServiceError
+from engines.process.limits import InputLimits
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Answer, ResponseState, Session, Turn
 from engines.process.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -45,6 +46,7 @@ class Responses:
     _codec: CodecWorker | None
     _codec_owner: dict[int, Session]
     _finished_ids: deque[str]  # the latest responses finished (a late cancel of one is no error)
+    limits: InputLimits
 
     def _ramping(self) -> bool:
         """An answer still waits for its first chunk's codes. The GPU is shared by urgency: the codec's rounds are
@@ -72,11 +74,13 @@ class Responses:
             self._send(client, m.ResponseDone(s.session_id, msg.response_id, "failed", reason=code))
 
     def _create(self, s: Session, msg: m.CreateResponse) -> None:
+        self.limits.check_output(msg.sampling.max_new_tokens, msg.response_id)
         params = sampling_params(msg.sampling)
         t = s.active
-        if s.completing is not None or (
+        if s.voice_waiting or s.completing is not None or (
                 t is not None and (t.undo is not None or (t.response is not None and t.response.cancelled))):
-            s.deferred.append(msg)  # runs when the abort in flight is reported, or the last answer is done
+            # runs when the session's voice prompt is made, the abort in flight is reported, or the last answer is done
+            s.deferred.append(msg)
             return
         if t is not None and t.response is not None:
             raise ServiceError(errors.INVALID_REQUEST, f"response {t.response.response_id!r} is still in progress")
@@ -200,11 +204,35 @@ class Responses:
         if t.undo == "close" or self.sessions.get(s.session_id) is not s:
             self._release(s)
             return
+        if o.finish_reason == "no_kv":
+            self._refused(s, t)
+            return
         if t.undo is not None and t.response is None:
             self._undo(s, t)
         elif t.response is not None:
             self._finish_response(s, t, t.response, o)
         self._pump(s)
+        deferred, s.deferred = s.deferred, []
+        for d in deferred:
+            self._on_CreateResponse(s.owner, d)
+
+    def _refused(self, s: Session, t: Turn) -> None:
+        """A request the scheduler refused while it waited ("no_kv": other conversations' histories hold the KV
+        pool): its rows are put back as pending, as if it had never been sent (the next answer tries them again, and
+        is refused at once while there is still no room); its answer, if any, fails with server_busy."""
+        r = t.response
+        self._send(s.owner, m.Error(s.session_id, errors.SERVER_BUSY, "the engine's KV pool has no room for this turn "
+                                    "now: other conversations' histories hold it", r.response_id if r else None))
+        if t.undo is None:  # (an undo asked for meanwhile keeps its own kind: cleared audio stays cleared)
+            t.undo = "requeue"
+        self._undo(s, t)
+        if r is not None:
+            stream, r.decoder_stream = r.decoder_stream, None
+            if stream is not None and hasattr(stream, "close"):
+                stream.close()
+            r.done = ("failed", errors.SERVER_BUSY)
+            self._finished_ids.append(r.response_id)
+            self._complete(s, r)
         deferred, s.deferred = s.deferred, []
         for d in deferred:
             self._on_CreateResponse(s.owner, d)

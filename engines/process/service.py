@@ -25,6 +25,14 @@ Rules the server can rely on:
   `UserAudioProgress` follows each batch of codes. A session's messages after a commit wait until the encoder
   has finalized the turn (encoder_worker.py; on a GPU that runs on a thread of its own while the engine steps).
   Text items (AddUserText) wait and go in with the next response, after any user speech already in the engine.
+- A message over one of a session's bounds (limits.py: a text's length, the rows of items waiting for the next
+  answer, `max_new_tokens`) gets `Error(input_too_large)` and changes nothing. A turn that could never get its KV
+  blocks while other conversations keep their histories gets `Error(server_busy)`, its answer fails, and its rows
+  wait in the session for the next answer (engines/lm/scheduler.py).
+- A voice prompt (`voice_wav`) outside the bounds of engines/audio/voice_prompt.py (sample rate, duration) is
+  refused from its header with `Error(invalid_audio)` and the message changes nothing. Any other is made on the
+  voice worker's thread (voice_worker.py), never on this loop; the session's answers wait for it, and a recording it
+  cannot use gets `Error(invalid_audio)` then, the voice staying as it was.
 - The system turn goes in with the first rows sent: `instructions`, else the default prompt for
   the first response's modality (the spoken one when user speech comes first). New instructions
   after that are added as another system turn.
@@ -41,12 +49,15 @@ from typing import Any
 import torch
 
 from engines.api import EngineError, InvalidRequestError, StepOutput
+from engines.audio.voice_prompt import check_voice_prompt
+from engines.audio.wav import AudioFormatError
 from engines.config import ConfigError
 from engines.kernels.tuning import device_name
 from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError
+from engines.process.limits import InputLimits
 from engines.process.observe.spans import Spans
 from engines.process.outputs import Out, Outputs
 from engines.process.prompt import PromptBuilder
@@ -54,6 +65,7 @@ from engines.process.responses import Responses, sampling_params
 from engines.process.sessions import ResponseState, Session, Turn
 from engines.process.tokenizer import TextTokenizer
 from engines.process.user_input import UserInput
+from engines.process.voice_worker import VoiceWorker
 from engines.protocol import errors
 from engines.protocol import messages as m
 
@@ -74,13 +86,14 @@ class Service(UserInput, Responses, Outputs):
                  voice_loader: Callable[[bytes], Any] | None = None, encode_every_s: float = 0.0,
                  first_decoders: Sequence[Any] = (),
                  encoder_thread: bool = False, codec_round_max: int | None = None,
-                 codec_round_period_s: float = 0.0) -> None:
+                 codec_round_period_s: float = 0.0, limits: InputLimits = InputLimits()) -> None:
         """`encoder`: has `open_stream()` -> stream with `push(pcm16k float32) -> codes`, `finalize(last)`.
         `decoder` (engines.speech_out.CodecDecoder): has `open_stream(session_id, voice=, seed=)` -> stream
         with `add(codes)`, `take_jobs(finishing=)` and `close()`, and `run_jobs(jobs)` -> PCM (24 kHz float32) of
         chunks of many streams in one batch. Speech is decoded on the codec worker's thread (its own CUDA streams on
         a GPU) while the engine steps (engines/process/codec_worker.py). `voice_loader`: WAV bytes -> the decoder's
-        speaker prompt (raises ValueError for a bad recording); without it a session's voice_wav is refused.
+        speaker prompt (raises ValueError for a bad recording), run on a thread of its own (voice_worker.py); without
+        it a session's voice_wav is refused.
         `encode_every_s`: user audio of every session is held and encoded together, in one batched encoder
         call, at most this often (0: at the end of each batch of messages); commits of several sessions are
         finalized in one call. Codes are the same either way (the encoder streams exactly). `encoder_thread`: those
@@ -89,9 +102,12 @@ class Service(UserInput, Responses, Outputs):
         beside its other rounds.
         `codec_round_max`: most playing answers in one of the worker's rounds (None: its BULK_MAX).
         `codec_round_period_s` (with first lanes): the worker's rounds of playing answers start at most this often,
-        each with every answer due before the next (0: back to back)."""
+        each with every answer due before the next (0: back to back).
+        `limits`: what one session may hand over (limits.py)."""
         self.engine = engine
         self.voice_loader = voice_loader
+        self.limits = limits
+        self._voices = None if voice_loader is None else VoiceWorker(voice_loader)
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
         self.encoder = encoder
@@ -114,6 +130,8 @@ class Service(UserInput, Responses, Outputs):
         self._capacity = {} if config is None else {
             "device": config.device, "max_running": config.max_running, "max_model_len": config.max_model_len,
             "kv_block_rows": config.block_size}
+        # More rows than the model's context can never go in one request (limits.py)
+        self.max_waiting_rows = None if config is None else config.max_model_len
         self._finished_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
         # Set by the engine process: called again and again while the engine waits for a step's tokens, until it
@@ -167,11 +185,13 @@ class Service(UserInput, Responses, Outputs):
 
     def has_work(self) -> bool:
         return (self.engine.has_work() or (self._speech is not None and self._speech.busy())
-                or (self._codec is not None and self._codec.busy()))
+                or (self._codec is not None and self._codec.busy())
+                or (self._voices is not None and self._voices.busy()))
 
     def step(self) -> list[Out]:
         """One engine step; its rows become deltas, audio chunks and completions."""
         t0 = time.perf_counter()
+        self._collect_voices()
         self._collect_decoded()
         ramping = self._ramping()
         if self._speech is not None:
@@ -197,7 +217,7 @@ class Service(UserInput, Responses, Outputs):
                 continue
             s, t = entry
             r = t.response
-            if r is not None and o.finish_reason != "abort":  # an abort output carries no row
+            if r is not None and o.finish_reason not in ("abort", "no_kv"):  # those outputs carry no row
                 r.add_row(o.text_token, o.audio_token, o.mode)
                 r.mark("first_row")
                 if len(r.code_idx) >= FIRST_CHUNK_CODES:
@@ -252,15 +272,23 @@ class Service(UserInput, Responses, Outputs):
             raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is already open")
         if self.engine.conversation_rows(msg.session_id):
             raise ServiceError(errors.INVALID_REQUEST, f"session {msg.session_id!r} is still closing")
-        s = Session(msg.session_id, client, instructions=msg.instructions, voice_wav=msg.voice_wav,
-                    sampling=sampling_params(msg.sampling) if msg.sampling else None,
-                    voice=self._voice(msg.voice_wav))
+        self._check_voice(msg.voice_wav)
+        self.limits.check_text("instructions", msg.instructions)
+        if msg.sampling is not None:
+            self.limits.check_output(msg.sampling.max_new_tokens)
+        s = Session(msg.session_id, client, instructions=msg.instructions,
+                    sampling=sampling_params(msg.sampling) if msg.sampling else None)
         self.sessions[msg.session_id] = s
+        if msg.voice_wav is not None:
+            self._submit_voice(s, msg.voice_wav)
         self._send(client, m.SessionReady(msg.session_id))
 
     def _on_UpdateSession(self, client: bytes, msg: m.UpdateSession) -> None:
         s = self._session(client, msg.session_id)
-        voice = self._voice(msg.voice_wav)  # first: a bad update changes nothing
+        self._check_voice(msg.voice_wav)  # first: a bad update changes nothing
+        self.limits.check_text("instructions", msg.instructions)
+        if msg.sampling is not None:
+            self.limits.check_output(msg.sampling.max_new_tokens)
         if msg.sampling is not None:
             s.sampling = sampling_params(msg.sampling)
         if msg.instructions is not None and msg.instructions != s.instructions:
@@ -268,21 +296,56 @@ class Service(UserInput, Responses, Outputs):
             if s.system_sent:
                 s.pending_rows += self.prompts.text_turn_rows("system", msg.instructions)
         if msg.voice_wav is not None:
-            s.voice_wav, s.voice = msg.voice_wav, voice  # from the next response on
+            self._submit_voice(s, msg.voice_wav)  # from the next response on
         self._send(client, m.SessionReady(msg.session_id))
 
-    def _voice(self, wav: bytes | None) -> Any:
+    def _check_voice(self, wav: bytes | None) -> None:
+        """Refuse a prompt from its header alone (rate, duration: engines/audio/voice_prompt.py), before any work."""
         if wav is None:
-            return None
-        if self.voice_loader is None:
+            return
+        if self._voices is None:
             raise ServiceError(errors.INVALID_REQUEST, "this engine cannot use voice prompts (no codec loaded)")
-        return self.voice_loader(wav)
+        try:
+            check_voice_prompt(wav)
+        except AudioFormatError as e:
+            raise ServiceError(errors.INVALID_AUDIO, f"voice_wav: {e}") from None
+
+    def _submit_voice(self, s: Session, wav: bytes) -> None:
+        """The prompt is made on the voice worker; the session's answers wait for it (Responses._create)."""
+        s.voice_job += 1
+        s.voice_waiting = True
+        self._voices.submit(s.session_id, s.voice_job, wav)
+
+    def _collect_voices(self) -> None:
+        """Prompts the voice worker made: each session's latest becomes its voice (a recording it could not use is
+        refused with an Error, and the voice stays as it was); then the answers that waited for it."""
+        if self._voices is None:
+            return
+        for r in self._voices.take_results():
+            s = self.sessions.get(r.key)
+            if s is None or r.job != s.voice_job:
+                continue  # closed, or a later prompt replaced it
+            s.voice_waiting = False
+            if isinstance(r.voice, ValueError):
+                self._send(s.owner, m.Error(s.session_id, errors.INVALID_AUDIO, str(r.voice)))
+            elif isinstance(r.voice, Exception):
+                log.error("voice prompt of session %s failed: %s: %s", s.session_id, type(r.voice).__name__, r.voice)
+                code = r.voice.code if isinstance(r.voice, EngineError) else errors.ENGINE_ERROR
+                self._send(s.owner, m.Error(s.session_id, code, f"voice prompt failed: {type(r.voice).__name__}: "
+                                                                 f"{r.voice}"))
+            else:
+                s.voice, s.voice_wav = r.voice, r.wav
+            deferred, s.deferred = s.deferred, []
+            for d in deferred:
+                self._on_CreateResponse(s.owner, d)
 
     def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:
         s = self._session(client, msg.session_id)
         del self.sessions[msg.session_id]
         if self._speech is not None:
             self._speech.drop(s.session_id)
+        if self._voices is not None:
+            self._voices.drop(s.session_id)
         if s.completing is not None:
             self._drop_last_audio(s.completing)
         t = s.active

@@ -128,6 +128,8 @@ class Session:
     instructions: str | None = None
     voice_wav: bytes | None = None
     voice: Any = None  # the decoder's speaker prompt made from voice_wav (None: the codec's default)
+    voice_job: int = 0  # prompts submitted to the voice worker; only the latest one's result counts
+    voice_waiting: bool = False  # that prompt is still being made: responses wait for it (in `deferred`)
     sampling: SamplingParams | None = None  # last used; incremental prefill opens requests with it
     system_sent: bool = False
     close_rows: list[Row] = field(default_factory=list)

@@ -17,6 +17,7 @@ from engines.api import SamplingParams
 from engines.audio.wav import pcm16_to_float32
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError, speech_error
+from engines.process.limits import InputLimits
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Session, Turn
 from engines.protocol import errors
@@ -35,6 +36,8 @@ class UserInput:
     sessions: dict[str, Session]
     _speech: EncoderWorker | None
     _requests: dict[str, tuple[Session, Turn]]  # engine request id -> its session and turn
+    limits: InputLimits
+    max_waiting_rows: int | None  # rows a session's items may hold before an answer sends them (None: no bound)
 
     def handle_early(self, items: list[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:
         """Messages that arrived while the engine waits for a step's tokens (from inside Engine.step's `on_wait`):
@@ -153,10 +156,14 @@ class UserInput:
 
     def _on_AddUserText(self, client: bytes, msg: m.AddUserText) -> None:
         s = self._session(client, msg.session_id)
+        self.limits.check_text("text", msg.text)
         if msg.role == "system" and not s.system_sent and s.instructions is None:
             s.instructions = msg.text  # the first system item is the system prompt
             return
-        s.pending_rows += self.prompts.text_turn_rows(msg.role, msg.text)
+        rows = self.prompts.text_turn_rows(msg.role, msg.text)
+        if self.max_waiting_rows is not None:
+            self.limits.check_waiting_rows(len(s.close_rows) + len(s.pending_rows) + len(rows), self.max_waiting_rows)
+        s.pending_rows += rows
 
     def _user_codes(self, s: Session, codes: list[int], commit: bool) -> None:
         s.pending_codes += codes

@@ -63,6 +63,7 @@ SESSION_IDLE_TIMEOUT = "session_idle_timeout"
 INVALID_REQUEST = "invalid_request"
 ENGINE_ERROR = "engine_error"
 REQUEST_TOO_LARGE = "request_too_large"
+INPUT_TOO_LARGE = "input_too_large"
 
 # ---- HTTP refusals (WebRTC calls and the page) -----------------------------------------------------------------
 INVALID_OFFER = "invalid_offer"
@@ -94,8 +95,8 @@ ERRORS: dict[str, ErrorCode] = {
     UNSUPPORTED_AUDIO_FORMAT: ErrorCode(_CLIENT, "an audio format other than 24 kHz PCM"),
     UNSUPPORTED_TURN_DETECTION: ErrorCode(_CLIENT, "turn detection other than `server_vad` or null"),
     SERVER_VAD_UNAVAILABLE: ErrorCode(_CLIENT, "`server_vad` on a server started without VAD"),
-    INVALID_AUDIO: ErrorCode(_CLIENT, "audio that is not base64 PCM16, or a voice prompt that is not a WAV file",
-                             http=400),
+    INVALID_AUDIO: ErrorCode(_CLIENT, "audio that is not base64 PCM16, or a voice prompt that is not a WAV file, whose "
+                             "sample rate is outside 8-192 kHz or that is longer than 30 s", http=400),
     INVALID_ITEM: ErrorCode(_CLIENT, "a `conversation.item.create` item the server cannot take"),
     UNSUPPORTED_ITEM_TYPE: ErrorCode(_CLIENT, "an item type other than `message`"),
     UNSUPPORTED_CONTENT_TYPE: ErrorCode(_CLIENT, "a content part the item's role cannot have"),
@@ -121,6 +122,8 @@ ERRORS: dict[str, ErrorCode] = {
     ENGINE_ERROR: ErrorCode(_SERVER, "the engine failed on a request"),
     REQUEST_TOO_LARGE: ErrorCode(_SERVER, "the conversation and answer would exceed the engine's context or KV "
                                  "pool"),
+    INPUT_TOO_LARGE: ErrorCode(_CLIENT, "a text, instructions, items waiting for the next answer or "
+                               "`max_output_tokens` over the engine's bounds (the message changes nothing)"),
     INVALID_OFFER: ErrorCode(_CLIENT, "an SDP offer the server cannot answer", http=400),
     INVALID_API_KEY: ErrorCode(_AUTH, "a missing or wrong API key", http=401),
     ORIGIN_NOT_ALLOWED: ErrorCode(_CLIENT, "an `Origin` not allowed", http=403),

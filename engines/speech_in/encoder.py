@@ -73,11 +73,10 @@ class SpeechEncoder:
         self.stream = high_priority_stream(device) if device.type == "cuda" else None
         self.bulk_stream = driver_stream(device) if device.type == "cuda" else None
         # The KV pool's slots (opening, release, growth) and the graphs' capture take turns under `lock`. Calls
-        # run in two lanes (`_lane`): one urgent call (a voice prompt's, on the engine loop) may run while one of
-        # held audio does (on the service's encoder worker), so the loop need not wait for a held call of every
-        # speaking session. A call touches only its own streams' rows of the pool (padding writes go to the
-        # spare), and the lanes never replay the same graphs at once; a growth of the pool, which moves every row,
-        # waits until no call is in flight.
+        # run in two lanes (`_lane`): one urgent call (a commit's) may run while one of held audio or a piece of a
+        # voice prompt does, so a commit need not wait for a held call of every speaking session. A call touches only
+        # its own streams' rows of the pool (padding writes go to the spare), and the lanes never replay the same
+        # graphs at once; a growth of the pool, which moves every row, waits until no call is in flight.
         self.lock = threading.RLock()
         self._lanes = threading.Condition()
         self._busy: set[str] = set()  # lanes with a call in flight
@@ -194,6 +193,21 @@ class SpeechEncoder:
         """Whole-utterance encode: one forward over all frames, tail padded as in `finalize()`."""
         s = self.open_stream()
         return s.push(pcm) + s.finalize()
+
+    def encode_in_pieces(self, pcm: np.ndarray | torch.Tensor, piece_samples: int = 16000) -> list[int]:
+        """`encode`'s codes, made in calls of `piece_samples` each on the lowest-priority stream (a voice prompt, off
+        the engine loop): between two pieces the service's calls of user audio and commits take their turn, so none
+        waits for a whole prompt's forward."""
+        x = _as_pcm(pcm)
+        s = self.open_stream()
+        batch = self.batch(urgent=False)
+        try:
+            codes: list[int] = []
+            for i in range(0, len(x), piece_samples):
+                codes += batch.step([(s, x[i:i + piece_samples])])[0]
+            return codes + batch.finalize([s])[0]
+        finally:
+            s.close()
 
     def codes_for_samples(self, n_samples: int) -> int:
         """Codes a finalized stream of n samples yields: one per started 80 ms."""

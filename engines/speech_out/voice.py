@@ -2,9 +2,10 @@
 
 A voice is computed once and cached by the decoder (by name). Sources:
 - `Voice.random(seed, ...)`: the built-in voice of random presets (fixed random codes, mel and x-vector).
-- `Voice.from_wav(path, encode=..., campplus=...)`: a recording. Its codes come from the speech encoder
+- `Voice.from_wav(path or bytes, encode=..., campplus=...)`: a recording. Its codes come from the speech encoder
   (passed in as a callable, it lives in engines/speech_in), its x-vector from `campplus.onnx`
-  (onnxruntime, imported lazily) on 80-bin Kaldi-style fbank features at 16 kHz.
+  (onnxruntime, imported lazily) on 80-bin Kaldi-style fbank features at 16 kHz; the prompt is its first aligned
+  part (`aligned_prompt`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.audio.wav import read_wav
+from engines.audio.voice_prompt import check_voice_prompt
+from engines.audio.wav import AudioFormatError, read_wav
 from engines.config import ConfigError
 from engines.speech_out.mel_spec import CODEC_MEL, log_mel
+
+# The voice answers speak in when a session sets none (the engine's --voice chooses another): eSpeak NG speech,
+# dedicated to the public domain (CC0); docs/operations.md, Voice.
+DEFAULT_VOICE_WAV = Path(__file__).resolve().parent / "voices" / "default.wav"
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,19 +57,33 @@ class Voice:
         return cls(f"random-{seed}-{n_codes}-{n_mels}-{spk_dim}", codes, mel, torch.randn(spk_dim, generator=g))
 
     @classmethod
-    def from_wav(cls, path: str | Path, *, encode: Callable[[np.ndarray], Sequence[int]],
-                 campplus: str | Path | None, max_codes: int = 375) -> Voice:
-        """encode: 16 kHz float32 mono -> 12.5 Hz codes. campplus: path to campplus.onnx (None: zero x-vector)."""
-        samples, sr = read_wav(path)
+    def from_wav(cls, source: str | Path | bytes, *, encode: Callable[[np.ndarray], Sequence[int]],
+                 campplus: str | Path | None, max_codes: int = 375, name: str | None = None) -> Voice:
+        """A WAV file (a path or its bytes) within the prompt bounds (engines/audio/voice_prompt.py; ConfigError
+        saying why not). encode: 16 kHz float32 mono -> 12.5 Hz codes. campplus: path to campplus.onnx (None: zero
+        x-vector)."""
+        try:
+            check_voice_prompt(source)
+            samples, sr = read_wav(source)
+        except AudioFormatError as e:
+            raise ConfigError(str(e)) from None
         wav = torch.from_numpy(samples)
         w16 = resample(wav, sr, 16000)
         w24 = resample(wav, sr, CODEC_MEL.sample_rate)
-        codes = torch.as_tensor(list(encode(w16.numpy())), dtype=torch.long)[-max_codes:]
+        codes = torch.as_tensor(list(encode(w16.numpy())), dtype=torch.long)
         mel = log_mel(w24[None], CODEC_MEL)[0]
-        n = min(codes.shape[0], mel.shape[1] // 4)
-        codes, mel = codes[codes.shape[0] - n:], mel[:, mel.shape[1] - 4 * n:]  # keep the latest aligned part
+        codes, mel = aligned_prompt(codes, mel, max_codes)
         xvec = campplus_xvector(w16, campplus) if campplus is not None else torch.zeros(192)
-        return cls(str(path), codes, mel.float(), xvec)
+        return cls(name or ("wav" if isinstance(source, bytes | bytearray) else str(source)), codes, mel.float(), xvec)
+
+
+def aligned_prompt(codes: torch.Tensor, mel: torch.Tensor, max_codes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's first aligned part, as the codec's reference frontend keeps it (MOSS-Speech-decoder-cosy,
+    whisper_encoder_decoder.py, after CosyVoice2's frontend with its 2 mel frames per 25 Hz token): n = min(mel
+    frames // 4, codes) codes and their 4 n mel frames from the start (a code covers 80 ms, a frame 20 ms), capped
+    at `max_codes`."""
+    n = min(int(mel.shape[1]) // 4, int(codes.shape[0]), max_codes)
+    return codes[:n], mel[:, :4 * n]
 
 
 def resample(x: torch.Tensor, sr_in: int, sr_out: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.audio.voice_prompt import check_voice_prompt
+from engines.audio.wav import AudioFormatError
 from engines.protocol import errors
 from engines.protocol.messages import Sampling, number_in
 from server.session.json_depth import MAX_DEPTH, deeper_than
@@ -215,6 +217,10 @@ def _voice_prompt(v: Any, param: str) -> bytes | None:
     if len(raw) > MAX_VOICE_PROMPT_BYTES:
         raise ProtocolError(errors.INVALID_AUDIO, f"{param}.wav is larger than {MAX_VOICE_PROMPT_BYTES} bytes",
                             f"{param}.wav")
+    try:
+        check_voice_prompt(raw)
+    except AudioFormatError as e:
+        raise ProtocolError(errors.INVALID_AUDIO, f"{param}.wav: {e}", f"{param}.wav") from None
     return raw
 
 

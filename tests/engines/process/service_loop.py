@@ -1,5 +1,6 @@
-"""The engine process's loop for tests: step a Service; while only one of its worker threads (codec, encoder) is busy,
-wait on that worker's condition for its next result instead of spinning (the process's loop sleeps a little)."""
+"""The engine process's loop for tests: step a Service; while only one of its worker threads (codec, encoder, voice
+prompts) is busy, wait on that worker's condition for its next result instead of spinning (the process's loop sleeps
+a little)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def wait_for_worker(worker: Any) -> None:
 def step(svc: Service) -> list[Out]:
     """One iteration: with the engine idle, first the next result of a busy worker thread; then a step."""
     if not svc.engine.has_work():
-        threads = [svc._codec] + ([svc._speech] if svc._speech is not None and svc._speech.threaded else [])
+        speech = [svc._speech] if svc._speech is not None and svc._speech.threaded else []
+        threads = [svc._codec, svc._voices, *speech]
         busy = [w for w in threads if w is not None and w.busy()]
         if busy:
             wait_for_worker(busy[0])

@@ -25,6 +25,7 @@ from engines.protocol import messages as m
 from engines.speech_in import SpeechEncoder
 from engines.speech_out.decoder import CodecDecoder
 from engines.tokens import EOSP, MODALITY_PAD
+from tests.engines.process import service_loop
 from tests.paths import REPO
 
 ROOT = REPO
@@ -191,15 +192,15 @@ def test_voice_prompt_from_wav(codec, tmp_path) -> None:
     wav = tmp_path / "voice.wav"
     write_wav(wav, pcm[:rate], rate)
     out = [x for _, x in svc.handle(b"c", m.OpenSession("bad", voice_wav=b"RIFF nonsense"))]
-    assert out[0].code == "invalid_request" and "voice_wav" in out[0].message and "bad" not in svc.sessions
+    assert out[0].code == "invalid_audio" and "voice_wav" in out[0].message and "bad" not in svc.sessions
     assert [x for _, x in svc.handle(b"c", m.OpenSession("s", voice_wav=wav.read_bytes()))] == [m.SessionReady("s")]
-    voice = svc.sessions["s"].voice
-    assert voice.name.startswith("wav-") and voice.codes.numel() > 5 and voice.mel.shape[1] == 4 * voice.codes.numel()
     svc.handle(b"c", m.AddUserText("s", "i", "hi"))
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", m.Sampling(greedy=True, max_new_tokens=6, min_new_tokens=6)))
-    msgs = []
-    while svc.has_work():
-        msgs += [x for _, x in svc.step()]
+    msgs = [x for _, x in service_loop.until_idle(svc)]
+    voice = svc.sessions["s"].voice
+    assert voice.name.startswith("wav-") and voice.codes.numel() > 5 and voice.mel.shape[1] == 4 * voice.codes.numel()
+    # The prompt's codes are the encoder's codes of the recording, made in pieces off the loop.
+    assert voice.codes.tolist() == enc.encode(pcm[:rate])[:voice.codes.numel()]
     done = msgs[-1]
     assert isinstance(done, m.ResponseDone) and done.audio_samples == 6 * 1920
     assert not [x for x in msgs if isinstance(x, m.Error)]

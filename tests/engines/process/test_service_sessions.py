@@ -377,7 +377,7 @@ def test_errors_answer_and_session_survives() -> None:
     assert of(send(svc, m.AddUserText("s", "i", "x"), client=b"other"), m.Error)[0].message.endswith("another client")
     bad = send(svc, m.CreateResponse("s", "r0", "text", m.Sampling(top_p=0.0)))
     assert [type(x) for x in bad] == [m.Error, m.ResponseDone] and bad[1].status == "failed"
-    big = send(svc, m.CreateResponse("s", "r1", "text", m.Sampling(max_new_tokens=10_000)))
+    big = send(svc, m.CreateResponse("s", "r1", "text", m.Sampling(max_new_tokens=1_000)))
     assert big[0].code == "request_too_large" and big[1].status == "failed" and big[0].response_id == "r1"
     assert of(send(svc, m.AppendUserAudio("s", b"\x00")), m.Error)[0].code == "invalid_request"  # odd PCM bytes
     send(svc, m.AddUserText("s", "i", "hi"))

@@ -88,6 +88,15 @@ def test_streaming_equals_whole_across_30s_segment(enc):
     torch.testing.assert_close(f, wf, atol=FEATURE_ATOL, rtol=0)
 
 
+def test_encode_in_pieces_equals_encode_and_frees_its_slot(enc):
+    """A voice prompt is encoded in pieces on the low-priority lane: the same codes as one whole forward."""
+    pcm = speech_like(2.3, seed=5)
+    in_use = enc.runner.kv.in_use
+    assert enc.encode_in_pieces(pcm, piece_samples=4000) == enc.encode(pcm)
+    assert enc.encode_in_pieces(pcm[:100]) == enc.encode(pcm[:100])
+    assert enc.runner.kv.in_use == in_use
+
+
 def test_code_emitted_as_soon_as_determined(enc):
     pcm = speech_like(0.5)
     s = enc.open_stream()

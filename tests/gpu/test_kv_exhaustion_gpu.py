@@ -1,0 +1,90 @@
+"""KV exhaustion on the GPU (full-size random weights, a 3 GiB pool): idle sessions' long histories fill the pool
+while spoken answers play; every new turn that cannot get its blocks is refused with server_busy, nothing waits
+forever, the playing answers keep real time (12.5 rows a second each, with a margin), and every block comes back.
+Prints one JSON line with the figures (`-s`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from engines.process.config import ProcessConfig
+from engines.process.loading import build_service
+from engines.protocol import messages as m
+from tests.engines.process import service_loop
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: tests/gpu runs on the GPU box")
+
+LIVE = 32  # spoken answers playing through the flood
+ANSWER_ROWS = 250  # 20 s of speech each
+HISTORY_CHARS = 6000  # one idle session's history (the stand-in tokenizer: about a row a character)
+REAL_TIME_ROWS_S = 12.5
+
+
+def _send(svc, msg) -> list:
+    return [x for _, x in svc.handle(b"c", msg)]
+
+
+def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time() -> None:
+    svc = build_service(ProcessConfig.parse(["--device", "cuda", "--model", "full-random", "--codec", "full-random",
+                                             "--kv-cache-gib", "3", "--max-model-len", "8192", "--no-warm-up"]))
+    eng = svc.engine
+    total = eng.stats().total_blocks
+    text = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
+    for i in range(LIVE):
+        _send(svc, m.OpenSession(f"live{i}", instructions="x"))
+    # Idle histories until fewer blocks are free than the live answers will reserve.
+    live_need = LIVE * -(-(ANSWER_ROWS + 40) // eng.config.block_size)
+    h = 0
+    while eng.stats().free_blocks > live_need + 8:
+        sid = f"hist{h}"
+        _send(svc, m.OpenSession(sid, instructions="x"))
+        _send(svc, m.AddUserText(sid, "i", "a" * HISTORY_CHARS))
+        _send(svc, m.CreateResponse(sid, "r", "text", text))
+        service_loop.until_idle(svc)
+        h += 1
+    spoken = m.Sampling(max_new_tokens=ANSWER_ROWS, min_new_tokens=ANSWER_ROWS)
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+    for i in range(LIVE):
+        _send(svc, m.AddUserText(f"live{i}", "i", "hello"))
+        out = _send(svc, m.CreateResponse(f"live{i}", f"a{i}", "audio", spoken))
+        assert [type(x) for x in out] == [m.ResponseStarted], out
+        start[f"a{i}"] = time.monotonic()
+    asked, steps = 0, 0
+    msgs: list = []
+    while svc.has_work():
+        if steps % 5 == 0:  # a new turn every 5 steps, each with a long history of its own
+            sid = f"new{asked}"
+            asked += 1
+            _send(svc, m.OpenSession(sid, instructions="x"))
+            _send(svc, m.AddUserText(sid, "i", "a" * HISTORY_CHARS))
+            msgs += _send(svc, m.CreateResponse(sid, "r", "audio", spoken))
+        out = [x for _, x in service_loop.step(svc)]
+        steps += 1
+        now = time.monotonic()
+        for x in out:
+            if isinstance(x, m.ResponseDone) and x.response_id in start:
+                end[x.response_id] = now
+        msgs += out
+        assert steps < 100_000, "the engine never went idle"
+    errors = [x for x in msgs if isinstance(x, m.Error)]
+    refused = sum(1 for e in errors if e.code == "server_busy")
+    assert errors and {e.code for e in errors} == {"server_busy"}
+    done = {x.response_id: x for x in msgs if isinstance(x, m.ResponseDone)}
+    assert all(done[a].status == "incomplete" for a in start), [done[a].status for a in start]
+    rates = sorted(ANSWER_ROWS / (end[a] - start[a]) for a in start)
+    for sid in list(svc.sessions):
+        _send(svc, m.CloseSession(sid))
+    service_loop.until_idle(svc)
+    eng.check_integrity()
+    free = eng.stats().free_blocks
+    print(json.dumps({"kv_blocks": total, "idle_histories": h, "live_answers": LIVE, "new_turns": asked,
+                      "refused_server_busy": refused, "steps": steps, "min_rows_per_s": round(rates[0], 1),
+                      "median_rows_per_s": round(rates[len(rates) // 2], 1), "free_blocks_after": free}))
+    assert free == total
+    assert rates[0] > 1.5 * REAL_TIME_ROWS_S

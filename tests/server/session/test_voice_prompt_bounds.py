@@ -1,0 +1,30 @@
+"""A voice prompt whose WAV header claims a sample rate out of range, or a length over 30 s, is refused by the server
+with `invalid_audio` naming the parameter, before the engine sees it."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from engines.audio.wav import write_wav
+from server.session.client_events import ProtocolError, SessionConfig, parse_session_update
+
+
+def _update(wav: bytes) -> dict:
+    return {"moss": {"voice_prompt": {"wav": base64.b64encode(wav).decode()}}}
+
+
+@pytest.mark.parametrize(("rate", "seconds", "why"), [(400, 975.0, "sample rate 400 Hz"),
+                                                      (8_000, 31.0, "longer than 30 s")])
+def test_a_prompt_out_of_bounds_is_refused_by_name(tmp_path, rate: int, seconds: float, why: str) -> None:
+    path = tmp_path / "v.wav"
+    write_wav(path, np.zeros(int(rate * seconds), np.float32), rate)
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(ProtocolError) as e:
+        parse_session_update(_update(path.read_bytes()), SessionConfig())
+    assert (e.value.code, e.value.param) == ("invalid_audio", "session.moss.voice_prompt.wav")
+    assert why in e.value.message
+    write_wav(path, np.zeros(16000, np.float32), 16000)
+    assert parse_session_update(_update(path.read_bytes()), SessionConfig()).voice_prompt_wav == path.read_bytes()
