@@ -66,6 +66,7 @@ class Settings(_EngineSettings):
     max_sessions: int | None = Field(None, ge=1)  # None: sized from the engine once it is ready (server/limits.py)
     max_message_bytes: int = Field(1 << 20, ge=1024)  # a WebSocket message above this closes with 1009
     max_input_buffer_seconds: float = Field(60.0, gt=0)
+    max_answer_rows: int = Field(500, ge=1, le=1 << 20)  # an answer's length when the client sets no limit (40 s)
     output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
     drain_timeout_s: float = Field(10.0, ge=0)
 

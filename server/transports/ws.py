@@ -31,7 +31,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.responses import PlainTextResponse
 
 from engines.protocol import errors
-from server import auth
+from server import auth, client_secrets
 from server.session import server_events as ev
 from server.session.manager import SessionRefused
 
@@ -65,7 +65,7 @@ async def _serve(ws: WebSocket) -> None:
     if not auth.origin_ok(settings.allowed_origins, ws.headers.get("origin")):
         await _deny(ws, errors.http_status(errors.ORIGIN_NOT_ALLOWED), "origin not allowed")
         return
-    if not auth.key_ok(settings.api_keys, auth.presented_key(ws.headers, ws.query_params)):
+    if not client_secrets.key_or_secret_ok(settings.api_keys, auth.presented_key(ws.headers, ws.query_params)):
         await _deny(ws, errors.http_status(errors.INVALID_API_KEY),
                     "missing or invalid API key (Authorization: Bearer KEY)")
         return

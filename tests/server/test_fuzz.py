@@ -149,7 +149,7 @@ async def _until(pred, what: str, got, timeout: float = 120.0) -> None:
 async def _opened(ws: Any) -> str:
     created = await recv_event(ws)
     assert created["type"] == "session.created"
-    return created["session"]["id"]
+    return created["session"]["moss"]["session_id"]
 
 
 async def _fuzz_one(srv: RunningServer, seed: int) -> tuple[list[dict[str, Any]], int | None]:

@@ -28,7 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from engines.protocol import errors
-from server import auth
+from server import auth, client_secrets
 from server.session.client_events import ProtocolError, parse_session_update
 from server.session.manager import SessionManager, SessionRefused
 from server.transports.webrtc.call import Call, CallRegistry, new_call_id
@@ -70,7 +70,8 @@ class WebRTCService:
     def access_error(self, headers: Any, query: Any) -> JSONResponse | None:
         if not auth.origin_ok(getattr(self.settings, "allowed_origins", []), headers.get("origin")):
             return _error(errors.ORIGIN_NOT_ALLOWED, f"Origin {headers.get('origin')!r} is not allowed")
-        if not auth.key_ok(getattr(self.settings, "api_keys", []), auth.presented_key(headers, query)):
+        if not client_secrets.key_or_secret_ok(getattr(self.settings, "api_keys", []),
+                                               auth.presented_key(headers, query)):
             return _error(errors.INVALID_API_KEY, "missing or wrong API key (Authorization: Bearer KEY)")
         return None
 
@@ -174,7 +175,9 @@ class WebRTCService:
         event = {"type": "session.update",
                  "session": {"moss": {"voice_prompt": {"wav": base64.b64encode(wav).decode("ascii")}}}}
         try:
-            parse_session_update(event["session"], call.session.config)
+            _, refused = parse_session_update(event["session"], call.session.config)
+            if refused:
+                raise refused[0]
         except ProtocolError as e:
             return _error(e.code, e.message)
         await call.session.handle_client_event(event)

@@ -219,7 +219,7 @@ async def test_spoken_turn_over_webrtc_then_hangup_frees_the_peer(engine):
             assert abs(dominant_hz(first_chunk, OPUS_RATE) - 330.0) < 15.0
             assert started["response_id"] == done["response"]["id"]
             print(f"\nWebRTC TTFA (speech_stopped event -> first audible frame at the client): {ttfa_ms:.0f} ms; "
-                  f"server-side ttfa_ms: {done['response'].get('ttfa_ms')}")
+                  f"server-side ttfa_ms: {done['response']['moss']['ttfa_ms']}")
 
             # Hang up: the call, its session and its peer are gone.
             server_pc = svc.calls.get(client.call_id).pc
