@@ -145,7 +145,7 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
         # An earlier assistant item truncated at (or past) its end cuts nothing: clients that track playback loosely
         # send that after a later answer began.
         heard = s.item_audio_samples.get(item_id) if isinstance(item_id, str) else None
-        if heard is None or samples < heard:
+        if heard is None or heard - samples >= ANSWER_RATE // 1000:  # short of its end by a millisecond or more
             raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "only the latest assistant audio item can be "
                                 "cut short (an earlier one only at its end)", "item_id")
         s.emit(ev.event("conversation.item.truncated", item_id=item_id,
@@ -156,9 +156,13 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
                             f"({r.audio_samples_queued * 1000 // ANSWER_RATE} ms)", "audio_end_ms")
     if r is s.responses.active:
         await s.responses.cancel("client_cancelled", samples)
-    else:
+    elif r.kept_samples - samples >= ANSWER_RATE // 1000:  # cuts something the engine's history holds
+        if s.responses.active is not None:
+            raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "a later answer has begun: this item can no "
+                                "longer be cut short (only at its end)", "item_id")
         await s.engine_inputs.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
                                                       audio_samples_played=samples))
+        r.kept_samples = samples
     s.emit(ev.event("conversation.item.truncated", item_id=item_id,
                     content_index=event.get("content_index", 0), audio_end_ms=audio_end_ms))
 
@@ -202,9 +206,10 @@ async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
     played = r.playback.played()
     if r is s.responses.active:
         await s.responses.cancel("client_cancelled", played)
-    elif played < r.audio_samples_queued:
+    elif played < r.kept_samples and s.responses.active is None:
         r.audio_samples_queued -= s.outbound.drop_audio(r.id)
         await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
+        r.kept_samples = played
     s.emit(ev.event("output_audio_buffer.cleared", response_id=r.id))
 
 

@@ -34,6 +34,16 @@ class Response:
     cancel_sent: bool = False
     cancel_reason: str | None = None
     stopped_by_server_limit: bool = False  # the client set no limit ("inf"); the server's max_answer_rows ended it
+    cut_at: int | None = None  # 24 kHz samples the engine's history keeps after a truncation (None: all of it)
+
+    @property
+    def kept_samples(self) -> int:
+        """The answer's audio the engine's history holds."""
+        return self.audio_samples_queued if self.cut_at is None else min(self.cut_at, self.audio_samples_queued)
+
+    @kept_samples.setter
+    def kept_samples(self, samples: int) -> None:
+        self.cut_at = samples
 
     @property
     def ttfa_ms(self) -> float | None:
@@ -93,10 +103,11 @@ class Responses:
             if r is None or r.playback.played_reported is None:
                 return
             played = r.playback.played()
-            if played >= r.audio_samples_queued:
-                return  # heard to the end
+            if played >= r.kept_samples:
+                return  # heard to the end (or cut there already)
             r.audio_samples_queued -= s.outbound.drop_audio(r.id)
             await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
+            r.kept_samples = played
         if s.audio_out == "track" and r.started:
             s.emit(ev.event("conversation.item.truncated", item_id=r.item_id, content_index=0,
                             audio_end_ms=played * 1000 // ANSWER_RATE))
@@ -117,6 +128,7 @@ class Responses:
             r.audio_samples_queued -= dropped
             await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
                                                    audio_samples_played=int(played_samples)))
+            r.kept_samples = int(played_samples)
         s.log.info("response cancel id=%s reason=%s played=%s", r.id, reason, played_samples)
 
     def on_engine_message(self, msg: Any) -> None:

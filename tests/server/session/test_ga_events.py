@@ -289,3 +289,25 @@ async def test_an_answer_with_no_client_limit_that_reaches_the_server_limit_comp
     done = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]
     assert done["status"] == "incomplete" and done["status_details"]["reason"] == "max_output_tokens"
     assert "stopped_by" not in done["moss"]
+
+
+async def test_truncating_the_previous_answer_once_a_later_one_runs_cuts_nothing_or_is_refused():
+    """Clients that track playback loosely truncate the answer they last played after the next one began (Pipecat
+    does on speech_started): at its end that cuts nothing and is confirmed; a real cut is refused (the engine's
+    history has moved on), and nothing reaches the engine either way."""
+    s, link = await new_session()
+    await s.handle_client_event(NO_VAD)
+    await s.handle_client_event(HI)
+    await answer(s, link, chunks=2)
+    item_id = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]["output"][0]["id"]
+    await s.handle_client_event(HI)
+    await answer(s, link, status=None)  # running
+    drain(s)
+    await s.handle_client_event({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                                 "audio_end_ms": 800})
+    await s.handle_client_event({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                                 "audio_end_ms": 300})
+    done, refused = drain(s)
+    assert done["type"] == "conversation.item.truncated" and done["audio_end_ms"] == 800
+    assert refused["error"]["code"] == "item_truncate_invalid_item_id"
+    assert not link.of(m.TruncateResponse)
