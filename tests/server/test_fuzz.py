@@ -95,8 +95,13 @@ async def _reading(ws: Any, events: list[dict[str, Any]]) -> asyncio.Task:
 
 async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dict[str, Any]], reader: asyncio.Task
                          ) -> None:
-    """Back to a known state (no VAD, no answer, empty input buffer), then one answer must still come."""
-    await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    """Back to a known state (no VAD, default instructions, voice and sampling, no answer, empty input buffer), then
+    one answer must still come. (A session.update applies every field it can, so the fuzzed ones changed some of
+    these: a 5,000-character system prompt takes the real engine on a CPU minutes to prefill.)"""
+    await send(ws, "session.update", session={
+        "type": "realtime", "instructions": None, "audio": {"input": {"turn_detection": None}},
+        "moss": {"voice_prompt": None, "sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                     "repetition_penalty": 1.1, "min_output_tokens": 0}}})
     await send(ws, "response.cancel")
     await send(ws, "input_audio_buffer.clear")
     # The server takes a session's events in order, and on a loaded CPU it may still be working through the fuzzed
@@ -116,7 +121,7 @@ async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dic
         """The server's session has no answer and no task of its own left (a held input's flush, an automatic
         answer after a cancelled one): nothing starts an answer by itself any more."""
         s = srv.app.state.sessions.sessions.get(sid)
-        return s is not None and not s.response_active and not s._tasks.tasks
+        return s is not None and not s.response_active and not s.tasks.tasks
 
     await taken("item_still_answers")
     await _until(quiet, "the session to settle", last)
