@@ -142,7 +142,7 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
                         "(window.__mossStats.events['response.created'] || 0)", 20, "no answer in flight")
             (session,) = server.app.state.sessions.sessions.values()
             deadline = time.monotonic() + 30  # (a bound on a hang: the live mic keeps feeding)
-            while not session._uncommitted_samples():  # mic audio reaches the input buffer
+            while not session.input_buffer.uncommitted_samples():  # mic audio reaches the input buffer
                 assert time.monotonic() < deadline, "no mic audio in the input buffer"
                 time.sleep(0.02)
             before = _stats(page)["events"]
