@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from server import client_secrets
 from server.engine_client import EngineClient, engine_command
 from server.engine_options import engine_argv
 from server.engine_pool import EnginePool, stats_callback
@@ -115,7 +116,8 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     engine = engines(metrics) if engines is not None else local_engines(settings, metrics, worker)
     limits = SessionLimits(max_message_bytes=settings.max_message_bytes,
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
-                           output_queue_size=settings.output_queue_size, idle_timeout_s=settings.idle_timeout_s)
+                           output_queue_size=settings.output_queue_size, idle_timeout_s=settings.idle_timeout_s,
+                           max_answer_rows=settings.max_answer_rows)
     # Unset, the limit is sized from the engine once it is ready; until then no session is admitted anyway.
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
@@ -162,6 +164,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     app.include_router(ops.router)
     app.include_router(realtime_ws.router)
     webrtc_routes.install(app, settings, sessions)  # POST /v1/realtime/calls, /v1/info, the page at /
+    client_secrets.install(app, settings)  # POST /v1/realtime/client_secrets
     return app
 
 

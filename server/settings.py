@@ -78,6 +78,7 @@ class Settings(_EngineSettings):
     max_sessions: int | None = Field(None, ge=1)  # None: sized from the engine once it is ready (server/limits.py)
     max_message_bytes: int = Field(1 << 20, ge=1024)  # a WebSocket message above this closes with 1009
     max_input_buffer_seconds: float = Field(60.0, gt=0)
+    max_answer_rows: int = Field(500, ge=1, le=1 << 20)  # an answer's length when the client sets no limit (40 s)
     output_queue_size: int = Field(1024, ge=8)  # outbound events per session before it is closed as slow
     # a WebSocket client that takes none of the bytes waiting for it this long is closed as slow (1008)
     slow_consumer_timeout_s: float = Field(5.0, gt=0)

@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{CPU_MAX_SESSIONS}) [MOSS_MAX_SESSIONS]")
     p.add_argument("--max-message-bytes", type=int, help="largest WebSocket message (default 1 MiB)")
     p.add_argument("--max-input-buffer-seconds", type=float, help="uncommitted input audio limit (default 60)")
+    p.add_argument("--max-answer-rows", type=int,
+                   help="an answer's length in rows of 80 ms when the client sets no max_output_tokens (default 500)")
     p.add_argument("--output-queue-size", type=int, help="outbound events per session before 'slow_consumer'")
     p.add_argument("--slow-consumer-timeout-s", type=float,
                    help="close a WebSocket client that takes none of the bytes waiting for it this long as "

@@ -339,7 +339,7 @@ class SimulatedUser:
                 return
             t.rec.response_status = resp.get("status")
             t.response_reason = (resp.get("status_details") or {}).get("reason")
-            ttfa = resp.get("ttfa_ms")
+            ttfa = (resp.get("moss") or {}).get("ttfa_ms")
             t.rec.server_ttfa_ms = float(ttfa) if isinstance(ttfa, int | float) else None
             t.done_t = now
             t.done.set()

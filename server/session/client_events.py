@@ -3,7 +3,8 @@
 Every unknown field is refused with its dotted name. Fields of the GA shape that this server does not
 implement (tools, transcription, noise reduction...) are accepted only with their "off" values, so a
 client that sends defaults works and a client that relies on a feature learns it is missing.
-Updates are atomic: on any error nothing changes.
+A session.update applies every field it can and reports each refused one (its own `error`, naming it); a
+response.create is all or nothing (an answer with settings other than those asked for would mislead).
 
 Extension `session.moss` (and `response.moss`):
   {"sampling": {temperature, top_p, top_k, repetition_penalty, min_output_tokens, seed, greedy},
@@ -16,6 +17,7 @@ import base64
 import binascii
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +74,21 @@ def decode_client_event(text: str | bytes) -> dict[str, Any]:
     return event
 
 
+# semantic_vad's `eagerness` as the silence that ends a turn: until a semantic end-of-turn model decides, the VAD ends
+# the turn after this much silence (low waits longest, as OpenAI's does; auto is medium).
+EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 250}
+
+
 @dataclass(frozen=True)
 class TurnDetection:
+    type: str = "server_vad"  # or "semantic_vad": silence_duration_ms then comes from eagerness
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    eagerness: str | None = None  # semantic_vad only
+    idle_timeout_ms: int | None = None  # server_vad only
 
 
 MAX_OUTPUT_TOKENS_DEFAULT = Sampling().max_new_tokens
@@ -95,12 +105,30 @@ class SessionConfig:
     max_output_tokens: int | str = "inf"
     sampling: Sampling = field(default_factory=Sampling)
     voice_prompt_wav: bytes | None = None
+    max_answer_rows: int = MAX_OUTPUT_TOKENS_DEFAULT  # the server's: an answer's length under "inf"
 
     def sampling_dict(self) -> dict[str, Any]:
         s = self.sampling
         return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                 "repetition_penalty": s.repetition_penalty, "min_output_tokens": s.min_new_tokens,
                 "seed": s.seed, "greedy": s.greedy}
+
+
+class Refused:
+    """The fields of one update that could not be applied: `with refused:` runs a field's parse, and a ProtocolError
+    in it is kept (the field is left as it was) instead of ending the update."""
+
+    def __init__(self) -> None:
+        self.errors: list[ProtocolError] = []
+
+    def __enter__(self) -> Refused:
+        return self
+
+    def __exit__(self, etype: Any, exc: Any, tb: Any) -> bool:
+        if isinstance(exc, ProtocolError):
+            self.errors.append(exc)
+            return True
+        return False
 
 
 def _obj(v: Any, param: str) -> dict[str, Any]:
@@ -146,27 +174,53 @@ def _format(v: Any, param: str) -> None:
         raise ProtocolError(errors.UNSUPPORTED_AUDIO_FORMAT, f"{param}.rate must be 24000", f"{param}.rate")
 
 
-def _turn_detection(v: Any, cur: TurnDetection | None, param: str) -> TurnDetection | None:
+def _eagerness(v: Any, param: str) -> str:
+    if v not in EAGERNESS_SILENCE_MS:
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be one of {', '.join(EAGERNESS_SILENCE_MS)}, "
+                            f"got {v!r}", param)
+    return v
+
+
+def _idle_timeout(v: Any, param: str) -> int | None:
+    return None if v is None else _num(v, param, 5000, 30000, integer=True)
+
+
+_TD_FIELDS: dict[str, Callable[[Any, str], Any]] = {
+    "threshold": lambda v, p: float(_num(v, p, 0.0, 1.0)),
+    "prefix_padding_ms": lambda v, p: _num(v, p, 0, 5000, integer=True),
+    "silence_duration_ms": lambda v, p: _num(v, p, 32, 10000, integer=True),
+    "create_response": _bool,
+    "interrupt_response": _bool,
+    "eagerness": _eagerness,
+    "idle_timeout_ms": _idle_timeout,
+}
+_TD_KEYS = {"server_vad": {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                           "interrupt_response", "idle_timeout_ms"},
+            "semantic_vad": {"type", "eagerness", "create_response", "interrupt_response"}}
+
+
+def _turn_detection(v: Any, cur: TurnDetection | None, param: str, refused: Refused) -> TurnDetection | None:
+    """Each field that parses applies; a field that does not is refused on its own (the others still apply)."""
     if v is None:
         return None
     td = _obj(v, param)
-    _keys(td, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-               "interrupt_response", "idle_timeout_ms"}, param)
-    if td.get("type") != "server_vad":
-        raise ProtocolError(errors.UNSUPPORTED_TURN_DETECTION, f"{param}.type {td.get('type')!r} is not "
-                            "supported (only 'server_vad' or turn_detection null)", f"{param}.type")
-    _off(td, "idle_timeout_ms", param, (None,))
-    base = cur or TurnDetection()
-    return TurnDetection(
-        threshold=float(_num(td.get("threshold", base.threshold), f"{param}.threshold", 0.0, 1.0)),
-        prefix_padding_ms=_num(td.get("prefix_padding_ms", base.prefix_padding_ms), f"{param}.prefix_padding_ms",
-                               0, 5000, integer=True),
-        silence_duration_ms=_num(td.get("silence_duration_ms", base.silence_duration_ms),
-                                 f"{param}.silence_duration_ms", 32, 10000, integer=True),
-        create_response=_bool(td.get("create_response", base.create_response), f"{param}.create_response"),
-        interrupt_response=_bool(td.get("interrupt_response", base.interrupt_response),
-                                 f"{param}.interrupt_response"),
-    )
+    kind = td.get("type")
+    if kind not in _TD_KEYS:
+        raise ProtocolError(errors.UNSUPPORTED_TURN_DETECTION, f"{param}.type {kind!r} is not supported (only "
+                            "'server_vad', 'semantic_vad' or turn_detection null)", f"{param}.type")
+    with refused:
+        _keys(td, _TD_KEYS[kind], param)
+    base = cur if cur is not None and cur.type == kind else TurnDetection(type=kind)
+    out: dict[str, Any] = {}
+    for name in _TD_KEYS[kind] - {"type"}:
+        if name in td:
+            with refused:
+                out[name] = _TD_FIELDS[name](td[name], f"{param}.{name}")
+    new = dataclasses.replace(base, **out)
+    if kind == "semantic_vad":
+        new = dataclasses.replace(new, eagerness=new.eagerness or "auto",
+                                  silence_duration_ms=EAGERNESS_SILENCE_MS[new.eagerness or "auto"])
+    return new
 
 
 def _modalities(v: Any, param: str) -> tuple[str, ...]:
@@ -224,69 +278,97 @@ def _voice_prompt(v: Any, param: str) -> bytes | None:
     return raw
 
 
-def _moss(v: Any, cfg: dict[str, Any], cur: SessionConfig, param: str) -> None:
+def _moss(v: Any, cfg: dict[str, Any], cur: SessionConfig, param: str, refused: Refused) -> None:
     mo = _obj(v, param)
-    _keys(mo, {"sampling", "voice_prompt"}, param)
+    with refused:
+        _keys(mo, {"sampling", "voice_prompt"}, param)
     if "sampling" in mo:
-        cfg["sampling"] = _sampling(mo["sampling"], cur.sampling, f"{param}.sampling")
+        with refused:
+            cfg["sampling"] = _sampling(mo["sampling"], cur.sampling, f"{param}.sampling")
     if "voice_prompt" in mo:
-        cfg["voice_prompt_wav"] = _voice_prompt(mo["voice_prompt"], f"{param}.voice_prompt")
+        with refused:
+            cfg["voice_prompt_wav"] = _voice_prompt(mo["voice_prompt"], f"{param}.voice_prompt")
 
 
-def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
+def _audio_input(i: dict[str, Any], cfg: dict[str, Any], cur: SessionConfig, refused: Refused) -> None:
+    param = "session.audio.input"
+    with refused:
+        _keys(i, {"format", "transcription", "noise_reduction", "turn_detection"}, param)
+    if "format" in i:
+        with refused:
+            _format(i["format"], f"{param}.format")
+    with refused:
+        _off(i, "transcription", param, (None,))
+    with refused:
+        _off(i, "noise_reduction", param, (None,))
+    if "turn_detection" in i:
+        with refused:
+            cfg["turn_detection"] = _turn_detection(i["turn_detection"], cur.turn_detection,
+                                                    f"{param}.turn_detection", refused)
+
+
+def _audio_output(o: dict[str, Any], cfg: dict[str, Any], refused: Refused) -> None:
+    param = "session.audio.output"
+    with refused:
+        _keys(o, {"format", "voice", "speed"}, param)
+    if "format" in o:
+        with refused:
+            _format(o["format"], f"{param}.format")
+    with refused:
+        _off(o, "speed", param, (1, 1.0, None))
+    if "voice" in o:
+        # No named voices: the name is echoed; a voice prompt (session.moss.voice_prompt) sets the voice.
+        if o["voice"] is not None and not isinstance(o["voice"], str):
+            refused.errors.append(ProtocolError(errors.UNSUPPORTED_PARAMETER, f"{param}.voice must be a name; use "
+                                                "session.moss.voice_prompt for a custom voice", f"{param}.voice"))
+        else:
+            cfg["voice"] = o["voice"]
+
+
+def parse_session_update(v: Any, cur: SessionConfig) -> tuple[SessionConfig, list[ProtocolError]]:
+    """The session after an update, and the fields refused: every field that parses applies, each one that does
+    not is reported (and left as it was). Raises ProtocolError only when nothing can apply (`session` is not an
+    object, or not a realtime session). `session.model` may name any model: this server serves its own."""
     s = _obj(v, "session")
-    _keys(s, {"type", "object", "id", "model", "instructions", "output_modalities", "audio", "max_output_tokens",
-              "tools", "tool_choice", "tracing", "truncation", "prompt", "include", "expires_at", "moss"}, "session")
     if s.get("type", "realtime") != "realtime":
         raise ProtocolError(errors.UNSUPPORTED_SESSION_TYPE, "session.type must be 'realtime'", "session.type")
-    _off(s, "tools", "session", ([], None))
-    _off(s, "tool_choice", "session", ("auto", "none", None))
-    _off(s, "tracing", "session", (None,))
-    _off(s, "truncation", "session", ("auto", None))
-    _off(s, "prompt", "session", (None,))
-    _off(s, "include", "session", (None, []))
+    refused = Refused()
+    with refused:
+        _keys(s, {"type", "object", "id", "model", "instructions", "output_modalities", "audio", "max_output_tokens",
+                  "tools", "tool_choice", "tracing", "truncation", "prompt", "include", "expires_at", "moss"},
+              "session")
+    for name, off in (("tools", ([], None)), ("tool_choice", ("auto", "none", None)), ("tracing", (None,)),
+                      ("truncation", ("auto", None)), ("prompt", (None,)), ("include", (None, []))):
+        with refused:
+            _off(s, name, "session", off)
     cfg: dict[str, Any] = {}
-    if "model" in s and s["model"] != cur.model:
-        raise ProtocolError(errors.INVALID_VALUE, "session.model cannot change (this server serves "
-                            f"{cur.model!r})", "session.model")
     if "instructions" in s:
         if s["instructions"] is not None and not isinstance(s["instructions"], str):
-            raise ProtocolError(errors.INVALID_VALUE, "session.instructions must be a string",
-                                "session.instructions")
-        cfg["instructions"] = s["instructions"] or None
+            refused.errors.append(ProtocolError(errors.INVALID_VALUE, "session.instructions must be a string",
+                                                "session.instructions"))
+        else:
+            cfg["instructions"] = s["instructions"] or None
     if "output_modalities" in s:
-        cfg["output_modalities"] = _modalities(s["output_modalities"], "session.output_modalities")
+        with refused:
+            cfg["output_modalities"] = _modalities(s["output_modalities"], "session.output_modalities")
     if "max_output_tokens" in s:
-        cfg["max_output_tokens"] = _max_tokens(s["max_output_tokens"], "session.max_output_tokens")
+        with refused:
+            cfg["max_output_tokens"] = _max_tokens(s["max_output_tokens"], "session.max_output_tokens")
     if "audio" in s:
-        a = _obj(s["audio"], "session.audio")
-        _keys(a, {"input", "output"}, "session.audio")
-        if "input" in a:
-            i = _obj(a["input"], "session.audio.input")
-            _keys(i, {"format", "transcription", "noise_reduction", "turn_detection"}, "session.audio.input")
-            if "format" in i:
-                _format(i["format"], "session.audio.input.format")
-            _off(i, "transcription", "session.audio.input", (None,))
-            _off(i, "noise_reduction", "session.audio.input", (None,))
-            if "turn_detection" in i:
-                cfg["turn_detection"] = _turn_detection(i["turn_detection"], cur.turn_detection,
-                                                        "session.audio.input.turn_detection")
-        if "output" in a:
-            o = _obj(a["output"], "session.audio.output")
-            _keys(o, {"format", "voice", "speed"}, "session.audio.output")
-            if "format" in o:
-                _format(o["format"], "session.audio.output.format")
-            _off(o, "speed", "session.audio.output", (1, 1.0, None))
-            if "voice" in o:
-                # No named voices: the name is echoed; a voice prompt (session.moss.voice_prompt) sets the voice.
-                if o["voice"] is not None and not isinstance(o["voice"], str):
-                    raise ProtocolError(errors.UNSUPPORTED_PARAMETER, "session.audio.output.voice must be a name; "
-                                        "use session.moss.voice_prompt for a custom voice",
-                                        "session.audio.output.voice")
-                cfg["voice"] = o["voice"]
+        with refused:
+            a = _obj(s["audio"], "session.audio")
+            with refused:
+                _keys(a, {"input", "output"}, "session.audio")
+            if "input" in a:
+                with refused:
+                    _audio_input(_obj(a["input"], "session.audio.input"), cfg, cur, refused)
+            if "output" in a:
+                with refused:
+                    _audio_output(_obj(a["output"], "session.audio.output"), cfg, refused)
     if "moss" in s:
-        _moss(s["moss"], cfg, cur, "session.moss")
-    return dataclasses.replace(cur, **cfg)
+        with refused:
+            _moss(s["moss"], cfg, cur, "session.moss", refused)
+    return dataclasses.replace(cur, **cfg), refused.errors
 
 
 def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
@@ -323,7 +405,7 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
         if "sampling" in mo:
             sampling = _sampling(mo["sampling"], sampling, "response.moss.sampling")
     sampling = dataclasses.replace(
-        sampling, max_new_tokens=MAX_OUTPUT_TOKENS_DEFAULT if max_tokens == "inf" else int(max_tokens))
+        sampling, max_new_tokens=cur.max_answer_rows if max_tokens == "inf" else int(max_tokens))
     if sampling.min_new_tokens > sampling.max_new_tokens:
         raise ProtocolError(errors.INVALID_VALUE, "moss.sampling.min_output_tokens exceeds max_output_tokens",
                             "max_output_tokens")

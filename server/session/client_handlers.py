@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,18 +28,31 @@ if TYPE_CHECKING:
 
 async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "session"})
-    new = parse_session_update(event.get("session"), s.config)
+    new, refused = parse_session_update(event.get("session"), s.config)
+    asked = event["session"].get("model")
+    if isinstance(asked, str) and asked != s.config.model and not s.model_asked_logged:
+        s.model_asked_logged = True
+        s.log.info("the client asked for model %r; this server serves %r", asked[:64], s.config.model)
     if new.turn_detection is not None and not s.turns.available:
-        raise ProtocolError(errors.SERVER_VAD_UNAVAILABLE, "server_vad is disabled on this server; use "
-                            "turn_detection null and input_audio_buffer.commit",
-                            "session.audio.input.turn_detection")
+        refused.append(ProtocolError(errors.SERVER_VAD_UNAVAILABLE, "server_vad is disabled on this server; use "
+                                     "turn_detection null and input_audio_buffer.commit",
+                                     "session.audio.input.turn_detection"))
+        new = dataclasses.replace(new, turn_detection=s.config.turn_detection)
     old = s.config
     s.config = new
     if new.turn_detection != old.turn_detection:
+        if old.turn_detection is not None and not s.turns.in_speech:
+            # Between server_vad turns the input is only the prefix ring (reset here), none of it sent to the engine:
+            # nothing is left for a commit to hold, so a response.create next is not refused for it.
+            s.input_buffer.samples_client = 0
+            s.input_buffer.appended = False
         s.turns.reset()
+        s.idle.disarm()
     if (new.instructions, new.voice_prompt_wav) != (old.instructions, old.voice_prompt_wav):
         await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=new.instructions,
                                                    voice_wav=new.voice_prompt_wav))
+    for e in refused:  # each refused field in its own error, then the session as it now is
+        s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"))
     s.emit(ev.session_event("session.updated", s.id, s.config))
 
 
@@ -122,22 +136,33 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "item_id", "content_index", "audio_end_ms"})
     item_id = event.get("item_id")
     audio_end_ms = event.get("audio_end_ms")
-    active = s.responses.active
-    r = active if active and active.item_id == item_id else s.responses.last
-    if r is None or r.item_id != item_id:
-        raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID,
-                            "only the latest assistant audio item can be truncated", "item_id")
     if not isinstance(audio_end_ms, int) or audio_end_ms < 0:
         raise ProtocolError(errors.INVALID_VALUE, "audio_end_ms must be an integer >= 0", "audio_end_ms")
     samples = audio_end_ms * ANSWER_RATE // 1000
+    active = s.responses.active
+    r = active if active and active.item_id == item_id else s.responses.last
+    if r is None or r.item_id != item_id:
+        # An earlier assistant item truncated at (or past) its end cuts nothing: clients that track playback loosely
+        # send that after a later answer began.
+        heard = s.item_audio_samples.get(item_id) if isinstance(item_id, str) else None
+        if heard is None or heard - samples >= ANSWER_RATE // 1000:  # short of its end by a millisecond or more
+            raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "only the latest assistant audio item can be "
+                                "cut short (an earlier one only at its end)", "item_id")
+        s.emit(ev.event("conversation.item.truncated", item_id=item_id,
+                        content_index=event.get("content_index", 0), audio_end_ms=heard * 1000 // ANSWER_RATE))
+        return
     if samples > r.audio_samples_queued:
         raise ProtocolError(errors.INVALID_VALUE, f"audio_end_ms {audio_end_ms} is beyond the item's audio "
                             f"({r.audio_samples_queued * 1000 // ANSWER_RATE} ms)", "audio_end_ms")
     if r is s.responses.active:
         await s.responses.cancel("client_cancelled", samples)
-    else:
+    elif r.kept_samples - samples >= ANSWER_RATE // 1000:  # cuts something the engine's history holds
+        if s.responses.active is not None:
+            raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "a later answer has begun: this item can no "
+                                "longer be cut short (only at its end)", "item_id")
         await s.engine_inputs.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
                                                       audio_samples_played=samples))
+        r.kept_samples = samples
     s.emit(ev.event("conversation.item.truncated", item_id=item_id,
                     content_index=event.get("content_index", 0), audio_end_ms=audio_end_ms))
 
@@ -162,6 +187,32 @@ async def _on_response_cancel(s: Session, event: dict[str, Any]) -> None:
     await s.responses.cancel("client_cancelled", None)
 
 
+async def _on_item_retrieve(s: Session, event: dict[str, Any]) -> None:
+    _check_keys(event, {"type", "event_id", "item_id"})
+    item = s.item_objs.get(event.get("item_id")) if isinstance(event.get("item_id"), str) else None
+    if item is None:
+        raise ProtocolError(errors.ITEM_RETRIEVE_INVALID_ITEM_ID, f"no item {event.get('item_id')!r} in this "
+                            "conversation", "item_id")
+    s.emit(ev.event("conversation.item.retrieved", item=item))
+
+
+async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
+    """Stop the answer's audio where the listener is: an answer still running is cancelled, queued audio dropped, the
+    history cut to what was heard (WebRTC: what the track played; WebSocket: real time since the first audio)."""
+    _check_keys(event, {"type", "event_id"})
+    r = s.responses.active or s.responses.last
+    if r is None:
+        return
+    played = r.playback.played()
+    if r is s.responses.active:
+        await s.responses.cancel("client_cancelled", played)
+    elif played < r.kept_samples and s.responses.active is None:
+        r.audio_samples_queued -= s.outbound.drop_audio(r.id)
+        await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
+        r.kept_samples = played
+    s.emit(ev.event("output_audio_buffer.cleared", response_id=r.id))
+
+
 HANDLERS: dict[str, Callable[[Session, dict[str, Any]], Awaitable[None]]] = {
     "session.update": _on_session_update,
     "input_audio_buffer.append": _on_append,
@@ -169,6 +220,8 @@ HANDLERS: dict[str, Callable[[Session, dict[str, Any]], Awaitable[None]]] = {
     "input_audio_buffer.clear": _on_clear,
     "conversation.item.create": _on_item_create,
     "conversation.item.truncate": _on_item_truncate,
+    "conversation.item.retrieve": _on_item_retrieve,
+    "output_audio_buffer.clear": _on_output_audio_clear,
     "response.create": _on_response_create,
     "response.cancel": _on_response_cancel,
 }

@@ -33,6 +33,17 @@ class Response:
     text: list[str] = field(default_factory=list)
     cancel_sent: bool = False
     cancel_reason: str | None = None
+    stopped_by_server_limit: bool = False  # the client set no limit ("inf"); the server's max_answer_rows ended it
+    cut_at: int | None = None  # 24 kHz samples the engine's history keeps after a truncation (None: all of it)
+
+    @property
+    def kept_samples(self) -> int:
+        """The answer's audio the engine's history holds."""
+        return self.audio_samples_queued if self.cut_at is None else min(self.cut_at, self.audio_samples_queued)
+
+    @kept_samples.setter
+    def kept_samples(self, samples: int) -> None:
+        self.cut_at = samples
 
     @property
     def ttfa_ms(self) -> float | None:
@@ -60,6 +71,7 @@ class Responses:
                      max_output_tokens=opts["max_output_tokens"])
         self.turn_committed_at = None
         self.active = r
+        s.idle.disarm()
         sampling = opts["sampling"]
         s.emit(ev.event("response.created", response=ev.response_obj(r, s.id, "in_progress")))
         await s.engine_inputs.send(m.CreateResponse(session_id=s.id, response_id=r.id, modality=r.modality,
@@ -72,6 +84,33 @@ class Responses:
             await self.create(parse_response_create(None, self.s.config))
         elif self.active.cancel_sent:  # barge-in: answer once the interrupted one has ended
             self._auto_response_pending = True
+
+    async def user_started_speaking(self, interrupt: bool) -> None:
+        """server_vad heard speech start. Barge-in (`interrupt`): the answer is cancelled, or, when it has ended but
+        its audio still plays on a track, cut where the listener is. On a track the server knows how much was heard
+        and says where it truncated (`conversation.item.truncated`, as OpenAI's WebRTC server does); over the
+        WebSocket only the client knows, and it sends `conversation.item.truncate` itself."""
+        s = self.s
+        s.idle.disarm()
+        if not interrupt:
+            return
+        r = self.active
+        if r is not None:
+            played = r.playback.played()
+            await self.cancel("turn_detected", played)
+        else:
+            r = self.last
+            if r is None or r.playback.played_reported is None:
+                return
+            played = r.playback.played()
+            if played >= r.kept_samples:
+                return  # heard to the end (or cut there already)
+            r.audio_samples_queued -= s.outbound.drop_audio(r.id)
+            await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
+            r.kept_samples = played
+        if s.audio_out == "track" and r.started:
+            s.emit(ev.event("conversation.item.truncated", item_id=r.item_id, content_index=0,
+                            audio_end_ms=played * 1000 // ANSWER_RATE))
 
     async def cancel(self, reason: str, played_samples: int | None) -> None:
         s = self.s
@@ -89,6 +128,7 @@ class Responses:
             r.audio_samples_queued -= dropped
             await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
                                                    audio_samples_played=int(played_samples)))
+            r.kept_samples = int(played_samples)
         s.log.info("response cancel id=%s reason=%s played=%s", r.id, reason, played_samples)
 
     def on_engine_message(self, msg: Any) -> None:
@@ -105,8 +145,8 @@ class Responses:
         if isinstance(msg, m.ResponseStarted):
             r.started = True
             r.prompt_rows = msg.prompt_rows
-            part = {"type": "output_audio" if r.modality == "audio" else "output_text",
-                    **({"transcript": ""} if r.modality == "audio" else {"text": ""})}
+            # content_part events name the part "audio" / "text" (the item's content says output_audio / output_text)
+            part = {"type": r.modality, **({"transcript": ""} if r.modality == "audio" else {"text": ""})}
             s.emit(ev.event("response.output_item.added", response_id=r.id, output_index=0,
                             item=ev.item(r.item_id, "assistant", [], status="in_progress")))
             prev = s.items[-1] if s.items else None
@@ -142,6 +182,8 @@ class Responses:
                 status = "cancelled"
             if status == "cancelled":
                 reason = r.cancel_reason or reason or "client_cancelled"
+            if status == "incomplete" and reason == "max_output_tokens" and r.max_output_tokens == "inf":
+                status, reason, r.stopped_by_server_limit = "completed", None, True
             self.finish(r, status, reason, done=msg)
 
     def fail(self, r: Response, code: str, message: str) -> None:
@@ -161,15 +203,16 @@ class Responses:
             else:
                 part = {"type": "output_text", "text": text}
                 s.emit(ev.event("response.output_text.done", text=text, **base))
-            s.emit(ev.event("response.content_part.done", part=part, **base))
+            s.emit(ev.event("response.content_part.done", part={**part, "type": r.modality}, **base))
             item_status = "completed" if status == "completed" else "incomplete"
             item = ev.item(r.item_id, "assistant", [part], status=item_status)
             s.emit(ev.event("response.output_item.done", response_id=r.id, output_index=0, item=item))
             s.emit(ev.event("conversation.item.done", previous_item_id=s.prev_of(r.item_id), item=item))
+            s.item_objs[r.item_id] = item
+            s.item_audio_samples[r.item_id] = r.audio_samples_queued
             output = [item]
         else:
             output = []
-        usage = ev.usage(done, r.modality) if done is not None else None
         if done is not None:
             s.usage_totals["input_rows"] += done.prompt_rows
             s.usage_totals["output_rows"] += done.output_rows
@@ -178,21 +221,25 @@ class Responses:
             details = {"type": status, "reason": reason}
             if error is not None:
                 details["error"] = error
-        resp = ev.response_obj(r, s.id, status, output=output, usage=usage, status_details=details)
+        resp = ev.response_obj(r, s.id, status, output=output, done=done, status_details=details)
         audio_samples = done.audio_samples if done is not None else 0
 
         def sent() -> None:
             # Queued behind the answer's audio: by now the first audio has left, so TTFA is known.
-            resp["ttfa_ms"] = None if r.ttfa_ms is None else round(r.ttfa_ms, 2)
+            resp["moss"]["ttfa_ms"] = None if r.ttfa_ms is None else round(r.ttfa_ms, 2)
             first_audio_at = r.playback.first_audio_at
             if s.observer is not None and first_audio_at is not None and audio_samples:
                 s.observer.rtf((time.monotonic() - first_audio_at) / (audio_samples / ANSWER_RATE))
-            s.log.info("response done id=%s status=%s reason=%s ttfa_ms=%s", r.id, status, reason, resp["ttfa_ms"])
+            s.log.info("response done id=%s status=%s reason=%s ttfa_ms=%s", r.id, status, reason,
+                       resp["moss"]["ttfa_ms"])
 
         s.emit(ev.event("response.done", response=resp), on_taken=sent)
         self.last = r
         self.active = None
         s.engine_inputs.answer_ended()
+        first = r.playback.first_audio_at
+        heard_at = (first if first is not None else time.monotonic()) + r.audio_samples_queued / ANSWER_RATE
+        s.idle.arm(heard_at - time.monotonic())
         if self._auto_response_pending:
             self._auto_response_pending = False
             s.tasks.spawn(self._auto_response(), "auto-response")

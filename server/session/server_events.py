@@ -9,7 +9,7 @@ from engines.protocol import errors
 
 if TYPE_CHECKING:
     from engines.protocol.messages import ResponseDone
-    from server.session.client_events import SessionConfig
+    from server.session.client_events import SessionConfig, TurnDetection
 
 
 def new_id(prefix: str) -> str:
@@ -36,12 +36,26 @@ def _audio_format(rate: int) -> dict[str, Any]:
     return {"type": "audio/pcm", "rate": rate}
 
 
+def _turn_detection(td: TurnDetection | None) -> dict[str, Any] | None:
+    if td is None:
+        return None
+    if td.type == "semantic_vad":
+        return {"type": "semantic_vad", "eagerness": td.eagerness, "create_response": td.create_response,
+                "interrupt_response": td.interrupt_response}
+    return {"type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,
+            "silence_duration_ms": td.silence_duration_ms, "create_response": td.create_response,
+            "interrupt_response": td.interrupt_response, "idle_timeout_ms": td.idle_timeout_ms}
+
+
 def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
     td = c.turn_detection
+    moss: dict[str, Any] = {"session_id": session_id, "sampling": c.sampling_dict(),
+                            "voice_prompt": c.voice_prompt_wav is not None}
+    if td is not None and td.type == "semantic_vad":
+        # No semantic end-of-turn model decides yet: the VAD ends the turn after a silence set by eagerness.
+        moss["turn_detection"] = {"end_of_turn": "silence", "silence_duration_ms": td.silence_duration_ms}
     return {
         "type": "realtime",
-        "object": "realtime.session",
-        "id": session_id,
         "model": c.model,
         "output_modalities": list(c.output_modalities),
         "instructions": c.instructions,
@@ -52,22 +66,17 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
         "truncation": "auto",
         "prompt": None,
         "include": None,
-        "expires_at": 0,
         "audio": {
             "input": {
                 "format": _audio_format(24000),
                 "transcription": None,
                 "noise_reduction": None,
-                "turn_detection": None if td is None else {
-                    "type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,
-                    "silence_duration_ms": td.silence_duration_ms, "create_response": td.create_response,
-                    "interrupt_response": td.interrupt_response, "idle_timeout_ms": None,
-                },
+                "turn_detection": _turn_detection(td),
             },
             "output": {"format": _audio_format(24000), "voice": c.voice, "speed": 1.0},
         },
         # Our extension (docs/api.md, "Extension fields: `moss`").
-        "moss": {"sampling": c.sampling_dict(), "voice_prompt": c.voice_prompt_wav is not None},
+        "moss": moss,
     }
 
 
@@ -86,14 +95,19 @@ def usage(done: ResponseDone, modality: str) -> dict[str, Any]:
                                 "cached_tokens_details": None},
         "output_token_details": {"text_tokens": done.output_rows if modality == "text" else 0,
                                  "audio_tokens": done.output_rows if modality == "audio" else 0},
-        # Extension: rows actually prefilled for this response (history rows are cached, not recomputed).
-        "prefilled_rows": done.prompt_rows,
-        "audio_samples": done.audio_samples,
     }
 
 
 def response_obj(r: Any, session_id: str, status: str, *, output: list[dict[str, Any]] | None = None,
-                 usage: dict[str, Any] | None = None, status_details: dict[str, Any] | None = None) -> dict[str, Any]:
+                 done: ResponseDone | None = None, status_details: dict[str, Any] | None = None) -> dict[str, Any]:
+    # Extension: server-side time from the committed turn to the first audio leaving the server; rows actually
+    # prefilled for this response (history rows are cached, not recomputed); answer audio samples; and whether the
+    # server's answer length (max_answer_rows) ended an answer the client set no limit for.
+    moss: dict[str, Any] = {"ttfa_ms": None if r.ttfa_ms is None else round(r.ttfa_ms, 2)}
+    if done is not None:
+        moss.update(prefilled_rows=done.prompt_rows, audio_samples=done.audio_samples)
+    if r.stopped_by_server_limit:
+        moss["stopped_by"] = "max_answer_rows"
     return {
         "id": r.id,
         "object": "realtime.response",
@@ -104,8 +118,7 @@ def response_obj(r: Any, session_id: str, status: str, *, output: list[dict[str,
         "output_modalities": [r.modality],
         "max_output_tokens": r.max_output_tokens,
         "audio": {"output": {"format": _audio_format(24000), "voice": None}} if r.modality == "audio" else None,
-        "usage": usage,
+        "usage": None if done is None else usage(done, r.modality),
         "metadata": r.metadata,
-        # Extension: server-side time from the committed turn to the first audio leaving the server.
-        "ttfa_ms": None if r.ttfa_ms is None else round(r.ttfa_ms, 2),
+        "moss": moss,
     }

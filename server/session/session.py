@@ -33,6 +33,7 @@ server_events builds events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -44,9 +45,10 @@ import numpy as np
 from engines.protocol import errors
 from engines.protocol import messages as m
 from server.session import server_events as ev
-from server.session.client_events import ProtocolError, SessionConfig, decode_client_event
+from server.session.client_events import MAX_OUTPUT_TOKENS_DEFAULT, ProtocolError, SessionConfig, decode_client_event
 from server.session.client_handlers import HANDLERS
 from server.session.engine_link import EngineInputs, EngineLink
+from server.session.idle import IdleTimeout
 from server.session.input_buffer import CLIENT_RATE, InputBuffer
 from server.session.pacing import Outbound
 from server.session.responses import Responses
@@ -76,6 +78,7 @@ class SessionLimits:
     max_input_buffer_seconds: float = 60.0
     output_queue_size: int = 512
     idle_timeout_s: float | None = None  # None: a session that sends nothing stays open
+    max_answer_rows: int = MAX_OUTPUT_TOKENS_DEFAULT  # an answer's length when the client sets no limit ("inf")
 
     def __post_init__(self) -> None:
         if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
@@ -99,9 +102,9 @@ class Session:
         self.engine = engine
         self.limits = limits or SessionLimits()
         self.audio_out = audio_out
-        self.config = SessionConfig(model=model)
+        self.config = SessionConfig(model=model, max_answer_rows=self.limits.max_answer_rows)
         if vad_factory is None:  # no server_vad here: clients commit their turns
-            self.config = SessionConfig(model=model, turn_detection=None)
+            self.config = dataclasses.replace(self.config, turn_detection=None)
         self.observer = observer
         self._on_closed = on_closed
         self.log = logging.LoggerAdapter(log, {"session_id": session_id})
@@ -115,10 +118,14 @@ class Session:
         self._closed_event = asyncio.Event()
         self._started = False
         self.items: list[str] = []  # conversation item ids in order
+        self.item_objs: dict[str, dict[str, Any]] = {}  # each item as its last conversation.item.done showed it
+        self.item_audio_samples: dict[str, int] = {}  # assistant items: 24 kHz samples of answer audio sent
+        self.model_asked_logged = False  # a client's other `model` name is logged once per session
         self.engine_inputs = EngineInputs(session_id, engine, self.tasks, lambda: self.closed)
         self.input_buffer = InputBuffer(self)
         self.turns = TurnDetector(self, vad_factory)
         self.responses = Responses(self)
+        self.idle = IdleTimeout(self)
         self.usage_totals = {"input_rows": 0, "output_rows": 0}
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -137,6 +144,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        self.idle.disarm()
         if self.close_code == errors.CLOSE_NORMAL:
             self.close_code = code
         if self._idle_timer is not None:
@@ -269,6 +277,7 @@ class Session:
         prev = self.items[-1] if self.items else None
         self.items.append(item_id)
         item = ev.item(item_id, role, content, status="completed")
+        self.item_objs[item_id] = item
         self.emit(ev.event("conversation.item.added", previous_item_id=prev, item=item))
         self.emit(ev.event("conversation.item.done", previous_item_id=prev, item=item))
 

@@ -5,8 +5,8 @@ Silence before speech is only kept as a short prefix ring (prefix_padding_ms); f
 to the engine, which encodes and prefills it while the user talks; after silence_duration_ms of silence the turn is
 committed and (create_response) an answer is requested.
 
-Barge-in: speech_started while an answer is active (interrupt_response) cancels it, drops queued answer audio and
-truncates the engine history to the audio the user heard (pacing.Playback.played).
+Barge-in: speech_started while an answer is active or still playing (interrupt_response) cancels it, drops queued
+answer audio and truncates the engine history to the audio the user heard (responses.Responses.user_started_speaking).
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ class TurnDetector:
         self._silence_run = 0  # samples of silence since the last speech window
         self._vad_pos = 0  # 16 kHz samples classified by the VAD so far (audio_start_ms / audio_end_ms)
         self.item_id: str | None = None  # item id of the user turn being spoken
+
+    @property
+    def position_ms(self) -> int:
+        """How much input audio the VAD has classified (the offset audio_start_ms / audio_end_ms count from)."""
+        return self._vad_pos * 1000 // ENGINE_IN_RATE
 
     @property
     def available(self) -> bool:
@@ -111,15 +116,13 @@ class TurnDetector:
         self.in_speech = True
         self._silence_run = 0
         td = s.config.turn_detection
-        r = s.responses.active
-        if r is not None and td is not None and td.interrupt_response:
-            await s.responses.cancel("turn_detected", r.playback.played())
         # The prefix ring holds up to prefix_padding_ms before the window that triggered, and that window:
         # the turn's audio (and audio_start_ms, as in the GA API) begins where the ring begins.
         start_ms = (self._vad_pos - self.prefix_samples) * 1000 // ENGINE_IN_RATE
-        await self.flush_prefix()
         self.item_id = ev.new_id("item")
         s.emit(ev.event("input_audio_buffer.speech_started", audio_start_ms=start_ms, item_id=self.item_id))
+        await s.responses.user_started_speaking(interrupt=td is not None and td.interrupt_response)
+        await self.flush_prefix()
 
     async def _speech_stopped(self) -> None:
         s = self.s

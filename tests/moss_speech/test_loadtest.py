@@ -328,7 +328,8 @@ async def test_user_attributes_events_to_the_turn_answer():
     user.on_event(delta("r1", 9600), 1.80)  # on time
     user.on_event(delta("r1", 9600), 2.30)  # the buffer ran dry at 2.20: a 100 ms hole
     user.on_event({"type": "error", "error": {"code": "some_code", "message": "m"}}, 2.4)
-    user.on_event({"type": "response.done", "response": {"id": "r1", "status": "completed", "ttfa_ms": 85.0}}, 2.5)
+    user.on_event({"type": "response.done", "response": {"id": "r1", "status": "completed",
+                                                   "moss": {"ttfa_ms": 85.0}}}, 2.5)
     assert t.done.is_set() and t.response_id == "r1" and c.extra_responses == 1
     user._finish(t)
     (rec,) = c.records

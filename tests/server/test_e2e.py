@@ -62,10 +62,10 @@ async def test_spoken_turn_with_server_vad(srv):
         resp = evs[-1]["response"]
         pcm_out = b"".join(base64.b64decode(e["delta"]) for e in by_type(evs, "response.output_audio.delta"))
         samples = len(pcm_out) // 2
-        assert samples == resp["usage"]["audio_samples"] > 0
+        assert samples == resp["moss"]["audio_samples"] > 0
         assert samples % SAMPLES_PER_CODE == 0 and samples <= resp["usage"]["output_tokens"] * SAMPLES_PER_CODE
-        assert resp["ttfa_ms"] is not None and resp["ttfa_ms"] > 0
-        assert resp["usage"]["prefilled_rows"] > 0
+        assert resp["moss"]["ttfa_ms"] is not None and resp["moss"]["ttfa_ms"] > 0
+        assert resp["moss"]["prefilled_rows"] > 0
 
 
 async def test_text_turns_second_reuses_cached_history(srv):
@@ -86,15 +86,15 @@ async def test_text_turns_second_reuses_cached_history(srv):
             resp = evs[-1]["response"]
             assert resp["output_modalities"] == ["text"]
             assert resp["output"][0]["content"][0]["type"] == "output_text"
-            results.append((resp["usage"], after - before))
-        (u1, engine1), (u2, engine2) = results
+            results.append((resp["usage"], resp["moss"], after - before))
+        (u1, m1, engine1), (u2, m2, engine2) = results
         # The engine prefilled exactly the rows the response reports, and the second turn only its new rows: the
         # first exchange came from the cache, except the previous answer's last sampled row, which no step had
         # run yet: it goes through the model with the next turn and counts as prefilled there.
-        assert engine1 == u1["prefilled_rows"]
-        assert u2["prefilled_rows"] == engine2
+        assert engine1 == m1["prefilled_rows"]
+        assert m2["prefilled_rows"] == engine2
         assert u2["input_token_details"]["cached_tokens"] == u1["total_tokens"] - 1
-        assert 0 < u2["prefilled_rows"] < u1["prefilled_rows"]
+        assert 0 < m2["prefilled_rows"] < m1["prefilled_rows"]
 
 
 async def test_openai_sdk_realtime_client(srv):

@@ -95,8 +95,13 @@ async def _reading(ws: Any, events: list[dict[str, Any]]) -> asyncio.Task:
 
 async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dict[str, Any]], reader: asyncio.Task
                          ) -> None:
-    """Back to a known state (no VAD, no answer, empty input buffer), then one answer must still come."""
-    await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    """Back to a known state (no VAD, default instructions, voice and sampling, no answer, empty input buffer), then
+    one answer must still come. (A session.update applies every field it can, so the fuzzed ones changed some of
+    these: a 5,000-character system prompt takes the real engine on a CPU minutes to prefill.)"""
+    await send(ws, "session.update", session={
+        "type": "realtime", "instructions": None, "audio": {"input": {"turn_detection": None}},
+        "moss": {"voice_prompt": None, "sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                     "repetition_penalty": 1.1, "min_output_tokens": 0}}})
     await send(ws, "response.cancel")
     await send(ws, "input_audio_buffer.clear")
     # The server takes a session's events in order, and on a loaded CPU it may still be working through the fuzzed
@@ -149,7 +154,7 @@ async def _until(pred, what: str, got, timeout: float = 120.0) -> None:
 async def _opened(ws: Any) -> str:
     created = await recv_event(ws)
     assert created["type"] == "session.created"
-    return created["session"]["id"]
+    return created["session"]["moss"]["session_id"]
 
 
 async def _fuzz_one(srv: RunningServer, seed: int) -> tuple[list[dict[str, Any]], int | None]:

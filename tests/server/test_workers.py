@@ -146,7 +146,7 @@ async def test_session_limit_is_the_servers_not_each_workers(two_workers):
 async def test_a_call_is_reached_through_any_worker(two_workers):
     """The offer is answered by worker 0; its control socket, state, and hangup arrive at worker 1 and are
     relayed to worker 0 over its private socket. When worker 0 is gone, its calls are 404 everywhere."""
-    from tests.server.transports.test_webrtc import Client
+    from tests.server.transports.webrtc_client import Client
 
     (w0, w1), _ = two_workers
     async with httpx.AsyncClient(timeout=10, headers=AUTH) as http:
@@ -207,7 +207,7 @@ async def test_drain_closes_a_relayed_control_socket_with_the_owners_code(tmp_pa
     """Both workers drain at once. The one relaying a call's control socket has no answer of its own to wait
     for, yet it must not let its shutdown close that socket (1012) before the owner finished the answer and
     closed the call's session (1001, after `server_shutting_down`)."""
-    from tests.server.transports.test_webrtc import Client
+    from tests.server.transports.webrtc_client import Client
 
     with _two_workers(tmp_path, {"FAKE_ENGINE_CHUNKS": "25", "FAKE_ENGINE_STEP_S": "0.04"},
                       drain_timeout_s=10.0) as ((w0, w1), _):

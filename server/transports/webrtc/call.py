@@ -107,9 +107,8 @@ class Call:
             await self._emit(error_event(e.code, f"data channel message refused: {e.message}"))
             return
         if event.get("type") == "output_audio_buffer.clear":
-            # WebRTC-only client event (as in OpenAI's WebRTC flow): stop the answer audio now.
+            # Stop the answer audio now; the session then cuts the answer where the track left off and says so.
             self._clear_audio()
-            return
         await self.session.handle_client_event(event)
 
     def _on_connection_state(self) -> None:
@@ -139,17 +138,22 @@ class Call:
                 self.track.end_response(item.get("response_id", ""))
             elif etype == "response.done":
                 self.track.end_response((item.get("response") or {}).get("id", ""))
-            elif etype == "input_audio_buffer.speech_started":
-                # Barge-in: the session has already cancelled the answer (truncated at the samples we reported
-                # as played); what is still buffered here must not be heard.
-                self._clear_audio()
             await self._emit(item)
+            if etype == "input_audio_buffer.speech_started":
+                # Barge-in: the session cuts the answer at the samples this track reported as played (its
+                # conversation.item.truncated follows); what is still buffered here must not be heard. The events go
+                # in the order OpenAI's WebRTC server sends them: speech_started, cleared, truncated.
+                rid = self._clear_audio()
+                if rid is not None:
+                    await self._emit({"type": "output_audio_buffer.cleared", "event_id": _event_id(),
+                                      "response_id": rid})
 
-    def _clear_audio(self) -> None:
+    def _clear_audio(self) -> str | None:
+        """Drop the answer audio not yet played; returns the response it belonged to (None: nothing was playing)."""
         rid, played = self.track.clear()
         if rid is not None:
             self.session.audio_played(rid, played)
-            self._emit_nowait({"type": "output_audio_buffer.cleared", "event_id": _event_id(), "response_id": rid})
+        return rid
 
     def _audio_started(self, response_id: str) -> None:
         self._emit_nowait({"type": "output_audio_buffer.started", "event_id": _event_id(),

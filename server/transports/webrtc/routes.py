@@ -182,7 +182,9 @@ class WebRTCService:
         event = {"type": "session.update",
                  "session": {"moss": {"voice_prompt": {"wav": base64.b64encode(wav).decode("ascii")}}}}
         try:
-            parse_session_update(event["session"], call.session.config)
+            _, refused = parse_session_update(event["session"], call.session.config)
+            if refused:
+                raise refused[0]
         except ProtocolError as e:
             return _error(e.code, e.message)
         await call.session.handle_client_event(event)

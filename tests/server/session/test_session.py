@@ -14,78 +14,19 @@ import numpy as np
 import pytest
 
 from engines.protocol import messages as m
-from server.audio.pcm import read_wav
 from server.session import engine_link, pacing
 from server.session.pacing import AudioOut
-from server.session.session import Session, SessionLimits
-from server.vad import VadBatcher
-from tests.paths import DATA
-
-WAV = DATA / "speech_en_16k.wav"
-CHUNK = np.full(9600, 1000, dtype="<i2").tobytes()  # 0.4 s of answer audio
-
-
-class Link:
-    ready = True
-
-    def __init__(self) -> None:
-        self.sent: list = []
-        self.registered: dict = {}
-
-    async def send(self, msg) -> None:
-        self.sent.append(msg)
-
-    def register(self, sid, s) -> None:
-        self.registered[sid] = s
-
-    def unregister(self, sid) -> None:
-        self.registered.pop(sid, None)
-
-    def of(self, cls) -> list:
-        return [x for x in self.sent if isinstance(x, cls)]
-
-
-async def settled(s: Session) -> None:
-    """Until the tasks the session started and does not await (the held input's flush, an automatic answer, a close)
-    have ended, those they started included."""
-    while s.tasks.tasks:
-        await asyncio.gather(*list(s.tasks.tasks), return_exceptions=True)
-
-
-def drain(s: Session) -> list:
-    out = []
-    while len(s.outbound):
-        out.append(s.outbound._q.popleft().item)
-    return out
-
-
-def types(items: list) -> list[str]:
-    return [x["type"] if isinstance(x, dict) else "AUDIO" for x in items]
-
-
-@pytest.fixture(scope="module")
-def speech24k() -> np.ndarray:
-    x, rate = read_wav(WAV, target_rate=24000)
-    assert rate == 24000
-    return x
-
-
-async def feed(s: Session, pcm: np.ndarray, rate: int = 24000, ms: int = 20) -> None:
-    step = rate * ms // 1000
-    for i in range(0, len(pcm), step):
-        await s.feed_audio(pcm[i:i + step], rate)
-
-
-def silence(seconds: float, rate: int = 24000) -> np.ndarray:
-    return np.zeros(int(seconds * rate), np.float32)
-
-
-async def new_session(audio_out="events", **limits) -> tuple[Session, Link]:
-    link = Link()
-    s = Session("sess_test", link, audio_out=audio_out, vad_factory=VadBatcher().stream, limits=SessionLimits(**limits))
-    await s.start()
-    assert types(drain(s)) == ["session.created"]
-    return s, link
+from server.session.session import Session
+from tests.server.session.session_support import (
+    CHUNK,
+    Link,
+    drain,
+    feed,
+    new_session,
+    settled,
+    silence,
+    types,
+)
 
 
 async def test_server_vad_turn_streams_only_speech_and_commits(speech24k):
@@ -392,8 +333,9 @@ async def test_sampling_voice_prompt_and_instructions_reach_the_engine(tmp_path,
     # A voice prompt that is not a WAV file is refused by name; the session keeps its settings.
     await s.handle_client_event({"type": "session.update", "event_id": "v", "session": {
         "moss": {"voice_prompt": {"wav": base64.b64encode(b"not a wav").decode()}}}})
-    err = drain(s)[-1]
+    err, updated = drain(s)[-2:]
     assert err["error"]["code"] == "invalid_audio" and err["error"]["param"] == "session.moss.voice_prompt.wav"
+    assert updated["type"] == "session.updated" and updated["session"]["moss"]["voice_prompt"] is True
     assert s.config.voice_prompt_wav == wav
 
 

@@ -1,0 +1,106 @@
+"""LiveKit Agents' openai.realtime.RealtimeModel on its defaults (only the base URL and key changed; semantic_vad,
+input transcription asked for, max_response_output_tokens "inf"), its session driven without a room: two spoken
+turns answered with audio and completed, a barge-in as AgentSession does it (interrupt, truncate), no error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import numpy as np
+from livekit import rtc
+from livekit.plugins import openai as lk_openai
+
+from server.audio.pcm import float32_to_pcm16
+from tests.server.clients.conftest import KEY, utterance
+from tests.server.clients.events import Seen, at_real_time
+from tests.server.strict_events import check
+
+
+def frames(pcm24k: np.ndarray, ms: int = 100) -> list[rtc.AudioFrame]:
+    step = 24 * ms
+    return [rtc.AudioFrame(float32_to_pcm16(pcm24k[i:i + step]), 24000, 1, len(pcm24k[i:i + step]))
+            for i in range(0, len(pcm24k) - step + 1, step)]
+
+
+def server(items: list, etype: str) -> list[dict]:
+    return [x for x in items if isinstance(x, dict) and x.get("type") == etype]
+
+
+def failure(x) -> bool:
+    """An error the session emitted. Input transcription is asked for by default; a server that does not transcribe
+    refuses that one field (its session.updated says transcription null) and the session goes on."""
+    return isinstance(x, tuple) and x[0] == "error"
+
+
+async def test_two_spoken_turns_and_a_barge_in(srv, speech24k):
+    seen = Seen()
+    tasks: list[asyncio.Task] = []
+
+    async def audio_of(gen) -> None:
+        async for msg in gen.message_stream:
+            async for frame in msg.audio_stream:
+                seen.add(("audio", msg.message_id, frame.samples_per_channel))
+
+    async with aiohttp.ClientSession() as http:
+        model = lk_openai.realtime.RealtimeModel(api_key=KEY, base_url=srv.http + "/v1", http_session=http)
+        session = model.session()
+        session.on("openai_server_event_received", seen.add)
+        session.on("error", lambda e: seen.add(("error", e)))
+        session.on("generation_created", lambda gen: tasks.append(asyncio.ensure_future(audio_of(gen))))
+
+        async def speak() -> None:
+            async def push(frame: rtc.AudioFrame) -> None:
+                session.push_audio(frame)
+
+            await at_real_time(frames(utterance(speech24k)), push, 0.1)
+
+        def refused_transcription(x) -> bool:
+            transcribing = any(u["session"]["audio"]["input"]["transcription"] for u in server(seen.items,
+                                                                                              "session.updated"))
+            body = getattr(x[1].error, "body", None) if failure(x) else None
+            return not transcribing and getattr(body, "param", None) == "session.audio.input.transcription"
+
+        def bad(x) -> bool:
+            return failure(x) and not refused_transcription(x)
+
+        try:
+            await seen.until(lambda items: server(items, "session.updated"), "the session set up", failed=bad)
+            for n in (1, 2):
+                await speak()
+                await seen.until(lambda items, n=n: len(server(items, "response.done")) == n, f"answer {n}",
+                                 failed=bad)
+            assert [d["response"]["status"] for d in server(seen.items, "response.done")] == ["completed"] * 2
+            assert sum(1 for x in seen.items if isinstance(x, tuple) and x[0] == "audio") > 0
+            # Barge-in, as AgentSession does it: on speech start, interrupt the answer and truncate it where the
+            # listener is.
+            start = len(seen.items)
+            await speak()
+            await seen.until(lambda items: any(isinstance(x, tuple) and x[0] == "audio" for x in items[start:]),
+                             "answer 3's audio", failed=bad)
+            first_audio = time.monotonic()
+            message_id = next(x[1] for x in seen.items[start:] if isinstance(x, tuple) and x[0] == "audio")
+            barge = len(seen.items)
+            talking = asyncio.ensure_future(speak())
+            await seen.until(lambda items: server(items[barge:], "input_audio_buffer.speech_started"),
+                             "the barge-in's speech", failed=bad)
+            session.interrupt()
+            got_ms = sum(x[2] for x in seen.items[start:] if isinstance(x, tuple) and x[0] == "audio"
+                         and x[1] == message_id) // 24
+            session.truncate(message_id=message_id, modalities=["audio"],
+                             audio_end_ms=min(got_ms, int((time.monotonic() - first_audio) * 1000)))
+            await talking
+            await seen.until(lambda items: len(server(items, "response.done")) == 4, "the barge-in turn's answer",
+                             failed=bad)
+        finally:
+            await session.aclose()
+            for t in tasks:
+                t.cancel()
+    assert not [x for x in seen.items if bad(x)]
+    for e in seen.items:  # what the real engine's answers made of every event, checked as the SDK's models
+        if isinstance(e, dict):
+            check(e)
+    statuses = [d["response"]["status"] for d in server(seen.items, "response.done")]
+    assert statuses[3] == "completed" and statuses[2] in ("completed", "cancelled"), statuses
+    assert server(seen.items[barge:], "conversation.item.truncated") or statuses[2] == "completed"

@@ -1,0 +1,69 @@
+"""An in-process Session on an in-memory engine link that records what the session sends (engine replies are
+injected with `on_engine_message`), with Silero VAD, and helpers to feed it audio and read its events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from server.session.session import Session, SessionLimits
+from server.vad import VadBatcher
+
+CHUNK = np.full(9600, 1000, dtype="<i2").tobytes()  # 0.4 s of answer audio
+
+
+class Link:
+    ready = True
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.registered: dict = {}
+
+    async def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def register(self, sid, s) -> None:
+        self.registered[sid] = s
+
+    def unregister(self, sid) -> None:
+        self.registered.pop(sid, None)
+
+    def of(self, cls) -> list:
+        return [x for x in self.sent if isinstance(x, cls)]
+
+
+async def settled(s: Session) -> None:
+    """Until the tasks the session started and does not await (the held input's flush, an automatic answer, a close)
+    have ended, those they started included."""
+    while s.tasks.tasks:
+        await asyncio.gather(*list(s.tasks.tasks), return_exceptions=True)
+
+
+def drain(s: Session) -> list:
+    out = []
+    while len(s.outbound):
+        out.append(s.outbound._q.popleft().item)
+    return out
+
+
+def types(items: list) -> list[str]:
+    return [x["type"] if isinstance(x, dict) else "AUDIO" for x in items]
+
+
+async def feed(s: Session, pcm: np.ndarray, rate: int = 24000, ms: int = 20) -> None:
+    step = rate * ms // 1000
+    for i in range(0, len(pcm), step):
+        await s.feed_audio(pcm[i:i + step], rate)
+
+
+def silence(seconds: float, rate: int = 24000) -> np.ndarray:
+    return np.zeros(int(seconds * rate), np.float32)
+
+
+async def new_session(audio_out="events", **limits) -> tuple[Session, Link]:
+    link = Link()
+    s = Session("sess_test", link, audio_out=audio_out, vad_factory=VadBatcher().stream, limits=SessionLimits(**limits))
+    await s.start()
+    assert types(drain(s)) == ["session.created"]
+    return s, link
