@@ -12,7 +12,7 @@ import secrets
 import tempfile
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server import engine_options
@@ -79,6 +79,8 @@ class Settings(_EngineSettings):
 
     # Turn detection
     vad: bool = True  # False: server_vad is refused (clients must commit)
+    end_of_turn_model: bool = True  # the end-of-turn model (server/turn_model.py); False: semantic_vad is refused
+    server_vad_end_of_turn: bool = False  # server_vad turns end early too when that model is confident
 
     # WebRTC (server/transports/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
     # '[{"urls":"stun:s.example.org:3478"},{"urls":"turn:t.example.org:3478","username":"u","credential":"p"}]'
@@ -91,6 +93,12 @@ class Settings(_EngineSettings):
     @classmethod
     def _lists(cls, v: Any) -> Any:
         return _split(v)
+
+    @model_validator(mode="after")
+    def _end_of_turn(self) -> Settings:
+        if self.server_vad_end_of_turn and not (self.vad and self.end_of_turn_model):
+            raise ValueError("server_vad_end_of_turn needs the VAD and the end-of-turn model (vad, end_of_turn_model)")
+        return self
 
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:

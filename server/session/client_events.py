@@ -17,7 +17,7 @@ import binascii
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from engines.protocol import errors
 from engines.protocol.messages import Sampling, number_in
@@ -67,13 +67,25 @@ def decode_client_event(text: str | bytes) -> dict[str, Any]:
     return event
 
 
+TurnType = Literal["server_vad", "semantic_vad"]
+Eagerness = Literal["low", "medium", "high", "auto"]
+
+
 @dataclass(frozen=True)
 class TurnDetection:
+    type: TurnType = "server_vad"
     threshold: float = 0.5
     prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
+    silence_duration_ms: int = 500  # server_vad's silence; semantic_vad waits by eagerness (turn_detection.py)
     create_response: bool = True
     interrupt_response: bool = True
+    eagerness: Eagerness = "auto"  # semantic_vad
+
+    def __post_init__(self) -> None:
+        if self.type not in get_args(TurnType):
+            raise ValueError(f"turn detection type must be one of {get_args(TurnType)}, got {self.type!r}")
+        if self.eagerness not in get_args(Eagerness):
+            raise ValueError(f"eagerness must be one of {get_args(Eagerness)}, got {self.eagerness!r}")
 
 
 MAX_OUTPUT_TOKENS_DEFAULT = Sampling().max_new_tokens
@@ -145,22 +157,32 @@ def _turn_detection(v: Any, cur: TurnDetection | None, param: str) -> TurnDetect
     if v is None:
         return None
     td = _obj(v, param)
+    kind = td.get("type")
+    if kind not in get_args(TurnType):
+        raise ProtocolError(errors.UNSUPPORTED_TURN_DETECTION, f"{param}.type {kind!r} is not supported (only "
+                            "'server_vad', 'semantic_vad' or turn_detection null)", f"{param}.type")
+    base = cur or TurnDetection()
+    common = {"create_response": _bool(td.get("create_response", base.create_response), f"{param}.create_response"),
+              "interrupt_response": _bool(td.get("interrupt_response", base.interrupt_response),
+                                          f"{param}.interrupt_response")}
+    if kind == "semantic_vad":
+        _keys(td, {"type", "eagerness", "create_response", "interrupt_response"}, param)
+        eagerness = td.get("eagerness", base.eagerness)
+        if eagerness not in get_args(Eagerness):
+            raise ProtocolError(errors.INVALID_VALUE, f"{param}.eagerness must be one of "
+                                f"{', '.join(get_args(Eagerness))}, got {eagerness!r}", f"{param}.eagerness")
+        return dataclasses.replace(base, type="semantic_vad", eagerness=eagerness, **common)
     _keys(td, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                "interrupt_response", "idle_timeout_ms"}, param)
-    if td.get("type") != "server_vad":
-        raise ProtocolError(errors.UNSUPPORTED_TURN_DETECTION, f"{param}.type {td.get('type')!r} is not "
-                            "supported (only 'server_vad' or turn_detection null)", f"{param}.type")
     _off(td, "idle_timeout_ms", param, (None,))
-    base = cur or TurnDetection()
     return TurnDetection(
+        type="server_vad",
         threshold=float(_num(td.get("threshold", base.threshold), f"{param}.threshold", 0.0, 1.0)),
         prefix_padding_ms=_num(td.get("prefix_padding_ms", base.prefix_padding_ms), f"{param}.prefix_padding_ms",
                                0, 5000, integer=True),
         silence_duration_ms=_num(td.get("silence_duration_ms", base.silence_duration_ms),
                                  f"{param}.silence_duration_ms", 32, 10000, integer=True),
-        create_response=_bool(td.get("create_response", base.create_response), f"{param}.create_response"),
-        interrupt_response=_bool(td.get("interrupt_response", base.interrupt_response),
-                                 f"{param}.interrupt_response"),
+        **common,
     )
 
 

@@ -28,10 +28,7 @@ if TYPE_CHECKING:
 async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "session"})
     new = parse_session_update(event.get("session"), s.config)
-    if new.turn_detection is not None and not s.turns.available:
-        raise ProtocolError(errors.SERVER_VAD_UNAVAILABLE, "server_vad is disabled on this server; use "
-                            "turn_detection null and input_audio_buffer.commit",
-                            "session.audio.input.turn_detection")
+    await s.turns.check(new.turn_detection)
     old = s.config
     s.config = new
     if new.turn_detection != old.turn_detection:

@@ -9,7 +9,7 @@ from engines.protocol import errors
 
 if TYPE_CHECKING:
     from engines.protocol.messages import ResponseDone
-    from server.session.client_events import SessionConfig
+    from server.session.client_events import SessionConfig, TurnDetection
 
 
 def new_id(prefix: str) -> str:
@@ -36,6 +36,17 @@ def _audio_format(rate: int) -> dict[str, Any]:
     return {"type": "audio/pcm", "rate": rate}
 
 
+def _turn_detection(td: TurnDetection | None) -> dict[str, Any] | None:
+    if td is None:
+        return None
+    if td.type == "semantic_vad":
+        return {"type": "semantic_vad", "eagerness": td.eagerness, "create_response": td.create_response,
+                "interrupt_response": td.interrupt_response}
+    return {"type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,
+            "silence_duration_ms": td.silence_duration_ms, "create_response": td.create_response,
+            "interrupt_response": td.interrupt_response, "idle_timeout_ms": None}
+
+
 def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
     td = c.turn_detection
     return {
@@ -58,11 +69,7 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
                 "format": _audio_format(24000),
                 "transcription": None,
                 "noise_reduction": None,
-                "turn_detection": None if td is None else {
-                    "type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,
-                    "silence_duration_ms": td.silence_duration_ms, "create_response": td.create_response,
-                    "interrupt_response": td.interrupt_response, "idle_timeout_ms": None,
-                },
+                "turn_detection": _turn_detection(td),
             },
             "output": {"format": _audio_format(24000), "voice": c.voice, "speed": 1.0},
         },

@@ -137,7 +137,7 @@ async def test_audio_turn_with_client_commit(srv):
     (json.dumps({"type": "session.update", "session": {"type": "realtime", "temperature": 0.5}}),
      "unknown_parameter", "session.temperature"),
     (json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
-        "type": "semantic_vad"}}}}}), "unsupported_turn_detection", "session.audio.input.turn_detection.type"),
+        "type": "push_to_talk"}}}}}), "unsupported_turn_detection", "session.audio.input.turn_detection.type"),
     (json.dumps({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}),
      "unsupported_parameter", "session.tools"),
     (json.dumps({"type": "response.cancel"}), "response_cancel_not_active", None),
