@@ -38,19 +38,20 @@ log = logging.getLogger("server.app")
 class _VadStreams:
     """Each session's VAD stream, all from one batcher per app (preloaded while the engine starts)."""
 
-    def __init__(self, end_of_turn_model: bool = True, server_vad_end_of_turn: bool = False) -> None:
+    def __init__(self, settings: Settings) -> None:
         self._batcher: Any = None
         self._lock = threading.Lock()  # sessions open in worker threads
-        self._end_of_turn_model = end_of_turn_model
-        self._server_vad_end_of_turn = server_vad_end_of_turn
+        self._settings = settings
 
     def batcher(self) -> Any:
         with self._lock:
             if self._batcher is None:
                 from server.vad import EndOfTurnBatcher, VadBatcher  # imports torch: seconds, mostly under the GIL
 
-                eot = EndOfTurnBatcher() if self._end_of_turn_model else None
-                self._batcher = VadBatcher(end_of_turn=eot, end_of_turn_in_server_vad=self._server_vad_end_of_turn)
+                st = self._settings
+                self._batcher = VadBatcher(end_of_turn=EndOfTurnBatcher() if st.end_of_turn_model else None,
+                                           end_of_turn_in_server_vad=st.server_vad_end_of_turn,
+                                           speculative_server_vad=st.speculative_server_vad)
         return self._batcher
 
     def __call__(self) -> Any:
@@ -105,7 +106,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
                                                     worker.slots_lock_path)
-    vad_streams = _VadStreams(settings.end_of_turn_model, settings.server_vad_end_of_turn) if settings.vad else None
+    vad_streams = _VadStreams(settings) if settings.vad else None
     sessions = SessionManager(engine, max_sessions=max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
     relay = WorkerRelay(worker) if worker is not None else None

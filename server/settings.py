@@ -81,6 +81,7 @@ class Settings(_EngineSettings):
     vad: bool = True  # False: server_vad is refused (clients must commit)
     end_of_turn_model: bool = True  # the end-of-turn model (server/turn_model.py); False: semantic_vad is refused
     server_vad_end_of_turn: bool = False  # server_vad turns end early too when that model is confident
+    speculative_server_vad: bool = False  # server_vad answers start (held) after a short silence (turn_detection.py)
 
     # WebRTC (server/transports/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
     # '[{"urls":"stun:s.example.org:3478"},{"urls":"turn:t.example.org:3478","username":"u","credential":"p"}]'

@@ -87,6 +87,11 @@ class VadStream:
         """server_vad turns also end early when the end-of-turn model is confident."""
         return self._batcher.end_of_turn_in_server_vad
 
+    @property
+    def speculative_server_vad(self) -> bool:
+        """server_vad answers start, held, after a short silence, before silence_duration_ms confirms the turn."""
+        return self._batcher.speculative_server_vad
+
     async def probs(self, windows: np.ndarray) -> list[float]:
         """Speech probability of consecutive windows [n, 512] of this stream, in order."""
         if windows.ndim != 2 or windows.shape[1] != VAD_WINDOW:
@@ -114,7 +119,8 @@ class VadBatcher:
     """
 
     def __init__(self, load: Any = load_silero_16k, round_every_s: float = 0.008,
-                 end_of_turn: EndOfTurnBatcher | None = None, end_of_turn_in_server_vad: bool = False) -> None:
+                 end_of_turn: EndOfTurnBatcher | None = None, end_of_turn_in_server_vad: bool = False,
+                 speculative_server_vad: bool = False) -> None:
         if round_every_s < 0:
             raise ValueError(f"round_every_s must be >= 0, got {round_every_s}")
         if end_of_turn_in_server_vad and end_of_turn is None:
@@ -122,6 +128,7 @@ class VadBatcher:
         self._load = load
         self.end_of_turn = end_of_turn
         self.end_of_turn_in_server_vad = end_of_turn_in_server_vad
+        self.speculative_server_vad = speculative_server_vad
         # Rounds start at most this often: a window waits a few ms at most (a turn ends after hundreds
         # of ms of silence), and under load each round carries many sessions' windows, where one call's
         # fixed cost (~0.3 ms) would otherwise be paid every window or two.

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engines.protocol import errors
+from engines.protocol import messages as m
 from server.session import server_events as ev
 from server.session.client_events import ProtocolError
 from server.session.input_buffer import ENGINE_IN_RATE
@@ -39,10 +41,33 @@ if TYPE_CHECKING:
     from server.session.session import Session
 
 PROBE_WINDOWS = 3  # VAD windows of silence (96 ms, ~160 ms after the voice) before the end-of-turn model is asked
+SPECULATE_WINDOWS = 5  # speculative_server_vad: VAD windows of silence (160 ms) before an answer starts, held
 TURN_AUDIO_SAMPLES = 8 * ENGINE_IN_RATE  # what the end-of-turn model hears: the turn's last 8 s
-# semantic_vad: (P(complete) that ends the turn at once, the longest silence before it ends anyway, ms)
-EAGERNESS = {"low": (0.8, 8000), "medium": (0.5, 4000), "high": (0.3, 2000), "auto": (0.5, 4000)}
+
+
+@dataclass(frozen=True)
+class Eagerness:
+    bar: float  # P(complete) at which the turn probably ended
+    confirm_ms: int | None  # held: the answer starts then and is heard once this much silence confirms the turn;
+    # None: released, the turn ends at once
+    longest_ms: int  # silence after which the turn ends whatever the model says
+
+
+EAGERNESS = {"low": Eagerness(0.8, 600, 8000), "medium": Eagerness(0.5, 300, 4000),
+             "auto": Eagerness(0.5, 300, 4000), "high": Eagerness(0.3, None, 2000)}
 SERVER_VAD_EARLY_P = 0.5  # server_vad_end_of_turn: P(complete) that ends a server_vad turn before its silence
+
+
+@dataclass
+class _Speculation:
+    """A tentative end of turn whose answer runs unheard (the session's outbound held) until it is confirmed."""
+
+    item_id: str | None  # the turn's item, again the open turn's if the answer is withdrawn
+    items: int  # conversation items before the turn's
+    samples_16k: int  # the input buffer's count before the commit
+    last: Any  # the answer before this one (conversation.item.truncate's)
+    response_id: str | None = None
+    audio: list[np.ndarray] = field(default_factory=list)  # what the user said since: theirs if it is withdrawn
 
 
 class TurnDetector:
@@ -64,6 +89,7 @@ class TurnDetector:
         self._next_probe = PROBE_WINDOWS  # silence windows at which the model is asked next in this pause
         self._lock = asyncio.Lock()  # a model answer ends a turn between two feeds, never inside one
         self.probes = 0  # end-of-turn model calls made (metrics, tests)
+        self.spec: _Speculation | None = None
 
     @property
     def available(self) -> bool:
@@ -72,6 +98,11 @@ class TurnDetector:
 
     def reset(self) -> None:
         self._pause += 1
+        if self.spec is not None:  # new settings or a cleared buffer: the answer under way stands
+            self.spec = None
+            self.s.tasks.spawn(self.s.engine.send(m.ConfirmUserAudio(session_id=self.s.id)), "confirm")
+            if not self.s.outbound.release():
+                self.s.slow_consumer()
         self._turn_audio.clear()
         self._turn_samples = 0
         self._vad_pending = np.zeros(0, np.float32)
@@ -117,9 +148,20 @@ class TurnDetector:
                     self._next_probe = PROBE_WINDOWS
                 self._silence_run = 0 if speech else self._silence_run + len(chunk)
                 self._keep_turn_audio(chunk)
+                if self.spec is not None:
+                    self.spec.audio.append(chunk)
+                    if speech:
+                        await self._withdraw()
+                    elif self._silence_run * 1000 >= self._confirm_ms(td) * ENGINE_IN_RATE:
+                        await self._confirm()
+                    continue
                 await s.input_buffer.send(chunk)
                 if self._silence_run * 1000 >= self._longest_silence_ms(td) * ENGINE_IN_RATE:
                     await self._speech_stopped()
+                elif (self._silence_run == SPECULATE_WINDOWS * win and td.type == "server_vad"
+                      and getattr(vad, "speculative_server_vad", False)
+                      and td.silence_duration_ms > SPECULATE_WINDOWS * win * 1000 // ENGINE_IN_RATE):
+                    await self._speculate()
                 elif self._silence_run >= self._next_probe * win and self._asks_model(td):
                     self._next_probe = 2 * self._next_probe + PROBE_WINDOWS  # 3, 9, 21, 45... windows
                     self.probes += 1
@@ -129,7 +171,11 @@ class TurnDetector:
 
     @staticmethod
     def _longest_silence_ms(td: TurnDetection) -> int:
-        return EAGERNESS[td.eagerness][1] if td.type == "semantic_vad" else td.silence_duration_ms
+        return EAGERNESS[td.eagerness].longest_ms if td.type == "semantic_vad" else td.silence_duration_ms
+
+    @staticmethod
+    def _confirm_ms(td: TurnDetection) -> int:
+        return (EAGERNESS[td.eagerness].confirm_ms or 0) if td.type == "semantic_vad" else td.silence_duration_ms
 
     def _asks_model(self, td: TurnDetection) -> bool:
         vad = self._vad
@@ -154,9 +200,11 @@ class TurnDetector:
             td = self.s.config.turn_detection
             if self.s.closed or td is None or pause != self._pause or not self.in_speech:
                 return
-            bar = EAGERNESS[td.eagerness][0] if td.type == "semantic_vad" else SERVER_VAD_EARLY_P
-            if p >= bar:
-                await self._speech_stopped()
+            if td.type == "server_vad":
+                if p >= SERVER_VAD_EARLY_P:
+                    await (self._confirm() if self.spec is not None else self._speech_stopped())
+            elif self.spec is None and p >= EAGERNESS[td.eagerness].bar:
+                await (self._speech_stopped() if EAGERNESS[td.eagerness].confirm_ms is None else self._speculate())
 
     async def ensure_vad(self) -> Any:
         if self._vad is None:
@@ -210,7 +258,63 @@ class TurnDetector:
         self.item_id = ev.new_id("item")
         s.emit(ev.event("input_audio_buffer.speech_started", audio_start_ms=start_ms, item_id=self.item_id))
 
-    async def _speech_stopped(self) -> None:
+    def _can_speculate(self) -> bool:
+        """An answer can start on a guess only if it would be the engine's next input and nothing else is due."""
+        s = self.s
+        td = s.config.turn_detection
+        return (td is not None and td.create_response and s.responses.active is None and not s.outbound.holding
+                and s.engine_inputs.idle)
+
+    async def _speculate(self) -> None:
+        """The turn probably ended: commit it tentatively and start its answer, everything the client would see
+        held (turn end included) until the silence confirms it (_confirm) or the user goes on (_withdraw)."""
+        if not self._can_speculate():
+            await self._speech_stopped()
+            return
+        s = self.s
+        spec = _Speculation(self.item_id, len(s.items), s.input_buffer.samples_16k, s.responses.last)
+        s.outbound.hold()
+        listening = self._silence_run, self._turn_audio, self._turn_samples
+        await self._speech_stopped(tentative=True)
+        # The VAD still listens to this turn: its silence goes on counting, its audio is the model's if it goes on.
+        self.in_speech = True
+        self._silence_run, self._turn_audio, self._turn_samples = listening
+        spec.response_id = None if s.responses.active is None else s.responses.active.id
+        self.spec = spec
+
+    async def _confirm(self) -> None:
+        s = self.s
+        self.spec = None
+        self.in_speech = False
+        self._silence_run = 0
+        self._pause += 1
+        self._turn_audio.clear()
+        self._turn_samples = 0
+        await s.engine.send(m.ConfirmUserAudio(session_id=s.id))
+        if s.observer is not None:
+            s.observer.speculation(withdrawn=False)
+        if not s.outbound.release():
+            s.slow_consumer()
+
+    async def _withdraw(self) -> None:
+        """The user went on: the answer goes unseen, the engine rolls it back, the turn continues with what the
+        user said meanwhile."""
+        s, spec = self.s, self.spec
+        assert spec is not None
+        self.spec = None
+        s.outbound.discard()
+        if spec.response_id is not None:
+            await s.responses.withdraw(spec.response_id, spec.last)
+        del s.items[spec.items:]
+        s.input_buffer.samples_16k = spec.samples_16k
+        s.responses.turn_committed_at = None
+        self.item_id = spec.item_id
+        self._pause += 1
+        self._next_probe = PROBE_WINDOWS
+        for pcm in spec.audio:
+            await s.input_buffer.send(pcm)
+
+    async def _speech_stopped(self, tentative: bool = False) -> None:
         s = self.s
         td = s.config.turn_detection
         assert td is not None
@@ -218,9 +322,9 @@ class TurnDetector:
         self.in_speech = False
         self._silence_run = 0
         self._pause += 1
-        self._turn_audio.clear()
+        self._turn_audio = deque()
         self._turn_samples = 0
         # The end of the audio sent for the turn, trailing silence included (GA semantics).
         end_ms = self._vad_pos * 1000 // ENGINE_IN_RATE
         s.emit(ev.event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=self.item_id))
-        await s.input_buffer.commit(auto_response=td.create_response)
+        await s.input_buffer.commit(auto_response=td.create_response, tentative=tentative)

@@ -33,12 +33,16 @@ class Model:
         return [self.p] * len(turns)
 
 
-@pytest.fixture(scope="module")
-def speech24k() -> np.ndarray:
+def voice24k() -> np.ndarray:
     """The sample's voice, without the file's leading and trailing silence."""
     x, _ = read_wav(WAV, target_rate=24000)
     loud = np.flatnonzero(np.abs(x) > 0.02)
     return x[loud[0]:loud[-1] + 1]
+
+
+@pytest.fixture(scope="module")
+def speech24k() -> np.ndarray:
+    return voice24k()
 
 
 async def new_session(model: Model | None, in_server_vad: bool = False) -> tuple[Session, Link]:
