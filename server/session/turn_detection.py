@@ -267,9 +267,9 @@ class TurnDetector:
 
     async def _speculate(self) -> None:
         """The turn probably ended: commit it tentatively and start its answer, everything the client would see
-        held (turn end included) until the silence confirms it (_confirm) or the user goes on (_withdraw)."""
+        held (turn end included) until the silence confirms it (_confirm) or the user goes on (_withdraw). When
+        an answer cannot start yet (one is still ending), the turn waits for its silence as it would anyway."""
         if not self._can_speculate():
-            await self._speech_stopped()
             return
         s = self.s
         spec = _Speculation(self.item_id, len(s.items), s.input_buffer.samples_16k, s.responses.last)

@@ -124,3 +124,21 @@ async def test_semantic_vad_holds_its_answer_by_eagerness(speech24k, eagerness, 
         await feed(s, silence(0.3))
         await settled(s)
         assert types(drain(s)) == NON_SPECULATIVE_ORDER
+
+
+async def test_no_answer_starts_while_a_withdrawn_one_is_still_ending(speech24k):
+    """The engine has not yet ended the withdrawn answer: the next pause starts none, nor ends the turn early; the
+    turn waits for its silence as without speculation."""
+    s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3), speech24k[half:half + 12000]]))
+    assert len(link.of(m.WithdrawResponse)) == 1
+    await feed(s, silence(0.3))
+    assert len(link.of(m.CommitUserAudio)) == 1 and types(drain(s)) == ["input_audio_buffer.speech_started"]
+    await feed(s, silence(0.3))  # the silence ends the turn; its answer waits for the withdrawn one to end
+    assert types(drain(s))[:2] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+    first = link.of(m.CreateResponse)[0].response_id
+    s.on_engine_message(m.ResponseDone(s.id, first, "cancelled", reason="withdrawn"))
+    await settled(s)
+    assert [c.tentative for c in link.of(m.CommitUserAudio)] == [True, False]
+    assert len(link.of(m.CreateResponse)) == 2
