@@ -23,6 +23,7 @@ truncates the engine history to the audio the user heard (pacing.Playback.played
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -283,8 +284,13 @@ class TurnDetector:
         self.spec = spec
 
     async def _confirm(self) -> None:
-        s = self.s
+        s, spec = self.s, self.spec
+        assert spec is not None
         self.spec = None
+        # The client sees the turn end now: its answer's time to first audio counts from here, as without speculation
+        r = s.responses.active or s.responses.last
+        if r is not None and r.id == spec.response_id:
+            r.playback.turn_start = time.monotonic()
         self.in_speech = False
         self._silence_run = 0
         self._pause += 1

@@ -67,9 +67,11 @@ async def test_a_held_answer_is_heard_only_once_the_silence_confirms_the_turn(sp
     assert commit.tentative and link.sent[-1] is create  # the answer started at ~160 ms of silence
     answer_begins(s, create.response_id)
     assert not drain(s)  # its audio is ready, and held
+    tentative_at = s.responses.active.playback.turn_start
     await feed(s, silence(0.4))
     await settled(s)
     assert link.of(m.ConfirmUserAudio) and not link.of(m.WithdrawResponse)
+    assert s.responses.active.playback.turn_start > tentative_at  # its TTFA counts from the turn end the client saw
     evs = drain(s)
     assert types(evs) == NON_SPECULATIVE_ORDER
     assert evs[2]["item"]["id"] == commit.item_id and evs[4]["response"]["id"] == create.response_id
