@@ -11,6 +11,7 @@ from typing import Any
 
 from moss_speech.loadtest.audio import AudioError, Utterance, insert_pauses, load_utterance
 from moss_speech.loadtest.config import LoadConfig, LoadConfigError
+from moss_speech.loadtest.hardware import probe, server_counters
 
 WORKER_SESSIONS = 64  # sessions one client process drives comfortably at 50 appends/s each
 
@@ -91,7 +92,6 @@ def check_transport(cfg: LoadConfig) -> str | None:
 
 def run_level(cfg: LoadConfig, utt: Utterance, hardware: dict[str, Any], progress: bool) -> dict[str, Any]:
     from moss_speech.loadtest.driver import run_load
-    from moss_speech.loadtest.hardware import server_counters
     from moss_speech.loadtest.report import build_report
 
     before = server_counters(cfg)
@@ -115,8 +115,6 @@ def prepare(args: argparse.Namespace, sessions: int, duration_s: float) -> tuple
     if why:
         print(f"error: --transport webrtc cannot run: {why}", file=sys.stderr)
         return 2
-    from moss_speech.loadtest.hardware import probe
-
     hw = probe(cfg)
     health = hw.get("/health")
     if not isinstance(health, dict) or health.get("status") != 200:

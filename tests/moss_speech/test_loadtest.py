@@ -24,6 +24,7 @@ from moss_speech.loadtest.config import LoadConfig, LoadConfigError
 from moss_speech.loadtest.report import METRICS, build_report, format_table
 from moss_speech.loadtest.results import Collector, TurnRecord
 from moss_speech.loadtest.stats import PlaybackBuffer, b64_decoded_len, percentile, percentile_interval, summarize
+from moss_speech.loadtest.user import session_update_event
 from tests.fakes.harness import free_port
 from tests.paths import REPO
 
@@ -160,8 +161,6 @@ def test_config_takes_semantic_vad_and_pauses():
                        ({"pauses_ms": (0, 300)}, "--pauses")]:
         with pytest.raises(LoadConfigError, match=match):
             LoadConfig(**{"url": "http://h:1", **bad})
-    from moss_speech.loadtest.user import session_update_event
-
     td = session_update_event(c)["session"]["audio"]["input"]["turn_detection"]
     assert td == {"type": "semantic_vad", "eagerness": "high", "create_response": True, "interrupt_response": True}
 
