@@ -8,6 +8,10 @@ const $ = (id) => document.getElementById(id);
 // exact zeros; -50 dBFS sits well above codec noise and below any voice.
 const LEVEL_THRESHOLD = 0.003;
 const LEVEL_POLL_MS = 10;
+// Microphone RMS above which the user is speaking (-40 dBFS: above a quiet room through the browser's noise
+// suppression, below a voice). The moment it falls back under it is when the user stopped talking, as they feel it.
+const MIC_SPEECH_LEVEL = 0.01;
+const CHART_TURNS = 20;
 
 // Exposed for tests and for curious users (open the console): everything the page measures.
 const stats = {
@@ -19,7 +23,8 @@ const stats = {
   micLevel: 0,
   outLevel: 0,
   maxOutLevel: 0,
-  ttfaMs: [],
+  ttfaMs: [], // speech_stopped received -> answer audible
+  feltMs: [], // the mic's level fell to silence -> answer audible (what the user feels: the detector's wait too)
   serverTtfaMs: [],
   events: {},
   errors: [],
@@ -34,6 +39,9 @@ let micStream = null;
 let audioCtx = null;
 let pollTimer = null;
 let turnStart = null; // performance.now() when the current turn was committed; cleared at first audio
+let micSpeaking = false; // the mic's level is above MIC_SPEECH_LEVEL
+let micSilentSince = null; // performance.now() when it last fell below, while it stays below
+let turnSpeechEnd = null; // micSilentSince when the current turn ended; cleared at first audio
 let speaking = false;
 let answerOpen = false; // a response is in flight (created, not yet done)
 let voiceWavPending = null; // ArrayBuffer chosen before the call started
@@ -92,9 +100,40 @@ function median(xs) {
 
 function showTtfa() {
   const xs = stats.ttfaMs;
+  const ys = stats.feltMs;
   $("ttfa-last").textContent = xs.length ? `${Math.round(xs[xs.length - 1])} ms` : "–";
+  $("felt-last").textContent = ys.length && ys[ys.length - 1] != null ? `${Math.round(ys[ys.length - 1])} ms` : "–";
   $("ttfa-count").textContent = String(xs.length);
+  const felt = ys.filter((y) => y != null);
+  $("felt-median").textContent = felt.length ? `${Math.round(median(felt))} ms` : "–";
   $("ttfa-median").textContent = xs.length ? `${Math.round(median(xs))} ms` : "–";
+  drawChart();
+}
+
+// The last turns: for each, speech end (mic) -> answer (dark) and speech_stopped -> answer (light), in ms.
+function drawChart() {
+  const c = $("ttfa-chart");
+  const g = c.getContext("2d");
+  const n = Math.min(CHART_TURNS, stats.ttfaMs.length);
+  const felt = stats.feltMs.slice(-n);
+  const shown = stats.ttfaMs.slice(-n);
+  g.clearRect(0, 0, c.width, c.height);
+  if (!n) return;
+  const top = Math.max(500, ...shown, ...felt.filter((y) => y != null));
+  const w = c.width / CHART_TURNS;
+  const y = (ms) => c.height - 12 - (c.height - 14) * Math.min(1, ms / top);
+  g.font = "10px sans-serif";
+  g.fillStyle = "#888";
+  g.textAlign = "right";
+  g.fillText(`${Math.round(top)} ms`, c.width - 2, 10);
+  for (let i = 0; i < n; i++) {
+    if (felt[i] != null) {
+      g.fillStyle = "#2f6fdb";
+      g.fillRect(i * w + 2, y(felt[i]), w / 2 - 2, c.height - 12 - y(felt[i]));
+    }
+    g.fillStyle = "#9fbdf0";
+    g.fillRect(i * w + w / 2, y(shown[i]), w / 2 - 2, c.height - 12 - y(shown[i]));
+  }
 }
 
 // ---- server info -------------------------------------------------------------------------------
@@ -165,6 +204,14 @@ function startLevels(remoteStream) {
   pollTimer = setInterval(() => {
     stats.micLevel = rms(mic.a, mic.buf);
     stats.outLevel = rms(out.a, out.buf);
+    const now = performance.now();
+    if (stats.micLevel > MIC_SPEECH_LEVEL) {
+      micSpeaking = true;
+      micSilentSince = null;
+    } else if (micSpeaking) {
+      micSpeaking = false;
+      micSilentSince = now;
+    }
     stats.maxOutLevel = Math.max(stats.maxOutLevel, stats.outLevel);
     $("mic-level").value = Math.min(1, stats.micLevel * 5);
     $("out-level").value = Math.min(1, stats.outLevel * 5);
@@ -174,8 +221,10 @@ function startLevels(remoteStream) {
 
 function onAnswerAudible() {
   if (turnStart !== null) {
-    stats.ttfaMs.push(performance.now() - turnStart);
-    turnStart = null;
+    const now = performance.now();
+    stats.ttfaMs.push(now - turnStart);
+    stats.feltMs.push(turnSpeechEnd === null ? null : now - turnSpeechEnd);
+    turnStart = turnSpeechEnd = null;
     showTtfa();
   }
   if (!speaking && answerOpen) {
@@ -184,8 +233,10 @@ function onAnswerAudible() {
   }
 }
 
-function markTurnEnd() {
+function markTurnEnd(spoken) {
   turnStart = performance.now();
+  // A spoken turn ended where the mic went quiet (if it is quiet now: else the level never fell to silence)
+  turnSpeechEnd = spoken && !micSpeaking ? micSilentSince : null;
   stats.turns += 1;
   setState("thinking");
 }
@@ -203,9 +254,10 @@ function send(ev) {
 
 function sessionConfig() {
   const modality = $("modality").value;
-  const td = $("turn-detection").value === "server_vad"
+  const kind = $("turn-detection").value;
+  const td = kind === "server_vad"
     ? { type: "server_vad", silence_duration_ms: Number($("vad-silence").value) }
-    : null;
+    : kind === "semantic_vad" ? { type: "semantic_vad", eagerness: $("eagerness").value } : null;
   return {
     type: "realtime",
     output_modalities: [modality],
@@ -228,7 +280,7 @@ function onEvent(ev) {
       break;
     case "input_audio_buffer.speech_stopped":
       addLine("user", "(spoken turn)");
-      markTurnEnd();
+      markTurnEnd(true);
       break;
     case "response.created":
       answerOpen = true;
@@ -247,7 +299,8 @@ function onEvent(ev) {
       if (ev.type === "response.output_text.delta" && turnStart !== null && $("modality").value === "text") {
         // A text answer has no audio: its first token is the "first output" of the turn.
         stats.ttfaMs.push(performance.now() - turnStart);
-        turnStart = null;
+        stats.feltMs.push(turnSpeechEnd === null ? null : performance.now() - turnSpeechEnd);
+        turnStart = turnSpeechEnd = null;
         showTtfa();
       }
       break;
@@ -374,8 +427,8 @@ async function hangup(userAction = true) {
   pc = dc = micStream = audioCtx = null;
   stats.connected = false;
   stats.callId = null;
-  speaking = answerOpen = false;
-  turnStart = null;
+  speaking = answerOpen = micSpeaking = false;
+  turnStart = turnSpeechEnd = micSilentSince = null;
   setConnectedUi(false);
   setState("idle");
   if (callId) {
@@ -418,7 +471,7 @@ window.addEventListener("DOMContentLoaded", () => {
   $("commit").addEventListener("click", () => {
     if (send({ type: "input_audio_buffer.commit" }) && send({ type: "response.create" })) {
       addLine("user", "(spoken turn)");
-      markTurnEnd();
+      markTurnEnd(true);
     }
   });
   $("voice-file").addEventListener("change", async (e) => {

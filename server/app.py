@@ -40,16 +40,20 @@ log = logging.getLogger("server.app")
 class _VadStreams:
     """Each session's VAD stream, all from one batcher per app (preloaded while the engine starts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
         self._batcher: Any = None
         self._lock = threading.Lock()  # sessions open in worker threads
+        self._settings = settings
 
     def batcher(self) -> Any:
         with self._lock:
             if self._batcher is None:
-                from server.vad import VadBatcher  # imports torch: seconds, mostly under the GIL
+                from server.vad import EndOfTurnBatcher, VadBatcher  # imports torch: seconds, mostly under the GIL
 
-                self._batcher = VadBatcher()
+                st = self._settings
+                self._batcher = VadBatcher(end_of_turn=EndOfTurnBatcher() if st.end_of_turn_model else None,
+                                           end_of_turn_in_server_vad=st.server_vad_end_of_turn,
+                                           speculative_server_vad=st.speculative_server_vad)
         return self._batcher
 
     def __call__(self) -> Any:
@@ -62,6 +66,8 @@ class _VadStreams:
         try:
             batcher = await asyncio.to_thread(self.batcher)
             await batcher.ready()
+            if batcher.end_of_turn is not None:
+                await batcher.end_of_turn.ready()
         except Exception:  # noqa: BLE001 - e.g. a broken silero-vad install
             log.exception("the VAD model did not load; server_vad sessions will retry")
 
@@ -122,7 +128,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
                                                     worker.slots_lock_path)
-    vad_streams = _VadStreams() if settings.vad else None
+    vad_streams = _VadStreams(settings) if settings.vad else None
     sessions = SessionManager(engine, max_sessions=max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
     relay = WorkerRelay(worker) if worker is not None else None

@@ -97,6 +97,9 @@ class Settings(_EngineSettings):
 
     # Turn detection
     vad: bool = True  # False: server_vad is refused (clients must commit)
+    end_of_turn_model: bool = True  # the end-of-turn model (server/turn_model.py); False: semantic_vad is refused
+    server_vad_end_of_turn: bool = False  # server_vad turns end early too when that model is confident
+    speculative_server_vad: bool = False  # server_vad answers start (held) after a short silence (turn_detection.py)
 
     # WebRTC (server/transports/webrtc/config.py). ICE servers in RTCIceServer JSON, e.g. MOSS_ICE_SERVERS=
     # '[{"urls":"stun:s.example.org:3478"},{"urls":"turn:t.example.org:3478","username":"u","credential":"p"}]'
@@ -146,6 +149,12 @@ class Settings(_EngineSettings):
         if self.device == "cpu":
             return ["cpu"] * n
         return [f"cuda:{i}" for i in range(n)]  # (the settings' check saw that many)
+
+    @model_validator(mode="after")
+    def _end_of_turn(self) -> Settings:
+        if self.server_vad_end_of_turn and not (self.vad and self.end_of_turn_model):
+            raise ValueError("server_vad_end_of_turn needs the VAD and the end-of-turn model (vad, end_of_turn_model)")
+        return self
 
     def resolved_endpoint(self) -> str:
         if self.engine_endpoint:

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from server.turn_model import EndOfTurnBatcher
+
 # The package's own deprecation noise when it loads its model (loaded in worker threads, where
 # catch_warnings would race): importlib path and torch.jit.load.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="silero_vad")
@@ -75,6 +77,21 @@ class VadStream:
         """Loads the shared model (once per process; tens of ms) before the first audio needs it."""
         await self._batcher.ready()
 
+    @property
+    def end_of_turn(self) -> EndOfTurnBatcher | None:
+        """The end-of-turn model (semantic_vad), if this server runs one."""
+        return self._batcher.end_of_turn
+
+    @property
+    def end_of_turn_in_server_vad(self) -> bool:
+        """server_vad turns also end early when the end-of-turn model is confident."""
+        return self._batcher.end_of_turn_in_server_vad
+
+    @property
+    def speculative_server_vad(self) -> bool:
+        """server_vad answers start, held, after a short silence, before silence_duration_ms confirms the turn."""
+        return self._batcher.speculative_server_vad
+
     async def probs(self, windows: np.ndarray) -> list[float]:
         """Speech probability of consecutive windows [n, 512] of this stream, in order."""
         if windows.ndim != 2 or windows.shape[1] != VAD_WINDOW:
@@ -101,10 +118,17 @@ class VadBatcher:
     order, never two in one round, because its state carries from one to the next.
     """
 
-    def __init__(self, load: Any = load_silero_16k, round_every_s: float = 0.008) -> None:
+    def __init__(self, load: Any = load_silero_16k, round_every_s: float = 0.008,
+                 end_of_turn: EndOfTurnBatcher | None = None, end_of_turn_in_server_vad: bool = False,
+                 speculative_server_vad: bool = False) -> None:
         if round_every_s < 0:
             raise ValueError(f"round_every_s must be >= 0, got {round_every_s}")
+        if end_of_turn_in_server_vad and end_of_turn is None:
+            raise ValueError("end_of_turn_in_server_vad needs an end_of_turn model")
         self._load = load
+        self.end_of_turn = end_of_turn
+        self.end_of_turn_in_server_vad = end_of_turn_in_server_vad
+        self.speculative_server_vad = speculative_server_vad
         # Rounds start at most this often: a window waits a few ms at most (a turn ends after hundreds
         # of ms of silence), and under load each round carries many sessions' windows, where one call's
         # fixed cost (~0.3 ms) would otherwise be paid every window or two.

@@ -67,6 +67,8 @@ class _Turn:
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
     commit: bool = False  # finalize it with the next commit call
+    tentative: bool = False  # encode what it holds now and report it as a commit, keeping the stream open
+    replying: bool = False  # taken by a call for its tentative commit: that call's result is the commit's
     dropped: bool = False
 
 
@@ -123,14 +125,20 @@ class EncoderWorker:
             t.held.append(pcm)
             self._cv.notify_all()
 
-    def commit(self, key: str) -> bool:
+    def commit(self, key: str, final: bool = True) -> bool:
         """Finalize this session's turn as soon as possible; False if it has none (nothing was appended). Its last
-        codes then come as a result with commit=True (an exception there is the encoder's failure)."""
+        codes then come as a result with commit=True (an exception there is the encoder's failure).
+        `final=False` (a tentative commit): the audio held is encoded at once and its codes come as that result,
+        but the stream stays open, with the audio it keeps for its next code: more audio continues the same turn
+        exactly, as if no commit had come (`drop` forgets it once the commit is confirmed)."""
         with self._cv:
             t = self._turns.get(key)
             if t is None:
                 return False
-            t.commit = True
+            if final:
+                t.commit = True
+            else:
+                t.tentative = True
             self._cv.notify_all()
             return True
 
@@ -165,7 +173,8 @@ class EncoderWorker:
     def busy(self) -> bool:
         """Audio held, a commit or call pending, or results not yet collected."""
         with self._cv:
-            return self._running or bool(self._results) or any(t.held or t.commit for t in self._turns.values())
+            return self._running or bool(self._results) or any(
+                t.held or t.commit or t.tentative for t in self._turns.values())
 
     def run_due(self, flush: bool = False) -> bool:
         """Without a thread: run the call that is due now, if any (`flush`: held audio is due whatever the interval).
@@ -198,13 +207,19 @@ class EncoderWorker:
 
     def _take_due(self, now: float, flush: bool) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
         """(commit, [(turn, its held audio)]) of the call due now (under _cv), recorded as in the call; None if none
-        is."""
+        is. Tentative commits go in a call of held audio (their streams go on), right after the final ones."""
         commits = [t for t in self._turns.values() if t.commit]
+        tentative = [t for t in self._turns.values() if t.tentative and not t.commit]
         holding = self._holding()
         if commits:
             taken, commit = commits, True
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
+            self._forget_held_since()
+        elif tentative:
+            taken, commit = tentative, False
+            for t in tentative:
+                t.tentative, t.replying = False, True
             self._forget_held_since()
         elif holding and (flush or self._due_at(len(holding)) <= now):
             taken, commit = holding, False
@@ -241,12 +256,13 @@ class EncoderWorker:
             for (t, _), c in zip(work, codes, strict=True):
                 self._in_call.pop(id(t), None)
                 failed = isinstance(c, Exception)
+                as_commit, t.replying = commit or t.replying, False
                 if failed and self._turns.get(t.key) is t:
                     del self._turns[t.key]  # the stream's state is unknown: this turn is over
                 if t.dropped or failed or commit:
                     self._close(t)
-                if not t.dropped and (commit or failed or c):
-                    self._results.append(Encoded(t.key, c, commit, at, started))
+                if not t.dropped and (as_commit or failed or c):
+                    self._results.append(Encoded(t.key, c, as_commit, at, started))
             name = "encode commits" if commit else "encode"
             self.spans.add(name, dt)
             # What the call's wall time was made of, as for the codec's rounds: this thread's CPU time and the wait

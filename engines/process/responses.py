@@ -111,6 +111,8 @@ class Responses:
                           cached_rows=t.base_rows - t.rerun_rows, prefix_last_row=prefix[-1],
                           detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
         t.response = r
+        if s.tentative is not None and s.tentative.turn is t:
+            s.tentative.response_id = msg.response_id
         if s.commit_at is not None:  # where the user turn's end went before this answer (stage marks, < 0)
             r.mark("commit_in", s.commit_at)
             r.mark("commit_call", s.commit_call_at)
@@ -165,6 +167,34 @@ class Responses:
             return  # finished already (a benign race), or not started: nothing to stop
         raise ServiceError(errors.INVALID_REQUEST, f"no response {msg.response_id!r} in this session", msg.response_id)
 
+    def _on_WithdrawResponse(self, client: bytes, msg: m.WithdrawResponse) -> None:
+        s = self._session(client, msg.session_id)
+        w = s.tentative
+        if w is None or w.response_id != msg.response_id:
+            raise ServiceError(errors.INVALID_REQUEST, f"response {msg.response_id!r} does not answer a tentative "
+                               "commit of this session", msg.response_id)
+        t = s.active
+        if t is w.turn and t.response is not None:  # still generating: stopped at the next step, then reopened
+            t.response.cancelled = t.response.withdrawn = True
+            t.undo = "reopen"
+            self.engine.abort(t.request_id)
+            return
+        if s.completing is not None and s.completing.response_id == msg.response_id:
+            s.completing.withdrawn = True
+            self._drop_last_audio(s.completing)
+        self._reopen(s)
+
+    def _reopen(self, s: Session) -> None:
+        """The tentatively committed turn is open again: the answer's rows and the turn's closing rows leave the
+        conversation (their KV blocks return to the pool), the turn's audio rows stay with their KV."""
+        w, s.tentative = s.tentative, None
+        assert w is not None
+        self.engine.truncate_conversation(s.conversation_id, w.end_row)
+        s.close_rows, s.answer = [], None
+        w.turn.committed, w.turn.audio_open, w.turn.response, w.turn.undo = False, True, None, None
+        s.reopened = w.turn
+        s.turn_codes = len(w.turn.codes)
+
     def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:
         s = self._session(client, msg.session_id)
         t = s.active
@@ -211,6 +241,8 @@ class Responses:
             self._undo(s, t)
         elif t.response is not None:
             self._finish_response(s, t, t.response, o)
+            if t.undo == "reopen":
+                self._reopen(s)
         self._pump(s)
         deferred, s.deferred = s.deferred, []
         for d in deferred:
@@ -304,7 +336,8 @@ class Responses:
         """ResponseDone once the answer's last audio is out; then any response asked for meanwhile."""
         status, why = r.done
         if r.cancelled:
-            status, why = ("failed", errors.ENGINE_ERROR) if r.failed else ("cancelled", "client_cancelled")
+            status, why = ("failed", errors.ENGINE_ERROR) if r.failed else (
+                "cancelled", "withdrawn" if r.withdrawn else "client_cancelled")
         if r.ttfa_ms is not None:
             log.info("response %s: first audio at %.1f ms; stages %s", r.response_id, r.ttfa_ms, r.marks)
         if self.sessions.get(s.session_id) is not s:  # closed meanwhile: nobody to tell

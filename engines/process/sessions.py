@@ -16,6 +16,10 @@ turns and committed audio turns) and `pending_codes` (speech codes while a respo
 A turn can be undone (input audio cleared; truncation of the answer before it; new sampling
 settings that the open request cannot take): its request is aborted, and when the engine reports
 the abort the conversation is truncated back and the turn's rows are put back as pending.
+
+A tentative commit (the server's end-of-turn guess) closes the turn and an answer may start on it; if the user goes
+on speaking the answer is withdrawn: aborted, the conversation truncated to the turn's last code (`Tentative`), and
+the turn open again (`Session.reopened`) with its KV kept.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class ResponseState:
     audio_samples: int = 0
     ttfa_ms: float | None = None
     cancelled: bool = False
+    withdrawn: bool = False  # WithdrawResponse: its ResponseDone says so
     failed: str | None = None  # a server-side fault stopped it (ResponseDone status "failed")
     truncate_samples: int | None = None  # TruncateResponse received while still running
     done: Any = None  # ResponseDone, built once its last audio is out (Service._complete)
@@ -96,7 +101,16 @@ class Answer:
         return self.rows[keep - 1] if keep > 0 else self.prefix_last_row
 
 
-UndoKind = Literal["clear", "requeue", "close"]
+UndoKind = Literal["clear", "requeue", "close", "reopen"]
+
+
+@dataclass
+class Tentative:
+    """A tentative commit (CommitUserAudio.tentative) not yet confirmed or withdrawn."""
+
+    turn: Turn  # the user turn it closed
+    end_row: int  # conversation rows up to the user's last code: a withdrawal truncates back to here
+    response_id: str | None = None  # the answer to it, once asked for
 
 
 @dataclass
@@ -115,6 +129,7 @@ class Turn:
     rows_added: int = 0
     rerun_rows: int = 0  # history rows never run yet (the previous answer's last sampled row): prefilled with this turn
     user_rows_start: int = 0  # rows before the user speech turn in this request
+    user_end: int = 0  # rows of this request (from base_rows) up to the user's last code, once committed
     response: ResponseState | None = None
     undo: UndoKind | None = None  # abort in flight to undo this turn
     cut_rows: int | None = None  # with undo: truncate the conversation here instead of base_rows
@@ -150,6 +165,10 @@ class Session:
     # A finished answer whose last audio is still being decoded on the codec worker: its ResponseDone
     # (and any response asked for meanwhile) waits for it.
     completing: ResponseState | None = None
+    tentative: Tentative | None = None
+    # A withdrawn turn, open again: the conversation ends with its audio rows and its next codes extend it (a new
+    # engine request that carries this turn's bookkeeping on).
+    reopened: Turn | None = None
     next_request: int = 0
 
     @property

@@ -19,7 +19,7 @@ from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError, speech_error
 from engines.process.limits import InputLimits
 from engines.process.prompt import PromptBuilder
-from engines.process.sessions import Session, Turn
+from engines.process.sessions import Session, Tentative, Turn
 from engines.protocol import errors
 from engines.protocol import messages as m
 from engines.tokens import Row
@@ -100,11 +100,11 @@ class UserInput:
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)
         if not self._start_commit(client, msg, s):  # no audio is left to finalize
-            self._committed(s, [])
+            self._committed(s, [], msg.tentative)
 
     def _start_commit(self, client: bytes, msg: m.CommitUserAudio, s: Session) -> bool:
         """The encoder finalizes the turn (False: it holds none of it); the session's next messages wait for that."""
-        if self._speech is None or not self._speech.commit(s.session_id):
+        if self._speech is None or not self._speech.commit(s.session_id, final=not msg.tentative):
             return False
         s.commit_pending, s.commit_at = (client, msg), time.monotonic()
         return True
@@ -120,19 +120,31 @@ class UserInput:
             self._report(client, msg, codes if isinstance(codes, ValueError) else speech_error(codes))
             self._clear_speech(s)
         else:
-            self._guard(client, msg, self._committed, s, codes)
+            self._guard(client, msg, self._committed, s, codes, msg.tentative)
         for i, (c, queued) in enumerate(waiting):
             if s.commit_pending is not None:  # committed again: the rest waits for that one
                 s.after_commit += waiting[i:]
                 return
             self._dispatch(c, queued)
 
-    def _committed(self, s: Session, codes: list[int]) -> None:
-        """The user's turn ends with these last codes (its encoder stream is finalized)."""
+    def _committed(self, s: Session, codes: list[int], tentative: bool = False) -> None:
+        """The user's turn ends with these last codes (its encoder stream is finalized, or kept if `tentative`)."""
         if s.turn_codes + len(codes) == 0:
             raise ServiceError(errors.INVALID_REQUEST, "the input audio buffer holds no speech to commit")
+        s.tentative = None
         self._user_codes(s, codes, commit=True)
         s.turn_codes = 0
+        t = s.active
+        if tentative and t is not None and t.committed and t.response is None and t.undo is None:
+            s.tentative = Tentative(t, t.base_rows + t.user_end)
+        elif tentative and self._speech is not None:  # it could not be taken back: it stands
+            self._speech.drop(s.session_id)
+
+    def _on_ConfirmUserAudio(self, client: bytes, msg: m.ConfirmUserAudio) -> None:
+        s = self._session(client, msg.session_id)
+        s.tentative = None
+        if self._speech is not None:
+            self._speech.drop(s.session_id)
 
     def _speech_failed(self, s: Session, e: Exception) -> None:
         """The encoder failed on this session's audio: the turn so far is dropped, as if the client cleared it."""
@@ -149,6 +161,12 @@ class UserInput:
             self._speech.drop(s.session_id)
         s.pending_codes = []
         s.turn_codes = 0
+        s.tentative = None
+        if s.reopened is not None:  # a withdrawn turn's rows end the conversation: they go, as its undo would
+            o, s.reopened = s.reopened, None
+            self.engine.truncate_conversation(s.conversation_id, o.base_rows)
+            s.close_rows, s.pending_rows = o.close_rows, list(o.carried_rows) + s.pending_rows
+            s.system_sent = s.system_sent and not o.system_included
         t = s.active
         if t is not None and t.audio_open and t.undo in (None, "requeue"):
             t.undo = "clear"
@@ -175,9 +193,12 @@ class UserInput:
     def _pump(self, s: Session) -> int:
         """Move pending speech codes into the engine; returns the rows of the user turn sent so far."""
         t = s.active
-        if t is None and s.pending_codes:
+        if t is None and s.reopened is not None and (s.pending_codes or s.pending_commit):
+            t = self._continue_turn(s)
+        elif t is None and s.pending_codes:
             lead = s.close_rows + self._system_rows(s, "audio") + s.pending_rows
             rows = lead + self.prompts.audio_turn_open_rows() + self.prompts.audio_code_rows(s.pending_codes)
+            user_end = len(rows)
             if s.pending_commit:
                 rows += self.prompts.audio_turn_close_rows()
             rid = s.new_request_id()
@@ -188,13 +209,14 @@ class UserInput:
             t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
                      system_included=not s.system_sent, codes=list(s.pending_codes),
                      audio_open=not s.pending_commit, committed=s.pending_commit, rows_added=len(rows),
-                     rerun_rows=rerun, user_rows_start=len(lead))
+                     rerun_rows=rerun, user_rows_start=len(lead), user_end=user_end)
             s.active = t
             self._requests[rid] = (s, t)
             s.close_rows, s.pending_rows, s.system_sent = [], [], True
             s.pending_codes, s.pending_commit = [], False
         elif t is not None and t.audio_open and t.undo is None:
             rows = self.prompts.audio_code_rows(s.pending_codes)
+            t.user_end = t.rows_added + len(rows)
             if s.pending_commit:
                 rows += self.prompts.audio_turn_close_rows()
             if rows:
@@ -212,6 +234,25 @@ class UserInput:
         if t is None or t.response is not None or not t.codes:
             return 0
         return t.rows_added - t.user_rows_start
+
+    def _continue_turn(self, s: Session) -> Turn:
+        """A withdrawn turn's next codes (and its commit): a request that extends the conversation, whose last rows
+        are that turn's audio with its KV, and carries on the turn's bookkeeping (an undo takes the whole turn)."""
+        o, s.reopened = s.reopened, None
+        rows = self.prompts.audio_code_rows(s.pending_codes)
+        user_end = o.user_end + len(rows)
+        if s.pending_commit:
+            rows += self.prompts.audio_turn_close_rows()
+        rid = s.new_request_id()
+        self.engine.add_request(rid, rows, o.params, conversation_id=s.conversation_id, input_done=False)
+        t = Turn(rid, o.base_rows, o.params, close_rows=o.close_rows, carried_rows=o.carried_rows,
+                 system_included=o.system_included, codes=o.codes + s.pending_codes, audio_open=not s.pending_commit,
+                 committed=s.pending_commit, rows_added=o.user_end + len(rows), rerun_rows=o.rerun_rows,
+                 user_rows_start=o.user_rows_start, user_end=user_end)
+        s.active = t
+        self._requests[rid] = (s, t)
+        s.pending_codes, s.pending_commit = [], False
+        return t
 
     def _system_rows(self, s: Session, modality: m.Modality) -> list[Row]:
         if s.system_sent:

@@ -39,6 +39,7 @@ UNSUPPORTED_SESSION_TYPE = "unsupported_session_type"
 UNSUPPORTED_AUDIO_FORMAT = "unsupported_audio_format"
 UNSUPPORTED_TURN_DETECTION = "unsupported_turn_detection"
 SERVER_VAD_UNAVAILABLE = "server_vad_unavailable"
+SEMANTIC_VAD_UNAVAILABLE = "semantic_vad_unavailable"
 INVALID_AUDIO = "invalid_audio"
 INVALID_ITEM = "invalid_item"
 UNSUPPORTED_ITEM_TYPE = "unsupported_item_type"
@@ -94,8 +95,9 @@ ERRORS: dict[str, ErrorCode] = {
     INVALID_VALUE: ErrorCode(_CLIENT, "a field with a bad value"),
     UNSUPPORTED_SESSION_TYPE: ErrorCode(_CLIENT, "`session.type` other than `realtime`"),
     UNSUPPORTED_AUDIO_FORMAT: ErrorCode(_CLIENT, "an audio format other than 24 kHz PCM"),
-    UNSUPPORTED_TURN_DETECTION: ErrorCode(_CLIENT, "turn detection other than `server_vad` or null"),
-    SERVER_VAD_UNAVAILABLE: ErrorCode(_CLIENT, "`server_vad` on a server started without VAD"),
+    UNSUPPORTED_TURN_DETECTION: ErrorCode(_CLIENT, "turn detection other than `server_vad`, `semantic_vad` or null"),
+    SERVER_VAD_UNAVAILABLE: ErrorCode(_CLIENT, "`server_vad` or `semantic_vad` on a server started without VAD"),
+    SEMANTIC_VAD_UNAVAILABLE: ErrorCode(_CLIENT, "`semantic_vad` on a server without its end-of-turn model"),
     INVALID_AUDIO: ErrorCode(_CLIENT, "audio that is not base64 PCM16, or a voice prompt that is not a WAV file, whose "
                              "sample rate is outside 8-192 kHz or that is longer than 30 s", http=400),
     INVALID_ITEM: ErrorCode(_CLIENT, "a `conversation.item.create` item the server cannot take"),

@@ -81,10 +81,32 @@ class ClearUserAudio:
 
 @dataclass(frozen=True)
 class CommitUserAudio:
-    """End of the user's spoken turn (VAD or client commit): closes the user turn in the history."""
+    """End of the user's spoken turn (VAD or client commit): closes the user turn in the history.
+
+    `tentative`: the turn probably ended (an answer may start at once) but the user may go on: it closes with the
+    codes of the audio sent so far, and the encoder keeps its stream (and the audio it holds for the next code), so
+    that a WithdrawResponse continues the turn exactly where it was. ConfirmUserAudio ends it for good."""
 
     session_id: str
     item_id: str
+    tentative: bool = False
+
+
+@dataclass(frozen=True)
+class ConfirmUserAudio:
+    """The tentative commit stands: the encoder forgets the turn (the audio it held is not encoded)."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class WithdrawResponse:
+    """The user went on speaking after a tentative commit: the answer to it stops (ResponseDone `cancelled`, reason
+    `withdrawn`, if it had not ended), its rows and the turn's closing rows leave the history and the KV cache, and
+    the user's turn is open again (its audio is not prefilled again)."""
+
+    session_id: str
+    response_id: str
 
 
 @dataclass(frozen=True)
@@ -198,8 +220,8 @@ class Pong:
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        OpenSession, UpdateSession, AppendUserAudio, ClearUserAudio, CommitUserAudio, AddUserText,
-        CreateResponse, CancelResponse, TruncateResponse, CloseSession, Ping,
+        OpenSession, UpdateSession, AppendUserAudio, ClearUserAudio, CommitUserAudio, ConfirmUserAudio, AddUserText,
+        CreateResponse, CancelResponse, WithdrawResponse, TruncateResponse, CloseSession, Ping,
         SessionReady, UserAudioProgress, ResponseStarted, TextDelta, AudioChunk, ResponseDone, Error, Pong,
     )
 }

@@ -58,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spawn-engine", dest="spawn_engine", action="store_const", const=False,
                    help="connect to an engine already running at --engine-endpoint instead of starting one")
     p.add_argument("--no-vad", dest="vad", action="store_const", const=False, help="disable server_vad")
+    p.add_argument("--no-end-of-turn-model", dest="end_of_turn_model", action="store_const", const=False,
+                   help="do not load the end-of-turn model (semantic_vad is then refused) [MOSS_END_OF_TURN_MODEL]")
+    p.add_argument("--server-vad-end-of-turn", dest="server_vad_end_of_turn", action="store_const", const=True,
+                   help="server_vad turns also end as soon as the end-of-turn model is confident, before "
+                        "silence_duration_ms [MOSS_SERVER_VAD_END_OF_TURN]")
+    p.add_argument("--speculative-server-vad", dest="speculative_server_vad", action="store_const", const=True,
+                   help="server_vad answers start after ~160 ms of silence, held unheard until silence_duration_ms "
+                        "confirms the turn, withdrawn if the user goes on [MOSS_SPECULATIVE_SERVER_VAD]")
     p.add_argument("--log-level", help="debug, info, warning, error (default info) [MOSS_LOG_LEVEL]")
     p.add_argument("--log-format", choices=("kv", "json"), help="key=value (default) or JSON lines")
     engine_options.add_arguments(p)

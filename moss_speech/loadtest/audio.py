@@ -59,6 +59,24 @@ def _trim(pcm: np.ndarray, rate: int, threshold: float = 0.02) -> np.ndarray:
     return pcm[loud[0] * win : (loud[-1] + 1) * win]
 
 
+def insert_pauses(utt: Utterance, min_ms: int, max_ms: int, every_s: float = 1.2, seed: int = 0) -> Utterance:
+    """The utterance with a pause of MIN-MAX ms (seeded) at its quietest 10 ms in each stretch of `every_s`, away
+    from its ends: speech that stops mid-turn, as people do between clauses."""
+    if not 0 < min_ms <= max_ms:
+        raise AudioError(f"pauses must be 0 < MIN <= MAX ms, got {min_ms}-{max_ms}")
+    rng = np.random.default_rng(seed)
+    win = SAMPLE_RATE // 100
+    level = np.abs(utt.pcm[: len(utt.pcm) // win * win].astype(np.float32)).reshape(-1, win).max(axis=1)  # [windows]
+    step, edge = int(every_s * 100), 30  # in 10 ms windows; no pause in the first or last 0.3 s
+    cuts = [k + int(np.argmin(level[k:k + step])) for k in range(edge, len(level) - edge - step // 2, step)]
+    pieces, last = [], 0
+    for c in cuts:
+        pieces += [utt.pcm[last:c * win], np.zeros(SAMPLE_RATE * int(rng.integers(min_ms, max_ms + 1)) // 1000, "<i2")]
+        last = c * win
+    pieces.append(utt.pcm[last:])
+    return Utterance(pcm=np.concatenate(pieces), source=f"{utt.source} with pauses of {min_ms}-{max_ms} ms")
+
+
 def load_utterance(path: str | Path | None) -> Utterance:
     """Integer-PCM WAV of any rate and channel count -> 24 kHz mono int16, trimmed. `None`: the repository's
     sample."""

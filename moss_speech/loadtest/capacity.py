@@ -7,6 +7,11 @@ With server_vad, a level also fails when the server ends turns late: the p95 tim
 than `--vad-lag-budget-ms` past the silence the VAD waits for. TTFA counts from the commit, so a server whose event
 loop has fallen behind real time would otherwise pass (H200, one server process at 172 sessions: commits 1.6 s
 after speech end at p50, with p95 TTFA from the commit at 298 ms).
+
+With a VAD (server_vad, semantic_vad) each level is also judged on what the user feels, speech end -> first audio
+(`ttfa_ms`, the detector's wait included), under its own budget (`--speech-end-budget-ms`), with the same
+underrun, error and answered-turn criteria: that capacity is reported beside the commit-based one, and each level's
+false starts per turn with it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vad-lag-budget-ms", type=float, default=200.0,
                    help="with server_vad: p95 of speech end -> commit may exceed --vad-silence-ms by this much "
                         "(default 200; the server's VAD adds ~100-150 ms when it keeps up)")
+    p.add_argument("--speech-end-budget-ms", type=float, default=400.0,
+                   help="with a VAD: p95 speech end -> first audio budget of the second capacity (default 400)")
     p.add_argument("--level-duration", type=float, default=180.0, help="bound on each level in seconds (180)")
     p.add_argument("--keep-going", action="store_true", help="run every level even after one fails")
     p.add_argument("--refine", type=int, default=0, metavar="K",
@@ -54,11 +61,11 @@ def levels(start: int, step: int, maximum: int) -> list[int]:
     return list(range(start, maximum + 1, step))
 
 
-def capacity_of(curve: list[dict[str, Any]]) -> int:
+def capacity_of(curve: list[dict[str, Any]], key: str = "within") -> int:
     """The last level of the unbroken run of passing levels from the lowest one tried (0: the lowest fails)."""
     cap = 0
     for pt in sorted(curve, key=lambda pt: pt["sessions"]):
-        if not pt["within"]:
+        if not pt.get(key):
             break
         cap = pt["sessions"]
     return cap
@@ -133,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     metric = args.ttfa_metric
     # server_vad runs are judged on the VAD's lag too (module doc); commit runs have no VAD
     vad_silence, vad_budget = ((args.vad_silence_ms, args.vad_lag_budget_ms) if args.turn_detection == "server_vad"
-                               else (None, None))
+                               else (None, None))  # (semantic_vad waits as long as its model says)
     print(f"capacity: hardware {hw['gpu']}; {args.transport}, {args.turn_detection}; prompt {utt.duration_s:.2f} s "
           f"of speech (~{utt.duration_s * 12.5:.0f} rows) per turn, {args.turns} turns per session; answers <= "
           f"{args.max_output_tokens} rows; floor: real time = one decode step per session every 80 ms "
@@ -152,15 +159,25 @@ def run(args: argparse.Namespace) -> int:
     curve: list[dict[str, Any]] = []
     reports: list[dict[str, Any]] = []
 
+    vad = args.turn_detection != "commit"
+
     def measure(n: int) -> bool:
-        """Run one level; whether it passed."""
+        """Run one level; whether it passed (either criterion, with a VAD)."""
         rep = run_level(make_config(args, n, args.level_duration), utt, hw, progress=not args.quiet)
         why = verdict(rep, metric, args.ttfa_budget_ms, vad_silence, vad_budget)
-        print(_row(n, rep, metric, why, args.ttfa_budget_ms), flush=True)
+        why_felt = verdict(rep, "ttfa_ms", args.speech_end_budget_ms) if vad else None
+        row = _row(n, rep, metric, why, args.ttfa_budget_ms)
+        if why_felt is not None:
+            fs, felt = rep["false_starts"], rep["metrics"]["ttfa_ms"]
+            row += (f" | speech end -> first audio p50 {felt['p50'] or 0:.0f} p95 {felt['p95'] or 0:.0f} ms: "
+                    + ("ok" if not why_felt else "OVER") + f"; false starts {fs['per_turn']:.2f}/turn")
+        print(row, flush=True)
         reports.append(rep)
         curve.append({"sessions": n, "within": not why, "reasons": why,
-                      **{k: rep[k] for k in ("metrics", "underruns", "errors", "turns", "wall_s", "client_lag_ms")}})
-        return not why
+                      "within_speech_end": None if why_felt is None else not why_felt, "reasons_speech_end": why_felt,
+                      **{k: rep[k] for k in ("metrics", "underruns", "errors", "turns", "wall_s", "client_lag_ms",
+                                             "false_starts")}})
+        return not why or (why_felt is not None and not why_felt)
 
     failed = False
     for n in plan:
@@ -180,10 +197,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"capacity: {capacity} concurrent sessions (levels tried: {tried})")
     else:
         print(f"capacity: below {plan[0]} sessions: the first level already fails (levels tried: {tried})")
+    capacity_felt = capacity_of(curve, "within_speech_end") if vad else None
+    if vad:
+        print(f"capacity by speech end -> first audio (p95 <= {args.speech_end_budget_ms:.0f} ms): "
+              f"{capacity_felt} concurrent sessions")
     if not failed:
         print(f"note: every level up to --max {plan[-1]} passed; capacity is at least {capacity}")
     out = {"tool": "moss-speech bench capacity", "hardware": hw, "ttfa_metric": metric,
            "ttfa_budget_ms": args.ttfa_budget_ms, "vad_lag_budget_ms": vad_budget, "capacity": capacity,
+           "speech_end_budget_ms": args.speech_end_budget_ms if vad else None,
+           "capacity_speech_end": capacity_felt,
            "capacity_is_lower_bound": not failed, "curve": curve,
            "config": reports[0]["config"] if reports else None, "audio": reports[0]["audio"] if reports else None}
     if args.json:

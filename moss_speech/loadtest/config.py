@@ -7,7 +7,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 Transport = Literal["ws", "webrtc"]
-TurnDetection = Literal["server_vad", "commit"]
+TurnDetection = Literal["server_vad", "semantic_vad", "commit"]
+EAGERNESS = ("low", "medium", "high", "auto")
 
 
 class LoadConfigError(ValueError):
@@ -25,6 +26,8 @@ class LoadConfig:
     turn_detection: TurnDetection = "server_vad"
     vad_silence_ms: int = 300  # silence_duration_ms asked of the server's VAD
     vad_threshold: float = 0.5
+    eagerness: str = "auto"  # semantic_vad's
+    pauses_ms: tuple[int, int] | None = None  # --pauses: silence inserted into the utterance (audio.insert_pauses)
     frame_ms: int = 20  # microphone frame (one input_audio_buffer.append)
     prebuffer_ms: float = 60.0  # the listener's jitter buffer before playback starts
     think_ms: float = 500.0  # pause after the answer finished playing, before the next turn
@@ -44,8 +47,11 @@ class LoadConfig:
             (self.duration_s > 0, f"--duration must be > 0 s, got {self.duration_s}"),
             (self.ramp_per_s >= 0, f"--ramp must be >= 0 sessions/s (0 = all at once), got {self.ramp_per_s}"),
             (self.transport in ("ws", "webrtc"), f"--transport must be ws or webrtc, got {self.transport!r}"),
-            (self.turn_detection in ("server_vad", "commit"),
-             f"--turn-detection must be server_vad or commit, got {self.turn_detection!r}"),
+            (self.turn_detection in ("server_vad", "semantic_vad", "commit"),
+             f"--turn-detection must be server_vad, semantic_vad or commit, got {self.turn_detection!r}"),
+            (self.eagerness in EAGERNESS, f"--eagerness must be one of {', '.join(EAGERNESS)}, got {self.eagerness!r}"),
+            (self.pauses_ms is None or 0 < self.pauses_ms[0] <= self.pauses_ms[1] <= 5000,
+             f"--pauses must be MIN-MAX ms with 0 < MIN <= MAX <= 5000, got {self.pauses_ms}"),
             (self.vad_silence_ms > 0, f"--vad-silence-ms must be > 0, got {self.vad_silence_ms}"),
             (0 < self.vad_threshold < 1, f"--vad-threshold must be in (0, 1), got {self.vad_threshold}"),
             (10 <= self.frame_ms <= 200 and self.frame_ms % 10 == 0,
@@ -60,6 +66,11 @@ class LoadConfig:
         for ok, msg in checks:
             if not ok:
                 raise LoadConfigError(msg)
+
+    @property
+    def vad(self) -> bool:
+        """The server ends the turns (server_vad or semantic_vad): the users stream silence after speaking."""
+        return self.turn_detection != "commit"
 
     def _base(self, ws: bool) -> tuple[str, str]:
         p = urlsplit(self.url)

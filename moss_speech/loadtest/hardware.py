@@ -1,4 +1,5 @@
-"""What the server says about its hardware (GET /health, /v1/info); "unknown" when it says nothing."""
+"""What the server says about its hardware (GET /health, /v1/info); "unknown" when it says nothing. And its
+speculative answers' counters (GET /metrics), which no client event shows."""
 
 from __future__ import annotations
 
@@ -49,4 +50,30 @@ def probe(cfg: LoadConfig, timeout_s: float = 10.0) -> dict[str, Any]:
             gpu = _find_gpu(doc)
             if gpu and out["source"] is None:
                 out["gpu"], out["source"] = gpu, path
+    return out
+
+
+# /metrics counters the report takes the difference of, over a run (server/ops/metrics.py)
+SERVER_COUNTERS = {'moss_speculative_answers_total{outcome="withdrawn"}': "withdrawn",
+                   'moss_speculative_answers_total{outcome="confirmed"}': "confirmed",
+                   "moss_withdrawn_rows_total": "withdrawn_rows"}
+
+
+def server_counters(cfg: LoadConfig, timeout_s: float = 10.0) -> dict[str, float] | None:
+    """The server's speculation counters now; None if it does not serve /metrics (or they cannot be read)."""
+    try:
+        with httpx.Client(timeout=timeout_s, headers=cfg.auth_headers) as client:
+            r = client.get(cfg.http_url("/metrics"))
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out = dict.fromkeys(SERVER_COUNTERS.values(), 0.0)
+    for line in r.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in SERVER_COUNTERS:
+            try:
+                out[SERVER_COUNTERS[name]] = float(value)
+            except ValueError:
+                return None
     return out

@@ -10,9 +10,10 @@ from moss_speech.loadtest.config import LoadConfig
 from moss_speech.loadtest.results import Collector
 from moss_speech.loadtest.stats import summarize
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 # Summaries every report carries (name -> unit); the table prints them in this order.
 METRICS = {
+    "heard_ms": "ms",
     "ttfa_ms": "ms",
     "ttfa_commit_ms": "ms",
     "server_ttfa_ms": "ms",
@@ -25,11 +26,13 @@ METRICS = {
 
 
 def build_report(cfg: LoadConfig, c: Collector, wall_s: float, hardware: dict[str, Any],
-                 utt: Utterance) -> dict[str, Any]:
+                 utt: Utterance, server: dict[str, float] | None = None) -> dict[str, Any]:
+    """`server`: the server's speculation counters over the run (hardware.server_counters), if it serves them."""
     recs = sorted(c.records, key=lambda r: (r.session, r.turn))
     done = [r for r in recs if r.status in ("ok", "error")]  # turns that reached response.done
     by_status = {s: sum(1 for r in recs if r.status == s) for s in ("ok", "error", "timeout", "cut")}
     metrics = {
+        "heard_ms": summarize(r.heard_ms for r in done),
         "ttfa_ms": summarize(r.ttfa_ms for r in done),
         "ttfa_commit_ms": summarize(r.ttfa_commit_ms for r in done),
         "server_ttfa_ms": summarize(r.server_ttfa_ms for r in done),
@@ -56,9 +59,23 @@ def build_report(cfg: LoadConfig, c: Collector, wall_s: float, hardware: dict[st
         "errors": {"total": sum(c.errors.values()), "by_code": dict(sorted(c.errors.items())),
                    "samples": dict(sorted(c.error_samples.items()))},
         "extra_responses": c.extra_responses,
+        "false_starts": _false_starts(recs, server),
         "client_lag_ms": summarize(c.client_lag_ms),
         "turn_records": [r.to_dict(with_gaps=False) for r in recs],
     }
+
+
+def _false_starts(recs: list, server: dict[str, float] | None) -> dict[str, Any]:
+    """Answers begun on a pause: those the client saw (a response begun while the user still spoke), those the
+    server withdrew unseen, and turns where answer audio came while the user was still speaking."""
+    turns = len(recs) or 1
+    seen = sum(r.false_starts for r in recs)
+    out: dict[str, Any] = {"seen_by_client": seen, "talked_over_turns": sum(1 for r in recs if r.talked_over),
+                           "withdrawn": None, "confirmed": None, "withdrawn_rows": None}
+    if server is not None:
+        out.update({k: int(v) for k, v in server.items()})
+    out["per_turn"] = round((seen + (out["withdrawn"] or 0)) / turns, 3)
+    return out
 
 
 def _fmt(v: Any, unit: str) -> str:
@@ -94,6 +111,12 @@ def format_table(report: dict[str, Any]) -> str:
     if lag["max"] is not None and lag["max"] > 50:
         lines.append(f"WARNING: the load generator fell behind real time by up to {lag['max']:.0f} ms; "
                      "use more --workers or a bigger client machine")
+    fs = report["false_starts"]
+    lines.append(f"false starts: {fs['per_turn']:.2f} per turn ({fs['seen_by_client']} seen by clients, "
+                 + ("withdrawn unseen: not reported by the server" if fs["withdrawn"] is None else
+                    f"{fs['withdrawn']} withdrawn unseen wasting {fs['withdrawn_rows']} engine rows, "
+                    f"{fs['confirmed']} speculative answers confirmed")
+                 + f"); answers heard over a speaking user: {fs['talked_over_turns']} turns")
     if report["extra_responses"]:
         lines.append(f"note: {report['extra_responses']} responses the users did not ask for (VAD split a turn?)")
     return "\n".join(lines)

@@ -27,10 +27,13 @@ class TurnRecord:
     error_code: str | None = None
     start_s: float = 0.0  # since the run started
     speech_s: float = 0.0
-    ttfa_ms: float | None = None  # speech end (server_vad) or commit sent (commit) -> first audio delta received
+    ttfa_ms: float | None = None  # speech end (VAD modes) or commit sent (commit) -> first audio delta received
+    heard_ms: float | None = None  # speech end -> the listener starts playing the answer (after its prebuffer)
+    false_starts: int = 0  # answers the client saw begin while the user was still speaking
+    talked_over: bool = False  # answer audio arrived while the user was still speaking
     ttfa_commit_ms: float | None = None  # committed (commit sent, or input_audio_buffer.committed received) -> first
     server_ttfa_ms: float | None = None  # the server's own `response.ttfa_ms`
-    vad_delay_ms: float | None = None  # speech end -> input_audio_buffer.committed received (server_vad)
+    vad_delay_ms: float | None = None  # speech end -> input_audio_buffer.committed received (VAD modes)
     response_status: str | None = None
     audio_s: float = 0.0
     deltas: int = 0

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moss_speech.loadtest.audio import AudioError, Utterance, load_utterance
+from moss_speech.loadtest.audio import AudioError, Utterance, insert_pauses, load_utterance
 from moss_speech.loadtest.config import LoadConfig, LoadConfigError
+from moss_speech.loadtest.hardware import probe, server_counters
 
 WORKER_SESSIONS = 64  # sessions one client process drives comfortably at 50 appends/s each
 
@@ -24,10 +25,16 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("ws", "webrtc"), default="ws")
     p.add_argument("--audio", default=None, metavar="WAV",
                    help="what each user says (PCM16 WAV, any rate; default: the repository's speech sample)")
-    p.add_argument("--turn-detection", choices=("server_vad", "commit"), default="server_vad",
+    p.add_argument("--turn-detection", choices=("server_vad", "semantic_vad", "commit"), default="server_vad",
                    help="server_vad: stream silence after speech and let the server's VAD end the turn; "
+                        "semantic_vad: the same, with the server's end-of-turn model (--eagerness); "
                         "commit: turn_detection null, the user commits and asks for a response")
     p.add_argument("--vad-silence-ms", type=int, default=300, help="silence_duration_ms for server_vad (300)")
+    p.add_argument("--eagerness", choices=("low", "medium", "high", "auto"), default="auto",
+                   help="semantic_vad's eagerness (default auto)")
+    p.add_argument("--pauses", type=_pauses, default=None, metavar="MIN-MAX",
+                   help="insert pauses of MIN-MAX ms into the utterance, one about every 1.2 s at its quietest "
+                        "point (e.g. 300-700: speech that stops between clauses)")
     p.add_argument("--prebuffer-ms", type=float, default=60.0,
                    help="listener's jitter buffer before playback starts (default 60)")
     p.add_argument("--think-ms", type=float, default=500.0, help="pause between hearing the answer and speaking")
@@ -39,6 +46,14 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=0,
                    help=f"client processes (default 0 = one per {WORKER_SESSIONS} sessions, at most the CPU count)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _pauses(v: str) -> tuple[int, int]:
+    lo, sep, hi = v.partition("-")
+    try:
+        return int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pauses must be MIN-MAX in ms, e.g. 300-700, got {v!r}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +75,7 @@ def make_config(args: argparse.Namespace, sessions: int, duration_s: float) -> L
     return LoadConfig(
         url=args.url, sessions=sessions, turns=args.turns, duration_s=duration_s, ramp_per_s=args.ramp,
         transport=args.transport, turn_detection=args.turn_detection, vad_silence_ms=args.vad_silence_ms,
+        eagerness=args.eagerness, pauses_ms=args.pauses,
         prebuffer_ms=args.prebuffer_ms, think_ms=args.think_ms, turn_timeout_s=args.turn_timeout,
         max_output_tokens=args.max_output_tokens, api_key=args.api_key,
         workers=auto_workers(args.workers, sessions))
@@ -78,8 +94,11 @@ def run_level(cfg: LoadConfig, utt: Utterance, hardware: dict[str, Any], progres
     from moss_speech.loadtest.driver import run_load
     from moss_speech.loadtest.report import build_report
 
+    before = server_counters(cfg)
     collector, wall_s = run_load(cfg, utt, progress=progress)
-    return build_report(cfg, collector, wall_s, hardware, utt)
+    after = server_counters(cfg)
+    server = None if before is None or after is None else {k: after[k] - before[k] for k in after}
+    return build_report(cfg, collector, wall_s, hardware, utt, server)
 
 
 def prepare(args: argparse.Namespace, sessions: int, duration_s: float) -> tuple[LoadConfig, Utterance, dict] | int:
@@ -87,6 +106,8 @@ def prepare(args: argparse.Namespace, sessions: int, duration_s: float) -> tuple
     try:
         cfg = make_config(args, sessions, duration_s)
         utt = load_utterance(args.audio)
+        if cfg.pauses_ms is not None:
+            utt = insert_pauses(utt, *cfg.pauses_ms)
     except (LoadConfigError, AudioError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -94,8 +115,6 @@ def prepare(args: argparse.Namespace, sessions: int, duration_s: float) -> tuple
     if why:
         print(f"error: --transport webrtc cannot run: {why}", file=sys.stderr)
         return 2
-    from moss_speech.loadtest.hardware import probe
-
     hw = probe(cfg)
     health = hw.get("/health")
     if not isinstance(health, dict) or health.get("status") != 200:

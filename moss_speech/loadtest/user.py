@@ -63,6 +63,9 @@ def session_update_event(cfg: LoadConfig) -> dict[str, Any]:
     if cfg.turn_detection == "server_vad":
         td = {"type": "server_vad", "threshold": cfg.vad_threshold, "prefix_padding_ms": 300,
               "silence_duration_ms": cfg.vad_silence_ms, "create_response": True, "interrupt_response": True}
+    elif cfg.turn_detection == "semantic_vad":
+        td = {"type": "semantic_vad", "eagerness": cfg.eagerness, "create_response": True,
+              "interrupt_response": True}
     session: dict[str, Any] = {
         "type": "realtime",
         "output_modalities": ["audio"],
@@ -132,7 +135,7 @@ class SimulatedUser:
             except Exception as e:  # noqa: BLE001 - sockets, HTTP, SDP: whatever stops a session from starting
                 raise SessionFailed(CONNECT_FAILED, f"{type(e).__name__}: {e}") from e
             c.sessions_connected += 1
-            if self.cfg.turn_detection == "server_vad" and not self.mic_is_track:
+            if self.cfg.vad and not self.mic_is_track:
                 mic = asyncio.create_task(self._mic_loop(continuous=True))
             for k in range(self.cfg.turns):
                 if self.loop.time() >= self.deadline or not await self._one_turn(k):
@@ -259,14 +262,15 @@ class SimulatedUser:
     def _finish(self, t: _Turn) -> None:
         rec = t.rec
         if t.first_audio is not None:
-            rec.ttfa_ms = (t.first_audio - (t.speech_end if self.cfg.turn_detection == "server_vad"
-                                            else t.commit_t)) * 1000
+            rec.ttfa_ms = (t.first_audio - (t.speech_end if self.cfg.vad else t.commit_t)) * 1000
+            if self.cfg.vad and t.buf.started_at is not None and t.speech_end is not None:
+                rec.heard_ms = (t.buf.started_at - t.speech_end) * 1000
             if t.commit_t is not None:
                 rec.ttfa_commit_ms = (t.first_audio - t.commit_t) * 1000
             span_samples = t.buf.samples - t.first_chunk_samples
             if span_samples > 0 and t.last_audio is not None:
                 rec.rtf = (t.last_audio - t.first_audio) / (span_samples / t.buf.sample_rate)
-        if self.cfg.turn_detection == "server_vad" and t.commit_t is not None and t.speech_end is not None:
+        if self.cfg.vad and t.commit_t is not None and t.speech_end is not None:
             rec.vad_delay_ms = (t.commit_t - t.speech_end) * 1000
         rec.absorb_playback(t.buf)
         if rec.error_code is None and not t.closed:
@@ -315,16 +319,20 @@ class SimulatedUser:
             if etype == "response.created":
                 self.collector.extra_responses += 1
             return
-        if etype == "input_audio_buffer.committed" and self.cfg.turn_detection == "server_vad" and t.commit_t is None:
+        if etype == "input_audio_buffer.committed" and self.cfg.vad and t.speech_end is not None and t.commit_t is None:
             t.commit_t = now
         elif etype == "response.created":
             # Only the answer to the whole utterance counts: one created while the user is still speaking (the
-            # VAD took a pause for the end of the turn) is left alone, and the user's speech barges in on it.
+            # VAD took a pause for the end of the turn) is a false start the user sees; their speech barges in on it.
             if t.response_id is None and t.speech_end is not None:
                 t.response_id = (evt.get("response") or {}).get("id")
             else:
                 self.collector.extra_responses += 1
+                if t.speech_end is None:
+                    t.rec.false_starts += 1
         elif etype == "response.output_audio.delta":
+            if t.speech_end is None:
+                t.rec.talked_over = True  # answer audio while the user is still speaking
             if evt.get("response_id") not in (None, t.response_id):
                 return
             try:

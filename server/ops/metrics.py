@@ -39,6 +39,9 @@ class Metrics:
         self.engine_up = Gauge("moss_engine_up", "1 when the engine process answers pings", registry=r,
                                multiprocess_mode="livemin")  # every worker's link to the engine up
         self.engine_restarts = Counter("moss_engine_restarts", "Engine processes lost and restarted", registry=r)
+        self.speculative = Counter("moss_speculative_answers", "Answers started on a tentative end of turn, by "
+                                   "outcome (confirmed, or withdrawn when the user went on)", ["outcome"], registry=r)
+        self.withdrawn_rows = Counter("moss_withdrawn_rows", "Rows withdrawn answers generated", registry=r)
         # The engine's own figures, the same whichever worker's Pong carried them: the latest one wins.
         engine = {"registry": r, "multiprocess_mode": "livemostrecent"}
         self.kv_blocks_free = Gauge("moss_kv_blocks_free", "Free KV blocks in the engine", **engine)
@@ -73,6 +76,10 @@ class Metrics:
     def underrun(self, seconds: float) -> None:
         self.underruns.inc()
         self.underrun_seconds.inc(seconds)
+
+    def speculation(self, withdrawn: bool, wasted_rows: int = 0) -> None:
+        self.speculative.labels(outcome="withdrawn" if withdrawn else "confirmed").inc()
+        self.withdrawn_rows.inc(wasted_rows)
 
     def engine_stats(self, stats: dict[str, Any], engine: str | None = None) -> None:
         """The figures of an engine's Pong (`engine` named) or of all engines together."""

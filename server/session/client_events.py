@@ -19,7 +19,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from engines.audio.voice_prompt import check_voice_prompt
 from engines.audio.wav import AudioFormatError
@@ -74,21 +74,26 @@ def decode_client_event(text: str | bytes) -> dict[str, Any]:
     return event
 
 
-# semantic_vad's `eagerness` as the silence that ends a turn: until a semantic end-of-turn model decides, the VAD ends
-# the turn after this much silence (low waits longest, as OpenAI's does; auto is medium).
-EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 250}
+TurnType = Literal["server_vad", "semantic_vad"]
+Eagerness = Literal["low", "medium", "high", "auto"]
 
 
 @dataclass(frozen=True)
 class TurnDetection:
-    type: str = "server_vad"  # or "semantic_vad": silence_duration_ms then comes from eagerness
+    type: TurnType = "server_vad"
     threshold: float = 0.5
     prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
+    silence_duration_ms: int = 500  # server_vad's silence; semantic_vad waits by eagerness (turn_detection.py)
     create_response: bool = True
     interrupt_response: bool = True
-    eagerness: str | None = None  # semantic_vad only
+    eagerness: Eagerness = "auto"  # semantic_vad
     idle_timeout_ms: int | None = None  # server_vad only
+
+    def __post_init__(self) -> None:
+        if self.type not in get_args(TurnType):
+            raise ValueError(f"turn detection type must be one of {get_args(TurnType)}, got {self.type!r}")
+        if self.eagerness not in get_args(Eagerness):
+            raise ValueError(f"eagerness must be one of {get_args(Eagerness)}, got {self.eagerness!r}")
 
 
 MAX_OUTPUT_TOKENS_DEFAULT = Sampling().max_new_tokens
@@ -175,8 +180,8 @@ def _format(v: Any, param: str) -> None:
 
 
 def _eagerness(v: Any, param: str) -> str:
-    if v not in EAGERNESS_SILENCE_MS:
-        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be one of {', '.join(EAGERNESS_SILENCE_MS)}, "
+    if v not in get_args(Eagerness):
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be one of {', '.join(get_args(Eagerness))}, "
                             f"got {v!r}", param)
     return v
 
@@ -216,11 +221,7 @@ def _turn_detection(v: Any, cur: TurnDetection | None, param: str, refused: Refu
         if name in td:
             with refused:
                 out[name] = _TD_FIELDS[name](td[name], f"{param}.{name}")
-    new = dataclasses.replace(base, **out)
-    if kind == "semantic_vad":
-        new = dataclasses.replace(new, eagerness=new.eagerness or "auto",
-                                  silence_duration_ms=EAGERNESS_SILENCE_MS[new.eagerness or "auto"])
-    return new
+    return dataclasses.replace(base, **out)
 
 
 def _modalities(v: Any, param: str) -> tuple[str, ...]:

@@ -33,10 +33,10 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
     if isinstance(asked, str) and asked != s.config.model and not s.model_asked_logged:
         s.model_asked_logged = True
         s.log.info("the client asked for model %r; this server serves %r", asked[:64], s.config.model)
-    if new.turn_detection is not None and not s.turns.available:
-        refused.append(ProtocolError(errors.SERVER_VAD_UNAVAILABLE, "server_vad is disabled on this server; use "
-                                     "turn_detection null and input_audio_buffer.commit",
-                                     "session.audio.input.turn_detection"))
+    try:
+        await s.turns.check(new.turn_detection)
+    except ProtocolError as e:  # turn detection this server cannot serve: refused, the rest applies
+        refused.append(e)
         new = dataclasses.replace(new, turn_detection=s.config.turn_detection)
     old = s.config
     s.config = new

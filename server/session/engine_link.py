@@ -54,6 +54,11 @@ class EngineInputs:
         self._flushing = False
         self._unsent_16k: list[np.ndarray] = []  # user audio not yet sent (< APPEND_MIN_SAMPLES)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing held and no answer in the engine: the next input goes straight to it."""
+        return not (self._engine_busy or self._held or self._flushing)
+
     async def send(self, msg: Any) -> None:
         """Conversation input (user audio, items, CreateResponse) for the engine, strictly in order; held
         from a CreateResponse until its answer has ended (see module doc). User audio not yet sent goes first."""

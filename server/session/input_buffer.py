@@ -77,13 +77,14 @@ class InputBuffer:
         self.samples_16k += len(pcm16k)
         await self.s.engine_inputs.user_audio(pcm16k)
 
-    async def commit(self, auto_response: bool) -> None:
+    async def commit(self, auto_response: bool, tentative: bool = False) -> None:
+        """`tentative`: the VAD's guess that the turn ended (turn_detection.py); the engine can take it back."""
         s = self.s
         item_id = s.turns.item_id or ev.new_id("item")
         s.turns.item_id = None
         s.turns.in_speech = False
         prev = s.items[-1] if s.items else None
-        await s.engine_inputs.send(m.CommitUserAudio(session_id=s.id, item_id=item_id))
+        await s.engine_inputs.send(m.CommitUserAudio(session_id=s.id, item_id=item_id, tentative=tentative))
         self.samples_16k = 0
         self.samples_client = 0
         self.appended = False

@@ -64,6 +64,7 @@ class Outbound:
         self._closed = False
         self.overflowed = False
         self._overflow_event = overflow_event
+        self._held: list[_Entry] | None = None  # hold(): what is put waits here until release() or discard()
 
     def __len__(self) -> int:
         return len(self._q)
@@ -77,6 +78,9 @@ class Outbound:
         """Queue an item; False if the stream is closed or just overflowed (and is now closing)."""
         if self._closed:
             return False
+        if self._held is not None and len(self._held) < self.maxsize:
+            self._held.append(_Entry(item, response_id, samples, on_taken))
+            return True
         if len(self._q) >= self.maxsize:
             self.overflowed = True
             self._q.clear()
@@ -87,6 +91,25 @@ class Outbound:
         self._q.append(_Entry(item, response_id, samples, on_taken))
         self._wake.set()
         return True
+
+    def hold(self) -> None:
+        """What is put from now on waits (an answer that may yet be withdrawn: its events, and the turn end's),
+        up to maxsize items; beyond that the stream overflows as it would have anyway."""
+        if self._held is None:
+            self._held = []
+
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    def release(self) -> bool:
+        """What was held goes out, in order, and puts go straight to the queue again; False if that overflowed."""
+        held, self._held = self._held or [], None
+        return all(self.put(e.item, e.response_id, e.samples, e.on_taken) for e in held)
+
+    def discard(self) -> None:
+        """What was held is never sent; puts go straight to the queue again."""
+        self._held = None
 
     def put_final(self, item: OutItem) -> None:
         """Queue one last item even when full (e.g. the error that explains a close), then close."""

@@ -44,6 +44,7 @@ class Response:
     @kept_samples.setter
     def kept_samples(self, samples: int) -> None:
         self.cut_at = samples
+    output_rows: int = 0  # from its ResponseDone
 
     @property
     def ttfa_ms(self) -> float | None:
@@ -57,6 +58,7 @@ class Responses:
         self.last: Response | None = None  # for conversation.item.truncate after it ended
         self.turn_committed_at: float | None = None  # the user turn the next answer answers (TTFA starts there)
         self._auto_response_pending = False  # a VAD turn ended while a cancelled answer was still finishing
+        self._withdrawn: str | None = None  # a withdrawn answer whose ResponseDone the engine still owes
 
     def audio_played(self, response_id: str, samples: int) -> None:
         for r in (self.active, self.last):
@@ -131,10 +133,30 @@ class Responses:
             r.kept_samples = int(played_samples)
         s.log.info("response cancel id=%s reason=%s played=%s", r.id, reason, played_samples)
 
+    async def withdraw(self, response_id: str, last: Response | None) -> None:
+        """The answer to a tentative commit goes, unseen (its events were held: turn_detection.py); the engine
+        rolls it back. `last`: the answer before it (conversation.item.truncate's)."""
+        s = self.s
+        r = self.active
+        if r is not None and r.id == response_id:
+            self.active = None
+            self._withdrawn = response_id  # its output and ResponseDone still come; the held inputs wait for that
+        elif self.last is not None and self.last.id == response_id and s.observer is not None:
+            s.observer.speculation(withdrawn=True, wasted_rows=self.last.output_rows)  # it had ended already
+        self.last = last
+        await s.engine.send(m.WithdrawResponse(session_id=s.id, response_id=response_id))
+
     def on_engine_message(self, msg: Any) -> None:
         s = self.s
         r = self.active
         rid = getattr(msg, "response_id", None)
+        if rid is not None and rid == self._withdrawn:
+            if isinstance(msg, m.ResponseDone):
+                self._withdrawn = None
+                s.engine_inputs.answer_ended()
+                if s.observer is not None:
+                    s.observer.speculation(withdrawn=True, wasted_rows=msg.output_rows)
+            return
         if isinstance(msg, m.Error):
             s.error(msg.code, msg.message)
             if r is not None and rid == r.id:
@@ -214,6 +236,7 @@ class Responses:
         else:
             output = []
         if done is not None:
+            r.output_rows = done.output_rows
             s.usage_totals["input_rows"] += done.prompt_rows
             s.usage_totals["output_rows"] += done.output_rows
         details = None

@@ -48,12 +48,8 @@ def _turn_detection(td: TurnDetection | None) -> dict[str, Any] | None:
 
 
 def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
-    td = c.turn_detection
     moss: dict[str, Any] = {"session_id": session_id, "sampling": c.sampling_dict(),
                             "voice_prompt": c.voice_prompt_wav is not None}
-    if td is not None and td.type == "semantic_vad":
-        # No semantic end-of-turn model decides yet: the VAD ends the turn after a silence set by eagerness.
-        moss["turn_detection"] = {"end_of_turn": "silence", "silence_duration_ms": td.silence_duration_ms}
     return {
         "type": "realtime",
         "model": c.model,
@@ -71,7 +67,7 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
                 "format": _audio_format(24000),
                 "transcription": None,
                 "noise_reduction": None,
-                "turn_detection": _turn_detection(td),
+                "turn_detection": _turn_detection(c.turn_detection),
             },
             "output": {"format": _audio_format(24000), "voice": c.voice, "speed": 1.0},
         },

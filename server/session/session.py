@@ -71,6 +71,8 @@ class SessionObserver(Protocol):
 
     def underrun(self, seconds: float) -> None: ...
 
+    def speculation(self, withdrawn: bool, wasted_rows: int = 0) -> None: ...
+
 
 @dataclass(frozen=True)
 class SessionLimits:

@@ -1,9 +1,20 @@
-"""Server VAD turns (`turn_detection: server_vad`): which input audio is the user speaking, and when a turn starts and
-ends.
+"""Server VAD turns (`turn_detection: server_vad` or `semantic_vad`): which input audio is the user speaking, and when
+a turn starts and ends.
 
 Silence before speech is only kept as a short prefix ring (prefix_padding_ms); from speech start the audio streams
-to the engine, which encodes and prefills it while the user talks; after silence_duration_ms of silence the turn is
-committed and (create_response) an answer is requested.
+to the engine, which encodes and prefills it while the user talks; when the turn ends it is committed and
+(create_response) an answer is requested.
+
+When a turn ends: server_vad after silence_duration_ms of silence. semantic_vad asks the end-of-turn model
+(server/turn_model.py) about the turn's audio once the VAD has heard PROBE_WINDOWS of silence, and again at growing
+intervals while the pause lasts; the turn ends at the first answer of P(complete) >= the eagerness's bar, or after
+its longest wait (low 8 s, medium and auto 4 s, high 2 s). With the server's `server_vad_end_of_turn`, server_vad
+turns ask the model too and end at a confident answer (P >= 0.5) before silence_duration_ms.
+
+Silence is counted from the first 32 ms window Silero scores below the threshold, and a turn ends at the first
+window that completes the silence: Silero's probability stays above 0.5 for one or two windows after the voice stops
+(~60 ms on the repository's sample), and the silence is rounded up to whole windows (300 ms -> 320 ms), so a turn
+ends ~80 ms after `silence_duration_ms` of real silence, plus up to one client frame for the window to fill.
 
 Barge-in: speech_started while an answer is active or still playing (interrupt_response) cancels it, drops queued
 answer audio and truncates the engine history to the audio the user heard (responses.Responses.user_started_speaking).
@@ -12,19 +23,52 @@ answer audio and truncates the engine history to the audio the user heard (respo
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engines.protocol import errors
+from engines.protocol import messages as m
 from server.session import server_events as ev
 from server.session.client_events import ProtocolError
 from server.session.input_buffer import ENGINE_IN_RATE
 
 if TYPE_CHECKING:
+    from server.session.client_events import TurnDetection
     from server.session.session import Session
+
+PROBE_WINDOWS = 3  # VAD windows of silence (96 ms, ~160 ms after the voice) before the end-of-turn model is asked
+SPECULATE_WINDOWS = 5  # speculative_server_vad: VAD windows of silence (160 ms) before an answer starts, held
+TURN_AUDIO_SAMPLES = 8 * ENGINE_IN_RATE  # what the end-of-turn model hears: the turn's last 8 s
+
+
+@dataclass(frozen=True)
+class Eagerness:
+    bar: float  # P(complete) at which the turn probably ended
+    confirm_ms: int | None  # held: the answer starts then and is heard once this much silence confirms the turn;
+    # None: released, the turn ends at once
+    longest_ms: int  # silence after which the turn ends whatever the model says
+
+
+EAGERNESS = {"low": Eagerness(0.8, 600, 8000), "medium": Eagerness(0.5, 300, 4000),
+             "auto": Eagerness(0.5, 300, 4000), "high": Eagerness(0.3, None, 2000)}
+SERVER_VAD_EARLY_P = 0.5  # server_vad_end_of_turn: P(complete) that ends a server_vad turn before its silence
+
+
+@dataclass
+class _Speculation:
+    """A tentative end of turn whose answer runs unheard (the session's outbound held) until it is confirmed."""
+
+    item_id: str | None  # the turn's item, again the open turn's if the answer is withdrawn
+    items: int  # conversation items before the turn's
+    samples_16k: int  # the input buffer's count before the commit
+    last: Any  # the answer before this one (conversation.item.truncate's)
+    response_id: str | None = None
+    audio: list[np.ndarray] = field(default_factory=list)  # what the user said since: theirs if it is withdrawn
 
 
 class TurnDetector:
@@ -40,6 +84,13 @@ class TurnDetector:
         self._silence_run = 0  # samples of silence since the last speech window
         self._vad_pos = 0  # 16 kHz samples classified by the VAD so far (audio_start_ms / audio_end_ms)
         self.item_id: str | None = None  # item id of the user turn being spoken
+        self._turn_audio: deque[np.ndarray] = deque()  # the turn's last TURN_AUDIO_SAMPLES (end-of-turn model)
+        self._turn_samples = 0
+        self._pause = 0  # bumped whenever a pause ends (speech, turn end, reset): a late model answer is stale
+        self._next_probe = PROBE_WINDOWS  # silence windows at which the model is asked next in this pause
+        self._lock = asyncio.Lock()  # a model answer ends a turn between two feeds, never inside one
+        self.probes = 0  # end-of-turn model calls made (metrics, tests)
+        self.spec: _Speculation | None = None
 
     @property
     def position_ms(self) -> int:
@@ -52,6 +103,14 @@ class TurnDetector:
         return self._vad_factory is not None
 
     def reset(self) -> None:
+        self._pause += 1
+        if self.spec is not None:  # new settings or a cleared buffer: the answer under way stands
+            self.spec = None
+            self.s.tasks.spawn(self.s.engine.send(m.ConfirmUserAudio(session_id=self.s.id)), "confirm")
+            if not self.s.outbound.release():
+                self.s.slow_consumer()
+        self._turn_audio.clear()
+        self._turn_samples = 0
         self._vad_pending = np.zeros(0, np.float32)
         self._prefix.clear()
         self.prefix_samples = 0
@@ -61,6 +120,10 @@ class TurnDetector:
             self._vad.reset()
 
     async def feed(self, pcm16k: np.ndarray) -> None:
+        async with self._lock:
+            await self._feed(pcm16k)
+
+    async def _feed(self, pcm16k: np.ndarray) -> None:
         s = self.s
         td = s.config.turn_detection
         assert td is not None
@@ -86,12 +149,68 @@ class TurnDetector:
                 if speech:
                     await self._speech_started()
             else:
+                if speech and self._silence_run:
+                    self._pause += 1
+                    self._next_probe = PROBE_WINDOWS
                 self._silence_run = 0 if speech else self._silence_run + len(chunk)
+                self._keep_turn_audio(chunk)
+                if self.spec is not None:
+                    self.spec.audio.append(chunk)
+                    if speech:
+                        await self._withdraw()
+                    elif self._silence_run * 1000 >= self._confirm_ms(td) * ENGINE_IN_RATE:
+                        await self._confirm()
+                    continue
                 await s.input_buffer.send(chunk)
-                if self._silence_run * 1000 >= td.silence_duration_ms * ENGINE_IN_RATE:
+                if self._silence_run * 1000 >= self._longest_silence_ms(td) * ENGINE_IN_RATE:
                     await self._speech_stopped()
+                elif (self._silence_run == SPECULATE_WINDOWS * win and td.type == "server_vad"
+                      and getattr(vad, "speculative_server_vad", False)
+                      and td.silence_duration_ms > SPECULATE_WINDOWS * win * 1000 // ENGINE_IN_RATE):
+                    await self._speculate()
+                elif self._silence_run >= self._next_probe * win and self._asks_model(td):
+                    self._next_probe = 2 * self._next_probe + PROBE_WINDOWS  # 3, 9, 21, 45... windows
+                    self.probes += 1
+                    s.tasks.spawn(self._probe(self._pause, np.concatenate(list(self._turn_audio))), "end-of-turn")
             if s.closed:
                 return
+
+    @staticmethod
+    def _longest_silence_ms(td: TurnDetection) -> int:
+        return EAGERNESS[td.eagerness].longest_ms if td.type == "semantic_vad" else td.silence_duration_ms
+
+    @staticmethod
+    def _confirm_ms(td: TurnDetection) -> int:
+        return (EAGERNESS[td.eagerness].confirm_ms or 0) if td.type == "semantic_vad" else td.silence_duration_ms
+
+    def _asks_model(self, td: TurnDetection) -> bool:
+        vad = self._vad
+        return getattr(vad, "end_of_turn", None) is not None and (
+            td.type == "semantic_vad" or vad.end_of_turn_in_server_vad)
+
+    def _keep_turn_audio(self, chunk: np.ndarray) -> None:
+        self._turn_audio.append(chunk)
+        self._turn_samples += len(chunk)
+        while self._turn_samples - len(self._turn_audio[0]) >= TURN_AUDIO_SAMPLES:
+            self._turn_samples -= len(self._turn_audio.popleft())
+
+    async def _probe(self, pause: int, audio: np.ndarray) -> None:
+        """The end-of-turn model's answer for this pause: the turn ends if it is confident enough and the pause
+        still lasts (no speech, no turn end or reset since it was asked)."""
+        try:
+            p = await self._vad.end_of_turn.complete(audio)
+        except Exception:  # noqa: BLE001 - the turn still ends after its longest silence
+            self.s.log.exception("end-of-turn model failed")
+            return
+        async with self._lock:
+            td = self.s.config.turn_detection
+            if self.s.closed or td is None or pause != self._pause or not self.in_speech:
+                return
+            if td.type == "server_vad":
+                if p >= SERVER_VAD_EARLY_P:
+                    await (self._confirm() if self.spec is not None else self._speech_stopped())
+            elif self.spec is None and p >= EAGERNESS[td.eagerness].bar:
+                await (self._speech_stopped() if EAGERNESS[td.eagerness].confirm_ms is None else self._speculate())
 
     async def ensure_vad(self) -> Any:
         if self._vad is None:
@@ -102,6 +221,22 @@ class TurnDetector:
             if self._vad is None:
                 self._vad = vad
         return self._vad
+
+    async def check(self, td: TurnDetection | None) -> None:
+        """Refuses settings this server cannot serve (session.update), before they apply."""
+        if td is None:
+            return
+        if not self.available:
+            raise ProtocolError(errors.SERVER_VAD_UNAVAILABLE, "server_vad is disabled on this server; use "
+                                "turn_detection null and input_audio_buffer.commit",
+                                "session.audio.input.turn_detection")
+        if td.type == "semantic_vad":
+            vad = await self.ensure_vad()
+            if getattr(vad, "end_of_turn", None) is None:
+                raise ProtocolError(errors.SEMANTIC_VAD_UNAVAILABLE, "semantic_vad is not available on this server "
+                                    "(it runs without its end-of-turn model); use server_vad",
+                                    "session.audio.input.turn_detection.type")
+            await vad.end_of_turn.ready()
 
     async def flush_prefix(self) -> None:
         """The prefix ring's audio goes to the engine (the start of a turn)."""
@@ -119,19 +254,86 @@ class TurnDetector:
         # The prefix ring holds up to prefix_padding_ms before the window that triggered, and that window:
         # the turn's audio (and audio_start_ms, as in the GA API) begins where the ring begins.
         start_ms = (self._vad_pos - self.prefix_samples) * 1000 // ENGINE_IN_RATE
+        self._turn_audio, self._turn_samples = deque(self._prefix), self.prefix_samples
+        self._pause += 1
+        self._next_probe = PROBE_WINDOWS
         self.item_id = ev.new_id("item")
         s.emit(ev.event("input_audio_buffer.speech_started", audio_start_ms=start_ms, item_id=self.item_id))
         await s.responses.user_started_speaking(interrupt=td is not None and td.interrupt_response)
         await self.flush_prefix()
 
-    async def _speech_stopped(self) -> None:
+    def _can_speculate(self) -> bool:
+        """An answer can start on a guess only if it would be the engine's next input and nothing else is due."""
+        s = self.s
+        td = s.config.turn_detection
+        return (td is not None and td.create_response and s.responses.active is None and not s.outbound.holding
+                and s.engine_inputs.idle)
+
+    async def _speculate(self) -> None:
+        """The turn probably ended: commit it tentatively and start its answer, everything the client would see
+        held (turn end included) until the silence confirms it (_confirm) or the user goes on (_withdraw). When
+        an answer cannot start yet (one is still ending), the turn waits for its silence as it would anyway."""
+        if not self._can_speculate():
+            return
+        s = self.s
+        spec = _Speculation(self.item_id, len(s.items), s.input_buffer.samples_16k, s.responses.last)
+        s.outbound.hold()
+        listening = self._silence_run, self._turn_audio, self._turn_samples
+        await self._speech_stopped(tentative=True)
+        # The VAD still listens to this turn: its silence goes on counting, its audio is the model's if it goes on.
+        self.in_speech = True
+        self._silence_run, self._turn_audio, self._turn_samples = listening
+        spec.response_id = None if s.responses.active is None else s.responses.active.id
+        self.spec = spec
+
+    async def _confirm(self) -> None:
+        s, spec = self.s, self.spec
+        assert spec is not None
+        self.spec = None
+        # The client sees the turn end now: its answer's time to first audio counts from here, as without speculation
+        r = s.responses.active or s.responses.last
+        if r is not None and r.id == spec.response_id:
+            r.playback.turn_start = time.monotonic()
+        self.in_speech = False
+        self._silence_run = 0
+        self._pause += 1
+        self._turn_audio.clear()
+        self._turn_samples = 0
+        await s.engine.send(m.ConfirmUserAudio(session_id=s.id))
+        if s.observer is not None:
+            s.observer.speculation(withdrawn=False)
+        if not s.outbound.release():
+            s.slow_consumer()
+
+    async def _withdraw(self) -> None:
+        """The user went on: the answer goes unseen, the engine rolls it back, the turn continues with what the
+        user said meanwhile."""
+        s, spec = self.s, self.spec
+        assert spec is not None
+        self.spec = None
+        s.outbound.discard()
+        if spec.response_id is not None:
+            await s.responses.withdraw(spec.response_id, spec.last)
+        del s.items[spec.items:]
+        s.input_buffer.samples_16k = spec.samples_16k
+        s.responses.turn_committed_at = None
+        self.item_id = spec.item_id
+        self._pause += 1
+        self._next_probe = PROBE_WINDOWS
+        for pcm in spec.audio:
+            await s.input_buffer.send(pcm)
+
+    async def _speech_stopped(self, tentative: bool = False) -> None:
         s = self.s
         td = s.config.turn_detection
         assert td is not None
         await s.engine_inputs.flush_user_audio()  # the turn's last audio (the silence run that ends it)
         self.in_speech = False
         self._silence_run = 0
+        self._pause += 1
+        self._turn_audio = deque()
+        self._turn_samples = 0
         # The end of the audio sent for the turn, trailing silence included (GA semantics).
         end_ms = self._vad_pos * 1000 // ENGINE_IN_RATE
         s.emit(ev.event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=self.item_id))
-        await s.input_buffer.commit(auto_response=td.create_response)
+        await s.input_buffer.commit(auto_response=td.create_response, tentative=tentative)

@@ -120,6 +120,13 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
         assert stats["maxOutLevel"] > LEVEL_THRESHOLD, "the page never heard the answer"
         assert stats["ttfaMs"][0] > 0
         assert ttfa_text.endswith(" ms") and ttfa_text[:-3].isdigit(), ttfa_text
+        # From the mic's level falling to silence: the VAD's wait (500 ms of silence) comes on top.
+        felt, felt_text = stats["feltMs"][0], page.inner_text("#felt-last")
+        assert felt is not None and felt > stats["ttfaMs"][0] + 300, (felt, stats["ttfaMs"][0])
+        assert felt_text.endswith(" ms") and felt_text[:-3].isdigit(), felt_text
+        assert page.evaluate("() => { const c = document.getElementById('ttfa-chart'); const d = c.getContext('2d')"
+                             ".getImageData(0, 0, c.width, c.height).data; return d.some((v, i) => i % 4 == 3 && v); }"
+                             ), "the chart of the last turns is empty"
         if server.engine_kind == "fake-engine":
             assert stats["serverTtfaMs"], "response.done carried no server-side ttfa_ms"
         transcript = page.inner_text("#transcript")
@@ -128,7 +135,8 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             assert "w0" in transcript, transcript  # the scripted engine's words
         assert not stats["errors"], stats["errors"]
         print(f"\nbrowser TTFA (speech_stopped -> answer audible in the page, {server.engine_kind}): "
-              f"{stats['ttfaMs'][0]:.0f} ms; server-side: {stats['serverTtfaMs'][:1]} ms; screenshot: {shot}")
+              f"{stats['ttfaMs'][0]:.0f} ms; from the mic's silence: {felt:.0f} ms; "
+              f"server-side: {stats['serverTtfaMs'][:1]} ms; screenshot: {shot}")
 
         if server.engine_kind == "fake-engine":
             # Push to talk with the mic still live: a typed turn is answered (the server clears the uncommitted mic

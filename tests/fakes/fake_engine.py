@@ -149,7 +149,10 @@ def main() -> None:
             elif isinstance(msg, m.CancelResponse):
                 if s.resp is not None and s.resp.id == msg.response_id:
                     s.resp.cancelled = True
-            elif isinstance(msg, m.TruncateResponse):
+            elif isinstance(msg, m.WithdrawResponse):
+                if s.resp is not None and s.resp.id == msg.response_id:
+                    finish(s, sid, "cancelled", "withdrawn")
+            elif isinstance(msg, m.TruncateResponse | m.ConfirmUserAudio):
                 pass  # the fake keeps no real history
         now = time.monotonic()
         for sid, s in list(sessions.items()):

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from moss_speech.loadtest import capacity
-from moss_speech.loadtest.audio import AudioError, load_utterance
+from moss_speech.loadtest.audio import AudioError, Utterance, insert_pauses, load_utterance
 from moss_speech.loadtest.config import LoadConfig, LoadConfigError
 from moss_speech.loadtest.report import METRICS, build_report, format_table
 from moss_speech.loadtest.results import Collector, TurnRecord
 from moss_speech.loadtest.stats import PlaybackBuffer, b64_decoded_len, percentile, percentile_interval, summarize
+from moss_speech.loadtest.user import session_update_event
 from tests.fakes.harness import free_port
 from tests.paths import REPO
 
@@ -153,6 +154,53 @@ def test_config_validates_and_derives_urls():
             LoadConfig(**{"url": "http://h:1", **bad})
 
 
+def test_config_takes_semantic_vad_and_pauses():
+    c = LoadConfig(url="http://h:1", turn_detection="semantic_vad", eagerness="high", pauses_ms=(300, 700))
+    assert c.vad and not LoadConfig(url="http://h:1", turn_detection="commit").vad
+    for bad, match in [({"eagerness": "eager"}, "--eagerness"), ({"pauses_ms": (700, 300)}, "--pauses"),
+                       ({"pauses_ms": (0, 300)}, "--pauses")]:
+        with pytest.raises(LoadConfigError, match=match):
+            LoadConfig(**{"url": "http://h:1", **bad})
+    td = session_update_event(c)["session"]["audio"]["input"]["turn_detection"]
+    assert td == {"type": "semantic_vad", "eagerness": "high", "create_response": True, "interrupt_response": True}
+
+
+def test_pauses_go_into_the_quiet_points_of_any_utterance():
+    rate = 24000
+    t = np.arange(4 * rate) / rate
+    tone = (0.5 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
+    tone[rate:int(1.01 * rate)] = 0  # a quiet 10 ms in the first 1.2 s stretch after 0.3 s
+    utt = Utterance(pcm=tone, source="tone")
+    paused = insert_pauses(utt, 300, 700, seed=1)
+    pcm = paused.pcm
+    silent = np.abs(pcm[:len(pcm) // 240 * 240].reshape(-1, 240)).max(axis=1) == 0  # 10 ms windows
+    runs = np.diff(np.flatnonzero(np.diff(np.concatenate([[0], silent.astype(int), [0]]))))[::2] * 10  # ms
+    assert len(runs) == 3 and all(300 <= r <= 710 for r in runs), runs  # 0.3-3.4 s: three stretches of 1.2 s
+    assert np.flatnonzero(silent)[0] * 10 == 1000  # the first where the tone was quiet
+    assert 3 * 300 * 24 <= len(pcm) - len(tone) <= 3 * 700 * 24  # only silence was added
+    assert "with pauses of 300-700 ms" in paused.source
+    assert np.array_equal(insert_pauses(utt, 300, 700, seed=1).pcm, pcm)  # seeded
+    with pytest.raises(AudioError):
+        insert_pauses(utt, 500, 100)
+    data = load_utterance(REPO / "tests" / "data" / "speech_paused_en_16k.wav")
+    assert 5.5 < data.duration_s < 6.5
+
+
+def test_report_counts_false_starts_seen_and_withdrawn():
+    c = Collector()
+    c.turn(_rec(0, 0, false_starts=1, talked_over=True))
+    c.turn(_rec(0, 1))
+    cfg = LoadConfig(url="http://h:1", sessions=1, turns=2)
+    u = load_utterance(None)
+    rep = build_report(cfg, c, 1.0, {"gpu": "unknown", "source": None}, u,
+                       {"withdrawn": 3.0, "confirmed": 5.0, "withdrawn_rows": 40.0})
+    assert rep["false_starts"] == {"seen_by_client": 1, "talked_over_turns": 1, "withdrawn": 3, "confirmed": 5,
+                                   "withdrawn_rows": 40, "per_turn": 2.0}
+    assert "false starts: 2.00 per turn (1 seen by clients, 3 withdrawn unseen wasting 40 engine rows" in \
+        format_table(rep)
+    assert build_report(cfg, c, 1.0, {"gpu": "unknown"}, u)["false_starts"]["withdrawn"] is None
+
+
 def _write_wav(path: Path, x: np.ndarray, rate: int) -> Path:
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
@@ -249,10 +297,12 @@ def test_capacity_levels_and_verdict():
 def _level_report(n: int, p95: float) -> dict:
     """What run_level returns, as far as `bench capacity` reads it."""
     m = {"p50": p95 - 20, "p95": p95, "p99": p95 + 10}
-    return {"metrics": {"ttfa_commit_ms": m}, "underruns": {"total": 0, "turns_with_underruns": 0, "turns": 2 * n},
-            "errors": {"total": 0, "by_code": {}}, "turns": {"ok": 2 * n, "planned": 2 * n, "timeout": 0, "cut": 0},
+    felt = {k: v + 200 for k, v in m.items()}  # speech end -> first audio: the VAD's wait on top
+    return {"metrics": {"ttfa_commit_ms": m, "ttfa_ms": felt}, "turns": {"ok": 2 * n, "planned": 2 * n, "timeout": 0,
+                                                                       "cut": 0},
+            "underruns": {"total": 0, "turns_with_underruns": 0, "turns": 2 * n}, "errors": {"total": 0, "by_code": {}},
             "wall_s": 1.0, "client_lag_ms": {}, "config": {}, "audio": {}, "sessions": {"planned": n},
-            "turn_records": [{"ttfa_commit_ms": p95}]}
+            "false_starts": {"per_turn": 0.25}, "turn_records": [{"ttfa_commit_ms": p95}]}
 
 
 def test_capacity_refine_halves_the_gap_to_the_first_failing_level(monkeypatch, tmp_path, capsys):
@@ -276,7 +326,12 @@ def test_capacity_refine_halves_the_gap_to_the_first_failing_level(monkeypatch, 
     d = json.loads(out.read_text())
     assert d["capacity"] == 10 and d["capacity_is_lower_bound"] is False
     assert [p["sessions"] for p in d["curve"]] == [4, 8, 10, 11, 12, 20]
-    assert "capacity: 10 concurrent sessions" in capsys.readouterr().out
+    # Judged on speech end -> first audio too (p95 300 + 10 ms per session, budget 400): capacity 10 as well.
+    assert d["capacity_speech_end"] == 10 and d["speech_end_budget_ms"] == 400
+    out_text = capsys.readouterr().out
+    assert "capacity: 10 concurrent sessions" in out_text
+    assert "capacity by speech end -> first audio (p95 <= 400 ms): 10 concurrent sessions" in out_text
+    assert "false starts 0.25/turn" in out_text
     # The lowest level failing: halfway down to 1.
     assert capacity.next_refinement([{"sessions": 8, "within": False}]) == 4
     assert capacity.next_refinement([{"sessions": 1, "within": False}]) is None
@@ -339,6 +394,9 @@ async def test_user_attributes_events_to_the_turn_answer():
     assert rec.underruns == 1 and rec.stall_ms == pytest.approx(100.0)
     assert rec.gaps_ms == pytest.approx([400.0, 500.0]) and rec.rtf == pytest.approx(0.9 / 0.8)
     assert rec.status == "error" and rec.error_code == "some_code" and c.errors == {"some_code": 1}
+    # The early answer was a false start the client saw, and its audio came while the user still spoke.
+    assert rec.false_starts == 1 and rec.talked_over
+    assert rec.heard_ms == pytest.approx(400.0)  # no prebuffer: heard as it arrived
 
 
 # ---- the client against the real server code, scripted engine (fast, deterministic answers) --------------------

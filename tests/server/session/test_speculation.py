@@ -1,0 +1,146 @@
+"""Speculative answers in a Session: an answer starts on a tentative end of turn, nothing of it (nor of the turn's
+end) reaches the client until the silence confirms the turn, and a withdrawn one is never seen at all. The engine is
+the in-memory link of test_session (its replies injected), the end-of-turn model a stand-in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engines.protocol import messages as m
+from server.session.session import Session
+from server.turn_model import EndOfTurnBatcher
+from server.vad import VadBatcher
+from tests.server.session.test_session import CHUNK, Link, drain, feed, settled, silence, types
+from tests.server.session.test_turn_detection import Model, voice24k
+
+NON_SPECULATIVE_ORDER = [
+    "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
+    "conversation.item.done", "response.created", "response.output_item.added", "conversation.item.added",
+    "response.content_part.added", "response.output_audio.delta"]
+
+
+@pytest.fixture(scope="module")
+def speech24k() -> np.ndarray:
+    return voice24k()
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.speculations: list[tuple[bool, int]] = []
+
+    def error(self, code: str) -> None: ...
+
+    def ttfa(self, seconds: float) -> None: ...
+
+    def rtf(self, value: float) -> None: ...
+
+    def underrun(self, seconds: float) -> None: ...
+
+    def speculation(self, withdrawn: bool, wasted_rows: int = 0) -> None:
+        self.speculations.append((withdrawn, wasted_rows))
+
+
+async def new_session(turn_detection: dict, model: Model | None = None) -> tuple[Session, Link, Observer]:
+    link, obs = Link(), Observer()
+    eot = None if model is None else EndOfTurnBatcher(load=lambda: model)
+    batcher = VadBatcher(end_of_turn=eot, speculative_server_vad=True)
+    s = Session("sess_test", link, vad_factory=batcher.stream, observer=obs)
+    await s.start()
+    await s.handle_client_event({"type": "session.update",
+                                 "session": {"audio": {"input": {"turn_detection": turn_detection}}}})
+    drain(s)
+    return s, link, obs
+
+
+def answer_begins(s: Session, rid: str) -> None:
+    s.on_engine_message(m.ResponseStarted(s.id, rid, 10))
+    s.on_engine_message(m.AudioChunk(s.id, rid, CHUNK, 0))
+
+
+async def test_a_held_answer_is_heard_only_once_the_silence_confirms_the_turn(speech24k):
+    s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(0.3)]))
+    assert types(drain(s)) == ["input_audio_buffer.speech_started"]
+    (commit,) = link.of(m.CommitUserAudio)
+    (create,) = link.of(m.CreateResponse)
+    assert commit.tentative and link.sent[-1] is create  # the answer started at ~160 ms of silence
+    answer_begins(s, create.response_id)
+    assert not drain(s)  # its audio is ready, and held
+    tentative_at = s.responses.active.playback.turn_start
+    await feed(s, silence(0.4))
+    await settled(s)
+    assert link.of(m.ConfirmUserAudio) and not link.of(m.WithdrawResponse)
+    assert s.responses.active.playback.turn_start > tentative_at  # its TTFA counts from the turn end the client saw
+    evs = drain(s)
+    assert types(evs) == NON_SPECULATIVE_ORDER
+    assert evs[2]["item"]["id"] == commit.item_id and evs[4]["response"]["id"] == create.response_id
+    assert obs.speculations == [(False, 0)]
+
+
+async def test_a_withdrawn_answer_is_never_seen_and_the_turn_goes_on(speech24k):
+    s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
+    (started,) = drain(s)
+    first = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, first)
+    appended = len(link.of(m.AppendUserAudio))
+    await feed(s, speech24k[half:half + 12000])  # the user goes on
+    assert link.of(m.WithdrawResponse) == [m.WithdrawResponse(s.id, first)]
+    assert not drain(s)
+    # What the user says now waits for the engine to end the withdrawn answer, then continues the turn.
+    assert len(link.of(m.AppendUserAudio)) == appended
+    s.on_engine_message(m.AudioChunk(s.id, first, CHUNK, 1))  # (late output of it: dropped)
+    s.on_engine_message(m.ResponseDone(s.id, first, "cancelled", reason="withdrawn", output_rows=7))
+    await settled(s)
+    assert len(link.of(m.AppendUserAudio)) > appended
+    assert obs.speculations == [(True, 7)]
+    await feed(s, np.concatenate([speech24k[half + 12000:], silence(0.3)]))
+    second = link.of(m.CreateResponse)[-1].response_id
+    assert second != first and link.of(m.CommitUserAudio)[-1].tentative
+    answer_begins(s, second)
+    await feed(s, silence(0.45))
+    await settled(s)
+    evs = drain(s)
+    assert types(evs) == NON_SPECULATIVE_ORDER
+    # One turn, as the client saw it begin; nothing of the withdrawn answer.
+    assert evs[0]["item_id"] == evs[1]["item_id"] == started["item_id"]
+    assert all(first not in str(e) for e in evs)
+    assert [i for i in s.items] == [started["item_id"], evs[6]["item"]["id"]]
+
+
+@pytest.mark.parametrize("eagerness, held", [("auto", True), ("high", False)])
+async def test_semantic_vad_holds_its_answer_by_eagerness(speech24k, eagerness, held):
+    model = Model(0.95)
+    s, link, _ = await new_session({"type": "semantic_vad", "eagerness": eagerness}, model)
+    first_words = speech24k[:int(0.48 * 24000)]
+    await feed(s, np.concatenate([silence(0.5), first_words, silence(0.2)]))
+    await settled(s)
+    (commit,) = link.of(m.CommitUserAudio)
+    assert commit.tentative == held
+    t = types(drain(s))
+    assert ("input_audio_buffer.speech_stopped" in t) != held, t
+    if held:
+        answer_begins(s, link.of(m.CreateResponse)[0].response_id)
+        await feed(s, silence(0.3))
+        await settled(s)
+        assert types(drain(s)) == NON_SPECULATIVE_ORDER
+
+
+async def test_no_answer_starts_while_a_withdrawn_one_is_still_ending(speech24k):
+    """The engine has not yet ended the withdrawn answer: the next pause starts none, nor ends the turn early; the
+    turn waits for its silence as without speculation."""
+    s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3), speech24k[half:half + 12000]]))
+    assert len(link.of(m.WithdrawResponse)) == 1
+    await feed(s, silence(0.3))
+    assert len(link.of(m.CommitUserAudio)) == 1 and types(drain(s)) == ["input_audio_buffer.speech_started"]
+    await feed(s, silence(0.3))  # the silence ends the turn; its answer waits for the withdrawn one to end
+    assert types(drain(s))[:2] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+    first = link.of(m.CreateResponse)[0].response_id
+    s.on_engine_message(m.ResponseDone(s.id, first, "cancelled", reason="withdrawn"))
+    await settled(s)
+    assert [c.tentative for c in link.of(m.CommitUserAudio)] == [True, False]
+    assert len(link.of(m.CreateResponse)) == 2

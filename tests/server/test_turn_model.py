@@ -1,0 +1,86 @@
+"""The shipped end-of-turn model: its features are Whisper's log-mel, it loads and scores the sample sensibly, and
+the batcher answers concurrent turns in shared calls off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import librosa
+import numpy as np
+import pytest
+
+from server.audio.pcm import read_wav
+from server.turn_model import MODEL_PATH, WINDOW_SAMPLES, EndOfTurnBatcher, SmartTurn, log_mel
+from tests.paths import DATA
+
+
+def whisper_log_mel(audio: np.ndarray) -> np.ndarray:
+    """Whisper's feature extractor (chunk_length 8 s, normalised waveform) from librosa's parts."""
+    x = np.pad(audio[-WINDOW_SAMPLES:], (WINDOW_SAMPLES - min(len(audio), WINDOW_SAMPLES), 0)).astype(np.float32)
+    x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)
+    spec = np.abs(librosa.stft(x.astype(np.float64), n_fft=400, hop_length=160, window="hann", center=True,
+                               pad_mode="reflect")) ** 2  # [201, 801]
+    mel = librosa.filters.mel(sr=16000, n_fft=400, n_mels=80, htk=False, norm="slaney", dtype=np.float64) @ spec
+    log = np.log10(np.maximum(mel, 1e-10))[:, :-1]
+    log = np.maximum(log, log.max() - 8.0)
+    return (log + 4.0) / 4.0
+
+
+@pytest.fixture(scope="module")
+def voice() -> np.ndarray:
+    x, _ = read_wav(DATA / "speech_en_16k.wav", target_rate=16000)
+    loud = np.flatnonzero(np.abs(x) > 0.02)
+    return x[loud[0]:loud[-1] + 1]
+
+
+def test_features_are_whispers_log_mel(voice):
+    for audio in (voice, np.random.default_rng(0).standard_normal(10 * 16000).astype(np.float32) * 0.1):
+        got = log_mel(audio)
+        assert got.shape == (80, 800) and got.dtype == np.float32
+        np.testing.assert_allclose(got, whisper_log_mel(audio), atol=2e-5)
+
+
+def test_the_shipped_model_scores_a_finished_clause_above_a_cut_word(voice):
+    assert MODEL_PATH.is_file() and (MODEL_PATH.parent / "LICENSE-smart-turn.txt").is_file()
+    model = SmartTurn()
+    pause = np.zeros(int(0.16 * 16000), np.float32)
+    clause = np.concatenate([voice[:int(0.48 * 16000)], pause])  # the sample's first clause, then 160 ms of silence
+    cut = voice[:int(1.2 * 16000)]  # mid-word, no pause
+    both = model.complete([clause, cut])
+    assert both[0] > 0.5 > both[1], both
+    assert model.complete([cut])[0] == pytest.approx(both[1], abs=1e-5)  # a batch scores each turn alone
+
+
+class Counting:
+    def __init__(self, gate: threading.Event | None = None, fail: bool = False) -> None:
+        self.batches: list[int] = []
+        self.gate = gate
+        self.fail = fail
+
+    def complete(self, turns: list[np.ndarray]) -> list[float]:
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("model broke")
+        self.batches.append(len(turns))
+        return [float(len(a)) / WINDOW_SAMPLES for a in turns]
+
+
+async def test_turns_asked_while_a_call_runs_share_the_next_call():
+    gate = threading.Event()
+    model = Counting(gate)
+    eot = EndOfTurnBatcher(load=lambda: model)
+    first = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
+    await asyncio.sleep(0)  # the first call starts (and waits on the gate, in its thread)
+    rest = [asyncio.ensure_future(eot.complete(np.zeros(n, np.float32))) for n in (32000, 48000, 10 * 16000)]
+    gate.set()
+    got = await asyncio.gather(first, *rest)
+    assert got == [0.125, 0.25, 0.375, 1.0]  # (the last 8 s only)
+    assert model.batches == [1, 3]
+
+
+async def test_a_failing_model_fails_every_turn_waiting():
+    eot = EndOfTurnBatcher(load=lambda: Counting(fail=True))
+    got = await asyncio.gather(*(eot.complete(np.zeros(16000, np.float32)) for _ in range(2)), return_exceptions=True)
+    assert all(isinstance(e, RuntimeError) for e in got)
