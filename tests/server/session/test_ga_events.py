@@ -1,5 +1,5 @@
 """What clients written for OpenAI's GA Realtime API rely on, on an in-process Session: every server event validates
-under the openai SDK's strict models, session.update applies what it can, semantic_vad, barge-in truncation,
+under the openai SDK's strict models, session.update applies what it can, barge-in truncation,
 conversation.item.retrieve, output_audio_buffer.clear, idle_timeout_ms, answers the server's length limit ends."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import numpy as np
 
 from engines.protocol import messages as m
 from server.session import server_events as ev
-from server.session.client_events import EAGERNESS_SILENCE_MS
 from server.session.pacing import AudioOut
 from tests.server.session.session_support import CHUNK, drain, feed, new_session, settled, silence, types
 from tests.server.strict_events import SERVER_EVENT_TYPES, check
@@ -120,21 +119,6 @@ async def test_session_update_applies_every_field_it_can_and_names_each_refused_
     td = sess["audio"]["input"]["turn_detection"]
     assert td["silence_duration_ms"] == 700 and td["threshold"] == 0.5
     assert link.of(m.UpdateSession)[-1].instructions == "Be brief."
-
-
-async def test_semantic_vad_ends_turns_after_the_silence_its_eagerness_names():
-    s, _ = await new_session()
-    for eagerness in ("low", "high", "auto"):
-        await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
-            "type": "semantic_vad", "eagerness": eagerness, "create_response": True}}}}})
-        sess = drain(s)[-1]["session"]
-        assert sess["audio"]["input"]["turn_detection"] == {"type": "semantic_vad", "eagerness": eagerness,
-                                                            "create_response": True, "interrupt_response": True}
-        assert sess["moss"]["turn_detection"] == {"end_of_turn": "silence",
-                                                  "silence_duration_ms": EAGERNESS_SILENCE_MS[eagerness]}
-        assert s.config.turn_detection.silence_duration_ms == EAGERNESS_SILENCE_MS[eagerness]
-    assert EAGERNESS_SILENCE_MS["low"] > EAGERNESS_SILENCE_MS["medium"] > EAGERNESS_SILENCE_MS["high"]
-    assert EAGERNESS_SILENCE_MS["auto"] == EAGERNESS_SILENCE_MS["medium"]
 
 
 async def test_vad_barge_in_on_a_track_truncates_where_the_listener_is_and_says_so(speech24k):
