@@ -1,25 +1,30 @@
 """Which answers a round of the codec worker takes, and when (codec_pacing.py): new answers' first chunks first,
 playing answers only as far ahead as needed, short rounds unless answers are about to run dry, rounds held or paused
-while a new answer waits, rounds once a period (fake decoder, from test_codec_worker.py)."""
+while a new answer waits, rounds once a period (fakes in codec_fakes.py)."""
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from engines.process.codec_worker import CodecWorker
-from tests.engines.process.test_codec_worker import FakeDecoder, FakeStream, collect, wait_until
+from tests.engines.process.codec_fakes import (
+    FakeDecoder,
+    FakeStream,
+    Idle,
+    collect,
+    held_rounds,
+    pauses,
+)
 
 
 def test_answers_without_audio_go_first_and_share_rounds():
     dec = FakeDecoder()
-    dec.sample_rate = 1  # 5 s of audio per chunk: A is far ahead of real time once it plays
-    w = CodecWorker(dec, torch.device("cpu"), max_batch=1)
+    dec.sample_rate = 1  # 5 s of audio per chunk: A is far ahead of real time once it plays (the clock stands still)
+    w = CodecWorker(dec, torch.device("cpu"), max_batch=1, clock=lambda: 100.0)
     dec.gate.clear()  # hold the first round while both answers queue up
     a, b = FakeStream("a"), FakeStream("b")
     w.push("A", a, list(range(43)))  # 7 chunks ready
-    time.sleep(0.05)
+    dec.entered.wait(1)  # A's first chunk is in its round
     w.push("B", b, list(range(8)))  # its first chunk
     dec.gate.set()
     collect(w, lambda o: sum(1 for k, _, _ in o if k == "B") == 1)
@@ -41,15 +46,16 @@ def test_playing_answers_are_decoded_only_as_far_ahead_as_needed():
     dec.sample_rate = 5  # one chunk = 1 s of audio
     now = [100.0]
     w = CodecWorker(dec, torch.device("cpu"), ahead_s=2.5, clock=lambda: now[0])
+    idle = Idle(w)
     a = FakeStream("a")
-    w.push("A", a, list(range(43)))  # 7 chunks ready
+    idle.push("A", a, list(range(43)))  # 7 chunks ready
     res = collect(w, lambda o: len(o) == 3)
-    time.sleep(0.1)
+    idle.wait()
     assert len(res + w.take_results()) == 3  # 3 s posted at t=100: 3 - 0 >= 2.5 ahead, the 4th waits
     now[0] += 0.6  # 2.4 s ahead now: due
-    w.push("A", a, [])  # (any event wakes the worker; its timed wait uses the real clock)
+    idle.push("A", a, [])  # (any event wakes the worker; its timed wait uses the real clock)
     assert len(collect(w, lambda o: len(o) == 1)) == 1
-    time.sleep(0.1)
+    idle.wait()
     assert w.take_results() == []  # 3.4 s ahead again
     # A new answer's first chunk is not held back by that pacing, and comes before A's next chunk.
     dec.batches.clear()
@@ -66,7 +72,7 @@ def test_first_chunk_rounds_do_not_starve_an_answer_about_to_run_dry():
     dec.gate.clear()
     w = CodecWorker(dec, torch.device("cpu"), max_batch=1)
     w.push("A", FakeStream("a"), list(range(23)))
-    time.sleep(0.05)
+    dec.entered.wait(1)  # A's first chunk is in its round
     for k in "bcd":  # new answers keep arriving
         w.push(k.upper(), FakeStream(k), list(range(8)))
     dec.gate.set()
@@ -82,12 +88,10 @@ def test_rounds_of_playing_answers_are_short_unless_more_are_about_to_run_dry():
     for rate, want in ((5, [12, 8, 4]), (50, [12, 12])):  # one chunk = 1 s of audio (not urgent) or 0.1 s (urgent)
         dec = FakeDecoder()
         dec.sample_rate = rate
-        dec.gate.clear()
         w = CodecWorker(dec, torch.device("cpu"), ahead_s=2.5, clock=lambda: 100.0, bulk_max=8)
-        for i in range(12):
-            w.push(i, FakeStream(f"s{i}"), list(range(13)))  # two chunks each
-        time.sleep(0.05)
-        dec.gate.set()
+        with w._cv:  # (re-entrant) every answer at once, so the first round sees them all
+            for i in range(12):
+                w.push(i, FakeStream(f"s{i}"), list(range(13)))  # two chunks each
         collect(w, lambda o, n=sum(want): len(o) == n)
         assert [len(b) for b in dec.batches] == want
         w.close()
@@ -103,13 +107,14 @@ def test_rounds_of_playing_answers_wait_while_the_language_model_ramps_up(monkey
             return super().run_jobs(jobs, between)
 
     dec = Recording()
-    dec.sample_rate = 5  # 1 s per chunk: A is not about to run dry after its first chunk
-    w = CodecWorker(dec, torch.device("cpu"))
+    dec.sample_rate = 5  # 1 s per chunk: A is not about to run dry after its first chunk (the clock stands still)
+    w = CodecWorker(dec, torch.device("cpu"), clock=lambda: 100.0)
+    held = held_rounds(w)
     w.lm_ramping = True  # another answer waits for its first codes
     w.push("A", FakeStream("a"), list(range(13)))  # 2 chunks ready
     collect(w, lambda o: len(o) == 1)  # a first chunk is never held
-    time.sleep(0.1)
-    assert w.take_results() == []  # A's next chunk waits for the ramp
+    held.wait(1, "rounds held back")
+    assert w.take_results() == [] and len(dec.batches) == 1  # A's next chunk waits for the ramp
     w.lm_ramping = False
     w.push("A", FakeStream("a"), [])  # (wakes the worker)
     assert len(collect(w, lambda o: len(o) == 1)) == 1
@@ -122,9 +127,10 @@ def test_a_first_chunk_round_waits_briefly_for_another_answer_about_to_have_one(
     monkeypatch.setattr("engines.process.codec_pacing.COALESCE_S", 60.0)
     dec = FakeDecoder()
     w = CodecWorker(dec, torch.device("cpu"))
+    held = held_rounds(w)
     w.push("B", FakeStream("b"), list(range(7)))  # one code short of its first chunk
     w.push("A", FakeStream("a"), list(range(8)))
-    time.sleep(0.1)
+    held.wait(1, "rounds held back")
     assert dec.batches == []  # A's round waits for B's next code
     w.push("B", FakeStream("b"), [7])
     collect(w, lambda o: len(o) == 2)
@@ -140,6 +146,7 @@ def test_rounds_of_playing_answers_with_a_period_take_every_answer_due_before_th
     now = [100.0]
     w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=2.5, clock=lambda: now[0],
                     bulk_max=2, period_s=10.0)
+    idle = Idle(w)
     streams = [FakeStream(n) for n in "abcd"]
     for i, st in enumerate(streams):
         w.push(i, st, list(range(8)))
@@ -150,16 +157,16 @@ def test_rounds_of_playing_answers_with_a_period_take_every_answer_due_before_th
     collect(w, lambda o: len(o) == 4)
     assert dec.batches == [["a", "b", "c", "d"]]  # all due (1 s < 2.5 s ahead), bulk_max notwithstanding
     now[0] = 101.0  # 1 s ahead each (2 s posted): due, but within the period
-    w.push(0, streams[0], [])  # (wakes the worker)
-    time.sleep(0.1)
+    idle.push(0, streams[0], [])  # (wakes the worker)
+    idle.wait("playing")
     assert w.take_results() == [] and len(dec.batches) == 1
     now[0] = 101.9  # 0.1 s ahead: about to run dry, so the next round starts before the period ends
     w.push(0, streams[0], [])
     collect(w, lambda o: len(o) == 4)
     assert dec.batches[1] == ["a", "b", "c", "d"]
     now[0] = 102.5  # 0.5 s ahead, not yet dry: held again (the period began at 101.9)
-    w.push(0, streams[0], [])
-    time.sleep(0.1)
+    idle.push(0, streams[0], [])
+    idle.wait("playing")
     assert w.take_results() == [] and len(dec.batches) == 2
     now[0] = 111.95  # the period is over: the answers that ran dry meanwhile go together
     w.push(0, streams[0], [])
@@ -176,13 +183,15 @@ def test_an_answers_last_chunk_about_to_be_needed_does_not_wait_for_the_period()
     now = [100.0]
     w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=2.5, clock=lambda: now[0],
                     period_s=10.0)
+    idle = Idle(w)
     st = FakeStream("a")
     w.push("A", st, list(range(13)))  # two chunks (the first on the lane), 3 codes left over
     collect(w, lambda o: len(o) == 2)
     now[0] = 101.9  # 0.1 s ahead, within the period that began at 100
-    w.push("A", st, [], final=True)
-    out = collect(w, lambda o: any(f for _, _, f in o), timeout=2.0)
-    assert out[-1][2] and len(out[-1][1]) == 3 and st.closed
+    idle.push("A", st, [], final=True)
+    idle.wait("playing")  # the playing thread looked at it (at 101.9) and has nothing left to do ...
+    out = w.take_results()  # ... because it decoded it then
+    assert [f for _, _, f in out] == [True] and len(out[-1][1]) == 3 and st.closed
     w.close()
 
 
@@ -192,24 +201,30 @@ def test_a_playing_round_pauses_between_pieces_while_a_new_answer_waits(monkeypa
     monkeypatch.setattr("engines.process.codec_pacing.BULK_HOLD_S", 60.0)
     dec, lane = FakeDecoder(), FakeDecoder()
     dec.sample_rate = 1  # 5 s per chunk: A is far from running dry
-    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=60.0)  # A's next chunk is due at once
+    now = [100.0]
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=60.0,  # A's next chunk is due at once
+                    clock=lambda: now[0])
+    paused, held = pauses(w), held_rounds(w)
     dec.gate.clear()
     w.push("A", FakeStream("a"), list(range(13)))  # first chunk on the lane, the second in a playing round
     collect(w, lambda o: len(o) == 1)
-    wait_until(lambda: w._running)  # the round is in run_jobs, before its first piece
+    dec.entered.wait(1)  # the round is in run_jobs, before its first piece
     w.lm_ramping = True  # meanwhile another answer starts
     dec.gate.set()
-    time.sleep(0.2)
+    paused.wait(2, "looks that pause the round")  # it paused, and paused again after its first wait
     assert w.take_results() == []  # paused between its pieces
     assert dec.betweens == [True]
     w.lm_ramping = False
     got = collect(w, lambda o: len(o) == 1)
     assert [k for k, _, _ in got] == ["A"]
-    paused = w.take_spans()["codec round paused"]
-    assert paused[0] == 1 and paused[1] >= 0.1  # (count, total seconds, max): paused while the test slept
+    count, seconds, _ = w.take_spans()["codec round paused"]
+    assert count == 1 and seconds > 0  # (count, total seconds, max): the round's pause, recorded once
     monkeypatch.setattr("engines.process.codec_pacing.BULK_HOLD_S", 0.05)
     w.lm_ramping = True  # the ramp never ends: the next round pauses no longer than the hold
-    w.push("A", FakeStream("a"), [], final=True)  # A's last chunk (the hold before a round starts: 0.05 s too)
+    n = held.n
+    w.push("A", FakeStream("a"), [], final=True)  # A's last chunk: first held back before its round starts ...
+    held.wait(n + 1, "rounds held back")
+    now[0] += 0.06  # ... no longer than the hold on the worker's clock (then paused, as long on the real one)
     out = collect(w, lambda o: any(f for _, _, f in o))
     assert [(k, f) for k, _, f in out] == [("A", True)] and dec.betweens == [True, True]
     w.close()
@@ -233,15 +248,16 @@ def test_a_paused_round_goes_on_when_another_playing_answer_nears_the_end_of_its
     dec, lane = FakeDecoder(), FakeDecoder()
     dec.sample_rate = lane.sample_rate = 0.5  # 10 s of audio per chunk
     w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=60.0, clock=lambda: now[0])
+    paused = pauses(w)
     dec.gate.clear()
     w.push("A", FakeStream("a"), list(range(13)))
     collect(w, lambda o: len(o) == 1)
-    wait_until(lambda: w._running)  # A's second chunk is in its round, before its pieces
+    dec.entered.wait(1)  # A's second chunk is in its round, before its pieces
     w.push("B", FakeStream("b"), list(range(13)))  # B's first chunk on the lane; its second waits for the thread
     collect(w, lambda o: [k for k, _, _ in o] == ["B"])
     w.lm_ramping = True
     dec.gate.set()
-    time.sleep(0.1)
+    paused.wait(1, "looks that pause the round")
     assert w.take_results() == []  # A's round paused: B has 10 s ahead
     now[0] = 9.7  # B (and A) now 0.3 s from the end of their audio
     got = collect(w, lambda o: len(o) == 2)

@@ -4,89 +4,18 @@ Which answers a round takes and when: test_codec_pacing.py."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 import torch
 
 from engines.process.codec_pacing import PLAYING_SOLVE_PARTS
 from engines.process.codec_worker import CodecWorker
-from engines.speech_out.stream import Job
-
-CHUNK, LOOK = 5, 3
-
-
-class FakeStream:
-    """Chunks of 5 codes once 3 lookahead codes follow; finishing takes the rest (last one final)."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.pending, self.closed = name, [], False
-
-    def add(self, codes):
-        self.pending += codes
-
-    def take_jobs(self, finishing=False):
-        jobs = []
-        while len(self.pending) >= CHUNK + LOOK:
-            jobs.append(Job(self, self.pending[:CHUNK], self.pending[CHUNK:CHUNK + LOOK], False))
-            del self.pending[:CHUNK]
-        if finishing:
-            while self.pending:
-                jobs.append(Job(self, self.pending[:CHUNK], [], False))
-                del self.pending[:CHUNK]
-            if jobs:
-                jobs[-1].final = True
-            else:
-                jobs.append(Job(self, [], [], True))
-        return jobs
-
-    def close(self):
-        self.closed = True
-
-
-class FakeDecoder:
-    """PCM of a chunk = its codes as floats; records each batch (stream names); can be held or made to fail."""
-
-    sample_rate = 24000  # a chunk of 5 codes is ~0 s of "audio": every playing answer is due at once
-
-    def __init__(self) -> None:
-        self.batches: list[list[str]] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail = False
-        self.betweens: list[bool] = []  # per batch: whether the worker could pause it between pieces
-
-    def run_jobs(self, jobs, between=None):
-        self.gate.wait(5)
-        self.betweens.append(between is not None)
-        if between is not None:  # one piece of GPU work queued, one to come
-            between()
-        if len({id(j.stream) for j in jobs}) != len(jobs):
-            raise AssertionError("two chunks of one stream in a batch")
-        self.batches.append([j.stream.name for j in jobs])
-        if self.fail:
-            raise RuntimeError("decoder broke")
-        return [np.asarray(j.codes, np.float32) for j in jobs]
-
-
-def collect(worker: CodecWorker, until, timeout=5.0):
-    out = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out += worker.take_results()
-        if until(out):
-            return out
-        time.sleep(0.002)
-    raise AssertionError(f"timed out; got {out}")
-
-
-def wait_until(cond, timeout=5.0, poll=0.002) -> None:
-    """Poll `cond` until it holds or `timeout` passes (the caller asserts what it needs)."""
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(poll)
+from tests.engines.process.codec_fakes import (
+    Count,
+    FakeDecoder,
+    FakeStream,
+    collect,
+)
 
 
 def test_chunks_come_out_one_round_at_a_time_and_final_closes():
@@ -110,12 +39,12 @@ def test_cancel_decodes_nothing_more_and_final_still_ends_it():
     dec.gate.clear()
     a = FakeStream("a")
     w.push("A", a, list(range(43)))
-    time.sleep(0.05)
-    w.cancel("A")
+    dec.entered.wait(1)  # its first chunk is being decoded ...
+    w.cancel("A")  # ... when it is cancelled
     w.push("A", a, [], final=True)
     dec.gate.set()
     res = collect(w, lambda o: any(f for _, _, f in o))
-    assert len(dec.batches) <= 1 and a.closed  # at most the round already running
+    assert dec.batches == [["a"]] and a.closed  # only the round already running
     assert res[-1][2] and len(res[-1][1]) == 0
     assert not w.busy()
     w.close()
@@ -169,7 +98,7 @@ def test_a_first_lane_decodes_first_chunks_while_a_playing_round_is_in_flight():
     dec.gate.clear()  # playing rounds hang until released
     w.push("A", a, list(range(13)))  # A's first chunk (on the lane), then its second (held on the other thread)
     collect(w, lambda o: sum(1 for k, _, _ in o if k == "A") == 1)
-    wait_until(lambda: w._running)  # A's second chunk is in its (held) round
+    dec.entered.wait(1)  # A's second chunk is in its (held) round
     w.push("B", b, list(range(8)))
     got = collect(w, lambda o: any(k == "B" for k, _, _ in o))  # while A's second chunk is still held
     assert [k for k, _, _ in got] == ["B"]
@@ -191,7 +120,8 @@ def test_a_second_first_lane_decodes_a_new_answer_while_the_first_lane_is_busy(m
     is decoded at once on the free lane; a round does not wait (coalesce) for an answer a code short while a lane is
     free for it; the engine loop sees a first-chunk round in flight until both have posted."""
     monkeypatch.setattr("engines.process.codec_pacing.COALESCE_S", 60.0)  # a coalesced round would hang the test
-    dec, one, two = FakeDecoder(), FakeDecoder(), FakeDecoder()
+    lanes = Count()
+    dec, one, two = FakeDecoder(), FakeDecoder(lanes), FakeDecoder(lanes)
     w = CodecWorker(dec, torch.device("cpu"), first_decoders=[one, two])
     assert [t.name for t in w._threads] == ["codec-worker-first", "codec-worker-first-2", "codec-worker-playing"]
     one.gate.clear()
@@ -199,9 +129,9 @@ def test_a_second_first_lane_decodes_a_new_answer_while_the_first_lane_is_busy(m
     a, b = FakeStream("a"), FakeStream("b")
     w.push("B", b, list(range(7)))  # a code short of its first chunk: A's round does not wait for it
     w.push("A", a, list(range(8)))
-    wait_until(lambda: len(w._first_flying) >= 1)
+    lanes.wait(1, "first-chunk rounds")  # A's round is on a lane
     w.push("B", b, [7])  # ready while A's round hangs: the other lane takes it
-    wait_until(lambda: len(w._first_flying) >= 2)
+    lanes.wait(2, "first-chunk rounds")
     assert len(w._first_flying) == 2 and w.first_in_flight
     for lane in (one, two):
         lane.gate.set()
@@ -230,7 +160,7 @@ def test_an_unexpected_error_in_a_round_ends_only_the_answers_it_still_holds():
     w = CodecWorker(dec, torch.device("cpu"))
     dec.gate.clear()
     w.push("C", FakeStream("c"), list(range(8)))  # C's round holds the worker ...
-    wait_until(lambda: w._running)
+    dec.entered.wait(1)
     w.push("A", FakeStream("a"), list(range(8)))  # ... while A (a first chunk) and B (3 codes: too far off for a
     b = FakeStream("b")  # coalesced round) arrive
     w.push("B", b, list(range(3)))  # the next round takes both, feeds B, decodes A and fails
@@ -244,9 +174,10 @@ def test_an_unexpected_error_in_a_round_ends_only_the_answers_it_still_holds():
 
 
 @pytest.mark.parametrize("lanes,period_s", [(1, 0.0), (2, 0.0), (1, 0.2)])
-def test_first_lanes_give_the_same_pcm_as_one_thread(lanes, period_s):
+def test_first_lanes_give_the_same_pcm_as_one_thread(lanes, period_s, one_torch_thread):
     """The real tiny decoder: answers decoded with first-chunk lanes (first chunks on CodecDecoder.lane), and with
-    rounds of playing answers once a period, give the PCM of the offline decode of the same codes."""
+    rounds of playing answers once a period, give the PCM of the offline decode of the same codes (within float32
+    rounding: the batches differ)."""
     from engines.speech_out import CodecDecoder
 
     dec = CodecDecoder.load("tiny-random")
@@ -261,7 +192,7 @@ def test_first_lanes_give_the_same_pcm_as_one_thread(lanes, period_s):
         w.push(sid, streams[sid], c[:8])
     for sid, c in codes.items():
         w.push(sid, streams[sid], c[8:], final=True)
-    out = collect(w, lambda o: sum(1 for _, _, f in o if f) == len(codes), timeout=120)
+    out = collect(w, lambda o: sum(1 for _, _, f in o if f) == len(codes))
     for sid in codes:
         got = np.concatenate([p for k, p, _ in out if k == sid])
         np.testing.assert_allclose(got, want[sid], atol=1e-5, rtol=0)
@@ -275,7 +206,8 @@ def test_audio_only_takes_the_leading_plain_chunks_and_leaves_the_rest_in_order(
     dec.gate.clear()
     w = CodecWorker(dec, torch.device("cpu"))
     w.push("A", FakeStream("a"), list(range(8)))  # its first chunk: the round waits on the gate
-    wait_until(lambda: w.first_in_flight, poll=0.001)
+    dec.entered.wait(1)
+    assert w.first_in_flight  # (marked before the decoder is called)
     assert w.take_results(audio_only=True) == []  # a first chunk is on its way
     dec.gate.set()
     res = collect(w, lambda o: len(o) == 1)
