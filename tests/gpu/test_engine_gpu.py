@@ -12,6 +12,9 @@ from engines.config import EngineConfig
 from engines.lm.engine import Engine
 from engines.lm.loader.checkpoint import load_model
 from engines.tokens import AUDIO_PAD, IM_END, IM_START, MODALITY_PAD, SOSP, audio_span_rows, text_rows
+from tests.engines.lm.overlap_runs import ending_beside_ramping, requests
+from tests.engines.lm.overlap_runs import make_engine as overlap_engine
+from tests.engines.lm.overlap_runs import run as run_overlap
 from tests.reference.dense_generate import FP8_KV_MARGIN, FP32_MARGIN, check_follows_greedy
 from tests.reference.dense_model import dense_from_checkpoint
 
@@ -111,12 +114,9 @@ def test_fp8_kv_cache_graphs_equal_eager_and_float32_equals_the_rounded_dense_re
 
 def test_overlapped_graph_decode_emits_the_same_rows(tiny_checkpoint):
     """The next audio step launched before this one's tokens are read (graphs on) == one step at a time."""
-    from tests.engines.lm.test_engine_overlap import make_engine, requests
-    from tests.engines.lm.test_engine_overlap import run as run_overlap
-
     reqs = requests(3)
-    ref = run_overlap(make_engine(tiny_checkpoint, overlap=False, device="cuda", cuda_graphs=False), reqs)
-    eng = make_engine(tiny_checkpoint, overlap=True, device="cuda")
+    ref = run_overlap(overlap_engine(tiny_checkpoint, overlap=False, device="cuda", cuda_graphs=False), reqs)
+    eng = overlap_engine(tiny_checkpoint, overlap=True, device="cuda")
     assert eng.runner.graphs is not None
     assert run_overlap(eng, reqs) == ref
     assert eng.stats().overlapped_steps > 0
@@ -125,8 +125,6 @@ def test_overlapped_graph_decode_emits_the_same_rows(tiny_checkpoint):
 def test_an_answer_ending_beside_a_ramping_one_in_graphs(tiny_checkpoint):
     """The step launched ahead past an answer that ends in flight takes the other rows' codes by a gather on the
     device (ModelRunner.gather), here into the decode graphs: the rows equal one step at a time, no launch gap."""
-    from tests.engines.lm.test_engine_overlap import ending_beside_ramping
-
     ending_beside_ramping(tiny_checkpoint, "cuda")
 
 

@@ -15,7 +15,7 @@ from engines.lm.model import fp8, fp8_copies
 from engines.lm.model.layers import Linear
 from engines.process.config import ProcessConfig
 from engines.process.loading import build_service
-from tests.engines.lm.test_engine import assert_follows_reference, run_mixed_greedy
+from tests.engines.lm.parity import assert_follows_reference, run_mixed_greedy
 from tests.reference.dense_model import dense_from_state_dict, read_checkpoint_tensors
 
 

@@ -14,7 +14,7 @@ from engines.lm.model.attention import to_cache, write_kv
 from engines.process.config import ProcessConfig
 from engines.process.loading import build_service
 from engines.process.options import parser
-from tests.engines.lm.test_engine import assert_follows_reference, run_mixed_greedy
+from tests.engines.lm.parity import assert_follows_reference, run_mixed_greedy
 from tests.reference.dense_generate import FP8_KV_MARGIN
 from tests.reference.dense_model import dense_from_checkpoint
 

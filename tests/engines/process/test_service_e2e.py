@@ -13,9 +13,7 @@ import pytest
 import zmq
 
 from engines.api import SamplingParams
-from engines.audio.wav import float32_to_pcm16, read_wav, write_wav
-from engines.config import EngineConfig
-from engines.lm.engine import Engine
+from engines.audio.wav import read_wav, write_wav
 from engines.process.loading import voice_loader
 from engines.process.loop import EngineServer
 from engines.process.prompt import PromptBuilder
@@ -26,24 +24,12 @@ from engines.speech_in import SpeechEncoder
 from engines.speech_out.decoder import CodecDecoder
 from engines.tokens import EOSP, MODALITY_PAD
 from tests.engines.process import service_loop
+from tests.engines.process.tiny_engine import N_OUT, engine, question_pcm
 from tests.paths import REPO
 
 ROOT = REPO
 WAV = ROOT / "tests" / "data" / "speech_en_16k.wav"
 PB = PromptBuilder(StandInTokenizer())
-N_OUT = 8  # answer rows: 8 codes = the first chunk (5 + 3 lookahead), then the final one
-
-
-def engine() -> Engine:
-    return Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 * 1024 * 1024, max_model_len=2048), seed=0)
-
-
-def question_pcm(seconds: float = 1.5) -> bytes:
-    pcm, rate = read_wav(WAV)
-    assert rate == 16000
-    return float32_to_pcm16(pcm[: int(seconds * rate)])
-
-
 @pytest.fixture(scope="module")
 def codec() -> tuple[SpeechEncoder, CodecDecoder]:
     return SpeechEncoder.load("tiny-random"), CodecDecoder.load("tiny-random")

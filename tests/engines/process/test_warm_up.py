@@ -10,7 +10,7 @@ from engines.process.warm_up import warm_up
 from engines.protocol import messages as m
 from engines.speech_in import SpeechEncoder
 from engines.speech_out.decoder import CodecDecoder
-from tests.engines.process.test_service_e2e import N_OUT, engine, question_pcm
+from tests.engines.process.tiny_engine import N_OUT, engine, question_pcm
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,11 @@ import re
 
 import numpy as np
 import pytest
-import zmq
 from torch.profiler import ProfilerActivity
 
-from engines.config import EngineConfig
-from engines.lm.engine import Engine
 from engines.process import main as process
-from engines.process.loop import EngineServer
 from engines.process.observe.gpu_window import Events, GpuWindow, WindowConfig, busy_us, summary
-from engines.process.service import Service
-from engines.process.tokenizer import StandInTokenizer
-from engines.protocol import messages as m
+from tests.engines.process.tiny_engine import served, text_turns
 
 
 def test_window_spec_is_parsed_and_checked(tmp_path) -> None:
@@ -41,41 +35,16 @@ def test_busy_time_is_the_union_of_intervals() -> None:
     assert lines[2].startswith("stream 2: 3 events, busy 0.0 ms (9%)")  # [5,6) u [30,32): 3 us
 
 
-def _server(window: GpuWindow | None = None) -> tuple[EngineServer, zmq.Context]:
-    ctx = zmq.Context()
-    eng = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 * 1024 * 1024, max_model_len=2048), seed=0)
-    return EngineServer(Service(eng, StandInTokenizer()), "inproc://eng", ctx, window=window), ctx
-
-
-def _text_turns(server: EngineServer, ctx: zmq.Context, sessions: int, tokens: int = 6) -> None:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect("inproc://eng")
-    greedy = m.Sampling(greedy=True, max_new_tokens=tokens, min_new_tokens=tokens)
-    try:
-        for i in range(sessions):
-            sock.send(m.encode(m.OpenSession(f"s{i}")))
-            sock.send(m.encode(m.AddUserText(f"s{i}", "i", "hello there")))
-            sock.send(m.encode(m.CreateResponse(f"s{i}", "r", "text", greedy)))
-        server.run_once(timeout_ms=100)
-        for _ in range(500):
-            server.run_once(timeout_ms=5)
-            if not server.service.has_work():
-                break
-    finally:
-        sock.close(0)
-
-
 def test_window_records_once_enough_sessions_are_open(tmp_path, caplog) -> None:
     now = [0.0]
     window = GpuWindow(WindowConfig(2, 1.0, tmp_path / "w.npz"), activities=[ProfilerActivity.CPU],
                        clock=lambda: now[0])
-    server, ctx = _server(window)
+    server, ctx = served(window)
     try:
         window.poll(1)
         assert window._prof is None and not window.done  # too few sessions: not started
         with caplog.at_level(logging.INFO, logger="engines.process.observe.gpu_window"):
-            _text_turns(server, ctx, sessions=2)  # two sessions open: recording while they are answered
+            text_turns(server, ctx, sessions=2)  # two sessions open: recording while they are answered
             assert window._prof is not None and not window.done
             now[0] = 1.0
             server.run_once(timeout_ms=0)
@@ -95,8 +64,8 @@ def test_window_records_once_enough_sessions_are_open(tmp_path, caplog) -> None:
 
 def test_close_writes_a_window_still_recording(tmp_path) -> None:
     window = GpuWindow(WindowConfig(1, 60.0, tmp_path / "w.npz"), activities=[ProfilerActivity.CPU])
-    server, ctx = _server(window)
-    _text_turns(server, ctx, sessions=1)
+    server, ctx = served(window)
+    text_turns(server, ctx, sessions=1)
     assert not window.done
     server.close()
     ctx.term()

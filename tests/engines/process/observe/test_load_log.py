@@ -13,15 +13,15 @@ from engines.lm.scheduler import AHEAD_REFUSALS
 from engines.process.observe import load_log
 from engines.process.observe.load_log import solves
 from engines.speech_out.decoder import SolveCounts
-from tests.engines.process.observe.test_gpu_window import _server, _text_turns
+from tests.engines.process.tiny_engine import served, text_turns
 
 
 def test_load_log_reports_rows_per_model_step(monkeypatch, caplog) -> None:
     monkeypatch.setattr(load_log, "LOAD_LOG_S", 0.0)  # a line after every loop step
-    server, ctx = _server()
+    server, ctx = served()
     try:
         with caplog.at_level(logging.INFO, logger="engines.process"):
-            _text_turns(server, ctx, sessions=3)
+            text_turns(server, ctx, sessions=3)
         steps = decoded = prompt = 0.0
         by_rows: dict[str, list[int]] = {}  # bucket label -> [steps, rows]
         refused: dict[str, list[int]] = {}  # why -> [steps, of them while an answer ramped]
