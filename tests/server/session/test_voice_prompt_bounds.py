@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engines.audio.wav import write_wav
-from server.session.client_events import ProtocolError, SessionConfig, parse_session_update
+from server.session.client_events import SessionConfig, parse_session_update
 
 
 def _update(wav: bytes) -> dict:
@@ -22,9 +22,9 @@ def test_a_prompt_out_of_bounds_is_refused_by_name(tmp_path, rate: int, seconds:
     path = tmp_path / "v.wav"
     write_wav(path, np.zeros(int(rate * seconds), np.float32), rate)
     assert path.stat().st_size < 1 << 20
-    with pytest.raises(ProtocolError) as e:
-        parse_session_update(_update(path.read_bytes()), SessionConfig())
-    assert (e.value.code, e.value.param) == ("invalid_audio", "session.moss.voice_prompt.wav")
-    assert why in e.value.message
+    new, refused = parse_session_update(_update(path.read_bytes()), SessionConfig())
+    assert [(e.code, e.param) for e in refused] == [("invalid_audio", "session.moss.voice_prompt.wav")]
+    assert why in refused[0].message and new.voice_prompt_wav is None
     write_wav(path, np.zeros(16000, np.float32), 16000)
-    assert parse_session_update(_update(path.read_bytes()), SessionConfig()).voice_prompt_wav == path.read_bytes()
+    new, refused = parse_session_update(_update(path.read_bytes()), SessionConfig())
+    assert refused == [] and new.voice_prompt_wav == path.read_bytes()
