@@ -5,6 +5,8 @@ A row is one grid position: (text-channel token, audio-channel token).
 
 from __future__ import annotations
 
+from typing import Literal
+
 # Text channel.
 ENDOFTEXT = 151643
 IM_START = 151644
@@ -45,6 +47,9 @@ def audio_span_rows(codes: list[int]) -> list[Row]:
     return rows
 
 
-def start_mode(last_row: Row) -> str:
-    """Generation mode from the last prompt row (text wins a tie)."""
-    return "audio" if last_row[0] == MODALITY_PAD else "text"
+def start_mode(last_row: Row) -> Literal["audio", "text"]:
+    """Generation mode from the last prompt row, as the published generate loop sets it: modality_pad in the text
+    channel means audio, then audio_pad in the audio channel means text, so the tie `(modality_pad, audio_pad)` is
+    text."""
+    text, audio = last_row
+    return "audio" if text == MODALITY_PAD and audio != AUDIO_PAD else "text"
