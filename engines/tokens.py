@@ -23,6 +23,11 @@ AUDIO_SAMPLEABLE = EOSP + 1
 
 TEXT_STOP_TOKENS = (ENDOFTEXT, IM_END)
 
+# Added tokens whose text the published processor replaces after decoding the text channel.
+TEXT_MARKS = {"<|empty|>": ".", "<|end_empty|>": ":"}
+# The stand-in tokenizers' ids for them (free ids above modality_pad); a checkpoint's tokenizer.json names its own.
+STAND_IN_MARKS = {151669: "<|empty|>", 151670: "<|end_empty|>"}
+
 SPOKEN_SYSTEM_PROMPT = (
     "You are a helpful voice assistant. Answer the user's questions with spoken responses."
 )
