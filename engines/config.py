@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from engines.tokens import EOSP, MODALITY_PAD, SOSP
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
@@ -88,7 +90,8 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        """Read a checkpoint's config.json; unknown keys are ignored, missing ones are an error."""
+        """Read a checkpoint's config.json: missing keys are an error, and so are values of keys the model does not
+        read but would change (`unsupported_config_values`); other keys are named by `ignored_config_keys`."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -103,6 +106,9 @@ class ModelConfig:
         missing = sorted(required - raw.keys())
         if missing:
             raise ConfigError(f"{path}: missing keys {missing}")
+        unsupported = unsupported_config_values(raw)
+        if unsupported:
+            raise ConfigError(f"{path}: " + "; ".join(unsupported))
         layers = raw["num_shared_layers"] + raw["num_modality_layers"]
         if "num_hidden_layers" in raw and raw["num_hidden_layers"] != layers:
             raise ConfigError(
@@ -115,6 +121,38 @@ class ModelConfig:
         d["num_hidden_layers"] = self.num_hidden_layers
         d["architectures"] = ["MossSpeechForCausalLM"]
         return d
+
+
+# config.json keys the serving model does not read, each with the value(s) it implements: another value would change
+# the model, so it is refused by name rather than ignored.
+_FIXED_KEYS: dict[str, tuple] = {
+    "rope_scaling": (None,), "use_sliding_window": (False,), "tie_word_embeddings": (False,),
+    "attention_bias": (False,), "hidden_act": ("silu",), "modality_pad_token_id": (MODALITY_PAD,),
+    "sosp_token_id": (SOSP,), "eosp_token_id": (EOSP,),
+}
+# Keys with no effect on inference (bookkeeping of transformers, training-only settings, or settings that only act
+# through a refused value above).
+INERT_CONFIG_KEYS = frozenset({
+    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "bos_token_id",
+    "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "attention_dropout", "sliding_window",
+    "max_window_layers", "num_hidden_layers", "layer_types", "channels", "_name_or_path",
+})
+
+
+def unsupported_config_values(raw: dict) -> list[str]:
+    """config.json values the serving model does not implement, one phrase each."""
+    out = [f"{k} {raw[k]!r} unsupported (expected {' or '.join(repr(v) for v in ok)})"
+           for k, ok in _FIXED_KEYS.items() if k in raw and raw[k] not in ok]
+    layer_types = raw.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        out.append(f"layer_types {sorted(set(layer_types))} unsupported (expected every layer 'full_attention')")
+    return out
+
+
+def ignored_config_keys(raw: dict) -> list[str]:
+    """config.json keys that are neither read, nor checked, nor known to be inert."""
+    known = {f.name for f in fields(ModelConfig)} | _FIXED_KEYS.keys() | INERT_CONFIG_KEYS
+    return sorted(raw.keys() - known)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -5,6 +5,8 @@ A row is one grid position: (text-channel token, audio-channel token).
 
 from __future__ import annotations
 
+from typing import Literal
+
 # Text channel.
 ENDOFTEXT = 151643
 IM_START = 151644
@@ -20,6 +22,11 @@ NUM_AUDIO_CODES = 16384  # codes 0..16383 are speech; ids >= 16385 are never sam
 AUDIO_SAMPLEABLE = EOSP + 1
 
 TEXT_STOP_TOKENS = (ENDOFTEXT, IM_END)
+
+# Added tokens whose text the published processor replaces after decoding the text channel.
+TEXT_MARKS = {"<|empty|>": ".", "<|end_empty|>": ":"}
+# The stand-in tokenizers' ids for them (free ids above modality_pad); a checkpoint's tokenizer.json names its own.
+STAND_IN_MARKS = {151669: "<|empty|>", 151670: "<|end_empty|>"}
 
 SPOKEN_SYSTEM_PROMPT = (
     "You are a helpful voice assistant. Answer the user's questions with spoken responses."
@@ -45,6 +52,9 @@ def audio_span_rows(codes: list[int]) -> list[Row]:
     return rows
 
 
-def start_mode(last_row: Row) -> str:
-    """Generation mode from the last prompt row (text wins a tie)."""
-    return "audio" if last_row[0] == MODALITY_PAD else "text"
+def start_mode(last_row: Row) -> Literal["audio", "text"]:
+    """Generation mode from the last prompt row, as the published generate loop sets it: modality_pad in the text
+    channel means audio, then audio_pad in the audio channel means text, so the tie `(modality_pad, audio_pad)` is
+    text."""
+    text, audio = last_row
+    return "audio" if text == MODALITY_PAD and audio != AUDIO_PAD else "text"

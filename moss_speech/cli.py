@@ -16,6 +16,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("serve",), "moss_speech.commands.serve", "serve the realtime API and the web page"),
     (("generate",), "moss_speech.commands.generate", "generate one answer and print both channels"),
     (("write-checkpoint",), "engines.lm.loader.random_checkpoint", "write a random checkpoint in the real layout"),
+    (("check-weights",), "moss_speech.commands.check_weights", "check a model and codec's files, keys, shapes, dtypes"),
     (("bench", "engine"), "moss_speech.commands.bench_engine", "time prefill and decode against their floors"),
     (("bench", "codec"), "moss_speech.commands.bench_codec", "time codec chunks at several batch sizes"),
     (("bench", "turn"), "moss_speech.commands.bench_turn", "engine TTFA of a spoken turn, incremental vs at once"),

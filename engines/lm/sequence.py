@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engines.api import FinishReason, Mode, SamplingParams
-from engines.tokens import EOSP, MODALITY_PAD, SOSP, Row
+from engines.tokens import EOSP, SOSP, Row, start_mode
 
 
 def blocks_for(rows: int, block_size: int) -> int:
@@ -72,11 +72,11 @@ class Sequence:
         self.mode = _mode_before_forward(self.mode, self.rows[-1])
 
     def first_mode(self) -> Mode:
-        """The mode of the first generated row, from the last prompt row (text wins a tie): what `start` sets."""
-        return _mode_before_forward("audio" if self.rows[-1][0] == MODALITY_PAD else "text", self.rows[-1])
+        """The mode of the first generated row, from the last prompt row (`start_mode`): what `start` sets."""
+        return _mode_before_forward(start_mode(self.rows[-1]), self.rows[-1])
 
     def start(self) -> None:
-        """Mode from the last prompt row (text wins a tie), then the before-forward rule."""
+        """Mode from the last prompt row (`start_mode`), then the before-forward rule."""
         self.mode = self.first_mode()
 
     def sampling_mode(self) -> Mode:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engines.config import ConfigError, EngineConfig
+from engines.config import PRESETS, ConfigError, EngineConfig
 from engines.cuda.streams import model_stream
 from engines.lm.engine import Engine
 from engines.lm.kv.sizing import GIB, thin_pool_warning
@@ -29,6 +29,7 @@ from engines.speech_in import SpeechEncoder
 from engines.speech_out.chunk_graphs import BucketGraphs
 from engines.speech_out.decoder import CodecDecoder
 from engines.speech_out.voice import DEFAULT_VOICE_WAV, Voice
+from engines.weights_check import model_notes, require_weights
 
 log = logging.getLogger("engines.process")
 
@@ -96,6 +97,10 @@ def build_service(config: ProcessConfig) -> Service:
     # engine loop from waiting up to 5 ms (the default) for the GIL after each of its own waits.
     sys.setswitchinterval(0.0005)
     t0 = time.monotonic()
+    # Every file, key, shape and dtype before anything loads: a bad download is refused whole, by name.
+    require_weights(config.model, config.codec)
+    for note in model_notes(config.model) if config.model not in PRESETS else []:
+        log.warning("%s", note)
     memory = StartupMemory(config.device)
     # The model's KV pool last: with --kv-cache-gib auto it takes what the device has left after the weights and the
     # codec. (The weights first: building random ones takes more than they keep.)

@@ -1,7 +1,7 @@
 """Qwen chat prompt rows in the published model's chat format, built by hand, turn by turn.
 
-A text turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`; `{role}\\n{content}` is tokenized as
-one piece, which is what tokenizing the whole template does (control tokens split the text).
+A text turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, tokenized in the published processor's pieces:
+`{role}\\n`, then `{content}` on its own (no BPE merge crosses into the content), then `\\n` after `<|im_end|>`.
 A user audio turn is `<|im_start|>user\\n` + the audio span rows + `<|im_end|>\\n`; the span of n
 codes is `(sosp, audio_pad)`, `(modality_pad, c_i)` x n, `(modality_pad, eosp)`. For incremental
 prefill the turn comes in three parts (`audio_turn_open_rows`, `audio_code_rows`,
@@ -58,7 +58,7 @@ class PromptBuilder:
         return [(IM_END, AUDIO_PAD)] + self._newline
 
     def text_turn_rows(self, role: Role, content: str) -> list[Row]:
-        return text_rows([IM_START] + self.tokenizer.encode(f"{role}\n{content}")) + self._end()
+        return self._header(role) + text_rows(self.tokenizer.encode(content)) + self._end()
 
     def system_rows(self, instructions: str | None, modality: Modality) -> list[Row]:
         """The system turn; None means the contract's default prompt for the answer modality."""

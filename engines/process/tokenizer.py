@@ -9,19 +9,20 @@ Two implementations share one small interface (`encode(text) -> ids`, `decode(id
   `<|endoftext|>` (151643) up are the special tokens, with the real ids of engines/tokens.py.
 
 `encode` never produces special ids from text: a user who types "<|im_end|>" gets those characters,
-not the control token (the prompt builder inserts control tokens by id). `decode` skips special ids
-and renders an incomplete UTF-8 sequence as U+FFFD; `IncrementalDetokenizer` uses that to emit only
-complete characters.
+not the control token (the prompt builder inserts control tokens by id). `decode` follows the
+published processor's text decode: `<|empty|>` reads as "." and `<|end_empty|>` as ":" (each
+tokenizer's `marks`, by id), every other special id is skipped, and an incomplete UTF-8 sequence
+reads as U+FFFD; `IncrementalDetokenizer` uses that to emit only complete characters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from engines.config import PRESETS, ConfigError
-from engines.tokens import ENDOFTEXT
+from engines.tokens import ENDOFTEXT, STAND_IN_MARKS, TEXT_MARKS
 
 FIRST_SPECIAL_ID = ENDOFTEXT  # Qwen's added tokens all have ids >= <|endoftext|>
 REPLACEMENT_CHAR = "\ufffd"
@@ -39,19 +40,39 @@ _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables
 
 
 class TextTokenizer(Protocol):
+    marks: Mapping[int, str]  # special ids that decode to text (the rest decode to nothing)
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+def _runs(ids: Sequence[int], marks: Mapping[int, str]) -> Iterator[list[int] | str]:
+    """Ordinary ids in runs, a mark's text alone; other special ids dropped."""
+    run: list[int] = []
+    for i in ids:
+        if i < FIRST_SPECIAL_ID:
+            run.append(i)
+        elif i in marks:
+            if run:
+                yield run
+                run = []
+            yield marks[i]
+    if run:
+        yield run
+
+
 class StandInTokenizer:
     """Byte-level stand-in with the real special ids (see module docstring)."""
+
+    marks: Mapping[int, str] = {i: TEXT_MARKS[name] for i, name in STAND_IN_MARKS.items()}
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return "".join(r if isinstance(r, str) else self.decode_bytes(r).decode("utf-8", errors="replace")
+                       for r in _runs(ids, self.marks))
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         out = bytearray()
@@ -90,12 +111,15 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(file))
         # Text such as "<|im_end|>" typed by a user must stay text, never a control token.
         self._tok.encode_special_tokens = True
+        self.marks: Mapping[int, str] = {i: text for name, text in TEXT_MARKS.items()
+                                         if (i := self._tok.token_to_id(name)) is not None}
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([i for i in ids if i < FIRST_SPECIAL_ID], skip_special_tokens=True)
+        return "".join(r if isinstance(r, str) else self._tok.decode(r, skip_special_tokens=True)
+                       for r in _runs(ids, self.marks))
 
 
 def load_tokenizer(name_or_path: str) -> TextTokenizer:
@@ -121,7 +145,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         if token_id >= FIRST_SPECIAL_ID:
-            return ""
+            # A mark ends the byte run before it, as in a whole decode: what is held comes out first.
+            return self.flush() + self._tok.marks[token_id] if token_id in self._tok.marks else ""
         self._ids.append(token_id)
         done = self._tok.decode(self._ids[self._prefix:self._read])
         text = self._tok.decode(self._ids[self._prefix:])

@@ -23,6 +23,7 @@ from engines.speech_in.config import EncoderConfig
 
 PREFIX = "encoder."
 WEIGHTS_FILE = "model.safetensors"
+_SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 class EncoderCheckpointError(ConfigError):
@@ -62,12 +63,36 @@ def _ignored(name: str, cfg: EncoderConfig) -> bool:
     return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.total_layers
 
 
-def check_names(cfg: EncoderConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """Raise one EncoderCheckpointError naming missing, unexpected and wrong-shape tensors."""
+def tensor_problems(cfg: EncoderConfig, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> list[str]:
+    """Missing, unexpected and wrong-shape tensors under `encoder.`, and tensors not of the config's torch_dtype
+    (`dtypes`: safetensors dtype names, e.g. "F32")."""
     ours = {k: v for k, v in shapes.items() if k.startswith(PREFIX)}
     problems = key_mismatches(expected_shapes(cfg), ours, ignored=lambda k: _ignored(k, cfg))
-    if problems:
-        raise EncoderCheckpointError("; ".join([f"{where}: encoder tensors do not match the config", *problems]))
+    want = _SAFETENSORS_NAMES[cfg.torch_dtype]
+    wrong = sorted(f"{k}: {dtypes[k]} != expected {want}" for k in expected_shapes(cfg) if k in dtypes
+                   and dtypes[k] != want)
+    if wrong:
+        more = " ..." if len(wrong) > 20 else ""
+        problems.append(f"wrong dtype {len(wrong)} (config torch_dtype {cfg.torch_dtype}): {wrong[:20]}{more}")
+    return problems
+
+
+def file_problems(path: str | Path, cfg: EncoderConfig) -> list[str]:
+    """`tensor_problems` of a codec directory's (or file's) model.safetensors, each naming the file."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / WEIGHTS_FILE
+    if not file.exists():
+        return [f"{file}: missing (the speech encoder's weights)"]
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            slices = {k: fh.get_slice(k) for k in fh.keys()}
+            shapes = {k: tuple(s.get_shape()) for k, s in slices.items()}
+            dtypes = {k: s.get_dtype() for k, s in slices.items()}
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        return [f"{file}: unreadable safetensors file ({e})"]
+    problems = tensor_problems(cfg, shapes, dtypes)
+    return [f"{file}: encoder tensors do not match the config", *problems] if problems else []
 
 
 def load_state(path: str | Path, cfg: EncoderConfig, device: torch.device) -> dict[str, torch.Tensor]:
@@ -75,13 +100,11 @@ def load_state(path: str | Path, cfg: EncoderConfig, device: torch.device) -> di
     file = Path(path)
     if file.is_dir():
         file = file / WEIGHTS_FILE
-    if not file.exists():
-        raise EncoderCheckpointError(f"no {WEIGHTS_FILE} at {file}")
-    want = expected_shapes(cfg)
+    problems = file_problems(file, cfg)
+    if problems:
+        raise EncoderCheckpointError("; ".join(problems))
     with safe_open(str(file), framework="pt", device="cpu") as fh:
-        shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
-        check_names(cfg, shapes, str(file))
-        return {k[len(PREFIX):]: fh.get_tensor(k).to(device) for k in want}
+        return {k[len(PREFIX):]: fh.get_tensor(k).to(device) for k in expected_shapes(cfg)}
 
 
 def random_state(cfg: EncoderConfig, seed: int = 0, device: str | torch.device = "cpu",

@@ -1,4 +1,4 @@
-"""Loading `.pt` state dicts with every key checked by name."""
+"""Loading `.pt` state dicts with every key checked by name, shape and dtype."""
 
 from __future__ import annotations
 
@@ -39,15 +39,31 @@ def _canonical_weight_norm(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def load_checked(module: torch.nn.Module, sd: dict[str, torch.Tensor], source: str, *,
-                 strip_prefix: str = "", weight_norm_aliases: bool = False) -> None:
-    """Load `sd` into `module`; any missing, unexpected or wrongly shaped key is named in one error."""
+def _canonical(sd: dict[str, torch.Tensor], strip_prefix: str, weight_norm_aliases: bool) -> dict[str, torch.Tensor]:
     if strip_prefix:
         sd = {k[len(strip_prefix):] if k.startswith(strip_prefix) else k: v for k, v in sd.items()}
-    if weight_norm_aliases:
-        sd = _canonical_weight_norm(sd)
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    problems = key_mismatches(expected, {k: tuple(v.shape) for k, v in sd.items()})
+    return _canonical_weight_norm(sd) if weight_norm_aliases else sd
+
+
+def state_problems(module: torch.nn.Module, sd: dict[str, torch.Tensor], *, strip_prefix: str = "",
+                   weight_norm_aliases: bool = False) -> list[str]:
+    """What keeps `sd` from loading into `module`: missing, unexpected and wrongly shaped keys, and tensors of
+    another dtype than the module's (the codec's .pt files are float32)."""
+    sd = _canonical(sd, strip_prefix, weight_norm_aliases)
+    want = module.state_dict()
+    problems = key_mismatches({k: tuple(v.shape) for k, v in want.items()}, {k: tuple(v.shape) for k, v in sd.items()})
+    wrong = sorted(f"{k}: {sd[k].dtype} != expected {v.dtype}" for k, v in want.items()
+                   if k in sd and sd[k].dtype != v.dtype)
+    if wrong:
+        more = " ..." if len(wrong) > 20 else ""
+        problems.append(f"wrong dtype {len(wrong)}: {wrong[:20]}{more}")
+    return problems
+
+
+def load_checked(module: torch.nn.Module, sd: dict[str, torch.Tensor], source: str, *,
+                 strip_prefix: str = "", weight_norm_aliases: bool = False) -> None:
+    """Load `sd` into `module`; every `state_problems` is named in one error."""
+    problems = state_problems(module, sd, strip_prefix=strip_prefix, weight_norm_aliases=weight_norm_aliases)
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems))
-    module.load_state_dict(sd, strict=True)
+    module.load_state_dict(_canonical(sd, strip_prefix, weight_norm_aliases), strict=True)

@@ -3,6 +3,7 @@
 Layout of a codec directory (decoder half; the encoder's `model.safetensors` is written by
 engines/speech_in/weights.py):
   flow/flow.pt                  token -> mel flow state dict (real keys)
+  flow/flow-chunk-5.pt          the chunk-streaming flow: the same keys (here the same tensors)
   flow/hift.pt                  HiFT vocoder state dict (real keys)
   flow/campplus.onnx            CAM++ speaker model (not written here: random presets use a built-in voice)
   flow/decoder.json             shapes, only for non-default (random) configs; absent in the real codec
@@ -25,7 +26,8 @@ from engines.speech_out.presets import preset_config
 
 
 def write_random_decoder(path: str | Path, preset: str = "tiny-random", seed: int = 0) -> Path:
-    """Write random flow.pt / hift.pt / BigVGAN files for `preset` under `path` (the codec directory)."""
+    """Write random flow.pt / flow-chunk-5.pt / hift.pt / BigVGAN files for `preset` under `path` (the codec
+    directory)."""
     cfg = preset_config(preset)
     path = Path(path)
     (path / "flow").mkdir(parents=True, exist_ok=True)
@@ -33,6 +35,7 @@ def write_random_decoder(path: str | Path, preset: str = "tiny-random", seed: in
     torch.manual_seed(seed)
     flow, hift, bigvgan = build_modules(cfg, with_bigvgan=True)
     torch.save(flow.state_dict(), path / "flow" / "flow.pt")
+    torch.save(flow.state_dict(), path / "flow" / "flow-chunk-5.pt")
     torch.save(hift.generator.state_dict(), path / "flow" / "hift.pt")
     torch.save({"generator": bigvgan.generator.state_dict()}, path / "bigvgan" / "bigvgan_generator.pt")
     (path / "bigvgan" / "config.json").write_text(json.dumps(cfg.bigvgan.h_params(), indent=1))

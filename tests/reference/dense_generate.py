@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.tokens import EOSP, MODALITY_PAD, SOSP, TEXT_STOP_TOKENS
+from engines.tokens import AUDIO_PAD, EOSP, MODALITY_PAD, SOSP, TEXT_STOP_TOKENS
 
 from .dense_model import DenseMossSpeech
 
@@ -37,9 +37,10 @@ def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> torch
 
 def _start_mode(rows: list[tuple[int, int]]) -> str:
     last_text, last_audio = rows[-1]
-    if last_text == MODALITY_PAD:
-        return "audio"
-    return "text"  # audio_pad in the audio channel, or a tie: text
+    mode = "audio" if last_text == MODALITY_PAD else "text"
+    if last_audio == AUDIO_PAD:  # checked second, so it wins the tie (modality_pad, audio_pad)
+        mode = "text"
+    return mode
 
 
 def _step_logits(model: DenseMossSpeech, rows: list[tuple[int, int]], step: int, min_new_tokens: int,

@@ -93,6 +93,24 @@ def _check(config: ModelConfig, weight_map: dict[str, Path], by_key: dict[str, o
             problems.append(f"{key}: dtype {sl.get_dtype()}, expected {config.torch_dtype} (config torch_dtype)")
 
 
+def _problem_text(path: str | Path, problems: list[str]) -> str:
+    return f"{path}: {len(problems)} problem(s) in checkpoint:\n  " + "\n  ".join(problems)
+
+
+def checkpoint_problems(path: str | Path, config: ModelConfig) -> list[str]:
+    """Every missing, unexpected, wrongly shaped or typed tensor and missing shard of the checkpoint at `path`:
+    what `load_weights` refuses, without loading a tensor."""
+    try:
+        weight_map = read_weight_map(path)
+        problems: list[str] = []
+        with ExitStack() as stack:
+            by_key = _open_shards(stack, weight_map, problems)
+            _check(config, weight_map, by_key, problems)
+    except CheckpointError as e:
+        return [str(e)]
+    return [_problem_text(path, problems)] if problems else []
+
+
 def load_weights(model: MossSpeechModel, path: str | Path) -> None:
     """Fill an existing serving model from the checkpoint at `path`, fusing q/k/v and gate/up."""
     config = model.config
@@ -102,7 +120,7 @@ def load_weights(model: MossSpeechModel, path: str | Path) -> None:
         by_key = _open_shards(stack, weight_map, problems)
         _check(config, weight_map, by_key, problems)
         if problems:
-            raise CheckpointError(f"{path}: {len(problems)} problem(s) in checkpoint:\n  " + "\n  ".join(problems))
+            raise CheckpointError(_problem_text(path, problems))
         params = dict(model.named_parameters())
         for name, keys in serving_sources(config).items():
             param = params[name]

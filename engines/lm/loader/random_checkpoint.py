@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 from engines.config import PRESETS, ModelConfig, parse_dtype
 from engines.lm.loader.checkpoint import INDEX_FILE
 from engines.lm.loader.keys import checkpoint_shapes, is_norm_key, random_fill_
-from engines.tokens import ENDOFTEXT, IM_END, IM_START, OBJECT_REF_START
+from engines.tokens import ENDOFTEXT, IM_END, IM_START, OBJECT_REF_START, STAND_IN_MARKS
 
 SPECIAL_TOKENS = {"<|endoftext|>": ENDOFTEXT, "<|im_start|>": IM_START, "<|im_end|>": IM_END,
-                  "<|object_ref_start|>": OBJECT_REF_START}
+                  "<|object_ref_start|>": OBJECT_REF_START, **{name: i for i, name in STAND_IN_MARKS.items()}}
 
 
 def _shard_plan(shapes: dict[str, tuple[int, ...]], num_shards: int) -> list[list[str]]:

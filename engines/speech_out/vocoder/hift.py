@@ -6,7 +6,9 @@ Key layout: `f0_predictor.condnet.{0,2,4,6,8}` (weight-normed convs, ELU between
 `weight_g/weight_v` and as `parametrizations.weight.original0/1`, and folded into plain weights after loading.
 
 Streaming differences from a one-shot call: the harmonic phases start from a per-session carried phase (so
-overlapping windows share the same sine source) and all noise comes from the session's generator. The generator
+overlapping windows share the same sine source; a session starts every harmonic at phase zero, which is what the
+reference's random initial overtone phase amounts to at hop 480, since it is added to the first sample only and the
+frame-rate phase never reads that sample) and all noise comes from the session's generator. The generator
 takes that noise as an input (`HiFTVocoder.render` draws it), so its forward is deterministic and can be replayed
 as a CUDA graph (engines/speech_out/chunk_graphs.py) with the same result as eager. The Snake kernel
 (engines/kernels/speech_out/snake.py) is imported inside the CUDA branches: they need Triton, which a CPU-only machine
@@ -193,19 +195,30 @@ class HiFTGenerator(nn.Module):
 
     def _source(self, f0: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """f0 [B, T] Hz; phase0 [B, H] cycles; noise [B, H, S] standard normal -> source [B, S] and the
-        phase (cycles) just before sample `keep_at`, for the next window."""
+        """f0 [B, T] Hz per frame; phase0 [B, H] cycles; noise [B, H, T * hop] standard normal -> source [B, T * hop]
+        and the phase (cycles) to start the window `keep_at` samples later from.
+
+        The harmonic phase follows the codec's 24 kHz SineGen2: the per-sample increment is summed at frame rate
+        (each frame's increment x hop, the frame's phase reached at its centre) and linearly interpolated between
+        frame centres to the sample rate (clamped to the first and last frame's phase at the edges)."""
         cfg = self.cfg
-        f0s = f0.repeat_interleave(cfg.mel.hop, dim=1)[:, None]  # [B, 1, S]
+        hop, T = cfg.mel.hop, f0.shape[1]
         harm = torch.arange(1, self.n_harmonics + 1, device=f0.device, dtype=f0.dtype)[None, :, None]
-        inc = f0s * harm / cfg.mel.sample_rate  # cycles per sample [B, H, S]
-        cyc = torch.cumsum(inc, dim=-1) + phase0[:, :, None]
+        inc = torch.remainder(f0[:, None] * harm / cfg.mel.sample_rate, 1.0)  # cycles per sample [B, H, T]
+        frame_cyc = torch.cumsum(inc * hop, dim=-1) + phase0[:, :, None]  # at frame centres
+        pos = ((torch.arange(T * hop, device=f0.device, dtype=torch.float32) + 0.5) / hop - 0.5).clamp_(min=0)
+        i0 = pos.long()
+        i1 = (i0 + 1).clamp_(max=T - 1)
+        w = (pos - i0).to(f0.dtype)
+        cyc = frame_cyc[:, :, i0] * (1 - w) + frame_cyc[:, :, i1] * w  # [B, H, S]
         sine = cfg.nsf_alpha * torch.sin(2 * math.pi * torch.remainder(cyc, 1.0))
+        f0s = f0.repeat_interleave(hop, dim=1)[:, None]  # [B, 1, S]
         uv = (f0s > cfg.voiced_threshold).to(f0.dtype)
         amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
         sine = sine * uv + amp * noise
         src = torch.tanh(self.m_source.l_linear(sine.transpose(1, 2))).squeeze(-1)  # [B, S]
-        nxt = torch.remainder(cyc[:, :, keep_at - 1], 1.0) if keep_at > 0 else phase0
+        # A window starting keep_at samples (whole frames) later sees these frames' phases from its frame 0 on.
+        nxt = torch.remainder(frame_cyc[:, :, keep_at // hop - 1], 1.0) if keep_at > 0 else phase0
         return src, nxt
 
     def _source_stages(self, mel: torch.Tensor, phase0: torch.Tensor, noise: torch.Tensor, keep_at: int

@@ -66,12 +66,8 @@ class HiFTVocoder(Vocoder):
 
     def init_state(self, prompt_mel, ctx, gen):
         st = super().init_state(prompt_mel, ctx, gen)
-        H = self.generator.n_harmonics
-        ph = torch.rand(H, generator=gen, device=prompt_mel.device, dtype=prompt_mel.dtype)
-        # The fundamental starts at zero phase, overtones at random phases. (zero_ on a slice: `ph[0] = 0.0` copies a
-        # host scalar, a synchronous copy that made a new answer's CreateResponse wait for the engine loop's stream.)
-        ph[:1].zero_()
-        st.phase = ph
+        # Every harmonic starts at phase zero (engines/speech_out/vocoder/hift.py says why).
+        st.phase = torch.zeros(self.generator.n_harmonics, device=prompt_mel.device, dtype=prompt_mel.dtype)
         return st
 
     def noise(self, gens: list[torch.Generator], frames: int, device, dtype) -> torch.Tensor:

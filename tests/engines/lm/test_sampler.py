@@ -14,7 +14,7 @@ from engines.lm.sampler import (
     mask_audio_logits,
     sample_channel,
 )
-from engines.tokens import AUDIO_PAD, ENDOFTEXT, EOSP, IM_END, MODALITY_PAD, SOSP
+from engines.tokens import AUDIO_PAD, ENDOFTEXT, EOSP, IM_END, MODALITY_PAD, SOSP, start_mode
 
 MC = PRESETS["tiny-random"]
 V = 64
@@ -176,6 +176,15 @@ def test_start_mode_from_last_prompt_row():
     assert {o.mode for o in spoken_prefix} == {"audio"}
     text_prompt = run_script([(150, AUDIO_PAD)], script)
     assert {o.mode for o in text_prompt} == {"text"}
+
+
+def test_start_mode_tie_modality_pad_with_audio_pad_is_text():
+    # The published generate loop sets audio on modality_pad, then text on audio_pad: the second check wins.
+    assert start_mode((MODALITY_PAD, AUDIO_PAD)) == "text"
+    assert start_mode((MODALITY_PAD, 12)) == "audio"
+    assert start_mode((150, 12)) == "text"
+    out = run_script([(150, AUDIO_PAD), (MODALITY_PAD, AUDIO_PAD)], [(300, 9)] * 2)
+    assert {o.mode for o in out} == {"text"}
 
 
 def test_stops_on_endoftext_and_im_end_keeping_the_row():

@@ -89,6 +89,26 @@ def test_streaming_detok_multibyte(text: str) -> None:
         assert "🎉" in deltas
 
 
+EMPTY, END_EMPTY = 151669, 151670  # the stand-in's ids for <|empty|> and <|end_empty|>
+
+
+def test_empty_marks_decode_as_the_published_processor_replaces_them() -> None:
+    tok = StandInTokenizer()
+    ids = tok.encode("a") + [EMPTY] + tok.encode("b") + [END_EMPTY, 151644, 151667, 151679] + tok.encode("c")
+    assert tok.decode(ids) == "a.b:c"  # marks read as "." and ":", every other id >= 151643 dropped
+    det = IncrementalDetokenizer(tok)
+    assert "".join([det.push(i) for i in ids] + [det.flush()]) == "a.b:c"
+
+
+def test_a_mark_ends_the_byte_run_before_it() -> None:
+    # As in a whole decode: the bytes before a mark decode on their own, an incomplete character as U+FFFD.
+    tok = StandInTokenizer()
+    ids = [0xC3, EMPTY, *"é".encode()]
+    assert tok.decode(ids) == "\ufffd.é"
+    det = IncrementalDetokenizer(tok)
+    assert [det.push(i) for i in ids] == ["", "\ufffd.", "", "é"]
+
+
 def test_streaming_detok_flushes_incomplete_tail() -> None:
     det = IncrementalDetokenizer(StandInTokenizer())
     assert det.push(0xC3) == ""
@@ -115,6 +135,26 @@ def test_hf_tokenizer_from_json(tmp_path) -> None:
     det = IncrementalDetokenizer(tok)
     deltas = [det.push(i) for i in ids] + [det.flush()]
     assert "".join(deltas) == s and all("\ufffd" not in d for d in deltas)
+
+
+def test_hf_tokenizer_reads_the_mark_ids_from_its_added_tokens(tmp_path) -> None:
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers package is a project dependency")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab.update({"<|im_end|>": 151645, "<|empty|>": 151700, "<|end_empty|>": 151701})
+    t = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_tokens([tokenizers.AddedToken("<|empty|>"), tokenizers.AddedToken("<|end_empty|>")])
+    t.add_special_tokens([tokenizers.AddedToken("<|im_end|>", special=True)])
+    (tmp_path / "tokenizer.json").write_text(t.to_str())
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.marks == {151700: ".", 151701: ":"}
+    ids = tok.encode("x") + [151700] + tok.encode("y") + [151701, 151645]
+    assert tok.decode(ids) == "x.y:"
+    det = IncrementalDetokenizer(tok)
+    assert "".join([det.push(i) for i in ids] + [det.flush()]) == "x.y:"
 
 
 def test_missing_tokenizer_is_config_error(tmp_path) -> None:
