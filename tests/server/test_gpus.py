@@ -42,7 +42,7 @@ def placed(srv: RunningServer) -> dict[str, int]:
 async def test_twenty_sessions_spread_over_both_engines_and_stay(srv):
     sockets = [await websockets.connect(srv.ws, max_size=None) for _ in range(20)]
     try:
-        sids = [(await recv_event(ws))["session"]["id"] for ws in sockets]
+        sids = [(await recv_event(ws))["session"]["moss"]["session_id"] for ws in sockets]
         on = Counter(engine_of(srv, sid) for sid in sids)
         assert sum(on.values()) == 20 and abs(on["0"] - on["1"]) <= 2, on
         assert placed(srv) == on
@@ -60,7 +60,7 @@ async def test_twenty_sessions_spread_over_both_engines_and_stay(srv):
 
 async def test_engine_killed_mid_answer_ends_only_its_sessions_and_takes_sessions_again(srv):
     sockets = [await websockets.connect(srv.ws, max_size=None) for _ in range(4)]
-    sids = [(await recv_event(ws))["session"]["id"] for ws in sockets]
+    sids = [(await recv_event(ws))["session"]["moss"]["session_id"] for ws in sockets]
     doomed = [ws for ws, sid in zip(sockets, sids, strict=True) if engine_of(srv, sid) == "1"]
     spared = [ws for ws, sid in zip(sockets, sids, strict=True) if engine_of(srv, sid) == "0"]
     assert len(doomed) == len(spared) == 2
@@ -81,7 +81,7 @@ async def test_engine_killed_mid_answer_ends_only_its_sessions_and_takes_session
     assert body["engines"]["1"]["restarts"] == 1 and body["engines"]["0"]["restarts"] == 0
     await srv.wait_engine_idle()  # both engines' last stats idle: placement by sessions alone
     fresh = [await websockets.connect(srv.ws, max_size=None) for _ in range(2)]
-    fresh_sids = [(await recv_event(ws))["session"]["id"] for ws in fresh]
+    fresh_sids = [(await recv_event(ws))["session"]["moss"]["session_id"] for ws in fresh]
     assert sorted(engine_of(srv, sid) for sid in fresh_sids) == ["0", "1"]
     for ws in fresh:
         assert (await short_answer(ws))["status"] in ("completed", "incomplete")
@@ -93,7 +93,7 @@ async def test_no_session_is_placed_on_an_engine_still_loading(srv):
     loading.ready = False  # as while it starts or restarts
     try:
         sockets = [await websockets.connect(srv.ws, max_size=None) for _ in range(3)]
-        sids = [(await recv_event(ws))["session"]["id"] for ws in sockets]
+        sids = [(await recv_event(ws))["session"]["moss"]["session_id"] for ws in sockets]
         assert {engine_of(srv, sid) for sid in sids} == {"1"}
         for ws in sockets:
             await ws.close()

@@ -120,7 +120,7 @@ async def test_engine_killed_clients_get_error_and_restart_works(slow_srv):
         await open_session(ws)
         await open_session(idle)
         await start_answer(ws, "talk")
-        os.kill(slow_srv.app.state.engine.proc.pid, signal.SIGKILL)
+        os.kill(slow_srv.engine().proc.pid, signal.SIGKILL)
         for client, active in ((ws, True), (idle, False)):
             evs = []
             with pytest.raises(websockets.ConnectionClosed) as e:

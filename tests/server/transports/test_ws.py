@@ -138,7 +138,8 @@ async def test_a_client_that_reads_is_never_slow_however_many_events_it_sends(ti
         assert ws.close_code is None
         reader.cancel()
     codes = [e["error"]["code"] for e in events if e["type"] == "error"]
-    assert codes == ["unknown_event"] * 5000
+    # Items past what one answer's prompt may hold are refused by the engine (input_too_large), one error each.
+    assert codes[:5000] == ["unknown_event"] * 5000 and set(codes[5000:]) <= {"input_too_large"}
     assert sum(e["type"] == "conversation.item.added" for e in events) == 1501
 
 
