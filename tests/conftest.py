@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+SERVER_LOGGERS = ("server", "uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+@pytest.fixture(autouse=True)
+def server_loggers_restored():
+    """A test that runs `serve` in-process (setup_logging) points the server's loggers at the stderr pytest captured
+    for that test, which is closed after it: every later log line would then fail (and print why), so each test
+    leaves these loggers as it found them."""
+    saved = {n: (lg.handlers[:], lg.level, lg.propagate) for n in SERVER_LOGGERS if (lg := logging.getLogger(n))}
+    yield
+    for n, (handlers, level, propagate) in saved.items():
+        lg = logging.getLogger(n)
+        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate

@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,22 +19,7 @@ from engines.speech_out.decoder import CodecDecoder
 from engines.speech_out.random_codec import write_random_codec
 from engines.weights_check import WeightsError, problems_text, require_weights, weights_problems
 from moss_speech.cli import main as cli_main
-
-
-def write_campplus_stand_in(path: Path) -> None:
-    """An ONNX model with campplus.onnx's interface (fbank [1, T, 80] -> [1, 192]); the real network is not public
-    here."""
-    from onnx import TensorProto, helper, save  # dev dependency
-
-    w = np.random.default_rng(0).standard_normal((80, 192)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("ReduceMax", ["input"], ["m"], axes=[1], keepdims=0),
-         helper.make_node("MatMul", ["m", "w"], ["output"])],
-        "campplus_standin",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, None, 80])],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 192])],
-        [helper.make_tensor("w", TensorProto.FLOAT, [80, 192], w.reshape(-1).tolist())])
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), str(path))
+from tests.engines.speech_out.campplus_stand_in import write_campplus_stand_in
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,17 @@ from engines.speech_out.mel_spec import CODEC_MEL, log_mel
 from engines.speech_out.random_codec import write_random_codec
 from engines.speech_out.voice import DEFAULT_VOICE_WAV, resample
 from tests.engines.process import service_loop
+from tests.engines.speech_out.campplus_stand_in import write_campplus_stand_in
 
 BASE = ["--device", "cpu", "--model", "tiny-random", "--no-warm-up", "--vocoder", "hift"]
 
 
 @pytest.fixture(scope="module")
 def codec_dir(tmp_path_factory):
-    """A random codec directory with a campplus.onnx in place (its x-vector is computed by a stand-in below)."""
+    """A random codec directory with a campplus.onnx in place (the x-vector itself is computed by a stand-in below,
+    which depends on the recording more visibly)."""
     root = write_random_codec(tmp_path_factory.mktemp("codec"))
-    (root / "flow" / "campplus.onnx").write_bytes(b"stand-in")
+    write_campplus_stand_in(root / "flow" / "campplus.onnx")
     return root
 
 

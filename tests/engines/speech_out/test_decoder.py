@@ -20,6 +20,7 @@ from engines.speech_out.config import HiFTConfig
 from engines.speech_out.presets import DECODER_PRESETS
 from engines.speech_out.random_codec import write_random_codec, write_random_decoder
 from engines.speech_out.vocoder.vocoder import HiFTVocoder
+from tests.engines.speech_out.campplus_stand_in import WEIGHT, write_campplus_stand_in
 
 SPC = 1920  # samples per code
 # Streamed vs offline run the same ops on the same shapes: equal up to float noise.
@@ -404,24 +405,13 @@ def test_bf16_estimator_runs_close_to_float32():
 def test_campplus_xvector_through_onnxruntime(tmp_path):
     """A stand-in campplus.onnx (max over time of the fbank, then a fixed 80 x 192 matrix) checks the feature
     normalisation, the onnxruntime call and the output shape; the real CAM++ network is not available here."""
-    from onnx import TensorProto, helper, save
-
     from engines.speech_out.voice import campplus_xvector, kaldi_fbank
 
-    w = np.random.default_rng(0).standard_normal((80, 192)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("ReduceMax", ["input"], ["m"], axes=[1], keepdims=0),
-         helper.make_node("MatMul", ["m", "w"], ["output"])],
-        "campplus_standin",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, None, 80])],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 192])],
-        [helper.make_tensor("w", TensorProto.FLOAT, [80, 192], w.reshape(-1).tolist())])
-    path = tmp_path / "campplus.onnx"
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), str(path))
+    path = write_campplus_stand_in(tmp_path / "campplus.onnx")
     wav = torch.from_numpy(np.random.default_rng(1).standard_normal(16000).astype(np.float32) * 0.1)
     got = campplus_xvector(wav, path)
     fb = kaldi_fbank(wav)
-    want = (fb - fb.mean(0, keepdim=True)).amax(0).numpy() @ w
+    want = (fb - fb.mean(0, keepdim=True)).amax(0).numpy() @ WEIGHT
     assert got.shape == (192,)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-3)
 

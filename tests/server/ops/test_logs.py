@@ -15,18 +15,7 @@ from tests.fakes.harness import RunningServer, fake_settings, recv_event
 KEY = "sk-live-0123456789abcdef"
 
 
-@pytest.fixture
-def logs_at_info():
-    names = ("server", "uvicorn", "uvicorn.error", "uvicorn.access")
-    saved = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level, logging.getLogger(n).propagate)
-             for n in names}
-    yield
-    for n, (handlers, level, propagate) in saved.items():
-        lg = logging.getLogger(n)
-        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
-
-
-async def test_keys_and_secrets_are_redacted_from_every_line(logs_at_info, capsys):
+async def test_keys_and_secrets_are_redacted_from_every_line(capsys):
     settings = fake_settings(api_keys=[KEY])
     with RunningServer(settings) as s:
         setup_logging("info", "kv", secrets=settings.secrets())  # after uvicorn's config set its loggers' levels
