@@ -47,12 +47,14 @@ from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError
+from engines.process.history import History
 from engines.process.observe.spans import Spans
 from engines.process.outputs import Out, Outputs
 from engines.process.prompt import PromptBuilder
 from engines.process.responses import Responses, sampling_params
 from engines.process.sessions import ResponseState, Session, Turn
 from engines.process.tokenizer import TextTokenizer
+from engines.process.transcripts import Transcript, Transcripts
 from engines.process.user_input import UserInput
 from engines.protocol import errors
 from engines.protocol import messages as m
@@ -62,12 +64,13 @@ log = logging.getLogger("engines.process")
 SLOW_STEP_S = 0.1
 
 
-class Service(UserInput, Responses, Outputs):
+class Service(UserInput, Responses, History, Transcripts, Outputs):
     """Session messages in, engine calls, session messages out (module doc). Its parts: the entry points, the
     dispatch and the session messages here; the user's audio, commits and text items in user_input.py (with
     handle_early, for those that arrive while a step runs); responses and the engine's finished requests in
-    responses.py; what goes out (text deltas, audio through the codec worker) in outputs.py. Start-up turns:
-    warm_up.py."""
+    responses.py; the history's items (deleted, or dropped to fit the context) in history.py; transcriptions of
+    user turns in transcripts.py; what goes out (text deltas, audio through the codec worker) in outputs.py.
+    Start-up turns: warm_up.py."""
 
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, encode_every_s: float = 0.0,
@@ -97,6 +100,7 @@ class Service(UserInput, Responses, Outputs):
         self.decoder = decoder
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, tuple[Session, Turn]] = {}
+        self._transcripts: dict[str, Transcript] = {}
         self.encode_every_s = encode_every_s
         self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread)
         self._codec = None
@@ -190,6 +194,7 @@ class Service(UserInput, Responses, Outputs):
         for o in outputs:
             entry = self._requests.get(o.request_id)
             if entry is None:
+                self._transcript_row(o)
                 continue
             s, t = entry
             r = t.response
@@ -262,6 +267,7 @@ class Service(UserInput, Responses, Outputs):
             s.instructions = msg.instructions
             if s.system_sent:
                 s.pending_rows += self.prompts.text_turn_rows("system", msg.instructions)
+                self._add_item(s, None, pinned=True)
         if msg.voice_wav is not None:
             s.voice_wav, s.voice = msg.voice_wav, voice  # from the next response on
         self._send(client, m.SessionReady(msg.session_id))
@@ -280,6 +286,7 @@ class Service(UserInput, Responses, Outputs):
             self._speech.drop(s.session_id)
         if s.completing is not None:
             self._drop_last_audio(s.completing)
+        self._drop_transcripts(s)
         t = s.active
         if t is not None:
             t.undo = "close"

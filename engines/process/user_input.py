@@ -17,6 +17,7 @@ from engines.api import SamplingParams
 from engines.audio.wav import pcm16_to_float32
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError, speech_error
+from engines.process.history import AUDIO_TURN_RESERVE
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Session, Turn
 from engines.protocol import errors
@@ -97,7 +98,7 @@ class UserInput:
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)
         if not self._start_commit(client, msg, s):  # no audio is left to finalize
-            self._committed(s, [])
+            self._committed(s, [], msg)
 
     def _start_commit(self, client: bytes, msg: m.CommitUserAudio, s: Session) -> bool:
         """The encoder finalizes the turn (False: it holds none of it); the session's next messages wait for that."""
@@ -117,19 +118,23 @@ class UserInput:
             self._report(client, msg, codes if isinstance(codes, ValueError) else speech_error(codes))
             self._clear_speech(s)
         else:
-            self._guard(client, msg, self._committed, s, codes)
+            self._guard(client, msg, self._committed, s, codes, msg)
         for i, (c, queued) in enumerate(waiting):
             if s.commit_pending is not None:  # committed again: the rest waits for that one
                 s.after_commit += waiting[i:]
                 return
             self._dispatch(c, queued)
 
-    def _committed(self, s: Session, codes: list[int]) -> None:
-        """The user's turn ends with these last codes (its encoder stream is finalized)."""
+    def _committed(self, s: Session, codes: list[int], msg: m.CommitUserAudio) -> None:
+        """The user's turn (the commit's item) ends with these last codes (its encoder stream is finalized)."""
         if s.turn_codes + len(codes) == 0:
             raise ServiceError(errors.INVALID_REQUEST, "the input audio buffer holds no speech to commit")
+        s.commit_item = msg.item_id
         self._user_codes(s, codes, commit=True)
-        s.turn_codes = 0
+        turn = s.turn_code_list
+        s.turn_codes, s.turn_code_list = 0, []
+        if msg.transcribe:
+            self._transcribe(s, msg.item_id, turn)
 
     def _speech_failed(self, s: Session, e: Exception) -> None:
         """The encoder failed on this session's audio: the turn so far is dropped, as if the client cleared it."""
@@ -145,7 +150,8 @@ class UserInput:
         if self._speech is not None:
             self._speech.drop(s.session_id)
         s.pending_codes = []
-        s.turn_codes = 0
+        s.turn_codes, s.turn_code_list = 0, []
+        self._audio_turn_out(s)
         t = s.active
         if t is not None and t.audio_open and t.undo in (None, "requeue"):
             t.undo = "clear"
@@ -157,11 +163,13 @@ class UserInput:
             s.instructions = msg.text  # the first system item is the system prompt
             return
         s.pending_rows += self.prompts.text_turn_rows(msg.role, msg.text)
+        self._add_item(s, msg.item_id, pinned=msg.role == "system")
 
     def _user_codes(self, s: Session, codes: list[int], commit: bool) -> None:
         s.pending_codes += codes
         s.pending_commit = s.pending_commit or commit
         s.turn_codes += len(codes)
+        s.turn_code_list += codes
         sent = self._pump(s)
         self._send(s.owner, m.UserAudioProgress(s.session_id, s.turn_codes, sent))
 
@@ -169,15 +177,25 @@ class UserInput:
         """Move pending speech codes into the engine; returns the rows of the user turn sent so far."""
         t = s.active
         if t is None and s.pending_codes:
-            lead = s.close_rows + self._system_rows(s, "audio") + s.pending_rows
-            rows = lead + self.prompts.audio_turn_open_rows() + self.prompts.audio_code_rows(s.pending_codes)
-            if s.pending_commit:
-                rows += self.prompts.audio_turn_close_rows()
-            rid = s.new_request_id()
             params = s.sampling or SamplingParams()
+            turn = self.prompts.audio_turn_open_rows() + self.prompts.audio_code_rows(s.pending_codes)
+            if s.pending_commit:
+                turn += self.prompts.audio_turn_close_rows()
+            system = self._system_rows(s, "audio")
+            if self._cut_to_fit(s, len(s.close_rows) + len(system) + len(s.pending_rows) + len(turn)
+                                + params.max_new_tokens + AUDIO_TURN_RESERVE):
+                system = self._system_rows(s, "audio")
+            lead = s.close_rows + system + s.pending_rows
+            rows = lead + turn
+            rid = s.new_request_id()
             base = self.engine.conversation_rows(s.conversation_id)
             rerun = self.engine.conversation_unrun_rows(s.conversation_id)
-            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=False)
+            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=False,
+                                    refill_rows=self._refill_lead(s, len(s.close_rows) + len(system)))
+            s.refill_rows = 0
+            self._audio_turn_in(s)
+            if s.pending_commit:
+                self._audio_turn_named(s)
             t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
                      system_included=not s.system_sent, codes=list(s.pending_codes),
                      audio_open=not s.pending_commit, committed=s.pending_commit, rows_added=len(rows),
@@ -196,10 +214,13 @@ class UserInput:
                 t.codes += s.pending_codes
             if s.pending_commit:
                 t.audio_open, t.committed = False, True
+                self._audio_turn_named(s)
             s.pending_codes, s.pending_commit = [], False
         elif s.pending_commit:
             # A response or an undo is in flight: the committed turn waits whole.
             s.pending_rows += self.prompts.user_audio_turn_rows(s.pending_codes)
+            self._audio_turn_in(s)
+            self._audio_turn_named(s)
             s.pending_codes, s.pending_commit = [], False
         t = s.active
         if t is None or t.response is not None or not t.codes:
