@@ -1,7 +1,7 @@
 """Validation of client-provided session and response settings (OpenAI Realtime GA shape + our extension).
 
 Every unknown field is refused with its dotted name. Fields of the GA shape that this server does not
-implement (tools, transcription, noise reduction...) are accepted only with their "off" values, so a
+implement (tools, noise reduction...) are accepted only with their "off" values, so a
 client that sends defaults works and a client that relies on a feature learns it is missing.
 Updates are atomic: on any error nothing changes.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.protocol import errors
-from engines.protocol.messages import Sampling, number_in
+from engines.protocol.messages import AUTO_RETENTION, Sampling, number_in
 
 
 class ProtocolError(Exception):
@@ -90,6 +90,9 @@ class SessionConfig:
     max_output_tokens: int | str = "inf"
     sampling: Sampling = field(default_factory=Sampling)
     voice_prompt_wav: bytes | None = None
+    # GA `audio.input.transcription` (the model named is echoed; MOSS-Speech itself transcribes) and `truncation`
+    transcription: dict[str, Any] | None = None
+    truncation: str | dict[str, Any] = "auto"
 
     def sampling_dict(self) -> dict[str, Any]:
         s = self.sampling
@@ -233,7 +236,6 @@ def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
     _off(s, "tools", "session", ([], None))
     _off(s, "tool_choice", "session", ("auto", "none", None))
     _off(s, "tracing", "session", (None,))
-    _off(s, "truncation", "session", ("auto", None))
     _off(s, "prompt", "session", (None,))
     _off(s, "include", "session", (None, []))
     cfg: dict[str, Any] = {}
@@ -257,7 +259,8 @@ def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
             _keys(i, {"format", "transcription", "noise_reduction", "turn_detection"}, "session.audio.input")
             if "format" in i:
                 _format(i["format"], "session.audio.input.format")
-            _off(i, "transcription", "session.audio.input", (None,))
+            if "transcription" in i:
+                cfg["transcription"] = _transcription(i["transcription"], "session.audio.input.transcription")
             _off(i, "noise_reduction", "session.audio.input", (None,))
             if "turn_detection" in i:
                 cfg["turn_detection"] = _turn_detection(i["turn_detection"], cur.turn_detection,
@@ -277,7 +280,47 @@ def parse_session_update(v: Any, cur: SessionConfig) -> SessionConfig:
                 cfg["voice"] = o["voice"]
     if "moss" in s:
         _moss(s["moss"], cfg, cur, "session.moss")
+    if s.get("truncation") is not None:
+        cfg["truncation"] = _truncation(s["truncation"], "session.truncation")
     return dataclasses.replace(cur, **cfg)
+
+
+def _truncation(v: Any, param: str) -> str | dict[str, Any]:
+    """GA `truncation`: "auto", "disabled" or {"type": "retention_ratio", "retention_ratio": x in (0, 1]}."""
+    if v in ("auto", "disabled"):
+        return v
+    t = _obj(v, param)
+    _keys(t, {"type", "retention_ratio", "token_limits"}, param)
+    if t.get("type") != "retention_ratio":
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be 'auto', 'disabled' or a retention_ratio object",
+                            f"{param}.type")
+    _off(t, "token_limits", param, (None,))
+    ratio = t.get("retention_ratio")
+    if not number_in(ratio, 0.0, 1.0) or ratio == 0:
+        raise ProtocolError(errors.INVALID_VALUE, f"{param}.retention_ratio must be a number in (0, 1]",
+                            f"{param}.retention_ratio")
+    return {"type": "retention_ratio", "retention_ratio": float(ratio)}
+
+
+def retention_ratio(truncation: str | dict[str, Any]) -> float | None:
+    """The share of the context a cut conversation keeps (None: never cut; "auto": the oldest items go when the next
+    turn would not fit, until the conversation takes AUTO_RETENTION of the context)."""
+    if truncation == "disabled":
+        return None
+    return AUTO_RETENTION if truncation == "auto" else truncation["retention_ratio"]
+
+
+def _transcription(v: Any, param: str) -> dict[str, Any] | None:
+    """GA `audio.input.transcription`: null, or {"model", "language", "prompt"}: any model name (MOSS-Speech itself
+    transcribes), echoed back."""
+    if v is None:
+        return None
+    t = _obj(v, param)
+    _keys(t, {"model", "language", "prompt"}, param)
+    for k in ("model", "language", "prompt"):
+        if t.get(k) is not None and not isinstance(t[k], str):
+            raise ProtocolError(errors.INVALID_VALUE, f"{param}.{k} must be a string", f"{param}.{k}")
+    return {"model": t.get("model"), "language": t.get("language"), "prompt": t.get("prompt")}
 
 
 def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:

@@ -83,7 +83,8 @@ class InputBuffer:
         s.turns.item_id = None
         s.turns.in_speech = False
         prev = s.items[-1] if s.items else None
-        await s.engine_inputs.send(m.CommitUserAudio(session_id=s.id, item_id=item_id))
+        await s.engine_inputs.send(m.CommitUserAudio(session_id=s.id, item_id=item_id,
+                                                     transcribe=s.config.transcription is not None))
         self.samples_16k = 0
         self.samples_client = 0
         self.appended = False

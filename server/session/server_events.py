@@ -49,14 +49,14 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
         "tool_choice": "auto",
         "max_output_tokens": c.max_output_tokens,
         "tracing": None,
-        "truncation": "auto",
+        "truncation": c.truncation,
         "prompt": None,
         "include": None,
         "expires_at": 0,
         "audio": {
             "input": {
                 "format": _audio_format(24000),
-                "transcription": None,
+                "transcription": c.transcription,
                 "noise_reduction": None,
                 "turn_detection": None if td is None else {
                     "type": "server_vad", "threshold": td.threshold, "prefix_padding_ms": td.prefix_padding_ms,

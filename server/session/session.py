@@ -42,6 +42,7 @@ import numpy as np
 
 from engines.protocol import errors
 from engines.protocol import messages as m
+from server.session import items
 from server.session import server_events as ev
 from server.session.client_events import ProtocolError, SessionConfig, decode_client_event
 from server.session.client_handlers import HANDLERS
@@ -197,7 +198,7 @@ class Session:
     # ---- engine messages ---------------------------------------------------------------------
 
     def on_engine_message(self, msg: Any) -> None:
-        if self.closed:
+        if self.closed or items.on_engine_message(self, msg):
             return
         self.responses.on_engine_message(msg)
 
