@@ -204,9 +204,9 @@ class Scheduler:
     def _next_waiting(self, background: bool) -> Sequence | None:
         """The oldest waiting request of the kind; a background one only when no other waits."""
         first = next((s for s in self.waiting if not s.background_request), None)
-        if not background or first is not None:
+        if not background:
             return first
-        return self.waiting[0] if self.waiting else None
+        return None if first is not None else (self.waiting[0] if self.waiting else None)
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int, background: bool = False) -> int:
         """Admit waiting requests, oldest first, while their reservation fits, each with a prefill chunk of its
@@ -294,9 +294,10 @@ class Scheduler:
                    for c in chunks)
 
     def _background_due(self, inflight: dict[int, int]) -> bool:
-        """Background work waits for a normal step: a background request waiting, or a running sequence's background
-        rows not in flight (a background decode's input is decided on the host)."""
-        return any(s.background_request for s in self.waiting) or any(
+        """Background work waits for a normal step: a background request waiting with a slot free, or a running
+        sequence's background rows not in flight (a background decode's input is decided on the host)."""
+        room = len(self.running) < self.config.max_running
+        return (room and any(s.background_request for s in self.waiting)) or any(
             s.background and (s.generating or len(s.rows) > inflight.get(id(s), s.num_computed))
             for s in self.running)
 
