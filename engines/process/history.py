@@ -82,11 +82,14 @@ class History:
         hist = conv + s.close_rows + s.pending_rows
         starts = [i for i, (t, _) in enumerate(hist) if t == IM_START]
         lead = 1 if s.system_sent else 0
-        if len(starts) != len(s.items) + lead or (hist and starts[:1] != [0]):
+        # A user audio turn whose request was undone waits as codes, not rows: the last item, still empty.
+        waiting = int(s.active is None and s.audio_item is not None and s.items[-1:] == [s.audio_item])
+        n = len(s.items) - waiting
+        if len(starts) != n + lead or (hist and starts[:1] != [0]):
             # (a text answer that generated <|im_start|> itself)
             raise ServiceError(errors.ENGINE_ERROR, f"the history's {len(starts)} turns do not match its "
-                               f"{len(s.items)} items; it cannot be cut")
-        bounds = starts + [len(hist)]
+                               f"{n} items; it cannot be cut")
+        bounds = starts + [len(hist)] * (1 + waiting)
         return len(conv), hist, [(bounds[lead + i], bounds[lead + i + 1]) for i in range(len(s.items))]
 
     def _drop(self, s: Session, drop: list[int]) -> None:

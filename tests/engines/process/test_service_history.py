@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engines.api import QueueFullError
+from engines.process.sessions import Item
 from engines.process.transcripts import TRANSCRIBE_INSTRUCTION
 from engines.protocol import messages as m
 from tests.engines.process.test_service_sessions import (
@@ -187,3 +188,19 @@ def test_with_truncation_disabled_a_turn_past_the_context_is_refused() -> None:
     assert errs and errs[0].code == "request_too_large"
     (bad,) = of(send(svc, m.SetTruncation("s", 1.5)), m.Error)
     assert bad.code == "invalid_request"
+
+
+def test_an_undone_audio_turn_waiting_as_codes_is_an_empty_last_item() -> None:
+    """A user audio turn whose request was undone (its codes wait to be sent again) is in the items but not in the
+    rows: the history can still be cut, the waiting turn kept."""
+    svc = make_service()
+    send(svc, m.OpenSession("s"))
+    text_turns(svc, "s", 2)
+    s = svc.sessions["s"]
+    s.audio_item = Item(None)
+    s.items.append(s.audio_item)
+    s.pending_codes = [5, 6]
+    n, hist, spans = svc._turn_spans(s)
+    assert spans[-1] == (len(hist), len(hist)) and spans[-2][1] == len(hist)
+    svc._drop(s, [0])
+    assert [it.item_id for it in s.items] == ["a0", "i1", "a1", None]
