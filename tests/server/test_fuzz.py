@@ -116,7 +116,7 @@ async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dic
         """The server's session has no answer and no task of its own left (a held input's flush, an automatic
         answer after a cancelled one): nothing starts an answer by itself any more."""
         s = srv.app.state.sessions.sessions.get(sid)
-        return s is not None and not s.response_active and not s._tasks.tasks
+        return s is not None and not s.response_active and not s.tasks.tasks
 
     await taken("item_still_answers")
     await _until(quiet, "the session to settle", last)
