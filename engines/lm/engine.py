@@ -238,8 +238,10 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet admitted (what the service loop reads every step, without `stats()`'s copy)."""
-        return len(self.scheduler.waiting)
+        """Requests not yet admitted but background ones (what the service loop reads every step to know whether an
+        answer waits, without `stats()`'s copy)."""
+        waiting = self.scheduler.waiting
+        return len(waiting) - sum(1 for s in waiting if s.background_request) if waiting else 0
 
     def stats(self) -> EngineStats:
         s = self._stats

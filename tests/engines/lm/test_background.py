@@ -96,6 +96,7 @@ def test_background_requests_never_displace_an_answers_rows(seed, overlap):
 def test_background_request_gets_its_rows_and_frees_its_blocks():
     engine, model = make_engine(blocks=64)
     engine.add_request("t", prompt(9), SamplingParams.greedy_params(max_new_tokens=5), background=True)
+    assert engine.num_waiting == 0 and engine.stats().waiting == 1  # no answer waits on it
     out = run_to_end(engine)
     assert [o.text_token for o in out["t"]] == [model.text_token] * 5 and out["t"][-1].finish_reason == "length"
     st = engine.stats()
