@@ -28,6 +28,11 @@ Rules the server can rely on:
 - The system turn goes in with the first rows sent: `instructions`, else the default prompt for
   the first response's modality (the spoken one when user speech comes first). New instructions
   after that are added as another system turn.
+- A CommitUserAudio with `transcribe` gets TranscriptionDelta messages and one TranscriptionDone for its item
+  (transcripts.py); the transcription never touches a conversation and runs only on what answers leave.
+- DeleteItem (between turns only, else INVALID_REQUEST) and the oldest items dropped when a request would not fit
+  max_model_len (SetTruncation; by default down to AUTO_RETENTION of it) are answered by ItemsDropped
+  (history.py); the system turn and system items are never dropped to fit.
 """
 
 from __future__ import annotations
