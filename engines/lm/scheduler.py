@@ -10,8 +10,8 @@ nothing running is ever preempted. Aborts take effect at the next step boundary.
 
 Background work (Sequence.low_until: input transcriptions, a conversation's re-prefill after it was cut to fit its
 context) takes only the rows a step has left after everything else, in no step that runs an answer's first rows or
-ends a prompt, and a background request is admitted only when no other request waits: an answer's chunks are the
-same with or without it.
+ends a prompt, and a background request is admitted only when no other request waits and an eighth of the slots
+stays free: an answer's chunks are the same with or without it.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class Scheduler:
         rows within `budget` (of its background rows only with `background`). Returns the budget left."""
         while budget > 0 and len(self.running) < self.config.max_running:
             seq = self._next_waiting(background)
-            if seq is None:
+            if seq is None or (seq.background_request and not self._background_room()):
                 break
             need = seq.blocks_needed(self.block_size)
             if not self.pool.reserve(need):
@@ -293,11 +293,14 @@ class Scheduler:
         return any(c.needs_logits and not c.seq.background_request and c.seq.num_generated + 1 < self.config.ramp_rows
                    for c in chunks)
 
+    def _background_room(self) -> bool:
+        """A background request may take a slot: an eighth of them stays free for answers."""
+        return self.config.max_running - len(self.running) > self.config.max_running // 8
+
     def _background_due(self, inflight: dict[int, int]) -> bool:
-        """Background work waits for a normal step: a background request waiting with a slot free, or a running
+        """Background work waits for a normal step: a background request waiting with room for it, or a running
         sequence's background rows not in flight (a background decode's input is decided on the host)."""
-        room = len(self.running) < self.config.max_running
-        return (room and any(s.background_request for s in self.waiting)) or any(
+        return (self._background_room() and any(s.background_request for s in self.waiting)) or any(
             s.background and (s.generating or len(s.rows) > inflight.get(id(s), s.num_computed))
             for s in self.running)
 

@@ -56,7 +56,7 @@ class Sequence:
     # an answer's first rows. A background request (an input transcription) has it past any row it will reach; a
     # conversation cut to fit its context re-runs the rows it kept up to here.
     low_until: int = 0
-    background_request: bool = False  # admitted only when no other request waits
+    background_request: bool = False  # admitted only when no other request waits (Scheduler)
 
     @property
     def background(self) -> bool:

@@ -121,3 +121,18 @@ def test_a_refill_runs_as_background_then_the_turn_as_usual():
     run_to_end(engine)
     assert engine.conversation_rows("c") == 47
     engine.check_integrity()
+
+
+def test_a_background_request_leaves_an_eighth_of_the_slots_to_answers():
+    engine, _ = make_engine(prefill_token_budget=64, max_running=8, blocks=256, ramp_rows=4)
+    for i in range(7):
+        engine.add_request(f"a{i}", prompt(2, 100 * i), SamplingParams.greedy_params(max_new_tokens=50))
+    engine.add_request("t", prompt(4, 9000), SamplingParams.greedy_params(max_new_tokens=2), background=True)
+    for _ in range(8):  # the answers past their first rows: only the slots hold it back
+        engine.step()
+    assert engine.live_request("t").slot < 0 and engine.stats().running == 7  # one slot of eight stays free
+    engine.abort("a0")
+    engine.step()
+    engine.step()
+    assert engine.live_request("t") is None or engine.live_request("t").slot >= 0
+    engine.check_integrity()
