@@ -21,6 +21,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "codec"), "moss_speech.commands.bench_codec", "time codec chunks at several batch sizes"),
     (("bench", "turn"), "moss_speech.commands.bench_turn", "engine TTFA of a spoken turn, incremental vs at once"),
     (("bench", "encoder"), "moss_speech.commands.bench_encoder", "time the speech encoder per step of audio"),
+    (("bench", "refill"), "moss_speech.commands.bench_refill", "re-prefill of a cut conversation beside answers"),
     (("bench", "sessions"), "moss_speech.commands.bench_sessions", "the server process's CPU per real-time session"),
     (("bench", "capacity"), "moss_speech.loadtest.capacity", "raise concurrency until TTFA or underruns break"),
     (("bench", "soak"), "moss_speech.loadtest.soak", "sessions churning for long: memory, KV and TTFA drift"),

@@ -96,11 +96,14 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, rows: Seq[Row] | torch.Tensor, params: SamplingParams | None = None,
-                    conversation_id: str | None = None, input_done: bool = True) -> None:
+                    conversation_id: str | None = None, input_done: bool = True, background: bool = False,
+                    refill_rows: int = 0) -> None:
+        """`background`: a request of its own (no conversation) that runs only on what other work leaves
+        (Scheduler); `refill_rows`: the first rows of `rows` re-run history cut to fit, as background work."""
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.scheduler.add(request_id, _check_rows(rows, self.model_config), params, seed, conversation_id,
-                           input_done)
+                           input_done, background=background, refill_rows=refill_rows)
 
     def append_input(self, request_id: str, rows: Seq[Row] | torch.Tensor, input_done: bool = True,
                      params: SamplingParams | None = None) -> None:
@@ -235,8 +238,10 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet admitted (what the service loop reads every step, without `stats()`'s copy)."""
-        return len(self.scheduler.waiting)
+        """Requests not yet admitted but background ones (what the service loop reads every step to know whether an
+        answer waits, without `stats()`'s copy)."""
+        waiting = self.scheduler.waiting
+        return len(waiting) - sum(1 for s in waiting if s.background_request) if waiting else 0
 
     def stats(self) -> EngineStats:
         s = self._stats

@@ -13,6 +13,11 @@ released. A request whose need exceeds what could ever be free without that (the
 what the running sequences give back when they finish) is refused: at `add` with
 QueueFullError, and, when that changes later (a request waiting grew, the running ones used their reservations),
 at the next `schedule` with finish reason "no_kv", so that it never waits forever, nor the requests behind it.
+
+Background work (Sequence.low_until: input transcriptions, a conversation's re-prefill after it was cut to fit its
+context) takes only the rows a step has left after everything else, in no step that runs an answer's first rows or
+ends a prompt, and a background request is admitted only when no other request waits and an eighth of the slots
+stays free: an answer's chunks are the same with or without it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from engines.api import (
 )
 from engines.config import EngineConfig
 from engines.lm.kv.block_pool import BlockPool
+from engines.lm.kv_room import KvRoom
 from engines.lm.sequence import Conversation, Sequence, blocks_for
 from engines.tokens import Row
 
@@ -39,7 +45,10 @@ RAMP_MIN_PREFILL = 16
 # pending; a chunk in flight is not where its sequence is; a generated row in flight is text (its successor's input
 # is decided on the host); a prompt ends whose first row is text; nothing would decode; a generating sequence is not
 # in the step; prefill beside decodes with no answer ramping (deliberate: the next step gathers more rows).
-AHEAD_REFUSALS = ("abort", "stale", "text row", "text prompt", "no decode", "a decode left out", "prefill, no ramp")
+# Background work waits while nothing ramps (a normal step runs it).
+AHEAD_REFUSALS = ("abort", "stale", "text row", "text prompt", "no decode", "a decode left out", "prefill, no ramp",
+                  "background")
+BACKGROUND_ALL = 1 << 62  # Sequence.low_until of a background request
 
 
 @dataclass
@@ -60,7 +69,7 @@ class SchedulerOutput:
         return sum(c.num_rows for c in self.chunks)
 
 
-class Scheduler:
+class Scheduler(KvRoom):
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -80,7 +89,12 @@ class Scheduler:
     # ---- requests ------------------------------------------------------------------------
 
     def add(self, request_id: str, rows: list[Row], params: SamplingParams, seed: int,
-            conversation_id: str | None, input_done: bool) -> Sequence:
+            conversation_id: str | None, input_done: bool, background: bool = False,
+            refill_rows: int = 0) -> Sequence:
+        """`background`: the whole request is background work (it must not extend a conversation); `refill_rows`: the
+        first rows of `rows` are (history re-run after a cut)."""
+        if background and conversation_id is not None:
+            raise InvalidRequestError("a background request cannot extend a conversation")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already live")
         if not rows and conversation_id is None:
@@ -105,7 +119,9 @@ class Scheduler:
             raise RequestTooLargeError(
                 f"{total} rows need {blocks_for(total, self.block_size)} KV blocks; "
                 f"the pool has {self.pool.num_blocks}")
-        if len(self.waiting) >= self.config.max_waiting:
+        # A waiting background request takes no answer's place in the queue (it is refused first).
+        waiting = len(self.waiting) if background else sum(not q.background_request for q in self.waiting)
+        if waiting >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         need = blocks_for(total, self.block_size) - (len(conv.block_ids) if conv is not None else 0)
         if need > self._obtainable():
@@ -114,6 +130,8 @@ class Scheduler:
             request_id=request_id, params=params, seed=seed, rows=history + list(rows),
             num_computed=conv.num_computed if conv else 0, block_ids=conv.block_ids if conv else [],
             prompt_len=len(history) + len(rows), input_done=input_done, conversation=conv,
+            low_until=BACKGROUND_ALL if background else len(history) + min(refill_rows, len(rows)),
+            background_request=background,
         )
         if conv is not None:
             conv.busy = True
@@ -168,31 +186,6 @@ class Scheduler:
         """Something to run or report: waiting requests, pending aborts, or running rows to compute."""
         return bool(self.waiting or self._aborts or any(q.generating or q.num_pending for q in self.running))
 
-    def _obtainable(self) -> int:
-        """Blocks a waiting request could ever reserve while every conversation keeps its history: those free and
-        unreserved, and what the running sequences give back when they finish (their reservations; all their blocks
-        for one without a conversation)."""
-        return self.pool.num_available + sum(s.reserved_blocks + (len(s.block_ids) if s.conversation is None else 0)
-                                             for s in self.running)
-
-    def _no_kv_message(self, need: int) -> str:
-        held = sum(len(c.block_ids) for c in self.conversations.values() if not c.busy)
-        return (f"the KV pool has no room for this request ({need} blocks; {self._obtainable()} are free or will be "
-                f"when the running requests end, {held} of {self.pool.num_blocks} hold other conversations' histories)")
-
-    def _refuse_unadmittable(self) -> list[Sequence]:
-        """The requests at the head of the queue that could never be admitted (module doc): retired, "no_kv"."""
-        out = []
-        while self.waiting:
-            seq = self.waiting[0]
-            if seq.blocks_needed(self.block_size) <= self._obtainable():
-                break
-            self.waiting.popleft()
-            seq.finish_reason = "no_kv"
-            self.finish(seq)
-            out.append(seq)
-        return out
-
     def schedule(self) -> SchedulerOutput:
         finished = self._apply_aborts()
         finished += self._refuse_unadmittable()
@@ -201,32 +194,52 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         # Decodes first: one row per generating sequence, never starved by prefill.
         for seq in self.running:
-            if seq.generating:
+            if seq.generating and not seq.background:
                 chunks.append(ScheduledChunk(seq, 1, seq.num_computed, True))
                 budget -= 1
         budget = self._ramp_capped(budget, len(chunks), any(c.seq.num_generated < cfg.ramp_rows for c in chunks))
         budget = self._add_prefills(chunks, {}, budget)
-        self._admit(chunks, budget)
+        budget = self._admit(chunks, budget)
+        if not any(self._starts_answer(c) for c in chunks):
+            for seq in self.running:
+                if seq.generating and seq.background and budget > 0:
+                    chunks.append(ScheduledChunk(seq, 1, seq.num_computed, True))
+                    budget -= 1
+            self._admit(chunks, self._add_prefills(chunks, {}, budget, background=True), background=True)
         for c in chunks:
             self._ensure_blocks(c.seq, c.start + c.num_rows)
         return SchedulerOutput(chunks, finished)
 
-    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+    def _starts_answer(self, c: ScheduledChunk) -> bool:
+        """The chunk samples one of an answer's first rows (not background work's)."""
+        return c.needs_logits and not c.seq.background_request and c.seq.num_generated < self.config.ramp_rows
+
+    def _next_waiting(self, background: bool) -> Sequence | None:
+        """The oldest waiting request of the kind; a background one only when no other waits."""
+        first = next((s for s in self.waiting if not s.background_request), None)
+        if not background:
+            return first
+        return None if first is not None else (self.waiting[0] if self.waiting else None)
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int, background: bool = False) -> int:
         """Admit waiting requests, oldest first, while their reservation fits, each with a prefill chunk of its
-        rows within `budget`."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
-            seq = self.waiting[0]
+        rows within `budget` (of its background rows only with `background`). Returns the budget left."""
+        while budget > 0 and len(self.running) < self.config.max_running:
+            seq = self._next_waiting(background)
+            if seq is None or (seq.background_request and not self._background_room()):
+                break
             need = seq.blocks_needed(self.block_size)
             if not self.pool.reserve(need):
                 break  # FIFO: nothing jumps the queue
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.reserved_blocks = need
             seq.slot = self._free_slots.pop()
             seq.arrival = self._arrivals
             self._arrivals += 1
             self.running.append(seq)
-            if seq.num_pending > 0:
+            if seq.num_pending > 0 and (background or not seq.background):
                 budget -= self._add_prefill(chunks, seq, budget)
+        return budget
 
     def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
         """The step after `chunks` (launched, tokens not read yet), or None when it cannot be known without those
@@ -248,7 +261,7 @@ class Scheduler:
         decodes: list[ScheduledChunk] = []
         inflight: dict[int, int] = {}  # id(seq) -> its first row not in flight
         ending: dict[int, int] = {}  # id(seq) -> its sample's place among `chunks`' samples: its in-flight row is
-        # its last (max_new_tokens)
+        # its last (max_new_tokens), or it is background work (a normal step runs its next rows)
         for c in chunks:
             s = c.seq
             if id(s) not in running or s.num_computed != c.start:
@@ -256,7 +269,7 @@ class Scheduler:
             inflight[id(s)] = c.start + c.num_rows
             if not c.needs_logits:
                 continue
-            if s.num_generated + 1 >= s.params.max_new_tokens:
+            if s.background or s.num_generated + 1 >= s.params.max_new_tokens:
                 ending[id(s)] = len(decodes) + len(ending)
                 continue
             if s.generating:
@@ -269,13 +282,15 @@ class Scheduler:
         ahead = {id(c.seq) for c in decodes} | set(ending)
         if not decodes:
             return self._refuse("no decode")
-        if any(s.generating and id(s) not in ahead for s in self.running):
+        if any(s.generating and id(s) not in ahead and not s.background for s in self.running):
             return self._refuse("a decode left out")
         out = list(decodes)
         cfg = self.config
         if self.ramps_after(decodes):
             budget = self._ramp_capped(cfg.prefill_token_budget - len(decodes), len(decodes), True)
             self._admit(out, self._add_prefills(out, inflight, budget))
+        elif self._background_due(inflight):
+            return self._refuse("background")
         elif self.waiting or len(decodes) != len(self.running) - len(ending):
             # Beside prefill, only while a new answer ramps (its first audio waits on every step): otherwise the
             # host's turn between steps lets the next one gather more rows, in fewer steps each reading all the
@@ -288,7 +303,19 @@ class Scheduler:
 
     def ramps_after(self, chunks: list[ScheduledChunk]) -> bool:
         """Some chunk of a step in flight samples a row after which its answer is still in its first `ramp_rows`."""
-        return any(c.needs_logits and c.seq.num_generated + 1 < self.config.ramp_rows for c in chunks)
+        return any(c.needs_logits and not c.seq.background_request and c.seq.num_generated + 1 < self.config.ramp_rows
+                   for c in chunks)
+
+    def _background_room(self) -> bool:
+        """A background request may take a slot: an eighth of them stays free for answers."""
+        return self.config.max_running - len(self.running) > self.config.max_running // 8
+
+    def _background_due(self, inflight: dict[int, int]) -> bool:
+        """Background work waits for a normal step: a background request waiting with room for it, or a running
+        sequence's background rows not in flight (a background decode's input is decided on the host)."""
+        return (self._background_room() and any(s.background_request for s in self.waiting)) or any(
+            s.background and (s.generating or len(s.rows) > inflight.get(id(s), s.num_computed))
+            for s in self.running)
 
     def _refuse(self, why: str) -> None:  # (AHEAD_REFUSALS)
         self.ahead_refusal = why
@@ -316,13 +343,15 @@ class Scheduler:
             return min(budget, max(cfg.ramp_step_rows - decodes, RAMP_MIN_PREFILL))
         return budget
 
-    def _add_prefills(self, chunks: list[ScheduledChunk], inflight: dict[int, int], budget: int) -> int:
+    def _add_prefills(self, chunks: list[ScheduledChunk], inflight: dict[int, int], budget: int,
+                      background: bool = False) -> int:
         """Prefill chunks of running sequences with rows to run, within `budget`: those whose input is complete
         first (they answer next), then open inputs (users still speaking), oldest first in each. A sequence's rows
         start after those in flight (`inflight`: id(seq) -> its first row not in flight; a step launched ahead).
-        Sequences already in `chunks` and generating ones are left out. Returns the budget left."""
+        Sequences already in `chunks`, generating ones and those of the other kind (`background`) are left out.
+        Returns the budget left."""
         taken = {id(c.seq) for c in chunks}
-        pending = [s for s in self.running if id(s) not in taken and not s.generating
+        pending = [s for s in self.running if id(s) not in taken and not s.generating and s.background == background
                    and len(s.rows) > inflight.get(id(s), s.num_computed)]
         for seq in [s for s in pending if s.input_done] + [s for s in pending if not s.input_done]:
             if budget <= 0:

@@ -52,6 +52,16 @@ class Sequence:
     finish_reason: FinishReason | None = None
     arrival: int = 0  # admission order
     history_marked: bool = False  # the runner has loaded this sequence's history into its repetition buffers
+    # Background work (Scheduler): rows before this index are run only with what a step has left, and never beside
+    # an answer's first rows. A background request (an input transcription) has it past any row it will reach; a
+    # conversation cut to fit its context re-runs the rows it kept up to here.
+    low_until: int = 0
+    background_request: bool = False  # admitted only when no other request waits (Scheduler)
+
+    @property
+    def background(self) -> bool:
+        """Its next rows are background work."""
+        return self.num_computed < self.low_until
 
     @property
     def num_pending(self) -> int:

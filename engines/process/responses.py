@@ -87,6 +87,15 @@ class Responses:
         if t is not None and t.audio_open:
             raise ServiceError(errors.INVALID_REQUEST,
                                "commit or clear the input audio buffer before creating a response")
+        prefix = self.prompts.assistant_prefix_rows(msg.modality)
+        if t is not None and s.retention is not None and s.tentative is None and self._over(
+                s, t.rows_added + len(s.pending_rows) + len(prefix) + params.max_new_tokens):
+            # The answer would not fit after the open user turn: that turn is undone, and prefilled again in a new
+            # request once the oldest items are dropped (_submit_response).
+            t.undo = "requeue"
+            self.engine.abort(t.request_id)
+            s.deferred.append(msg)
+            return
         if t is not None and params != t.params and not self._prompt_settled(s, t, msg.modality):
             # The open request's system turn was chosen for the other modality: prefill the user turn
             # again (same rows, the system prompt for this answer) with the new settings.
@@ -95,7 +104,6 @@ class Responses:
             self.engine.abort(t.request_id)
             s.deferred.append(msg)
             return
-        prefix = self.prompts.assistant_prefix_rows(msg.modality)
         stream = None
         if msg.modality == "audio" and self.decoder is not None:
             stream = self.decoder.open_stream(s.session_id, voice=s.voice, seed=params.seed or 0)
@@ -139,16 +147,23 @@ class Responses:
             s.pending_rows = []
             t.rows_added += len(rows)
         else:
-            rows = s.close_rows + self._system_rows(s, msg.modality) + s.pending_rows + prefix
+            system = self._system_rows(s, msg.modality)
+            if self._cut_to_fit(s, len(s.close_rows) + len(system) + len(s.pending_rows) + len(prefix)
+                                + params.max_new_tokens):
+                system = self._system_rows(s, msg.modality)
+            rows = s.close_rows + system + s.pending_rows + prefix
             rid = s.new_request_id()
             base = self.engine.conversation_rows(s.conversation_id)
             rerun = self.engine.conversation_unrun_rows(s.conversation_id)
-            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=True)
+            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=True,
+                                    refill_rows=self._refill_lead(s, len(s.close_rows) + len(system)))
+            s.refill_rows = 0
             t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
                      system_included=not s.system_sent, rows_added=len(rows), rerun_rows=rerun)
             s.active = t
             self._requests[rid] = (s, t)
             s.close_rows, s.pending_rows, s.system_sent = [], [], True
+        self._add_item(s, msg.item_id or msg.response_id)
         return t
 
     def _on_CancelResponse(self, client: bytes, msg: m.CancelResponse) -> None:
@@ -193,7 +208,10 @@ class Responses:
         s.close_rows, s.answer = [], None
         w.turn.committed, w.turn.audio_open, w.turn.response, w.turn.undo = False, True, None, None
         s.reopened = w.turn
-        s.turn_codes = len(w.turn.codes)
+        s.turn_codes, s.turn_code_list = len(w.turn.codes), list(w.turn.codes)
+        if w.item is not None and w.item in s.items:  # the answer's item (and any after the turn) left with its rows
+            del s.items[s.items.index(w.item) + 1:]
+            s.audio_item = w.item
 
     def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:
         s = self._session(client, msg.session_id)

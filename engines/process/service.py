@@ -36,6 +36,14 @@ Rules the server can rely on:
 - The system turn goes in with the first rows sent: `instructions`, else the default prompt for
   the first response's modality (the spoken one when user speech comes first). New instructions
   after that are added as another system turn.
+- A CommitUserAudio with `transcribe` gets TranscriptionDelta messages and one TranscriptionDone for its item
+  (transcripts.py); the transcription never touches a conversation and runs only on what answers leave. A
+  tentative commit's turn is transcribed once it stands (ConfirmUserAudio, or the next commit), never if withdrawn.
+- DeleteItem (between turns only, a tentative commit not yet confirmed included, else INVALID_REQUEST) and the
+  oldest items dropped when a request would not fit max_model_len (SetTruncation; by default down to
+  AUTO_RETENTION of it; never while a tentative commit may be withdrawn) are answered by ItemsDropped
+  (history.py); the system turn and system items are never dropped to fit. A withdrawn answer's item leaves the
+  history with its rows.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError
+from engines.process.history import History
 from engines.process.limits import InputLimits
 from engines.process.observe.spans import Spans
 from engines.process.outputs import Out, Outputs
@@ -64,6 +73,7 @@ from engines.process.prompt import PromptBuilder
 from engines.process.responses import Responses, sampling_params
 from engines.process.sessions import ResponseState, Session, Turn
 from engines.process.tokenizer import TextTokenizer
+from engines.process.transcripts import Transcript, Transcripts
 from engines.process.user_input import UserInput
 from engines.process.voice_worker import VoiceWorker
 from engines.protocol import errors
@@ -75,12 +85,13 @@ SLOW_STEP_S = 0.1
 STEP_MS_WEIGHT = 0.1  # the weight of the latest step in the recent step time the engine reports
 
 
-class Service(UserInput, Responses, Outputs):
+class Service(UserInput, Responses, History, Transcripts, Outputs):
     """Session messages in, engine calls, session messages out (module doc). Its parts: the entry points, the
     dispatch and the session messages here; the user's audio, commits and text items in user_input.py (with
     handle_early, for those that arrive while a step runs); responses and the engine's finished requests in
-    responses.py; what goes out (text deltas, audio through the codec worker) in outputs.py. Start-up turns:
-    warm_up.py."""
+    responses.py; the history's items (deleted, or dropped to fit the context) in history.py; transcriptions of
+    user turns in transcripts.py; what goes out (text deltas, audio through the codec worker) in outputs.py.
+    Start-up turns: warm_up.py."""
 
     def __init__(self, engine: Any, tokenizer: TextTokenizer, encoder: Any = None, decoder: Any = None,
                  voice_loader: Callable[[bytes], Any] | None = None, encode_every_s: float = 0.0,
@@ -114,6 +125,7 @@ class Service(UserInput, Responses, Outputs):
         self.decoder = decoder
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, tuple[Session, Turn]] = {}
+        self._transcripts: dict[str, Transcript] = {}
         self.encode_every_s = encode_every_s
         self._speech = None if encoder is None else EncoderWorker(encoder, encode_every_s, threaded=encoder_thread)
         self._codec = None
@@ -214,6 +226,7 @@ class Service(UserInput, Responses, Outputs):
         for o in outputs:
             entry = self._requests.get(o.request_id)
             if entry is None:
+                self._transcript_row(o)
                 continue
             s, t = entry
             r = t.response
@@ -295,6 +308,7 @@ class Service(UserInput, Responses, Outputs):
             s.instructions = msg.instructions
             if s.system_sent:
                 s.pending_rows += self.prompts.text_turn_rows("system", msg.instructions)
+                self._add_item(s, None, pinned=True)
         if msg.voice_wav is not None:
             self._submit_voice(s, msg.voice_wav)  # from the next response on
         self._send(client, m.SessionReady(msg.session_id))
@@ -348,6 +362,7 @@ class Service(UserInput, Responses, Outputs):
             self._voices.drop(s.session_id)
         if s.completing is not None:
             self._drop_last_audio(s.completing)
+        self._drop_transcripts(s)
         t = s.active
         if t is not None:
             t.undo = "close"

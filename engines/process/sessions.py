@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from engines.api import SamplingParams
 from engines.process.tokenizer import IncrementalDetokenizer
-from engines.protocol.messages import CreateResponse, Modality
+from engines.protocol.messages import AUTO_RETENTION, CreateResponse, Modality
 from engines.tokens import NUM_AUDIO_CODES, Row
 
 SAMPLES_PER_CODE = 1920  # 24 kHz output / 12.5 codes per second
@@ -101,6 +101,15 @@ class Answer:
         return self.rows[keep - 1] if keep > 0 else self.prefix_last_row
 
 
+@dataclass(eq=False)  # identity: an entry is found by `is` and removed by `remove`
+class Item:
+    """A turn of the conversation after its first system turn, in order (history.py): a client's item, an answer, or
+    a system turn of new instructions (pinned: never dropped to fit the context)."""
+
+    item_id: str | None  # None: a user audio turn not committed yet, or new instructions
+    pinned: bool = False
+
+
 UndoKind = Literal["clear", "requeue", "close", "reopen"]
 
 
@@ -111,6 +120,8 @@ class Tentative:
     turn: Turn  # the user turn it closed
     end_row: int  # conversation rows up to the user's last code: a withdrawal truncates back to here
     response_id: str | None = None  # the answer to it, once asked for
+    item: Item | None = None  # the turn's entry in Session.items: the open audio turn again if withdrawn
+    transcript: tuple[str, list[int]] | None = None  # (item id, codes) to transcribe once the turn stands
 
 
 @dataclass
@@ -170,6 +181,14 @@ class Session:
     # engine request that carries this turn's bookkeeping on).
     reopened: Turn | None = None
     next_request: int = 0
+    items: list[Item] = field(default_factory=list)  # one per turn after the system turn (history.py)
+    audio_item: Item | None = None  # the user audio turn in the history, until its commit names it
+    commit_item: str | None = None  # the item id of the commit being applied
+    turn_code_list: list[int] = field(default_factory=list)  # the current user turn's codes (its transcription)
+    # Drop the oldest items when the next turn would not fit, until the history takes at most this share of the
+    # context (None: refuse the turn instead; SetTruncation).
+    retention: float | None = AUTO_RETENTION
+    refill_rows: int = 0  # the leading pending rows are history prefilled again (after a cut): background work
 
     @property
     def conversation_id(self) -> str:

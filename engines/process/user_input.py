@@ -17,6 +17,7 @@ from engines.api import SamplingParams
 from engines.audio.wav import pcm16_to_float32
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError, speech_error
+from engines.process.history import AUDIO_TURN_RESERVE
 from engines.process.limits import InputLimits
 from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Session, Tentative, Turn
@@ -100,7 +101,7 @@ class UserInput:
     def _on_CommitUserAudio(self, client: bytes, msg: m.CommitUserAudio) -> None:
         s = self._session(client, msg.session_id)
         if not self._start_commit(client, msg, s):  # no audio is left to finalize
-            self._committed(s, [], msg.tentative)
+            self._committed(s, [], msg)
 
     def _start_commit(self, client: bytes, msg: m.CommitUserAudio, s: Session) -> bool:
         """The encoder finalizes the turn (False: it holds none of it); the session's next messages wait for that."""
@@ -120,29 +121,43 @@ class UserInput:
             self._report(client, msg, codes if isinstance(codes, ValueError) else speech_error(codes))
             self._clear_speech(s)
         else:
-            self._guard(client, msg, self._committed, s, codes, msg.tentative)
+            self._guard(client, msg, self._committed, s, codes, msg)
         for i, (c, queued) in enumerate(waiting):
             if s.commit_pending is not None:  # committed again: the rest waits for that one
                 s.after_commit += waiting[i:]
                 return
             self._dispatch(c, queued)
 
-    def _committed(self, s: Session, codes: list[int], tentative: bool = False) -> None:
-        """The user's turn ends with these last codes (its encoder stream is finalized, or kept if `tentative`)."""
+    def _committed(self, s: Session, codes: list[int], msg: m.CommitUserAudio) -> None:
+        """The user's turn (the commit's item) ends with these last codes (its encoder stream is finalized, or kept
+        if `tentative`). A tentative turn is transcribed once it stands (confirmed, or another turn begun), never
+        if withdrawn: the turn then goes on, and its final commit transcribes all of it."""
         if s.turn_codes + len(codes) == 0:
             raise ServiceError(errors.INVALID_REQUEST, "the input audio buffer holds no speech to commit")
-        s.tentative = None
+        self._settle_tentative(s)
+        s.commit_item = msg.item_id
         self._user_codes(s, codes, commit=True)
-        s.turn_codes = 0
+        turn = s.turn_code_list
+        s.turn_codes, s.turn_code_list = 0, []
         t = s.active
-        if tentative and t is not None and t.committed and t.response is None and t.undo is None:
-            s.tentative = Tentative(t, t.base_rows + t.user_end)
-        elif tentative and self._speech is not None:  # it could not be taken back: it stands
+        transcript = (msg.item_id, turn) if msg.transcribe else None
+        if msg.tentative and t is not None and t.committed and t.response is None and t.undo is None:
+            s.tentative = Tentative(t, t.base_rows + t.user_end, item=s.items[-1], transcript=transcript)
+            return
+        if msg.tentative and self._speech is not None:  # it could not be taken back: it stands
             self._speech.drop(s.session_id)
+        if transcript is not None:
+            self._transcribe(s, *transcript)
+
+    def _settle_tentative(self, s: Session) -> None:
+        """The tentative commit stands: its turn is transcribed if asked."""
+        w, s.tentative = s.tentative, None
+        if w is not None and w.transcript is not None:
+            self._transcribe(s, *w.transcript)
 
     def _on_ConfirmUserAudio(self, client: bytes, msg: m.ConfirmUserAudio) -> None:
         s = self._session(client, msg.session_id)
-        s.tentative = None
+        self._settle_tentative(s)
         if self._speech is not None:
             self._speech.drop(s.session_id)
 
@@ -160,13 +175,14 @@ class UserInput:
         if self._speech is not None:
             self._speech.drop(s.session_id)
         s.pending_codes = []
-        s.turn_codes = 0
-        s.tentative = None
+        s.turn_codes, s.turn_code_list = 0, []
+        self._settle_tentative(s)
         if s.reopened is not None:  # a withdrawn turn's rows end the conversation: they go, as its undo would
             o, s.reopened = s.reopened, None
             self.engine.truncate_conversation(s.conversation_id, o.base_rows)
             s.close_rows, s.pending_rows = o.close_rows, list(o.carried_rows) + s.pending_rows
             s.system_sent = s.system_sent and not o.system_included
+        self._audio_turn_out(s)
         t = s.active
         if t is not None and t.audio_open and t.undo in (None, "requeue"):
             t.undo = "clear"
@@ -182,11 +198,13 @@ class UserInput:
         if self.max_waiting_rows is not None:
             self.limits.check_waiting_rows(len(s.close_rows) + len(s.pending_rows) + len(rows), self.max_waiting_rows)
         s.pending_rows += rows
+        self._add_item(s, msg.item_id, pinned=msg.role == "system")
 
     def _user_codes(self, s: Session, codes: list[int], commit: bool) -> None:
         s.pending_codes += codes
         s.pending_commit = s.pending_commit or commit
         s.turn_codes += len(codes)
+        s.turn_code_list += codes
         sent = self._pump(s)
         self._send(s.owner, m.UserAudioProgress(s.session_id, s.turn_codes, sent))
 
@@ -196,16 +214,27 @@ class UserInput:
         if t is None and s.reopened is not None and (s.pending_codes or s.pending_commit):
             t = self._continue_turn(s)
         elif t is None and s.pending_codes:
-            lead = s.close_rows + self._system_rows(s, "audio") + s.pending_rows
-            rows = lead + self.prompts.audio_turn_open_rows() + self.prompts.audio_code_rows(s.pending_codes)
-            user_end = len(rows)
-            if s.pending_commit:
-                rows += self.prompts.audio_turn_close_rows()
-            rid = s.new_request_id()
             params = s.sampling or SamplingParams()
+            turn = self.prompts.audio_turn_open_rows() + self.prompts.audio_code_rows(s.pending_codes)
+            user_turn_end = len(turn)
+            if s.pending_commit:
+                turn += self.prompts.audio_turn_close_rows()
+            system = self._system_rows(s, "audio")
+            if self._cut_to_fit(s, len(s.close_rows) + len(system) + len(s.pending_rows) + len(turn)
+                                + params.max_new_tokens + AUDIO_TURN_RESERVE):
+                system = self._system_rows(s, "audio")
+            lead = s.close_rows + system + s.pending_rows
+            rows = lead + turn
+            user_end = len(lead) + user_turn_end
+            rid = s.new_request_id()
             base = self.engine.conversation_rows(s.conversation_id)
             rerun = self.engine.conversation_unrun_rows(s.conversation_id)
-            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=False)
+            self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=False,
+                                    refill_rows=self._refill_lead(s, len(s.close_rows) + len(system)))
+            s.refill_rows = 0
+            self._audio_turn_in(s)
+            if s.pending_commit:
+                self._audio_turn_named(s)
             t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
                      system_included=not s.system_sent, codes=list(s.pending_codes),
                      audio_open=not s.pending_commit, committed=s.pending_commit, rows_added=len(rows),
@@ -225,10 +254,13 @@ class UserInput:
                 t.codes += s.pending_codes
             if s.pending_commit:
                 t.audio_open, t.committed = False, True
+                self._audio_turn_named(s)
             s.pending_codes, s.pending_commit = [], False
         elif s.pending_commit:
             # A response or an undo is in flight: the committed turn waits whole.
             s.pending_rows += self.prompts.user_audio_turn_rows(s.pending_codes)
+            self._audio_turn_in(s)
+            self._audio_turn_named(s)
             s.pending_codes, s.pending_commit = [], False
         t = s.active
         if t is None or t.response is not None or not t.codes:
@@ -245,6 +277,8 @@ class UserInput:
             rows += self.prompts.audio_turn_close_rows()
         rid = s.new_request_id()
         self.engine.add_request(rid, rows, o.params, conversation_id=s.conversation_id, input_done=False)
+        if s.pending_commit:
+            self._audio_turn_named(s)
         t = Turn(rid, o.base_rows, o.params, close_rows=o.close_rows, carried_rows=o.carried_rows,
                  system_included=o.system_included, codes=o.codes + s.pending_codes, audio_open=not s.pending_commit,
                  committed=s.pending_commit, rows_added=o.user_end + len(rows), rerun_rows=o.rerun_rows,

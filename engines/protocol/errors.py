@@ -47,6 +47,7 @@ UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
 UNSUPPORTED_PREVIOUS_ITEM_ID = "unsupported_previous_item_id"
 ITEM_TRUNCATE_INVALID_ITEM_ID = "item_truncate_invalid_item_id"
 ITEM_RETRIEVE_INVALID_ITEM_ID = "item_retrieve_invalid_item_id"
+ITEM_DELETE_INVALID_ITEM_ID = "item_delete_invalid_item_id"
 INPUT_AUDIO_BUFFER_COMMIT_EMPTY = "input_audio_buffer_commit_empty"
 INPUT_AUDIO_BUFFER_TOO_LARGE = "input_audio_buffer_too_large"
 INPUT_AUDIO_BUFFER_NOT_EMPTY = "input_audio_buffer_not_empty"
@@ -106,6 +107,7 @@ ERRORS: dict[str, ErrorCode] = {
     UNSUPPORTED_PREVIOUS_ITEM_ID: ErrorCode(_CLIENT, "an item placed anywhere but at the end"),
     ITEM_TRUNCATE_INVALID_ITEM_ID: ErrorCode(_CLIENT, "cutting short an item that is not the latest assistant audio"),
     ITEM_RETRIEVE_INVALID_ITEM_ID: ErrorCode(_CLIENT, "retrieving an item that is not in the conversation"),
+    ITEM_DELETE_INVALID_ITEM_ID: ErrorCode(_CLIENT, "deleting an item the conversation does not have"),
     INPUT_AUDIO_BUFFER_COMMIT_EMPTY: ErrorCode(_CLIENT, "a commit with no audio"),
     INPUT_AUDIO_BUFFER_TOO_LARGE: ErrorCode(_CLIENT, "uncommitted audio over the input buffer limit"),
     INPUT_AUDIO_BUFFER_NOT_EMPTY: ErrorCode(_CLIENT, "an answer or audio item while the input buffer holds "

@@ -90,6 +90,7 @@ class CommitUserAudio:
     session_id: str
     item_id: str
     tentative: bool = False
+    transcribe: bool = False  # the turn is also transcribed (TranscriptionDelta / TranscriptionDone for item_id)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,28 @@ class CreateResponse:
     response_id: str
     modality: Modality = "audio"
     sampling: Sampling = field(default_factory=Sampling)
+    item_id: str | None = None  # the answer's conversation item (DeleteItem); None: the response id
+
+
+@dataclass(frozen=True)
+class DeleteItem:
+    """Drop an item from the conversation (the history after it is prefilled again); answered by ItemsDropped."""
+
+    session_id: str
+    item_id: str
+
+
+# The retention share of GA truncation "auto" (and of a session that never set one): a cut is rare.
+AUTO_RETENTION = 0.75
+
+
+@dataclass(frozen=True)
+class SetTruncation:
+    """What to do when the next turn would not fit the context: drop the oldest items until the conversation takes
+    at most `retention_ratio` of it (never the system prompt), or refuse the turn (None)."""
+
+    session_id: str
+    retention_ratio: float | None
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,34 @@ class ResponseDone:
 
 
 @dataclass(frozen=True)
+class TranscriptionDelta:
+    session_id: str
+    item_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class TranscriptionDone:
+    session_id: str
+    item_id: str
+    status: Literal["completed", "failed"]
+    text: str = ""
+    code: str | None = None  # with failed: errors.py's code, and why
+    reason: str | None = None
+    prompt_rows: int = 0
+    output_rows: int = 0
+
+
+@dataclass(frozen=True)
+class ItemsDropped:
+    """Items gone from the conversation: the one a DeleteItem named, or the oldest, dropped to fit the context."""
+
+    session_id: str
+    item_ids: list[str]
+    deleted: bool  # by DeleteItem (else by truncation)
+
+
+@dataclass(frozen=True)
 class Error:
     session_id: str | None
     code: str  # errors.py: invalid_request, server_busy, request_too_large, engine_error
@@ -221,8 +272,9 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         OpenSession, UpdateSession, AppendUserAudio, ClearUserAudio, CommitUserAudio, ConfirmUserAudio, AddUserText,
-        CreateResponse, CancelResponse, WithdrawResponse, TruncateResponse, CloseSession, Ping,
-        SessionReady, UserAudioProgress, ResponseStarted, TextDelta, AudioChunk, ResponseDone, Error, Pong,
+        CreateResponse, CancelResponse, WithdrawResponse, TruncateResponse, DeleteItem, SetTruncation, CloseSession,
+        Ping, SessionReady, UserAudioProgress, ResponseStarted, TextDelta, AudioChunk, ResponseDone,
+        TranscriptionDelta, TranscriptionDone, ItemsDropped, Error, Pong,
     )
 }
 

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turn-seconds", default="2,10")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sessions", default="1", help="comma separated: sessions speaking at once")
+    p.add_argument("--transcribe", action="store_true",
+                   help="every committed turn is also transcribed (CommitUserAudio.transcribe): TTFA beside that")
     p.add_argument("--json", default=None)
 
 
@@ -41,7 +43,8 @@ def _speechlike(seconds: float, rng: np.random.Generator) -> np.ndarray:
     return (0.2 * env * (np.sin(2 * np.pi * 180 * t) + 0.3 * rng.standard_normal(t.size))).astype(np.float32)
 
 
-def _turns(svc, sids: list[str], pcm: np.ndarray, incremental: bool, stages: dict | None = None) -> list[float]:
+def _turns(svc, sids: list[str], pcm: np.ndarray, incremental: bool, stages: dict | None = None,
+           transcribe: bool = False) -> list[float]:
     """All sessions speak the same turn at the same time; TTFA (ms) of each, from the common commit.
     `stages` collects each response's stage times (ResponseState.marks) by stage name."""
     client = b"bench"
@@ -61,7 +64,7 @@ def _turns(svc, sids: list[str], pcm: np.ndarray, incremental: bool, stages: dic
         svc.handle_many([(client, m.AppendUserAudio(sid, float32_to_pcm16(pcm))) for sid in sids])
     t0 = time.monotonic()
     for sid in sids:
-        svc.handle(client, m.CommitUserAudio(sid, "item"))
+        svc.handle(client, m.CommitUserAudio(sid, "item", transcribe=transcribe))
         svc.handle(client, m.CreateResponse(sid, "resp", "audio", m.Sampling(max_new_tokens=64, min_new_tokens=32)))
     ttfa: dict[str, float] = {}
     while len(ttfa) < len(sids):
@@ -94,11 +97,11 @@ def run(args: argparse.Namespace) -> int:
             pcm = _speechlike(secs, rng)
             for mode, inc in (("incremental", True), ("at_end_of_turn", False)):
                 stages: dict[str, list[float]] = {}
-                runs = [_turns(svc, [f"{mode}-{secs}-{i}-{k}" for k in range(n)], pcm, inc, stages)
-                        for i in range(args.repeats)]
+                runs = [_turns(svc, [f"{mode}-{secs}-{i}-{k}" for k in range(n)], pcm, inc, stages,
+                               transcribe=args.transcribe) for i in range(args.repeats)]
                 ms = median([x for r in runs for x in r])
                 worst = max(x for r in runs for x in r)
-                key = f"{secs:g}s_{mode}" + (f"_x{n}" if n > 1 else "")
+                key = f"{secs:g}s_{mode}" + (f"_x{n}" if n > 1 else "") + ("_transcribed" if args.transcribe else "")
                 res["ttfa_ms"][key] = ms
                 res.setdefault("ttfa_max_ms", {})[key] = worst
                 per_run = [round(median(r)) for r in runs]

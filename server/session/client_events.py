@@ -1,7 +1,7 @@
 """Validation of client-provided session and response settings (OpenAI Realtime GA shape + our extension).
 
 Every unknown field is refused with its dotted name. Fields of the GA shape that this server does not
-implement (tools, transcription, noise reduction...) are accepted only with their "off" values, so a
+implement (tools, noise reduction...) are accepted only with their "off" values, so a
 client that sends defaults works and a client that relies on a feature learns it is missing.
 A session.update applies every field it can and reports each refused one (its own `error`, naming it); a
 response.create is all or nothing (an answer with settings other than those asked for would mislead).
@@ -111,6 +111,9 @@ class SessionConfig:
     sampling: Sampling = field(default_factory=Sampling)
     voice_prompt_wav: bytes | None = None
     max_answer_rows: int = MAX_OUTPUT_TOKENS_DEFAULT  # the server's: an answer's length under "inf"
+    # GA `audio.input.transcription` (the model named is echoed; MOSS-Speech itself transcribes) and `truncation`
+    transcription: dict[str, Any] | None = None
+    truncation: str | dict[str, Any] = "auto"
 
     def sampling_dict(self) -> dict[str, Any]:
         s = self.sampling
@@ -298,8 +301,9 @@ def _audio_input(i: dict[str, Any], cfg: dict[str, Any], cur: SessionConfig, ref
     if "format" in i:
         with refused:
             _format(i["format"], f"{param}.format")
-    with refused:
-        _off(i, "transcription", param, (None,))
+    if "transcription" in i:
+        with refused:
+            cfg["transcription"] = _transcription(i["transcription"], f"{param}.transcription")
     with refused:
         _off(i, "noise_reduction", param, (None,))
     if "turn_detection" in i:
@@ -339,7 +343,7 @@ def parse_session_update(v: Any, cur: SessionConfig) -> tuple[SessionConfig, lis
                   "tools", "tool_choice", "tracing", "truncation", "prompt", "include", "expires_at", "moss"},
               "session")
     for name, off in (("tools", ([], None)), ("tool_choice", ("auto", "none", None)), ("tracing", (None,)),
-                      ("truncation", ("auto", None)), ("prompt", (None,)), ("include", (None, []))):
+                      ("prompt", (None,)), ("include", (None, []))):
         with refused:
             _off(s, name, "session", off)
     cfg: dict[str, Any] = {}
@@ -369,7 +373,40 @@ def parse_session_update(v: Any, cur: SessionConfig) -> tuple[SessionConfig, lis
     if "moss" in s:
         with refused:
             _moss(s["moss"], cfg, cur, "session.moss", refused)
+    if s.get("truncation") is not None:
+        with refused:
+            cfg["truncation"] = _truncation(s["truncation"], "session.truncation")
     return dataclasses.replace(cur, **cfg), refused.errors
+
+
+def _truncation(v: Any, param: str) -> str | dict[str, Any]:
+    """GA `truncation`: "auto", "disabled" or {"type": "retention_ratio", "retention_ratio": x in (0, 1]}."""
+    if v in ("auto", "disabled"):
+        return v
+    t = _obj(v, param)
+    _keys(t, {"type", "retention_ratio", "token_limits"}, param)
+    if t.get("type") != "retention_ratio":
+        raise ProtocolError(errors.INVALID_VALUE, f"{param} must be 'auto', 'disabled' or a retention_ratio object",
+                            f"{param}.type")
+    _off(t, "token_limits", param, (None,))
+    ratio = t.get("retention_ratio")
+    if not number_in(ratio, 0.0, 1.0) or ratio == 0:
+        raise ProtocolError(errors.INVALID_VALUE, f"{param}.retention_ratio must be a number in (0, 1]",
+                            f"{param}.retention_ratio")
+    return {"type": "retention_ratio", "retention_ratio": float(ratio)}
+
+
+def _transcription(v: Any, param: str) -> dict[str, Any] | None:
+    """GA `audio.input.transcription`: null, or {"model", "language", "prompt"}: any model name (MOSS-Speech itself
+    transcribes), echoed back."""
+    if v is None:
+        return None
+    t = _obj(v, param)
+    _keys(t, {"model", "language", "prompt"}, param)
+    for k in ("model", "language", "prompt"):
+        if t.get(k) is not None and not isinstance(t[k], str):
+            raise ProtocolError(errors.INVALID_VALUE, f"{param}.{k} must be a string", f"{param}.{k}")
+    return {"model": t.get("model"), "language": t.get("language"), "prompt": t.get("prompt")}
 
 
 def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:

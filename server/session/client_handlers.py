@@ -17,6 +17,7 @@ from engines.protocol import errors
 from engines.protocol import messages as m
 from server.audio.pcm import float32_to_pcm16, pcm16_to_float32
 from server.audio.resample import AudioError, resample
+from server.session import items
 from server.session import server_events as ev
 from server.session.client_events import ProtocolError, parse_response_create, parse_session_update
 from server.session.input_buffer import CLIENT_RATE, ENGINE_IN_RATE
@@ -51,6 +52,7 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
     if (new.instructions, new.voice_prompt_wav) != (old.instructions, old.voice_prompt_wav):
         await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=new.instructions,
                                                    voice_wav=new.voice_prompt_wav))
+    await items.settings_changed(s, old)
     for e in refused:  # each refused field in its own error, then the session as it now is
         s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"))
     s.emit(ev.session_event("session.updated", s.id, s.config))
@@ -123,7 +125,7 @@ async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
             raise ProtocolError(errors.INVALID_AUDIO, str(e), "item.content[0].audio") from None
         await s.input_buffer.settle("adding an audio item")  # after the checks: a bad item clears nothing
         await s.engine_inputs.send(m.AppendUserAudio(session_id=s.id, pcm16k=float32_to_pcm16(pcm)))
-        msg = m.CommitUserAudio(session_id=s.id, item_id=item_id)
+        msg = m.CommitUserAudio(session_id=s.id, item_id=item_id, transcribe=s.config.transcription is not None)
         out_part = {"type": "input_audio", "transcript": part.get("transcript")}
     else:
         raise ProtocolError(errors.UNSUPPORTED_CONTENT_TYPE, f"content type {ptype!r} is not supported for "
@@ -224,6 +226,7 @@ HANDLERS: dict[str, Callable[[Session, dict[str, Any]], Awaitable[None]]] = {
     "output_audio_buffer.clear": _on_output_audio_clear,
     "response.create": _on_response_create,
     "response.cancel": _on_response_cancel,
+    "conversation.item.delete": items.on_item_delete,
 }
 
 

@@ -84,7 +84,8 @@ class InputBuffer:
         s.turns.item_id = None
         s.turns.in_speech = False
         prev = s.items[-1] if s.items else None
-        await s.engine_inputs.send(m.CommitUserAudio(session_id=s.id, item_id=item_id, tentative=tentative))
+        await s.engine_inputs.send(m.CommitUserAudio(session_id=s.id, item_id=item_id, tentative=tentative,
+                                                     transcribe=s.config.transcription is not None))
         self.samples_16k = 0
         self.samples_client = 0
         self.appended = False

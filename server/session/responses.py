@@ -77,7 +77,7 @@ class Responses:
         sampling = opts["sampling"]
         s.emit(ev.event("response.created", response=ev.response_obj(r, s.id, "in_progress")))
         await s.engine_inputs.send(m.CreateResponse(session_id=s.id, response_id=r.id, modality=r.modality,
-                                                    sampling=sampling))
+                                                    sampling=sampling, item_id=r.item_id))
         s.log.info("response created id=%s modality=%s", r.id, r.modality)
 
     async def turn_ended(self) -> None:

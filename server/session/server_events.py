@@ -59,13 +59,13 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
         "tool_choice": "auto",
         "max_output_tokens": c.max_output_tokens,
         "tracing": None,
-        "truncation": "auto",
+        "truncation": c.truncation,
         "prompt": None,
         "include": None,
         "audio": {
             "input": {
                 "format": _audio_format(24000),
-                "transcription": None,
+                "transcription": c.transcription,
                 "noise_reduction": None,
                 "turn_detection": _turn_detection(c.turn_detection),
             },

@@ -44,6 +44,7 @@ import numpy as np
 
 from engines.protocol import errors
 from engines.protocol import messages as m
+from server.session import items
 from server.session import server_events as ev
 from server.session.client_events import MAX_OUTPUT_TOKENS_DEFAULT, ProtocolError, SessionConfig, decode_client_event
 from server.session.client_handlers import HANDLERS
@@ -257,7 +258,7 @@ class Session:
     # ---- engine messages ---------------------------------------------------------------------
 
     def on_engine_message(self, msg: Any) -> None:
-        if self.closed:
+        if self.closed or items.on_engine_message(self, msg):
             return
         self.responses.on_engine_message(msg)
 

@@ -172,3 +172,38 @@ async def test_engine_killed_mid_session_then_new_session_works(srv):
         evs = await recv_until(ws, "response.done", timeout=180)
         assert evs[-1]["response"]["status"] in ("completed", "incomplete")
         assert evs[-1]["response"]["usage"]["output_tokens"] > 0
+
+
+async def test_transcribed_turn_then_its_item_deleted(srv):
+    """A spoken turn with input transcription on: the model's transcript arrives as delta events then completed,
+    beside the answer; deleting the turn's item afterwards cuts the engine's history, and the next turn answers."""
+    async with websockets.connect(srv.ws, max_size=None) as ws:
+        await recv_event(ws)
+        await send(ws, "session.update", session={"type": "realtime", "output_modalities": ["text"],
+                                                  "max_output_tokens": 3, "audio": {"input": {
+                                                      "turn_detection": None,
+                                                      "transcription": {"model": "gpt-4o-transcribe"}}}})
+        assert (await recv_event(ws))["session"]["audio"]["input"]["transcription"]["model"] == "gpt-4o-transcribe"
+        for chunk in b64_chunks(speech24k()[:12000]):  # 0.5 s
+            await send(ws, "input_audio_buffer.append", audio=chunk)
+        await send(ws, "input_audio_buffer.commit")
+        await send(ws, "response.create")
+        evs = await recv_until(ws, "response.done", timeout=180)
+        item = by_type(evs, "input_audio_buffer.committed")[0]["item_id"]
+        done = by_type(evs, "conversation.item.input_audio_transcription.completed")
+        if not done:
+            evs += await recv_until(ws, "conversation.item.input_audio_transcription.completed", timeout=180)
+        assert "error" not in [e["type"] for e in evs], evs
+        deltas = by_type(evs, "conversation.item.input_audio_transcription.delta")
+        (done,) = by_type(evs, "conversation.item.input_audio_transcription.completed")
+        assert {e["item_id"] for e in deltas + [done]} == {item}
+        assert done["transcript"] == "".join(e["delta"] for e in deltas).strip() and done["usage"]["output_tokens"]
+        await send(ws, "conversation.item.delete", item_id=item)
+        assert (await recv_until(ws, "conversation.item.deleted", timeout=60))[-1]["item_id"] == item
+        await user_text(ws, "Hello")
+        await send(ws, "response.create")
+        evs = await recv_until(ws, "response.done", timeout=180)
+        assert evs[-1]["response"]["status"] in ("completed", "incomplete")
+        assert "error" not in [e["type"] for e in evs], evs
+    st = await srv.wait_engine_idle()
+    assert st["running"] == 0 and st["kv_free"] == st["kv_total"], st

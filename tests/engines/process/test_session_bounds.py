@@ -69,13 +69,21 @@ def test_a_history_flood_is_bounded_by_the_models_context() -> None:
     refused = codes(out)
     assert refused and set(refused) == {"input_too_large"} and len(refused) < 2000
     assert MAX_MODEL_LEN - 20 < len(s.pending_rows) <= MAX_MODEL_LEN
-    # With the system prompt, the answer's prefix and its output budget they exceed the context: that answer fails
-    # with a typed error, no KV is taken, and the session goes on.
+    # With the system prompt, the answer's prefix and its output budget they exceed the context. With truncation off
+    # that answer fails with a typed error, no KV is taken, and the session goes on.
+    send(svc, m.SetTruncation("s", None))
     msgs = send(svc, m.CreateResponse("s", "r1", "text", greedy(4))) + run(svc)
     assert codes(msgs) == ["request_too_large"] and [d.status for d in of(msgs, m.ResponseDone)] == ["failed"]
     st = svc.engine.stats()
     assert st.running == st.waiting == 0 and st.free_blocks == st.total_blocks
     assert codes(send(svc, m.AddUserText("s", "x", "one more"))) == ["input_too_large"]
+    # With the default truncation the oldest items are dropped (reported) and the answer goes ahead.
+    send(svc, m.SetTruncation("s", m.AUTO_RETENTION))
+    msgs = send(svc, m.CreateResponse("s", "r2", "text", greedy(4))) + run(svc)
+    dropped = of(msgs, m.ItemsDropped)
+    assert codes(msgs) == [] and [d.status for d in of(msgs, m.ResponseDone)] == ["incomplete"]
+    assert len(dropped) == 1 and not dropped[0].deleted and dropped[0].item_ids[:2] == ["i0", "i1"]
+    assert len(s.pending_rows) == 0 and svc.engine.conversation_rows("s") <= MAX_MODEL_LEN
 
 
 def test_max_output_tokens_over_the_bound_is_refused_without_reserving_kv() -> None:

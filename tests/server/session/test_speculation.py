@@ -144,3 +144,28 @@ async def test_no_answer_starts_while_a_withdrawn_one_is_still_ending(speech24k)
     await settled(s)
     assert [c.tentative for c in link.of(m.CommitUserAudio)] == [True, False]
     assert len(link.of(m.CreateResponse)) == 2
+
+
+async def test_a_held_turn_is_transcribed_as_any_and_no_item_is_deleted_until_it_is_confirmed(speech24k):
+    s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {
+        "transcription": {"model": "any"}}}}})
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "id": "earlier", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    drain(s)
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(0.3)]))
+    (commit,) = link.of(m.CommitUserAudio)
+    assert commit.tentative and commit.transcribe
+    rid = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, rid)
+    s.on_engine_message(m.ResponseDone(s.id, rid, "completed", output_rows=3))
+    await settled(s)
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": "earlier"})
+    assert not link.of(m.DeleteItem)  # the turn may still go on: the engine is not asked
+    await feed(s, silence(0.4))
+    await settled(s)
+    assert link.of(m.ConfirmUserAudio)
+    errs = [e for e in drain(s) if e["type"] == "error"]
+    assert [e["error"]["code"] for e in errs] == ["input_audio_buffer_not_empty"]
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": "earlier"})
+    assert link.of(m.DeleteItem) == [m.DeleteItem(s.id, "earlier")]

@@ -1,0 +1,132 @@
+"""A Session's item deletion, truncation setting and input transcription events, against a recording engine link
+(engine replies injected with on_engine_message)."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import replace
+
+import numpy as np
+
+from engines.protocol import messages as m
+from server.session.client_events import SessionConfig, parse_session_update
+from server.session.session import Session
+from tests.server.session.test_session import Link, drain, settled, types
+
+SPEECH = base64.b64encode((np.sin(np.arange(12000) / 7.0) * 8000).astype("<i2").tobytes()).decode()
+
+
+async def ptt_session() -> tuple[Session, Link]:
+    link = Link()
+    s = Session("sess_items", link)  # no VAD: the client commits its turns
+    await s.start()
+    drain(s)
+    return s, link
+
+
+async def spoken_turn(s: Session) -> str:
+    await s.handle_client_event({"type": "input_audio_buffer.append", "audio": SPEECH})
+    await s.handle_client_event({"type": "input_audio_buffer.commit"})
+    return s.items[-1]
+
+
+async def answer(s: Session, link: Link) -> str:
+    await s.handle_client_event({"type": "response.create"})
+    cr = link.of(m.CreateResponse)[-1]
+    s.on_engine_message(m.ResponseStarted(s.id, cr.response_id, 3))
+    s.on_engine_message(m.ResponseDone(s.id, cr.response_id, "completed"))
+    await settled(s)
+    assert cr.item_id == s.items[-1]  # the engine knows the answer by its item
+    return cr.item_id
+
+
+def test_truncation_settings_parse_and_refuse_bad_values():
+    cur = SessionConfig()
+    assert cur.truncation == "auto"
+    assert parse_session_update({"truncation": "disabled"}, cur) == (replace(cur, truncation="disabled"), [])
+    ratio = {"type": "retention_ratio", "retention_ratio": 0.5}
+    assert parse_session_update({"truncation": ratio}, cur) == (replace(cur, truncation=ratio), [])
+    for bad, param in [({"type": "retention_ratio", "retention_ratio": 0}, "session.truncation.retention_ratio"),
+                       ({"type": "retention_ratio", "retention_ratio": True}, "session.truncation.retention_ratio"),
+                       ({"type": "other"}, "session.truncation.type"), ("sometimes", "session.truncation")]:
+        # refused by name, and the rest of the update applies
+        new, refused = parse_session_update({"truncation": bad, "instructions": "Be brief."}, cur)
+        assert new == replace(cur, instructions="Be brief.") and [e.param for e in refused] == [param]
+    t, refused = parse_session_update({"audio": {"input": {"transcription": {"model": "gpt-4o-mini-transcribe"}}}},
+                                      cur)
+    assert refused == []
+    assert t.transcription == {"model": "gpt-4o-mini-transcribe", "language": None, "prompt": None}
+
+
+async def test_truncation_reaches_the_engine_only_when_it_changes():
+    s, link = await ptt_session()
+    await s.handle_client_event({"type": "session.update", "session": {"truncation": "auto"}})
+    assert not link.of(m.SetTruncation)
+    await s.handle_client_event({"type": "session.update", "session": {
+        "truncation": {"type": "retention_ratio", "retention_ratio": 0.5}}})
+    await s.handle_client_event({"type": "session.update", "session": {"truncation": "disabled"}})
+    assert [x.retention_ratio for x in link.of(m.SetTruncation)] == [0.5, None]
+    assert drain(s)[-1]["session"]["truncation"] == "disabled"
+
+
+async def test_transcription_events_follow_the_engine_in_order():
+    s, link = await ptt_session()
+    await spoken_turn(s)
+    assert not link.of(m.CommitUserAudio)[-1].transcribe  # no transcription unless set
+    await s.handle_client_event({"type": "session.update", "session": {
+        "audio": {"input": {"transcription": {"model": "whisper-1"}}}}})
+    assert drain(s)[-1]["session"]["audio"]["input"]["transcription"]["model"] == "whisper-1"
+    item = await spoken_turn(s)
+    commit = link.of(m.CommitUserAudio)[-1]
+    assert commit.transcribe and commit.item_id == item
+    drain(s)
+    s.on_engine_message(m.TranscriptionDelta(s.id, item, "Hello"))
+    s.on_engine_message(m.TranscriptionDelta(s.id, item, " there"))
+    s.on_engine_message(m.TranscriptionDone(s.id, item, "completed", "Hello there", prompt_rows=40, output_rows=3))
+    evs = drain(s)
+    assert types(evs) == ["conversation.item.input_audio_transcription.delta"] * 2 + [
+        "conversation.item.input_audio_transcription.completed"]
+    assert [e["delta"] for e in evs[:2]] == ["Hello", " there"]
+    done = evs[2]
+    assert (done["item_id"], done["content_index"], done["transcript"]) == (item, 0, "Hello there")
+    assert done["usage"] == {"type": "tokens", "input_tokens": 40, "output_tokens": 3, "total_tokens": 43}
+    s.on_engine_message(m.TranscriptionDone(s.id, item, "failed", code="server_busy", reason="queue full"))
+    (failed,) = drain(s)
+    assert failed["type"] == "conversation.item.input_audio_transcription.failed"
+    assert failed["error"] == {"type": "server_error", "code": "server_busy", "message": "queue full", "param": None}
+
+
+async def test_item_delete_is_checked_then_sent_and_deleted_when_the_engine_says():
+    s, link = await ptt_session()
+    user = await spoken_turn(s)
+    bot = await answer(s, link)
+    drain(s)
+    await s.handle_client_event({"type": "conversation.item.delete", "event_id": "e1", "item_id": "missing"})
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": user, "extra": 1})
+    errs = drain(s)
+    assert [e["error"]["code"] for e in errs] == ["item_delete_invalid_item_id", "unknown_parameter"]
+    assert errs[0]["error"]["event_id"] == "e1" and not link.of(m.DeleteItem)
+    # During an answer: refused.
+    await s.handle_client_event({"type": "response.create"})
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": user})
+    assert drain(s)[-1]["error"]["code"] == "conversation_already_has_active_response"
+    cr = link.of(m.CreateResponse)[-1]
+    s.on_engine_message(m.ResponseDone(s.id, cr.response_id, "completed"))
+    await settled(s)
+    drain(s)
+    # Uncommitted audio in the buffer: refused.
+    await s.handle_client_event({"type": "input_audio_buffer.append", "audio": SPEECH})
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": user})
+    assert drain(s)[-1]["error"]["code"] == "input_audio_buffer_not_empty"
+    await s.handle_client_event({"type": "input_audio_buffer.clear"})
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": user})
+    await settled(s)
+    assert link.of(m.DeleteItem) == [m.DeleteItem(s.id, user)]
+    assert user in s.items  # until the engine has cut its history
+    drain(s)
+    s.on_engine_message(m.ItemsDropped(s.id, [user], deleted=True))
+    assert [(e["type"], e["item_id"]) for e in drain(s)] == [("conversation.item.deleted", user)]
+    assert user not in s.items and bot in s.items
+    # Items the engine dropped to fit its context are deleted the same way.
+    s.on_engine_message(m.ItemsDropped(s.id, [bot], deleted=False))
+    assert [(e["type"], e["item_id"]) for e in drain(s)] == [("conversation.item.deleted", bot)]
