@@ -16,6 +16,8 @@ SERVER_EVENT_TYPES = frozenset({
     "input_audio_buffer.committed", "input_audio_buffer.cleared", "input_audio_buffer.speech_started",
     "input_audio_buffer.speech_stopped", "input_audio_buffer.timeout_triggered",
     "conversation.item.added", "conversation.item.done", "conversation.item.truncated", "conversation.item.retrieved",
+    "conversation.item.deleted", "conversation.item.input_audio_transcription.delta",
+    "conversation.item.input_audio_transcription.completed", "conversation.item.input_audio_transcription.failed",
     "response.created", "response.done", "response.output_item.added", "response.output_item.done",
     "response.content_part.added", "response.content_part.done", "response.output_audio.delta",
     "response.output_audio.done", "response.output_audio_transcript.delta", "response.output_audio_transcript.done",

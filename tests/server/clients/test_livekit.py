@@ -53,7 +53,9 @@ async def test_two_spoken_turns_and_a_barge_in(srv, speech24k):
             async def push(frame: rtc.AudioFrame) -> None:
                 session.push_audio(frame)
 
-            await at_real_time(frames(utterance(speech24k)), push, 0.1)
+            # LiveKit asks for semantic_vad (eagerness auto): the end-of-turn model is unsure at the end of this
+            # synthetic speech, so the turn ends at auto's longest wait for it, 4 s of silence.
+            await at_real_time(frames(utterance(speech24k, silence_s=4.5)), push, 0.1)
 
         try:
             await seen.until(lambda items: server(items, "session.updated"), "the session set up", failed=bad)

@@ -92,6 +92,15 @@ async def test_every_server_event_validates_under_the_sdk_models(speech24k):
     await feed(t, np.concatenate([silence(0.2), speech24k[:24000]]))
     take(t)
 
+    # A turn's transcription (completed, and one that failed) and the item deleted, as the engine reports them.
+    user_item = t.items[0]
+    t.on_engine_message(m.TranscriptionDelta(t.id, user_item, "hel"))
+    t.on_engine_message(m.TranscriptionDone(t.id, user_item, "completed", text="hello"))
+    t.on_engine_message(m.TranscriptionDone(t.id, user_item, "failed", code="server_busy", reason="no KV room"))
+    t.on_engine_message(m.ItemsDropped(t.id, [user_item], deleted=True))
+    await settled(t)
+    take(t)
+
     for e in seen:
         check(e)
     missing = SERVER_EVENT_TYPES - {e["type"] for e in seen} - {"output_audio_buffer.started",
@@ -108,8 +117,7 @@ async def test_session_update_applies_every_field_it_can_and_names_each_refused_
                   "output": {"voice": "marin", "speed": 1.5}}}})
     evs = drain(s)
     errs = [e["error"] for e in evs if e["type"] == "error"]
-    assert sorted(e["param"] for e in errs) == ["session.audio.input.transcription",
-                                                "session.audio.input.turn_detection.threshold",
+    assert sorted(e["param"] for e in errs) == ["session.audio.input.turn_detection.threshold",
                                                 "session.audio.output.speed", "session.frobnicate"], errs
     assert all(e["event_id"] == "u1" for e in errs)
     assert evs[-1]["type"] == "session.updated"
