@@ -6,7 +6,7 @@ most of them a full pass over x; HiFT applies it 72 times per window, so at stre
 was mostly these launches. Each Snake of a resblock follows a conv, whose bias torch adds in a kernel of its own,
 and every other one a residual add too: `snake(x, alpha, bias)` and `add_snake(y, bias, residual, alpha)` take
 those adds into the same pass. Float32 only, computed in the torch expressions' order with IEEE division, libdevice
-sinf and no fused multiply-add, so the result equals torch's bit for bit (tests/gpu/test_codec_kernels.py).
+sinf and no fused multiply-add, so the result equals torch's bit for bit (tests/gpu/test_hift_kernels.py).
 x may be [B, C, T] contiguous or time-major ([B, T, C] in memory, HiFT's layout on CUDA:
 engines/speech_out/vocoder/hift.py
 `conv`); the outputs keep x's layout.

@@ -145,7 +145,7 @@ def test_an_operators_file_is_a_set_of_its_own_and_the_shipped_picks_do_not_ente
 
 def test_the_shipped_file_is_a_tuning_file_with_the_h100_and_h200_sections():
     """The package's tunings.json reads as a tuning file (its picks are checked against the tuners' candidate lists in
-    tests/gpu/test_kernels.py, where Triton is installed)."""
+    tests/gpu/test_lm_gemm_kernels.py, where Triton is installed)."""
     gpus = tuning_file._read(tuning_file.SHIPPED)["gpus"]
     assert len(gpus["NVIDIA H100 80GB HBM3"]) >= 20 and len(gpus["NVIDIA H200"]) >= 20
     for section in gpus.values():
