@@ -9,7 +9,7 @@ import torch
 
 from engines.cuda.streams import driver_stream
 from engines.speech_out import CodecDecoder
-from tests.engines.speech_out.test_decoder import _in_rounds
+from tests.engines.speech_out.decoder_rounds import in_rounds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CPU paths are covered by "
                                 "tests/engines/speech_out/test_decoder.py")
@@ -47,7 +47,7 @@ def test_rounds_on_another_stream_equal_alone_on_cuda_with_graphs():
     for i, (s, n) in enumerate(zip(streams, lengths, strict=True)):
         s.add(_codes(n, i))
     with torch.cuda.stream(driver_stream("cuda")):
-        got, sizes = _in_rounds(dec, streams)
+        got, sizes = in_rounds(dec, streams)
     assert max(sizes) == 3
     for i in range(3):
         np.testing.assert_allclose(got[i], alone[i], atol=TOL, rtol=0)

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import websockets
 
-from server.audio.pcm import float32_to_pcm16, read_wav
+from server.audio.pcm import read_wav
 from tests.fakes.harness import RunningServer, recv_event, recv_until, send, start_answer, tiny_settings, user_text
 from tests.paths import DATA
+from tests.server.e2e_support import b64_chunks
 
 WAV = DATA / "speech_en_16k.wav"
 SAMPLES_PER_CODE = 1920  # 24 kHz / 12.5 Hz
@@ -27,11 +28,6 @@ ROWS = 6  # answer length cap for these tests (CPU time)
 def srv():
     with RunningServer(tiny_settings(drain_timeout_s=1.0)) as s:
         yield s
-
-
-def b64_chunks(pcm24k: np.ndarray, ms: int = 100) -> list[str]:
-    step = 24000 * ms // 1000
-    return [base64.b64encode(float32_to_pcm16(pcm24k[i:i + step])).decode() for i in range(0, len(pcm24k), step)]
 
 
 def speech24k() -> np.ndarray:

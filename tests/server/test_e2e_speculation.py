@@ -15,7 +15,7 @@ import websockets
 from server.audio.pcm import read_wav
 from tests.fakes.harness import RunningServer, recv_event, recv_until, send, tiny_settings
 from tests.paths import DATA
-from tests.server.test_e2e import b64_chunks
+from tests.server.e2e_support import b64_chunks
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from engines.api import InvalidRequestError, QueueFullError, SamplingParams
 from engines.lm.engine import Engine
 from engines.tokens import AUDIO_PAD, SOSP
-from tests.engines.lm.test_scheduler import make_engine, prompt, run_to_end
+from tests.engines.lm.fake_engine import make_engine, prompt, run_to_end
 
 
 def spoken(n: int, base: int) -> list[tuple[int, int]]:

@@ -7,35 +7,9 @@ import random
 import pytest
 
 from engines.api import InvalidRequestError, QueueFullError, RequestTooLargeError, SamplingParams
-from engines.config import PRESETS, ConfigError, EngineConfig
-from engines.lm.engine import Engine
+from engines.config import ConfigError, EngineConfig
 from engines.lm.kv.block_pool import BlockPool, KVIntegrityError
-from engines.tokens import AUDIO_PAD
-from tests.fake_model import FakeModel
-
-MC = PRESETS["tiny-random"]
-
-
-def make_engine(block_size=4, blocks=64, **kw) -> tuple[Engine, FakeModel]:
-    per_block = MC.kv_bytes_per_row() * block_size
-    cfg = EngineConfig(block_size=block_size, kv_cache_bytes=per_block * blocks, **kw)
-    model = FakeModel(MC)
-    return Engine(model, MC, cfg), model
-
-
-def prompt(n: int, base: int = 1000) -> list[tuple[int, int]]:
-    return [(base + i, AUDIO_PAD) for i in range(n)]
-
-
-def run_to_end(engine: Engine, max_steps: int = 10_000) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            break
-        for o in engine.step():
-            out.setdefault(o.request_id, []).append(o)
-        engine.check_integrity()
-    return out
+from tests.engines.lm.fake_engine import MC, make_engine, prompt, run_to_end
 
 
 def test_engine_config_rejects_bad_values():

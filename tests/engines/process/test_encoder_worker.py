@@ -5,7 +5,6 @@ turns; and with the thread, the engine loop steps while an encoder call is still
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,14 +12,19 @@ import pytest
 from engines.audio.wav import float32_to_pcm16
 from engines.config import EngineConfig
 from engines.lm.engine import Engine
-from engines.process.encoder_worker import Encoded, EncoderWorker
+from engines.process.encoder_worker import EncoderWorker
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
 from engines.speech_in import SpeechEncoder
 from tests.engines.process import service_loop
+from tests.engines.process.encoder_worker_checks import (
+    check_codes_equal_one_stream_alone_and_the_commit_comes_last,
+    codes_by_key,
+    wait_until_idle,
+)
 from tests.engines.process.service_loop import WAIT_S
-from tests.engines.speech_in.test_encoder import StepGate, speech_like
+from tests.engines.speech_in.encoder_helpers import StepGate, speech_like
 
 
 @pytest.fixture(scope="module")
@@ -28,51 +32,9 @@ def enc() -> SpeechEncoder:
     return SpeechEncoder.load("tiny-random")
 
 
-def _wait(worker: EncoderWorker) -> list[Encoded]:
-    """Every result until the worker is idle (inline: running what is due; threaded: as its calls post them)."""
-    out: list[Encoded] = []
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        if not worker.threaded:
-            worker.run_due(flush=True)
-        out += worker.take_results()
-        with worker._cv:  # (notified whenever a call ends)
-            if not worker.busy():
-                return out
-            if worker.threaded and not worker._results:
-                assert worker._cv.wait(max(0.0, deadline - time.monotonic())), "the worker did not finish"
-
-
-def _codes_by_key(results: list[Encoded]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for e in results:
-        assert not isinstance(e.codes, Exception), e.codes
-        out.setdefault(e.key, []).extend(e.codes)
-    return out
-
-
 @pytest.mark.parametrize("threaded", [False, True])
 def test_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded):
-    pcms = {k: speech_like(sec, seed=i) for i, (k, sec) in enumerate([("a", 1.3), ("b", 0.7), ("c", 2.0)])}
-    worker = EncoderWorker(enc, every_s=0.0, threaded=threaded)
-    results: list[Encoded] = []
-    for i in range(0, 32000, 1600):  # 100 ms pieces of every session
-        for k, pcm in pcms.items():
-            if i < pcm.size:
-                worker.append(k, pcm[i:i + 1600])
-        if not threaded:
-            worker.run_due()
-        results += worker.take_results()
-    for k in pcms:
-        assert worker.commit(k)
-    results += _wait(worker)
-    worker.close()
-    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
-    for k in pcms:  # one commit result per turn, after its other codes
-        mine = [e for e in results if e.key == k]
-        assert [e.commit for e in mine].count(True) == 1 and mine[-1].commit
-    assert not worker.commit("a")  # the turn ended with its commit
-    assert enc.runner.kv.in_use == 0  # every stream closed, its slot back
+    check_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded)
 
 
 def test_the_load_log_gets_each_kind_of_call_with_its_cpu_and_gpu_wait(enc):
@@ -96,7 +58,7 @@ def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
     assert not worker.commit("nobody")
     worker.append("a", np.zeros(0, np.float32))  # an empty append opens a turn with no audio
     assert worker.commit("a")
-    (e,) = _wait(worker)
+    (e,) = wait_until_idle(worker)
     assert (e.key, e.codes, e.commit) == ("a", [], True) and 0 < e.started <= e.at
 
 
@@ -124,7 +86,7 @@ def test_a_dropped_turn_gives_no_more_results_and_frees_its_stream(enc, threaded
         gate.set()
         worker.run_due(flush=True)
         worker.drop("a")  # results produced but not yet taken go too
-    results = _wait(worker)
+    results = wait_until_idle(worker)
     worker.close()
     alone = enc.open_stream()
     assert [e.key for e in results] == ["b"] and results[0].codes == alone.push(speech_like(0.5, seed=2))
@@ -150,15 +112,15 @@ def test_the_thread_survives_an_error_outside_the_encoders_calls(enc, monkeypatc
     worker.append("a", speech_like(0.4, seed=1))
     worker.append("b", speech_like(0.4, seed=2))
     assert worker.commit("a")
-    results = _wait(worker)
+    results = wait_until_idle(worker)
     assert sorted((e.key, e.commit, type(e.codes).__name__) for e in results) == [
         ("a", True, "MemoryError"), ("b", False, "MemoryError")]
     assert worker._turns == {} and enc.runner.kv.in_use == 0  # their streams closed
     worker.append("c", speech_like(0.4, seed=3))  # the thread lives on
     assert worker.commit("c")
-    after = _wait(worker)
+    after = wait_until_idle(worker)
     worker.close()
-    assert _codes_by_key(after) == {"c": enc.encode(speech_like(0.4, seed=3))}
+    assert codes_by_key(after) == {"c": enc.encode(speech_like(0.4, seed=3))}
 
 
 def test_every_committing_turn_fails_when_gathering_their_audio_fails(enc):
@@ -170,7 +132,7 @@ def test_every_committing_turn_fails_when_gathering_their_audio_fails(enc):
         worker.append(key, speech_like(0.2, seed=6)[None, :])  # a piece that cannot be joined to the first
     for key in "ab":
         assert worker.commit(key)
-    results = _wait(worker)
+    results = wait_until_idle(worker)
     worker.close()
     assert sorted((e.key, e.commit, type(e.codes).__name__) for e in results) == [
         ("a", True, "ValueError"), ("b", True, "ValueError")]
@@ -199,7 +161,7 @@ def test_a_stream_that_fails_to_close_does_not_stop_the_worker(enc):
     for key in "ab":
         worker.append(key, speech_like(0.4, seed=4))
         assert worker.commit(key)
-        results = _wait(worker)
+        results = wait_until_idle(worker)
         assert [(e.key, e.commit) for e in results][-1] == (key, True)
         assert not any(isinstance(e.codes, Exception) for e in results)
     worker.close()
@@ -234,13 +196,13 @@ def test_a_failed_call_fails_its_turns_only(enc):
     worker = EncoderWorker(BrokenEncoder(enc))
     worker.append("a", np.ones(3200, np.float32))
     worker.append("b", speech_like(0.4, seed=3))
-    results = _wait(worker)
+    results = wait_until_idle(worker)
     assert sorted(e.key for e in results) == ["a", "b"]
     assert all(isinstance(e.codes, RuntimeError) and not e.commit for e in results)
     assert enc.runner.kv.in_use == 0 and not worker.commit("a")  # both turns are over
     worker.append("b", speech_like(0.4, seed=3))  # the session's next turn encodes as usual
     assert worker.commit("b")
-    assert _codes_by_key(_wait(worker)) == {"b": enc.encode(speech_like(0.4, seed=3))}
+    assert codes_by_key(wait_until_idle(worker)) == {"b": enc.encode(speech_like(0.4, seed=3))}
 
 
 def _engine() -> Engine:
@@ -463,11 +425,13 @@ def test_a_commit_during_a_held_call_waits_for_it(enc, monkeypatch):
     gate.gate.set()
     for k in "ab":
         assert worker.commit(k)
-    results = _wait(worker)
+    results = wait_until_idle(worker)
     worker.close()
     # The held call's results (a's and b's audio so far) come out first; c's commit started once it had ended.
     held = [e for e in results if e.key in "ab" and not e.commit]
     (c,) = [e for e in results if e.key == "c"]
     assert len(held) == 2 and results[:2] == held and c.commit and c.started >= max(e.at for e in held)
-    assert _codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    assert codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
     assert enc.runner.kv.in_use == 0
+
+

@@ -9,7 +9,7 @@ from engines.lm.engine import Engine
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
-from tests.engines.process.test_service_sessions import FakeDecoder, FakeEncoder, greedy, of, run, send
+from tests.engines.process.fake_service import FakeDecoder, FakeEncoder, greedy, of, run, send
 
 POOL_BYTES = 1 << 20  # 42 blocks of 16 rows of the tiny model
 

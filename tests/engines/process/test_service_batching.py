@@ -16,6 +16,7 @@ from engines.protocol import messages as m
 from engines.speech_out.decoder import CodecDecoder
 from tests.engines.process import service_loop
 from tests.engines.process.service_loop import WAIT_S
+from tests.engines.process.tiny_engine import WAV
 
 ROWS = 23  # first chunk (5 + 3 lookahead), then three more, then the final partial one
 
@@ -195,7 +196,6 @@ def test_commits_of_several_sessions_in_one_encoder_call_give_the_same_answers()
     speech, unknown session) gets its own error and the others go on."""
     from engines.audio.wav import float32_to_pcm16, read_wav
     from engines.speech_in import SpeechEncoder
-    from tests.engines.process.test_service_e2e import WAV
 
     enc = SpeechEncoder.load("tiny-random")
     pcm, _ = read_wav(WAV)
@@ -234,7 +234,6 @@ def test_user_audio_encoded_on_a_cadence_gives_the_same_codes_and_answer():
     """Held and encoded every 80 ms for all sessions together (one batched call) == encoded piece by piece."""
     from engines.audio.wav import float32_to_pcm16, read_wav
     from engines.speech_in import SpeechEncoder
-    from tests.engines.process.test_service_e2e import WAV
 
     enc = SpeechEncoder.load("tiny-random")
     pcm, _ = read_wav(WAV)

@@ -1,6 +1,6 @@
 """The engine service's items: input transcription as background requests, items deleted with the history cut and
 prefilled again, and conversations cut to fit the context (real tiny Engine, the codec fakes of
-test_service_sessions)."""
+fake_service)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from engines.api import QueueFullError
 from engines.process.sessions import Item
 from engines.process.transcripts import TRANSCRIBE_INSTRUCTION
 from engines.protocol import messages as m
-from tests.engines.process.test_service_sessions import (
+from tests.engines.process.fake_service import (
     PB,
     FakeEncoderStream,
     greedy,

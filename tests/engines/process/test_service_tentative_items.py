@@ -1,12 +1,12 @@
 """Tentative commits beside the history's items and input transcription (real tiny Engine, the fakes of
-test_service_sessions): a withdrawn answer's item leaves the items with its rows, a tentative turn is transcribed
+fake_service): a withdrawn answer's item leaves the items with its rows, a tentative turn is transcribed
 only once it stands (whole, if it was withdrawn and went on), and no item is deleted while the turn may go on."""
 
 from __future__ import annotations
 
 from engines.api import SamplingParams
 from engines.protocol import messages as m
-from tests.engines.process.test_service_sessions import greedy, make_service, of, run, send, speech
+from tests.engines.process.fake_service import greedy, make_service, of, run, send, speech
 
 FIRST, REST = speech(1.01, seed=0), speech(0.6, seed=1)  # a pause mid-turn: a tentative commit after FIRST
 

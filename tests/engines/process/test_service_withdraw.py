@@ -1,5 +1,5 @@
 """Tentative commits and withdrawn answers in the engine service (real tiny Engine, the fakes of
-test_service_sessions): a withdrawn answer leaves the history, the KV pool and the encoder's stream exactly as if
+fake_service): a withdrawn answer leaves the history, the KV pool and the encoder's stream exactly as if
 the user had never paused, without prefilling the user's audio again; a confirmed one stands."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from engines.process.prompt import PromptBuilder
 from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
-from tests.engines.process.test_service_sessions import greedy, make_service, of, run, send, speech
+from tests.engines.process.fake_service import greedy, make_service, of, run, send, speech
 
 PB = PromptBuilder(StandInTokenizer())
 FIRST, REST = speech(1.01, seed=0), speech(0.6, seed=1)  # 1.01 s: 12 codes and 800 samples short of the 13th

@@ -10,7 +10,7 @@ from engines.process.limits import InputLimits
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
-from tests.engines.process.test_service_sessions import FakeDecoder, FakeEncoder, greedy, of, run, send
+from tests.engines.process.fake_service import FakeDecoder, FakeEncoder, greedy, of, run, send
 
 LIMITS = InputLimits(max_text_chars=200, max_output_tokens=40)
 MAX_MODEL_LEN = 512

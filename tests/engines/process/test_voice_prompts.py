@@ -16,7 +16,7 @@ from engines.process.tokenizer import StandInTokenizer
 from engines.protocol import messages as m
 from engines.speech_out.voice import Voice
 from tests.engines.process import service_loop
-from tests.engines.process.test_service_sessions import FakeDecoder, FakeEncoder, greedy, of, run, send
+from tests.engines.process.fake_service import FakeDecoder, FakeEncoder, greedy, of, run, send
 
 WAIT_S = 60.0  # bound on waiting for the voice thread: a hang fails the test instead of blocking it
 

@@ -24,11 +24,24 @@ from engines.speech_in import (
 )
 from engines.speech_in.log_mel import mel_filterbank
 from engines.speech_in.step_graphs import StepGraphs
-
-SR = 16000
-FEATURE_ATOL = 1e-4  # pre-VQ features, float32: streaming vs whole and batched vs alone
-WAIT_S = 60.0  # bound on a wait for another thread: a hang fails the test instead of blocking it
-
+from tests.engines.speech_in.encoder_helpers import (
+    BATCH_PCMS,
+    BATCH_SIZES,
+    FEATURE_ATOL,
+    FINALIZE_SPLITS,
+    SR,
+    STREAM_SIZE_IDS,
+    STREAM_SIZES,
+    WAIT_S,
+    StepGate,
+    batched_encode,
+    check_batched_step_equals_each_alone,
+    check_finalize_with_the_last_samples_equals_push_then_finalize,
+    check_streaming_equals_whole,
+    speech_like,
+    stream_encode,
+    whole_encode,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,45 +51,9 @@ def enc() -> SpeechEncoder:
     return SpeechEncoder.load("tiny-random", device="cpu")
 
 
-def speech_like(seconds: float, seed: int = 0) -> np.ndarray:
-    """A chirp with noise and an amplitude envelope (incl. a quiet start), float32 at 16 kHz."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * SR)) / SR
-    env = np.clip(t / 0.3, 0.02, 1.0) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
-    x = env * (0.3 * np.sin(2 * np.pi * 180 * t * (1 + 0.4 * t)) + 0.05 * rng.standard_normal(t.size))
-    return x.astype(np.float32)
-
-
-def stream_encode(enc: SpeechEncoder, pcm: np.ndarray, sizes) -> tuple[list[int], torch.Tensor]:
-    s = enc.open_stream()
-    codes, feats, i, k = [], [], 0, 0
-    while i < pcm.size:
-        n = sizes[k % len(sizes)]
-        codes += s.push(pcm[i:i + n])
-        if s.last_features is not None:
-            feats.append(s.last_features)
-        i += n
-        k += 1
-    codes += s.finalize()
-    if s.last_features is not None:
-        feats.append(s.last_features)
-    return codes, torch.cat(feats)
-
-
-def whole_encode(enc: SpeechEncoder, pcm: np.ndarray) -> tuple[list[int], torch.Tensor]:
-    return stream_encode(enc, pcm, [pcm.size])
-
-
-@pytest.mark.parametrize("sizes", [[320], [800], [2192], [37], [1, 5000, 17, 640, 0, 1279]],
-                         ids=["20ms", "50ms", "137ms", "37samples", "irregular"])
+@pytest.mark.parametrize("sizes", STREAM_SIZES, ids=STREAM_SIZE_IDS)
 def test_streaming_equals_whole(enc, sizes):
-    pcm = speech_like(2.3)
-    whole, wf = whole_encode(enc, pcm)
-    assert len(whole) == -(-pcm.size // 1280) == 29
-    assert len(set(whole)) > 10, "random codebook should give varied codes, or the comparison is vacuous"
-    codes, f = stream_encode(enc, pcm, sizes)
-    assert codes == whole
-    torch.testing.assert_close(f, wf, atol=FEATURE_ATOL, rtol=0)
+    check_streaming_equals_whole(enc, sizes)
 
 
 def test_streaming_equals_whole_across_30s_segment(enc):
@@ -107,14 +84,9 @@ def test_code_emitted_as_soon_as_determined(enc):
     assert len(s.push(pcm[2439:2440])) == 1
 
 
-@pytest.mark.parametrize("split", [0, 700, 1159, 1280, 3000])
+@pytest.mark.parametrize("split", FINALIZE_SPLITS)
 def test_finalize_with_the_last_samples_equals_push_then_finalize(enc, split):
-    pcm = speech_like(0.3)
-    a, b = enc.open_stream(), enc.open_stream()
-    a.push(pcm[:split])
-    b.push(pcm[:split])
-    assert a.finalize(pcm[split:]) == b.push(pcm[split:]) + b.finalize()
-    assert a.codes_out == b.codes_out == -(-len(pcm) // 1280)
+    check_finalize_with_the_last_samples_equals_push_then_finalize(enc, split)
 
 
 @pytest.mark.parametrize("n", [0, 1, 1160, 1280, 1281, 5000])
@@ -132,46 +104,8 @@ def test_finalize_pads_last_group_with_silence(enc, n):
         s.finalize()
 
 
-BATCH_PCMS = [(1.7, 1), (0.9, 2), (2.1, 3)]  # (seconds, seed) of three streams stepped together
-BATCH_SIZES = [[320], [137, 2000], [960, 0, 50]]  # each stream's push sizes
-
-
-def batched_encode(enc: SpeechEncoder, pcms: list[np.ndarray], sizes: list[list[int]]
-                   ) -> list[tuple[list[int], torch.Tensor]]:
-    """Each stream's codes and features with every stream still speaking stepped in one batch, then finalized in
-    one call."""
-    streams = [enc.open_stream() for _ in pcms]
-    pos = [0] * len(pcms)
-    codes: list[list[int]] = [[] for _ in pcms]
-    feats: list[list[torch.Tensor]] = [[] for _ in pcms]
-    batch = enc.batch()
-    k = 0
-    while any(p < pcm.size for p, pcm in zip(pos, pcms, strict=True)):
-        items, idx = [], []
-        for i, (pcm, sz) in enumerate(zip(pcms, sizes, strict=True)):
-            if pos[i] < pcm.size:
-                n = sz[k % len(sz)]
-                items.append((streams[i], pcm[pos[i]:pos[i] + n]))
-                idx.append(i)
-                pos[i] += n
-        for i, out in zip(idx, batch.step(items), strict=True):
-            codes[i] += out
-            if streams[i].last_features is not None:
-                feats[i].append(streams[i].last_features)
-        k += 1
-    for i, (s, tail) in enumerate(zip(streams, batch.finalize(streams), strict=True)):
-        codes[i] += tail
-        if s.last_features is not None:
-            feats[i].append(s.last_features)
-    return [(c, torch.cat(f)) for c, f in zip(codes, feats, strict=True)]
-
-
 def test_batched_step_equals_each_alone(enc):
-    pcms = [speech_like(t, seed=seed) for t, seed in BATCH_PCMS]
-    alone = [stream_encode(enc, p, sz) for p, sz in zip(pcms, BATCH_SIZES, strict=True)]
-    for (codes, feats), (codes1, feats1) in zip(batched_encode(enc, pcms, BATCH_SIZES), alone, strict=True):
-        assert codes == codes1
-        torch.testing.assert_close(feats, feats1, atol=FEATURE_ATOL, rtol=0)
+    check_batched_step_equals_each_alone(enc)
 
 
 def test_a_call_on_another_thread_leaves_this_threads_gpu_wait(enc):
@@ -506,23 +440,6 @@ def test_reserved_kv_slots_serve_that_many_streams_without_growing():
     assert pool.capacity == 6  # the fourth doubles the pool
     e.reserve(2)
     assert pool.capacity == 6  # reserving less never shrinks
-
-
-class StepGate:
-    """Steps of one kind (`urgent`) on an encoder wait inside their lane until `gate` is set; `inside` is set once
-    one waits there."""
-
-    def __init__(self, monkeypatch, e: SpeechEncoder, urgent: bool = False) -> None:
-        self.gate, self.inside = threading.Event(), threading.Event()
-        on_stream = e._on_stream
-
-        def gated(urgent_step: bool = True):  # (a step enters its stream once inside its lane)
-            if urgent_step == urgent:
-                self.inside.set()
-                assert self.gate.wait(WAIT_S), "the test never opened the gate"
-            return on_stream(urgent_step)
-
-        monkeypatch.setattr(e, "_on_stream", gated)
 
 
 class CountedLanes(threading.Condition):

@@ -21,6 +21,7 @@ from engines.speech_out.presets import DECODER_PRESETS
 from engines.speech_out.random_codec import write_random_codec, write_random_decoder
 from engines.speech_out.vocoder.vocoder import HiFTVocoder
 from tests.engines.speech_out.campplus_stand_in import WEIGHT, write_campplus_stand_in
+from tests.engines.speech_out.decoder_rounds import in_rounds
 
 SPC = 1920  # samples per code
 # Streamed vs offline run the same ops on the same shapes: equal up to float noise.
@@ -169,7 +170,7 @@ def test_batch_equals_alone_with_different_voices(hift_dec):
     for i, (c, v) in enumerate(zip(codes, voices, strict=True)):
         streams.append(hift_dec.open_stream(f"s{i}", voice=v, seed=i))
         streams[-1].add(c)
-    got, batch_sizes = _in_rounds(hift_dec, streams)
+    got, batch_sizes = in_rounds(hift_dec, streams)
     assert max(batch_sizes) == 4  # really decoded together
     for i in range(4):
         y = got[i]
@@ -791,26 +792,11 @@ def test_run_jobs_counts_its_solves(hift_dec):
 
 def _decode_sessions(dec: CodecDecoder, lengths: list[int]) -> dict[str, np.ndarray]:
     """Sessions s0, s1, ... of `lengths` codes (seeds 80 + i), all given at once and finished, then decoded in
-    rounds (_in_rounds): each session's PCM."""
+    rounds (in_rounds): each session's PCM."""
     streams = [dec.open_stream(f"s{i}", seed=i) for i in range(len(lengths))]
     for i, (s, n) in enumerate(zip(streams, lengths, strict=True)):
         s.add(_codes(n, seed=80 + i))
-    return {f"s{i}": pcm for i, pcm in enumerate(_in_rounds(dec, streams)[0])}
-
-
-def _in_rounds(dec: CodecDecoder, streams: list) -> tuple[list[np.ndarray], list[int]]:
-    """Every stream finished and its chunks decoded as the engine's codec worker decodes them: rounds of one
-    `run_jobs` batch with the next chunk of every stream that has one left. Each stream's PCM, and each round's batch
-    size."""
-    queues = [deque(s.take_jobs(finishing=True)) for s in streams]
-    got: list[list[np.ndarray]] = [[] for _ in streams]
-    sizes = []
-    while any(queues):
-        idx = [i for i, q in enumerate(queues) if q]
-        for i, pcm in zip(idx, dec.run_jobs([queues[i].popleft() for i in idx]), strict=True):
-            got[i].append(pcm)
-        sizes.append(len(idx))
-    return [np.concatenate(g) for g in got], sizes
+    return {f"s{i}": pcm for i, pcm in enumerate(in_rounds(dec, streams)[0])}
 
 
 def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch):

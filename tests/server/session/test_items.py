@@ -11,7 +11,7 @@ import numpy as np
 from engines.protocol import messages as m
 from server.session.client_events import SessionConfig, parse_session_update
 from server.session.session import Session
-from tests.server.session.test_session import Link, drain, settled, types
+from tests.server.session.session_support import Link, drain, settled, types
 
 SPEECH = base64.b64encode((np.sin(np.arange(12000) / 7.0) * 8000).astype("<i2").tobytes()).decode()
 

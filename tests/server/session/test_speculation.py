@@ -1,6 +1,6 @@
 """Speculative answers in a Session: an answer starts on a tentative end of turn, nothing of it (nor of the turn's
 end) reaches the client until the silence confirms the turn, and a withdrawn one is never seen at all. The engine is
-the in-memory link of test_session (its replies injected), the end-of-turn model a stand-in."""
+the in-memory link of session_support (its replies injected), the end-of-turn model a stand-in."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from engines.protocol import messages as m
 from server.session.session import Session
 from server.turn_model import EndOfTurnBatcher
 from server.vad import VadBatcher
-from tests.server.session.test_session import CHUNK, Link, drain, feed, settled, silence, types
-from tests.server.session.test_turn_detection import Model, voice24k
+from tests.server.session.session_support import CHUNK, Link, drain, feed, settled, silence, types
+from tests.server.session.turn_model_fakes import Model, voice24k
 
 NON_SPECULATIVE_ORDER = [
     "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",

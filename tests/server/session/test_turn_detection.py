@@ -10,34 +10,12 @@ import numpy as np
 import pytest
 
 from engines.protocol import messages as m
-from server.audio.pcm import read_wav
 from server.session import turn_detection as td_mod
 from server.session.session import Session
 from server.turn_model import EndOfTurnBatcher
 from server.vad import VadBatcher
-from tests.paths import DATA
-from tests.server.session.test_session import Link, drain, feed, settled, silence, types
-
-WAV = DATA / "speech_en_16k.wav"
-
-
-class Model:
-    """Answers P(complete) = `p` for every turn."""
-
-    def __init__(self, p: float) -> None:
-        self.p = p
-        self.calls: list[int] = []  # samples heard per call
-
-    def complete(self, turns: list[np.ndarray]) -> list[float]:
-        self.calls += [len(a) for a in turns]
-        return [self.p] * len(turns)
-
-
-def voice24k() -> np.ndarray:
-    """The sample's voice, without the file's leading and trailing silence."""
-    x, _ = read_wav(WAV, target_rate=24000)
-    loud = np.flatnonzero(np.abs(x) > 0.02)
-    return x[loud[0]:loud[-1] + 1]
+from tests.server.session.session_support import Link, drain, feed, settled, silence, types
+from tests.server.session.turn_model_fakes import Model, voice24k
 
 
 @pytest.fixture(scope="module")
