@@ -1,5 +1,5 @@
 """Inputs and drivers of the speech encoder's tests, and the streaming and batching checks that run on the CPU
-(tests/engines/speech_in/test_encoder.py) and on CUDA (tests/gpu/test_speech_encoder*_gpu.py) with each one's encoder.
+(tests/engines/speech_in/test_encoder_*.py) and on CUDA (tests/gpu/test_speech_encoder*_gpu.py) with each one's encoder.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engines.speech_in import SpeechEncoder
+from engines.speech_in.step_graphs import StepGraphs
 
 SR = 16000
 FEATURE_ATOL = 1e-4  # pre-VQ features, float32: streaming vs whole and batched vs alone
@@ -127,3 +128,23 @@ def check_batched_step_equals_each_alone(enc: SpeechEncoder, atol: float = FEATU
     for (codes, feats), (codes1, feats1) in zip(batched_encode(enc, pcms, BATCH_SIZES), alone, strict=True):
         assert codes == codes1
         torch.testing.assert_close(feats, feats1, atol=atol, rtol=0)
+
+
+class EagerStepGraphs(StepGraphs):
+    """StepGraphs' buckets with the step run eagerly on the padded inputs a graph would get: the padding (streams,
+    frames, tokens, keys, groups, kept rows) on the CPU."""
+
+    def _capture(self, key, inputs, static):
+        return None, None, None
+
+    def run(self, sz, flat):
+        self.replays += 1
+        return self.runner.forward(flat, sz)
+
+
+def bucketed_encoder(max_batch: int = 4) -> SpeechEncoder:
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    e.reserve(max_batch)
+    e.runner.graphs = EagerStepGraphs(e.runner, max_batch)
+    e.runner.graphs.capture()
+    return e
