@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (Triton kernels); the CPU path is tests/engines/speech_out/test_decoder.py",
+    pytest.skip("needs a CUDA GPU (Triton kernels); the CPU path is tests/engines/speech_out/",
                 allow_module_level=True)
 pytest.importorskip("triton", reason="the codec kernels are Triton kernels")
 

@@ -1,4 +1,6 @@
-"""Decoding finished streams' chunks in rounds, as the engine's codec worker batches them."""
+"""Codec decoder test inputs and drivers: random codes, a stream pushed in given sizes, the tolerances of the
+streaming and batching checks, and decoding finished streams' chunks in rounds as the engine's codec worker batches
+them."""
 
 from __future__ import annotations
 
@@ -7,6 +9,28 @@ from collections import deque
 import numpy as np
 
 from engines.speech_out import CodecDecoder
+
+SPC = 1920  # samples per code
+# Streamed vs offline run the same ops on the same shapes: equal up to float noise.
+STREAM_TOL = 1e-6
+# Batched vs alone: different batch shapes may pick different kernels; float32 rounding only.
+BATCH_TOL = 1e-5
+
+
+def _codes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 16384, n)
+
+
+def _stream(dec: CodecDecoder, codes: np.ndarray, sizes: list[int], seed: int = 0, voice=None) -> list[np.ndarray]:
+    s = dec.open_stream("t", voice=voice, seed=seed)
+    parts, i, k = [], 0, 0
+    while i < len(codes):
+        n = sizes[k % len(sizes)]
+        parts.append(s.push(codes[i:i + n]))
+        i, k = i + n, k + 1
+    parts.append(s.finalize())
+    s.close()
+    return parts
 
 
 def in_rounds(dec: CodecDecoder, streams: list) -> tuple[list[np.ndarray], list[int]]:
