@@ -115,11 +115,19 @@ async def test_a_client_that_stops_reading_while_an_answer_streams_is_closed_as_
     assert st["running"] == 0 and st["kv_free"] == st["kv_total"]
 
 
-async def test_a_client_that_reads_is_never_slow_however_many_events_it_sends(tiny):
+@pytest.fixture(scope="module")
+def tiny_default_stall():
+    """The real engine (tiny random model, CPU) with the served stall timeout (a client that takes nothing for 5 s
+    is slow), not the module server's 1 s: a reading client in this process shares the CPU with the server."""
+    with RunningServer(tiny_settings(vad=False)) as s:
+        yield s
+
+
+async def test_a_client_that_reads_is_never_slow_however_many_events_it_sends(tiny_default_stall):
     """5,000 refused events and 1,500 history items, sent as fast as the socket takes them while the client reads
     as fast as it can: every one is answered and the session stays open (this client was closed as slow after
     ~1,600 events when the outbound queue's length alone decided)."""
-    async with websockets.connect(tiny.ws, max_size=None) as ws:
+    async with websockets.connect(tiny_default_stall.ws, max_size=None) as ws:
         events: list[dict] = []
 
         async def read() -> None:
@@ -128,10 +136,14 @@ async def test_a_client_that_reads_is_never_slow_however_many_events_it_sends(ti
 
         reader = asyncio.create_task(read())
         bad = json.dumps({"type": "no.such.event"})
+        # Each send yields to the reader: a send that finds room in the socket's buffer does not suspend, and a
+        # reader starved by its own client's sending is, to the server, a reader that stopped.
         for _ in range(5000):
             await ws.send(bad)
+            await asyncio.sleep(0)
         for i in range(1500):
             await user_text_item(ws, f"history line {i}")
+            await asyncio.sleep(0)
         await user_text_item(ws, "the last one", item_id="item_last")
         await _until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == "item_last"
                                  for e in events), "every event answered", 300)
