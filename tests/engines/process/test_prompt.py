@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import tokenizers
 
 from engines.config import ConfigError
 from engines.process.prompt import PromptBuilder
@@ -116,7 +117,6 @@ def test_streaming_detok_flushes_incomplete_tail() -> None:
 
 
 def test_hf_tokenizer_from_json(tmp_path) -> None:
-    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers package is a project dependency")
     from tokenizers import decoders, models, pre_tokenizers
 
     # A byte-level BPE with no merges: every byte is one token, plus an added special at 151645.
@@ -138,7 +138,6 @@ def test_hf_tokenizer_from_json(tmp_path) -> None:
 
 
 def test_hf_tokenizer_reads_the_mark_ids_from_its_added_tokens(tmp_path) -> None:
-    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers package is a project dependency")
     from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(pre_tokenizers.ByteLevel.alphabet())}
