@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import httpx
+import websockets
 
 from server.app import create_app
 from server.serving import DrainingServer, uvicorn_config
@@ -126,6 +127,16 @@ async def recv_until(ws: Any, etype: str, timeout: float = 30.0) -> list[dict[st
         out.append(ev)
         if ev["type"] == etype:
             return out
+
+
+async def events_until_closed(ws: Any, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Every event until the server closes the socket (no event for `timeout` seconds fails the caller)."""
+    events = []
+    try:
+        while True:
+            events.append(await recv_event(ws, timeout))
+    except websockets.ConnectionClosed:
+        return events
 
 
 async def send(ws: Any, etype: str, **fields: Any) -> None:

@@ -21,6 +21,7 @@ import websockets
 from tests.fakes.harness import (
     FAKE_ENGINE,
     RunningServer,
+    events_until_closed,
     fake_settings,
     free_port,
     recv_event,
@@ -34,14 +35,6 @@ from tests.paths import REPO
 LONG_ANSWERS = ["env", "FAKE_ENGINE_CHUNKS=400", "FAKE_ENGINE_STEP_S=0.03", *FAKE_ENGINE]
 
 
-async def _events_until_closed(ws) -> list[dict]:
-    events = []
-    with pytest.raises(websockets.ConnectionClosed):
-        while True:
-            events.append(await recv_event(ws, 60))
-    return events
-
-
 async def test_an_answer_cut_by_the_drain_timeout_gets_response_done_before_the_close():
     with RunningServer(fake_settings(engine_command=LONG_ANSWERS, drain_timeout_s=0.5, vad=False)) as s:
         async with websockets.connect(s.ws) as ws:
@@ -50,7 +43,7 @@ async def test_an_answer_cut_by_the_drain_timeout_gets_response_done_before_the_
             await send(ws, "response.create")
             await recv_until(ws, "response.output_audio.delta")
             s.server.handle_exit(signal.SIGTERM, None)
-            events = await _events_until_closed(ws)
+            events = await events_until_closed(ws)
             assert ws.close_code == 1001
         types = [e["type"] for e in events]
         done = events[types.index("response.done")]["response"]
