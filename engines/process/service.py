@@ -378,5 +378,8 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
         except InvalidRequestError:
             pass  # never reached the engine
 
+    def _on_Sync(self, client: bytes, msg: m.Sync) -> None:
+        self._send(client, m.Synced(msg.session_id, msg.seq))
+
     def _on_Ping(self, client: bytes, msg: m.Ping) -> None:
         self._send(client, m.Pong(msg.nonce, self.stats()))

@@ -173,6 +173,15 @@ class Ping:
     nonce: int
 
 
+@dataclass(frozen=True)
+class Sync:
+    """Answered by Synced once the engine has handled the session's earlier messages (and sent what they caused):
+    how a session bounds the messages it has in flight, and so the replies that may still come for them."""
+
+    session_id: str
+    seq: int
+
+
 # ---- engine -> server ----------------------------------------------------------------------
 
 
@@ -263,6 +272,12 @@ class Error:
 
 
 @dataclass(frozen=True)
+class Synced:
+    session_id: str
+    seq: int
+
+
+@dataclass(frozen=True)
 class Pong:
     nonce: int
     stats: dict[str, Any] = field(default_factory=dict)  # running, waiting, kv_free, kv_total, ...
@@ -273,8 +288,8 @@ MESSAGE_TYPES: dict[str, type] = {
     for cls in (
         OpenSession, UpdateSession, AppendUserAudio, ClearUserAudio, CommitUserAudio, ConfirmUserAudio, AddUserText,
         CreateResponse, CancelResponse, WithdrawResponse, TruncateResponse, DeleteItem, SetTruncation, CloseSession,
-        Ping, SessionReady, UserAudioProgress, ResponseStarted, TextDelta, AudioChunk, ResponseDone,
-        TranscriptionDelta, TranscriptionDone, ItemsDropped, Error, Pong,
+        Ping, Sync, SessionReady, UserAudioProgress, ResponseStarted, TextDelta, AudioChunk, ResponseDone,
+        TranscriptionDelta, TranscriptionDone, ItemsDropped, Synced, Error, Pong,
     )
 }
 

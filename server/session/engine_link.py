@@ -4,10 +4,17 @@ Conversation inputs (user audio, items, commits, CreateResponse) go strictly in 
 engine generates an answer (from CreateResponse sent until its ResponseDone) are held and sent after it ends, so the
 engine always sees: answer, (truncate), next user turn. Control messages (open, cancel, barge-in truncation, close)
 go straight to the link. The engine's outputs come back through `Session.on_engine_message` (responses.py).
+
+The engine may answer any conversation input (an item refused as too large is an `error` event for the client),
+after the session has moved on. So that these replies never come faster than the client reads them, a session has at
+most SYNC_EVERY inputs in flight: then it sends a Sync and sends nothing more until the engine's Synced says it has
+handled (and answered) everything before it. The client's next event waits meanwhile, as it waits for room in the
+outbound stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +33,9 @@ if TYPE_CHECKING:
 # so this costs no latency; one message per 32 ms VAD window would be ~1,700 messages a second at 108 sessions for
 # the engine loop to take between its steps (a third as many this way).
 APPEND_MIN_SAMPLES = 1536
+# Conversation inputs in flight before a session waits for the engine to catch up (see the module doc). Their replies
+# fit in the outbound stream's free half beside what the client's own events caused.
+SYNC_EVERY = 64
 
 
 class EngineLink(Protocol):
@@ -53,6 +63,9 @@ class EngineInputs:
         self._engine_busy = False
         self._flushing = False
         self._unsent_16k: list[np.ndarray] = []  # user audio not yet sent (< APPEND_MIN_SAMPLES)
+        self._in_flight = 0  # inputs sent since the engine's last Synced
+        self._sync_seq = 0
+        self._sync_wait: asyncio.Future[None] | None = None
 
     @property
     def idle(self) -> bool:
@@ -107,6 +120,27 @@ class EngineInputs:
         if isinstance(msg, m.CreateResponse):
             self._engine_busy = True
         await self.engine.send(msg)
+        self._in_flight += 1
+        if self._in_flight >= SYNC_EVERY:
+            await self._sync()
+
+    async def _sync(self) -> None:
+        """Until the engine has handled every input sent so far (or the session ended)."""
+        self._sync_seq += 1
+        self._sync_wait = asyncio.get_running_loop().create_future()
+        await self.engine.send(m.Sync(session_id=self.id, seq=self._sync_seq))
+        await self._sync_wait
+        self._in_flight = 0
+
+    def synced(self, seq: int) -> None:
+        """The engine's Synced: it has handled the inputs sent before Sync `seq`."""
+        if seq == self._sync_seq and self._sync_wait is not None and not self._sync_wait.done():
+            self._sync_wait.set_result(None)
+
+    def stop(self) -> None:
+        """The session ended: nothing waits for the engine any more."""
+        if self._sync_wait is not None and not self._sync_wait.done():
+            self._sync_wait.set_result(None)
 
     async def _flush_held(self) -> None:
         if self._flushing:

@@ -148,6 +148,7 @@ class Session:
             return
         self.closed = True
         self.idle.disarm()
+        self.engine_inputs.stop()
         if self.close_code == errors.CLOSE_NORMAL:
             self.close_code = code
         if self._idle_timer is not None:
@@ -258,6 +259,9 @@ class Session:
     # ---- engine messages ---------------------------------------------------------------------
 
     def on_engine_message(self, msg: Any) -> None:
+        if isinstance(msg, m.Synced):
+            self.engine_inputs.synced(msg.seq)
+            return
         if self.closed or items.on_engine_message(self, msg):
             return
         self.responses.on_engine_message(msg)

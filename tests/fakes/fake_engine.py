@@ -118,7 +118,9 @@ def main() -> None:
             if s is None:
                 send(ident, m.Error(session_id=sid, code="unknown_session", message=f"no session {sid}"))
                 continue
-            if isinstance(msg, m.CloseSession):
+            if isinstance(msg, m.Sync):
+                send(ident, m.Synced(session_id=sid, seq=msg.seq))
+            elif isinstance(msg, m.CloseSession):
                 del sessions[sid]
             elif isinstance(msg, m.AppendUserAudio):
                 s.audio_samples += len(msg.pcm16k) // 2

@@ -14,6 +14,7 @@ from engines.protocol import messages as m
 from engines.tokens import AUDIO_PAD, EOSP, IM_END, MODALITY_PAD, SOSP
 from tests.engines.process.fake_service import (
     PB,
+    C,
     FakeDecoderStream,
     FakeEncoderStream,
     greedy,
@@ -372,3 +373,13 @@ def test_new_sampling_for_a_spoken_answer_goes_in_with_the_closing_rows() -> Non
     # No second prefill of the user turn: only the assistant prefix went in with the response.
     assert eng.stats().prefilled_rows - prefilled == len(PB.assistant_prefix_rows("audio"))
     eng.check_integrity()
+
+
+def test_sync_is_answered_after_every_reply_to_the_messages_before_it() -> None:
+    svc = make_service(max_model_len=128)
+    send(svc, m.OpenSession("s"))
+    items = [(C, m.AddUserText("s", f"i{k}", "a long line of history " * 4)) for k in range(12)]
+    out = [x for _, x in svc.handle_many([*items, (C, m.Sync("s", 1)), (C, m.AddUserText("s", "late", "x" * 600))])]
+    refused = [k for k, x in enumerate(out) if isinstance(x, m.Error)]
+    assert refused and out.index(m.Synced("s", 1)) > max(refused[:-1])  # each item past the context is refused...
+    assert out[-1].code == "input_too_large"  # ... the one after the Sync after it

@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 
+from engines.protocol import messages as m
 from server.session.session import Session, SessionLimits
 from server.vad import VadBatcher
 
@@ -22,6 +23,10 @@ class Link:
 
     async def send(self, msg) -> None:
         self.sent.append(msg)
+        if isinstance(msg, m.Sync):  # as the engine does: every earlier input is handled
+            s = self.registered.get(msg.session_id)
+            if s is not None:
+                asyncio.get_running_loop().call_soon(s.on_engine_message, m.Synced(msg.session_id, msg.seq))
 
     def register(self, sid, s) -> None:
         self.registered[sid] = s
@@ -61,8 +66,8 @@ def silence(seconds: float, rate: int = 24000) -> np.ndarray:
     return np.zeros(int(seconds * rate), np.float32)
 
 
-async def new_session(audio_out="events", **limits) -> tuple[Session, Link]:
-    link = Link()
+async def new_session(audio_out="events", link: Link | None = None, **limits) -> tuple[Session, Link]:
+    link = link or Link()
     s = Session("sess_test", link, audio_out=audio_out, vad_factory=VadBatcher().stream, limits=SessionLimits(**limits))
     await s.start()
     assert types(drain(s)) == ["session.created"]

@@ -59,7 +59,9 @@ class ScriptedEngine:
 
     async def send(self, msg: Any) -> None:
         self.received.append(msg)
-        if isinstance(msg, m.CreateResponse):
+        if isinstance(msg, m.Sync):
+            self._deliver(msg.session_id, m.Synced(msg.session_id, msg.seq))
+        elif isinstance(msg, m.CreateResponse):
             self._tasks[msg.response_id] = asyncio.ensure_future(self._answer(msg))
         elif isinstance(msg, m.CancelResponse):
             task = self._tasks.pop(msg.response_id, None)
