@@ -19,14 +19,17 @@ class Link:
 
     def __init__(self) -> None:
         self.sent: list = []
+        self.syncs: list = []
         self.registered: dict = {}
 
     async def send(self, msg) -> None:
-        self.sent.append(msg)
-        if isinstance(msg, m.Sync):  # as the engine does: every earlier input is handled
+        if isinstance(msg, m.Sync):  # answered as the engine does (every earlier input is handled), kept apart
+            self.syncs.append(msg)
             s = self.registered.get(msg.session_id)
             if s is not None:
                 asyncio.get_running_loop().call_soon(s.on_engine_message, m.Synced(msg.session_id, msg.seq))
+            return
+        self.sent.append(msg)
 
     def register(self, sid, s) -> None:
         self.registered[sid] = s

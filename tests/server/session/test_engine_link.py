@@ -63,5 +63,5 @@ async def test_an_engine_that_answers_each_sync_sees_every_input_in_order():
     await handle_all(s, 3 * SYNC_EVERY)
     texts = [x.text for x in link.of(m.AddUserText)]
     assert texts == [f"line {i}" for i in range(3 * SYNC_EVERY)]
-    assert len(link.of(m.Sync)) == 3
+    assert len(link.syncs) == 3
     await s.close()
