@@ -43,7 +43,7 @@ Rules the server can rely on:
   oldest items dropped when a request would not fit max_model_len (SetTruncation; by default down to
   AUTO_RETENTION of it; never while a tentative commit may be withdrawn) are answered by ItemsDropped
   (history.py); the system turn and system items are never dropped to fit. A withdrawn answer's item leaves the
-  history with its rows.
+  history with its rows; items added since (waiting for the next answer) stay.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
                                                    voice_wav=new.voice_prompt_wav))
     await items.settings_changed(s, old)
     for e in refused:  # each refused field in its own error, then the session as it now is
-        s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"))
-    s.emit(ev.session_event("session.updated", s.id, s.config))
+        s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"), keep=True)
+    s.emit(ev.session_event("session.updated", s.id, s.config), keep=True)
 
 
 async def _on_append(s: Session, event: dict[str, Any]) -> None:
@@ -195,7 +195,7 @@ async def _on_item_retrieve(s: Session, event: dict[str, Any]) -> None:
     if item is None:
         raise ProtocolError(errors.ITEM_RETRIEVE_INVALID_ITEM_ID, f"no item {event.get('item_id')!r} in this "
                             "conversation", "item_id")
-    s.emit(ev.event("conversation.item.retrieved", item=item))
+    s.emit(ev.event("conversation.item.retrieved", item=item), keep=True)
 
 
 async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
