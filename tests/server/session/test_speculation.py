@@ -5,6 +5,7 @@ the in-memory link of session_support (its replies injected), the end-of-turn mo
 from __future__ import annotations
 
 import base64
+import dataclasses
 
 import numpy as np
 import pytest
@@ -231,3 +232,28 @@ async def test_no_answer_is_created_over_a_turn_that_may_go_on(speech24k):
                           "response.content_part.done", "response.output_item.done", "conversation.item.done",
                           "response.done", "error"]
     assert evs[-1]["error"]["code"] == "input_audio_buffer_not_empty"
+
+
+@pytest.mark.parametrize("ended_first", [False, True])
+async def test_a_withdrawn_answers_usage_is_not_counted(speech24k, ended_first):
+    s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
+    first = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, first)
+    done = m.ResponseDone(s.id, first, "completed", output_rows=7, prompt_rows=40)
+    if ended_first:  # the answer ended, unseen, before the user went on
+        s.on_engine_message(done)
+    await feed(s, speech24k[half:half + 12000])
+    if not ended_first:
+        s.on_engine_message(dataclasses.replace(done, status="cancelled", reason="withdrawn"))
+    await settled(s)
+    assert link.of(m.WithdrawResponse) and obs.speculations == [(True, 7)]
+    assert s.usage_totals == {"input_rows": 0, "output_rows": 0}
+    await feed(s, np.concatenate([speech24k[half + 12000:], silence(0.3)]))
+    second = link.of(m.CreateResponse)[-1].response_id
+    answer_begins(s, second)
+    s.on_engine_message(m.ResponseDone(s.id, second, "completed", output_rows=5, prompt_rows=30))
+    await feed(s, silence(0.45))
+    await settled(s)
+    assert s.usage_totals == {"input_rows": 30, "output_rows": 5}
