@@ -49,9 +49,13 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
             s.input_buffer.appended = False
         s.turns.reset()
         s.idle.disarm()
-    if (new.instructions, new.voice_prompt_wav) != (old.instructions, old.voice_prompt_wav):
-        await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=new.instructions,
-                                                   voice_wav=new.voice_prompt_wav))
+    voice_changed = new.voice_prompt_wav != old.voice_prompt_wav
+    if new.instructions != old.instructions or voice_changed:
+        # Only what changed: a voice prompt sent again would be made again, and the next answer wait for it.
+        await s.engine_inputs.send(m.UpdateSession(
+            session_id=s.id, instructions=new.instructions,
+            voice_wav=new.voice_prompt_wav if voice_changed else None,
+            default_voice=voice_changed and new.voice_prompt_wav is None))
     await items.settings_changed(s, old)
     for e in refused:  # each refused field in its own error, then the session as it now is
         s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"), keep=True)
