@@ -34,6 +34,9 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
     if isinstance(asked, str) and asked != s.config.model and not s.model_asked_logged:
         s.model_asked_logged = True
         s.log.info("the client asked for model %r; this server serves %r", asked[:64], s.config.model)
+    if new.instructions is not None and len(new.instructions) > s.limits.max_text_chars:
+        refused.append(_text_too_long("session.instructions", new.instructions, s.limits.max_text_chars))
+        new = dataclasses.replace(new, instructions=s.config.instructions)
     try:
         await s.turns.check(new.turn_detection)
     except ProtocolError as e:  # turn detection this server cannot serve: refused, the rest applies
@@ -118,6 +121,8 @@ async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
         if not isinstance(text, str) or not text:
             raise ProtocolError(errors.INVALID_ITEM, "text content needs a non-empty string 'text'",
                                 "item.content[0].text")
+        if len(text) > s.limits.max_text_chars:
+            raise _text_too_long("item.content[0].text", text, s.limits.max_text_chars)
         msg = m.AddUserText(session_id=s.id, item_id=item_id, text=text, role=role)
         out_part = {"type": text_types[role], "text": text}
     elif ptype == "input_audio" and role == "user":
@@ -232,6 +237,12 @@ HANDLERS: dict[str, Callable[[Session, dict[str, Any]], Awaitable[None]]] = {
     "response.cancel": _on_response_cancel,
     "conversation.item.delete": items.on_item_delete,
 }
+
+
+def _text_too_long(param: str, text: str, bound: int) -> ProtocolError:
+    """Refused when it arrives, rather than forwarded for the engine to refuse (its bound is the same)."""
+    return ProtocolError(errors.INPUT_TOO_LARGE, f"{param} of {len(text)} characters is over this server's bound of "
+                         f"{bound} (MOSS_MAX_TEXT_CHARS)", param)
 
 
 def _check_keys(d: dict[str, Any], allowed: set[str], prefix: str = "") -> None:

@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from engines.process.options import MAX_TEXT_CHARS
 from engines.protocol import errors
 from engines.protocol import messages as m
 from server.session import items
@@ -82,10 +83,13 @@ class SessionLimits:
     output_queue_size: int = 512
     idle_timeout_s: float | None = None  # None: a session that sends nothing stays open
     max_answer_rows: int = MAX_OUTPUT_TOKENS_DEFAULT  # an answer's length when the client sets no limit ("inf")
+    max_text_chars: int = MAX_TEXT_CHARS  # the longest instructions or item text; the engine's bound (its option)
 
     def __post_init__(self) -> None:
         if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
+        if self.max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
 
 
 class Session:
