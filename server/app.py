@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from engines.process.options import MAX_TEXT_CHARS
 from server import client_secrets
 from server.engine_client import EngineClient, engine_command
 from server.engine_options import engine_argv
@@ -123,7 +124,8 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     limits = SessionLimits(max_message_bytes=settings.max_message_bytes,
                            max_input_buffer_seconds=settings.max_input_buffer_seconds,
                            output_queue_size=settings.output_queue_size, idle_timeout_s=settings.idle_timeout_s,
-                           max_answer_rows=settings.max_answer_rows)
+                           max_answer_rows=settings.max_answer_rows,
+                           max_text_chars=int(settings.max_text_chars or MAX_TEXT_CHARS))
     # Unset, the limit is sized from the engine once it is ready; until then no session is admitted anyway.
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,

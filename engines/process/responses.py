@@ -121,6 +121,7 @@ class Responses:
         t.response = r
         if s.tentative is not None and s.tentative.turn is t:
             s.tentative.response_id = msg.response_id
+            s.tentative.answer_item = msg.item_id or msg.response_id
         if s.commit_at is not None:  # where the user turn's end went before this answer (stage marks, < 0)
             r.mark("commit_in", s.commit_at)
             r.mark("commit_call", s.commit_call_at)
@@ -209,8 +210,10 @@ class Responses:
         w.turn.committed, w.turn.audio_open, w.turn.response, w.turn.undo = False, True, None, None
         s.reopened = w.turn
         s.turn_codes, s.turn_code_list = len(w.turn.codes), list(w.turn.codes)
-        if w.item is not None and w.item in s.items:  # the answer's item (and any after the turn) left with its rows
-            del s.items[s.items.index(w.item) + 1:]
+        # The answer's item leaves with its rows; items added since (a text item, new instructions) wait in
+        # pending_rows, after the turn, and stay.
+        s.items = [it for it in s.items if it.item_id is None or it.item_id != w.answer_item]
+        if w.item is not None and w.item in s.items:
             s.audio_item = w.item
 
     def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:

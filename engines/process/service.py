@@ -32,7 +32,8 @@ Rules the server can rely on:
 - A voice prompt (`voice_wav`) outside the bounds of engines/audio/voice_prompt.py (sample rate, duration) is
   refused from its header with `Error(invalid_audio)` and the message changes nothing. Any other is made on the
   voice worker's thread (voice_worker.py), never on this loop; the session's answers wait for it, and a recording it
-  cannot use gets `Error(invalid_audio)` then, the voice staying as it was.
+  cannot use gets `Error(invalid_audio)` then, the voice staying as it was. UpdateSession(default_voice=True) goes
+  back to the codec's default voice; a prompt still in the making no longer counts.
 - The system turn goes in with the first rows sent: `instructions`, else the default prompt for
   the first response's modality (the spoken one when user speech comes first). New instructions
   after that are added as another system turn.
@@ -43,7 +44,7 @@ Rules the server can rely on:
   oldest items dropped when a request would not fit max_model_len (SetTruncation; by default down to
   AUTO_RETENTION of it; never while a tentative commit may be withdrawn) are answered by ItemsDropped
   (history.py); the system turn and system items are never dropped to fit. A withdrawn answer's item leaves the
-  history with its rows.
+  history with its rows; items added since (waiting for the next answer) stay.
 """
 
 from __future__ import annotations
@@ -311,6 +312,8 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
                 self._add_item(s, None, pinned=True)
         if msg.voice_wav is not None:
             self._submit_voice(s, msg.voice_wav)  # from the next response on
+        elif msg.default_voice:
+            self._default_voice(s)
         self._send(client, m.SessionReady(msg.session_id))
 
     def _check_voice(self, wav: bytes | None) -> None:
@@ -329,6 +332,20 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
         s.voice_job += 1
         s.voice_waiting = True
         self._voices.submit(s.session_id, s.voice_job, wav)
+
+    def _default_voice(self, s: Session) -> None:
+        """The codec's default voice from the next response on; a prompt in the making no longer counts, and the
+        answers that waited for it go ahead."""
+        s.voice_job += 1
+        s.voice, s.voice_wav = None, None
+        if s.voice_waiting:
+            s.voice_waiting = False
+            self._run_deferred(s)
+
+    def _run_deferred(self, s: Session) -> None:
+        deferred, s.deferred = s.deferred, []
+        for d in deferred:
+            self._on_CreateResponse(s.owner, d)
 
     def _collect_voices(self) -> None:
         """Prompts the voice worker made: each session's latest becomes its voice (a recording it could not use is
@@ -349,9 +366,7 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
                                                                  f"{r.voice}"))
             else:
                 s.voice, s.voice_wav = r.voice, r.wav
-            deferred, s.deferred = s.deferred, []
-            for d in deferred:
-                self._on_CreateResponse(s.owner, d)
+            self._run_deferred(s)
 
     def _on_CloseSession(self, client: bytes, msg: m.CloseSession) -> None:
         s = self._session(client, msg.session_id)

@@ -120,6 +120,7 @@ class Tentative:
     turn: Turn  # the user turn it closed
     end_row: int  # conversation rows up to the user's last code: a withdrawal truncates back to here
     response_id: str | None = None  # the answer to it, once asked for
+    answer_item: str | None = None  # that answer's item id in Session.items
     item: Item | None = None  # the turn's entry in Session.items: the open audio turn again if withdrawn
     transcript: tuple[str, list[int]] | None = None  # (item id, codes) to transcribe once the turn stands
 

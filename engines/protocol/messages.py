@@ -60,10 +60,14 @@ class OpenSession:
 
 @dataclass(frozen=True)
 class UpdateSession:
+    """What changed (None: unchanged)."""
+
     session_id: str
     instructions: str | None = None
     voice_wav: bytes | None = None
     sampling: Sampling | None = None  # see OpenSession.sampling
+    default_voice: bool = False  # without voice_wav: back to the engine's default voice (a prompt in the making
+    # no longer counts)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
     if isinstance(asked, str) and asked != s.config.model and not s.model_asked_logged:
         s.model_asked_logged = True
         s.log.info("the client asked for model %r; this server serves %r", asked[:64], s.config.model)
+    if new.instructions is not None and len(new.instructions) > s.limits.max_text_chars:
+        refused.append(_text_too_long("session.instructions", new.instructions, s.limits.max_text_chars))
+        new = dataclasses.replace(new, instructions=s.config.instructions)
     try:
         await s.turns.check(new.turn_detection)
     except ProtocolError as e:  # turn detection this server cannot serve: refused, the rest applies
@@ -49,13 +52,17 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
             s.input_buffer.appended = False
         s.turns.reset()
         s.idle.disarm()
-    if (new.instructions, new.voice_prompt_wav) != (old.instructions, old.voice_prompt_wav):
-        await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=new.instructions,
-                                                   voice_wav=new.voice_prompt_wav))
+    voice_changed = new.voice_prompt_wav != old.voice_prompt_wav
+    if new.instructions != old.instructions or voice_changed:
+        # Only what changed: a voice prompt sent again would be made again, and the next answer wait for it.
+        await s.engine_inputs.send(m.UpdateSession(
+            session_id=s.id, instructions=new.instructions,
+            voice_wav=new.voice_prompt_wav if voice_changed else None,
+            default_voice=voice_changed and new.voice_prompt_wav is None))
     await items.settings_changed(s, old)
     for e in refused:  # each refused field in its own error, then the session as it now is
-        s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"))
-    s.emit(ev.session_event("session.updated", s.id, s.config))
+        s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"), keep=True)
+    s.emit(ev.session_event("session.updated", s.id, s.config), keep=True)
 
 
 async def _on_append(s: Session, event: dict[str, Any]) -> None:
@@ -114,6 +121,8 @@ async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
         if not isinstance(text, str) or not text:
             raise ProtocolError(errors.INVALID_ITEM, "text content needs a non-empty string 'text'",
                                 "item.content[0].text")
+        if len(text) > s.limits.max_text_chars:
+            raise _text_too_long("item.content[0].text", text, s.limits.max_text_chars)
         msg = m.AddUserText(session_id=s.id, item_id=item_id, text=text, role=role)
         out_part = {"type": text_types[role], "text": text}
     elif ptype == "input_audio" and role == "user":
@@ -195,7 +204,7 @@ async def _on_item_retrieve(s: Session, event: dict[str, Any]) -> None:
     if item is None:
         raise ProtocolError(errors.ITEM_RETRIEVE_INVALID_ITEM_ID, f"no item {event.get('item_id')!r} in this "
                             "conversation", "item_id")
-    s.emit(ev.event("conversation.item.retrieved", item=item))
+    s.emit(ev.event("conversation.item.retrieved", item=item), keep=True)
 
 
 async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
@@ -228,6 +237,12 @@ HANDLERS: dict[str, Callable[[Session, dict[str, Any]], Awaitable[None]]] = {
     "response.cancel": _on_response_cancel,
     "conversation.item.delete": items.on_item_delete,
 }
+
+
+def _text_too_long(param: str, text: str, bound: int) -> ProtocolError:
+    """Refused when it arrives, rather than forwarded for the engine to refuse (its bound is the same)."""
+    return ProtocolError(errors.INPUT_TOO_LARGE, f"{param} of {len(text)} characters is over this server's bound of "
+                         f"{bound} (MOSS_MAX_TEXT_CHARS)", param)
 
 
 def _check_keys(d: dict[str, Any], allowed: set[str], prefix: str = "") -> None:

@@ -122,6 +122,10 @@ class InputBuffer:
         client's `input_audio_buffer.clear` and what it sends next; so uncommitted audio that came only from the
         track is cleared here (`input_audio_buffer.cleared` says so) and the request goes ahead. Audio the client
         appended itself, or speech server_vad has not yet ended, is the client's mistake and is refused."""
+        if self.s.turns.spec is not None:  # the client has not seen this turn end: to it the user still speaks
+            raise ProtocolError(errors.INPUT_AUDIO_BUFFER_NOT_EMPTY,
+                                "the input audio buffer holds speech not yet committed (server_vad commits it when the "
+                                f"speech stops): wait, or send input_audio_buffer.clear before {before}")
         held = self.uncommitted_samples()
         if not held:
             return

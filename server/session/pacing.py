@@ -51,6 +51,7 @@ class _Entry:
     response_id: str | None  # set for answer audio (either form) so barge-in can flush it
     samples: int  # 24 kHz samples of answer audio this entry carries
     on_taken: Callable[[], None] | None = None  # runs when the transport takes the item (it leaves the server)
+    keep: bool = False  # a held item that discard() sends all the same
 
 
 class Outbound:
@@ -74,12 +75,13 @@ class Outbound:
         return self._closed
 
     def put(self, item: OutItem, response_id: str | None = None, samples: int = 0,
-            on_taken: Callable[[], None] | None = None) -> bool:
-        """Queue an item; False if the stream is closed or just overflowed (and is now closing)."""
+            on_taken: Callable[[], None] | None = None, keep: bool = False) -> bool:
+        """Queue an item; False if the stream is closed or just overflowed (and is now closing). `keep`: held, it is
+        sent even if what was held is discarded."""
         if self._closed:
             return False
         if self._held is not None and len(self._held) < self.maxsize:
-            self._held.append(_Entry(item, response_id, samples, on_taken))
+            self._held.append(_Entry(item, response_id, samples, on_taken, keep))
             return True
         if len(self._q) >= self.maxsize:
             self.overflowed = True
@@ -107,9 +109,11 @@ class Outbound:
         held, self._held = self._held or [], None
         return all(self.put(e.item, e.response_id, e.samples, e.on_taken) for e in held)
 
-    def discard(self) -> None:
-        """What was held is never sent; puts go straight to the queue again."""
-        self._held = None
+    def discard(self) -> bool:
+        """What was held is never sent, but for the items put with `keep`; puts go straight to the queue again.
+        False if that overflowed."""
+        held, self._held = self._held or [], None
+        return all(self.put(e.item, e.response_id, e.samples, e.on_taken) for e in held if e.keep)
 
     def put_final(self, item: OutItem) -> None:
         """Queue one last item even when full (e.g. the error that explains a close), then close."""

@@ -45,6 +45,7 @@ class Response:
     def kept_samples(self, samples: int) -> None:
         self.cut_at = samples
     output_rows: int = 0  # from its ResponseDone
+    input_rows: int = 0  # from its ResponseDone: its prefilled rows, counted in the session's usage_totals
 
     @property
     def ttfa_ms(self) -> float | None:
@@ -141,8 +142,11 @@ class Responses:
         if r is not None and r.id == response_id:
             self.active = None
             self._withdrawn = response_id  # its output and ResponseDone still come; the held inputs wait for that
-        elif self.last is not None and self.last.id == response_id and s.observer is not None:
-            s.observer.speculation(withdrawn=True, wasted_rows=self.last.output_rows)  # it had ended already
+        elif self.last is not None and self.last.id == response_id:  # it had ended already, unseen
+            s.usage_totals["input_rows"] -= self.last.input_rows
+            s.usage_totals["output_rows"] -= self.last.output_rows
+            if s.observer is not None:
+                s.observer.speculation(withdrawn=True, wasted_rows=self.last.output_rows)
         self.last = last
         await s.engine.send(m.WithdrawResponse(session_id=s.id, response_id=response_id))
 
@@ -236,7 +240,7 @@ class Responses:
         else:
             output = []
         if done is not None:
-            r.output_rows = done.output_rows
+            r.output_rows, r.input_rows = done.output_rows, done.prompt_rows
             s.usage_totals["input_rows"] += done.prompt_rows
             s.usage_totals["output_rows"] += done.output_rows
         details = None

@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from engines.process.options import MAX_TEXT_CHARS
 from engines.protocol import errors
 from engines.protocol import messages as m
 from server.session import items
@@ -82,10 +83,13 @@ class SessionLimits:
     output_queue_size: int = 512
     idle_timeout_s: float | None = None  # None: a session that sends nothing stays open
     max_answer_rows: int = MAX_OUTPUT_TOKENS_DEFAULT  # an answer's length when the client sets no limit ("inf")
+    max_text_chars: int = MAX_TEXT_CHARS  # the longest instructions or item text; the engine's bound (its option)
 
     def __post_init__(self) -> None:
         if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
+        if self.max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
 
 
 class Session:
@@ -218,7 +222,7 @@ class Session:
         try:
             event = decode_client_event(text)
         except ProtocolError as e:
-            self.error(e.code, e.message)
+            self.error(e.code, e.message, keep=True)
             return
         await self.handle_client_event(event)
 
@@ -231,16 +235,16 @@ class Session:
         handler = HANDLERS.get(etype) if isinstance(etype, str) else None
         if handler is None:
             self.error(errors.UNKNOWN_EVENT, f"unknown or unsupported client event type {etype!r}",
-                       param="type", event_id=client_event_id)
+                       param="type", event_id=client_event_id, keep=True)
             return
         try:
             await handler(self, event)
         except ProtocolError as e:
-            self.error(e.code, e.message, param=e.param, event_id=client_event_id)
+            self.error(e.code, e.message, param=e.param, event_id=client_event_id, keep=True)
         except Exception as e:  # noqa: BLE001 - a server bug on one event must not end the conversation
             self.log.exception("failed to handle %s", etype)
             self.error(errors.SERVER_ERROR, f"internal error handling {etype}: {type(e).__name__}",
-                       event_id=client_event_id)
+                       event_id=client_event_id, keep=True)
 
     async def feed_audio(self, pcm: np.ndarray, rate: int) -> None:
         """Microphone audio from a track transport: float32 mono in [-1, 1] at `rate` Hz.
@@ -281,10 +285,14 @@ class Session:
     # ---- the conversation's items ------------------------------------------------------------
 
     def add_item(self, item_id: str, role: str, content: list[dict[str, Any]]) -> None:
+        self.item_objs[item_id] = ev.item(item_id, role, content, status="completed")
+        self.append_item(item_id)
+
+    def append_item(self, item_id: str) -> None:
+        """A completed item (in item_objs) goes at the end of the conversation, and the client is told."""
         prev = self.items[-1] if self.items else None
         self.items.append(item_id)
-        item = ev.item(item_id, role, content, status="completed")
-        self.item_objs[item_id] = item
+        item = self.item_objs[item_id]
         self.emit(ev.event("conversation.item.added", previous_item_id=prev, item=item))
         self.emit(ev.event("conversation.item.done", previous_item_id=prev, item=item))
 
@@ -294,16 +302,19 @@ class Session:
 
     # ---- outbound ----------------------------------------------------------------------------
 
-    def emit(self, event: dict[str, Any], on_taken: Callable[[], None] | None = None) -> None:
-        if not self.outbound.put(event, on_taken=on_taken):
+    def emit(self, event: dict[str, Any], on_taken: Callable[[], None] | None = None, keep: bool = False) -> None:
+        """`keep`: the event answers a client event, and goes out even if the speculative answer it was held with
+        is withdrawn (turn_detection.py)."""
+        if not self.outbound.put(event, on_taken=on_taken, keep=keep):
             self.slow_consumer()
 
-    def error(self, code: str, message: str, *, param: str | None = None, event_id: Any = None) -> None:
+    def error(self, code: str, message: str, *, param: str | None = None, event_id: Any = None,
+              keep: bool = False) -> None:
         """An `error` event for the client (`code` from engines.protocol.errors, which gives its type)."""
         if self.observer is not None:
             self.observer.error(code)
         self.log.info("error code=%s message=%s", code, message)
-        self.emit(ev.error_event(code, message, param=param, event_id=event_id))
+        self.emit(ev.error_event(code, message, param=param, event_id=event_id), keep=keep)
 
     def _background_failed(self, name: str) -> None:
         """A task this session started failed (logged by Background): end the session rather than leave it

@@ -307,14 +307,25 @@ class TurnDetector:
 
     async def _withdraw(self) -> None:
         """The user went on: the answer goes unseen, the engine rolls it back, the turn continues with what the
-        user said meanwhile."""
+        user said meanwhile. Items the client created meanwhile stay, in order, and are shown again (their events
+        were held with the answer's)."""
         s, spec = self.s, self.spec
         assert spec is not None
         self.spec = None
-        s.outbound.discard()
+        if not s.outbound.discard():
+            s.slow_consumer()
+        answer_item = None
         if spec.response_id is not None:
+            r = s.responses.active if s.responses.active is not None else s.responses.last
+            answer_item = r.item_id if r is not None and r.id == spec.response_id else None
             await s.responses.withdraw(spec.response_id, spec.last)
+        created = [i for i in s.items[spec.items + 1:] if i != answer_item]  # after the turn's own item
         del s.items[spec.items:]
+        if answer_item is not None:
+            s.item_objs.pop(answer_item, None)
+            s.item_audio_samples.pop(answer_item, None)
+        for item_id in created:
+            s.append_item(item_id)
         s.input_buffer.samples_16k = spec.samples_16k
         s.responses.turn_committed_at = None
         self.item_id = spec.item_id

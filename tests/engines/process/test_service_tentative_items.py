@@ -93,3 +93,26 @@ def test_a_transcription_refused_while_it_waits_fails_alone() -> None:
     assert (done.status, done.code, done.output_rows) == ("failed", "server_busy", 0) and not codes(out)
     assert [d.status for d in of(out, m.ResponseDone)] == ["incomplete"]
     svc.engine.check_integrity()
+
+
+def test_a_text_item_added_while_the_answer_may_be_withdrawn_stays_after_the_turn() -> None:
+    """The tentative answer ended and the client added a text item before the user went on: the withdrawal takes the
+    answer's item, the text item stays, and the conversation is the one a text item added mid-turn makes."""
+    ref = opened(FIRST + REST)
+    send(ref, m.AddUserText("s", "t1", "hello"))
+    answered(ref, "r1")
+
+    svc = opened(FIRST)
+    assert of(tentative_answer(svc, "r0"), m.ResponseDone)
+    assert not codes(send(svc, m.AddUserText("s", "t1", "hello")) + run(svc))
+    assert item_ids(svc) == ["item", "r0", "t1"]
+    send(svc, m.WithdrawResponse("s", "r0"))
+    run(svc)
+    assert item_ids(svc) == ["item", "t1"]
+    speak(svc, REST)
+    answered(svc, "r1")
+    assert item_ids(svc) == item_ids(ref) == ["item", "t1", "r1"]
+    assert svc.engine.conversation_history("s") == ref.engine.conversation_history("s")
+    (dropped,) = of(send(svc, m.DeleteItem("s", "t1")) + run(svc), m.ItemsDropped)
+    assert dropped.item_ids == ["t1"] and item_ids(svc) == ["item", "r1"]
+    svc.engine.check_integrity()

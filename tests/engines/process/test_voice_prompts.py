@@ -140,3 +140,36 @@ def test_only_the_latest_prompt_counts_and_a_closed_session_gets_none(tmp_path) 
     a = svc.sessions["a"]
     assert a.voice_wav == second and not a.voice_waiting and a.voice.name.startswith("random-")
     assert "c" not in svc.sessions and not svc._voices.busy()
+
+
+def test_the_default_voice_comes_back_and_a_prompt_in_the_making_no_longer_counts(tmp_path) -> None:
+    gate = threading.Event()
+    made = Voice.random(seed=5, n_codes=2)
+
+    def load(wav: bytes) -> Voice:
+        assert gate.wait(WAIT_S)
+        return made
+
+    svc = service(load)
+    send(svc, m.OpenSession("a"))
+    gate.set()
+    send(svc, m.UpdateSession("a", voice_wav=wav_bytes(tmp_path, 1.0, 16000)))
+    send(svc, m.AddUserText("a", "i", "hello"))
+    send(svc, m.CreateResponse("a", "r1", "audio", greedy(3, 3)))
+    run(svc)
+    assert svc.decoder.voices == {"a": made}
+    assert send(svc, m.UpdateSession("a", default_voice=True)) == [m.SessionReady("a")]
+    send(svc, m.AddUserText("a", "j", "hello"))
+    send(svc, m.CreateResponse("a", "r2", "audio", greedy(3, 3)))
+    assert [d.status for d in of(run(svc), m.ResponseDone)] == ["incomplete"]
+    assert svc.decoder.voices == {"a": None} and svc.sessions["a"].voice_wav is None
+
+    gate.clear()  # a prompt in the making, the answer waiting for it: the default voice's answer goes ahead
+    send(svc, m.UpdateSession("a", voice_wav=wav_bytes(tmp_path, 1.0, 16000)))
+    send(svc, m.AddUserText("a", "k", "hello"))
+    assert send(svc, m.CreateResponse("a", "r3", "audio", greedy(3, 3))) == []
+    out = send(svc, m.UpdateSession("a", default_voice=True))
+    assert of(out, m.ResponseStarted) and of(out, m.SessionReady)
+    gate.set()
+    assert [d.response_id for d in of(run(svc), m.ResponseDone)] == ["r3"]
+    assert svc.decoder.voices == {"a": None} and svc.sessions["a"].voice is None

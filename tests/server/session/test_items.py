@@ -10,7 +10,7 @@ import numpy as np
 
 from engines.protocol import messages as m
 from server.session.client_events import SessionConfig, parse_session_update
-from server.session.session import Session
+from server.session.session import Session, SessionLimits
 from tests.server.session.session_support import Link, drain, settled, types
 
 SPEECH = base64.b64encode((np.sin(np.arange(12000) / 7.0) * 8000).astype("<i2").tobytes()).decode()
@@ -130,3 +130,28 @@ async def test_item_delete_is_checked_then_sent_and_deleted_when_the_engine_says
     # Items the engine dropped to fit its context are deleted the same way.
     s.on_engine_message(m.ItemsDropped(s.id, [bot], deleted=False))
     assert [(e["type"], e["item_id"]) for e in drain(s)] == [("conversation.item.deleted", bot)]
+
+
+async def test_texts_over_the_bound_are_refused_on_arrival_and_the_session_goes_on():
+    """The engine's bound on a text (MOSS_MAX_TEXT_CHARS) is checked as the event arrives: the engine is not sent
+    the text, the client gets `input_too_large` naming the field, and what was set stays."""
+    link = Link()
+    s = Session("sess_items", link, limits=SessionLimits(max_text_chars=20))
+    await s.start()
+    await s.handle_client_event({"type": "session.update", "session": {"instructions": "Be brief."}})
+    drain(s)
+    for role, ptype in (("user", "input_text"), ("system", "input_text"), ("assistant", "output_text")):
+        await s.handle_client_event({"type": "conversation.item.create", "event_id": "e", "item": {
+            "type": "message", "role": role, "content": [{"type": ptype, "text": "x" * 21}]}})
+        (err,) = drain(s)
+        assert (err["error"]["code"], err["error"]["param"], err["error"]["event_id"]) == (
+            "input_too_large", "item.content[0].text", "e")
+    await s.handle_client_event({"type": "session.update", "session": {"instructions": "y" * 21, "truncation": {
+        "type": "retention_ratio", "retention_ratio": 0.5}}})
+    err, updated = drain(s)
+    assert (err["error"]["code"], err["error"]["param"]) == ("input_too_large", "session.instructions")
+    assert updated["session"]["instructions"] == "Be brief." and updated["session"]["truncation"]["retention_ratio"]
+    assert not link.of(m.AddUserText) and [u.instructions for u in link.of(m.UpdateSession)] == ["Be brief."]
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 20}]}})
+    assert [a.text for a in link.of(m.AddUserText)] == ["x" * 20] and s.items

@@ -299,7 +299,8 @@ async def test_turn_ending_before_interrupted_answer_ends_gets_answered_after_it
     await settled(s)
     after = [type(x).__name__ for x in link.sent[n_before + 2:]]
     # Held in order: the new turn's audio, its commit, then the answer to it.
-    assert after[-2:] == ["CommitUserAudio", "CreateResponse"] and set(after[:-2]) == {"AppendUserAudio"}
+    # (A Sync among them: the session bounds its inputs in flight to the engine.)
+    assert after[-2:] == ["CommitUserAudio", "CreateResponse"] and set(after[:-2]) - {"Sync"} == {"AppendUserAudio"}
     evs = drain(s)
     t = types(evs)
     assert t.count("response.created") == 1 and t.index("response.done") < t.index("response.created")
@@ -337,6 +338,18 @@ async def test_sampling_voice_prompt_and_instructions_reach_the_engine(tmp_path,
     assert err["error"]["code"] == "invalid_audio" and err["error"]["param"] == "session.moss.voice_prompt.wav"
     assert updated["type"] == "session.updated" and updated["session"]["moss"]["voice_prompt"] is True
     assert s.config.voice_prompt_wav == wav
+    s.on_engine_message(m.ResponseDone(s.id, cr.response_id, "completed"))
+    await settled(s)
+    # New instructions alone: the engine is not given the prompt again (it would make it again).
+    await s.handle_client_event({"type": "session.update", "session": {"instructions": "Be long."}})
+    assert link.of(m.UpdateSession)[-1] == m.UpdateSession(s.id, instructions="Be long.")
+    # null: back to the server's default voice.
+    await s.handle_client_event({"type": "session.update", "session": {"moss": {"voice_prompt": None}}})
+    assert link.of(m.UpdateSession)[-1] == m.UpdateSession(s.id, instructions="Be long.", default_voice=True)
+    assert drain(s)[-1]["session"]["moss"]["voice_prompt"] is False and s.config.voice_prompt_wav is None
+    n = len(link.of(m.UpdateSession))
+    await s.handle_client_event({"type": "session.update", "session": {"moss": {"voice_prompt": None}}})
+    assert len(link.of(m.UpdateSession)) == n  # nothing changed
 
 
 async def test_answer_audio_later_than_real_time_is_counted_as_an_underrun(monkeypatch):

@@ -4,6 +4,9 @@ the in-memory link of session_support (its replies injected), the end-of-turn mo
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -169,3 +172,88 @@ async def test_a_held_turn_is_transcribed_as_any_and_no_item_is_deleted_until_it
     assert [e["error"]["code"] for e in errs] == ["input_audio_buffer_not_empty"]
     await s.handle_client_event({"type": "conversation.item.delete", "item_id": "earlier"})
     assert link.of(m.DeleteItem) == [m.DeleteItem(s.id, "earlier")]
+
+
+def text_item(item_id: str) -> dict:
+    return {"type": "conversation.item.create", "item": {
+        "id": item_id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}
+
+
+async def test_an_item_created_while_the_answer_is_held_stays_when_it_is_withdrawn(speech24k):
+    s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
+    (started,) = drain(s)
+    first = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, first)
+    await s.handle_client_event(text_item("typed"))
+    # An audio item cannot go in: to the client the user is still speaking.
+    audio = base64.b64encode(np.zeros(2400, "<i2").tobytes()).decode()
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}})
+    assert not link.of(m.AddUserText) and not drain(s)  # held with the answer
+    await feed(s, speech24k[half:half + 12000])  # the user goes on: the answer is withdrawn
+    evs = drain(s)
+    assert types(evs) == ["error", "conversation.item.added", "conversation.item.done"]
+    assert evs[0]["error"]["code"] == "input_audio_buffer_not_empty"
+    assert evs[1]["item"]["id"] == "typed" and evs[1]["previous_item_id"] is None
+    assert s.items == ["typed"]
+    s.on_engine_message(m.ResponseDone(s.id, first, "cancelled", reason="withdrawn", output_rows=7))
+    await settled(s)
+    withdraw = link.of(m.WithdrawResponse)[0]
+    assert link.sent.index(withdraw) < link.sent.index(link.of(m.AddUserText)[0])  # the engine gets it after that
+    await feed(s, np.concatenate([speech24k[half + 12000:], silence(0.3)]))
+    second = link.of(m.CreateResponse)[-1].response_id
+    answer_begins(s, second)
+    await feed(s, silence(0.45))
+    await settled(s)
+    evs = drain(s)
+    assert types(evs) == NON_SPECULATIVE_ORDER
+    assert evs[1]["item_id"] == started["item_id"] and evs[1]["previous_item_id"] == "typed"
+    assert s.items == ["typed", started["item_id"], evs[6]["item"]["id"]]
+
+
+async def test_no_answer_is_created_over_a_turn_that_may_go_on(speech24k):
+    """The held answer ended before the silence confirmed its turn: to the client the user still speaks, so a
+    response.create is refused as it is mid-turn, and the turn's answer stands once confirmed."""
+    s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(0.3)]))
+    assert types(drain(s)) == ["input_audio_buffer.speech_started"]
+    rid = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, rid)
+    s.on_engine_message(m.ResponseDone(s.id, rid, "completed", output_rows=3))
+    await settled(s)
+    await s.handle_client_event({"type": "response.create"})
+    assert len(link.of(m.CreateResponse)) == 1
+    await feed(s, silence(0.4))
+    await settled(s)
+    evs = drain(s)
+    assert types(evs) == [*NON_SPECULATIVE_ORDER, "response.output_audio.done", "response.output_audio_transcript.done",
+                          "response.content_part.done", "response.output_item.done", "conversation.item.done",
+                          "response.done", "error"]
+    assert evs[-1]["error"]["code"] == "input_audio_buffer_not_empty"
+
+
+@pytest.mark.parametrize("ended_first", [False, True])
+async def test_a_withdrawn_answers_usage_is_not_counted(speech24k, ended_first):
+    s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
+    first = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, first)
+    done = m.ResponseDone(s.id, first, "completed", output_rows=7, prompt_rows=40)
+    if ended_first:  # the answer ended, unseen, before the user went on
+        s.on_engine_message(done)
+    await feed(s, speech24k[half:half + 12000])
+    if not ended_first:
+        s.on_engine_message(dataclasses.replace(done, status="cancelled", reason="withdrawn"))
+    await settled(s)
+    assert link.of(m.WithdrawResponse) and obs.speculations == [(True, 7)]
+    assert s.usage_totals == {"input_rows": 0, "output_rows": 0}
+    await feed(s, np.concatenate([speech24k[half + 12000:], silence(0.3)]))
+    second = link.of(m.CreateResponse)[-1].response_id
+    answer_begins(s, second)
+    s.on_engine_message(m.ResponseDone(s.id, second, "completed", output_rows=5, prompt_rows=30))
+    await feed(s, silence(0.45))
+    await settled(s)
+    assert s.usage_totals == {"input_rows": 30, "output_rows": 5}
