@@ -61,6 +61,17 @@ def answer_begins(s: Session, rid: str) -> None:
     s.on_engine_message(m.AudioChunk(s.id, rid, CHUNK, 0))
 
 
+async def paused_with_a_held_answer(speech24k) -> tuple[Session, Link, Observer, str, int]:
+    """A server_vad session (500 ms silence) whose user said half a sentence and paused 300 ms: the speculative
+    answer has started (its id) and is held; `half` is where the sentence goes on."""
+    s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
+    first = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, first)
+    return s, link, obs, first, half
+
+
 async def test_a_held_answer_is_heard_only_once_the_silence_confirms_the_turn(speech24k):
     s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
     await feed(s, np.concatenate([silence(0.5), speech24k, silence(0.3)]))
@@ -82,12 +93,8 @@ async def test_a_held_answer_is_heard_only_once_the_silence_confirms_the_turn(sp
 
 
 async def test_a_withdrawn_answer_is_never_seen_and_the_turn_goes_on(speech24k):
-    s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
-    half = len(speech24k) // 2
-    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
+    s, link, obs, first, half = await paused_with_a_held_answer(speech24k)
     (started,) = drain(s)
-    first = link.of(m.CreateResponse)[0].response_id
-    answer_begins(s, first)
     appended = len(link.of(m.AppendUserAudio))
     await feed(s, speech24k[half:half + 12000])  # the user goes on
     assert link.of(m.WithdrawResponse) == [m.WithdrawResponse(s.id, first)]
@@ -180,12 +187,8 @@ def text_item(item_id: str) -> dict:
 
 
 async def test_an_item_created_while_the_answer_is_held_stays_when_it_is_withdrawn(speech24k):
-    s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
-    half = len(speech24k) // 2
-    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
+    s, link, _, first, half = await paused_with_a_held_answer(speech24k)
     (started,) = drain(s)
-    first = link.of(m.CreateResponse)[0].response_id
-    answer_begins(s, first)
     await s.handle_client_event(text_item("typed"))
     # An audio item cannot go in: to the client the user is still speaking.
     audio = base64.b64encode(np.zeros(2400, "<i2").tobytes()).decode()
@@ -236,11 +239,7 @@ async def test_no_answer_is_created_over_a_turn_that_may_go_on(speech24k):
 
 @pytest.mark.parametrize("ended_first", [False, True])
 async def test_a_withdrawn_answers_usage_is_not_counted(speech24k, ended_first):
-    s, link, obs = await new_session({"type": "server_vad", "silence_duration_ms": 500})
-    half = len(speech24k) // 2
-    await feed(s, np.concatenate([silence(0.5), speech24k[:half], silence(0.3)]))
-    first = link.of(m.CreateResponse)[0].response_id
-    answer_begins(s, first)
+    s, link, obs, first, half = await paused_with_a_held_answer(speech24k)
     done = m.ResponseDone(s.id, first, "completed", output_rows=7, prompt_rows=40)
     if ended_first:  # the answer ended, unseen, before the user went on
         s.on_engine_message(done)
