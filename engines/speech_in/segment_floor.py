@@ -1,0 +1,85 @@
+"""A committed turn's codes with Whisper's log-mel floor: (max - 8) over each whole <= 30 s segment.
+
+While the user speaks, the frontend floors each frame at (running max - 8) (log_mel.py): a frame before the turn's
+loudest one is floored lower than the reference floors it. Once the turn's audio is whole (a commit), each segment's
+max is known: the turn is encoded again from the first segment whose floor changes, by streams that start there
+with that segment's max as their peak (MelState.peak) and the samples before it as their frame buffer, so their
+frames, trunk and codes are those of the served stream but for the floor. Codes before the first frame whose floor
+changes are the same in both (the trunk is causal): the result starts at the code of that frame.
+
+The segments from the first changed one go in one batched encoder call (one stream each); the frame maxima are one
+log-mel pass per segment on the encoder's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from engines.speech_in.encoder import SpeechEncoder
+
+
+@dataclass(frozen=True)
+class Refloor:
+    """A turn's codes with the whole-segment floor, from `first` on (codes before it stand)."""
+
+    first: int
+    codes: list[int]
+    frames: int  # mel frames encoded again (the call's size)
+
+
+def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
+    """[frames] each complete frame's log-mel max (before the floor) of a stream fed `x`, as its frontend frames it
+    (zeros before the stream), computed a segment at a time with the frontend's own kernels."""
+    cfg, fe = encoder.cfg, encoder.frontend
+    half, hop = cfg.n_fft // 2, cfg.hop_length
+    n = 0 if x.size + half < cfg.n_fft else (x.size + half - cfg.n_fft) // hop + 1
+    seg = 2 * cfg.max_source_positions  # mel frames per segment
+    samples = torch.from_numpy(np.concatenate([np.zeros(half, np.float32), x])).to(encoder.device)
+    out = [fe.raw_log_mel(samples, torch.arange(a, min(a + seg, n), device=encoder.device) * hop).amax(dim=1)
+           for a in range(0, n, seg)]
+    return torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
+
+
+def refloor(encoder: SpeechEncoder, pcm: np.ndarray, final: bool) -> Refloor | None:
+    """The turn `pcm` (all its samples) encoded with each segment's own floor, as its commit closes it (`final`: the
+    stream is finalized, its tail padded as `finalize` pads it; else only its codes determined so far); None when
+    every frame's floor is already the segment's."""
+    cfg = encoder.cfg
+    x = np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if final else pcm
+    peaks = frame_peaks(encoder, x)
+    if not peaks.size:
+        return None
+    seg = 2 * cfg.max_source_positions
+    running = np.maximum.accumulate(peaks)
+    seg_max = [float(peaks[a:a + seg].max()) for a in range(0, peaks.size, seg)]
+    floors = np.repeat(np.asarray(seg_max, np.float32), seg)[: peaks.size]
+    changed = np.flatnonzero(running != floors)
+    if not changed.size:
+        return None
+    first_frame = int(changed[0])
+    j0 = first_frame // seg
+    half = cfg.n_fft // 2
+    padded = np.concatenate([np.zeros(half, np.float32), x])
+    seg_samples = seg * cfg.hop_length
+    streams, pieces = [], []
+    try:
+        for j in range(j0, len(seg_max)):
+            s = encoder.open_stream()
+            streams.append(s)
+            start = j * seg_samples
+            s.mel.buf = padded[start:start + half].copy()  # the samples of the segment's first frames before it
+            s.mel.peak = seg_max[j]
+            pieces.append(x[start:start + seg_samples + half])  # (its last frame ends half a window past it)
+        out = encoder.batch().step(list(zip(streams, pieces, strict=True)))
+    finally:
+        for s in streams:
+            s.close()
+    per_seg = cfg.codes_per_segment
+    codes = [c for part in out[:-1] for c in part[:per_seg]] + out[-1]
+    first = first_frame // (2 * cfg.pooling_kernel_size)
+    return Refloor(first, codes[first - j0 * per_seg:], peaks.size - j0 * seg)
