@@ -8,11 +8,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from engines.audio.wav import read_wav
-from engines.profiling.log_mel_codes import _encoder, encode, whole_segment_log_mel
+from engines.profiling.log_mel_codes import _encoder
 from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
+from tests.engines.speech_in.encoder_helpers import whole_segment_codes
 from tests.paths import REPO
 
 WAV = REPO / "tests" / "data" / "speech_en_16k.wav"
@@ -22,13 +22,6 @@ def speech(seconds: float) -> np.ndarray:
     pcm, rate = read_wav(WAV)
     assert rate == 16000
     return pcm[: int(seconds * rate)].astype(np.float32)
-
-
-def reference(enc: SpeechEncoder, pcm: np.ndarray) -> list[int]:
-    """The finalized stream's codes with every frame's features swapped for the dense whole-segment ones."""
-    x = np.concatenate([pcm, np.zeros(enc.tail_padding(pcm.size), np.float32)])
-    feats = torch.cat([whole_segment_log_mel(x, enc.cfg, enc.frontend), torch.zeros(1, enc.cfg.num_mel_bins)])
-    return encode(enc, pcm, feats)
 
 
 def committed(enc: SpeechEncoder, pcm: np.ndarray, final: bool = True) -> tuple[list[int], int | None]:
@@ -45,7 +38,7 @@ def committed(enc: SpeechEncoder, pcm: np.ndarray, final: bool = True) -> tuple[
 def test_a_quiet_start_takes_the_whole_segment_floor(enc):
     pcm = speech(2.5)  # its first ~0.4 s are quiet
     codes, first = committed(enc, pcm)
-    ref = reference(enc, pcm)
+    ref = whole_segment_codes(enc, pcm)
     assert codes == ref and len(codes) == enc.codes_for_samples(pcm.size)
     assert enc.encode(pcm) != ref  # as streamed, the running floor gives other codes
     assert first == 0
@@ -55,7 +48,7 @@ def test_nothing_is_redone_when_the_first_frame_is_the_loudest(enc):
     pcm = speech(1.5) * 0.05
     pcm[:40] += 0.9  # a click under the first frame's window centre only
     assert enc.refloor(pcm, final=True) is None
-    assert enc.encode(pcm) == reference(enc, pcm)
+    assert enc.encode(pcm) == whole_segment_codes(enc, pcm)
 
 
 def test_a_tentative_commit_refloors_the_codes_determined_so_far(enc):
@@ -72,5 +65,5 @@ def test_each_segment_takes_its_own_floor(seconds):
     enc = _encoder(cfg, seed=1)
     pcm = speech(seconds)
     codes, first = committed(enc, pcm)
-    assert codes == reference(enc, pcm) and len(codes) == enc.codes_for_samples(pcm.size)
+    assert codes == whole_segment_codes(enc, pcm) and len(codes) == enc.codes_for_samples(pcm.size)
     assert first is not None and codes != enc.encode(pcm)
