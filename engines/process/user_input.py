@@ -4,7 +4,9 @@ while the user talks, the commit that closes the turn, cleared audio, and text i
 User audio goes to the encoder worker (encoder_worker.py), which encodes every session's together. A session's codes
 open an engine request at the first one (the user turn, `input_done=False`) and grow it by a row a code; while a
 response or an undo is in flight they wait in the session (sessions.py). A session's messages after a commit wait
-until the encoder has finalized the turn.
+until the encoder has finalized the turn. The commit's result also carries the turn's codes as the whole-segment
+log-mel floor makes them (encoder_worker.py): those that change are rewritten where they are, in the engine's rows
+(their KV computed again) or still waiting in the session, before the turn is closed.
 """
 
 from __future__ import annotations

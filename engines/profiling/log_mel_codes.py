@@ -95,7 +95,7 @@ def encode(enc: SpeechEncoder, pcm: np.ndarray, swap: torch.Tensor | None) -> li
         out = original(samples, first, cell, peak_src, peak_dst, peak_last, peaks, rows, cols)
         real = (cell < (rows - 1) * cols).nonzero().squeeze(1)  # the stream's row; padding frames sit in the last
         rows_ = swap[cursor[0]:cursor[0] + real.numel()]
-        out[real[: rows_.shape[0]]] = rows_.to(out.dtype)
+        out[real[: rows_.shape[0]]] = rows_.to(out.device, out.dtype)
         cursor[0] += real.numel()
         return out
 
