@@ -73,6 +73,7 @@ class _Turn:
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
     audio: list[np.ndarray] = field(default_factory=list)  # audio encoded so far (a commit encodes it again)
+    floored: int = 0  # its 30 s segments already encoded again, as the turn passed their end
     commit: bool = False  # finalize it with the next commit call
     tentative: bool = False  # encode what it holds now and report it as a commit, keeping the stream open
     replying: bool = False  # taken by a call for its tentative commit: that call's result is the commit's
@@ -259,7 +260,7 @@ class EncoderWorker:
             codes = self._encode(commit, work)
         except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
             codes = [e] * len(work)
-        floors = [self._refloor(t, commit) if (commit or t.replying) and not isinstance(c, Exception) else None
+        floors = [None if isinstance(c, Exception) else self._refloor(t, commit or t.replying, commit)
                   for (t, _), c in zip(work, codes, strict=True)]
         dt, cpu, at = time.perf_counter() - t0, time.thread_time() - cpu0, time.monotonic()
         with self._cv:
@@ -271,7 +272,7 @@ class EncoderWorker:
                     del self._turns[t.key]  # the stream's state is unknown: this turn is over
                 if t.dropped or failed or commit:
                     self._close(t)
-                if not t.dropped and (as_commit or failed or c):
+                if not t.dropped and (as_commit or failed or c or floor is not None):
                     self._results.append(Encoded(t.key, c, as_commit, at, started, floor))
             name = "encode commits" if commit else "encode"
             self.spans.add(name, dt)
@@ -283,20 +284,28 @@ class EncoderWorker:
             self._running = False
             self._cv.notify_all()
 
-    def _refloor(self, t: _Turn, final: bool) -> Refloor | None:
-        """A committing turn's codes with the whole-segment floor (SpeechEncoder.refloor), where they change; None if
-        none does, the encoder has no such call, or it failed (the turn's codes then stand as encoded)."""
+    def _refloor(self, t: _Turn, at_commit: bool, final: bool) -> Refloor | None:
+        """The turn's codes with the whole-segment floor (SpeechEncoder.refloor), where they change: at a commit
+        (`final`, or tentative) those of its segments not yet redone, else those of the segments it has just passed
+        the end of. None if none changes, the encoder has no such call, or it failed (the codes then stand)."""
         refloor = getattr(self.encoder, "refloor", None)
-        if refloor is None or not t.audio:
+        if refloor is None or not t.audio or t.stream is None:
+            return None
+        end = None if at_commit else self.encoder.segments_done(t.stream.samples_seen)
+        if end is not None and end <= t.floored:
             return None
         t0 = time.perf_counter()
         try:
-            out = refloor(t.audio[0] if len(t.audio) == 1 else np.concatenate(t.audio), final)
+            pcm = t.audio[0] if len(t.audio) == 1 else np.concatenate(t.audio)
+            t.audio = [pcm]
+            out = refloor(pcm, final, t.floored, end, urgent=at_commit)
         except Exception:  # noqa: BLE001 - the running floor's codes are still a valid turn
             log.exception("speech encoder: re-encoding session %s's turn with its segment floor failed", t.key)
             return None
+        if end is not None:
+            t.floored = end
         with self._cv:
-            self.spans.add("encode refloor", time.perf_counter() - t0)
+            self.spans.add("encode refloor" if at_commit else "encode refloor held", time.perf_counter() - t0)
         return out
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:

@@ -99,7 +99,7 @@ class UserInput:
                 elif isinstance(e.codes, Exception):
                     self._speech_failed(s, e.codes)
                 else:
-                    self._guard(s.owner, m.AppendUserAudio(s.session_id, b""), self._user_codes, s, e.codes, False)
+                    self._guard(s.owner, m.AppendUserAudio(s.session_id, b""), self._encoded, s, e.codes, e.refloor)
             if not ran and not results:
                 return
 
@@ -159,21 +159,26 @@ class UserInput:
         if transcript is not None:
             self._transcribe(s, *transcript)
 
+    def _encoded(self, s: Session, codes: list[int], refloor: Refloor | None) -> None:
+        """More codes of the user's turn (and, past a 30 s segment's end, its codes there with that segment's floor)."""
+        self._user_codes(s, codes if refloor is None else self._refloor(s, codes, refloor), False)
+
     def _refloor(self, s: Session, codes: list[int], r: Refloor) -> list[int]:
-        """The turn's codes from r.first on made r.codes: those the engine holds are rewritten there from the first
-        that changes (their KV computed again before the answer's first row), those still waiting are replaced.
-        Returns the commit's last codes as they now are."""
+        """The turn's codes r.first.. made r.codes (with `codes`, the encoder's latest, its codes so far): those the
+        engine holds are rewritten there from the first that changes (their KV computed again before the answer's
+        first row), those still waiting are replaced. Returns `codes` as they now are."""
         t, o = s.active, s.reopened if s.active is None else None
         live = t is not None and t.audio_open and t.undo is None and t.response is None
         sent = o.codes if o is not None else t.codes if live else []
         held = sent + s.pending_codes + codes
-        if r.first + len(r.codes) != len(held):  # (the turn's codes went elsewhere: an undo requeued them)
-            log.warning("session %s: the re-encoded turn has %d codes, %d are held; they stand", s.session_id,
-                        r.first + len(r.codes), len(held))
+        end = r.first + len(r.codes)
+        if r.total != len(held) or end > len(held):  # (the turn's codes went elsewhere: an undo requeued them)
+            log.warning("session %s: the turn re-encoded has %d codes, %d are held; they stand", s.session_id,
+                        r.total, len(held))
             return codes
-        new = held[: r.first] + r.codes
+        new = held[: r.first] + r.codes + held[end:]
         n = len(sent)
-        d = next((i for i in range(r.first, n) if new[i] != sent[i]), n)
+        d = next((i for i in range(r.first, min(n, end)) if new[i] != sent[i]), n)
         owner = o if o is not None else t
         if d < n and owner is not None:
             at = owner.base_rows + owner.user_rows_start + len(self.prompts.audio_turn_open_rows()) + d
@@ -181,8 +186,9 @@ class UserInput:
                 self.engine.truncate_conversation(s.conversation_id, at)
                 o.codes, o.user_end, n = new[:d], o.user_end - (n - d), d
             else:
-                self.engine.rewrite_input(owner.request_id, at, self.prompts.audio_code_rows(new[d:n]))
-                owner.codes[d:] = new[d:n]
+                upto = min(n, end)
+                self.engine.rewrite_input(owner.request_id, at, self.prompts.audio_code_rows(new[d:upto]))
+                owner.codes[d:upto] = new[d:upto]
         last = len(held) - len(codes)
         s.pending_codes = new[n:last]
         s.turn_code_list = new[last - len(s.turn_code_list):last]

@@ -19,7 +19,7 @@ from engines.speech_in.config import EncoderConfig
 from engines.speech_in.log_mel import MelFrontend, MelState
 from engines.speech_in.model import StreamingRunner, WhisperVQTrunk
 from engines.speech_in.presets import ENCODER_PRESETS
-from engines.speech_in.segment_floor import Refloor, refloor
+from engines.speech_in.segment_floor import Refloor, refloor, segments_done
 from engines.speech_in.step_graphs import StepGraphs
 from engines.speech_in.step_plan import TrunkState
 from engines.speech_in.weights import PREFIX, load_state, random_state
@@ -225,9 +225,15 @@ class SpeechEncoder:
             + cfg.n_fft // 2
         return max(0, need - n_samples)
 
-    def refloor(self, pcm: np.ndarray, final: bool) -> Refloor | None:
-        """A turn's codes with Whisper's whole-segment log-mel floor (segment_floor.py); None: its codes stand."""
-        return refloor(self, _as_pcm(pcm), final)
+    def refloor(self, pcm: np.ndarray, final: bool, first_segment: int = 0, end_segment: int | None = None,
+                urgent: bool = True) -> Refloor | None:
+        """A turn's codes with Whisper's whole-segment log-mel floor, of its segments from `first_segment` up to
+        `end_segment` (segment_floor.py); None: its codes there stand."""
+        return refloor(self, _as_pcm(pcm), final, first_segment, end_segment, urgent)
+
+    def segments_done(self, n_samples: int) -> int:
+        """The 30 s segments whose floor is final once a stream has n samples (segment_floor.py)."""
+        return segments_done(self, n_samples)
 
 
 _TRUNK_NAMES: dict[EncoderConfig, set[str]] = {}

@@ -8,7 +8,9 @@ frames, trunk and codes are those of the served stream but for the floor. Codes 
 changes are the same in both (the trunk is causal): the result starts at the code of that frame.
 
 The segments from the first changed one go in one batched encoder call (one stream each); the frame maxima are one
-log-mel pass per segment on the encoder's device.
+log-mel pass per segment on the encoder's device. A segment's max is final once its last frame is in: the service
+re-encodes each segment as the turn passes its end (on the encoder's lowest-priority stream, while the user still
+speaks), so that a commit re-encodes at most the turn's last segment or two.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ class Refloor:
     """A turn's codes with the whole-segment floor, from `first` on (codes before it stand)."""
 
     first: int
-    codes: list[int]
+    codes: list[int]  # those of [first, first + len(codes)); later ones stand too
     frames: int  # mel frames encoded again (the call's size)
+    total: int  # the turn's codes so far (the stream's)
 
 
 def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
@@ -45,41 +48,53 @@ def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
     return torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
 
 
-def refloor(encoder: SpeechEncoder, pcm: np.ndarray, final: bool) -> Refloor | None:
-    """The turn `pcm` (all its samples) encoded with each segment's own floor, as its commit closes it (`final`: the
-    stream is finalized, its tail padded as `finalize` pads it; else only its codes determined so far); None when
-    every frame's floor is already the segment's."""
+def segments_done(encoder: SpeechEncoder, n_samples: int) -> int:
+    """The 30 s segments whose every frame a stream fed n samples has: their max, so their floor, is final."""
+    cfg = encoder.cfg
+    seg_samples = 2 * cfg.max_source_positions * cfg.hop_length
+    return max(0, n_samples - (cfg.n_fft // 2 - cfg.hop_length)) // seg_samples
+
+
+def refloor(encoder: SpeechEncoder, pcm: np.ndarray, final: bool, first_segment: int = 0,
+            end_segment: int | None = None, urgent: bool = True) -> Refloor | None:
+    """The turn `pcm` (all its samples so far) encoded with each segment's own floor, its segments from
+    `first_segment` up to `end_segment` (None: all), as the stream is (`final`: finalized, its tail padded as
+    `finalize` pads it; else only its codes determined so far); None when every frame's floor there is already the
+    segment's. `urgent`: on the encoder's urgent stream (a commit's), else on its lowest-priority one."""
     cfg = encoder.cfg
     x = np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if final else pcm
     peaks = frame_peaks(encoder, x)
-    if not peaks.size:
-        return None
     seg = 2 * cfg.max_source_positions
-    running = np.maximum.accumulate(peaks)
     seg_max = [float(peaks[a:a + seg].max()) for a in range(0, peaks.size, seg)]
+    end = len(seg_max) if end_segment is None else min(end_segment, len(seg_max))
+    if first_segment >= end:
+        return None
+    running = np.maximum.accumulate(peaks)
     floors = np.repeat(np.asarray(seg_max, np.float32), seg)[: peaks.size]
-    changed = np.flatnonzero(running != floors)
+    changed = np.flatnonzero(running[first_segment * seg:end * seg] != floors[first_segment * seg:end * seg])
     if not changed.size:
         return None
-    first_frame = int(changed[0])
+    first_frame = int(changed[0]) + first_segment * seg
     j0 = first_frame // seg
     half = cfg.n_fft // 2
     padded = np.concatenate([np.zeros(half, np.float32), x])
     seg_samples = seg * cfg.hop_length
     streams, pieces = [], []
     try:
-        for j in range(j0, len(seg_max)):
+        for j in range(j0, end):
             s = encoder.open_stream()
             streams.append(s)
             start = j * seg_samples
             s.mel.buf = padded[start:start + half].copy()  # the samples of the segment's first frames before it
             s.mel.peak = seg_max[j]
             pieces.append(x[start:start + seg_samples + half])  # (its last frame ends half a window past it)
-        out = encoder.batch().step(list(zip(streams, pieces, strict=True)))
+        out = encoder.batch(urgent).step(list(zip(streams, pieces, strict=True)))
     finally:
         for s in streams:
             s.close()
     per_seg = cfg.codes_per_segment
-    codes = [c for part in out[:-1] for c in part[:per_seg]] + out[-1]
+    codes = [c for part in out for c in part[:per_seg]]  # (a segment's stream may go a frame into the next one)
     first = first_frame // (2 * cfg.pooling_kernel_size)
-    return Refloor(first, codes[first - j0 * per_seg:], peaks.size - j0 * seg)
+    lag = cfg.hop_length * (2 * cfg.pooling_kernel_size - 2) + half  # a code is determined this far into its audio
+    total = encoder.codes_for_samples(pcm.size) if final else max(0, (pcm.size - lag) // cfg.samples_per_code + 1)
+    return Refloor(first, codes[first - j0 * per_seg:], min(peaks.size, end * seg) - j0 * seg, total)

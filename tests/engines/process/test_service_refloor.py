@@ -1,9 +1,11 @@
 """A committed user turn holds the codes of its whole-segment log-mel features (the reference's floor), not those of
 the running floor it streamed with: the engine service rewrites them in the conversation before the answer (real
 tiny engine and speech encoder, the fake decoder), a withdrawn and continued turn too; a turn whose first frame is its
-loudest is prefilled once."""
+loudest is prefilled once; a turn longer than a 30 s segment has each segment redone as it passes its end."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -12,8 +14,9 @@ from engines.audio.wav import float32_to_pcm16, read_wav
 from engines.process.prompt import PromptBuilder
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
+from engines.profiling.log_mel_codes import _encoder
 from engines.protocol import messages as m
-from engines.speech_in import SpeechEncoder
+from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
 from tests.engines.process.fake_service import FakeDecoder, greedy, make_service, of, run, send
 from tests.engines.speech_in.encoder_helpers import whole_segment_codes
 from tests.paths import REPO
@@ -130,4 +133,25 @@ def test_a_withdrawn_and_continued_turn_holds_the_codes_of_all_of_it(enc, more):
     speak(svc, rest)
     answer(svc, "r1")
     assert_turn_holds(svc, whole_segment_codes(enc, pcm))
+    assert_books_balance(svc)
+
+
+def test_a_turn_longer_than_a_segment_is_redone_a_segment_at_a_time():
+    cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments, 13 codes
+    enc = _encoder(cfg, seed=1)
+    pcm = recording(3.7)
+    ref = whole_segment_codes(enc, pcm)
+    svc = service(enc)
+    send(svc, m.OpenSession("s", sampling=greedy(6, min_new=6)))
+    speak(svc, pcm)
+    sent = list(svc.sessions["s"].active.codes)
+    done = enc.segments_done(pcm.size) * cfg.codes_per_segment
+    assert done == 39 and sent[:done] == ref[:done]  # the segments the turn has passed: redone while it was spoken
+    assert svc._speech.take_spans()["encode refloor held"][0] == 3
+    before = svc.engine.stats().prefilled_rows
+    answer(svc, "r")
+    assert_turn_holds(svc, ref)
+    tail = len(ref) - len(sent) + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
+    redone = svc.engine.stats().prefilled_rows - before - tail
+    assert 0 < redone <= len(sent) - done  # at the commit, only the last segment's codes
     assert_books_balance(svc)

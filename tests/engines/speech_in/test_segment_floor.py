@@ -67,3 +67,22 @@ def test_each_segment_takes_its_own_floor(seconds):
     codes, first = committed(enc, pcm)
     assert codes == whole_segment_codes(enc, pcm) and len(codes) == enc.codes_for_samples(pcm.size)
     assert first is not None and codes != enc.encode(pcm)
+
+
+def test_segments_redone_as_the_turn_passes_them_add_up_to_the_whole_turn():
+    cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments
+    enc = _encoder(cfg, seed=1)
+    pcm = speech(3.7)
+    codes = enc.encode(pcm)
+    done = 0
+    for k in (17000, 20000, 40000, 52000):  # the turn so far, as held calls end
+        passed = enc.segments_done(k)
+        r = enc.refloor(pcm[:k], False, done, passed, urgent=False) if passed > done else None
+        if r is not None:
+            assert r.first >= done * cfg.codes_per_segment and r.first + len(r.codes) <= passed * cfg.codes_per_segment
+            codes[r.first:r.first + len(r.codes)] = r.codes
+        done = passed
+    assert done == 3
+    r = enc.refloor(pcm, True, done)
+    assert r is not None and r.first >= 3 * cfg.codes_per_segment and r.total == len(codes)
+    assert codes[: r.first] + r.codes == whole_segment_codes(enc, pcm)
