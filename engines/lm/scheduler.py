@@ -57,7 +57,7 @@ class ScheduledChunk:
     num_rows: int  # rows run this step: seq.rows[start:start+num_rows]
     start: int
     needs_logits: bool  # the chunk ends the prompt (or is a decode row): sample after it
-    stale: bool = False  # launched ahead, its rows were rewritten since (Scheduler.rewrite_input): dropped
+    stale: bool = False  # launched ahead, its rows were rewritten since (Engine.rewrite_input): dropped
 
 
 @dataclass
@@ -170,20 +170,15 @@ class Scheduler(KvRoom):
         seq.prompt_len = len(seq.rows)
         seq.input_done = input_done
 
-    def rewrite_input(self, request_id: str, start: int, rows: list[Row], inflight: list[ScheduledChunk]) -> int:
-        """Rows [start, start + len(rows)) of a request that has generated nothing replaced, its KV rolled back to
-        `start` (its blocks stay); a chunk in flight (a step launched ahead) that runs any of them is dropped when its
-        step is read. Returns the rows whose KV is to be computed again."""
+    def rewrite_input(self, request_id: str, start: int, rows: list[Row]) -> int:
+        """Rows from `start` of a request that has generated nothing replaced, their KV rolled back (its blocks stay;
+        a chunk over them in a step launched ahead must be marked stale). Returns the rows to run again."""
         seq = self.requests.get(request_id)
-        if seq is None or seq.finish_reason is not None or request_id in self._aborts or seq.num_generated:
-            raise InvalidRequestError(f"no live request {request_id!r} that has generated nothing")
-        if not 0 <= start <= start + len(rows) <= len(seq.rows):
-            raise InvalidRequestError(f"cannot rewrite rows [{start}, {start + len(rows)}) of {len(seq.rows)}")
+        if (seq is None or seq.finish_reason is not None or request_id in self._aborts or seq.num_generated
+                or not 0 <= start <= start + len(rows) <= len(seq.rows)):
+            raise InvalidRequestError(f"cannot rewrite rows from {start} of {request_id!r}: no such rows unanswered")
         seq.rows[start:start + len(rows)] = rows
-        for c in inflight:
-            c.stale = c.stale or (c.seq is seq and c.start + c.num_rows > start)
-        redone = max(0, seq.num_computed - start)
-        seq.num_computed -= redone
+        redone, seq.num_computed = max(0, seq.num_computed - start), min(seq.num_computed, start)
         seq.history_marked = False  # the repetition history is rebuilt from the rows before its next chunk
         return redone
 
@@ -345,8 +340,7 @@ class Scheduler(KvRoom):
         if decode:
             return self.audio_row_holds(c)
         s = c.seq
-        return (s.finish_reason is None and s.num_computed == c.start and not c.stale
-                and not self.aborting(s.request_id))
+        return s.finish_reason is None and s.num_computed == c.start and not (c.stale or self.aborting(s.request_id))
 
     def audio_row_holds(self, c: ScheduledChunk) -> bool:
         """The assumption a step launched ahead makes about its row still holds: the sequence is live and not
