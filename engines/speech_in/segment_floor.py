@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engines.speech_in.log_mel import FFT_ROWS
+
 if TYPE_CHECKING:
     from engines.speech_in.encoder import SpeechEncoder
 
@@ -43,8 +45,12 @@ def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
     n = 0 if x.size + half < cfg.n_fft else (x.size + half - cfg.n_fft) // hop + 1
     seg = 2 * cfg.max_source_positions  # mel frames per segment
     samples = torch.from_numpy(np.concatenate([np.zeros(half, np.float32), x])).to(encoder.device)
-    out = [fe.raw_log_mel(samples, torch.arange(a, min(a + seg, n), device=encoder.device) * hop).amax(dim=1)
-           for a in range(0, n, seg)]
+    out = []
+    for a in range(0, n, seg):
+        m = min(seg, n - a)
+        # Rows padded as the served steps pad them (log_mel.FFT_ROWS): cuFFT makes a plan per batch size.
+        frames = torch.arange(a, a + m + (-m % FFT_ROWS), device=encoder.device).clamp_max(n - 1)
+        out.append(fe.raw_log_mel(samples, frames * hop)[:m].amax(dim=1))
     return torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
 
 
