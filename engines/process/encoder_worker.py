@@ -9,9 +9,10 @@ The engine loop hands over each session's PCM (`append`) and its commit (`commit
   a call's cost grows with them. While an answer waits for its first codes (`lm_ramping`, set by the loop), held
   audio waits up to ENCODE_DEFER_S: those codes decide that answer's time to first audio, a commit flushes
   whatever is held anyway, and the encoder's kernels would share the GPU with the decode steps.
-Codes are the same however the audio is cut into calls (the encoder streams exactly). A commit's call (tentative
-too) then encodes its turn's whole audio again with Whisper's floor over each whole segment (SpeechEncoder.refloor;
-while the turn streams, the floor follows a running max): its result carries the codes that change.
+Codes are the same however the audio is cut into calls (the encoder streams exactly). While a turn streams, its
+log-mel floor follows a running max; Whisper's is the max over each whole 30 s segment (SpeechEncoder.refloor): a
+call of held audio that takes a turn past a segment's end encodes that segment again, and a commit's call (tentative
+too) the segments not yet redone; their results carry the codes that change.
 
 `threaded`: the calls run on the worker's thread (the encoder's CUDA streams: commits on its high-priority one, held
 audio on its lowest-priority one; its host sync through an event, which releases the GIL). Under load on an H200 the
@@ -62,7 +63,7 @@ class Encoded:
     commit: bool
     at: float = 0.0  # time.monotonic() when the call ended (the engine loop collects it up to a step later)
     started: float = 0.0  # ... and when it began (before it a commit waits for the call in flight, held or a commit)
-    refloor: Refloor | None = None  # a commit's: its turn's codes with the whole-segment floor, where they change
+    refloor: Refloor | None = None  # its turn's codes with the whole-segment floor where they change (segment_floor.py)
 
 
 @dataclass(eq=False)
