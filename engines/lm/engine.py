@@ -111,6 +111,15 @@ class Engine:
         self.scheduler.append_input(request_id, _check_rows(rows, self.model_config), input_done, params,
                                     params.seed if params is not None else None)
 
+    def rewrite_input(self, request_id: str, start: int, rows: Seq[Row] | torch.Tensor) -> int:
+        """Rows from `start` (of the request's whole history) replaced by `rows`, for a request that has generated
+        nothing: its KV is computed again from there by the next steps. Returns the rows whose KV is to be computed
+        again (0 when none was computed yet)."""
+        redone = self.scheduler.rewrite_input(request_id, start, _check_rows(rows, self.model_config))
+        for c in self._inflight.chunks if self._inflight is not None else []:  # dropped when read (ahead_row_holds)
+            c.stale = c.stale or (c.seq.request_id == request_id and c.start + c.num_rows > start)
+        return redone
+
     def abort(self, request_id: str) -> bool:
         """Takes effect at the next step, which emits a finished output with reason "abort"."""
         return self.scheduler.abort(request_id)

@@ -57,6 +57,7 @@ class ScheduledChunk:
     num_rows: int  # rows run this step: seq.rows[start:start+num_rows]
     start: int
     needs_logits: bool  # the chunk ends the prompt (or is a decode row): sample after it
+    stale: bool = False  # launched ahead, its rows were rewritten since (Engine.rewrite_input): dropped
 
 
 @dataclass
@@ -169,6 +170,18 @@ class Scheduler(KvRoom):
         seq.prompt_len = len(seq.rows)
         seq.input_done = input_done
 
+    def rewrite_input(self, request_id: str, start: int, rows: list[Row]) -> int:
+        """Rows from `start` of a request that has generated nothing replaced, their KV rolled back (its blocks stay;
+        a chunk over them in a step launched ahead must be marked stale). Returns the rows to run again."""
+        seq = self.requests.get(request_id)
+        if (seq is None or seq.finish_reason is not None or request_id in self._aborts or seq.num_generated
+                or not 0 <= start <= start + len(rows) <= len(seq.rows)):
+            raise InvalidRequestError(f"cannot rewrite rows from {start} of {request_id!r}: no such rows unanswered")
+        seq.rows[start:start + len(rows)] = rows
+        redone, seq.num_computed = max(0, seq.num_computed - start), min(seq.num_computed, start)
+        seq.history_marked = False  # the repetition history is rebuilt from the rows before its next chunk
+        return redone
+
     def abort(self, request_id: str) -> bool:
         seq = self.requests.get(request_id)
         if seq is None or seq.finish_reason is not None:
@@ -264,7 +277,7 @@ class Scheduler(KvRoom):
         # its last (max_new_tokens), or it is background work (a normal step runs its next rows)
         for c in chunks:
             s = c.seq
-            if id(s) not in running or s.num_computed != c.start:
+            if id(s) not in running or s.num_computed != c.start or c.stale:
                 return self._refuse("stale")
             inflight[id(s)] = c.start + c.num_rows
             if not c.needs_logits:
@@ -327,7 +340,7 @@ class Scheduler(KvRoom):
         if decode:
             return self.audio_row_holds(c)
         s = c.seq
-        return s.finish_reason is None and s.num_computed == c.start and not self.aborting(s.request_id)
+        return s.finish_reason is None and s.num_computed == c.start and not (c.stale or self.aborting(s.request_id))
 
     def audio_row_holds(self, c: ScheduledChunk) -> bool:
         """The assumption a step launched ahead makes about its row still holds: the sequence is live and not

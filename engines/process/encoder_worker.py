@@ -9,7 +9,10 @@ The engine loop hands over each session's PCM (`append`) and its commit (`commit
   a call's cost grows with them. While an answer waits for its first codes (`lm_ramping`, set by the loop), held
   audio waits up to ENCODE_DEFER_S: those codes decide that answer's time to first audio, a commit flushes
   whatever is held anyway, and the encoder's kernels would share the GPU with the decode steps.
-Codes are the same however the audio is cut into calls (the encoder streams exactly).
+Codes are the same however the audio is cut into calls (the encoder streams exactly). While a turn streams, its
+log-mel floor follows a running max; Whisper's is the max over each whole 30 s segment (SpeechEncoder.refloor): a
+call of held audio that takes a turn past a segment's end encodes that segment again, and a commit's call (tentative
+too) the segments not yet redone; their results carry the codes that change.
 
 `threaded`: the calls run on the worker's thread (the encoder's CUDA streams: commits on its high-priority one, held
 audio on its lowest-priority one; its host sync through an event, which releases the GIL). Under load on an H200 the
@@ -32,12 +35,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engines.process.observe.spans import Spans
 from engines.process.worker_wait import wait_for_work
+
+if TYPE_CHECKING:
+    from engines.speech_in.segment_floor import Refloor
 
 log = logging.getLogger("engines.process")
 
@@ -57,6 +63,7 @@ class Encoded:
     commit: bool
     at: float = 0.0  # time.monotonic() when the call ended (the engine loop collects it up to a step later)
     started: float = 0.0  # ... and when it began (before it a commit waits for the call in flight, held or a commit)
+    refloor: Refloor | None = None  # its turn's codes with the whole-segment floor where they change (segment_floor.py)
 
 
 @dataclass(eq=False)
@@ -66,6 +73,8 @@ class _Turn:
     key: str
     stream: Any = None  # the encoder's stream, opened by the first call that has audio for it
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
+    audio: list[np.ndarray] = field(default_factory=list)  # audio encoded so far (a commit encodes it again)
+    floored: int = 0  # its 30 s segments already encoded again, as the turn passed their end
     commit: bool = False  # finalize it with the next commit call
     tentative: bool = False  # encode what it holds now and report it as a commit, keeping the stream open
     replying: bool = False  # taken by a call for its tentative commit: that call's result is the commit's
@@ -232,6 +241,7 @@ class EncoderWorker:
         for t in taken:
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
             t.held = []
+            t.audio.append(pcm)
             work.append((t, pcm))
         return commit, work
 
@@ -251,9 +261,11 @@ class EncoderWorker:
             codes = self._encode(commit, work)
         except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
             codes = [e] * len(work)
+        floors = [None if isinstance(c, Exception) else self._refloor(t, commit or t.replying, commit)
+                  for (t, _), c in zip(work, codes, strict=True)]
         dt, cpu, at = time.perf_counter() - t0, time.thread_time() - cpu0, time.monotonic()
         with self._cv:
-            for (t, _), c in zip(work, codes, strict=True):
+            for (t, _), c, floor in zip(work, codes, floors, strict=True):
                 self._in_call.pop(id(t), None)
                 failed = isinstance(c, Exception)
                 as_commit, t.replying = commit or t.replying, False
@@ -261,8 +273,8 @@ class EncoderWorker:
                     del self._turns[t.key]  # the stream's state is unknown: this turn is over
                 if t.dropped or failed or commit:
                     self._close(t)
-                if not t.dropped and (as_commit or failed or c):
-                    self._results.append(Encoded(t.key, c, as_commit, at, started))
+                if not t.dropped and (as_commit or failed or c or floor is not None):
+                    self._results.append(Encoded(t.key, c, as_commit, at, started, floor))
             name = "encode commits" if commit else "encode"
             self.spans.add(name, dt)
             # What the call's wall time was made of, as for the codec's rounds: this thread's CPU time and the wait
@@ -272,6 +284,30 @@ class EncoderWorker:
                 self.spans.add(name + " gpu wait", self.encoder.last_gpu_wait_s)
             self._running = False
             self._cv.notify_all()
+
+    def _refloor(self, t: _Turn, at_commit: bool, final: bool) -> Refloor | None:
+        """The turn's codes with the whole-segment floor (SpeechEncoder.refloor), where they change: at a commit
+        (`final`, or tentative) those of its segments not yet redone, else those of the segments it has just passed
+        the end of. None if none changes, the encoder has no such call, or it failed (the codes then stand)."""
+        refloor = getattr(self.encoder, "refloor", None)
+        if refloor is None or not t.audio or t.stream is None:
+            return None
+        end = None if at_commit else self.encoder.segments_done(t.stream.samples_seen)
+        if end is not None and end <= t.floored:
+            return None
+        t0 = time.perf_counter()
+        try:
+            pcm = t.audio[0] if len(t.audio) == 1 else np.concatenate(t.audio)
+            t.audio = [pcm]
+            out = refloor(pcm, final, t.floored, end, urgent=at_commit)
+        except Exception:  # noqa: BLE001 - the running floor's codes are still a valid turn
+            log.exception("speech encoder: re-encoding session %s's turn with its segment floor failed", t.key)
+            return None
+        if end is not None:
+            t.floored = end
+        with self._cv:
+            self.spans.add("encode refloor" if at_commit else "encode refloor held", time.perf_counter() - t0)
+        return out
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:
         live = [(t, pcm) for t, pcm in work if t.stream is not None or pcm.size]

@@ -4,14 +4,16 @@ while the user talks, the commit that closes the turn, cleared audio, and text i
 User audio goes to the encoder worker (encoder_worker.py), which encodes every session's together. A session's codes
 open an engine request at the first one (the user turn, `input_done=False`) and grow it by a row a code; while a
 response or an undo is in flight they wait in the session (sessions.py). A session's messages after a commit wait
-until the encoder has finalized the turn.
+until the encoder has finalized the turn. The commit's result also carries the turn's codes as the whole-segment
+log-mel floor makes them (encoder_worker.py): those that change are rewritten where they are, in the engine's rows
+(their KV computed again) or still waiting in the session, before the turn is closed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.api import SamplingParams
 from engines.audio.wav import pcm16_to_float32
@@ -24,6 +26,9 @@ from engines.process.sessions import Session, Tentative, Turn
 from engines.protocol import errors
 from engines.protocol import messages as m
 from engines.tokens import Row
+
+if TYPE_CHECKING:
+    from engines.speech_in.segment_floor import Refloor
 
 log = logging.getLogger("engines.process")
 
@@ -90,11 +95,11 @@ class UserInput:
                 if s is None:
                     continue
                 if e.commit:
-                    self._commit_done(s, e.codes, e.at, e.started)
+                    self._commit_done(s, e.codes, e.at, e.started, e.refloor)
                 elif isinstance(e.codes, Exception):
                     self._speech_failed(s, e.codes)
                 else:
-                    self._guard(s.owner, m.AppendUserAudio(s.session_id, b""), self._user_codes, s, e.codes, False)
+                    self._guard(s.owner, m.AppendUserAudio(s.session_id, b""), self._encoded, s, e.codes, e.refloor)
             if not ran and not results:
                 return
 
@@ -110,9 +115,10 @@ class UserInput:
         s.commit_pending, s.commit_at = (client, msg), time.monotonic()
         return True
 
-    def _commit_done(self, s: Session, codes: list[int] | Exception, at: float, started: float) -> None:
-        """The committed turn's last codes (or the encoder's failure), produced `at` by a call that began `started`;
-        then the messages that waited for them."""
+    def _commit_done(self, s: Session, codes: list[int] | Exception, at: float, started: float,
+                     refloor: Refloor | None = None) -> None:
+        """The committed turn's last codes (or the encoder's failure), produced `at` by a call that began `started`,
+        and its codes that the whole-segment floor changes; then the messages that waited for them."""
         (client, msg), waiting = s.commit_pending, s.after_commit
         s.commit_pending, s.after_commit = None, []
         s.commit_call_at, s.commit_done_at = started, at
@@ -121,19 +127,23 @@ class UserInput:
             self._report(client, msg, codes if isinstance(codes, ValueError) else speech_error(codes))
             self._clear_speech(s)
         else:
-            self._guard(client, msg, self._committed, s, codes, msg)
+            self._guard(client, msg, self._committed, s, codes, msg, refloor)
         for i, (c, queued) in enumerate(waiting):
             if s.commit_pending is not None:  # committed again: the rest waits for that one
                 s.after_commit += waiting[i:]
                 return
             self._dispatch(c, queued)
 
-    def _committed(self, s: Session, codes: list[int], msg: m.CommitUserAudio) -> None:
+    def _committed(self, s: Session, codes: list[int], msg: m.CommitUserAudio, refloor: Refloor | None = None
+                   ) -> None:
         """The user's turn (the commit's item) ends with these last codes (its encoder stream is finalized, or kept
-        if `tentative`). A tentative turn is transcribed once it stands (confirmed, or another turn begun), never
-        if withdrawn: the turn then goes on, and its final commit transcribes all of it."""
+        if `tentative`), its codes first made those of the whole-segment floor (`refloor`). A tentative turn is
+        transcribed once it stands (confirmed, or another turn begun), never if withdrawn: the turn then goes on,
+        and its final commit transcribes all of it."""
         if s.turn_codes + len(codes) == 0:
             raise ServiceError(errors.INVALID_REQUEST, "the input audio buffer holds no speech to commit")
+        if refloor is not None:
+            codes = self._refloor(s, codes, refloor)
         self._settle_tentative(s)
         s.commit_item = msg.item_id
         self._user_codes(s, codes, commit=True)
@@ -148,6 +158,41 @@ class UserInput:
             self._speech.drop(s.session_id)
         if transcript is not None:
             self._transcribe(s, *transcript)
+
+    def _encoded(self, s: Session, codes: list[int], refloor: Refloor | None) -> None:
+        """More codes of the user's turn (and, past a 30 s segment's end, its codes there with that segment's floor)."""
+        self._user_codes(s, codes if refloor is None else self._refloor(s, codes, refloor), False)
+
+    def _refloor(self, s: Session, codes: list[int], r: Refloor) -> list[int]:
+        """The turn's codes r.first.. made r.codes (with `codes`, the encoder's latest, its codes so far): those the
+        engine holds are rewritten there from the first that changes (their KV computed again before the answer's
+        first row), those still waiting are replaced. Returns `codes` as they now are."""
+        t, o = s.active, s.reopened if s.active is None else None
+        live = t is not None and t.audio_open and t.undo is None and t.response is None
+        sent = o.codes if o is not None else t.codes if live else []
+        held = sent + s.pending_codes + codes
+        end = r.first + len(r.codes)
+        if r.total != len(held) or end > len(held):  # (the turn's codes went elsewhere: an undo requeued them)
+            log.warning("session %s: the turn re-encoded has %d codes, %d are held; they stand", s.session_id,
+                        r.total, len(held))
+            return codes
+        new = held[: r.first] + r.codes + held[end:]
+        n = len(sent)
+        d = next((i for i in range(r.first, min(n, end)) if new[i] != sent[i]), n)
+        owner = o if o is not None else t
+        if d < n and owner is not None:
+            at = owner.base_rows + owner.user_rows_start + len(self.prompts.audio_turn_open_rows()) + d
+            if o is not None:  # a withdrawn turn's rows end the conversation: its next request carries them again
+                self.engine.truncate_conversation(s.conversation_id, at)
+                o.codes, o.user_end, n = new[:d], o.user_end - (n - d), d
+            else:
+                upto = min(n, end)
+                self.engine.rewrite_input(owner.request_id, at, self.prompts.audio_code_rows(new[d:upto]))
+                owner.codes[d:upto] = new[d:upto]
+        last = len(held) - len(codes)
+        s.pending_codes = new[n:last]
+        s.turn_code_list = new[last - len(s.turn_code_list):last]
+        return new[last:]
 
     def _settle_tentative(self, s: Session) -> None:
         """The tentative commit stands: its turn is transcribed if asked."""

@@ -2,11 +2,13 @@
 
     python3 -m engines.profiling.log_mel_codes WAV [WAV ...] [--preset full-random|mid] [--seed 0]
 
-Ours (engines/speech_in/log_mel.py) is causal: frames before the stream start are zeros, and the log-mel floor is
-(running max - 8). The reference (openai/whisper audio.py, as the codec's feature extractor computes it) pads the
-STFT by reflection and floors at (max - 8) over the whole <= 30 s segment. Each file is encoded twice with the same
-random trunk: once as served, once with the frontend's frames swapped for the reference's, and the codes compared
-position by position. `mid` is a narrower trunk (d_model 512, 8 layers) for CPU-only machines.
+Ours (engines/speech_in/log_mel.py) is causal: frames before the stream start are zeros, and while a turn streams the
+log-mel floor is (running max - 8); at its commit the turn is encoded again with the floor over each whole segment
+(engines/speech_in/segment_floor.py). The reference (openai/whisper audio.py, as the codec's feature extractor
+computes it) pads the STFT by reflection and floors at (max - 8) over the whole <= 30 s segment. Each file is
+encoded with the same random trunk: as streamed, as committed (streamed, then re-encoded), and with the frontend's
+frames swapped for the reference's; the codes are compared position by position with the reference's. `mid` is a
+narrower trunk (d_model 512, 8 layers) for CPU-only machines.
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ def served_log_mel(pcm: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend) -
     return (torch.maximum(log_mel, peak[:, None] - cfg.log_mel_range) + 4.0) / 4.0
 
 
+def whole_segment_log_mel(x: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend) -> torch.Tensor:
+    """The features a committed turn is encoded with, written out densely [frames, n_mels] for a stream fed `x`: the
+    served frames (zeros before the stream, framed across segment ends), floored at (max - 8) over each 30 s
+    segment's frames."""
+    half, seg = cfg.n_fft // 2, 2 * cfg.max_source_positions
+    spec = torch.stft(torch.from_numpy(np.concatenate([np.zeros(half, np.float32), x])), cfg.n_fft, cfg.hop_length,
+                      window=frontend.window.cpu(), center=False, return_complex=True)
+    log_mel = (spec.abs().square().T @ frontend.filters_t.cpu()).clamp_min(1e-10).log10()
+    peak = torch.cat([torch.full((log_mel[a:a + seg].shape[0],), float(log_mel[a:a + seg].max()))
+                      for a in range(0, log_mel.shape[0], seg)])
+    return (torch.maximum(log_mel, peak[:, None] - cfg.log_mel_range) + 4.0) / 4.0
+
+
+def committed_codes(enc: SpeechEncoder, pcm: np.ndarray) -> list[int]:
+    """A committed turn's codes as the engine holds them: streamed, then those the whole-segment floor changes."""
+    codes = encode(enc, pcm, None)
+    r = enc.refloor(pcm, final=True)
+    return codes if r is None else codes[: r.first] + r.codes
+
+
 def _reference_frames(pcm: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend, features=None) -> torch.Tensor:
     """The reference's frames (or `features`') for every frame the stream can produce (finalize pads the tail with
     silence), segment by segment (the floor is per segment)."""
@@ -73,7 +95,7 @@ def encode(enc: SpeechEncoder, pcm: np.ndarray, swap: torch.Tensor | None) -> li
         out = original(samples, first, cell, peak_src, peak_dst, peak_last, peaks, rows, cols)
         real = (cell < (rows - 1) * cols).nonzero().squeeze(1)  # the stream's row; padding frames sit in the last
         rows_ = swap[cursor[0]:cursor[0] + real.numel()]
-        out[real[: rows_.shape[0]]] = rows_.to(out.dtype)
+        out[real[: rows_.shape[0]]] = rows_.to(out.device, out.dtype)
         cursor[0] += real.numel()
         return out
 
@@ -94,19 +116,21 @@ def main() -> None:
     args = p.parse_args()
     cfg = MID if args.preset == "mid" else ENCODER_PRESETS["full-random"]
     enc = _encoder(cfg, args.seed)
-    total = differ = 0
+    total, differ = 0, [0, 0]
     for path in args.wavs:
         wav, rate = read_wav(path)
         pcm = resample(torch.from_numpy(wav), rate, cfg.sampling_rate).numpy().astype(np.float32)
-        ours = encode(enc, pcm, None)
+        streamed = encode(enc, pcm, None)
+        committed = committed_codes(enc, pcm)
         ref = encode(enc, pcm, _reference_frames(pcm, cfg, enc.runner.frontend))
-        n = min(len(ours), len(ref))
-        d = sum(a != b for a, b in zip(ours[:n], ref[:n], strict=True))
-        first = [i for i in range(n) if ours[i] != ref[i]][:8]
-        print(f"{Path(path).name}: {pcm.size / cfg.sampling_rate:.1f} s, {n} codes, {d} differ ({100 * d / n:.1f}%),"
-              f" first at {first}")
-        total, differ = total + n, differ + d
-    print(f"all: {differ} of {total} codes differ ({100 * differ / max(total, 1):.1f}%), preset {args.preset}")
+        n = min(len(streamed), len(ref))
+        d = [sum(a != b for a, b in zip(ours[:n], ref[:n], strict=True)) for ours in (streamed, committed)]
+        first = [i for i in range(n) if committed[i] != ref[i]][:8]
+        print(f"{Path(path).name}: {pcm.size / cfg.sampling_rate:.1f} s, {n} codes differ from the reference's:"
+              f" streamed {d[0]} ({100 * d[0] / n:.1f}%), committed {d[1]} ({100 * d[1] / n:.1f}%, first at {first})")
+        total, differ = total + n, [a + b for a, b in zip(differ, d, strict=True)]
+    print(f"all: of {total} codes, streamed {differ[0]} ({100 * differ[0] / max(total, 1):.1f}%) and committed"
+          f" {differ[1]} ({100 * differ[1] / max(total, 1):.1f}%) differ, preset {args.preset}")
 
 
 def _encoder(cfg: EncoderConfig, seed: int) -> SpeechEncoder:

@@ -14,6 +14,8 @@ Public API::
     s.close()                                # abandon without flushing (frees the stream's KV slot)
     enc.reserve(64)                          # preallocate KV slots for 64 concurrent streams
     s.codes_out, s.samples_seen, s.last_features   # progress; pre-VQ features [n, d] of the last codes
+    r = enc.refloor(turn_pcm, final=True)   # a committed turn's codes with the whole-segment log-mel floor:
+    codes = codes[:r.first] + r.codes        # from its first that may change (None: none does)
 
 Timing: code k covers samples [1280 k, 1280 k + 1280) and is known once sample 1280 k + 1160 has
 arrived. A finalized stream of n samples has produced ceil(n / 1280) codes. Every 30 s (1500 frames at
@@ -25,8 +27,14 @@ bfloat16 is not chunking-invariant: different piece sizes give different matmul 
 moves features by ~1% (full-random, 80 ms pieces: 1 code in 25 flipped). Use float32 where streaming
 must equal offline; the encoder is ~0.34 B parameters, so float32 costs little.
 Write a random codec encoder in the real layout with
-`write_random_encoder(dir, ENCODER_PRESETS["tiny-random"])`. Module docstrings of log_mel.py and model.py
-list where this differs from the reference encoder (causal log-mel floor, strictly causal attention).
+`write_random_encoder(dir, ENCODER_PRESETS["tiny-random"])`.
+
+Where this differs from the reference encoder (module docstrings of log_mel.py, segment_floor.py and model.py):
+- the log-mel floor: while a turn streams, (running max - 8); the reference's (max - 8) over each whole 30 s
+  segment once the turn is committed (`refloor`);
+- edge padding: zeros before a stream's first sample, and a stream is framed across its 30 s segment ends; the
+  reference reflects at each segment's edges;
+- attention: strictly causal, where the reference's offline encoder attends within 4 s blocks.
 """
 
 from engines.speech_in.config import EncoderConfig

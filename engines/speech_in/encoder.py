@@ -19,6 +19,7 @@ from engines.speech_in.config import EncoderConfig
 from engines.speech_in.log_mel import MelFrontend, MelState
 from engines.speech_in.model import StreamingRunner, WhisperVQTrunk
 from engines.speech_in.presets import ENCODER_PRESETS
+from engines.speech_in.segment_floor import Refloor, refloor, segments_done
 from engines.speech_in.step_graphs import StepGraphs
 from engines.speech_in.step_plan import TrunkState
 from engines.speech_in.weights import PREFIX, load_state, random_state
@@ -213,6 +214,27 @@ class SpeechEncoder:
         """Codes a finalized stream of n samples yields: one per started 80 ms."""
         return -(-n_samples // self.cfg.samples_per_code)
 
+    def tail_padding(self, n_samples: int) -> int:
+        """Zeros `finalize` adds after n samples: for the last started code to be determined."""
+        cfg = self.cfg
+        total = self.codes_for_samples(n_samples)
+        if total == 0:
+            return 0
+        # Determined when mel frame 8(total-1)+6 is complete: its window ends n_fft/2 samples after its centre.
+        need = cfg.hop_length * (2 * cfg.pooling_kernel_size * (total - 1) + 2 * cfg.pooling_kernel_size - 2) \
+            + cfg.n_fft // 2
+        return max(0, need - n_samples)
+
+    def refloor(self, pcm: np.ndarray, final: bool, first_segment: int = 0, end_segment: int | None = None,
+                urgent: bool = True) -> Refloor | None:
+        """A turn's codes with Whisper's whole-segment log-mel floor, of its segments from `first_segment` up to
+        `end_segment` (segment_floor.py); None: its codes there stand."""
+        return refloor(self, _as_pcm(pcm), final, first_segment, end_segment, urgent)
+
+    def segments_done(self, n_samples: int) -> int:
+        """The 30 s segments whose floor is final once a stream has n samples (segment_floor.py)."""
+        return segments_done(self, n_samples)
+
 
 _TRUNK_NAMES: dict[EncoderConfig, set[str]] = {}
 
@@ -265,15 +287,7 @@ class EncoderStream:
 
     def tail_padding(self, more: int = 0) -> int:
         """Zeros needed for the last started code to be determined (after `more` samples still to come)."""
-        cfg = self.encoder.cfg
-        seen = self.samples_seen + more
-        total = self.encoder.codes_for_samples(seen)
-        if total == 0:
-            return 0
-        # Determined when mel frame 8(total-1)+6 is complete: its window ends n_fft/2 samples after its centre.
-        need = cfg.hop_length * (2 * cfg.pooling_kernel_size * (total - 1) + 2 * cfg.pooling_kernel_size - 2) \
-            + cfg.n_fft // 2
-        return max(0, need - seen)
+        return self.encoder.tail_padding(self.samples_seen + more)
 
 
 class EncoderBatch:
@@ -305,6 +319,9 @@ class EncoderBatch:
             if s.encoder is not enc:
                 raise ValueError("stream belongs to another encoder")
         pcms = [_as_pcm(p) for _, p in items]
+        for s in streams:
+            if s.mel.peak is not None and s.mel.frames_done == 0:  # read by its first frames' floor (log_mel.py)
+                enc.runner.kv.peaks[s.trunk.slot] = s.mel.peak
         codes: list[list[int]] = [[] for _ in streams]
         feats: list[list[torch.Tensor]] = [[] for _ in streams]
         seg = enc.runner.mel_per_segment

@@ -8,7 +8,9 @@ computed exactly once, as soon as its last sample has arrived.
 Whisper's normalisation clamps each utterance to (its max - 8) in log10 units, a max over the whole
 utterance, which a stream cannot know. We use the running max over the frames seen so far (per stream):
 the same floor once the loudest frame has passed; quieter frames before it are floored lower than
-Whisper would. Both streaming and whole-utterance encoding here use this same causal rule.
+Whisper would. Both streaming and whole-utterance encoding here use this same causal rule. A stream may start
+from a given peak instead (`MelState.peak`): with each 30 s segment's max given, the floor is Whisper's
+(segment_floor.py re-encodes a committed turn so).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class MelState:
     buf: np.ndarray  # [n] float32: stream samples from the start of the next frame on
     frames_done: int = 0
     samples_seen: int = 0
+    peak: float | None = None  # the running peak before its first frame (None: -inf), written by its first step
 
 
 @dataclass
@@ -69,7 +72,7 @@ class MelFrontend:
         n_fft, hop = self.cfg.n_fft, self.cfg.hop_length
         parts: list[np.ndarray] = []
         counts = np.zeros(len(states), dtype=np.int64)
-        fresh = np.asarray([st.frames_done == 0 for st in states], dtype=bool)
+        fresh = np.asarray([st.frames_done == 0 and st.peak is None for st in states], dtype=bool)
         more = False
         for i, (st, pcm, limit) in enumerate(zip(states, pcms, limits.tolist(), strict=True)):
             buf = np.concatenate([st.buf, pcm]) if pcm.size else st.buf
@@ -87,6 +90,13 @@ class MelFrontend:
         samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         return MelPlan(counts, samples, np.cumsum(lengths) - lengths, fresh, more)
 
+    def raw_log_mel(self, samples: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """[frames, n_mels] log10 mel power of the frames starting at samples[first], before the floor."""
+        frames = samples[first[:, None] + self.offsets]  # [frames, n_fft]
+        spec = torch.fft.rfft(frames * self.window, dim=-1)  # [frames, n_bins]
+        power = spec.real.square() + spec.imag.square()
+        return (power @ self.filters_t).clamp_min(1e-10).log10()
+
     def log_mel(self, samples: torch.Tensor, first: torch.Tensor, cell: torch.Tensor, peak_src: torch.Tensor,
                 peak_dst: torch.Tensor, peak_last: torch.Tensor, peaks: torch.Tensor, rows: int, cols: int
                 ) -> torch.Tensor:
@@ -95,10 +105,7 @@ class MelFrontend:
         (a stream's frames along its row; padding frames to a row of their own), whose running max along rows, from
         each row's previous peak (peaks[peak_src]), floors the frames; each row's last cell is its new peak
         (peaks[peak_dst], from peak_last)."""
-        frames = samples[first[:, None] + self.offsets]  # [frames, n_fft]
-        spec = torch.fft.rfft(frames * self.window, dim=-1)  # [frames, n_bins]
-        power = spec.real.square() + spec.imag.square()
-        log_mel = (power @ self.filters_t).clamp_min(1e-10).log10()  # [frames, n_mels]
+        log_mel = self.raw_log_mel(samples, first)
         grid = torch.full((rows * cols,), float("-inf"), device=samples.device)
         grid.index_put_((cell,), log_mel.amax(dim=1))
         grid = torch.maximum(torch.cummax(grid.view(rows, cols), dim=1).values, peaks[peak_src][:, None]).view(-1)

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from engines.audio.wav import float32_to_pcm16
+from engines.audio.wav import float32_to_pcm16, read_wav
 from engines.config import EngineConfig
 from engines.lm.engine import Engine
 from engines.process.encoder_worker import EncoderWorker
@@ -24,7 +24,8 @@ from tests.engines.process.encoder_worker_checks import (
     wait_until_idle,
 )
 from tests.engines.process.service_loop import WAIT_S
-from tests.engines.speech_in.encoder_helpers import StepGate, speech_like
+from tests.engines.speech_in.encoder_helpers import StepGate, speech_like, whole_segment_codes
+from tests.paths import DATA
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,35 @@ def test_the_load_log_gets_each_kind_of_call_with_its_cpu_and_gpu_wait(enc):
     assert worker.commit("a") and worker.run_due()
     spans = worker.take_spans()
     names = ("encode", "encode cpu", "encode gpu wait", "encode commits", "encode commits cpu",
-             "encode commits gpu wait")
+             "encode commits gpu wait", "encode refloor")  # (a's start is quiet: the commit encodes it again)
     assert set(spans) == set(names)
+    assert spans["encode refloor"][1] <= spans["encode commits"][1]  # part of the commit's call
     assert all(spans[k][0] == 1 for k in names)  # (count, seconds, max): one call of each kind
     assert all(0 <= spans[k + " gpu wait"][1] <= spans[k][1] for k in ("encode", "encode commits"))
     assert worker.take_spans() == {}
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_commit_carries_its_turns_codes_with_the_whole_segment_floor(enc, threaded):
+    """A tentative commit's result carries the codes so far as the floor of the audio so far makes them, the final
+    commit's those of the whole turn (its stream went on after the tentative one)."""
+    pcm = read_wav(DATA / "speech_en_16k.wav")[0][:24000].astype(np.float32)  # its first ~0.4 s are quiet
+    worker = EncoderWorker(enc, threaded=threaded)
+    worker.append("a", pcm[:16500])
+    assert worker.commit("a", final=False)
+    (e,) = wait_until_idle(worker)
+    so_far = enc.refloor(pcm[:16500], final=False)
+    assert e.commit and e.refloor == so_far and so_far is not None
+    codes = e.codes[: so_far.first] + so_far.codes
+    worker.append("a", pcm[16500:])
+    assert worker.commit("a")
+    results = wait_until_idle(worker)
+    worker.close()
+    assert [r.commit for r in results][-1] and all(r.refloor is None for r in results[:-1])
+    codes += [c for r in results for c in r.codes]
+    r = results[-1].refloor
+    assert codes[: r.first] + r.codes == whole_segment_codes(enc, pcm) != enc.encode(pcm)
+    assert enc.runner.kv.in_use == 0
 
 
 def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):

@@ -25,6 +25,7 @@ from engines.speech_out.decoder import CodecDecoder
 from engines.tokens import EOSP, MODALITY_PAD
 from tests.engines.process import service_loop
 from tests.engines.process.tiny_engine import N_OUT, engine, question_pcm
+from tests.engines.speech_in.encoder_helpers import whole_segment_codes
 from tests.paths import REPO
 
 ROOT = REPO
@@ -59,17 +60,22 @@ def test_spoken_turn_incremental_prefill_equals_prefill_at_once(codec) -> None:
     errors = [x for x in msgs if isinstance(x, m.Error)]
     assert not errors
     done = [x for x in msgs if isinstance(x, m.ResponseDone)][0]
-    # Speech codes of the whole utterance (the encoder's streaming == whole is tested in its suite).
-    codes = enc.encode(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0)
+    # Speech codes of the whole utterance with its whole-segment log-mel floor (the encoder's streaming == whole is
+    # tested in its suite; the re-encode at commit in test_service_refloor.py).
+    samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+    codes = whole_segment_codes(enc, samples)
     assert [x for x in msgs if isinstance(x, m.UserAudioProgress)][-1].codes == len(codes)
     prompt = PB.system_rows(None, "audio") + PB.user_audio_turn_rows(codes) + PB.assistant_prefix_rows("audio")
     hist = svc.engine.conversation_history("s")
     assert hist[:len(prompt)] == prompt and done.prompt_rows == len(prompt)
-    # Everything said so far was already in the KV: at end of turn only the codes of the last
-    # partial 80 ms, the closing rows and the assistant prefix were left to prefill.
+    # What was said so far was already in the KV: at end of turn the codes of the last partial 80 ms, the closing
+    # rows and the assistant prefix were left to prefill, and the codes the whole turn's floor changed (its start is
+    # quiet: from the first on) were prefilled again.
+    streamed = enc.encode(samples)
+    changed = codes_before - next(i for i, (a, b) in enumerate(zip(streamed, codes, strict=True)) if a != b)
     tail = len(codes) - codes_before + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
     assert before == len(prompt) - tail and len(codes) - codes_before <= 1
-    assert svc.engine.stats().prefilled_rows - before == tail
+    assert svc.engine.stats().prefilled_rows - before == tail + changed and changed > 0
     # Same greedy answer as prefilling the whole turn at once on a fresh engine.
     ref = engine()
     ref.add_request("ref", prompt, SamplingParams.greedy_params(N_OUT, N_OUT))

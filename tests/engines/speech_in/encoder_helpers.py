@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import torch
 
+from engines.profiling.log_mel_codes import encode, whole_segment_log_mel
 from engines.speech_in import SpeechEncoder
 from engines.speech_in.step_graphs import StepGraphs
 
@@ -24,6 +25,14 @@ def speech_like(seconds: float, seed: int = 0) -> np.ndarray:
     env = np.clip(t / 0.3, 0.02, 1.0) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
     x = env * (0.3 * np.sin(2 * np.pi * 180 * t * (1 + 0.4 * t)) + 0.05 * rng.standard_normal(t.size))
     return x.astype(np.float32)
+
+
+def whole_segment_codes(enc: SpeechEncoder, pcm: np.ndarray) -> list[int]:
+    """The reference for a committed turn: its finalized stream's codes with every frame's features swapped for the
+    dense whole-segment ones (engines/profiling/log_mel_codes.py)."""
+    x = np.concatenate([pcm, np.zeros(enc.tail_padding(pcm.size), np.float32)])
+    feats = torch.cat([whole_segment_log_mel(x, enc.cfg, enc.frontend), torch.zeros(1, enc.cfg.num_mel_bins)])
+    return encode(enc, pcm, feats)
 
 
 def stream_encode(enc: SpeechEncoder, pcm: np.ndarray, sizes) -> tuple[list[int], torch.Tensor]:

@@ -1,0 +1,106 @@
+"""A committed turn's codes with Whisper's log-mel floor: (max - 8) over each whole <= 30 s segment.
+
+While the user speaks, the frontend floors each frame at (running max - 8) (log_mel.py): a frame before the turn's
+loudest one is floored lower than the reference floors it. Once the turn's audio is whole (a commit), each segment's
+max is known: the turn is encoded again from the first segment whose floor changes, by streams that start there
+with that segment's max as their peak (MelState.peak) and the samples before it as their frame buffer, so their
+frames, trunk and codes are those of the served stream but for the floor. Codes before the first frame whose floor
+changes are the same in both (the trunk is causal): the result starts at the code of that frame.
+
+The segments from the first changed one go in one batched encoder call (one stream each); the frame maxima are one
+log-mel pass per segment on the encoder's device. A segment's max is final once its last frame is in: the service
+re-encodes each segment as the turn passes its end (on the encoder's lowest-priority stream, while the user still
+speaks), so that a commit re-encodes at most the turn's last segment or two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engines.speech_in.log_mel import FFT_ROWS
+
+if TYPE_CHECKING:
+    from engines.speech_in.encoder import SpeechEncoder
+
+
+@dataclass(frozen=True)
+class Refloor:
+    """A turn's codes with the whole-segment floor, from `first` on (codes before it stand)."""
+
+    first: int
+    codes: list[int]  # those of [first, first + len(codes)); later ones stand too
+    frames: int  # mel frames encoded again (the call's size)
+    total: int  # the turn's codes so far (the stream's)
+
+
+def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
+    """[frames] each complete frame's log-mel max (before the floor) of a stream fed `x`, as its frontend frames it
+    (zeros before the stream), computed a segment at a time with the frontend's own kernels."""
+    cfg, fe = encoder.cfg, encoder.frontend
+    half, hop = cfg.n_fft // 2, cfg.hop_length
+    n = 0 if x.size + half < cfg.n_fft else (x.size + half - cfg.n_fft) // hop + 1
+    seg = 2 * cfg.max_source_positions  # mel frames per segment
+    samples = torch.from_numpy(np.concatenate([np.zeros(half, np.float32), x])).to(encoder.device)
+    out = []
+    for a in range(0, n, seg):
+        m = min(seg, n - a)
+        # Rows padded as the served steps pad them (log_mel.FFT_ROWS): cuFFT makes a plan per batch size.
+        frames = torch.arange(a, a + m + (-m % FFT_ROWS), device=encoder.device).clamp_max(n - 1)
+        out.append(fe.raw_log_mel(samples, frames * hop)[:m].amax(dim=1))
+    return torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
+
+
+def segments_done(encoder: SpeechEncoder, n_samples: int) -> int:
+    """The 30 s segments whose every frame a stream fed n samples has: their max, so their floor, is final."""
+    cfg = encoder.cfg
+    seg_samples = 2 * cfg.max_source_positions * cfg.hop_length
+    return max(0, n_samples - (cfg.n_fft // 2 - cfg.hop_length)) // seg_samples
+
+
+def refloor(encoder: SpeechEncoder, pcm: np.ndarray, final: bool, first_segment: int = 0,
+            end_segment: int | None = None, urgent: bool = True) -> Refloor | None:
+    """The turn `pcm` (all its samples so far) encoded with each segment's own floor, its segments from
+    `first_segment` up to `end_segment` (None: all), as the stream is (`final`: finalized, its tail padded as
+    `finalize` pads it; else only its codes determined so far); None when every frame's floor there is already the
+    segment's. `urgent`: on the encoder's urgent stream (a commit's), else on its lowest-priority one."""
+    cfg = encoder.cfg
+    x = np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if final else pcm
+    peaks = frame_peaks(encoder, x)
+    seg = 2 * cfg.max_source_positions
+    seg_max = [float(peaks[a:a + seg].max()) for a in range(0, peaks.size, seg)]
+    end = len(seg_max) if end_segment is None else min(end_segment, len(seg_max))
+    if first_segment >= end:
+        return None
+    running = np.maximum.accumulate(peaks)
+    floors = np.repeat(np.asarray(seg_max, np.float32), seg)[: peaks.size]
+    changed = np.flatnonzero(running[first_segment * seg:end * seg] != floors[first_segment * seg:end * seg])
+    if not changed.size:
+        return None
+    first_frame = int(changed[0]) + first_segment * seg
+    j0 = first_frame // seg
+    half = cfg.n_fft // 2
+    padded = np.concatenate([np.zeros(half, np.float32), x])
+    seg_samples = seg * cfg.hop_length
+    streams, pieces = [], []
+    try:
+        for j in range(j0, end):
+            s = encoder.open_stream()
+            streams.append(s)
+            start = j * seg_samples
+            s.mel.buf = padded[start:start + half].copy()  # the samples of the segment's first frames before it
+            s.mel.peak = seg_max[j]
+            pieces.append(x[start:start + seg_samples + half])  # (its last frame ends half a window past it)
+        out = encoder.batch(urgent).step(list(zip(streams, pieces, strict=True)))
+    finally:
+        for s in streams:
+            s.close()
+    per_seg = cfg.codes_per_segment
+    codes = [c for part in out for c in part[:per_seg]]  # (a segment's stream may go a frame into the next one)
+    first = first_frame // (2 * cfg.pooling_kernel_size)
+    lag = cfg.hop_length * (2 * cfg.pooling_kernel_size - 2) + half  # a code is determined this far into its audio
+    total = encoder.codes_for_samples(pcm.size) if final else max(0, (pcm.size - lag) // cfg.samples_per_code + 1)
+    return Refloor(first, codes[first - j0 * per_seg:], min(peaks.size, end * seg) - j0 * seg, total)

@@ -1,0 +1,88 @@
+"""A committed turn re-encoded with the log-mel floor over each whole segment (segment_floor.py): its codes are those
+of the dense whole-segment features swapped into the same trunk (the profiling tool's swap), and it changes nothing
+when the running floor already was the segment's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engines.audio.wav import read_wav
+from engines.profiling.log_mel_codes import _encoder
+from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
+from tests.engines.speech_in.encoder_helpers import whole_segment_codes
+from tests.paths import REPO
+
+WAV = REPO / "tests" / "data" / "speech_en_16k.wav"
+
+
+def speech(seconds: float) -> np.ndarray:
+    pcm, rate = read_wav(WAV)
+    assert rate == 16000
+    return pcm[: int(seconds * rate)].astype(np.float32)
+
+
+def committed(enc: SpeechEncoder, pcm: np.ndarray, final: bool = True) -> tuple[list[int], int | None]:
+    if final:
+        codes = enc.encode(pcm)
+    else:
+        s = enc.open_stream()
+        codes = s.push(pcm)
+        s.close()
+    r = enc.refloor(pcm, final)
+    return (codes, None) if r is None else (codes[: r.first] + r.codes, r.first)
+
+
+def test_a_quiet_start_takes_the_whole_segment_floor(enc):
+    pcm = speech(2.5)  # its first ~0.4 s are quiet
+    codes, first = committed(enc, pcm)
+    ref = whole_segment_codes(enc, pcm)
+    assert codes == ref and len(codes) == enc.codes_for_samples(pcm.size)
+    assert enc.encode(pcm) != ref  # as streamed, the running floor gives other codes
+    assert first == 0
+
+
+def test_nothing_is_redone_when_the_first_frame_is_the_loudest(enc):
+    pcm = speech(1.5) * 0.05
+    pcm[:40] += 0.9  # a click under the first frame's window centre only
+    assert enc.refloor(pcm, final=True) is None
+    assert enc.encode(pcm) == whole_segment_codes(enc, pcm)
+
+
+def test_a_tentative_commit_refloors_the_codes_determined_so_far(enc):
+    pcm = speech(2.03)  # the last 30 ms wait for more audio (or the final commit)
+    codes, _ = committed(enc, pcm, final=False)
+    whole, _ = committed(enc, pcm)
+    assert 0 < len(codes) < len(whole) and codes == whole[: len(codes)]
+
+
+@pytest.mark.parametrize("seconds", [4.2, 3.95])
+def test_each_segment_takes_its_own_floor(seconds):
+    # 1 s segments: a 4.2 s turn has five, each with its own max; the streams of the re-encode start mid-turn.
+    cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)
+    enc = _encoder(cfg, seed=1)
+    pcm = speech(seconds)
+    codes, first = committed(enc, pcm)
+    assert codes == whole_segment_codes(enc, pcm) and len(codes) == enc.codes_for_samples(pcm.size)
+    assert first is not None and codes != enc.encode(pcm)
+
+
+def test_segments_redone_as_the_turn_passes_them_add_up_to_the_whole_turn():
+    cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments
+    enc = _encoder(cfg, seed=1)
+    pcm = speech(3.7)
+    codes = enc.encode(pcm)
+    done = 0
+    for k in (17000, 20000, 40000, 52000):  # the turn so far, as held calls end
+        passed = enc.segments_done(k)
+        r = enc.refloor(pcm[:k], False, done, passed, urgent=False) if passed > done else None
+        if r is not None:
+            assert r.first >= done * cfg.codes_per_segment and r.first + len(r.codes) <= passed * cfg.codes_per_segment
+            codes[r.first:r.first + len(r.codes)] = r.codes
+        done = passed
+    assert done == 3
+    r = enc.refloor(pcm, True, done)
+    assert r is not None and r.first >= 3 * cfg.codes_per_segment and r.total == len(codes)
+    assert codes[: r.first] + r.codes == whole_segment_codes(enc, pcm)
