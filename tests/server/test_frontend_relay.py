@@ -25,7 +25,7 @@ from server.cluster import directory as directory_module
 from server.cluster.directory import EXPIRE_S, EngineDirectory, FrontendEntry
 from server.cluster.peers import FrontendPeers, relayed_only
 from server.transports.relay import Owner
-from tests.fakes.harness import FAKE_ENGINE, RunningServer, fake_settings, recv_until, send, user_text
+from tests.fakes.harness import FAKE_ENGINE, RunningServer, fake_settings, free_port, recv_until, send, user_text
 from tests.paths import REPO
 from tests.server.transports.webrtc_client import Client
 
@@ -185,6 +185,17 @@ async def test_a_call_answered_by_one_front_end_is_reached_through_the_other(tmp
                 assert gone.status_code == 404 and gone.json()["error"]["code"] == "call_not_found"
             finally:
                 await client.close()
+            # A front end that died is listed until its entry expires, and nothing listens where it was.
+            ghost = FrontendPeers(None, "127.0.0.1", "ghost")
+            listed(directory, ghost, "127.0.0.1", free_port())
+            lost = ghost.call_id_prefix + "0123456789abcdef"
+            r = await http.get(f"{b.http}/v1/realtime/calls/{lost}")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "call_not_found"
+            with pytest.raises(websockets.InvalidStatus) as bad:
+                async with websockets.connect(f"{b.ws}?call_id={lost}", additional_headers=AUTH):
+                    pass
+            assert bad.value.response.status_code == 404
+            directory.frontend_leave(ghost.tag)
             client = Client(a.http, mic=None)
             await client.connect(http)
             try:
