@@ -4,7 +4,8 @@
 waits until it answers, and on shutdown closes sessions and stops the engine. Graceful drain on
 SIGTERM is done by `server.serving.DrainingServer` before uvicorn closes connections. With a
 `WorkerContext` (server/workers/) the app is one of several worker processes: it connects to the
-supervisor's engine, admits sessions under the server-wide limit, and relays calls held by siblings.
+supervisor's engine, admits sessions under the server-wide limit, and relays calls held by siblings (as Ray's front end
+replicas do).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from server.session.manager import SessionManager
 from server.session.session import SessionLimits
 from server.settings import Settings, gpu_count
 from server.transports import ws as realtime_ws
+from server.transports.relay import CallRelay, Siblings
 from server.transports.webrtc import routes as webrtc_routes
 from server.workers.context import WorkerContext
-from server.workers.relay import WorkerRelay
 from server.workers.slots import SharedSlots
 
 log = logging.getLogger("server.app")
@@ -115,9 +116,10 @@ GAUGE_REFRESH_S = 1.0  # under --workers: how stale another worker's share of a 
 
 
 def create_app(settings: Settings | None = None, worker: WorkerContext | None = None,
-               engines: Callable[[Metrics], EnginePool] | None = None) -> FastAPI:
+               engines: Callable[[Metrics], EnginePool] | None = None, siblings: Siblings | None = None) -> FastAPI:
     """`engines`: the engines to place sessions on, given the app's metrics (Ray Serve's replicas); default: the
-    engine (or with --gpus the engines) this server runs."""
+    engine (or with --gpus the engines) this server runs. `siblings`: the other processes serving calls, where
+    the calls this one does not hold are relayed (default: a worker's sibling workers)."""
     settings = settings or Settings()
     metrics = Metrics()
     engine = engines(metrics) if engines is not None else local_engines(settings, metrics, worker)
@@ -133,7 +135,8 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     vad_streams = _VadStreams(settings) if settings.vad else None
     sessions = SessionManager(engine, max_sessions=max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
-    relay = WorkerRelay(worker) if worker is not None else None
+    siblings = siblings if siblings is not None else worker
+    relay = CallRelay(siblings) if siblings is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

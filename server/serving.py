@@ -21,6 +21,7 @@ import logging
 import resource
 import signal
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -34,13 +35,17 @@ MAX_HEAD_BYTES = 16 * 1024  # a request line and headers larger than this get 40
 LISTEN_BACKLOG = 2048  # connections the kernel holds before they are accepted
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info", *, lifespan: str = "on",
+                   asgi: Any = None) -> uvicorn.Config:
+    """`asgi`: what to serve in place of `app` (a filter in front of it); lifespan "off" where another server runs
+    the app's start-up and shutdown."""
     settings = app.state.settings
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http_protocol(settings.header_timeout_s),
+    return uvicorn.Config(asgi or app, host=host, port=port, log_level=log_level,
+                          http=http_protocol(settings.header_timeout_s),
                           ws=RealtimeWebSocket, ws_max_size=settings.max_message_bytes, ws_ping_interval=20.0,
                           ws_ping_timeout=20.0, timeout_keep_alive=KEEP_ALIVE_S,
                           h11_max_incomplete_event_size=MAX_HEAD_BYTES, limit_concurrency=settings.max_connections,
-                          backlog=LISTEN_BACKLOG, timeout_graceful_shutdown=5, log_config=None, lifespan="on")
+                          backlog=LISTEN_BACKLOG, timeout_graceful_shutdown=5, log_config=None, lifespan=lifespan)
 
 
 def raise_open_file_limit(max_connections: int) -> int:

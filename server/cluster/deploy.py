@@ -1,9 +1,9 @@
 """The Ray Serve application: `build(args)` for `serve run` and the KubeRay RayService, `deploy` for
 `moss-speech serve --ray ADDRESS`.
 
-Three deployments: EngineDirectory (one small replica), Engine (one GPU each, autoscaled on sessions per engine when
-max_engines > engines) and Frontend (the ingress: CPU replicas behind Ray Serve's HTTP proxy, which carries the
-WebSockets and the WebRTC signalling).
+Three deployments: EngineDirectory (one small replica: where the engines and the front ends' relay ports are),
+Engine (one GPU each, autoscaled on sessions per engine when max_engines > engines) and Frontend (the ingress: CPU
+replicas behind Ray Serve's HTTP proxy, which carries the WebSockets and the WebRTC signalling).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ behind Ray Serve's HTTP proxy, placing sessions on the engine replicas listed in
 
 Each front end connects its own ZeroMQ socket to every engine it finds (what a session sends and receives goes that
 way, not through Ray), places each new session by the same headroom rule as `--gpus`, and ends the sessions of an
-engine whose entry expired.
+engine whose entry expired. With several front ends, each relays a WebRTC call's requests to the one holding the
+call (server/cluster/peers.py).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 
 from server.app import create_app
 from server.cluster.directory import HEARTBEAT_S
+from server.cluster.peers import FrontendPeers
 from server.engine_client import EngineClient, EngineStartError
 from server.engine_pool import EnginePool, stats_callback
 from server.ops.metrics import Metrics
@@ -105,8 +108,16 @@ class Frontend:
         self.settings = Settings(**{**settings, "spawn_engine": False})
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.settings, engines=lambda metrics: RayEngines(self.directory, self.settings, metrics,
-                                                                            self.frontends))
+        # One front end holds every call; with more, a call's requests may reach any of them.
+        peers = None
+        if self.frontends > 1:
+            peers = FrontendPeers(self.directory, ray.util.get_node_ip_address(),
+                                  serve.get_replica_context().replica_id.unique_id)
+        app = create_app(self.settings, siblings=peers,
+                         engines=lambda metrics: RayEngines(self.directory, self.settings, metrics, self.frontends))
+        if peers is not None:
+            peers.attach(app)
+        return app
 
 
 IngressFrontend = serve.ingress()(Frontend)

@@ -227,8 +227,8 @@ async def _control_socket(ws: WebSocket, call_id: str) -> None:
     calls = getattr(ws.app.state, "calls", None)
     call = calls.get(call_id) if calls is not None else None
     if call is None:
-        relay = getattr(ws.app.state, "relay", None)  # under --workers: the call may be a sibling worker's
-        owner = relay.owner(call_id) if relay is not None else None
+        relay = getattr(ws.app.state, "relay", None)  # the call may be a sibling process's
+        owner = await relay.owner(call_id) if relay is not None else None
         if owner is not None:
             await relay.websocket(ws, owner, _deny)
             return

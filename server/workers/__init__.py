@@ -5,5 +5,5 @@ One asyncio loop is one core, full at ~100 real-time WebSocket sessions on a sma
 binds the port, runs the engine and starts the workers (worker.py); the kernel hands each new
 connection to one of them. What must be shared is: the session limit (server/workers/slots.py), the metrics
 (PROMETHEUS_MULTIPROC_DIR), and a WebRTC call's requests and control socket, which must reach the
-worker that holds the call's peer connection (relay.py, by the worker index in the call id).
+worker that holds the call's peer connection (server/transports/relay.py, by the worker index in the call id).
 """

@@ -1,4 +1,5 @@
-"""What a worker process knows of its siblings: its index, their private sockets, the shared counts."""
+"""What a worker process knows of its siblings: its index, their private sockets (where it relays the calls they
+hold: server/transports/relay.py), the shared counts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from server.transports.relay import Owner
 
 _CALL_ID = re.compile(r"rtc_w(\d{1,4})_[0-9a-f]+", re.ASCII)
 
@@ -40,6 +43,14 @@ class WorkerContext:
             return None
         index = int(match.group(1))
         return index if index < self.count else None
+
+    async def owner(self, call_id: str) -> Owner | None:
+        """The sibling worker holding `call_id` (server.transports.relay.Siblings); None when it is ours or no
+        worker's."""
+        index = self.owner_of(call_id)
+        if index is None or index == self.index:
+            return None
+        return Owner(f"worker {index}", uds=self.socket_path(index))
 
     def engine_generation_now(self) -> int:
         return int(self.engine_generation.value)

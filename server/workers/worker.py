@@ -2,7 +2,7 @@
 
 Started by the supervisor (multiprocessing, spawn) with the settings, its WorkerContext and the
 listening socket the supervisor bound. The private socket is where sibling workers relay a call's
-requests (relay.py). SIGTERM drains like a single server (server/serving.py).
+requests (server/transports/relay.py). SIGTERM drains like a single server (server/serving.py).
 """
 
 from __future__ import annotations

@@ -29,10 +29,13 @@ def free_port() -> int:
 
 
 class RunningServer:
-    """`worker`: run the app as that worker of a --workers server (its own port here, plus its private socket)."""
+    """`worker`: run the app as that worker of a --workers server (its own port here, plus its private socket).
+    `peers`: run it as one of several Ray front end replicas (server.cluster.peers.FrontendPeers: its relay port)."""
 
-    def __init__(self, settings: Settings, worker: WorkerContext | None = None) -> None:
-        self.app = create_app(settings, worker)
+    def __init__(self, settings: Settings, worker: WorkerContext | None = None, peers: Any = None) -> None:
+        self.app = create_app(settings, worker, siblings=peers)
+        if peers is not None:
+            peers.attach(self.app)
         self.server = DrainingServer(uvicorn_config(self.app, "127.0.0.1", 0, "warning"))
         sockets = None
         if worker is not None:

@@ -1,16 +1,20 @@
 """The server on Ray Serve, on a local Ray cluster this module starts: two engine replicas on the CPU (tiny-random)
 and one front end behind Ray Serve's HTTP proxy. Sessions spread over both engines; an engine replica killed
 mid-answer ends only its own sessions, and Ray's new replica takes sessions again; the load test (WebSocket and
-WebRTC) through the proxy has no errors."""
+WebRTC) through the proxy has no errors. The last cluster test deploys a second front end: a WebRTC call's requests
+and control socket work through the one that does not hold the call."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
+import time
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 import ray
 import websockets
@@ -25,12 +29,16 @@ from server.cluster.autoscale import desired_engines, sessions_per_engine
 from server.cluster.deploy import APP_NAME, application
 from server.cluster.options import RayOptions, RayOptionsError
 from server.limits import CPU_MAX_SESSIONS
-from tests.fakes.harness import free_port, recv_event, send, user_text
+from tests.fakes.harness import free_port, recv_event, recv_until, send, user_text
 from tests.paths import REPO
 from tests.server.engines_support import ended_by_engine_loss, long_answer, short_answer, until_health
+from tests.server.transports.webrtc_client import Client
 
 SETTINGS = {"model": "tiny-random", "codec": "tiny-random", "device": "cpu", "engine_ping_interval_s": 0.25,
             "engine_ping_timeout_s": 20.0, "engine_ready_timeout_s": 300.0, "drain_timeout_s": 1.0}
+# the least a CI machine of 2 cores carries: fractions of a CPU each, engines on the CPU
+OPTIONS = RayOptions(engines=2, engine_gpus=0, engine_cpus=0.5, frontend_cpus=0.5, engine_drain_s=0,
+                     health_check_period_s=1.0, settings=SETTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +49,7 @@ def url():
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # the least a CI machine of 2 cores carries: fractions of a CPU each, engines on the CPU
-        opts = RayOptions(engines=2, engine_gpus=0, engine_cpus=0.5, frontend_cpus=0.5, engine_drain_s=0,
-                          health_check_period_s=1.0, settings=SETTINGS)
-        serve.run(application(opts), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(application(OPTIONS), name=APP_NAME, route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         asyncio.run(until_health(base, lambda b: sum(e["alive"] for e in b.get("engines", {}).values()) == 2))
         yield base
@@ -135,6 +140,43 @@ def test_load_test_through_the_ray_proxy_has_no_errors(url, transport):
     rep = build_report(cfg, collector, wall, {"gpu": "unknown", "source": None}, utt)
     assert rep["errors"]["total"] == 0, rep["errors"]
     assert rep["turns"]["ok"] == sessions, rep["turns"]
+
+
+@pytest.mark.timeout(600)
+async def test_a_call_works_through_the_front_end_that_does_not_hold_it(url):
+    """Two front ends (the application deployed again; the last test on the cluster). The proxy sends the call's
+    requests to either; the one that does not hold the call relays them to the one that does. That one is also
+    reached on its relay port, from the directory, so the relayed path is taken for certain."""
+    await asyncio.to_thread(serve.run, application(dataclasses.replace(OPTIONS, frontends=2)), name=APP_NAME,
+                            route_prefix="/", blocking=False)
+    directory = serve.get_deployment_handle("EngineDirectory", APP_NAME)
+    deadline = time.monotonic() + 120
+    while len(await directory.frontends.remote()) != 2:
+        assert time.monotonic() < deadline, await directory.frontends.remote()
+        await asyncio.sleep(0.2)
+    await until_health(url, lambda b: sum(e["alive"] for e in b.get("engines", {}).values()) == 2)
+    async with httpx.AsyncClient(timeout=30) as http:
+        client = Client(url, mic=None)
+        await client.connect(http)
+        try:
+            await client.wait_event("session.created", 60)
+            owner_tag = client.call_id.split("_")[1].removeprefix("r")
+            other = next(e for e in await directory.frontends.remote() if e["tag"] != owner_tag)
+            other_url = f"http://{other['host']}:{other['port']}"
+            for base in [other_url] + [url] * 8:  # through the proxy: whichever front end it picks
+                state = await http.get(f"{base}/v1/realtime/calls/{client.call_id}")
+                assert state.status_code == 200 and state.json()["id"] == client.call_id, (base, state.text)
+            for base in (other_url, url):
+                control = base.replace("http://", "ws://") + f"/v1/realtime?call_id={client.call_id}"
+                async with websockets.connect(control, max_size=None) as ws:
+                    await send(ws, "session.update", session={"instructions": f"via {base}"})
+                    assert (await recv_until(ws, "session.updated", 60))[-1]["session"]["instructions"] == f"via {base}"
+            r = await http.post(f"{other_url}/v1/realtime/calls/{client.call_id}/hangup")
+            assert r.status_code == 204
+            gone = await http.get(f"{url}/v1/realtime/calls/{client.call_id}")
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "call_not_found"
+        finally:
+            await client.close()
 
 
 def test_unreachable_cluster_is_a_clear_error_naming_its_address(capsys):

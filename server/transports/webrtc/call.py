@@ -252,7 +252,8 @@ class CallRegistry:
 
 
 def new_call_id(prefix: str = "rtc_") -> str:
-    """`prefix`: "rtc_w{i}_" under --workers, so any worker can tell which one holds the call."""
+    """`prefix`: the answering process's (server.transports.relay.Siblings), so its siblings can tell who holds
+    the call."""
     return prefix + uuid.uuid4().hex[:24]
 
 

@@ -14,8 +14,9 @@ Errors are JSON `{"error": {"type", "code", "message"}}`: 400 bad offer (the rea
 403 origin not allowed, 404 unknown call, 413 offer too large, 415 not application/sdp, 503 call or session
 limit reached / engine not ready (with Retry-After). The control WebSocket `/v1/realtime?call_id=ID`
 (server/transports/ws.py) finds the call in `app.state.calls` and binds to it with `Call.bind`.
-Under `--workers` a call lives in the worker that answered its offer; the others relay its requests
-there (server/workers/relay.py), and `max_calls` is per worker (a call's media costs its worker's CPU).
+Under `--workers` (and `--ray`) a call lives in the worker (front end replica) that answered its offer; the others
+relay its requests there (server/transports/relay.py), and `max_calls` is per process (a call's media costs its
+process's CPU).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class WebRTCService:
 
     def __init__(self, settings: Any, sessions: SessionManager, config: WebRTCConfig, relay: Any = None) -> None:
         self.settings = settings
-        self.relay = relay  # server.workers.relay.WorkerRelay under --workers: calls held by sibling workers
+        self.relay = relay  # server.transports.relay.CallRelay: calls held by sibling processes
         self.sessions = sessions
         self.config = config
         self.calls = CallRegistry(config.max_calls)
@@ -112,7 +113,7 @@ class WebRTCService:
         except SessionRefused as e:
             await pc.close()
             return _error(e.code, e.message, headers={"Retry-After": "5"})
-        call_id = new_call_id(self.relay.ctx.call_id_prefix) if self.relay is not None else new_call_id()
+        call_id = new_call_id(self.relay.call_id_prefix) if self.relay is not None else new_call_id()
         call = Call(call_id, pc, session, prebuffer_ms=self.config.prebuffer_ms,
                     ice_timeout_s=self.config.ice_timeout_s, on_closed=self._closed)
         try:
@@ -140,14 +141,14 @@ class WebRTCService:
 
     async def _call_or_reply(self, request: Request, call_id: str) -> Call | Response:
         """The call; or the reply: a refusal (auth/origin, then unknown id -> 404), or the answer of the
-        sibling worker that holds the call."""
+        sibling process that holds the call."""
         denied = self.access_error(request)
         if denied is not None:
             return denied
         call = self.calls.get(call_id)
         if call is not None:
             return call
-        owner = self.relay.owner(call_id) if self.relay is not None else None
+        owner = await self.relay.owner(call_id) if self.relay is not None else None
         if owner is not None:
             reply = await self.relay.http(request, owner)
             if reply is not None:
