@@ -253,6 +253,8 @@ class Responses:
         if s.active is t:
             s.active = None
         if t.undo == "close" or self.sessions.get(s.session_id) is not s:
+            if t.response is not None:
+                self._end_unheard(t.response)
             self._release(s)
             return
         if o.finish_reason == "no_kv":
@@ -346,6 +348,17 @@ class Responses:
         t = s.active
         if t is not None and t.response is r:
             self.engine.abort(t.request_id)
+
+    def _end_unheard(self, r: ResponseState) -> None:
+        """A closed session's answer: its decoder stream is closed, by the codec worker when the worker has its audio
+        (an empty final result then ends the worker's part), or here."""
+        stream, r.decoder_stream = r.decoder_stream, None
+        r.cancelled, r.done = True, ("cancelled", "client_cancelled")
+        if self._codec is not None and id(r) in self._codec_owner:
+            self._codec.cancel(r)
+            self._codec.push(r, stream, [], final=True)
+        elif stream is not None and hasattr(stream, "close"):
+            stream.close()
 
     def _drop_last_audio(self, r: ResponseState) -> None:
         """A finished answer whose last audio is still decoding will not be heard: send none, decode no more."""

@@ -383,3 +383,20 @@ def test_sync_is_answered_after_every_reply_to_the_messages_before_it() -> None:
     refused = [k for k, x in enumerate(out) if isinstance(x, m.Error)]
     assert refused and out.index(m.Synced("s", 1)) > max(refused[:-1])  # each item past the context is refused...
     assert out[-1].code == "input_too_large"  # ... the one after the Sync after it
+
+
+def test_a_session_closed_mid_answer_leaves_nothing_of_its_audio_behind() -> None:
+    """Its decoder stream is closed and the codec worker forgets the answer (each such answer's decoder state stayed
+    for the engine's life: ~40 kB a dropped turn in a soak)."""
+    svc = make_service()
+    send(svc, m.OpenSession("s"))
+    send(svc, m.AddUserText("s", "i", "talk"))
+    send(svc, m.CreateResponse("s", "r1", "audio", greedy(60, min_new=60)))
+    for _ in range(12):  # past the first chunk's codes: the codec worker has the answer
+        svc.step()
+    assert svc.decoder.streams and svc.decoder.streams[0].codes
+    send(svc, m.CloseSession("s"))
+    run(svc)
+    assert all(st.closed for st in svc.decoder.streams)
+    assert not svc.has_work()  # the codec worker holds no answer
+    svc.engine.check_integrity()
