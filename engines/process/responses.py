@@ -353,9 +353,9 @@ class Responses:
         """A closed session's answer: its decoder stream is closed, by the codec worker when the worker has its audio
         (an empty final result then ends the worker's part), or here."""
         stream, r.decoder_stream = r.decoder_stream, None
-        r.cancelled, r.done = True, ("cancelled", "client_cancelled")
+        r.done = ("cancelled", "client_cancelled")
+        self._drop_last_audio(r)
         if self._codec is not None and id(r) in self._codec_owner:
-            self._codec.cancel(r)
             self._codec.push(r, stream, [], final=True)
         elif stream is not None and hasattr(stream, "close"):
             stream.close()
