@@ -12,7 +12,8 @@ The engine loop hands over each session's PCM (`append`) and its commit (`commit
 Codes are the same however the audio is cut into calls (the encoder streams exactly). While a turn streams, its
 log-mel floor follows a running max; Whisper's is the max over each whole 30 s segment (SpeechEncoder.refloor): a
 call of held audio that takes a turn past a segment's end encodes that segment again, and a commit's call (tentative
-too) the segments not yet redone; their results carry the codes that change.
+too) the segments not yet redone, every turn of the call in one batched re-encode (turns committed together in one
+call of a busy server would otherwise wait for a re-encode each); their results carry the codes that change.
 
 `threaded`: the calls run on the worker's thread (the encoder's CUDA streams: commits on its high-priority one, held
 audio on its lowest-priority one; its host sync through an event, which releases the GIL). Under load on an H200 the
@@ -41,6 +42,7 @@ import numpy as np
 
 from engines.process.observe.spans import Spans
 from engines.process.worker_wait import wait_for_work
+from engines.speech_in.segment_floor import RefloorJob
 
 if TYPE_CHECKING:
     from engines.speech_in.segment_floor import Refloor
@@ -261,8 +263,7 @@ class EncoderWorker:
             codes = self._encode(commit, work)
         except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
             codes = [e] * len(work)
-        floors = [None if isinstance(c, Exception) else self._refloor(t, commit or t.replying, commit)
-                  for (t, _), c in zip(work, codes, strict=True)]
+        floors = self._refloor(work, codes, commit)
         dt, cpu, at = time.perf_counter() - t0, time.thread_time() - cpu0, time.monotonic()
         with self._cv:
             for (t, _), c, floor in zip(work, codes, floors, strict=True):
@@ -285,29 +286,46 @@ class EncoderWorker:
             self._running = False
             self._cv.notify_all()
 
-    def _refloor(self, t: _Turn, at_commit: bool, final: bool) -> Refloor | None:
-        """The turn's codes with the whole-segment floor (SpeechEncoder.refloor), where they change: at a commit
-        (`final`, or tentative) those of its segments not yet redone, else those of the segments it has just passed
-        the end of. None if none changes, the encoder has no such call, or it failed (the codes then stand)."""
-        refloor = getattr(self.encoder, "refloor", None)
-        if refloor is None or not t.audio or t.stream is None:
-            return None
-        end = None if at_commit else self.encoder.segments_done(t.stream.samples_seen)
-        if end is not None and end <= t.floored:
-            return None
-        t0 = time.perf_counter()
-        try:
+    def _refloor(self, work: list[tuple[_Turn, np.ndarray]], codes: list, commit: bool) -> list[Refloor | None]:
+        """Each turn's codes with the whole-segment floor (SpeechEncoder.refloor_many), where they change: at a
+        commit (`commit`, or a tentative one) those of its segments not yet redone, else those of the segments it has
+        just passed the end of. All the turns of a call in one batched encoder call (one for a commit's, urgent, one
+        for the others), so that turns committed together wait for one re-encode, not one each. None for a turn
+        whose codes stand: none changes, the encoder has no such call, or it failed."""
+        floors: list[Refloor | None] = [None] * len(work)
+        many = getattr(self.encoder, "refloor_many", None)
+        if many is None:
+            return floors
+        groups: dict[bool, list[tuple[int, _Turn, int | None, RefloorJob]]] = {True: [], False: []}
+        for i, ((t, _), c) in enumerate(zip(work, codes, strict=True)):
+            if isinstance(c, Exception) or not t.audio or t.stream is None:
+                continue
+            at_commit = commit or t.replying
+            end = None if at_commit else self.encoder.segments_done(t.stream.samples_seen)
+            if end is not None and end <= t.floored:
+                continue
             pcm = t.audio[0] if len(t.audio) == 1 else np.concatenate(t.audio)
             t.audio = [pcm]
-            out = refloor(pcm, final, t.floored, end, urgent=at_commit)
-        except Exception:  # noqa: BLE001 - the running floor's codes are still a valid turn
-            log.exception("speech encoder: re-encoding session %s's turn with its segment floor failed", t.key)
-            return None
-        if end is not None:
-            t.floored = end
-        with self._cv:
-            self.spans.add("encode refloor" if at_commit else "encode refloor held", time.perf_counter() - t0)
-        return out
+            groups[at_commit].append((i, t, end, RefloorJob(pcm, commit, t.floored, end)))
+        if commit:
+            for t, _ in work:
+                self._close(t)  # finalized: their slots serve the re-encode's streams
+        for urgent, group in groups.items():
+            if not group:
+                continue
+            t0 = time.perf_counter()
+            try:
+                out = many([job for *_, job in group], urgent=urgent)
+            except Exception:  # noqa: BLE001 - the running floor's codes are still valid turns
+                log.exception("speech encoder: re-encoding %d turns with their segment floor failed", len(group))
+                continue
+            for (i, t, end, _), r in zip(group, out, strict=True):
+                floors[i] = r
+                if end is not None:
+                    t.floored = end
+            with self._cv:
+                self.spans.add("encode refloor" if urgent else "encode refloor held", time.perf_counter() - t0)
+        return floors
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:
         live = [(t, pcm) for t, pcm in work if t.stream is not None or pcm.size]

@@ -19,7 +19,7 @@ from engines.speech_in.config import EncoderConfig
 from engines.speech_in.log_mel import MelFrontend, MelState
 from engines.speech_in.model import StreamingRunner, WhisperVQTrunk
 from engines.speech_in.presets import ENCODER_PRESETS
-from engines.speech_in.segment_floor import Refloor, refloor, segments_done
+from engines.speech_in.segment_floor import Refloor, RefloorJob, refloor, refloor_many, segments_done
 from engines.speech_in.step_graphs import StepGraphs
 from engines.speech_in.step_plan import TrunkState
 from engines.speech_in.weights import PREFIX, load_state, random_state
@@ -230,6 +230,11 @@ class SpeechEncoder:
         """A turn's codes with Whisper's whole-segment log-mel floor, of its segments from `first_segment` up to
         `end_segment` (segment_floor.py); None: its codes there stand."""
         return refloor(self, _as_pcm(pcm), final, first_segment, end_segment, urgent)
+
+    def refloor_many(self, jobs: list[RefloorJob], urgent: bool = True) -> list[Refloor | None]:
+        """`refloor` of several turns in one batched encoder call (segment_floor.py)."""
+        return refloor_many(self, [RefloorJob(_as_pcm(j.pcm), j.final, j.first_segment, j.end_segment) for j in jobs],
+                            urgent)
 
     def segments_done(self, n_samples: int) -> int:
         """The 30 s segments whose floor is final once a stream has n samples (segment_floor.py)."""

@@ -7,10 +7,11 @@ with that segment's max as their peak (MelState.peak) and the samples before it 
 frames, trunk and codes are those of the served stream but for the floor. Codes before the first frame whose floor
 changes are the same in both (the trunk is causal): the result starts at the code of that frame.
 
-The segments from the first changed one go in one batched encoder call (one stream each); the frame maxima are one
-log-mel pass per segment on the encoder's device. A segment's max is final once its last frame is in: the service
-re-encodes each segment as the turn passes its end (on the encoder's lowest-priority stream, while the user still
-speaks), so that a commit re-encodes at most the turn's last segment or two.
+The segments from the first changed one go in one batched encoder call (one stream each; with `refloor_many`, those
+of every turn committed at once go in one call); the frame maxima are one log-mel pass per segment on the encoder's
+device. A segment's max is final once its last frame is in: the service re-encodes each segment as the turn passes
+its end (on the encoder's lowest-priority stream, while the user still speaks), so that a commit re-encodes at most
+the turn's last segment or two.
 """
 
 from __future__ import annotations
@@ -61,46 +62,93 @@ def segments_done(encoder: SpeechEncoder, n_samples: int) -> int:
     return max(0, n_samples - (cfg.n_fft // 2 - cfg.hop_length)) // seg_samples
 
 
+@dataclass(frozen=True)
+class RefloorJob:
+    """One turn for `refloor_many`: its samples so far and which of its segments to redo (see `refloor`)."""
+
+    pcm: np.ndarray
+    final: bool
+    first_segment: int = 0
+    end_segment: int | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    x: np.ndarray  # the stream's samples (a final turn's tail padded)
+    total: int  # the turn's codes so far
+    seg_max: list[float]
+    first_frame: int  # the first frame whose floor changes
+    end: int  # segments [first_frame's, end) are encoded again
+    frames: int  # mel frames so far
+
+
+def _plan(encoder: SpeechEncoder, job: RefloorJob) -> _Plan | None:
+    cfg = encoder.cfg
+    pcm = job.pcm
+    x = np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if job.final else pcm
+    peaks = frame_peaks(encoder, x)
+    seg = 2 * cfg.max_source_positions
+    seg_max = [float(peaks[a:a + seg].max()) for a in range(0, peaks.size, seg)]
+    end = len(seg_max) if job.end_segment is None else min(job.end_segment, len(seg_max))
+    lo = job.first_segment
+    if lo >= end:
+        return None
+    running = np.maximum.accumulate(peaks)
+    floors = np.repeat(np.asarray(seg_max, np.float32), seg)[: peaks.size]
+    changed = np.flatnonzero(running[lo * seg:end * seg] != floors[lo * seg:end * seg])
+    if not changed.size:
+        return None
+    half = cfg.n_fft // 2
+    lag = cfg.hop_length * (2 * cfg.pooling_kernel_size - 2) + half  # a code is determined this far into its audio
+    total = (encoder.codes_for_samples(pcm.size) if job.final
+             else max(0, (pcm.size - lag) // cfg.samples_per_code + 1))
+    return _Plan(x, total, seg_max, int(changed[0]) + lo * seg, end, int(peaks.size))
+
+
+def refloor_many(encoder: SpeechEncoder, jobs: list[RefloorJob], urgent: bool = True) -> list[Refloor | None]:
+    """`refloor` of several turns, their segments to redo all in one batched encoder call."""
+    cfg = encoder.cfg
+    plans = [_plan(encoder, job) for job in jobs]
+    half, seg = cfg.n_fft // 2, 2 * cfg.max_source_positions
+    seg_samples = seg * cfg.hop_length
+    streams, pieces, owner = [], [], []
+    try:
+        for i, plan in enumerate(plans):
+            if plan is None:
+                continue
+            padded = np.concatenate([np.zeros(half, np.float32), plan.x])
+            for j in range(plan.first_frame // seg, plan.end):
+                s = encoder.open_stream()
+                streams.append(s)
+                owner.append(i)
+                start = j * seg_samples
+                s.mel.buf = padded[start:start + half].copy()  # the samples of the segment's first frames before it
+                s.mel.peak = plan.seg_max[j]
+                pieces.append(plan.x[start:start + seg_samples + half])  # (its last frame ends half a window past)
+        out = encoder.batch(urgent).step(list(zip(streams, pieces, strict=True))) if streams else []
+    finally:
+        for s in streams:
+            s.close()
+    per_seg = cfg.codes_per_segment
+    codes: dict[int, list[int]] = {}
+    for i, part in zip(owner, out, strict=True):
+        codes.setdefault(i, []).extend(part[:per_seg])  # (a segment's stream may go a frame into the next one)
+    results: list[Refloor | None] = []
+    for i, plan in enumerate(plans):
+        if plan is None:
+            results.append(None)
+            continue
+        j0 = plan.first_frame // seg
+        first = plan.first_frame // (2 * cfg.pooling_kernel_size)
+        results.append(Refloor(first, codes[i][first - j0 * per_seg:], min(plan.frames, plan.end * seg) - j0 * seg,
+                               plan.total))
+    return results
+
+
 def refloor(encoder: SpeechEncoder, pcm: np.ndarray, final: bool, first_segment: int = 0,
             end_segment: int | None = None, urgent: bool = True) -> Refloor | None:
     """The turn `pcm` (all its samples so far) encoded with each segment's own floor, its segments from
     `first_segment` up to `end_segment` (None: all), as the stream is (`final`: finalized, its tail padded as
     `finalize` pads it; else only its codes determined so far); None when every frame's floor there is already the
     segment's. `urgent`: on the encoder's urgent stream (a commit's), else on its lowest-priority one."""
-    cfg = encoder.cfg
-    x = np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if final else pcm
-    peaks = frame_peaks(encoder, x)
-    seg = 2 * cfg.max_source_positions
-    seg_max = [float(peaks[a:a + seg].max()) for a in range(0, peaks.size, seg)]
-    end = len(seg_max) if end_segment is None else min(end_segment, len(seg_max))
-    if first_segment >= end:
-        return None
-    running = np.maximum.accumulate(peaks)
-    floors = np.repeat(np.asarray(seg_max, np.float32), seg)[: peaks.size]
-    changed = np.flatnonzero(running[first_segment * seg:end * seg] != floors[first_segment * seg:end * seg])
-    if not changed.size:
-        return None
-    first_frame = int(changed[0]) + first_segment * seg
-    j0 = first_frame // seg
-    half = cfg.n_fft // 2
-    padded = np.concatenate([np.zeros(half, np.float32), x])
-    seg_samples = seg * cfg.hop_length
-    streams, pieces = [], []
-    try:
-        for j in range(j0, end):
-            s = encoder.open_stream()
-            streams.append(s)
-            start = j * seg_samples
-            s.mel.buf = padded[start:start + half].copy()  # the samples of the segment's first frames before it
-            s.mel.peak = seg_max[j]
-            pieces.append(x[start:start + seg_samples + half])  # (its last frame ends half a window past it)
-        out = encoder.batch(urgent).step(list(zip(streams, pieces, strict=True)))
-    finally:
-        for s in streams:
-            s.close()
-    per_seg = cfg.codes_per_segment
-    codes = [c for part in out for c in part[:per_seg]]  # (a segment's stream may go a frame into the next one)
-    first = first_frame // (2 * cfg.pooling_kernel_size)
-    lag = cfg.hop_length * (2 * cfg.pooling_kernel_size - 2) + half  # a code is determined this far into its audio
-    total = encoder.codes_for_samples(pcm.size) if final else max(0, (pcm.size - lag) // cfg.samples_per_code + 1)
-    return Refloor(first, codes[first - j0 * per_seg:], min(peaks.size, end * seg) - j0 * seg, total)
+    return refloor_many(encoder, [RefloorJob(pcm, final, first_segment, end_segment)], urgent)[0]

@@ -78,6 +78,35 @@ def test_a_commit_carries_its_turns_codes_with_the_whole_segment_floor(enc, thre
     assert enc.runner.kv.in_use == 0
 
 
+def test_turns_committed_together_are_encoded_again_in_one_call_on_their_own_slots(enc, monkeypatch):
+    """Three quiet-start turns committed at once: one re-encode for the three (on a busy server a re-encode each
+    would add up in every answer's wait), each with the codes it has re-encoded alone, and the re-encode's streams on
+    the slots the finalized turns gave back (a full pool has none to spare)."""
+    pcm = read_wav(DATA / "speech_en_16k.wav")[0].astype(np.float32)  # its first ~0.4 s are quiet
+    turns = {"a": pcm[:20000], "b": pcm[:24000], "c": pcm[:30000]}
+    worker = EncoderWorker(enc)
+    for key, x in turns.items():
+        worker.append(key, x)
+    assert worker.run_due(flush=True)
+    peak = []
+    opened = enc.open_stream
+
+    def open_stream():
+        s = opened()
+        peak.append(enc.runner.kv.in_use)
+        return s
+
+    monkeypatch.setattr(enc, "open_stream", open_stream)
+    for key in turns:
+        assert worker.commit(key)
+    results = wait_until_idle(worker)
+    assert worker.take_spans()["encode refloor"][0] == 1  # (count, seconds, max)
+    alone = {key: enc.refloor(x, final=True) for key, x in turns.items()}
+    assert {e.key: e.refloor for e in results if e.commit} == alone and None not in alone.values()
+    assert peak and max(peak) <= len(turns)
+    assert enc.runner.kv.in_use == 0
+
+
 def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
     worker = EncoderWorker(enc)
     assert not worker.commit("nobody")

@@ -12,6 +12,7 @@ import pytest
 from engines.audio.wav import read_wav
 from engines.profiling.log_mel_codes import _encoder
 from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
+from engines.speech_in.segment_floor import RefloorJob
 from tests.engines.speech_in.encoder_helpers import whole_segment_codes
 from tests.paths import REPO
 
@@ -86,3 +87,16 @@ def test_segments_redone_as_the_turn_passes_them_add_up_to_the_whole_turn():
     r = enc.refloor(pcm, True, done)
     assert r is not None and r.first >= 3 * cfg.codes_per_segment and r.total == len(codes)
     assert codes[: r.first] + r.codes == whole_segment_codes(enc, pcm)
+
+
+def test_turns_redone_in_one_call_get_what_each_gets_alone():
+    cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments
+    enc = _encoder(cfg, seed=1)
+    loud = speech(0.8) * 0.05
+    loud[:40] += 0.9  # one segment, its first frame the loudest: nothing to redo
+    jobs = [RefloorJob(speech(3.7), True), RefloorJob(loud, True), RefloorJob(speech(2.5)[:30000], False),
+            RefloorJob(speech(3.7), True, 2), RefloorJob(speech(3.7)[:40000], False, 0, 2)]
+    alone = [enc.refloor(j.pcm, j.final, j.first_segment, j.end_segment) for j in jobs]
+    assert enc.refloor_many(jobs) == alone
+    assert alone[1] is None and sum(r is not None for r in alone) == 4
+    assert enc.runner.kv.in_use == 0
