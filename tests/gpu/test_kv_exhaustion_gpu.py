@@ -37,15 +37,17 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
     text = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
     for i in range(LIVE):
         _send(svc, m.OpenSession(f"live{i}", instructions="x"))
-    # Idle histories until fewer blocks are free than the live answers will reserve.
+    # Idle histories while one more leaves the live answers their reservations: then no new turn's history fits.
     live_need = LIVE * -(-(ANSWER_ROWS + 40) // eng.config.block_size)
-    h = 0
-    while eng.stats().free_blocks > live_need + 8:
+    h, per_history = 0, 0
+    while eng.stats().free_blocks - per_history > live_need + 8:
+        free = eng.stats().free_blocks
         sid = f"hist{h}"
         _send(svc, m.OpenSession(sid, instructions="x"))
         _send(svc, m.AddUserText(sid, "i", "a" * HISTORY_CHARS))
         _send(svc, m.CreateResponse(sid, "r", "text", text))
         service_loop.until_idle(svc)
+        per_history = max(per_history, free - eng.stats().free_blocks)
         h += 1
     spoken = m.Sampling(max_new_tokens=ANSWER_ROWS, min_new_tokens=ANSWER_ROWS)
     start: dict[str, float] = {}
