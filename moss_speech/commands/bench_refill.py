@@ -14,7 +14,7 @@ import time
 import torch
 
 from engines.api import SamplingParams
-from engines.config import EngineConfig
+from engines.config import EngineConfig, model_config_for
 from engines.lm.engine import Engine
 from moss_speech.commands.bench_engine import _drain, _rows, decode_batch_config, start_decode_batch
 
@@ -54,19 +54,31 @@ def _refill(engine: Engine, rng: random.Random, rows: int, name: str) -> tuple[f
     return (time.perf_counter() - t0) * 1e3, steps
 
 
+def _new_rows(args: argparse.Namespace) -> int:
+    """Each decoding answer's output budget: it decodes through the steps before and during the re-prefill."""
+    return args.steps * 4 + args.rows
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The decoding answers, each with its whole output budget reserved, and the one conversation re-prefilled, in
+    the pool (not every sequence at the re-prefill's size: at 64 sessions that asked for 124 GiB)."""
+    new_rows = _new_rows(args)
+    config = decode_batch_config(args.model, args.sessions + 1, args.context, new_rows, device=args.device)
+    rows = args.sessions * (args.context + new_rows + 64) + args.rows + 16 + 64 + 4096
+    return dataclasses.replace(config, prefill_token_budget=EngineConfig().prefill_token_budget,  # as served
+                               max_model_len=max(config.max_model_len, args.rows + 16 + 128),
+                               kv_cache_bytes=model_config_for(args.model).kv_bytes_per_row() * rows)
+
+
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
-    new_rows = args.steps * 4 + args.rows
-    config = decode_batch_config(args.model, args.sessions + 1, max(args.context, args.rows + 16), new_rows,
-                                 device=args.device)
-    config = dataclasses.replace(config, prefill_token_budget=EngineConfig().prefill_token_budget)  # as served
-    engine = Engine.from_name(args.model, config)
+    engine = Engine.from_name(args.model, engine_config(args))
     # Warm-up, then the re-prefill alone.
     alone_ms, _ = _refill(engine, rng, min(args.rows, 512), "warm")
     _drain(engine)
     alone_ms, _ = _refill(engine, rng, args.rows, "alone")
     _drain(engine)
-    start_decode_batch(engine, rng, args.sessions, args.context, new_rows)
+    start_decode_batch(engine, rng, args.sessions, args.context, _new_rows(args))
     before = [_step_ms(engine) for _ in range(args.steps)]
     loaded_ms, during = _refill(engine, rng, args.rows, "loaded")
     _drain(engine)
