@@ -4,12 +4,12 @@ Each simulated user loops until the end: connect, then a few turns, each one of
   talk   a spoken turn (speech at real time, commit, answer heard to its end)
   barge  a spoken turn whose answer is cut by the next turn after its first audio (`response.cancel`)
   drop   a spoken turn whose socket is dropped without a close frame after the answer's first audio
-and after the last turn a normal close (unless it dropped). Every few seconds the run samples the server's and the
-engine's resident memory (/proc, Linux), the engine's KV blocks in use and its sessions (/health), and the server's
-underrun count (/metrics). The report: each measure's slope per hour (least squares, after the first WARMUP_FRACTION
-of the run), KV blocks in use once every session has closed (a leak shows there), underruns, and the p95 time to
-first audio (from the commit) over the first and over the last minute (after one unrecorded warm-up turn). It exits
-1 when KV blocks are still in use once every session has closed.
+and after the last turn a normal close (unless it dropped). Every few seconds the run samples the server's (with its
+`--workers` processes) and the engine's resident memory (/proc, Linux), the engine's KV blocks in use and its
+sessions (/health), and the server's underrun count (/metrics). The report: each measure's slope per hour (least
+squares, after the first WARMUP_FRACTION of the run), KV blocks in use once every session has closed (a leak shows
+there), underruns, and the p95 time to first audio (from the commit) over the first and over the last minute (after
+one unrecorded warm-up turn). It exits 1 when KV blocks are still in use once every session has closed.
 
 Without `--url` it starts `moss-speech serve` itself (the tiny random model on the CPU by default) and knows both
 processes; with `--url` it measures what /health and /metrics say, and memory only with `--server-pid`.
@@ -48,6 +48,9 @@ KINDS = ("talk", "talk", "barge", "drop")  # what a turn does, drawn uniformly
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of churn (default 1800)")
     p.add_argument("--sessions", type=int, default=4, help="users churning at once (default 4)")
+    p.add_argument("--stagger", type=float, default=0.0, metavar="S",
+                   help="the users' first connections spread evenly over S seconds (default 0: all at once, so all "
+                        "speak at once)")
     p.add_argument("--url", default=None, help="a running server (default: start `moss-speech serve` here)")
     p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for its memory")
     p.add_argument("--model", default="tiny-random", help="the started server's --model (default tiny-random)")
@@ -98,18 +101,30 @@ def rss_mb(pid: int | None) -> float | None:
     return int(m.group(1)) / 1024 if m else None
 
 
-def child_pid(parent: int, needle: str) -> int | None:
-    """A child of `parent` whose command line contains `needle` (the engine process of a server)."""
+def children(parent: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each child of `parent`."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and needle in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                return int(entry.name)
+            if ppid == parent:
+                found.append((int(entry.name), (entry / "cmdline").read_bytes().decode(errors="replace")))
         except (OSError, ValueError, IndexError):
             continue
-    return None
+    return found
+
+
+def server_and_engine_rss(server_pid: int) -> tuple[float | None, float | None]:
+    """The front end's resident memory (the server process and, with `--workers`, its worker processes) and the
+    engine process's."""
+    kids = children(server_pid)
+    engine = next((pid for pid, cmd in kids if "engines.process" in cmd), None)
+    server = rss_mb(server_pid)
+    if server is not None:
+        server += sum(rss_mb(pid) or 0.0 for pid, _ in kids if pid != engine)
+    return server, rss_mb(engine)
 
 
 def _metric(text: str, name: str) -> float | None:
@@ -121,8 +136,8 @@ async def sample(http: httpx.AsyncClient, t: float, server_pid: int | None) -> S
     engine = (await http.get("/health")).json().get("engine") or {}
     underruns = _metric((await http.get("/metrics")).text, "moss_audio_underruns_total")
     kv_used = engine["kv_total"] - engine["kv_free"] if "kv_total" in engine else None
-    engine_pid = child_pid(server_pid, "engines.process") if server_pid is not None else None
-    return Sample(round(t, 1), rss_mb(server_pid), rss_mb(engine_pid), kv_used, engine.get("sessions"), underruns)
+    server_rss, engine_rss = server_and_engine_rss(server_pid) if server_pid is not None else (None, None)
+    return Sample(round(t, 1), server_rss, engine_rss, kv_used, engine.get("sessions"), underruns)
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float | None:
@@ -186,7 +201,8 @@ class User:
     def _error(self, code: str) -> None:
         self.run.errors[code] = self.run.errors.get(code, 0) + 1
 
-    async def churn(self, deadline: float) -> None:
+    async def churn(self, deadline: float, delay: float = 0.0) -> None:
+        await asyncio.sleep(delay)
         while time.monotonic() < deadline:
             try:
                 await self._session(deadline)
@@ -293,7 +309,7 @@ async def soak(args: argparse.Namespace, base: str, server_pid: int | None, proc
         deadline = t0 + args.duration
         users = [User(ws_url, frames, run, t0, random.Random(args.seed * 1000 + i), args.max_output_tokens)
                  for i in range(args.sessions)]
-        tasks = [asyncio.create_task(u.churn(deadline)) for u in users]
+        tasks = [asyncio.create_task(u.churn(deadline, i * args.stagger / len(users))) for i, u in enumerate(users)]
         while time.monotonic() < deadline:
             run.samples.append(await sample(http, time.monotonic() - t0, server_pid))
             last = run.samples[-1]

@@ -1,9 +1,12 @@
-"""The soak benchmark's arithmetic (the run itself is `moss-speech bench soak`, not part of the test suite)."""
+"""The soak benchmark's arithmetic and measures (the run: `moss-speech bench soak`, not part of the test suite)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from moss_speech.loadtest import soak
 from moss_speech.loadtest.soak import Run, Sample, Turn, slope_per_hour, summary
 
 
@@ -24,3 +27,33 @@ def test_summary_fits_after_the_warm_up_and_compares_first_and_last_windows():
     assert s["ttfa_p95_ms"]["last_window"] == pytest.approx(300.0)
     assert s["kv_used"]["after_all_closed"] == 0 and s["underruns"] == 0.0
     assert s["turns_by_kind"] == {"talk": 300, "barge": 0, "drop": 0}
+
+
+def test_the_server_memory_is_the_front_ends_processes_and_the_engine_apart(monkeypatch):
+    kids = [(11, "python -m engines.process.main"), (12, "python -c from multiprocessing.spawn import spawn_main"),
+            (13, "python -c from multiprocessing.spawn import spawn_main")]
+    rss = {10: 100.0, 11: 900.0, 12: 50.0, 13: 60.0}
+    monkeypatch.setattr(soak, "children", lambda pid: kids if pid == 10 else [])
+    monkeypatch.setattr(soak, "rss_mb", rss.get)
+    assert soak.server_and_engine_rss(10) == (210.0, 900.0)
+
+
+def test_a_staggered_user_waits_its_delay_before_it_first_connects(monkeypatch):
+    events = []
+
+    class Connected(Exception):
+        pass
+
+    async def fake_sleep(seconds):
+        events.append(("sleep", seconds))
+
+    async def session(self, deadline):
+        events.append(("session",))
+        raise Connected
+
+    monkeypatch.setattr(soak.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(soak.User, "_session", session)
+    user = soak.User("ws://x", [], Run(), 0.0, None, 1)
+    with pytest.raises(Connected):
+        asyncio.run(user.churn(float("inf"), 2.5))
+    assert events == [("sleep", 2.5), ("session",)]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A soak on the GPU in one device call (run from repo root): the server as docs/bench/gpu_capacity.sh starts it
+# (full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --workers 4), then `moss-speech bench soak`
+# against it: SOAK_SESSIONS users (default 200, ~80% of the capacity in docs/performance.md) churning for SOAK_S
+# seconds (default 300: the engine's start takes 150-250 s of the call's 600), their first connections spread over
+# SOAK_STAGGER seconds (default 30; all at once, 200 users speak at once, past the speech encoder's 128 slots: see
+# docs/operations.md, Limits); GPU memory in use sampled beside it every 10 s ($OUT/gpu_memory.csv). Writes
+# $OUT/soak.json.
+set -u
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
+export MOSS_MAX_SESSIONS=288 MOSS_LOG_LEVEL=warning MOSS_MAX_RUNNING=128 MOSS_MAX_MODEL_LEN=4096 \
+  MOSS_KV_CACHE_GIB=auto MOSS_ENCODE_EVERY_MS=80
+python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --vocoder hift \
+  --host 127.0.0.1 --port 8000 --workers 4 --fp8-weights --encoder-tf32 > "$OUT/server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 300); do
+  curl -sf http://127.0.0.1:8000/health > /dev/null && break; grep -q "engine did not start" "$OUT/server.log" && break
+  sleep 1; done
+echo "server ready after $(($(date +%s) - T0)) s"
+( while sleep 10; do echo "$(($(date +%s) - T0)),$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)"
+  done ) > "$OUT/gpu_memory.csv" &
+SAMPLER=$!
+python3 -m moss_speech.cli bench soak --url http://127.0.0.1:8000 --server-pid $SERVER \
+  --sessions "${SOAK_SESSIONS:-200}" --stagger "${SOAK_STAGGER:-30}" --duration "${SOAK_S:-300}" --window 60 --json "$OUT/soak.json" 2>&1 \
+  | grep -v "^soak t=" | tail -40
+echo "soak exit ${PIPESTATUS[0]} (1: KV blocks in use once every session had closed)"
+kill $SAMPLER $SERVER; sleep 3
+echo "GPU memory (s since start, MiB): first $(head -1 "$OUT/gpu_memory.csv"), last $(tail -1 "$OUT/gpu_memory.csv")"
+echo "stalls: $(grep -c 'stall in' "$OUT/server.log")"; grep -i "error\|traceback" "$OUT/server.log" | head -10
