@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Speech end -> first audio with each turn detector, against one server in one device call (run from repo root):
+# full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --workers 4, one `bench capacity` level a run.
+# RUNS: which of the runs below, in this order (default all); each is skipped when fewer than 40 s of TD_BUDGET_S
+# (570, from the script's start: the engine's start takes 150-250 s of it on a fresh machine, so all five take two
+# calls) are left, and cut at what is left. Each writes $OUT/NAME.json.
+#   high128 / auto128  semantic_vad, eagerness high (answers released at once) / auto (held until 300 ms of
+#                      silence confirm the turn): 128 sessions, 4 turns, answers up to 250 rows (20 s), the paused
+#                      turn of tests/data
+#   high1 / auto1      the same at one session: 6 turns, answers up to 50 rows (the first audio does not depend on
+#                      the answer's length)
+#   vad128             server_vad 300 ms, the one-sentence sample (300 ms would split the paused turn at its pauses)
+set -u
+T0=$(date +%s)
+DEADLINE=$((T0 + ${TD_BUDGET_S:-570}))
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
+export MOSS_MAX_SESSIONS=288 MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning} MOSS_MAX_RUNNING=128 MOSS_MAX_MODEL_LEN=4096 \
+  MOSS_KV_CACHE_GIB=auto MOSS_ENCODE_EVERY_MS=80
+python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --vocoder hift \
+  --host 127.0.0.1 --port 8000 --workers 4 --fp8-weights --encoder-tf32 > "$OUT/server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 300); do
+  curl -sf http://127.0.0.1:8000/health > /dev/null && break; grep -q "engine did not start" "$OUT/server.log" && break
+  sleep 1; done
+echo "server ready after $(($(date +%s) - T0)) s: $(curl -s http://127.0.0.1:8000/health)"
+WARM=""  # the first run wakes the server with an unrecorded turn; the others need none
+level() {  # NAME SESSIONS bench-capacity-options...
+  local name=$1 n=$2 left; shift 2
+  left=$((DEADLINE - $(date +%s)))
+  [ "$left" -lt 40 ] && { echo "== $name: skipped, ${left} s left"; return; }
+  echo "== $name ($n sessions, $left s left)"
+  # shellcheck disable=SC2086
+  timeout "$left" python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start "$n" --max "$n" \
+    --ramp 16 --keep-going --quiet --level-duration 150 $WARM --json "$OUT/$name.json" "$@" 2>&1 | tail -12
+  WARM="--no-warmup"
+}
+PAUSED="--audio tests/data/speech_paused_en_16k.wav"
+for run in ${RUNS:-high128 auto128 high1 auto1 vad128}; do
+  case $run in
+    high128) level high128 128 --turns 4 --max-output-tokens 250 $PAUSED --turn-detection semantic_vad --eagerness high ;;
+    auto128) level auto128 128 --turns 4 --max-output-tokens 250 $PAUSED --turn-detection semantic_vad --eagerness auto ;;
+    high1) level high1 1 --turns 6 --max-output-tokens 50 $PAUSED --turn-detection semantic_vad --eagerness high ;;
+    auto1) level auto1 1 --turns 6 --max-output-tokens 50 $PAUSED --turn-detection semantic_vad --eagerness auto ;;
+    vad128) level vad128 128 --turns 4 --max-output-tokens 250 --turn-detection server_vad ;;
+  esac
+done
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
+kill $SERVER; sleep 3
+echo "stalls: $(grep -c 'stall in' "$OUT/server.log"); errors: $(grep -ci 'error' "$OUT/server.log")"
+grep -i "error\|traceback" "$OUT/server.log" | head -10
