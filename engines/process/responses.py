@@ -282,9 +282,7 @@ class Responses:
             t.undo = "requeue"
         self._undo(s, t)
         if r is not None:
-            stream, r.decoder_stream = r.decoder_stream, None
-            if stream is not None and hasattr(stream, "close"):
-                stream.close()
+            _close_decoder_stream(r)
             r.done = ("failed", errors.SERVER_BUSY)
             self._finished_ids.append(r.response_id)
             self._complete(s, r)
@@ -352,13 +350,13 @@ class Responses:
     def _end_unheard(self, r: ResponseState) -> None:
         """A closed session's answer: its decoder stream is closed, by the codec worker when the worker has its audio
         (an empty final result then ends the worker's part), or here."""
-        stream, r.decoder_stream = r.decoder_stream, None
         r.done = ("cancelled", "client_cancelled")
         self._drop_last_audio(r)
         if self._codec is not None and id(r) in self._codec_owner:
+            stream, r.decoder_stream = r.decoder_stream, None
             self._codec.push(r, stream, [], final=True)
-        elif stream is not None and hasattr(stream, "close"):
-            stream.close()
+        else:
+            _close_decoder_stream(r)
 
     def _drop_last_audio(self, r: ResponseState) -> None:
         """A finished answer whose last audio is still decoding will not be heard: send none, decode no more."""
@@ -387,3 +385,9 @@ class Responses:
                 for d in deferred:
                     self._on_CreateResponse(s.owner, d)
 
+
+def _close_decoder_stream(r: ResponseState) -> None:
+    """The answer's decoder state is freed now (no codec worker has it)."""
+    stream, r.decoder_stream = r.decoder_stream, None
+    if stream is not None and hasattr(stream, "close"):
+        stream.close()

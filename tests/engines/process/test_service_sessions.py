@@ -342,6 +342,7 @@ def test_decoder_fault_fails_only_that_response() -> None:
     assert err.code == "engine_error" and "boom" in err.message and err.response_id == "r1"
     done = of(out, m.ResponseDone)[0]
     assert done.status == "failed" and done.output_rows < 60  # aborted when the worker reported it
+    assert not svc._codec_owner and not svc.has_work()  # the codec worker holds nothing of it
     send(svc, m.CreateResponse("s", "r2", "text", greedy(2)))
     assert of(run(svc), m.ResponseDone)[0].status == "incomplete"
     svc.engine.check_integrity()
