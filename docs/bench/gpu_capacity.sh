@@ -25,7 +25,7 @@ export MOSS_MAX_RUNNING=${MOSS_MAX_RUNNING:-128} MOSS_MAX_MODEL_LEN=${MOSS_MAX_M
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --vocoder "${CAP_VOCODER:-hift}" \
   --host 127.0.0.1 --port 8000 --workers "${CAP_WORKERS:-4}" ${CAP_ENGINE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
-for i in $(seq 1 300); do  # (start-up: ~70 s on an H200, 164 s on an H100 with a cold Triton cache)
+for i in $(seq 1 300); do  # (start-up: 70-250 s on an H200; the engine log's `start-up:` lines say where it goes)
   curl -sf http://127.0.0.1:8000/health > /dev/null && break; grep -q "engine did not start" $OUT/server.log && break
   sleep 1; done
 curl -s http://127.0.0.1:8000/health; echo

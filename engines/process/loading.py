@@ -68,7 +68,8 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
                                     cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
                                     estimator_dtype="bfloat16" if on_gpu else "float32")
     # First: the graphs captured below are those of the default voice's prompt length.
-    decoder.default_voice = default_voice(encoder, config)
+    with memory.part("the default voice"):
+        decoder.default_voice = default_voice(encoder, config)
     first_lane = config.first_lane
     if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_pacing)
         decoder.flow.solve_parts = PLAYING_SOLVE_PARTS

@@ -1,5 +1,6 @@
 """What holds the GPU's memory at start-up, so that running out of it while loading says which part took how much
-and which options shrink them, instead of a traceback from deep inside a CUDA graph capture.
+and which options shrink them, instead of a traceback from deep inside a CUDA graph capture; and each part's time,
+logged (a full-size engine starts in minutes: the log says where they go).
 
 Why: the parts sized by options add up past an 80 GB card easily. With `--max-running 128` the speech encoder
 reserves float32 KV slots for 128 streams (~31 GiB at full size) next to the model (~17 GiB) and its KV pool
@@ -9,12 +10,16 @@ reserves float32 KV slots for 128 streams (~31 GiB at full size) next to the mod
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from engines.config import ConfigError
 from engines.lm.kv.sizing import GIB
+
+log = logging.getLogger("engines.process")
 
 ADVICE = ("lower --kv-cache-gib (the language model's KV pool) or --max-running (sequences decoded together; also "
           "the speech encoder's KV slots and the codec's largest batch)")
@@ -25,22 +30,24 @@ class StartupMemory:
     names it, the parts loaded before it with their sizes, the device's capacity and ADVICE."""
 
     def __init__(self, device: str, allocated: Callable[[], int] | None = None,
-                 capacity: Callable[[], int] | None = None) -> None:
+                 capacity: Callable[[], int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         on_gpu = device.startswith("cuda") and torch.cuda.is_available()
         self.device = device
         self._allocated = allocated or ((lambda: torch.cuda.memory_allocated(device)) if on_gpu else (lambda: 0))
         self._capacity = capacity or ((lambda: torch.cuda.get_device_properties(device).total_memory) if on_gpu
                                       else (lambda: 0))
         self.parts: list[tuple[str, int]] = []  # (what, bytes it kept allocated)
+        self._clock = clock
 
     @contextlib.contextmanager
     def part(self, what: str) -> Iterator[None]:
-        before = self._allocated()
+        before, t0 = self._allocated(), self._clock()
         try:
             yield
         except torch.OutOfMemoryError as e:
             raise ConfigError(self.message(what, e)) from None
         self.parts.append((what, self._allocated() - before))
+        log.info("start-up: %s in %.1f s (%.2f GiB)", what, self._clock() - t0, self.parts[-1][1] / GIB)
 
     def message(self, what: str, error: BaseException) -> str:
         loaded = ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in self.parts) or "nothing yet"

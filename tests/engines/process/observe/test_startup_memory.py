@@ -38,6 +38,15 @@ def test_an_out_of_memory_error_names_the_part_what_came_before_and_the_options(
                                                 "the speech encoder's KV slots for 128 streams (234 MiB each)"]
 
 
+def test_each_part_is_logged_with_its_time_and_memory(caplog):
+    now, held = [0.0], [0]
+    mem = StartupMemory("cuda:0", allocated=lambda: held[0], capacity=lambda: 80 * GIB, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="engines.process"), mem.part("the codec decoder"):
+        now[0] += 42.5
+        held[0] += 3 * GIB
+    assert "start-up: the codec decoder in 42.5 s (3.00 GiB)" in caplog.text
+
+
 def test_other_errors_pass_through_unchanged():
     mem = StartupMemory("cpu")
     with pytest.raises(ValueError, match="bad checkpoint"), mem.part("the speech encoder"):
