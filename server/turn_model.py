@@ -10,10 +10,14 @@ variance first, log10 clipped 8 below its maximum, then (x + 4) / 4). Output: P(
 One model serves every session of the process; `EndOfTurnBatcher` runs the turns that wait at the same moment in one
 batched call on a worker thread (onnxruntime releases the GIL), never on the event loop. A turn costs 60-70 ms of
 CPU time on one core of a 2-core x86 development machine (2026-12-02; 8 ms of it the features), batched or not.
+
+`python3 -m server.turn_model WAV...`: what the model says of a recording's pauses (each silence of 200 ms or more,
+200 ms into it, as semantic_vad asks after a short silence) and of its end.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 from dataclasses import dataclass
@@ -22,6 +26,8 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+
+from server.audio.pcm import read_wav
 
 MODEL_PATH = Path(__file__).resolve().parent / "data" / "smart-turn-v3.2-cpu.onnx"
 RATE = 16000
@@ -141,3 +147,41 @@ class EndOfTurnBatcher:
 
     def _call(self, turns: list[np.ndarray]) -> list[float]:
         return self._ensure().complete(turns)
+
+
+def pause_scores(model: SmartTurn, audio: np.ndarray, after_ms: int = 200, min_pause_ms: int = 200,
+                 quiet: float = 0.05) -> list[tuple[float, int, float]]:
+    """(second, pause ms, P(complete)) at each pause of 16 kHz `audio` (20 ms frames whose RMS is under `quiet` of the
+    loudest frame's, `min_pause_ms` or longer, after speech and before more), judged on the audio up to `after_ms`
+    into it; and at the end (pause 0)."""
+    frame = RATE // 50
+    rms = np.sqrt(np.mean(audio[: audio.size // frame * frame].reshape(-1, frame) ** 2, axis=1))  # [frames]
+    silent = np.append(rms < quiet * rms.max(), False)
+    points, start = [], None
+    for i, s in enumerate(silent):
+        if s and start is None:
+            start = i
+        elif not s and start is not None:
+            if start > 0 and (i - start) * 20 >= min_pause_ms and i < silent.size - 1:  # (not before the speech)
+                points.append((start * 20, (i - start) * 20))
+            start = None
+    cuts = [(ms, n, min(audio.size, (ms + after_ms) * RATE // 1000)) for ms, n in points]
+    cuts.append((audio.size * 1000 // RATE, 0, audio.size))
+    probs = model.complete([audio[:c] for *_, c in cuts])
+    return [(ms / 1000, n, p) for (ms, n, _), p in zip(cuts, probs, strict=True)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python3 -m server.turn_model", description=__doc__.split("\n\n")[-1])
+    ap.add_argument("wav", nargs="+")
+    args = ap.parse_args(argv)
+    model = SmartTurn()
+    for path in args.wav:
+        pcm, _ = read_wav(path, RATE)
+        for t, pause, p in pause_scores(model, pcm):
+            where = f"pause of {pause} ms" if pause else "end"
+            print(f"{path} {t:6.2f} s {where}: P(complete) {p:.2f}")
+
+
+if __name__ == "__main__":
+    main()

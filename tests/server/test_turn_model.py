@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from server.audio.pcm import read_wav
-from server.turn_model import MODEL_PATH, WINDOW_SAMPLES, EndOfTurnBatcher, SmartTurn, log_mel
+from server.turn_model import MODEL_PATH, WINDOW_SAMPLES, EndOfTurnBatcher, SmartTurn, log_mel, pause_scores
 from tests.paths import DATA
 
 
@@ -84,3 +84,19 @@ async def test_a_failing_model_fails_every_turn_waiting():
     eot = EndOfTurnBatcher(load=lambda: Counting(fail=True))
     got = await asyncio.gather(*(eot.complete(np.zeros(16000, np.float32)) for _ in range(2)), return_exceptions=True)
     assert all(isinstance(e, RuntimeError) for e in got)
+
+
+def test_pause_scores_judge_each_pause_a_little_into_it_and_the_end():
+    t = np.arange(16000) / 16000
+    tone = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)  # 1 s
+    gap = np.zeros(8000, np.float32)  # 500 ms
+    audio = np.concatenate([gap, tone, gap, tone, np.zeros(2400, np.float32), tone])  # a 150 ms silence: no pause
+
+    class Lengths:
+        def complete(self, turns):
+            return [len(x) / 16000 for x in turns]
+
+    scores = pause_scores(Lengths(), audio)
+    assert [(at, pause) for at, pause, _ in scores] == [(1.5, 500), (audio.size / 16000, 0)]
+    assert scores[0][2] == pytest.approx(1.7)  # the audio up to 200 ms into the pause
+    assert scores[1][2] == pytest.approx(audio.size / 16000)
