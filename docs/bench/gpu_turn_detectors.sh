@@ -16,17 +16,8 @@
 set -u
 T0=$(date +%s)
 DEADLINE=$((T0 + ${TD_BUDGET_S:-570}))
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
-export MOSS_MAX_SESSIONS=288 MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning} MOSS_MAX_RUNNING=128 MOSS_MAX_MODEL_LEN=4096 \
-  MOSS_KV_CACHE_GIB=auto MOSS_ENCODE_EVERY_MS=80
-python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --vocoder hift \
-  --host 127.0.0.1 --port 8000 --workers 4 --fp8-weights --encoder-tf32 > "$OUT/server.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 300); do
-  curl -sf http://127.0.0.1:8000/health > /dev/null && break; grep -q "engine did not start" "$OUT/server.log" && break
-  sleep 1; done
-echo "server ready after $(($(date +%s) - T0)) s: $(curl -s http://127.0.0.1:8000/health)"
+# shellcheck source=docs/bench/gpu_serve.sh
+source docs/bench/gpu_serve.sh
 WARM=""  # the first run wakes the server with an unrecorded turn; the others need none
 level() {  # NAME SESSIONS bench-capacity-options...
   local name=$1 n=$2 left; shift 2
