@@ -61,7 +61,7 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
             default_voice=voice_changed and new.voice_prompt_wav is None))
     await items.settings_changed(s, old)
     for e in refused:  # each refused field in its own error, then the session as it now is
-        s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"), keep=True)
+        s.error(e.code, e.message, param=e.param, event_id=event.get("event_id"), now=True)
     s.emit(ev.session_event("session.updated", s.id, s.config), keep=True)
 
 
@@ -181,10 +181,10 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
 async def _on_response_create(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "response"})
     opts = parse_response_create(event.get("response"), s.config)
-    if s.responses.active is not None:
+    if s.responses.active is not None and s.responses.active.id != s.turns.held_response():
         raise ProtocolError(errors.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
                             f"response {s.responses.active.id} is still in progress")
-    await s.input_buffer.settle("response.create")
+    await s.input_buffer.settle("response.create")  # (while an answer is held, to the client the user still speaks)
     await s.responses.create(opts)
 
 
@@ -192,6 +192,8 @@ async def _on_response_cancel(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "response_id"})
     rid = event.get("response_id")
     r = s.responses.active
+    if r is not None and r.id == s.turns.held_response():
+        r = None  # held, unseen: the client has no response to cancel
     if r is None or (rid is not None and rid != r.id):
         raise ProtocolError(errors.RESPONSE_CANCEL_NOT_ACTIVE, "there is no active response to cancel"
                             + (f" with id {rid!r}" if rid else ""))

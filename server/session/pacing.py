@@ -75,12 +75,12 @@ class Outbound:
         return self._closed
 
     def put(self, item: OutItem, response_id: str | None = None, samples: int = 0,
-            on_taken: Callable[[], None] | None = None, keep: bool = False) -> bool:
+            on_taken: Callable[[], None] | None = None, keep: bool = False, now: bool = False) -> bool:
         """Queue an item; False if the stream is closed or just overflowed (and is now closing). `keep`: held, it is
-        sent even if what was held is discarded."""
+        sent even if what was held is discarded; `now`: it goes out even while others are held."""
         if self._closed:
             return False
-        if self._held is not None and len(self._held) < self.maxsize:
+        if self._held is not None and not now and len(self._held) < self.maxsize:
             self._held.append(_Entry(item, response_id, samples, on_taken, keep))
             return True
         if len(self._q) >= self.maxsize:

@@ -222,7 +222,7 @@ class Session:
         try:
             event = decode_client_event(text)
         except ProtocolError as e:
-            self.error(e.code, e.message, keep=True)
+            self.error(e.code, e.message, now=True)
             return
         await self.handle_client_event(event)
 
@@ -235,16 +235,16 @@ class Session:
         handler = HANDLERS.get(etype) if isinstance(etype, str) else None
         if handler is None:
             self.error(errors.UNKNOWN_EVENT, f"unknown or unsupported client event type {etype!r}",
-                       param="type", event_id=client_event_id, keep=True)
+                       param="type", event_id=client_event_id, now=True)
             return
         try:
             await handler(self, event)
         except ProtocolError as e:
-            self.error(e.code, e.message, param=e.param, event_id=client_event_id, keep=True)
+            self.error(e.code, e.message, param=e.param, event_id=client_event_id, now=True)
         except Exception as e:  # noqa: BLE001 - a server bug on one event must not end the conversation
             self.log.exception("failed to handle %s", etype)
             self.error(errors.SERVER_ERROR, f"internal error handling {etype}: {type(e).__name__}",
-                       event_id=client_event_id, keep=True)
+                       event_id=client_event_id, now=True)
 
     async def feed_audio(self, pcm: np.ndarray, rate: int) -> None:
         """Microphone audio from a track transport: float32 mono in [-1, 1] at `rate` Hz.
@@ -302,19 +302,22 @@ class Session:
 
     # ---- outbound ----------------------------------------------------------------------------
 
-    def emit(self, event: dict[str, Any], on_taken: Callable[[], None] | None = None, keep: bool = False) -> None:
+    def emit(self, event: dict[str, Any], on_taken: Callable[[], None] | None = None, keep: bool = False,
+             now: bool = False) -> None:
         """`keep`: the event answers a client event, and goes out even if the speculative answer it was held with
-        is withdrawn (turn_detection.py)."""
-        if not self.outbound.put(event, on_taken=on_taken, keep=keep):
+        is withdrawn (turn_detection.py); `now`: it goes out at once, even while such an answer is held."""
+        if not self.outbound.put(event, on_taken=on_taken, keep=keep, now=now):
             self.slow_consumer()
 
     def error(self, code: str, message: str, *, param: str | None = None, event_id: Any = None,
-              keep: bool = False) -> None:
-        """An `error` event for the client (`code` from engines.protocol.errors, which gives its type)."""
+              now: bool = False) -> None:
+        """An `error` event for the client (`code` from engines.protocol.errors, which gives its type). `now`: it
+        answers a client event, about the conversation as the client sees it, so it goes out at once even while a
+        speculative answer is held."""
         if self.observer is not None:
             self.observer.error(code)
         self.log.info("error code=%s message=%s", code, message)
-        self.emit(ev.error_event(code, message, param=param, event_id=event_id), keep=keep)
+        self.emit(ev.error_event(code, message, param=param, event_id=event_id), now=now)
 
     def _background_failed(self, name: str) -> None:
         """A task this session started failed (logged by Background): end the session rather than leave it

@@ -102,6 +102,10 @@ class TurnDetector:
         """Whether this server runs a VAD at all."""
         return self._vad_factory is not None
 
+    def held_response(self) -> str | None:
+        """The id of the answer started on a tentative end of turn and not yet heard (None: none is held)."""
+        return None if self.spec is None else self.spec.response_id
+
     def reset(self) -> None:
         self._pause += 1
         if self.spec is not None:  # new settings or a cleared buffer: the answer under way stands

@@ -194,12 +194,13 @@ async def test_an_item_created_while_the_answer_is_held_stays_when_it_is_withdra
     audio = base64.b64encode(np.zeros(2400, "<i2").tobytes()).decode()
     await s.handle_client_event({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}})
-    assert not link.of(m.AddUserText) and not drain(s)  # held with the answer
+    # The audio item's refusal goes out at once (to the client the user still speaks); the text item is held.
+    assert [e["error"]["code"] for e in drain(s)] == ["input_audio_buffer_not_empty"]
+    assert not link.of(m.AddUserText)
     await feed(s, speech24k[half:half + 12000])  # the user goes on: the answer is withdrawn
     evs = drain(s)
-    assert types(evs) == ["error", "conversation.item.added", "conversation.item.done"]
-    assert evs[0]["error"]["code"] == "input_audio_buffer_not_empty"
-    assert evs[1]["item"]["id"] == "typed" and evs[1]["previous_item_id"] is None
+    assert types(evs) == ["conversation.item.added", "conversation.item.done"]
+    assert evs[0]["item"]["id"] == "typed" and evs[0]["previous_item_id"] is None
     assert s.items == ["typed"]
     s.on_engine_message(m.ResponseDone(s.id, first, "cancelled", reason="withdrawn", output_rows=7))
     await settled(s)
@@ -228,13 +229,13 @@ async def test_no_answer_is_created_over_a_turn_that_may_go_on(speech24k):
     await settled(s)
     await s.handle_client_event({"type": "response.create"})
     assert len(link.of(m.CreateResponse)) == 1
+    assert [e["error"]["code"] for e in drain(s)] == ["input_audio_buffer_not_empty"]  # at once
     await feed(s, silence(0.4))
     await settled(s)
     evs = drain(s)
     assert types(evs) == [*NON_SPECULATIVE_ORDER, "response.output_audio.done", "response.output_audio_transcript.done",
                           "response.content_part.done", "response.output_item.done", "conversation.item.done",
-                          "response.done", "error"]
-    assert evs[-1]["error"]["code"] == "input_audio_buffer_not_empty"
+                          "response.done"]
 
 
 @pytest.mark.parametrize("ended_first", [False, True])
@@ -256,3 +257,28 @@ async def test_a_withdrawn_answers_usage_is_not_counted(speech24k, ended_first):
     await feed(s, silence(0.45))
     await settled(s)
     assert s.usage_totals == {"input_rows": 30, "output_rows": 5}
+
+
+async def test_a_cancel_while_the_answer_is_held_finds_no_response_as_the_client_sees_none(speech24k):
+    s, link, _, first, _ = await paused_with_a_held_answer(speech24k)
+    drain(s)
+    await s.handle_client_event({"type": "response.cancel"})
+    evs = drain(s)
+    assert [(e["type"], e["error"]["code"]) for e in evs] == [("error", "response_cancel_not_active")]
+    assert first not in str(evs) and not link.of(m.CancelResponse)  # the held answer goes on
+    await feed(s, silence(0.4))
+    await settled(s)
+    assert types(drain(s)) == NON_SPECULATIVE_ORDER
+
+
+async def test_a_response_create_while_the_answer_is_held_is_refused_as_mid_turn(speech24k):
+    """To the client the user still speaks: input_audio_buffer_not_empty at once (not an answer it never saw)."""
+    s, link, _, first, _ = await paused_with_a_held_answer(speech24k)
+    drain(s)
+    await s.handle_client_event({"type": "response.create"})
+    evs = drain(s)
+    assert [(e["type"], e["error"]["code"]) for e in evs] == [("error", "input_audio_buffer_not_empty")]
+    assert first not in str(evs) and len(link.of(m.CreateResponse)) == 1
+    await feed(s, silence(0.4))
+    await settled(s)
+    assert types(drain(s)) == NON_SPECULATIVE_ORDER
