@@ -160,7 +160,8 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
             raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "only the latest assistant audio item can be "
                                 "cut short (an earlier one only at its end)", "item_id")
         s.emit(ev.event("conversation.item.truncated", item_id=item_id,
-                        content_index=event.get("content_index", 0), audio_end_ms=heard * 1000 // ANSWER_RATE))
+                        content_index=event.get("content_index", 0), audio_end_ms=heard * 1000 // ANSWER_RATE),
+               keep=True)
         return
     if samples > r.audio_samples_queued:
         raise ProtocolError(errors.INVALID_VALUE, f"audio_end_ms {audio_end_ms} is beyond the item's audio "
@@ -175,7 +176,7 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
                                                       audio_samples_played=samples))
         r.kept_samples = samples
     s.emit(ev.event("conversation.item.truncated", item_id=item_id,
-                    content_index=event.get("content_index", 0), audio_end_ms=audio_end_ms))
+                    content_index=event.get("content_index", 0), audio_end_ms=audio_end_ms), keep=True)
 
 
 async def _on_response_create(s: Session, event: dict[str, Any]) -> None:
@@ -213,17 +214,20 @@ async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
     """Stop the answer's audio where the listener is: an answer still running is cancelled, queued audio dropped, the
     history cut to what was heard (WebRTC: what the track played; WebSocket: real time since the first audio)."""
     _check_keys(event, {"type", "event_id"})
-    r = s.responses.active or s.responses.last
+    active = s.responses.active
+    if active is not None and active.id == s.turns.held_response():
+        active = None  # held, unseen: what the client clears is the answer it heard
+    r = active or s.responses.last
     if r is None:
         return
     played = r.playback.played()
-    if r is s.responses.active:
+    if r is active:
         await s.responses.cancel("client_cancelled", played)
     elif played < r.kept_samples and s.responses.active is None:
         r.audio_samples_queued -= s.outbound.drop_audio(r.id)
         await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
         r.kept_samples = played
-    s.emit(ev.event("output_audio_buffer.cleared", response_id=r.id))
+    s.emit(ev.event("output_audio_buffer.cleared", response_id=r.id), keep=True)
 
 
 HANDLERS: dict[str, Callable[[Session, dict[str, Any]], Awaitable[None]]] = {

@@ -282,3 +282,25 @@ async def test_a_response_create_while_the_answer_is_held_is_refused_as_mid_turn
     await feed(s, silence(0.4))
     await settled(s)
     assert types(drain(s)) == NON_SPECULATIVE_ORDER
+
+
+async def test_clearing_the_heard_answers_audio_while_the_next_is_held_leaves_the_held_one_alone(speech24k):
+    s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(0.3)]))
+    heard = link.of(m.CreateResponse)[0].response_id
+    answer_begins(s, heard)
+    s.on_engine_message(m.ResponseDone(s.id, heard, "completed", output_rows=3))
+    await feed(s, silence(0.4))  # confirmed: the client hears it
+    await settled(s)
+    drain(s)
+    half = len(speech24k) // 2
+    await feed(s, np.concatenate([speech24k[:half], silence(0.3)]))  # the next turn pauses: its answer is held
+    held = link.of(m.CreateResponse)[-1].response_id
+    assert held != heard
+    answer_begins(s, held)
+    drain(s)
+    await s.handle_client_event({"type": "output_audio_buffer.clear"})
+    await feed(s, speech24k[half:half + 12000])  # the user goes on: the held answer is withdrawn
+    assert not [c for c in link.of(m.CancelResponse) if c.response_id == held]
+    cleared = [e for e in drain(s) if e["type"] == "output_audio_buffer.cleared"]
+    assert [e["response_id"] for e in cleared] == [heard]
