@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="the started server's --device (default cpu)")
     p.add_argument("--max-output-tokens", type=int, default=60, help="answer bound in rows (default 60: 4.8 s)")
     p.add_argument("--window", type=float, default=60.0, help="seconds of the first and last TTFA windows (60)")
+    p.add_argument("--no-compression", action="store_true",
+                   help="users that do not ask for WebSocket compression (permessage-deflate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the report (samples and turns included)")
 
@@ -190,13 +192,14 @@ def summary(run: Run, duration_s: float, window_s: float, kv_after: int | None) 
 
 class User:
     def __init__(self, ws_url: str, frames: list[str], run: Run, t0: float, rng: random.Random,
-                 max_output_tokens: int) -> None:
+                 max_output_tokens: int, compression: str | None = "deflate") -> None:
         self.ws_url = ws_url
         self.frames = frames
         self.run = run
         self.t0 = t0
         self.rng = rng
         self.max_output_tokens = max_output_tokens
+        self.compression = compression
 
     def _error(self, code: str) -> None:
         self.run.errors[code] = self.run.errors.get(code, 0) + 1
@@ -211,7 +214,7 @@ class User:
                 await asyncio.sleep(1.0)  # the server is restarting or refusing: do not spin
 
     async def _session(self, deadline: float) -> None:
-        ws = await websockets.connect(self.ws_url, max_size=None, open_timeout=30)
+        ws = await websockets.connect(self.ws_url, max_size=None, open_timeout=30, compression=self.compression)
         self.run.connects += 1
         dropped = False
         try:
@@ -304,10 +307,11 @@ async def soak(args: argparse.Namespace, base: str, server_pid: int | None, proc
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         await wait_ready(http, proc)
         ws_url = base.replace("http", "ws", 1) + "/v1/realtime"
-        await User(ws_url, frames, run, 0.0, random.Random(-1), args.max_output_tokens).warm_up()
+        compression = None if args.no_compression else "deflate"
+        await User(ws_url, frames, run, 0.0, random.Random(-1), args.max_output_tokens, compression).warm_up()
         t0 = time.monotonic()
         deadline = t0 + args.duration
-        users = [User(ws_url, frames, run, t0, random.Random(args.seed * 1000 + i), args.max_output_tokens)
+        users = [User(ws_url, frames, run, t0, random.Random(args.seed * 1000 + i), args.max_output_tokens, compression)
                  for i in range(args.sessions)]
         tasks = [asyncio.create_task(u.churn(deadline, i * args.stagger / len(users))) for i, u in enumerate(users)]
         while time.monotonic() < deadline:

@@ -57,3 +57,21 @@ def test_a_staggered_user_waits_its_delay_before_it_first_connects(monkeypatch):
     with pytest.raises(Connected):
         asyncio.run(user.churn(float("inf"), 2.5))
     assert events == [("sleep", 2.5), ("session",)]
+
+
+@pytest.mark.parametrize("compression", ["deflate", None])
+def test_a_user_asks_for_websocket_compression_unless_told_not_to(monkeypatch, compression):
+    asked = []
+
+    class Connected(Exception):
+        pass
+
+    async def connect(url, **kwargs):
+        asked.append(kwargs.get("compression", "deflate"))  # (websockets' own default: deflate)
+        raise Connected
+
+    monkeypatch.setattr(soak.websockets, "connect", connect)
+    user = soak.User("ws://x", [], Run(), 0.0, None, 1, compression)
+    with pytest.raises(Connected):
+        asyncio.run(user._session(float("inf")))
+    assert asked == [compression]
