@@ -32,14 +32,24 @@ MID = dataclasses.replace(ENCODER_PRESETS["full-random"], d_model=512, num_heads
                           total_layers=8)
 
 
+def _log_mel(spec: torch.Tensor, frontend: MelFrontend) -> torch.Tensor:
+    """[frames, n_mels] log10 mel power of an STFT [n_bins, frames]."""
+    return (spec.abs().square().T @ frontend.filters_t.cpu()).clamp_min(1e-10).log10()
+
+
+def _floored(log_mel: torch.Tensor, peak: torch.Tensor, cfg: EncoderConfig) -> torch.Tensor:
+    """Whisper's scaling of log-mel features [frames, n_mels], each frame floored at its (peak - 8) [frames]."""
+    return (torch.maximum(log_mel, (peak - cfg.log_mel_range)[:, None]) + 4.0) / 4.0
+
+
 def reference_log_mel(pcm: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend) -> torch.Tensor:
     """Whisper's features of one segment [frames, n_mels]: centred STFT with reflect padding, |.|^2, mel, log10,
     floor at (segment max - 8), (x + 4) / 4."""
     x = torch.from_numpy(pcm)
     spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=frontend.window.cpu(), center=True, pad_mode="reflect",
                       return_complex=True)[..., :-1]
-    log_mel = (spec.abs().square().T @ frontend.filters_t.cpu()).clamp_min(1e-10).log10()
-    return (torch.maximum(log_mel, log_mel.max() - cfg.log_mel_range) + 4.0) / 4.0
+    log_mel = _log_mel(spec, frontend)
+    return _floored(log_mel, log_mel.max().expand(log_mel.shape[0]), cfg)
 
 
 def served_log_mel(pcm: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend) -> torch.Tensor:
@@ -49,35 +59,34 @@ def served_log_mel(pcm: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend) -
     x = torch.cat([torch.zeros(half), torch.from_numpy(pcm), torch.zeros(half)])
     spec = torch.stft(x, cfg.n_fft, cfg.hop_length, window=frontend.window.cpu(), center=False,
                       return_complex=True)[..., : pcm.size // cfg.hop_length]
-    log_mel = (spec.abs().square().T @ frontend.filters_t.cpu()).clamp_min(1e-10).log10()
-    peak = torch.cummax(log_mel.amax(dim=1), dim=0).values
-    return (torch.maximum(log_mel, peak[:, None] - cfg.log_mel_range) + 4.0) / 4.0
+    log_mel = _log_mel(spec, frontend)
+    return _floored(log_mel, torch.cummax(log_mel.amax(dim=1), dim=0).values, cfg)
 
 
 def whole_segment_log_mel(x: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend) -> torch.Tensor:
     """The features a committed turn is encoded with, written out densely [frames, n_mels] for a stream fed `x`: the
     served frames (zeros before the stream, framed across segment ends), floored at (max - 8) over each 30 s
     segment's frames."""
-    half, seg = cfg.n_fft // 2, 2 * cfg.max_source_positions
+    half, seg = cfg.n_fft // 2, cfg.mel_per_segment
     spec = torch.stft(torch.from_numpy(np.concatenate([np.zeros(half, np.float32), x])), cfg.n_fft, cfg.hop_length,
                       window=frontend.window.cpu(), center=False, return_complex=True)
-    log_mel = (spec.abs().square().T @ frontend.filters_t.cpu()).clamp_min(1e-10).log10()
+    log_mel = _log_mel(spec, frontend)
     peak = torch.cat([torch.full((log_mel[a:a + seg].shape[0],), float(log_mel[a:a + seg].max()))
                       for a in range(0, log_mel.shape[0], seg)])
-    return (torch.maximum(log_mel, peak[:, None] - cfg.log_mel_range) + 4.0) / 4.0
+    return _floored(log_mel, peak, cfg)
 
 
-def committed_codes(enc: SpeechEncoder, pcm: np.ndarray) -> list[int]:
-    """A committed turn's codes as the engine holds them: streamed, then those the whole-segment floor changes."""
-    codes = encode(enc, pcm, None)
+def committed_codes(enc: SpeechEncoder, pcm: np.ndarray, streamed: list[int]) -> list[int]:
+    """A committed turn's codes as the engine holds them: `streamed` (the turn's stream's), with those the
+    whole-segment floor changes in their place."""
     r = enc.refloor(pcm, final=True)
-    return codes if r is None else codes[: r.first] + r.codes
+    return streamed if r is None else r.apply(streamed)
 
 
 def _reference_frames(pcm: np.ndarray, cfg: EncoderConfig, frontend: MelFrontend, features=None) -> torch.Tensor:
     """The reference's frames (or `features`') for every frame the stream can produce (finalize pads the tail with
     silence), segment by segment (the floor is per segment)."""
-    seg = cfg.max_source_positions * 2 * cfg.hop_length  # samples per 30 s segment
+    seg = cfg.mel_per_segment * cfg.hop_length  # samples per 30 s segment
     padded = np.concatenate([pcm, np.zeros(seg, np.float32)])
     n_seg = -(-pcm.size // seg)
     features = features or reference_log_mel
@@ -121,7 +130,7 @@ def main() -> None:
         wav, rate = read_wav(path)
         pcm = resample(torch.from_numpy(wav), rate, cfg.sampling_rate).numpy().astype(np.float32)
         streamed = encode(enc, pcm, None)
-        committed = committed_codes(enc, pcm)
+        committed = committed_codes(enc, pcm, streamed)
         ref = encode(enc, pcm, _reference_frames(pcm, cfg, enc.runner.frontend))
         n = min(len(streamed), len(ref))
         d = [sum(a != b for a, b in zip(ours[:n], ref[:n], strict=True)) for ours in (streamed, committed)]

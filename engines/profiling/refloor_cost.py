@@ -22,17 +22,12 @@ import torch
 from engines.audio.wav import read_wav
 from engines.bench.hardware import device_name, median, sync
 from engines.speech_in import SpeechEncoder
-from engines.speech_in.segment_floor import Refloor
 from engines.speech_out.voice import resample
 
 
 def turn(wav: np.ndarray, seconds: float) -> np.ndarray:
     n = int(seconds * 16000)
     return np.tile(wav, -(-n // wav.size))[:n].astype(np.float32)
-
-
-def apply(codes: list[int], r: Refloor | None) -> list[int]:
-    return codes if r is None else codes[: r.first] + r.codes + codes[r.first + len(r.codes):]
 
 
 def measure(enc: SpeechEncoder, pcm: np.ndarray, iters: int) -> dict[str, float]:
@@ -45,7 +40,8 @@ def measure(enc: SpeechEncoder, pcm: np.ndarray, iters: int) -> dict[str, float]
     s.close()
     done = enc.segments_done(head.size)
     t0 = time.perf_counter()
-    sent = apply(sent, enc.refloor(head, False, 0, done, urgent=False) if done else None)
+    r = enc.refloor(head, False, 0, done, urgent=False) if done else None
+    sent = sent if r is None else r.apply(sent)
     sync(enc.device)
     speaking_ms = 1000 * (time.perf_counter() - t0)
     finalize, refloor = [], []
@@ -62,7 +58,7 @@ def measure(enc: SpeechEncoder, pcm: np.ndarray, iters: int) -> dict[str, float]
         t2 = time.perf_counter()
         finalize.append(1000 * (t1 - t0))
         refloor.append(1000 * (t2 - t1))
-    codes = apply(sent + tail, r)
+    codes = sent + tail if r is None else r.apply(sent + tail)
     first = next((i for i in range(len(sent)) if codes[i] != sent[i]), len(sent))
     streamed = enc.encode(pcm)
     return {"codes": len(codes), "codes changed": sum(a != b for a, b in zip(codes, streamed, strict=True)),

@@ -76,6 +76,21 @@ class EncoderConfig:
     def codes_per_segment(self) -> int:
         return self.max_source_positions // self.pooling_kernel_size
 
+    @property
+    def mel_per_segment(self) -> int:
+        """Mel frames per 30 s segment (conv2 has stride 2)."""
+        return 2 * self.max_source_positions
+
+    @property
+    def mel_per_code(self) -> int:
+        return 2 * self.pooling_kernel_size
+
+    @property
+    def code_lag_samples(self) -> int:
+        """How far into its 80 ms a code is determined: once its last mel frame is complete, whose window ends half
+        a window past that frame's centre (1160 samples)."""
+        return self.hop_length * (self.mel_per_code - 2) + self.n_fft // 2
+
     # ---- the codec's real config files -------------------------------------------------------------
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -216,14 +217,10 @@ class SpeechEncoder:
 
     def tail_padding(self, n_samples: int) -> int:
         """Zeros `finalize` adds after n samples: for the last started code to be determined."""
-        cfg = self.cfg
         total = self.codes_for_samples(n_samples)
         if total == 0:
             return 0
-        # Determined when mel frame 8(total-1)+6 is complete: its window ends n_fft/2 samples after its centre.
-        need = cfg.hop_length * (2 * cfg.pooling_kernel_size * (total - 1) + 2 * cfg.pooling_kernel_size - 2) \
-            + cfg.n_fft // 2
-        return max(0, need - n_samples)
+        return max(0, self.cfg.samples_per_code * (total - 1) + self.cfg.code_lag_samples - n_samples)
 
     def refloor(self, pcm: np.ndarray, final: bool, first_segment: int = 0, end_segment: int | None = None,
                 urgent: bool = True) -> Refloor | None:
@@ -233,8 +230,7 @@ class SpeechEncoder:
 
     def refloor_many(self, jobs: list[RefloorJob], urgent: bool = True) -> list[Refloor | None]:
         """`refloor` of several turns in one batched encoder call (segment_floor.py)."""
-        return refloor_many(self, [RefloorJob(_as_pcm(j.pcm), j.final, j.first_segment, j.end_segment) for j in jobs],
-                            urgent)
+        return refloor_many(self, [dataclasses.replace(j, pcm=_as_pcm(j.pcm)) for j in jobs], urgent)
 
     def segments_done(self, n_samples: int) -> int:
         """The 30 s segments whose floor is final once a stream has n samples (segment_floor.py)."""

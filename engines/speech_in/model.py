@@ -134,7 +134,7 @@ class StreamingRunner:
 
     @property
     def mel_per_segment(self) -> int:
-        return 2 * self.cfg.max_source_positions  # conv2 has stride 2
+        return self.cfg.mel_per_segment
 
     def new_state(self) -> TrunkState:
         """A fresh stream state holding a KV slot; give it back with `release`."""

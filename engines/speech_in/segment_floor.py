@@ -37,6 +37,10 @@ class Refloor:
     frames: int  # mel frames encoded again (the call's size)
     total: int  # the turn's codes so far (the stream's)
 
+    def apply(self, codes: list[int]) -> list[int]:
+        """The turn's codes `codes` (as streamed) with these in their place."""
+        return codes[: self.first] + self.codes + codes[self.first + len(self.codes):]
+
 
 def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
     """[frames] each complete frame's log-mel max (before the floor) of a stream fed `x`, as its frontend frames it
@@ -44,7 +48,7 @@ def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
     cfg, fe = encoder.cfg, encoder.frontend
     half, hop = cfg.n_fft // 2, cfg.hop_length
     n = 0 if x.size + half < cfg.n_fft else (x.size + half - cfg.n_fft) // hop + 1
-    seg = 2 * cfg.max_source_positions  # mel frames per segment
+    seg = cfg.mel_per_segment
     samples = torch.from_numpy(np.concatenate([np.zeros(half, np.float32), x])).to(encoder.device)
     out = []
     for a in range(0, n, seg):
@@ -58,7 +62,7 @@ def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
 def segments_done(encoder: SpeechEncoder, n_samples: int) -> int:
     """The 30 s segments whose every frame a stream fed n samples has: their max, so their floor, is final."""
     cfg = encoder.cfg
-    seg_samples = 2 * cfg.max_source_positions * cfg.hop_length
+    seg_samples = cfg.mel_per_segment * cfg.hop_length
     return max(0, n_samples - (cfg.n_fft // 2 - cfg.hop_length)) // seg_samples
 
 
@@ -87,7 +91,7 @@ def _plan(encoder: SpeechEncoder, job: RefloorJob) -> _Plan | None:
     pcm = job.pcm
     x = np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if job.final else pcm
     peaks = frame_peaks(encoder, x)
-    seg = 2 * cfg.max_source_positions
+    seg = cfg.mel_per_segment
     seg_max = [float(peaks[a:a + seg].max()) for a in range(0, peaks.size, seg)]
     end = len(seg_max) if job.end_segment is None else min(job.end_segment, len(seg_max))
     lo = job.first_segment
@@ -98,10 +102,8 @@ def _plan(encoder: SpeechEncoder, job: RefloorJob) -> _Plan | None:
     changed = np.flatnonzero(running[lo * seg:end * seg] != floors[lo * seg:end * seg])
     if not changed.size:
         return None
-    half = cfg.n_fft // 2
-    lag = cfg.hop_length * (2 * cfg.pooling_kernel_size - 2) + half  # a code is determined this far into its audio
     total = (encoder.codes_for_samples(pcm.size) if job.final
-             else max(0, (pcm.size - lag) // cfg.samples_per_code + 1))
+             else max(0, (pcm.size - cfg.code_lag_samples) // cfg.samples_per_code + 1))
     return _Plan(x, total, seg_max, int(changed[0]) + lo * seg, end, int(peaks.size))
 
 
@@ -109,7 +111,7 @@ def refloor_many(encoder: SpeechEncoder, jobs: list[RefloorJob], urgent: bool = 
     """`refloor` of several turns, their segments to redo all in one batched encoder call."""
     cfg = encoder.cfg
     plans = [_plan(encoder, job) for job in jobs]
-    half, seg = cfg.n_fft // 2, 2 * cfg.max_source_positions
+    half, seg = cfg.n_fft // 2, cfg.mel_per_segment
     seg_samples = seg * cfg.hop_length
     streams, pieces, owner = [], [], []
     try:
@@ -139,7 +141,7 @@ def refloor_many(encoder: SpeechEncoder, jobs: list[RefloorJob], urgent: bool = 
             results.append(None)
             continue
         j0 = plan.first_frame // seg
-        first = plan.first_frame // (2 * cfg.pooling_kernel_size)
+        first = plan.first_frame // cfg.mel_per_code
         results.append(Refloor(first, codes[i][first - j0 * per_seg:], min(plan.frames, plan.end * seg) - j0 * seg,
                                plan.total))
     return results
