@@ -24,6 +24,7 @@ from server.session.input_buffer import CLIENT_RATE, ENGINE_IN_RATE
 from server.session.pacing import ANSWER_RATE
 
 if TYPE_CHECKING:
+    from server.session.responses import Response
     from server.session.session import Session
 
 
@@ -179,12 +180,20 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
                     content_index=event.get("content_index", 0), audio_end_ms=audio_end_ms), keep=True)
 
 
+def _seen_active(s: Session) -> Response | None:
+    """The response in progress as the client sees it: none while the answer under way is held, unseen, on a
+    tentative end of turn (turn_detection.py)."""
+    r = s.responses.active
+    return None if r is None or r.id == s.turns.held_response() else r
+
+
 async def _on_response_create(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "response"})
     opts = parse_response_create(event.get("response"), s.config)
-    if s.responses.active is not None and s.responses.active.id != s.turns.held_response():
+    active = _seen_active(s)
+    if active is not None:
         raise ProtocolError(errors.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,
-                            f"response {s.responses.active.id} is still in progress")
+                            f"response {active.id} is still in progress")
     await s.input_buffer.settle("response.create")  # (while an answer is held, to the client the user still speaks)
     await s.responses.create(opts)
 
@@ -192,9 +201,7 @@ async def _on_response_create(s: Session, event: dict[str, Any]) -> None:
 async def _on_response_cancel(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "response_id"})
     rid = event.get("response_id")
-    r = s.responses.active
-    if r is not None and r.id == s.turns.held_response():
-        r = None  # held, unseen: the client has no response to cancel
+    r = _seen_active(s)
     if r is None or (rid is not None and rid != r.id):
         raise ProtocolError(errors.RESPONSE_CANCEL_NOT_ACTIVE, "there is no active response to cancel"
                             + (f" with id {rid!r}" if rid else ""))
@@ -214,9 +221,7 @@ async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
     """Stop the answer's audio where the listener is: an answer still running is cancelled, queued audio dropped, the
     history cut to what was heard (WebRTC: what the track played; WebSocket: real time since the first audio)."""
     _check_keys(event, {"type", "event_id"})
-    active = s.responses.active
-    if active is not None and active.id == s.turns.held_response():
-        active = None  # held, unseen: what the client clears is the answer it heard
+    active = _seen_active(s)  # (while one is held, what the client clears is the answer it heard)
     r = active or s.responses.last
     if r is None:
         return
