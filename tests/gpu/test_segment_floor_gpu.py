@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engines.audio.wav import read_wav
+from engines.profiling.refloor_cost import turn
 from engines.speech_in import SpeechEncoder
 from tests.engines.speech_in.encoder_helpers import whole_segment_codes
 from tests.paths import DATA
@@ -18,9 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def recording(seconds: float) -> np.ndarray:
-    pcm, _ = read_wav(DATA / "speech_en_16k.wav")  # its first ~0.4 s are quiet
-    n = int(seconds * 16000)
-    return np.tile(pcm, -(-n // pcm.size))[:n].astype(np.float32)
+    return turn(read_wav(DATA / "speech_en_16k.wav")[0], seconds)  # its first ~0.4 s are quiet
 
 
 def committed(enc: SpeechEncoder, pcm: np.ndarray) -> list[int]:
