@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engines.audio.wav import float32_to_pcm16, read_wav
+from engines.audio.wav import float32_to_pcm16
 from engines.process.prompt import PromptBuilder
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
@@ -18,11 +18,9 @@ from engines.profiling.log_mel_codes import _encoder
 from engines.protocol import messages as m
 from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
 from tests.engines.process.fake_service import FakeDecoder, greedy, make_service, of, run, send
-from tests.engines.speech_in.encoder_helpers import whole_segment_codes
-from tests.paths import REPO
+from tests.engines.speech_in.encoder_helpers import speech_en, whole_segment_codes
 
 PB = PromptBuilder(StandInTokenizer())
-WAV = REPO / "tests" / "data" / "speech_en_16k.wav"
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +31,6 @@ def enc() -> SpeechEncoder:
 def service(enc: SpeechEncoder) -> Service:
     svc = make_service()
     return Service(svc.engine, StandInTokenizer(), enc, FakeDecoder())
-
-
-def recording(seconds: float) -> np.ndarray:
-    pcm, _ = read_wav(WAV)  # its first ~0.4 s are quiet
-    return pcm[: int(seconds * 16000)].astype(np.float32)
 
 
 def speak(svc: Service, pcm: np.ndarray) -> None:
@@ -69,7 +62,7 @@ def assert_books_balance(svc: Service) -> None:
 
 
 def test_a_quiet_start_turn_holds_its_whole_segment_codes(enc):
-    pcm = recording(2.5)
+    pcm = speech_en(2.5)
     ref = whole_segment_codes(enc, pcm)
     streamed = enc.encode(pcm)
     assert streamed != ref  # what the running floor gives, and the conversation held before
@@ -90,7 +83,7 @@ def test_a_quiet_start_turn_holds_its_whole_segment_codes(enc):
 
 
 def test_a_turn_whose_first_frame_is_its_loudest_is_prefilled_once(enc):
-    pcm = recording(1.5) * 0.05
+    pcm = speech_en(1.5) * 0.05
     pcm[:40] += 0.9  # a click under the first frame's window centre only
     ref = whole_segment_codes(enc, pcm)
     assert enc.encode(pcm) == ref
@@ -110,7 +103,7 @@ def test_a_turn_whose_first_frame_is_its_loudest_is_prefilled_once(enc):
 # commit leaves for the next code (its frames wait for the samples after it) raises the turn's max.
 @pytest.mark.parametrize("more", [True, False])
 def test_a_withdrawn_and_continued_turn_holds_the_codes_of_all_of_it(enc, more):
-    pcm = recording(2.5)
+    pcm = speech_en(2.5)
     if not more:
         pcm[-100:] += 0.9
     cut = 1.01 if more else 2.5
@@ -139,7 +132,7 @@ def test_a_withdrawn_and_continued_turn_holds_the_codes_of_all_of_it(enc, more):
 def test_a_turn_longer_than_a_segment_is_redone_a_segment_at_a_time():
     cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments, 13 codes
     enc = _encoder(cfg, seed=1)
-    pcm = recording(3.7)
+    pcm = speech_en(3.7)
     ref = whole_segment_codes(enc, pcm)
     svc = service(enc)
     send(svc, m.OpenSession("s", sampling=greedy(6, min_new=6)))

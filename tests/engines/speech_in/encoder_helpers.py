@@ -9,9 +9,11 @@ import threading
 import numpy as np
 import torch
 
+from engines.audio.wav import read_wav
 from engines.profiling.log_mel_codes import encode, whole_segment_log_mel
 from engines.speech_in import SpeechEncoder
 from engines.speech_in.step_graphs import StepGraphs
+from tests.paths import DATA
 
 SR = 16000
 FEATURE_ATOL = 1e-4  # pre-VQ features, float32: streaming vs whole and batched vs alone
@@ -25,6 +27,13 @@ def speech_like(seconds: float, seed: int = 0) -> np.ndarray:
     env = np.clip(t / 0.3, 0.02, 1.0) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
     x = env * (0.3 * np.sin(2 * np.pi * 180 * t * (1 + 0.4 * t)) + 0.05 * rng.standard_normal(t.size))
     return x.astype(np.float32)
+
+
+def speech_en(seconds: float) -> np.ndarray:
+    """The first `seconds` of tests/data/speech_en_16k.wav (its first ~0.4 s are quiet), float32 at 16 kHz."""
+    pcm, rate = read_wav(DATA / "speech_en_16k.wav")
+    assert rate == SR
+    return pcm[: int(seconds * rate)].astype(np.float32)
 
 
 def whole_segment_codes(enc: SpeechEncoder, pcm: np.ndarray) -> list[int]:

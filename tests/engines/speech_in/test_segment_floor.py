@@ -9,20 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engines.audio.wav import read_wav
 from engines.profiling.log_mel_codes import _encoder
 from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
 from engines.speech_in.segment_floor import RefloorJob
-from tests.engines.speech_in.encoder_helpers import whole_segment_codes
-from tests.paths import REPO
-
-WAV = REPO / "tests" / "data" / "speech_en_16k.wav"
-
-
-def speech(seconds: float) -> np.ndarray:
-    pcm, rate = read_wav(WAV)
-    assert rate == 16000
-    return pcm[: int(seconds * rate)].astype(np.float32)
+from tests.engines.speech_in.encoder_helpers import speech_en, whole_segment_codes
 
 
 def committed(enc: SpeechEncoder, pcm: np.ndarray, final: bool = True) -> tuple[list[int], int | None]:
@@ -37,7 +27,7 @@ def committed(enc: SpeechEncoder, pcm: np.ndarray, final: bool = True) -> tuple[
 
 
 def test_a_quiet_start_takes_the_whole_segment_floor(enc):
-    pcm = speech(2.5)  # its first ~0.4 s are quiet
+    pcm = speech_en(2.5)  # its first ~0.4 s are quiet
     codes, first = committed(enc, pcm)
     ref = whole_segment_codes(enc, pcm)
     assert codes == ref and len(codes) == enc.codes_for_samples(pcm.size)
@@ -46,14 +36,14 @@ def test_a_quiet_start_takes_the_whole_segment_floor(enc):
 
 
 def test_nothing_is_redone_when_the_first_frame_is_the_loudest(enc):
-    pcm = speech(1.5) * 0.05
+    pcm = speech_en(1.5) * 0.05
     pcm[:40] += 0.9  # a click under the first frame's window centre only
     assert enc.refloor(pcm, final=True) is None
     assert enc.encode(pcm) == whole_segment_codes(enc, pcm)
 
 
 def test_a_tentative_commit_refloors_the_codes_determined_so_far(enc):
-    pcm = speech(2.03)  # the last 30 ms wait for more audio (or the final commit)
+    pcm = speech_en(2.03)  # the last 30 ms wait for more audio (or the final commit)
     codes, _ = committed(enc, pcm, final=False)
     whole, _ = committed(enc, pcm)
     assert 0 < len(codes) < len(whole) and codes == whole[: len(codes)]
@@ -64,7 +54,7 @@ def test_each_segment_takes_its_own_floor(seconds):
     # 1 s segments: a 4.2 s turn has five, each with its own max; the streams of the re-encode start mid-turn.
     cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)
     enc = _encoder(cfg, seed=1)
-    pcm = speech(seconds)
+    pcm = speech_en(seconds)
     codes, first = committed(enc, pcm)
     assert codes == whole_segment_codes(enc, pcm) and len(codes) == enc.codes_for_samples(pcm.size)
     assert first is not None and codes != enc.encode(pcm)
@@ -73,7 +63,7 @@ def test_each_segment_takes_its_own_floor(seconds):
 def test_segments_redone_as_the_turn_passes_them_add_up_to_the_whole_turn():
     cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments
     enc = _encoder(cfg, seed=1)
-    pcm = speech(3.7)
+    pcm = speech_en(3.7)
     codes = enc.encode(pcm)
     done = 0
     for k in (17000, 20000, 40000, 52000):  # the turn so far, as held calls end
@@ -92,10 +82,10 @@ def test_segments_redone_as_the_turn_passes_them_add_up_to_the_whole_turn():
 def test_turns_redone_in_one_call_get_what_each_gets_alone():
     cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments
     enc = _encoder(cfg, seed=1)
-    loud = speech(0.8) * 0.05
+    loud = speech_en(0.8) * 0.05
     loud[:40] += 0.9  # one segment, its first frame the loudest: nothing to redo
-    jobs = [RefloorJob(speech(3.7), True), RefloorJob(loud, True), RefloorJob(speech(2.5)[:30000], False),
-            RefloorJob(speech(3.7), True, 2), RefloorJob(speech(3.7)[:40000], False, 0, 2)]
+    jobs = [RefloorJob(speech_en(3.7), True), RefloorJob(loud, True), RefloorJob(speech_en(2.5)[:30000], False),
+            RefloorJob(speech_en(3.7), True, 2), RefloorJob(speech_en(3.7)[:40000], False, 0, 2)]
     alone = [enc.refloor(j.pcm, j.final, j.first_segment, j.end_segment) for j in jobs]
     assert enc.refloor_many(jobs) == alone
     assert alone[1] is None and sum(r is not None for r in alone) == 4
