@@ -14,8 +14,8 @@ Public API::
     s.close()                                # abandon without flushing (frees the stream's KV slot)
     enc.reserve(64)                          # preallocate KV slots for 64 concurrent streams
     s.codes_out, s.samples_seen, s.last_features   # progress; pre-VQ features [n, d] of the last codes
-    r = enc.refloor(turn_pcm, final=True)   # a committed turn's codes with the whole-segment log-mel floor:
-    codes = codes[:r.first] + r.codes        # from its first that may change (None: none does)
+    r = enc.refloor(turn_pcm, final=True)   # a committed turn's codes with the whole-segment log-mel floor,
+    codes = r.apply(codes)                   # from its first that may change (None: none does)
 
 Timing: code k covers samples [1280 k, 1280 k + 1280) and is known once sample 1280 k + 1160 has
 arrived. A finalized stream of n samples has produced ceil(n / 1280) codes. Every 30 s (1500 frames at
