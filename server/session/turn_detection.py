@@ -7,9 +7,14 @@ to the engine, which encodes and prefills it while the user talks; when the turn
 
 When a turn ends: server_vad after silence_duration_ms of silence. semantic_vad asks the end-of-turn model
 (server/turn_model.py) about the turn's audio once the VAD has heard PROBE_WINDOWS of silence, and again at growing
-intervals while the pause lasts; the turn ends at the first answer of P(complete) >= the eagerness's bar, or after
-its longest wait (low 8 s, medium and auto 4 s, high 2 s). With the server's `server_vad_end_of_turn`, server_vad
-turns ask the model too and end at a confident answer (P >= 0.5) before silence_duration_ms.
+intervals while the pause lasts. A session has one question out at a time (one due meanwhile is asked when the answer
+comes, about the audio then), and a question whose pause has ended is withdrawn before the model runs it: the model
+costs ~65 ms of CPU a question, and at every short pause of natural speech each session would otherwise queue
+questions whose answers nobody waits for, faster than one core answers them (16 sessions of natural speech on a
+2-core machine, 2026-12-02: speech end -> commit p50 1.1 s with this, 2.1 s without). The turn ends at the first answer
+of P(complete) >= the eagerness's bar, or after its longest wait (low 8 s, medium and auto 4 s, high 2 s). With the
+server's `server_vad_end_of_turn`, server_vad turns ask the model too and end at a confident answer (P >= 0.5) before
+silence_duration_ms.
 
 Silence is counted from the first 32 ms window Silero scores below the threshold, and a turn ends at the first
 window that completes the silence: Silero's probability stays above 0.5 for one or two windows after the voice stops
@@ -88,6 +93,8 @@ class TurnDetector:
         self._turn_samples = 0
         self._pause = 0  # bumped whenever a pause ends (speech, turn end, reset): a late model answer is stale
         self._next_probe = PROBE_WINDOWS  # silence windows at which the model is asked next in this pause
+        self._probing: asyncio.Task[None] | None = None  # the question out to the model
+        self._probe_due = False  # a question came due while one was out: asked when its answer comes
         self._lock = asyncio.Lock()  # a model answer ends a turn between two feeds, never inside one
         self.probes = 0  # end-of-turn model calls made (metrics, tests)
         self.spec: _Speculation | None = None
@@ -107,7 +114,7 @@ class TurnDetector:
         return None if self.spec is None else self.spec.response_id
 
     def reset(self) -> None:
-        self._pause += 1
+        self._end_pause()
         if self.spec is not None:  # new settings or a cleared buffer: the answer under way stands
             self.spec = None
             self.s.tasks.spawn(self.s.engine.send(m.ConfirmUserAudio(session_id=self.s.id)), "confirm")
@@ -154,7 +161,7 @@ class TurnDetector:
                     await self._speech_started()
             else:
                 if speech and self._silence_run:
-                    self._pause += 1
+                    self._end_pause()
                     self._next_probe = PROBE_WINDOWS
                 self._silence_run = 0 if speech else self._silence_run + len(chunk)
                 self._keep_turn_audio(chunk)
@@ -174,8 +181,7 @@ class TurnDetector:
                     await self._speculate()
                 elif self._silence_run >= self._next_probe * win and self._asks_model(td):
                     self._next_probe = 2 * self._next_probe + PROBE_WINDOWS  # 3, 9, 21, 45... windows
-                    self.probes += 1
-                    s.tasks.spawn(self._probe(self._pause, np.concatenate(list(self._turn_audio))), "end-of-turn")
+                    self._ask_model()
             if s.closed:
                 return
 
@@ -191,6 +197,23 @@ class TurnDetector:
         vad = self._vad
         return getattr(vad, "end_of_turn", None) is not None and (
             td.type == "semantic_vad" or vad.end_of_turn_in_server_vad)
+
+    def _end_pause(self) -> None:
+        """The pause (if any) is over: an answer about it is stale, and a question still queued is withdrawn."""
+        self._pause += 1
+        self._probe_due = False
+        t = self._probing
+        if t is not None and not t.done() and t is not asyncio.current_task():
+            t.cancel()  # a question the model has not started is skipped; one it runs is ignored on return
+
+    def _ask_model(self) -> None:
+        if self._probing is not None and not self._probing.done():
+            self._probe_due = True
+            return
+        self._probe_due = False
+        self.probes += 1
+        self._probing = self.s.tasks.spawn(self._probe(self._pause, np.concatenate(list(self._turn_audio))),
+                                           "end-of-turn")
 
     def _keep_turn_audio(self, chunk: np.ndarray) -> None:
         self._turn_audio.append(chunk)
@@ -215,6 +238,9 @@ class TurnDetector:
                     await (self._confirm() if self.spec is not None else self._speech_stopped())
             elif self.spec is None and p >= EAGERNESS[td.eagerness].bar:
                 await (self._speech_stopped() if EAGERNESS[td.eagerness].confirm_ms is None else self._speculate())
+            if self._probe_due and pause == self._pause and self.in_speech and self.spec is None:
+                self._probing = None  # (this task, ending)
+                self._ask_model()
 
     async def ensure_vad(self) -> Any:
         if self._vad is None:
@@ -259,7 +285,7 @@ class TurnDetector:
         # the turn's audio (and audio_start_ms, as in the GA API) begins where the ring begins.
         start_ms = (self._vad_pos - self.prefix_samples) * 1000 // ENGINE_IN_RATE
         self._turn_audio, self._turn_samples = deque(self._prefix), self.prefix_samples
-        self._pause += 1
+        self._end_pause()
         self._next_probe = PROBE_WINDOWS
         self.item_id = ev.new_id("item")
         s.emit(ev.event("input_audio_buffer.speech_started", audio_start_ms=start_ms, item_id=self.item_id))
@@ -300,7 +326,7 @@ class TurnDetector:
             r.playback.turn_start = time.monotonic()
         self.in_speech = False
         self._silence_run = 0
-        self._pause += 1
+        self._end_pause()
         self._turn_audio.clear()
         self._turn_samples = 0
         await s.engine.send(m.ConfirmUserAudio(session_id=s.id))
@@ -333,7 +359,7 @@ class TurnDetector:
         s.input_buffer.samples_16k = spec.samples_16k
         s.responses.turn_committed_at = None
         self.item_id = spec.item_id
-        self._pause += 1
+        self._end_pause()
         self._next_probe = PROBE_WINDOWS
         for pcm in spec.audio:
             await s.input_buffer.send(pcm)
@@ -345,7 +371,7 @@ class TurnDetector:
         await s.engine_inputs.flush_user_audio()  # the turn's last audio (the silence run that ends it)
         self.in_speech = False
         self._silence_run = 0
-        self._pause += 1
+        self._end_pause()
         self._turn_audio = deque()
         self._turn_samples = 0
         # The end of the audio sent for the turn, trailing silence included (GA semantics).

@@ -15,7 +15,7 @@ from server.session.session import Session
 from server.turn_model import EndOfTurnBatcher
 from server.vad import VadBatcher
 from tests.server.session.session_support import Link, drain, feed, settled, silence, types
-from tests.server.session.turn_model_fakes import Model, voice24k
+from tests.server.session.turn_model_fakes import HeldModel, Model, voice24k
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +148,45 @@ async def test_server_vad_asks_the_model_only_when_the_server_says_so(speech24k)
         _, stop = await stopped_after(s, speech24k, 0.6)
         assert (stop is not None) == in_server_vad
         assert bool(model.calls) == in_server_vad
+
+
+async def test_a_session_has_one_question_out_and_asks_the_one_due_meanwhile_when_it_returns(speech24k):
+    model = HeldModel(0.1)  # unsure: every pause is asked about again as it grows
+    s, _ = await new_session(model)
+    await update(s, {"type": "semantic_vad", "eagerness": "auto"})
+    try:
+        # 1 s of silence after words without a pause of their own: questions come due at 96, 288 and 672 ms
+        # while the first is still out
+        await feed(s, np.concatenate([silence(0.5), speech24k[:int(0.45 * 24000)], silence(1.0)]))
+        assert await asyncio.to_thread(model.started.wait, 5)
+        assert s.turns.probes == 1
+    finally:
+        model.release.set()
+    await settled(s)
+    # the first question, then one more about the audio by the time it came back (not one per question due)
+    assert s.turns.probes == 2 and len(model.calls) == 2, model.calls
+    assert model.calls[1] > model.calls[0]
+
+
+async def test_a_question_whose_pause_ended_is_withdrawn_before_the_model_runs_it(speech24k):
+    model = HeldModel(0.1)
+    eot = EndOfTurnBatcher(load=lambda: model)
+    sessions = []
+    for name in ("sess_a", "sess_b"):
+        s = Session(name, Link(), vad_factory=VadBatcher(end_of_turn=eot).stream)
+        await s.start()
+        await update(s, {"type": "semantic_vad", "eagerness": "auto"})
+        sessions.append(s)
+    a, b = sessions
+    first_words = speech24k[:int(0.45 * 24000)]  # no pause of its own
+    try:
+        await feed(a, np.concatenate([silence(0.5), first_words, silence(0.25)]))
+        assert await asyncio.to_thread(model.started.wait, 5)  # a's question holds the model
+        await feed(b, np.concatenate([silence(0.5), first_words, silence(0.25)]))  # b's waits behind it
+        assert a.turns.probes == b.turns.probes == 1
+        await feed(b, first_words)  # b speaks again: its question is stale
+    finally:
+        model.release.set()
+    for s in sessions:
+        await settled(s)
+    assert len(model.calls) == 1, model.calls  # a's alone: b's never ran

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from server.audio.pcm import read_wav
@@ -20,6 +22,21 @@ class Model:
     def complete(self, turns: list[np.ndarray]) -> list[float]:
         self.calls += [len(a) for a in turns]
         return [self.p] * len(turns)
+
+
+class HeldModel(Model):
+    """A Model whose every answer waits until the test releases it (`release.set()`); `started` is set once it
+    has a call in hand."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__(p)
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def complete(self, turns: list[np.ndarray]) -> list[float]:
+        self.started.set()
+        assert self.release.wait(30), "the test never released the model"
+        return super().complete(turns)
 
 
 def voice24k() -> np.ndarray:
