@@ -1,7 +1,10 @@
 """KV exhaustion on the GPU (full-size random weights, a 3 GiB pool): idle sessions' long histories fill the pool
 while spoken answers play; every new turn that cannot get its blocks is refused with server_busy, nothing waits
-forever, the playing answers keep real time (12.5 rows a second each, with a margin), and every block comes back.
-Prints one JSON line with the figures (`-s`)."""
+forever, the playing answers keep real time (each chunk arrives before the audio posted before it has played out,
+playback starting at the first chunk), and every block comes back. Prints one JSON line with the figures (`-s`).
+
+Real time, not a rate: the codec decodes a playing answer only ~1.6 s ahead of its playback, so an answer's rows
+per second stay near 12.5 however fast the engine runs; a late chunk is what a listener hears."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 LIVE = 32  # spoken answers playing through the flood
 ANSWER_ROWS = 250  # 20 s of speech each
 HISTORY_CHARS = 6000  # one idle session's history (the stand-in tokenizer: about a row a character)
-REAL_TIME_ROWS_S = 12.5
+RATE = 24_000  # answer audio samples per second
 
 
 def _send(svc, msg) -> list:
@@ -51,7 +54,9 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
         h += 1
     spoken = m.Sampling(max_new_tokens=ANSWER_ROWS, min_new_tokens=ANSWER_ROWS)
     start: dict[str, float] = {}
-    end: dict[str, float] = {}
+    first: dict[str, float] = {}  # response id -> when its first chunk came (its playback's start)
+    posted: dict[str, int] = {}  # response id -> samples posted so far
+    late_s = 0.0  # the most any chunk came after the audio before it had played out
     for i in range(LIVE):
         _send(svc, m.AddUserText(f"live{i}", "i", "hello"))
         out = _send(svc, m.CreateResponse(f"live{i}", f"a{i}", "audio", spoken))
@@ -70,8 +75,10 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
         steps += 1
         now = time.monotonic()
         for x in out:
-            if isinstance(x, m.ResponseDone) and x.response_id in start:
-                end[x.response_id] = now
+            if isinstance(x, m.AudioChunk) and x.response_id in start:
+                t0 = first.setdefault(x.response_id, now)
+                late_s = max(late_s, (now - t0) - posted.get(x.response_id, 0) / RATE)
+                posted[x.response_id] = posted.get(x.response_id, 0) + len(x.pcm24k) // 2
         msgs += out
         assert steps < 100_000, "the engine never went idle"
     errors = [x for x in msgs if isinstance(x, m.Error)]
@@ -79,14 +86,14 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
     assert errors and {e.code for e in errors} == {"server_busy"}
     done = {x.response_id: x for x in msgs if isinstance(x, m.ResponseDone)}
     assert all(done[a].status == "incomplete" for a in start), [done[a].status for a in start]
-    rates = sorted(ANSWER_ROWS / (end[a] - start[a]) for a in start)
+    ttfa = sorted(first[a] - start[a] for a in start)
     for sid in list(svc.sessions):
         _send(svc, m.CloseSession(sid))
     service_loop.until_idle(svc)
     eng.check_integrity()
     free = eng.stats().free_blocks
     print(json.dumps({"kv_blocks": total, "idle_histories": h, "live_answers": LIVE, "new_turns": asked,
-                      "refused_server_busy": refused, "steps": steps, "min_rows_per_s": round(rates[0], 1),
-                      "median_rows_per_s": round(rates[len(rates) // 2], 1), "free_blocks_after": free}))
+                      "refused_server_busy": refused, "steps": steps, "max_late_ms": round(late_s * 1000, 1),
+                      "first_chunk_max_ms": round(ttfa[-1] * 1000, 1), "free_blocks_after": free}))
     assert free == total
-    assert rates[0] > 1.5 * REAL_TIME_ROWS_S
+    assert late_s <= 0.0, f"a playing answer's chunk came {late_s * 1000:.0f} ms after its audio ran out"
