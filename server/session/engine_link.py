@@ -125,11 +125,16 @@ class EngineInputs:
             await self._sync()
 
     async def _sync(self) -> None:
-        """Until the engine has handled every input sent so far (or the session ended)."""
-        self._sync_seq += 1
-        self._sync_wait = asyncio.get_running_loop().create_future()
-        await self.engine.send(m.Sync(session_id=self.id, seq=self._sync_seq))
-        await self._sync_wait
+        """Until the engine has handled the inputs sent before the Sync out (or the session ended). Inputs come
+        from more than one task (the turn detector's audio, an automatic answer): one that reaches SYNC_EVERY while
+        a Sync is out waits for that one, never sends its own in its place (whose Synced alone would be heard,
+        leaving the first waiter waiting for good)."""
+        wait = self._sync_wait
+        if wait is None or wait.done():
+            self._sync_seq += 1
+            wait = self._sync_wait = asyncio.get_running_loop().create_future()
+            await self.engine.send(m.Sync(session_id=self.id, seq=self._sync_seq))
+        await asyncio.shield(wait)  # (one waiter cancelled leaves it to the others)
         self._in_flight = 0
 
     def synced(self, seq: int) -> None:

@@ -65,3 +65,19 @@ async def test_an_engine_that_answers_each_sync_sees_every_input_in_order():
     assert texts == [f"line {i}" for i in range(3 * SYNC_EVERY)]
     assert len(link.syncs) == 3
     await s.close()
+
+
+async def test_inputs_from_two_tasks_while_a_sync_is_out_both_go_on_once_the_engine_answers():
+    # (the turn detector's audio and, say, an automatic answer's CreateResponse, each from its own task)
+    s, slow = await new_session(link=SlowLink())
+    first = asyncio.ensure_future(handle_all(s, SYNC_EVERY))  # its last input sends a Sync and waits
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert len(slow.of(m.Sync)) == 1 and not first.done()
+    second = asyncio.ensure_future(s.engine_inputs.send(m.AddUserText(s.id, "item_x", "meanwhile")))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    for sync in slow.of(m.Sync):  # the engine answers every Sync it gets
+        s.on_engine_message(m.Synced(s.id, sync.seq))
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    await s.close()
