@@ -1,7 +1,7 @@
 # Sourced by docs/bench/gpu_turn_detectors.sh and gpu_soak.sh (from the repo root, on the GPU box): installs the
 # server wheels carried in .whl/ (docs/bench/gpu_wheels.sh), starts `moss-speech serve` as the capacity runs do
 # (full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --max-running 128, --workers 4, port 8000; its
-# log $OUT/server.log; SERVER its pid) and waits for /health (the engine's start takes 150-250 s there).
+# log $OUT/server.log; SERVER its pid) and waits for /health (the engine's start takes 190-260 s there).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
 export MOSS_MAX_SESSIONS=288 MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning} MOSS_MAX_RUNNING=128 MOSS_MAX_MODEL_LEN=4096 \

@@ -2,7 +2,7 @@
 # A soak on the GPU in one device call (run from repo root): the server as docs/bench/gpu_capacity.sh starts it
 # (full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --workers 4), then `moss-speech bench soak`
 # against it: SOAK_SESSIONS users (default 200, ~80% of the capacity in docs/performance.md) churning for SOAK_S
-# seconds (default 300: the engine's start takes 150-250 s of the call's 600), their first connections spread over
+# seconds (default 300: the engine's start takes 190-260 s of the call's 600), their first connections spread over
 # SOAK_STAGGER seconds (default 30; all at once, 200 users speak at once, past the speech encoder's 128 slots: see
 # docs/operations.md, Limits); GPU memory in use sampled beside it every 10 s ($OUT/gpu_memory.csv). Writes
 # $OUT/soak.json.

@@ -2,8 +2,8 @@
 # Speech end -> first audio with each turn detector, against one server in one device call (run from repo root):
 # full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --workers 4, one `bench capacity` level a run.
 # RUNS: which of the runs below, in this order (default "nat128 nat1 vad128"); each is skipped when fewer than 40 s
-# of TD_BUDGET_S (570, from the script's start: the engine's start takes 150-250 s of it on a fresh machine, so more
-# than three runs take two calls) are left, and cut at what is left. Each writes $OUT/NAME.json.
+# of TD_BUDGET_S (570, from the script's start: the engine's start takes 190-260 s of it on a fresh machine, so more
+# than two runs take two calls) are left, and cut at what is left. Each writes $OUT/NAME.json.
 #   high128 / auto128  semantic_vad, eagerness high (answers released at once) / auto (held until 300 ms of
 #                      silence confirm the turn): 128 sessions, 4 turns, answers up to 250 rows (20 s), the paused
 #                      turn of tests/data
