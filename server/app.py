@@ -50,10 +50,14 @@ class _VadStreams:
     def batcher(self) -> Any:
         with self._lock:
             if self._batcher is None:
+                from server.turn_model import SmartTurn, threads_for
                 from server.vad import EndOfTurnBatcher, VadBatcher  # imports torch: seconds, mostly under the GIL
 
                 st = self._settings
-                self._batcher = VadBatcher(end_of_turn=EndOfTurnBatcher() if st.end_of_turn_model else None,
+                threads = threads_for(st.workers)
+                end_of_turn = (EndOfTurnBatcher(load=lambda: SmartTurn(threads=threads)) if st.end_of_turn_model
+                               else None)
+                self._batcher = VadBatcher(end_of_turn=end_of_turn,
                                            end_of_turn_in_server_vad=st.server_vad_end_of_turn,
                                            speculative_server_vad=st.speculative_server_vad)
         return self._batcher

@@ -8,8 +8,10 @@ features [80, 800] (25 ms windows every 10 ms, 80 Slaney mel bands, waveform nor
 variance first, log10 clipped 8 below its maximum, then (x + 4) / 4). Output: P(the turn is complete), a sigmoid.
 
 One model serves every session of the process; `EndOfTurnBatcher` runs the turns that wait at the same moment in one
-batched call on a worker thread (onnxruntime releases the GIL), never on the event loop. A turn costs 60-70 ms of
-CPU time on one core of a 2-core x86 development machine (2026-12-02; 8 ms of it the features), batched or not.
+batched call on a worker thread (onnxruntime releases the GIL), never on the event loop. A turn costs 70-80 ms on one
+thread (8 ms of it the features), batched or not, on the 16-core Xeon host of an H200 and on a 2-core development
+machine alike; in batches of 8 on that host, 42 ms on two threads and 30 ms on four (2026-12-02). `threads_for`
+gives each server process its share of the cores.
 
 `python3 -m server.turn_model WAV...`: what the model says of a recording's pauses (each silence of 200 ms or more,
 200 ms into it, as semantic_vad asks after a short silence) and of its end.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +74,13 @@ def log_mel(audio: np.ndarray) -> np.ndarray:
     return ((spec + 4.0) / 4.0).astype(np.float32)
 
 
+def threads_for(processes: int, cores: int | None = None) -> int:
+    """Threads for one server process's model, when `processes` server processes share the machine: half of
+    their share of its cores (the engine process, the event loops and the VAD want the rest), 1 to 4."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, min(4, cores // (2 * processes)))
+
+
 class SmartTurn:
     """The ONNX model on the CPU: `complete([audio, ...])` -> P(complete) of each turn."""
 
@@ -78,6 +88,8 @@ class SmartTurn:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+        # Idle threads sleep instead of spinning: the cores are the event loops' and the engine's between calls.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self._session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])

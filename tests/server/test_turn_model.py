@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from server.audio.pcm import read_wav
-from server.turn_model import MODEL_PATH, WINDOW_SAMPLES, EndOfTurnBatcher, SmartTurn, log_mel, pause_scores
+from server.turn_model import (
+    MODEL_PATH,
+    WINDOW_SAMPLES,
+    EndOfTurnBatcher,
+    SmartTurn,
+    log_mel,
+    pause_scores,
+    threads_for,
+)
 from tests.paths import DATA
 
 
@@ -50,6 +58,17 @@ def test_the_shipped_model_scores_a_finished_clause_above_a_cut_word(voice):
     both = model.complete([clause, cut])
     assert both[0] > 0.5 > both[1], both
     assert model.complete([cut])[0] == pytest.approx(both[1], abs=1e-5)  # a batch scores each turn alone
+
+
+def test_more_threads_score_the_same(voice):
+    turns = [voice[:int(0.48 * 16000)], voice[:int(1.2 * 16000)]]
+    np.testing.assert_allclose(SmartTurn(threads=2).complete(turns), SmartTurn(threads=1).complete(turns), atol=1e-5)
+
+
+def test_each_server_process_gets_half_its_share_of_the_cores_for_the_model_one_to_four():
+    assert threads_for(1, cores=2) == 1 and threads_for(4, cores=2) == 1
+    assert threads_for(4, cores=16) == 2 and threads_for(1, cores=16) == 4 and threads_for(1, cores=128) == 4
+    assert threads_for(1) >= 1
 
 
 class Counting:
