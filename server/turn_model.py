@@ -14,7 +14,7 @@ machine alike; in batches of 8 on that host, 42 ms on two threads and 30 ms on f
 gives each server process its share of the cores.
 
 `python3 -m server.turn_model WAV...`: what the model says of a recording's pauses (each silence of 200 ms or more,
-200 ms into it, as semantic_vad asks after a short silence) and of its end.
+judged 200 ms into it, or `--after-ms` in) and of its end.
 """
 
 from __future__ import annotations
@@ -186,11 +186,14 @@ def pause_scores(model: SmartTurn, audio: np.ndarray, after_ms: int = 200, min_p
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python3 -m server.turn_model", description=__doc__.split("\n\n")[-1])
     ap.add_argument("wav", nargs="+")
+    ap.add_argument("--after-ms", type=int, default=200, help="how far into each pause it is judged (default 200)")
     args = ap.parse_args(argv)
+    if args.after_ms < 0:
+        ap.error(f"--after-ms must be >= 0, got {args.after_ms}")
     model = SmartTurn()
     for path in args.wav:
         pcm, _ = read_wav(path, RATE)
-        for t, pause, p in pause_scores(model, pcm):
+        for t, pause, p in pause_scores(model, pcm, after_ms=args.after_ms):
             where = f"pause of {pause} ms" if pause else "end"
             print(f"{path} {t:6.2f} s {where}: P(complete) {p:.2f}")
 

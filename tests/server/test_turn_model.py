@@ -17,6 +17,7 @@ from server.turn_model import (
     EndOfTurnBatcher,
     SmartTurn,
     log_mel,
+    main,
     pause_scores,
     threads_for,
 )
@@ -119,3 +120,15 @@ def test_pause_scores_judge_each_pause_a_little_into_it_and_the_end():
     assert [(at, pause) for at, pause, _ in scores] == [(1.5, 500), (audio.size / 16000, 0)]
     assert scores[0][2] == pytest.approx(1.7)  # the audio up to 200 ms into the pause
     assert scores[1][2] == pytest.approx(audio.size / 16000)
+
+
+def test_the_command_judges_each_pause_as_far_in_as_asked(capsys):
+    wav = str(DATA / "speech_paused_en_16k.wav")
+    main([wav])
+    at_200 = capsys.readouterr().out.splitlines()
+    main([wav, "--after-ms", "400"])
+    at_400 = capsys.readouterr().out.splitlines()
+    assert len(at_200) == len(at_400) >= 2 and at_200[-1] == at_400[-1]  # the end is judged where it ends
+    assert at_200[:-1] != at_400[:-1] and all("pause of" in line for line in at_400[:-1])
+    with pytest.raises(SystemExit):
+        main([wav, "--after-ms", "-1"])
