@@ -116,7 +116,14 @@ def test_compose_server_env_values_are_valid_settings(monkeypatch):
     from server.transports.webrtc.config import parse_ice_servers
 
     (srv,) = parse_ice_servers(s.ice_servers)
-    assert any(u.startswith("turn:") for u in srv.urls) and srv.username == example["TURN_USER"]
+    # time-limited TURN credentials: the list names none, the secret is the one coturn is given
+    assert any(u.startswith("turn:") for u in srv.urls) and not srv.static_credential
+    assert s.turn_secret == example["TURN_SECRET"]
+    turn_args = compose()["services"]["turn"]["command"]
+    assert "--use-auth-secret" in turn_args and "--static-auth-secret=${TURN_SECRET}" in turn_args
+    from server.transports.webrtc.config import WebRTCConfig
+
+    WebRTCConfig.from_settings(s)  # (refuses static TURN credentials beside a secret)
 
 
 def test_every_compose_variable_is_in_env_example():
