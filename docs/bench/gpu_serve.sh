@@ -7,7 +7,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
 export MOSS_MAX_SESSIONS=288 MOSS_LOG_LEVEL=${MOSS_LOG_LEVEL:-warning} MOSS_MAX_RUNNING=128 MOSS_MAX_MODEL_LEN=4096 \
   MOSS_KV_CACHE_GIB=auto MOSS_ENCODE_EVERY_MS=80
-# shellcheck disable=SC2086  # SERVE_ARGS: words
+# (SERVE_ARGS split into words)
+# shellcheck disable=SC2086
 python3 -m moss_speech.cli serve --model full-random --codec full-random --device cuda --vocoder hift \
   --host 127.0.0.1 --port 8000 --workers 4 --fp8-weights --encoder-tf32 ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
