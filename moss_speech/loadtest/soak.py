@@ -287,14 +287,17 @@ def start_server(args: argparse.Namespace, port: int, log_path: Path) -> subproc
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-async def wait_ready(http: httpx.AsyncClient, proc: subprocess.Popen | None, timeout_s: float = 600.0) -> None:
+async def wait_ready(http: httpx.AsyncClient, proc: subprocess.Popen | None, timeout_s: float = 600.0
+                     ) -> dict[str, Any]:
+    """Until the server's /health says it is ready; returns what it says."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        with contextlib.suppress(httpx.TransportError):
-            if (await http.get("/health")).status_code == 200:
-                return
+        with contextlib.suppress(httpx.TransportError, ValueError):
+            r = await http.get("/health")
+            if r.status_code == 200:
+                return r.json()
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
         await asyncio.sleep(0.5)
@@ -305,7 +308,7 @@ async def soak(args: argparse.Namespace, base: str, server_pid: int | None, proc
     run = Run()
     frames = load_utterance(None).frames_b64(FRAME_MS)
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-        await wait_ready(http, proc)
+        health = await wait_ready(http, proc)
         ws_url = base.replace("http", "ws", 1) + "/v1/realtime"
         compression = None if args.no_compression else "deflate"
         await User(ws_url, frames, run, 0.0, random.Random(-1), args.max_output_tokens, compression).warm_up()
@@ -323,8 +326,25 @@ async def soak(args: argparse.Namespace, base: str, server_pid: int | None, proc
         await asyncio.gather(*tasks)
         kv_after = await _kv_once_closed(http)
         run.samples.append(await sample(http, time.monotonic() - t0, server_pid))
-    return {"config": vars(args), "summary": summary(run, args.duration, args.window, kv_after),
+    return {"config": run_config(args), "server": served(health),
+            "summary": summary(run, args.duration, args.window, kv_after),
             "samples": [asdict(s) for s in run.samples], "turns": [asdict(x) for x in run.turns]}
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """This run's options; those of the server it starts only when it started one (not with --url)."""
+    cfg = dict(vars(args))
+    if args.url:
+        for name in ("model", "codec", "device"):
+            cfg.pop(name, None)
+    return cfg
+
+
+def served(health: dict[str, Any]) -> dict[str, Any]:
+    """What the server said it serves (its /health): weights, codec and device."""
+    engine = health.get("engine") if isinstance(health.get("engine"), dict) else {}
+    return {"model": health.get("model"), "codec": health.get("codec"), "random_weights": health.get("random_weights"),
+            "device": engine.get("device_name")}
 
 
 async def _kv_once_closed(http: httpx.AsyncClient, timeout_s: float = 30.0) -> int | None:

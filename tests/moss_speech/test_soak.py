@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -75,3 +76,17 @@ def test_a_user_asks_for_websocket_compression_unless_told_not_to(monkeypatch, c
     with pytest.raises(Connected):
         asyncio.run(user._session(float("inf")))
     assert asked == [compression]
+
+
+def test_the_report_names_the_server_it_drove_and_not_options_it_did_not_use():
+    p = argparse.ArgumentParser()
+    soak.add_arguments(p)
+    remote = soak.run_config(p.parse_args(["--url", "http://gpu:8000", "--sessions", "200"]))
+    assert remote["sessions"] == 200 and not {"model", "codec", "device"} & set(remote)
+    local = soak.run_config(p.parse_args([]))
+    assert local["model"] == "tiny-random" and local["device"] == "cpu"
+    health = {"status": "ok", "model": "full-random", "codec": "full-random", "random_weights": True,
+              "engine": {"device_name": "NVIDIA H200"}}
+    assert soak.served(health) == {"model": "full-random", "codec": "full-random", "random_weights": True,
+                                   "device": "NVIDIA H200"}
+    assert soak.served({"status": "ok"})["device"] is None
