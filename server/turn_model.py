@@ -77,7 +77,9 @@ def log_mel(audio: np.ndarray) -> np.ndarray:
 def threads_for(processes: int, cores: int | None = None) -> int:
     """Threads for one server process's model, when `processes` server processes share the machine: half of
     their share of its cores (the engine process, the event loops and the VAD want the rest), 1 to 4."""
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    if cores is None:
+        affinity = getattr(os, "sched_getaffinity", None)  # (Linux: the cores this process may use)
+        cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
     return max(1, min(4, cores // (2 * processes)))
 
 
