@@ -75,12 +75,13 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
         decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
     with memory.part(f"the codec's CUDA graphs for batches of up to {engine_config.max_running}"):
         # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
-        decoder.capture_graphs(engine_config.max_running)
+        graphs = decoder.capture_graphs(engine_config.max_running)
         for _ in range(config.first_lanes if first_lane else 0):
             lane = decoder.lane()
             lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
-            lane.capture_graphs(FIRST_MAX)
+            graphs += lane.capture_graphs(FIRST_MAX)
             first_decoders.append(lane)
+        log.info("start-up: %d codec graphs captured (%d first-chunk lanes)", graphs, len(first_decoders))
     return encoder, decoder, first_decoders
 
 
