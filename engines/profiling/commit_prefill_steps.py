@@ -18,6 +18,7 @@ import random
 from engines.config import EngineConfig, model_config_for
 from engines.lm.engine import Engine
 from moss_speech.commands.bench_engine import _audio_forever, _rows, start_decode_batch
+from moss_speech.loadtest.stats import percentile
 
 
 def steps_to_first_row(ramp_step_rows: int, answers: int, turn_rows: int, every: int, turns: int,
@@ -50,11 +51,6 @@ def steps_to_first_row(ramp_step_rows: int, answers: int, turn_rows: int, every:
     return [waited[name] for name in arrived]
 
 
-def pct(xs: list[int], q: float) -> int:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python3 -m engines.profiling.commit_prefill_steps",
                                  description=__doc__.split("\n\n")[0])
@@ -71,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--ramp-step-rows must be >= 0 (0: no cap)")
     waited = steps_to_first_row(args.ramp_step_rows, args.answers, args.turn_rows, args.every, args.turns)
     print(f"ramp cap {args.ramp_step_rows} rows, {args.answers} answers decoding, a {args.turn_rows}-row turn every "
-          f"{args.every} steps: steps to its first row p50 {pct(waited, 0.5)}, p95 {pct(waited, 0.95)}, "
+          f"{args.every} steps: steps to its first row p50 {percentile(waited, 50):g}, p95 {percentile(waited, 95):g}, "
           f"max {max(waited)} ({len(waited)} turns)")
 
 
