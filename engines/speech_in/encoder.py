@@ -325,7 +325,7 @@ class EncoderBatch:
                 enc.runner.kv.peaks[s.trunk.slot] = s.mel.peak
         codes: list[list[int]] = [[] for _ in streams]
         feats: list[list[torch.Tensor]] = [[] for _ in streams]
-        seg = enc.runner.mel_per_segment
+        seg = enc.cfg.mel_per_segment
         none = np.zeros(0, np.float32)
         more, waited = True, 0.0
         # Steps: no stream may run past its 30 s segment end inside one forward; what is left goes in the next.

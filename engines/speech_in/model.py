@@ -132,10 +132,6 @@ class StreamingRunner:
         y = F.linear(x, weight, bias)
         return F.gelu(y) if gelu else y
 
-    @property
-    def mel_per_segment(self) -> int:
-        return self.cfg.mel_per_segment
-
     def new_state(self) -> TrunkState:
         """A fresh stream state holding a KV slot; give it back with `release`."""
         return TrunkState(slot=self.kv.acquire())
