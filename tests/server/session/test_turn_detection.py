@@ -23,9 +23,11 @@ def speech24k() -> np.ndarray:
     return voice24k()
 
 
-async def new_session(model: Model | None, in_server_vad: bool = False) -> tuple[Session, Link]:
+async def new_session(model: Model | None, in_server_vad: bool = False, end_of_turn: EndOfTurnBatcher | None = None
+                      ) -> tuple[Session, Link]:
+    """A session whose end-of-turn model is `model` (or `end_of_turn`, a batcher other sessions share)."""
     link = Link()
-    eot = None if model is None else EndOfTurnBatcher(load=lambda: model)
+    eot = end_of_turn or (None if model is None else EndOfTurnBatcher(load=lambda: model))
     batcher = VadBatcher(end_of_turn=eot, end_of_turn_in_server_vad=in_server_vad)
     s = Session("sess_test", link, vad_factory=batcher.stream)
     await s.start()
@@ -171,12 +173,9 @@ async def test_a_session_has_one_question_out_and_asks_the_one_due_meanwhile_whe
 async def test_a_question_whose_pause_ended_is_withdrawn_before_the_model_runs_it(speech24k):
     model = HeldModel(0.1)
     eot = EndOfTurnBatcher(load=lambda: model)
-    sessions = []
-    for name in ("sess_a", "sess_b"):
-        s = Session(name, Link(), vad_factory=VadBatcher(end_of_turn=eot).stream)
-        await s.start()
+    sessions = [(await new_session(None, end_of_turn=eot))[0] for _ in range(2)]
+    for s in sessions:
         await update(s, {"type": "semantic_vad", "eagerness": "auto"})
-        sessions.append(s)
     a, b = sessions
     first_words = speech24k[:int(0.45 * 24000)]  # no pause of its own
     try:
