@@ -27,6 +27,7 @@ class LoadConfig:
     vad_silence_ms: int = 300  # silence_duration_ms asked of the server's VAD
     vad_threshold: float = 0.5
     eagerness: str = "auto"  # semantic_vad's
+    transcription: bool = False  # ask for input transcription (audio.input.transcription) of every user turn
     pauses_ms: tuple[int, int] | None = None  # --pauses: silence inserted into the utterance (audio.insert_pauses)
     frame_ms: int = 20  # microphone frame (one input_audio_buffer.append)
     prebuffer_ms: float = 60.0  # the listener's jitter buffer before playback starts

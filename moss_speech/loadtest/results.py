@@ -14,6 +14,8 @@ TurnStatus = Literal["ok", "error", "timeout", "cut"]
 CONNECT_FAILED = "connect_failed"
 CONNECTION_CLOSED = "connection_closed"
 TURN_TIMEOUT = "turn_timeout"
+TRANSCRIPTION_FAILED = "transcription_failed"
+NO_TRANSCRIPT = "no_transcript"
 NO_AUDIO = "no_audio"
 BAD_EVENT = "bad_server_event"
 CLIENT_BUG = "loadtest_client_error"
@@ -34,6 +36,7 @@ class TurnRecord:
     ttfa_commit_ms: float | None = None  # committed (commit sent, or input_audio_buffer.committed received) -> first
     server_ttfa_ms: float | None = None  # the server's own `response.ttfa_ms`
     vad_delay_ms: float | None = None  # speech end -> input_audio_buffer.committed received (VAD modes)
+    transcript_ms: float | None = None  # committed -> the turn's input transcription completed (--transcription)
     response_status: str | None = None
     audio_s: float = 0.0
     deltas: int = 0

@@ -32,6 +32,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vad-silence-ms", type=int, default=300, help="silence_duration_ms for server_vad (300)")
     p.add_argument("--eagerness", choices=("low", "medium", "high", "auto"), default="auto",
                    help="semantic_vad's eagerness (default auto)")
+    p.add_argument("--transcription", action="store_true",
+                   help="ask the server to transcribe every user turn (audio.input.transcription) and time each "
+                        "transcript from the commit (transcript_ms)")
     p.add_argument("--pauses", type=_pauses, default=None, metavar="MIN-MAX",
                    help="insert pauses of MIN-MAX ms into the utterance, one about every 1.2 s at its quietest "
                         "point (e.g. 300-700: speech that stops between clauses)")
@@ -75,7 +78,7 @@ def make_config(args: argparse.Namespace, sessions: int, duration_s: float) -> L
     return LoadConfig(
         url=args.url, sessions=sessions, turns=args.turns, duration_s=duration_s, ramp_per_s=args.ramp,
         transport=args.transport, turn_detection=args.turn_detection, vad_silence_ms=args.vad_silence_ms,
-        eagerness=args.eagerness, pauses_ms=args.pauses,
+        eagerness=args.eagerness, transcription=args.transcription, pauses_ms=args.pauses,
         prebuffer_ms=args.prebuffer_ms, think_ms=args.think_ms, turn_timeout_s=args.turn_timeout,
         max_output_tokens=args.max_output_tokens, api_key=args.api_key,
         workers=auto_workers(args.workers, sessions))

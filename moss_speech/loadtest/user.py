@@ -18,6 +18,8 @@ from moss_speech.loadtest.results import (
     CONNECT_FAILED,
     CONNECTION_CLOSED,
     NO_AUDIO,
+    NO_TRANSCRIPT,
+    TRANSCRIPTION_FAILED,
     TURN_TIMEOUT,
     Collector,
     TurnRecord,
@@ -72,6 +74,8 @@ def session_update_event(cfg: LoadConfig) -> dict[str, Any]:
         "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": td},
                   "output": {"format": {"type": "audio/pcm", "rate": 24000}}},
     }
+    if cfg.transcription:
+        session["audio"]["input"]["transcription"] = {"model": "moss-speech"}
     if cfg.max_output_tokens is not None:
         session["max_output_tokens"] = cfg.max_output_tokens
     return {"type": "session.update", "session": session}
@@ -101,6 +105,8 @@ class SimulatedUser:
         self._seen: dict[str, dict[str, Any]] = {}  # first handshake events, whenever they arrived
         self._speech_queue: list[str] = []
         self._speech_done: asyncio.Future | None = None
+        self._transcribing: dict[str, tuple[TurnRecord, float]] = {}  # committed item id -> its turn, commit time
+        self._transcribed = asyncio.Event()  # set whenever no transcript is outstanding
         self.max_lag_s = 0.0
         self.closed_reason: str | None = None
         self._closing = False  # we are closing: the end of the connection is not an error
@@ -140,6 +146,7 @@ class SimulatedUser:
             for k in range(self.cfg.turns):
                 if self.loop.time() >= self.deadline or not await self._one_turn(k):
                     break
+            await self._await_transcripts()
         except SessionFailed as e:
             if not e.counted:
                 c.error(e.code, e.message)
@@ -315,12 +322,18 @@ class SimulatedUser:
                 if not w.done():
                     w.set_exception(SessionFailed(code, str(err.get("message", "")), counted=True))
             return
+        if etype.startswith("conversation.item.input_audio_transcription."):
+            self._on_transcript(etype, evt, now)
+            return
         if t is None or t.done.is_set():
             if etype == "response.created":
                 self.collector.extra_responses += 1
             return
-        if etype == "input_audio_buffer.committed" and self.cfg.vad and t.speech_end is not None and t.commit_t is None:
-            t.commit_t = now
+        if etype == "input_audio_buffer.committed":
+            if self.cfg.transcription and isinstance(evt.get("item_id"), str):
+                self._transcribing[evt["item_id"]] = (t.rec, now)
+            if self.cfg.vad and t.speech_end is not None and t.commit_t is None:
+                t.commit_t = now
         elif etype == "response.created":
             # Only the answer to the whole utterance counts: one created while the user is still speaking (the
             # VAD took a pause for the end of the turn) is a false start the user sees; their speech barges in on it.
@@ -351,6 +364,37 @@ class SimulatedUser:
             t.rec.server_ttfa_ms = float(ttfa) if isinstance(ttfa, int | float) else None
             t.done_t = now
             t.done.set()
+
+    async def _await_transcripts(self) -> None:
+        """Before hanging up: the transcripts still owed (a turn's usually comes after its answer), each bounded by
+        the turn timeout; one that never comes is an error."""
+        if self._transcribing:
+            self._transcribed.clear()
+            wait = min(self.cfg.turn_timeout_s, self.deadline - self.loop.time())
+            try:
+                await asyncio.wait_for(self._transcribed.wait(), max(wait, 0.0))
+            except TimeoutError:
+                pass
+        for _ in self._transcribing:
+            self.collector.error(NO_TRANSCRIPT, "no transcript (.completed or .failed) for a committed turn")
+        self._transcribing.clear()
+
+    def _on_transcript(self, etype: str, evt: dict[str, Any], now: float) -> None:
+        """A transcript of a committed turn (its `.completed` or `.failed`; deltas are not timed). Transcripts
+        often arrive after the turn's answer is done: the record is found by the committed item's id."""
+        kind = etype.rsplit(".", 1)[-1]
+        if kind not in ("completed", "failed"):
+            return
+        rec, committed = self._transcribing.pop(str(evt.get("item_id")), (None, 0.0))
+        if rec is None:
+            return
+        if not self._transcribing:
+            self._transcribed.set()
+        if kind == "completed":
+            rec.transcript_ms = (now - committed) * 1000
+        else:
+            err = evt.get("error") or {}
+            self.collector.error(TRANSCRIPTION_FAILED, str(err.get("message", "")))
 
     def on_audio(self, now: float, n_samples: int) -> None:
         """`n_samples` of answer audio arrived at `now` (24 kHz)."""

@@ -57,6 +57,40 @@ async def test_user_attributes_events_to_the_turn_answer():
     assert rec.heard_ms == pytest.approx(400.0)  # no prebuffer: heard as it arrived
 
 
+async def test_user_times_each_transcript_from_its_commit():
+    """--transcription: the session asks for input transcription; a transcript is matched to its turn by the
+    committed item's id (it usually comes after the answer is done), a failed one is an error, and one still owed
+    when the session ends is counted as missing."""
+    from moss_speech.loadtest.user import SimulatedUser, _Turn, session_update_event
+
+    cfg = LoadConfig(url="http://h:1", transcription=True)
+    assert session_update_event(cfg)["session"]["audio"]["input"]["transcription"] == {"model": "moss-speech"}
+    assert "transcription" not in session_update_event(LoadConfig(url="http://h:1"))["session"]["audio"]["input"]
+    c = Collector()
+    user = SimulatedUser(cfg, 0, [], "", 1.0, c, run_t0=0.0, deadline=1e9)
+    recs = [TurnRecord(session=0, turn=k) for k in range(3)]
+    for k, rec in enumerate(recs):
+        t = _Turn(rec=rec, buf=PlaybackBuffer())
+        t.speech_end = 10.0 * k
+        user.turn = t
+        user.on_event({"type": "input_audio_buffer.committed", "item_id": f"item{k}"}, 10.0 * k + 0.5)
+        user.on_event({"type": "response.done", "response": {"id": None, "status": "completed"}}, 10.0 * k + 2)
+    user.turn = None  # the transcripts arrive between turns
+    user.on_event({"type": "conversation.item.input_audio_transcription.delta", "item_id": "item0", "delta": "hi"},
+                  0.7)
+    user.on_event({"type": "conversation.item.input_audio_transcription.completed", "item_id": "item0",
+                   "transcript": "hi"}, 0.9)
+    user.on_event({"type": "conversation.item.input_audio_transcription.failed", "item_id": "item1",
+                   "error": {"message": "engine said no"}}, 11.0)
+    user.on_event({"type": "conversation.item.input_audio_transcription.completed", "item_id": "other",
+                   "transcript": "?"}, 12.0)  # not a turn of ours: ignored
+    assert recs[0].transcript_ms == pytest.approx(400.0) and recs[1].transcript_ms is None
+    user.deadline = user.loop.time()  # the run is over: no waiting for item2's transcript
+    await user._await_transcripts()
+    assert recs[2].transcript_ms is None
+    assert c.errors == {"transcription_failed": 1, "no_transcript": 1}
+
+
 @pytest.fixture(scope="module")
 def short_wav(tmp_path_factory) -> Path:
     """0.4 s of tone: enough for commit-mode turns (no VAD involved), and quick to speak at real time."""

@@ -80,6 +80,23 @@ def test_smoke_loadtest_cli_against_tiny_model(tiny_server, tmp_path):
     assert (plots / "ttfa_cdf.png").is_file() and (plots / "ttfa_timeline.png").is_file()
 
 
+def test_loadtest_times_the_transcript_of_every_turn(tiny_server, tmp_path):
+    """--transcription against the real server: MOSS-Speech transcribes each committed turn itself, and every
+    turn's transcript arrives (timed from its commit) beside a spoken answer."""
+    out = tmp_path / "report.json"
+    res = subprocess.run([sys.executable, "-m", "moss_speech.cli", "loadtest", "--url", tiny_server,
+                          "--sessions", "2", "--turns", "2", "--max-output-tokens", "12", "--think-ms", "100",
+                          "--transcription", "--turn-timeout", "120", "--duration", "200", "--json", str(out),
+                          "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads(out.read_text())
+    assert rep["errors"]["total"] == 0, rep["errors"]
+    assert rep["config"]["transcription"] is True and rep["turns"]["ok"] == 4
+    assert rep["metrics"]["transcript_ms"]["count"] == 4
+    assert all(r["transcript_ms"] > 0 for r in rep["turn_records"])
+    assert "transcript_ms" in res.stdout
+
+
 def test_bench_sessions_reports_the_server_cost_of_real_time_sessions(tmp_path, capsys):
     """In-process sessions with server_vad at real time: every frame delivered, every user's turn detected."""
     from moss_speech.cli import main
