@@ -140,9 +140,15 @@ class CodecPacing:
         """A playing answer about to run dry: less than URGENT_S of its audio ahead of real time."""
         return cls._ahead_falls_to(a, URGENT_S) <= now
 
+    @staticmethod
+    def _ending(a: CodecAnswer) -> bool:
+        """A cancelled answer with its stream still to close or its end still to post: no decoding, and its
+        ResponseDone (which the session's next inputs wait for) waits on it."""
+        return a.cancelled and (not a.closed or (a.final and not a.finishing))
+
     def _has_work(self, a: CodecAnswer, now: float) -> bool:
         if a.cancelled:
-            return not a.closed or (a.final and not a.finishing)
+            return self._ending(a)
         return bool(a.new_codes or (a.jobs and self._due_at(a) <= now) or (a.final and not a.finishing))
 
     def _mine(self, a: CodecAnswer, kind: str) -> bool:
@@ -161,7 +167,9 @@ class CodecPacing:
 
     def _dry_at(self, a: CodecAnswer) -> float:
         """When a playing answer with chunks to come (or its last one to finish) gets down to DRY_S of audio ahead
-        (inf: nothing to decode)."""
+        (inf: nothing to decode; -inf: a cancelled answer to end, never held for a period)."""
+        if self._ending(a):
+            return -math.inf
         if a.first_post is None or a.cancelled or not (a.jobs or a.new_codes or (a.final and not a.finishing)):
             return math.inf
         return self._ahead_falls_to(a, DRY_S)

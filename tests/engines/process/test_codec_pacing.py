@@ -195,6 +195,29 @@ def test_an_answers_last_chunk_about_to_be_needed_does_not_wait_for_the_period()
     w.close()
 
 
+def test_a_cancelled_answer_ends_at_once_within_a_period():
+    """With a period, a playing answer cancelled (its final pushed) between two rounds ends at once: its end is posted
+    (the engine's ResponseDone, and the session's next inputs, wait for it) with the clock standing still inside the
+    period, not at the next wake-up some other answer happens to cause (with one session: never)."""
+    dec, lane = FakeDecoder(), FakeDecoder()
+    dec.sample_rate = lane.sample_rate = 5  # one chunk = 1 s of audio
+    now = [100.0]
+    w = CodecWorker(dec, torch.device("cpu"), first_decoders=[lane], ahead_s=2.5, clock=lambda: now[0],
+                    period_s=10.0)
+    st = FakeStream("a")
+    w.push("A", st, list(range(13)))  # two chunks (the first on the lane, the second in a playing round at 100)
+    collect(w, lambda o: len(o) == 2)
+    assert dec.batches == [["a"]]  # the period began at 100
+    now[0] = 100.5
+    with w._cv:  # the barge-in: the language model's last codes, then the cancel
+        w.push("A", st, list(range(4)), final=True)
+        w.cancel("A")
+    out = collect(w, lambda o: len(o) == 1)
+    assert [(k, len(pcm), final) for k, pcm, final in out] == [("A", 0, True)] and st.closed
+    assert dec.batches == [["a"]]  # nothing more decoded
+    w.close()
+
+
 def test_a_playing_round_pauses_between_pieces_while_a_new_answer_waits(monkeypatch):
     """With a first lane, a round of playing answers that has started stops queueing GPU work at its next piece while
     another answer waits for its first codes, and goes on once none does; it is never held past BULK_HOLD_S."""
