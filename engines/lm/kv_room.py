@@ -1,24 +1,27 @@
 """Room in the KV pool for a waiting request (Scheduler, scheduler.py's module doc): the blocks of idle
-conversations' histories go back to the pool only when a conversation is truncated or released, so a request whose
-need exceeds what could ever be free without that is refused rather than left waiting forever."""
+conversations' histories go back to the pool only when a conversation is truncated or released (here too), so a
+request whose need exceeds what could ever be free without that is refused rather than left waiting forever. And the
+pool's integrity check over every block table."""
 
 from __future__ import annotations
 
 from collections import deque
 
+from engines.api import InvalidRequestError
 from engines.lm.kv.block_pool import BlockPool
-from engines.lm.sequence import Conversation, Sequence
+from engines.lm.sequence import Conversation, Sequence, blocks_for
 
 
 class KvRoom:
     """Part of Scheduler (scheduler.py): what a waiting request could ever reserve, and the requests next in line
-    that never could. Calls Scheduler's _next_waiting and finish."""
+    that never could; idle conversations truncated or released. Calls Scheduler's _next_waiting and finish."""
 
     pool: BlockPool
     block_size: int
     waiting: deque[Sequence]
     running: list[Sequence]
     conversations: dict[str, Conversation]
+    requests: dict[str, Sequence]
 
     def _obtainable(self) -> int:
         """Blocks a waiting request could ever reserve while every conversation keeps its history: those free and
@@ -48,3 +51,33 @@ class KvRoom:
                 seq.finish_reason = "no_kv"
                 self.finish(seq)
                 out.append(seq)
+
+    # ---- conversations -------------------------------------------------------------------
+
+    def truncate_conversation(self, conversation_id: str, num_rows: int) -> None:
+        conv = self._idle_conversation(conversation_id)
+        if not 0 <= num_rows <= len(conv.rows):
+            raise InvalidRequestError(f"cannot truncate {len(conv.rows)} rows to {num_rows}")
+        keep = blocks_for(num_rows, self.block_size)
+        self.pool.release(conv.block_ids[keep:])
+        conv.block_ids = conv.block_ids[:keep]
+        conv.rows = conv.rows[:num_rows]
+        conv.num_computed = min(conv.num_computed, num_rows)
+
+    def release_conversation(self, conversation_id: str) -> None:
+        conv = self._idle_conversation(conversation_id)
+        self.pool.release(conv.block_ids)
+        del self.conversations[conversation_id]
+
+    def _idle_conversation(self, conversation_id: str) -> Conversation:
+        conv = self.conversations.get(conversation_id)
+        if conv is None:
+            raise InvalidRequestError(f"unknown conversation {conversation_id!r}")
+        if conv.busy:
+            raise InvalidRequestError(f"conversation {conversation_id!r} has a live request")
+        return conv
+
+    def check_integrity(self) -> None:
+        tables = [s.block_ids for s in self.requests.values()]
+        tables += [c.block_ids for c in self.conversations.values() if not c.busy]
+        self.pool.check_integrity(tables, sum(s.reserved_blocks for s in self.requests.values()))

@@ -4,7 +4,8 @@ Every step: all generating sequences decode one row; the rest of the row budget 
 chunks: running sequences with pending input (complete inputs first, then open ones, oldest first in
 each), then newly admitted ones. While a sequence is in its first few generated rows (a new answer),
 the step's rows are capped (EngineConfig.ramp_step_rows): a long prefill would lengthen every step that
-answer's first audio waits on. A request
+answer's first audio waits on. Complete inputs are outside the cap: their answers come next and wait on them as much
+(docs/performance.md, natural speech). A request
 is admitted only when its whole KV need (history + prompt + output budget) can be reserved, so
 nothing running is ever preempted. Aborts take effect at the next step boundary.
 
@@ -210,8 +211,9 @@ class Scheduler(KvRoom):
             if seq.generating and not seq.background:
                 chunks.append(ScheduledChunk(seq, 1, seq.num_computed, True))
                 budget -= 1
+        full = budget
         budget = self._ramp_capped(budget, len(chunks), any(c.seq.num_generated < cfg.ramp_rows for c in chunks))
-        budget = self._add_prefills(chunks, {}, budget)
+        budget = self._add_prefills(chunks, {}, budget, complete_budget=full)
         budget = self._admit(chunks, budget)
         if not any(self._starts_answer(c) for c in chunks):
             for seq in self.running:
@@ -300,8 +302,9 @@ class Scheduler(KvRoom):
         out = list(decodes)
         cfg = self.config
         if self.ramps_after(decodes):
-            budget = self._ramp_capped(cfg.prefill_token_budget - len(decodes), len(decodes), True)
-            self._admit(out, self._add_prefills(out, inflight, budget))
+            full = cfg.prefill_token_budget - len(decodes)
+            budget = self._ramp_capped(full, len(decodes), True)
+            self._admit(out, self._add_prefills(out, inflight, budget, complete_budget=full))
         elif self._background_due(inflight):
             return self._refuse("background")
         elif self.waiting or len(decodes) != len(self.running) - len(ending):
@@ -357,16 +360,24 @@ class Scheduler(KvRoom):
         return budget
 
     def _add_prefills(self, chunks: list[ScheduledChunk], inflight: dict[int, int], budget: int,
-                      background: bool = False) -> int:
+                      background: bool = False, complete_budget: int | None = None) -> int:
         """Prefill chunks of running sequences with rows to run, within `budget`: those whose input is complete
         first (they answer next), then open inputs (users still speaking), oldest first in each. A sequence's rows
         start after those in flight (`inflight`: id(seq) -> its first row not in flight; a step launched ahead).
         Sequences already in `chunks`, generating ones and those of the other kind (`background`) are left out.
-        Returns the budget left."""
+        Complete inputs may use `complete_budget` (default `budget`): a ramp cap leaves their rows out of it, since
+        their answers wait on them as much as the ramping answer waits on its steps. Returns the budget left."""
         taken = {id(c.seq) for c in chunks}
         pending = [s for s in self.running if id(s) not in taken and not s.generating and s.background == background
                    and len(s.rows) > inflight.get(id(s), s.num_computed)]
-        for seq in [s for s in pending if s.input_done] + [s for s in pending if not s.input_done]:
+        full = budget if complete_budget is None else max(budget, complete_budget)
+        used = 0
+        for seq in [s for s in pending if s.input_done]:
+            if full - used <= 0:
+                break
+            used += self._add_prefill(chunks, seq, full - used, inflight.get(id(seq), seq.num_computed))
+        budget = max(budget - used, 0)
+        for seq in [s for s in pending if not s.input_done]:
             if budget <= 0:
                 break
             budget -= self._add_prefill(chunks, seq, budget, inflight.get(id(seq), seq.num_computed))
@@ -417,33 +428,3 @@ class Scheduler(KvRoom):
             self.pool.release(seq.block_ids)
         seq.block_ids = []
         self.requests.pop(seq.request_id, None)
-
-    # ---- conversations -------------------------------------------------------------------
-
-    def truncate_conversation(self, conversation_id: str, num_rows: int) -> None:
-        conv = self._idle_conversation(conversation_id)
-        if not 0 <= num_rows <= len(conv.rows):
-            raise InvalidRequestError(f"cannot truncate {len(conv.rows)} rows to {num_rows}")
-        keep = blocks_for(num_rows, self.block_size)
-        self.pool.release(conv.block_ids[keep:])
-        conv.block_ids = conv.block_ids[:keep]
-        conv.rows = conv.rows[:num_rows]
-        conv.num_computed = min(conv.num_computed, num_rows)
-
-    def release_conversation(self, conversation_id: str) -> None:
-        conv = self._idle_conversation(conversation_id)
-        self.pool.release(conv.block_ids)
-        del self.conversations[conversation_id]
-
-    def _idle_conversation(self, conversation_id: str) -> Conversation:
-        conv = self.conversations.get(conversation_id)
-        if conv is None:
-            raise InvalidRequestError(f"unknown conversation {conversation_id!r}")
-        if conv.busy:
-            raise InvalidRequestError(f"conversation {conversation_id!r} has a live request")
-        return conv
-
-    def check_integrity(self) -> None:
-        tables = [s.block_ids for s in self.requests.values()]
-        tables += [c.block_ids for c in self.conversations.values() if not c.busy]
-        self.pool.check_integrity(tables, sum(s.reserved_blocks for s in self.requests.values()))

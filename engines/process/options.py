@@ -83,8 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the user audio of every speaking session is prefilled in a few big steps, which a commit's "
                         "codes wait out before its answer can start")
     p.add_argument("--ramp-step-rows", type=_int_at_least(0), default=None, metavar="N",
-                   help="while a new answer makes its first rows, steps carry at most N rows (decodes + prefill; "
-                        "0: no cap; default: EngineConfig.ramp_step_rows in engines/config.py)")
+                   help="while a new answer makes its first rows, steps carry at most N rows (decodes + prefill "
+                        "of users still speaking; committed turns are outside the cap; 0: no cap; default: "
+                        "EngineConfig.ramp_step_rows in engines/config.py)")
     p.add_argument("--fp8-weights", action="store_true",
                    help="round the language model's weights to fp8 (per-row power-of-two scales) and read an fp8 "
                         "copy in decode steps: faster steps, other numerics than the published bf16 weights, and half "

@@ -48,8 +48,10 @@ def test_token_budget_kept_and_decodes_never_starved():
 
 def test_steps_stay_short_while_an_answer_ramps_and_complete_inputs_go_first():
     """While a sequence is in its first ramp_rows generated rows, a step carries at most ramp_step_rows rows (its
-    prefill at least RAMP_MIN_PREFILL, however many decode); with no answer ramping, the whole budget again. Prefill
-    takes sequences whose input is complete before older ones still open (a user still speaking)."""
+    prefill at least RAMP_MIN_PREFILL, however many decode) of decodes and open inputs; with no answer ramping, the
+    whole budget again. Prefill takes sequences whose input is complete before older ones still open (a user still
+    speaking), and a complete input is not held to the cap: its answer waits on its rows as the ramping one waits on
+    its steps."""
     from engines.lm.scheduler import RAMP_MIN_PREFILL
 
     engine, model = make_engine(prefill_token_budget=200, max_running=8, blocks=512, ramp_rows=4, ramp_step_rows=24)
@@ -64,12 +66,13 @@ def test_steps_stay_short_while_an_answer_ramps_and_complete_inputs_go_first():
     pending = []
     while seqs["speaking"].num_pending:
         ramping = any(s.generating and s.num_generated < 4 for s in engine.scheduler.running)
+        complete = seqs["done"].num_pending - 1  # (its first generated row is pending, as a decode)
         engine.step()
         pending.append((seqs["done"].num_pending, seqs["speaking"].num_pending))
-        assert model.batches[-1].num_rows <= (24 if ramping else 200)
+        assert model.batches[-1].num_rows <= (24 + complete if ramping else 200)
         engine.check_integrity()
-    # done first, 23 prefill rows a step beside a (then its first generated row is pending, as a decode)
-    assert pending[:3] == [(37, 150), (14, 150), (1, 150 - 9)]
+    # done first, all of it in one step beside a; then 22 of speaking's rows a step beside a and done's decodes
+    assert pending[:3] == [(1, 150), (1, 128), (1, 106)]
     assert model.batches[-1].num_rows > 24  # no answer ramps by then: the rest in one step
     engine.abort("speaking")
     run_to_end(engine)
