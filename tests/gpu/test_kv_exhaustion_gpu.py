@@ -57,6 +57,7 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
     first: dict[str, float] = {}  # response id -> when its first chunk came (its playback's start)
     posted: dict[str, int] = {}  # response id -> samples posted so far
     late_s = 0.0  # the most any chunk came after the audio before it had played out
+    worst: dict = {}  # where that chunk was: its answer's chunk index, the step, the new turns asked by then
     for i in range(LIVE):
         _send(svc, m.AddUserText(f"live{i}", "i", "hello"))
         out = _send(svc, m.CreateResponse(f"live{i}", f"a{i}", "audio", spoken))
@@ -77,7 +78,9 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
         for x in out:
             if isinstance(x, m.AudioChunk) and x.response_id in start:
                 t0 = first.setdefault(x.response_id, now)
-                late_s = max(late_s, (now - t0) - posted.get(x.response_id, 0) / RATE)
+                late = (now - t0) - posted.get(x.response_id, 0) / RATE
+                if late > late_s:
+                    late_s, worst = late, {"chunk": x.index, "step": steps, "new_turns_by_then": asked}
                 posted[x.response_id] = posted.get(x.response_id, 0) + len(x.pcm24k) // 2
         msgs += out
         assert steps < 100_000, "the engine never went idle"
@@ -94,6 +97,7 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
     free = eng.stats().free_blocks
     print(json.dumps({"kv_blocks": total, "idle_histories": h, "live_answers": LIVE, "new_turns": asked,
                       "refused_server_busy": refused, "steps": steps, "max_late_ms": round(late_s * 1000, 1),
-                      "first_chunk_max_ms": round(ttfa[-1] * 1000, 1), "free_blocks_after": free}))
+                      "first_chunk_max_ms": round(ttfa[-1] * 1000, 1), "free_blocks_after": free,
+                      "latest_chunk": worst}))
     assert free == total
     assert late_s <= 0.0, f"a playing answer's chunk came {late_s * 1000:.0f} ms after its audio ran out"
