@@ -1,4 +1,4 @@
-"""How many engine steps a committed turn's prefill takes beside decoding answers, under the scheduler's ramp cap.
+"""How many engine steps a committed turn's prefill takes beside decoding answers, with the scheduler's ramp cap.
 
     python3 -m engines.profiling.commit_prefill_steps [--ramp-step-rows 64] [--answers 100] [--turn-rows 130]
         [--every 5] [--turns 40]
