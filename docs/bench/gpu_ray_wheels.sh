@@ -20,6 +20,8 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
 for whl in "$OUT_DIR"/all/*.whl; do
   name=$(basename "$whl" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
   case " $(echo $HAVE) " in *" $name "*) continue ;; esac
+  # carried in .whl/ already (a second copy of a wheel stops pip's whole install there)
+  ls .whl/"$name"-*.whl > /dev/null 2>&1 && continue
   if [ "$name" = ray ]; then
     split -b 56m -a 2 "$whl" "$OUT_DIR/b/$(basename "$whl").part-" && mv "$OUT_DIR/b/$(basename "$whl").part-aa" "$OUT_DIR/a/"
   else

@@ -33,8 +33,9 @@ def _send(svc, msg) -> list:
 
 
 def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time() -> None:
+    # Warmed up as served: a first-use compile in the middle of the answers would be the test's own stall.
     svc = build_service(ProcessConfig.parse(["--device", "cuda", "--model", "full-random", "--codec", "full-random",
-                                             "--kv-cache-gib", "3", "--max-model-len", "8192", "--no-warm-up"]))
+                                             "--kv-cache-gib", "3", "--max-model-len", "8192"]))
     eng = svc.engine
     total = eng.stats().total_blocks
     text = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
