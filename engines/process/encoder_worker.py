@@ -43,6 +43,7 @@ import numpy as np
 from engines.process.observe.spans import Spans
 from engines.process.worker_wait import wait_for_work
 from engines.speech_in.segment_floor import RefloorJob
+from engines.speech_in.slot_pool import PoolFullError
 
 if TYPE_CHECKING:
     from engines.speech_in.segment_floor import Refloor
@@ -316,6 +317,10 @@ class EncoderWorker:
             t0 = time.perf_counter()
             try:
                 out = many([job for *_, job in group], urgent=urgent)
+            except PoolFullError as e:  # every slot is a speaking user's (a turn answered early keeps its own)
+                log.warning("speech encoder: %d turns keep the running floor's codes: no slot free to re-encode them "
+                            "with their segment floor (%s)", len(group), e)
+                continue
             except Exception:  # noqa: BLE001 - the running floor's codes are still valid turns
                 log.exception("speech encoder: re-encoding %d turns with their segment floor failed", len(group))
                 continue

@@ -107,6 +107,31 @@ def test_turns_committed_together_are_encoded_again_in_one_call_on_their_own_slo
     assert enc.runner.kv.in_use == 0
 
 
+def test_a_re_encode_without_a_free_slot_leaves_the_turns_running_floor_codes(enc, monkeypatch, caplog):
+    """Every slot in use (a full server, where a turn answered early keeps its stream): the commit still comes, with
+    the running floor's codes (no re-encode), and a warning line says so; the worker goes on."""
+    from engines.speech_in.slot_pool import PoolFullError
+
+    def full(jobs, urgent=True):
+        raise PoolFullError("all 2 of the speech encoder's KV slots are in use")
+
+    monkeypatch.setattr(enc, "refloor_many", full)
+    pcm = read_wav(DATA / "speech_en_16k.wav")[0][:24000].astype(np.float32)
+    worker = EncoderWorker(enc)
+    worker.append("a", pcm)
+    with caplog.at_level("WARNING", logger="engines.process"):
+        assert worker.commit("a", final=False)
+        (e,) = wait_until_idle(worker)
+    assert e.commit and e.refloor is None and e.codes
+    (rec,) = [r for r in caplog.records if "keep the running floor" in r.getMessage()]
+    assert rec.levelname == "WARNING" and rec.exc_info is None
+    worker.append("a", pcm[:1600])
+    assert worker.commit("a")
+    assert [r.commit for r in wait_until_idle(worker)] == [True]
+    worker.close()
+    assert enc.runner.kv.in_use == 0
+
+
 def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
     worker = EncoderWorker(enc)
     assert not worker.commit("nobody")
