@@ -1,5 +1,5 @@
 """Room in the KV pool for a waiting request (Scheduler, scheduler.py's module doc): the blocks of idle
-conversations' histories go back to the pool only when a conversation is truncated or released (here too), so a
+conversations' histories go back to the pool only when a conversation is truncated or released (both here), so a
 request whose need exceeds what could ever be free without that is refused rather than left waiting forever. And the
 pool's integrity check over every block table."""
 
