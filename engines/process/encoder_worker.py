@@ -316,21 +316,36 @@ class EncoderWorker:
                 continue
             t0 = time.perf_counter()
             try:
-                out = many([job for *_, job in group], urgent=urgent)
-            except PoolFullError as e:  # every slot is a speaking user's (a turn answered early keeps its own)
-                log.warning("speech encoder: %d turns keep the running floor's codes: no slot free to re-encode them "
-                            "with their segment floor (%s)", len(group), e)
-                continue
+                out = self._refloor_group(many, [job for *_, job in group], urgent)
             except Exception:  # noqa: BLE001 - the running floor's codes are still valid turns
                 log.exception("speech encoder: re-encoding %d turns with their segment floor failed", len(group))
                 continue
             for (i, t, end, _), r in zip(group, out, strict=True):
                 floors[i] = r
-                if end is not None:
+                if end is not None and r is not None:
                     t.floored = end
             with self._cv:
                 self.spans.add("encode refloor" if urgent else "encode refloor held", time.perf_counter() - t0)
         return floors
+
+    @staticmethod
+    def _refloor_group(many: Any, jobs: list[RefloorJob], urgent: bool) -> list[Refloor | None]:
+        """The re-encode of these turns in one call, or, when the slots free for re-encodes cannot hold them all at
+        once (PoolFullError: every other slot is a speaking user's, and a turn answered early keeps its own), one
+        turn after another; a turn that finds no slot even alone keeps the running floor's codes (None)."""
+        if len(jobs) > 1:
+            try:
+                return many(jobs, urgent=urgent)
+            except PoolFullError:
+                pass  # one after another, below
+        out: list[Refloor | None] = []
+        for job in jobs:
+            try:
+                out += many([job], urgent=urgent)
+            except PoolFullError as e:
+                log.warning("speech encoder: a turn keeps the running floor's codes: no slot to re-encode it (%s)", e)
+                out.append(None)
+        return out
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:
         live = [(t, pcm) for t, pcm in work if t.stream is not None or pcm.size]

@@ -32,6 +32,9 @@ from engines.speech_out.voice import DEFAULT_VOICE_WAV, Voice
 from engines.weights_check import model_notes, require_weights
 
 log = logging.getLogger("engines.process")
+# Speech-encoder slots only segment-floor re-encodes take (engines/speech_in/slot_pool.py): a re-encode holds one per
+# 30 s segment for one encoder call, and turns that do not fit at once go one after another (encoder_worker.py).
+REENCODE_SLOTS = 2
 
 
 def _free_bytes(device: str) -> int:
@@ -53,11 +56,12 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
         encoder = SpeechEncoder.load(config.codec, device=config.device, tf32=config.encoder_tf32)
     if on_gpu:
         # KV slots for every sequence the engine runs: growing the pool under load (it doubles) stalls the
-        # engine loop for the allocation and copy.
+        # engine loop for the allocation and copy. And a few for the segment-floor re-encodes alone: with every
+        # sequence's slot in use, a turn answered early (its stream still open) would find none.
         n = engine_config.max_running
-        with memory.part(f"the speech encoder's KV slots for {n} streams "
+        with memory.part(f"the speech encoder's KV slots for {n} streams and {REENCODE_SLOTS} re-encodes "
                          f"({encoder.runner.kv.slot_bytes() / 2**20:.0f} MiB each)"):
-            encoder.reserve(n)
+            encoder.reserve(n, reencodes=REENCODE_SLOTS)
         if config.encoder_graphs:  # after the reserve: a growth of the KV pool retires them
             with memory.part("the speech encoder's CUDA graphs"):
                 encoder.capture_graphs()

@@ -113,18 +113,19 @@ class SpeechEncoder:
             state = load_state(path_or_preset, cfg, dev)
         return cls(cfg, state, dev, tdtype, tf32)
 
-    def reserve(self, streams: int) -> None:
-        """Preallocate KV slots for this many concurrent streams (else the pool doubles as needed)."""
+    def reserve(self, streams: int, reencodes: int = 0) -> None:
+        """Preallocate KV slots for this many concurrent streams (else the pool doubles as needed), and `reencodes`
+        more that only re-encodes take (slot_pool.py)."""
         with self._no_calls(), self.lock, self._on_stream():
-            self.runner.kv.reserve(streams)
+            self.runner.kv.reserve(streams, held_back=reencodes)
 
-    def new_state(self) -> TrunkState:
+    def new_state(self, reencode: bool = False) -> TrunkState:
         """A new stream's state holding a KV slot; a growth of the pool first waits for the calls in flight."""
         with self.lock:
-            if self.runner.kv.has_free:
-                return self.runner.new_state()
+            if self.runner.kv.has_free(reencode):
+                return self.runner.new_state(reencode)
         with self._no_calls(), self.lock:
-            return self.runner.new_state()
+            return self.runner.new_state(reencode)
 
     @contextlib.contextmanager
     def _no_calls(self) -> Iterator[None]:
@@ -184,8 +185,9 @@ class SpeechEncoder:
         stream = self.stream if urgent else self.bulk_stream
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def open_stream(self) -> EncoderStream:
-        return EncoderStream(self)
+    def open_stream(self, reencode: bool = False) -> EncoderStream:
+        """A stream (`reencode`: one of a segment-floor re-encode, which may take a held-back slot)."""
+        return EncoderStream(self, reencode)
 
     def batch(self, urgent: bool = True) -> EncoderBatch:
         """Several streams in one call; `urgent=False`: on the lowest-priority stream (audio still being spoken)."""
@@ -253,12 +255,12 @@ class EncoderStream:
     1280 k + 1160 has arrived (the centred 25 ms mel window of the group's last 50 Hz frame).
     """
 
-    def __init__(self, encoder: SpeechEncoder) -> None:
+    def __init__(self, encoder: SpeechEncoder, reencode: bool = False) -> None:
         self.encoder = encoder
         # Host state only: the device rows of a fresh stream are read from the KV pool's blank row until its first step
         # writes its own (so no kernel on one CUDA stream makes state that another reads).
         self.mel: MelState = encoder.frontend.new_state()
-        self.trunk: TrunkState = encoder.new_state()
+        self.trunk: TrunkState = encoder.new_state(reencode)
         # The KV slot goes back to the pool on finalize/close, or when the stream is dropped.
         self._release = weakref.finalize(self, encoder.release_slot, self.trunk)
         self.codes_out = 0

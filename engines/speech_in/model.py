@@ -132,9 +132,10 @@ class StreamingRunner:
         y = F.linear(x, weight, bias)
         return F.gelu(y) if gelu else y
 
-    def new_state(self) -> TrunkState:
-        """A fresh stream state holding a KV slot; give it back with `release`."""
-        return TrunkState(slot=self.kv.acquire())
+    def new_state(self, reencode: bool = False) -> TrunkState:
+        """A fresh stream state holding a KV slot (`reencode`: a held-back one may serve); give it back with
+        `release`."""
+        return TrunkState(slot=self.kv.acquire(reencode))
 
     def release(self, st: TrunkState) -> None:
         self.kv.release(st.slot)

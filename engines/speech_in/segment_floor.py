@@ -120,7 +120,7 @@ def refloor_many(encoder: SpeechEncoder, jobs: list[RefloorJob], urgent: bool = 
                 continue
             padded = np.concatenate([np.zeros(half, np.float32), plan.x])
             for j in range(plan.first_frame // seg, plan.end):
-                s = encoder.open_stream()
+                s = encoder.open_stream(reencode=True)
                 streams.append(s)
                 owner.append(i)
                 start = j * seg_samples

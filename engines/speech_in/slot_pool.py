@@ -7,6 +7,10 @@ not a copy, when the streams of the step hold consecutive slots; lowest free slo
 to make that the common case). A slot is 1500 rows x 2 x d_model per layer: 234 MiB per stream at full
 size in float32, the encoder's dtype (16 layers; `slot_bytes`). The pool doubles when full; freed slots are reused.
 
+`held_back` of the slots (`reserve(..., held_back=)`) go only to re-encodes (segment_floor.py): a turn answered early
+keeps its stream while its codes are made again with the whole-segment floor, so on a server where every slot holds a
+speaking user's stream the re-encode would otherwise find none.
+
 One more slot than the capacity is allocated: `spare`, never handed out, takes the K/V writes of padding tokens
 (a step's streams padded to the same number of new frames, or to a CUDA graph's bucket). A growth reallocates every
 tensor, so `generation` counts them: graphs captured over the old tensors must not be replayed.
@@ -50,6 +54,7 @@ class KVPool:
         self.peaks = torch.full((2,), float("-inf"), device=device)  # [slots + 2] running log-mel max
         self._free: list[int] = []
         self.in_use = 0
+        self.held_back = 0  # free slots only re-encodes may take
         self.generation = 0  # growths so far
 
     @property
@@ -62,13 +67,12 @@ class KVPool:
         """The state row never written: a fresh stream's carried state."""
         return self.capacity + 1
 
-    @property
-    def has_free(self) -> bool:
-        """A slot can be handed out without a growth."""
-        return bool(self._free)
+    def has_free(self, reencode: bool = False) -> bool:
+        """A slot can be handed out without a growth (to a re-encode: one held back too)."""
+        return len(self._free) > (0 if reencode else self.held_back)
 
-    def acquire(self) -> int:
-        if not self._free:
+    def acquire(self, reencode: bool = False) -> int:
+        if not self.has_free(reencode):
             self._grow(max(1, 2 * self.capacity))
         self.in_use += 1
         return heapq.heappop(self._free)
@@ -87,10 +91,12 @@ class KVPool:
         per_layer = cfg.num_heads * cfg.max_source_positions * cfg.head_dim * torch.finfo(self.dtype).bits // 8
         return 2 * cfg.num_layers * per_layer
 
-    def reserve(self, slots: int) -> None:
-        """Allocate room for `slots` streams up front (avoids growth copies while serving)."""
-        if slots > self.capacity:
-            self._grow(slots)
+    def reserve(self, slots: int, held_back: int = 0) -> None:
+        """Allocate room for `slots` streams up front (avoids growth copies while serving), and `held_back` more
+        slots for re-encodes only."""
+        if slots + held_back > self.capacity:
+            self._grow(slots + held_back)
+        self.held_back = held_back
 
     def _grow(self, capacity: int) -> None:
         """All new tensors first, then the copy: a growth that runs out of memory changes nothing (the CUDA graphs

@@ -91,8 +91,8 @@ def test_turns_committed_together_are_encoded_again_in_one_call_on_their_own_slo
     peak = []
     opened = enc.open_stream
 
-    def open_stream():
-        s = opened()
+    def open_stream(reencode=False):
+        s = opened(reencode)
         peak.append(enc.runner.kv.in_use)
         return s
 
@@ -107,27 +107,40 @@ def test_turns_committed_together_are_encoded_again_in_one_call_on_their_own_slo
     assert enc.runner.kv.in_use == 0
 
 
-def test_a_re_encode_without_a_free_slot_leaves_the_turns_running_floor_codes(enc, monkeypatch, caplog):
-    """Every slot in use (a full server, where a turn answered early keeps its stream): the commit still comes, with
-    the running floor's codes (no re-encode), and a warning line says so; the worker goes on."""
+@pytest.mark.parametrize("reencodes", [1, 0])
+def test_on_a_full_server_turns_answered_early_are_re_encoded_one_after_another(reencodes, monkeypatch, caplog):
+    """Every speaker's slot in use and no memory to grow; two turns committed tentatively in one call keep their
+    streams. With one slot held back for re-encodes, their re-encodes run one after another in it, each with the
+    codes it has alone; with none, the commits still come, with the running floor's codes and a warning line."""
     from engines.speech_in.slot_pool import PoolFullError
 
-    def full(jobs, urgent=True):
-        raise PoolFullError("all 2 of the speech encoder's KV slots are in use")
+    enc = SpeechEncoder.load("tiny-random")
+    enc.reserve(2, reencodes=reencodes)
 
-    monkeypatch.setattr(enc, "refloor_many", full)
-    pcm = read_wav(DATA / "speech_en_16k.wav")[0][:24000].astype(np.float32)
+    def full(capacity):
+        raise PoolFullError("all the speech encoder's KV slots are in use")
+
+    monkeypatch.setattr(enc.runner.kv, "_grow", full)
+    pcm = read_wav(DATA / "speech_en_16k.wav")[0].astype(np.float32)  # its first ~0.4 s are quiet
+    turns = {"a": pcm[:20000], "b": pcm[:24000]}
     worker = EncoderWorker(enc)
-    worker.append("a", pcm)
+    for key, x in turns.items():
+        worker.append(key, x)
+    assert worker.run_due(flush=True)
     with caplog.at_level("WARNING", logger="engines.process"):
-        assert worker.commit("a", final=False)
-        (e,) = wait_until_idle(worker)
-    assert e.commit and e.refloor is None and e.codes
-    (rec,) = [r for r in caplog.records if "keep the running floor" in r.getMessage()]
-    assert rec.levelname == "WARNING" and rec.exc_info is None
-    worker.append("a", pcm[:1600])
-    assert worker.commit("a")
-    assert [r.commit for r in wait_until_idle(worker)] == [True]
+        for key in turns:
+            assert worker.commit(key, final=False)
+        results = wait_until_idle(worker)
+    floors = {e.key: e.refloor for e in results if e.commit}
+    warned = [r for r in caplog.records if "keeps the running floor" in r.getMessage()]
+    if reencodes:
+        assert floors == {key: enc.refloor(x, final=False) for key, x in turns.items()} and not warned
+    else:
+        assert floors == {"a": None, "b": None} and len(warned) == 2
+        assert all(r.levelname == "WARNING" and r.exc_info is None for r in warned)
+    for key in turns:
+        assert worker.commit(key)
+    wait_until_idle(worker)
     worker.close()
     assert enc.runner.kv.in_use == 0
 

@@ -92,6 +92,19 @@ def test_reserved_kv_slots_serve_that_many_streams_without_growing():
     assert pool.capacity == 6  # reserving less never shrinks
 
 
+def test_slots_held_back_for_re_encodes_go_to_re_encodes_only():
+    e = SpeechEncoder.load("tiny-random", device="cpu")
+    pool = e.runner.kv
+    e.reserve(2, reencodes=1)
+    assert pool.capacity == 3
+    speakers = [e.open_stream() for _ in range(2)]
+    again = e.open_stream(reencode=True)  # a re-encode takes the slot held back
+    assert pool.capacity == 3 and pool.in_use == 3
+    again.close()
+    third = e.open_stream()  # a speaker does not: the pool grows (on a full GPU: PoolFullError, server_busy)
+    assert pool.capacity == 6 and third.trunk.slot not in [s.trunk.slot for s in speakers]
+
+
 class CountedLanes(threading.Condition):
     """The encoder's `_lanes` condition, counting the threads blocked in it: a test waits until a call or a growth
     of the pool waits for its turn there, instead of sleeping and seeing that it has not finished."""
