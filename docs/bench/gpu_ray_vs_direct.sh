@@ -10,13 +10,18 @@
 #   RVD_MODE=stage  bash docs/bench/gpu_ray_vs_direct.sh      carrying .whl-ray/b
 #   RVD_MODE=direct bash docs/bench/gpu_ray_vs_direct.sh      carrying .whl        (docs/bench/gpu_wheels.sh; ~4 min)
 #   RVD_MODE=ray    bash docs/bench/gpu_ray_vs_direct.sh      (~5 min; ends with the table of both)
+# A dry run of the same steps on a CPU (the tiny model, nothing installed: the checkout's environment):
+#   PATH=.venv/bin:$PATH RVD_DEVICE=cpu RVD_MODEL=tiny-random RVD_ENGINE_GPUS=0 RVD_INSTALL=0 RVD_SESSIONS=4 ...
 set -u
 OUT=${OUT:-/tmp}; N=${RVD_SESSIONS:-128}; PORT=8000; MODE=${RVD_MODE:-direct}
 SITE=/tmp/site; WHEELS=/tmp/moss-ray-wheels; KEEP=/tmp/rvd; mkdir -p $WHEELS $KEEP
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0  # (the checkout: Ray's workers start elsewhere)
+# A one-host cluster of its own: no token authentication (Ray 2.60 turns it on where ~/.ray/auth_token exists)
+export RAY_AUTH_MODE=disabled
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moss-triton-cache}
 export MOSS_MAX_SESSIONS=${MOSS_MAX_SESSIONS:-288} MOSS_LOG_LEVEL=warning MOSS_MAX_RUNNING=${MOSS_MAX_RUNNING:-128} \
-  MOSS_MAX_MODEL_LEN=${MOSS_MAX_MODEL_LEN:-4096} MOSS_MODEL=full-random MOSS_CODEC=full-random MOSS_VOCODER=hift
+  MOSS_MAX_MODEL_LEN=${MOSS_MAX_MODEL_LEN:-4096} MOSS_MODEL=${RVD_MODEL:-full-random} MOSS_CODEC=${RVD_MODEL:-full-random} \
+  MOSS_VOCODER=hift MOSS_DEVICE=${RVD_DEVICE:-cuda}
 if [ "$MODE" = stage ]; then
   cp .whl-ray/a/* .whl-ray/b/* $WHEELS/ 2>/dev/null; ls -la $WHEELS; exit 0
 fi
@@ -39,15 +44,17 @@ PY
 if [ "$MODE" = ray ] && ls $WHEELS/ray-*.part-* > /dev/null 2>&1; then
   WHL=$(ls $WHEELS/ray-*.part-aa); cat $WHEELS/ray-*.part-* > "${WHL%.part-aa}" && rm $WHEELS/ray-*.part-*
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl \
-  $([ "$MODE" = ray ] && echo $WHEELS/*.whl) || exit 1
+if [ "${RVD_INSTALL:-1}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl \
+    $([ "$MODE" = ray ] && echo $WHEELS/*.whl) || exit 1
+fi
 if [ "$MODE" = ray ]; then
-  python3 -m ray.scripts.scripts start --head --port 6379 --num-gpus 1 --include-dashboard false > $OUT/rvd-ray-start.log 2>&1 \
+  python3 -m ray.scripts.scripts start --head --port 6379 --num-gpus ${RVD_ENGINE_GPUS:-1} --include-dashboard false > $OUT/rvd-ray-start.log 2>&1 \
     || { tail -20 $OUT/rvd-ray-start.log; exit 1; }
-  python3 -m moss_speech.cli serve --ray 127.0.0.1:6379 --ray-engines 1 --ray-frontends 2 --ray-engine-gpus 1 \
+  python3 -m moss_speech.cli serve --ray 127.0.0.1:6379 --ray-engines 1 --ray-frontends 2 --ray-engine-gpus ${RVD_ENGINE_GPUS:-1} \
     --host 127.0.0.1 --port $PORT > $OUT/rvd-ray-server.log 2>&1 &
 else
-  python3 -m moss_speech.cli serve --device cuda --workers 2 --host 127.0.0.1 --port $PORT > $OUT/rvd-direct-server.log 2>&1 &
+  python3 -m moss_speech.cli serve --device ${RVD_DEVICE:-cuda} --workers 2 --host 127.0.0.1 --port $PORT > $OUT/rvd-direct-server.log 2>&1 &
 fi
 SERVER=$!
 for i in $(seq 1 400); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; kill -0 $SERVER || break; sleep 1; done
