@@ -66,6 +66,8 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
         start[f"a{i}"] = time.monotonic()
     asked, steps = 0, 0
     msgs: list = []
+    slowest = (0.0, 0)  # the longest step (s) and which
+    last = time.monotonic()
     while svc.has_work():
         if steps % 5 == 0:  # a new turn every 5 steps, each with a long history of its own
             sid = f"new{asked}"
@@ -76,12 +78,15 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
         out = [x for _, x in service_loop.step(svc)]
         steps += 1
         now = time.monotonic()
+        dt, last = now - last, now
+        slowest = max(slowest, (dt, steps))
         for x in out:
             if isinstance(x, m.AudioChunk) and x.response_id in start:
                 t0 = first.setdefault(x.response_id, now)
                 late = (now - t0) - posted.get(x.response_id, 0) / RATE
                 if late > late_s:
-                    late_s, worst = late, {"chunk": x.index, "step": steps, "new_turns_by_then": asked}
+                    late_s, worst = late, {"chunk": x.index, "step": steps, "new_turns_by_then": asked,
+                                           "step_ms": round(dt * 1000, 1)}
                 posted[x.response_id] = posted.get(x.response_id, 0) + len(x.pcm24k) // 2
         msgs += out
         assert steps < 100_000, "the engine never went idle"
@@ -99,6 +104,7 @@ def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time
     print(json.dumps({"kv_blocks": total, "idle_histories": h, "live_answers": LIVE, "new_turns": asked,
                       "refused_server_busy": refused, "steps": steps, "max_late_ms": round(late_s * 1000, 1),
                       "first_chunk_max_ms": round(ttfa[-1] * 1000, 1), "free_blocks_after": free,
-                      "latest_chunk": worst}))
+                      "latest_chunk": worst, "slowest_step_ms": round(slowest[0] * 1000, 1),
+                      "slowest_step": slowest[1]}))
     assert free == total
     assert late_s <= 0.0, f"a playing answer's chunk came {late_s * 1000:.0f} ms after its audio ran out"
