@@ -9,6 +9,7 @@ out").
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
 import socket
@@ -53,12 +54,24 @@ def unreachable(address: str, timeout_s: float = 3.0) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
+def loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def run(settings: Settings, ray_args: dict[str, Any]) -> int:
     address = ray_args["ray"]
     if settings.gpus is not None or settings.workers > 1:
         print("moss-speech serve: --ray places sessions on Ray's engine replicas: leave out --gpus and --workers",
               file=sys.stderr)
         return 2
+    if loopback(settings.host):
+        # (the server's own default: right for one machine, not for a cluster's ingress)
+        print(f"moss-speech serve: --host {settings.host}: the ingress and the front ends listen on loopback only: "
+              "neither clients on other machines nor HAProxy on the cluster's other nodes reach them (--host 0.0.0.0 "
+              "for a cluster of several hosts)", file=sys.stderr)
     try:
         import ray  # optional: the `ray` extra
         from ray import serve

@@ -199,6 +199,9 @@ def test_unreachable_cluster_is_a_clear_error_naming_its_address(capsys):
     assert main(["serve", "--ray", address, "--ray-engine-gpus", "0"]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach the Ray cluster at {address}" in err and "ConnectionRefusedError" in err
+    assert "--host 127.0.0.1: the ingress and the front ends listen on loopback only" in err  # the default host
+    assert main(["serve", "--ray", address, "--ray-engine-gpus", "0", "--host", "0.0.0.0"]) == 2
+    assert "loopback" not in capsys.readouterr().err
 
 
 def test_options_are_checked_by_name():
