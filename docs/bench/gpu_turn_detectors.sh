@@ -3,7 +3,8 @@
 # full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --workers 4, one `bench capacity` level a run.
 # RUNS: which of the runs below, in this order (default "nat128 nat1 vad128"); each is skipped when fewer than 40 s
 # of TD_BUDGET_S (570, from the script's start: the engine's start takes 190-260 s of it on a fresh machine, so more
-# than two runs take two calls) are left, and cut at what is left. Each writes $OUT/NAME.json.
+# than two runs take two calls) are left, and cut at what is left. Each writes $OUT/NAME.json, and NAME-cpu.json: the
+# host's cores busy over it, by role (docs/bench/proc_cpu.py), as the engine shares them with the server processes.
 #   high128 / auto128  semantic_vad, eagerness high (answers released at once) / auto (held until 300 ms of
 #                      silence confirm the turn): 128 sessions, 4 turns, answers up to 250 rows (20 s), the paused
 #                      turn of tests/data
@@ -26,9 +27,16 @@ level() {  # NAME SESSIONS bench-capacity-options...
   left=$((DEADLINE - $(date +%s)))
   [ "$left" -lt 40 ] && { echo "== $name: skipped, ${left} s left"; return; }
   echo "== $name ($n sessions, $left s left)"
+  python3 docs/bench/proc_cpu.py snapshot > "$OUT/$name-cpu-0.json"; local t0; t0=$(date +%s.%N)
   # shellcheck disable=SC2086
   timeout "$left" python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start "$n" --max "$n" \
     --ramp 16 --keep-going --quiet --level-duration 150 $WARM --json "$OUT/$name.json" "$@" 2>&1 | tail -12
+  # the host's cores busy on average over the level, by role (engine, server processes, the load test itself)
+  python3 docs/bench/proc_cpu.py snapshot > "$OUT/$name-cpu-1.json"
+  python3 docs/bench/proc_cpu.py diff "$OUT/$name-cpu-0.json" "$OUT/$name-cpu-1.json" \
+    "$(python3 -c "print($(date +%s.%N) - $t0)")" "$n" > "$OUT/$name-cpu.json" && rm "$OUT/$name"-cpu-[01].json
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('cores busy:', ', '.join(
+    f'{k} {v[\"cores\"]}' for k, v in d.items()))" "$OUT/$name-cpu.json"
   WARM="--no-warmup"
 }
 PAUSED="--audio tests/data/speech_paused_en_16k.wav"

