@@ -21,6 +21,13 @@ T0=$(date +%s)
 DEADLINE=$((T0 + ${TD_BUDGET_S:-570}))
 # shellcheck source=docs/bench/gpu_serve.sh
 source docs/bench/gpu_serve.sh
+# TD_ENGINE_NICE (e.g. -5): every thread of the engine process at that niceness once it serves (Linux niceness is a
+# thread's; threads started later inherit it), the server processes left at 0: whether the engine's loop and codec
+# threads lose the host's cores to the server processes' end-of-turn model under load (compare NAME-cpu.json).
+if [ -n "${TD_ENGINE_NICE:-}" ]; then
+  for task in /proc/"$(pgrep -f engines.process.main | head -1)"/task/*; do renice -n "$TD_ENGINE_NICE" -p "${task##*/}" > /dev/null; done
+  echo "engine threads at niceness $TD_ENGINE_NICE: $(ls /proc/"$(pgrep -f engines.process.main | head -1)"/task | wc -l)"
+fi
 WARM=""  # the first run wakes the server with an unrecorded turn; the others need none
 level() {  # NAME SESSIONS bench-capacity-options...
   local name=$1 n=$2 left; shift 2
