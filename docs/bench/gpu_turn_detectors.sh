@@ -25,8 +25,10 @@ source docs/bench/gpu_serve.sh
 # thread's; threads started later inherit it), the server processes left at 0: whether the engine's loop and codec
 # threads lose the host's cores to the server processes' end-of-turn model under load (compare NAME-cpu.json).
 if [ -n "${TD_ENGINE_NICE:-}" ]; then
-  for task in /proc/"$(pgrep -f engines.process.main | head -1)"/task/*; do renice -n "$TD_ENGINE_NICE" -p "${task##*/}" > /dev/null; done
-  echo "engine threads at niceness $TD_ENGINE_NICE: $(ls /proc/"$(pgrep -f engines.process.main | head -1)"/task | wc -l)"
+  ENGINE_PID=$(pgrep -f engines.process.main | head -1)
+  [ -n "$ENGINE_PID" ] || { echo "TD_ENGINE_NICE: no engine process"; exit 1; }
+  for task in /proc/"$ENGINE_PID"/task/*; do renice -n "$TD_ENGINE_NICE" -p "${task##*/}" > /dev/null; done
+  echo "engine threads at niceness $TD_ENGINE_NICE: $(ls /proc/"$ENGINE_PID"/task | wc -l)"
 fi
 WARM=""  # the first run wakes the server with an unrecorded turn; the others need none
 level() {  # NAME SESSIONS bench-capacity-options...
