@@ -145,12 +145,30 @@ def haproxy_binding(port: int) -> list[str]:
     return pids
 
 
+def frontend_replicas_env(name: str) -> list[str | None]:
+    """`name` in the environment of each front end replica process of this host (None where it is unset)."""
+    values = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ServeReplica:moss-speech:Frontend" not in f.read():  # the title names the method it runs
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split("\0") if "=" in v)
+            values.append(env.get(name))
+        except OSError:
+            continue
+    return values
+
+
 @pytest.mark.parametrize("transport", ["ws", "webrtc"])
 def test_load_test_through_the_ray_ingress_has_no_errors(url, transport):
     """The ingress is HAProxy, passing connections to the front end replica (Ray's Python proxy would relay each
     WebSocket message through Ray calls). WebRTC: the offer is answered by the front end replica HAProxy chose, and
     the media flows between the client and that replica's process directly (here on loopback)."""
     assert haproxy_binding(int(url.rsplit(":", 1)[1])), "no HAProxy serves the ingress's port"
+    # the sessions on the loop of the replica's HTTP server: no second thread between the ingress and them
+    assert frontend_replicas_env("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == ["0"]
     sessions = 4 if transport == "ws" else 1
     cfg = LoadConfig(url=url, sessions=sessions, turns=1, max_output_tokens=10, think_ms=100.0, turn_timeout_s=120.0,
                      duration_s=200.0, transport=transport)
