@@ -43,6 +43,15 @@ for r in rows:
 print(f"ray - direct: p95 {rows[1][2] - rows[0][2]:+.1f} ms, CPU {rows[1][6] - rows[0][6]:+.3f} ms per session-second")
 PY
 }
+# A machine given back between calls (30 s idle) comes back bare: say what is missing rather than install half a wheel.
+if [ "$MODE" = ray ] && ! ls $WHEELS/ray-*.whl > /dev/null 2>&1 \
+    && ! { ls $WHEELS/ray-*.part-aa && ls $WHEELS/ray-*.part-ab; } > /dev/null 2>&1; then
+  echo "ray: $WHEELS lacks a part of the Ray wheel (has: $(ls $WHEELS | tr '\n' ' ')): this machine was started" \
+    "since it was staged; stage .whl-ray/a and .whl-ray/b again" >&2; exit 1
+fi
+if [ "${RVD_INSTALL:-1}" = 1 ] && ! ls .whl/*.whl > /dev/null 2>&1; then
+  echo "no .whl/ here: carry it in this call or an earlier one on this machine (docs/bench/gpu_wheels.sh)" >&2; exit 1
+fi
 if [ "$MODE" = ray ] && ls $WHEELS/ray-*.part-* > /dev/null 2>&1; then
   WHL=$(ls $WHEELS/ray-*.part-aa); cat $WHEELS/ray-*.part-* > "${WHL%.part-aa}" && rm $WHEELS/ray-*.part-*
 fi
