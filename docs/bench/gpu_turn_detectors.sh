@@ -40,7 +40,8 @@ level() {  # NAME SESSIONS bench-capacity-options...
   # shellcheck disable=SC2086
   timeout "$left" python3 -m moss_speech.cli bench capacity --url http://127.0.0.1:8000 --start "$n" --max "$n" \
     --ramp 16 --keep-going --quiet --level-duration 150 $WARM --json "$OUT/$name.json" "$@" 2>&1 | tail -12
-  # the host's cores busy on average over the level, by role (engine, server processes, the load test itself)
+  # the host's cores busy on average over the level, by role (engine, server processes; the load test's processes
+  # start and end within the level, so they count in `other`)
   python3 docs/bench/proc_cpu.py snapshot > "$OUT/$name-cpu-1.json"
   python3 docs/bench/proc_cpu.py diff "$OUT/$name-cpu-0.json" "$OUT/$name-cpu-1.json" \
     "$(python3 -c "print($(date +%s.%N) - $t0)")" "$n" > "$OUT/$name-cpu.json" && rm "$OUT/$name"-cpu-[01].json
