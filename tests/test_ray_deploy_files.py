@@ -41,7 +41,8 @@ def test_manifest_is_a_valid_rayservice():
 
 def test_every_host_of_the_cluster_turns_on_the_haproxy_ingress():
     """The Serve controller and the front end replicas must agree on the ingress: the variable is set on every
-    host, to 1, as `moss-speech serve --ray` sets it for its own application."""
+    host, to 1, as `moss-speech serve --ray` sets it for its own application; so is Ray's worker niceness, to 0
+    (HAProxy is started by Ray's proxy actors, outside the application's deployments)."""
     spec = manifest()["spec"]["rayClusterConfig"]
     pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
     containers = [c for pod in pods for c in pod["spec"]["containers"]]
@@ -49,7 +50,9 @@ def test_every_host_of_the_cluster_turns_on_the_haproxy_ingress():
     for c in containers:
         env = {e["name"]: e["value"] for e in c.get("env", [])}
         assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", c["name"]
+        assert env.get("RAY_worker_niceness") == "0", c["name"]
     assert "export RAY_SERVE_ENABLE_HA_PROXY=1" in SERVE_CONFIG.read_text()
+    assert "export RAY_worker_niceness=0" in SERVE_CONFIG.read_text()
 
 
 @pytest.mark.parametrize("path, value", [

@@ -36,13 +36,18 @@ FRONTEND_SHUTDOWN_S = 30.0
 # second loop in a thread of its own, which hands every WebSocket message between the two threads: the ingress's
 # share of a turn (the client's commit -> first audio less the server's own) p95 +4.4 and +8.0 ms with the second
 # loop, -0.5 and +0.5 ms without (tiny model, 2-core box, 16 sessions, two pairs, 2026-12-02).
-FRONTEND_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# Ray starts its worker processes at niceness 15 (its `worker_niceness`), and the engine process inherits it from the
+# engine replica: then any busy process at the default niceness (a client on the same host, Ray's own services) takes
+# the core from the engine's loop, the front ends' sessions and HAProxy whenever they contend. Every process on the
+# serving path runs at the default niceness instead.
+SERVING_ENV = {"RAY_worker_niceness": "0"}
+FRONTEND_ENV = {**SERVING_ENV, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def ingress_env() -> dict[str, str]:
     """The environment the Serve controller, its proxies and the front end replicas need for the ingress (the
-    replicas take it from their job's runtime_env: the driver's ray.init)."""
-    return {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1")}
+    replicas take it from their job's runtime_env: the driver's ray.init), HAProxy at the default niceness."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1"), **SERVING_ENV}
 
 
 def start(host: str, port: int) -> None:
@@ -63,7 +68,8 @@ def application(opts: RayOptions) -> Application:
             "upscale_delay_s": 10.0, "downscale_delay_s": 600.0}}
     engine = serve.deployment(
         EngineReplica, name="Engine", **scaling,
-        ray_actor_options={"num_gpus": opts.engine_gpus, "num_cpus": opts.engine_cpus},
+        ray_actor_options={"num_gpus": opts.engine_gpus, "num_cpus": opts.engine_cpus,
+                           "runtime_env": {"env_vars": SERVING_ENV}},
         health_check_period_s=opts.health_check_period_s, health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=opts.engine_drain_s + 30.0,
     ).bind(directory, opts.settings, opts.engine_drain_s)

