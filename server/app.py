@@ -51,11 +51,11 @@ class _VadStreams:
         with self._lock:
             if self._batcher is None:
                 from server.turn_model import SmartTurn, threads_for
-                from server.vad import EndOfTurnBatcher, VadBatcher  # imports torch: seconds, mostly under the GIL
+                from server.vad import EndOfTurnQueue, VadBatcher  # imports torch: seconds, mostly under the GIL
 
                 st = self._settings
                 threads = threads_for(st.workers)
-                end_of_turn = (EndOfTurnBatcher(load=lambda: SmartTurn(threads=threads)) if st.end_of_turn_model
+                end_of_turn = (EndOfTurnQueue(load=lambda: SmartTurn(threads=threads)) if st.end_of_turn_model
                                else None)
                 self._batcher = VadBatcher(end_of_turn=end_of_turn,
                                            end_of_turn_in_server_vad=st.server_vad_end_of_turn,

@@ -7,11 +7,13 @@ LICENSE-smart-turn.txt). Input: the last 8 s of the turn at 16 kHz, zero-padded 
 features [80, 800] (25 ms windows every 10 ms, 80 Slaney mel bands, waveform normalised to zero mean and unit
 variance first, log10 clipped 8 below its maximum, then (x + 4) / 4). Output: P(the turn is complete), a sigmoid.
 
-One model serves every session of the process; `EndOfTurnBatcher` runs the turns that wait at the same moment in one
-batched call on a worker thread (onnxruntime releases the GIL), never on the event loop. A turn costs 70-80 ms on one
-thread (8 ms of it the features), batched or not, on the 16-core Xeon host of an H200 and on a 2-core development
-machine alike; in batches of 8 on that host, 42 ms on two threads and 30 ms on four (2026-12-02). `threads_for`
-gives each server process its share of the cores.
+One model serves every session of the process; `EndOfTurnQueue` answers the turns one at a time, in the order asked,
+on a worker thread (onnxruntime releases the GIL), never on the event loop. Batching buys nothing here: a turn costs
+70-80 ms on one thread (8 ms of it the features) batched or not on the 16-core Xeon host of an H200 (42 ms on two
+threads and 30 ms on four; 2026-12-02), 36 ms alone against 42-46 in batches of 8 on the 2-core development box
+(2026-12-03); and a batch answers all its turns when its last is done, while one at a time answers each as soon as
+it is, and skips a question withdrawn while it waited (docs/bench/end_of_turn_queue.py measures the wait).
+`threads_for` gives each server process its share of the cores.
 
 `python3 -m server.turn_model WAV...`: what the model says of a recording's pauses (each silence of 200 ms or more,
 judged 200 ms into it, or `--after-ms` in) and of its end.
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,15 +114,16 @@ class _Ask:
     done: asyncio.Future[float]
 
 
-class EndOfTurnBatcher:
-    """P(complete) for any session's turn, off the event loop: the turns asked for while a call runs go together in
-    the next one. `load`: builds the model (default: the shipped Smart Turn) on first use, in the worker thread."""
+class EndOfTurnQueue:
+    """P(complete) for any session's turn, off the event loop: one turn a call, in the order asked; a question
+    withdrawn (its waiter cancelled) before its call starts is skipped. `load`: builds the model (default: the shipped
+    Smart Turn) on first use, in the worker thread."""
 
     def __init__(self, load: Any = SmartTurn) -> None:
         self._load = load
         self._model: Any = None
         self._load_lock = threading.Lock()
-        self._queue: list[_Ask] = []
+        self._queue: deque[_Ask] = deque()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -132,26 +136,24 @@ class EndOfTurnBatcher:
         loop = asyncio.get_running_loop()
         ask = _Ask(np.asarray(audio, np.float32)[-WINDOW_SAMPLES:], loop.create_future())
         if self._loop is not loop or self._task is None or self._task.done():
-            self._loop, self._queue = loop, []
+            self._loop, self._queue = loop, deque()
             self._task = loop.create_task(self._run(), name="end-of-turn")
         self._queue.append(ask)
         return await ask.done
 
     async def _run(self) -> None:
         while self._queue:
-            batch, self._queue = [a for a in self._queue if not a.done.done()], []
-            if not batch:
+            ask = self._queue.popleft()
+            if ask.done.done():  # withdrawn while it waited
                 continue
             try:
-                probs = await asyncio.to_thread(self._call, [a.audio for a in batch])
-            except Exception as e:  # noqa: BLE001 - every waiting turn hears of it
-                for a in batch:
-                    if not a.done.done():
-                        a.done.set_exception(e)
+                (p,) = await asyncio.to_thread(self._call, [ask.audio])
+            except Exception as e:  # noqa: BLE001 - the turn still ends after its longest silence
+                if not ask.done.done():
+                    ask.done.set_exception(e)
                 continue
-            for a, p in zip(batch, probs, strict=True):
-                if not a.done.done():
-                    a.done.set_result(p)
+            if not ask.done.done():
+                ask.done.set_result(p)
 
     def _ensure(self) -> Any:
         with self._load_lock:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from server.turn_model import EndOfTurnBatcher
+from server.turn_model import EndOfTurnQueue
 
 # The package's own deprecation noise when it loads its model (loaded in worker threads, where
 # catch_warnings would race): importlib path and torch.jit.load.
@@ -78,7 +78,7 @@ class VadStream:
         await self._batcher.ready()
 
     @property
-    def end_of_turn(self) -> EndOfTurnBatcher | None:
+    def end_of_turn(self) -> EndOfTurnQueue | None:
         """The end-of-turn model (semantic_vad), if this server runs one."""
         return self._batcher.end_of_turn
 
@@ -119,7 +119,7 @@ class VadBatcher:
     """
 
     def __init__(self, load: Any = load_silero_16k, round_every_s: float = 0.008,
-                 end_of_turn: EndOfTurnBatcher | None = None, end_of_turn_in_server_vad: bool = False,
+                 end_of_turn: EndOfTurnQueue | None = None, end_of_turn_in_server_vad: bool = False,
                  speculative_server_vad: bool = False) -> None:
         if round_every_s < 0:
             raise ValueError(f"round_every_s must be >= 0, got {round_every_s}")

@@ -14,7 +14,7 @@ from server.audio.pcm import read_wav
 from server.turn_model import (
     MODEL_PATH,
     WINDOW_SAMPLES,
-    EndOfTurnBatcher,
+    EndOfTurnQueue,
     SmartTurn,
     log_mel,
     main,
@@ -75,6 +75,7 @@ def test_each_server_process_gets_half_its_share_of_the_cores_for_the_model_one_
 class Counting:
     def __init__(self, gate: threading.Event | None = None, fail: bool = False) -> None:
         self.batches: list[int] = []
+        self.heard: list[int] = []  # samples of each turn the model ran
         self.gate = gate
         self.fail = fail
 
@@ -84,24 +85,55 @@ class Counting:
         if self.fail:
             raise RuntimeError("model broke")
         self.batches.append(len(turns))
+        self.heard += [len(a) for a in turns]
         return [float(len(a)) / WINDOW_SAMPLES for a in turns]
 
 
-async def test_turns_asked_while_a_call_runs_share_the_next_call():
+async def test_turns_are_answered_one_a_call_in_the_order_asked():
     gate = threading.Event()
     model = Counting(gate)
-    eot = EndOfTurnBatcher(load=lambda: model)
+    eot = EndOfTurnQueue(load=lambda: model)
     first = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
     await asyncio.sleep(0)  # the first call starts (and waits on the gate, in its thread)
     rest = [asyncio.ensure_future(eot.complete(np.zeros(n, np.float32))) for n in (32000, 48000, 10 * 16000)]
     gate.set()
     got = await asyncio.gather(first, *rest)
     assert got == [0.125, 0.25, 0.375, 1.0]  # (the last 8 s only)
-    assert model.batches == [1, 3]
+    assert model.batches == [1, 1, 1, 1]
+    assert model.heard == [16000, 32000, 48000, WINDOW_SAMPLES]
+
+
+async def test_a_turn_answered_before_those_asked_after_it_is_not_held_for_them():
+    gate = threading.Event()
+    model = Counting(gate)
+    eot = EndOfTurnQueue(load=lambda: model)
+    first = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(eot.complete(np.zeros(32000, np.float32)))
+    later = [asyncio.ensure_future(eot.complete(np.zeros(48000, np.float32))) for _ in range(3)]
+    gate.set()
+    assert await second == 0.25
+    assert not all(t.done() for t in later)  # the second's answer came before the later turns were run
+    await asyncio.gather(first, *later)
+
+
+async def test_a_question_withdrawn_while_it_waits_is_never_run():
+    gate = threading.Event()
+    model = Counting(gate)
+    eot = EndOfTurnQueue(load=lambda: model)
+    first = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
+    await asyncio.sleep(0)
+    withdrawn = asyncio.ensure_future(eot.complete(np.zeros(32000, np.float32)))
+    kept = asyncio.ensure_future(eot.complete(np.zeros(48000, np.float32)))
+    await asyncio.sleep(0)
+    withdrawn.cancel()
+    gate.set()
+    assert await asyncio.gather(first, kept) == [0.125, 0.375]
+    assert model.heard == [16000, 48000]
 
 
 async def test_a_failing_model_fails_every_turn_waiting():
-    eot = EndOfTurnBatcher(load=lambda: Counting(fail=True))
+    eot = EndOfTurnQueue(load=lambda: Counting(fail=True))
     got = await asyncio.gather(*(eot.complete(np.zeros(16000, np.float32)) for _ in range(2)), return_exceptions=True)
     assert all(isinstance(e, RuntimeError) for e in got)
 

@@ -12,7 +12,7 @@ import pytest
 
 from engines.protocol import messages as m
 from server.session.session import Session
-from server.turn_model import EndOfTurnBatcher
+from server.turn_model import EndOfTurnQueue
 from server.vad import VadBatcher
 from tests.server.session.session_support import CHUNK, Link, drain, feed, settled, silence, types
 from tests.server.session.turn_model_fakes import Model, voice24k
@@ -46,7 +46,7 @@ class Observer:
 
 async def new_session(turn_detection: dict, model: Model | None = None) -> tuple[Session, Link, Observer]:
     link, obs = Link(), Observer()
-    eot = None if model is None else EndOfTurnBatcher(load=lambda: model)
+    eot = None if model is None else EndOfTurnQueue(load=lambda: model)
     batcher = VadBatcher(end_of_turn=eot, speculative_server_vad=True)
     s = Session("sess_test", link, vad_factory=batcher.stream, observer=obs)
     await s.start()

@@ -12,7 +12,7 @@ import pytest
 from engines.protocol import messages as m
 from server.session import turn_detection as td_mod
 from server.session.session import Session
-from server.turn_model import EndOfTurnBatcher
+from server.turn_model import EndOfTurnQueue
 from server.vad import VadBatcher
 from tests.server.session.session_support import Link, drain, feed, settled, silence, types
 from tests.server.session.turn_model_fakes import HeldModel, Model, voice24k
@@ -23,11 +23,11 @@ def speech24k() -> np.ndarray:
     return voice24k()
 
 
-async def new_session(model: Model | None, in_server_vad: bool = False, end_of_turn: EndOfTurnBatcher | None = None
+async def new_session(model: Model | None, in_server_vad: bool = False, end_of_turn: EndOfTurnQueue | None = None
                       ) -> tuple[Session, Link]:
     """A session whose end-of-turn model is `model` (or `end_of_turn`, a batcher other sessions share)."""
     link = Link()
-    eot = end_of_turn or (None if model is None else EndOfTurnBatcher(load=lambda: model))
+    eot = end_of_turn or (None if model is None else EndOfTurnQueue(load=lambda: model))
     batcher = VadBatcher(end_of_turn=eot, end_of_turn_in_server_vad=in_server_vad)
     s = Session("sess_test", link, vad_factory=batcher.stream)
     await s.start()
@@ -172,7 +172,7 @@ async def test_a_session_has_one_question_out_and_asks_the_one_due_meanwhile_whe
 
 async def test_a_question_whose_pause_ended_is_withdrawn_before_the_model_runs_it(speech24k):
     model = HeldModel(0.1)
-    eot = EndOfTurnBatcher(load=lambda: model)
+    eot = EndOfTurnQueue(load=lambda: model)
     sessions = [(await new_session(None, end_of_turn=eot))[0] for _ in range(2)]
     for s in sessions:
         await update(s, {"type": "semantic_vad", "eagerness": "auto"})
