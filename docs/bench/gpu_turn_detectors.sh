@@ -45,8 +45,8 @@ level() {  # NAME SESSIONS bench-capacity-options...
   python3 docs/bench/proc_cpu.py snapshot > "$OUT/$name-cpu-1.json"
   python3 docs/bench/proc_cpu.py diff "$OUT/$name-cpu-0.json" "$OUT/$name-cpu-1.json" \
     "$(python3 -c "print($(date +%s.%N) - $t0)")" "$n" > "$OUT/$name-cpu.json" && rm "$OUT/$name"-cpu-[01].json
-  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('cores busy:', ', '.join(
-    f'{k} {v[\"cores\"]}' for k, v in d.items()))" "$OUT/$name-cpu.json"
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); t = d.pop('threads'); print('cores busy:', ', '.join(
+    f'{k} {v[\"cores\"]}' for k, v in d.items())); print('main threads / other threads:', t)" "$OUT/$name-cpu.json"
   WARM="--no-warmup"
 }
 PAUSED="--audio tests/data/speech_paused_en_16k.wav"
