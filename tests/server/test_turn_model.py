@@ -89,12 +89,18 @@ class Counting:
         return [float(len(a)) / WINDOW_SAMPLES for a in turns]
 
 
-async def test_turns_are_answered_one_a_call_in_the_order_asked():
+async def a_call_running() -> tuple[threading.Event, Counting, EndOfTurnQueue, asyncio.Future[float]]:
+    """A queue whose first call (a 1 s turn) has started and waits on `gate`, in its thread."""
     gate = threading.Event()
     model = Counting(gate)
     eot = EndOfTurnQueue(load=lambda: model)
     first = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
-    await asyncio.sleep(0)  # the first call starts (and waits on the gate, in its thread)
+    await asyncio.sleep(0)
+    return gate, model, eot, first
+
+
+async def test_turns_are_answered_one_a_call_in_the_order_asked():
+    gate, model, eot, first = await a_call_running()
     rest = [asyncio.ensure_future(eot.complete(np.zeros(n, np.float32))) for n in (32000, 48000, 10 * 16000)]
     gate.set()
     got = await asyncio.gather(first, *rest)
@@ -104,11 +110,7 @@ async def test_turns_are_answered_one_a_call_in_the_order_asked():
 
 
 async def test_a_turn_answered_before_those_asked_after_it_is_not_held_for_them():
-    gate = threading.Event()
-    model = Counting(gate)
-    eot = EndOfTurnQueue(load=lambda: model)
-    first = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
-    await asyncio.sleep(0)
+    gate, model, eot, first = await a_call_running()
     second = asyncio.ensure_future(eot.complete(np.zeros(32000, np.float32)))
     later = [asyncio.ensure_future(eot.complete(np.zeros(48000, np.float32))) for _ in range(3)]
     gate.set()
@@ -118,11 +120,7 @@ async def test_a_turn_answered_before_those_asked_after_it_is_not_held_for_them(
 
 
 async def test_a_question_withdrawn_while_it_waits_is_never_run():
-    gate = threading.Event()
-    model = Counting(gate)
-    eot = EndOfTurnQueue(load=lambda: model)
-    first = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
-    await asyncio.sleep(0)
+    gate, model, eot, first = await a_call_running()
     withdrawn = asyncio.ensure_future(eot.complete(np.zeros(32000, np.float32)))
     kept = asyncio.ensure_future(eot.complete(np.zeros(48000, np.float32)))
     await asyncio.sleep(0)
