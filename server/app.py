@@ -42,10 +42,11 @@ log = logging.getLogger("server.app")
 class _VadStreams:
     """Each session's VAD stream, all from one batcher per app (preloaded while the engine starts)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self._batcher: Any = None
         self._lock = threading.Lock()  # sessions open in worker threads
         self._settings = settings
+        self._metrics = metrics
 
     def batcher(self) -> Any:
         with self._lock:
@@ -55,8 +56,9 @@ class _VadStreams:
 
                 st = self._settings
                 threads = threads_for(st.workers)
-                end_of_turn = (EndOfTurnQueue(load=lambda: SmartTurn(threads=threads)) if st.end_of_turn_model
-                               else None)
+                end_of_turn = (EndOfTurnQueue(load=lambda: SmartTurn(threads=threads),
+                                              observe=self._metrics.end_of_turn_question)
+                               if st.end_of_turn_model else None)
                 self._batcher = VadBatcher(end_of_turn=end_of_turn,
                                            end_of_turn_in_server_vad=st.server_vad_end_of_turn,
                                            speculative_server_vad=st.speculative_server_vad)
@@ -136,7 +138,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
                                                     worker.slots_lock_path)
-    vad_streams = _VadStreams(settings) if settings.vad else None
+    vad_streams = _VadStreams(settings, metrics) if settings.vad else None
     sessions = SessionManager(engine, max_sessions=max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
     siblings = siblings if siblings is not None else worker

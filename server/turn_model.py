@@ -26,6 +26,7 @@ import asyncio
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,15 +113,19 @@ class SmartTurn:
 class _Ask:
     audio: np.ndarray
     done: asyncio.Future[float]
+    asked: float  # the loop's clock
 
 
 class EndOfTurnQueue:
     """P(complete) for any session's turn, off the event loop: one turn a call, in the order asked; a question
     withdrawn (its waiter cancelled) before its call starts is skipped. `load`: builds the model (default: the shipped
-    Smart Turn) on first use, in the worker thread."""
+    Smart Turn) on first use, in the worker thread. `observe(outcome, wait_s)`: each question's end, `answered`
+    (asked -> answered in `wait_s`), `stale` (run, but withdrawn meanwhile), `withdrawn` (skipped; `wait_s` None) or
+    `failed`."""
 
-    def __init__(self, load: Any = SmartTurn) -> None:
+    def __init__(self, load: Any = SmartTurn, observe: Callable[[str, float | None], None] | None = None) -> None:
         self._load = load
+        self._observe = observe or (lambda outcome, wait_s: None)
         self._model: Any = None
         self._load_lock = threading.Lock()
         self._queue: deque[_Ask] = deque()
@@ -134,7 +139,7 @@ class EndOfTurnQueue:
     async def complete(self, audio: np.ndarray) -> float:
         """P(the speaker has finished) given the turn's audio so far (16 kHz float32; the last 8 s count)."""
         loop = asyncio.get_running_loop()
-        ask = _Ask(np.asarray(audio, np.float32)[-WINDOW_SAMPLES:], loop.create_future())
+        ask = _Ask(np.asarray(audio, np.float32)[-WINDOW_SAMPLES:], loop.create_future(), loop.time())
         if self._loop is not loop or self._task is None or self._task.done():
             self._loop, self._queue = loop, deque()
             self._task = loop.create_task(self._run(), name="end-of-turn")
@@ -142,18 +147,24 @@ class EndOfTurnQueue:
         return await ask.done
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._queue:
             ask = self._queue.popleft()
             if ask.done.done():  # withdrawn while it waited
+                self._observe("withdrawn", None)
                 continue
             try:
                 (p,) = await asyncio.to_thread(self._call, [ask.audio])
             except Exception as e:  # noqa: BLE001 - the turn still ends after its longest silence
                 if not ask.done.done():
                     ask.done.set_exception(e)
+                self._observe("failed", loop.time() - ask.asked)
                 continue
-            if not ask.done.done():
+            if ask.done.done():
+                self._observe("stale", loop.time() - ask.asked)
+            else:
                 ask.done.set_result(p)
+                self._observe("answered", loop.time() - ask.asked)
 
     def _ensure(self) -> Any:
         with self._load_lock:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+END_OF_TURN_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 4.0)
 RTF_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
 
 
@@ -42,6 +43,14 @@ class Metrics:
         self.speculative = Counter("moss_speculative_answers", "Answers started on a tentative end of turn, by "
                                    "outcome (confirmed, or withdrawn when the user went on)", ["outcome"], registry=r)
         self.withdrawn_rows = Counter("moss_withdrawn_rows", "Rows withdrawn answers generated", registry=r)
+        # A server process's end-of-turn model falling behind its sessions' pauses shows here first: waits grow and
+        # questions end withdrawn (their pause over before the model got to them) instead of answered.
+        self.end_of_turn = Counter("moss_end_of_turn_questions", "Questions to the end-of-turn model, by outcome: "
+                                   "answered, stale (answered after its pause ended), withdrawn (its pause ended "
+                                   "before its call), failed", ["outcome"], registry=r)
+        self.end_of_turn_wait = Histogram("moss_end_of_turn_wait_seconds", "End-of-turn question asked -> answered, "
+                                          "its wait in the queue and its call", buckets=END_OF_TURN_BUCKETS,
+                                          registry=r)
         # The engine's own figures, the same whichever worker's Pong carried them: the latest one wins.
         engine = {"registry": r, "multiprocess_mode": "livemostrecent"}
         self.kv_blocks_free = Gauge("moss_kv_blocks_free", "Free KV blocks in the engine", **engine)
@@ -80,6 +89,11 @@ class Metrics:
     def speculation(self, withdrawn: bool, wasted_rows: int = 0) -> None:
         self.speculative.labels(outcome="withdrawn" if withdrawn else "confirmed").inc()
         self.withdrawn_rows.inc(wasted_rows)
+
+    def end_of_turn_question(self, outcome: str, wait_s: float | None) -> None:
+        self.end_of_turn.labels(outcome=outcome).inc()
+        if outcome == "answered" and wait_s is not None:
+            self.end_of_turn_wait.observe(wait_s)
 
     def engine_stats(self, stats: dict[str, Any], engine: str | None = None) -> None:
         """The figures of an engine's Pong (`engine` named) or of all engines together."""

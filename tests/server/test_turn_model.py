@@ -130,6 +130,28 @@ async def test_a_question_withdrawn_while_it_waits_is_never_run():
     assert model.heard == [16000, 48000]
 
 
+async def test_every_questions_end_is_reported_and_answered_ones_timed():
+    gate = threading.Event()
+    model = Counting(gate)
+    seen: list[tuple[str, float | None]] = []
+    eot = EndOfTurnQueue(load=lambda: model, observe=lambda outcome, wait_s: seen.append((outcome, wait_s)))
+    stale = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
+    await asyncio.sleep(0)  # its call runs (held by the gate)
+    withdrawn = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
+    answered = asyncio.ensure_future(eot.complete(np.zeros(16000, np.float32)))
+    await asyncio.sleep(0)
+    stale.cancel()
+    withdrawn.cancel()
+    gate.set()
+    assert await answered == 0.125
+    assert [outcome for outcome, _ in seen] == ["stale", "withdrawn", "answered"]
+    assert seen[1][1] is None and seen[0][1] > 0 and seen[2][1] > 0
+    model.fail = True
+    with pytest.raises(RuntimeError):
+        await eot.complete(np.zeros(16000, np.float32))
+    assert seen[-1][0] == "failed"
+
+
 async def test_a_failing_model_fails_every_turn_waiting():
     eot = EndOfTurnQueue(load=lambda: Counting(fail=True))
     got = await asyncio.gather(*(eot.complete(np.zeros(16000, np.float32)) for _ in range(2)), return_exceptions=True)

@@ -1,0 +1,41 @@
+"""What /metrics says of the end-of-turn model: every question's outcome, and how long answered ones took."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from server.app import _VadStreams
+from server.ops.metrics import Metrics
+from tests.fakes.harness import tiny_settings
+
+
+def questions(metrics: Metrics) -> dict[str, float]:
+    text = metrics.render().decode()
+    return {k: float(v) for k, v in re.findall(r'^moss_end_of_turn_questions_total\{outcome="(\w+)"\} (\S+)$', text,
+                                               re.M)}
+
+
+def wait_count(metrics: Metrics) -> float:
+    (count,) = re.findall(r"^moss_end_of_turn_wait_seconds_count (\S+)$", metrics.render().decode(), re.M)
+    return float(count)
+
+
+def test_only_answered_questions_are_timed():
+    metrics = Metrics()
+    metrics.end_of_turn_question("answered", 0.05)
+    metrics.end_of_turn_question("withdrawn", None)
+    metrics.end_of_turn_question("stale", 0.3)
+    assert questions(metrics) == {"answered": 1.0, "withdrawn": 1.0, "stale": 1.0}
+    assert wait_count(metrics) == 1.0
+
+
+async def test_the_apps_end_of_turn_model_reports_into_its_metrics():
+    metrics = Metrics()
+    streams = _VadStreams(tiny_settings(), metrics)
+    end_of_turn = streams.batcher().end_of_turn  # the shipped Smart Turn, as the app builds it
+    p = await end_of_turn.complete(np.zeros(16000, np.float32))
+    assert 0.0 <= p <= 1.0
+    assert questions(metrics) == {"answered": 1.0}
+    assert wait_count(metrics) == 1.0
