@@ -8,11 +8,11 @@ features [80, 800] (25 ms windows every 10 ms, 80 Slaney mel bands, waveform nor
 variance first, log10 clipped 8 below its maximum, then (x + 4) / 4). Output: P(the turn is complete), a sigmoid.
 
 One model serves every session of the process; `EndOfTurnQueue` answers the turns one at a time, in the order asked,
-on a worker thread (onnxruntime releases the GIL), never on the event loop. Batching buys nothing here: a turn costs
-70-80 ms on one thread (8 ms of it the features) batched or not on the 16-core Xeon host of an H200 (42 ms on two
-threads and 30 ms on four; 2026-12-02), 36 ms alone against 42-46 in batches of 8 on the 2-core development box
-(2026-12-03); and a batch answers all its turns when its last is done, while one at a time answers each as soon as
-it is, and skips a question withdrawn while it waited (docs/bench/end_of_turn_queue.py measures the wait).
+on a worker thread (onnxruntime releases the GIL), never on the event loop. Batching buys nothing here: on the
+16-core Xeon host of an H200 a turn costs 54 ms on one thread, 34-43 on two, 31-34 on four, alone or in batches of 8
+alike within a few ms; on the 2-core development box 36 ms alone against 42-46 in batches of 8 (2026-12-03; the
+features ~2 ms of it). A batch answers all its turns when its last is done; one at a time answers each as soon as it
+is, and skips a question withdrawn while it waited (docs/bench/end_of_turn_queue.py measures the wait).
 `threads_for` gives each server process its share of the cores.
 
 `python3 -m server.turn_model WAV...`: what the model says of a recording's pauses (each silence of 200 ms or more,

@@ -9,10 +9,11 @@ When a turn ends: server_vad after silence_duration_ms of silence. semantic_vad 
 (server/turn_model.py) about the turn's audio once the VAD has heard PROBE_WINDOWS of silence, and again at growing
 intervals while the pause lasts. A session has one question out at a time (one due meanwhile is asked when the answer
 comes, about the audio then), and a question whose pause has ended is withdrawn before the model runs it: the model
-costs 70-80 ms of a core a question, and at every short pause of natural speech each session would otherwise queue
-questions whose answers nobody waits for, faster than one core answers them (16 sessions of natural speech on a
-2-core machine, 2026-12-02: speech end -> commit p50 1.1 s with this, 2.1 s without). The turn ends at the first answer
-of P(complete) >= the eagerness's bar, or after its longest wait (low 8 s, medium and auto 4 s, high 2 s). With the
+costs 35-55 ms of a core a question (server/turn_model.py), and at every short pause of natural speech each session
+would otherwise queue questions whose answers nobody waits for, faster than one core answers them (16 sessions of
+natural speech on a 2-core machine, 2026-12-02: speech end -> commit p50 1.1 s with this, 2.1 s without). The turn
+ends at the first answer of P(complete) >= the eagerness's bar, or after its longest wait (low 8 s, medium and auto
+4 s, high 2 s). With the
 server's `server_vad_end_of_turn`, server_vad turns ask the model too and end at a confident answer (P >= 0.5) before
 silence_duration_ms.
 

@@ -25,7 +25,7 @@ def speech24k() -> np.ndarray:
 
 async def new_session(model: Model | None, in_server_vad: bool = False, end_of_turn: EndOfTurnQueue | None = None
                       ) -> tuple[Session, Link]:
-    """A session whose end-of-turn model is `model` (or `end_of_turn`, a batcher other sessions share)."""
+    """A session whose end-of-turn model is `model` (or `end_of_turn`, a queue other sessions share)."""
     link = Link()
     eot = end_of_turn or (None if model is None else EndOfTurnQueue(load=lambda: model))
     batcher = VadBatcher(end_of_turn=eot, end_of_turn_in_server_vad=in_server_vad)
