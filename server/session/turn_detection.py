@@ -13,9 +13,8 @@ costs 35-55 ms of a core a question (server/turn_model.py), and at every short p
 would otherwise queue questions whose answers nobody waits for, faster than one core answers them (16 sessions of
 natural speech on a 2-core machine, 2026-12-02: speech end -> commit p50 1.1 s with this, 2.1 s without). The turn
 ends at the first answer of P(complete) >= the eagerness's bar, or after its longest wait (low 8 s, medium and auto
-4 s, high 2 s). With the
-server's `server_vad_end_of_turn`, server_vad turns ask the model too and end at a confident answer (P >= 0.5) before
-silence_duration_ms.
+4 s, high 2 s). With the server's `server_vad_end_of_turn`, server_vad turns ask the model too and end at a confident
+answer (P >= 0.5) before silence_duration_ms.
 
 Silence is counted from the first 32 ms window Silero scores below the threshold, and a turn ends at the first
 window that completes the silence: Silero's probability stays above 0.5 for one or two windows after the voice stops
