@@ -5,7 +5,8 @@
 # of TD_BUDGET_S (570, from the script's start: the engine's start takes 190-260 s of it on a fresh machine, so more
 # than two runs take two calls) are left, and cut at what is left. Each writes $OUT/NAME.json, and NAME-cpu.json: the
 # host's cores busy over it, by role (docs/bench/proc_cpu.py), as the engine shares them with the server processes,
-# and NAME-end-of-turn.txt: the end-of-turn model's questions by outcome and the answered ones' waits (/metrics).
+# and NAME-end-of-turn.txt (/metrics): the silence heard at each turn's end, the end-of-turn model's questions by
+# outcome and the answered ones' waits.
 #   high128 / auto128  semantic_vad, eagerness high (answers released at once) / auto (held until 300 ms of
 #                      silence confirm the turn): 128 sessions, 4 turns, answers up to 250 rows (20 s), the paused
 #                      turn of tests/data
@@ -48,9 +49,9 @@ level() {  # NAME SESSIONS bench-capacity-options...
     "$(python3 -c "print($(date +%s.%N) - $t0)")" "$n" > "$OUT/$name-cpu.json" && rm "$OUT/$name"-cpu-[01].json
   python3 -c "import json, sys; d = json.load(open(sys.argv[1])); t = d.pop('threads'); print('cores busy:', ', '.join(
     f'{k} {v[\"cores\"]}' for k, v in d.items())); print('main threads / other threads:', t)" "$OUT/$name-cpu.json"
-  # the end-of-turn model's questions by outcome and their waits, all server processes together (counted from the
-  # server's start: the runs before this one included)
-  curl -s http://127.0.0.1:8000/metrics | grep "^moss_end_of_turn" > "$OUT/$name-end-of-turn.txt"
+  # turn ends and the end-of-turn model's questions, all server processes together (counted from the server's
+  # start: the runs before this one included)
+  curl -s http://127.0.0.1:8000/metrics | grep -E "^moss_(end_of_turn|turn_end_silence)" > "$OUT/$name-end-of-turn.txt"
   grep "_questions_total" "$OUT/$name-end-of-turn.txt"
   WARM="--no-warmup"
 }

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+TURN_END_BUCKETS = (0.1, 0.2, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0)
 END_OF_TURN_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 4.0)
 RTF_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
 
@@ -51,6 +52,10 @@ class Metrics:
         self.end_of_turn_wait = Histogram("moss_end_of_turn_wait_seconds", "End-of-turn question asked -> answered, "
                                           "its wait in the queue and its call", buckets=END_OF_TURN_BUCKETS,
                                           registry=r)
+        self.turn_end_silence = Histogram("moss_turn_end_silence_seconds", "Silence the turn detector had heard when "
+                                          "it ended a turn (server_vad: silence_duration_ms; semantic_vad: until the "
+                                          "end-of-turn model's yes, and the confirming silence), in audio time",
+                                          buckets=TURN_END_BUCKETS, registry=r)
         # The engine's own figures, the same whichever worker's Pong carried them: the latest one wins.
         engine = {"registry": r, "multiprocess_mode": "livemostrecent"}
         self.kv_blocks_free = Gauge("moss_kv_blocks_free", "Free KV blocks in the engine", **engine)
@@ -89,6 +94,9 @@ class Metrics:
     def speculation(self, withdrawn: bool, wasted_rows: int = 0) -> None:
         self.speculative.labels(outcome="withdrawn" if withdrawn else "confirmed").inc()
         self.withdrawn_rows.inc(wasted_rows)
+
+    def turn_end(self, silence_s: float) -> None:
+        self.turn_end_silence.observe(silence_s)
 
     def end_of_turn_question(self, outcome: str, wait_s: float | None) -> None:
         self.end_of_turn.labels(outcome=outcome).inc()

@@ -75,6 +75,8 @@ class SessionObserver(Protocol):
 
     def speculation(self, withdrawn: bool, wasted_rows: int = 0) -> None: ...
 
+    def turn_end(self, silence_s: float) -> None: ...
+
 
 @dataclass(frozen=True)
 class SessionLimits:

@@ -324,6 +324,7 @@ class TurnDetector:
         r = s.responses.active or s.responses.last
         if r is not None and r.id == spec.response_id:
             r.playback.turn_start = time.monotonic()
+        self._observe_turn_end()
         self.in_speech = False
         self._silence_run = 0
         self._end_pause()
@@ -364,11 +365,19 @@ class TurnDetector:
         for pcm in spec.audio:
             await s.input_buffer.send(pcm)
 
+    def _observe_turn_end(self) -> None:
+        """The silence heard when the client is told the turn ended: the detector's own wait, in audio time (the
+        VAD's lag and the transport's not counted)."""
+        if self.s.observer is not None:
+            self.s.observer.turn_end(self._silence_run / ENGINE_IN_RATE)
+
     async def _speech_stopped(self, tentative: bool = False) -> None:
         s = self.s
         td = s.config.turn_detection
         assert td is not None
         await s.engine_inputs.flush_user_audio()  # the turn's last audio (the silence run that ends it)
+        if not tentative:
+            self._observe_turn_end()
         self.in_speech = False
         self._silence_run = 0
         self._end_pause()

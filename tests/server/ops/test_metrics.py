@@ -1,4 +1,5 @@
-"""What /metrics says of the end-of-turn model: every question's outcome, and how long answered ones took."""
+"""What /metrics says of turn ends: the silence heard when each turn ended, and of the end-of-turn model, every
+question's outcome and how long answered ones took."""
 
 from __future__ import annotations
 
@@ -17,9 +18,18 @@ def questions(metrics: Metrics) -> dict[str, float]:
                                                re.M)}
 
 
-def wait_count(metrics: Metrics) -> float:
-    (count,) = re.findall(r"^moss_end_of_turn_wait_seconds_count (\S+)$", metrics.render().decode(), re.M)
-    return float(count)
+def count(metrics: Metrics, histogram: str) -> float:
+    (n,) = re.findall(rf"^{histogram}_count (\S+)$", metrics.render().decode(), re.M)
+    return float(n)
+
+
+def test_turn_ends_are_counted_by_the_silence_heard():
+    metrics = Metrics()
+    metrics.turn_end(0.32)
+    metrics.turn_end(1.1)
+    text = metrics.render().decode()
+    assert count(metrics, "moss_turn_end_silence_seconds") == 2.0
+    assert re.search(r'^moss_turn_end_silence_seconds_bucket\{le="0\.35"\} 1\.0$', text, re.M)
 
 
 def test_only_answered_questions_are_timed():
@@ -28,7 +38,7 @@ def test_only_answered_questions_are_timed():
     metrics.end_of_turn_question("withdrawn", None)
     metrics.end_of_turn_question("stale", 0.3)
     assert questions(metrics) == {"answered": 1.0, "withdrawn": 1.0, "stale": 1.0}
-    assert wait_count(metrics) == 1.0
+    assert count(metrics, "moss_end_of_turn_wait_seconds") == 1.0
 
 
 async def test_the_apps_end_of_turn_model_reports_into_its_metrics():
@@ -38,4 +48,4 @@ async def test_the_apps_end_of_turn_model_reports_into_its_metrics():
     p = await end_of_turn.complete(np.zeros(16000, np.float32))
     assert 0.0 <= p <= 1.0
     assert questions(metrics) == {"answered": 1.0}
-    assert wait_count(metrics) == 1.0
+    assert count(metrics, "moss_end_of_turn_wait_seconds") == 1.0

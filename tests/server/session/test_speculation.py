@@ -31,6 +31,7 @@ def speech24k() -> np.ndarray:
 class Observer:
     def __init__(self) -> None:
         self.speculations: list[tuple[bool, int]] = []
+        self.turn_ends: list[float] = []  # silence heard at each turn's end, seconds
 
     def error(self, code: str) -> None: ...
 
@@ -42,6 +43,9 @@ class Observer:
 
     def speculation(self, withdrawn: bool, wasted_rows: int = 0) -> None:
         self.speculations.append((withdrawn, wasted_rows))
+
+    def turn_end(self, silence_s: float) -> None:
+        self.turn_ends.append(silence_s)
 
 
 async def new_session(turn_detection: dict, model: Model | None = None) -> tuple[Session, Link, Observer]:
@@ -90,6 +94,8 @@ async def test_a_held_answer_is_heard_only_once_the_silence_confirms_the_turn(sp
     assert types(evs) == NON_SPECULATIVE_ORDER
     assert evs[2]["item"]["id"] == commit.item_id and evs[4]["response"]["id"] == create.response_id
     assert obs.speculations == [(False, 0)]
+    (silence_s,) = obs.turn_ends  # server_vad's 500 ms, in whole 32 ms windows
+    assert 0.5 <= silence_s < 0.55, silence_s
 
 
 async def test_a_withdrawn_answer_is_never_seen_and_the_turn_goes_on(speech24k):
@@ -123,7 +129,7 @@ async def test_a_withdrawn_answer_is_never_seen_and_the_turn_goes_on(speech24k):
 @pytest.mark.parametrize("eagerness, held", [("auto", True), ("high", False)])
 async def test_semantic_vad_holds_its_answer_by_eagerness(speech24k, eagerness, held):
     model = Model(0.95)
-    s, link, _ = await new_session({"type": "semantic_vad", "eagerness": eagerness}, model)
+    s, link, obs = await new_session({"type": "semantic_vad", "eagerness": eagerness}, model)
     first_words = speech24k[:int(0.48 * 24000)]
     await feed(s, np.concatenate([silence(0.5), first_words, silence(0.2)]))
     await settled(s)
@@ -132,10 +138,15 @@ async def test_semantic_vad_holds_its_answer_by_eagerness(speech24k, eagerness, 
     t = types(drain(s))
     assert ("input_audio_buffer.speech_stopped" in t) != held, t
     if held:
+        assert obs.turn_ends == []  # the client has not been told yet
         answer_begins(s, link.of(m.CreateResponse)[0].response_id)
         await feed(s, silence(0.3))
         await settled(s)
         assert types(drain(s)) == NON_SPECULATIVE_ORDER
+    # The silence heard when the client was told: auto's confirming 300 ms (whole 32 ms windows); high's at the
+    # model's yes, asked at 96 ms of silence and answered once the 200 ms fed had been heard.
+    (silence_s,) = obs.turn_ends
+    assert 0.3 <= silence_s < 0.36 if held else 0.09 <= silence_s <= 0.2, silence_s
 
 
 async def test_no_answer_starts_while_a_withdrawn_one_is_still_ending(speech24k):
