@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from engines.process.encoder_worker import Encoded, EncoderWorker
 from engines.speech_in import SpeechEncoder
 from tests.engines.process.service_loop import WAIT_S
@@ -58,3 +60,28 @@ def check_codes_equal_one_stream_alone_and_the_commit_comes_last(enc: SpeechEnco
         assert [e.commit for e in mine].count(True) == 1 and mine[-1].commit
     assert not worker.commit("a")  # the turn ended with its commit
     assert enc.runner.kv.in_use == 0  # every stream closed, its slot back
+
+
+class BrokenEncoder:
+    """The tiny encoder, failing every call that includes a session whose audio is all at full scale."""
+
+    def __init__(self, enc: SpeechEncoder) -> None:
+        self.enc = enc
+
+    def open_stream(self):
+        return self.enc.open_stream()
+
+    def batch(self, urgent=True):
+        real = self.enc.batch(urgent)
+
+        class Batch:
+            def step(self, items):
+                if any(np.all(pcm > 0.99) for _, pcm in items if len(pcm)):
+                    raise RuntimeError("kernel failed")
+                return real.step(items)
+
+            def finalize(self, streams, last=None):
+                if last is not None and any(np.all(p > 0.99) for p in last if len(p)):
+                    raise RuntimeError("kernel failed")
+                return real.finalize(streams, last)
+        return Batch()

@@ -23,11 +23,6 @@ from tests.engines.speech_in.encoder_helpers import speech_en, whole_segment_cod
 PB = PromptBuilder(StandInTokenizer())
 
 
-@pytest.fixture(scope="module")
-def enc() -> SpeechEncoder:
-    return SpeechEncoder.load("tiny-random")
-
-
 def service(enc: SpeechEncoder) -> Service:
     svc = make_service()
     return Service(svc.engine, StandInTokenizer(), enc, FakeDecoder())
