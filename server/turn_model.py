@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import threading
 from collections import deque
@@ -35,6 +36,8 @@ import numpy as np
 import onnxruntime as ort
 
 from server.audio.pcm import read_wav
+
+log = logging.getLogger("server.turn_model")
 
 MODEL_PATH = Path(__file__).resolve().parent / "data" / "smart-turn-v3.2-cpu.onnx"
 RATE = 16000
@@ -125,7 +128,7 @@ class EndOfTurnQueue:
 
     def __init__(self, load: Any = SmartTurn, observe: Callable[[str, float | None], None] | None = None) -> None:
         self._load = load
-        self._observe = observe or (lambda outcome, wait_s: None)
+        self._observer = observe
         self._model: Any = None
         self._load_lock = threading.Lock()
         self._queue: deque[_Ask] = deque()
@@ -165,6 +168,14 @@ class EndOfTurnQueue:
             else:
                 ask.done.set_result(p)
                 self._observe("answered", loop.time() - ask.asked)
+
+    def _observe(self, outcome: str, wait_s: float | None) -> None:
+        if self._observer is None:
+            return
+        try:
+            self._observer(outcome, wait_s)
+        except Exception:  # noqa: BLE001 - a metrics fault must not stop the questions of every session behind it
+            log.exception("end-of-turn observer failed")
 
     def _ensure(self) -> Any:
         with self._load_lock:

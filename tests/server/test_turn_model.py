@@ -152,6 +152,15 @@ async def test_every_questions_end_is_reported_and_answered_ones_timed():
     assert seen[-1][0] == "failed"
 
 
+async def test_a_failing_observer_stops_no_question():
+    def observe(outcome: str, wait_s: float | None) -> None:
+        raise RuntimeError("metrics broke")
+
+    eot = EndOfTurnQueue(load=lambda: Counting(), observe=observe)
+    asked = asyncio.gather(*(eot.complete(np.zeros(n, np.float32)) for n in (16000, 32000)))
+    assert await asyncio.wait_for(asked, 10) == [0.125, 0.25]
+
+
 async def test_a_failing_model_fails_every_turn_waiting():
     eot = EndOfTurnQueue(load=lambda: Counting(fail=True))
     got = await asyncio.gather(*(eot.complete(np.zeros(16000, np.float32)) for _ in range(2)), return_exceptions=True)
