@@ -36,20 +36,24 @@ def snapshot() -> dict[str, list]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            out[pid] = [cmd, *_cpu_and_start(f"/proc/{pid}/stat", tck)]
         except OSError:
             continue
-        # utime + stime; the start time tells a process from a later one with its pid (Ray retitles a process by the
-        # method it runs, so the command line cannot)
-        out[pid] = [cmd, (int(fields[11]) + int(fields[12])) / tck, int(fields[19])]
         if role(cmd) in THREAD_ROLES:
             threads.update(_threads(pid, tck))
     with open("/proc/stat") as f:
         user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    out["host"] = ["", (user + nice + system + irq + softirq + steal) / tck]  # every core's busy time
+    out["host"] = ["", (user + nice + system + irq + softirq + steal) / tck, 0]  # every core's busy time
     out["threads"] = threads
     return out
+
+
+def _cpu_and_start(stat_path: str, tck: int) -> list[float]:
+    """[utime + stime in seconds, start time] of a process or thread; the start time tells it from a later one with
+    its id (Ray retitles a process by the method it runs, so the command line cannot)."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return [(int(fields[11]) + int(fields[12])) / tck, int(fields[19])]
 
 
 def _threads(pid: str, tck: int) -> dict[str, list]:
@@ -57,12 +61,16 @@ def _threads(pid: str, tck: int) -> dict[str, list]:
     found = {}
     for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            found[f"{pid}/{tid}"] = _cpu_and_start(f"/proc/{pid}/task/{tid}/stat", tck)
         except OSError:
             continue
-        found[f"{pid}/{tid}"] = [(int(fields[11]) + int(fields[12])) / tck, int(fields[19])]
     return found
+
+
+def _used(before: list | None, now: list) -> float:
+    """CPU seconds between two readings ending in [CPU seconds, start time]: all of `now` when the process or thread
+    started since (or was not there before)."""
+    return now[-2] - (before[-2] if before is not None and before[-1] == now[-1] else 0.0)
 
 
 def role(cmd: str) -> str | None:
@@ -71,12 +79,12 @@ def role(cmd: str) -> str | None:
 
 def diff(a: dict[str, list], b: dict[str, list], wall_s: float, sessions: int) -> dict[str, dict[str, float]]:
     by_role: dict[str, float] = {}
-    for pid, (cmd, cpu, *start) in b.items():
+    for pid, now in b.items():
         if pid == "threads":
             continue
-        r = "host" if pid == "host" else role(cmd)
+        r = "host" if pid == "host" else role(now[0])
         if r is not None:
-            by_role[r] = by_role.get(r, 0.0) + cpu - (a[pid][1] if pid in a and a[pid][2:] == start else 0.0)
+            by_role[r] = by_role.get(r, 0.0) + _used(a.get(pid), now)
     by_role["other"] = by_role.get("host", 0.0) - sum(v for k, v in by_role.items() if k != "host")
     by_role["server_side"] = sum(v for k, v in by_role.items() if k in SERVER_SIDE)
     out: dict = {k: {"cpu_s": round(v, 2), "cores": round(v / wall_s, 2),
@@ -88,9 +96,9 @@ def diff(a: dict[str, list], b: dict[str, list], wall_s: float, sessions: int) -
 def _thread_cores(a: dict[str, list], b: dict[str, list], procs: dict[str, list], wall_s: float) -> dict[str, dict]:
     """By role: each process's main thread's cores (largest first) and the cores of its other threads together."""
     out: dict[str, dict] = {}
-    for key, (cpu, start) in b.items():
+    for key, now in b.items():
         pid, tid = key.split("/")
-        used = (cpu - (a[key][0] if key in a and a[key][1] == start else 0.0)) / wall_s
+        used = _used(a.get(key), now) / wall_s
         r = out.setdefault(role(procs[pid][0]) or "other", {"main_cores": [], "other_threads_cores": 0.0})
         if pid == tid:
             r["main_cores"].append(round(used, 2))
