@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,11 +123,12 @@ class _Ask:
 class EndOfTurnQueue:
     """P(complete) for any session's turn, off the event loop: one turn a call, in the order asked; a question
     withdrawn (its waiter cancelled) before its call starts is skipped. `load`: builds the model (default: the shipped
-    Smart Turn) on first use, in the worker thread. `observe(outcome, wait_s)`: each question's end, `answered`
-    (asked -> answered in `wait_s`), `stale` (run, but withdrawn meanwhile), `withdrawn` (skipped; `wait_s` None) or
-    `failed`."""
+    Smart Turn) on first use, in the worker thread. `observe(outcome, wait_s, call_s)`: each question's end, `answered`
+    (asked -> answered in `wait_s`), `stale` (run, but withdrawn meanwhile), `withdrawn` (skipped; both None) or
+    `failed`; `call_s` the model's own time in its thread (features included), apart from the wait in the queue."""
 
-    def __init__(self, load: Any = SmartTurn, observe: Callable[[str, float | None], None] | None = None) -> None:
+    def __init__(self, load: Any = SmartTurn,
+                 observe: Callable[[str, float | None, float | None], None] | None = None) -> None:
         self._load = load
         self._observer = observe
         self._model: Any = None
@@ -154,26 +156,26 @@ class EndOfTurnQueue:
         while self._queue:
             ask = self._queue.popleft()
             if ask.done.done():  # withdrawn while it waited
-                self._observe("withdrawn", None)
+                self._observe("withdrawn", None, None)
                 continue
             try:
-                (p,) = await asyncio.to_thread(self._call, [ask.audio])
+                (p,), call_s = await asyncio.to_thread(self._call, [ask.audio])
             except Exception as e:  # noqa: BLE001 - the turn still ends after its longest silence
                 if not ask.done.done():
                     ask.done.set_exception(e)
-                self._observe("failed", loop.time() - ask.asked)
+                self._observe("failed", loop.time() - ask.asked, None)
                 continue
             if ask.done.done():
-                self._observe("stale", loop.time() - ask.asked)
+                self._observe("stale", loop.time() - ask.asked, call_s)
             else:
                 ask.done.set_result(p)
-                self._observe("answered", loop.time() - ask.asked)
+                self._observe("answered", loop.time() - ask.asked, call_s)
 
-    def _observe(self, outcome: str, wait_s: float | None) -> None:
+    def _observe(self, outcome: str, wait_s: float | None, call_s: float | None) -> None:
         if self._observer is None:
             return
         try:
-            self._observer(outcome, wait_s)
+            self._observer(outcome, wait_s, call_s)
         except Exception:  # noqa: BLE001 - a metrics fault must not stop the questions of every session behind it
             log.exception("end-of-turn observer failed")
 
@@ -183,8 +185,10 @@ class EndOfTurnQueue:
                 self._model = self._load()
             return self._model
 
-    def _call(self, turns: list[np.ndarray]) -> list[float]:
-        return self._ensure().complete(turns)
+    def _call(self, turns: list[np.ndarray]) -> tuple[list[float], float]:
+        model = self._ensure()
+        t = time.perf_counter()
+        return model.complete(turns), time.perf_counter() - t
 
 
 def pause_scores(model: SmartTurn, audio: np.ndarray, after_ms: int = 200, min_pause_ms: int = 200,

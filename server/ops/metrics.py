@@ -52,6 +52,10 @@ class Metrics:
         self.end_of_turn_wait = Histogram("moss_end_of_turn_wait_seconds", "End-of-turn question asked -> answered, "
                                           "its wait in the queue and its call", buckets=END_OF_TURN_BUCKETS,
                                           registry=r)
+        # Apart from the wait: a call slower than the model's measured cost means its threads lose the cores.
+        self.end_of_turn_call = Histogram("moss_end_of_turn_call_seconds", "The end-of-turn model's own time a "
+                                          "question (answered or stale), in its thread", buckets=END_OF_TURN_BUCKETS,
+                                          registry=r)
         self.turn_end_silence = Histogram("moss_turn_end_silence_seconds", "Silence the turn detector had heard when "
                                           "it ended a turn (server_vad: silence_duration_ms; semantic_vad: until the "
                                           "end-of-turn model's yes, and the confirming silence), in audio time",
@@ -98,10 +102,12 @@ class Metrics:
     def turn_end(self, silence_s: float) -> None:
         self.turn_end_silence.observe(silence_s)
 
-    def end_of_turn_question(self, outcome: str, wait_s: float | None) -> None:
+    def end_of_turn_question(self, outcome: str, wait_s: float | None, call_s: float | None = None) -> None:
         self.end_of_turn.labels(outcome=outcome).inc()
         if outcome == "answered" and wait_s is not None:
             self.end_of_turn_wait.observe(wait_s)
+        if call_s is not None:
+            self.end_of_turn_call.observe(call_s)
 
     def engine_stats(self, stats: dict[str, Any], engine: str | None = None) -> None:
         """The figures of an engine's Pong (`engine` named) or of all engines together."""

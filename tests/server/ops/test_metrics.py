@@ -32,13 +32,14 @@ def test_turn_ends_are_counted_by_the_silence_heard():
     assert re.search(r'^moss_turn_end_silence_seconds_bucket\{le="0\.35"\} 1\.0$', text, re.M)
 
 
-def test_only_answered_questions_are_timed():
+def test_answered_questions_time_their_wait_and_every_run_question_its_call():
     metrics = Metrics()
-    metrics.end_of_turn_question("answered", 0.05)
-    metrics.end_of_turn_question("withdrawn", None)
-    metrics.end_of_turn_question("stale", 0.3)
+    metrics.end_of_turn_question("answered", 0.05, 0.04)
+    metrics.end_of_turn_question("withdrawn", None, None)
+    metrics.end_of_turn_question("stale", 0.3, 0.2)
     assert questions(metrics) == {"answered": 1.0, "withdrawn": 1.0, "stale": 1.0}
     assert count(metrics, "moss_end_of_turn_wait_seconds") == 1.0
+    assert count(metrics, "moss_end_of_turn_call_seconds") == 2.0
 
 
 async def test_the_apps_end_of_turn_model_reports_into_its_metrics():
@@ -49,3 +50,4 @@ async def test_the_apps_end_of_turn_model_reports_into_its_metrics():
     assert 0.0 <= p <= 1.0
     assert questions(metrics) == {"answered": 1.0}
     assert count(metrics, "moss_end_of_turn_wait_seconds") == 1.0
+    assert count(metrics, "moss_end_of_turn_call_seconds") == 1.0
