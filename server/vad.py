@@ -58,6 +58,18 @@ def load_silero_16k() -> Any:
     return net
 
 
+def one_thread_pools() -> None:
+    """torch (the VAD) and numpy's BLAS (the end-of-turn model's features) on one thread each in a server process.
+    Both start a thread per core in every process, and their idle threads spin-wait after each call (OpenBLAS's for up
+    to ~0.1 s): every call a server process makes is small, so the extra threads buy nothing, and in 4 server processes
+    on a 16-core host they spun most of its cores and slowed the end-of-turn model's calls from ~40 to 140-190 ms
+    (docs/performance.md, The end-of-turn model under load)."""
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(1)
+    threadpool_limits(1, user_api="blas")
+
+
 class VadStream:
     """One session's VAD: its model state, classified in batches with every other session's."""
 

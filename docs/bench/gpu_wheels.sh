@@ -10,7 +10,7 @@ set -euo pipefail
 OUT_DIR=${1:-.whl}
 NAMES="aioice aiortc annotated-types av bigvgan cffi cryptography decorator dnspython fastapi google-crc32c httptools
 ifaddr librosa opentelemetry-api platformdirs pooch pycparser pydantic pydantic-core pydantic-settings pyee pylibsrtp
-pyopenssl python-dotenv pyzmq silero-vad soxr starlette typing-extensions typing-inspection uvicorn websockets"
+pyopenssl python-dotenv pyzmq silero-vad soxr starlette threadpoolctl typing-extensions typing-inspection uvicorn websockets"
 PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64
   --platform manylinux1_x86_64"

@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
         return Supervisor(settings).run()
     app = create_app(settings)
+    from server.vad import one_thread_pools  # (torch: not imported by a supervisor of workers)
+
+    one_thread_pools()
     raise_open_file_limit(settings.max_connections)
     server = DrainingServer(uvicorn_config(app, settings.host, settings.port, settings.log_level))
     server.run()

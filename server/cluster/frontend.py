@@ -26,6 +26,7 @@ from server.engine_client import EngineClient, EngineStartError
 from server.engine_pool import EnginePool, stats_callback
 from server.ops.metrics import Metrics
 from server.settings import Settings
+from server.vad import one_thread_pools
 
 log = logging.getLogger("server.cluster")
 
@@ -115,6 +116,7 @@ class Frontend:
                                   serve.get_replica_context().replica_id.unique_id)
         app = create_app(self.settings, siblings=peers,
                          engines=lambda metrics: RayEngines(self.directory, self.settings, metrics, self.frontends))
+        one_thread_pools()
         if peers is not None:
             peers.attach(app)
         return app

@@ -8,6 +8,9 @@ here; the tolerance below is 1e-5, far under any threshold a turn could turn on.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -171,3 +174,14 @@ async def test_waiters_of_a_stopped_batcher_get_an_error_not_a_hang(speech16k):
     with pytest.raises(RuntimeError, match="VAD batcher stopped"):
         await asyncio.wait_for(stuck, 5)  # and the dead runner's waiter is told
     later.cancel()
+
+
+def test_a_server_process_runs_torch_and_blas_on_one_thread():
+    # (in a process of its own: the setting is process-wide, and the tests here want their cores)
+    probe = ("import json, torch, threadpoolctl; from server.vad import one_thread_pools; one_thread_pools(); "
+             "print(json.dumps([torch.get_num_threads(), [p['num_threads'] for p in threadpoolctl.threadpool_info() "
+             "if p['user_api'] == 'blas']]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    torch_threads, blas_threads = json.loads(out.stdout.strip().splitlines()[-1])
+    assert torch_threads == 1
+    assert blas_threads and set(blas_threads) == {1}  # numpy's BLAS at least, loaded and limited
