@@ -63,7 +63,7 @@ def one_thread_pools() -> None:
     Both start a thread per core in every process, and their idle threads spin-wait after each call (OpenBLAS's for up
     to ~0.1 s): every call a server process makes is small, so the extra threads buy nothing, and in 4 server processes
     on a 16-core host they spun most of its cores and slowed the end-of-turn model's calls from ~40 to 140-190 ms
-    (docs/performance.md, The end-of-turn model under load)."""
+    (docs/performance.md, Speech end -> first audio)."""
     from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(1)
