@@ -25,11 +25,13 @@ import time
 
 import numpy as np
 
+from moss_speech.loadtest.stats import percentile
 from server.turn_model import EndOfTurnQueue, SmartTurn
 
 
-def _pct(xs: list[float], q: float) -> int:
-    return round(sorted(xs)[min(len(xs) - 1, int(len(xs) * q))]) if xs else -1
+def _pct(xs: list[float], q: float) -> int | None:
+    p = percentile(xs, q)
+    return None if p is None else round(p)
 
 
 async def _vad_load(streams: int, stop: asyncio.Event) -> int:
@@ -90,8 +92,8 @@ async def run(gap_s: float, questions: int, threads: int, vad_streams: int = 0) 
         asked.append(asyncio.ensure_future(ask(k, withdraw_after)))
     withdrawn = sum(await asyncio.gather(*asked))
     result = {"questions": questions, "answered": len(waits), "withdrawn_unanswered": withdrawn,
-              "wait_p50_ms": _pct(waits, 0.5), "wait_p95_ms": _pct(waits, 0.95), "wait_max_ms": _pct(waits, 1.0),
-              "call_p50_ms": _pct(calls, 0.5), "call_p95_ms": _pct(calls, 0.95)}
+              "wait_p50_ms": _pct(waits, 50), "wait_p95_ms": _pct(waits, 95), "wait_max_ms": _pct(waits, 100),
+              "call_p50_ms": _pct(calls, 50), "call_p95_ms": _pct(calls, 95)}
     if vad is not None:
         stop.set()
         result["vad_windows_per_s"] = round(await vad / (time.perf_counter() - t0))

@@ -17,6 +17,7 @@ from engines.api import SamplingParams
 from engines.config import EngineConfig, model_config_for
 from engines.lm.engine import Engine
 from moss_speech.commands.bench_engine import _drain, _rows, decode_batch_config, start_decode_batch
+from moss_speech.loadtest.stats import percentile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,11 +28,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=1024, help="rows of each decoding answer's history")
     p.add_argument("--steps", type=int, default=100, help="decode steps timed before the re-prefill")
     p.add_argument("--json", default=None, help="write the results here")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def _step_ms(engine: Engine) -> float:
@@ -87,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         "rows": args.rows, "sessions": args.sessions, "context": args.context,
         "refill_alone_ms": round(alone_ms, 1), "refill_beside_answers_ms": round(loaded_ms, 1),
         "steps_during_refill": len(during),
-        "answer_step_ms": {"before_p50": round(_pct(before, 0.5), 2), "before_p95": round(_pct(before, 0.95), 2),
-                           "during_p50": round(_pct(during, 0.5), 2), "during_p95": round(_pct(during, 0.95), 2)},
+        "answer_step_ms": {f"{when}_p{q}": None if (p := percentile(xs, q)) is None else round(p, 2)
+                           for when, xs in (("before", before), ("during", during)) for q in (50, 95)},
     }
     print(json.dumps(out, indent=2))
     if args.json:
