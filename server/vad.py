@@ -60,9 +60,9 @@ def load_silero_16k() -> Any:
 
 def one_thread_pools() -> None:
     """torch (the VAD) and numpy's BLAS (the end-of-turn model's features) on one thread each in a server process.
-    Both start a thread per core in every process, and their idle threads spin-wait after each call (OpenBLAS's for up
-    to ~0.1 s): every call a server process makes is small, so the extra threads buy nothing, and in 4 server processes
-    on a 16-core host they spun most of its cores and slowed the end-of-turn model's calls from ~40 to 140-190 ms
+    Both start a thread per core in every process, and their idle threads spin-wait for a while after each call: every
+    call a server process makes is small, so the extra threads buy nothing, and in 4 server processes on a 16-core
+    host they kept most of its cores busy and slowed the end-of-turn model's calls from ~40 to 120-180 ms
     (docs/performance.md, Speech end -> first audio)."""
     from threadpoolctl import threadpool_limits
 
