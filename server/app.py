@@ -42,18 +42,21 @@ log = logging.getLogger("server.app")
 class _VadStreams:
     """Each session's VAD stream, all from one batcher per app (preloaded while the engine starts)."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, own_process: bool = False) -> None:
         self._batcher: Any = None
         self._lock = threading.Lock()  # sessions open in worker threads
         self._settings = settings
         self._metrics = metrics
+        self._own_process = own_process
 
     def batcher(self) -> Any:
         with self._lock:
             if self._batcher is None:
                 from server.turn_model import SmartTurn, threads_for
-                from server.vad import EndOfTurnQueue, VadBatcher  # imports torch: seconds, mostly under the GIL
+                from server.vad import EndOfTurnQueue, VadBatcher, one_thread_pools  # (torch: seconds, GIL held)
 
+                if self._own_process:  # (never in a process that also runs other work, e.g. a test's engine)
+                    one_thread_pools()
                 st = self._settings
                 threads = threads_for(st.workers)
                 end_of_turn = (EndOfTurnQueue(load=lambda: SmartTurn(threads=threads),
@@ -122,10 +125,13 @@ GAUGE_REFRESH_S = 1.0  # under --workers: how stale another worker's share of a 
 
 
 def create_app(settings: Settings | None = None, worker: WorkerContext | None = None,
-               engines: Callable[[Metrics], EnginePool] | None = None, siblings: Siblings | None = None) -> FastAPI:
+               engines: Callable[[Metrics], EnginePool] | None = None, siblings: Siblings | None = None,
+               own_process: bool = False) -> FastAPI:
     """`engines`: the engines to place sessions on, given the app's metrics (Ray Serve's replicas); default: the
     engine (or with --gpus the engines) this server runs. `siblings`: the other processes serving calls, where
-    the calls this one does not hold are relayed (default: a worker's sibling workers)."""
+    the calls this one does not hold are relayed (default: a worker's sibling workers). `own_process`: the app is
+    its process's only work (`serve`, a worker, a Ray front end), so its VAD sets the process's torch and BLAS
+    thread pools to one thread (server/vad.py, `one_thread_pools`) when it loads."""
     settings = settings or Settings()
     metrics = Metrics()
     engine = engines(metrics) if engines is not None else local_engines(settings, metrics, worker)
@@ -138,7 +144,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
                                                     worker.slots_lock_path)
-    vad_streams = _VadStreams(settings, metrics) if settings.vad else None
+    vad_streams = _VadStreams(settings, metrics, own_process) if settings.vad else None
     sessions = SessionManager(engine, max_sessions=max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
     siblings = siblings if siblings is not None else worker

@@ -94,10 +94,7 @@ def run(args: argparse.Namespace) -> int:
         from server.workers.supervisor import Supervisor
 
         return Supervisor(settings).run()
-    app = create_app(settings)
-    from server.vad import one_thread_pools  # (torch: not imported by a supervisor of workers)
-
-    one_thread_pools()
+    app = create_app(settings, own_process=True)
     raise_open_file_limit(settings.max_connections)
     server = DrainingServer(uvicorn_config(app, settings.host, settings.port, settings.log_level))
     server.run()

@@ -26,7 +26,6 @@ from server.engine_client import EngineClient, EngineStartError
 from server.engine_pool import EnginePool, stats_callback
 from server.ops.metrics import Metrics
 from server.settings import Settings
-from server.vad import one_thread_pools
 
 log = logging.getLogger("server.cluster")
 
@@ -115,8 +114,8 @@ class Frontend:
             peers = FrontendPeers(self.directory, ray.util.get_node_ip_address(),
                                   serve.get_replica_context().replica_id.unique_id)
         app = create_app(self.settings, siblings=peers,
-                         engines=lambda metrics: RayEngines(self.directory, self.settings, metrics, self.frontends))
-        one_thread_pools()
+                         engines=lambda metrics: RayEngines(self.directory, self.settings, metrics, self.frontends),
+                         own_process=True)
         if peers is not None:
             peers.attach(app)
         return app

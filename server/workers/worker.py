@@ -33,14 +33,12 @@ def run_worker(settings_data: dict[str, Any], ctx: WorkerContext, listener: sock
     from server.ops.logs import setup_logging
     from server.serving import DrainingServer, raise_open_file_limit, uvicorn_config
     from server.settings import Settings
-    from server.vad import one_thread_pools
 
     die_with_parent()
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor alone; it sends each worker one SIGTERM
     settings = Settings(**settings_data)
     setup_logging(settings.log_level, settings.log_format, worker=ctx.index, secrets=settings.secrets())
-    app = create_app(settings, worker=ctx)
-    one_thread_pools()
+    app = create_app(settings, worker=ctx, own_process=True)
     raise_open_file_limit(settings.max_connections)
     server = DrainingServer(uvicorn_config(app, settings.host, settings.port, settings.log_level))
     server.run(sockets=[listener, private_socket(ctx.socket_path(ctx.index))])

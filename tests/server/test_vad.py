@@ -176,12 +176,41 @@ async def test_waiters_of_a_stopped_batcher_get_an_error_not_a_hang(speech16k):
     later.cancel()
 
 
-def test_a_server_process_runs_torch_and_blas_on_one_thread():
-    # (in a process of its own: the setting is process-wide, and the tests here want their cores)
-    probe = ("import json, torch, threadpoolctl; from server.vad import one_thread_pools; one_thread_pools(); "
-             "print(json.dumps([torch.get_num_threads(), [p['num_threads'] for p in threadpoolctl.threadpool_info() "
-             "if p['user_api'] == 'blas']]))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    torch_threads, blas_threads = json.loads(out.stdout.strip().splitlines()[-1])
+
+def _in_a_process_of_its_own(code: str) -> object:
+    """What `code` prints last, as JSON: process-wide settings stay out of the test process (its cores are the
+    tests')."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_POOLS = ("import json, torch, threadpoolctl; print(json.dumps([torch.get_num_threads(), [p['num_threads'] for p in "
+          "threadpoolctl.threadpool_info() if p['user_api'] == 'blas']]))")
+
+
+def test_one_thread_pools_sets_torch_and_every_blas_pool_to_one_thread():
+    torch_threads, blas = _in_a_process_of_its_own(f"from server.vad import one_thread_pools; one_thread_pools(); "
+                                                   f"{_POOLS}")
     assert torch_threads == 1
-    assert blas_threads and set(blas_threads) == {1}  # numpy's BLAS at least, loaded and limited
+    assert blas and set(blas) == {1}  # numpy's BLAS at least, loaded and limited
+
+
+@pytest.mark.parametrize("own_process", [True, False])
+def test_a_serving_apps_vad_sets_its_process_pools_and_no_other_app_does(own_process):
+    before = _in_a_process_of_its_own(_POOLS)
+    # loaded in a worker thread, as the app preloads it; the pools read in another thread, as the VAD's calls run
+    setup = ("import threading; from server.app import _VadStreams; from server.ops.metrics import Metrics; "
+             "from tests.fakes.harness import tiny_settings; "
+             f"vad = _VadStreams(tiny_settings(), Metrics(), own_process={own_process}); "
+             "t = threading.Thread(target=vad.batcher); t.start(); t.join(); ")
+    after = _in_a_process_of_its_own(setup + _POOLS)
+    if own_process:
+        assert after[0] == 1 and set(after[1]) == {1}
+    else:  # e.g. a test process, whose engine keeps its threads
+        assert after == before
+
+
+def test_a_serving_app_without_a_vad_never_imports_torch():
+    code = ("import json, sys; from server.app import create_app; from tests.fakes.harness import tiny_settings; "
+            "create_app(tiny_settings(vad=False), own_process=True); print(json.dumps('torch' in sys.modules))")
+    assert _in_a_process_of_its_own(code) is False
