@@ -53,6 +53,11 @@ level() {  # NAME SESSIONS bench-capacity-options...
   # start: the runs before this one included)
   curl -s http://127.0.0.1:8000/metrics | grep -E "^moss_(end_of_turn|turn_end_silence)" > "$OUT/$name-end-of-turn.txt"
   grep "_questions_total" "$OUT/$name-end-of-turn.txt"
+  # means: an answer's wait, the model's call (~40 ms when its threads have their cores), the silence at turn ends
+  python3 -c "import re, sys; t = open(sys.argv[1]).read(); v = lambda k: float((re.findall(rf'^{k} (\S+)$', t, re.M)
+    or [0])[0]); print('; '.join(f'{n} mean {1e3 * v(m + \"_sum\") / max(1, v(m + \"_count\")):.0f} ms' for n, m in (
+    ('wait', 'moss_end_of_turn_wait_seconds'), ('call', 'moss_end_of_turn_call_seconds'),
+    ('turn-end silence', 'moss_turn_end_silence_seconds'))))" "$OUT/$name-end-of-turn.txt"
   WARM="--no-warmup"
 }
 PAUSED="--audio tests/data/speech_paused_en_16k.wav"
