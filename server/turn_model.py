@@ -159,7 +159,7 @@ class EndOfTurnQueue:
                 self._observe("withdrawn", None, None)
                 continue
             try:
-                (p,), call_s = await asyncio.to_thread(self._call, [ask.audio])
+                p, call_s = await asyncio.to_thread(self._call, ask.audio)
             except Exception as e:  # noqa: BLE001 - the turn still ends after its longest silence
                 if not ask.done.done():
                     ask.done.set_exception(e)
@@ -185,10 +185,12 @@ class EndOfTurnQueue:
                 self._model = self._load()
             return self._model
 
-    def _call(self, turns: list[np.ndarray]) -> tuple[list[float], float]:
+    def _call(self, audio: np.ndarray) -> tuple[float, float]:
+        """(P(complete), the call's seconds) of one turn, in the worker thread."""
         model = self._ensure()
         t = time.perf_counter()
-        return model.complete(turns), time.perf_counter() - t
+        (p,) = model.complete([audio])
+        return p, time.perf_counter() - t
 
 
 def pause_scores(model: SmartTurn, audio: np.ndarray, after_ms: int = 200, min_pause_ms: int = 200,

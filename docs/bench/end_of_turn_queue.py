@@ -60,9 +60,13 @@ async def _vad_load(streams: int, stop: asyncio.Event) -> int:
 async def run(gap_s: float, questions: int, threads: int, vad_streams: int = 0) -> dict[str, float]:
     rng = random.Random(0)
     model = SmartTurn(threads=threads)
-    calls: list[float] = []
-    queue = EndOfTurnQueue(load=lambda: model,
-                           observe=lambda outcome, wait_s, call_s: call_s is None or calls.append(call_s * 1e3))
+    calls: list[float] = []  # the model's own time of each question it ran (ms)
+
+    def observe(outcome: str, wait_s: float | None, call_s: float | None) -> None:
+        if call_s is not None:
+            calls.append(call_s * 1e3)
+
+    queue = EndOfTurnQueue(load=lambda: model, observe=observe)
     await queue.ready()
     stop = asyncio.Event()
     vad = asyncio.ensure_future(_vad_load(vad_streams, stop)) if vad_streams else None

@@ -102,7 +102,7 @@ class Metrics:
     def turn_end(self, silence_s: float) -> None:
         self.turn_end_silence.observe(silence_s)
 
-    def end_of_turn_question(self, outcome: str, wait_s: float | None, call_s: float | None = None) -> None:
+    def end_of_turn_question(self, outcome: str, wait_s: float | None, call_s: float | None) -> None:
         self.end_of_turn.labels(outcome=outcome).inc()
         if outcome == "answered" and wait_s is not None:
             self.end_of_turn_wait.observe(wait_s)

@@ -19,7 +19,7 @@ import torch
 
 from server.audio.pcm import read_wav
 from server.vad import VAD_RATE, VAD_WINDOW, VadBatcher, load_silero_16k
-from tests.paths import DATA
+from tests.paths import DATA, REPO
 
 WAV = DATA / "speech_en_16k.wav"
 TOL = 1e-5
@@ -176,11 +176,11 @@ async def test_waiters_of_a_stopped_batcher_get_an_error_not_a_hang(speech16k):
     later.cancel()
 
 
-
 def _in_a_process_of_its_own(code: str) -> object:
     """What `code` prints last, as JSON: process-wide settings stay out of the test process (its cores are the
     tests')."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=REPO)  # (the repository's packages, tests included, importable whatever the runner's cwd)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
