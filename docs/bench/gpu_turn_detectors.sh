@@ -13,7 +13,7 @@
 #   high1 / auto1      the same at one session: 6 turns, answers up to 50 rows (the first audio does not depend on
 #                      the answer's length)
 #   vad128             server_vad 300 ms, the one-sentence sample (300 ms would split the paused turn at its pauses)
-#   nat128 / nathigh128 / nat1  semantic_vad auto / high at 128 sessions, auto at one, on natural speech: TD_NATURAL
+#   nat128 / nathigh128 / nat1 / nathigh1  semantic_vad auto / high at 128 sessions and at one, on natural speech: TD_NATURAL
 #                      (default .carry/natural_turn_en_16k.wav, made as docs/performance.md says; carried with
 #                      `carry: [".whl", ".carry"]`)
 #   plain64 / tx64     server_vad 300 ms, 64 sessions, 3 turns, answers up to 50 rows, the one-sentence sample, without
@@ -75,6 +75,7 @@ for run in ${RUNS:-nat128 nat1 vad128}; do
     plain64) level plain64 64 --turns 3 --max-output-tokens 50 --turn-detection server_vad ;;
     tx64) level tx64 64 --turns 3 --max-output-tokens 50 --turn-detection server_vad --transcription ;;
     nat1) level nat1 1 --turns 6 --max-output-tokens 50 $NATURAL --turn-detection semantic_vad --eagerness auto ;;
+    nathigh1) level nathigh1 1 --turns 6 --max-output-tokens 50 $NATURAL --turn-detection semantic_vad --eagerness high ;;
   esac
 done
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
