@@ -228,11 +228,15 @@ class SpeechEncoder:
                 urgent: bool = True) -> Refloor | None:
         """A turn's codes with Whisper's whole-segment log-mel floor, of its segments from `first_segment` up to
         `end_segment` (segment_floor.py); None: its codes there stand."""
-        return refloor(self, _as_pcm(pcm), final, first_segment, end_segment, urgent)
+        with self._on_stream(urgent):
+            return refloor(self, _as_pcm(pcm), final, first_segment, end_segment, urgent)
 
     def refloor_many(self, jobs: list[RefloorJob], urgent: bool = True) -> list[Refloor | None]:
-        """`refloor` of several turns in one batched encoder call (segment_floor.py)."""
-        return refloor_many(self, [dataclasses.replace(j, pcm=_as_pcm(j.pcm)) for j in jobs], urgent)
+        """`refloor` of several turns in one batched encoder call (segment_floor.py). All of it on the call's
+        stream, the frame maxima it waits for included: on a calling thread's own current stream (the default one,
+        of the least priority) they queued behind the codec's rounds, and a commit's re-encode waited on them."""
+        with self._on_stream(urgent):
+            return refloor_many(self, [dataclasses.replace(j, pcm=_as_pcm(j.pcm)) for j in jobs], urgent)
 
     def segments_done(self, n_samples: int) -> int:
         """The 30 s segments whose floor is final once a stream has n samples (segment_floor.py)."""

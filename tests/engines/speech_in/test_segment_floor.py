@@ -4,13 +4,14 @@ when the running floor already was the segment's."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 import pytest
 
 from engines.profiling.log_mel_codes import _encoder
-from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
+from engines.speech_in import ENCODER_PRESETS, SpeechEncoder, segment_floor
 from engines.speech_in.segment_floor import RefloorJob
 from tests.engines.speech_in.encoder_helpers import speech_en, whole_segment_codes
 
@@ -90,3 +91,32 @@ def test_turns_redone_in_one_call_get_what_each_gets_alone():
     assert enc.refloor_many(jobs) == alone
     assert alone[1] is None and sum(r is not None for r in alone) == 4
     assert enc.runner.kv.in_use == 0
+
+
+@pytest.mark.parametrize("urgent", [True, False])
+def test_a_re_encode_runs_on_its_calls_stream_frame_maxima_included(enc, monkeypatch, urgent):
+    # A commit's re-encode (urgent) waits for its frame maxima: on a thread's default stream, of the least priority,
+    # they queued behind every other low-priority kernel on the GPU.
+    active: list[bool] = []
+    seen: list[list[bool]] = []
+
+    @contextlib.contextmanager
+    def on_stream(urgent: bool = True):
+        active.append(urgent)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    peaks = segment_floor.frame_peaks
+
+    def recording_peaks(encoder, x):
+        seen.append(list(active))
+        return peaks(encoder, x)
+
+    monkeypatch.setattr(enc, "_on_stream", on_stream)
+    monkeypatch.setattr(segment_floor, "frame_peaks", recording_peaks)
+    pcm = speech_en(2.5)
+    assert enc.refloor(pcm, True, urgent=urgent) is not None
+    assert enc.refloor_many([RefloorJob(pcm, True), RefloorJob(pcm[:30000], False)], urgent=urgent)[0] is not None
+    assert seen == [[urgent]] * 3
