@@ -233,8 +233,8 @@ class SpeechEncoder:
 
     def refloor_many(self, jobs: list[RefloorJob], urgent: bool = True) -> list[Refloor | None]:
         """`refloor` of several turns in one batched encoder call (segment_floor.py). All of it on the call's
-        stream, the frame maxima it waits for included: on a calling thread's own current stream (the default one,
-        of the least priority) they queued behind the codec's rounds, and a commit's re-encode waited on them."""
+        stream, the frame maxima it waits for included (on a calling thread's own current stream, the default one, they
+        would run at the least priority, the codec rounds' own, and a commit's re-encode waits for them)."""
         with self._on_stream(urgent):
             return refloor_many(self, [dataclasses.replace(j, pcm=_as_pcm(j.pcm)) for j in jobs], urgent)
 

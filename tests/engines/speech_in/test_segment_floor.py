@@ -95,8 +95,8 @@ def test_turns_redone_in_one_call_get_what_each_gets_alone():
 
 @pytest.mark.parametrize("urgent", [True, False])
 def test_a_re_encode_runs_on_its_calls_stream_frame_maxima_included(enc, monkeypatch, urgent):
-    # A commit's re-encode (urgent) waits for its frame maxima: on a thread's default stream, of the least priority,
-    # they queued behind every other low-priority kernel on the GPU.
+    # A commit's re-encode (urgent) waits for its frame maxima: on a thread's default stream they would run at the
+    # least priority.
     active: list[bool] = []
     seen: list[list[bool]] = []
 
