@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,58 +32,11 @@ from server.settings import Settings, gpu_count
 from server.transports import ws as realtime_ws
 from server.transports.relay import CallRelay, Siblings
 from server.transports.webrtc import routes as webrtc_routes
+from server.vad_streams import VadStreams
 from server.workers.context import WorkerContext
 from server.workers.slots import SharedSlots
 
 log = logging.getLogger("server.app")
-
-
-class _VadStreams:
-    """Each session's VAD stream, all from one batcher per app (preloaded while the engine starts)."""
-
-    def __init__(self, settings: Settings, metrics: Metrics, own_process: bool = False) -> None:
-        self._batcher: Any = None
-        self._lock = threading.Lock()  # sessions open in worker threads
-        self._settings = settings
-        self._metrics = metrics
-        self._own_process = own_process
-
-    def batcher(self) -> Any:
-        with self._lock:
-            if self._batcher is None:
-                from server.turn_model import SmartTurn, threads_for
-                from server.vad import EndOfTurnQueue, VadBatcher, one_thread_pools  # (torch: seconds, GIL held)
-
-                if self._own_process:  # (never in a process that also runs other work, e.g. a test's engine)
-                    one_thread_pools()
-                st = self._settings
-                threads = threads_for(st.workers)
-                end_of_turn = (EndOfTurnQueue(load=lambda: SmartTurn(threads=threads),
-                                              observe=self._metrics.end_of_turn_question)
-                               if st.end_of_turn_model else None)
-                self._batcher = VadBatcher(end_of_turn=end_of_turn,
-                                           end_of_turn_in_server_vad=st.server_vad_end_of_turn,
-                                           speculative_server_vad=st.speculative_server_vad)
-        return self._batcher
-
-    def __call__(self) -> Any:
-        return self.batcher().stream()
-
-    async def preload(self) -> None:
-        """Import torch and load the model before serving. At the first server_vad session instead, the
-        import held the GIL for ~3 s and stalled every session connected at the time. A failure here only
-        logs: server_vad sessions try again (and report it), the rest of the server serves."""
-        try:
-            batcher = await asyncio.to_thread(self.batcher)
-            await batcher.ready()
-            if batcher.end_of_turn is not None:
-                await batcher.end_of_turn.ready()
-        except Exception:  # noqa: BLE001 - e.g. a broken silero-vad install
-            log.exception("the VAD model did not load; server_vad sessions will retry")
-
-    @property
-    def loaded(self) -> bool:
-        return self._batcher is not None and self._batcher.loaded
 
 
 def engine_client(settings: Settings, endpoint: str, device: str | None = None, **callbacks: Any) -> EngineClient:
@@ -144,7 +96,7 @@ def create_app(settings: Settings | None = None, worker: WorkerContext | None = 
     max_sessions = settings.max_sessions or CPU_MAX_SESSIONS
     slots = None if worker is None else SharedSlots(worker.session_counts, worker.index, max_sessions,
                                                     worker.slots_lock_path)
-    vad_streams = _VadStreams(settings, metrics, own_process) if settings.vad else None
+    vad_streams = VadStreams(settings, metrics, own_process) if settings.vad else None
     sessions = SessionManager(engine, max_sessions=max_sessions, limits=limits, model=settings.model_name,
                               vad_factory=vad_streams, observer=metrics, slots=slots)
     siblings = siblings if siblings is not None else worker

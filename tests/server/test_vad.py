@@ -199,9 +199,9 @@ def test_one_thread_pools_sets_torch_and_every_blas_pool_to_one_thread():
 def test_a_serving_apps_vad_sets_its_process_pools_and_no_other_app_does(own_process):
     before = _in_a_process_of_its_own(_POOLS)
     # loaded in a worker thread, as the app preloads it; the pools read in another thread, as the VAD's calls run
-    setup = ("import threading; from server.app import _VadStreams; from server.ops.metrics import Metrics; "
+    setup = ("import threading; from server.vad_streams import VadStreams; from server.ops.metrics import Metrics; "
              "from tests.fakes.harness import tiny_settings; "
-             f"vad = _VadStreams(tiny_settings(), Metrics(), own_process={own_process}); "
+             f"vad = VadStreams(tiny_settings(), Metrics(), own_process={own_process}); "
              "t = threading.Thread(target=vad.batcher); t.start(); t.join(); ")
     after = _in_a_process_of_its_own(setup + _POOLS)
     if own_process:

@@ -7,8 +7,8 @@ import re
 
 import numpy as np
 
-from server.app import _VadStreams
 from server.ops.metrics import Metrics
+from server.vad_streams import VadStreams
 from tests.fakes.harness import tiny_settings
 
 
@@ -44,7 +44,7 @@ def test_answered_questions_time_their_wait_and_every_run_question_its_call():
 
 async def test_the_apps_end_of_turn_model_reports_into_its_metrics():
     metrics = Metrics()
-    streams = _VadStreams(tiny_settings(), metrics)
+    streams = VadStreams(tiny_settings(), metrics)
     end_of_turn = streams.batcher().end_of_turn  # the shipped Smart Turn, as the app builds it
     p = await end_of_turn.complete(np.zeros(16000, np.float32))
     assert 0.0 <= p <= 1.0
