@@ -8,8 +8,8 @@ frames, trunk and codes are those of the served stream but for the floor. Codes 
 changes are the same in both (the trunk is causal): the result starts at the code of that frame.
 
 The segments from the first changed one go in one batched encoder call (one stream each; with `refloor_many`, those
-of every turn committed at once go in one call); the frame maxima are one log-mel pass per segment on the encoder's
-device. A segment's max is final once its last frame is in: the service re-encodes each segment as the turn passes
+of every turn committed at once go in one call); the frame maxima of all those turns are one log-mel pass on the
+encoder's device, on the call's stream, with one copy to the host. A segment's max is final once its last frame is in: the service re-encodes each segment as the turn passes
 its end (on the encoder's lowest-priority stream, while the user still speaks), so that a commit re-encodes at most
 the turn's last segment or two.
 """
@@ -42,21 +42,27 @@ class Refloor:
         return codes[: self.first] + self.codes + codes[self.first + len(self.codes):]
 
 
-def frame_peaks(encoder: SpeechEncoder, x: np.ndarray) -> np.ndarray:
-    """[frames] each complete frame's log-mel max (before the floor) of a stream fed `x`, as its frontend frames it
-    (zeros before the stream), computed a segment at a time with the frontend's own kernels."""
+def frame_peaks(encoder: SpeechEncoder, xs: list[np.ndarray]) -> list[np.ndarray]:
+    """[frames] each complete frame's log-mel max (before the floor) of a stream fed x, for each x of `xs`, as its
+    frontend frames it (zeros before the stream): the frames of all of them in one pass, a segment's rows at a time,
+    with the frontend's own kernels, and one copy to the host."""
     cfg, fe = encoder.cfg, encoder.frontend
-    half, hop = cfg.n_fft // 2, cfg.hop_length
-    n = 0 if x.size + half < cfg.n_fft else (x.size + half - cfg.n_fft) // hop + 1
-    seg = cfg.mel_per_segment
-    samples = torch.from_numpy(np.concatenate([np.zeros(half, np.float32), x])).to(encoder.device)
+    half, hop, seg = cfg.n_fft // 2, cfg.hop_length, cfg.mel_per_segment
+    counts = [0 if x.size + half < cfg.n_fft else (x.size + half - cfg.n_fft) // hop + 1 for x in xs]
+    padded = [np.concatenate([np.zeros(half, np.float32), x]) for x in xs]
+    offsets = np.cumsum([0] + [p.size for p in padded[:-1]])
+    starts = np.concatenate([o + hop * np.arange(n, dtype=np.int64) for o, n in zip(offsets, counts, strict=True)]
+                            + [np.zeros(0, np.int64)])  # [frames of all] each frame's first sample
+    if not starts.size:
+        return [np.zeros(0, np.float32) for _ in xs]
+    samples = torch.from_numpy(np.concatenate(padded)).to(encoder.device)
     out = []
-    for a in range(0, n, seg):
-        m = min(seg, n - a)
+    for a in range(0, starts.size, seg):
+        m = min(seg, starts.size - a)
         # Rows padded as the served steps pad them (log_mel.FFT_ROWS): cuFFT makes a plan per batch size.
-        frames = torch.arange(a, a + m + (-m % FFT_ROWS), device=encoder.device).clamp_max(n - 1)
-        out.append(fe.raw_log_mel(samples, frames * hop)[:m].amax(dim=1))
-    return torch.cat(out).cpu().numpy() if out else np.zeros(0, np.float32)
+        first = np.concatenate([starts[a:a + m], np.full(-m % FFT_ROWS, starts[a + m - 1])])
+        out.append(fe.raw_log_mel(samples, torch.from_numpy(first).to(encoder.device))[:m].amax(dim=1))
+    return np.split(torch.cat(out).cpu().numpy(), np.cumsum(counts)[:-1])
 
 
 def segments_done(encoder: SpeechEncoder, n_samples: int) -> int:
@@ -86,11 +92,15 @@ class _Plan:
     frames: int  # mel frames so far
 
 
-def _plan(encoder: SpeechEncoder, job: RefloorJob) -> _Plan | None:
+def _stream_samples(encoder: SpeechEncoder, job: RefloorJob) -> np.ndarray:
+    """What the turn's stream is fed: a final turn's tail padded as `finalize` pads it."""
+    pcm = job.pcm
+    return np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if job.final else pcm
+
+
+def _plan(encoder: SpeechEncoder, job: RefloorJob, x: np.ndarray, peaks: np.ndarray) -> _Plan | None:
     cfg = encoder.cfg
     pcm = job.pcm
-    x = np.concatenate([pcm, np.zeros(encoder.tail_padding(pcm.size), np.float32)]) if job.final else pcm
-    peaks = frame_peaks(encoder, x)
     seg = cfg.mel_per_segment
     seg_max = [float(peaks[a:a + seg].max()) for a in range(0, peaks.size, seg)]
     end = len(seg_max) if job.end_segment is None else min(job.end_segment, len(seg_max))
@@ -110,7 +120,8 @@ def _plan(encoder: SpeechEncoder, job: RefloorJob) -> _Plan | None:
 def refloor_many(encoder: SpeechEncoder, jobs: list[RefloorJob], urgent: bool = True) -> list[Refloor | None]:
     """`refloor` of several turns, their segments to redo all in one batched encoder call."""
     cfg = encoder.cfg
-    plans = [_plan(encoder, job) for job in jobs]
+    xs = [_stream_samples(encoder, job) for job in jobs]
+    plans = [_plan(encoder, job, x, peaks) for job, x, peaks in zip(jobs, xs, frame_peaks(encoder, xs), strict=True)]
     half, seg = cfg.n_fft // 2, cfg.mel_per_segment
     seg_samples = seg * cfg.hop_length
     streams, pieces, owner = [], [], []

@@ -110,13 +110,24 @@ def test_a_re_encode_runs_on_its_calls_stream_frame_maxima_included(enc, monkeyp
 
     peaks = segment_floor.frame_peaks
 
-    def recording_peaks(encoder, x):
+    def recording_peaks(encoder, xs):
         seen.append(list(active))
-        return peaks(encoder, x)
+        return peaks(encoder, xs)
 
     monkeypatch.setattr(enc, "_on_stream", on_stream)
     monkeypatch.setattr(segment_floor, "frame_peaks", recording_peaks)
     pcm = speech_en(2.5)
     assert enc.refloor(pcm, True, urgent=urgent) is not None
     assert enc.refloor_many([RefloorJob(pcm, True), RefloorJob(pcm[:30000], False)], urgent=urgent)[0] is not None
-    assert seen == [[urgent]] * 3
+    assert seen == [[urgent]] * 2  # one pass for all the turns of a call
+
+
+def test_the_frame_maxima_of_several_turns_in_one_pass_are_each_turns_own():
+    cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments
+    enc = _encoder(cfg, seed=1)
+    xs = [speech_en(2.5), speech_en(0.3)[:100], speech_en(1.7), np.zeros(0, np.float32), speech_en(0.9)]
+    together = segment_floor.frame_peaks(enc, xs)
+    alone = [segment_floor.frame_peaks(enc, [x])[0] for x in xs]
+    # frame t is whole once sample 160 t + 200 is in
+    assert [p.size for p in together] == [p.size for p in alone] == [249, 0, 169, 0, 89]
+    assert all(np.array_equal(a, b) for a, b in zip(together, alone, strict=True))
