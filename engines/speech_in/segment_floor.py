@@ -9,9 +9,9 @@ changes are the same in both (the trunk is causal): the result starts at the cod
 
 The segments from the first changed one go in one batched encoder call (one stream each; with `refloor_many`, those
 of every turn committed at once go in one call); the frame maxima of all those turns are one log-mel pass on the
-encoder's device, on the call's stream, with one copy to the host. A segment's max is final once its last frame is in: the service re-encodes each segment as the turn passes
-its end (on the encoder's lowest-priority stream, while the user still speaks), so that a commit re-encodes at most
-the turn's last segment or two.
+encoder's device, on the call's stream, with one copy to the host. A segment's max is final once its last frame is
+in: the service re-encodes each segment as the turn passes its end (on the encoder's lowest-priority stream, while
+the user still speaks), so that a commit re-encodes at most the turn's last segment or two.
 """
 
 from __future__ import annotations
