@@ -13,9 +13,9 @@
 #   high1 / auto1      the same at one session: 6 turns, answers up to 50 rows (the first audio does not depend on
 #                      the answer's length)
 #   vad128             server_vad 300 ms, the one-sentence sample (300 ms would split the paused turn at its pauses)
-#   nat128 / nathigh128 / nat1 / nathigh1  semantic_vad auto / high at 128 sessions and at one, on natural speech: TD_NATURAL
-#                      (default .carry/natural_turn_en_16k.wav, made as docs/performance.md says; carried with
-#                      `carry: [".whl", ".carry"]`)
+#   nat128 / nathigh128 / nat1 / nathigh1  semantic_vad auto / high at 128 sessions and at one, on natural
+#                      speech: TD_NATURAL (default .carry/natural_turn_en_16k.wav, made as docs/performance.md says;
+#                      carried with `carry: [".whl", ".carry"]`)
 #   plain64 / tx64     server_vad 300 ms, 64 sessions, 3 turns, answers up to 50 rows, the one-sentence sample, without
 #                      / with input transcription of every turn (--transcription): what transcribing costs the answer
 set -u
