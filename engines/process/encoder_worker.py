@@ -10,10 +10,10 @@ The engine loop hands over each session's PCM (`append`) and its commit (`commit
   audio waits up to ENCODE_DEFER_S: those codes decide that answer's time to first audio, a commit flushes
   whatever is held anyway, and the encoder's kernels would share the GPU with the decode steps.
 Codes are the same however the audio is cut into calls (the encoder streams exactly). While a turn streams, its
-log-mel floor follows a running max; Whisper's is the max over each whole 30 s segment (SpeechEncoder.refloor): a
-call of held audio that takes a turn past a segment's end encodes that segment again, and a commit's call (tentative
-too) the segments not yet redone, every turn of the call in one batched re-encode (turns committed together in one
-call of a busy server would otherwise wait for a re-encode each); their results carry the codes that change.
+log-mel floor follows a running max; Whisper's is the max over each whole 30 s segment: turns are encoded again
+where their floor changes (turn_floors.py): a segment the turn passed the end of, in that call of held audio; the
+segment under way when its max rose, in a call of its own once no commit or held audio is due (it rewinds the turn's
+stream); at a commit, what still differs. Their results carry the codes that change.
 
 `threaded`: the calls run on the worker's thread (the encoder's CUDA streams: commits on its high-priority one, held
 audio on its lowest-priority one; its host sync through an event, which releases the GIL). Under load on an H200 the
@@ -40,13 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engines.process import turn_floors
 from engines.process.observe.spans import Spans
 from engines.process.worker_wait import wait_for_work
-from engines.speech_in.segment_floor import RefloorJob
-from engines.speech_in.slot_pool import PoolFullError
 
 if TYPE_CHECKING:
-    from engines.speech_in.segment_floor import Refloor
+    from engines.speech_in.segment_floor import Refloor, RefloorJob
 
 log = logging.getLogger("engines.process")
 
@@ -78,6 +77,10 @@ class _Turn:
     held: list[np.ndarray] = field(default_factory=list)  # audio not yet encoded
     audio: list[np.ndarray] = field(default_factory=list)  # audio encoded so far (a commit encodes it again)
     floored: int = 0  # its 30 s segments already encoded again, as the turn passed their end
+    rewound: tuple[int, float] | None = None  # (segment, peak) its stream was last rewound to (turn_floors.py)
+    peak_seen: float = -math.inf  # its stream's running log-mel max when last checked
+    rising: bool = False  # that max rose: its segment under way is due to be encoded again
+    answered: bool = False  # committed tentatively: an answer may be under way, its floor waits for its commit
     commit: bool = False  # finalize it with the next commit call
     tentative: bool = False  # encode what it holds now and report it as a commit, keeping the stream open
     replying: bool = False  # taken by a call for its tentative commit: that call's result is the commit's
@@ -186,7 +189,7 @@ class EncoderWorker:
         """Audio held, a commit or call pending, or results not yet collected."""
         with self._cv:
             return self._running or bool(self._results) or any(
-                t.held or t.commit or t.tentative for t in self._turns.values())
+                t.held or t.commit or t.tentative or t.rising for t in self._turns.values())
 
     def run_due(self, flush: bool = False) -> bool:
         """Without a thread: run the call that is due now, if any (`flush`: held audio is due whatever the interval).
@@ -217,25 +220,33 @@ class EncoderWorker:
                     self.every_s * max(1, math.ceil(holding / ENCODE_SESSIONS_PER_INTERVAL)))
         return self._held_since + (max(every, ENCODE_DEFER_S) if self._ramping else every)
 
-    def _take_due(self, now: float, flush: bool) -> tuple[bool, list[tuple[_Turn, np.ndarray]]] | None:
-        """(commit, [(turn, its held audio)]) of the call due now (under _cv), recorded as in the call; None if none
-        is. Tentative commits go in a call of held audio (their streams go on), right after the final ones."""
+    def _take_due(self, now: float, flush: bool) -> tuple[str, list[tuple[_Turn, np.ndarray]]] | None:
+        """(kind, [(turn, its held audio)]) of the call due now (under _cv), recorded as in the call; None if none
+        is. Kinds: "commit", "held" (tentative commits go in one, their streams go on, right after the final
+        commits), "rewind" (turn_floors.py: when nothing else is due)."""
         commits = [t for t in self._turns.values() if t.commit]
         tentative = [t for t in self._turns.values() if t.tentative and not t.commit]
         holding = self._holding()
+        rising = [t for t in self._turns.values() if t.rising]
         if commits:
-            taken, commit = commits, True
+            taken, kind = commits, "commit"
             for t in commits:
                 del self._turns[t.key]  # a commit ends its turn; the session's next audio starts another
             self._forget_held_since()
         elif tentative:
-            taken, commit = tentative, False
+            taken, kind = tentative, "held"
             for t in tentative:
-                t.tentative, t.replying = False, True
+                t.tentative, t.replying, t.answered = False, True, True
             self._forget_held_since()
         elif holding and (flush or self._due_at(len(holding)) <= now):
-            taken, commit = holding, False
+            taken, kind = holding, "held"
             self._held_since = None  # audio arriving from now on waits for the next call
+        elif rising:
+            self._running = True
+            self._in_call.update((id(t), t) for t in rising)
+            for t in rising:
+                t.rising = False  # (one try: a rewind that finds no slot leaves the floor to the commit)
+            return "rewind", [(t, np.zeros(0, np.float32)) for t in rising]  # (their held audio stays held)
         else:
             return None
         self._running = True
@@ -246,7 +257,7 @@ class EncoderWorker:
             t.held = []
             t.audio.append(pcm)
             work.append((t, pcm))
-        return commit, work
+        return kind, work
 
     def _holding(self) -> list[_Turn]:
         """The turns whose held audio goes with the next call of held audio (a committing one goes with its commit)."""
@@ -257,14 +268,17 @@ class EncoderWorker:
         if not any(t.held for t in self._turns.values()):
             self._held_since = None
 
-    def _call(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> None:
+    def _call(self, kind: str, work: list[tuple[_Turn, np.ndarray]]) -> None:
         """One encoder call for these turns (outside _cv), then their results."""
         t0, cpu0, started = time.perf_counter(), time.thread_time(), time.monotonic()
-        try:
-            codes = self._encode(commit, work)
-        except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
-            codes = [e] * len(work)
-        floors = self._refloor(work, codes, commit)
+        commit = kind == "commit"
+        codes: list = [[] for _ in work]
+        if kind != "rewind":
+            try:
+                codes = self._encode(commit, work)
+            except Exception as e:  # noqa: BLE001 - handed back: the Service fails those sessions' audio turns
+                codes = [e] * len(work)
+        floors = self._refloor(kind, work, codes)
         dt, cpu, at = time.perf_counter() - t0, time.thread_time() - cpu0, time.monotonic()
         with self._cv:
             for (t, _), c, floor in zip(work, codes, floors, strict=True):
@@ -277,7 +291,7 @@ class EncoderWorker:
                     self._close(t)
                 if not t.dropped and (as_commit or failed or c or floor is not None):
                     self._results.append(Encoded(t.key, c, as_commit, at, started, floor))
-            name = "encode commits" if commit else "encode"
+            name = {"commit": "encode commits", "held": "encode", "rewind": "encode rewind"}[kind]
             self.spans.add(name, dt)
             # What the call's wall time was made of, as for the codec's rounds: this thread's CPU time and the wait
             # for the GPU (an event wait that spins counts in both); the rest went waiting for the GIL.
@@ -287,27 +301,28 @@ class EncoderWorker:
             self._running = False
             self._cv.notify_all()
 
-    def _refloor(self, work: list[tuple[_Turn, np.ndarray]], codes: list, commit: bool) -> list[Refloor | None]:
-        """Each turn's codes with the whole-segment floor (SpeechEncoder.refloor_many), where they change: at a
-        commit (`commit`, or a tentative one) those of its segments not yet redone, else those of the segments it has
-        just passed the end of. All the turns of a call in one batched encoder call (one for a commit's, urgent, one
-        for the others), so that turns committed together wait for one re-encode, not one each. None for a turn
-        whose codes stand: none changes, the encoder has no such call, or it failed."""
+    def _refloor(self, kind: str, work: list[tuple[_Turn, np.ndarray]], codes: list) -> list[Refloor | None]:
+        """Each turn's codes with the whole-segment floor where they change (turn_floors.py): the re-encodes due after
+        this call, all the turns of a call in one batched encoder call (one for a commit's, urgent, one for the
+        others). None for a turn whose codes stand: none changes, the encoder has no such call, or it failed (a turn
+        whose stream was rewound then fails: its `codes` become the error)."""
         floors: list[Refloor | None] = [None] * len(work)
         many = getattr(self.encoder, "refloor_many", None)
         if many is None:
             return floors
-        groups: dict[bool, list[tuple[int, _Turn, int | None, RefloorJob]]] = {True: [], False: []}
+        commit = kind == "commit"
+        groups: dict[bool, list[tuple[int, _Turn, RefloorJob]]] = {True: [], False: []}
+        speaking = []
         for i, ((t, _), c) in enumerate(zip(work, codes, strict=True)):
-            if isinstance(c, Exception) or not t.audio or t.stream is None:
+            if isinstance(c, Exception):
                 continue
             at_commit = commit or t.replying
-            end = None if at_commit else self.encoder.segments_done(t.stream.samples_seen)
-            if end is not None and end <= t.floored:
-                continue
-            pcm = t.audio[0] if len(t.audio) == 1 else np.concatenate(t.audio)
-            t.audio = [pcm]
-            groups[at_commit].append((i, t, end, RefloorJob(pcm, commit, t.floored, end)))
+            job = (turn_floors.rewind_job(t) if kind == "rewind"
+                   else turn_floors.job_for(self.encoder, t, commit, at_commit))
+            if job is not None:
+                groups[at_commit].append((i, t, job))
+            elif kind == "held" and not at_commit and not t.answered:
+                speaking.append(t)
         if commit:
             for t, _ in work:
                 self._close(t)  # finalized: their slots serve the re-encode's streams
@@ -316,36 +331,22 @@ class EncoderWorker:
                 continue
             t0 = time.perf_counter()
             try:
-                out = self._refloor_group(many, [job for *_, job in group], urgent)
-            except Exception:  # noqa: BLE001 - the running floor's codes are still valid turns
+                out = turn_floors.run_group(many, [job for *_, job in group], urgent)
+            except Exception as e:  # noqa: BLE001 - the running floor's codes are still valid turns
                 log.exception("speech encoder: re-encoding %d turns with their segment floor failed", len(group))
+                for i, _, job in group:
+                    if job.stream is not None:
+                        codes[i] = e
                 continue
-            for (i, t, end, _), r in zip(group, out, strict=True):
-                floors[i] = r
-                if end is not None and r is not None:
-                    t.floored = end
-            with self._cv:
-                self.spans.add("encode refloor" if urgent else "encode refloor held", time.perf_counter() - t0)
+            for (i, t, job), r in zip(group, out, strict=True):
+                if not isinstance(r, Exception):  # (no slot for it: it is due again after the next call)
+                    floors[i] = r
+                    turn_floors.after(t, job, r)
+            if kind != "rewind":  # (a rewind call's own span is its time)
+                with self._cv:
+                    self.spans.add("encode refloor" if urgent else "encode refloor held", time.perf_counter() - t0)
+        turn_floors.rose(self.encoder, speaking)
         return floors
-
-    @staticmethod
-    def _refloor_group(many: Any, jobs: list[RefloorJob], urgent: bool) -> list[Refloor | None]:
-        """The re-encode of these turns in one call, or, when the slots free for re-encodes cannot hold them all at
-        once (PoolFullError: every other slot is a speaking user's, and a turn answered early keeps its own), one
-        turn after another; a turn that finds no slot even alone keeps the running floor's codes (None)."""
-        if len(jobs) > 1:
-            try:
-                return many(jobs, urgent=urgent)
-            except PoolFullError:
-                pass  # one after another, below
-        out: list[Refloor | None] = []
-        for job in jobs:
-            try:
-                out += many([job], urgent=urgent)
-            except PoolFullError as e:
-                log.warning("speech encoder: a turn keeps the running floor's codes: no slot to re-encode it (%s)", e)
-                out.append(None)
-        return out
 
     def _encode(self, commit: bool, work: list[tuple[_Turn, np.ndarray]]) -> list[list[int]]:
         live = [(t, pcm) for t, pcm in work if t.stream is not None or pcm.size]

@@ -238,6 +238,17 @@ class SpeechEncoder:
         with self._on_stream(urgent):
             return refloor_many(self, [dataclasses.replace(j, pcm=_as_pcm(j.pcm)) for j in jobs], urgent)
 
+    def stream_peaks(self, streams: list[EncoderStream]) -> np.ndarray:
+        """[streams] each stream's running log-mel max so far (-inf before its first frame), read after the steps
+        queued on the encoder's lowest-priority CUDA stream (where held audio's steps run)."""
+        out = np.full(len(streams), -np.inf)
+        stepped = [i for i, s in enumerate(streams) if s.mel.frames_done]
+        if stepped:
+            with self._on_stream(False):
+                slots = torch.tensor([streams[i].trunk.slot for i in stepped], device=self.device)
+                out[stepped] = self.runner.kv.peaks[slots].cpu().numpy()
+        return out
+
     def segments_done(self, n_samples: int) -> int:
         """The 30 s segments whose floor is final once a stream has n samples (segment_floor.py)."""
         return segments_done(self, n_samples)
@@ -268,6 +279,7 @@ class EncoderStream:
         # The KV slot goes back to the pool on finalize/close, or when the stream is dropped.
         self._release = weakref.finalize(self, encoder.release_slot, self.trunk)
         self.codes_out = 0
+        self.floor_from: tuple[int, float] | None = None  # (segment, peak) it was last started at (segment_floor.py)
         self.closed = False
         self.last_features: torch.Tensor | None = None  # [n, d] float32 pre-VQ features of the last codes
 

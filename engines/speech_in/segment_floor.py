@@ -12,6 +12,11 @@ of every turn committed at once go in one call); the frame maxima of all those t
 encoder's device, on the call's stream, with one copy to the host. A segment's max is final once its last frame is
 in: the service re-encodes each segment as the turn passes its end (on the encoder's lowest-priority stream, while
 the user still speaks), so that a commit re-encodes at most the turn's last segment or two.
+
+While the user speaks, the segment under way can be redone with its max so far by rewinding the turn's own stream
+(`RefloorJob.stream`): it is encoded again from the segment's start with that max as its peak, and goes on from
+there, so that a commit finds nothing to redo unless the max rose after. The rewound stream's floor is then
+max(that peak, the running max from the segment's start) (`RefloorJob.rewound`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from engines.speech_in.log_mel import FFT_ROWS
 
 if TYPE_CHECKING:
-    from engines.speech_in.encoder import SpeechEncoder
+    from engines.speech_in.encoder import EncoderStream, SpeechEncoder
 
 
 @dataclass(frozen=True)
@@ -74,12 +79,22 @@ def segments_done(encoder: SpeechEncoder, n_samples: int) -> int:
 
 @dataclass(frozen=True)
 class RefloorJob:
-    """One turn for `refloor_many`: its samples so far and which of its segments to redo (see `refloor`)."""
+    """One turn for `refloor_many`: its samples so far and which of its segments to redo (see `refloor`).
+    `rewound`: (segment, peak) of the turn's stream's last rewind, if any: its frames from that segment's start on
+    were floored at max(peak, the running max from there). `stream`: the turn's open stream (not `final`, every
+    segment up to the last asked for): the last segment, if redone, is redone by rewinding it, and it goes on with
+    that segment's max as its floor."""
 
     pcm: np.ndarray
     final: bool
     first_segment: int = 0
     end_segment: int | None = None
+    rewound: tuple[int, float] | None = None
+    stream: EncoderStream | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream is not None and (self.final or self.end_segment is not None):
+            raise ValueError("only a turn's open stream, redone up to its last segment, can be rewound")
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,9 @@ def _plan(encoder: SpeechEncoder, job: RefloorJob, x: np.ndarray, peaks: np.ndar
     if lo >= end:
         return None
     running = np.maximum.accumulate(peaks)
+    if job.rewound is not None:
+        at, peak = job.rewound[0] * seg, job.rewound[1]
+        running[at:] = np.maximum(np.maximum.accumulate(peaks[at:]), peak)
     floors = np.repeat(np.asarray(seg_max, np.float32), seg)[: peaks.size]
     changed = np.flatnonzero(running[lo * seg:end * seg] != floors[lo * seg:end * seg])
     if not changed.size:
@@ -120,32 +138,44 @@ def _plan(encoder: SpeechEncoder, job: RefloorJob, x: np.ndarray, peaks: np.ndar
 def refloor_many(encoder: SpeechEncoder, jobs: list[RefloorJob], urgent: bool = True) -> list[Refloor | None]:
     """`refloor` of several turns, their segments to redo all in one batched encoder call."""
     cfg = encoder.cfg
+    for job in jobs:
+        if job.stream is not None and job.stream.samples_seen != job.pcm.size:
+            raise ValueError(f"a stream to rewind has had {job.stream.samples_seen} samples, its turn {job.pcm.size}")
     xs = [_stream_samples(encoder, job) for job in jobs]
     plans = [_plan(encoder, job, x, peaks) for job, x, peaks in zip(jobs, xs, frame_peaks(encoder, xs), strict=True)]
     half, seg = cfg.n_fft // 2, cfg.mel_per_segment
     seg_samples = seg * cfg.hop_length
-    streams, pieces, owner = [], [], []
+    per_seg = cfg.codes_per_segment
+    streams, pieces, owner, opened, rewinds = [], [], [], [], []
     try:
-        for i, plan in enumerate(plans):
+        for i, (job, plan) in enumerate(zip(jobs, plans, strict=True)):
             if plan is None:
                 continue
-            padded = np.concatenate([np.zeros(half, np.float32), plan.x])
             for j in range(plan.first_frame // seg, plan.end):
-                s = encoder.open_stream(reencode=True)
+                start = j * seg_samples
+                if job.stream is not None and j == plan.end - 1:
+                    s = job.stream
+                    rewinds.append((s, j, plan))
+                    piece = plan.x[start:]  # all it has had: it goes on from there
+                else:
+                    s = encoder.open_stream(reencode=True)
+                    opened.append(s)
+                    _start_at(encoder, s, plan, j)
+                    piece = plan.x[start:start + seg_samples + half]  # (its last frame ends half a window past)
                 streams.append(s)
                 owner.append(i)
-                start = j * seg_samples
-                s.mel.buf = padded[start:start + half].copy()  # the samples of the segment's first frames before it
-                s.mel.peak = plan.seg_max[j]
-                pieces.append(plan.x[start:start + seg_samples + half])  # (its last frame ends half a window past)
+                pieces.append(piece)
+        for s, j, plan in rewinds:  # (after every slot is had: a PoolFullError leaves the turns' streams as they were)
+            _start_at(encoder, s, plan, j)
         out = encoder.batch(urgent).step(list(zip(streams, pieces, strict=True))) if streams else []
     finally:
-        for s in streams:
+        for s in opened:
             s.close()
-    per_seg = cfg.codes_per_segment
+    rewound = {id(s) for s, *_ in rewinds}
     codes: dict[int, list[int]] = {}
-    for i, part in zip(owner, out, strict=True):
-        codes.setdefault(i, []).extend(part[:per_seg])  # (a segment's stream may go a frame into the next one)
+    for i, s, part in zip(owner, streams, out, strict=True):
+        # (a segment's stream may go a frame into the next one; a rewound stream's codes are all the turn's from there)
+        codes.setdefault(i, []).extend(part if id(s) in rewound else part[:per_seg])
     results: list[Refloor | None] = []
     for i, plan in enumerate(plans):
         if plan is None:
@@ -156,6 +186,19 @@ def refloor_many(encoder: SpeechEncoder, jobs: list[RefloorJob], urgent: bool = 
         results.append(Refloor(first, codes[i][first - j0 * per_seg:], min(plan.frames, plan.end * seg) - j0 * seg,
                                plan.total))
     return results
+
+
+def _start_at(encoder: SpeechEncoder, s: EncoderStream, plan: _Plan, j: int) -> None:
+    """Make stream `s` (a new one, or a turn's own, rewound) start at segment j with that segment's max as its peak:
+    it is then fed the turn's samples from the segment's start."""
+    cfg = encoder.cfg
+    half, start = cfg.n_fft // 2, j * cfg.mel_per_segment * cfg.hop_length
+    before = plan.x[max(0, start - half):start]  # the samples of the segment's first frames before it (zeros first)
+    s.mel.buf = np.concatenate([np.zeros(half - before.size, np.float32), before])
+    s.mel.frames_done, s.mel.samples_seen, s.mel.peak = 0, start, plan.seg_max[j]
+    s.codes_out = j * cfg.codes_per_segment
+    s.floor_from = (j, plan.seg_max[j])
+    encoder.runner.reset_segment(s.trunk)
 
 
 def refloor(encoder: SpeechEncoder, pcm: np.ndarray, final: bool, first_segment: int = 0,

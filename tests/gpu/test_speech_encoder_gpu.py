@@ -9,7 +9,9 @@ import torch
 
 from engines.cuda.streams import is_urgent
 from engines.speech_in import SpeechEncoder
-from tests.engines.process.encoder_worker_checks import check_codes_equal_one_stream_alone_and_the_commit_comes_last
+from tests.engines.process.encoder_worker_checks import (
+    check_committed_codes_are_the_whole_segment_ones_and_the_commit_comes_last,
+)
 from tests.engines.speech_in.encoder_helpers import (
     BATCH_PCMS,
     BATCH_SIZES,
@@ -51,7 +53,7 @@ def test_encoder_worker_on_its_thread_equals_one_stream_alone(enc):
     """The service's encoder worker on the GPU, on its thread and inline: the step's host sync goes through an
     event there."""
     for threaded in (False, True):
-        check_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded)
+        check_committed_codes_are_the_whole_segment_ones_and_the_commit_comes_last(enc, threaded)
 
 
 def test_step_graphs_equal_eager_steps(enc):

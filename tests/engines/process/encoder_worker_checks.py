@@ -11,7 +11,7 @@ import numpy as np
 from engines.process.encoder_worker import Encoded, EncoderWorker
 from engines.speech_in import SpeechEncoder
 from tests.engines.process.service_loop import WAIT_S
-from tests.engines.speech_in.encoder_helpers import speech_like
+from tests.engines.speech_in.encoder_helpers import speech_like, whole_segment_codes
 
 
 def wait_until_idle(worker: EncoderWorker) -> list[Encoded]:
@@ -37,9 +37,22 @@ def codes_by_key(results: list[Encoded]) -> dict[str, list[int]]:
     return out
 
 
-def check_codes_equal_one_stream_alone_and_the_commit_comes_last(enc: SpeechEncoder, threaded: bool) -> None:
-    """Sessions' audio appended in 100 ms pieces and committed: each gets its one-stream codes, its commit result
-    last, and every stream's KV slot comes back."""
+def assembled(results: list[Encoded]) -> dict[str, list[int]]:
+    """Each turn's codes as the engine assembles them from these results, in order: each result's codes appended,
+    then its re-encode (if any) applied to all of them."""
+    out: dict[str, list[int]] = {}
+    for e in results:
+        assert not isinstance(e.codes, Exception), e.codes
+        codes = out.setdefault(e.key, []) + e.codes
+        out[e.key] = codes if e.refloor is None else e.refloor.apply(codes)
+    return out
+
+
+def check_committed_codes_are_the_whole_segment_ones_and_the_commit_comes_last(enc: SpeechEncoder, threaded: bool
+                                                                              ) -> None:
+    """Sessions' audio appended in 100 ms pieces and committed: each turn's codes, its re-encodes applied (made
+    while it was spoken, or at its commit), are those of the whole-segment floor (whatever calls cut it into), its
+    commit result comes last, and every stream's KV slot comes back."""
     pcms = {k: speech_like(sec, seed=i) for i, (k, sec) in enumerate([("a", 1.3), ("b", 0.7), ("c", 2.0)])}
     worker = EncoderWorker(enc, every_s=0.0, threaded=threaded)
     results: list[Encoded] = []
@@ -54,7 +67,7 @@ def check_codes_equal_one_stream_alone_and_the_commit_comes_last(enc: SpeechEnco
         assert worker.commit(k)
     results += wait_until_idle(worker)
     worker.close()
-    assert codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    assert assembled(results) == {k: whole_segment_codes(enc, p) for k, p in pcms.items()}
     for k in pcms:  # one commit result per turn, after its other codes
         mine = [e for e in results if e.key == k]
         assert [e.commit for e in mine].count(True) == 1 and mine[-1].commit

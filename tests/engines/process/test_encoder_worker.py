@@ -4,6 +4,7 @@ thread, the engine loop steps while an encoder call is still running (its faults
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -15,23 +16,24 @@ from engines.lm.engine import Engine
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.service import Service
 from engines.process.tokenizer import StandInTokenizer
+from engines.profiling.log_mel_codes import _encoder
 from engines.protocol import messages as m
-from engines.speech_in import SpeechEncoder
+from engines.speech_in import ENCODER_PRESETS, SpeechEncoder
 from tests.engines.process import service_loop
 from tests.engines.process.encoder_worker_checks import (
     BrokenEncoder,
-    check_codes_equal_one_stream_alone_and_the_commit_comes_last,
-    codes_by_key,
+    assembled,
+    check_committed_codes_are_the_whole_segment_ones_and_the_commit_comes_last,
     wait_until_idle,
 )
 from tests.engines.process.service_loop import WAIT_S
-from tests.engines.speech_in.encoder_helpers import StepGate, speech_like, whole_segment_codes
+from tests.engines.speech_in.encoder_helpers import StepGate, speech_en, speech_like, whole_segment_codes
 from tests.paths import DATA
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-def test_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded):
-    check_codes_equal_one_stream_alone_and_the_commit_comes_last(enc, threaded)
+def test_committed_codes_are_the_whole_segment_ones_and_the_commit_comes_last(enc, threaded):
+    check_committed_codes_are_the_whole_segment_ones_and_the_commit_comes_last(enc, threaded)
 
 
 def test_the_load_log_gets_each_kind_of_call_with_its_cpu_and_gpu_wait(enc):
@@ -103,40 +105,95 @@ def test_turns_committed_together_are_encoded_again_in_one_call_on_their_own_slo
     assert enc.runner.kv.in_use == 0
 
 
-@pytest.mark.parametrize("reencodes", [1, 0])
-def test_on_a_full_server_turns_answered_early_are_re_encoded_one_after_another(reencodes, monkeypatch, caplog):
-    """Every speaker's slot in use and no memory to grow; two turns committed tentatively in one call keep their
-    streams. With one slot held back for re-encodes, their re-encodes run one after another in it, each with the
-    codes it has alone; with none, the commits still come, with the running floor's codes and a warning line."""
-    from engines.speech_in.slot_pool import PoolFullError
+def test_a_turn_whose_floor_rose_is_encoded_again_while_spoken_so_its_commit_has_nothing_to_redo(enc, monkeypatch):
+    """A turn's running max rises while the user speaks (a quiet start, then louder words): once no other call is
+    due, its stream is rewound to its segment's start with the max so far as its floor and goes on from there (a
+    result with that re-encode and no new codes). Its commit, after no further rise, encodes nothing again; its
+    codes, the re-encodes applied, are the whole-segment ones."""
+    pcm = speech_en(2.25)  # its max rises up to 1.9 s
+    worker = EncoderWorker(enc)
+    results = []
+    for i in range(0, pcm.size, 1280):
+        worker.append("a", pcm[i:i + 1280])
+        assert worker.run_due(flush=True)  # its held audio
+        worker.run_due()  # a rewind, if its max rose
+        results += worker.take_results()
+    rewinds = [e for e in results if e.refloor is not None]
+    assert rewinds and all(e.codes == [] and not e.commit for e in rewinds)
+    assert worker.take_spans()["encode rewind"][0] >= len(rewinds)
+    assert len(rewinds) < pcm.size // 1280 / 2  # only where it rose
+    opened = []
+    monkeypatch.setattr(enc, "open_stream", lambda reencode=False: opened.append(reencode))
+    assert worker.commit("a")
+    last = wait_until_idle(worker)
+    monkeypatch.undo()
+    assert [e.commit for e in last] == [True] and last[0].refloor is None and opened == []
+    assert assembled(results + last) == {"a": whole_segment_codes(enc, pcm)}
+    assert enc.runner.kv.in_use == 0
 
-    enc = SpeechEncoder.load("tiny-random")
-    enc.reserve(2, reencodes=reencodes)
+
+def full_pool(enc: SpeechEncoder, monkeypatch) -> None:
+    """Every slot in use stays so: the pool cannot grow."""
+    from engines.speech_in.slot_pool import PoolFullError
 
     def full(capacity):
         raise PoolFullError("all the speech encoder's KV slots are in use")
 
     monkeypatch.setattr(enc.runner.kv, "_grow", full)
+
+
+@pytest.mark.parametrize("reencodes", [1, 0])
+def test_on_a_full_server_segments_passed_together_are_re_encoded_one_after_another(reencodes, monkeypatch, caplog):
+    """Every speaker's slot in use and no memory to grow; two speaking turns pass a segment's end in one call. With
+    one slot held back for re-encodes, their segments are encoded again one after another in it, each with the codes
+    it has alone; with none, the turns keep the running floor's codes there, with a warning line."""
+    cfg = dataclasses.replace(ENCODER_PRESETS["tiny-random"], max_source_positions=52)  # 1.04 s segments
+    enc = _encoder(cfg, seed=1)
+    enc.reserve(2, reencodes=reencodes)
+    full_pool(enc, monkeypatch)
     pcm = read_wav(DATA / "speech_en_16k.wav")[0].astype(np.float32)  # its first ~0.4 s are quiet
     turns = {"a": pcm[:20000], "b": pcm[:24000]}
     worker = EncoderWorker(enc)
     for key, x in turns.items():
         worker.append(key, x)
-    assert worker.run_due(flush=True)
     with caplog.at_level("WARNING", logger="engines.process"):
-        for key in turns:
-            assert worker.commit(key, final=False)
-        results = wait_until_idle(worker)
-    floors = {e.key: e.refloor for e in results if e.commit}
+        assert worker.run_due(flush=True)
+        results = worker.take_results()
+    floors = {e.key: e.refloor for e in results}
     warned = [r for r in caplog.records if "keeps the running floor" in r.getMessage()]
     if reencodes:
-        assert floors == {key: enc.refloor(x, final=False) for key, x in turns.items()} and not warned
+        assert floors == {key: enc.refloor(x, False, 0, 1) for key, x in turns.items()} and not warned
+        assert None not in floors.values()
     else:
         assert floors == {"a": None, "b": None} and len(warned) == 2
         assert all(r.levelname == "WARNING" and r.exc_info is None for r in warned)
     for key in turns:
         assert worker.commit(key)
     wait_until_idle(worker)
+    worker.close()
+    assert enc.runner.kv.in_use == 0
+
+
+def test_on_a_full_server_turns_answered_early_are_re_encoded_in_their_own_streams(monkeypatch):
+    """Every slot in use, none held back, no memory to grow: two turns committed tentatively in one call are
+    encoded again by rewinding their own streams, each with the codes it has alone, and go on from there."""
+    enc = SpeechEncoder.load("tiny-random")
+    enc.reserve(2)
+    pcm = read_wav(DATA / "speech_en_16k.wav")[0].astype(np.float32)
+    turns = {"a": pcm[:20000], "b": pcm[:24000]}
+    alone = {key: enc.refloor(x, final=False) for key, x in turns.items()}
+    full_pool(enc, monkeypatch)
+    worker = EncoderWorker(enc)
+    for key, x in turns.items():
+        worker.append(key, x)
+        assert worker.commit(key, final=False)
+    results = wait_until_idle(worker)
+    assert {e.key: e.refloor for e in results if e.commit} == alone and None not in alone.values()
+    for key in turns:
+        worker.append(key, pcm[turns[key].size:turns[key].size + 8000])
+        assert worker.commit(key)
+    results = wait_until_idle(worker)
+    assert all(not isinstance(e.codes, Exception) for e in results)
     worker.close()
     assert enc.runner.kv.in_use == 0
 
@@ -367,7 +424,7 @@ def test_a_commit_during_a_held_call_waits_for_it(enc, monkeypatch):
     held = [e for e in results if e.key in "ab" and not e.commit]
     (c,) = [e for e in results if e.key == "c"]
     assert len(held) == 2 and results[:2] == held and c.commit and c.started >= max(e.at for e in held)
-    assert codes_by_key(results) == {k: enc.encode(p) for k, p in pcms.items()}
+    assert assembled(results) == {k: whole_segment_codes(enc, p) for k, p in pcms.items()}
     assert enc.runner.kv.in_use == 0
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from engines.process.encoder_worker import EncoderWorker
-from tests.engines.process.encoder_worker_checks import BrokenEncoder, codes_by_key, wait_until_idle
+from tests.engines.process.encoder_worker_checks import BrokenEncoder, assembled, codes_by_key, wait_until_idle
 from tests.engines.process.service_loop import WAIT_S
-from tests.engines.speech_in.encoder_helpers import speech_like
+from tests.engines.speech_in.encoder_helpers import speech_like, whole_segment_codes
 
 
 def test_commit_of_a_turn_without_audio_and_an_unknown_one(enc):
@@ -82,7 +82,7 @@ def test_the_thread_survives_an_error_outside_the_encoders_calls(enc, monkeypatc
     assert worker.commit("c")
     after = wait_until_idle(worker)
     worker.close()
-    assert codes_by_key(after) == {"c": enc.encode(speech_like(0.4, seed=3))}
+    assert assembled(after) == {"c": whole_segment_codes(enc, speech_like(0.4, seed=3))}
 
 
 def test_every_committing_turn_fails_when_gathering_their_audio_fails(enc):

@@ -68,14 +68,13 @@ def test_spoken_turn_incremental_prefill_equals_prefill_at_once(codec) -> None:
     prompt = PB.system_rows(None, "audio") + PB.user_audio_turn_rows(codes) + PB.assistant_prefix_rows("audio")
     hist = svc.engine.conversation_history("s")
     assert hist[:len(prompt)] == prompt and done.prompt_rows == len(prompt)
-    # What was said so far was already in the KV: at end of turn the codes of the last partial 80 ms, the closing
-    # rows and the assistant prefix were left to prefill, and the codes the whole turn's floor changed (its start is
-    # quiet: from the first on) were prefilled again.
-    streamed = enc.encode(samples)
-    changed = codes_before - next(i for i, (a, b) in enumerate(zip(streamed, codes, strict=True)) if a != b)
+    # What was said so far was already in the KV, with its whole-segment floor: its max rose while it was spoken (a
+    # quiet start), and its rows from the first code that changed were computed again then; at end of turn only the
+    # codes of the last partial 80 ms, the closing rows and the assistant prefix were left to prefill.
+    assert enc.encode(samples) != codes
     tail = len(codes) - codes_before + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
-    assert before == len(prompt) - tail and len(codes) - codes_before <= 1
-    assert svc.engine.stats().prefilled_rows - before == tail + changed and changed > 0
+    assert before > len(prompt) - tail and len(codes) - codes_before <= 1
+    assert svc.engine.stats().prefilled_rows - before == tail
     # Same greedy answer as prefilling the whole turn at once on a fresh engine.
     ref = engine()
     ref.add_request("ref", prompt, SamplingParams.greedy_params(N_OUT, N_OUT))

@@ -1,7 +1,8 @@
 """A committed user turn holds the codes of its whole-segment log-mel features (the reference's floor), not those of
-the running floor it streamed with: the engine service rewrites them in the conversation before the answer (real
-tiny engine and speech encoder, the fake decoder), a withdrawn and continued turn too; a turn whose first frame is its
-loudest is prefilled once; a turn longer than a 30 s segment has each segment redone as it passes its end."""
+the running floor it streamed with: the engine service rewrites them in the conversation, while the turn is spoken
+as its max rises and at the commit for a rise in its last audio (real tiny engine and speech encoder, the fake
+decoder), a withdrawn and continued turn too; a turn whose first frame is its loudest is prefilled once; a turn
+longer than a 30 s segment has each segment redone as it passes its end."""
 
 from __future__ import annotations
 
@@ -56,24 +57,43 @@ def assert_books_balance(svc: Service) -> None:
     eng.check_integrity()
 
 
-def test_a_quiet_start_turn_holds_its_whole_segment_codes(enc):
-    pcm = speech_en(2.5)
+def test_a_quiet_start_turn_holds_its_whole_segment_codes_before_its_commit(enc):
+    """Its max rises while it is spoken: its rows are rewritten then (the encoder rewinds its stream), so that at the
+    commit only the last code, the closing rows and the assistant prefix are left to prefill."""
+    pcm = speech_en(2.5)  # its max rises up to 1.9 s
     ref = whole_segment_codes(enc, pcm)
-    streamed = enc.encode(pcm)
-    assert streamed != ref  # what the running floor gives, and the conversation held before
+    assert enc.encode(pcm) != ref  # what the running floor gives
     svc = service(enc)
     send(svc, m.OpenSession("s", sampling=greedy(6, min_new=6)))
     speak(svc, pcm)
     before = svc.engine.stats().prefilled_rows
     sent = list(svc.sessions["s"].active.codes)
-    assert sent == streamed[:len(sent)] and len(sent) >= len(ref) - 1  # prefilled while the user spoke
+    assert sent == ref[:len(sent)] and len(sent) >= len(ref) - 1
     done = answer(svc, "r")
     assert_turn_holds(svc, ref)
-    first = next(i for i, (a, b) in enumerate(zip(sent, ref, strict=False)) if a != b)
     tail = len(ref) - len(sent) + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
-    assert svc.engine.stats().prefilled_rows - before == len(sent) - first + tail  # rewritten from its first change
+    assert svc.engine.stats().prefilled_rows - before == tail
     assert done.prompt_rows == len(PB.system_rows(None, "audio") + PB.user_audio_turn_rows(ref)
                                    + PB.assistant_prefix_rows("audio"))
+    assert_books_balance(svc)
+
+
+def test_a_turn_whose_max_rises_in_its_last_audio_is_rewritten_at_its_commit(enc):
+    """A click in its last 6 ms (framed only by the commit's finalize) raises its max: the commit re-encodes the
+    turn, and the rows it holds are prefilled again from the first code that changed."""
+    pcm = speech_en(2.5)
+    pcm[-100:] += 0.9
+    ref = whole_segment_codes(enc, pcm)
+    svc = service(enc)
+    send(svc, m.OpenSession("s", sampling=greedy(6, min_new=6)))
+    speak(svc, pcm)
+    before = svc.engine.stats().prefilled_rows
+    sent = list(svc.sessions["s"].active.codes)
+    first = next(i for i, (a, b) in enumerate(zip(sent, ref, strict=False)) if a != b)
+    answer(svc, "r")
+    assert_turn_holds(svc, ref)
+    tail = len(ref) - len(sent) + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
+    assert svc.engine.stats().prefilled_rows - before == len(sent) - first + tail  # rewritten from its first change
     assert_books_balance(svc)
 
 

@@ -131,3 +131,29 @@ def test_the_frame_maxima_of_several_turns_in_one_pass_are_each_turns_own():
     # frame t is whole once sample 160 t + 200 is in
     assert [p.size for p in together] == [p.size for p in alone] == [249, 0, 169, 0, 89]
     assert all(np.array_equal(a, b) for a, b in zip(together, alone, strict=True))
+
+
+def test_a_rewound_stream_goes_on_with_its_segments_max_as_its_floor(enc):
+    """A speaking turn's own stream, rewound (RefloorJob.stream): the codes so far are those a re-encode of its own
+    would make, and the stream goes on from there with that floor: once the max stops rising, the commit has
+    nothing to redo, and the turn's codes are the whole-segment ones."""
+    pcm = speech_en(2.5)  # its max rises up to 1.9 s
+    k = 32000
+    s = enc.open_stream()
+    codes = s.push(pcm[:k])
+    r = enc.refloor_many([RefloorJob(pcm[:k], False, stream=s)], urgent=False)[0]
+    assert r == enc.refloor(pcm[:k], final=False) and s.floor_from[0] == 0
+    codes = r.apply(codes) + s.finalize(pcm[k:])
+    assert enc.refloor_many([RefloorJob(pcm, True, rewound=s.floor_from)]) == [None]
+    assert codes == whole_segment_codes(enc, pcm)
+
+
+def test_only_a_turns_open_stream_with_all_its_audio_can_be_rewound(enc):
+    s = enc.open_stream()
+    s.push(speech_en(0.5))
+    for bad in ({"final": True}, {"final": False, "end_segment": 1}):
+        with pytest.raises(ValueError, match="rewound"):
+            RefloorJob(speech_en(0.5), stream=s, **bad)
+    with pytest.raises(ValueError, match="samples"):
+        enc.refloor_many([RefloorJob(speech_en(0.6), False, stream=s)])
+    s.close()
