@@ -8,6 +8,7 @@ spare block outside the pool and attend only to it, so they never touch real seq
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -76,8 +77,17 @@ def capture_graph(fn: Callable[[], T], stream: torch.cuda.Stream, pool=None, war
         for _ in range(warmup):
             fn()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            out = fn()
+        # No garbage collection inside the capture: a cycle it frees may hold CUDA graphs whose memory pool then goes
+        # back to the device (a cudaFree, which invalidates the capture); seen as "operation failed due to a previous
+        # error during capture" on a capture after another encoder's graphs were dropped.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                out = fn()
+        finally:
+            if collecting:
+                gc.enable()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
