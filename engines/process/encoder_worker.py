@@ -9,11 +9,12 @@ The engine loop hands over each session's PCM (`append`) and its commit (`commit
   a call's cost grows with them. While an answer waits for its first codes (`lm_ramping`, set by the loop), held
   audio waits up to ENCODE_DEFER_S: those codes decide that answer's time to first audio, a commit flushes
   whatever is held anyway, and the encoder's kernels would share the GPU with the decode steps.
-Codes are the same however the audio is cut into calls (the encoder streams exactly). While a turn streams, its
-log-mel floor follows a running max; Whisper's is the max over each whole 30 s segment: turns are encoded again
-where their floor changes (turn_floors.py): a segment the turn passed the end of, in that call of held audio; the
-segment under way when its max rose, in a call of its own once no commit or held audio is due (it rewinds the turn's
-stream); at a commit, what still differs. Their results carry the codes that change.
+A turn's codes, once committed, are the same however its audio is cut into calls (the encoder streams exactly, and
+re-encodes where the floor changed). While a turn streams, its log-mel floor follows a running max; Whisper's is the
+max over each whole 30 s segment: turns are encoded again where their floor changes (turn_floors.py): a segment the
+turn passed the end of, in that call of held audio; the segment under way when its max rose, in a call of its own
+once no commit or held audio is due (it rewinds the turn's stream); at a commit, what still differs. Their results
+carry the codes that change.
 
 `threaded`: the calls run on the worker's thread (the encoder's CUDA streams: commits on its high-priority one, held
 audio on its lowest-priority one; its host sync through an event, which releases the GIL). Under load on an H200 the

@@ -1,4 +1,6 @@
-"""What re-encoding a committed turn with the whole-segment log-mel floor adds to the commit (the answer's latency).
+"""What re-encoding a committed turn with the whole-segment log-mel floor adds to the commit (the answer's latency)
+when its max rose in its last audio (the worst case: the service otherwise rewinds the turn's stream while it is
+spoken, docs/fidelity.md, section 4).
 
     python3 -m engines.profiling.refloor_cost [--preset full-random] [--device cuda] [--seconds 2,5,15,30]
         [--wav tests/data/speech_en_16k.wav] [--iters 10] [--graphs]

@@ -426,5 +426,3 @@ def test_a_commit_during_a_held_call_waits_for_it(enc, monkeypatch):
     assert len(held) == 2 and results[:2] == held and c.commit and c.started >= max(e.at for e in held)
     assert assembled(results) == {k: whole_segment_codes(enc, p) for k, p in pcms.items()}
     assert enc.runner.kv.in_use == 0
-
-
