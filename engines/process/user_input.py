@@ -169,7 +169,9 @@ class UserInput:
         first row), those still waiting are replaced. Returns `codes` as they now are."""
         t, o = s.active, s.reopened if s.active is None else None
         live = t is not None and t.audio_open and t.undo is None and t.response is None
-        sent = o.codes if o is not None else t.codes if live else []
+        # An open turn being undone to be prefilled again (a truncation behind it) puts its codes back as pending.
+        requeued = t is not None and t.audio_open and t.undo == "requeue" and not t.committed
+        sent = o.codes if o is not None else t.codes if live or requeued else []
         held = sent + s.pending_codes + codes
         end = r.first + len(r.codes)
         if r.total != len(held) or end > len(held):  # (the turn's codes went elsewhere: an undo requeued them)
@@ -185,6 +187,8 @@ class UserInput:
             if o is not None:  # a withdrawn turn's rows end the conversation: its next request carries them again
                 self.engine.truncate_conversation(s.conversation_id, at)
                 o.codes, o.user_end, n = new[:d], o.user_end - (n - d), d
+            elif requeued:  # (its request is being aborted: the codes go back as they are now)
+                owner.codes[d:min(n, end)] = new[d:min(n, end)]
             else:
                 upto = min(n, end)
                 self.engine.rewrite_input(owner.request_id, at, self.prompts.audio_code_rows(new[d:upto]))

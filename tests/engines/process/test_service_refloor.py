@@ -1,8 +1,9 @@
 """A committed user turn holds the codes of its whole-segment log-mel features (the reference's floor), not those of
 the running floor it streamed with: the engine service rewrites them in the conversation, while the turn is spoken
 as its max rises and at the commit for a rise in its last audio (real tiny engine and speech encoder, the fake
-decoder), a withdrawn and continued turn too; a turn whose first frame is its loudest is prefilled once; a turn
-longer than a 30 s segment has each segment redone as it passes its end."""
+decoder), a withdrawn and continued turn too, and one undone by a truncation while those changes come; a turn whose
+first frame is its loudest is prefilled once; a turn longer than a 30 s segment has each segment redone as it passes
+its end."""
 
 from __future__ import annotations
 
@@ -162,4 +163,30 @@ def test_a_turn_longer_than_a_segment_is_redone_a_segment_at_a_time():
     tail = len(ref) - len(sent) + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
     redone = svc.engine.stats().prefilled_rows - before - tail
     assert 0 < redone <= len(sent) - done  # at the commit, only the last segment's codes
+    assert_books_balance(svc)
+
+
+def test_a_turn_undone_by_a_barge_in_truncation_keeps_what_its_rewinds_changed(enc):
+    """The user barges in (a new turn under way) and the client then truncates the answer it cut: the open turn is
+    undone and prefilled again. Re-encodes that arrive before the undo completes change the codes it puts back, so
+    the committed turn still holds its whole-segment codes."""
+    loud = speech_en(2.5)[8000:24000]  # a louder stretch: the first answer's turn
+    pcm = speech_en(2.5)
+    cut = 28800
+    pcm[cut:cut + 3200] *= 2  # its max rises last there, in the audio after the truncation
+    ref = whole_segment_codes(enc, pcm)
+    svc = service(enc)
+    send(svc, m.OpenSession("s", sampling=greedy(6, min_new=6)))
+    speak(svc, loud)
+    answer(svc, "r0")
+    speak(svc, pcm[:cut])
+    send(svc, m.TruncateResponse("s", "r0", 2 * 1920))
+    svc._speech.take_spans()
+    send(svc, m.AppendUserAudio("s", float32_to_pcm16(pcm[cut:cut + 3200])))  # encoded before the next step
+    assert svc.sessions["s"].active.undo == "requeue" and "encode rewind" in svc._speech.take_spans()
+    speak(svc, pcm[cut + 3200:])
+    answer(svc, "r1")
+    history = svc.engine.conversation_history("s")
+    turn = PB.user_audio_turn_rows(ref)
+    assert any(history[i:i + len(turn)] == turn for i in range(len(history) - len(turn) + 1))
     assert_books_balance(svc)
