@@ -81,7 +81,7 @@ class _Turn:
     rewound: tuple[int, float] | None = None  # (segment, peak) its stream was last rewound to (turn_floors.py)
     peak_seen: float = -math.inf  # its stream's running log-mel max when last checked
     rising: bool = False  # that max rose: its segment under way is due to be encoded again
-    answered: bool = False  # committed tentatively: an answer may be under way, its floor waits for its commit
+    answered: bool = False  # committed tentatively: an answer may be under way; its floor waits (`resume`)
     commit: bool = False  # finalize it with the next commit call
     tentative: bool = False  # encode what it holds now and report it as a commit, keeping the stream open
     replying: bool = False  # taken by a call for its tentative commit: that call's result is the commit's
@@ -157,6 +157,14 @@ class EncoderWorker:
                 t.tentative = True
             self._cv.notify_all()
             return True
+
+    def resume(self, key: str) -> None:
+        """The answer to this session's tentative commit was withdrawn and its turn goes on: its floor is set again
+        while it is spoken (turn_floors.py)."""
+        with self._cv:
+            t = self._turns.get(key)
+            if t is not None:
+                t.answered = False
 
     def drop(self, key: str) -> None:
         """Forget this session's turn (its audio cleared, the session closed): no result of it comes any more."""

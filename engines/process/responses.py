@@ -209,6 +209,8 @@ class Responses:
         s.close_rows, s.answer = [], None
         w.turn.committed, w.turn.audio_open, w.turn.response, w.turn.undo = False, True, None, None
         s.reopened = w.turn
+        if self._speech is not None:
+            self._speech.resume(s.session_id)
         s.turn_codes, s.turn_code_list = len(w.turn.codes), list(w.turn.codes)
         # The answer's item leaves with its rows; items added since (a text item, new instructions) wait in
         # pending_rows, after the turn, and stay.

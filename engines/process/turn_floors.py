@@ -6,7 +6,8 @@ when: the turn's codes as Whisper's floor (max - 8 over each whole 30 s segment)
   after each call of held audio): its stream is rewound to the segment's start with the max so far as its peak and
   goes on from there (a call of its own, after any commit: `RefloorJob.stream`). A commit then finds nothing to redo
   unless the max rose in its last call's audio.
-- A commit (tentative too): every segment not yet redone whose floor still differs, in the commit's call.
+- A commit (tentative too): every segment not yet redone whose floor still differs, in the commit's call. After a
+  tentative commit the rewinds wait (its answer may be under way) until that answer is withdrawn (`resume`).
 The turns of a call go in one batched re-encode: turns committed together in one call of a busy server would
 otherwise wait for a re-encode each.
 """

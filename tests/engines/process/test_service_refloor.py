@@ -190,3 +190,28 @@ def test_a_turn_undone_by_a_barge_in_truncation_keeps_what_its_rewinds_changed(e
     turn = PB.user_audio_turn_rows(ref)
     assert any(history[i:i + len(turn)] == turn for i in range(len(history) - len(turn) + 1))
     assert_books_balance(svc)
+
+
+def test_a_withdrawn_turn_is_encoded_again_while_the_user_goes_on(enc):
+    """After a tentative commit the turn's floor waits (its answer may be under way); once that answer is withdrawn
+    and the user goes on, rises of its max are redone while spoken again, so the final commit prefills only its
+    tail."""
+    pcm = speech_en(2.5)  # its max rises again at 1.01-1.9 s
+    first, rest = pcm[:16000], pcm[16000:]
+    svc = service(enc)
+    send(svc, m.OpenSession("s", sampling=greedy(6, min_new=6)))
+    speak(svc, first)
+    send(svc, m.CommitUserAudio("s", "item", tentative=True))
+    send(svc, m.CreateResponse("s", "r0", "audio", greedy(6, min_new=6)))
+    svc.step()
+    send(svc, m.WithdrawResponse("s", "r0"))
+    run(svc)
+    speak(svc, rest)
+    before = svc.engine.stats().prefilled_rows
+    sent = len(svc.sessions["s"].active.codes)
+    ref = whole_segment_codes(enc, pcm)
+    answer(svc, "r1")
+    assert_turn_holds(svc, ref)
+    tail = len(ref) - sent + len(PB.audio_turn_close_rows()) + len(PB.assistant_prefix_rows("audio"))
+    assert svc.engine.stats().prefilled_rows - before == tail
+    assert_books_balance(svc)
