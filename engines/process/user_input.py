@@ -174,7 +174,7 @@ class UserInput:
         sent = o.codes if o is not None else t.codes if live or requeued else []
         held = sent + s.pending_codes + codes
         end = r.first + len(r.codes)
-        if r.total != len(held) or end > len(held):  # (the turn's codes went elsewhere: an undo requeued them)
+        if r.total != len(held) or end > len(held):  # (the turn's codes went elsewhere)
             log.warning("session %s: the turn re-encoded has %d codes, %d are held; they stand", s.session_id,
                         r.total, len(held))
             return codes
