@@ -251,15 +251,15 @@ class EncoderWorker:
             taken, kind = holding, "held"
             self._held_since = None  # audio arriving from now on waits for the next call
         elif rising:
-            self._running = True
-            self._in_call.update((id(t), t) for t in rising)
+            taken, kind = rising, "rewind"
             for t in rising:
                 t.rising = False  # (one try: a rewind that finds no slot leaves the floor to the commit)
-            return "rewind", [(t, np.zeros(0, np.float32)) for t in rising]  # (their held audio stays held)
         else:
             return None
         self._running = True
         self._in_call.update((id(t), t) for t in taken)  # first: a commit's turn is no longer in _turns
+        if kind == "rewind":
+            return kind, [(t, np.zeros(0, np.float32)) for t in taken]  # (their held audio stays held)
         work = []
         for t in taken:
             pcm = t.held[0] if len(t.held) == 1 else np.concatenate(t.held) if t.held else np.zeros(0, np.float32)
@@ -326,8 +326,7 @@ class EncoderWorker:
             if isinstance(c, Exception):
                 continue
             at_commit = commit or t.replying
-            job = (turn_floors.rewind_job(t) if kind == "rewind"
-                   else turn_floors.job_for(self.encoder, t, commit, at_commit))
+            job = turn_floors.job_for(self.encoder, t, commit, at_commit or kind == "rewind")
             if job is not None:
                 groups[at_commit].append((i, t, job))
             elif kind == "held" and not at_commit and not t.answered:

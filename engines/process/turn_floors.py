@@ -43,24 +43,18 @@ def turn_pcm(t: FloorTurn) -> np.ndarray:
     return pcm
 
 
-def job_for(encoder: Any, t: FloorTurn, final: bool, at_commit: bool) -> RefloorJob | None:
-    """The re-encode of turn `t` after a call (`final`: a commit that finalized its stream; `at_commit`: that or a
-    tentative commit); None when none is due now."""
+def job_for(encoder: Any, t: FloorTurn, final: bool, whole: bool) -> RefloorJob | None:
+    """The re-encode of turn `t` after a call; None when none is due now. `whole`: every segment not yet redone, up
+    to its audio so far (a commit, `final` when its stream is finalized; else a tentative commit or a rewind, whose
+    open stream is rewound if its last segment is redone); else the segments it has just passed the end of."""
     if not t.audio or t.stream is None:
         return None
-    if at_commit:  # a tentative commit's stream goes on: rewound, if its last segment is redone
+    if whole:
         return RefloorJob(turn_pcm(t), final, t.floored, None, t.rewound, None if final else t.stream)
     end = encoder.segments_done(t.stream.samples_seen)
     if end <= t.floored:
         return None
     return RefloorJob(turn_pcm(t), False, t.floored, end, t.rewound)
-
-
-def rewind_job(t: FloorTurn) -> RefloorJob | None:
-    """The rewind of a speaking turn whose max rose (`rose`): its segment under way, by its own stream."""
-    if not t.audio or t.stream is None:
-        return None
-    return RefloorJob(turn_pcm(t), False, t.floored, None, t.rewound, t.stream)
 
 
 def rose(encoder: Any, turns: list[FloorTurn]) -> None:
