@@ -49,6 +49,8 @@ class ProcessConfig:
     encoder_thread: bool
     encoder_graphs: bool
     encoder_tf32: bool
+    decoder_context: str
+    decoder_cache_gib: float | None  # None: the decoder's default for the device
     warm_up: bool
     first_lane: bool
     first_lanes: int
@@ -81,6 +83,7 @@ class ProcessConfig:
             encode_every_ms=args.encode_every_ms,
             encoder_thread=on_gpu if args.encoder_thread is None else args.encoder_thread,
             encoder_graphs=args.encoder_graphs, encoder_tf32=args.encoder_tf32,
+            decoder_context=args.decoder_context, decoder_cache_gib=args.decoder_cache_gib,
             warm_up=on_gpu if args.warm_up is None else args.warm_up,
             first_lane=on_gpu if args.first_lane is None else args.first_lane, first_lanes=args.first_lanes,
             codec_round_max=args.codec_round_max, codec_round_period_ms=args.codec_round_period_ms,

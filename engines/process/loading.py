@@ -70,7 +70,8 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
     with memory.part("the codec decoder"):
         decoder = CodecDecoder.load(config.codec, device=config.device, vocoder=vocoder, seed=config.seed,
                                     cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
-                                    estimator_dtype="bfloat16" if on_gpu else "float32")
+                                    estimator_dtype="bfloat16" if on_gpu else "float32",
+                                    context=config.decoder_context, cache_gib=config.decoder_cache_gib)
     # First: the graphs captured below are those of the default voice's prompt length.
     with memory.part("the default voice"):
         decoder.default_voice = default_voice(encoder, config)

@@ -28,6 +28,16 @@ def _kv_gib(text: str) -> float | str:
     return v
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB (a number), got {text!r}") from None
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
 def _non_negative_ms(text: str) -> float:
     try:
         v = float(text)
@@ -110,6 +120,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the voice answers speak in when a session sets no voice prompt: an integer-PCM WAV of "
                         "8-192 kHz and at most 30 s (default: the bundled voice, synthesized speech; "
                         "docs/operations.md, Voice)")
+    p.add_argument("--decoder-context", choices=("full", "window"), default="full",
+                   help="what the codec decoder's flow sees of an answer's earlier chunks: full (the default), every "
+                        "earlier chunk and the voice prompt, as the published chunk model was trained, its keys and "
+                        "values kept in a cache of --decoder-cache-gib; window, the prompt and the last 4 chunks only: "
+                        "bounded memory, an approximation of the model (docs/fidelity.md, Streaming decode context)")
+    p.add_argument("--decoder-cache-gib", type=_positive_gib, default=None, metavar="GIB",
+                   help="with --decoder-context full: memory for the flow's cached keys and values, 115 MiB per second "
+                        "of answer audio in progress (bf16, the real model); an answer that finds it full fails with "
+                        "server_busy (default: 40 on a GPU, 0.5 on a CPU)")
     p.add_argument("--encode-every-ms", type=_non_negative_ms, default=80.0,
                    help="encode every session's held user audio together, in one batch, at most this often "
                         "(0: as it arrives)")

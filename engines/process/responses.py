@@ -341,9 +341,9 @@ class Responses:
             if r.cancelled:
                 self._codec.cancel(r)
 
-    def _fail(self, s: Session, r: ResponseState, why: str) -> None:
+    def _fail(self, s: Session, r: ResponseState, why: str, code: str = errors.ENGINE_ERROR) -> None:
         """Stop a response for a server-side fault: abort it; its ResponseDone says failed."""
-        self._send(s.owner, m.Error(s.session_id, errors.ENGINE_ERROR, why, r.response_id))
+        self._send(s.owner, m.Error(s.session_id, code, why, r.response_id))
         r.failed, r.cancelled, r.decoder_stream, r.new_codes = why, True, None, []
         t = s.active
         if t is not None and t.response is r:

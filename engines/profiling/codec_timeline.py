@@ -1,5 +1,5 @@
 """Where one codec step's time goes, host against GPU: `python3 -m engines.profiling.codec_timeline --codec full-random`
-(a GPU; on a CPU the host marks only).
+(a GPU; on a CPU the host marks only). Of the windowed flow (`--decoder-context window`).
 
 Marks at the stages of a codec round as the server's codec worker runs it (engines/bench/codec_rounds.py), with no
 synchronisation between them: a CUDA event on the current stream beside the host clock at every CUDA graph replay
@@ -137,7 +137,8 @@ def main() -> None:
         p.error("--batch and --steps must be >= 1")
     cuda = a.device.startswith("cuda")
     dec = CodecDecoder.load(a.codec, device=a.device, vocoder=a.vocoder, cuda_graphs=cuda,
-                            estimator_dtype=a.estimator_dtype, encoder_tf32=cuda and not a.no_encoder_tf32)
+                            estimator_dtype=a.estimator_dtype, encoder_tf32=cuda and not a.no_encoder_tf32,
+                            context="window")
     name = device_name(dec.device)
     rows = timeline(dec, a.batch, a.steps)
     print(f"{name}, codec {a.codec}, {a.vocoder}, batch {a.batch}: median of {a.steps} steps, ms since the step's "

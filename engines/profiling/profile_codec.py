@@ -1,6 +1,7 @@
 """Where a codec chunk's time goes: `python3 -m engines.profiling.profile_codec --codec full-random` on a GPU.
 
-Splits one steady-state 5-code chunk, decoded in a round as the server's codec worker decodes it
+Of the windowed flow (`--decoder-context window`). Splits one steady-state 5-code chunk, decoded in a round as the
+server's codec worker decodes it
 (engines/bench/codec_rounds.py), into its stages (flow encoder, Euler solve, vocoder) with the device
 synchronised around each, counts the kernels of one eager estimator call, and optionally times the Euler
 solve with the estimator under torch.compile. `--timeline` times replays of the solve's CUDA graph as served, with
@@ -277,7 +278,7 @@ def main() -> None:
     p.add_argument("--chains", action="store_true", help="only the solve graph's replay time, per number of chains")
     a = p.parse_args()
     dec = CodecDecoder.load(a.codec, device="cuda", vocoder=a.vocoder, cuda_graphs=True,
-                            estimator_dtype="bfloat16")
+                            estimator_dtype="bfloat16", context="window")
     if a.timeline:
         _timeline(dec, [int(x) for x in a.batches.split(",")], a.iters)
         return

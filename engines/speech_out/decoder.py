@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engines.config import ConfigError, parse_dtype
+from engines.cuda.precision import float32_matmuls
 from engines.cuda.streams import wait_releasing_gil
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
@@ -21,6 +22,9 @@ from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderG
 from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
 from engines.speech_out.flow.flow import FlowModel
+from engines.speech_out.flow.full_context import FullContextFlow, FullVoice
+from engines.speech_out.flow.pages import EstimatorPages
+from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
 from engines.speech_out.mel_spec import MelSpec, check_same_mel
 from engines.speech_out.presets import DECODER_PRESETS
@@ -29,6 +33,9 @@ from engines.speech_out.vocoder.vocoder import BigVGANVocoder, HiFTVocoder, Voco
 from engines.speech_out.voice import Voice
 
 VOCODERS = ("bigvgan", "hift")
+# How a stream's flow sees earlier chunks: "full", every earlier chunk and the prompt, as the chunk model was trained
+# (full_context.py); "window", the prompt and the last few chunks only (flow.py: bounded state, an approximation).
+CONTEXTS = ("full", "window")
 
 
 def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
@@ -72,8 +79,9 @@ class CodecDecoder:
         self.vocoder = vocoder.eval()
         self.windowed = WindowedVocoder(vocoder, cfg.stream)
         self.default_voice = default_voice
-        self._voices: OrderedDict[str, PreparedVoice] = OrderedDict()
+        self._voices: OrderedDict[str, PreparedVoice | FullVoice] = OrderedDict()
         self.counts = SolveCounts()
+        self.full: FullContextFlow | None = None  # set by `load` for the full-context streaming decode
 
     @property
     def device(self) -> torch.device:
@@ -91,28 +99,46 @@ class CodecDecoder:
     @classmethod
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
              seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32",
-             encoder_graphs: bool = True, encoder_tf32: bool = False) -> CodecDecoder:
+             encoder_graphs: bool = True, encoder_tf32: bool = False, context: str = "full",
+             cache_gib: float | None = None, offline: bool = False) -> CodecDecoder:
         """codec: a preset name ("tiny-random", "full-random") or a codec directory (its layout: random_codec.py).
         cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only);
         encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs; False: eager).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32.
+        context: how streams see earlier chunks (CONTEXTS); with "full", cache_gib sizes the estimator's key/value
+        pages (default 40 GiB on a GPU, 0.5 on a CPU; `EstimatorPages`).
+        offline: the offline flow's weights (`flow/flow.pt`, for `decode`) instead of the chunk model's
+        (`flow/flow-chunk-5.pt`, for streams).
         encoder_tf32: the flow encoder's float32 matmuls on TF32 tensor cores (CUDA; its convs already are, by
         torch's cuDNN default): PCM within ~1e-4 of float32, a batch-16 chunk ~1 ms shorter on an H100."""
-        dec = cls._load(codec, device, vocoder, seed)
+        if context not in CONTEXTS:
+            raise ConfigError(f"decoder context {context!r} not one of {CONTEXTS}")
+        if cache_gib is not None and not cache_gib > 0:
+            raise ConfigError(f"the decoder's cache must be > 0 GiB, got {cache_gib}")
+        dec = cls._load(codec, device, vocoder, seed, offline)
         dec.flow.encoder_tf32 = encoder_tf32
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         dec.flow.encoder.fuse()
+        if context == "full":
+            fc, dt = dec.cfg.flow, parse_dtype(estimator_dtype)
+            gib = cache_gib if cache_gib is not None else (40.0 if dec.device.type == "cuda" else 0.5)
+            page = EstimatorPages.page_bytes(fc.n_timesteps, fc.est_n_blocks * (2 + fc.est_mid_blocks),
+                                             dec.cfg.stream.chunk_codes * fc.token_mel_ratio,
+                                             fc.est_heads * fc.est_head_dim, dt)
+            dec.full = FullContextFlow(dec.flow, int(gib * 2**30 // page))
         if cuda_graphs and dec.device.type == "cuda":
             dec._attach_graphs(encoder_graphs)
         return dec
 
     def _attach_graphs(self, encoder_graphs: bool, urgent: bool = False) -> None:
         """Empty graph sets (captured on first use or by `capture_graphs`) for the Euler solve, the flow's encoder
-        when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority."""
-        self.flow.graphs = EulerGraphs(self.flow, urgent)
-        if encoder_graphs:
+        when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority. (The full-context
+        flow runs eagerly: its keys grow with every chunk.)"""
+        if self.full is None:
+            self.flow.graphs = EulerGraphs(self.flow, urgent)
+        if encoder_graphs and self.full is None:
             self.flow.enc_graphs = EncoderGraphs(self.flow, urgent)
         if isinstance(self.vocoder, HiFTVocoder):
             st = self.cfg.stream
@@ -163,7 +189,8 @@ class CodecDecoder:
         return n
 
     @classmethod
-    def _load(cls, codec: str | Path, device: str | torch.device, vocoder: str, seed: int) -> CodecDecoder:
+    def _load(cls, codec: str | Path, device: str | torch.device, vocoder: str, seed: int, offline: bool
+              ) -> CodecDecoder:
         if vocoder not in VOCODERS:
             raise ConfigError(f"vocoder {vocoder!r} not one of {VOCODERS}")
         device = torch.device(device)
@@ -180,7 +207,7 @@ class CodecDecoder:
             raise ConfigError(f"codec {codec!r} is neither a preset nor a directory")
         cfg_file = root / "flow" / "decoder.json"
         cfg = CodecDecoderConfig.from_json(cfg_file) if cfg_file.is_file() else CodecDecoderConfig()
-        flow_file = root / "flow" / "flow.pt"
+        flow_file = root / "flow" / ("flow.pt" if offline else "flow-chunk-5.pt")
         if vocoder == "bigvgan":
             hp_file = root / "bigvgan" / "config.json"
             if not hp_file.is_file():
@@ -219,10 +246,13 @@ class CodecDecoder:
                 raise ConfigError(f"voice {voice.name}: prompt of {voice.codes.shape[0]} codes exceeds "
                                   f"{self.cfg.stream.max_prompt_codes}")
             validate_codes(voice.codes)
-            pv = self.flow.prepare_voice(voice.codes, voice.mel, voice.xvector)
+            prepare = self.full.prepare_voice if self.full is not None else self.flow.prepare_voice
+            pv = prepare(voice.codes, voice.mel, voice.xvector)
             self._voices[voice.name] = pv
             while len(self._voices) > 32:
-                self._voices.popitem(last=False)
+                _, old = self._voices.popitem(last=False)
+                if self.full is not None:
+                    self.full.forget_voice(old)
         return pv
 
     def open_stream(self, session_id: str, voice: Voice | None = None, seed: int = 0) -> DecodeStream:
@@ -230,21 +260,45 @@ class CodecDecoder:
         pv = self.prepared(voice)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(seed))
-        fs = self.flow.new_state(pv, gen)
+        fs = self.full.new_state(pv) if self.full is not None else self.flow.new_state(pv, gen)
         vs = self.windowed.new_state(pv.mel, gen)
         ready = None
         if self.device.type == "cuda":  # the state may be decoded on another thread's stream: see DecodeStream.adopt
             ready = torch.cuda.Event()
             ready.record()
-        return DecodeStream(self, session_id, fs, vs, gen, ready=ready)
+        # Full context: the prompt's tail codes go first, so that the answer's chunks fall where the reference's do.
+        tail = list(pv.tail) if self.full is not None else []
+        return DecodeStream(self, session_id, fs, vs, gen, pending=tail, ready=ready, prompt_left=len(tail))
 
-    def decode(self, codes, voice: Voice | None = None, seed: int = 0) -> np.ndarray:
-        """Offline decode: the streaming algorithm over all codes in one call (same chunk schedule)."""
+    def stream_all(self, codes, voice: Voice | None = None, seed: int = 0) -> np.ndarray:
+        """The streaming decode of all `codes` at once (the same chunks as a stream fed code by code)."""
         s = self.open_stream("offline", voice, seed)
-        s.add(codes)
-        out = [s._run(s.take_jobs()), s.finalize()]
-        s.close()
-        return np.concatenate(out)
+        try:
+            s.add(codes)
+            return np.concatenate([s._run(s.take_jobs()), s.finalize()])
+        finally:
+            s.close()
+
+    @torch.inference_mode()
+    def decode(self, codes, voice: Voice | None = None, seed: int = 0) -> np.ndarray:
+        """Offline decode, the offline flow's semantics (load with offline=True for its weights): one call with full
+        attention over the prompt and every code, then the vocoder over the whole answer."""
+        codes = torch.as_tensor(validate_codes(codes), dtype=torch.long)
+        if codes.numel() == 0:
+            return np.zeros(0, np.float32)
+        voice = voice or self.default_voice
+        if voice.codes.shape[0] > self.cfg.stream.max_prompt_codes:
+            raise ConfigError(f"voice {voice.name}: prompt of {voice.codes.shape[0]} codes exceeds "
+                              f"{self.cfg.stream.max_prompt_codes}")
+        f, dev = self.flow, self.device
+        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        frames = (voice.codes.shape[0] + codes.shape[0]) * self.cfg.flow.token_mel_ratio
+        z = torch.randn(self.cfg.flow.output_size, frames, generator=gen, device=dev, dtype=f.dtype)
+        with float32_matmuls(False):
+            spks = f.spk_embed_affine_layer(torch.nn.functional.normalize(voice.xvector.to(dev, f.dtype)[None]))[0]
+        mel = reference_mel(f, voice.codes, voice.mel, spks, codes, z, chunk=False)
+        vs = self.windowed.new_state(voice.mel.to(dev, f.dtype), gen)
+        return self.windowed.finish(self.windowed.render(mel[None], [vs], [gen]), [vs], [True])[0]
 
     # ---- batched chunk decoding --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -278,15 +332,30 @@ class CodecDecoder:
             rows = [j.codes + j.look + [0] * (la - len(j.look)) for j in js]
             codes = torch.from_numpy(np.array(rows, dtype=np.int64))  # (numpy: ~3x faster than torch.tensor here)
             gens = [j.stream.gen for j in js]
-            mel = self.flow.decode_chunk([j.stream.flow_state for j in js], codes, n, [len(j.look) for j in js], gens,
-                                         between)
+            states = [j.stream.flow_state for j in js]
+            if self.full is not None:
+                mel = self.full.decode_chunk(states, codes, n, [len(j.look) for j in js], gens)
+            else:
+                mel = self.flow.decode_chunk(states, codes, n, [len(j.look) for j in js], gens, between)
             c = self.counts
             c.solves += 1
             c.partial += n < self.cfg.stream.chunk_codes
             c.rows += len(js)
             # (the solve's graphs exist only on CUDA, where every solve replays them)
             c.padded_rows += self.flow.graphs.last_batch if self.flow.graphs is not None else len(js)
-            rendered.append((idx, js, self.windowed.render(mel, [j.stream.voc_state for j in js], gens)))
+            # A chunk that starts with the prompt's tail (full context) renders only its answer frames.
+            skips: dict[int, list[int]] = {}
+            for k, st in enumerate(states):
+                skips.setdefault(getattr(st, "skip", 0), []).append(k)
+            for skip, ks in skips.items():
+                sub = [idx[k] for k in ks]
+                if skip == mel.shape[2]:  # the prompt's alone (an answer without codes): no audio
+                    for i in sub:
+                        results[i] = np.zeros(0, np.float32)
+                    continue
+                sel = mel if len(ks) == len(js) else mel[ks]
+                rendered.append((sub, [js[k] for k in ks], self.windowed.render(
+                    sel[:, :, skip:], [js[k].stream.voc_state for k in ks], [gens[k] for k in ks])))
         t0 = time.perf_counter()
         wait_releasing_gil(self.device)  # every group's windows on the host
         self.last_gpu_wait_s = time.perf_counter() - t0  # (load logs: how much of a call was the GPU's)

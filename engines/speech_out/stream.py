@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engines.speech_out.codes import validate_codes
+from engines.speech_out.flow.full_context import FullState
 from engines.speech_out.flow.state import FlowState
 from engines.speech_out.vocoder.vocoder import VocoderState
 
@@ -34,7 +35,7 @@ class DecodeStream:
 
     decoder: CodecDecoder
     session_id: str
-    flow_state: FlowState
+    flow_state: FlowState | FullState
     voc_state: VocoderState
     gen: torch.Generator
     pending: list[int] = field(default_factory=list)
@@ -45,6 +46,7 @@ class DecodeStream:
     # that decodes it (None: nothing to hand over, or done).
     ready: torch.cuda.Event | None = None
     on_stream: int | None = None  # the CUDA stream (handle) the state was last handed to
+    prompt_left: int = 0  # the voice prompt's tail codes at the front of `pending` (full-context flow)
 
     def adopt(self) -> None:
         """Before a decode on the current CUDA stream, if the state was made or last decoded on another: wait there
@@ -84,11 +86,24 @@ class DecodeStream:
         st = self.decoder.cfg.stream
         C, la = st.chunk_codes, self.decoder.cfg.flow.pre_lookahead
         jobs = []
+        if self.prompt_left:
+            # The prompt's tail and the answer's first codes as one job, up to the chunk boundary that gives at least
+            # a chunk of answer: the first audio is never shorter than a chunk (so the next can follow in time).
+            n = -(-(self.prompt_left + C) // C) * C
+            if len(self.pending) >= n + la or (finishing and len(self.pending) > self.prompt_left):
+                n = min(n, len(self.pending))
+                jobs.append(Job(self, self.pending[:n], self.pending[n:n + la], False))
+                del self.pending[:n]
+                self.prompt_left = 0
+            elif not finishing:
+                return []
         while len(self.pending) >= C + la:
             jobs.append(Job(self, self.pending[:C], self.pending[C:C + la], False))
             del self.pending[:C]
         if finishing:
             self._check_open()
+            if self.prompt_left:  # an answer without codes: nothing to decode
+                self.pending, self.prompt_left = [], 0
             while self.pending:
                 n = min(C, len(self.pending))
                 jobs.append(Job(self, self.pending[:n], self.pending[n:n + la], False))
@@ -98,6 +113,9 @@ class DecodeStream:
             else:
                 jobs.append(Job(self, [], [], True))  # only the held tail (if any) is left
             self.finished = True
+        full = self.decoder.full
+        if full is not None:  # each chunk's page now: running out ends this answer here, not a batch of answers
+            full.reserve(self.flow_state, sum(full.pages_for(len(j.codes), C) for j in jobs))
         return jobs
 
     def push(self, codes) -> np.ndarray:
@@ -114,6 +132,8 @@ class DecodeStream:
         return np.concatenate(outs) if outs else np.zeros(0, dtype=np.float32)
 
     def close(self) -> None:
+        if self.decoder.full is not None and self.flow_state is not None:
+            self.decoder.full.close(self.flow_state)
         self.closed = True
         self.flow_state = self.voc_state = None  # type: ignore[assignment]
         self.pending = []

@@ -17,7 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codes", required=True, help="whitespace/comma separated ints, or a .npy file")
     p.add_argument("--out", required=True, help="output WAV path")
     p.add_argument("--vocoder", default="bigvgan", choices=["bigvgan", "hift"])
-    p.add_argument("--stream", action="store_true", help="feed codes 5 at a time, as the engine does")
+    p.add_argument("--stream", action="store_true",
+                   help="feed codes 5 at a time through the chunk model, as the engine does (default: the offline "
+                        "model, one call with full attention over prompt and answer, then the vocoder over it all)")
+    p.add_argument("--context", default="full", choices=["full", "window"],
+                   help="with --stream, what each chunk sees of earlier chunks: all of them, as the chunk model was "
+                        "trained (full), or the prompt and the last 4 (window: bounded memory, an approximation)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0, help="session seed for all sampled noise")
     p.add_argument("--voice", default=None, help="speaker prompt WAV (codes from the codec's encoder; x-vector from "
@@ -55,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         codes = read_codes(args.codes)
-        dec = CodecDecoder.load(args.codec, device=args.device, vocoder=args.vocoder)
+        dec = CodecDecoder.load(args.codec, device=args.device, vocoder=args.vocoder,
+                                context=getattr(args, "context", "full"), offline=not args.stream)
         voice = _voice(args) if getattr(args, "voice", None) else None
         if args.stream:
             s = dec.open_stream("cli", voice=voice, seed=args.seed)

@@ -1,5 +1,6 @@
-"""CUDA-only checks of the codec decoder (CUDA graphs, batches decoded on another stream). Run on a GPU machine:
-`pytest tests/gpu/test_codec_decoder_gpu.py`. On CPU-only CI every test here is skipped with the reason below."""
+"""CUDA-only checks of the codec decoder's windowed flow (CUDA graphs, batches decoded on another stream). Run on a
+GPU machine: `pytest tests/gpu/test_codec_decoder_gpu.py`. On CPU-only CI every test here is skipped with the reason
+below."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ def _codes(n: int, seed: int) -> np.ndarray:
 def test_cuda_graphs_match_eager_and_stream_matches_offline(vocoder):
     if vocoder == "bigvgan":
         pytest.importorskip("bigvgan", reason="the bigvgan vocoder needs the optional `bigvgan` package")
-    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder=vocoder)
-    graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder=vocoder, cuda_graphs=True)
+    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder=vocoder, context="window")
+    graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder=vocoder, cuda_graphs=True, context="window")
     codes = _codes(23, 0)
-    a = eager.decode(codes, seed=3)
-    b = graphed.decode(codes, seed=3)
+    a = eager.stream_all(codes, seed=3)
+    b = graphed.stream_all(codes, seed=3)
     assert a.shape == b.shape == (23 * 1920,)
     np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
     s = graphed.open_stream("s", seed=3)
@@ -39,10 +40,10 @@ def test_cuda_graphs_match_eager_and_stream_matches_offline(vocoder):
 def test_rounds_on_another_stream_equal_alone_on_cuda_with_graphs():
     """Batches of sessions opened on the current stream and decoded on another (as on the codec worker's) give each
     session its PCM alone."""
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, context="window")
     assert dec.flow.enc_graphs is not None  # the flow's encoder replays too (as in the server)
     lengths = [13, 21, 9]
-    alone = [dec.decode(_codes(n, i), seed=i) for i, n in enumerate(lengths)]
+    alone = [dec.stream_all(_codes(n, i), seed=i) for i, n in enumerate(lengths)]
     streams = [dec.open_stream(f"s{i}", seed=i) for i in range(len(lengths))]
     for i, (s, n) in enumerate(zip(streams, lengths, strict=True)):
         s.add(_codes(n, i))
@@ -55,7 +56,7 @@ def test_rounds_on_another_stream_equal_alone_on_cuda_with_graphs():
 
 def test_full_random_chunk_runs_bf16():
     dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", cuda_graphs=True,
-                            estimator_dtype="bfloat16")
+                            estimator_dtype="bfloat16", context="window")
     s = dec.open_stream("f", seed=0)
     out = s.push(_codes(8, 1))
     assert out.shape == (5 * 1920 - 2 * 480,) and np.isfinite(out).all()
@@ -64,8 +65,9 @@ def test_full_random_chunk_runs_bf16():
 @pytest.mark.parametrize("parts", [1, 3])
 def test_precaptured_graphs_serve_steady_chunks_and_match_eager(parts):
     """parts: FlowModel.solve_parts (3: a graph per Euler step of tiny-random's 3, as rounds of playing answers)."""
-    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, encoder_graphs=True)
+    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", context="window")
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, encoder_graphs=True,
+                            context="window")
     dec.flow.solve_parts = parts
     # The encoder's prefix lengths for the default voice (25 prompt codes): (32, 128), (64, 160), (64, 192).
     n_enc = len(dec.flow.enc_graphs.prefix_lengths(dec.prepared(dec.default_voice).n_codes))
@@ -104,8 +106,8 @@ def test_precaptured_graphs_serve_steady_chunks_and_match_eager(parts):
 def test_a_round_runs_the_smallest_captured_graph_that_holds_it_and_equals_each_session_alone():
     """Five sessions' full chunks in one call replay the graphs captured for 6 (FINE_BUCKETS; a power of two would
     be 8), and each session's PCM equals its eager decode alone. The counts name what ran."""
-    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", context="window")
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, context="window")
     dec.capture_graphs(6, partial_chunks=False)
     chunk = dec.cfg.stream.chunk_codes
     codes = [_codes(3 * chunk + dec.cfg.flow.pre_lookahead, i) for i in range(5)]  # three full chunks each
@@ -129,11 +131,11 @@ def test_encoder_tf32_stays_near_float32_and_streams_like_offline():
     """The flow encoder's matmuls on TF32 (the server's setting): the PCM moves (the switch reaches cuBLAS) but stays
     within 1e-3 of the float32 encoder's (1.3e-4 measured on an H200), and streaming still equals offline."""
     kw = dict(device="cuda", vocoder="hift", cuda_graphs=True, estimator_dtype="bfloat16")
-    f32 = CodecDecoder.load("full-random", **kw)
-    t32 = CodecDecoder.load("full-random", encoder_tf32=True, **kw)
+    f32 = CodecDecoder.load("full-random", **kw, context="window")
+    t32 = CodecDecoder.load("full-random", encoder_tf32=True, **kw, context="window")
     codes = _codes(23, 0)
-    a = f32.decode(codes, seed=3)
-    b = t32.decode(codes, seed=3)
+    a = f32.stream_all(codes, seed=3)
+    b = t32.stream_all(codes, seed=3)
     assert 0 < np.abs(a - b).max() < 1e-3
     s = t32.open_stream("s", seed=3)
     streamed = np.concatenate([s.push(codes[i:i + 5]) for i in range(0, 23, 5)] + [s.finalize()])
@@ -144,7 +146,7 @@ def test_encoder_tf32_stays_near_float32_and_streams_like_offline():
 def test_vocoder_graph_replay_equals_eager(codec):
     """The HiFT generator replayed from a graph (padded batch 3 -> 4) gives the eager result on the same inputs, and
     the graph reads its noise input (a different noise changes the output)."""
-    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True)
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True, context="window")
     voc, g = dec.vocoder, dec.vocoder.generator
     st = dec.cfg.stream
     T = st.voc_ctx_frames + st.chunk_codes * dec.cfg.flow.token_mel_ratio
@@ -189,7 +191,8 @@ def _encoder_inputs(dec: CodecDecoder, seed: int) -> tuple[torch.Tensor, ...]:
 def test_encoder_graph_replay_equals_eager(codec):
     """FlowModel.encode replayed from a graph (batch 3 padded to 4 by repeating the last row) gives the eager result,
     and the graph reads its inputs (other codes, other outputs; the same graph serves both)."""
-    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True, encoder_graphs=True)
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", cuda_graphs=True, encoder_graphs=True,
+                            context="window")
     graphs, dec.flow.enc_graphs = dec.flow.enc_graphs, None  # the sessions' earlier chunks run eagerly
     with torch.inference_mode():
         args = _encoder_inputs(dec, 0)
@@ -217,9 +220,9 @@ def test_state_made_on_one_stream_decodes_on_another():
     """The engine loop opens a decode stream on its CUDA stream and the codec worker decodes it on another: the
     decode must wait for the kernels that made the state (here held back behind a long sleep kernel) and the
     state is handed to the decoding stream once (DecodeStream.adopt)."""
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, context="window")
     codes = _codes(17, 5)
-    want = dec.decode(codes, seed=4)
+    want = dec.stream_all(codes, seed=4)
     opener, worker = torch.cuda.Stream(), torch.cuda.Stream()
     make_voc_state = dec.windowed.new_state
 
@@ -246,10 +249,10 @@ def test_first_chunk_on_a_lane_then_the_rest_on_another_stream_equals_offline():
     the lane replays graphs of its own."""
     from engines.lm.step_graphs import private_stream
 
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, context="window")
     lane = dec.lane()
     codes = _codes(23, 6)
-    want = dec.decode(codes, seed=2)
+    want = dec.stream_all(codes, seed=2)
     first, rest = private_stream(), private_stream()
     s = dec.open_stream("lanes", seed=2)
     s.add(codes)
@@ -283,7 +286,7 @@ def test_two_first_lanes_on_their_threads_give_the_offline_pcm():
     from engines.process.codec_pacing import PLAYING_SOLVE_PARTS
     from engines.process.codec_worker import CodecWorker
 
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, context="window")
     lanes = [dec.lane(), dec.lane()]
     dec.flow.solve_parts = PLAYING_SOLVE_PARTS  # as the engine process sets them, graphs captured before serving
     dec.capture_graphs(4)  # (as the engine process does: every lane's graphs at load, none while serving)
@@ -304,7 +307,7 @@ def test_two_first_lanes_on_their_threads_give_the_offline_pcm():
     for lane in lanes:
         lane.run_jobs = counted(lane)
     codes = {f"s{i}": _codes(n, 10 + i) for i, n in enumerate((23, 17, 31, 12))}
-    want = {sid: dec.decode(c, seed=i) for i, (sid, c) in enumerate(codes.items())}
+    want = {sid: dec.stream_all(c, seed=i) for i, (sid, c) in enumerate(codes.items())}
     w = CodecWorker(dec, torch.device("cuda"), first_decoders=lanes)
     streams = {sid: dec.open_stream(sid, seed=i) for i, sid in enumerate(codes)}
     out: dict[str, list] = {sid: [] for sid in codes}

@@ -38,7 +38,7 @@ def _fused_qkv_on_and_off(monkeypatch, run):
 def _bf16_estimator():
     from engines.speech_out import CodecDecoder
 
-    dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    dec = CodecDecoder.load("full-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16", context="window")
     est = dec.flow.decoder.estimator
     return dec.flow, est, sum(isinstance(m, TransformerBlock) for m in est.modules())
 
@@ -78,8 +78,8 @@ def test_estimator_cuda_path_matches_cpu_reference():
     """The whole estimator (fused kernels + fused q/k/v + table) on CUDA vs on CPU, float32, tiny-random."""
     from engines.speech_out import CodecDecoder
 
-    cpu = CodecDecoder.load("tiny-random", vocoder="hift")
-    gpu = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
+    cpu = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
+    gpu = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", context="window")
     g = torch.Generator().manual_seed(0)
     B, W = 2, 40
     x, mu, cond = (torch.randn(B, 80, W, generator=g) for _ in range(3))
@@ -104,7 +104,7 @@ def test_solve_graph_is_bit_identical_with_and_without_pdl():
     from engines.speech_out import CodecDecoder
     from engines.speech_out.chunk_graphs import EulerGraphs
 
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype="bfloat16", context="window")
     flow, idx = dec.flow, torch.cuda.current_device()
     g = torch.Generator(device="cuda").manual_seed(7)
     inputs = [torch.randn(shape, device="cuda", dtype=flow.dtype, generator=g)
@@ -131,7 +131,7 @@ def test_solve_in_chains_equals_each_session_alone(codec):
     from engines.speech_out import CodecDecoder
     from engines.speech_out.chunk_graphs import EulerGraphs
 
-    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16", context="window")
     flow = dec.flow
     for batch in (2, 4):
         g = torch.Generator(device="cuda").manual_seed(batch)
@@ -160,7 +160,7 @@ def test_solve_in_pieces_is_bit_identical_to_one_graph(codec):
     from engines.speech_out import CodecDecoder
     from engines.speech_out.chunk_graphs import EulerGraphs
 
-    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16")
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype="bfloat16", context="window")
     flow = dec.flow
     steps = flow.cfg.n_timesteps
     ranges = [(0, 2), (2, 5), (5, steps)] if steps > 5 else [(0, 1), (1, steps)]

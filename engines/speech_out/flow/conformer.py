@@ -64,15 +64,20 @@ class AttnContext:
     masked: torch.Tensor | None  # [B, 1, 1, L + T] bool, True for padding among the prefix keys
 
     @classmethod
-    def build(cls, pos: torch.Tensor, prefix: KV | None, d: int, dtype: torch.dtype) -> AttnContext:
+    def build(cls, pos: torch.Tensor, prefix: KV | None, d: int, dtype: torch.dtype,
+              blocked: torch.Tensor | None = None) -> AttnContext:
         """pos [B, T] query positions; prefix: the keys every layer attends to besides the chunk (their positions and
-        validity are the same in every layer of a stack)."""
+        validity are the same in every layer of a stack); blocked [T, T] bool: pairs of the chunk's own (query, key)
+        that may not attend (a whole sequence under a chunk mask, `flow/reference.py`)."""
         w = frequencies(d, pos.device)  # [D/2] float32: positions reach ~1e4, too far for bf16 angles
         kpos = pos if prefix is None else torch.cat([prefix.pos, pos], 1)  # [B, L + T]
         qa = pos.to(torch.float32)[..., None] * w  # [B, T, D/2]
         ka = kpos.to(torch.float32)[..., None] * w  # [B, L + T, D/2]
         k_cs = torch.stack([torch.cos(ka), torch.sin(ka)], -1).flatten(2).transpose(1, 2).to(dtype).contiguous()
         masked = None if prefix is None else F.pad(~prefix.valid, (0, pos.shape[1]))[:, None, None]
+        if blocked is not None:
+            own = F.pad(blocked, (kpos.shape[1] - pos.shape[1], 0))[None, None]  # [1, 1, T, L + T]
+            masked = own if masked is None else masked | own
         return cls(torch.complex(torch.sin(qa), -torch.cos(qa))[:, None], k_cs, masked)
 
 
@@ -260,24 +265,26 @@ class UpsampleConformerEncoder(nn.Module):
 
     def forward_chunk(self, tok: torch.Tensor, lookahead_valid: torch.Tensor, cache: EncoderCache,
                       pos: torch.Tensor, up_pos: torch.Tensor,
-                      prefixes: list[KV | None], up_prefixes: list[KV | None]):
+                      prefixes: list[KV | None], up_prefixes: list[KV | None],
+                      blocked: torch.Tensor | None = None, up_blocked: torch.Tensor | None = None):
         """tok [B, n + lookahead, input] token embeddings; lookahead_valid [B, n + lookahead] bool.
         pos [B, n] code positions; up_pos [B, n*ratio] frame positions.
-        The prefixes of one stack share positions and validity (only k/v differ per layer).
+        The prefixes of one stack share positions and validity (only k/v differ per layer). blocked [n, n] and
+        up_blocked [n*ratio, n*ratio] bool: the chunk's own (query, key) pairs that may not attend (default none).
         Returns hidden [B, n*ratio, D], new cache, and per layer (k, v) of this chunk for both stacks.
         No host syncs and no branching on tensor values: a CUDA graph can capture it."""
         d, dt = self.cfg.d_model, tok.dtype
         x = self.embed(tok) * lookahead_valid[..., None].to(dt)
         x, pre = self.pre_lookahead_layer(x, cache.pre)
         kvs = []
-        ctx = AttnContext.build(pos, prefixes[0] if prefixes else None, d, dt)
+        ctx = AttnContext.build(pos, prefixes[0] if prefixes else None, d, dt, blocked)
         for layer, prefix in zip(self.encoders, prefixes, strict=True):
             x, k, v = layer(x, ctx, prefix)
             kvs.append((k, v))
         x, up = self.up_layer(x, cache.up)
         x = self.up_embed(x)
         up_kvs = []
-        ctx = AttnContext.build(up_pos, up_prefixes[0] if up_prefixes else None, d, dt)
+        ctx = AttnContext.build(up_pos, up_prefixes[0] if up_prefixes else None, d, dt, up_blocked)
         for layer, prefix in zip(self.up_encoders, up_prefixes, strict=True):
             x, k, v = layer(x, ctx, prefix)
             up_kvs.append((k, v))

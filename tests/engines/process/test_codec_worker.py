@@ -186,7 +186,7 @@ def test_first_lanes_give_the_same_pcm_as_one_thread(lanes, period_s, one_torch_
     first = [dec.lane() for _ in range(lanes)]
     dec.flow.solve_parts = PLAYING_SOLVE_PARTS  # as the engine process sets them: playing rounds may pause
     w = CodecWorker(dec, torch.device("cpu"), first_decoders=first, period_s=period_s)
-    want = {sid: dec.decode(c, seed=i) for i, (sid, c) in enumerate(codes.items())}  # (the lane changed nothing)
+    want = {sid: dec.stream_all(c, seed=i) for i, (sid, c) in enumerate(codes.items())}  # (the lane changed nothing)
     streams = {sid: dec.open_stream(sid, seed=i) for i, sid in enumerate(codes)}
     for sid, c in codes.items():
         w.push(sid, streams[sid], c[:8])

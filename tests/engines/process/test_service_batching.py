@@ -76,9 +76,9 @@ def test_codec_worker_gives_the_offline_audio_in_order(decoder):
     assert all(i < done_at for i, k in enumerate(kinds) if k == ("AudioChunk", "r"))
     r2 = [i for i, k in enumerate(kinds) if k[1] == "r2"]
     assert r2 and min(r2) > done_at
-    # The same PCM as the whole answer's codes decoded offline (the same chunks, in the same order).
+    # The same PCM as the whole answer's codes streamed at once (the same chunks, in the same order).
     assert len(codes) == ROWS  # every row a code: eosp is masked
-    assert b"".join(c.pcm24k for c in chunks_t) == float32_to_pcm16(decoder.decode(codes, seed=0))
+    assert b"".join(c.pcm24k for c in chunks_t) == float32_to_pcm16(decoder.stream_all(codes, seed=0))
     assert done_t.audio_samples == ROWS * 1920 and done_t.output_rows == ROWS
 
 

@@ -11,7 +11,7 @@ from engines.speech_out.decoder import CodecDecoder as DecoderClass
 
 @pytest.fixture(scope="module")
 def tiny():
-    return CodecDecoder.load("tiny-random", vocoder="hift")
+    return CodecDecoder.load("tiny-random", vocoder="hift", context="window")  # the tool's path
 
 
 def test_a_step_is_marked_in_order_and_everything_patched_is_restored(tiny):

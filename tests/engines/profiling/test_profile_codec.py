@@ -7,7 +7,7 @@ from engines.speech_out import CodecDecoder
 
 
 def test_stage_times_cover_the_stages_a_step_runs_and_restore_every_wrapped_method():
-    dec = CodecDecoder.load("tiny-random", vocoder="hift")
+    dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")  # the tool's path
     st = _stage_times(dec, SteadyRounds(dec, 2), dec.cfg.stream.steady_chunks + 2)
     # No encoder graphs off CUDA: the inputs are built and the encoder runs eagerly, each timed.
     assert set(st) == {"total", "solve", "vocoder", "encoder", "encoder_inputs", "host_and_rest"}

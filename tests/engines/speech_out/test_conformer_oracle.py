@@ -63,7 +63,7 @@ def _mask(P: int, N: int, chunk: int, left: int, r: int) -> torch.Tensor:
 
 
 def test_streamed_encoder_equals_dense_reference():
-    dec = CodecDecoder.load("tiny-random", vocoder="hift")
+    dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
     flow = dec.flow
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # the preset's zero-initialised relative-position biases would hide position bugs

@@ -62,7 +62,7 @@ def test_written_checkpoint_loads_and_matches_preset(tmp_path, vocoder):
 
 def test_loader_names_missing_and_unexpected_keys(tmp_path):
     write_random_decoder(tmp_path, "tiny-random", seed=0)
-    f = tmp_path / "flow" / "flow.pt"
+    f = tmp_path / "flow" / "flow-chunk-5.pt"  # the streaming decoder's weights
     sd = torch.load(f, weights_only=True)
     sd.pop("encoder.after_norm.weight")
     sd["encoder.bogus.weight"] = torch.zeros(1)

@@ -95,11 +95,11 @@ def test_merged_conv_weight_computes_block1_conv_and_res_conv(hift_dec):
 
 
 @torch.inference_mode()
-def test_optimised_estimator_equals_straightforward_computation(hift_dec):
+def test_optimised_estimator_equals_straightforward_computation(window_dec):
     """Time table per Euler step + fused q/k/v + additive window mask + fused tails == the plain computation."""
-    flow = hift_dec.flow
+    flow = window_dec.flow
     est = flow.decoder.estimator
-    C, F_ = hift_dec.cfg.stream.est_ctx_frames, 4 * hift_dec.cfg.stream.chunk_codes
+    C, F_ = window_dec.cfg.stream.est_ctx_frames, 4 * window_dec.cfg.stream.chunk_codes
     W, B = C + F_, 3
     g = torch.Generator().manual_seed(0)
     x, mu, cond = (torch.randn(B, 80, W, generator=g) for _ in range(3))
@@ -128,34 +128,35 @@ def test_optimised_estimator_equals_straightforward_computation(hift_dec):
         w.sub_(1.0)
 
 
-def test_a_solve_in_pieces_gives_the_same_pcm_and_yields_between_them(hift_dec):
+def test_a_solve_in_pieces_gives_the_same_pcm_and_yields_between_them(window_dec):
     """FlowModel.solve_parts: a full chunk's Euler steps run as consecutive pieces, with run_jobs' `between` after the
     encoder and each piece; a last partial chunk runs whole. The PCM is that of the whole solve, bit for bit."""
     codes = _codes(23, seed=5)
-    want = hift_dec.decode(codes, seed=3)
-    steps = hift_dec.cfg.flow.n_timesteps
+    want = window_dec.stream_all(codes, seed=3)
+    steps = window_dec.cfg.flow.n_timesteps
     calls: list[int] = []
-    hift_dec.flow.solve_parts = 2
+    window_dec.flow.solve_parts = 2
     try:
-        assert hift_dec.flow.step_ranges(4 * hift_dec.cfg.stream.chunk_codes) == [(0, steps // 2), (steps // 2, steps)]
-        assert hift_dec.flow.step_ranges(4) == [(0, steps)]
-        s = hift_dec.open_stream("pieces", seed=3)
+        full = 4 * window_dec.cfg.stream.chunk_codes
+        assert window_dec.flow.step_ranges(full) == [(0, steps // 2), (steps // 2, steps)]
+        assert window_dec.flow.step_ranges(4) == [(0, steps)]
+        s = window_dec.open_stream("pieces", seed=3)
         s.add(codes.tolist())
         jobs = s.take_jobs()
-        got = [hift_dec.run_jobs([j], between=lambda: calls.append(1))[0] for j in jobs]
+        got = [window_dec.run_jobs([j], between=lambda: calls.append(1))[0] for j in jobs]
         tail = s.take_jobs(finishing=True)
-        got += [hift_dec.run_jobs([j], between=lambda: calls.append(2))[0] for j in tail]
+        got += [window_dec.run_jobs([j], between=lambda: calls.append(2))[0] for j in tail]
     finally:
-        hift_dec.flow.solve_parts = 1
+        window_dec.flow.solve_parts = 1
     np.testing.assert_array_equal(np.concatenate(got), want)
     assert len(jobs) == 4 and calls.count(1) == 4 * (1 + 2)  # encoder + 2 pieces per full chunk
     assert [len(j.codes) for j in tail] == [3] and calls.count(2) == 1 + 1  # a partial chunk: encoder + 1 piece
 
 
 @torch.inference_mode()
-def test_euler_equals_straightforward_solve(hift_dec):
+def test_euler_equals_straightforward_solve(window_dec):
     """The Euler solve with the prebuilt input buffer and fused CFG update == the step-by-step textbook solve."""
-    flow, cfg = hift_dec.flow, hift_dec.cfg
+    flow, cfg = window_dec.flow, window_dec.cfg
     est = flow.decoder.estimator
     C, F_ = cfg.stream.est_ctx_frames, 4 * cfg.stream.chunk_codes
     B = 2

@@ -80,11 +80,11 @@ def _args_at(dec: CodecDecoder, voice, done: int, codes_seed: int):
 
 
 @torch.inference_mode()
-def test_prefix_padded_to_alignment_gives_the_unpadded_encoding(hift_dec):
+def test_prefix_padded_to_alignment_gives_the_unpadded_encoding(window_dec):
     from engines.speech_out.flow.state import PREFIX_ALIGN, padded_prefix
 
-    flow, r = hift_dec.flow, hift_dec.cfg.flow.token_mel_ratio
-    state = _args_at(hift_dec, Voice.random(seed=3, n_codes=11), 10, 40)
+    flow, r = window_dec.flow, window_dec.cfg.flow.token_mel_ratio
+    state = _args_at(window_dec, Voice.random(seed=3, n_codes=11), 10, 40)
     L, U = 11 + 10, (11 + 10) * r  # prompt + window keys of each stack
     codes = torch.as_tensor(_codes(8, seed=4))[None]
     args = list(flow.encode_inputs([state], codes, 5, [3]))
@@ -109,10 +109,10 @@ def test_prefix_padded_to_alignment_gives_the_unpadded_encoding(hift_dec):
 
 
 @torch.inference_mode()
-def test_encode_real_rows_unchanged_by_rows_repeated_as_batch_padding(hift_dec):
-    flow = hift_dec.flow
-    states = [_args_at(hift_dec, None, 15, 50), _args_at(hift_dec, Voice.random(seed=5, n_codes=3), 5, 51),
-              _args_at(hift_dec, Voice.random(seed=6, n_codes=40), 0, 52)]
+def test_encode_real_rows_unchanged_by_rows_repeated_as_batch_padding(window_dec):
+    flow = window_dec.flow
+    states = [_args_at(window_dec, None, 15, 50), _args_at(window_dec, Voice.random(seed=5, n_codes=3), 5, 51),
+              _args_at(window_dec, Voice.random(seed=6, n_codes=40), 0, 52)]
     codes = torch.as_tensor(np.stack([_codes(8, seed=60 + i) for i in range(3)]))
     args = flow.encode_inputs(states, codes, 5, [3, 1, 0])
     want = flow.encode(*args)
@@ -124,12 +124,12 @@ def test_encode_real_rows_unchanged_by_rows_repeated_as_batch_padding(hift_dec):
         torch.testing.assert_close(a[3:], b[2:].expand_as(a[3:]), rtol=0, atol=BATCH_TOL)
 
 
-def test_precaptured_prefix_lengths_cover_every_full_chunk(hift_dec, monkeypatch):
+def test_precaptured_prefix_lengths_cover_every_full_chunk(window_dec, monkeypatch):
     """EncoderGraphs.prefix_lengths(P) lists every (codes, frames) prefix length a full chunk of a voice with P
     prompt codes reaches, so the pre-captured graphs serve a whole answer (CUDA itself is tested in tests/gpu)."""
     from engines.speech_out.chunk_graphs import EncoderGraphs
 
-    flow = hift_dec.flow
+    flow = window_dec.flow
     seen = []
     real = flow.encode
 
@@ -141,8 +141,8 @@ def test_precaptured_prefix_lengths_cover_every_full_chunk(hift_dec, monkeypatch
     monkeypatch.setattr(flow, "encode", spy)
     for voice in (None, Voice.empty(), Voice.random(seed=8, n_codes=30)):
         seen.clear()
-        P = hift_dec.prepared(voice or hift_dec.default_voice).n_codes
-        hift_dec.decode(_codes(47, seed=70), voice=voice)
+        P = window_dec.prepared(voice or window_dec.default_voice).n_codes
+        window_dec.stream_all(_codes(47, seed=70), voice=voice)
         lengths = EncoderGraphs(flow).prefix_lengths(P)
         assert len(seen) == 9 and set(seen) == set(lengths)
     # The tiny preset's default voice: 25 prompt codes + windows of 0, 5, .. 20 codes = 25..45 keys (-> 32, 32, 64,
@@ -206,10 +206,10 @@ def test_bucket_graphs_pad_to_the_smallest_captured_batch_up_to_the_power_of_two
     assert torch.equal(y, x * 2 + 1) and g.last_batch == 6
 
 
-def test_run_jobs_counts_its_solves(hift_dec):
+def test_run_jobs_counts_its_solves(window_dec):
     """CodecDecoder.counts: one solve per chunk length in a call, the partial ones, and rows as run (no graphs on CPU:
     as many as sessions); take_counts hands them over and starts again."""
-    dec = hift_dec
+    dec = window_dec
     chunk, la = dec.cfg.stream.chunk_codes, dec.cfg.flow.pre_lookahead
     dec.take_counts()
     a, b, c = (dec.open_stream(n, seed=i) for i, n in enumerate("abc"))
@@ -231,12 +231,12 @@ def _decode_sessions(dec: CodecDecoder, lengths: list[int]) -> dict[str, np.ndar
     return {f"s{i}": pcm for i, pcm in enumerate(in_rounds(dec, streams)[0])}
 
 
-def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch):
+def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(window_dec, monkeypatch):
     """EncoderGraphs on CPU, its capture replaced by a stand-in that re-runs FlowModel.encode on the static inputs at
     every replay: the pre-captured keys are the ones decoding uses (no capture while decoding), full chunks go
     through the graphs (batch padded to the bucket, outputs sliced back) and the result equals eager decoding."""
     graphs_mod = _replay_stand_in(monkeypatch)
-    dec = CodecDecoder.load("tiny-random", vocoder="hift")
+    dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
     dec.flow.enc_graphs = graphs_mod.EncoderGraphs(dec.flow)
     assert dec.capture_graphs(3) == 3 * 3  # buckets 1, 2, 4 x 3 prefix lengths (no Euler / vocoder graphs on CPU)
     keys = set(dec.flow.enc_graphs.graphs)
@@ -246,13 +246,14 @@ def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(hift_dec, monkeypatch
     replays = {k[0]: g.replays for k, (g, _, _) in dec.flow.enc_graphs.graphs.items() if g.replays}
     assert replays.get(4), replays  # the first chunks of all three sessions: batch 3 padded to 4
     for i, n in enumerate(lengths):
-        want = hift_dec.decode(_codes(n, seed=80 + i), seed=i)
+        want = window_dec.stream_all(_codes(n, seed=80 + i), seed=i)
         np.testing.assert_allclose(got[f"s{i}"], want, atol=BATCH_TOL, rtol=0)
     # Once pre-captured, another voice's prefix lengths run eagerly instead of capturing in the middle of an answer.
     voice = Voice.random(seed=8, n_codes=30)
-    other = dec.decode(_codes(17, seed=90), voice=voice, seed=4)
+    other = dec.stream_all(_codes(17, seed=90), voice=voice, seed=4)
     assert set(dec.flow.enc_graphs.graphs) == keys
-    np.testing.assert_allclose(other, hift_dec.decode(_codes(17, seed=90), voice=voice, seed=4), atol=BATCH_TOL, rtol=0)
+    want = window_dec.stream_all(_codes(17, seed=90), voice=voice, seed=4)
+    np.testing.assert_allclose(other, want, atol=BATCH_TOL, rtol=0)
 
 
 def test_encoder_graph_inputs_written_in_place(monkeypatch):
@@ -265,7 +266,7 @@ def test_encoder_graph_inputs_written_in_place(monkeypatch):
     lengths = [13, 21, 9]
 
     def decode_all(poison: bool) -> tuple[dict[str, np.ndarray], int, int]:
-        dec = CodecDecoder.load("tiny-random", vocoder="hift")
+        dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
         graphs = dec.flow.enc_graphs = graphs_mod.EncoderGraphs(dec.flow)
         dec.capture_graphs(3)
         calls = {"run": 0, "in_place": 0}

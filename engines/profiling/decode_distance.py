@@ -1,0 +1,87 @@
+"""How far the decoder's ways of decoding an answer are apart in mel: `python3 -m engines.profiling.decode_distance`.
+
+On random weights (a preset), for answers of given lengths: the chunk model streamed with its full left context (the
+served default; equal to the chunk model over the whole sequence, tests/engines/speech_out/flow/), the offline model's
+semantics over the same noise (`flow.pt`: full attention, what `moss-speech codec decode` without --stream runs), and
+the opt-in windowed stream (`--decoder-context window`) over the same noise of the answer's frames (no voice prompt,
+so that every frame's noise lines up). Prints per answer length the mean absolute log-mel difference and the relative
+RMS of each pair. Random weights say how much the algorithms differ, not what a listener hears with the trained ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from engines.speech_out import CodecDecoder, Voice
+from engines.speech_out.flow.reference import reference_mel
+
+
+def _windowed_mel(dec: CodecDecoder, codes: np.ndarray, seed: int) -> torch.Tensor:
+    """The windowed flow's mel of an answer (no voice prompt), chunk by chunk as a stream decodes it."""
+    f, st = dec.flow, dec.cfg.stream
+    voice = dec.prepared(Voice.empty(f.cfg.output_size, f.cfg.spk_embed_dim))
+    gen = torch.Generator(device=f.device).manual_seed(seed)
+    state = f.new_state(voice, gen)
+    la, C, mels = f.cfg.pre_lookahead, st.chunk_codes, []
+    for i in range(0, len(codes), C):
+        n = min(C, len(codes) - i)
+        look = list(codes[i + n:i + n + la])
+        row = torch.tensor([list(codes[i:i + n]) + look + [0] * (la - len(look))])
+        mels.append(f.decode_chunk([state], row, n, [len(look)], [gen])[0])
+    return torch.cat(mels, 1)
+
+
+def _answer_noise(dec: CodecDecoder, n_codes: int, seed: int) -> torch.Tensor:
+    """The noise the windowed stream of `seed` gives the answer's frames: its generator after the first context's
+    draw, then a draw per chunk."""
+    f, st = dec.flow, dec.cfg.stream
+    gen = torch.Generator(device=f.device).manual_seed(seed)
+    torch.randn(f.cfg.output_size, st.est_ctx_frames, generator=gen, device=f.device, dtype=f.dtype)
+    r, C = f.cfg.token_mel_ratio, st.chunk_codes
+    return torch.cat([torch.randn(f.cfg.output_size, min(C, n_codes - i) * r, generator=gen, device=f.device,
+                                  dtype=f.dtype) for i in range(0, n_codes, C)], 1)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    d = (a - b).float()
+    return {"mean_abs": round(float(d.abs().mean()), 4),
+            "rel_rms": round(float(d.pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--codec", default="tiny-random", help="a preset (random weights)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seconds", type=float, nargs="+", default=[2.0, 10.0, 20.0], help="answer lengths")
+    p.add_argument("--seeds", type=int, default=3)
+    a = p.parse_args(argv)
+    dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", context="window")
+    f = dec.flow
+    with torch.no_grad():
+        spks = f.spk_embed_affine_layer(torch.zeros(1, f.cfg.spk_embed_dim, device=f.device, dtype=f.dtype))[0]
+    none = torch.zeros(0, dtype=torch.long)
+    empty_mel = torch.zeros(f.cfg.output_size, 0)
+    rows = []
+    for seconds in a.seconds:
+        n = int(round(seconds * 12.5))
+        acc: dict[str, list[dict[str, float]]] = {"windowed_vs_full": [], "offline_vs_full": []}
+        for seed in range(a.seeds):
+            codes = np.random.default_rng(seed).integers(0, 16384, n)
+            z = _answer_noise(dec, n, seed)
+            t = torch.as_tensor(codes)
+            full = reference_mel(f, none, empty_mel, spks, t, z, chunk=True)
+            acc["offline_vs_full"].append(_diff(reference_mel(f, none, empty_mel, spks, t, z, chunk=False), full))
+            acc["windowed_vs_full"].append(_diff(_windowed_mel(dec, codes, seed), full))
+        row = {"codec": a.codec, "seconds": seconds, **{k: {m: round(float(np.mean([x[m] for x in v])), 4)
+                                                          for m in v[0]} for k, v in acc.items()}}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""What the full-context flow costs on a GPU, beside the windowed one: `python3 -m engines.profiling.full_context_cost`.
+
+For each decoder context and batch size, `B` answers in one voice are decoded as the codec worker's rounds decode them
+(engines/bench/codec_rounds.py), one 5-code chunk each per round, for `--seconds` of audio; prints the round times
+at points of the answers (a round must stay under 400 ms, the audio it makes, for answers to play at real time), the
+estimator's cache per second of audio and the device memory the rounds took. A development tool, not the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from engines.bench.codec_rounds import SteadyRounds
+from engines.speech_out import CodecDecoder, Voice
+
+
+def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[float]:
+    steady = SteadyRounds(dec, batch, voices=[voice])
+    sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+    ms = []
+    try:
+        for _ in range(rounds):
+            steady.feed()
+            sync()
+            t0 = time.perf_counter()
+            pcm = steady.decode()
+            sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
+            if any(not np.isfinite(p).all() for p in pcm):
+                raise RuntimeError("non-finite PCM")
+    finally:
+        steady.close()
+    return ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--codec", default="full-random")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--seconds", type=float, default=20.0, help="audio per answer")
+    p.add_argument("--prompt-codes", type=int, default=73, help="the voice prompt's codes (73: the bundled voice)")
+    p.add_argument("--contexts", nargs="+", default=["window", "full"])
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    voice = Voice.random(seed=3, n_codes=a.prompt_codes)
+    n_rounds = int(a.seconds * 12.5 / 5) + 1
+    results = []
+    for context in a.contexts:
+        cuda = a.device.startswith("cuda")
+        dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", cuda_graphs=cuda, encoder_graphs=cuda,
+                                encoder_tf32=cuda, estimator_dtype="bfloat16" if cuda else "float32", context=context)
+        dec.capture_graphs(max(a.batches))
+        for batch in a.batches:
+            _rounds(dec, batch, 3, voice)  # warm: first uses, allocator
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated() if cuda else 0
+            ms = _rounds(dec, batch, n_rounds, voice)
+            peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else float("nan")
+            at = {f"{t:g}s": round(float(np.median(ms[max(0, int(t * 2.5) - 1):int(t * 2.5) + 2])), 1)
+                  for t in (0.4, 2, 10, a.seconds) if t * 2.5 <= len(ms)}
+            row = {"context": context, "batch": batch, "first_round_ms": round(ms[0], 1), "round_ms_at": at,
+                   "peak_extra_gib": round(peak, 2)}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        if dec.full is not None:
+            pages = dec.full.pages
+            page = pages.pool.numel() // pages.n_pages * pages.pool.element_size()
+            row = {"context": context, "page_mib": round(page / 2**20, 1),
+                   "mib_per_audio_s": round(page * 2.5 / 2**20, 1), "pages": pages.n_pages}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        del dec
+        if cuda:
+            torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

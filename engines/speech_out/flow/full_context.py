@@ -1,0 +1,263 @@
+"""Streaming decode with the full left context the chunk models were trained with, at O(chunk) work per chunk.
+
+The chunk model (`flow-chunk-5.pt`) attends, in its encoder and in its estimator, over its own chunk and every
+earlier chunk of prompt and answer, chunks counted from the prompt's first code (`reference.py` runs that over a whole
+sequence). Streaming it here keeps, instead of recomputing, what earlier chunks contribute: the encoder's keys and
+values of every earlier code (small), its two convolutions' left caches, and for the estimator each step's keys and
+values of every earlier frame (`EstimatorPages`) and its convolutions' last input frames (`cached_estimator.py`).
+A chunk then costs the same compute wherever it falls in an answer; the attention reads grow with the answer.
+
+A voice's prompt is prepared once (`prepare_voice`): its whole chunks whose lookahead stays inside the prompt are
+encoded and solved with a fixed noise, and their pages are shared by every answer in that voice. The prompt's last
+3..7 codes (its "tail") are decoded with each answer, in front of its codes, so that chunks stay aligned to the
+prompt's start as in the reference; their mel frames are not part of the answer (`FullState.skip`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engines.cuda.precision import float32_matmuls
+from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks
+from engines.speech_out.flow.pages import EstimatorPages
+from engines.speech_out.flow.reference import chunk_blocked
+
+# The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
+VOICE_NOISE_SEED = 0
+
+
+@dataclass
+class FullVoice:
+    """A voice as the full-context flow uses it, prepared once (`FullContextFlow.prepare_voice`)."""
+
+    n_codes: int  # prompt codes in the shared whole chunks
+    kv: torch.Tensor  # [layers, 2, n_codes, H, dk] the encoder's keys/values of those codes
+    up_kv: torch.Tensor  # [up_layers, 2, n_codes * ratio, H, dk]
+    pre: torch.Tensor  # [2, D] the lookahead layer's cache after them
+    up: torch.Tensor  # [2 * ratio, D] the upsampling conv's cache after them
+    tail: list[int]  # the prompt's other codes, decoded in front of each answer
+    mel: torch.Tensor  # [80, 4P] the prompt's mel: the cond of every prompt frame
+    spks: torch.Tensor  # [80] projected x-vector
+    pages: list[int]  # estimator pages of the shared chunks (held by this voice)
+    left: torch.Tensor  # [steps, 2, left_channels, 2] the estimator's convolution inputs before the tail
+
+
+@dataclass
+class FullState:
+    """One answer's flow state (no batch dimension)."""
+
+    voice: FullVoice
+    pre: torch.Tensor
+    up: torch.Tensor
+    kv: torch.Tensor  # [layers, 2, N, H, dk] keys/values of this answer's codes so far (tail included)
+    up_kv: torch.Tensor
+    left: torch.Tensor
+    shared: list[int] = field(default_factory=list)  # the voice's pages this answer holds
+    pages: list[int] = field(default_factory=list)  # pages of this answer's decoded chunks
+    reserved: deque = field(default_factory=deque)  # pages taken for chunks handed out but not yet decoded
+    codes_done: int = 0  # tail + answer codes decoded
+    skip: int = 0  # prompt frames at the start of the last decoded chunk (not the answer's)
+
+    def run_key(self) -> tuple[int, int, int]:
+        return id(self.voice), 0, 0
+
+    def nbytes(self) -> int:
+        ts = (self.pre, self.up, self.kv, self.up_kv, self.left)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+class FullContextFlow:
+    """The chunk model streamed with its full left context, for many answers at once (one chunk each per call)."""
+
+    def __init__(self, flow, n_pages: int) -> None:
+        self.flow = flow
+        cfg, est = flow.cfg, flow.decoder.estimator
+        self.chunk = flow.stream.chunk_codes
+        self.page_frames = self.chunk * cfg.token_mel_ratio
+        self.left_channels = left_channels(est)
+        self.pages = EstimatorPages(n_pages, cfg.n_timesteps, n_blocks(est), self.page_frames,
+                                    cfg.est_heads * cfg.est_head_dim, flow.device, est.final_proj.weight.dtype)
+
+    # ---- voices and answers ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare_voice(self, codes: torch.Tensor, mel: torch.Tensor, xvector: torch.Tensor) -> FullVoice:
+        """codes [P] long, mel [80, 4P], xvector [spk_embed_dim] -> the voice's shared part (its pages taken)."""
+        f, cfg = self.flow, self.flow.cfg
+        dev, dt, r, la = f.device, f.dtype, cfg.token_mel_ratio, cfg.pre_lookahead
+        with float32_matmuls(False):
+            spks = f.spk_embed_affine_layer(F.normalize(xvector.to(dev, dt)[None], dim=1))[0]
+        P = int(codes.shape[0])
+        k = max(0, (P - la) // self.chunk)  # whole chunks whose lookahead stays inside the prompt
+        n = k * self.chunk
+        tail = codes[n:].tolist()  # (on the host: a voice may be prepared on the engine loop, which never syncs)
+        codes = codes.to(dev)
+        pre, up = (t[0] for t in (f.encoder.empty_cache(1, dev, dt).pre, f.encoder.empty_cache(1, dev, dt).up))
+        kv, up_kv = self._empty_kv(False), self._empty_kv(True)
+        left = torch.zeros(cfg.n_timesteps, 2, self.left_channels, 2, device=dev, dtype=self.pages.pool.dtype)
+        voice = FullVoice(n, kv, up_kv, pre, up, tail, mel.to(dev, dt), spks, [], left)
+        if n == 0:
+            return voice
+        # The shared codes in one chunk-masked encoder call, their lookahead the prompt's next codes.
+        tok = f.input_embedding(codes[:n + la])[None]
+        valid = torch.ones(1, n + la, dtype=torch.bool, device=dev)
+        enc = f.encoder
+        with float32_matmuls(f.encoder_tf32):
+            hid, cache, kvs, up_kvs = enc.forward_chunk(
+                tok, valid, enc.empty_cache(1, dev, dt), torch.arange(n, device=dev)[None],
+                torch.arange(n * r, device=dev)[None], [None] * len(enc.encoders), [None] * len(enc.up_encoders),
+                chunk_blocked(n, self.chunk, dev), chunk_blocked(n * r, self.page_frames, dev))
+            mu = f.encoder_proj(hid)[0].transpose(0, 1)  # [80, n * ratio]
+        voice.kv, voice.up_kv = (torch.stack([torch.stack([a[0], b[0]]) for a, b in x]) for x in (kvs, up_kvs))
+        voice.pre, voice.up = cache.pre[0], cache.up[0]
+        gen = torch.Generator(device=dev).manual_seed(VOICE_NOISE_SEED)
+        z = torch.randn(cfg.output_size, n * r, generator=gen, device=dev, dtype=dt)
+        voice.pages = self.pages.alloc(k)
+        state = self._state(voice)
+        try:
+            for i in range(k):
+                a, b = i * self.page_frames, (i + 1) * self.page_frames
+                self._solve([state], mu[None, :, a:b], voice.mel[None, :, a:b], z[None, :, a:b],
+                            [voice.pages[:i]], [voice.pages[i]])
+        except BaseException:
+            self.pages.release(voice.pages)
+            raise
+        voice.left = state.left
+        return voice
+
+    def forget_voice(self, voice: FullVoice) -> None:
+        """The voice's own hold on its pages ends (answers in it keep theirs)."""
+        self.pages.release(voice.pages)
+        voice.pages = []
+
+    def _empty_kv(self, up: bool) -> torch.Tensor:
+        return self.flow._empty_kv(up)
+
+    def _state(self, voice: FullVoice) -> FullState:
+        return FullState(voice, voice.pre, voice.up, self._empty_kv(False), self._empty_kv(True), voice.left.clone())
+
+    def new_state(self, voice: FullVoice) -> FullState:
+        """An answer in `voice`: it reads (and holds) the voice's pages."""
+        self.pages.share(voice.pages)
+        state = self._state(voice)
+        state.shared = list(voice.pages)
+        return state
+
+    def reserve(self, state: FullState, n: int) -> None:
+        """Pages for the next n chunks of `state`, taken now so that running out ends only this answer."""
+        if n:
+            state.reserved.extend(self.pages.alloc(n))
+
+    def close(self, state: FullState) -> None:
+        self.pages.release([*state.shared, *state.pages, *state.reserved])
+        state.shared, state.pages, state.reserved = [], [], deque()
+
+    # ---- one chunk of a batch of answers -----------------------------------------------------------------
+    @staticmethod
+    def pages_for(n: int, chunk: int) -> int:
+        """Pages a job of n codes takes (an answer's first job may hold several chunks: `decode_chunk`)."""
+        return -(-n // chunk)
+
+    @torch.inference_mode()
+    def decode_chunk(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
+                     gens: list[torch.Generator]) -> torch.Tensor:
+        """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored), every state with its
+        pages reserved -> mel [B, 80, n * ratio] (its first `state.skip` frames are the prompt's). n may exceed a chunk
+        only where every state is at a chunk boundary (an answer's first job: the prompt's tail and its first codes):
+        its chunks are decoded one after another."""
+        C, la = self.chunk, self.flow.cfg.pre_lookahead
+        if n <= C:
+            return self._chunk(states, codes, n, n_look, gens)
+        mels, skip = [], [0] * len(states)
+        for i in range(0, n, C):
+            m = min(C, n - i)
+            rest = n - i - m  # job codes after this chunk: its lookahead first
+            look = [min(la, rest + nl) for nl in n_look]
+            mels.append(self._chunk(states, codes[:, i:i + m + la], m, look, gens))
+            skip = [k + s.skip for k, s in zip(skip, states, strict=True)]
+        for s, k in zip(states, skip, strict=True):
+            s.skip = k
+        return torch.cat(mels, dim=2)
+
+    def _chunk(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
+               gens: list[torch.Generator]) -> torch.Tensor:
+        """One chunk (n <= chunk codes) of every state: `decode_chunk`."""
+        f, cfg = self.flow, self.flow.cfg
+        dev, dt, r = f.device, f.dtype, cfg.token_mel_ratio
+        B, Fr = len(states), n * r
+        done = [s.voice.n_codes + s.codes_done for s in states]  # codes before the chunk, prompt included
+        mu, new_kv, new_up_kv, pre, up = self._encode(states, codes, n, n_look, done)
+        cond = torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)
+        for b, s in enumerate(states):
+            g0 = done[b] * r
+            s.skip = min(Fr, max(0, s.voice.mel.shape[1] - g0))
+            if s.skip:
+                cond[b, :, :s.skip] = s.voice.mel[:, g0:g0 + s.skip]
+        z = torch.stack([torch.randn(cfg.output_size, Fr, generator=g, device=dev, dtype=dt) for g in gens])
+        new_pages = [s.reserved.popleft() for s in states]
+        x = self._solve(states, mu, cond, z, [s.shared + s.pages for s in states], new_pages)
+        for b, s in enumerate(states):
+            s.pages.append(new_pages[b])
+            s.kv = torch.cat([s.kv, new_kv[b]], dim=2)
+            s.up_kv = torch.cat([s.up_kv, new_up_kv[b]], dim=2)
+            s.pre, s.up = pre[b], up[b]
+            s.codes_done += n
+        return x
+
+    def _encode(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int], done: list[int]):
+        """The chunk through the encoder, each row after all its earlier codes' keys (the voice's, then its own)."""
+        f, cfg = self.flow, self.flow.cfg
+        dev, r, la = f.device, cfg.token_mel_ratio, cfg.pre_lookahead
+        B, L = len(states), max(done)
+        v0 = states[0].voice
+        X = torch.zeros(B, *v0.kv.shape[:2], L, *v0.kv.shape[3:], device=dev, dtype=f.dtype)
+        upX = torch.zeros(B, *v0.up_kv.shape[:2], L * r, *v0.up_kv.shape[3:], device=dev, dtype=f.dtype)
+        for b, s in enumerate(states):
+            p = s.voice.n_codes
+            X[b, :, :, :p], X[b, :, :, p:done[b]] = s.voice.kv, s.kv
+            upX[b, :, :, :p * r], upX[b, :, :, p * r:done[b] * r] = s.voice.up_kv, s.up_kv
+        d = torch.tensor(done, device=dev)[:, None]
+        kpos, up_kpos = torch.arange(L, device=dev).expand(B, L), torch.arange(L * r, device=dev).expand(B, L * r)
+        valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),
+                           torch.arange(la, device=dev)[None] < torch.tensor(n_look, device=dev)[:, None]], 1)
+        pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
+        mu, pre, up, new_kv, new_up_kv = f.encode(
+            codes.to(dev), valid, pre, up, d + torch.arange(n, device=dev), d * r + torch.arange(n * r, device=dev),
+            X, kpos, kpos < d, upX, up_kpos, up_kpos < d * r)
+        return mu, new_kv, new_up_kv, pre, up
+
+    def _solve(self, states: list[FullState], mu: torch.Tensor, cond: torch.Tensor, z: torch.Tensor,
+               tables: list[list[int]], new_pages: list[int]) -> torch.Tensor:
+        """The Euler solve of one chunk per state: mu, cond, z [B, 80, F] -> mel [B, 80, F]; each state's estimator
+        reads the pages in `tables` and writes its chunk's to `new_pages`; its left state moves on."""
+        f, cfg = self.flow, self.flow.cfg
+        est = f.decoder.estimator
+        dev, edt = mu.device, est.final_proj.weight.dtype
+        B, n80, Fr = mu.shape
+        maxp = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (maxp - len(t)) for t in tables], dtype=torch.long, device=dev)
+        n_keys = torch.tensor([len(t) * self.page_frames for t in tables], device=dev)
+        new_page = torch.tensor(new_pages, dtype=torch.long, device=dev)
+        times = est.time_table(f.t_span, f.dtype)  # [steps, n_resnets, 1, C]
+        h = torch.zeros(2, B, 4 * n80, Fr, device=dev, dtype=edt)  # [conditional; unconditional] estimator inputs
+        h[0, :, n80:2 * n80] = mu
+        h[0, :, 2 * n80:3 * n80] = torch.stack([s.voice.spks for s in states])[:, :, None]
+        h[0, :, 3 * n80:] = cond
+        left = torch.stack([s.left for s in states])  # [B, steps, 2, Lc, 2]
+        Lc = left.shape[3]
+        x = z
+        for s in range(cfg.n_timesteps):
+            t0, t1 = f.t_span[s], f.t_span[s + 1]
+            h[:, :, :n80] = x
+            ls = left[:, s].transpose(0, 1).reshape(2 * B, Lc, 2)
+            v, nl = estimate_chunk(est, h.view(2 * B, 4 * n80, Fr), times[s], ls, self.pages.pool[s], table, n_keys,
+                                   new_page)
+            left[:, s] = nl.view(2, B, Lc, 2).transpose(0, 1)
+            x = torch.add(x, v[:B], alpha=(t1 - t0) * (1.0 + cfg.cfg_rate))
+            x = torch.add(x, v[B:], alpha=-(t1 - t0) * cfg.cfg_rate)
+        for b, st in enumerate(states):
+            st.left = left[b]
+        return x

@@ -1,0 +1,161 @@
+"""The full-context streaming flow: chunk by chunk, with every earlier chunk's keys and values kept, it equals the
+chunk model run over the whole sequence under its chunk-causal mask (`reference.py`), for short and long answers, with
+and without a voice prompt, alone or batched with answers at other points; its pages go back to the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.speech_out import CodecDecoder
+from engines.speech_out.flow.full_context import FullContextFlow
+from engines.speech_out.flow.pages import DecoderCacheFull
+from tests.engines.speech_out.flow.full_answers import Answer, alone, voice_inputs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Cached and whole-sequence decodes add the same terms in other orders: float32 rounding only.
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def flow():
+    dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
+    f = dec.flow
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the preset's zero-initialised relative-position biases would hide position bugs
+        for p in f.encoder.parameters():
+            if p.dim() == 2 and p.shape[0] == f.cfg.heads:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return f
+
+
+@pytest.mark.parametrize("chunks", [1, 7, 60])
+@pytest.mark.parametrize("P", [0, 23, 20])  # none; a tail of 3 codes; a tail of 5 (a chunk of prompt codes alone)
+def test_streamed_equals_the_chunk_masked_whole_sequence(flow, chunks, P):
+    fc = FullContextFlow(flow, 200)
+    N = 5 * chunks - (2 if chunks > 1 else 0)  # a last partial chunk
+    a, voice, pcodes, pmel, codes = alone(fc, flow, P, N, seed=P + chunks)
+    got = torch.cat(a.mel, 1)
+    want = a.reference(flow, pcodes, pmel, codes)
+    assert got.shape == want.shape == (80, 4 * N)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+    fc.close(a.state)
+    fc.forget_voice(voice)
+    fc.pages.check()
+    assert fc.pages.n_free == fc.pages.n_pages
+
+
+def test_every_earlier_chunk_matters_and_no_later_one_does(flow):
+    """What the windowed decoder drops: a change in the first chunk's codes changes the mel of a chunk far past any
+    window; a change after a chunk (beyond its lookahead) leaves it as it was."""
+    fc = FullContextFlow(flow, 200)
+    pcodes, pmel, xv = voice_inputs(0, 1)
+    voice = fc.prepare_voice(pcodes, pmel, xv)
+    base = torch.randint(0, 16384, (60,), generator=torch.Generator().manual_seed(3))
+
+    def mel_of(codes):
+        a = Answer(fc, voice, codes.tolist(), 5)
+        while not a.done:
+            row, n, nl = a.job()
+            a.took(fc.decode_chunk([a.state], torch.tensor([row]), n, [nl], [a.gen])[0], n)
+        fc.close(a.state)
+        return torch.cat(a.mel, 1)
+
+    first = base.clone()
+    first[0] = (first[0] + 1) % 16384
+    last = base.clone()
+    last[-1] = (last[-1] + 1) % 16384
+    m, m_first, m_last = mel_of(base), mel_of(first), mel_of(last)
+    assert (m_first[:, -20:] - m[:, -20:]).abs().max() > 1e-4  # the 12th chunk still hears the first code
+    torch.testing.assert_close(m_last[:, :4 * 50], m[:, :4 * 50], atol=0, rtol=0)  # chunks before the 11th: unchanged
+
+
+def test_a_batch_of_answers_at_other_points_and_voices_equals_each_alone(flow):
+    fc = FullContextFlow(flow, 400)
+    specs = [(0, 23, 1), (23, 31, 2), (17, 9, 3), (23, 40, 4)]  # (prompt codes, answer codes, seed)
+    each = []
+    for P, N, seed in specs:
+        a, voice, *_ = alone(fc, flow, P, N, seed)
+        each.append(torch.cat(a.mel, 1))
+        fc.close(a.state)
+        fc.forget_voice(voice)
+    answers = []
+    for P, N, seed in specs:
+        pcodes, pmel, xv = voice_inputs(P, seed)
+        codes = torch.randint(0, 16384, (N,), generator=torch.Generator().manual_seed(seed + 1))
+        answers.append(Answer(fc, fc.prepare_voice(pcodes, pmel, xv), codes.tolist(), seed))
+    rnd = 0
+    while not all(a.done for a in answers):
+        # answers join a round apart (other page counts side by side); one batch per chunk length
+        live = [a for k, a in enumerate(answers) if not a.done and k <= rnd]
+        jobs = [(a, *a.job()) for a in live]
+        for n in {j[2] for j in jobs}:
+            group = [j for j in jobs if j[2] == n]
+            mel = fc.decode_chunk([j[0].state for j in group], torch.tensor([j[1] for j in group]), n,
+                                  [j[3] for j in group], [j[0].gen for j in group])
+            for b, j in enumerate(group):
+                j[0].took(mel[b], n)
+        rnd += 1
+    for a, want in zip(answers, each, strict=True):
+        torch.testing.assert_close(torch.cat(a.mel, 1), want, atol=TOL, rtol=0)
+        fc.close(a.state)
+        fc.forget_voice(a.voice)
+    assert fc.pages.n_free == fc.pages.n_pages
+
+
+def test_a_voice_pages_are_shared_and_held_until_its_last_answer_ends(flow):
+    fc = FullContextFlow(flow, 50)
+    voice = fc.prepare_voice(*voice_inputs(43, 7))  # 8 whole chunks shared, a tail of 3
+    assert voice.n_codes == 40 and len(voice.pages) == 8 and len(voice.tail) == 3
+    a, b = fc.new_state(voice), fc.new_state(voice)
+    fc.reserve(a, 2)
+    assert fc.pages.n_free == 50 - 8 - 2
+    fc.forget_voice(voice)  # evicted from the decoder's cache while answers still speak in it
+    assert fc.pages.n_free == 50 - 8 - 2
+    fc.close(a)
+    fc.close(b)
+    assert fc.pages.n_free == 50
+    fc.pages.check()
+
+
+def test_a_full_cache_refuses_the_answer_that_asks_and_takes_nothing(flow):
+    fc = FullContextFlow(flow, 3)
+    voice = fc.prepare_voice(*voice_inputs(0, 1))
+    s = fc.new_state(voice)
+    fc.reserve(s, 2)
+    with pytest.raises(DecoderCacheFull, match="cache is full"):
+        fc.reserve(s, 2)
+    assert fc.pages.n_free == 1
+    fc.close(s)
+    assert fc.pages.n_free == 3
+
+
+def test_one_chunk_without_a_prompt_is_the_same_in_the_offline_model(flow):
+    """Within one chunk the chunk mask blocks nothing: streaming and the offline model agree; over more chunks they
+    differ (the offline model attends ahead)."""
+    fc = FullContextFlow(flow, 50)
+    a, _, pcodes, pmel, codes = alone(fc, flow, 0, 5, seed=9)
+    torch.testing.assert_close(torch.cat(a.mel, 1), a.reference(flow, pcodes, pmel, codes, chunk=False), atol=TOL,
+                               rtol=0)
+    b, _, pcodes, pmel, codes = alone(fc, flow, 0, 12, seed=9)
+    assert (torch.cat(b.mel, 1) - b.reference(flow, pcodes, pmel, codes, chunk=False)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("P", [23, 20, 17])  # tails of 3, 5 and 7 codes
+def test_an_answers_first_job_of_several_chunks_equals_the_whole_sequence(flow, P):
+    """A stream's first job is the prompt's tail and the answer's first codes up to the chunk boundary that gives a
+    chunk of answer (DecodeStream.take_jobs): decoded in one call, chunk after chunk."""
+    fc = FullContextFlow(flow, 100)
+    pcodes, pmel, xv = voice_inputs(P, 4)
+    codes = torch.randint(0, 16384, (17,), generator=torch.Generator().manual_seed(8))
+    voice = fc.prepare_voice(pcodes, pmel, xv)
+    a = Answer(fc, voice, codes.tolist(), 2)
+    first = -(-(len(voice.tail) + 5) // 5) * 5
+    while not a.done:
+        row, n, nl = a.job(first if a.i == 0 else None)
+        a.took(fc.decode_chunk([a.state], torch.tensor([row]), n, [nl], [a.gen])[0], n)
+    assert a.mel[0].shape[1] >= 4 * 5  # the first audio is at least a chunk
+    torch.testing.assert_close(torch.cat(a.mel, 1), a.reference(flow, pcodes, pmel, codes), atol=TOL, rtol=0)
+    fc.close(a.state)
+    fc.forget_voice(voice)
+    assert fc.pages.n_free == fc.pages.n_pages

@@ -1,0 +1,57 @@
+"""CUDA-only checks of the full-context flow: on the GPU, streamed chunk by chunk it equals the chunk model over the
+whole sequence (float32, and the served bf16 estimator on the real shapes), and the decoder's streams on it give the
+PCM of one stream fed at once with every page back. Run on a GPU machine: `pytest tests/gpu/test_full_context_gpu.py`.
+On CPU-only CI every test here is skipped with the reason below (the CPU path: tests/engines/speech_out/flow/)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines.speech_out import CodecDecoder
+from engines.speech_out.flow.full_context import FullContextFlow
+from tests.engines.speech_out.decoder_rounds import in_rounds
+from tests.engines.speech_out.flow.full_answers import alone
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CPU paths are covered by "
+                                "tests/engines/speech_out/flow/test_full_context.py")
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).float().pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize(("codec", "dtype", "tol"), [("tiny-random", "float32", 1e-3),
+                                                     ("full-random", "bfloat16", 3e-2)])
+def test_streamed_equals_the_whole_sequence_on_the_gpu(codec, dtype, tol):
+    dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype=dtype, context="window")
+    fc = FullContextFlow(dec.flow, 64)
+    a, voice, pcodes, pmel, codes = alone(fc, dec.flow, 23, 33, seed=5)  # 7 chunks after a prompt with a tail of 3
+    got, want = torch.cat(a.mel, 1), a.reference(dec.flow, pcodes, pmel, codes)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert _rel_rms(got, want) < tol, _rel_rms(got, want)
+    # (a broken cache or mask is off by the signal's own size, not by rounding)
+    fc.close(a.state)
+    fc.forget_voice(voice)
+    assert fc.pages.n_free == fc.pages.n_pages
+
+
+def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back():
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, cache_gib=0.05)
+    lengths = [13, 27, 9]
+    codes = [np.random.default_rng(i).integers(0, 16384, n) for i, n in enumerate(lengths)]
+    each = [dec.stream_all(c, seed=i) for i, c in enumerate(codes)]
+    streams = [dec.open_stream(f"s{i}", seed=i) for i in range(len(codes))]
+    for s, c in zip(streams, codes, strict=True):
+        s.add(c)
+    got, sizes = in_rounds(dec, streams)
+    assert max(sizes) == len(codes)
+    for g, w, n in zip(got, each, lengths, strict=True):
+        assert g.shape == (n * 1920,)
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=0)
+    for s in streams:
+        s.close()
+    held = len(dec.prepared(dec.default_voice).pages)  # the default voice's, held by the decoder's cache
+    assert dec.full.pages.n_free == dec.full.pages.n_pages - held
+    dec.full.pages.check()
