@@ -22,7 +22,7 @@ from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderG
 from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
 from engines.speech_out.flow.flow import FlowModel
-from engines.speech_out.flow.full_context import FullContextFlow, FullVoice
+from engines.speech_out.flow.full_context import FullContextFlow, FullSolveGraphs, FullVoice
 from engines.speech_out.flow.pages import EstimatorPages
 from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
@@ -36,6 +36,8 @@ VOCODERS = ("bigvgan", "hift")
 # How a stream's flow sees earlier chunks: "full", every earlier chunk and the prompt, as the chunk model was trained
 # (full_context.py); "window", the prompt and the last few chunks only (flow.py: bounded state, an approximation).
 CONTEXTS = ("full", "window")
+# The full-context solve's graphs captured at load reach the default voice's pages and this much answer.
+CAPTURE_ANSWER_S = 24
 
 
 def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
@@ -82,6 +84,7 @@ class CodecDecoder:
         self._voices: OrderedDict[str, PreparedVoice | FullVoice] = OrderedDict()
         self.counts = SolveCounts()
         self.full: FullContextFlow | None = None  # set by `load` for the full-context streaming decode
+        self.full_graphs: FullSolveGraphs | None = None  # its solve's CUDA graphs (this decoder's or lane's own)
 
     @property
     def device(self) -> torch.device:
@@ -135,8 +138,10 @@ class CodecDecoder:
     def _attach_graphs(self, encoder_graphs: bool, urgent: bool = False) -> None:
         """Empty graph sets (captured on first use or by `capture_graphs`) for the Euler solve, the flow's encoder
         when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority. (The full-context
-        flow runs eagerly: its keys grow with every chunk.)"""
-        if self.full is None:
+        flow's encoder runs eagerly: its keys grow with every chunk.)"""
+        if self.full is not None:
+            self.full_graphs = FullSolveGraphs(self.full, urgent)
+        else:
             self.flow.graphs = EulerGraphs(self.flow, urgent)
         if encoder_graphs and self.full is None:
             self.flow.enc_graphs = EncoderGraphs(self.flow, urgent)
@@ -162,7 +167,7 @@ class CodecDecoder:
             twin.vocoder.generator = copy.copy(gen)
             twin.vocoder.generator._branch_streams = SideStreams()
         twin.windowed = WindowedVocoder(twin.vocoder, self.cfg.stream)
-        if self.flow.graphs is not None:
+        if self.flow.graphs is not None or self.full_graphs is not None:
             twin._attach_graphs(self.flow.enc_graphs is not None, urgent=True)
         return twin
 
@@ -181,6 +186,11 @@ class CodecDecoder:
         st, r = self.cfg.stream, self.cfg.flow.token_mel_ratio
         codes = range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,)
         n = 0
+        if self.full_graphs is not None:
+            fc = self.cfg.flow
+            frames_s = fc.mel.sample_rate / fc.mel.hop
+            answer = int(CAPTURE_ANSWER_S * frames_s) // self.full.page_frames
+            n += self.full_graphs.capture_steady_state(max_batch, len(self.prepared(self.default_voice).pages) + answer)
         if self.flow.enc_graphs is not None:
             n += self.flow.enc_graphs.capture_steady_state(max_batch, self.prepared(self.default_voice).n_codes)
         for g in (self.flow.graphs, getattr(self.vocoder, "graphs", None)):
@@ -334,7 +344,7 @@ class CodecDecoder:
             gens = [j.stream.gen for j in js]
             states = [j.stream.flow_state for j in js]
             if self.full is not None:
-                mel = self.full.decode_chunk(states, codes, n, [len(j.look) for j in js], gens)
+                mel = self.full.decode_chunk(states, codes, n, [len(j.look) for j in js], gens, self.full_graphs)
             else:
                 mel = self.flow.decode_chunk(states, codes, n, [len(j.look) for j in js], gens, between)
             c = self.counts

@@ -44,7 +44,7 @@ class _Pass:
     """One pass of the estimator over a chunk: walks its layers, reading and writing the left states and pages."""
 
     def __init__(self, est: CausalConditionalDecoder, left: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
-                 n_keys: torch.Tensor, new_page: torch.Tensor, frames: int) -> None:
+                 n_keys: torch.Tensor, new_page: torch.Tensor, n_new: torch.Tensor) -> None:
         self.est, self.left, self.pool, self.new_page = est, left, pool, new_page
         self.new_left = torch.empty_like(left)
         self.off = 0  # channel offset of the next convolution's left state
@@ -55,9 +55,9 @@ class _Pass:
         # one last) in one gather: no second copy to append the chunk to what was read.
         self.table = torch.cat([table, new_page[:, None]], dim=1)  # [B, maxp + 1]
         # [2B, 1, 1, (maxp + 1) * frames]: which gathered keys are real: a row's earlier pages are all full (one page
-        # per whole chunk); of the new page, the chunk's frames.
+        # per whole chunk); of the new page, the chunk's real frames (a last chunk may be padded to a whole one).
         i = torch.arange((maxp + 1) * fr, device=table.device)[None]
-        ok = (i < n_keys[:, None]) | ((i >= maxp * fr) & (i < maxp * fr + frames))
+        ok = (i < n_keys[:, None]) | ((i >= maxp * fr) & (i < maxp * fr + n_new[:, None]))
         self.mask = ok.repeat(2, 1)[:, None, None, :]
 
     def conv(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
@@ -109,17 +109,18 @@ class _Pass:
 
 
 def estimate_chunk(est: CausalConditionalDecoder, h: torch.Tensor, rows: torch.Tensor, left: torch.Tensor,
-                   pool: torch.Tensor, table: torch.Tensor, n_keys: torch.Tensor, new_page: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   pool: torch.Tensor, table: torch.Tensor, n_keys: torch.Tensor, new_page: torch.Tensor,
+                   n_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The velocity of one chunk's frames at one Euler step.
     h [2B, 320, F] = cat(x, mu, spks, cond) (conditional rows, then unconditional) in the estimator dtype;
     rows [n_resnets, 1|2B, C] the step's time rows; left [2B, left_channels, 2] the kernel-3 convolutions' last input
     frames before the chunk (zeros at the sequence start); pool: this step's pages [blocks, 2, 2, pages, frames, D];
     table [B, maxp] long the pages of each row's earlier chunks (padded), n_keys [B] long their frames; new_page [B]
-    long the page this chunk's keys and values are written to.
+    long the page this chunk's keys and values are written to; n_new [B] long its real frames (the rest of F is
+    padding no real frame attends to; the causal convolutions keep it out of real frames anyway).
     Returns the velocity [2B, 80, F] and the new left state [2B, left_channels, 2]."""
     est.fuse()
-    p = _Pass(est, left, pool, table, n_keys, new_page, h.shape[2])
+    p = _Pass(est, left, pool, table, n_keys, new_page, n_new)
     resnet, blocks, down = est.down_blocks[0]
     x = p.attend(p.resnet(resnet, h, rows[0]), blocks)
     skip = x

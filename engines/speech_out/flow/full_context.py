@@ -18,16 +18,21 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engines.cuda.host_copy import upload
 from engines.cuda.precision import float32_matmuls
+from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks
 from engines.speech_out.flow.pages import EstimatorPages
 from engines.speech_out.flow.reference import chunk_blocked
 
 # The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
 VOICE_NOISE_SEED = 0
+# A graphed solve reads a multiple of this many pages (6.4 s of audio): few graphs, a little padding read.
+PAGES_BUCKET = 16
 
 
 @dataclass
@@ -163,27 +168,27 @@ class FullContextFlow:
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
-                     gens: list[torch.Generator]) -> torch.Tensor:
+                     gens: list[torch.Generator], graphs: BucketGraphs | None = None) -> torch.Tensor:
         """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored), every state with its
         pages reserved -> mel [B, 80, n * ratio] (its first `state.skip` frames are the prompt's). n may exceed a chunk
         only where every state is at a chunk boundary (an answer's first job: the prompt's tail and its first codes):
-        its chunks are decoded one after another."""
+        its chunks are decoded one after another. `graphs`: the caller's `FullSolveGraphs` (CUDA)."""
         C, la = self.chunk, self.flow.cfg.pre_lookahead
         if n <= C:
-            return self._chunk(states, codes, n, n_look, gens)
+            return self._chunk(states, codes, n, n_look, gens, graphs)
         mels, skip = [], [0] * len(states)
         for i in range(0, n, C):
             m = min(C, n - i)
             rest = n - i - m  # job codes after this chunk: its lookahead first
             look = [min(la, rest + nl) for nl in n_look]
-            mels.append(self._chunk(states, codes[:, i:i + m + la], m, look, gens))
+            mels.append(self._chunk(states, codes[:, i:i + m + la], m, look, gens, graphs))
             skip = [k + s.skip for k, s in zip(skip, states, strict=True)]
         for s, k in zip(states, skip, strict=True):
             s.skip = k
         return torch.cat(mels, dim=2)
 
     def _chunk(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
-               gens: list[torch.Generator]) -> torch.Tensor:
+               gens: list[torch.Generator], graphs: BucketGraphs | None) -> torch.Tensor:
         """One chunk (n <= chunk codes) of every state: `decode_chunk`."""
         f, cfg = self.flow, self.flow.cfg
         dev, dt, r = f.device, f.dtype, cfg.token_mel_ratio
@@ -198,7 +203,7 @@ class FullContextFlow:
                 cond[b, :, :s.skip] = s.voice.mel[:, g0:g0 + s.skip]
         z = torch.stack([torch.randn(cfg.output_size, Fr, generator=g, device=dev, dtype=dt) for g in gens])
         new_pages = [s.reserved.popleft() for s in states]
-        x = self._solve(states, mu, cond, z, [s.shared + s.pages for s in states], new_pages)
+        x = self._solve(states, mu, cond, z, [s.shared + s.pages for s in states], new_pages, graphs)
         for b, s in enumerate(states):
             s.pages.append(new_pages[b])
             s.kv = torch.cat([s.kv, new_kv[b]], dim=2)
@@ -230,23 +235,45 @@ class FullContextFlow:
         return mu, new_kv, new_up_kv, pre, up
 
     def _solve(self, states: list[FullState], mu: torch.Tensor, cond: torch.Tensor, z: torch.Tensor,
-               tables: list[list[int]], new_pages: list[int]) -> torch.Tensor:
+               tables: list[list[int]], new_pages: list[int], graphs: BucketGraphs | None = None) -> torch.Tensor:
         """The Euler solve of one chunk per state: mu, cond, z [B, 80, F] -> mel [B, 80, F]; each state's estimator
-        reads the pages in `tables` and writes its chunk's to `new_pages`; its left state moves on."""
+        reads the pages in `tables` and writes its chunk's to `new_pages`; its left state moves on. With `graphs`, a
+        chunk replays a CUDA graph per (batch, pages) bucket: the pages read are padded to a multiple of PAGES_BUCKET
+        (padding reads page 0, masked), and a shorter last chunk runs as a whole one with its real frames marked."""
+        dev, Fr, W = mu.device, mu.shape[2], self.page_frames
+        graphed = graphs is not None
+        maxp = max(len(t) for t in tables)
+        if graphed:
+            maxp = -(-maxp // PAGES_BUCKET) * PAGES_BUCKET
+            if Fr < W:  # an answer's last chunk, padded to a whole one: the full chunk's graph, its real frames masked
+                mu, cond, z = (F.pad(t, (0, W - Fr)) for t in (mu, cond, z))
+        table, n_keys, new_page, n_new = upload([
+            np.asarray([t + [0] * (maxp - len(t)) for t in tables], np.int64).reshape(len(tables), maxp),
+            np.asarray([len(t) * W for t in tables]), np.asarray(new_pages), np.full(len(tables), Fr)], dev)
+        args = [mu, cond, z, torch.stack([s.voice.spks for s in states]), torch.stack([s.left for s in states]), table,
+                n_keys, new_page, n_new]
+        x, left = graphs.run(args) if graphed else self.euler(*args)
+        for b, st in enumerate(states):
+            st.left = left[b]  # (after a padded last chunk, never read again)
+        return x[:, :, :Fr]
+
+    def euler(self, mu: torch.Tensor, cond: torch.Tensor, z: torch.Tensor, spks: torch.Tensor, left: torch.Tensor,
+              table: torch.Tensor, n_keys: torch.Tensor, new_page: torch.Tensor, n_new: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The solve as a function of tensors (what a graph replays; no host syncs): mu, cond, z [B, 80, F]; spks
+        [B, 80]; left [B, steps, 2, Lc, 2]; table [B, maxp], n_keys [B], new_page [B], n_new [B] long
+        (`estimate_chunk`).
+        Returns mel [B, 80, F] and the new left state."""
         f, cfg = self.flow, self.flow.cfg
         est = f.decoder.estimator
         dev, edt = mu.device, est.final_proj.weight.dtype
         B, n80, Fr = mu.shape
-        maxp = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (maxp - len(t)) for t in tables], dtype=torch.long, device=dev)
-        n_keys = torch.tensor([len(t) * self.page_frames for t in tables], device=dev)
-        new_page = torch.tensor(new_pages, dtype=torch.long, device=dev)
         times = est.time_table(f.t_span, f.dtype)  # [steps, n_resnets, 1, C]
         h = torch.zeros(2, B, 4 * n80, Fr, device=dev, dtype=edt)  # [conditional; unconditional] estimator inputs
         h[0, :, n80:2 * n80] = mu
-        h[0, :, 2 * n80:3 * n80] = torch.stack([s.voice.spks for s in states])[:, :, None]
+        h[0, :, 2 * n80:3 * n80] = spks[:, :, None]
         h[0, :, 3 * n80:] = cond
-        left = torch.stack([s.left for s in states])  # [B, steps, 2, Lc, 2]
+        left = left.clone()  # [B, steps, 2, Lc, 2] (an input buffer stays as it was)
         Lc = left.shape[3]
         x = z
         for s in range(cfg.n_timesteps):
@@ -254,10 +281,41 @@ class FullContextFlow:
             h[:, :, :n80] = x
             ls = left[:, s].transpose(0, 1).reshape(2 * B, Lc, 2)
             v, nl = estimate_chunk(est, h.view(2 * B, 4 * n80, Fr), times[s], ls, self.pages.pool[s], table, n_keys,
-                                   new_page)
+                                   new_page, n_new)
             left[:, s] = nl.view(2, B, Lc, 2).transpose(0, 1)
             x = torch.add(x, v[:B], alpha=(t1 - t0) * (1.0 + cfg.cfg_rate))
             x = torch.add(x, v[B:], alpha=-(t1 - t0) * cfg.cfg_rate)
-        for b, st in enumerate(states):
-            st.left = left[b]
-        return x
+        return x, left
+
+
+class FullSolveGraphs(BucketGraphs):
+    """`FullContextFlow.euler` of full chunks as CUDA graphs, one per (batch bucket, pages bucket). Rows padded by
+    repeating the last one write that row's page again with the same values."""
+
+    def __init__(self, full: FullContextFlow, urgent: bool = False) -> None:
+        super().__init__(full.euler, urgent)
+        self.full = full
+
+    @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
+    def capture_steady_state(self, max_batch: int, max_pages: int) -> int:
+        """Capture the graphs of every batch bucket up to `max_batch` and pages bucket up to `max_pages` now. Returns
+        how many were newly captured."""
+        full, f = self.full, self.full.flow
+        cfg, dev, dt = f.cfg, f.device, f.dtype
+        Fr, Lc = full.page_frames, full.left_channels
+        page = full.pages.alloc(1)  # the captures' warm-up runs write one page
+        n = 0
+        try:
+            for B in buckets_up_to(max_batch):
+                for maxp in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET):
+                    def z(*shape, dtype=dt):
+                        return torch.zeros(*shape, device=dev, dtype=dtype)
+                    args = [z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr),
+                            z(B, cfg.output_size), z(B, cfg.n_timesteps, 2, Lc, 2, dtype=full.pages.pool.dtype),
+                            z(B, maxp, dtype=torch.long), z(B, dtype=torch.long),
+                            torch.full((B,), page[0], device=dev, dtype=torch.long),
+                            torch.full((B,), Fr, device=dev, dtype=torch.long)]
+                    n += self.ensure(args)
+        finally:
+            full.pages.release(page)
+        return n

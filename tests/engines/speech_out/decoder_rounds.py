@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import torch
 
 from engines.speech_out import CodecDecoder
 
@@ -46,3 +47,12 @@ def in_rounds(dec: CodecDecoder, streams: list) -> tuple[list[np.ndarray], list[
             got[i].append(pcm)
         sizes.append(len(idx))
     return [np.concatenate(g) for g in got], sizes
+
+
+def random_position_biases(flow, seed: int = 0) -> None:
+    """Random relative-position biases in the flow's encoder: the presets' are zero, which would hide position bugs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in flow.encoder.parameters():
+            if p.dim() == 2 and p.shape[0] == flow.cfg.heads:
+                p.copy_(torch.randn(p.shape, generator=g))

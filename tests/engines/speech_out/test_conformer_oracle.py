@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from engines.speech_out import CodecDecoder, Voice
 from engines.speech_out.flow.conformer import sinusoid
+from tests.engines.speech_out.decoder_rounds import random_position_biases
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -65,11 +66,7 @@ def _mask(P: int, N: int, chunk: int, left: int, r: int) -> torch.Tensor:
 def test_streamed_encoder_equals_dense_reference():
     dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
     flow = dec.flow
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # the preset's zero-initialised relative-position biases would hide position bugs
-        for p in flow.encoder.parameters():
-            if p.dim() == 2 and p.shape[0] == flow.cfg.heads:
-                p.copy_(torch.randn(p.shape, generator=g))
+    random_position_biases(flow)
     voice = Voice.random(seed=9, n_codes=7)
     codes = np.random.default_rng(1).integers(0, 16384, 38)  # 7 full chunks + a partial one; window of 4 chunks
     seen = []

@@ -10,6 +10,7 @@ import torch
 from engines.speech_out import CodecDecoder
 from engines.speech_out.flow.full_context import FullContextFlow
 from engines.speech_out.flow.pages import DecoderCacheFull
+from tests.engines.speech_out.decoder_rounds import random_position_biases
 from tests.engines.speech_out.flow.full_answers import Answer, alone, voice_inputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,13 +21,8 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def flow():
     dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
-    f = dec.flow
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # the preset's zero-initialised relative-position biases would hide position bugs
-        for p in f.encoder.parameters():
-            if p.dim() == 2 and p.shape[0] == f.cfg.heads:
-                p.copy_(torch.randn(p.shape, generator=g))
-    return f
+    random_position_biases(dec.flow)
+    return dec.flow
 
 
 @pytest.mark.parametrize("chunks", [1, 7, 60])
@@ -159,3 +155,30 @@ def test_an_answers_first_job_of_several_chunks_equals_the_whole_sequence(flow, 
     fc.close(a.state)
     fc.forget_voice(voice)
     assert fc.pages.n_free == fc.pages.n_pages
+
+
+class _EagerGraphs:
+    """Stands in for FullSolveGraphs on a CPU: the same inputs (pages padded to a bucket, a last chunk padded to a
+    whole one), run eagerly."""
+
+    def __init__(self, fc: FullContextFlow) -> None:
+        self.fc, self.shapes = fc, []
+
+    def run(self, args):
+        self.shapes.append((tuple(args[0].shape), tuple(args[5].shape)))
+        return self.fc.euler(*args)
+
+
+def test_the_graphs_inputs_pages_bucket_and_a_padded_last_chunk_give_the_whole_sequence(flow):
+    fc = FullContextFlow(flow, 100)
+    graphs = _EagerGraphs(fc)
+    pcodes, pmel, xv = voice_inputs(23, 6)
+    codes = torch.randint(0, 16384, (97,), generator=torch.Generator().manual_seed(6))  # ends with a 2-code chunk
+    voice = fc.prepare_voice(pcodes, pmel, xv)
+    a = Answer(fc, voice, codes.tolist(), 3)
+    while not a.done:
+        row, n, nl = a.job()
+        a.took(fc.decode_chunk([a.state], torch.tensor([row]), n, [nl], [a.gen], graphs)[0], n)
+    assert {s for s, _ in graphs.shapes} == {(1, 80, 20)}  # every chunk as a whole one, the last one too
+    assert {p for _, p in graphs.shapes} == {(1, 16), (1, 32)}  # pages read in buckets of 16
+    torch.testing.assert_close(torch.cat(a.mel, 1), a.reference(flow, pcodes, pmel, codes), atol=TOL, rtol=0)
