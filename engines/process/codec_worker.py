@@ -264,9 +264,9 @@ class CodecWorker(CodecPacing):
                 a.jobs.extend(a.stream.take_jobs(finishing=finishing))
                 if a.jobs:
                     ready.append(a)
-            except Exception as e:  # noqa: BLE001 - bad codes or a broken stream end this answer only
-                posts.append((a.key, e, True))
-                done.append(a)
+            except Exception as e:  # noqa: BLE001 - bad codes, a broken stream or a full decoder cache end this
+                # answer only; its stream is closed (what it holds goes back), so codes pushed after fail at once
+                self._end_failed(a, e, posts, done)
         batch, take_first, urgent = self._pick(ready, kind)
         if batch is None:
             return posts, done, -1, take_first  # held back (CodecPacing._pick)

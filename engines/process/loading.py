@@ -126,7 +126,7 @@ def build_service(config: ProcessConfig) -> Service:
     if thin:
         log.warning("%s", thin)
     tokenizer = load_tokenizer(config.model)
-    voices = voice_loader(encoder, config.codec) if encoder is not None else None
+    voices = voice_loader(encoder, config.codec, decoder) if encoder is not None else None
     if config.model in ("tiny-random", "full-random") or config.codec in ("tiny-random", "full-random"):
         log.warning("random weights (model=%s codec=%s): answers are noise", config.model, config.codec)
     log.info("loaded model=%s codec=%s device=%s dtype=%s in %.1f s", config.model, config.codec, config.device,
@@ -157,19 +157,23 @@ def default_voice(encoder: Any, config: ProcessConfig) -> Voice:
         raise ConfigError(f"--voice {path}: {e}") from None
 
 
-def voice_loader(encoder: Any, codec: str) -> Callable[[bytes], Any]:
+def voice_loader(encoder: Any, codec: str, decoder: Any = None) -> Callable[[bytes], Any]:
     """WAV bytes -> a decoder Voice: codes by our speech encoder (in pieces, on its lowest-priority stream), x-vector
-    by the codec's campplus.onnx when the codec directory has it (random presets: zero x-vector). A recording it
-    cannot use raises ValueError saying why. Named by content, so the decoder's voice cache serves sessions that send
-    the same recording."""
+    by the codec's campplus.onnx when the codec directory has it (random presets: zero x-vector), and with `decoder`
+    its flow's form made too (`CodecDecoder.warm_voice`: the voice worker's thread, not the loop, pays for it). A
+    recording it cannot use raises ValueError saying why. Named by content, so the decoder's voice cache serves
+    sessions that send the same recording."""
     campplus = Path(codec) / "flow" / "campplus.onnx"
     campplus_path = campplus if campplus.is_file() else None
 
     def load(wav: bytes) -> Any:
         name = f"wav-{hashlib.sha1(wav).hexdigest()[:16]}"
         try:
-            return Voice.from_wav(wav, encode=encoder.encode_in_pieces, campplus=campplus_path, name=name)
+            voice = Voice.from_wav(wav, encode=encoder.encode_in_pieces, campplus=campplus_path, name=name)
         except ValueError as e:
             raise ValueError(f"voice_wav is not a usable recording: {e}") from None
+        if decoder is not None:
+            decoder.warm_voice(voice)
+        return voice
 
     return load

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import torch
 
 from engines.config import ConfigError, parse_dtype
 from engines.cuda.precision import float32_matmuls
-from engines.cuda.streams import wait_releasing_gil
+from engines.cuda.streams import driver_stream, wait_releasing_gil
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
 from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
@@ -81,7 +82,9 @@ class CodecDecoder:
         self.vocoder = vocoder.eval()
         self.windowed = WindowedVocoder(vocoder, cfg.stream)
         self.default_voice = default_voice
-        self._voices: OrderedDict[str, PreparedVoice | FullVoice] = OrderedDict()
+        self._voices: OrderedDict[str, PreparedVoice | FullVoice] = OrderedDict()  # by name, least recent first
+        self._voices_lock = threading.Lock()  # the engine loop and the voice worker both look voices up
+        self._voice_stream = None  # `warm_voice`'s stream
         self.counts = SolveCounts()
         self.full: FullContextFlow | None = None  # set by `load` for the full-context streaming decode
         self.full_graphs: FullSolveGraphs | None = None  # its solve's CUDA graphs (this decoder's or lane's own)
@@ -249,21 +252,57 @@ class CodecDecoder:
         return cls(cfg, flow.to(device), voc.to(device), str(root), default_voice)
 
     # ---- sessions ----------------------------------------------------------------------------------------
-    def prepared(self, voice: Voice) -> PreparedVoice:
-        pv = self._voices.get(voice.name)
-        if pv is None:
-            if voice.codes.shape[0] > self.cfg.stream.max_prompt_codes:
-                raise ConfigError(f"voice {voice.name}: prompt of {voice.codes.shape[0]} codes exceeds "
-                                  f"{self.cfg.stream.max_prompt_codes}")
-            validate_codes(voice.codes)
-            prepare = self.full.prepare_voice if self.full is not None else self.flow.prepare_voice
-            pv = prepare(voice.codes, voice.mel, voice.xvector)
-            self._voices[voice.name] = pv
+    def prepared(self, voice: Voice) -> PreparedVoice | FullVoice:
+        """The flow's form of `voice`, from the cache or made now on the calling thread (the full-context flow's takes
+        a solve per prompt chunk: the engine makes session voices on its voice worker, `warm_voice`)."""
+        with self._voices_lock:
+            pv = self._voices.get(voice.name)
+            if pv is not None:
+                self._voices.move_to_end(voice.name)
+                return pv
+        if voice.codes.shape[0] > self.cfg.stream.max_prompt_codes:
+            raise ConfigError(f"voice {voice.name}: prompt of {voice.codes.shape[0]} codes exceeds "
+                              f"{self.cfg.stream.max_prompt_codes}")
+        validate_codes(voice.codes)
+        prepare = self.full.prepare_voice if self.full is not None else self.flow.prepare_voice
+        made = prepare(voice.codes, voice.mel, voice.xvector)
+        forget = []
+        with self._voices_lock:
+            pv = self._voices.setdefault(voice.name, made)
+            if pv is not made:  # another thread made it meanwhile
+                forget.append(made)
             while len(self._voices) > 32:
-                _, old = self._voices.popitem(last=False)
-                if self.full is not None:
-                    self.full.forget_voice(old)
+                forget.append(self._voices.popitem(last=False)[1])
+        if self.full is not None:
+            for old in forget:
+                self.full.forget_voice(old)
         return pv
+
+    def check_idle_cache(self) -> None:
+        """Invariant, with no stream open: every page of the full-context cache is free or a cached voice's (a stream
+        that ended without giving its pages back fails it)."""
+        if self.full is None:
+            return
+        self.full.pages.check()
+        with self._voices_lock:
+            held = sum(len(v.pages) for v in self._voices.values())
+        if self.full.pages.n_free != self.full.pages.n_pages - held:
+            raise AssertionError(f"{self.full.pages.n_pages - held - self.full.pages.n_free} pages held by no voice "
+                                 f"and no open stream")
+
+    def warm_voice(self, voice: Voice) -> None:
+        """Make the flow's form of `voice` now, on the calling thread (a worker, not the engine loop) and the least
+        urgent CUDA stream, and wait for it: a stream opened in it later finds it ready."""
+        if self.device.type != "cuda":
+            self.prepared(voice)
+            return
+        if self._voice_stream is None:
+            self._voice_stream = driver_stream(self.device)  # (one per decoder: a driver stream is never freed)
+        stream = self._voice_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.prepared(voice)
+        stream.synchronize()
 
     def open_stream(self, session_id: str, voice: Voice | None = None, seed: int = 0) -> DecodeStream:
         voice = voice or self.default_voice

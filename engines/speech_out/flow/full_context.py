@@ -100,7 +100,8 @@ class FullContextFlow:
         n = k * self.chunk
         tail = codes[n:].tolist()  # (on the host: a voice may be prepared on the engine loop, which never syncs)
         codes = codes.to(dev)
-        pre, up = (t[0] for t in (f.encoder.empty_cache(1, dev, dt).pre, f.encoder.empty_cache(1, dev, dt).up))
+        empty = f.encoder.empty_cache(1, dev, dt)
+        pre, up = empty.pre[0], empty.up[0]
         kv, up_kv = self._empty_kv(False), self._empty_kv(True)
         left = torch.zeros(cfg.n_timesteps, 2, self.left_channels, 2, device=dev, dtype=self.pages.pool.dtype)
         voice = FullVoice(n, kv, up_kv, pre, up, tail, mel.to(dev, dt), spks, [], left)

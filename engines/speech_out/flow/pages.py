@@ -16,11 +16,15 @@ import threading
 
 import torch
 
+from engines.api import EngineError
 from engines.config import ConfigError
+from engines.protocol import errors
 
 
-class DecoderCacheFull(RuntimeError):
-    """No free page for a chunk: the answer that asked cannot go on (others are not affected)."""
+class DecoderCacheFull(EngineError):
+    """No free page for a chunk (or a voice's prompt): the answer that asked cannot go on (others are not affected)."""
+
+    code = errors.SERVER_BUSY
 
 
 class EstimatorPages:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from engines.audio.wav import float32_to_pcm16
 from engines.config import EngineConfig
@@ -277,7 +278,8 @@ def test_user_audio_encoded_on_a_cadence_gives_the_same_codes_and_answer():
 @pytest.mark.parametrize("then", ["cancel", "close"])
 def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
     """Right after an answer ends its last audio is still on the codec worker: cancelling it drops that audio
-    (ResponseDone says cancelled, no chunk follows), closing the session ends quietly; blocks all return."""
+    (ResponseDone says cancelled, no chunk follows), closing the session ends quietly; blocks and the decoder's pages
+    all return."""
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
     svc = Service(engine, StandInTokenizer(), None, decoder)
     greedy = m.Sampling(greedy=True, max_new_tokens=ROWS, min_new_tokens=ROWS)
@@ -305,6 +307,7 @@ def test_cancel_or_close_while_the_last_audio_decodes(decoder, then):
         service_loop.until_idle(svc)
     assert engine.stats().free_blocks == engine.stats().total_blocks
     engine.check_integrity()
+    decoder.check_idle_cache()  # the decoder's pages too
     svc._codec.close()
 
 
@@ -366,3 +369,32 @@ def test_encoder_interval_grows_with_the_sessions_holding_audio():
     many = 2 * ENCODE_SESSIONS_PER_INTERVAL + 1  # three times the interval
     assert calls_by(many, [0.08, 0.2, 0.24]) == [0, 0, 1]
     assert calls_by(10 * ENCODE_SESSIONS_PER_INTERVAL, [0.3, ENCODE_MAX_EVERY_S]) == [0, 1]  # capped
+
+
+def test_an_answer_that_outgrows_the_decoder_cache_fails_busy_and_the_session_goes_on():
+    """The full-context decoder's cache holds the default voice's 4 pages and 3 more: a 23-code answer needs 5 (its
+    first job 2, then one a chunk), so its third chunk finds none: server_busy, ResponseDone failed, the pages it had
+    back. A shorter answer in the same session then speaks."""
+    from engines.speech_out.flow.pages import EstimatorPages
+
+    cfg = CodecDecoder.load("tiny-random").cfg.flow
+    page = EstimatorPages.page_bytes(cfg.n_timesteps, cfg.est_n_blocks * (2 + cfg.est_mid_blocks), 20,
+                                     cfg.est_heads * cfg.est_head_dim, torch.float32)
+    small = CodecDecoder.load("tiny-random", cache_gib=7 * page / 2**30)
+    assert small.full.pages.n_pages == 7
+    engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+    svc = Service(engine, StandInTokenizer(), None, small)
+    svc.handle(b"c", m.OpenSession("s"))
+    svc.handle(b"c", m.AddUserText("s", "i", "hello"))
+    svc.handle(b"c", m.CreateResponse("s", "r", "audio", m.Sampling(greedy=True, max_new_tokens=ROWS,
+                                                                     min_new_tokens=ROWS)))
+    msgs = [x for _, x in service_loop.until_idle(svc)]
+    assert [(e.code, e.response_id) for e in msgs if isinstance(e, m.Error)] == [("server_busy", "r")]
+    assert [d.status for d in msgs if isinstance(d, m.ResponseDone)] == ["failed"]
+    small.check_idle_cache()
+    svc.handle(b"c", m.CreateResponse("s", "r2", "audio", m.Sampling(greedy=True, max_new_tokens=8, min_new_tokens=8)))
+    msgs = [x for _, x in service_loop.until_idle(svc)]
+    assert not [e for e in msgs if isinstance(e, m.Error)]
+    assert [(d.status, d.audio_samples) for d in msgs if isinstance(d, m.ResponseDone)] == [("incomplete", 8 * 1920)]
+    small.check_idle_cache()
+    svc._codec.close()

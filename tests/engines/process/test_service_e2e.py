@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -176,9 +177,12 @@ def test_engine_process_refuses_bad_arguments(tmp_path) -> None:
     assert r.returncode == 2 and "no config.json" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_voice_prompt_from_wav(codec, tmp_path) -> None:
+def test_voice_prompt_from_wav(codec, tmp_path, monkeypatch) -> None:
     enc, dec = codec
-    svc = Service(engine(), StandInTokenizer(), enc, dec, voice_loader(enc, "tiny-random"))
+    made_on = []
+    prepare = dec.full.prepare_voice
+    monkeypatch.setattr(dec.full, "prepare_voice", lambda *a: made_on.append(threading.current_thread()) or prepare(*a))
+    svc = Service(engine(), StandInTokenizer(), enc, dec, voice_loader(enc, "tiny-random", dec))
     pcm, rate = read_wav(WAV)
     wav = tmp_path / "voice.wav"
     write_wav(wav, pcm[:rate], rate)
@@ -195,6 +199,9 @@ def test_voice_prompt_from_wav(codec, tmp_path) -> None:
     done = msgs[-1]
     assert isinstance(done, m.ResponseDone) and done.audio_samples == 6 * 1920
     assert not [x for x in msgs if isinstance(x, m.Error)]
+    # The decoder's form of the voice (a solve per prompt chunk) was made once, by the voice worker, not the loop.
+    assert len(made_on) == 1 and made_on[0] is not threading.main_thread()
+    dec.check_idle_cache()  # the answer's pages are back
 
 
 def test_silent_client_sessions_are_closed_and_their_kv_freed(codec) -> None:
