@@ -67,3 +67,23 @@ def test_graphed_solve_equals_eager_and_captures_per_pages_bucket():
     assert pages == {16, 32}, pages
     lane = graphed.lane()
     assert lane.full_graphs is not graphed.full_graphs and lane.full is graphed.full  # own graphs, shared pages
+
+
+def test_a_voice_made_on_another_thread_serves_a_stream_on_this_one():
+    """The engine makes session voices on its voice worker (`warm_voice`: its own stream, waited for): a stream
+    opened later on the loop's thread decodes as with a voice made in place."""
+    import threading
+
+    from engines.speech_out import Voice
+
+    voice = Voice.random(seed=21, n_codes=43)
+    codes = np.random.default_rng(8).integers(0, 16384, 31)
+    here = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    want = here.stream_all(codes, voice=voice, seed=1)
+    there = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    t = threading.Thread(target=there.warm_voice, args=(voice,))
+    t.start()
+    t.join()
+    made = there.prepared(voice)  # from the cache: not made again
+    assert made is there.prepared(voice) and len(made.pages) == 8
+    np.testing.assert_allclose(there.stream_all(codes, voice=voice, seed=1), want, atol=1e-4, rtol=0)
