@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +14,7 @@ import torch
 
 from engines.config import ConfigError, parse_dtype
 from engines.cuda.precision import float32_matmuls
-from engines.cuda.streams import driver_stream, wait_releasing_gil
+from engines.cuda.streams import wait_releasing_gil
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
 from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
@@ -32,6 +30,7 @@ from engines.speech_out.presets import DECODER_PRESETS
 from engines.speech_out.stream import DecodeStream, Job
 from engines.speech_out.vocoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
 from engines.speech_out.voice import Voice
+from engines.speech_out.voice_cache import VoiceCache
 
 VOCODERS = ("bigvgan", "hift")
 # How a stream's flow sees earlier chunks: "full", every earlier chunk and the prompt, as the chunk model was trained
@@ -82,12 +81,14 @@ class CodecDecoder:
         self.vocoder = vocoder.eval()
         self.windowed = WindowedVocoder(vocoder, cfg.stream)
         self.default_voice = default_voice
-        self._voices: OrderedDict[str, PreparedVoice | FullVoice] = OrderedDict()  # by name, least recent first
-        self._voices_lock = threading.Lock()  # the engine loop and the voice worker both look voices up
-        self._voice_stream = None  # `warm_voice`'s stream
         self.counts = SolveCounts()
         self.full: FullContextFlow | None = None  # set by `load` for the full-context streaming decode
+        self.voices = self._voice_cache()  # (made again by `load` once `full` is set)
         self.full_graphs: FullSolveGraphs | None = None  # its solve's CUDA graphs (this decoder's or lane's own)
+
+    def _voice_cache(self) -> VoiceCache:
+        return VoiceCache(self.full.prepare_voice if self.full is not None else self.flow.prepare_voice, self.full,
+                          self.cfg.stream.max_prompt_codes, lambda: self.default_voice.name, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -134,6 +135,7 @@ class CodecDecoder:
                                              dec.cfg.stream.chunk_codes * fc.token_mel_ratio,
                                              fc.est_heads * fc.est_head_dim, dt)
             dec.full = FullContextFlow(dec.flow, int(gib * 2**30 // page))
+            dec.voices = dec._voice_cache()
         if cuda_graphs and dec.device.type == "cuda":
             dec._attach_graphs(encoder_graphs)
         return dec
@@ -253,63 +255,23 @@ class CodecDecoder:
 
     # ---- sessions ----------------------------------------------------------------------------------------
     def prepared(self, voice: Voice) -> PreparedVoice | FullVoice:
-        """The flow's form of `voice`, from the cache or made now on the calling thread (the full-context flow's takes
-        a solve per prompt chunk: the engine makes session voices on its voice worker, `warm_voice`)."""
-        with self._voices_lock:
-            pv = self._voices.get(voice.name)
-            if pv is not None:
-                self._voices.move_to_end(voice.name)
-                return pv
-        if voice.codes.shape[0] > self.cfg.stream.max_prompt_codes:
-            raise ConfigError(f"voice {voice.name}: prompt of {voice.codes.shape[0]} codes exceeds "
-                              f"{self.cfg.stream.max_prompt_codes}")
-        validate_codes(voice.codes)
-        prepare = self.full.prepare_voice if self.full is not None else self.flow.prepare_voice
-        made = prepare(voice.codes, voice.mel, voice.xvector)
-        forget = []
-        with self._voices_lock:
-            pv = self._voices.setdefault(voice.name, made)
-            if pv is not made:  # another thread made it meanwhile
-                forget.append(made)
-            while len(self._voices) > 32:
-                forget.append(self._voices.popitem(last=False)[1])
-        if self.full is not None:
-            for old in forget:
-                self.full.forget_voice(old)
-        return pv
-
-    def check_idle_cache(self) -> None:
-        """Invariant, with no stream open: every page of the full-context cache is free or a cached voice's (a stream
-        that ended without giving its pages back fails it)."""
-        if self.full is None:
-            return
-        self.full.pages.check()
-        with self._voices_lock:
-            held = sum(len(v.pages) for v in self._voices.values())
-        if self.full.pages.n_free != self.full.pages.n_pages - held:
-            raise AssertionError(f"{self.full.pages.n_pages - held - self.full.pages.n_free} pages held by no voice "
-                                 f"and no open stream")
+        """The flow's form of `voice` (`VoiceCache.get`)."""
+        return self.voices.get(voice)
 
     def warm_voice(self, voice: Voice) -> None:
-        """Make the flow's form of `voice` now, on the calling thread (a worker, not the engine loop) and the least
-        urgent CUDA stream, and wait for it: a stream opened in it later finds it ready."""
-        if self.device.type != "cuda":
-            self.prepared(voice)
-            return
-        if self._voice_stream is None:
-            self._voice_stream = driver_stream(self.device)  # (one per decoder: a driver stream is never freed)
-        stream = self._voice_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.prepared(voice)
-        stream.synchronize()
+        """Make the flow's form of `voice` on the calling thread, off the engine loop (`VoiceCache.warm`)."""
+        self.voices.warm(voice)
+
+    def check_idle_cache(self) -> None:
+        """Invariant, with no stream open: every page of the full-context cache is free or a cached voice's."""
+        self.voices.check_idle()
 
     def open_stream(self, session_id: str, voice: Voice | None = None, seed: int = 0) -> DecodeStream:
         voice = voice or self.default_voice
-        pv = self.prepared(voice)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(seed))
-        fs = self.full.new_state(pv) if self.full is not None else self.flow.new_state(pv, gen)
+        pv, fs = self.voices.holding(voice, lambda pv: self.full.new_state(pv) if self.full is not None
+                                     else self.flow.new_state(pv, gen))
         vs = self.windowed.new_state(pv.mel, gen)
         ready = None
         if self.device.type == "cuda":  # the state may be decoded on another thread's stream: see DecodeStream.adopt

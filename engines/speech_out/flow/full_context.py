@@ -16,6 +16,7 @@ prompt's start as in the reference; their mel frames are not part of the answer 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,7 @@ from engines.cuda.host_copy import upload
 from engines.cuda.precision import float32_matmuls
 from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks
-from engines.speech_out.flow.pages import EstimatorPages
+from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_blocked
 
 # The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
@@ -86,6 +87,17 @@ class FullContextFlow:
         self.left_channels = left_channels(est)
         self.pages = EstimatorPages(n_pages, cfg.n_timesteps, n_blocks(est), self.page_frames,
                                     cfg.est_heads * cfg.est_head_dim, flow.device, est.final_proj.weight.dtype)
+        # Called with the pages wanted when there are too few (the decoder drops voices no answer speaks in).
+        self.reclaim: Callable[[int], None] | None = None
+
+    def _alloc(self, n: int) -> list[int]:
+        try:
+            return self.pages.alloc(n)
+        except DecoderCacheFull:
+            if self.reclaim is None:
+                raise
+            self.reclaim(n)
+            return self.pages.alloc(n)
 
     # ---- voices and answers ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -121,7 +133,7 @@ class FullContextFlow:
         voice.pre, voice.up = cache.pre[0], cache.up[0]
         gen = torch.Generator(device=dev).manual_seed(VOICE_NOISE_SEED)
         z = torch.randn(cfg.output_size, n * r, generator=gen, device=dev, dtype=dt)
-        voice.pages = self.pages.alloc(k)
+        voice.pages = self._alloc(k)
         state = self._state(voice)
         try:
             for i in range(k):
@@ -155,7 +167,7 @@ class FullContextFlow:
     def reserve(self, state: FullState, n: int) -> None:
         """Pages for the next n chunks of `state`, taken now so that running out ends only this answer."""
         if n:
-            state.reserved.extend(self.pages.alloc(n))
+            state.reserved.extend(self._alloc(n))
 
     def close(self, state: FullState) -> None:
         self.pages.release([*state.shared, *state.pages, *state.reserved])

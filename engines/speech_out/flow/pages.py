@@ -65,6 +65,11 @@ class EstimatorPages:
                 self._refs[p] = 1
             return got
 
+    def only_holder(self, pages: list[int]) -> bool:
+        """Whether one holder alone holds these pages (a cached voice no answer speaks in)."""
+        with self._lock:
+            return all(self._refs[p] == 1 for p in pages)
+
     def share(self, pages: list[int]) -> None:
         """One more holder of each page (an answer reading its voice's prompt pages)."""
         with self._lock:

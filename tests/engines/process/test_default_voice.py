@@ -53,15 +53,15 @@ def test_a_session_without_a_voice_speaks_in_the_bundled_voice(codec_dir, monkey
     assert torch.count_nonzero(v.xvector) == 192
 
     used = []
-    prepared = dec.prepared
-    monkeypatch.setattr(dec, "prepared", lambda voice: used.append(voice) or prepared(voice))
+    get = dec.voices.get
+    monkeypatch.setattr(dec.voices, "get", lambda voice: used.append(voice) or get(voice))
     svc.handle(b"c", m.OpenSession("s"))
     svc.handle(b"c", m.AddUserText("s", "i", "hello"))
     svc.handle(b"c", m.CreateResponse("s", "r", "audio", m.Sampling(greedy=True, max_new_tokens=6, min_new_tokens=6)))
     msgs = [x for _, x in service_loop.until_idle(svc)]
     assert [d.status for d in msgs if isinstance(d, m.ResponseDone)] == ["incomplete"]
     assert used == [v]
-    pv = prepared(v)
+    pv = get(v)
     assert pv.mel.shape[1] == 4 * n and torch.count_nonzero(pv.spks) > 0 and torch.count_nonzero(pv.mel) > 0
 
 

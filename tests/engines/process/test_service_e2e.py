@@ -180,8 +180,8 @@ def test_engine_process_refuses_bad_arguments(tmp_path) -> None:
 def test_voice_prompt_from_wav(codec, tmp_path, monkeypatch) -> None:
     enc, dec = codec
     made_on = []
-    prepare = dec.full.prepare_voice
-    monkeypatch.setattr(dec.full, "prepare_voice", lambda *a: made_on.append(threading.current_thread()) or prepare(*a))
+    prepare = dec.voices.prepare
+    monkeypatch.setattr(dec.voices, "prepare", lambda *a: made_on.append(threading.current_thread()) or prepare(*a))
     svc = Service(engine(), StandInTokenizer(), enc, dec, voice_loader(enc, "tiny-random", dec))
     pcm, rate = read_wav(WAV)
     wav = tmp_path / "voice.wav"
