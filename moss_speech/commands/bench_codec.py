@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-encoder-graphs", dest="encoder_graphs", action="store_false",
                    help="with --cuda-graphs, run the flow's encoder eagerly (the server replays it as CUDA graphs)")
     p.add_argument("--estimator-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--context", default="full", choices=["full", "window"],
+                   help="the flow's view of earlier chunks, as the engine's --decoder-context (default full)")
     p.add_argument("--encoder-tf32", action="store_true",
                    help="the flow encoder's float32 matmuls on TF32 tensor cores (the server's setting on a GPU)")
 
@@ -65,7 +67,8 @@ def solve_floors_ms(dec, batches: list[int], hw: dict) -> dict[int, float]:
         params += p.numel()
         weight_bytes += p.numel() * p.element_size()
     stream = dec.cfg.stream
-    window = stream.est_ctx_frames + stream.chunk_codes * dec.cfg.flow.token_mel_ratio  # frames per CFG window
+    # frames per CFG pass: the windowed flow runs its context frames again, the full-context one only the chunk's
+    window = (stream.est_ctx_frames if dec.full is None else 0) + stream.chunk_codes * dec.cfg.flow.token_mel_ratio
     return {b: dec.cfg.flow.n_timesteps * 1e3 * max(weight_bytes / hw["copy_bytes_per_s"],
                                                     2 * params * (2 * b * window) / hw["matmul_flop_per_s"])
             for b in batches}
@@ -95,13 +98,14 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
                             estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs,
-                            encoder_tf32=args.encoder_tf32)
+                            encoder_tf32=args.encoder_tf32, context=args.context)
     chunk = dec.cfg.stream.chunk_codes
     hw = hardware(device)
     print(f"hardware: {hw}")
     print(f"measured: copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
           f"{hw['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s ({hw['matmul_dtype']})")
-    print(f"codec {dec.source}, vocoder {args.vocoder}, cuda graphs {dec.flow.graphs is not None} "
+    print(f"codec {dec.source}, context {args.context}, vocoder {args.vocoder}, cuda graphs "
+          f"{dec.flow.graphs is not None or dec.full_graphs is not None} "
           f"(encoder {dec.flow.enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}{' (matmuls TF32)' if args.encoder_tf32 else ''}, estimator "
           f"{args.estimator_dtype}, chunk {chunk} codes = "
