@@ -19,18 +19,25 @@ log = logging.getLogger("server.engines")
 # A step this long counts as one more session's worth of load: at ~10 ms an H200 step under 128 sessions, an engine
 # twice as slow per step is as loaded as one with twice the requests.
 STEP_REF_MS = 10.0
-_SUMMED = ("running", "waiting", "kv_free", "kv_total", "sessions", "steps", "prefilled_rows", "decoded_rows")
+_SUMMED = ("running", "waiting", "kv_free", "kv_total", "sessions", "steps", "prefilled_rows", "decoded_rows",
+           "decoder_pages_free", "decoder_pages_total")
 
 
 def headroom(stats: dict[str, Any], placed: int) -> float:
     """How much more an engine can take, from its last Pong's stats and the sessions this server placed on it
     (counted here at once: a Pong is a ping interval old, and a burst of sessions must not all go to one engine).
-    The free share of its KV pool, divided by its load (placed sessions plus running and waiting requests, so an
-    answering session counts twice), scaled down by its recent step time."""
-    free, total = stats.get("kv_free"), stats.get("kv_total")
-    kv = free / total if isinstance(free, int | float) and isinstance(total, int | float) and total > 0 else 1.0
+    The free share of its KV pool (or of its speech decoder's cache, when that is less), divided by its load (placed
+    sessions plus running and waiting requests, so an answering session counts twice), scaled down by its recent
+    step time."""
+    free = min(_share(stats, "kv_free", "kv_total"), _share(stats, "decoder_pages_free", "decoder_pages_total"))
     load = placed + _num(stats.get("running")) + _num(stats.get("waiting"))
-    return kv / ((1.0 + load) * (1.0 + _num(stats.get("step_ms")) / STEP_REF_MS))
+    return free / ((1.0 + load) * (1.0 + _num(stats.get("step_ms")) / STEP_REF_MS))
+
+
+def _share(stats: dict[str, Any], free_key: str, total_key: str) -> float:
+    """free / total of a pool the stats report, 1.0 when they do not."""
+    free, total = stats.get(free_key), stats.get(total_key)
+    return free / total if isinstance(free, int | float) and isinstance(total, int | float) and total > 0 else 1.0
 
 
 def _num(v: Any) -> float:

@@ -128,6 +128,9 @@ class ProcessConfig:
                 check_voice_prompt(self.voice)
             except AudioFormatError as e:
                 raise ConfigError(f"--voice {self.voice}: {e}") from None
+        if self.decoder_cache_gib is not None and self.decoder_context != "full":
+            raise ConfigError("--decoder-cache-gib sizes the full-context decoder's cache; --decoder-context "
+                              f"{self.decoder_context} has none")
         if self.encoder_tf32 and not self.on_gpu:
             raise ConfigError(f"--encoder-tf32 needs a CUDA device (got --device {self.device})")
         if (self.codec_round_max is not None and self.codec != "none" and self.first_lane

@@ -269,7 +269,15 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
         return {"running": st.running, "waiting": st.waiting, "kv_free": st.free_blocks, "kv_total": st.total_blocks,
                 "step_ms": round(self._step_ms, 3) if st.running else 0.0,
                 "steps": st.steps, "prefilled_rows": st.prefilled_rows, "decoded_rows": st.decoded_rows,
-                "sessions": len(self.sessions), "device_name": self.device_name, **self._capacity}
+                "sessions": len(self.sessions), "device_name": self.device_name, **self._capacity,
+                **self._decoder_pages()}
+
+    def _decoder_pages(self) -> dict[str, int]:
+        """The full-context decoder's cache (absent with the windowed flow or no decoder)."""
+        full = getattr(self.decoder, "full", None)
+        if full is None:
+            return {}
+        return {"decoder_pages_free": full.pages.n_free, "decoder_pages_total": full.pages.n_pages}
 
     def _session(self, client: bytes, sid: str) -> Session:
         s = self.sessions.get(sid)

@@ -66,6 +66,10 @@ class Metrics:
         self.kv_blocks_used = Gauge("moss_kv_blocks_used", "Used KV blocks in the engine", **engine)
         self.engine_running = Gauge("moss_engine_running_requests", "Requests being decoded", **engine)
         self.engine_waiting = Gauge("moss_engine_waiting_requests", "Requests waiting for admission", **engine)
+        self.decoder_pages_free = Gauge("moss_decoder_pages_free", "Free pages of the speech decoder's cache of "
+                                        "earlier chunks (0.4 s of answer audio each)", **engine)
+        self.decoder_pages_used = Gauge("moss_decoder_pages_used", "Used pages of the speech decoder's cache (answers "
+                                        "in progress and cached voices)", **engine)
         # The same per engine (label `engine`: "0".."N-1" under --gpus, a replica's id under Ray); the ones above are
         # their sum over the engines (engine_up: 1 while any engine takes sessions).
         each = {"labelnames": ["engine"], **engine}
@@ -125,6 +129,10 @@ class Metrics:
         for key, gauge in (("running", self.engine_running), ("waiting", self.engine_waiting)):
             if isinstance(stats.get(key), int | float):
                 gauge.set(stats[key])
+        free, total = stats.get("decoder_pages_free"), stats.get("decoder_pages_total")
+        if isinstance(free, int | float) and isinstance(total, int | float):
+            self.decoder_pages_free.set(free)
+            self.decoder_pages_used.set(total - free)
 
     def engines(self, each: dict[str, dict[str, Any]]) -> None:
         """Each engine's liveness, sessions and restarts (server.engine_pool.EnginePool.each); gone ones dropped."""

@@ -392,6 +392,8 @@ def test_an_answer_that_outgrows_the_decoder_cache_fails_busy_and_the_session_go
     assert [(e.code, e.response_id) for e in msgs if isinstance(e, m.Error)] == [("server_busy", "r")]
     assert [d.status for d in msgs if isinstance(d, m.ResponseDone)] == ["failed"]
     small.check_idle_cache()
+    # (/health and /metrics): the default voice's 4 pages held, the rest free
+    assert (svc.stats()["decoder_pages_free"], svc.stats()["decoder_pages_total"]) == (3, 7)
     svc.handle(b"c", m.CreateResponse("s", "r2", "audio", m.Sampling(greedy=True, max_new_tokens=8, min_new_tokens=8)))
     msgs = [x for _, x in service_loop.until_idle(svc)]
     assert not [e for e in msgs if isinstance(e, m.Error)]
