@@ -8,13 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from engines.api import EngineError
 from engines.audio.wav import float32_to_pcm16
 from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.sessions import ResponseState, Session
-from engines.protocol import errors
 from engines.protocol import messages as m
-from engines.speech_out.flow.pages import DecoderCacheFull
 
 log = logging.getLogger("engines.process")
 
@@ -63,15 +62,14 @@ class Outputs:
 
     def _deliver(self, s: Session, r: ResponseState, pcm: np.ndarray | Exception, final: bool) -> None:
         """Decoded audio of one answer (or the decoder's failure); `final`: its last, then ResponseDone."""
-        if isinstance(pcm, Exception):  # the speech decoder failing ends this answer, not the engine
-            if isinstance(pcm, DecoderCacheFull):  # a load condition, not a fault: the client may ask again
-                log.warning("answer %s stopped: %s", r.response_id, pcm)
-                if not r.cancelled:
-                    self._fail(s, r, f"the server is busy: {pcm}", errors.SERVER_BUSY)
-            else:
-                log.error("speech decoder failed for %s: %r", r.response_id, pcm)
-                if not r.cancelled:
-                    self._fail(s, r, f"speech decoder failed: {type(pcm).__name__}: {pcm}")
+        if isinstance(pcm, EngineError):  # a condition with its own code (a full decoder cache: server_busy)
+            log.warning("answer %s stopped: %s", r.response_id, pcm)
+            if not r.cancelled:
+                self._fail(s, r, f"speech decoder: {pcm}", pcm.code)
+        elif isinstance(pcm, Exception):  # the speech decoder failing ends this answer, not the engine
+            log.error("speech decoder failed for %s: %r", r.response_id, pcm)
+            if not r.cancelled:
+                self._fail(s, r, f"speech decoder failed: {type(pcm).__name__}: {pcm}")
         elif not r.cancelled:
             self._audio(s, r, pcm)
         if final:

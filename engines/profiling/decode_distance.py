@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", context="window")
     f = dec.flow
-    with torch.no_grad():
-        spks = f.spk_embed_affine_layer(torch.zeros(1, f.cfg.spk_embed_dim, device=f.device, dtype=f.dtype))[0]
+    spks = f.speaker(torch.zeros(f.cfg.spk_embed_dim))  # an empty voice's
     none = torch.zeros(0, dtype=torch.long)
     empty_mel = torch.zeros(f.cfg.output_size, 0)
     rows = []

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from engines.config import ConfigError, parse_dtype
-from engines.cuda.precision import float32_matmuls
 from engines.cuda.streams import wait_releasing_gil
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
@@ -305,9 +304,7 @@ class CodecDecoder:
         gen = torch.Generator(device=dev).manual_seed(int(seed))
         frames = (voice.codes.shape[0] + codes.shape[0]) * self.cfg.flow.token_mel_ratio
         z = torch.randn(self.cfg.flow.output_size, frames, generator=gen, device=dev, dtype=f.dtype)
-        with float32_matmuls(False):
-            spks = f.spk_embed_affine_layer(torch.nn.functional.normalize(voice.xvector.to(dev, f.dtype)[None]))[0]
-        mel = reference_mel(f, voice.codes, voice.mel, spks, codes, z, chunk=False)
+        mel = reference_mel(f, voice.codes, voice.mel, f.speaker(voice.xvector), codes, z, chunk=False)
         vs = self.windowed.new_state(voice.mel.to(dev, f.dtype), gen)
         return self.windowed.finish(self.windowed.render(mel[None], [vs], [gen]), [vs], [True])[0]
 

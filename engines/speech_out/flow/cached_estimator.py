@@ -118,8 +118,8 @@ def estimate_chunk(est: CausalConditionalDecoder, h: torch.Tensor, rows: torch.T
     table [B, maxp] long the pages of each row's earlier chunks (padded), n_keys [B] long their frames; new_page [B]
     long the page this chunk's keys and values are written to; n_new [B] long its real frames (the rest of F is
     padding no real frame attends to; the causal convolutions keep it out of real frames anyway).
-    Returns the velocity [2B, 80, F] and the new left state [2B, left_channels, 2]."""
-    est.fuse()
+    Returns the velocity [2B, 80, F] and the new left state [2B, left_channels, 2]. The estimator's fused q/k/v
+    must be built (`est.fuse()`; `est.time_table`, which gives the rows, builds it)."""
     p = _Pass(est, left, pool, table, n_keys, new_page, n_new)
     resnet, blocks, down = est.down_blocks[0]
     x = p.attend(p.resnet(resnet, h, rows[0]), blocks)

@@ -101,11 +101,16 @@ class FlowModel(nn.Module):
 
     # ---- voice -------------------------------------------------------------------------------------------
     @torch.inference_mode()
+    def speaker(self, xvector: torch.Tensor) -> torch.Tensor:
+        """xvector [spk_embed_dim] -> the projected speaker row [80] every estimator pass is conditioned on."""
+        with float32_matmuls(False):
+            return self.spk_embed_affine_layer(F.normalize(xvector.to(self.device, self.dtype)[None], dim=1))[0]
+
+    @torch.inference_mode()
     def prepare_voice(self, codes: torch.Tensor, mel: torch.Tensor, xvector: torch.Tensor) -> PreparedVoice:
         """codes [P] long, mel [80, 4P], xvector [spk_embed_dim] -> cached encoder KV of the prompt and more."""
         dev, dt = self.device, self.dtype
-        with float32_matmuls(False):
-            spks = self.spk_embed_affine_layer(F.normalize(xvector.to(dev, dt)[None], dim=1))[0]
+        spks = self.speaker(xvector)
         P = int(codes.shape[0])
         r = self.cfg.token_mel_ratio
         if P == 0:

@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from engines.cuda.host_copy import upload
-from engines.cuda.precision import float32_matmuls
 from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
-from engines.speech_out.flow.reference import chunk_blocked
+from engines.speech_out.flow.reference import encode_masked
 
 # The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
 VOICE_NOISE_SEED = 0
@@ -105,8 +104,7 @@ class FullContextFlow:
         """codes [P] long, mel [80, 4P], xvector [spk_embed_dim] -> the voice's shared part (its pages taken)."""
         f, cfg = self.flow, self.flow.cfg
         dev, dt, r, la = f.device, f.dtype, cfg.token_mel_ratio, cfg.pre_lookahead
-        with float32_matmuls(False):
-            spks = f.spk_embed_affine_layer(F.normalize(xvector.to(dev, dt)[None], dim=1))[0]
+        spks = f.speaker(xvector)
         P = int(codes.shape[0])
         k = max(0, (P - la) // self.chunk)  # whole chunks whose lookahead stays inside the prompt
         n = k * self.chunk
@@ -120,15 +118,7 @@ class FullContextFlow:
         if n == 0:
             return voice
         # The shared codes in one chunk-masked encoder call, their lookahead the prompt's next codes.
-        tok = f.input_embedding(codes[:n + la])[None]
-        valid = torch.ones(1, n + la, dtype=torch.bool, device=dev)
-        enc = f.encoder
-        with float32_matmuls(f.encoder_tf32):
-            hid, cache, kvs, up_kvs = enc.forward_chunk(
-                tok, valid, enc.empty_cache(1, dev, dt), torch.arange(n, device=dev)[None],
-                torch.arange(n * r, device=dev)[None], [None] * len(enc.encoders), [None] * len(enc.up_encoders),
-                chunk_blocked(n, self.chunk, dev), chunk_blocked(n * r, self.page_frames, dev))
-            mu = f.encoder_proj(hid)[0].transpose(0, 1)  # [80, n * ratio]
+        mu, cache, kvs, up_kvs = encode_masked(f, codes[:n], codes[n:n + la], self.chunk)  # mu [80, n * ratio]
         voice.kv, voice.up_kv = (torch.stack([torch.stack([a[0], b[0]]) for a, b in x]) for x in (kvs, up_kvs))
         voice.pre, voice.up = cache.pre[0], cache.up[0]
         gen = torch.Generator(device=dev).manual_seed(VOICE_NOISE_SEED)
@@ -237,10 +227,10 @@ class FullContextFlow:
             p = s.voice.n_codes
             X[b, :, :, :p], X[b, :, :, p:done[b]] = s.voice.kv, s.kv
             upX[b, :, :, :p * r], upX[b, :, :, p * r:done[b] * r] = s.voice.up_kv, s.up_kv
-        d = torch.tensor(done, device=dev)[:, None]
+        d, look = upload([np.asarray(done)[:, None], np.asarray(n_look)[:, None]], dev)  # (pinned: no stream sync)
         kpos, up_kpos = torch.arange(L, device=dev).expand(B, L), torch.arange(L * r, device=dev).expand(B, L * r)
         valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),
-                           torch.arange(la, device=dev)[None] < torch.tensor(n_look, device=dev)[:, None]], 1)
+                           torch.arange(la, device=dev)[None] < look], 1)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
         mu, pre, up, new_kv, new_up_kv = f.encode(
             codes.to(dev), valid, pre, up, d + torch.arange(n, device=dev), d * r + torch.arange(n * r, device=dev),

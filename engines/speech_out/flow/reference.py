@@ -25,22 +25,29 @@ def chunk_blocked(n: int, chunk: int | None, device: torch.device) -> torch.Tens
     return (i[None, :] // chunk) > (i[:, None] // chunk)
 
 
+def encode_masked(flow, codes: torch.Tensor, look: torch.Tensor, chunk_codes: int | None):
+    """codes [N] long from a sequence's start through the encoder in one call under the chunk mask (None: full
+    attention), `look` [<= pre_lookahead] long the real codes after them (absent ones are zeros).
+    Returns mu [80, N * ratio], the encoder's conv caches after the codes and each layer's (k, v) of both stacks."""
+    cfg, dev, dt = flow.cfg, flow.device, flow.dtype
+    n, r, la = int(codes.shape[0]), cfg.token_mel_ratio, cfg.pre_lookahead
+    seq = torch.cat([codes.to(dev), look.to(dev)])
+    tok = flow.input_embedding(F.pad(seq, (0, n + la - seq.shape[0])))[None]  # [1, N + la, input]
+    valid = (torch.arange(n + la, device=dev) < seq.shape[0])[None]
+    enc = flow.encoder
+    prefixes, up_prefixes = [None] * len(enc.encoders), [None] * len(enc.up_encoders)
+    with float32_matmuls(flow.encoder_tf32):
+        hid, cache, kvs, up_kvs = enc.forward_chunk(
+            tok, valid, enc.empty_cache(1, dev, dt), torch.arange(n, device=dev)[None],
+            torch.arange(n * r, device=dev)[None], prefixes, up_prefixes, chunk_blocked(n, chunk_codes, dev),
+            chunk_blocked(n * r, None if chunk_codes is None else chunk_codes * r, dev))
+        return flow.encoder_proj(hid)[0].transpose(0, 1), cache, kvs, up_kvs  # mu [80, N * ratio]
+
+
 @torch.inference_mode()
 def encode_whole(flow, codes: torch.Tensor, chunk_codes: int | None) -> torch.Tensor:
     """codes [N] long (prompt + answer, no lookahead after them) -> mu [80, N * ratio] in the flow dtype."""
-    cfg, dev, dt = flow.cfg, flow.device, flow.dtype
-    n, r, la = int(codes.shape[0]), cfg.token_mel_ratio, cfg.pre_lookahead
-    tok = flow.input_embedding(F.pad(codes.to(dev), (0, la)))[None]  # [1, N + la, input]
-    valid = (torch.arange(n + la, device=dev) < n)[None]
-    enc = flow.encoder
-    cache = enc.empty_cache(1, dev, dt)
-    prefixes, up_prefixes = [None] * len(enc.encoders), [None] * len(enc.up_encoders)
-    with float32_matmuls(flow.encoder_tf32):
-        hid, _, _, _ = enc.forward_chunk(tok, valid, cache, torch.arange(n, device=dev)[None],
-                                         torch.arange(n * r, device=dev)[None], prefixes, up_prefixes,
-                                         chunk_blocked(n, chunk_codes, dev),
-                                         chunk_blocked(n * r, None if chunk_codes is None else chunk_codes * r, dev))
-        return flow.encoder_proj(hid)[0].transpose(0, 1)  # [80, N * ratio]
+    return encode_masked(flow, codes, codes[:0], chunk_codes)[0]
 
 
 @torch.inference_mode()
