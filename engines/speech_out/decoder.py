@@ -20,7 +20,7 @@ from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderG
 from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
 from engines.speech_out.flow.flow import FlowModel
-from engines.speech_out.flow.full_context import FullContextFlow, FullSolveGraphs, FullVoice
+from engines.speech_out.flow.full_context import FullContextFlow, FullSolveGraphs, FullVoice, first_job_codes
 from engines.speech_out.flow.pages import EstimatorPages
 from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
@@ -194,7 +194,9 @@ class CodecDecoder:
             fc = self.cfg.flow
             frames_s = fc.mel.sample_rate / fc.mel.hop
             answer = int(CAPTURE_ANSWER_S * frames_s) // self.full.page_frames
-            n += self.full_graphs.capture_steady_state(max_batch, len(self.prepared(self.default_voice).pages) + answer)
+            voice = self.prepared(self.default_voice)
+            first = first_job_codes(len(voice.tail), st.chunk_codes) // st.chunk_codes
+            n += self.full_graphs.capture_steady_state(max_batch, len(voice.pages) + answer, (first, len(voice.pages)))
         if self.flow.enc_graphs is not None:
             n += self.flow.enc_graphs.capture_steady_state(max_batch, self.prepared(self.default_voice).n_codes)
         for g in (self.flow.graphs, getattr(self.vocoder, "graphs", None)):

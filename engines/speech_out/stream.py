@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engines.speech_out.codes import validate_codes
-from engines.speech_out.flow.full_context import FullState
+from engines.speech_out.flow.full_context import FullState, first_job_codes
 from engines.speech_out.flow.state import FlowState
 from engines.speech_out.vocoder.vocoder import VocoderState
 
@@ -87,9 +87,7 @@ class DecodeStream:
         C, la = st.chunk_codes, self.decoder.cfg.flow.pre_lookahead
         jobs = []
         if self.prompt_left:
-            # The prompt's tail and the answer's first codes as one job, up to the chunk boundary that gives at least
-            # a chunk of answer: the first audio is never shorter than a chunk (so the next can follow in time).
-            n = -(-(self.prompt_left + C) // C) * C
+            n = first_job_codes(self.prompt_left, C)
             if len(self.pending) >= n + la or (finishing and len(self.pending) > self.prompt_left):
                 n = min(n, len(self.pending))
                 jobs.append(Job(self, self.pending[:n], self.pending[n:n + la], False))

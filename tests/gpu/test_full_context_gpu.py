@@ -57,14 +57,16 @@ def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back():
     dec.full.pages.check()
 
 
-def test_graphed_solve_equals_eager_and_captures_per_pages_bucket():
-    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
-    graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: attention reads the pages in place
+def test_graphed_solve_equals_eager_and_captures_per_pages_bucket(dtype):
+    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype=dtype)
+    graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, estimator_dtype=dtype)
     codes = np.random.default_rng(4).integers(0, 16384, 93)  # past 16 pages: a second pages bucket
     want, got = eager.stream_all(codes, seed=2), graphed.stream_all(codes, seed=2)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     pages = {k[6][0] for k in graphed.full_graphs.graphs}  # the table's [pages] per captured key
     assert pages == {16, 32}, pages
+    assert {k[1][1] for k in graphed.full_graphs.graphs} == {20, 40}  # chunks, and the first job's two in one pass
     lane = graphed.lane()
     assert lane.full_graphs is not graphed.full_graphs and lane.full is graphed.full  # own graphs, shared pages
 

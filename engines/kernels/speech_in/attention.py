@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engines.kernels.attention_splits import merge_splits
 from engines.kernels.speech_in.fp32_gemm import input_precision
 
 BLOCK_T = 64  # keys per inner iteration
@@ -85,29 +86,6 @@ def _encoder_attention_kernel(Q, K, V, SLOTS, QPOS, OUT, PO, PML, s_qr, s_qh, s_
         tl.store(OUT + rows[:, None] * s_or + h * D + rd[None, :], out, mask=qm[:, None])
 
 
-# The split count is a runtime value and row counts are not specialized: one compiled merge kernel serves every step
-# (a compile while serving stalls the encoder ~0.5 s).
-@triton.jit(do_not_specialize=["n_rows", "SPLITS"])
-def _encoder_attention_merge_kernel(PO, PML, OUT, n_rows, s_or, SPLITS, H: tl.constexpr, D: tl.constexpr,
-                                    SPLITS_P: tl.constexpr):
-    pid = tl.program_id(0)  # (row, head)
-    r = pid // H
-    h = pid % H
-    rs = tl.arange(0, SPLITS_P)
-    rd = tl.arange(0, D)
-    sm = rs < SPLITS
-    pbase = (rs * n_rows + r) * H + h
-    m = tl.load(PML + pbase * 2, mask=sm, other=float("-inf"))
-    l_s = tl.load(PML + pbase * 2 + 1, mask=sm, other=0.0)
-    mx = tl.max(m, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(sm & (m != float("-inf")), tl.exp(m - mx), 0.0)  # [SPLITS_P]
-    den = tl.sum(l_s * w, 0)
-    acc = tl.load(PO + pbase[:, None] * D + rd[None, :], mask=sm[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
-    tl.store(OUT + r * s_or + h * D + rd, out)
-
-
 def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                       qpos: torch.Tensor, t_max: int, tf32: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v per stream and head, over the keys j < t_max of the stream's pool slot with
@@ -145,6 +123,5 @@ def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         # IEEE products (float32 FMAs) at 32 streams x 1000 keys (121 vs 305 us), as close to SDPA's float32 (~1e-6).
         PRECISION=input_precision(tf32), num_warps=NUM_WARPS)
     if splits > 1:
-        _encoder_attention_merge_kernel[(rows * heads,)](po, pml, out, rows, out.stride(0), splits, H=heads, D=d,
-                                                        SPLITS_P=MAX_SPLITS, num_warps=2)
+        merge_splits(po, pml, out, splits, MAX_SPLITS)
     return out

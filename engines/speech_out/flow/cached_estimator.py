@@ -1,4 +1,4 @@
-"""The estimator over one new chunk of frames, with everything earlier chunks contribute kept instead of recomputed.
+"""The estimator over new chunks of frames, with everything earlier chunks contribute kept instead of recomputed.
 
 Under the chunk-causal attention the chunk models were trained with, a frame attends to every frame of its own chunk
 and of all earlier chunks, and each causal convolution (kernel 3) reads the two frames before it. So at one Euler step
@@ -40,25 +40,48 @@ def n_blocks(est: CausalConditionalDecoder) -> int:
     return len(est.down_blocks[0][1]) + sum(len(m[1]) for m in est.mid_blocks) + len(est.up_blocks[0][1])
 
 
+def paged_kernel(pool: torch.Tensor, head_dim: int) -> bool:
+    """Whether attention reads the pages in place (engines/kernels/speech_out/flow/paged_attention.py: CUDA, half
+    precision, a head_dim tensor cores take), else gathers them for SDPA (the reference path: CPU, float32)."""
+    return pool.is_cuda and pool.dtype in (torch.bfloat16, torch.float16) and head_dim >= 16 \
+        and head_dim & (head_dim - 1) == 0
+
+
 class _Pass:
     """One pass of the estimator over a chunk: walks its layers, reading and writing the left states and pages."""
 
     def __init__(self, est: CausalConditionalDecoder, left: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
                  n_keys: torch.Tensor, new_page: torch.Tensor, n_new: torch.Tensor) -> None:
         self.est, self.left, self.pool, self.new_page = est, left, pool, new_page
+        self.n_keys, self.n_new = n_keys, n_new
         self.new_left = torch.empty_like(left)
         self.off = 0  # channel offset of the next convolution's left state
         self.block = 0  # index of the next transformer block (its pages)
         B, maxp = table.shape
-        fr = pool.shape[4]
-        # Each block writes the chunk's keys and values to its page first, then reads every page of the row (the new
-        # one last) in one gather: no second copy to append the chunk to what was read.
-        self.table = torch.cat([table, new_page[:, None]], dim=1)  # [B, maxp + 1]
-        # [2B, 1, 1, (maxp + 1) * frames]: which gathered keys are real: a row's earlier pages are all full (one page
-        # per whole chunk); of the new page, the chunk's real frames (a last chunk may be padded to a whole one).
-        i = torch.arange((maxp + 1) * fr, device=table.device)[None]
-        ok = (i < n_keys[:, None]) | ((i >= maxp * fr) & (i < maxp * fr + n_new[:, None]))
-        self.mask = ok.repeat(2, 1)[:, None, None, :]
+        c, fr = new_page.shape[1], pool.shape[4]
+        self.frames = fr
+        self.paged = paged_kernel(pool, est.down_blocks[0][1][0].attn1.dh)
+        # Each block writes the chunks' keys and values to their pages first, then reads every page of the row (the
+        # new ones last) in one gather: no second copy to append the chunks to what was read.
+        self.table = torch.cat([table, new_page], dim=1)  # [B, maxp + c]
+        # Which gathered keys a query may read: a row's earlier pages are all full (one page per whole chunk); of the
+        # new pages, the real frames (a last chunk may be padded to a whole one) of the query's own chunk and those
+        # before it. [2B, 1, 1 or F, (maxp + c) * frames]
+        if self.paged:  # the kernel masks as it reads
+            from engines.kernels.speech_out.flow.paged_attention import paged_attention
+
+            self.paged_attention = paged_attention
+            return
+        i = torch.arange((maxp + c) * fr, device=table.device)
+        j = i - maxp * fr  # position among the new pages' frames
+        new = (j >= 0)[None] & (j[None] < n_new[:, None])  # [B, L]
+        if c > 1:
+            q_chunk = torch.arange(c * fr, device=table.device) // fr
+            new = new[:, None, :] & ((j // fr)[None, None, :] <= q_chunk[None, :, None])  # [B, F, L]
+        else:
+            new = new[:, None, :]
+        ok = (i[None] < n_keys[:, None])[:, None, :] | new
+        self.mask = ok.repeat(2, 1, 1)[:, None]
 
     def conv(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
         """x [R, Cin, F] after its left state [R, Cin, 2] -> [R, Cout, F]; stores the new left state."""
@@ -93,8 +116,12 @@ class _Pass:
         q, k, v = F.linear(h, a.qkv_weight).view(R, Fr, 3, a.h * a.dh).unbind(2)  # each [R, F, D]
         j, self.block = self.block, self.block + 1
         pages = self.pool[j]  # [2 kv, 2 branch, pages, frames, D]
-        pages[:, :, self.new_page, :Fr] = torch.stack([k, v]).view(2, 2, B, Fr, -1).to(pages.dtype)
-        got = pages[:, :, self.table]  # [2 kv, 2 branch, B, maxp + 1, frames, D]: one gather
+        c = self.new_page.shape[1]
+        pages[:, :, self.new_page] = torch.stack([k, v]).view(2, 2, B, c, Fr // c, -1).to(pages.dtype)
+        if self.paged:
+            o = self.paged_attention(q, pages, self.table, self.n_keys, self.n_new, a.h, self.frames)  # [R, F, D]
+            return self._feed_forward(blk, y + a.to_out[0](o))
+        got = pages[:, :, self.table]  # [2 kv, 2 branch, B, maxp + c, frames, D]: one gather
         got = got.view(2, R, -1, got.shape[-1])  # [2 kv, R, L, D]: rows branch-major, as the chunk's
         keys, vals = got[0].to(q.dtype), got[1].to(q.dtype)
 
@@ -102,7 +129,10 @@ class _Pass:
             return t.view(R, t.shape[1], a.h, a.dh).transpose(1, 2)
 
         o = F.scaled_dot_product_attention(heads(q), heads(keys), heads(vals), attn_mask=self.mask)
-        y = y + a.to_out[0](o.transpose(1, 2).reshape(R, Fr, a.h * a.dh))
+        return self._feed_forward(blk, y + a.to_out[0](o.transpose(1, 2).reshape(R, Fr, a.h * a.dh)))
+
+    @staticmethod
+    def _feed_forward(blk, y: torch.Tensor) -> torch.Tensor:
         h = F.layer_norm(y, blk.norm3.normalized_shape, blk.norm3.weight, blk.norm3.bias, blk.norm3.eps)
         ff = blk.ff.net
         return y + ff[2](ff[0](h))
@@ -111,13 +141,14 @@ class _Pass:
 def estimate_chunk(est: CausalConditionalDecoder, h: torch.Tensor, rows: torch.Tensor, left: torch.Tensor,
                    pool: torch.Tensor, table: torch.Tensor, n_keys: torch.Tensor, new_page: torch.Tensor,
                    n_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The velocity of one chunk's frames at one Euler step.
+    """The velocity of the new chunks' frames at one Euler step.
     h [2B, 320, F] = cat(x, mu, spks, cond) (conditional rows, then unconditional) in the estimator dtype;
     rows [n_resnets, 1|2B, C] the step's time rows; left [2B, left_channels, 2] the kernel-3 convolutions' last input
     frames before the chunk (zeros at the sequence start); pool: this step's pages [blocks, 2, 2, pages, frames, D];
-    table [B, maxp] long the pages of each row's earlier chunks (padded), n_keys [B] long their frames; new_page [B]
-    long the page this chunk's keys and values are written to; n_new [B] long its real frames (the rest of F is
-    padding no real frame attends to; the causal convolutions keep it out of real frames anyway).
+    table [B, maxp] long the pages of each row's earlier chunks (padded), n_keys [B] long their frames; new_page
+    [B, c] long the pages the c new chunks' keys and values are written to (F = c whole chunks of frames, each
+    attending to itself and the ones before it); n_new [B] long the real frames among them (the rest of F is padding
+    no real frame attends to; the causal convolutions keep it out of real frames anyway).
     Returns the velocity [2B, 80, F] and the new left state [2B, left_channels, 2]. The estimator's fused q/k/v
     must be built (`est.fuse()`; `est.time_table`, which gives the rows, builds it)."""
     p = _Pass(est, left, pool, table, n_keys, new_page, n_new)

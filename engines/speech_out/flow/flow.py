@@ -212,13 +212,15 @@ class FlowModel(nn.Module):
 
     def encode(self, codes: torch.Tensor, valid: torch.Tensor, pre: torch.Tensor, up: torch.Tensor, pos: torch.Tensor,
                up_pos: torch.Tensor, X: torch.Tensor, kpos: torch.Tensor, kvalid: torch.Tensor, upX: torch.Tensor,
-               up_kpos: torch.Tensor, up_kvalid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+               up_kpos: torch.Tensor, up_kvalid: torch.Tensor, blocked: torch.Tensor | None = None,
+               up_blocked: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """One chunk of n codes of every row through the encoder: the function EncoderGraphs replays (every input
         batch-first, rows independent, no host syncs), and the eager path.
         codes [B, n + la] long; valid [B, n + la] nonzero for real codes (absent lookahead is zeroed);
         pre [B, 2, D], up [B, 2 * ratio, D] the conv caches; pos [B, n], up_pos [B, n * ratio] positions;
         X [B, layers, 2, L, H, dk] prefix keys/values with positions kpos [B, L] and validity kvalid [B, L]
-        (nonzero: a real key); upX, up_kpos, up_kvalid the same for the up stack.
+        (nonzero: a real key); upX, up_kpos, up_kvalid the same for the up stack. blocked [n, n], up_blocked
+        [n * ratio, n * ratio] bool: pairs of the new codes (frames) that may not attend (several chunks in one call).
         Returns mu [B, 80, n * ratio], the new caches pre and up, and this chunk's keys/values
         [B, layers, 2, n, H, dk] and [B, up_layers, 2, n * ratio, H, dk]."""
         kvalid, up_kvalid = kvalid.bool(), up_kvalid.bool()
@@ -226,7 +228,8 @@ class FlowModel(nn.Module):
         up_prefixes = [KV(upX[:, i, 0], upX[:, i, 1], up_kpos, up_kvalid) for i in range(upX.shape[1])]
         with float32_matmuls(self.encoder_tf32):
             hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
-                self.input_embedding(codes), valid.bool(), EncoderCache(pre, up), pos, up_pos, prefixes, up_prefixes)
+                self.input_embedding(codes), valid.bool(), EncoderCache(pre, up), pos, up_pos, prefixes, up_prefixes,
+                blocked, up_blocked)
             mu = self.encoder_proj(hid).transpose(1, 2)  # [B, 80, F]
         return mu, cache.pre, cache.up, _stack_kv(kvs), _stack_kv(up_kvs)
 

@@ -27,12 +27,20 @@ from engines.cuda.host_copy import upload
 from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
-from engines.speech_out.flow.reference import encode_masked
+from engines.speech_out.flow.reference import chunk_blocked, encode_masked
 
 # The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
 VOICE_NOISE_SEED = 0
 # A graphed solve reads a multiple of this many pages (6.4 s of audio): few graphs, a little padding read.
 PAGES_BUCKET = 16
+# First jobs' graphs captured at load reach this batch (more first jobs in one round capture theirs on first use).
+FIRST_JOB_BATCH = 16
+
+
+def first_job_codes(tail: int, chunk: int) -> int:
+    """An answer's first job: the prompt's tail and the answer's first codes up to the chunk boundary that gives at
+    least a chunk of answer, so that the first audio is never shorter than a chunk (the next can follow in time)."""
+    return -(-(tail + chunk) // chunk) * chunk
 
 
 @dataclass
@@ -125,11 +133,8 @@ class FullContextFlow:
         z = torch.randn(cfg.output_size, n * r, generator=gen, device=dev, dtype=dt)
         voice.pages = self._alloc(k)
         state = self._state(voice)
-        try:
-            for i in range(k):
-                a, b = i * self.page_frames, (i + 1) * self.page_frames
-                self._solve([state], mu[None, :, a:b], voice.mel[None, :, a:b], z[None, :, a:b],
-                            [voice.pages[:i]], [voice.pages[i]])
+        try:  # every shared chunk in one solve, under the chunk mask between them
+            self._solve([state], mu[None], voice.mel[None, :, :n * r], z[None], [[]], [voice.pages])
         except BaseException:
             self.pages.release(voice.pages)
             raise
@@ -175,28 +180,15 @@ class FullContextFlow:
         """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored), every state with its
         pages reserved -> mel [B, 80, n * ratio] (its first `state.skip` frames are the prompt's). n may exceed a chunk
         only where every state is at a chunk boundary (an answer's first job: the prompt's tail and its first codes):
-        its chunks are decoded one after another. `graphs`: the caller's `FullSolveGraphs` (CUDA)."""
-        C, la = self.chunk, self.flow.cfg.pre_lookahead
-        if n <= C:
-            return self._chunk(states, codes, n, n_look, gens, graphs)
-        mels, skip = [], [0] * len(states)
-        for i in range(0, n, C):
-            m = min(C, n - i)
-            rest = n - i - m  # job codes after this chunk: its lookahead first
-            look = [min(la, rest + nl) for nl in n_look]
-            mels.append(self._chunk(states, codes[:, i:i + m + la], m, look, gens, graphs))
-            skip = [k + s.skip for k, s in zip(skip, states, strict=True)]
-        for s, k in zip(states, skip, strict=True):
-            s.skip = k
-        return torch.cat(mels, dim=2)
-
-    def _chunk(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
-               gens: list[torch.Generator], graphs: BucketGraphs | None) -> torch.Tensor:
-        """One chunk (n <= chunk codes) of every state: `decode_chunk`."""
-        f, cfg = self.flow, self.flow.cfg
+        its chunks then go through the encoder and the solve together, under the chunk mask between them, one pass
+        each instead of one per chunk (the same result: each chunk's own pass would see exactly the earlier ones).
+        `graphs`: the caller's `FullSolveGraphs` (CUDA)."""
+        f, cfg, C = self.flow, self.flow.cfg, self.chunk
         dev, dt, r = f.device, f.dtype, cfg.token_mel_ratio
-        B, Fr = len(states), n * r
-        done = [s.voice.n_codes + s.codes_done for s in states]  # codes before the chunk, prompt included
+        B, Fr, c = len(states), n * r, self.pages_for(n, C)
+        done = [s.voice.n_codes + s.codes_done for s in states]  # codes before the job, prompt included
+        if c > 1 and any(d % C for d in done):
+            raise ValueError("a job of several chunks must start at a chunk boundary")
         mu, new_kv, new_up_kv, pre, up = self._encode(states, codes, n, n_look, done)
         cond = torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)
         for b, s in enumerate(states):
@@ -204,11 +196,15 @@ class FullContextFlow:
             s.skip = min(Fr, max(0, s.voice.mel.shape[1] - g0))
             if s.skip:
                 cond[b, :, :s.skip] = s.voice.mel[:, g0:g0 + s.skip]
-        z = torch.stack([torch.randn(cfg.output_size, Fr, generator=g, device=dev, dtype=dt) for g in gens])
-        new_pages = [s.reserved.popleft() for s in states]
+        # Each chunk's noise drawn in turn, as a job of one chunk would draw it: the same noise per frame however an
+        # answer's codes are split into jobs.
+        W = self.page_frames
+        z = torch.stack([torch.cat([torch.randn(cfg.output_size, min(W, Fr - i), generator=g, device=dev, dtype=dt)
+                                    for i in range(0, Fr, W)], 1) for g in gens])
+        new_pages = [[s.reserved.popleft() for _ in range(c)] for s in states]
         x = self._solve(states, mu, cond, z, [s.shared + s.pages for s in states], new_pages, graphs)
         for b, s in enumerate(states):
-            s.pages.append(new_pages[b])
+            s.pages.extend(new_pages[b])
             s.kv = torch.cat([s.kv, new_kv[b]], dim=2)
             s.up_kv = torch.cat([s.up_kv, new_up_kv[b]], dim=2)
             s.pre, s.up = pre[b], up[b]
@@ -216,7 +212,8 @@ class FullContextFlow:
         return x
 
     def _encode(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int], done: list[int]):
-        """The chunk through the encoder, each row after all its earlier codes' keys (the voice's, then its own)."""
+        """The job's codes through the encoder, each row after all its earlier codes' keys (the voice's, then its own);
+        a job of several chunks under the chunk mask between its own codes."""
         f, cfg = self.flow, self.flow.cfg
         dev, r, la = f.device, cfg.token_mel_ratio, cfg.pre_lookahead
         B, L = len(states), max(done)
@@ -232,30 +229,35 @@ class FullContextFlow:
         valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),
                            torch.arange(la, device=dev)[None] < look], 1)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
+        blocked = (chunk_blocked(n, self.chunk, dev), chunk_blocked(n * r, self.page_frames, dev)) \
+            if n > self.chunk else (None, None)
         mu, pre, up, new_kv, new_up_kv = f.encode(
             codes.to(dev), valid, pre, up, d + torch.arange(n, device=dev), d * r + torch.arange(n * r, device=dev),
-            X, kpos, kpos < d, upX, up_kpos, up_kpos < d * r)
+            X, kpos, kpos < d, upX, up_kpos, up_kpos < d * r, *blocked)
         return mu, new_kv, new_up_kv, pre, up
 
     def _solve(self, states: list[FullState], mu: torch.Tensor, cond: torch.Tensor, z: torch.Tensor,
-               tables: list[list[int]], new_pages: list[int], graphs: BucketGraphs | None = None) -> torch.Tensor:
-        """The Euler solve of one chunk per state: mu, cond, z [B, 80, F] -> mel [B, 80, F]; each state's estimator
-        reads the pages in `tables` and writes its chunk's to `new_pages`; its left state moves on. With `graphs`, a
-        chunk replays a CUDA graph per (batch, pages) bucket: the pages read are padded to a multiple of PAGES_BUCKET
-        (padding reads page 0, masked), and a shorter last chunk runs as a whole one with its real frames marked."""
+               tables: list[list[int]], new_pages: list[list[int]], graphs: BucketGraphs | None = None
+               ) -> torch.Tensor:
+        """The Euler solve of one job per state: mu, cond, z [B, 80, F] -> mel [B, 80, F]; each state's estimator
+        reads the pages in `tables` and writes its job's chunks to `new_pages` (one page per chunk); its left state
+        moves on. The frames are padded to whole chunks (a last chunk runs as a whole one with its real frames marked).
+        With `graphs`, a job replays a CUDA graph per (batch bucket, chunks, pages bucket): the pages read are padded
+        to a multiple of PAGES_BUCKET (padding reads page 0, masked)."""
         dev, Fr, W = mu.device, mu.shape[2], self.page_frames
-        graphed = graphs is not None
+        c = len(new_pages[0])
+        if Fr < c * W:
+            mu, cond, z = (F.pad(t, (0, c * W - Fr)) for t in (mu, cond, z))
         maxp = max(len(t) for t in tables)
-        if graphed:
+        if graphs is not None:
             maxp = -(-maxp // PAGES_BUCKET) * PAGES_BUCKET
-            if Fr < W:  # an answer's last chunk, padded to a whole one: the full chunk's graph, its real frames masked
-                mu, cond, z = (F.pad(t, (0, W - Fr)) for t in (mu, cond, z))
         table, n_keys, new_page, n_new = upload([
             np.asarray([t + [0] * (maxp - len(t)) for t in tables], np.int64).reshape(len(tables), maxp),
-            np.asarray([len(t) * W for t in tables]), np.asarray(new_pages), np.full(len(tables), Fr)], dev)
+            np.asarray([len(t) * W for t in tables]), np.asarray(new_pages, np.int64).reshape(len(tables), c),
+            np.full(len(tables), Fr)], dev)
         args = [mu, cond, z, torch.stack([s.voice.spks for s in states]), torch.stack([s.left for s in states]), table,
                 n_keys, new_page, n_new]
-        x, left = graphs.run(args) if graphed else self.euler(*args)
+        x, left = graphs.run(args) if graphs is not None else self.euler(*args)
         for b, st in enumerate(states):
             st.left = left[b]  # (after a padded last chunk, never read again)
         return x[:, :, :Fr]
@@ -263,9 +265,9 @@ class FullContextFlow:
     def euler(self, mu: torch.Tensor, cond: torch.Tensor, z: torch.Tensor, spks: torch.Tensor, left: torch.Tensor,
               table: torch.Tensor, n_keys: torch.Tensor, new_page: torch.Tensor, n_new: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The solve as a function of tensors (what a graph replays; no host syncs): mu, cond, z [B, 80, F]; spks
-        [B, 80]; left [B, steps, 2, Lc, 2]; table [B, maxp], n_keys [B], new_page [B], n_new [B] long
-        (`estimate_chunk`).
+        """The solve as a function of tensors (what a graph replays; no host syncs): mu, cond, z [B, 80, F] (F whole
+        chunks); spks [B, 80]; left [B, steps, 2, Lc, 2]; table [B, maxp], n_keys [B], new_page [B, chunks], n_new [B]
+        long (`estimate_chunk`).
         Returns mel [B, 80, F] and the new left state."""
         f, cfg = self.flow, self.flow.cfg
         est = f.decoder.estimator
@@ -292,33 +294,44 @@ class FullContextFlow:
 
 
 class FullSolveGraphs(BucketGraphs):
-    """`FullContextFlow.euler` of full chunks as CUDA graphs, one per (batch bucket, pages bucket). Rows padded by
-    repeating the last one write that row's page again with the same values."""
+    """`FullContextFlow.euler` of whole chunks as CUDA graphs, one per (batch bucket, chunks, pages bucket). Rows
+    padded by repeating the last one write that row's pages again with the same values."""
 
     def __init__(self, full: FullContextFlow, urgent: bool = False) -> None:
         super().__init__(full.euler, urgent)
         self.full = full
 
     @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
-    def capture_steady_state(self, max_batch: int, max_pages: int) -> int:
-        """Capture the graphs of every batch bucket up to `max_batch` and pages bucket up to `max_pages` now. Returns
-        how many were newly captured."""
-        full, f = self.full, self.full.flow
-        cfg, dev, dt = f.cfg, f.device, f.dtype
-        Fr, Lc = full.page_frames, full.left_channels
-        page = full.pages.alloc(1)  # the captures' warm-up runs write one page
+    def capture_steady_state(self, max_batch: int, max_pages: int, first_job: tuple[int, int] | None = None) -> int:
+        """Capture now the graphs of one chunk for every batch bucket up to `max_batch` and pages bucket up to
+        `max_pages`, and with `first_job` = (chunks, pages read), those of an answer's first job in a voice whose
+        first job is that (batch buckets up to FIRST_JOB_BATCH: first jobs come a few at a time). Returns how many
+        were newly captured."""
+        page = self.full.pages.alloc(1)  # the captures' warm-up runs write one page
         n = 0
         try:
             for B in buckets_up_to(max_batch):
                 for maxp in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET):
-                    def z(*shape, dtype=dt):
-                        return torch.zeros(*shape, device=dev, dtype=dtype)
-                    args = [z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr),
-                            z(B, cfg.output_size), z(B, cfg.n_timesteps, 2, Lc, 2, dtype=full.pages.pool.dtype),
-                            z(B, maxp, dtype=torch.long), z(B, dtype=torch.long),
-                            torch.full((B,), page[0], device=dev, dtype=torch.long),
-                            torch.full((B,), Fr, device=dev, dtype=torch.long)]
-                    n += self.ensure(args)
+                    n += self.ensure(self._inputs(B, 1, maxp, page[0]))
+            if first_job is not None:
+                c, pages = first_job
+                for B in buckets_up_to(min(max_batch, FIRST_JOB_BATCH)):
+                    n += self.ensure(self._inputs(B, c, -(-max(pages, 1) // PAGES_BUCKET) * PAGES_BUCKET, page[0]))
         finally:
-            full.pages.release(page)
+            self.full.pages.release(page)
         return n
+
+    def _inputs(self, B: int, c: int, maxp: int, page: int) -> list[torch.Tensor]:
+        """`FullContextFlow.euler`'s inputs for B rows of c chunks reading maxp pages, writing `page` (values are
+        replaced at every replay)."""
+        full, f = self.full, self.full.flow
+        cfg, dev, dt = f.cfg, f.device, f.dtype
+        Fr, Lc = c * full.page_frames, full.left_channels
+
+        def z(*shape, dtype=dt):
+            return torch.zeros(*shape, device=dev, dtype=dtype)
+        return [z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr),
+                z(B, cfg.output_size), z(B, cfg.n_timesteps, 2, Lc, 2, dtype=full.pages.pool.dtype),
+                z(B, maxp, dtype=torch.long), z(B, dtype=torch.long),
+                torch.full((B, c), page, device=dev, dtype=torch.long),
+                torch.full((B,), Fr, device=dev, dtype=torch.long)]

@@ -182,3 +182,37 @@ def test_the_graphs_inputs_pages_bucket_and_a_padded_last_chunk_give_the_whole_s
     assert {s for s, _ in graphs.shapes} == {(1, 80, 20)}  # every chunk as a whole one, the last one too
     assert {p for _, p in graphs.shapes} == {(1, 16), (1, 32)}  # pages read in buckets of 16
     torch.testing.assert_close(torch.cat(a.mel, 1), a.reference(flow, pcodes, pmel, codes), atol=TOL, rtol=0)
+
+
+def test_first_jobs_of_a_batch_through_the_graphs_inputs_give_the_whole_sequence(flow):
+    """Answers' first jobs (the prompt's tail and their first codes, several chunks) in one batch and one pass, one
+    answer ending inside its first job (its last chunk padded to a whole one): each equals its whole sequence."""
+    fc = FullContextFlow(flow, 200)
+    graphs = _EagerGraphs(fc)
+    specs = [(23, 12, 1), (33, 30, 2), (28, 4, 3)]  # (prompt codes, answer codes, seed): tails of 3 codes
+    answers, prompts = [], []
+    for P, N, seed in specs:
+        pcodes, pmel, xv = voice_inputs(P, seed)
+        codes = torch.randint(0, 16384, (N,), generator=torch.Generator().manual_seed(seed + 1))
+        answers.append(Answer(fc, fc.prepare_voice(pcodes, pmel, xv), codes.tolist(), seed))
+        prompts.append((pcodes, pmel, codes))
+    # First jobs of 10 codes (2 chunks); the short answer's is all its 7, grouped apart as run_jobs groups by length.
+    jobs = [(a, *a.job(min(10, len(a.seq)))) for a in answers]
+    assert sorted(j[2] for j in jobs) == [7, 10, 10]
+    for n in (7, 10):
+        group = [j for j in jobs if j[2] == n]
+        out = fc.decode_chunk([j[0].state for j in group], torch.tensor([j[1] for j in group]), n,
+                              [j[3] for j in group], [j[0].gen for j in group], graphs)
+        for b, j in enumerate(group):
+            j[0].took(out[b], n)
+    assert {s for s, _ in graphs.shapes} == {(1, 80, 40), (2, 80, 40)}  # two chunks each, in one pass
+    while not all(a.done for a in answers):
+        for a in answers:
+            if not a.done:
+                row, n, nl = a.job()
+                a.took(fc.decode_chunk([a.state], torch.tensor([row]), n, [nl], [a.gen], graphs)[0], n)
+    for a, (pcodes, pmel, codes) in zip(answers, prompts, strict=True):
+        torch.testing.assert_close(torch.cat(a.mel, 1), a.reference(flow, pcodes, pmel, codes), atol=TOL, rtol=0)
+        fc.close(a.state)
+        fc.forget_voice(a.voice)
+    assert fc.pages.n_free == fc.pages.n_pages
