@@ -40,6 +40,47 @@ def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[fl
     return ms
 
 
+def _first_job(dec: CodecDecoder, batch: int, voice: Voice, repeats: int = 5) -> float:
+    """Median ms of the round that decodes `batch` answers' first jobs together (the prompt's tail and their first
+    codes: what an answer's first audio waits for), over `repeats` starts."""
+    sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+    ms = []
+    for _ in range(repeats):
+        steady = SteadyRounds(dec, batch, voices=[voice])
+        try:
+            for _ in range(10):  # a first job waits for at most 3 chunks of codes
+                steady.feed()
+                sync()
+                t0 = time.perf_counter()
+                pcm = steady.decode()
+                sync()
+                if any(p.size for p in pcm):
+                    ms.append((time.perf_counter() - t0) * 1e3)
+                    break
+        finally:
+            steady.close()
+    return float(np.median(ms))
+
+
+def _profile(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, top: int = 15) -> None:
+    """The CUDA ops of the last of `rounds` rounds of `batch` answers (torch.profiler), most time first."""
+    steady = SteadyRounds(dec, batch, voices=[voice])
+    try:
+        for _ in range(rounds - 1):
+            steady.feed()
+            steady.decode()
+        steady.feed()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            steady.decode()
+            torch.cuda.synchronize()
+        print(f"profile: batch {batch}, round {rounds}", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top), flush=True)
+    finally:
+        steady.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--codec", default="full-random")
@@ -49,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-codes", type=int, default=73, help="the voice prompt's codes (73: the bundled voice)")
     p.add_argument("--contexts", nargs="+", default=["window", "full"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", action="store_true", help="also print the CUDA ops of the last round at the largest "
+                   "batch (torch.profiler)")
     a = p.parse_args(argv)
     voice = Voice.random(seed=3, n_codes=a.prompt_codes)
     n_rounds = int(a.seconds * 12.5 / 5) + 1
@@ -68,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             at = {f"{t:g}s": round(float(np.median(ms[max(0, int(t * 2.5) - 1):int(t * 2.5) + 2])), 1)
                   for t in (0.4, 2, 10, a.seconds) if t * 2.5 <= len(ms)}
             row = {"context": context, "batch": batch, "round_ms_at": at,
-                   "peak_extra_gib": round(peak, 2)}
+                   "first_job_ms": round(_first_job(dec, batch, voice), 1), "peak_extra_gib": round(peak, 2)}
             print(json.dumps(row), flush=True)
             results.append(row)
+        if a.profile and cuda:
+            _profile(dec, max(a.batches), n_rounds, voice)
         if dec.full is not None:
             pages = dec.full.pages
             page = pages.pool.numel() // pages.n_pages * pages.pool.element_size()
