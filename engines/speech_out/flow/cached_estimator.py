@@ -8,7 +8,11 @@ equal those of the estimator run over the whole sequence under the chunk mask (t
 test_full_context.py), at O(chunk) compute per step.
 
 Rows are a batch's conditional passes, then its unconditional ones (2B rows); the pages hold both, on their own axis.
-Plain torch ops: the fused CUDA kernels of `estimator.py` take one fixed window without a cache.
+A pass runs the estimator's own layers and kernels (`estimator.py`: on CUDA the causal convolutions as implicit
+GEMMs and LayerNorm tails fused, time-major activations), each convolution fed its left state in front of the chunk.
+On CUDA in half precision a transformer block is the windowed flow's fused kernels around an attention that reads
+the pages in place (engines/kernels/speech_out/flow/paged_attention.py); elsewhere (the reference: CPU, float32)
+attention gathers the pages for SDPA.
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.speech_out.flow.estimator import CausalConditionalDecoder, CausalConv1d, CausalResnetBlock1D
+from engines.speech_out.flow.estimator import (
+    CausalConditionalDecoder,
+    CausalConv1d,
+    CausalResnetBlock1D,
+    add_layernorm,
+    layernorm_mish,
+)
 
 
 def kernel3_convs(est: CausalConditionalDecoder) -> list[CausalConv1d]:
@@ -40,15 +50,17 @@ def n_blocks(est: CausalConditionalDecoder) -> int:
     return len(est.down_blocks[0][1]) + sum(len(m[1]) for m in est.mid_blocks) + len(est.up_blocks[0][1])
 
 
-def paged_kernel(pool: torch.Tensor, head_dim: int) -> bool:
-    """Whether attention reads the pages in place (engines/kernels/speech_out/flow/paged_attention.py: CUDA, half
-    precision, a head_dim tensor cores take), else gathers them for SDPA (the reference path: CPU, float32)."""
-    return pool.is_cuda and pool.dtype in (torch.bfloat16, torch.float16) and head_dim >= 16 \
-        and head_dim & (head_dim - 1) == 0
+def paged_kernel(pool: torch.Tensor, est: CausalConditionalDecoder) -> bool:
+    """Whether a pass runs the fused transformer blocks with attention reading the pages in place: CUDA, half
+    precision, widths the kernels take (powers of two >= 16), the fused weights built (`est.fuse`)."""
+    blk = est.down_blocks[0][1][0]
+    d, dh = blk.norm1.normalized_shape[0], blk.attn1.dh
+    return (pool.is_cuda and pool.dtype in (torch.bfloat16, torch.float16) and blk.qkv_t is not None
+            and all(n >= 16 and n & (n - 1) == 0 for n in (d, dh)))
 
 
 class _Pass:
-    """One pass of the estimator over a chunk: walks its layers, reading and writing the left states and pages."""
+    """One pass of the estimator over new chunks: walks its layers, reading and writing the left states and pages."""
 
     def __init__(self, est: CausalConditionalDecoder, left: torch.Tensor, pool: torch.Tensor, table: torch.Tensor,
                  n_keys: torch.Tensor, new_page: torch.Tensor, n_new: torch.Tensor) -> None:
@@ -60,18 +72,18 @@ class _Pass:
         B, maxp = table.shape
         c, fr = new_page.shape[1], pool.shape[4]
         self.frames = fr
-        self.paged = paged_kernel(pool, est.down_blocks[0][1][0].attn1.dh)
+        self.paged = paged_kernel(pool, est)
         # Each block writes the chunks' keys and values to their pages first, then reads every page of the row (the
-        # new ones last) in one gather: no second copy to append the chunks to what was read.
+        # new ones last): no second copy to append the chunks to what was read.
         self.table = torch.cat([table, new_page], dim=1)  # [B, maxp + c]
-        # Which gathered keys a query may read: a row's earlier pages are all full (one page per whole chunk); of the
-        # new pages, the real frames (a last chunk may be padded to a whole one) of the query's own chunk and those
-        # before it. [2B, 1, 1 or F, (maxp + c) * frames]
         if self.paged:  # the kernel masks as it reads
             from engines.kernels.speech_out.flow.paged_attention import paged_attention
 
             self.paged_attention = paged_attention
             return
+        # Which gathered keys a query may read: a row's earlier pages are all full (one page per whole chunk); of the
+        # new pages, the real frames (a last chunk may be padded to a whole one) of the query's own chunk and those
+        # before it. [2B, 1, 1 or F, (maxp + c) * frames]
         i = torch.arange((maxp + c) * fr, device=table.device)
         j = i - maxp * fr  # position among the new pages' frames
         new = (j >= 0)[None] & (j[None] < n_new[:, None])  # [B, L]
@@ -83,59 +95,74 @@ class _Pass:
         ok = (i[None] < n_keys[:, None])[:, None, :] | new
         self.mask = ok.repeat(2, 1, 1)[:, None]
 
-    def conv(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
-        """x [R, Cin, F] after its left state [R, Cin, 2] -> [R, Cout, F]; stores the new left state."""
+    def with_left(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
+        """x [R, Cin, F] after its left state -> [R, Cin, F + 2]; stores the new left state."""
         c = conv.in_channels
         full = torch.cat([self.left[:, self.off:self.off + c].to(x.dtype), x], dim=2)
         self.new_left[:, self.off:self.off + c] = full[:, :, -2:]
         self.off += c
-        return F.conv1d(full, conv.weight, conv.bias)
+        return full
 
-    @staticmethod
-    def norm_mish(x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
-        return F.mish(F.layer_norm(x.transpose(1, 2), norm.normalized_shape, norm.weight, norm.bias,
-                                   norm.eps).transpose(1, 2))
+    def conv(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
+        """x [R, Cin, F] after its left state -> [R, Cout, F] (a kernel-3 causal conv; its first two outputs, which
+        would read before the left state, are dropped)."""
+        return conv(self.with_left(conv, x))[:, :, 2:]
 
     def resnet(self, r: CausalResnetBlock1D, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        h = self.norm_mish(self.conv(r.block1.block[0], x), r.block1.block[2]) + row[:, :, None]
-        res = F.conv1d(x, r.res_conv.weight, r.res_conv.bias)
-        return self.norm_mish(self.conv(r.block2.block[0], h), r.block2.block[2]) + res
+        if x.is_cuda and r.conv1_res_gemm is not None:  # block1's conv and res_conv as one conv (estimator.py)
+            from engines.kernels.speech_out.flow.conv import causal_conv
+
+            c = r.conv1_res_bias.shape[0] // 2
+            both = causal_conv(self.with_left(r.block1.block[0], x), r.conv1_res_gemm, r.conv1_res_bias, 3)[:, :, 2:]
+            h, res = both[:, :c], both[:, c:]
+        else:
+            h, res = self.conv(r.block1.block[0], x), r.res_conv(x)
+        h = layernorm_mish(h, r.block1.block[2], row=row)
+        return layernorm_mish(self.conv(r.block2.block[0], h), r.block2.block[2], residual=res)
 
     def attend(self, x: torch.Tensor, blocks) -> torch.Tensor:
-        """x [R, C, F] through transformer blocks, each attending to its pages and the chunk itself."""
-        y = x.transpose(1, 2)  # [R, F, C]
-        for b in blocks:
-            y = self.transformer(b, y)
+        """x [R, C, F] through transformer blocks, each attending to its pages and the chunks themselves; each
+        block's residual add runs with the next one's LayerNorm, as `CausalConditionalDecoder._attend`."""
+        y, pending = x.transpose(1, 2), None  # [R, F, C]
+        for i, b in enumerate(blocks):
+            y, pending = self.transformer(b, y, pending, last=i == len(blocks) - 1)
         return y.transpose(1, 2)
 
-    def transformer(self, blk, y: torch.Tensor) -> torch.Tensor:
+    def transformer(self, blk, y: torch.Tensor, pending: torch.Tensor | None, last: bool):
+        """The block over y + pending; returns (y, ff_out) whose sum is its output ((output, None) for the last)."""
         a = blk.attn1
-        R, Fr, _ = y.shape
-        B = R // 2
-        h = F.layer_norm(y, blk.norm1.normalized_shape, blk.norm1.weight, blk.norm1.bias, blk.norm1.eps)
-        q, k, v = F.linear(h, a.qkv_weight).view(R, Fr, 3, a.h * a.dh).unbind(2)  # each [R, F, D]
+        if self.paged:
+            from engines.kernels.speech_out.flow import gemm
+
+            qkv, y = gemm.ln_linear(y, pending, blk.norm1.weight, blk.norm1.bias, blk.norm1.eps, blk.qkv_t)
+            return blk.after_attention(y, self.attention(qkv, a.h), last)
+        h, y = add_layernorm(y, pending, blk.norm1)
+        h, y = add_layernorm(y, a.to_out[0](self.attention(F.linear(h, a.qkv_weight), a.h)), blk.norm3)
+        ff = blk.ff.net[2](blk.ff.net[0](h))
+        return (y + ff, None) if last else (y, ff)
+
+    def attention(self, qkv: torch.Tensor, heads: int) -> torch.Tensor:
+        """qkv [R, F, 3D] of the new chunks -> their attention output [R, F, D] over the row's pages and themselves;
+        their keys and values are written to their pages first."""
+        R, Fr, D3 = qkv.shape
+        B, D, c = R // 2, D3 // 3, self.new_page.shape[1]
         j, self.block = self.block, self.block + 1
         pages = self.pool[j]  # [2 kv, 2 branch, pages, frames, D]
-        c = self.new_page.shape[1]
-        pages[:, :, self.new_page] = torch.stack([k, v]).view(2, 2, B, c, Fr // c, -1).to(pages.dtype)
+        # [2 kv, 2 branch, B, c, frames, D]: views of qkv, written in one indexed copy
+        kv = qkv.unflatten(2, (3, D))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, Fr // c))
+        pages[:, :, self.new_page] = kv.to(pages.dtype)
+        q = qkv[:, :, :D]
         if self.paged:
-            o = self.paged_attention(q, pages, self.table, self.n_keys, self.n_new, a.h, self.frames)  # [R, F, D]
-            return self._feed_forward(blk, y + a.to_out[0](o))
+            return self.paged_attention(q, pages, self.table, self.n_keys, self.n_new, heads, self.frames)
         got = pages[:, :, self.table]  # [2 kv, 2 branch, B, maxp + c, frames, D]: one gather
         got = got.view(2, R, -1, got.shape[-1])  # [2 kv, R, L, D]: rows branch-major, as the chunk's
         keys, vals = got[0].to(q.dtype), got[1].to(q.dtype)
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(R, t.shape[1], a.h, a.dh).transpose(1, 2)
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(R, t.shape[1], heads, D // heads).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(heads(q), heads(keys), heads(vals), attn_mask=self.mask)
-        return self._feed_forward(blk, y + a.to_out[0](o.transpose(1, 2).reshape(R, Fr, a.h * a.dh)))
-
-    @staticmethod
-    def _feed_forward(blk, y: torch.Tensor) -> torch.Tensor:
-        h = F.layer_norm(y, blk.norm3.normalized_shape, blk.norm3.weight, blk.norm3.bias, blk.norm3.eps)
-        ff = blk.ff.net
-        return y + ff[2](ff[0](h))
+        o = F.scaled_dot_product_attention(split(q), split(keys), split(vals), attn_mask=self.mask)
+        return o.transpose(1, 2).reshape(R, Fr, D)
 
 
 def estimate_chunk(est: CausalConditionalDecoder, h: torch.Tensor, rows: torch.Tensor, left: torch.Tensor,
@@ -162,5 +189,4 @@ def estimate_chunk(est: CausalConditionalDecoder, h: torch.Tensor, rows: torch.T
     x = p.attend(p.resnet(resnet, torch.cat([x, skip], dim=1), rows[-1]), blocks)
     x = p.conv(up, x)
     fb = est.final_block.block
-    x = p.norm_mish(p.conv(fb[0], x), fb[2])
-    return F.conv1d(x, est.final_proj.weight, est.final_proj.bias), p.new_left
+    return est.final_proj(layernorm_mish(p.conv(fb[0], x), fb[2])), p.new_left

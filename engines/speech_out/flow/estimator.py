@@ -195,18 +195,26 @@ class TransformerBlock(nn.Module):
 
     def _forward_cuda(self, x: torch.Tensor, pending: torch.Tensor | None, mask: torch.Tensor, last: bool,
                       windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, to_out GEMM, add + LayerNorm + ff
-        GEMM + GELU, ff output GEMM (+ the residual stream, for the last block); the first two as one kernel where
-        `ln_qkv_attention_fits` (same bits)."""
+        """forward in 5 kernels: add + LayerNorm + q/k/v GEMM, window attention, then `after_attention`'s three;
+        the first two as one kernel where `ln_qkv_attention_fits` (same bits)."""
         from engines.kernels.speech_out.flow import attention, gemm
 
-        a, ff, n1 = self.attn1, self.ff.net, self.norm1
+        a, n1 = self.attn1, self.norm1
         if attention.ln_qkv_attention_fits(x, a.dh, windows):
             att, x = attention.ln_qkv_attention(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t, mask, a.h, a.dh)
         else:
             qkv, x = gemm.ln_linear(x, pending, n1.weight, n1.bias, n1.eps, self.qkv_t)
             att = attention.window_attention(qkv, mask, a.h, a.dh)  # [B, T, heads * dh]
-        out = a.to_out[0]
+        return self.after_attention(x, att, last)
+
+    def after_attention(self, x: torch.Tensor, att: torch.Tensor, last: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The CUDA kernels after the attention `att` [B, T, heads * dh] of the block's stream x [B, T, d]: to_out
+        GEMM, add + LayerNorm + ff GEMM + GELU, ff output GEMM (+ the residual stream, for the last block). Returns
+        (x, ff_out) as `forward` does."""
+        from engines.kernels.speech_out.flow import gemm
+
+        out, ff = self.attn1.to_out[0], self.ff.net
         o = gemm.linear(att, out.weight, out.bias)  # [B, T, d]
         h, x = gemm.ln_linear(x, o, self.norm3.weight, self.norm3.bias, self.norm3.eps, self.ff1_t, ff[0].proj.bias,
                               gelu=True)
