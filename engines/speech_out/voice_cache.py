@@ -2,8 +2,8 @@
 flow, `FullContextFlow.prepare_voice`, whose prompt chunks hold pages of its cache), by name, least recent first.
 
 Two threads use it: the engine loop opens answers' streams in a voice, the voice worker makes session voices ahead
-(`warm`: a full-context voice is a solve per prompt chunk, too long for the loop). When answers need pages the cache
-lacks, voices no answer speaks in give theirs back, least recent first (never the default voice).
+(`warm`: a full-context voice is an encoder pass and a solve over its prompt, too long for the loop). When answers
+need pages the cache lacks, voices no answer speaks in give theirs back, least recent first (never the default voice).
 """
 
 from __future__ import annotations
