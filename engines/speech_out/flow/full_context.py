@@ -201,9 +201,12 @@ class FullContextFlow:
         W = self.page_frames
         z = torch.stack([torch.cat([torch.randn(cfg.output_size, min(W, Fr - i), generator=g, device=dev, dtype=dt)
                                     for i in range(0, Fr, W)], 1) for g in gens])
-        new_pages = [[s.reserved.popleft() for _ in range(c)] for s in states]
+        # The job's pages stay reserved until its solve has run: a solve that fails leaves them to `close`.
+        new_pages = [[s.reserved[i] for i in range(c)] for s in states]
         x = self._solve(states, mu, cond, z, [s.shared + s.pages for s in states], new_pages, graphs)
         for b, s in enumerate(states):
+            for _ in range(c):
+                s.reserved.popleft()
             s.pages.extend(new_pages[b])
             s.kv = torch.cat([s.kv, new_kv[b]], dim=2)
             s.up_kv = torch.cat([s.up_kv, new_up_kv[b]], dim=2)

@@ -216,3 +216,22 @@ def test_first_jobs_of_a_batch_through_the_graphs_inputs_give_the_whole_sequence
         fc.close(a.state)
         fc.forget_voice(a.voice)
     assert fc.pages.n_free == fc.pages.n_pages
+
+
+def test_a_job_whose_solve_fails_leaves_its_pages_for_close(flow, monkeypatch):
+    """A solve that raises (a CUDA error, a graph that cannot be captured) must not lose the pages its job took."""
+    fc = FullContextFlow(flow, 50)
+    pcodes, pmel, xv = voice_inputs(23, 5)
+    voice = fc.prepare_voice(pcodes, pmel, xv)
+    a = Answer(fc, voice, list(range(1, 20)), 1)
+    row, n, nl = a.job(10)
+
+    def broken(*args):
+        raise RuntimeError("solve failed")
+    monkeypatch.setattr(fc, "euler", broken)
+    with pytest.raises(RuntimeError, match="solve failed"):
+        fc.decode_chunk([a.state], torch.tensor([row]), n, [nl], [a.gen])
+    fc.close(a.state)
+    fc.forget_voice(voice)
+    fc.pages.check()
+    assert fc.pages.n_free == fc.pages.n_pages
