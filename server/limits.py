@@ -17,7 +17,8 @@ CPU_MAX_SESSIONS = 64
 # speech and answers alike), about twenty exchanges of a spoken turn and its answer (~80-130 rows each).
 SESSION_ROWS = 2048
 # A session holds a running sequence only while its turn is prefilled or its answer decoded, not while the user
-# listens or speaks: 256 sessions passed the capacity criteria at --max-running 128 on an H200 (2026-12-01,
+# listens or speaks: 256 sessions passed the capacity criteria at --max-running 128 on an H200 (2026-12-01, with the
+# windowed decoder; the full-context one keeps fewer in real time, so operators set --max-sessions for it:
 # docs/performance.md, Capacity).
 SESSIONS_PER_RUNNING = 2
 _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
