@@ -18,9 +18,12 @@ CPU_MAX_SESSIONS = 64
 SESSION_ROWS = 2048
 # A session holds a running sequence only while its turn is prefilled or its answer decoded, not while the user
 # listens or speaks: 256 sessions passed the capacity criteria at --max-running 128 on an H200 (2026-12-01, with the
-# windowed decoder; the full-context one keeps fewer in real time, so operators set --max-sessions for it:
-# docs/performance.md, Capacity).
+# windowed decoder; docs/performance.md, Capacity).
 SESSIONS_PER_RUNNING = 2
+# Sessions one engine with the full-context speech decoder (the default; it reports its cache's pages) keeps in real
+# time: its decoding rounds bind before the language model does. On an H200, 32 sessions played with no underrun
+# (p95 TTFA 289 ms) and 48 had underruns (2026-12-03, docs/performance.md, Capacity).
+FULL_CONTEXT_SESSIONS = 32
 _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
 
 # Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
@@ -46,9 +49,13 @@ def session_limit(stats: dict[str, Any]) -> SessionLimit:
     by_pool = max(rows // per_session, 1)
     running = int(stats["max_running"])
     by_running = SESSIONS_PER_RUNNING * running
-    return SessionLimit(min(by_running, by_pool), f"the engine runs {running} sequences at once ({by_running} sessions "
-                                                  f"at {SESSIONS_PER_RUNNING} a sequence) and its KV pool of {rows} "
-                                                  f"rows holds {by_pool} conversations of {per_session} rows")
+    why = (f"the engine runs {running} sequences at once ({by_running} sessions at {SESSIONS_PER_RUNNING} a sequence) "
+           f"and its KV pool of {rows} rows holds {by_pool} conversations of {per_session} rows")
+    limit = SessionLimit(min(by_running, by_pool), why)
+    if "decoder_pages_total" in stats and limit.sessions > FULL_CONTEXT_SESSIONS:
+        return SessionLimit(FULL_CONTEXT_SESSIONS, f"{limit.why}, but its full-context speech decoder keeps about "
+                                                   f"{FULL_CONTEXT_SESSIONS} in real time")
+    return limit
 
 
 def size_from_engine(stats: dict[str, Any], workers: int, log: logging.Logger) -> int:

@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from server.limits import CPU_MAX_SESSIONS, SESSION_ROWS, SESSIONS_PER_RUNNING, session_limit, size_from_engines
+from server.limits import (
+    CPU_MAX_SESSIONS,
+    FULL_CONTEXT_SESSIONS,
+    SESSION_ROWS,
+    SESSIONS_PER_RUNNING,
+    session_limit,
+    size_from_engines,
+)
 from tests.fakes.fake_engine import BLOCK_ROWS, KV_TOTAL
 from tests.fakes.harness import RunningServer, fake_settings
 
@@ -27,6 +34,14 @@ def test_on_a_gpu_the_limit_is_twice_the_running_sequences_or_the_conversations_
     assert session_limit(tiny).sessions == 1
     why = session_limit(GPU).why
     assert "runs 128 sequences at once (256 sessions" in why and "holds 312 conversations" in why
+
+
+def test_an_engine_with_the_full_context_decoder_is_held_to_what_that_decoder_keeps_in_real_time():
+    full = {**GPU, "decoder_pages_total": 936, "decoder_pages_free": 900}
+    assert session_limit(full).sessions == FULL_CONTEXT_SESSIONS < session_limit(GPU).sessions
+    assert "full-context speech decoder keeps about" in session_limit(full).why
+    small = {**full, "max_running": 8}  # the language model binds first: its figure stands
+    assert session_limit(small).sessions == 16 < FULL_CONTEXT_SESSIONS
 
 
 def test_off_a_gpu_or_without_the_figures_the_limit_is_the_cpu_default():
