@@ -19,11 +19,16 @@ from engines.bench.codec_rounds import SteadyRounds
 from engines.speech_out import CodecDecoder, Voice
 
 
+def _sync(dec: CodecDecoder):
+    """What waits for the decoder's device (nothing on a CPU)."""
+    return torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+
+
 def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[float]:
     """Each round's ms (a round without a ready chunk, an answer's start in a voice whose prompt tail waits for more
     codes, is timed too)."""
     steady = SteadyRounds(dec, batch, voices=[voice])
-    sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+    sync = _sync(dec)
     ms = []
     try:
         for _ in range(rounds):
@@ -43,7 +48,7 @@ def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[fl
 def _first_job(dec: CodecDecoder, batch: int, voice: Voice, repeats: int = 5) -> float:
     """Median ms of the round that decodes `batch` answers' first jobs together (the prompt's tail and their first
     codes: what an answer's first audio waits for), over `repeats` starts."""
-    sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+    sync = _sync(dec)
     ms = []
     for _ in range(repeats):
         steady = SteadyRounds(dec, batch, voices=[voice])

@@ -21,6 +21,15 @@ END_OF_TURN_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1
 RTF_BUCKETS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0)
 
 
+def _free_used(stats: dict[str, Any], free_key: str, total_key: str, free: Gauge, used: Gauge) -> None:
+    """A pool's free and used gauges from the stats' free and total figures (used only where both are there)."""
+    f, total = stats.get(free_key), stats.get(total_key)
+    if isinstance(f, int | float):
+        free.set(f)
+        if isinstance(total, int | float):
+            used.set(total - f)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -115,24 +124,18 @@ class Metrics:
 
     def engine_stats(self, stats: dict[str, Any], engine: str | None = None) -> None:
         """The figures of an engine's Pong (`engine` named) or of all engines together."""
-        free, total = stats.get("kv_free"), stats.get("kv_total")
         if engine is not None:
             for key, gauge in (("kv_free", self.each_kv_free), ("running", self.each_running),
                                ("waiting", self.each_waiting), ("step_ms", self.each_step_ms)):
                 if isinstance(stats.get(key), int | float):
                     gauge.labels(engine=engine).set(stats[key])
             return
-        if isinstance(free, int | float):
-            self.kv_blocks_free.set(free)
-            if isinstance(total, int | float):
-                self.kv_blocks_used.set(total - free)
+        _free_used(stats, "kv_free", "kv_total", self.kv_blocks_free, self.kv_blocks_used)
+        _free_used(stats, "decoder_pages_free", "decoder_pages_total", self.decoder_pages_free,
+                   self.decoder_pages_used)
         for key, gauge in (("running", self.engine_running), ("waiting", self.engine_waiting)):
             if isinstance(stats.get(key), int | float):
                 gauge.set(stats[key])
-        free, total = stats.get("decoder_pages_free"), stats.get("decoder_pages_total")
-        if isinstance(free, int | float) and isinstance(total, int | float):
-            self.decoder_pages_free.set(free)
-            self.decoder_pages_used.set(total - free)
 
     def engines(self, each: dict[str, dict[str, Any]]) -> None:
         """Each engine's liveness, sessions and restarts (server.engine_pool.EnginePool.each); gone ones dropped."""

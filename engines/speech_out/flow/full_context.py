@@ -27,7 +27,7 @@ from engines.cuda.host_copy import upload
 from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
-from engines.speech_out.flow.reference import chunk_blocked, encode_masked
+from engines.speech_out.flow.reference import chunk_masks, encode_masked
 
 # The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
 VOICE_NOISE_SEED = 0
@@ -35,6 +35,11 @@ VOICE_NOISE_SEED = 0
 PAGES_BUCKET = 16
 # First jobs' graphs captured at load reach this batch (more first jobs in one round capture theirs on first use).
 FIRST_JOB_BATCH = 16
+
+
+def pages_bucket(n: int) -> int:
+    """The pages a graphed solve reads for n: the next multiple of PAGES_BUCKET."""
+    return -(-n // PAGES_BUCKET) * PAGES_BUCKET
 
 
 def first_job_codes(tail: int, chunk: int) -> int:
@@ -200,7 +205,8 @@ class FullContextFlow:
         # answer's codes are split into jobs.
         W = self.page_frames
         z = torch.stack([torch.cat([torch.randn(cfg.output_size, min(W, Fr - i), generator=g, device=dev, dtype=dt)
-                                    for i in range(0, Fr, W)], 1) for g in gens])
+                                    for i in range(0, Fr, W)], 1) if c > 1 else
+                         torch.randn(cfg.output_size, Fr, generator=g, device=dev, dtype=dt) for g in gens])
         # The job's pages stay reserved until its solve has run: a solve that fails leaves them to `close`.
         new_pages = [[s.reserved[i] for i in range(c)] for s in states]
         x = self._solve(states, mu, cond, z, [s.shared + s.pages for s in states], new_pages, graphs)
@@ -232,8 +238,7 @@ class FullContextFlow:
         valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),
                            torch.arange(la, device=dev)[None] < look], 1)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
-        blocked = (chunk_blocked(n, self.chunk, dev), chunk_blocked(n * r, self.page_frames, dev)) \
-            if n > self.chunk else (None, None)
+        blocked = chunk_masks(n, self.chunk, r, dev) if n > self.chunk else (None, None)
         mu, pre, up, new_kv, new_up_kv = f.encode(
             codes.to(dev), valid, pre, up, d + torch.arange(n, device=dev), d * r + torch.arange(n * r, device=dev),
             X, kpos, kpos < d, upX, up_kpos, up_kpos < d * r, *blocked)
@@ -253,7 +258,7 @@ class FullContextFlow:
             mu, cond, z = (F.pad(t, (0, c * W - Fr)) for t in (mu, cond, z))
         maxp = max(len(t) for t in tables)
         if graphs is not None:
-            maxp = -(-maxp // PAGES_BUCKET) * PAGES_BUCKET
+            maxp = pages_bucket(maxp)
         table, n_keys, new_page, n_new = upload([
             np.asarray([t + [0] * (maxp - len(t)) for t in tables], np.int64).reshape(len(tables), maxp),
             np.asarray([len(t) * W for t in tables]), np.asarray(new_pages, np.int64).reshape(len(tables), c),
@@ -319,7 +324,7 @@ class FullSolveGraphs(BucketGraphs):
             if first_job is not None:
                 c, pages = first_job
                 for B in buckets_up_to(min(max_batch, FIRST_JOB_BATCH)):
-                    n += self.ensure(self._inputs(B, c, -(-max(pages, 1) // PAGES_BUCKET) * PAGES_BUCKET, page[0]))
+                    n += self.ensure(self._inputs(B, c, pages_bucket(pages), page[0]))
         finally:
             self.full.pages.release(page)
         return n

@@ -25,6 +25,13 @@ def chunk_blocked(n: int, chunk: int | None, device: torch.device) -> torch.Tens
     return (i[None, :] // chunk) > (i[:, None] // chunk)
 
 
+def chunk_masks(n: int, chunk_codes: int | None, ratio: int, device: torch.device
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`chunk_blocked` of n codes in chunks of `chunk_codes`, and of their n * ratio frames (the encoder's stacks)."""
+    return (chunk_blocked(n, chunk_codes, device),
+            chunk_blocked(n * ratio, None if chunk_codes is None else chunk_codes * ratio, device))
+
+
 def encode_masked(flow, codes: torch.Tensor, look: torch.Tensor, chunk_codes: int | None):
     """codes [N] long from a sequence's start through the encoder in one call under the chunk mask (None: full
     attention), `look` [<= pre_lookahead] long the real codes after them (absent ones are zeros).
@@ -39,8 +46,7 @@ def encode_masked(flow, codes: torch.Tensor, look: torch.Tensor, chunk_codes: in
     with float32_matmuls(flow.encoder_tf32):
         hid, cache, kvs, up_kvs = enc.forward_chunk(
             tok, valid, enc.empty_cache(1, dev, dt), torch.arange(n, device=dev)[None],
-            torch.arange(n * r, device=dev)[None], prefixes, up_prefixes, chunk_blocked(n, chunk_codes, dev),
-            chunk_blocked(n * r, None if chunk_codes is None else chunk_codes * r, dev))
+            torch.arange(n * r, device=dev)[None], prefixes, up_prefixes, *chunk_masks(n, chunk_codes, r, dev))
         return flow.encoder_proj(hid)[0].transpose(0, 1), cache, kvs, up_kvs  # mu [80, N * ratio]
 
 
