@@ -1,12 +1,30 @@
 """Merging the partial softmax attentions of key splits (flash-decoding): attention kernels that give a few rows
-enough programs by splitting each row's keys write, per split, the unnormalized output and its running max and sum;
-`merge_splits` combines them. Shared by the speech encoder's and the codec estimator's paged attention."""
+enough programs by splitting each row's keys write, per split, the unnormalized output and its running max and sum
+(`store_split`, their epilogue); `merge_splits` combines them. Shared by the speech encoder's and the codec
+estimator's paged attention."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def store_split(acc, m_i, l_i, rows, qm, h, split, n_rows, OUT, PO, PML, s_or, H: tl.constexpr, D: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """The epilogue of an attention program over one split of a head's keys: with SPLIT, its unnormalized output
+    (acc [BLOCK_Q, D] float32) and running (max, sum) per query as `merge_splits` reads them, rows `rows` of n_rows;
+    else the normalized output into OUT (rows strided by s_or). Queries off `qm` are not stored."""
+    rd = tl.arange(0, D)
+    if SPLIT:
+        pbase = (split * n_rows + rows) * H + h
+        tl.store(PO + pbase[:, None] * D + rd[None, :], acc, mask=qm[:, None])
+        tl.store(PML + pbase * 2, m_i, mask=qm)
+        tl.store(PML + pbase * 2 + 1, l_i, mask=qm)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(OUT + rows[:, None] * s_or + h * D + rd[None, :], out, mask=qm[:, None])
 
 
 # The split count is a runtime value and row counts are not specialized: one compiled merge kernel serves every call

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engines.kernels.attention_splits import merge_splits
+from engines.kernels.attention_splits import merge_splits, store_split
 from engines.kernels.speech_in.fp32_gemm import input_precision
 
 BLOCK_T = 64  # keys per inner iteration
@@ -74,16 +74,7 @@ def _encoder_attention_kernel(Q, K, V, SLOTS, QPOS, OUT, PO, PML, s_qr, s_qh, s_
         v = tl.load(vbase + rt[:, None] * s_vt + rd[None, :], mask=tm[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
-    if SPLIT:
-        # Partials: acc [splits, rows, H, D], (m, l) [splits, rows, H, 2]; the merge kernel combines them.
-        n_rows = tl.num_programs(0) // H * N_MAX
-        pbase = (split * n_rows + rows) * H + h
-        tl.store(PO + pbase[:, None] * D + rd[None, :], acc, mask=qm[:, None])
-        tl.store(PML + pbase * 2, m_i, mask=qm)
-        tl.store(PML + pbase * 2 + 1, l_i, mask=qm)
-    else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(OUT + rows[:, None] * s_or + h * D + rd[None, :], out, mask=qm[:, None])
+    store_split(acc, m_i, l_i, rows, qm, h, split, tl.num_programs(0) // H * N_MAX, OUT, PO, PML, s_or, H, D, SPLIT)
 
 
 def encoder_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,

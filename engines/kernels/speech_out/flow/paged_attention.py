@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engines.kernels.attention_splits import merge_splits
+from engines.kernels.attention_splits import merge_splits, store_split
 
 BLOCK_Q = 32  # queries per program (a chunk is 20 frames)
 BLOCK_T = 64  # keys per inner iteration
@@ -79,16 +79,7 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
         v = tl.load(base + s_kv + off[:, None] + rd[None, :], mask=um[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    rows = r * F + rq
-    if SPLIT:
-        n_rows = tl.num_programs(0) // H * F
-        pbase = (split * n_rows + rows) * H + h
-        tl.store(PO + pbase[:, None] * D + rd[None, :], acc, mask=qm[:, None])
-        tl.store(PML + pbase * 2, m_i, mask=qm)
-        tl.store(PML + pbase * 2 + 1, l_i, mask=qm)
-    else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(OUT + rows[:, None] * s_or + h * D + rd[None, :], out, mask=qm[:, None])
+    store_split(acc, m_i, l_i, r * F + rq, qm, h, split, tl.num_programs(0) // H * F, OUT, PO, PML, s_or, H, D, SPLIT)
 
 
 def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n_keys: torch.Tensor,
