@@ -184,19 +184,23 @@ class CodecDecoder:
         """With CUDA graphs on, capture the graphs (encoder, Euler solve, HiFT vocoder) of full chunks and, with
         `partial_chunks`, of every shorter last chunk (1..chunk-1 codes: one per answer; the encoder runs those
         eagerly), for every batch bucket up to `max_batch` sessions now (seconds), instead of on first use inside an
-        answer (a capture stalls the codec worker for ~0.1-0.5 s). The encoder's graphs depend on the prompt's
-        length: those of the default voice are captured (other voices capture theirs on first use).
+        answer (a capture stalls the codec worker for ~0.1-0.5 s). The encoder's graphs and, with full context, a
+        first job's (its solve, and the vocoder over its answer codes) depend on the prompt's length: those of the
+        default voice are captured (other voices capture theirs on first use).
         Returns graphs captured (0 without CUDA graphs)."""
         st, r = self.cfg.stream, self.cfg.flow.token_mel_ratio
-        codes = range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,)
+        codes = list(range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,))
         n = 0
         if self.full_graphs is not None:
             fc = self.cfg.flow
             frames_s = fc.mel.sample_rate / fc.mel.hop
             answer = int(CAPTURE_ANSWER_S * frames_s) // self.full.page_frames
             voice = self.prepared(self.default_voice)
-            first = first_job_codes(len(voice.tail), st.chunk_codes) // st.chunk_codes
-            n += self.full_graphs.capture_steady_state(max_batch, len(voice.pages) + answer, (first, len(voice.pages)))
+            first = first_job_codes(len(voice.tail), st.chunk_codes)
+            n += self.full_graphs.capture_steady_state(max_batch, len(voice.pages) + answer,
+                                                       (first // st.chunk_codes, len(voice.pages)))
+            if first - len(voice.tail) not in codes:  # the vocoder renders a first job's answer codes alone
+                codes.append(first - len(voice.tail))
         if self.flow.enc_graphs is not None:
             n += self.flow.enc_graphs.capture_steady_state(max_batch, self.prepared(self.default_voice).n_codes)
         for g in (self.flow.graphs, getattr(self.vocoder, "graphs", None)):

@@ -1,7 +1,8 @@
 """CUDA-only checks of the full-context flow: on the GPU, streamed chunk by chunk it equals the chunk model over the
 whole sequence (float32: attention over gathered pages; bf16, as served: fused blocks reading the pages in place),
 and the decoder's streams on it give the PCM of one stream fed at once with every page back. Run on a GPU machine:
-`pytest tests/gpu/test_full_context_gpu.py`.
+`pytest tests/gpu/test_full_context_gpu.py`. Decoders here hold a small cache (`cache_gib`): the served 40 GiB each,
+held until pytest lets go of them, ran the GPU out of memory by the fourth.
 On CPU-only CI every test here is skipped with the reason below (the CPU path: tests/engines/speech_out/flow/)."""
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: attention reads the pages in place
 def test_graphed_solve_equals_eager_and_captures_per_pages_bucket(dtype):
-    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype=dtype)
-    graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, estimator_dtype=dtype)
+    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype=dtype, cache_gib=0.5)
+    graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, estimator_dtype=dtype,
+                                cache_gib=0.5)
     codes = np.random.default_rng(4).integers(0, 16384, 93)  # past 16 pages: a second pages bucket
     want, got = eager.stream_all(codes, seed=2), graphed.stream_all(codes, seed=2)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -82,12 +84,28 @@ def test_a_voice_made_on_another_thread_serves_a_stream_on_this_one():
 
     voice = Voice.random(seed=21, n_codes=43)
     codes = np.random.default_rng(8).integers(0, 16384, 31)
-    here = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    here = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, cache_gib=0.5)
     want = here.stream_all(codes, voice=voice, seed=1)
-    there = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True)
+    there = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, cache_gib=0.5)
     t = threading.Thread(target=there.warm_voice, args=(voice,))
     t.start()
     t.join()
     made = there.prepared(voice)  # from the cache: not made again
     assert made is there.prepared(voice) and len(made.pages) == 8
     np.testing.assert_allclose(there.stream_all(codes, voice=voice, seed=1), want, atol=1e-4, rtol=0)
+
+
+def test_an_answer_in_the_default_voice_replays_only_graphs_captured_at_load():
+    """A capture while serving stalls the codec for 0.1-0.3 s: every graph an answer in the default voice needs (its
+    first job's solve and the vocoder over that job's answer codes, its chunks, its last partial chunk) is captured
+    by `capture_graphs`. A prompt of 43 codes leaves a tail of 3: the first job renders 7 answer codes, not a chunk."""
+    from engines.speech_out import Voice
+
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, cache_gib=0.5)
+    dec.default_voice = Voice.random(seed=3, n_codes=43)
+    dec.capture_graphs(2)
+    captured = {g: set(g.graphs) for g in (dec.full_graphs, dec.vocoder.graphs)}
+    codes = np.random.default_rng(6).integers(0, 16384, 24)  # the first job's 7, three chunks and a last 2
+    assert dec.stream_all(codes, seed=1).shape == (24 * 1920,)
+    for g, keys in captured.items():
+        assert set(g.graphs) == keys, (type(g).__name__, set(g.graphs) - keys)
