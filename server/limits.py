@@ -21,8 +21,9 @@ SESSION_ROWS = 2048
 # windowed decoder; docs/performance.md, Capacity).
 SESSIONS_PER_RUNNING = 2
 # Sessions one engine with the full-context speech decoder (the default; it reports its cache's pages) keeps in real
-# time: its decoding rounds bind before the language model does. On an H200, 32 sessions played with no underrun
-# (p95 TTFA 289 ms) and 48 had underruns (2026-12-03, docs/performance.md, Capacity).
+# time: its decoding rounds bind before the language model does. On an H200, 40 sessions played with no underrun in
+# two runs on two machines, 56 with none in one and 25 underrun turns of 112 in the other; 32 users churning for 4
+# minutes had none (2026-12-04, docs/performance.md, Capacity and Soak).
 FULL_CONTEXT_SESSIONS = 32
 _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # A soak on the GPU in one device call (run from repo root): the server as docs/bench/gpu_capacity.sh starts it
 # (full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --workers 4), then `moss-speech bench soak`
-# against it: SOAK_SESSIONS users (default 200, ~80% of the capacity in docs/performance.md) churning for SOAK_S
-# seconds (default 300: the engine's start takes 190-260 s of the call's 600), their first connections spread over
-# SOAK_STAGGER seconds (default 30; all at once, 200 users speak at once, past the speech encoder's 128 slots: see
-# docs/operations.md, Limits); GPU memory in use sampled beside it every 10 s ($OUT/gpu_memory.csv). Writes
-# $OUT/soak.json.
+# against it: SOAK_SESSIONS users (default 32: the full-context decoder's session limit, server/limits.py) churning
+# for SOAK_S seconds (default 300: the engine's start takes 190-260 s of the call's 600), their first connections
+# spread over SOAK_STAGGER seconds (default 10); GPU memory in use sampled beside it every 10 s ($OUT/gpu_memory.csv).
+# Writes $OUT/soak.json. The windowed decoder: SERVE_ARGS="--decoder-context window" SOAK_SESSIONS=200
+# SOAK_STAGGER=30 (spread out: 200 users speaking at once are past the speech encoder's 128 slots, docs/operations.md,
+# Limits).
 set -u
 T0=$(date +%s)
 # shellcheck source=docs/bench/gpu_serve.sh
@@ -14,7 +15,7 @@ source docs/bench/gpu_serve.sh
   done ) > "$OUT/gpu_memory.csv" &
 SAMPLER=$!
 python3 -m moss_speech.cli bench soak --url http://127.0.0.1:8000 --server-pid $SERVER \
-  --sessions "${SOAK_SESSIONS:-200}" --stagger "${SOAK_STAGGER:-30}" --duration "${SOAK_S:-300}" --window 60 --json "$OUT/soak.json" 2>&1 \
+  --sessions "${SOAK_SESSIONS:-32}" --stagger "${SOAK_STAGGER:-10}" --duration "${SOAK_S:-300}" --window 60 --json "$OUT/soak.json" 2>&1 \
   | grep -v "^soak t=" | tail -40
 echo "soak exit ${PIPESTATUS[0]} (1: KV blocks in use once every session had closed)"
 kill $SAMPLER $SERVER; sleep 3
