@@ -35,7 +35,7 @@ def test_sync_debug_mode_catches_a_synchronous_copy():
 def test_opening_an_answers_codec_stream_does_not_wait_for_the_gpu():
     from engines.speech_out.decoder import CodecDecoder
 
-    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cache_gib=0.5)  # (not the served 40 GiB)
     dec.open_stream("warm", seed=1).close()  # the voice's prompt is prepared once per voice, at its first use
     with no_sync():
         streams = [dec.open_stream(f"s{i}", seed=i) for i in range(3)]
