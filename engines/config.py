@@ -187,9 +187,9 @@ class EngineConfig:
     max_running: int = 64  # sequences decoded together
     prefill_token_budget: int = 512  # rows per step (decodes + prefill chunks)
     # While a sequence is in its first `ramp_rows` generated rows (a new answer: its first audio waits on each of
-    # those steps), a step carries at most `ramp_step_rows` rows (decodes + prefill; prefill at least
-    # RAMP_MIN_PREFILL), so a long prefill beside it does not lengthen them. Complete inputs (committed turns, whose
-    # answers come next) are outside the cap. 0: off.
+    # those steps; a request may say how many, Engine.add_request), a step carries at most `ramp_step_rows` rows
+    # (decodes + prefill; prefill at least RAMP_MIN_PREFILL), so a long prefill beside it does not lengthen them.
+    # Complete inputs (committed turns, whose answers come next) are outside the cap. 0: off.
     ramp_rows: int = 8
     ramp_step_rows: int = 64
     max_waiting: int = 256  # bounded admission queue

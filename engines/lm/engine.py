@@ -97,19 +97,21 @@ class Engine:
 
     def add_request(self, request_id: str, rows: Seq[Row] | torch.Tensor, params: SamplingParams | None = None,
                     conversation_id: str | None = None, input_done: bool = True, background: bool = False,
-                    refill_rows: int = 0) -> None:
+                    refill_rows: int = 0, ramp_rows: int | None = None) -> None:
         """`background`: a request of its own (no conversation) that runs only on what other work leaves
-        (Scheduler); `refill_rows`: the first rows of `rows` re-run history cut to fit, as background work."""
+        (Scheduler); `refill_rows`: the first rows of `rows` re-run history cut to fit, as background work;
+        `ramp_rows`: the answer's first rows its first audio waits on (default EngineConfig.ramp_rows)."""
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.scheduler.add(request_id, _check_rows(rows, self.model_config), params, seed, conversation_id,
-                           input_done, background=background, refill_rows=refill_rows)
+                           input_done, background=background, refill_rows=refill_rows, ramp_rows=ramp_rows)
 
     def append_input(self, request_id: str, rows: Seq[Row] | torch.Tensor, input_done: bool = True,
-                     params: SamplingParams | None = None) -> None:
-        """More rows for a request whose input is open; `params` (optional) replaces its sampling settings."""
+                     params: SamplingParams | None = None, ramp_rows: int | None = None) -> None:
+        """More rows for a request whose input is open; `params` (optional) replaces its sampling settings;
+        `ramp_rows` as add_request's."""
         self.scheduler.append_input(request_id, _check_rows(rows, self.model_config), input_done, params,
-                                    params.seed if params is not None else None)
+                                    params.seed if params is not None else None, ramp_rows)
 
     def rewrite_input(self, request_id: str, start: int, rows: Seq[Row] | torch.Tensor) -> int:
         """Rows from `start` (of the request's whole history) replaced by `rows`, for a request that has generated

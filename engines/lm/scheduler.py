@@ -92,9 +92,9 @@ class Scheduler(KvRoom):
 
     def add(self, request_id: str, rows: list[Row], params: SamplingParams, seed: int,
             conversation_id: str | None, input_done: bool, background: bool = False,
-            refill_rows: int = 0) -> Sequence:
+            refill_rows: int = 0, ramp_rows: int | None = None) -> Sequence:
         """`background`: the whole request is background work (it must not extend a conversation); `refill_rows`: the
-        first rows of `rows` are (history re-run after a cut)."""
+        first rows of `rows` are (history re-run after a cut); `ramp_rows`: Sequence.ramp_rows (None: the config's)."""
         if background and conversation_id is not None:
             raise InvalidRequestError("a background request cannot extend a conversation")
         if request_id in self.requests:
@@ -133,7 +133,7 @@ class Scheduler(KvRoom):
             num_computed=conv.num_computed if conv else 0, block_ids=conv.block_ids if conv else [],
             prompt_len=len(history) + len(rows), input_done=input_done, conversation=conv,
             low_until=BACKGROUND_ALL if background else len(history) + min(refill_rows, len(rows)),
-            background_request=background,
+            background_request=background, ramp_rows=self.config.ramp_rows if ramp_rows is None else ramp_rows,
         )
         if conv is not None:
             conv.busy = True
@@ -143,9 +143,10 @@ class Scheduler(KvRoom):
         return seq
 
     def append_input(self, request_id: str, rows: list[Row], input_done: bool,
-                     params: SamplingParams | None = None, seed: int | None = None) -> None:
+                     params: SamplingParams | None = None, seed: int | None = None,
+                     ramp_rows: int | None = None) -> None:
         """More prompt rows for a request whose input is still open; `params` replaces its sampling
-        settings (the reservation follows the new output budget)."""
+        settings (the reservation follows the new output budget); `ramp_rows` its Sequence.ramp_rows."""
         seq = self.requests.get(request_id)
         if seq is None or seq.finish_reason is not None or request_id in self._aborts:
             raise InvalidRequestError(f"no live request {request_id!r}")
@@ -167,6 +168,8 @@ class Scheduler(KvRoom):
         seq.params = new_params
         if seed is not None:
             seq.seed = seed
+        if ramp_rows is not None:
+            seq.ramp_rows = ramp_rows
         seq.rows.extend(rows)
         seq.prompt_len = len(seq.rows)
         seq.input_done = input_done
@@ -212,7 +215,7 @@ class Scheduler(KvRoom):
                 chunks.append(ScheduledChunk(seq, 1, seq.num_computed, True))
                 budget -= 1
         full = budget
-        budget = self._ramp_capped(budget, len(chunks), any(c.seq.num_generated < cfg.ramp_rows for c in chunks))
+        budget = self._ramp_capped(budget, len(chunks), any(c.seq.num_generated < c.seq.ramp_rows for c in chunks))
         budget = self._add_prefills(chunks, {}, budget, complete_budget=full)
         budget = self._admit(chunks, budget)
         if not any(self._starts_answer(c) for c in chunks):
@@ -227,7 +230,7 @@ class Scheduler(KvRoom):
 
     def _starts_answer(self, c: ScheduledChunk) -> bool:
         """The chunk samples one of an answer's first rows (not background work's)."""
-        return c.needs_logits and not c.seq.background_request and c.seq.num_generated < self.config.ramp_rows
+        return c.needs_logits and not c.seq.background_request and c.seq.num_generated < c.seq.ramp_rows
 
     def _next_waiting(self, background: bool) -> Sequence | None:
         """The oldest waiting request of the kind; a background one only when no other waits."""
@@ -319,7 +322,7 @@ class Scheduler(KvRoom):
 
     def ramps_after(self, chunks: list[ScheduledChunk]) -> bool:
         """Some chunk of a step in flight samples a row after which its answer is still in its first `ramp_rows`."""
-        return any(c.needs_logits and not c.seq.background_request and c.seq.num_generated + 1 < self.config.ramp_rows
+        return any(c.needs_logits and not c.seq.background_request and c.seq.num_generated + 1 < c.seq.ramp_rows
                    for c in chunks)
 
     def _background_room(self) -> bool:

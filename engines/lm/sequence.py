@@ -57,6 +57,9 @@ class Sequence:
     # conversation cut to fit its context re-runs the rows it kept up to here.
     low_until: int = 0
     background_request: bool = False  # admitted only when no other request waits (Scheduler)
+    # Its answer's first rows, each of which its first audio waits on (the request's, else EngineConfig.ramp_rows):
+    # the steps that sample them are kept short (Scheduler).
+    ramp_rows: int = 0
 
     @property
     def background(self) -> bool:

@@ -34,8 +34,7 @@ from typing import Any
 # and the network, without decoding far ahead of what anyone can hear yet.
 AHEAD_S = 1.6
 URGENT_S = 0.8  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
-FIRST_CHUNK_CODES = 8  # 5 codes + 3 lookahead: an answer's first chunk can be decoded
-COALESCE_CODES = 2  # a new answer this many codes short of its first chunk is waited for ...
+COALESCE_CODES = 2  # a new answer this many codes short of its first audio's (its stream's first_audio_codes) ...
 COALESCE_S = 0.02  # ... at most this long
 BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language model's urgent steps
 # A round of playing answers decodes at most this many (more only while more are about to run dry): a new answer's
@@ -106,13 +105,13 @@ class CodecPacing:
 
     def _coalesce(self, first: list[CodecAnswer], now: float) -> bool:
         """Hold a first-chunk round (at most COALESCE_S) while another new answer is a code or two short of its
-        first chunk and no other lane is free for it: sessions answering at once get their 8th codes a step or so
+        first audio's and no other lane is free for it: sessions answering at once get those codes a step or so
         apart, and a round for each in turn made the last one wait for all the others' rounds."""
         with self._cv:  # the engine loop adds answers meanwhile
             if len(self._first_flying) + 1 < len(self.first_decoders):
                 return False  # another lane is free: the near answer gets a round of its own there at once
             near = any(a.first_post is None and not a.cancelled and a not in first
-                       and FIRST_CHUNK_CODES - COALESCE_CODES <= a.codes_in < FIRST_CHUNK_CODES
+                       and a.stream.first_audio_codes - COALESCE_CODES <= a.codes_in < a.stream.first_audio_codes
                        for a in self._answers.values())
         if not near:
             self._coalesce_since = None

@@ -10,7 +10,6 @@ import numpy as np
 
 from engines.api import EngineError
 from engines.audio.wav import float32_to_pcm16
-from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.sessions import ResponseState, Session
 from engines.protocol import messages as m
@@ -57,7 +56,7 @@ class Outputs:
                 self._codec_owner[id(r)] = s
                 self._codec.push(r, r.decoder_stream, r.new_codes)
                 r.new_codes = []
-                if len(r.code_idx) >= FIRST_CHUNK_CODES:
+                if len(r.code_idx) >= r.first_audio_codes:
                     r.mark("first_chunk_sent")
 
     def _deliver(self, s: Session, r: ResponseState, pcm: np.ndarray | Exception, final: bool) -> None:

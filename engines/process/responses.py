@@ -11,7 +11,6 @@ from collections import deque
 from typing import Any
 
 from engines.api import ChannelSampling, EngineError, SamplingParams, StepOutput
-from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.errors import ServiceError
 from engines.process.limits import InputLimits
@@ -56,7 +55,7 @@ class Responses:
         its step."""
         return self.engine.num_waiting > 0 or any(
             t.response is not None and not t.response.cancelled and t.response.modality == "audio"
-            and len(t.response.code_idx) < FIRST_CHUNK_CODES for _, t in self._requests.values())
+            and len(t.response.code_idx) < t.response.first_audio_codes for _, t in self._requests.values())
 
     def _on_CreateResponse(self, client: bytes, msg: m.CreateResponse) -> None:
         s = self._session(client, msg.session_id)
@@ -108,7 +107,7 @@ class Responses:
         if msg.modality == "audio" and self.decoder is not None:
             stream = self.decoder.open_stream(s.session_id, voice=s.voice, seed=params.seed or 0)
         try:
-            t = self._submit_response(s, t, params, msg, prefix)
+            t = self._submit_response(s, t, params, msg, prefix, stream)
         except BaseException:
             if stream is not None and hasattr(stream, "close"):
                 stream.close()
@@ -118,6 +117,8 @@ class Responses:
         r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added + t.rerun_rows,
                           cached_rows=t.base_rows - t.rerun_rows, prefix_last_row=prefix[-1],
                           detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
+        if stream is not None:
+            r.first_audio_codes = stream.first_audio_codes
         t.response = r
         if s.tentative is not None and s.tentative.turn is t:
             s.tentative.response_id = msg.response_id
@@ -137,12 +138,14 @@ class Responses:
         return not t.system_included or s.instructions is not None or modality == "audio"
 
     def _submit_response(self, s: Session, t: Turn | None, params: SamplingParams, msg: m.CreateResponse,
-                         prefix: list[Row]) -> Turn:
-        """The response's rows into the engine: appended to the open user turn, or a new request."""
+                         prefix: list[Row], stream: Any = None) -> Turn:
+        """The response's rows into the engine: appended to the open user turn, or a new request. With its decoder
+        `stream`, the engine ramps the answer (its short steps) for as many rows as its first audio waits for."""
+        ramp = stream.first_audio_codes if stream is not None else None
         if t is not None:
             rows = s.pending_rows + prefix
             self.engine.append_input(t.request_id, rows, input_done=True,
-                                     params=params if params != t.params else None)
+                                     params=params if params != t.params else None, ramp_rows=ramp)
             t.params = params
             t.carried_rows = t.carried_rows + s.pending_rows
             s.pending_rows = []
@@ -157,7 +160,7 @@ class Responses:
             base = self.engine.conversation_rows(s.conversation_id)
             rerun = self.engine.conversation_unrun_rows(s.conversation_id)
             self.engine.add_request(rid, rows, params, conversation_id=s.conversation_id, input_done=True,
-                                    refill_rows=self._refill_lead(s, len(s.close_rows) + len(system)))
+                                    refill_rows=self._refill_lead(s, len(s.close_rows) + len(system)), ramp_rows=ramp)
             s.refill_rows = 0
             t = Turn(rid, base, params, close_rows=s.close_rows, carried_rows=s.pending_rows,
                      system_included=not s.system_sent, rows_added=len(rows), rerun_rows=rerun)

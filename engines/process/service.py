@@ -62,7 +62,6 @@ from engines.audio.voice_prompt import check_voice_prompt
 from engines.audio.wav import AudioFormatError
 from engines.config import ConfigError
 from engines.kernels.tuning import device_name
-from engines.process.codec_pacing import FIRST_CHUNK_CODES
 from engines.process.codec_worker import CodecWorker
 from engines.process.encoder_worker import EncoderWorker
 from engines.process.errors import ServiceError
@@ -234,7 +233,7 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
             if r is not None and o.finish_reason not in ("abort", "no_kv"):  # those outputs carry no row
                 r.add_row(o.text_token, o.audio_token, o.mode)
                 r.mark("first_row")
-                if len(r.code_idx) >= FIRST_CHUNK_CODES:
+                if len(r.code_idx) >= r.first_audio_codes:
                     r.mark("first_chunk_codes")
                 if o.mode == "text" and not r.cancelled:
                     self._text(s, r, r.detok.push(o.text_token))

@@ -46,6 +46,9 @@ class ResponseState:
     prefix_last_row: Row  # last prompt row (the history's last row if nothing is generated)
     detok: IncrementalDetokenizer
     decoder_stream: Any = None  # codec decoder stream (audio modality)
+    # Codes its first audio waits for: its decoder stream's `first_audio_codes` (8, a 5-code chunk and its 3
+    # lookahead codes, without a stream). Until then it ramps (Service._ramping).
+    first_audio_codes: int = 8
     rows: list[Row] = field(default_factory=list)  # generated rows
     code_idx: list[int] = field(default_factory=list)  # index in `rows` of each audio code
     new_codes: list[int] = field(default_factory=list)  # codes not yet given to the decoder

@@ -34,8 +34,9 @@ STAGES = [
     ("its call)", "commit_call", "commit_encoded"),
     ("codes -> CreateResponse", "commit_encoded", None),
     ("-> first row", None, "first_row"),
-    ("first row -> 8th code", "first_row", "first_chunk_codes"),
-    ("8th code -> codec round", "first_chunk_codes", "codec_first_round_start"),
+    # (first_chunk_codes: the answer has the codes its first audio waits for, its decoder stream's first_audio_codes)
+    ("first row -> first audio's codes", "first_row", "first_chunk_codes"),
+    ("its codes -> codec round", "first_chunk_codes", "codec_first_round_start"),
     ("first-chunk round", "codec_first_round_start", "codec_first_round_end"),
     ("round end -> out", "codec_first_round_end", "first_audio"),
 ]

@@ -47,6 +47,13 @@ class DecodeStream:
     ready: torch.cuda.Event | None = None
     on_stream: int | None = None  # the CUDA stream (handle) the state was last handed to
     prompt_left: int = 0  # the voice prompt's tail codes at the front of `pending` (full-context flow)
+    # Answer codes its first audio waits for: those of its first job past the prompt's tail, and their lookahead
+    # (a chunk and its lookahead, 8, without a tail; 10 with the bundled voice's tail of 3 under full context).
+    first_audio_codes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        C, la = self.decoder.cfg.stream.chunk_codes, self.decoder.cfg.flow.pre_lookahead
+        self.first_audio_codes = first_job_codes(self.prompt_left, C) - self.prompt_left + la
 
     def adopt(self) -> None:
         """Before a decode on the current CUDA stream, if the state was made or last decoded on another: wait there

@@ -89,6 +89,32 @@ def test_steps_stay_short_while_an_answer_ramps_and_complete_inputs_go_first():
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("via", ["add_request", "append_input"])
+def test_an_answer_ramps_for_the_rows_its_request_says(via):
+    """An answer whose first audio waits for more codes than the engine's default ramp (a full-context decoder's first
+    job past a voice prompt's tail: 10 codes with the bundled voice) keeps its steps short for that many rows, set
+    when its request comes in or when its input closes (a spoken turn's answer)."""
+    engine, model = make_engine(prefill_token_budget=200, max_running=8, blocks=512, ramp_rows=4, ramp_step_rows=24)
+    engine.add_request("speaking", prompt(5), SamplingParams.greedy_params(60), input_done=False)
+    if via == "add_request":
+        engine.add_request("a", prompt(3, base=5000), SamplingParams.greedy_params(max_new_tokens=40), ramp_rows=10)
+    else:
+        engine.add_request("a", prompt(3, base=5000), SamplingParams.greedy_params(40), input_done=False)
+        engine.step()
+        engine.append_input("a", prompt(2, base=6000), input_done=True, ramp_rows=10)
+    engine.step()  # a's prompt and its first row
+    a = engine.live_request("a")
+    sizes = []
+    while a.num_generated < 12:
+        engine.append_input("speaking", prompt(100, base=1000 + 100 * a.num_generated), input_done=False)
+        generated = a.num_generated
+        engine.step()
+        sizes.append((generated, model.batches[-1].num_rows))
+        engine.check_integrity()
+    assert all(rows <= 24 for g, rows in sizes if g < 10), sizes  # ramping: a's 2nd to 10th rows
+    assert all(rows > 24 for g, rows in sizes if g >= 10), sizes  # then the whole budget again
+
+
 def test_chunked_prefill_positions_and_slots():
     engine, model = make_engine(block_size=4, prefill_token_budget=10, max_running=4)
     engine.add_request("a", prompt(23), SamplingParams.greedy_params(max_new_tokens=2))

@@ -20,6 +20,8 @@ WAIT_S = 60.0  # bound on a wait for something the worker must do: a hang fails 
 class FakeStream:
     """Chunks of 5 codes once 3 lookahead codes follow; finishing takes the rest (last one final)."""
 
+    first_audio_codes = CHUNK + LOOK
+
     def __init__(self, name: str) -> None:
         self.name, self.pending, self.closed = name, [], False
 

@@ -54,6 +54,8 @@ class FakeEncoder:
 class FakeDecoderStream:
     """Chunks of 5 codes as they come; finishing takes the rest (the last chunk final)."""
 
+    first_audio_codes = 5
+
     def __init__(self) -> None:
         self.pending: list[int] = []
         self.codes: list[int] = []

@@ -120,7 +120,6 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
     import threading
 
     from engines.lm.runner import PendingTokens
-    from engines.process.codec_pacing import FIRST_CHUNK_CODES
 
     real_get = PendingTokens.get
     waiting, wait_no, polls, stuck = threading.Event(), [0], [], []
@@ -129,7 +128,8 @@ def test_audio_decoded_during_a_step_leaves_during_it_and_is_the_same_audio(deco
     def first_due(codec) -> bool:
         """The first chunk's codes are in and its round has not run."""
         with codec._cv:
-            return any(a.codes_in >= FIRST_CHUNK_CODES and a.first_post is None for a in codec._answers.values())
+            return any(a.codes_in >= a.stream.first_audio_codes and a.first_post is None
+                       for a in codec._answers.values())
 
     def get(self, on_wait=None):
         wait_no[0] += 1

@@ -12,6 +12,7 @@ import pytest
 from engines.process.service import Service
 from engines.protocol import messages as m
 from engines.tokens import AUDIO_PAD, EOSP, IM_END, MODALITY_PAD, SOSP
+from tests.engines.process import service_loop
 from tests.engines.process.fake_service import (
     PB,
     C,
@@ -97,6 +98,37 @@ def test_audio_turn_incremental_prefill_and_audio_out() -> None:
     assert svc.decoder.streams[0].codes == [a for _, a in gen]
     assert svc.decoder.streams[0].closed
     assert done.engine_ttfa_ms is not None and done.status == "incomplete"
+
+
+@pytest.mark.parametrize("turn", ["text", "spoken"])
+def test_an_answer_ramps_until_it_has_the_codes_its_first_audio_waits_for(turn) -> None:
+    """An answer ramps (the engine keeps its steps short, the codec holds rounds of playing answers, user audio waits)
+    until it has the codes its decoder stream's first audio needs: 10 with a full-context voice's prompt tail of 3,
+    where a windowed chunk needs 8. The engine's request is told as much, whether the answer opens a request (a text
+    turn) or closes the user's open one (a spoken turn)."""
+    class TenCodes(FakeDecoderStream):
+        first_audio_codes = 10
+
+    svc = make_service()
+    svc.decoder.open_stream = lambda session_id, voice=None, seed=0: TenCodes()
+    send(svc, m.OpenSession("s", sampling=greedy(14, min_new=14)))
+    if turn == "text":
+        send(svc, m.AddUserText("s", "i1", "Hello"))
+    else:
+        send(svc, m.AppendUserAudio("s", speech(0.5)))
+        run(svc)
+        send(svc, m.CommitUserAudio("s", "item"))
+    send(svc, m.CreateResponse("s", "r1", "audio", greedy(14, min_new=14)))
+    t = svc.sessions["s"].active
+    assert svc.engine.live_request(t.request_id).ramp_rows == 10
+    seen = []
+    while len(t.response.code_idx) < 12:
+        service_loop.step(svc)
+        seen.append((len(t.response.code_idx), svc._ramping()))
+    assert all(ramping == (codes < 10) for codes, ramping in seen if codes), seen
+    assert {codes for codes, _ in seen} >= {9, 10}
+    run(svc)
+    svc.engine.check_integrity()
 
 
 def test_a_spoken_answer_marks_where_its_commit_went(caplog) -> None:

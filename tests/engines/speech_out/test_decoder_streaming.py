@@ -46,6 +46,26 @@ def test_short_and_odd_lengths(hift_dec, n):
     assert hift_dec.decode([], seed=1).shape == (0,)
 
 
+@pytest.mark.parametrize("prompt_codes", [40, 41, 42, 43, 44])  # the prompt's tail past whole chunks: 0-4 codes
+@pytest.mark.parametrize("context", ["full", "window"])
+def test_first_audio_waits_for_exactly_first_audio_codes(hift_dec, window_dec, context, prompt_codes):
+    """What the engine and the codec worker wait for before an answer's first audio (its ramp) is what the stream
+    needs: its first job comes with its `first_audio_codes`-th code, not one code sooner. Under full context that
+    is the first job past the prompt's tail and its lookahead (8-12 codes); windowed, a chunk and its lookahead."""
+    dec = hift_dec if context == "full" else window_dec
+    s = dec.open_stream("first", voice=Voice.random(seed=2, n_codes=prompt_codes))
+    try:
+        want = {0: 8, 1: 12, 2: 11, 3: 10, 4: 9}[prompt_codes % 5] if context == "full" else 8
+        assert s.first_audio_codes == want
+        for k in range(1, want):
+            s.add([k])
+            assert not s.take_jobs(), k
+        s.add([want])
+        assert s.take_jobs()
+    finally:
+        s.close()
+
+
 def test_seams_no_worse_than_signal(hift_dec):
     codes = _codes(43, seed=3)
     parts = _stream(hift_dec, codes, [5], seed=2)
