@@ -79,9 +79,11 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
     if first_lane:  # rounds of playing answers yield between the pieces of their solve (codec_pacing)
         decoder.flow.solve_parts = PLAYING_SOLVE_PARTS
     with memory.part(f"the codec's CUDA graphs for batches of up to {engine_config.max_running}"):
-        # Every running sequence may be a speaking session in one codec batch: capture those graphs now.
-        graphs = decoder.capture_graphs(engine_config.max_running)
-        for _ in range(config.first_lanes if first_lane else 0):
+        # Every running sequence may be a speaking session in one codec batch: capture those graphs now. With lanes,
+        # answers' first jobs run only there (codec_worker.py): this decoder needs none of their graphs.
+        lanes = config.first_lanes if first_lane else 0
+        graphs = decoder.capture_graphs(engine_config.max_running, first_jobs=not lanes)
+        for _ in range(lanes):
             lane = decoder.lane()
             lane.flow.solve_parts = 1  # first chunks never yield: one graph per solve
             graphs += lane.capture_graphs(FIRST_MAX)

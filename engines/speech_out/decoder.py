@@ -180,13 +180,14 @@ class CodecDecoder:
         c, self.counts = self.counts, SolveCounts()
         return c
 
-    def capture_graphs(self, max_batch: int, partial_chunks: bool = True) -> int:
+    def capture_graphs(self, max_batch: int, partial_chunks: bool = True, first_jobs: bool = True) -> int:
         """With CUDA graphs on, capture the graphs (encoder, Euler solve, HiFT vocoder) of full chunks and, with
         `partial_chunks`, of every shorter last chunk (1..chunk-1 codes: one per answer; the encoder runs those
         eagerly), for every batch bucket up to `max_batch` sessions now (seconds), instead of on first use inside an
         answer (a capture stalls the codec worker for ~0.1-0.5 s). The encoder's graphs and, with full context, a
         first job's (its solve, and the vocoder over its answer codes) depend on the prompt's length: those of the
-        default voice are captured (other voices capture theirs on first use).
+        default voice are captured (other voices capture theirs on first use); not with `first_jobs` False (a
+        decoder whose first jobs run on lanes of their own).
         Returns graphs captured (0 without CUDA graphs)."""
         st, r = self.cfg.stream, self.cfg.flow.token_mel_ratio
         codes = list(range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,))
@@ -198,8 +199,9 @@ class CodecDecoder:
             voice = self.prepared(self.default_voice)
             first = first_job_codes(len(voice.tail), st.chunk_codes)
             n += self.full_graphs.capture_steady_state(max_batch, len(voice.pages) + answer,
-                                                       (first // st.chunk_codes, len(voice.pages)))
-            if first - len(voice.tail) not in codes:  # the vocoder renders a first job's answer codes alone
+                                                       (first // st.chunk_codes, len(voice.pages)) if first_jobs
+                                                       else None)
+            if first_jobs and first - len(voice.tail) not in codes:  # the vocoder renders a first job's answer codes
                 codes.append(first - len(voice.tail))
         if self.flow.enc_graphs is not None:
             n += self.flow.enc_graphs.capture_steady_state(max_batch, self.prepared(self.default_voice).n_codes)

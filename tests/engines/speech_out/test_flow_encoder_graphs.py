@@ -11,6 +11,7 @@ import torch
 
 from engines.speech_out import CodecDecoder, Voice
 from tests.engines.speech_out.decoder_rounds import BATCH_TOL, _codes, in_rounds
+from tests.engines.speech_out.graph_stand_in import replay_stand_in
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -150,35 +151,10 @@ def test_precaptured_prefix_lengths_cover_every_full_chunk(window_dec, monkeypat
     assert EncoderGraphs(flow).prefix_lengths(25) == [(32, 128), (64, 160), (64, 192)]
 
 
-def _replay_stand_in(monkeypatch):
-    """graphs.capture_graph replaced by a stand-in whose replay re-runs the function on its static inputs (CPU)."""
-    import engines.speech_out.chunk_graphs as graphs_mod
-
-    class Replay:
-        def __init__(self, fn, out):
-            self.fn, self.out, self.replays = fn, out, 0
-
-        def replay(self):
-            self.replays += 1
-            for o, new in zip(self.out, self.fn(), strict=True):
-                o.copy_(new)
-
-        def pool(self):
-            return None
-
-    def stand_in(fn, stream, pool=None):
-        out = fn()
-        return Replay(fn, out), out
-
-    monkeypatch.setattr(graphs_mod, "capture_graph", stand_in)
-    monkeypatch.setattr(graphs_mod, "private_stream", lambda device, urgent=None: None)
-    return graphs_mod
-
-
 def test_bucket_graphs_pad_to_the_smallest_captured_batch_up_to_the_power_of_two(monkeypatch):
     """A call replays the smallest captured batch that holds it (FINE_BUCKETS' 6 for 5 rows), never more than its
     power-of-two bucket (captured on first use, as before); outputs are its own rows; the counts say what ran."""
-    graphs_mod = _replay_stand_in(monkeypatch)
+    graphs_mod = replay_stand_in(monkeypatch)
     assert graphs_mod.buckets_up_to(3, graphs_mod.FINE_BUCKETS) == [1, 2, 3]
     assert graphs_mod.buckets_up_to(33, graphs_mod.FINE_BUCKETS)[-3:] == [28, 32, 40]
     assert graphs_mod.buckets_up_to(33) == [1, 2, 4, 8, 16, 32, 64]
@@ -231,11 +207,11 @@ def _decode_sessions(dec: CodecDecoder, lengths: list[int]) -> dict[str, np.ndar
     return {f"s{i}": pcm for i, pcm in enumerate(in_rounds(dec, streams)[0])}
 
 
-def test_encoder_graphs_bookkeeping_with_a_replay_stand_in(window_dec, monkeypatch):
+def test_encoder_graphs_bookkeeping_with_areplay_stand_in(window_dec, monkeypatch):
     """EncoderGraphs on CPU, its capture replaced by a stand-in that re-runs FlowModel.encode on the static inputs at
     every replay: the pre-captured keys are the ones decoding uses (no capture while decoding), full chunks go
     through the graphs (batch padded to the bucket, outputs sliced back) and the result equals eager decoding."""
-    graphs_mod = _replay_stand_in(monkeypatch)
+    graphs_mod = replay_stand_in(monkeypatch)
     dec = CodecDecoder.load("tiny-random", vocoder="hift", context="window")
     dec.flow.enc_graphs = graphs_mod.EncoderGraphs(dec.flow)
     assert dec.capture_graphs(3) == 3 * 3  # buckets 1, 2, 4 x 3 prefix lengths (no Euler / vocoder graphs on CPU)
@@ -262,7 +238,7 @@ def test_encoder_graph_inputs_written_in_place(monkeypatch):
     what those held before changes nothing: with every buffer and host array filled with large values before it is
     written (the prefix keys past each session's own are masked; rows past the batch are not read) the PCM is the
     same, bit for bit."""
-    graphs_mod = _replay_stand_in(monkeypatch)
+    graphs_mod = replay_stand_in(monkeypatch)
     lengths = [13, 21, 9]
 
     def decode_all(poison: bool) -> tuple[dict[str, np.ndarray], int, int]:

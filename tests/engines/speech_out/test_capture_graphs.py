@@ -1,0 +1,56 @@
+"""What `CodecDecoder.capture_graphs` captures at load for the full-context decoder, on a CPU with the graph stand-in
+(graph_stand_in.py): every graph an answer in the default voice replays, so none is captured while serving (a
+capture stalls the codec for 0.1-0.3 s on an H200), and no first job's graph for a decoder whose first jobs run on
+lanes of their own. The GPU twin: tests/gpu/test_full_context_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engines.speech_out import CodecDecoder, Voice
+from tests.engines.speech_out.graph_stand_in import replay_stand_in
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# A prompt of 43 codes leaves a tail of 3 past its whole chunks: the first job is 2 chunks (the tail and 7 answer
+# codes), and the vocoder renders its 7 answer codes (28 frames), a window no chunk has.
+PROMPT_CODES, FIRST_JOB_FRAMES = 43, 7 * 4
+
+
+def _graphed(monkeypatch, **capture) -> tuple[CodecDecoder, dict[str, set]]:
+    """A CPU decoder with graph stand-ins, the default voice's prompt PROMPT_CODES, after capture_graphs(2): it and the
+    keys captured, by graph set ("solve", "vocoder")."""
+    replay_stand_in(monkeypatch)
+    dec = CodecDecoder.load("tiny-random", vocoder="hift", cache_gib=0.05)
+    dec._attach_graphs(encoder_graphs=False)
+    dec.default_voice = Voice.random(seed=3, n_codes=PROMPT_CODES)
+    dec.capture_graphs(2, **capture)
+    return dec, {"solve": set(dec.full_graphs.graphs), "vocoder": set(dec.vocoder.graphs.graphs)}
+
+
+def _first_jobs(dec: CodecDecoder, keys: dict[str, set]) -> dict[str, set]:
+    """Of `keys`, those of a first job: the solve's of 2 chunks at once, the vocoder's window over its answer codes
+    (keys' second item: the first input's shape, [80, frames])."""
+    chunk, ctx = dec.full.page_frames, dec.cfg.stream.voc_ctx_frames
+    return {"solve": {k for k in keys["solve"] if k[1][1] == 2 * chunk},
+            "vocoder": {k for k in keys["vocoder"] if k[1][1] == ctx + FIRST_JOB_FRAMES}}
+
+
+def test_an_answer_in_the_default_voice_replays_only_graphs_captured_at_load(monkeypatch):
+    dec, keys = _graphed(monkeypatch)
+    assert {n: len(k) for n, k in _first_jobs(dec, keys).items()} == {"solve": 2, "vocoder": 2}  # batches 1, 2
+    codes = np.random.default_rng(6).integers(0, 16384, 24)  # the first job's 7, three chunks and a last 2
+    got = dec.stream_all(codes, seed=1)
+    assert {"solve": set(dec.full_graphs.graphs), "vocoder": set(dec.vocoder.graphs.graphs)} == keys
+    eager = CodecDecoder.load("tiny-random", vocoder="hift", cache_gib=0.05)
+    eager.default_voice = dec.default_voice
+    np.testing.assert_allclose(got, eager.stream_all(codes, seed=1), atol=1e-4, rtol=0)
+
+
+def test_a_decoder_whose_first_jobs_run_on_lanes_captures_the_same_less_theirs(monkeypatch):
+    dec, served = _graphed(monkeypatch)
+    first = _first_jobs(dec, served)
+    _, elsewhere = _graphed(monkeypatch, first_jobs=False)
+    assert elsewhere == {n: served[n] - first[n] for n in served}
+    assert all(first.values())
