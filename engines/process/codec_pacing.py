@@ -34,7 +34,7 @@ from typing import Any
 # and the network, without decoding far ahead of what anyone can hear yet.
 AHEAD_S = 1.6
 URGENT_S = 0.8  # a playing answer with less audio than this ahead is not kept waiting by a second first-chunk round
-COALESCE_CODES = 2  # a new answer this many codes short of its first audio's (its stream's first_audio_codes) ...
+COALESCE_CODES = 2  # a new answer this many codes short of its first audio's (stream.first_audio_codes) is waited for
 COALESCE_S = 0.02  # ... at most this long
 BULK_HOLD_S = 0.15  # longest a round of playing answers waits for the language model's urgent steps
 # A round of playing answers decodes at most this many (more only while more are about to run dry): a new answer's
