@@ -48,7 +48,7 @@ class DecodeStream:
     on_stream: int | None = None  # the CUDA stream (handle) the state was last handed to
     prompt_left: int = 0  # the voice prompt's tail codes at the front of `pending` (full-context flow)
     # Answer codes its first audio waits for: those of its first job past the prompt's tail, and their lookahead
-    # (a chunk and its lookahead, 8, without a tail; 10 with the bundled voice's tail of 3 under full context).
+    # (windowed, no tail: a chunk and its lookahead, 8; full context: 8-12 by the tail, 10 with the bundled voice's 3).
     first_audio_codes: int = field(init=False)
 
     def __post_init__(self) -> None:

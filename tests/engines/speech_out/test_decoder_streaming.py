@@ -46,7 +46,7 @@ def test_short_and_odd_lengths(hift_dec, n):
     assert hift_dec.decode([], seed=1).shape == (0,)
 
 
-@pytest.mark.parametrize("prompt_codes", [40, 41, 42, 43, 44])  # the prompt's tail past whole chunks: 0-4 codes
+@pytest.mark.parametrize("prompt_codes", [40, 41, 42, 43, 44])  # prompt tails of 5, 6, 7, 3 and 4 codes
 @pytest.mark.parametrize("context", ["full", "window"])
 def test_first_audio_waits_for_exactly_first_audio_codes(hift_dec, window_dec, context, prompt_codes):
     """What the engine and the codec worker wait for before an answer's first audio (its ramp) is what the stream
