@@ -24,7 +24,6 @@ from engines.speech_out.flow.estimator import (
     CausalConditionalDecoder,
     CausalConv1d,
     CausalResnetBlock1D,
-    add_layernorm,
     layernorm_mish,
 )
 
@@ -136,10 +135,7 @@ class _Pass:
 
             qkv, y = gemm.ln_linear(y, pending, blk.norm1.weight, blk.norm1.bias, blk.norm1.eps, blk.qkv_t)
             return blk.after_attention(y, self.attention(qkv, a.h), last)
-        h, y = add_layernorm(y, pending, blk.norm1)
-        h, y = add_layernorm(y, a.to_out[0](self.attention(F.linear(h, a.qkv_weight), a.h)), blk.norm3)
-        ff = blk.ff.net[2](blk.ff.net[0](h))
-        return (y + ff, None) if last else (y, ff)
+        return blk.around(y, pending, lambda h: a.to_out[0](self.attention(F.linear(h, a.qkv_weight), a.h)), last)
 
     def attention(self, qkv: torch.Tensor, heads: int) -> torch.Tensor:
         """qkv [R, F, 3D] of the new chunks -> their attention output [R, F, D] over the row's pages and themselves;

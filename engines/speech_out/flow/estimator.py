@@ -24,6 +24,7 @@ branches: they need Triton, which a CPU-only machine may lack.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -188,8 +189,14 @@ class TransformerBlock(nn.Module):
         windows: the windows (rows of x) of every call running side by side with this one (default x's own)."""
         if x.is_cuda and self._fused_ok(x):
             return self._forward_cuda(x, pending, mask, last, windows)
+        return self.around(x, pending, lambda h: self.attn1(h, mask), last)
+
+    def around(self, x: torch.Tensor, pending: torch.Tensor | None, attend: Callable[[torch.Tensor], torch.Tensor],
+               last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block in torch ops around `attend` (the normed stream h [B, T, d] -> its attention's projected output
+        [B, T, d]); returns (x, ff_out) as `forward` does."""
         h, x = add_layernorm(x, pending, self.norm1)
-        h, x = add_layernorm(x, self.attn1(h, mask), self.norm3)
+        h, x = add_layernorm(x, attend(h), self.norm3)
         ff = self.ff.net[2](self.ff.net[0](h))
         return (x + ff, None) if last else (x, ff)
 
