@@ -24,6 +24,16 @@ def _sync(dec: CodecDecoder):
     return torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
 
 
+def _timed_round(steady: SteadyRounds, sync) -> tuple[float, list[np.ndarray]]:
+    """The next round's codes fed, then the round alone timed (ms, from an idle device) and its PCM per answer."""
+    steady.feed()
+    sync()
+    t0 = time.perf_counter()
+    pcm = steady.decode()
+    sync()
+    return (time.perf_counter() - t0) * 1e3, pcm
+
+
 def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[float]:
     """Each round's ms (a round without a ready chunk, an answer's start in a voice whose prompt tail waits for more
     codes, is timed too)."""
@@ -32,12 +42,8 @@ def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[fl
     ms = []
     try:
         for _ in range(rounds):
-            steady.feed()
-            sync()
-            t0 = time.perf_counter()
-            pcm = steady.decode()
-            sync()
-            ms.append((time.perf_counter() - t0) * 1e3)
+            t, pcm = _timed_round(steady, sync)
+            ms.append(t)
             if any(not np.isfinite(p).all() for p in pcm):
                 raise RuntimeError("non-finite PCM")
     finally:
@@ -54,13 +60,9 @@ def _first_job(dec: CodecDecoder, batch: int, voice: Voice, repeats: int = 5) ->
         steady = SteadyRounds(dec, batch, voices=[voice])
         try:
             for _ in range(10):  # a first job waits for at most 3 chunks of codes
-                steady.feed()
-                sync()
-                t0 = time.perf_counter()
-                pcm = steady.decode()
-                sync()
+                t, pcm = _timed_round(steady, sync)
                 if any(p.size for p in pcm):
-                    ms.append((time.perf_counter() - t0) * 1e3)
+                    ms.append(t)
                     break
         finally:
             steady.close()
