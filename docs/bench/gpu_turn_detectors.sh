@@ -16,8 +16,9 @@
 #   nat128 / nathigh128 / nat1 / nathigh1  semantic_vad auto / high at 128 sessions and at one, on natural
 #                      speech: TD_NATURAL (default .carry/natural_turn_en_16k.wav, made as docs/performance.md says;
 #                      carried with `carry: [".whl", ".carry"]`)
-#   plain64 / tx64     server_vad 300 ms, 64 sessions, 3 turns, answers up to 50 rows, the one-sentence sample, without
-#                      / with input transcription of every turn (--transcription): what transcribing costs the answer
+#   plainN / txN       server_vad 300 ms, N sessions (e.g. plain32 tx32), 3 turns, answers up to 50 rows, the
+#                      one-sentence sample, without / with input transcription of every turn (--transcription): what
+#                      transcribing costs the answer
 set -u
 T0=$(date +%s)
 DEADLINE=$((T0 + ${TD_BUDGET_S:-570}))
@@ -72,8 +73,8 @@ for run in ${RUNS:-nat128 nat1 vad128}; do
     nat128) level nat128 128 --turns 4 --max-output-tokens 250 $NATURAL --turn-detection semantic_vad --eagerness auto ;;
     nathigh128) level nathigh128 128 --turns 4 --max-output-tokens 250 $NATURAL --turn-detection semantic_vad \
       --eagerness high ;;
-    plain64) level plain64 64 --turns 3 --max-output-tokens 50 --turn-detection server_vad ;;
-    tx64) level tx64 64 --turns 3 --max-output-tokens 50 --turn-detection server_vad --transcription ;;
+    plain[0-9]*) level "$run" "${run#plain}" --turns 3 --max-output-tokens 50 --turn-detection server_vad ;;
+    tx[0-9]*) level "$run" "${run#tx}" --turns 3 --max-output-tokens 50 --turn-detection server_vad --transcription ;;
     nat1) level nat1 1 --turns 6 --max-output-tokens 50 $NATURAL --turn-detection semantic_vad --eagerness auto ;;
     nathigh1) level nathigh1 1 --turns 6 --max-output-tokens 50 $NATURAL --turn-detection semantic_vad --eagerness high ;;
   esac
