@@ -22,8 +22,8 @@ SESSION_ROWS = 2048
 SESSIONS_PER_RUNNING = 2
 # Sessions one engine with the full-context speech decoder (the default; it reports its cache's pages) keeps in real
 # time: its decoding rounds bind before the language model does. On an H200, 40 sessions played with no underrun in
-# two runs on two machines, 56 with none in one and 25 underrun turns of 112 in the other; 32 users churning for 4
-# minutes had none (2026-12-04, docs/performance.md, Capacity and Soak).
+# five runs, 56 with none in one and 25 underrun turns of 112 in another; 32 users churning for 4 minutes had none;
+# p95 TTFA 193 ms at 24, 257 at 32 (2026-12-04, docs/performance.md, Capacity and Soak).
 FULL_CONTEXT_SESSIONS = 32
 _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
 
