@@ -18,6 +18,8 @@ from engines.config import KV_DTYPES, EngineConfig, kv_torch_dtype, model_config
 from engines.lm.engine import Engine
 from engines.tokens import AUDIO_PAD, EOSP, SOSP
 
+TTFA_CODES = 64  # audio codes the engine TTFA's request asks for (its first audio waits for fewer)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random")
@@ -26,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=1024, help="rows of context per sequence for decode timing")
     p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--first-audio-codes", type=int, default=10,
+                   help="audio codes the first audio waits for: 10 with the full-context decoder (the default) and the "
+                        "bundled voice (8-12 by a voice's prompt tail), 8 with --decoder-context window")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
     p.add_argument("--kv-gib", type=float, default=None, help="KV pool size (default: fits the largest batch)")
     p.add_argument("--no-graphs", action="store_true")
@@ -120,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if args.fp8_only and not args.no_baseline:
         raise SystemExit("bench engine: --fp8-only needs --no-baseline (the model keeps no bf16 weights for the "
                          "HF-style baseline; run it without --fp8-only for that)")
+    if not 1 <= args.first_audio_codes <= TTFA_CODES:
+        raise SystemExit(f"bench engine: --first-audio-codes must be 1-{TTFA_CODES}, got {args.first_audio_codes}")
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     batches = [int(b) for b in args.batches.split(",")]
@@ -174,20 +181,22 @@ def run(args: argparse.Namespace) -> int:
     flops += 4 * mc.num_attention_layers * mc.num_attention_heads * mc.head_dim * args.prefill ** 2 / 2
     res["floor_prefill_512_ms"] = flops / mm * 1e3
 
-    # Engine TTFA: prefill + decode until the 8th audio code (first codec chunk with its lookahead) is on the
-    # host, from an idle GPU. The step launched ahead of that code's step is still running then: not counted.
+    # Engine TTFA: prefill + decode until the codes the first audio waits for (its first codec job with their
+    # lookahead) are on the host, from an idle GPU. The step launched ahead of the last one's is still running then:
+    # not counted.
     def ttfa_once() -> float:
         sync(device)
         t0 = time.perf_counter()
-        engine.add_request("t", _rows(rng, args.prefill), _audio_forever(64))
+        engine.add_request("t", _rows(rng, args.prefill), _audio_forever(TTFA_CODES))
         codes = 0
-        while codes < 8:
+        while codes < args.first_audio_codes:
             codes += sum(1 for o in engine.step() if o.mode == "audio" and o.audio_token < EOSP)
         t = time.perf_counter() - t0
         _drain(engine)
         return t
     ttfa_once()
     res["engine_ttfa_ms"] = median([ttfa_once() for _ in range(3)]) * 1e3
+    res["engine_ttfa_codes"] = args.first_audio_codes
 
     # Decode steps at each batch size with `ctx`-row contexts.
     res["decode_step_ms"], res["floor_decode_step_ms"] = {}, {}
@@ -230,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
     res["kv_bytes_per_session_1k_rows"] = kv_row * 1024
     print(f"prefill {args.prefill}: {res['prefill_512_ms']:.2f} ms (floor {res['floor_prefill_512_ms']:.2f} ms)"
           + (f", baseline {res['baseline_prefill_512_ms']:.2f} ms" if "baseline_prefill_512_ms" in res else ""))
-    print(f"engine TTFA (prefill {args.prefill} + 8 audio codes): {res['engine_ttfa_ms']:.2f} ms")
+    print(f"engine TTFA (prefill {args.prefill} + {args.first_audio_codes} audio codes): "
+          f"{res['engine_ttfa_ms']:.2f} ms")
     if "baseline_decode_step_ms" in res:
         print("baseline decode:", {k: round(v, 2) for k, v in res["baseline_decode_step_ms"].items()})
     if args.json:
