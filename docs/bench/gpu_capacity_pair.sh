@@ -36,7 +36,8 @@ for label in ${PAIR_ORDER:-A B}; do
     [ -d "$tree/engines" ] || { echo "run $n ($label): $tree holds no engines/"; exit 2; }
     if [ -z "${PAIR_DRY:-}" ]; then
       ln -sfn "$ROOT/.whl" "$tree/.whl"
-      mkdir -p "$tree/tests/data" && cp -n "$ROOT/tests/data/speech_en_16k.wav" "$tree/tests/data/"
+      mkdir -p "$tree/tests/data"
+      [ -f "$tree/tests/data/speech_en_16k.wav" ] || cp "$ROOT/tests/data/speech_en_16k.wav" "$tree/tests/data/"
     fi
   fi
   # shellcheck disable=SC2086  # vars is a list of NAME=VALUE words
