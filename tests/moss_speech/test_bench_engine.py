@@ -1,4 +1,5 @@
-"""`moss-speech bench engine`: its options are checked before anything loads."""
+"""`moss-speech bench engine`: its options are checked before anything loads, and its TTFA counts by default the
+codes the served decoder's first audio waits for."""
 
 from __future__ import annotations
 
