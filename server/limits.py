@@ -63,14 +63,13 @@ def session_limit(stats: dict[str, Any]) -> SessionLimit:
         return limit
     pages = int(stats["decoder_pages_total"])
     by_cache = max(pages // SESSION_DECODER_PAGES, 1)
-    if by_cache >= FULL_CONTEXT_SESSIONS and limit.sessions > FULL_CONTEXT_SESSIONS:
-        return SessionLimit(FULL_CONTEXT_SESSIONS, f"{limit.why}, but its full-context speech decoder keeps about "
-                                                   f"{FULL_CONTEXT_SESSIONS} in real time")
-    if limit.sessions > by_cache:
-        return SessionLimit(by_cache, f"{limit.why}, but its full-context speech decoder's cache of {pages} pages "
-                                      f"holds {by_cache} sessions' answers of {SESSION_DECODER_PAGES} chunks "
-                                      f"(--decoder-cache-gib sets it)")
-    return limit
+    if by_cache < FULL_CONTEXT_SESSIONS:
+        cap, reason = by_cache, (f"its full-context speech decoder's cache of {pages} pages holds {by_cache} sessions' "
+                                 f"answers of {SESSION_DECODER_PAGES} chunks (--decoder-cache-gib sets it)")
+    else:
+        cap = FULL_CONTEXT_SESSIONS
+        reason = f"its full-context speech decoder keeps about {FULL_CONTEXT_SESSIONS} in real time"
+    return SessionLimit(cap, f"{limit.why}, but {reason}") if limit.sessions > cap else limit
 
 
 def size_from_engine(stats: dict[str, Any], workers: int, log: logging.Logger) -> int:
