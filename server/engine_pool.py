@@ -20,7 +20,7 @@ log = logging.getLogger("server.engines")
 # twice as slow per step is as loaded as one with twice the requests.
 STEP_REF_MS = 10.0
 _SUMMED = ("running", "waiting", "kv_free", "kv_total", "sessions", "steps", "prefilled_rows", "decoded_rows",
-           "decoder_pages_free", "decoder_pages_total")
+           "decoder_pages_free", "decoder_pages_total", "decoder_pages_forgotten")
 
 
 def headroom(stats: dict[str, Any], placed: int) -> float:

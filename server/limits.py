@@ -3,7 +3,8 @@
 On a GPU the limit is what the engine can hold, read from the stats it reports once ready: no more sessions than
 SESSIONS_PER_RUNNING times the sequences it runs at once (--max-running), nor than its KV pool holds conversations of
 SESSION_ROWS rows (fewer when --max-model-len is shorter); with the full-context speech decoder, no more than it keeps
-in real time (FULL_CONTEXT_SESSIONS) nor than its cache holds answers of SESSION_DECODER_PAGES chunks. Off a GPU, or
+in real time (FULL_CONTEXT_SESSIONS) nor than its cache holds answers of the chunks each keeps (its stats'
+decoder_pages_kept). Off a GPU, or
 when the engine does not report those figures, it is CPU_MAX_SESSIONS.
 """
 
@@ -26,11 +27,11 @@ SESSIONS_PER_RUNNING = 2
 # five runs, 56 with none in one and 25 underrun turns of 112 in another; 32 users churning for 4 minutes had none;
 # p95 TTFA 193 ms at 24, 257 at 32 (2026-12-04, docs/performance.md, Capacity and Soak).
 FULL_CONTEXT_SESSIONS = 32
-# Pages of that decoder's cache a session is counted as holding: an answer of ~11.6 s in progress (29 chunks of 0.4 s;
-# every page stays held until its answer ends). The default cache (40 GiB, 936 pages) holds FULL_CONTEXT_SESSIONS such
-# sessions; a smaller one (--decoder-cache-gib) holds fewer, and past it the answer whose next chunk finds no page
-# stops with server_busy.
-SESSION_DECODER_PAGES = 29
+# With that decoder, a session is counted as holding the pages of an answer in progress that its cache always keeps
+# (decoder_pages_kept: 28 chunks, ~11.2 s): the default cache (40 GiB, 936 pages) holds more than
+# FULL_CONTEXT_SESSIONS such sessions; a smaller one (--decoder-cache-gib) holds fewer. Past that, a long answer
+# forgets its oldest chunks when the cache runs short, and an answer that cannot keep even those stops with
+# server_busy.
 _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
 
 # Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound
@@ -61,11 +62,11 @@ def session_limit(stats: dict[str, Any]) -> SessionLimit:
     limit = SessionLimit(min(by_running, by_pool), why)
     if "decoder_pages_total" not in stats:
         return limit
-    pages = int(stats["decoder_pages_total"])
-    by_cache = max(pages // SESSION_DECODER_PAGES, 1)
+    pages, kept = int(stats["decoder_pages_total"]), int(stats["decoder_pages_kept"])
+    by_cache = max(pages // kept, 1)
     if by_cache < FULL_CONTEXT_SESSIONS:
         cap, reason = by_cache, (f"its full-context speech decoder's cache of {pages} pages holds {by_cache} sessions' "
-                                 f"answers of {SESSION_DECODER_PAGES} chunks (--decoder-cache-gib sets it)")
+                                 f"answers of {kept} chunks (--decoder-cache-gib sets it)")
     else:
         cap = FULL_CONTEXT_SESSIONS
         reason = f"its full-context speech decoder keeps about {FULL_CONTEXT_SESSIONS} in real time"

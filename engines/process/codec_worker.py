@@ -296,6 +296,9 @@ class CodecWorker(CodecPacing):
                         self.spans.add("codec round paused", y.paused_s)
             posted = self._clock()
             for a, job, pcm in zip(batch, jobs, pcms, strict=True):
+                if isinstance(pcm, Exception):  # its chunk found no page in the decoder's cache: this answer ends
+                    self._end_failed(a, pcm, posts, done)
+                    continue
                 a.first_post = posted if a.first_post is None else a.first_post
                 a.audio_s += len(pcm) / self.sample_rate
                 posts.append((a.key, pcm, job.final))

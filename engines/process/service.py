@@ -276,7 +276,8 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
         full = getattr(self.decoder, "full", None)
         if full is None:
             return {}
-        return {"decoder_pages_free": full.pages.n_free, "decoder_pages_total": full.pages.n_pages}
+        return {"decoder_pages_free": full.pages.n_free, "decoder_pages_total": full.pages.n_pages,
+                "decoder_pages_kept": full.kept_pages, "decoder_pages_forgotten": full.forgotten}
 
     def _session(self, client: bytes, sid: str) -> Session:
         s = self.sessions.get(sid)

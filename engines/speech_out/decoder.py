@@ -21,7 +21,7 @@ from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
 from engines.speech_out.flow.flow import FlowModel
 from engines.speech_out.flow.full_context import FullContextFlow, FullSolveGraphs, FullVoice, first_job_codes
-from engines.speech_out.flow.pages import EstimatorPages
+from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
 from engines.speech_out.mel_spec import MelSpec, check_same_mel
@@ -318,13 +318,31 @@ class CodecDecoder:
 
     # ---- batched chunk decoding --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_jobs(self, jobs: list[Job], between: Callable[[], None] | None = None) -> list[np.ndarray]:
-        """Decode jobs of distinct sessions together (grouped by chunk length). Returns PCM per job, in order.
-        `between` is called each time a piece of the GPU work is queued (the flow's encoder, each piece of its solve:
-        FlowModel.solve_parts), on this thread: the caller may wait there, e.g. to give the GPU to more urgent work
-        before queueing the rest (the vocoder follows the last piece)."""
+    def run_jobs(self, jobs: list[Job], between: Callable[[], None] | None = None
+                 ) -> list[np.ndarray | DecoderCacheFull]:
+        """Decode jobs of distinct sessions together (grouped by chunk length). Returns PCM per job, in order, or for
+        a job whose chunks found no page in the full-context decoder's cache, that error (its answer cannot go on; the
+        others are decoded). `between` is called each time a piece of the GPU work is queued (the flow's encoder, each
+        piece of its solve: FlowModel.solve_parts), on this thread: the caller may wait there, e.g. to give the GPU to
+        more urgent work before queueing the rest (the vocoder follows the last piece)."""
         if len({id(j.stream) for j in jobs}) != len(jobs):
             raise ValueError("run_jobs takes at most one chunk per session (chunks of a session are sequential)")
+        if self.full is None:
+            return self._run_jobs(jobs, between)
+        # Each job's pages are taken here, as its round starts, not when its codes came: the language model runs
+        # seconds ahead of the audio, and pages held that far ahead would be pages nobody reads yet.
+        out: list[np.ndarray | DecoderCacheFull | None] = [None] * len(jobs)
+        for i, j in enumerate(jobs):
+            try:
+                self.full.reserve(j.stream.flow_state, self.full.pages_for(len(j.codes), self.cfg.stream.chunk_codes))
+            except DecoderCacheFull as e:
+                out[i] = e
+        live = [i for i, o in enumerate(out) if o is None]
+        for i, pcm in zip(live, self._run_jobs([jobs[i] for i in live], between) if live else [], strict=True):
+            out[i] = pcm
+        return out  # type: ignore[return-value]
+
+    def _run_jobs(self, jobs: list[Job], between: Callable[[], None] | None) -> list[np.ndarray]:
         for j in jobs:
             j.stream.adopt()
         results: list[np.ndarray | None] = [None] * len(jobs)

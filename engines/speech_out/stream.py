@@ -118,9 +118,6 @@ class DecodeStream:
             else:
                 jobs.append(Job(self, [], [], True))  # only the held tail (if any) is left
             self.finished = True
-        full = self.decoder.full
-        if full is not None:  # each chunk's page now: running out ends this answer here, not a batch of answers
-            full.reserve(self.flow_state, sum(full.pages_for(len(j.codes), C) for j in jobs))
         return jobs
 
     def push(self, codes) -> np.ndarray:
@@ -133,7 +130,12 @@ class DecodeStream:
         return self._run(self.take_jobs(finishing=True))
 
     def _run(self, jobs: list[Job]) -> np.ndarray:
-        outs = [self.decoder.run_jobs([j])[0] for j in jobs]
+        outs = []
+        for j in jobs:
+            out = self.decoder.run_jobs([j])[0]
+            if isinstance(out, Exception):
+                raise out
+            outs.append(out)
         return np.concatenate(outs) if outs else np.zeros(0, dtype=np.float32)
 
     def close(self) -> None:

@@ -79,6 +79,9 @@ class Metrics:
                                         "earlier chunks (0.4 s of answer audio each)", **engine)
         self.decoder_pages_used = Gauge("moss_decoder_pages_used", "Used pages of the speech decoder's cache (answers "
                                         "in progress and cached voices)", **engine)
+        self.decoder_pages_forgotten = Gauge("moss_decoder_pages_forgotten", "Oldest chunks long answers have "
+                                             "forgotten since the engine started, the speech decoder's cache short",
+                                             **engine)
         # The same per engine (label `engine`: "0".."N-1" under --gpus, a replica's id under Ray); the ones above are
         # their sum over the engines (engine_up: 1 while any engine takes sessions).
         each = {"labelnames": ["engine"], **engine}
@@ -133,7 +136,8 @@ class Metrics:
         _free_used(stats, "kv_free", "kv_total", self.kv_blocks_free, self.kv_blocks_used)
         _free_used(stats, "decoder_pages_free", "decoder_pages_total", self.decoder_pages_free,
                    self.decoder_pages_used)
-        for key, gauge in (("running", self.engine_running), ("waiting", self.engine_waiting)):
+        for key, gauge in (("running", self.engine_running), ("waiting", self.engine_waiting),
+                           ("decoder_pages_forgotten", self.decoder_pages_forgotten)):
             if isinstance(stats.get(key), int | float):
                 gauge.set(stats[key])
 

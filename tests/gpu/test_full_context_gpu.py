@@ -109,3 +109,26 @@ def test_an_answer_in_the_default_voice_replays_only_graphs_captured_at_load():
     assert dec.stream_all(codes, seed=1).shape == (24 * 1920,)
     for g, keys in captured.items():
         assert set(g.graphs) == keys, (type(g).__name__, set(g.graphs) - keys)
+
+
+def test_answers_that_forget_their_oldest_chunks_replay_the_graphs_as_they_run_eagerly():
+    """A cache always short (low water at its size): long answers in rounds forget their oldest chunks as they go,
+    at the same points with and without CUDA graphs (the graphs read shorter page tables), and give the same PCM."""
+    codes = [np.random.default_rng(20 + i).integers(0, 16384, n) for i, n in enumerate((60, 47, 33))]
+    got = []
+    for graphs in (False, True):
+        dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=graphs, cache_gib=0.05)
+        dec.full.kept_pages, dec.full.low_water = 4, dec.full.pages.n_pages
+        streams = [dec.open_stream(f"s{i}", seed=i) for i in range(len(codes))]
+        for s, c in zip(streams, codes, strict=True):
+            s.add(c)
+        pcm, _ = in_rounds(dec, streams)
+        assert dec.full.forgotten > 0 and [p.shape for p in pcm] == [(len(c) * 1920,) for c in codes]
+        for s in streams:
+            s.close()
+        dec.check_idle_cache()
+        got.append((pcm, dec.full.forgotten))
+    (eager, f0), (graphed, f1) = got
+    assert f0 == f1
+    for e, g in zip(eager, graphed, strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-4, rtol=0)

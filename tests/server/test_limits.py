@@ -10,7 +10,6 @@ import pytest
 from server.limits import (
     CPU_MAX_SESSIONS,
     FULL_CONTEXT_SESSIONS,
-    SESSION_DECODER_PAGES,
     SESSION_ROWS,
     SESSIONS_PER_RUNNING,
     session_limit,
@@ -38,20 +37,20 @@ def test_on_a_gpu_the_limit_is_twice_the_running_sequences_or_the_conversations_
 
 
 def test_an_engine_with_the_full_context_decoder_is_held_to_what_that_decoder_keeps_in_real_time():
-    full = {**GPU, "decoder_pages_total": 936, "decoder_pages_free": 900}
+    full = {**GPU, "decoder_pages_total": 936, "decoder_pages_free": 900, "decoder_pages_kept": 28}
     assert session_limit(full).sessions == FULL_CONTEXT_SESSIONS < session_limit(GPU).sessions
     assert "full-context speech decoder keeps about" in session_limit(full).why
     small = {**full, "max_running": 8}  # the language model binds first: its figure stands
     assert session_limit(small).sessions == 16 < FULL_CONTEXT_SESSIONS
 
 
-def test_a_smaller_decoder_cache_holds_fewer_sessions_whose_answers_would_otherwise_stop_for_pages():
-    full = {**GPU, "decoder_pages_total": 936}  # the default 40 GiB: as many as it keeps in real time
-    assert 936 // SESSION_DECODER_PAGES == FULL_CONTEXT_SESSIONS == session_limit(full).sessions
+def test_a_smaller_decoder_cache_holds_fewer_sessions_each_with_the_chunks_an_answer_always_keeps():
+    full = {**GPU, "decoder_pages_total": 936, "decoder_pages_kept": 28}  # the default 40 GiB (the engine's figures)
+    assert session_limit(full).sessions == FULL_CONTEXT_SESSIONS <= 936 // 28  # as many as it keeps in real time
     small = {**full, "decoder_pages_total": 374}  # --decoder-cache-gib 16
-    assert session_limit(small).sessions == 374 // SESSION_DECODER_PAGES == 12
+    assert session_limit(small).sessions == 374 // 28 == 13
     why = session_limit(small).why
-    assert "cache of 374 pages holds 12 sessions' answers" in why and "--decoder-cache-gib" in why
+    assert "cache of 374 pages holds 13 sessions' answers of 28 chunks" in why and "--decoder-cache-gib" in why
     assert session_limit({**full, "decoder_pages_total": 5}).sessions == 1  # a cache too small still serves one
     assert session_limit({**small, "max_running": 4}).sessions == 8  # the language model binds first
 

@@ -7,6 +7,12 @@ values of every earlier code (small), its two convolutions' left caches, and for
 values of every earlier frame (`EstimatorPages`) and its convolutions' last input frames (`cached_estimator.py`).
 A chunk then costs the same compute wherever it falls in an answer; the attention reads grow with the answer.
 
+When the estimator's cache runs short (fewer than LOW_WATER pages free), an answer that holds more than KEPT_PAGES
+chunks with the one it is about to decode forgets its oldest as that one's page is taken: its estimator then attends
+over the prompt and its last ~11 s (its encoder keeps every earlier code), where the trained algorithm hears the whole
+answer. That happens only past ~11 s of answer with the cache short, and it keeps long answers going where they
+would otherwise stop for want of a page (`DecoderCacheFull`).
+
 A voice's prompt is prepared once (`prepare_voice`): its whole chunks whose lookahead stays inside the prompt are
 encoded and solved with a fixed noise, and their pages are shared by every answer in that voice. The prompt's last
 3..7 codes (its "tail") are decoded with each answer, in front of its codes, so that chunks stay aligned to the
@@ -15,6 +21,8 @@ prompt's start as in the reference; their mel frames are not part of the answer 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,12 +37,23 @@ from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channe
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_masks, encode_masked
 
+log = logging.getLogger(__name__)
+
 # The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
 VOICE_NOISE_SEED = 0
 # A graphed solve reads a multiple of this many pages (6.4 s of audio): few graphs, a little padding read.
 PAGES_BUCKET = 16
 # First jobs' graphs captured at load reach this batch (more first jobs in one round capture theirs on first use).
 FIRST_JOB_BATCH = 16
+# Chunks an answer keeps whatever the cache's pressure, the one it decodes now included: ~11.2 s of audio. The
+# server's session limit counts each session as holding this many (server/limits.py): 32 of them and a voice of 14
+# pages fit the default 40 GiB (936 pages).
+KEPT_PAGES = 28
+# Below this many free pages, answers longer than KEPT_PAGES forget their oldest chunks: room for a round of first
+# jobs (FIRST_JOB_BATCH answers of 2 pages) taken between two rounds.
+LOW_WATER = 2 * FIRST_JOB_BATCH
+# At most one log line this often while answers forget chunks.
+FORGET_LOG_S = 60.0
 
 
 def pages_bucket(n: int) -> int:
@@ -91,8 +110,11 @@ class FullState:
 class FullContextFlow:
     """The chunk model streamed with its full left context, for many answers at once (one chunk each per call)."""
 
-    def __init__(self, flow, n_pages: int) -> None:
+    def __init__(self, flow, n_pages: int, kept_pages: int = KEPT_PAGES, low_water: int = LOW_WATER) -> None:
         self.flow = flow
+        self.kept_pages, self.low_water = kept_pages, low_water
+        self.forgotten = 0  # pages answers have forgotten so far (the cache ran short)
+        self._logged_at = -FORGET_LOG_S
         cfg, est = flow.cfg, flow.decoder.estimator
         self.chunk = flow.stream.chunk_codes
         self.page_frames = self.chunk * cfg.token_mel_ratio
@@ -165,8 +187,14 @@ class FullContextFlow:
         return state
 
     def reserve(self, state: FullState, n: int) -> None:
-        """Pages for the next n chunks of `state`, taken now so that running out ends only this answer."""
+        """Pages for the next n chunks of `state`, taken before its job joins a batch, so that running out ends only
+        this answer; with the cache short, voices nobody speaks in are dropped, then its oldest chunks forgotten (the
+        module's doc). Called as its job's round starts: its earlier jobs have all run."""
         if n:
+            if self.pages.n_free - n < self.low_water and self.reclaim is not None:
+                self.reclaim(n + self.low_water)  # voices nobody speaks in go before any answer's context
+            if self.pages.n_free - n < self.low_water:
+                self._forget_oldest(state, n)
             state.reserved.extend(self._alloc(n))
 
     def close(self, state: FullState) -> None:
@@ -219,6 +247,22 @@ class FullContextFlow:
             s.pre, s.up = pre[b], up[b]
             s.codes_done += n
         return x
+
+    def _forget_oldest(self, state: FullState, wanted: int) -> None:
+        """The answer's oldest pages back to the pool, until it holds `kept_pages` with the `wanted` ones. Only this
+        answer's earlier jobs read them, and each of those has finished (its audio came back to the host before this
+        job was handed to a round: an answer's jobs run one after another), so they may be written again at once."""
+        n = min(len(state.pages), len(state.pages) + len(state.reserved) + wanted - self.kept_pages)
+        if n > 0:
+            self.pages.release(state.pages[:n])
+            del state.pages[:n]
+            self.forgotten += n
+            now = time.monotonic()
+            if now - self._logged_at >= FORGET_LOG_S:
+                self._logged_at = now
+                log.warning("the speech decoder's cache is short (%d of %d pages free): answers longer than %d chunks "
+                            "forget their oldest (%d pages forgotten so far; --decoder-cache-gib sizes the cache)",
+                            self.pages.n_free, self.pages.n_pages, self.kept_pages, self.forgotten)
 
     def _encode(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int], done: list[int]):
         """The job's codes through the encoder, each row after all its earlier codes' keys (the voice's, then its own);

@@ -371,17 +371,22 @@ def test_encoder_interval_grows_with_the_sessions_holding_audio():
     assert calls_by(10 * ENCODE_SESSIONS_PER_INTERVAL, [0.3, ENCODE_MAX_EVERY_S]) == [0, 1]  # capped
 
 
-def test_an_answer_that_outgrows_the_decoder_cache_fails_busy_and_the_session_goes_on():
-    """The full-context decoder's cache holds the default voice's 4 pages and 3 more: a 23-code answer needs 5 (its
-    first job 2, then one a chunk), so its third chunk finds none: server_busy, ResponseDone failed, the pages it had
-    back. A shorter answer in the same session then speaks."""
+def _small_cache_decoder(pages: int) -> CodecDecoder:
     from engines.speech_out.flow.pages import EstimatorPages
 
     cfg = CodecDecoder.load("tiny-random").cfg.flow
     page = EstimatorPages.page_bytes(cfg.n_timesteps, cfg.est_n_blocks * (2 + cfg.est_mid_blocks), 20,
                                      cfg.est_heads * cfg.est_head_dim, torch.float32)
-    small = CodecDecoder.load("tiny-random", cache_gib=7 * page / 2**30)
-    assert small.full.pages.n_pages == 7
+    small = CodecDecoder.load("tiny-random", cache_gib=pages * page / 2**30)
+    assert small.full.pages.n_pages == pages
+    return small
+
+
+def test_an_answer_that_outgrows_the_decoder_cache_fails_busy_and_the_session_goes_on():
+    """The full-context decoder's cache holds the default voice's 4 pages and 3 more: a 23-code answer needs 5 (its
+    first job 2, then one a chunk), fewer than the chunks an answer always keeps, so its third chunk finds none:
+    server_busy, ResponseDone failed, the pages it had back. A shorter answer in the same session then speaks."""
+    small = _small_cache_decoder(7)
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
     svc = Service(engine, StandInTokenizer(), None, small)
     svc.handle(b"c", m.OpenSession("s"))
@@ -394,9 +399,30 @@ def test_an_answer_that_outgrows_the_decoder_cache_fails_busy_and_the_session_go
     small.check_idle_cache()
     # (/health and /metrics): the default voice's 4 pages held, the rest free
     assert (svc.stats()["decoder_pages_free"], svc.stats()["decoder_pages_total"]) == (3, 7)
+    assert (svc.stats()["decoder_pages_kept"], svc.stats()["decoder_pages_forgotten"]) == (28, 0)
     svc.handle(b"c", m.CreateResponse("s", "r2", "audio", m.Sampling(greedy=True, max_new_tokens=8, min_new_tokens=8)))
     msgs = [x for _, x in service_loop.until_idle(svc)]
     assert not [e for e in msgs if isinstance(e, m.Error)]
     assert [(d.status, d.audio_samples) for d in msgs if isinstance(d, m.ResponseDone)] == [("incomplete", 8 * 1920)]
+    small.check_idle_cache()
+    svc._codec.close()
+
+
+def test_a_long_answer_in_a_short_decoder_cache_forgets_its_oldest_chunks_and_plays_to_its_end():
+    """A cache of the default voice's 4 pages and 8 more, an answer keeping 6 (decoded and reserved ahead): a 60-code
+    answer (13 pages in all) plays every code, forgetting its oldest chunks as it goes; /health counts them; every
+    page comes back."""
+    small = _small_cache_decoder(12)
+    small.full.kept_pages, small.full.low_water = 6, 3
+    engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
+    svc = Service(engine, StandInTokenizer(), None, small)
+    svc.handle(b"c", m.OpenSession("s"))
+    svc.handle(b"c", m.AddUserText("s", "i", "hello"))
+    svc.handle(b"c", m.CreateResponse("s", "r", "audio", m.Sampling(greedy=True, max_new_tokens=60,
+                                                                     min_new_tokens=60)))
+    msgs = [x for _, x in service_loop.until_idle(svc)]
+    assert not [e for e in msgs if isinstance(e, m.Error)]
+    assert [(d.status, d.audio_samples) for d in msgs if isinstance(d, m.ResponseDone)] == [("incomplete", 60 * 1920)]
+    assert svc.stats()["decoder_pages_forgotten"] > 0 and svc.stats()["decoder_pages_free"] == 8
     small.check_idle_cache()
     svc._codec.close()

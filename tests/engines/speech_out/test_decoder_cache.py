@@ -1,6 +1,7 @@
 """The full-context decoder's cache of earlier chunks (pages) as a server runs it: voices are cached with their
 pages and dropped, least recent first, when answers need the room; a voice an answer speaks in, and the default
-voice, stay; every page comes back."""
+voice, stay; with the cache short, long answers forget their oldest chunks only once no such voice is left; every
+page comes back."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ def _decoder(pages: int) -> CodecDecoder:
     return dec
 
 
+def _run(dec: CodecDecoder, s) -> list:
+    """The stream's jobs decoded one by one as the codec worker's rounds would: PCM, or the error that ended it."""
+    return [dec.run_jobs([j])[0] for j in s.take_jobs()]
+
+
 def test_answers_take_the_room_of_voices_no_answer_speaks_in():
     dec = _decoder(14)
+    dec.full.low_water = 0  # voices are dropped only once no page is free
     a, b = Voice.random(seed=31, n_codes=23), Voice.random(seed=32, n_codes=23)  # 4 shared pages each
     dec.prepared(dec.default_voice)  # 4 pages (25 codes)
     dec.prepared(a)
@@ -32,17 +39,38 @@ def test_answers_take_the_room_of_voices_no_answer_speaks_in():
     assert dec.full.pages.n_free == 14 - 12
     s = dec.open_stream("s")
     s.add(np.arange(10) % 16384)
-    assert len(s.take_jobs()) == 1  # the prompt's tail of 5 and 5 codes (and 3 ahead): 2 pages, the last free ones
+    out = _run(dec, s)  # the prompt's tail of 5 and 5 codes (and 3 ahead): 2 pages, the last free ones
+    assert len(out) == 1 and isinstance(out[0], np.ndarray)
     assert dec.full.pages.n_free == 0 and dec.voices.cached(a)
     s.add(np.arange(8) % 16384)
-    assert len(s.take_jobs()) == 2  # 2 pages more: a, the least recent voice no answer speaks in, gives its 4
-    assert dec.full.pages.n_free == 2 and not dec.voices.cached(a)
+    assert all(isinstance(o, np.ndarray) for o in _run(dec, s))  # 2 pages more: a, the least recent voice no
+    assert dec.full.pages.n_free == 2 and not dec.voices.cached(a)  # answer speaks in, gives its 4
     assert dec.voices.cached(b) and dec.voices.cached(dec.default_voice)
     s.add(np.arange(5 * 8) % 16384)
-    with pytest.raises(DecoderCacheFull):  # b is spoken in and the default voice stays: nothing more to drop
-        s.take_jobs()
+    out = _run(dec, s)  # b is spoken in and the default voice stays: nothing more to drop
+    assert [type(o) for o in out[:3]] == [np.ndarray, np.ndarray, DecoderCacheFull]
     s.close()
     speaking.close()
+    dec.check_idle_cache()
+
+
+def test_with_the_cache_short_voices_nobody_speaks_in_go_before_an_answer_forgets_its_chunks():
+    dec = _decoder(14)
+    dec.full.kept_pages, dec.full.low_water = 2, 2
+    a = Voice.random(seed=31, n_codes=23)
+    dec.prepared(dec.default_voice)
+    dec.prepared(a)  # 4 + 4 pages
+    s = dec.open_stream("s")
+    s.add(np.arange(10 + 5 * 2) % 16384)
+    assert all(isinstance(o, np.ndarray) for o in _run(dec, s))  # 2 pages, then 2 more: the room left at 2
+    assert dec.voices.cached(a) and dec.full.forgotten == 0 and dec.full.pages.n_free == 2
+    s.add(np.arange(5) % 16384)
+    assert all(isinstance(o, np.ndarray) for o in _run(dec, s))  # short: a goes, the answer keeps its chunks
+    assert not dec.voices.cached(a) and dec.full.forgotten == 0 and dec.full.pages.n_free == 5
+    s.add(np.arange(5 * 6) % 16384)
+    assert all(isinstance(o, np.ndarray) for o in _run(dec, s))  # short again, no voice to drop: it forgets
+    assert dec.full.forgotten > 0 and len(s.flow_state.pages) + dec.full.forgotten == 2 + 2 + 1 + 6
+    s.close()
     dec.check_idle_cache()
 
 

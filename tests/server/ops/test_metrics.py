@@ -55,7 +55,9 @@ async def test_the_apps_end_of_turn_model_reports_into_its_metrics():
 
 def test_the_speech_decoders_cache_is_reported_free_and_used():
     metrics = Metrics()
-    metrics.engine_stats({"kv_free": 10, "kv_total": 20, "decoder_pages_free": 700, "decoder_pages_total": 936})
+    metrics.engine_stats({"kv_free": 10, "kv_total": 20, "decoder_pages_free": 700, "decoder_pages_total": 936,
+                          "decoder_pages_forgotten": 12})
     text = metrics.render().decode()
     assert re.search(r"^moss_decoder_pages_free 700\.0$", text, re.M)
     assert re.search(r"^moss_decoder_pages_used 236\.0$", text, re.M)
+    assert re.search(r"^moss_decoder_pages_forgotten 12\.0$", text, re.M)

@@ -235,3 +235,47 @@ def test_a_job_whose_solve_fails_leaves_its_pages_for_close(flow, monkeypatch):
     fc.forget_voice(voice)
     fc.pages.check()
     assert fc.pages.n_free == fc.pages.n_pages
+
+
+def test_a_long_answer_in_a_short_cache_forgets_its_oldest_chunks_and_goes_on(flow):
+    """With fewer than `low_water` pages free, an answer holding more than `kept_pages` (decoded and reserved)
+    drops its oldest chunks as its next one's page is taken, where it would otherwise stop for want of a page: until
+    then it is the full-context decode exactly; after, the estimator no longer hears the forgotten chunks; every page
+    comes back."""
+    pcodes, pmel, xv = voice_inputs(23, 11)  # 4 shared pages, a tail of 3
+    codes = torch.randint(0, 16384, (60,), generator=torch.Generator().manual_seed(12)).tolist()
+    roomy = FullContextFlow(flow, 100)
+    want = Answer(roomy, roomy.prepare_voice(pcodes, pmel, xv), codes, 13)
+    short = FullContextFlow(flow, 4 + 8, kept_pages=3, low_water=2)  # the answer's 13 pages never fit at once
+    a = Answer(short, short.prepare_voice(pcodes, pmel, xv), codes, 13)
+    first_forget, forgotten = None, 0
+    for x in (want, a):
+        while not x.done:
+            row, n, nl = x.job()
+            x.took(x.fc.decode_chunk([x.state], torch.tensor([row]), n, [nl], [x.gen])[0], n)
+            if x is a and short.forgotten > forgotten:
+                forgotten = short.forgotten
+                assert len(a.state.pages) == 3 and not a.state.reserved  # what it keeps, the chunk just decoded in
+                if first_forget is None:
+                    first_forget = len(a.mel) - 1  # the first chunk decoded without its oldest ones
+    assert first_forget is not None and short.forgotten == 13 - len(a.state.pages)
+    for k, (got, ref) in enumerate(zip(a.mel, want.mel, strict=True)):
+        if k < first_forget:
+            torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    assert (torch.cat(a.mel[first_forget:], 1) - torch.cat(want.mel[first_forget:], 1)).abs().max() > 1e-4
+    for fc, x in ((short, a), (roomy, want)):
+        fc.close(x.state)
+        fc.forget_voice(x.voice)
+        fc.pages.check()
+        assert fc.pages.n_free == fc.pages.n_pages
+
+
+def test_answers_within_their_kept_chunks_never_forget(flow):
+    """Forgetting takes only what an answer holds past `kept_pages`: a short answer in a short cache keeps all."""
+    fc = FullContextFlow(flow, 4 + 6, kept_pages=6, low_water=10)  # always short, but the answer keeps 6
+    a, voice, pcodes, pmel, codes = alone(fc, flow, 23, 25, seed=14)  # 28 codes with the tail: 6 pages
+    assert fc.forgotten == 0 and len(a.state.pages) == 6
+    torch.testing.assert_close(torch.cat(a.mel, 1), a.reference(flow, pcodes, pmel, codes), atol=TOL, rtol=0)
+    fc.close(a.state)
+    fc.forget_voice(voice)
+    assert fc.pages.n_free == fc.pages.n_pages
