@@ -4,8 +4,10 @@ On random weights (a preset), for answers of given lengths: the chunk model stre
 served default; equal to the chunk model over the whole sequence, tests/engines/speech_out/flow/), the offline model's
 semantics over the same noise (`flow.pt`: full attention, what `moss-speech codec decode` without --stream runs), and
 the opt-in windowed stream (`--decoder-context window`) over the same noise of the answer's frames (no voice prompt,
-so that every frame's noise lines up). Prints per answer length the mean absolute log-mel difference and the relative
-RMS of each pair. Random weights say how much the algorithms differ, not what a listener hears with the trained ones.
+so that every frame's noise lines up), and the full-context stream in a cache that is always short, where an answer
+keeps only its last `--kept` chunks (what a long answer does when the served cache runs short; compared from its
+first forgotten chunk on). Prints per answer length the mean absolute log-mel difference and the relative RMS of each
+pair. Random weights say how much the algorithms differ, not what a listener hears with the trained ones.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from engines.speech_out import CodecDecoder, Voice
+from engines.speech_out.flow.full_context import KEPT_PAGES, FullContextFlow
 from engines.speech_out.flow.reference import reference_mel
 
 
@@ -32,6 +35,28 @@ def _windowed_mel(dec: CodecDecoder, codes: np.ndarray, seed: int) -> torch.Tens
         look = list(codes[i + n:i + n + la])
         row = torch.tensor([list(codes[i:i + n]) + look + [0] * (la - len(look))])
         mels.append(f.decode_chunk([state], row, n, [len(look)], [gen])[0])
+    return torch.cat(mels, 1)
+
+
+def _forgetting_mel(dec: CodecDecoder, codes: np.ndarray, seed: int, kept: int) -> torch.Tensor:
+    """The full-context stream's mel of an answer (no voice prompt) in a cache always short: past `kept` chunks it
+    forgets its oldest as it goes. Its noise is the windowed stream's of the same seed (`_answer_noise`)."""
+    f, st = dec.flow, dec.cfg.stream
+    la, C = f.cfg.pre_lookahead, st.chunk_codes
+    pages = -(-len(codes) // C) + 1
+    fc = FullContextFlow(f, pages, kept_pages=kept, low_water=pages)
+    state = fc.new_state(fc.prepare_voice(torch.zeros(0, dtype=torch.long), torch.zeros(f.cfg.output_size, 0),
+                                          torch.zeros(f.cfg.spk_embed_dim)))
+    gen = torch.Generator(device=f.device).manual_seed(seed)
+    torch.randn(f.cfg.output_size, st.est_ctx_frames, generator=gen, device=f.device, dtype=f.dtype)
+    mels = []
+    for i in range(0, len(codes), C):
+        n = min(C, len(codes) - i)
+        look = list(codes[i + n:i + n + la])
+        fc.reserve(state, 1)
+        row = torch.tensor([list(codes[i:i + n]) + look + [0] * (la - len(look))])
+        mels.append(fc.decode_chunk([state], row, n, [len(look)], [gen])[0])
+    fc.close(state)
     return torch.cat(mels, 1)
 
 
@@ -58,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seconds", type=float, nargs="+", default=[2.0, 10.0, 20.0], help="answer lengths")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--kept", type=int, default=KEPT_PAGES, help=f"chunks a forgetting answer keeps ({KEPT_PAGES})")
     a = p.parse_args(argv)
     dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", context="window")
     f = dec.flow
@@ -68,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     for seconds in a.seconds:
         n = int(round(seconds * 12.5))
         acc: dict[str, list[dict[str, float]]] = {"windowed_vs_full": [], "offline_vs_full": []}
+        after = a.kept * dec.cfg.stream.chunk_codes * f.cfg.token_mel_ratio  # the first forgetting chunk's frame
+        if after < n * f.cfg.token_mel_ratio:
+            acc["forgetting_vs_full"] = []
         for seed in range(a.seeds):
             codes = np.random.default_rng(seed).integers(0, 16384, n)
             z = _answer_noise(dec, n, seed)
@@ -75,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             full = reference_mel(f, none, empty_mel, spks, t, z, chunk=True)
             acc["offline_vs_full"].append(_diff(reference_mel(f, none, empty_mel, spks, t, z, chunk=False), full))
             acc["windowed_vs_full"].append(_diff(_windowed_mel(dec, codes, seed), full))
+            if "forgetting_vs_full" in acc:
+                acc["forgetting_vs_full"].append(_diff(_forgetting_mel(dec, codes, seed, a.kept)[:, after:],
+                                                       full[:, after:]))
         row = {"codec": a.codec, "seconds": seconds, **{k: {m: round(float(np.mean([x[m] for x in v])), 4)
                                                           for m in v[0]} for k, v in acc.items()}}
         print(json.dumps(row), flush=True)
