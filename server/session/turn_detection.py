@@ -16,10 +16,11 @@ ends at the first answer of P(complete) >= the eagerness's bar, or after its lon
 4 s, high 2 s). With the server's `server_vad_end_of_turn`, server_vad turns ask the model too and end at a confident
 answer (P >= 0.5) before silence_duration_ms.
 
-Silence is counted from the first 32 ms window Silero scores below the threshold, and a turn ends at the first
-window that completes the silence: Silero's probability stays above 0.5 for one or two windows after the voice stops
-(~60 ms on the repository's sample), and the silence is rounded up to whole windows (300 ms -> 320 ms), so a turn
-ends ~80 ms after `silence_duration_ms` of real silence, plus up to one client frame for the window to fill.
+The silence that ends a turn is counted in 32 ms VAD windows from where the voice ended: the first window Silero
+scores below the threshold, and before it the windows it still called speech whose level had already fallen well
+below the turn's loudest (server/session/voice_end.py: Silero's probability stays above the threshold for a window or
+two after the voice stops). A turn ends at the first window that completes the silence, which is rounded up to whole
+windows (300 ms -> 320 ms), plus up to one client frame for the window to fill.
 
 Barge-in: speech_started while an answer is active or still playing (interrupt_response) cancels it, drops queued
 answer audio and truncates the engine history to the audio the user heard (responses.Responses.user_started_speaking).
@@ -41,6 +42,7 @@ from engines.protocol import messages as m
 from server.session import server_events as ev
 from server.session.client_events import ProtocolError
 from server.session.input_buffer import ENGINE_IN_RATE
+from server.session.voice_end import VoiceEnd
 
 if TYPE_CHECKING:
     from server.session.client_events import TurnDetection
@@ -86,7 +88,9 @@ class TurnDetector:
         self._prefix: deque[np.ndarray] = deque()  # recent silence kept as prefix padding
         self.prefix_samples = 0
         self.in_speech = False
-        self._silence_run = 0  # samples of silence since the last speech window
+        self._silence_run = 0  # samples the VAD has called silence since the last speech window
+        self._voice_end = VoiceEnd()  # the levels that tell where the voice ended before the VAD's silence
+        self._quiet_before = 0  # samples of this pause's quiet before the VAD's silence (`_silence_heard`)
         self._vad_pos = 0  # 16 kHz samples classified by the VAD so far (audio_start_ms / audio_end_ms)
         self.item_id: str | None = None  # item id of the user turn being spoken
         self._turn_audio: deque[np.ndarray] = deque()  # the turn's last TURN_AUDIO_SAMPLES (end-of-turn model)
@@ -163,17 +167,22 @@ class TurnDetector:
                 if speech and self._silence_run:
                     self._end_pause()
                     self._next_probe = PROBE_WINDOWS
+                    self._voice_end.resumed()
+                if speech:
+                    self._voice_end.speech(chunk)
+                elif not self._silence_run:
+                    self._quiet_before = self._voice_end.quiet_windows() * win
                 self._silence_run = 0 if speech else self._silence_run + len(chunk)
                 self._keep_turn_audio(chunk)
                 if self.spec is not None:
                     self.spec.audio.append(chunk)
                     if speech:
                         await self._withdraw()
-                    elif self._silence_run * 1000 >= self._confirm_ms(td) * ENGINE_IN_RATE:
+                    elif self._silence_heard() * 1000 >= self._confirm_ms(td) * ENGINE_IN_RATE:
                         await self._confirm()
                     continue
                 await s.input_buffer.send(chunk)
-                if self._silence_run * 1000 >= self._longest_silence_ms(td) * ENGINE_IN_RATE:
+                if self._silence_heard() * 1000 >= self._longest_silence_ms(td) * ENGINE_IN_RATE:
                     await self._speech_stopped()
                 elif (self._silence_run == SPECULATE_WINDOWS * win and td.type == "server_vad"
                       and getattr(vad, "speculative_server_vad", False)
@@ -184,6 +193,12 @@ class TurnDetector:
                     self._ask_model()
             if s.closed:
                 return
+
+    def _silence_heard(self) -> int:
+        """Samples of this pause's silence: the VAD's, and the quiet just before it (what ends a turn or confirms a
+        held answer; the end-of-turn model's questions and a speculative answer's start count the VAD's alone, as
+        sentence pauses of 200 ms would otherwise set them off)."""
+        return self._silence_run + self._quiet_before if self._silence_run else 0
 
     @staticmethod
     def _longest_silence_ms(td: TurnDetection) -> int:
@@ -280,6 +295,8 @@ class TurnDetector:
         s = self.s
         self.in_speech = True
         self._silence_run = 0
+        self._voice_end.start()
+        self._voice_end.speech(self._prefix[-1] if self._prefix else np.zeros(0, np.float32))
         td = s.config.turn_detection
         # The prefix ring holds up to prefix_padding_ms before the window that triggered, and that window:
         # the turn's audio (and audio_start_ms, as in the GA API) begins where the ring begins.
@@ -369,7 +386,7 @@ class TurnDetector:
         """The silence heard when the client is told the turn ended: the detector's own wait, in audio time (the
         VAD's lag and the transport's not counted)."""
         if self.s.observer is not None:
-            self.s.observer.turn_end(self._silence_run / ENGINE_IN_RATE)
+            self.s.observer.turn_end(self._silence_heard() / ENGINE_IN_RATE)
 
     async def _speech_stopped(self, tentative: bool = False) -> None:
         s = self.s
