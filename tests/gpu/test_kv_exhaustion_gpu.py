@@ -1,8 +1,8 @@
-"""KV exhaustion on the GPU (full-size random weights, a 3 GiB pool): idle sessions' long histories fill the pool
-while 32 spoken answers of 20 s play; every new turn that cannot get its blocks is refused with server_busy, nothing
-waits forever, the playing answers keep real time through the flood (a listener's playback, from the first chunk on,
-never stalls), every answer plays to its end, and every block comes back. Prints one JSON line with the figures
-(`-s`), the answers' start (begun 50 ms apart, before the flood) among them.
+"""KV exhaustion on the GPU (full-size random weights, a 3 GiB pool): idle sessions' long histories and 32 spoken
+answers of 20 s fill the pool; while the answers play, every new turn that cannot get its blocks is refused with
+server_busy, nothing waits forever, the playing answers keep real time through the flood (a listener's playback, from
+the first chunk on, never stalls), every answer plays to its end, and every block comes back. Prints one JSON line
+with the figures (`-s`), the answers' start (begun 50 ms apart, before the flood) among them.
 
 Real time, not a rate: the codec decodes a playing answer only ~1.6 s ahead of its playback, so an answer's rows
 per second stay near 12.5 however fast the engine runs; a late chunk is what a listener hears."""
