@@ -22,6 +22,7 @@ prompt's start as in the reference; their mel frames are not part of the answer 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -115,6 +116,7 @@ class FullContextFlow:
         self.kept_pages, self.low_water = kept_pages, low_water
         self.forgotten = 0  # pages answers have forgotten so far (the cache ran short)
         self._logged_at = -FORGET_LOG_S
+        self._counting = threading.Lock()  # (answers are decoded on two codec threads)
         cfg, est = flow.cfg, flow.decoder.estimator
         self.chunk = flow.stream.chunk_codes
         self.page_frames = self.chunk * cfg.token_mel_ratio
@@ -256,10 +258,13 @@ class FullContextFlow:
         if n > 0:
             self.pages.release(state.pages[:n])
             del state.pages[:n]
-            self.forgotten += n
-            now = time.monotonic()
-            if now - self._logged_at >= FORGET_LOG_S:
-                self._logged_at = now
+            with self._counting:
+                self.forgotten += n
+                now = time.monotonic()
+                due = now - self._logged_at >= FORGET_LOG_S
+                if due:
+                    self._logged_at = now
+            if due:
                 log.warning("the speech decoder's cache is short (%d of %d pages free): answers longer than %d chunks "
                             "forget their oldest (%d pages forgotten so far; --decoder-cache-gib sizes the cache)",
                             self.pages.n_free, self.pages.n_pages, self.kept_pages, self.forgotten)
