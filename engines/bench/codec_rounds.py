@@ -41,10 +41,15 @@ class SteadyRounds:
             s.add(self.rng.integers(0, 16384, self.dec.cfg.stream.chunk_codes))
 
     def decode(self) -> list[np.ndarray]:
-        """The round's decode: every session's ready chunk in one batch. Returns PCM per session."""
+        """The round's decode: every session's ready chunk in one batch. Returns PCM per session; a full decoder
+        cache (more sessions than it keeps chunks for) is raised."""
         jobs = [job for s in self.streams for job in s.take_jobs()]
         with torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext():
-            return self.dec.run_jobs(jobs)
+            pcm = self.dec.run_jobs(jobs)
+        for p in pcm:
+            if isinstance(p, Exception):
+                raise p
+        return pcm  # type: ignore[return-value]
 
     def close(self) -> None:
         for s in self.streams:

@@ -83,3 +83,15 @@ def test_a_voice_dropped_meanwhile_is_made_again_for_the_stream_that_asks():
     assert s.flow_state.voice is not first and s.flow_state.shared == s.flow_state.voice.pages != []
     s.close()
     dec.check_idle_cache()
+
+
+def test_the_benchs_rounds_raise_a_full_cache_rather_than_return_it():
+    from engines.bench.codec_rounds import SteadyRounds
+
+    dec = _decoder(6)  # the default voice's 4 pages and 2 more: one answer's first job
+    rounds = SteadyRounds(dec, 2)
+    rounds.feed()  # each answer's first job: the prompt's tail and 5 codes, 2 pages
+    with pytest.raises(DecoderCacheFull):
+        rounds.decode()
+    rounds.close()
+    dec.check_idle_cache()
