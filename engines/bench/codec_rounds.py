@@ -45,11 +45,7 @@ class SteadyRounds:
         cache (more sessions than it keeps chunks for) is raised."""
         jobs = [job for s in self.streams for job in s.take_jobs()]
         with torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext():
-            pcm = self.dec.run_jobs(jobs)
-        for p in pcm:
-            if isinstance(p, Exception):
-                raise p
-        return pcm  # type: ignore[return-value]
+            return self.dec.run_jobs_or_raise(jobs)
 
     def close(self) -> None:
         for s in self.streams:

@@ -342,6 +342,15 @@ class CodecDecoder:
             out[i] = pcm
         return out  # type: ignore[return-value]
 
+    def run_jobs_or_raise(self, jobs: list[Job]) -> list[np.ndarray]:
+        """`run_jobs` for callers that stop at any failure (a stream decoded on its own, a bench's rounds): a job's
+        DecoderCacheFull is raised."""
+        pcm = self.run_jobs(jobs)
+        for p in pcm:
+            if isinstance(p, DecoderCacheFull):
+                raise p
+        return pcm  # type: ignore[return-value]
+
     def _run_jobs(self, jobs: list[Job], between: Callable[[], None] | None) -> list[np.ndarray]:
         for j in jobs:
             j.stream.adopt()

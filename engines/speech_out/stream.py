@@ -130,12 +130,7 @@ class DecodeStream:
         return self._run(self.take_jobs(finishing=True))
 
     def _run(self, jobs: list[Job]) -> np.ndarray:
-        outs = []
-        for j in jobs:
-            out = self.decoder.run_jobs([j])[0]
-            if isinstance(out, Exception):
-                raise out
-            outs.append(out)
+        outs = [self.decoder.run_jobs_or_raise([j])[0] for j in jobs]
         return np.concatenate(outs) if outs else np.zeros(0, dtype=np.float32)
 
     def close(self) -> None:
