@@ -66,6 +66,14 @@ class SolveCounts:
     padded_rows: int = 0
 
 
+
+def cache_page_bytes(cfg: CodecDecoderConfig, dtype: torch.dtype) -> int:
+    """Bytes of one page of the full-context decoder's cache (a chunk's estimator keys and values) in `dtype`."""
+    fc = cfg.flow
+    return EstimatorPages.page_bytes(fc.n_timesteps, fc.est_n_blocks * (2 + fc.est_mid_blocks),
+                                     cfg.stream.chunk_codes * fc.token_mel_ratio, fc.est_heads * fc.est_head_dim, dtype)
+
+
 class CodecDecoder:
     """Flow + vocoder on one device. See engines/speech_out/__init__.py for the public API."""
 
@@ -128,12 +136,9 @@ class CodecDecoder:
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         dec.flow.encoder.fuse()
         if context == "full":
-            fc, dt = dec.cfg.flow, parse_dtype(estimator_dtype)
+            dt = parse_dtype(estimator_dtype)
             gib = cache_gib if cache_gib is not None else (40.0 if dec.device.type == "cuda" else 0.5)
-            page = EstimatorPages.page_bytes(fc.n_timesteps, fc.est_n_blocks * (2 + fc.est_mid_blocks),
-                                             dec.cfg.stream.chunk_codes * fc.token_mel_ratio,
-                                             fc.est_heads * fc.est_head_dim, dt)
-            dec.full = FullContextFlow(dec.flow, int(gib * 2**30 // page))
+            dec.full = FullContextFlow(dec.flow, int(gib * 2**30 // cache_page_bytes(dec.cfg, dt)))
             dec.voices = dec._voice_cache()
         if cuda_graphs and dec.device.type == "cuda":
             dec._attach_graphs(encoder_graphs)

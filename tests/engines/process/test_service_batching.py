@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from engines.audio.wav import float32_to_pcm16
 from engines.config import EngineConfig
@@ -18,6 +17,7 @@ from engines.speech_out.decoder import CodecDecoder
 from tests.engines.process import service_loop
 from tests.engines.process.service_loop import WAIT_S
 from tests.engines.process.tiny_engine import WAV
+from tests.engines.speech_out.decoder_rounds import small_cache_decoder
 
 ROWS = 23  # first chunk (5 + 3 lookahead), then three more, then the final partial one
 
@@ -371,22 +371,11 @@ def test_encoder_interval_grows_with_the_sessions_holding_audio():
     assert calls_by(10 * ENCODE_SESSIONS_PER_INTERVAL, [0.3, ENCODE_MAX_EVERY_S]) == [0, 1]  # capped
 
 
-def _small_cache_decoder(pages: int) -> CodecDecoder:
-    from engines.speech_out.flow.pages import EstimatorPages
-
-    cfg = CodecDecoder.load("tiny-random").cfg.flow
-    page = EstimatorPages.page_bytes(cfg.n_timesteps, cfg.est_n_blocks * (2 + cfg.est_mid_blocks), 20,
-                                     cfg.est_heads * cfg.est_head_dim, torch.float32)
-    small = CodecDecoder.load("tiny-random", cache_gib=pages * page / 2**30)
-    assert small.full.pages.n_pages == pages
-    return small
-
-
 def test_an_answer_that_outgrows_the_decoder_cache_fails_busy_and_the_session_goes_on():
     """The full-context decoder's cache holds the default voice's 4 pages and 3 more: a 23-code answer needs 5 (its
     first job 2, then one a chunk), fewer than the chunks an answer always keeps, so its third chunk finds none:
     server_busy, ResponseDone failed, the pages it had back. A shorter answer in the same session then speaks."""
-    small = _small_cache_decoder(7)
+    small = small_cache_decoder(7)
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
     svc = Service(engine, StandInTokenizer(), None, small)
     svc.handle(b"c", m.OpenSession("s"))
@@ -412,7 +401,7 @@ def test_a_long_answer_in_a_short_decoder_cache_forgets_its_oldest_chunks_and_pl
     """A cache of the default voice's 4 pages and 8 more, an answer keeping 6 (decoded and reserved ahead): a 60-code
     answer (13 pages in all) plays every code, forgetting its oldest chunks as it goes; /health counts them; every
     page comes back."""
-    small = _small_cache_decoder(12)
+    small = small_cache_decoder(12)
     small.full.kept_pages, small.full.low_water = 6, 3
     engine = Engine.from_name("tiny-random", EngineConfig(kv_cache_bytes=8 << 20, max_model_len=1024), seed=0)
     svc = Service(engine, StandInTokenizer(), None, small)

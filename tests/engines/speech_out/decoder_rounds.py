@@ -10,12 +10,22 @@ import numpy as np
 import torch
 
 from engines.speech_out import CodecDecoder
+from engines.speech_out.decoder import cache_page_bytes
 
 SPC = 1920  # samples per code
 # Streamed vs offline run the same ops on the same shapes: equal up to float noise.
 STREAM_TOL = 1e-6
 # Batched vs alone: different batch shapes may pick different kernels; float32 rounding only.
 BATCH_TOL = 1e-5
+
+
+def small_cache_decoder(pages: int, **load) -> CodecDecoder:
+    """The tiny random codec with a full-context cache of exactly `pages` pages (float32 estimator); `load`: more
+    CodecDecoder.load arguments."""
+    cfg = CodecDecoder.load("tiny-random", context="window").cfg
+    dec = CodecDecoder.load("tiny-random", cache_gib=pages * cache_page_bytes(cfg, torch.float32) / 2**30, **load)
+    assert dec.full.pages.n_pages == pages
+    return dec
 
 
 def _codes(n: int, seed: int = 0) -> np.ndarray:

@@ -7,21 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from engines.speech_out import CodecDecoder, Voice
-from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
+from engines.speech_out.flow.pages import DecoderCacheFull
+from tests.engines.speech_out.decoder_rounds import small_cache_decoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _decoder(pages: int) -> CodecDecoder:
-    cfg = CodecDecoder.load("tiny-random", vocoder="hift", context="window").cfg.flow
-    page = EstimatorPages.page_bytes(cfg.n_timesteps, cfg.est_n_blocks * (2 + cfg.est_mid_blocks), 20,
-                                     cfg.est_heads * cfg.est_head_dim, torch.float32)
-    dec = CodecDecoder.load("tiny-random", vocoder="hift", cache_gib=pages * page / 2**30)
-    assert dec.full.pages.n_pages == pages
-    return dec
 
 
 def _run(dec: CodecDecoder, s) -> list:
@@ -30,7 +21,7 @@ def _run(dec: CodecDecoder, s) -> list:
 
 
 def test_answers_take_the_room_of_voices_no_answer_speaks_in():
-    dec = _decoder(14)
+    dec = small_cache_decoder(14, vocoder="hift")
     dec.full.low_water = 0  # voices are dropped only once no page is free
     a, b = Voice.random(seed=31, n_codes=23), Voice.random(seed=32, n_codes=23)  # 4 shared pages each
     dec.prepared(dec.default_voice)  # 4 pages (25 codes)
@@ -55,7 +46,7 @@ def test_answers_take_the_room_of_voices_no_answer_speaks_in():
 
 
 def test_with_the_cache_short_voices_nobody_speaks_in_go_before_an_answer_forgets_its_chunks():
-    dec = _decoder(14)
+    dec = small_cache_decoder(14, vocoder="hift")
     dec.full.kept_pages, dec.full.low_water = 2, 2
     a = Voice.random(seed=31, n_codes=23)
     dec.prepared(dec.default_voice)
@@ -75,7 +66,7 @@ def test_with_the_cache_short_voices_nobody_speaks_in_go_before_an_answer_forget
 
 
 def test_a_voice_dropped_meanwhile_is_made_again_for_the_stream_that_asks():
-    dec = _decoder(20)
+    dec = small_cache_decoder(20, vocoder="hift")
     v = Voice.random(seed=33, n_codes=23)
     first = dec.prepared(v)
     dec.voices.reclaim(dec.full.pages.n_pages)  # drops every idle voice but the default one
@@ -88,7 +79,7 @@ def test_a_voice_dropped_meanwhile_is_made_again_for_the_stream_that_asks():
 def test_the_benchs_rounds_raise_a_full_cache_rather_than_return_it():
     from engines.bench.codec_rounds import SteadyRounds
 
-    dec = _decoder(6)  # the default voice's 4 pages and 2 more: one answer's first job
+    dec = small_cache_decoder(6, vocoder="hift")  # the default voice's 4 pages and 2 more: one answer's first job
     rounds = SteadyRounds(dec, 2)
     rounds.feed()  # each answer's first job: the prompt's tail and 5 codes, 2 pages
     with pytest.raises(DecoderCacheFull):
