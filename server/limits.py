@@ -4,8 +4,7 @@ On a GPU the limit is what the engine can hold, read from the stats it reports o
 SESSIONS_PER_RUNNING times the sequences it runs at once (--max-running), nor than its KV pool holds conversations of
 SESSION_ROWS rows (fewer when --max-model-len is shorter); with the full-context speech decoder, no more than it keeps
 in real time (FULL_CONTEXT_SESSIONS) nor than its cache holds answers of the chunks each keeps (its stats'
-decoder_pages_kept). Off a GPU, or
-when the engine does not report those figures, it is CPU_MAX_SESSIONS.
+decoder_pages_kept). Off a GPU, or when the engine does not report those figures, it is CPU_MAX_SESSIONS.
 """
 
 from __future__ import annotations

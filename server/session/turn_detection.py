@@ -162,7 +162,7 @@ class TurnDetector:
                 while self._prefix and self.prefix_samples - len(self._prefix[0]) >= keep:
                     self.prefix_samples -= len(self._prefix.popleft())
                 if speech:
-                    await self._speech_started()
+                    await self._speech_started(chunk)
             else:
                 if speech and self._silence_run:
                     self._end_pause()
@@ -291,12 +291,11 @@ class TurnDetector:
             self.prefix_samples = 0
             await self.s.input_buffer.send(pcm)
 
-    async def _speech_started(self) -> None:
+    async def _speech_started(self, first: np.ndarray) -> None:
         s = self.s
         self.in_speech = True
         self._silence_run = 0
-        self._voice_end.start()
-        self._voice_end.speech(self._prefix[-1] if self._prefix else np.zeros(0, np.float32))
+        self._voice_end.start(first)
         td = s.config.turn_detection
         # The prefix ring holds up to prefix_padding_ms before the window that triggered, and that window:
         # the turn's audio (and audio_start_ms, as in the GA API) begins where the ring begins.

@@ -31,10 +31,11 @@ class VoiceEnd:
         self._recent: deque[float] = deque(maxlen=BACK_WINDOWS)
         self._peak = float("-inf")
 
-    def start(self) -> None:
-        """A turn starts: nothing heard yet."""
+    def start(self, window: np.ndarray) -> None:
+        """A turn starts at this window (the VAD's first speech window)."""
         self._recent.clear()
         self._peak = float("-inf")
+        self.speech(window)
 
     def resumed(self) -> None:
         """Speech again after a pause: windows before the pause are not this pause's."""

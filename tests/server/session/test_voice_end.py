@@ -22,8 +22,8 @@ def _window(db: float) -> np.ndarray:
 
 def _heard(*levels: float) -> VoiceEnd:
     v = VoiceEnd()
-    v.start()
-    for db in levels:
+    v.start(_window(levels[0]))
+    for db in levels[1:]:
         v.speech(_window(db))
     return v
 
