@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -23,18 +24,23 @@ from engines.speech_out.flow.full_context import KEPT_PAGES, FullContextFlow
 from engines.speech_out.flow.reference import reference_mel
 
 
+def _chunk_jobs(codes: np.ndarray, C: int, la: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """An answer's chunks as a stream decodes them one at a time: (row [1, C + la] with the chunk's codes and its real
+    lookahead, zero-padded; n codes; n lookahead codes)."""
+    for i in range(0, len(codes), C):
+        n = min(C, len(codes) - i)
+        look = list(codes[i + n:i + n + la])
+        yield torch.tensor([list(codes[i:i + n]) + look + [0] * (la - len(look))]), n, len(look)
+
+
 def _windowed_mel(dec: CodecDecoder, codes: np.ndarray, seed: int) -> torch.Tensor:
     """The windowed flow's mel of an answer (no voice prompt), chunk by chunk as a stream decodes it."""
     f, st = dec.flow, dec.cfg.stream
     voice = dec.prepared(Voice.empty(f.cfg.output_size, f.cfg.spk_embed_dim))
     gen = torch.Generator(device=f.device).manual_seed(seed)
     state = f.new_state(voice, gen)
-    la, C, mels = f.cfg.pre_lookahead, st.chunk_codes, []
-    for i in range(0, len(codes), C):
-        n = min(C, len(codes) - i)
-        look = list(codes[i + n:i + n + la])
-        row = torch.tensor([list(codes[i:i + n]) + look + [0] * (la - len(look))])
-        mels.append(f.decode_chunk([state], row, n, [len(look)], [gen])[0])
+    mels = [f.decode_chunk([state], row, n, [nl], [gen])[0]
+            for row, n, nl in _chunk_jobs(codes, st.chunk_codes, f.cfg.pre_lookahead)]
     return torch.cat(mels, 1)
 
 
@@ -42,20 +48,16 @@ def _forgetting_mel(dec: CodecDecoder, codes: np.ndarray, seed: int, kept: int) 
     """The full-context stream's mel of an answer (no voice prompt) in a cache always short: past `kept` chunks it
     forgets its oldest as it goes. Its noise is the windowed stream's of the same seed (`_answer_noise`)."""
     f, st = dec.flow, dec.cfg.stream
-    la, C = f.cfg.pre_lookahead, st.chunk_codes
-    pages = -(-len(codes) // C) + 1
+    pages = -(-len(codes) // st.chunk_codes) + 1
     fc = FullContextFlow(f, pages, kept_pages=kept, low_water=pages)
     state = fc.new_state(fc.prepare_voice(torch.zeros(0, dtype=torch.long), torch.zeros(f.cfg.output_size, 0),
                                           torch.zeros(f.cfg.spk_embed_dim)))
     gen = torch.Generator(device=f.device).manual_seed(seed)
     torch.randn(f.cfg.output_size, st.est_ctx_frames, generator=gen, device=f.device, dtype=f.dtype)
     mels = []
-    for i in range(0, len(codes), C):
-        n = min(C, len(codes) - i)
-        look = list(codes[i + n:i + n + la])
+    for row, n, nl in _chunk_jobs(codes, st.chunk_codes, f.cfg.pre_lookahead):
         fc.reserve(state, 1)
-        row = torch.tensor([list(codes[i:i + n]) + look + [0] * (la - len(look))])
-        mels.append(fc.decode_chunk([state], row, n, [len(look)], [gen])[0])
+        mels.append(fc.decode_chunk([state], row, n, [nl], [gen])[0])
     fc.close(state)
     return torch.cat(mels, 1)
 
