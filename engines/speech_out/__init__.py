@@ -20,6 +20,7 @@ Public API (what the engine/server uses):
     s.add(codes); jobs = s.take_jobs()  # ready chunks in order (finishing=True: the rest, the last one final)
     pcms = dec.run_jobs(jobs_of_many_sessions)  # at most one job per session, decoded as one batch: PCM per job,
     # or the DecoderCacheFull that ends a job's answer (full context: no page for it even after forgetting)
+    pcms = dec.run_jobs_or_raise(jobs)  # the same, that error raised (a stream on its own, a bench)
 
 Streaming schedule: chunks of 5 codes, each decoded once its 3 lookahead codes are in; 4 mel frames and 1920
 samples per code; a stream of N codes yields exactly N x 1920 samples over push + finalize. With full context (the
