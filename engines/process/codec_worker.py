@@ -295,9 +295,11 @@ class CodecWorker(CodecPacing):
                     with self._cv:
                         self.spans.add("codec round paused", y.paused_s)
             posted = self._clock()
+            decoded = len(batch)
             for a, job, pcm in zip(batch, jobs, pcms, strict=True):
                 if isinstance(pcm, Exception):  # its chunk found no page in the decoder's cache: this answer ends
                     self._end_failed(a, pcm, posts, done)
+                    decoded -= 1  # (the load log counts chunks decoded)
                     continue
                 a.first_post = posted if a.first_post is None else a.first_post
                 a.audio_s += len(pcm) / self.sample_rate
@@ -305,4 +307,5 @@ class CodecWorker(CodecPacing):
                 if job.final:
                     self._close_stream(a)
                     done.append(a)
-        return posts, done, len(batch), take_first
+            return posts, done, decoded, take_first
+        return posts, done, 0, take_first

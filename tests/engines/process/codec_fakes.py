@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from engines.process.codec_worker import CodecWorker
+from engines.speech_out.flow.pages import DecoderCacheFull
 from engines.speech_out.stream import Job
 
 CHUNK, LOOK = 5, 3
@@ -75,6 +76,7 @@ class FakeDecoder:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
+        self.full: set[str] = set()  # streams whose chunks find no page in the decoder's cache (an error in its slot)
         self.betweens: list[bool] = []  # per batch: whether the worker could pause it between pieces
 
     def run_jobs(self, jobs, between=None):
@@ -88,7 +90,8 @@ class FakeDecoder:
         self.batches.append([j.stream.name for j in jobs])
         if self.fail:
             raise RuntimeError("decoder broke")
-        return [np.asarray(j.codes, np.float32) for j in jobs]
+        return [DecoderCacheFull("no page") if j.stream.name in self.full else np.asarray(j.codes, np.float32)
+                for j in jobs]
 
 
 def collect(worker: CodecWorker, until) -> list:

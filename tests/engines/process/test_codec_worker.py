@@ -10,6 +10,7 @@ import torch
 
 from engines.process.codec_pacing import PLAYING_SOLVE_PARTS
 from engines.process.codec_worker import CodecWorker
+from engines.speech_out.flow.pages import DecoderCacheFull
 from tests.engines.process.codec_fakes import (
     Count,
     FakeDecoder,
@@ -59,6 +60,22 @@ def test_decoder_failure_ends_the_answers_of_that_batch():
     key, err, final = res[0]
     assert key == "A" and isinstance(err, RuntimeError) and final
     assert not w.busy()
+    w.close()
+
+
+def test_a_chunk_that_finds_no_cache_page_ends_its_answer_only_and_is_not_counted_as_decoded():
+    dec = FakeDecoder()
+    dec.full = {"b"}
+    w = CodecWorker(dec, torch.device("cpu"))
+    dec.gate.clear()  # both answers' first chunks in one round
+    w.push("A", FakeStream("a"), list(range(8)))
+    w.push("B", FakeStream("b"), list(range(8)))
+    dec.gate.set()
+    res = collect(w, lambda o: len(o) == 2)
+    by_key = {k: (r, f) for k, r, f in res}
+    assert isinstance(by_key["B"][0], DecoderCacheFull) and by_key["B"][1]  # B's final result is its error
+    assert by_key["A"][0].tolist() == list(range(5)) and not by_key["A"][1]  # A plays on
+    assert sorted(dec.batches[0]) == ["a", "b"] and (w.batches, w.items) == (1, 1)  # the load log's counts
     w.close()
 
 
