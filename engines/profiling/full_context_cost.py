@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="audio per answer")
     p.add_argument("--prompt-codes", type=int, default=73, help="the voice prompt's codes (73: the bundled voice)")
     p.add_argument("--contexts", nargs="+", default=["window", "full"])
+    p.add_argument("--cache-gib", type=float, default=None, help="the full-context decoder's key/value cache "
+                   "(default: as served, 40 GiB on a GPU); answers that outgrow it forget their oldest chunks")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="also print the CUDA ops of the last round at the largest "
                    "batch (torch.profiler)")
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     for context in a.contexts:
         cuda = a.device.startswith("cuda")
         dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", cuda_graphs=cuda, encoder_graphs=cuda,
-                                encoder_tf32=cuda, estimator_dtype="bfloat16" if cuda else "float32", context=context)
+                                encoder_tf32=cuda, estimator_dtype="bfloat16" if cuda else "float32", context=context,
+                                cache_gib=a.cache_gib if context == "full" else None)
         dec.capture_graphs(max(a.batches))
         for batch in a.batches:
             _rounds(dec, batch, 3, voice)  # warm: first uses, allocator
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             pages = dec.full.pages
             page = pages.pool.numel() // pages.n_pages * pages.pool.element_size()
             row = {"context": context, "page_mib": round(page / 2**20, 1),
-                   "mib_per_audio_s": round(page * 2.5 / 2**20, 1), "pages": pages.n_pages}
+                   "mib_per_audio_s": round(page * 2.5 / 2**20, 1), "pages": pages.n_pages,
+                   "pages_forgotten": dec.full.forgotten}
             print(json.dumps(row), flush=True)
             results.append(row)
         del dec
