@@ -151,8 +151,8 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
     if not isinstance(audio_end_ms, int) or audio_end_ms < 0:
         raise ProtocolError(errors.INVALID_VALUE, "audio_end_ms must be an integer >= 0", "audio_end_ms")
     samples = audio_end_ms * ANSWER_RATE // 1000
-    active = s.responses.active
-    r = active if active and active.item_id == item_id else s.responses.last
+    active = _seen_active(s)
+    r = active if active and active.item_id == item_id else _seen_last(s)
     if r is None or r.item_id != item_id:
         # An earlier assistant item truncated at (or past) its end cuts nothing: clients that track playback loosely
         # send that after a later answer began.
@@ -167,9 +167,12 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
     if samples > r.audio_samples_queued:
         raise ProtocolError(errors.INVALID_VALUE, f"audio_end_ms {audio_end_ms} is beyond the item's audio "
                             f"({r.audio_samples_queued * 1000 // ANSWER_RATE} ms)", "audio_end_ms")
-    if r is s.responses.active:
+    if r is active:
         await s.responses.cancel("client_cancelled", samples)
     elif r.kept_samples - samples >= ANSWER_RATE // 1000:  # cuts something the engine's history holds
+        if s.turns.spec is not None:  # (its answer, held, was made after all of this one)
+            raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "the user's next turn is being answered: this "
+                                "item can no longer be cut short (only at its end)", "item_id")
         if s.responses.active is not None:
             raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "a later answer has begun: this item can no "
                                 "longer be cut short (only at its end)", "item_id")
@@ -185,6 +188,13 @@ def _seen_active(s: Session) -> Response | None:
     tentative end of turn (turn_detection.py)."""
     r = s.responses.active
     return None if r is None or r.id == s.turns.held_response() else r
+
+
+def _seen_last(s: Session) -> Response | None:
+    """The latest response that ended as the client sees it: while an answer is held on a tentative end of turn
+    (turn_detection.py), the one before it, even if the held one has ended already."""
+    spec = s.turns.spec
+    return s.responses.last if spec is None else spec.last
 
 
 async def _on_response_create(s: Session, event: dict[str, Any]) -> None:
@@ -222,13 +232,13 @@ async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
     history cut to what was heard (WebRTC: what the track played; WebSocket: real time since the first audio)."""
     _check_keys(event, {"type", "event_id"})
     active = _seen_active(s)  # (while one is held, what the client clears is the answer it heard)
-    r = active or s.responses.last
+    r = active or _seen_last(s)
     if r is None:
         return
     played = r.playback.played()
     if r is active:
         await s.responses.cancel("client_cancelled", played)
-    elif played < r.kept_samples and s.responses.active is None:
+    elif played < r.kept_samples and s.responses.active is None and s.turns.spec is None:
         r.audio_samples_queued -= s.outbound.drop_audio(r.id)
         await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
         r.kept_samples = played

@@ -287,7 +287,10 @@ async def test_a_response_event_while_the_answer_is_held_is_answered_as_the_clie
     assert types(drain(s)) == NON_SPECULATIVE_ORDER
 
 
-async def test_clearing_the_heard_answers_audio_while_the_next_is_held_leaves_the_held_one_alone(speech24k):
+async def heard_then_held(speech24k, held_ended: bool) -> tuple[Session, Link, str, str, int]:
+    """A server_vad session whose first answer was heard and ended; then the user's next turn pauses and its answer
+    starts, held (and ends too with `held_ended`: a short answer can end before the silence confirms its turn).
+    Returns (s, link, the heard answer's id, the held one's, where the second sentence goes on)."""
     s, link, _ = await new_session({"type": "server_vad", "silence_duration_ms": 500})
     await feed(s, np.concatenate([silence(0.5), speech24k, silence(0.3)]))
     heard = link.of(m.CreateResponse)[0].response_id
@@ -301,9 +304,40 @@ async def test_clearing_the_heard_answers_audio_while_the_next_is_held_leaves_th
     held = link.of(m.CreateResponse)[-1].response_id
     assert held != heard
     answer_begins(s, held)
-    drain(s)
+    if held_ended:
+        s.on_engine_message(m.ResponseDone(s.id, held, "completed", output_rows=3))
+    assert types(drain(s)) == ["input_audio_buffer.speech_started"]  # (the turn's end and answer held)
+    return s, link, heard, held, half
+
+
+@pytest.mark.parametrize("held_ended", [False, True])
+async def test_clearing_the_heard_answers_audio_while_the_next_is_held_leaves_the_held_one_alone(speech24k, held_ended):
+    s, link, heard, held, half = await heard_then_held(speech24k, held_ended)
     await s.handle_client_event({"type": "output_audio_buffer.clear"})
-    await feed(s, speech24k[half:half + 12000])  # the user goes on: the held answer is withdrawn
-    assert not [c for c in link.of(m.CancelResponse) if c.response_id == held]
-    cleared = [e for e in drain(s) if e["type"] == "output_audio_buffer.cleared"]
-    assert [e["response_id"] for e in cleared] == [heard]
+    assert not link.of(m.TruncateResponse) and not link.of(m.CancelResponse)  # the history under the held one stays
+    await feed(s, speech24k[half:half + 12000])  # the user goes on: the held answer is withdrawn, never seen
+    assert link.of(m.WithdrawResponse) == [m.WithdrawResponse(s.id, held)]
+    evs = drain(s)
+    assert [(e["type"], e["response_id"]) for e in evs] == [("output_audio_buffer.cleared", heard)]
+
+
+@pytest.mark.parametrize("held_ended", [False, True])
+async def test_truncating_the_heard_item_while_the_next_answer_is_held(speech24k, held_ended):
+    """The client's latest item is still the heard answer's: cut short it is refused at once (the held answer was
+    made after all of it); cut at its end it is `truncated`, in order once the turn is confirmed, and the held answer
+    is heard whole."""
+    s, link, heard, held, _ = await heard_then_held(speech24k, held_ended)
+    heard_item = next(i for i in s.items if s.item_audio_samples.get(i))
+    at_end = s.item_audio_samples[heard_item] * 1000 // 24000
+    truncate = {"type": "conversation.item.truncate", "item_id": heard_item, "content_index": 0}
+    await s.handle_client_event({**truncate, "audio_end_ms": at_end})
+    await s.handle_client_event({**truncate, "audio_end_ms": at_end // 2})
+    (refused,) = drain(s)
+    assert refused["error"]["code"] == "item_truncate_invalid_item_id" and "next turn" in refused["error"]["message"]
+    assert held not in str(refused) and not link.of(m.TruncateResponse)
+    await feed(s, silence(0.4))
+    await settled(s)
+    evs = drain(s)
+    assert types(evs)[:len(NON_SPECULATIVE_ORDER)] == NON_SPECULATIVE_ORDER and evs[4]["response"]["id"] == held
+    (truncated,) = [e for e in evs if e["type"] == "conversation.item.truncated"]
+    assert truncated["item_id"] == heard_item and truncated["audio_end_ms"] == at_end
