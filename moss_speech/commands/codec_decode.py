@@ -14,7 +14,7 @@ from engines.config import ConfigError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec directory")
-    p.add_argument("--codes", required=True, help="whitespace/comma separated ints, or a .npy file")
+    p.add_argument("--codes", required=True, help="a text file of whitespace- or comma-separated codes, or a .npy file")
     p.add_argument("--out", required=True, help="output WAV path")
     p.add_argument("--vocoder", default="bigvgan", choices=["bigvgan", "hift"])
     p.add_argument("--stream", action="store_true",
