@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Speech end -> first audio with each turn detector, against one server in one device call (run from repo root):
 # full-size random weights, `--fp8-weights --encoder-tf32`, HiFT, --workers 4, one `bench capacity` level a run.
+# The runs at 128 sessions are for the windowed decoder: SERVE_ARGS="--decoder-context window" (gpu_serve.sh; the
+# full-context one, the default, serves at most 32 sessions in real time).
 # RUNS: which of the runs below, in this order (default "nat128 nat1 vad128"); each is skipped when fewer than 40 s
 # of TD_BUDGET_S (570, from the script's start: the engine's start takes 190-260 s of it on a fresh machine, so more
 # than two runs take two calls) are left, and cut at what is left. Each writes $OUT/NAME.json, and NAME-cpu.json: the
