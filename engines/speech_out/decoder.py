@@ -66,7 +66,6 @@ class SolveCounts:
     padded_rows: int = 0
 
 
-
 def cache_page_bytes(cfg: CodecDecoderConfig, dtype: torch.dtype) -> int:
     """Bytes of one page of the full-context decoder's cache (a chunk's estimator keys and values) in `dtype`."""
     fc = cfg.flow
