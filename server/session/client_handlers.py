@@ -238,7 +238,7 @@ async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
     played = r.playback.played()
     if r is active:
         await s.responses.cancel("client_cancelled", played)
-    elif played < r.kept_samples and s.responses.active is None and s.turns.spec is None:
+    elif played < r.kept_samples and s.turns.spec is None:  # (a held answer was made after all of this one)
         r.audio_samples_queued -= s.outbound.drop_audio(r.id)
         await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
         r.kept_samples = played
