@@ -42,12 +42,16 @@ async def ended_by_engine_loss(ws: Any) -> tuple[int, list[str]]:
 
 
 async def until_health(url: str, ok: Callable[[dict[str, Any]], bool], timeout: float = 300.0) -> dict[str, Any]:
-    """Poll `url`/health until `ok(body)`; returns the body (fails with the last one after `timeout`)."""
+    """Poll `url`/health until `ok(body)`; returns the body (fails with the last one after `timeout`).
+    A reply that is not JSON counts as not yet: Ray Serve's proxy answers a text 404 until the application's route is
+    up (the server's own 503 is JSON and saying why, so `ok` sees it)."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=10) as http:
         while True:
-            body = (await http.get(url + "/health")).json()
-            if ok(body):
+            reply = await http.get(url + "/health")
+            is_json = reply.headers.get("content-type", "").startswith("application/json")
+            body = reply.json() if is_json else {"not_json": reply.status_code, "text": reply.text}
+            if is_json and ok(body):
                 return body
             assert time.monotonic() < deadline, f"/health never became what the test waits for: {body}"
             await asyncio.sleep(0.2)
