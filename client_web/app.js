@@ -11,7 +11,6 @@ const LEVEL_POLL_MS = 10;
 // Microphone RMS above which the user is speaking (-40 dBFS: above a quiet room through the browser's noise
 // suppression, below a voice). The moment it falls back under it is when the user stopped talking, as they feel it.
 const MIC_SPEECH_LEVEL = 0.01;
-const CHART_TURNS = 20;
 
 // Exposed for tests and for curious users (open the console): everything the page measures.
 const stats = {
@@ -92,50 +91,6 @@ function setConnectedUi(on) {
   for (const id of ["text-input", "text-send", "apply", "commit"]) $(id).disabled = !on;
 }
 
-function median(xs) {
-  const s = [...xs].sort((a, b) => a - b);
-  const m = s.length >> 1;
-  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
-}
-
-function showTtfa() {
-  const xs = stats.ttfaMs;
-  const ys = stats.feltMs;
-  $("ttfa-last").textContent = xs.length ? `${Math.round(xs[xs.length - 1])} ms` : "–";
-  $("felt-last").textContent = ys.length && ys[ys.length - 1] != null ? `${Math.round(ys[ys.length - 1])} ms` : "–";
-  $("ttfa-count").textContent = String(xs.length);
-  const felt = ys.filter((y) => y != null);
-  $("felt-median").textContent = felt.length ? `${Math.round(median(felt))} ms` : "–";
-  $("ttfa-median").textContent = xs.length ? `${Math.round(median(xs))} ms` : "–";
-  drawChart();
-}
-
-// The last turns: for each, speech end (mic) -> answer (dark) and speech_stopped -> answer (light), in ms.
-function drawChart() {
-  const c = $("ttfa-chart");
-  const g = c.getContext("2d");
-  const n = Math.min(CHART_TURNS, stats.ttfaMs.length);
-  const felt = stats.feltMs.slice(-n);
-  const shown = stats.ttfaMs.slice(-n);
-  g.clearRect(0, 0, c.width, c.height);
-  if (!n) return;
-  const top = Math.max(500, ...shown, ...felt.filter((y) => y != null));
-  const w = c.width / CHART_TURNS;
-  const y = (ms) => c.height - 12 - (c.height - 14) * Math.min(1, ms / top);
-  g.font = "10px sans-serif";
-  g.fillStyle = "#888";
-  g.textAlign = "right";
-  g.fillText(`${Math.round(top)} ms`, c.width - 2, 10);
-  for (let i = 0; i < n; i++) {
-    if (felt[i] != null) {
-      g.fillStyle = "#2f6fdb";
-      g.fillRect(i * w + 2, y(felt[i]), w / 2 - 2, c.height - 12 - y(felt[i]));
-    }
-    g.fillStyle = "#9fbdf0";
-    g.fillRect(i * w + w / 2, y(shown[i]), w / 2 - 2, c.height - 12 - y(shown[i]));
-  }
-}
-
 // ---- server info -------------------------------------------------------------------------------
 
 async function loadInfo() {
@@ -180,14 +135,7 @@ async function openMic() {
   }
 }
 
-// ---- levels and TTFA ---------------------------------------------------------------------------
-
-function rms(analyser, buf) {
-  analyser.getFloatTimeDomainData(buf);
-  let s = 0;
-  for (let i = 0; i < buf.length; i++) s += buf[i] * buf[i];
-  return Math.sqrt(s / buf.length);
-}
+// ---- levels and time to the answer ------------------------------------------------------------
 
 function startLevels(remoteStream) {
   // Chrome only feeds a remote WebRTC stream into WebAudio while a media element also plays it, so the
@@ -225,7 +173,7 @@ function onAnswerAudible() {
     stats.ttfaMs.push(now - turnStart);
     stats.feltMs.push(turnSpeechEnd === null ? null : now - turnSpeechEnd);
     turnStart = turnSpeechEnd = null;
-    showTtfa();
+    showLatency(stats);
   }
   if (!speaking && answerOpen) {
     speaking = true;
@@ -301,7 +249,7 @@ function onEvent(ev) {
         stats.ttfaMs.push(performance.now() - turnStart);
         stats.feltMs.push(turnSpeechEnd === null ? null : performance.now() - turnSpeechEnd);
         turnStart = turnSpeechEnd = null;
-        showTtfa();
+        showLatency(stats);
       }
       break;
     case "response.done": {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import time
 
 import pytest
@@ -135,12 +136,14 @@ async def test_info_reports_random_weights_and_ice_servers(engine):
     async with asgi_client(app) as http:
         info = (await http.get("/v1/info")).json()
         page = await http.get("/")
-        js = await http.get("/web/app.js")
+        named = re.findall(r'(?:src|href)="(web/[^"]+)"', page.text)  # the page's scripts and stylesheet
+        files = {name: await http.get("/" + name) for name in named}
     assert info["random_weights"] is True and info["model"] == "moss-speech"
     assert info["ice_servers"] == [{"urls": ["stun:stun.example.org:3478"]},
                                    {"urls": ["turn:turn.example.org:3478"], "username": "u", "credential": "p"}]
-    assert page.status_code == 200 and "MOSS-Speech" in page.text and "web/app.js" in page.text
-    assert js.status_code == 200 and "__mossStats" in js.text
+    assert page.status_code == 200 and "MOSS-Speech" in page.text and "web/app.js" in named
+    assert all(r.status_code == 200 for r in files.values()), {n: r.status_code for n, r in files.items()}
+    assert "__mossStats" in files["web/app.js"].text
 
 
 async def test_info_gives_ice_servers_only_to_a_key_or_client_secret(engine):
