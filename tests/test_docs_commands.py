@@ -1,5 +1,6 @@
 """The commands the docs and the bench scripts give are real: every `moss-speech` command they name exists and takes
-every flag they pass it (README.md, docs/, docs/bench/*.sh, the Makefile, the Dockerfile and docker/)."""
+every flag they pass it (README.md, docs/, docs/bench/*.sh, the Makefile, the Dockerfile and docker/), and every
+`MOSS_*` variable the docs name is read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib
 import re
 
 from moss_speech.cli import COMMANDS
+from server.settings import Settings
 from tests.paths import REPO
 
 # (an image's name before the command: `docker run ... moss-speech moss-speech serve`)
@@ -88,3 +90,18 @@ def test_the_check_sees_a_wrong_flag_and_a_wrong_command():
     assert invocations("run `moss-speech loadtest --sessions 4 | tee x` now") == [["loadtest", "--sessions", "4"]]
     assert invocations("docker run -it moss-speech moss-speech serve --port 9 && moss-speech serve: cannot") == [
         ["serve", "--port", "9"]]
+
+
+def test_every_moss_variable_the_docs_name_is_read():
+    """A `MOSS_*` variable in the docs is a server setting (server/settings.py: MOSS_ + a field's name) or one the
+    code, the scripts or the image read."""
+
+    code = [p for d in ("engines", "server", "moss_speech", "docker", "docs/bench") for p in (REPO / d).rglob("*")
+            if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".yml", ".conf", "")]
+    code += [REPO / "Makefile", REPO / "Dockerfile"]
+    read = {"MOSS_" + name.upper() for name in Settings.model_fields}
+    read |= {v for p in code for v in re.findall(r"MOSS_[A-Z0-9_]+", p.read_text(errors="replace"))}
+    named = {(str(p.relative_to(REPO)), v) for p in [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
+             for v in re.findall(r"MOSS_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
+    assert len(named) > 30  # the docs name ~100
+    assert not sorted(f"{name}: {v}" for name, v in named if v not in read)
