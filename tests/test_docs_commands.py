@@ -95,7 +95,6 @@ def test_the_check_sees_a_wrong_flag_and_a_wrong_command():
 def test_every_moss_variable_the_docs_name_is_read():
     """A `MOSS_*` variable in the docs is a server setting (server/settings.py: MOSS_ + a field's name) or one the
     code, the scripts or the image read."""
-
     code = [p for d in ("engines", "server", "moss_speech", "docker", "docs/bench") for p in (REPO / d).rglob("*")
             if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".yml", ".conf", "")]
     code += [REPO / "Makefile", REPO / "Dockerfile"]
