@@ -244,8 +244,8 @@ async def test_malformed_events_get_client_errors_and_leave_nothing_behind(caplo
 @pytest.mark.timeout(240)
 async def test_speech_with_random_turn_events_on_the_real_engine(caplog):
     """server_vad turns on real speech, interleaved with every turn and answer event at random: only client
-    errors (a response.create mid-speech used to fail inside the engine as a server error), and still nothing
-    left behind."""
+    errors (a response.create mid-speech among them: refused as the client's mistake, never failing inside the
+    engine as a server error), and still nothing left behind."""
     caplog.set_level(logging.ERROR)
     speech, _ = read_wav(SPEECH_WAV, target_rate=24000)
     with RunningServer(tiny_settings(max_sessions=4)) as srv:

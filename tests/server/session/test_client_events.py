@@ -97,7 +97,7 @@ async def test_audio_turn_with_client_commit(srv):
         {"type": "input_audio", "audio": ""}]}}), "invalid_audio", "item.content[0].audio"),
     (json.dumps({"type": "conversation.item.create", "item": {"type": "function_call"}}),
      "unsupported_item_type", "item.type"),
-    # A lone surrogate is valid JSON syntax but no UTF-8 text: it used to reach the engine message and fail there.
+    # A lone surrogate is valid JSON syntax but no UTF-8 text: refused here, before it can reach an engine message.
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
      '[{"type": "input_text", "text": "hi \\ud800"}]}}', "invalid_json", None),
     ('{"type": "session.update", "session": {"instructions": "\\udfff"}}', "invalid_json", None),
