@@ -7,10 +7,10 @@ batch (`CodecDecoder.run_jobs`), and posts each chunk's PCM at once. Which answe
 round of playing answers yields to new ones: codec_pacing.py.
 With `first_decoders` (lanes of the decoder: CodecDecoder.lane, graphs of their own) a thread per lane decodes the
 first chunks on it, at the same time as the rounds of playing answers: a new answer's first chunk does not wait
-for the round in flight (without lanes, H200, 28-60 sessions, that wait is p50 27 / p95 78 ms of TTFA). With two lanes or more, a
-new answer whose first chunk is ready while another's round is in flight takes a free lane instead of waiting for
-that round (or for a coalesced one). Each answer is decoded by one thread at a time: a first-chunk thread until its
-first chunk is posted, then the playing one.
+for the round in flight (without lanes, H200, 28-60 sessions, that wait is p50 27 / p95 78 ms of TTFA). With two
+lanes or more, a new answer whose first chunk is ready while another's round is in flight takes a free lane instead
+of waiting for that round (or for a coalesced one). Each answer is decoded by one thread at a time: a first-chunk
+thread until its first chunk is posted, then the playing one.
 A decoder stream is only touched by these threads once handed over.
 A decoder failure ends the answers of its batch; any other error in a round ends that round's answers, and the thread
 goes on.
