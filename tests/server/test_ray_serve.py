@@ -42,12 +42,17 @@ OPTIONS = RayOptions(engines=2, engine_gpus=0, engine_cpus=0.5, frontend_cpus=0.
                      health_check_period_s=1.0, settings=SETTINGS)
 
 
+# A front end replica behind Ray's HAProxy stays reachable 30 s when stopped, for an outside load balancer to drop it;
+# here there is none, and the module's teardown would wait that long.
+NO_BALANCER_DRAIN = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+
+
 @pytest.fixture(scope="module")
 def url():
     port = free_port()
     ray.init("local", num_cpus=4,  # a cluster of its own, even where another one runs
              include_dashboard=False, object_store_memory=100 << 20, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **ingress_env()}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), **ingress_env(), **NO_BALANCER_DRAIN}})
     try:
         start("127.0.0.1", port)
         serve.run(application(OPTIONS), name=APP_NAME, route_prefix="/", blocking=False)
