@@ -113,7 +113,7 @@ class Responses:
                 stream.close()
             raise
         s.sampling = params
-        s.answer = None
+        before, s.answer = s.answer, None
         r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added + t.rerun_rows,
                           cached_rows=t.base_rows - t.rerun_rows, prefix_last_row=prefix[-1],
                           detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
@@ -123,6 +123,7 @@ class Responses:
         if s.tentative is not None and s.tentative.turn is t:
             s.tentative.response_id = msg.response_id
             s.tentative.answer_item = msg.item_id or msg.response_id
+            s.tentative.answer_before = before
         if s.commit_at is not None:  # where the user turn's end went before this answer (stage marks, < 0)
             r.mark("commit_in", s.commit_at)
             r.mark("commit_call", s.commit_call_at)
@@ -209,7 +210,8 @@ class Responses:
         w, s.tentative = s.tentative, None
         assert w is not None
         self.engine.truncate_conversation(s.conversation_id, w.end_row)
-        s.close_rows, s.answer = [], None
+        # The answer before the turn is again the latest: the client may still cut it where its listener was.
+        s.close_rows, s.answer = [], w.answer_before
         w.turn.committed, w.turn.audio_open, w.turn.response, w.turn.undo = False, True, None, None
         s.reopened = w.turn
         if self._speech is not None:
@@ -220,9 +222,13 @@ class Responses:
         s.items = [it for it in s.items if it.item_id is None or it.item_id != w.answer_item]
         if w.item is not None and w.item in s.items:
             s.audio_item = w.item
+        if w.truncate is not None:
+            self._truncate(s, w.truncate)
 
     def _on_TruncateResponse(self, client: bytes, msg: m.TruncateResponse) -> None:
-        s = self._session(client, msg.session_id)
+        self._truncate(self._session(client, msg.session_id), msg)
+
+    def _truncate(self, s: Session, msg: m.TruncateResponse) -> None:
         t = s.active
         if t is not None and t.response is not None and t.response.response_id == msg.response_id:
             t.response.truncate_samples = msg.audio_samples_played
@@ -230,7 +236,11 @@ class Responses:
                 t.response.cancelled = True
                 self.engine.abort(t.request_id)
             return
-        a = s.answer
+        a, w = s.answer, s.tentative
+        if a is None and w is not None and w.turn is t and t.undo == "reopen" and w.answer_before is not None \
+                and w.answer_before.response_id == msg.response_id:
+            w.truncate = msg  # the withdrawn answer stops at the next step; then the cut (_reopen)
+            return
         if a is None or a.response_id != msg.response_id:
             raise ServiceError(errors.INVALID_REQUEST, f"response {msg.response_id!r} is not the latest answer of this "
                                "session (only that one can be truncated)", msg.response_id)
@@ -241,6 +251,13 @@ class Responses:
             return
         cut_rows, last = a.gen_start + keep, a.last_row(keep)
         a.rows, a.code_idx = a.rows[:keep], [i for i in a.code_idx if i < keep]
+        o = s.reopened
+        if t is None and o is not None:
+            # A withdrawn turn's rows follow the answer: cut there, and its codes wait to go in again after the cut.
+            s.reopened = None
+            o.cut_rows, o.cut_last_row, o.undo = cut_rows, last, "requeue"
+            self._undo(s, o)
+            return
         if t is None:
             self.engine.truncate_conversation(s.conversation_id, cut_rows)
             s.close_rows = self.prompts.assistant_close_rows(last)

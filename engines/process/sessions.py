@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from engines.api import SamplingParams
 from engines.process.tokenizer import IncrementalDetokenizer
-from engines.protocol.messages import AUTO_RETENTION, CreateResponse, Modality
+from engines.protocol.messages import AUTO_RETENTION, CreateResponse, Modality, TruncateResponse
 from engines.tokens import NUM_AUDIO_CODES, Row
 
 SAMPLES_PER_CODE = 1920  # 24 kHz output / 12.5 codes per second
@@ -124,6 +124,8 @@ class Tentative:
     end_row: int  # conversation rows up to the user's last code: a withdrawal truncates back to here
     response_id: str | None = None  # the answer to it, once asked for
     answer_item: str | None = None  # that answer's item id in Session.items
+    answer_before: Answer | None = None  # Session.answer when the answer was asked for: it stands again if withdrawn
+    truncate: TruncateResponse | None = None  # a cut of answer_before that came while the withdrawal was stopping
     item: Item | None = None  # the turn's entry in Session.items: the open audio turn again if withdrawn
     transcript: tuple[str, list[int]] | None = None  # (item id, codes) to transcribe once the turn stands
 

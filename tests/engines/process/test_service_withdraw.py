@@ -128,3 +128,45 @@ def test_clearing_a_withdrawn_turn_takes_it_whole():
     assert done.status == "incomplete"
     assert np.all(np.array(eng.conversation_history("s")[:len(before)]) == np.array(before))
     eng.check_integrity()
+
+
+def after_an_answer(svc) -> None:
+    """A text turn answered in audio: the answer the next tests cut."""
+    send(svc, m.OpenSession("s", sampling=greedy(10, min_new=10)))
+    send(svc, m.AddUserText("s", "t", "hello"))
+    send(svc, m.CreateResponse("s", "a", "audio", greedy(10, min_new=10)))
+    run(svc)
+
+
+PLAYED = 3 * 1920  # samples of the answer heard: its first three codes (the fake decoder's 1,920 samples a code)
+
+
+@pytest.mark.parametrize("withdrawn", ["mid-answer", "ended"])
+def test_the_answer_before_a_withdrawn_one_is_cut_as_if_cut_before_the_user_spoke(withdrawn):
+    ref = make_service()
+    after_an_answer(ref)
+    assert not of(send(ref, m.TruncateResponse("s", "a", PLAYED)) + run(ref), m.Error)
+    speak(ref, FIRST + REST)
+    ref_audio, ref_done = answer(ref, "r1")
+
+    svc = make_service()
+    eng = svc.engine
+    after_an_answer(svc)
+    speak(svc, FIRST)
+    send(svc, m.CommitUserAudio("s", "item", tentative=True))
+    send(svc, m.CreateResponse("s", "r0", "audio", greedy(10, min_new=10)))
+    if withdrawn == "mid-answer":  # the cut comes before the withdrawn answer has stopped
+        svc.step()
+        out = send(svc, m.WithdrawResponse("s", "r0")) + send(svc, m.TruncateResponse("s", "a", PLAYED)) + run(svc)
+    else:
+        run(svc)
+        out = send(svc, m.WithdrawResponse("s", "r0")) + run(svc)
+        out += send(svc, m.TruncateResponse("s", "a", PLAYED)) + run(svc)
+    assert not of(out, m.Error)
+    speak(svc, REST)
+    audio, done = answer(svc, "r1")
+    assert eng.conversation_history("s") == ref.engine.conversation_history("s")
+    assert audio == ref_audio and done.text == ref_done.text
+    eng.check_integrity()
+    send(svc, m.CloseSession("s"))
+    assert eng.stats().free_blocks == eng.stats().total_blocks
