@@ -1,8 +1,8 @@
-"""Client events at volume: malformed ones (valid templates with fields deleted, replaced by values of the wrong
-type or range - NaN, 2**63, lone surrogates, huge strings - or added), and real speech under server_vad with turn
-and answer events thrown in at random. Every error is of the client-mistake kind (never `server_error`), the server
-logs no exception, no session is closed, each still answers afterwards, and the engine (the fake one, and the real
-one on the CPU) ends idle with every KV block free. Seeds are fixed."""
+"""Client events at volume: malformed ones (valid templates with fields deleted, replaced by values of the wrong type or
+range - NaN, 2**63, lone surrogates, huge strings - or added), and real speech under server_vad or semantic_vad with
+turn and answer events thrown in at random. Every error is of the client-mistake kind (never `server_error`), the
+server logs no exception, no session is closed, each still answers afterwards, and the engine (the fake one, and the
+real one on the CPU) ends idle with every KV block free. Seeds are fixed."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ import base64
 import json
 import logging
 import random
+import re
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import websockets
 
 from server.audio.pcm import float32_to_pcm16, read_wav
 from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, tiny_settings, user_text
+from tests.paths import DATA
 from tests.server.transports.webrtc_support import SPEECH_WAV
 
 SESSIONS = 6
@@ -172,18 +175,29 @@ async def _fuzz_one(srv: RunningServer, seed: int) -> tuple[list[dict[str, Any]]
         return events, ws.close_code
 
 
-async def _speak_chaotically(srv: RunningServer, seed: int, speech: np.ndarray, seconds: float
+SERVER_VAD = [None, {"type": "server_vad"}, {"type": "server_vad", "create_response": False},
+              {"type": "server_vad", "interrupt_response": False}]
+# semantic_vad: answers held through a pause and withdrawn when the user goes on, among the other detectors
+SEMANTIC_VAD = [{"type": "semantic_vad", "eagerness": e} for e in ("low", "medium", "high", "auto")] + [
+    {"type": "semantic_vad", "eagerness": "auto", "interrupt_response": False},
+    {"type": "semantic_vad", "eagerness": "high", "create_response": False}, {"type": "server_vad"}, None]
+
+
+async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, seconds: float, detectors: list[Any]
                              ) -> tuple[list[dict[str, Any]], int | None]:
-    """Real speech at about real time in odd chunk sizes (server_vad), with commits, clears, cancels, answers,
-    truncations and turn-detection changes thrown in at random."""
+    """Speech at about real time in odd chunk sizes, with commits, clears, cancels, answers, truncations (of the
+    latest answer's item or of none) and turn-detection changes among `detectors` thrown in at random (the first
+    one, or the first that is not None, to begin with)."""
     rng = random.Random(seed)
-    signal = np.concatenate([speech, np.zeros(24000, np.float32), 0.5 * speech, np.zeros(30000, np.float32)])
     async with websockets.connect(srv.ws, max_size=None) as ws:
         sid = await _opened(ws)
         events: list[dict[str, Any]] = []
         reader = await _reading(ws, events)
+        first = dict(next(d for d in detectors if d is not None))
+        if first["type"] == "server_vad":
+            first["silence_duration_ms"] = rng.choice([200, 400, 800])
         await send(ws, "session.update", session={"type": "realtime", "max_output_tokens": 10, "audio": {"input": {
-            "turn_detection": {"type": "server_vad", "silence_duration_ms": rng.choice([200, 400, 800])}}}})
+            "turn_detection": first}}})
         pos, end = 0, asyncio.get_running_loop().time() + seconds
         while asyncio.get_running_loop().time() < end:
             r = rng.random()
@@ -202,13 +216,13 @@ async def _speak_chaotically(srv: RunningServer, seed: int, speech: np.ndarray, 
             elif r < 0.91:
                 await send(ws, "response.create")
             elif r < 0.93:
-                await send(ws, "conversation.item.truncate", item_id="item_x", content_index=0,
+                answers = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+                item = answers[-1] if answers and rng.random() < 0.7 else "item_x"
+                await send(ws, "conversation.item.truncate", item_id=item, content_index=0,
                            audio_end_ms=rng.randint(0, 3000))
             elif r < 0.96:
-                td = rng.choice([None, {"type": "server_vad"}, {"type": "server_vad", "create_response": False},
-                                 {"type": "server_vad", "interrupt_response": False}])
                 await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {
-                    "turn_detection": td}}})
+                    "turn_detection": rng.choice(detectors)}}})
             else:
                 await user_text(ws, "hello")
         await _still_answers(srv, sid, ws, events, reader)
@@ -241,15 +255,27 @@ async def test_malformed_events_get_client_errors_and_leave_nothing_behind(caplo
         await _assert_engine_idle(srv, caplog)
 
 
-@pytest.mark.timeout(240)
-async def test_speech_with_random_turn_events_on_the_real_engine(caplog):
-    """server_vad turns on real speech, interleaved with every turn and answer event at random: only client
-    errors (a response.create mid-speech among them: refused as the client's mistake, never failing inside the
-    engine as a server error), and still nothing left behind."""
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("detectors", ["server_vad", "semantic_vad"])
+async def test_speech_with_random_turn_events_on_the_real_engine(caplog, detectors):
+    """VAD turns on real speech, interleaved with every turn and answer event at random: only client errors (a
+    response.create mid-speech among them: refused as the client's mistake, never failing inside the engine as a
+    server error), and still nothing left behind. With semantic_vad, on speech that pauses mid-turn: answers held
+    and withdrawn, and the answer before a withdrawn one cut (the engine takes the cut, never an engine error)."""
     caplog.set_level(logging.ERROR)
     speech, _ = read_wav(SPEECH_WAV, target_rate=24000)
+    if detectors == "server_vad":
+        signal = np.concatenate([speech, np.zeros(24000, np.float32), 0.5 * speech, np.zeros(30000, np.float32)])
+    else:
+        paused, _ = read_wav(DATA / "speech_paused_en_16k.wav", target_rate=24000)
+        signal = np.concatenate([paused, np.zeros(12000, np.float32), speech, np.zeros(24000, np.float32)])
+    choices = SERVER_VAD if detectors == "server_vad" else SEMANTIC_VAD
     with RunningServer(tiny_settings(max_sessions=4)) as srv:
-        results = await asyncio.gather(*(_speak_chaotically(srv, seed, speech, 8.0) for seed in range(3)))
+        seconds = 8.0 if detectors == "server_vad" else 10.0
+        results = await asyncio.gather(*(_speak_chaotically(srv, seed, signal, seconds, choices) for seed in range(3)))
         _assert_only_client_errors(results)
         assert any(e["type"] == "input_audio_buffer.speech_started" for events, _ in results for e in events)
+        if detectors == "semantic_vad":  # answers were held, and some withdrawn
+            metrics = httpx.get(srv.http + "/metrics", timeout=10).text
+            assert re.search(r'^moss_speculative_answers_total\{outcome="withdrawn"\} [1-9]', metrics, re.M), metrics
         await _assert_engine_idle(srv, caplog)
