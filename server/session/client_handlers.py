@@ -170,6 +170,9 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
     if r is active:
         await s.responses.cancel("client_cancelled", samples)
     elif r.kept_samples - samples >= ANSWER_RATE // 1000:  # cuts something the engine's history holds
+        if r.moved:
+            raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "an item at or before this one left the "
+                                "conversation since: it can no longer be cut short (only at its end)", "item_id")
         if s.turns.spec is not None:  # (its answer, held, was made after all of this one)
             raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "the user's next turn is being answered: this "
                                 "item can no longer be cut short (only at its end)", "item_id")

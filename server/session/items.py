@@ -70,6 +70,10 @@ def on_engine_message(s: Session, msg: Any) -> bool:
                             content_index=0, error={"type": errors.error_type(code), "code": code,
                                                     "message": msg.reason or "transcription failed", "param": None}))
     elif isinstance(msg, m.ItemsDropped):
+        last = s.responses.last
+        if last is not None and last.item_id in s.items:
+            at = s.items.index(last.item_id)
+            last.moved = last.moved or any(i in s.items[:at + 1] for i in msg.item_ids)
         for item_id in msg.item_ids:
             if item_id in s.items:
                 s.items.remove(item_id)

@@ -35,6 +35,9 @@ class Response:
     cancel_reason: str | None = None
     stopped_by_server_limit: bool = False  # the client set no limit ("inf"); the server's max_answer_rows ended it
     cut_at: int | None = None  # 24 kHz samples the engine's history keeps after a truncation (None: all of it)
+    # An item at or before it left the conversation (deleted, or dropped to fit the context): the engine prefills
+    # its rows again and it can no longer be cut short.
+    moved: bool = False
 
     @property
     def kept_samples(self) -> int:
@@ -109,6 +112,8 @@ class Responses:
             if played >= r.kept_samples:
                 return  # heard to the end (or cut there already)
             r.audio_samples_queued -= s.outbound.drop_audio(r.id)
+            if r.moved:
+                return  # the listener stops hearing it; the conversation keeps it whole
             await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
             r.kept_samples = played
         if s.audio_out == "track" and r.started:

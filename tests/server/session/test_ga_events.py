@@ -170,6 +170,19 @@ async def test_barge_in_after_the_answer_ended_cuts_what_the_track_has_not_playe
     await feed(s, np.concatenate([silence(0.2), speech24k[:24000]]))
     assert not link.of(m.TruncateResponse)
     assert "conversation.item.truncated" not in types(drain(s))
+    # The user's turn before it deleted meanwhile: the engine's history keeps the answer whole (its rows are
+    # prefilled again there), nothing is said to be cut.
+    s, link = await new_session(audio_out="track")
+    await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
+    rid = await answer(s, link, chunks=3)
+    await taken(s)
+    s.audio_played(rid, 9600)
+    user = s.items[0]
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": user})
+    s.on_engine_message(m.ItemsDropped(s.id, [user], deleted=True))
+    await feed(s, np.concatenate([silence(0.2), speech24k[:24000]]))
+    assert not link.of(m.TruncateResponse)
+    assert "conversation.item.truncated" not in types(drain(s))
 
 
 async def test_output_audio_buffer_clear_over_the_websocket_stops_the_answer_where_it_is_heard():

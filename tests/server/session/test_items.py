@@ -11,7 +11,7 @@ import numpy as np
 from engines.protocol import messages as m
 from server.session.client_events import SessionConfig, parse_session_update
 from server.session.session import Session, SessionLimits
-from tests.server.session.session_support import Link, drain, settled, types
+from tests.server.session.session_support import CHUNK, Link, drain, settled, types
 
 SPEECH = base64.b64encode((np.sin(np.arange(12000) / 7.0) * 8000).astype("<i2").tobytes()).decode()
 
@@ -155,3 +155,54 @@ async def test_texts_over_the_bound_are_refused_on_arrival_and_the_session_goes_
     await s.handle_client_event({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 20}]}})
     assert [a.text for a in link.of(m.AddUserText)] == ["x" * 20] and s.items
+
+
+async def audio_answer(s: Session, link: Link) -> str:
+    """An audio answer of two chunks (800 ms) that has ended; returns its item id."""
+    await s.handle_client_event({"type": "response.create"})
+    cr = link.of(m.CreateResponse)[-1]
+    s.on_engine_message(m.ResponseStarted(s.id, cr.response_id, 3))
+    for i in range(2):
+        s.on_engine_message(m.AudioChunk(s.id, cr.response_id, CHUNK, i))
+    s.on_engine_message(m.ResponseDone(s.id, cr.response_id, "completed", audio_samples=2 * (len(CHUNK) // 2)))
+    await settled(s)
+    return cr.item_id
+
+
+def truncate(item_id: str, ms: int) -> dict:
+    return {"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0, "audio_end_ms": ms}
+
+
+async def test_an_answer_after_an_item_that_left_is_cut_only_at_its_end():
+    """Deleting an item before the latest answer makes the engine prefill the answer's rows again, and it can no
+    longer cut them: a truncate short of the answer's end is refused as the client's (before the engine hears of
+    it), one at its end is confirmed; deleting an item after the answer leaves it to be cut as usual."""
+    s, link = await ptt_session()
+    user = await spoken_turn(s)
+    bot = await audio_answer(s, link)
+    later = await spoken_turn(s)
+    drain(s)
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": later})
+    s.on_engine_message(m.ItemsDropped(s.id, [later], deleted=True))
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": user})
+    s.on_engine_message(m.ItemsDropped(s.id, [user], deleted=True))
+    drain(s)
+    await s.handle_client_event(truncate(bot, 100))
+    assert [e["error"]["code"] for e in drain(s)] == ["item_truncate_invalid_item_id"]
+    assert not link.of(m.TruncateResponse)
+    await s.handle_client_event(truncate(bot, 800))  # at its end: nothing to cut
+    assert [(e["type"], e.get("audio_end_ms")) for e in drain(s)] == [("conversation.item.truncated", 800)]
+    assert not link.of(m.TruncateResponse)
+
+
+async def test_an_answer_with_only_later_items_deleted_is_cut_as_usual():
+    s, link = await ptt_session()
+    await spoken_turn(s)
+    bot = await audio_answer(s, link)
+    later = await spoken_turn(s)
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": later})
+    s.on_engine_message(m.ItemsDropped(s.id, [later], deleted=True))
+    drain(s)
+    await s.handle_client_event(truncate(bot, 100))
+    assert [(e["type"], e.get("audio_end_ms")) for e in drain(s)] == [("conversation.item.truncated", 100)]
+    assert link.of(m.TruncateResponse)[-1].audio_samples_played == 2400
