@@ -44,8 +44,8 @@ class History:
     def _on_DeleteItem(self, client: bytes, msg: m.DeleteItem) -> None:
         s = self._session(client, msg.session_id)
         if self._mid_turn(s):
-            raise ServiceError(errors.INVALID_REQUEST, "an item can be deleted only between turns, not while a user "
-                               "turn or an answer is in progress (a tentative commit included, until confirmed)")
+            raise ServiceError(errors.ITEM_DELETE_MID_TURN, "an item can be deleted only between turns, not while a "
+                               "user turn (committed and not yet answered, too) or an answer is in progress")
         i = next((i for i, it in enumerate(s.items) if it.item_id == msg.item_id), None)
         if i is None:
             raise ServiceError(errors.INVALID_REQUEST, f"no item {msg.item_id!r} in this session's history (the "

@@ -48,6 +48,7 @@ UNSUPPORTED_PREVIOUS_ITEM_ID = "unsupported_previous_item_id"
 ITEM_TRUNCATE_INVALID_ITEM_ID = "item_truncate_invalid_item_id"
 ITEM_RETRIEVE_INVALID_ITEM_ID = "item_retrieve_invalid_item_id"
 ITEM_DELETE_INVALID_ITEM_ID = "item_delete_invalid_item_id"
+ITEM_DELETE_MID_TURN = "item_delete_mid_turn"
 INPUT_AUDIO_BUFFER_COMMIT_EMPTY = "input_audio_buffer_commit_empty"
 INPUT_AUDIO_BUFFER_TOO_LARGE = "input_audio_buffer_too_large"
 INPUT_AUDIO_BUFFER_NOT_EMPTY = "input_audio_buffer_not_empty"
@@ -108,6 +109,8 @@ ERRORS: dict[str, ErrorCode] = {
     ITEM_TRUNCATE_INVALID_ITEM_ID: ErrorCode(_CLIENT, "cutting short an item that is not the latest assistant audio"),
     ITEM_RETRIEVE_INVALID_ITEM_ID: ErrorCode(_CLIENT, "retrieving an item that is not in the conversation"),
     ITEM_DELETE_INVALID_ITEM_ID: ErrorCode(_CLIENT, "deleting an item the conversation does not have"),
+    ITEM_DELETE_MID_TURN: ErrorCode(_CLIENT, "deleting an item while the engine holds a turn in progress: a committed "
+                                    "user turn not yet answered, or its commit or answer still finishing"),
     INPUT_AUDIO_BUFFER_COMMIT_EMPTY: ErrorCode(_CLIENT, "a commit with no audio"),
     INPUT_AUDIO_BUFFER_TOO_LARGE: ErrorCode(_CLIENT, "uncommitted audio over the input buffer limit"),
     INPUT_AUDIO_BUFFER_NOT_EMPTY: ErrorCode(_CLIENT, "an answer or audio item while the input buffer holds "

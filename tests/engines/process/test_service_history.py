@@ -142,7 +142,7 @@ def test_deleting_is_refused_during_an_answer_and_for_unknown_items() -> None:
     send(svc, m.AddUserText("s", "i5", "more"))
     send(svc, m.CreateResponse("s", "r5", "text", greedy(4)))
     (err,) = of(send(svc, m.DeleteItem("s", "i0")), m.Error)
-    assert err.code == "invalid_request" and "between turns" in err.message
+    assert err.code == "item_delete_mid_turn" and "between turns" in err.message
     run(svc)
     (err,) = of(send(svc, m.DeleteItem("s", "nope")), m.Error)
     assert err.code == "invalid_request" and "no item" in err.message
@@ -150,6 +150,13 @@ def test_deleting_is_refused_during_an_answer_and_for_unknown_items() -> None:
     (err,) = of(send(svc, m.DeleteItem("s", "i0"), client=b"intruder"), m.Error)
     assert "another client" in err.message
     assert [it.item_id for it in svc.sessions["s"].items] == ["i0", "a0", "i5", "r5"]
+    # A committed spoken turn waiting for its answer: its request holds the turn.
+    send(svc, m.AppendUserAudio("s", speech(1.0)))
+    run(svc)
+    send(svc, m.CommitUserAudio("s", "u6"))
+    run(svc)
+    (err,) = of(send(svc, m.DeleteItem("s", "i0")), m.Error)
+    assert err.code == "item_delete_mid_turn"
 
 
 @pytest.mark.parametrize("ratio", [0.75, 0.5])
