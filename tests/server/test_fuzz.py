@@ -35,6 +35,7 @@ CLIENT_CODES = {
     "input_audio_buffer_too_large", "input_audio_buffer_not_empty", "conversation_already_has_active_response",
     "response_cancel_not_active",
     "item_truncate_invalid_item_id", "item_truncate_invalid_content_index", "item_truncate_invalid_audio_end_ms",
+    "item_delete_invalid_item_id", "item_delete_mid_turn",
 }
 
 
@@ -186,8 +187,8 @@ SEMANTIC_VAD = [{"type": "semantic_vad", "eagerness": e} for e in ("low", "mediu
 async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, seconds: float, detectors: list[Any]
                              ) -> tuple[list[dict[str, Any]], int | None]:
     """Speech at about real time in odd chunk sizes, with commits, clears, cancels, answers, truncations (of the
-    latest answer's item or of none) and turn-detection changes among `detectors` thrown in at random (the first
-    one, or the first that is not None, to begin with)."""
+    latest answer's item or of none), deletions of items and turn-detection changes among `detectors` thrown in at
+    random (the first one, or the first that is not None, to begin with)."""
     rng = random.Random(seed)
     async with websockets.connect(srv.ws, max_size=None) as ws:
         sid = await _opened(ws)
@@ -220,6 +221,9 @@ async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, 
                 item = answers[-1] if answers and rng.random() < 0.7 else "item_x"
                 await send(ws, "conversation.item.truncate", item_id=item, content_index=0,
                            audio_end_ms=rng.randint(0, 3000))
+            elif r < 0.94:
+                items = [e["item"]["id"] for e in events if e["type"] == "conversation.item.added"]
+                await send(ws, "conversation.item.delete", item_id=rng.choice(items) if items else "item_x")
             elif r < 0.96:
                 await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {
                     "turn_detection": rng.choice(detectors)}}})
