@@ -40,7 +40,7 @@ Rules the server can rely on:
 - A CommitUserAudio with `transcribe` gets TranscriptionDelta messages and one TranscriptionDone for its item
   (transcripts.py); the transcription never touches a conversation and runs only on what answers leave. A
   tentative commit's turn is transcribed once it stands (ConfirmUserAudio, or the next commit), never if withdrawn.
-- DeleteItem (between turns only, a tentative commit not yet confirmed included, else INVALID_REQUEST) and the
+- DeleteItem (between turns only, a tentative commit not yet confirmed included, else ITEM_DELETE_MID_TURN) and the
   oldest items dropped when a request would not fit max_model_len (SetTruncation; by default down to
   AUTO_RETENTION of it; never while a tentative commit may be withdrawn) are answered by ItemsDropped
   (history.py); the system turn and system items are never dropped to fit. A withdrawn answer's item leaves the
