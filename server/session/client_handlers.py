@@ -223,10 +223,13 @@ async def _on_response_cancel(s: Session, event: dict[str, Any]) -> None:
 
 async def _on_item_retrieve(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "item_id"})
-    item = s.item_objs.get(event.get("item_id")) if isinstance(event.get("item_id"), str) else None
+    item_id = event.get("item_id")
+    if not isinstance(item_id, str):
+        raise ProtocolError(errors.ITEM_RETRIEVE_INVALID_ITEM_ID, "item_id (a string) is required", "item_id")
+    item = s.item_objs.get(item_id)
     if item is None:
-        raise ProtocolError(errors.ITEM_RETRIEVE_INVALID_ITEM_ID, f"no item {event.get('item_id')!r} in this "
-                            "conversation", "item_id")
+        raise ProtocolError(errors.ITEM_RETRIEVE_INVALID_ITEM_ID, f"no item {item_id!r} in this conversation",
+                            "item_id")
     s.emit(ev.event("conversation.item.retrieved", item=item), keep=True)
 
 

@@ -211,6 +211,10 @@ async def test_conversation_item_retrieve():
     await s.handle_client_event({"type": "conversation.item.retrieve", "item_id": "item_nope", "event_id": "r9"})
     (err,) = drain(s)
     assert err["error"]["code"] == "item_retrieve_invalid_item_id" and err["error"]["event_id"] == "r9"
+    await s.handle_client_event({"type": "conversation.item.retrieve"})
+    (err,) = drain(s)
+    assert (err["error"]["code"], err["error"]["message"]) == ("item_retrieve_invalid_item_id",
+                                                                "item_id (a string) is required")
 
 
 async def test_an_earlier_assistant_item_can_be_truncated_only_at_its_end():
