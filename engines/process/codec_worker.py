@@ -270,6 +270,7 @@ class CodecWorker(CodecPacing):
         batch, take_first, urgent = self._pick(ready, kind)
         if batch is None:
             return posts, done, -1, take_first  # held back (CodecPacing._pick)
+        decoded = 0  # chunks decoded (the load log's count)
         if batch:
             with self._cv:
                 for a, _, _ in taken:
@@ -295,11 +296,10 @@ class CodecWorker(CodecPacing):
                     with self._cv:
                         self.spans.add("codec round paused", y.paused_s)
             posted = self._clock()
-            decoded = len(batch)
+            decoded = sum(not isinstance(pcm, Exception) for pcm in pcms)
             for a, job, pcm in zip(batch, jobs, pcms, strict=True):
                 if isinstance(pcm, Exception):  # its chunk found no page in the decoder's cache: this answer ends
                     self._end_failed(a, pcm, posts, done)
-                    decoded -= 1  # (the load log counts chunks decoded)
                     continue
                 a.first_post = posted if a.first_post is None else a.first_post
                 a.audio_s += len(pcm) / self.sample_rate
@@ -307,5 +307,4 @@ class CodecWorker(CodecPacing):
                 if job.final:
                     self._close_stream(a)
                     done.append(a)
-            return posts, done, decoded, take_first
-        return posts, done, 0, take_first
+        return posts, done, decoded, take_first
