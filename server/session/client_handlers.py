@@ -245,9 +245,7 @@ async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
     if r is active:
         await s.responses.cancel("client_cancelled", played)
     elif played < r.kept_samples and s.turns.spec is None:  # (a held answer was made after all of this one)
-        r.audio_samples_queued -= s.outbound.drop_audio(r.id)
-        await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
-        r.kept_samples = played
+        await s.responses.stop_ended(r, played)
     s.emit(ev.event("output_audio_buffer.cleared", response_id=r.id), keep=True)
 
 

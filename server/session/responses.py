@@ -109,16 +109,22 @@ class Responses:
             if r is None or r.playback.played_reported is None:
                 return
             played = r.playback.played()
-            if played >= r.kept_samples:
-                return  # heard to the end (or cut there already)
-            r.audio_samples_queued -= s.outbound.drop_audio(r.id)
-            if r.moved:
-                return  # the listener stops hearing it; the conversation keeps it whole
-            await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
-            r.kept_samples = played
+            if played >= r.kept_samples or not await self.stop_ended(r, played):
+                return  # heard to the end (or cut there already), or it stays whole in the history
         if s.audio_out == "track" and r.started:
             s.emit(ev.event("conversation.item.truncated", item_id=r.item_id, content_index=0,
                             audio_end_ms=played * 1000 // ANSWER_RATE))
+
+    async def stop_ended(self, r: Response, played: int) -> bool:
+        """An answer that has ended stops where its listener is: its queued audio is dropped and the engine's history
+        cut there, unless its rows moved (then the conversation keeps it whole). True if the history was cut."""
+        s = self.s
+        r.audio_samples_queued -= s.outbound.drop_audio(r.id)
+        if r.moved:
+            return False
+        await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
+        r.kept_samples = played
+        return True
 
     async def cancel(self, reason: str, played_samples: int | None) -> None:
         s = self.s

@@ -183,7 +183,8 @@ def truncate(item_id: str, ms: int) -> dict:
 async def test_an_answer_after_an_item_that_left_is_cut_only_at_its_end():
     """Deleting an item before the latest answer makes the engine prefill the answer's rows again, and it can no
     longer cut them: a truncate short of the answer's end is refused as the client's (before the engine hears of
-    it), one at its end is confirmed; deleting an item after the answer leaves it to be cut as usual."""
+    it), one at its end is confirmed, and output_audio_buffer.clear stops its audio without a cut; deleting an item
+    after the answer leaves it to be cut as usual."""
     s, link = await ptt_session()
     user = await spoken_turn(s)
     bot = await audio_answer(s, link)
@@ -199,6 +200,8 @@ async def test_an_answer_after_an_item_that_left_is_cut_only_at_its_end():
     assert not link.of(m.TruncateResponse)
     await s.handle_client_event(truncate(bot, 800))  # at its end: nothing to cut
     assert [(e["type"], e.get("audio_end_ms")) for e in drain(s)] == [("conversation.item.truncated", 800)]
+    await s.handle_client_event({"type": "output_audio_buffer.clear"})  # its audio stops; the history keeps it
+    assert types(drain(s)) == ["output_audio_buffer.cleared"]
     assert not link.of(m.TruncateResponse)
 
 
