@@ -75,3 +75,20 @@ async def new_session(audio_out="events", link: Link | None = None, **limits) ->
     await s.start()
     assert types(drain(s)) == ["session.created"]
     return s, link
+
+
+async def respond(s: Session, link: Link, modality: str = "audio", chunks: int = 2, status: str | None = "completed",
+                  **done) -> str:
+    """A response to the conversation so far, its engine output injected (`chunks` of CHUNK; `status` None: it has
+    not ended); returns its id."""
+    await s.handle_client_event({"type": "response.create", "response": {"output_modalities": [modality]}})
+    rid = link.of(m.CreateResponse)[-1].response_id
+    s.on_engine_message(m.ResponseStarted(s.id, rid, prompt_rows=10))
+    s.on_engine_message(m.TextDelta(s.id, rid, "hello"))
+    for i in range(chunks if modality == "audio" else 0):
+        s.on_engine_message(m.AudioChunk(s.id, rid, CHUNK, i))
+    if status is not None:
+        s.on_engine_message(m.ResponseDone(s.id, rid, status, output_rows=5, prompt_rows=10,
+                                           audio_samples=chunks * 9600 if modality == "audio" else 0, **done))
+    await settled(s)
+    return rid

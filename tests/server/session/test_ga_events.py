@@ -12,27 +12,12 @@ import numpy as np
 from engines.protocol import messages as m
 from server.session import server_events as ev
 from server.session.pacing import AudioOut
-from tests.server.session.session_support import CHUNK, drain, feed, new_session, settled, silence, types
+from tests.server.session.session_support import CHUNK, drain, feed, new_session, respond, settled, silence, types
 from tests.server.strict_events import SERVER_EVENT_TYPES, check
 
 NO_VAD = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}}
 HI = {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
                                                    "content": [{"type": "input_text", "text": "hi"}]}}
-
-
-async def answer(s, link, modality: str = "audio", chunks: int = 2, status: str = "completed", **done) -> str:
-    """A response to the conversation so far, its engine output injected; returns its id."""
-    await s.handle_client_event({"type": "response.create", "response": {"output_modalities": [modality]}})
-    rid = link.of(m.CreateResponse)[-1].response_id
-    s.on_engine_message(m.ResponseStarted(s.id, rid, prompt_rows=10))
-    s.on_engine_message(m.TextDelta(s.id, rid, "hello"))
-    for i in range(chunks if modality == "audio" else 0):
-        s.on_engine_message(m.AudioChunk(s.id, rid, CHUNK, i))
-    if status is not None:
-        s.on_engine_message(m.ResponseDone(s.id, rid, status, output_rows=5, prompt_rows=10,
-                                           audio_samples=chunks * 9600 if modality == "audio" else 0, **done))
-    await settled(s)
-    return rid
 
 
 async def taken(s) -> list:
@@ -75,19 +60,19 @@ async def test_every_server_event_validates_under_the_sdk_models(speech24k):
                                  "audio_end_ms": 100})
     await s.handle_client_event(NO_VAD)
     await s.handle_client_event(HI)
-    await answer(s, link, "text")
+    await respond(s, link, "text")
     pcm = base64.b64encode((speech24k[:4800] * 32767).astype("<i2").tobytes()).decode()
     await s.handle_client_event({"type": "input_audio_buffer.append", "audio": pcm})
     await s.handle_client_event({"type": "input_audio_buffer.clear"})
     await s.handle_client_event({"type": "input_audio_buffer.append", "audio": pcm})
     await s.handle_client_event({"type": "input_audio_buffer.commit"})
-    await answer(s, link, status=None)
+    await respond(s, link, status=None)
     await s.handle_client_event({"type": "output_audio_buffer.clear"})
     take(s)
 
     t, s2 = await new_session(audio_out="track")  # barge-in on a track: conversation.item.truncated
     await feed(t, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
-    await answer(t, s2, status=None)
+    await respond(t, s2, status=None)
     t.audio_played(s2.of(m.CreateResponse)[-1].response_id, 4800)
     await feed(t, np.concatenate([silence(0.2), speech24k[:24000]]))
     take(t)
@@ -133,7 +118,7 @@ async def test_vad_barge_in_on_a_track_truncates_where_the_listener_is_and_says_
     for mode in ("track", "events"):
         s, link = await new_session(audio_out=mode)
         await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
-        rid = await answer(s, link, chunks=3, status=None)
+        rid = await respond(s, link, chunks=3, status=None)
         item_id = [e for e in await taken(s) if isinstance(e, dict) and e["type"] == "response.output_item.added"][0][
             "item"]["id"]
         s.audio_played(rid, 4800)  # the track has played 200 ms
@@ -153,7 +138,7 @@ async def test_vad_barge_in_on_a_track_truncates_where_the_listener_is_and_says_
 async def test_barge_in_after_the_answer_ended_cuts_what_the_track_has_not_played(speech24k):
     s, link = await new_session(audio_out="track")
     await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
-    rid = await answer(s, link, chunks=3)  # generated to the end; 1.2 s of it queued for the track
+    rid = await respond(s, link, chunks=3)  # generated to the end; 1.2 s of it queued for the track
     assert audio_items(await taken(s))
     s.audio_played(rid, 9600)
     await feed(s, np.concatenate([silence(0.2), speech24k[:24000]]))
@@ -164,7 +149,7 @@ async def test_barge_in_after_the_answer_ended_cuts_what_the_track_has_not_playe
     # Heard to the end: nothing to cut.
     s, link = await new_session(audio_out="track")
     await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
-    rid = await answer(s, link, chunks=3)
+    rid = await respond(s, link, chunks=3)
     await taken(s)
     s.audio_played(rid, 3 * 9600)
     await feed(s, np.concatenate([silence(0.2), speech24k[:24000]]))
@@ -174,7 +159,7 @@ async def test_barge_in_after_the_answer_ended_cuts_what_the_track_has_not_playe
     # prefilled again there), nothing is said to be cut.
     s, link = await new_session(audio_out="track")
     await feed(s, np.concatenate([silence(0.5), speech24k, silence(1.0)]))
-    rid = await answer(s, link, chunks=3)
+    rid = await respond(s, link, chunks=3)
     await taken(s)
     s.audio_played(rid, 9600)
     user = s.items[0]
@@ -189,7 +174,7 @@ async def test_output_audio_buffer_clear_over_the_websocket_stops_the_answer_whe
     s, link = await new_session()
     await s.handle_client_event(NO_VAD)
     await s.handle_client_event(HI)
-    rid = await answer(s, link, chunks=4, status=None)
+    rid = await respond(s, link, chunks=4, status=None)
     await s.handle_client_event({"type": "output_audio_buffer.clear", "event_id": "c1"})
     assert link.of(m.CancelResponse)[-1].response_id == rid
     assert link.of(m.TruncateResponse)[-1].audio_samples_played == 0  # none of it left the server
@@ -202,7 +187,7 @@ async def test_conversation_item_retrieve():
     s, link = await new_session()
     await s.handle_client_event(NO_VAD)
     await s.handle_client_event(HI)
-    await answer(s, link)
+    await respond(s, link)
     done = [e for e in drain(s) if e["type"] == "conversation.item.done"]
     for d in done:
         await s.handle_client_event({"type": "conversation.item.retrieve", "item_id": d["item"]["id"]})
@@ -222,7 +207,7 @@ async def test_an_earlier_assistant_item_can_be_truncated_only_at_its_end():
     await s.handle_client_event(NO_VAD)
     for _ in range(2):
         await s.handle_client_event(HI)
-        await answer(s, link, chunks=2)
+        await respond(s, link, chunks=2)
     first = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]["output"][0]["id"]
     n = len(link.sent)
     await s.handle_client_event({"type": "conversation.item.truncate", "item_id": first, "content_index": 0,
@@ -286,7 +271,7 @@ async def test_an_answer_with_no_client_limit_that_reaches_the_server_limit_comp
     s, link = await new_session(max_answer_rows=5)
     await s.handle_client_event(NO_VAD)
     await s.handle_client_event(HI)
-    await answer(s, link, status="incomplete", reason="max_output_tokens")
+    await respond(s, link, status="incomplete", reason="max_output_tokens")
     assert link.of(m.CreateResponse)[-1].sampling.max_new_tokens == 5
     done = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]
     assert done["status"] == "completed" and done["status_details"] is None
@@ -307,10 +292,10 @@ async def test_truncating_the_previous_answer_once_a_later_one_runs_cuts_nothing
     s, link = await new_session()
     await s.handle_client_event(NO_VAD)
     await s.handle_client_event(HI)
-    await answer(s, link, chunks=2)
+    await respond(s, link, chunks=2)
     item_id = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]["output"][0]["id"]
     await s.handle_client_event(HI)
-    await answer(s, link, status=None)  # running
+    await respond(s, link, status=None)  # running
     drain(s)
     await s.handle_client_event({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
                                  "audio_end_ms": 800})

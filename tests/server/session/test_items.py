@@ -11,7 +11,7 @@ import numpy as np
 from engines.protocol import messages as m
 from server.session.client_events import SessionConfig, parse_session_update
 from server.session.session import Session, SessionLimits
-from tests.server.session.session_support import CHUNK, Link, drain, settled, types
+from tests.server.session.session_support import Link, drain, respond, settled, types
 
 SPEECH = base64.b64encode((np.sin(np.arange(12000) / 7.0) * 8000).astype("<i2").tobytes()).decode()
 
@@ -157,18 +157,6 @@ async def test_texts_over_the_bound_are_refused_on_arrival_and_the_session_goes_
     assert [a.text for a in link.of(m.AddUserText)] == ["x" * 20] and s.items
 
 
-async def audio_answer(s: Session, link: Link) -> str:
-    """An audio answer of two chunks (800 ms) that has ended; returns its item id."""
-    await s.handle_client_event({"type": "response.create"})
-    cr = link.of(m.CreateResponse)[-1]
-    s.on_engine_message(m.ResponseStarted(s.id, cr.response_id, 3))
-    for i in range(2):
-        s.on_engine_message(m.AudioChunk(s.id, cr.response_id, CHUNK, i))
-    s.on_engine_message(m.ResponseDone(s.id, cr.response_id, "completed", audio_samples=2 * (len(CHUNK) // 2)))
-    await settled(s)
-    return cr.item_id
-
-
 async def text_item(s: Session) -> str:
     """A user text item (it waits in the engine to go in with the next answer)."""
     await s.handle_client_event({"type": "conversation.item.create", "item": {
@@ -187,7 +175,8 @@ async def test_an_answer_after_an_item_that_left_is_cut_only_at_its_end():
     after the answer leaves it to be cut as usual."""
     s, link = await ptt_session()
     user = await spoken_turn(s)
-    bot = await audio_answer(s, link)
+    await respond(s, link)  # an audio answer of two chunks (800 ms)
+    bot = link.of(m.CreateResponse)[-1].item_id
     later = await text_item(s)
     drain(s)
     await s.handle_client_event({"type": "conversation.item.delete", "item_id": later})
@@ -208,7 +197,8 @@ async def test_an_answer_after_an_item_that_left_is_cut_only_at_its_end():
 async def test_an_answer_with_only_later_items_deleted_is_cut_as_usual():
     s, link = await ptt_session()
     await spoken_turn(s)
-    bot = await audio_answer(s, link)
+    await respond(s, link)  # an audio answer of two chunks (800 ms)
+    bot = link.of(m.CreateResponse)[-1].item_id
     later = await text_item(s)
     await s.handle_client_event({"type": "conversation.item.delete", "item_id": later})
     s.on_engine_message(m.ItemsDropped(s.id, [later], deleted=True))
