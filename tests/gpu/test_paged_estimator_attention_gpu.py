@@ -1,6 +1,7 @@
 """CUDA-only: the full-context estimator's attention reading its pages in place equals the gathered pages through
 SDPA under the chunk mask (the CPU path), for one chunk and for a first job's several, tables padded to a bucket,
-last chunks padded to whole ones, batches of one row (key splits merged) and of many.
+last chunks padded to whole ones or far wider than any row (a graph's), batches of one row (key splits merged) and of
+many; and the new chunks' keys and values are written to their pages as the indexed copy of the CPU path writes them.
 Run on a GPU machine: `pytest tests/gpu/test_paged_estimator_attention_gpu.py`. On CPU-only CI every test here is
 skipped with the reason below (the CPU path: tests/engines/speech_out/flow/test_full_context.py)."""
 
@@ -46,13 +47,15 @@ def _reference(q, pages, table, n_keys, n_new):
     (2, 3, [14, 20], 32, 13),  # three chunks, the last one partial
     (1, 70, [0], 0, 20),  # a voice's whole prompt in one pass
     (32, 1, [50] * 32, 64, 20),  # a large batch: one split
+    (1, 1, [3], 250, 20),  # a graph's table (the pool's width) far wider than the row: most splits empty
+    (3, 2, [0, 5, 120], 250, 11),  # rows of very different lengths in one wide table
 ])
 def test_paged_attention_equals_the_gathered_pages_through_sdpa(B, c, hist, maxp, last):
     from engines.kernels.speech_out.flow.paged_attention import paged_attention
 
     torch.manual_seed(B * 100 + c)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    n_pages = 256
+    n_pages = 300
     pages = torch.randn(2, 2, n_pages, FR, H * D, device=dev, dtype=dt)
     rows = []
     for h in hist:  # pages anywhere in the pool (rows may share some, as answers in one voice do); padding reads 0
@@ -67,3 +70,19 @@ def test_paged_attention_equals_the_gathered_pages_through_sdpa(B, c, hist, maxp
     real = torch.arange(c * FR, device=dev) < (c - 1) * FR + last  # padded query frames are never read
     err = (got - want)[:, real].abs().max().item()
     assert err < 2e-2, err
+
+
+@pytest.mark.parametrize(("B", "c"), [(1, 1), (5, 1), (3, 2), (2, 3)])
+def test_write_pages_puts_the_new_keys_and_values_where_the_indexed_copy_does(B, c):
+    from engines.kernels.speech_out.flow.paged_attention import write_pages
+
+    torch.manual_seed(B * 10 + c)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    pages = torch.randn(2, 2, 64, FR, H * D, device=dev, dtype=dt)
+    want = pages.clone()
+    new_page = torch.randperm(63, device=dev)[:B * c].view(B, c) + 1
+    qkv = torch.randn(2 * B, c * FR, 3 * H * D, device=dev, dtype=dt)
+    write_pages(qkv, pages, new_page)
+    kv = qkv.unflatten(2, (3, H * D))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, FR))
+    want[:, :, new_page] = kv  # (cached_estimator.py's CPU path)
+    assert torch.equal(pages, want)

@@ -76,9 +76,9 @@ class _Pass:
         # new ones last): no second copy to append the chunks to what was read.
         self.table = torch.cat([table, new_page], dim=1)  # [B, maxp + c]
         if self.paged:  # the kernel masks as it reads
-            from engines.kernels.speech_out.flow.paged_attention import paged_attention
+            from engines.kernels.speech_out.flow.paged_attention import paged_attention, write_pages
 
-            self.paged_attention = paged_attention
+            self.paged_attention, self.write_pages = paged_attention, write_pages
             return
         # Which gathered keys a query may read: a row's earlier pages are all full (one page per whole chunk); of the
         # new pages, the real frames (a last chunk may be padded to a whole one) of the query's own chunk and those
@@ -144,12 +144,13 @@ class _Pass:
         B, D, c = R // 2, D3 // 3, self.new_page.shape[1]
         j, self.block = self.block, self.block + 1
         pages = self.pool[j]  # [2 kv, 2 branch, pages, frames, D]
+        q = qkv[:, :, :D]
+        if self.paged:
+            self.write_pages(qkv, pages, self.new_page)
+            return self.paged_attention(q, pages, self.table, self.n_keys, self.n_new, heads, self.frames)
         # [2 kv, 2 branch, B, c, frames, D]: views of qkv, written in one indexed copy
         kv = qkv.unflatten(2, (3, D))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, Fr // c))
         pages[:, :, self.new_page] = kv.to(pages.dtype)
-        q = qkv[:, :, :D]
-        if self.paged:
-            return self.paged_attention(q, pages, self.table, self.n_keys, self.n_new, heads, self.frames)
         got = pages[:, :, self.table]  # [2 kv, 2 branch, B, maxp + c, frames, D]: one gather
         got = got.view(2, R, -1, got.shape[-1])  # [2 kv, R, L, D]: rows branch-major, as the chunk's
         keys, vals = got[0].to(q.dtype), got[1].to(q.dtype)

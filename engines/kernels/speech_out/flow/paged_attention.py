@@ -5,8 +5,12 @@ The torch path gathers each row's pages into one tensor per block and Euler step
 has said so far, written and read again) and runs SDPA under a mask; that copy is what grows with the answer. Here a
 program takes one (row, head, key split, block of queries): each key's page is looked up in the row's table as it is
 read, an online softmax in float32 runs over the keys, and `merge_splits` combines the splits when a launch of few
-rows has several (enough programs for the GPU; the split count depends only on the launch's shapes, so a CUDA graph
-holds it).
+rows has several (enough programs for the GPU). The split count depends only on the rows and queries, and each row's
+keys are shared among the splits by the row's own length, read on the device: the table's width (padding) costs no
+work, so one CUDA graph of a batch serves answers and voices of any length.
+
+`write_pages` puts the new chunks' keys and values into their pages first (one program per frame: a row of keys
+and one of values copied whole), which the attention then reads as it reads earlier frames.
 
 Keys, in the order a row reads them: its earlier pages' frames (`n_keys`, whole pages), then the new chunks' real
 frames (`n_new`), a query seeing a new frame only in its own chunk or an earlier one (the chunk mask).
@@ -21,23 +25,24 @@ import triton.language as tl
 from engines.kernels.attention_splits import merge_splits, store_split
 
 BLOCK_Q = 32  # queries per program (a chunk is 20 frames)
-BLOCK_T = 64  # keys per inner iteration
+BLOCK_T = 128  # keys per inner iteration
 MAX_SPLITS = 16
 PROGRAMS_PER_SM = 2
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
-def num_splits(programs: int, max_keys: int, device: torch.device) -> int:
-    """Key splits per (row, head, query block): enough for PROGRAMS_PER_SM programs per SM, at most one per BLOCK_T
-    keys and at most MAX_SPLITS."""
+def num_splits(programs: int, device: torch.device) -> int:
+    """Key splits per (row, head, query block): enough for PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS."""
     want = -(-PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // programs)
-    return max(1, min(want, MAX_SPLITS, -(-max_keys // BLOCK_T)))
+    return max(1, min(want, MAX_SPLITS))
 
 
 # Query counts, rows and table widths are not specialized: a voice's prompt of any length, prepared in one pass, runs
 # the kernel compiled at start (a compile while serving stalls its caller ~0.5 s).
-@triton.jit(do_not_specialize=["F", "B", "MAXP", "KEYS_PER_SPLIT"])
+@triton.jit(do_not_specialize=["F", "B", "MAXP"])
 def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, s_br, s_pg, s_pf, s_tb, s_or, B, MAXP,
-                  KEYS_PER_SPLIT, scale, F, FR: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                  scale, F, FR: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0)  # (row, head)
     split = tl.program_id(1)
@@ -57,8 +62,9 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
     acc = tl.zeros((BLOCK_Q, D), tl.float32)
     base = PAGES + branch * s_br + h * D
-    t0 = split * KEYS_PER_SPLIT
-    t_end = tl.minimum(t0 + KEYS_PER_SPLIT, total)
+    per_split = tl.cdiv(tl.cdiv(total, tl.num_programs(1)), BLOCK_T) * BLOCK_T  # this row's keys, split evenly
+    t0 = split * per_split
+    t_end = tl.minimum(t0 + per_split, total)
     for t in range(t0, t_end, BLOCK_T):
         u = t + tl.arange(0, BLOCK_T)
         um = u < t_end
@@ -97,9 +103,7 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
     maxp = slots - c
     out = torch.empty(R, Fq, HD, device=q.device, dtype=q.dtype)
     qblocks = triton.cdiv(Fq, BLOCK_Q)
-    splits = num_splits(R * heads * qblocks, maxp * frames + Fq, q.device)
-    per_split = -(-(maxp * frames + Fq) // splits)
-    per_split = -(-per_split // BLOCK_T) * BLOCK_T
+    splits = num_splits(R * heads * qblocks, q.device)
     if splits > 1:
         po = torch.empty(splits, R * Fq, heads, D, device=q.device, dtype=torch.float32)
         pml = torch.empty(splits, R * Fq, heads, 2, device=q.device, dtype=torch.float32)
@@ -108,8 +112,39 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
     table = table.contiguous()
     _paged_kernel[(R * heads, splits, qblocks)](
         q, pages, table, n_keys, n_new, out, po, pml, q.stride(0), q.stride(1), pages.stride(0), pages.stride(1),
-        pages.stride(2), pages.stride(3), table.stride(0), HD, B, maxp, per_split, D ** -0.5, F=Fq, FR=frames,
-        H=heads, D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, num_warps=4)
+        pages.stride(2), pages.stride(3), table.stride(0), HD, B, maxp, D ** -0.5, F=Fq, FR=frames,
+        H=heads, D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         merge_splits(po, pml, out.view(R * Fq, HD), splits, MAX_SPLITS)
     return out
+
+
+@triton.jit(do_not_specialize=["B"])
+def _write_kernel(QKV, PAGES, NEW_PAGE, s_qr, s_qf, s_kv, s_br, s_pg, s_pf, s_np, B, FR: tl.constexpr,
+                  HD: tl.constexpr, HD_P: tl.constexpr):
+    r = tl.program_id(0)  # rows: the batch's conditional passes, then its unconditional ones
+    f = tl.program_id(1)
+    branch = r // B
+    b = r % B
+    page = tl.load(NEW_PAGE + b * s_np + f // FR).to(tl.int64)
+    rd = tl.arange(0, HD_P)
+    m = rd < HD
+    src = QKV + r.to(tl.int64) * s_qr + f * s_qf + HD + rd  # q/k/v: the keys after the queries, then the values
+    dst = PAGES + branch * s_br + page * s_pg + (f % FR) * s_pf + rd
+    tl.store(dst, tl.load(src, mask=m).to(PAGES.dtype.element_ty), mask=m)
+    tl.store(dst + s_kv, tl.load(src + HD, mask=m).to(PAGES.dtype.element_ty), mask=m)
+
+
+def write_pages(qkv: torch.Tensor, pages: torch.Tensor, new_page: torch.Tensor) -> None:
+    """The keys and values of qkv [2B, F, 3 * heads * D] (F = c chunks of frames, rows branch-major; q, k, v along
+    the last dim) into pages [2 kv, 2 branch, pages, frames, heads * D] (one block's) at new_page [B, c] long: chunk
+    i of row b's branch goes to page new_page[b, i]."""
+    R, Fq, HD3 = qkv.shape
+    B, c = new_page.shape
+    HD, frames = HD3 // 3, pages.shape[3]
+    if R != 2 * B or Fq != c * frames or pages.shape[-1] != HD or qkv.stride(2) != 1 or pages.stride(4) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} / pages {tuple(pages.shape)} / new_page {tuple(new_page.shape)} "
+                         "disagree")
+    _write_kernel[(R, Fq)](qkv, pages, new_page, qkv.stride(0), qkv.stride(1), pages.stride(0), pages.stride(1),
+                           pages.stride(2), pages.stride(3), new_page.stride(0), B, FR=frames, HD=HD,
+                           HD_P=triton.next_power_of_2(HD), num_warps=4)
