@@ -20,7 +20,13 @@ from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderG
 from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
 from engines.speech_out.flow.flow import FlowModel
-from engines.speech_out.flow.full_context import FullContextFlow, FullSolveGraphs, FullVoice, first_job_codes
+from engines.speech_out.flow.full_context import (
+    FullContextFlow,
+    FullSolveGraphs,
+    FullVoice,
+    first_job_codes,
+    prompt_tails,
+)
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
@@ -188,10 +194,13 @@ class CodecDecoder:
         """With CUDA graphs on, capture the graphs (encoder, Euler solve, HiFT vocoder) of full chunks and, with
         `partial_chunks`, of every shorter last chunk (1..chunk-1 codes: one per answer; the encoder runs those
         eagerly), for every batch bucket up to `max_batch` sessions now (seconds), instead of on first use inside an
-        answer (a capture stalls the codec worker for ~0.1-0.5 s). The encoder's graphs and, with full context, a
-        first job's (its solve, and the vocoder over its answer codes) depend on the prompt's length: those of the
-        default voice are captured (other voices capture theirs on first use); not with `first_jobs` False (a
-        decoder whose first jobs run on lanes of their own).
+        answer (a capture of the full-size solve stalls the codec worker 0.8-1.6 s on an H200). With full context
+        and `first_jobs`, also every voice's first job (its solve, and the vocoder over its answer codes: both depend
+        only on the prompt's tail). In half precision the solve's graphs serve answers of any length; a float32
+        estimator's are captured for the default voice's and 24 s of answer (`FullContextFlow.graph_pages`).
+        The windowed flow's encoder graphs depend on the prompt's length: those of the default voice are captured
+        (other voices capture theirs on first use). `first_jobs` False: a decoder whose first jobs run on lanes of
+        their own.
         Returns graphs captured (0 without CUDA graphs)."""
         st, r = self.cfg.stream, self.cfg.flow.token_mel_ratio
         codes = list(range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,))
@@ -201,12 +210,13 @@ class CodecDecoder:
             frames_s = fc.mel.sample_rate / fc.mel.hop
             answer = int(CAPTURE_ANSWER_S * frames_s) // self.full.page_frames
             voice = self.prepared(self.default_voice)
-            first = first_job_codes(len(voice.tail), st.chunk_codes)
-            n += self.full_graphs.capture_steady_state(max_batch, len(voice.pages) + answer,
-                                                       (first // st.chunk_codes, len(voice.pages)) if first_jobs
-                                                       else None)
-            if first_jobs and first - len(voice.tail) not in codes:  # the vocoder renders a first job's answer codes
-                codes.append(first - len(voice.tail))
+            # Every voice's first job: its tail, then answer codes up to a chunk boundary (the vocoder renders those).
+            firsts = {(first_job_codes(t, st.chunk_codes), t) for t in prompt_tails(st.chunk_codes, fc.pre_lookahead)}
+            n += self.full_graphs.capture_steady_state(
+                max_batch, len(voice.pages) + answer,
+                sorted({(j // st.chunk_codes, len(voice.pages)) for j, _ in firsts}) if first_jobs else ())
+            if first_jobs:
+                codes = sorted(set(codes) | {j - t for j, t in firsts})
         if self.flow.enc_graphs is not None:
             n += self.flow.enc_graphs.capture_steady_state(max_batch, self.prepared(self.default_voice).n_codes)
         for g in (self.flow.graphs, getattr(self.vocoder, "graphs", None)):

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from engines.cuda.host_copy import upload
 from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
-from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks
+from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks, paged_kernel
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_masks, encode_masked
 
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 # The initial noise of a voice's shared prompt frames: one draw for the voice, the same for every answer in it.
 VOICE_NOISE_SEED = 0
-# A graphed solve reads a multiple of this many pages (6.4 s of audio): few graphs, a little padding read.
+# Where a pass gathers pages (not in half precision on CUDA), a graphed solve's table holds a multiple of this many
+# (6.4 s of audio): few graphs, a little padding read.
 PAGES_BUCKET = 16
 # First jobs' graphs captured at load reach this batch (more first jobs in one round capture theirs on first use).
 FIRST_JOB_BATCH = 16
@@ -58,14 +59,21 @@ FORGET_LOG_S = 60.0
 
 
 def pages_bucket(n: int) -> int:
-    """The pages a graphed solve reads for n: the next multiple of PAGES_BUCKET."""
-    return -(-n // PAGES_BUCKET) * PAGES_BUCKET
+    """The pages a graphed solve gathers for n: the next multiple of PAGES_BUCKET (one at least: a voice too short
+    for a page of its own replays the graph of one that has some)."""
+    return max(1, -(-n // PAGES_BUCKET)) * PAGES_BUCKET
 
 
 def first_job_codes(tail: int, chunk: int) -> int:
     """An answer's first job: the prompt's tail and the answer's first codes up to the chunk boundary that gives at
     least a chunk of answer, so that the first audio is never shorter than a chunk (the next can follow in time)."""
     return -(-(tail + chunk) // chunk) * chunk
+
+
+def prompt_tails(chunk: int, lookahead: int) -> range:
+    """Every length a voice's tail can have (`FullContextFlow.prepare_voice`): a prompt shorter than the lookahead is
+    all tail, a longer one leaves lookahead .. lookahead + chunk - 1 codes after its whole chunks."""
+    return range(lookahead + chunk)
 
 
 @dataclass
@@ -299,17 +307,20 @@ class FullContextFlow:
         """The Euler solve of one job per state: mu, cond, z [B, 80, F] -> mel [B, 80, F]; each state's estimator
         reads the pages in `tables` and writes its job's chunks to `new_pages` (one page per chunk); its left state
         moves on. The frames are padded to whole chunks (a last chunk runs as a whole one with its real frames marked).
-        With `graphs`, a job replays a CUDA graph per (batch bucket, chunks, pages bucket): the pages read are padded
-        to a multiple of PAGES_BUCKET (padding reads page 0, masked)."""
+        With `graphs`, a job replays a CUDA graph per (batch bucket, chunks) and table width (`graph_pages`; the
+        padding is page 0, never read or masked)."""
         dev, Fr, W = mu.device, mu.shape[2], self.page_frames
         c = len(new_pages[0])
         if Fr < c * W:
             mu, cond, z = (F.pad(t, (0, c * W - Fr)) for t in (mu, cond, z))
         maxp = max(len(t) for t in tables)
         if graphs is not None:
-            maxp = pages_bucket(maxp)
+            maxp = self.graph_pages(maxp)
+        padded = np.zeros((len(tables), maxp), np.int64)  # [B, maxp]
+        for b, t in enumerate(tables):
+            padded[b, :len(t)] = t
         table, n_keys, new_page, n_new = upload([
-            np.asarray([t + [0] * (maxp - len(t)) for t in tables], np.int64).reshape(len(tables), maxp),
+            padded,
             np.asarray([len(t) * W for t in tables]), np.asarray(new_pages, np.int64).reshape(len(tables), c),
             np.full(len(tables), Fr)], dev)
         args = [mu, cond, z, torch.stack([s.voice.spks for s in states]), torch.stack([s.left for s in states]), table,
@@ -318,6 +329,13 @@ class FullContextFlow:
         for b, st in enumerate(states):
             st.left = left[b]  # (after a padded last chunk, never read again)
         return x[:, :, :Fr]
+
+    def graph_pages(self, n: int) -> int:
+        """The width of a graphed solve's page table for rows of at most n earlier pages: where attention reads the
+        pages in place, the pool's size (its work follows each row's own length: one graph of a batch serves answers
+        and voices of any length, none is captured while serving); where a pass gathers the table, the next multiple
+        of PAGES_BUCKET."""
+        return self.pages.n_pages if paged_kernel(self.pages.pool, self.flow.decoder.estimator) else pages_bucket(n)
 
     def euler(self, mu: torch.Tensor, cond: torch.Tensor, z: torch.Tensor, spks: torch.Tensor, left: torch.Tensor,
               table: torch.Tensor, n_keys: torch.Tensor, new_page: torch.Tensor, n_new: torch.Tensor
@@ -351,29 +369,31 @@ class FullContextFlow:
 
 
 class FullSolveGraphs(BucketGraphs):
-    """`FullContextFlow.euler` of whole chunks as CUDA graphs, one per (batch bucket, chunks, pages bucket). Rows
-    padded by repeating the last one write that row's pages again with the same values."""
+    """`FullContextFlow.euler` of whole chunks as CUDA graphs, one per (batch bucket, chunks, table width: `graph_
+    pages`). Rows padded by repeating the last one write that row's pages again with the same values."""
 
     def __init__(self, full: FullContextFlow, urgent: bool = False) -> None:
         super().__init__(full.euler, urgent)
         self.full = full
 
     @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
-    def capture_steady_state(self, max_batch: int, max_pages: int, first_job: tuple[int, int] | None = None) -> int:
-        """Capture now the graphs of one chunk for every batch bucket up to `max_batch` and pages bucket up to
-        `max_pages`, and with `first_job` = (chunks, pages read), those of an answer's first job in a voice whose
-        first job is that (batch buckets up to FIRST_JOB_BATCH: first jobs come a few at a time). Returns how many
+    def capture_steady_state(self, max_batch: int, max_pages: int, first_jobs: Sequence[tuple[int, int]] = ()
+                             ) -> int:
+        """Capture now the graphs of one chunk for every batch bucket up to `max_batch` and table width up to
+        `max_pages` earlier pages, and for each (chunks, pages read) of `first_jobs`, those of answers' first jobs of
+        that many chunks (batch buckets up to FIRST_JOB_BATCH: first jobs come a few at a time). Returns how many
         were newly captured."""
-        page = self.full.pages.alloc(1)  # the captures' warm-up runs write one page
+        full = self.full
+        page = full.pages.alloc(1)  # the captures' warm-up runs write one page
         n = 0
         try:
+            widths = sorted({full.graph_pages(p) for p in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET)})
             for B in buckets_up_to(max_batch):
-                for maxp in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET):
+                for maxp in widths:
                     n += self.ensure(self._inputs(B, 1, maxp, page[0]))
-            if first_job is not None:
-                c, pages = first_job
+            for c, pages in first_jobs:
                 for B in buckets_up_to(min(max_batch, FIRST_JOB_BATCH)):
-                    n += self.ensure(self._inputs(B, c, pages_bucket(pages), page[0]))
+                    n += self.ensure(self._inputs(B, c, full.graph_pages(pages), page[0]))
         finally:
             self.full.pages.release(page)
         return n
