@@ -1,14 +1,14 @@
 """The full-context estimator's paged attention alone, per launch configuration, against its byte floor.
 
-    python3 -m engines.profiling.estimator_attention [--batches 1,16,64] [--pages 16,42] [--configs 64,4,3 128,4,3]
+    python3 -m engines.profiling.estimator_attention [--batches 1,16,64] [--pages 16,42] [--configs 128,4,3,2 ...]
         [--json OUT]
 
 Each row of a batch attends with one chunk (20 frames, both classifier-free-guidance branches) over `pages` earlier
 pages: the voice's 14, shared by every row, then pages of its own (42: a served answer past ~11 s). A config is
-BLOCK_T,NUM_WARPS,NUM_STAGES of engines/kernels/speech_out/flow/paged_attention.py. Each timing is a CUDA graph of one
-launch per block over pools of their own (as many blocks as keep them well past the L2, at most the estimator's 56),
-replayed; the figure is the time per launch. The floor is the launch's key and value bytes at the copy rate measured in
-the same run.
+BLOCK_T,NUM_WARPS,NUM_STAGES,PROGRAMS_PER_SM of engines/kernels/speech_out/flow/paged_attention.py. Each timing is a
+CUDA graph of one launch per block over pools of their own (as many blocks as keep them well past the L2, at most the
+estimator's 56), replayed; the figure is the time per launch. The floor is the launch's key and value bytes at the
+copy rate measured in the same run.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--pages", default="16,42")
-    p.add_argument("--configs", nargs="+", default=[f"{pa.BLOCK_T},{pa.NUM_WARPS},{pa.NUM_STAGES}"])
+    p.add_argument("--configs", nargs="+",
+                   default=[f"{pa.BLOCK_T},{pa.NUM_WARPS},{pa.NUM_STAGES},{pa.PROGRAMS_PER_SM}"])
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev = torch.device("cuda")
@@ -73,11 +74,13 @@ def main(argv: list[str] | None = None) -> None:
                                  generator=g) for _ in range(blocks)]
             floor = nbytes / bw * 1e6
             for cfg in args.configs:
-                pa.BLOCK_T, pa.NUM_WARPS, pa.NUM_STAGES = (int(x) for x in cfg.split(","))
+                pa.BLOCK_T, pa.NUM_WARPS, pa.NUM_STAGES, pa.PROGRAMS_PER_SM = (int(x) for x in cfg.split(","))
+                splits = pa.num_splits(2 * batch * HEADS, dev)
                 us = _us_per_launch(q, table, n_keys, n_new, pools)
-                rows.append({"batch": batch, "pages": pages, "config": cfg, "us": us, "floor_us": floor})
-                print(f"batch {batch:3d} pages {pages:3d} config {cfg:10s}: {us:7.1f} us (floor {floor:6.1f}, "
-                      f"{floor / us:4.0%})", flush=True)
+                rows.append({"batch": batch, "pages": pages, "config": cfg, "splits": splits, "us": us,
+                             "floor_us": floor})
+                print(f"batch {batch:3d} pages {pages:3d} config {cfg:12s} ({splits:2d} splits): {us:7.1f} us (floor "
+                      f"{floor:6.1f}, {floor / us:4.0%})", flush=True)
             del pools
             torch.cuda.empty_cache()
     if args.json:
