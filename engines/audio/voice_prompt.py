@@ -12,16 +12,21 @@ MIN_RATE = 8_000
 MAX_RATE = 192_000
 # The codec decoder takes prompts of up to 375 codes (engines/speech_out/config.py, max_prompt_codes): 30 s.
 MAX_SECONDS = 30.0
+# A prompt gives the decoder at least one code (80 ms; its mel and speaker features need 30 and 25 ms).
+MIN_SECONDS = 0.08
 
 
 def check_voice_prompt(wav: str | Path | bytes, max_seconds: float = MAX_SECONDS) -> float:
     """The prompt's duration in seconds; AudioFormatError saying why for a file that is not an integer-PCM WAV, whose
-    sample rate is outside MIN_RATE..MAX_RATE, or that is longer than `max_seconds`."""
+    sample rate is outside MIN_RATE..MAX_RATE, or that is shorter than MIN_SECONDS or longer than `max_seconds`."""
     h = read_wav_header(wav)
     if not MIN_RATE <= h.rate <= MAX_RATE:
         raise AudioFormatError(f"voice prompt sample rate {h.rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz")
     if h.channels < 1 or h.frames == 0:
         raise AudioFormatError("voice prompt holds no audio")
+    if h.seconds < MIN_SECONDS:
+        raise AudioFormatError(f"voice prompt of {h.seconds * 1000:.0f} ms is shorter than {MIN_SECONDS * 1000:.0f} ms "
+                               "(one code of the speech decoder)")
     if h.seconds > max_seconds:
         raise AudioFormatError(f"voice prompt of {h.seconds:.1f} s is longer than {max_seconds:g} s")
     return h.seconds

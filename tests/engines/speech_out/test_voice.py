@@ -44,7 +44,7 @@ def test_voice_from_wav_keeps_the_start_of_the_recording(tmp_path):
 
 @pytest.mark.parametrize(("rate", "seconds", "why"), [
     (400, 975.0, "sample rate"), (7_999, 1.0, "sample rate"), (192_001, 0.5, "sample rate"),
-    (8_000, MAX_SECONDS + 0.5, "longer")])
+    (8_000, MAX_SECONDS + 0.5, "longer"), (24_000, 0.01, "shorter"), (16_000, 0.079, "shorter")])
 def test_prompts_out_of_bounds_are_refused_from_the_header(tmp_path, rate, seconds, why):
     path = tmp_path / "v.wav"
     write_wav(path, np.zeros(int(rate * seconds), np.float32), rate)
