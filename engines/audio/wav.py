@@ -9,6 +9,7 @@ import io
 import wave
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -98,9 +99,9 @@ def read_wav(path: str | Path | bytes) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(x, dtype=np.float32), rate
 
 
-def write_wav(path: str | Path, samples: np.ndarray, rate: int) -> None:
-    """Mono float samples -> 16-bit PCM WAV."""
-    with wave.open(str(path), "wb") as w:
+def write_wav(path: str | Path | BinaryIO, samples: np.ndarray, rate: int) -> None:
+    """Mono float samples -> 16-bit PCM WAV (a path, or a binary file open for writing)."""
+    with wave.open(path if hasattr(path, "write") else str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(int(rate))

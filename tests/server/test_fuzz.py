@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import logging
 import random
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import websockets
 
+from engines.audio.wav import write_wav
 from server.audio.pcm import float32_to_pcm16, read_wav
 from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, tiny_settings, user_text
 from tests.paths import DATA
@@ -82,6 +84,13 @@ def _mutate(obj: Any, rng: random.Random) -> Any:
     if isinstance(obj, list):
         return [_mutate(x, rng) for x in obj] if obj and rng.random() < 0.8 else rng.choice(ODD_VALUES + [obj * 3])
     return obj if rng.random() < 0.7 else rng.choice(ODD_VALUES)
+
+
+def _wav(x: np.ndarray, rate: int) -> str:
+    """Mono samples as a base64 WAV file (a voice prompt)."""
+    b = io.BytesIO()
+    write_wav(b, x, rate)
+    return base64.b64encode(b.getvalue()).decode()
 
 
 def _frame(event: dict[str, Any]) -> str:
@@ -187,9 +196,11 @@ SEMANTIC_VAD = [{"type": "semantic_vad", "eagerness": e} for e in ("low", "mediu
 async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, seconds: float, detectors: list[Any]
                              ) -> tuple[list[dict[str, Any]], int | None]:
     """Speech at about real time in odd chunk sizes, with commits, clears, cancels, answers, truncations (of the
-    latest answer's item or of none), deletions of items and turn-detection changes among `detectors` thrown in at
-    random (the first one, or the first that is not None, to begin with)."""
+    latest answer's item or of none), deletions of items, voice prompts (the default, one of 1 s, one too short to
+    use) and turn-detection changes among `detectors` thrown in at random (the first one, or the first that is not
+    None, to begin with)."""
     rng = random.Random(seed)
+    voices = [None, {"wav": _wav(signal[:24000], 24000)}, {"wav": _wav(signal[:240], 24000)}]
     async with websockets.connect(srv.ws, max_size=None) as ws:
         sid = await _opened(ws)
         events: list[dict[str, Any]] = []
@@ -227,6 +238,9 @@ async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, 
             elif r < 0.96:
                 await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {
                     "turn_detection": rng.choice(detectors)}}})
+            elif r < 0.975:
+                await send(ws, "session.update", session={"type": "realtime", "moss": {
+                    "voice_prompt": rng.choice(voices)}})
             else:
                 await user_text(ws, "hello")
         await _still_answers(srv, sid, ws, events, reader)

@@ -1,5 +1,5 @@
-"""A voice prompt whose WAV header claims a sample rate out of range, or a length over 30 s, is refused by the server
-with `invalid_audio` naming the parameter, before the engine sees it."""
+"""A voice prompt whose WAV header claims a sample rate out of range, or a length under 80 ms or over 30 s, is refused
+by the server with `invalid_audio` naming the parameter, before the engine sees it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def _update(wav: bytes) -> dict:
 
 
 @pytest.mark.parametrize(("rate", "seconds", "why"), [(400, 975.0, "sample rate 400 Hz"),
-                                                      (8_000, 31.0, "longer than 30 s")])
+                                                      (8_000, 31.0, "longer than 30 s"),
+                                                      (24_000, 0.01, "shorter than 80 ms")])
 def test_a_prompt_out_of_bounds_is_refused_by_name(tmp_path, rate: int, seconds: float, why: str) -> None:
     path = tmp_path / "v.wav"
     write_wav(path, np.zeros(int(rate * seconds), np.float32), rate)
