@@ -45,6 +45,7 @@ class Responses:
     _codec: CodecWorker | None
     _codec_owner: dict[int, Session]
     _finished_ids: deque[str]  # the latest responses finished (a late cancel of one is no error)
+    _unstarted_ids: deque[str]  # the latest responses cancelled while they waited (a cut of one has nothing to cut)
     limits: InputLimits
 
     def _ramping(self) -> bool:
@@ -182,9 +183,13 @@ class Responses:
         if s.completing is not None and s.completing.response_id == msg.response_id:
             self._drop_last_audio(s.completing)
             return
-        if msg.response_id in self._finished_ids or any(d.response_id == msg.response_id for d in s.deferred):
+        if any(d.response_id == msg.response_id for d in s.deferred):  # not started: it ends here
             s.deferred = [d for d in s.deferred if d.response_id != msg.response_id]
-            return  # finished already (a benign race), or not started: nothing to stop
+            self._unstarted_ids.append(msg.response_id)
+            self._send(client, m.ResponseDone(s.session_id, msg.response_id, "cancelled", reason="client_cancelled"))
+            return
+        if msg.response_id in self._finished_ids:
+            return  # finished already (a benign race)
         raise ServiceError(errors.INVALID_REQUEST, f"no response {msg.response_id!r} in this session", msg.response_id)
 
     def _on_WithdrawResponse(self, client: bytes, msg: m.WithdrawResponse) -> None:
@@ -229,6 +234,8 @@ class Responses:
         self._truncate(self._session(client, msg.session_id), msg)
 
     def _truncate(self, s: Session, msg: m.TruncateResponse) -> None:
+        if msg.response_id in self._unstarted_ids:
+            return  # it never said anything (a listener's stop: the cancel, then the cut where it is)
         t = s.active
         if t is not None and t.response is not None and t.response.response_id == msg.response_id:
             t.response.truncate_samples = msg.audio_samples_played

@@ -145,6 +145,7 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
         # More rows than the model's context can never go in one request (limits.py)
         self.max_waiting_rows = None if config is None else config.max_model_len
         self._finished_ids: deque[str] = deque(maxlen=64)
+        self._unstarted_ids: deque[str] = deque(maxlen=64)
         self._out: list[Out] = []
         # Set by the engine process: called again and again while the engine waits for a step's tokens, until it
         # returns False (Engine.step's `on_wait`; it calls handle_early and while_stepping).

@@ -37,13 +37,23 @@ CLIENT_CODES = {
     "input_audio_buffer_too_large", "input_audio_buffer_not_empty", "conversation_already_has_active_response",
     "response_cancel_not_active",
     "item_truncate_invalid_item_id", "item_truncate_invalid_content_index", "item_truncate_invalid_audio_end_ms",
-    "item_delete_invalid_item_id", "item_delete_mid_turn",
+    "item_delete_invalid_item_id", "item_delete_mid_turn", "item_retrieve_invalid_item_id",
 }
 
 
 def _tone_b64(samples: int = 2400) -> str:
     return base64.b64encode((np.sin(np.arange(samples) / 5.0) * 8000).astype("<i2").tobytes()).decode()
 
+
+def _wav(x: np.ndarray, rate: int) -> str:
+    """Mono samples as a base64 WAV file (a voice prompt)."""
+    b = io.BytesIO()
+    write_wav(b, x, rate)
+    return base64.b64encode(b.getvalue()).decode()
+
+
+# A voice prompt: 0.2 s of a tone at 16 kHz.
+_PROMPT = _wav((np.sin(np.arange(3200) / 7.0) * 0.3).astype(np.float32), 16000)
 
 TEMPLATES: list[dict[str, Any]] = [
     {"type": "session.update", "session": {
@@ -65,6 +75,9 @@ TEMPLATES: list[dict[str, Any]] = [
     {"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": [
         {"type": "output_text", "text": "ok"}]}},
     {"type": "conversation.item.truncate", "item_id": "item_x", "content_index": 0, "audio_end_ms": 100},
+    {"type": "session.update", "session": {"type": "realtime", "moss": {"voice_prompt": {"wav": _PROMPT}}}},
+    {"type": "conversation.item.retrieve", "item_id": "item_x"},
+    {"type": "output_audio_buffer.clear"},
 ]
 ODD_VALUES: list[Any] = [None, True, -1, 0, 2 ** 63, 1e308, float("nan"), float("inf"), "", "x" * 5000, [], [1, 2], {},
                          {"a": {"b": []}}, "\ud800", "\x00", -0.0, 3.5, "audio/pcmu", "server_vad"]
@@ -84,13 +97,6 @@ def _mutate(obj: Any, rng: random.Random) -> Any:
     if isinstance(obj, list):
         return [_mutate(x, rng) for x in obj] if obj and rng.random() < 0.8 else rng.choice(ODD_VALUES + [obj * 3])
     return obj if rng.random() < 0.7 else rng.choice(ODD_VALUES)
-
-
-def _wav(x: np.ndarray, rate: int) -> str:
-    """Mono samples as a base64 WAV file (a voice prompt)."""
-    b = io.BytesIO()
-    write_wav(b, x, rate)
-    return base64.b64encode(b.getvalue()).decode()
 
 
 def _frame(event: dict[str, Any]) -> str:

@@ -173,3 +173,31 @@ def test_the_default_voice_comes_back_and_a_prompt_in_the_making_no_longer_count
     gate.set()
     assert [d.response_id for d in of(run(svc), m.ResponseDone)] == ["r3"]
     assert svc.decoder.voices == {"a": None} and svc.sessions["a"].voice is None
+
+
+def test_an_answer_waiting_for_its_voice_stopped_by_its_listener_is_dropped_without_an_error(tmp_path) -> None:
+    """A listener's stop (output_audio_buffer.clear) is a cancel and then a cut where the listener is: an answer still
+    waiting for its voice prompt ends at the cancel, and the cut finds nothing to cut (no error: the client did
+    nothing wrong); the session's next answer speaks in the voice."""
+    gate = threading.Event()
+    made = Voice.random(seed=5, n_codes=2)
+
+    def load(wav: bytes) -> Voice:
+        assert gate.wait(WAIT_S)
+        return made
+
+    svc = service(load)
+    send(svc, m.OpenSession("a"))
+    send(svc, m.UpdateSession("a", voice_wav=wav_bytes(tmp_path, 1.0, 16000)))
+    send(svc, m.AddUserText("a", "i", "hello"))
+    assert send(svc, m.CreateResponse("a", "r1", "audio", greedy(3, 3))) == []  # waits for the voice
+    stopped = send(svc, m.CancelResponse("a", "r1")) + send(svc, m.TruncateResponse("a", "r1", 0))
+    assert not of(stopped, m.Error)
+    assert [(d.response_id, d.status) for d in of(stopped, m.ResponseDone)] == [("r1", "cancelled")]
+    gate.set()
+    send(svc, m.AddUserText("a", "j", "hello"))
+    send(svc, m.CreateResponse("a", "r2", "audio", greedy(3, 3)))
+    msgs = run(svc)
+    assert not of(msgs, m.Error)
+    assert [d.response_id for d in of(msgs, m.ResponseDone)] == ["r2"]
+    assert svc.decoder.voices == {"a": made}
