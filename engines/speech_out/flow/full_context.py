@@ -308,7 +308,7 @@ class FullContextFlow:
         reads the pages in `tables` and writes its job's chunks to `new_pages` (one page per chunk); its left state
         moves on. The frames are padded to whole chunks (a last chunk runs as a whole one with its real frames marked).
         With `graphs`, a job replays a CUDA graph per (batch bucket, chunks) and table width (`graph_pages`; the
-        padding is page 0, never read or masked)."""
+        padding is page 0: attention reading the pages in place stops at each row's own, a gathering pass masks it)."""
         dev, Fr, W = mu.device, mu.shape[2], self.page_frames
         c = len(new_pages[0])
         if Fr < c * W:
