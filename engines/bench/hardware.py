@@ -76,3 +76,14 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def graphed_us(step, calls: int, reps: int) -> float:
+    """us per call of `step` (`calls` launches, no host syncs), run once eagerly (compiles, warm-up), then captured as
+    one CUDA graph and replayed `reps` times."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return replay_ms(graph, reps) * 1e3 / calls

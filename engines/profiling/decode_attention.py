@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from engines.bench.hardware import device_name, measure_bandwidth, replay_ms
+from engines.bench.hardware import device_name, graphed_us, measure_bandwidth
 from engines.config import ModelConfig
 from engines.kernels.lm.paged_decode import num_splits, paged_decode_attention
 from engines.lm.model.attention import to_cache
@@ -42,12 +42,7 @@ def _us_per_launch(q, tables, lens, caches) -> float:
         for c in caches:
             paged_decode_attention(q, c[0], c[1], tables, lens, scale)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return replay_ms(graph, REPLAYS) * 1e3 / len(caches)
+    return graphed_us(step, len(caches), REPLAYS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from engines.bench.hardware import device_name, measure_bandwidth, replay_ms
+from engines.bench.hardware import device_name, graphed_us, measure_bandwidth
 from engines.kernels.speech_out.flow import paged_attention as pa
 
 FRAMES, HEADS, HEAD_DIM, VOICE_PAGES, MAX_BLOCKS = 20, 8, 64, 14, 56
@@ -44,12 +44,7 @@ def _us_per_launch(q, table, n_keys, n_new, pools) -> float:
         for p in pools:
             pa.paged_attention(q, p, table, n_keys, n_new, HEADS, FRAMES)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return replay_ms(graph, REPLAYS) * 1e3 / len(pools)
+    return graphed_us(step, len(pools), REPLAYS)
 
 
 def main(argv: list[str] | None = None) -> None:

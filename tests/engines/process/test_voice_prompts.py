@@ -4,6 +4,7 @@ loop (other sessions keep stepping while one is in the making), the session's ow
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -37,6 +38,17 @@ def service(load) -> Service:
     ec = EngineConfig(kv_cache_bytes=8 * 1024 * 1024, max_model_len=2048)
     return Service(Engine.from_name("tiny-random", ec, seed=0), StandInTokenizer(), FakeEncoder(), RecordingDecoder(),
                    load)
+
+
+def gated(made: Voice) -> tuple[threading.Event, Callable[[bytes], Voice]]:
+    """A prompt loader held until the gate is set (the prompt stays in the making), then giving `made`."""
+    gate = threading.Event()
+
+    def load(wav: bytes) -> Voice:
+        assert gate.wait(WAIT_S)
+        return made
+
+    return gate, load
 
 
 def wav_bytes(tmp_path, seconds: float, rate: int) -> bytes:
@@ -143,13 +155,8 @@ def test_only_the_latest_prompt_counts_and_a_closed_session_gets_none(tmp_path) 
 
 
 def test_the_default_voice_comes_back_and_a_prompt_in_the_making_no_longer_counts(tmp_path) -> None:
-    gate = threading.Event()
     made = Voice.random(seed=5, n_codes=2)
-
-    def load(wav: bytes) -> Voice:
-        assert gate.wait(WAIT_S)
-        return made
-
+    gate, load = gated(made)
     svc = service(load)
     send(svc, m.OpenSession("a"))
     gate.set()
@@ -179,13 +186,8 @@ def test_an_answer_waiting_for_its_voice_stopped_by_its_listener_is_dropped_with
     """A listener's stop (output_audio_buffer.clear) is a cancel and then a cut where the listener is: an answer still
     waiting for its voice prompt ends at the cancel, and the cut finds nothing to cut (no error: the client did
     nothing wrong); the session's next answer speaks in the voice."""
-    gate = threading.Event()
     made = Voice.random(seed=5, n_codes=2)
-
-    def load(wav: bytes) -> Voice:
-        assert gate.wait(WAIT_S)
-        return made
-
+    gate, load = gated(made)
     svc = service(load)
     send(svc, m.OpenSession("a"))
     send(svc, m.UpdateSession("a", voice_wav=wav_bytes(tmp_path, 1.0, 16000)))
