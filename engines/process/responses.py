@@ -148,6 +148,8 @@ class Responses:
             rows = s.pending_rows + prefix
             self.engine.append_input(t.request_id, rows, input_done=True,
                                      params=params if params != t.params else None, ramp_rows=ramp)
+            if s.tentative is not None and s.tentative.turn is t:
+                s.tentative.after_rows = list(s.pending_rows)
             t.params = params
             t.carried_rows = t.carried_rows + s.pending_rows
             s.pending_rows = []
@@ -215,6 +217,9 @@ class Responses:
         w, s.tentative = s.tentative, None
         assert w is not None
         self.engine.truncate_conversation(s.conversation_id, w.end_row)
+        if w.after_rows:  # items added while the user spoke went in with the answer: due again, after the turn
+            s.pending_rows = w.after_rows + s.pending_rows
+            del w.turn.carried_rows[len(w.turn.carried_rows) - len(w.after_rows):]
         # The answer before the turn is again the latest: the client may still cut it where its listener was.
         s.close_rows, s.answer = [], w.answer_before
         w.turn.committed, w.turn.audio_open, w.turn.response, w.turn.undo = False, True, None, None

@@ -127,6 +127,8 @@ class Tentative:
     answer_before: Answer | None = None  # Session.answer when the answer was asked for: it stands again if withdrawn
     truncate: TruncateResponse | None = None  # a cut of answer_before that came while the withdrawal was stopping
     item: Item | None = None  # the turn's entry in Session.items: the open audio turn again if withdrawn
+    # Rows that went in after the turn with its answer (items added while the user spoke): due again if withdrawn
+    after_rows: list[Row] = field(default_factory=list)
     transcript: tuple[str, list[int]] | None = None  # (item id, codes) to transcribe once the turn stands
 
 

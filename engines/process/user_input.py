@@ -152,7 +152,10 @@ class UserInput:
         t = s.active
         transcript = (msg.item_id, turn) if msg.transcribe else None
         if msg.tentative and t is not None and t.committed and t.response is None and t.undo is None:
-            s.tentative = Tentative(t, t.base_rows + t.user_end, item=s.items[-1], transcript=transcript)
+            # The turn's item (named by the commit just now); items added while the user spoke (new instructions)
+            # follow it.
+            item = next(it for it in reversed(s.items) if it.item_id == msg.item_id)
+            s.tentative = Tentative(t, t.base_rows + t.user_end, item=item, transcript=transcript)
             return
         if msg.tentative and self._speech is not None:  # it could not be taken back: it stands
             self._speech.drop(s.session_id)

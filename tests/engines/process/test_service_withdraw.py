@@ -170,3 +170,37 @@ def test_the_answer_before_a_withdrawn_one_is_cut_as_if_cut_before_the_user_spok
     eng.check_integrity()
     send(svc, m.CloseSession("s"))
     assert eng.stats().free_blocks == eng.stats().total_blocks
+
+
+@pytest.mark.parametrize("withdrawn", ["mid-answer", "ended"])
+def test_new_instructions_during_a_withdrawn_turn_stay_their_own_item(withdrawn):
+    """Instructions changed while the user speaks go in after the spoken turn, as an item of their own. A tentative
+    commit of that turn, withdrawn, and the turn's final commit keep them apart: the turn's item is the commit's,
+    the instructions' item stays unnamed and pinned, and an earlier item can still be deleted (the history's turns
+    match its items)."""
+    svc = make_service()
+    after_an_answer(svc)
+    speak(svc, FIRST)
+    send(svc, m.UpdateSession("s", instructions="be brief"))
+    send(svc, m.CommitUserAudio("s", "turn", tentative=True))
+    send(svc, m.CreateResponse("s", "r0", "audio", greedy(10, min_new=10)))
+    if withdrawn == "ended":
+        run(svc)
+    else:
+        svc.step()
+    send(svc, m.WithdrawResponse("s", "r0"))
+    run(svc)
+    speak(svc, REST)
+    send(svc, m.CommitUserAudio("s", "turn"))
+    send(svc, m.CreateResponse("s", "r1", "audio", greedy(10, min_new=10)))
+    assert not of(run(svc), m.Error)
+    s = svc.sessions["s"]
+    assert [(it.item_id, it.pinned) for it in s.items] == [("t", False), ("a", False), ("turn", False), (None, True),
+                                                           ("r1", False)]
+    # The instructions' rows are in the conversation, after the spoken turn's end.
+    history, brief = svc.engine.conversation_history("s"), PB.text_turn_rows("system", "be brief")
+    at = [i for i in range(len(history)) if history[i:i + len(brief)] == brief]
+    assert len(at) == 1 and history[at[0] - len(PB.audio_turn_close_rows()):at[0]] == PB.audio_turn_close_rows()
+    out = send(svc, m.DeleteItem("s", "t")) + run(svc)
+    assert not of(out, m.Error) and of(out, m.ItemsDropped)[0].item_ids == ["t"]
+    svc.engine.check_integrity()
