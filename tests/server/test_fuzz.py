@@ -203,8 +203,8 @@ async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, 
                              ) -> tuple[list[dict[str, Any]], int | None]:
     """Speech at about real time in odd chunk sizes, with commits, clears, cancels, answers, truncations (of the
     latest answer's item or of none), deletions of items, voice prompts (the default, one of 1 s, one too short to
-    use) and turn-detection changes among `detectors` thrown in at random (the first one, or the first that is not
-    None, to begin with)."""
+    use), instructions and turn-detection changes among `detectors` thrown in at random (the first one, or the first
+    that is not None, to begin with)."""
     rng = random.Random(seed)
     voices = [None, {"wav": _wav(signal[:24000], 24000)}, {"wav": _wav(signal[:240], 24000)}]
     async with websockets.connect(srv.ws, max_size=None) as ws:
@@ -244,9 +244,9 @@ async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, 
             elif r < 0.96:
                 await send(ws, "session.update", session={"type": "realtime", "audio": {"input": {
                     "turn_detection": rng.choice(detectors)}}})
-            elif r < 0.975:
-                await send(ws, "session.update", session={"type": "realtime", "moss": {
-                    "voice_prompt": rng.choice(voices)}})
+            elif r < 0.975:  # a voice, or instructions (they go in after a turn the user is speaking)
+                await send(ws, "session.update", session={"type": "realtime", **rng.choice([
+                    {"moss": {"voice_prompt": rng.choice(voices)}}, {"instructions": rng.choice(["be brief", "hi"])}])})
             else:
                 await user_text(ws, "hello")
         await _still_answers(srv, sid, ws, events, reader)
