@@ -213,7 +213,7 @@ def _turn_detection(v: Any, cur: TurnDetection | None, param: str, refused: Refu
         return None
     td = _obj(v, param)
     kind = td.get("type")
-    if kind not in _TD_KEYS:
+    if not isinstance(kind, str) or kind not in _TD_KEYS:
         raise ProtocolError(errors.UNSUPPORTED_TURN_DETECTION, f"{param}.type {kind!r} is not supported (only "
                             "'server_vad', 'semantic_vad' or turn_detection null)", f"{param}.type")
     with refused:

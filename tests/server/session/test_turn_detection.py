@@ -56,6 +56,8 @@ async def test_semantic_vad_settings_are_validated_and_echoed():
         ({"type": "semantic_vad", "silence_duration_ms": 200}, "unknown_parameter", "silence_duration_ms"),
         ({"type": "semantic_vad", "create_response": "yes"}, "invalid_value", "create_response"),
         ({"type": "turn_vad"}, "unsupported_turn_detection", "type"),
+        ({"type": ["server_vad"]}, "unsupported_turn_detection", "type"),  # (not a string: no dict lookup of it)
+        ({"type": {"a": 1}}, "unsupported_turn_detection", "type"),
     ]:
         ev = await update(s, bad)
         assert ev["type"] == "error" and ev["error"]["code"] == code, (bad, ev)
