@@ -245,7 +245,7 @@ async def _on_output_audio_clear(s: Session, event: dict[str, Any]) -> None:
     if r is active:
         await s.responses.cancel("client_cancelled", played)
     elif played < r.kept_samples and s.turns.spec is None:  # (a held answer was made after all of this one)
-        await s.responses.stop_ended(r, played)
+        await s.responses.stop_heard(r, played)
     s.emit(ev.event("output_audio_buffer.cleared", response_id=r.id), keep=True)
 
 

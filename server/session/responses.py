@@ -109,15 +109,16 @@ class Responses:
             if r is None or r.playback.played_reported is None:
                 return
             played = r.playback.played()
-            if played >= r.kept_samples or not await self.stop_ended(r, played):
+            if played >= r.kept_samples or not await self.stop_heard(r, played):
                 return  # heard to the end (or cut there already), or it stays whole in the history
         if s.audio_out == "track" and r.started:
             s.emit(ev.event("conversation.item.truncated", item_id=r.item_id, content_index=0,
                             audio_end_ms=played * 1000 // ANSWER_RATE))
 
-    async def stop_ended(self, r: Response, played: int) -> bool:
-        """An answer that has ended stops where its listener is: its queued audio is dropped and the engine's history
-        cut there, unless its rows moved (then the conversation keeps it whole). True if the history was cut."""
+    async def stop_heard(self, r: Response, played: int) -> bool:
+        """An answer (cancelled, or ended) stops where its listener is: its queued audio is dropped and the engine's
+        history cut there, unless its rows moved (then the conversation keeps it whole; only an ended answer's can).
+        True if the history was cut."""
         s = self.s
         r.audio_samples_queued -= s.outbound.drop_audio(r.id)
         if r.moved:
@@ -138,11 +139,7 @@ class Responses:
             return
         await s.engine.send(m.CancelResponse(session_id=s.id, response_id=r.id))
         if played_samples is not None:
-            dropped = s.outbound.drop_audio(r.id)
-            r.audio_samples_queued -= dropped
-            await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
-                                                   audio_samples_played=int(played_samples)))
-            r.kept_samples = int(played_samples)
+            await self.stop_heard(r, int(played_samples))
         s.log.info("response cancel id=%s reason=%s played=%s", r.id, reason, played_samples)
 
     async def withdraw(self, response_id: str, last: Response | None) -> None:
