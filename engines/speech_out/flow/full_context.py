@@ -37,6 +37,7 @@ from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks, paged_kernel
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_masks, encode_masked
+from engines.speech_out.flow.state import GrowingKeys
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ class FullState:
     voice: FullVoice
     pre: torch.Tensor
     up: torch.Tensor
-    kv: torch.Tensor  # [layers, 2, N, H, dk] keys/values of this answer's codes so far (tail included)
-    up_kv: torch.Tensor
+    kv: GrowingKeys  # [layers, 2, N, H, dk] keys/values of this answer's codes so far (tail included)
+    up_kv: GrowingKeys
     left: torch.Tensor
     shared: list[int] = field(default_factory=list)  # the voice's pages this answer holds
     pages: list[int] = field(default_factory=list)  # pages of this answer's decoded chunks
@@ -112,8 +113,8 @@ class FullState:
         return id(self.voice), 0, 0
 
     def nbytes(self) -> int:
-        ts = (self.pre, self.up, self.kv, self.up_kv, self.left)
-        return sum(t.numel() * t.element_size() for t in ts)
+        ts = (self.pre, self.up, self.left)
+        return sum(t.numel() * t.element_size() for t in ts) + self.kv.nbytes() + self.up_kv.nbytes()
 
 
 class FullContextFlow:
@@ -187,7 +188,8 @@ class FullContextFlow:
         return self.flow._empty_kv(up)
 
     def _state(self, voice: FullVoice) -> FullState:
-        return FullState(voice, voice.pre, voice.up, self._empty_kv(False), self._empty_kv(True), voice.left.clone())
+        return FullState(voice, voice.pre, voice.up, GrowingKeys(self._empty_kv(False)),
+                         GrowingKeys(self._empty_kv(True)), voice.left.clone())
 
     def new_state(self, voice: FullVoice) -> FullState:
         """An answer in `voice`: it reads (and holds) the voice's pages."""
@@ -252,8 +254,8 @@ class FullContextFlow:
             for _ in range(c):
                 s.reserved.popleft()
             s.pages.extend(new_pages[b])
-            s.kv = torch.cat([s.kv, new_kv[b]], dim=2)
-            s.up_kv = torch.cat([s.up_kv, new_up_kv[b]], dim=2)
+            s.kv.append(new_kv[b])
+            s.up_kv.append(new_up_kv[b])
             s.pre, s.up = pre[b], up[b]
             s.codes_done += n
         return x
@@ -283,13 +285,17 @@ class FullContextFlow:
         f, cfg = self.flow, self.flow.cfg
         dev, r, la = f.device, cfg.token_mel_ratio, cfg.pre_lookahead
         B, L = len(states), max(done)
-        v0 = states[0].voice
+        # The most common voice's keys go to every row in one copy (rows in another voice write theirs over them;
+        # past a row's own keys they are masked, as the zeros are).
+        v0 = max({id(s.voice): s.voice for s in states}.values(), key=lambda v: sum(s.voice is v for s in states))
         X = torch.zeros(B, *v0.kv.shape[:2], L, *v0.kv.shape[3:], device=dev, dtype=f.dtype)
         upX = torch.zeros(B, *v0.up_kv.shape[:2], L * r, *v0.up_kv.shape[3:], device=dev, dtype=f.dtype)
+        X[:, :, :, :v0.n_codes], upX[:, :, :, :v0.n_codes * r] = v0.kv, v0.up_kv
         for b, s in enumerate(states):
             p = s.voice.n_codes
-            X[b, :, :, :p], X[b, :, :, p:done[b]] = s.voice.kv, s.kv
-            upX[b, :, :, :p * r], upX[b, :, :, p * r:done[b] * r] = s.voice.up_kv, s.up_kv
+            if s.voice is not v0:
+                X[b, :, :, :p], upX[b, :, :, :p * r] = s.voice.kv, s.voice.up_kv
+            X[b, :, :, p:done[b]], upX[b, :, :, p * r:done[b] * r] = s.kv.value, s.up_kv.value
         d, look = upload([np.asarray(done)[:, None], np.asarray(n_look)[:, None]], dev)  # (pinned: no stream sync)
         kpos, up_kpos = torch.arange(L, device=dev).expand(B, L), torch.arange(L * r, device=dev).expand(B, L * r)
         valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),

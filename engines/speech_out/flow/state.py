@@ -1,5 +1,6 @@
-"""What the token -> mel flow keeps between chunks (a voice's `PreparedVoice`, a session's `FlowState`), the arguments
-of its encoder for one chunk (`EncodeInputs`), and the padding of the encoder's prefix keys (`padded_prefix`)."""
+"""What the token -> mel flow keeps between chunks (a voice's `PreparedVoice`, a session's `FlowState`, keys that grow
+a chunk at a time: `GrowingKeys`), the arguments of its encoder for one chunk (`EncodeInputs`), and the padding of the
+encoder's prefix keys (`padded_prefix`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
 PREFIX_ALIGN = 32
+# The least an answer's encoder keys grow by when their buffer is full (`GrowingKeys`): ~2 MiB a stack at float32.
+GROW_MIN = 32
 
 
 def padded_prefix(n: int) -> int:
@@ -50,6 +53,33 @@ class FlowState:
     def nbytes(self) -> int:
         ts = [self.pre, self.up, self.ctx_traj, self.ctx_mu, self.ctx_cond, self.win_kv, self.win_up_kv]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class GrowingKeys:
+    """An answer's encoder keys/values [layers, 2, n, H, dk], n growing by a chunk at a time, in a buffer that grows
+    by a quarter (at least GROW_MIN keys) when full: an append copies the chunk, not every key before it."""
+
+    def __init__(self, empty: torch.Tensor) -> None:
+        self.buf = empty  # [layers, 2, capacity, H, dk]
+        self.n = empty.shape[2]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.buf[:, :, :self.n]
+
+    def append(self, new: torch.Tensor) -> None:
+        """new [layers, 2, m, H, dk] after the keys held."""
+        m = new.shape[2]
+        if self.n + m > self.buf.shape[2]:
+            cap = max(self.n + m, self.buf.shape[2] * 5 // 4, self.buf.shape[2] + GROW_MIN)
+            buf = self.buf.new_empty(*self.buf.shape[:2], cap, *self.buf.shape[3:])
+            buf[:, :, :self.n] = self.value
+            self.buf = buf
+        self.buf[:, :, self.n:self.n + m] = new
+        self.n += m
+
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
 
 
 class EncodeInputs(NamedTuple):
