@@ -70,7 +70,8 @@ def _first_job(dec: CodecDecoder, batch: int, voice: Voice, repeats: int = 5) ->
 
 
 def _profile(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, top: int = 15) -> None:
-    """The CUDA ops of the last of `rounds` rounds of `batch` answers (torch.profiler), most time first."""
+    """The CUDA ops of the last of `rounds` rounds of `batch` answers (torch.profiler), most time first; then the
+    operators by input shapes (which call launches a kernel named only by its template)."""
     steady = SteadyRounds(dec, batch, voices=[voice])
     try:
         for _ in range(rounds - 1):
@@ -79,11 +80,13 @@ def _profile(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, top: int 
         steady.feed()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                                torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
             steady.decode()
             torch.cuda.synchronize()
         print(f"profile: batch {batch}, round {rounds}", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top), flush=True)
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=top,
+                                                                  max_name_column_width=40), flush=True)
     finally:
         steady.close()
 
