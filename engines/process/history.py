@@ -18,7 +18,7 @@ from engines.process.prompt import PromptBuilder
 from engines.process.sessions import Item, Session
 from engines.protocol import errors
 from engines.protocol import messages as m
-from engines.tokens import IM_START, Row
+from engines.tokens import Row
 
 log = logging.getLogger("engines.process")
 
@@ -87,7 +87,7 @@ class History:
         """(rows in the engine, the whole history, each item's [start, end) in it)."""
         conv = self.engine.conversation_history(s.conversation_id)
         hist = conv + s.close_rows + s.pending_rows
-        starts = [i for i, (t, _) in enumerate(hist) if t == IM_START]
+        starts = self.prompts.turn_starts(hist)
         lead = 1 if s.system_sent else 0
         # A user audio turn whose request was undone waits as codes, not rows: the last item, still empty (a
         # withdrawn turn, open again, keeps its rows in the conversation).
@@ -95,7 +95,6 @@ class History:
                       and s.items[-1:] == [s.audio_item])
         n = len(s.items) - waiting
         if len(starts) != n + lead or (hist and starts[:1] != [0]):
-            # (a text answer that generated <|im_start|> itself)
             raise ServiceError(errors.ENGINE_ERROR, f"the history's {len(starts)} turns do not match its "
                                f"{n} items; it cannot be cut")
         bounds = starts + [len(hist)] * (1 + waiting)

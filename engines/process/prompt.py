@@ -96,3 +96,12 @@ class PromptBuilder:
         if last_row[0] != IM_END or rows:
             rows.append((IM_END, AUDIO_PAD))
         return rows + self._newline
+
+    def turn_starts(self, rows: list[Row]) -> list[int]:
+        """Where the turns of a history begin: its first row if that is `<|im_start|>`, and every `<|im_start|>` right
+        after a turn's end (`<|im_end|>` and the newline, on the text channel). One that a model sampled inside its
+        answer begins none: generation stops at `<|im_end|>`, so no answer holds a turn's end before it."""
+        end = [IM_END] + [t for t, _ in self._newline]
+        k = len(end)
+        return [i for i, (t, _) in enumerate(rows) if t == IM_START
+                and (i == 0 or (i >= k and [r[0] for r in rows[i - k:i]] == end))]

@@ -66,6 +66,17 @@ def test_assistant_prefix_and_close(pb: PromptBuilder) -> None:
     assert pb.assistant_close_rows((MPAD, EOSP)) == [(IME, PAD_A)] + nl  # speech closed, turn not
 
 
+def test_turns_begin_at_the_start_and_after_each_turns_end_only(pb: PromptBuilder) -> None:
+    """An <|im_start|> a model sampled inside its answer, even after a newline, begins no turn."""
+    user = pb.text_turn_rows("user", "hi")
+    answer = pb.assistant_prefix_rows("text") + [(104, PAD_A), (10, 7), (IMS, 9), (105, 3), (IME, 2)]
+    rows = pb.system_rows(None, "text") + user + answer + pb.assistant_close_rows(answer[-1]) + user
+    starts = pb.turn_starts(rows)
+    assert len(starts) == 4 and all(rows[i][0] == IMS for i in starts)
+    assert starts[2] == len(rows) - len(user) - len(answer) - 1 and starts[3] == len(rows) - len(user)
+    assert pb.turn_starts(user[1:]) == [] and pb.turn_starts([]) == []
+
+
 def test_stand_in_round_trip() -> None:
     tok = StandInTokenizer()
     s = "Grüße, 世界 🎉 <|im_end|>"

@@ -11,6 +11,7 @@ from engines.api import QueueFullError
 from engines.process.sessions import Item
 from engines.process.transcripts import TRANSCRIBE_INSTRUCTION
 from engines.protocol import messages as m
+from engines.tokens import IM_START
 from tests.engines.process.fake_service import (
     PB,
     FakeEncoderStream,
@@ -133,6 +134,37 @@ def test_deleting_an_item_cuts_the_history_there_and_prefills_the_rest_again() -
     assert after[:len(before) - len(i0)] == system + before[len(system) + len(i0):]
     assert [it.item_id for it in svc.sessions["s"].items] == ["a0", "i1", "a1", "i9", "a9"]
     eng.check_integrity()
+
+
+def test_an_answer_that_sampled_im_start_itself_is_still_one_item_to_cut(monkeypatch) -> None:
+    """The reference stops an answer only at <|endoftext|> or <|im_end|>: a model may sample <|im_start|> inside one.
+    Its items are still cut where their turns begin (it was engine_error: more turn starts than items)."""
+    svc = make_service()
+    runner, steps = svc.engine.runner, []
+    sample = runner._sample
+
+    def sampling_im_start(sp, hidden, audio_logits):
+        got = sample(sp, hidden, audio_logits)
+        steps.append(None)
+        if len(steps) == 2:  # the answer's second token
+            got.device_pairs[:, 0] = IM_START
+        return got
+
+    send(svc, m.OpenSession("s"))
+    monkeypatch.setattr(runner, "_sample", sampling_im_start)
+    text_turns(svc, "s", 1)
+    monkeypatch.undo()
+    s = svc.sessions["s"]
+    first = svc.engine.conversation_history("s") + s.close_rows  # system, i0, a0 (with <|im_start|> inside)
+    text_turns(svc, "s", 1, start=1)
+    hist = svc.engine.conversation_history("s")
+    assert [t for t, _ in hist].count(IM_START) == 1 + 4 + 1
+    assert send(svc, m.DeleteItem("s", "i1")) == [m.ItemsDropped("s", ["i1"], deleted=True)]
+    assert svc.engine.conversation_history("s") + s.close_rows == first  # cut where i1 began
+    assert send(svc, m.DeleteItem("s", "a0")) == [m.ItemsDropped("s", ["a0"], deleted=True)]
+    assert [it.item_id for it in s.items] == ["i0", "a1"]
+    run(svc)
+    svc.engine.check_integrity()
 
 
 def test_deleting_is_refused_during_an_answer_and_for_unknown_items() -> None:
