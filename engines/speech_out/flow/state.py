@@ -11,7 +11,7 @@ import torch
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
 PREFIX_ALIGN = 32
-# The least an answer's encoder keys grow by when their buffer is full (`GrowingKeys`): ~2 MiB a stack at float32.
+# The fewest keys an answer's encoder keys grow by when their buffer is full (`GrowingKeys`).
 GROW_MIN = 32
 
 
