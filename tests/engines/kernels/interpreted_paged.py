@@ -1,0 +1,34 @@
+"""Runs the full-context estimator's paged attention and page writes in the Triton interpreter on the CPU, in
+float32 (the interpreter's bfloat16 is not faithful), printing one JSON line per case: its largest difference from
+what it must give (estimator_pages.py). Run by tests/engines/kernels/test_paged_attention_interpreted.py as
+`TRITON_INTERPRET=1 python -m tests.engines.kernels.interpreted_paged CASES_JSON` (the variable must be set before
+the kernels are defined: a process of its own)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from tests.engines.kernels.estimator_pages import max_error, paged_case, write_case
+
+
+def main(cases: list[dict]) -> None:
+    from engines.kernels.speech_out.flow import paged_attention as pa
+
+    for case in cases:
+        splits = case.pop("splits")
+        pa.num_splits = lambda programs, device, s=splits: s  # (the split count the GPU would choose, given)
+        if case.pop("write", False):
+            qkv, pages, new_page, want = write_case(**case, dtype=torch.float32, device="cpu")
+            pa.write_pages(qkv, pages, new_page)
+            err = (pages - want).abs().max().item()
+        else:
+            c = paged_case(**case, dtype=torch.float32, device="cpu")
+            err = max_error(pa.paged_attention(*c.args()), c)
+        print(json.dumps(err), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
