@@ -101,7 +101,7 @@ class PromptBuilder:
         """Where the turns of a history begin: its first row if that is `<|im_start|>`, and every `<|im_start|>` right
         after a turn's end (`<|im_end|>` and the newline, on the text channel). One that a model sampled inside its
         answer begins none: generation stops at `<|im_end|>`, so no answer holds a turn's end before it."""
-        end = [IM_END] + [t for t, _ in self._newline]
+        end = [t for t, _ in self._end()]
         k = len(end)
         return [i for i, (t, _) in enumerate(rows) if t == IM_START
                 and (i == 0 or (i >= k and [r[0] for r in rows[i - k:i]] == end))]
