@@ -96,7 +96,7 @@ ERRORS: dict[str, ErrorCode] = {
     UNSUPPORTED_PARAMETER: ErrorCode(_CLIENT, "a field this server takes only with its off value"),
     INVALID_VALUE: ErrorCode(_CLIENT, "a field with a bad value"),
     UNSUPPORTED_SESSION_TYPE: ErrorCode(_CLIENT, "`session.type` other than `realtime`"),
-    UNSUPPORTED_AUDIO_FORMAT: ErrorCode(_CLIENT, "an audio format other than 24 kHz PCM"),
+    UNSUPPORTED_AUDIO_FORMAT: ErrorCode(_CLIENT, "an audio format other than 24 kHz PCM or 8 kHz G.711"),
     UNSUPPORTED_TURN_DETECTION: ErrorCode(_CLIENT, "turn detection other than `server_vad`, `semantic_vad` or null"),
     SERVER_VAD_UNAVAILABLE: ErrorCode(_CLIENT, "`server_vad` or `semantic_vad` on a server started without VAD"),
     SEMANTIC_VAD_UNAVAILABLE: ErrorCode(_CLIENT, "`semantic_vad` on a server without its end-of-turn model"),

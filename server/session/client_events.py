@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -25,54 +24,8 @@ from engines.audio.voice_prompt import check_voice_prompt
 from engines.audio.wav import AudioFormatError
 from engines.protocol import errors
 from engines.protocol.messages import Sampling, number_in
-from server.session.json_depth import MAX_DEPTH, deeper_than
-
-
-class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
-def _not_json_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _lone_surrogate(x: Any) -> bool:
-    if isinstance(x, str):
-        try:
-            x.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(x, dict):
-        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in x.items())
-    if isinstance(x, list):
-        return any(_lone_surrogate(v) for v in x)
-    return False
-
-
-def decode_client_event(text: str | bytes) -> dict[str, Any]:
-    """A client event's JSON text (a WebSocket frame, a data channel message) -> the event object.
-
-    ProtocolError `invalid_json` for text that is not strict JSON (NaN and Infinity are not JSON) or that escapes a
-    lone UTF-16 surrogate (valid JSON syntax, but no UTF-8 string: it could reach no engine message or log) or that
-    nests arrays and objects more than MAX_DEPTH deep, `invalid_event` for JSON that is not an object."""
-    if deeper_than(text):
-        raise ProtocolError(errors.INVALID_JSON, f"message nests arrays and objects more than {MAX_DEPTH} deep")
-    try:
-        event = json.loads(text, parse_constant=_not_json_constant)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (bytes), NaN / Infinity
-        raise ProtocolError(errors.INVALID_JSON, f"message is not valid JSON: {e}") from None
-    # Only an escape can make a surrogate (UTF-8 text cannot carry one); base64 audio has no backslash.
-    if (b"\\u" in text if isinstance(text, bytes) else "\\u" in text) and _lone_surrogate(event):
-        raise ProtocolError(errors.INVALID_JSON, "message escapes a lone UTF-16 surrogate (\\ud800-\\udfff unpaired)")
-    if not isinstance(event, dict):
-        raise ProtocolError(errors.INVALID_EVENT, "a client event must be a JSON object")
-    return event
-
+from server.audio.formats import PCM, AudioFormat, FormatError, parse_format
+from server.session.client_json import ProtocolError
 
 TurnType = Literal["server_vad", "semantic_vad"]
 Eagerness = Literal["low", "medium", "high", "auto"]
@@ -114,6 +67,8 @@ class SessionConfig:
     # GA `audio.input.transcription` (the model named is echoed; MOSS-Speech itself transcribes) and `truncation`
     transcription: dict[str, Any] | None = None
     truncation: str | dict[str, Any] = "auto"
+    input_format: AudioFormat = PCM  # of input_audio_buffer.append and input_audio items
+    output_format: AudioFormat = PCM  # of response.output_audio.delta (a WebRTC track is Opus either way)
 
     def sampling_dict(self) -> dict[str, Any]:
         s = self.sampling
@@ -172,14 +127,13 @@ def _bool(v: Any, param: str) -> bool:
     return v
 
 
-def _format(v: Any, param: str) -> None:
+def _format(v: Any, param: str) -> AudioFormat:
     f = _obj(v, param)
     _keys(f, {"type", "rate"}, param)
-    if f.get("type", "audio/pcm") != "audio/pcm":
-        raise ProtocolError(errors.UNSUPPORTED_AUDIO_FORMAT, f"{param}.type {f.get('type')!r} is not supported "
-                            "(only 'audio/pcm')", f"{param}.type")
-    if f.get("rate", 24000) != 24000:
-        raise ProtocolError(errors.UNSUPPORTED_AUDIO_FORMAT, f"{param}.rate must be 24000", f"{param}.rate")
+    try:
+        return parse_format(f)
+    except FormatError as e:
+        raise ProtocolError(errors.UNSUPPORTED_AUDIO_FORMAT, f"{param}.{e}", f"{param}.{e.param}") from None
 
 
 def _eagerness(v: Any, param: str) -> str:
@@ -300,7 +254,7 @@ def _audio_input(i: dict[str, Any], cfg: dict[str, Any], cur: SessionConfig, ref
         _keys(i, {"format", "transcription", "noise_reduction", "turn_detection"}, param)
     if "format" in i:
         with refused:
-            _format(i["format"], f"{param}.format")
+            cfg["input_format"] = _format(i["format"], f"{param}.format")
     if "transcription" in i:
         with refused:
             cfg["transcription"] = _transcription(i["transcription"], f"{param}.transcription")
@@ -318,7 +272,7 @@ def _audio_output(o: dict[str, Any], cfg: dict[str, Any], refused: Refused) -> N
         _keys(o, {"format", "voice", "speed"}, param)
     if "format" in o:
         with refused:
-            _format(o["format"], f"{param}.format")
+            cfg["output_format"] = _format(o["format"], f"{param}.format")
     with refused:
         _off(o, "speed", param, (1, 1.0, None))
     if "voice" in o:
@@ -410,7 +364,7 @@ def _transcription(v: Any, param: str) -> dict[str, Any] | None:
 
 
 def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
-    """Options of one response: {modality, sampling (engine Sampling), max_output_tokens, metadata}."""
+    """Options of one response: {modality, sampling (engine Sampling), max_output_tokens, metadata, format}."""
     r = {} if v is None else _obj(v, "response")
     _keys(r, {"output_modalities", "max_output_tokens", "metadata", "conversation", "instructions", "audio",
               "tools", "tool_choice", "input", "prompt", "moss"}, "response")
@@ -422,13 +376,14 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
     if r.get("instructions") not in (None, cur.instructions):
         raise ProtocolError(errors.UNSUPPORTED_PARAMETER, "per-response instructions are not supported; "
                             "set session.instructions with session.update", "response.instructions")
+    out_format = cur.output_format
     if "audio" in r:
         a = _obj(r["audio"], "response.audio")
         _keys(a, {"output"}, "response.audio")
         o = _obj(a.get("output", {}), "response.audio.output")
         _keys(o, {"format", "voice"}, "response.audio.output")
         if "format" in o:
-            _format(o["format"], "response.audio.output.format")
+            out_format = _format(o["format"], "response.audio.output.format")
     metadata = r.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ProtocolError(errors.INVALID_VALUE, "response.metadata must be an object", "response.metadata")
@@ -447,4 +402,5 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
     if sampling.min_new_tokens > sampling.max_new_tokens:
         raise ProtocolError(errors.INVALID_VALUE, "moss.sampling.min_output_tokens exceeds max_output_tokens",
                             "max_output_tokens")
-    return {"modality": modality, "sampling": sampling, "max_output_tokens": max_tokens, "metadata": metadata}
+    return {"modality": modality, "sampling": sampling, "max_output_tokens": max_tokens, "metadata": metadata,
+            "format": out_format}

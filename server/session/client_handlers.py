@@ -15,11 +15,13 @@ import numpy as np
 
 from engines.protocol import errors
 from engines.protocol import messages as m
-from server.audio.pcm import float32_to_pcm16, pcm16_to_float32
+from server.audio.formats import AudioFormat
+from server.audio.pcm import float32_to_pcm16
 from server.audio.resample import AudioError, resample
 from server.session import items
 from server.session import server_events as ev
-from server.session.client_events import ProtocolError, parse_response_create, parse_session_update
+from server.session.client_events import parse_response_create, parse_session_update
+from server.session.client_json import ProtocolError
 from server.session.input_buffer import CLIENT_RATE, ENGINE_IN_RATE
 from server.session.pacing import ANSWER_RATE
 
@@ -68,8 +70,9 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
 
 async def _on_append(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "audio"})
-    pcm = _decode_pcm16(event.get("audio"), "audio")
-    await s.input_buffer.add(pcm, CLIENT_RATE, client_samples=len(pcm))
+    fmt = s.config.input_format
+    pcm = _decode_audio(event.get("audio"), fmt, "audio")
+    await s.input_buffer.add(pcm, fmt.rate, client_samples=round(len(pcm) * CLIENT_RATE / fmt.rate))
     s.input_buffer.appended = True
 
 
@@ -129,8 +132,8 @@ async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
     elif ptype == "input_audio" and role == "user":
         _check_keys(part, {"type", "audio", "transcript"}, "item.content[0].")
         try:
-            pcm = resample(_decode_pcm16(part.get("audio"), "item.content[0].audio"), CLIENT_RATE,
-                           ENGINE_IN_RATE)
+            fmt = s.config.input_format
+            pcm = resample(_decode_audio(part.get("audio"), fmt, "item.content[0].audio"), fmt.rate, ENGINE_IN_RATE)
         except AudioError as e:
             raise ProtocolError(errors.INVALID_AUDIO, str(e), "item.content[0].audio") from None
         await s.input_buffer.settle("adding an audio item")  # after the checks: a bad item clears nothing
@@ -277,16 +280,15 @@ def _check_keys(d: dict[str, Any], allowed: set[str], prefix: str = "") -> None:
                             + ", ".join(prefix + k for k in unknown), prefix + unknown[0])
 
 
-def _decode_pcm16(data: Any, param: str) -> np.ndarray:
-    """base64 PCM16 LE -> float32 [n] in [-1, 1)."""
+def _decode_audio(data: Any, fmt: AudioFormat, param: str) -> np.ndarray:
+    """base64 audio in the session's input format -> float32 [n] in [-1, 1) at its rate."""
     if not isinstance(data, str):
-        raise ProtocolError(errors.INVALID_AUDIO, "audio must be a base64 string of PCM16 little-endian samples",
-                            param)
+        raise ProtocolError(errors.INVALID_AUDIO, f"audio must be a base64 string of {fmt.type} samples", param)
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ProtocolError(errors.INVALID_AUDIO, "audio is not valid base64", param) from None
-    if len(raw) % 2:
-        raise ProtocolError(errors.INVALID_AUDIO, "audio has an odd number of bytes (PCM16 needs 2 per sample)",
-                            param)
-    return pcm16_to_float32(raw)
+    try:
+        return fmt.decode(raw)
+    except AudioError as e:
+        raise ProtocolError(errors.INVALID_AUDIO, str(e), param) from None

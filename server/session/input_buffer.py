@@ -16,7 +16,7 @@ from engines.protocol import errors
 from engines.protocol import messages as m
 from server.audio.resample import AudioError, Resampler
 from server.session import server_events as ev
-from server.session.client_events import ProtocolError
+from server.session.client_json import ProtocolError
 
 if TYPE_CHECKING:
     from server.session.session import Session

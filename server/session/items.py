@@ -10,7 +10,8 @@ from engines.protocol import errors
 from engines.protocol import messages as m
 from engines.protocol.messages import AUTO_RETENTION
 from server.session import server_events as ev
-from server.session.client_events import ProtocolError, SessionConfig
+from server.session.client_events import SessionConfig
+from server.session.client_json import ProtocolError
 
 if TYPE_CHECKING:
     from server.session.session import Session

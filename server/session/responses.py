@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engines.protocol import errors
 from engines.protocol import messages as m
+from server.audio.formats import PCM, AnswerEncoder
 from server.session import server_events as ev
 from server.session.client_events import parse_response_create
 from server.session.pacing import ANSWER_RATE, AudioOut, Playback
@@ -38,6 +39,8 @@ class Response:
     # An item at or before it left the conversation (deleted, or dropped to fit the context): the engine prefills
     # its rows again and it can no longer be cut short.
     moved: bool = False
+    # Its audio in the format of its response.output_audio.delta events (what the engine makes is 24 kHz PCM16)
+    encoder: AnswerEncoder = field(default_factory=lambda: AnswerEncoder(PCM, ANSWER_RATE))
 
     @property
     def kept_samples(self) -> int:
@@ -74,7 +77,7 @@ class Responses:
         now = time.monotonic()
         r = Response(id=ev.new_id("resp"), item_id=ev.new_id("item"), modality=opts["modality"], created_at=now,
                      playback=Playback(turn_start=self.turn_committed_at or now), metadata=opts.get("metadata"),
-                     max_output_tokens=opts["max_output_tokens"])
+                     max_output_tokens=opts["max_output_tokens"], encoder=AnswerEncoder(opts["format"], ANSWER_RATE))
         self.turn_committed_at = None
         self.active = r
         s.idle.disarm()
@@ -202,13 +205,9 @@ class Responses:
             samples = len(msg.pcm24k) // 2
             r.audio_samples_queued += samples
             if s.audio_out == "track":
-                item: Any = AudioOut(r.id, r.item_id, msg.pcm24k, msg.index)
+                self._queue_audio(r, AudioOut(r.id, r.item_id, msg.pcm24k, msg.index), samples)
             else:
-                item = ev.event("response.output_audio.delta", response_id=r.id, item_id=r.item_id, output_index=0,
-                                content_index=0, delta=base64.b64encode(msg.pcm24k).decode("ascii"))
-            if not s.outbound.put(item, response_id=r.id, samples=samples,
-                                  on_taken=lambda: r.playback.taken(samples, s.observer)):
-                s.slow_consumer()
+                self._queue_audio(r, self._delta(r, r.encoder.encode(msg.pcm24k)), samples)
         elif isinstance(msg, m.ResponseDone):
             status = msg.status
             reason = msg.reason
@@ -219,6 +218,18 @@ class Responses:
             if status == "incomplete" and reason == "max_output_tokens" and r.max_output_tokens == "inf":
                 status, reason, r.stopped_by_server_limit = "completed", None, True
             self.finish(r, status, reason, done=msg)
+
+    @staticmethod
+    def _delta(r: Response, audio: bytes) -> dict[str, Any]:
+        return ev.event("response.output_audio.delta", response_id=r.id, item_id=r.item_id, output_index=0,
+                        content_index=0, delta=base64.b64encode(audio).decode("ascii"))
+
+    def _queue_audio(self, r: Response, item: Any, samples: int) -> None:
+        """`samples`: 24 kHz samples of the answer the item carries (what pacing and truncation count)."""
+        s = self.s
+        if not s.outbound.put(item, response_id=r.id, samples=samples,
+                              on_taken=lambda: r.playback.taken(samples, s.observer)):
+            s.slow_consumer()
 
     def fail(self, r: Response, code: str, message: str) -> None:
         """The answer ends `failed`, its status details carrying the error (engines.protocol.errors `code`)."""
@@ -232,6 +243,9 @@ class Responses:
             base = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
             if r.modality == "audio":
                 part = {"type": "output_audio", "transcript": text}
+                tail = b"" if r.cancel_sent or s.audio_out == "track" else r.encoder.flush()
+                if tail:  # the resampler's last samples (its delay), in the answer's last delta
+                    self._queue_audio(r, self._delta(r, tail), 0)
                 s.emit(ev.event("response.output_audio.done", **base))
                 s.emit(ev.event("response.output_audio_transcript.done", transcript=text, **base))
             else:

@@ -32,10 +32,6 @@ def item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "
             "content": content}
 
 
-def _audio_format(rate: int) -> dict[str, Any]:
-    return {"type": "audio/pcm", "rate": rate}
-
-
 def _turn_detection(td: TurnDetection | None) -> dict[str, Any] | None:
     if td is None:
         return None
@@ -64,12 +60,12 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
         "include": None,
         "audio": {
             "input": {
-                "format": _audio_format(24000),
+                "format": c.input_format.to_event(),
                 "transcription": c.transcription,
                 "noise_reduction": None,
                 "turn_detection": _turn_detection(c.turn_detection),
             },
-            "output": {"format": _audio_format(24000), "voice": c.voice, "speed": 1.0},
+            "output": {"format": c.output_format.to_event(), "voice": c.voice, "speed": 1.0},
         },
         # Our extension (docs/api.md, "Extension fields: `moss`").
         "moss": moss,
@@ -113,7 +109,7 @@ def response_obj(r: Any, session_id: str, status: str, *, output: list[dict[str,
         "conversation_id": f"conv_{session_id}",
         "output_modalities": [r.modality],
         "max_output_tokens": r.max_output_tokens,
-        "audio": {"output": {"format": _audio_format(24000), "voice": None}} if r.modality == "audio" else None,
+        "audio": {"output": {"format": r.encoder.fmt.to_event(), "voice": None}} if r.modality == "audio" else None,
         "usage": None if done is None else usage(done, r.modality),
         "metadata": r.metadata,
         "moss": moss,

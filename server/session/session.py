@@ -47,8 +47,9 @@ from engines.protocol import errors
 from engines.protocol import messages as m
 from server.session import items
 from server.session import server_events as ev
-from server.session.client_events import MAX_OUTPUT_TOKENS_DEFAULT, ProtocolError, SessionConfig, decode_client_event
+from server.session.client_events import MAX_OUTPUT_TOKENS_DEFAULT, SessionConfig
 from server.session.client_handlers import HANDLERS
+from server.session.client_json import ProtocolError, decode_client_event
 from server.session.engine_link import EngineInputs, EngineLink
 from server.session.idle import IdleTimeout
 from server.session.input_buffer import CLIENT_RATE, InputBuffer

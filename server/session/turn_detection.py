@@ -40,7 +40,7 @@ import numpy as np
 from engines.protocol import errors
 from engines.protocol import messages as m
 from server.session import server_events as ev
-from server.session.client_events import ProtocolError
+from server.session.client_json import ProtocolError
 from server.session.input_buffer import ENGINE_IN_RATE
 from server.session.voice_end import VoiceEnd
 

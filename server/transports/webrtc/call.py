@@ -21,7 +21,7 @@ from typing import Any
 from aiortc import RTCPeerConnection
 from aiortc.mediastreams import MediaStreamTrack
 
-from server.session.client_events import ProtocolError, decode_client_event
+from server.session.client_json import ProtocolError, decode_client_event
 from server.session.pacing import AudioOut
 from server.session.server_events import error_event
 from server.session.session import Session

@@ -32,7 +32,8 @@ from fastapi.staticfiles import StaticFiles
 
 from engines.protocol import errors
 from server import auth
-from server.session.client_events import ProtocolError, parse_session_update
+from server.session.client_events import parse_session_update
+from server.session.client_json import ProtocolError
 from server.session.manager import SessionManager, SessionRefused
 from server.transports.webrtc.call import Call, CallRegistry, new_call_id
 from server.transports.webrtc.config import WebRTCConfig

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from server.session.client_events import ProtocolError, decode_client_event
+from server.session.client_json import ProtocolError, decode_client_event
 from server.session.json_depth import MAX_DEPTH, deeper_than
 from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send
 from tests.server.realtime_support import KEY, by_type, connect, open_session, text_turn, tone_b64
@@ -152,7 +152,7 @@ async def test_response_create_with_uncommitted_audio_is_refused_until_commit(sr
 
 
 def test_decode_client_event_keeps_escaped_text_and_refuses_lone_surrogates():
-    from server.session.client_events import ProtocolError, decode_client_event
+    from server.session.client_json import ProtocolError, decode_client_event
 
     pair = decode_client_event('{"type": "x", "text": "\\ud83d\\ude00 caf\\u00e9"}')  # escaped as json.dumps does
     assert pair["text"] == "\U0001f600 caf\u00e9"

@@ -245,7 +245,7 @@ async def test_idle_live_mic_under_server_vad_never_hits_the_input_buffer_limit(
         await s.feed_audio(np.zeros(320, np.float32), 16000)
     # Push-to-talk (no VAD) does buffer everything, and the limit applies.
     await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
-    from server.session.client_events import ProtocolError
+    from server.session.client_json import ProtocolError
 
     with pytest.raises(ProtocolError, match="exceed"):
         for _ in range(150):
