@@ -1,21 +1,17 @@
-"""Shared by the load test's tests: a mono 16-bit WAV writer and a turn record with plausible defaults."""
+"""Shared by the load test's tests: a WAV file at a path they name, and a turn record with plausible defaults."""
 
 from __future__ import annotations
 
-import wave
 from pathlib import Path
 
 import numpy as np
 
+from engines.audio.wav import write_wav
 from moss_speech.loadtest.results import TurnRecord
 
 
 def _write_wav(path: Path, x: np.ndarray, rate: int) -> Path:
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(np.clip(x * 32767, -32768, 32767).astype("<i2").tobytes())
+    write_wav(path, x, rate)
     return path
 
 
