@@ -36,7 +36,8 @@ Rules the server can rely on:
   back to the codec's default voice; a prompt still in the making no longer counts.
 - The system turn goes in with the first rows sent: `instructions`, else the default prompt for
   the first response's modality (the spoken one when user speech comes first). New instructions
-  after that are added as another system turn.
+  after that are added as another system turn (UpdateSession(default_instructions=modality): that
+  modality's default prompt, the session having none again).
 - A CommitUserAudio with `transcribe` gets TranscriptionDelta messages and one TranscriptionDone for its item
   (transcripts.py); the transcription never touches a conversation and runs only on what answers leave. A
   tentative commit's turn is transcribed once it stands (ConfirmUserAudio, or the next commit), never if withdrawn.
@@ -315,15 +316,21 @@ class Service(UserInput, Responses, History, Transcripts, Outputs):
         if msg.sampling is not None:
             s.sampling = sampling_params(msg.sampling)
         if msg.instructions is not None and msg.instructions != s.instructions:
-            s.instructions = msg.instructions
-            if s.system_sent:
-                s.pending_rows += self.prompts.text_turn_rows("system", msg.instructions)
-                self._add_item(s, None, pinned=True)
+            self._new_instructions(s, msg.instructions, "audio", msg.pinned)
+        elif msg.instructions is None and msg.default_instructions is not None and s.instructions is not None:
+            self._new_instructions(s, None, msg.default_instructions, msg.pinned)
         if msg.voice_wav is not None:
             self._submit_voice(s, msg.voice_wav)  # from the next response on
         elif msg.default_voice:
             self._default_voice(s)
         self._send(client, m.SessionReady(msg.session_id))
+
+    def _new_instructions(self, s: Session, text: str | None, modality: m.Modality, pinned: bool) -> None:
+        """None: the default system prompt of `modality`. Before the first rows they are the system turn itself."""
+        s.instructions = text
+        if s.system_sent:
+            s.pending_rows += self.prompts.system_rows(text, modality)
+            self._add_item(s, None, pinned=pinned)
 
     def _check_voice(self, wav: bytes | None) -> None:
         """Refuse a prompt from its header alone (rate, duration: engines/audio/voice_prompt.py), before any work."""

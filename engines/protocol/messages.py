@@ -68,6 +68,11 @@ class UpdateSession:
     sampling: Sampling | None = None  # see OpenSession.sampling
     default_voice: bool = False  # without voice_wav: back to the engine's default voice (a prompt in the making
     # no longer counts)
+    # Without instructions: back to none, the default system prompt of this modality going in as the system turn.
+    default_instructions: Modality | None = None
+    # The system turn of new instructions is never dropped to fit the context; False for one answer's own
+    # instructions and the turn that ends them (the session's again), which may leave like any item.
+    pinned: bool = True
 
 
 @dataclass(frozen=True)

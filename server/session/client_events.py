@@ -364,7 +364,8 @@ def _transcription(v: Any, param: str) -> dict[str, Any] | None:
 
 
 def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
-    """Options of one response: {modality, sampling (engine Sampling), max_output_tokens, metadata, format}."""
+    """Options of one response: {modality, sampling (engine Sampling), max_output_tokens, metadata, format,
+    instructions (this answer's own: None when they are the session's)}."""
     r = {} if v is None else _obj(v, "response")
     _keys(r, {"output_modalities", "max_output_tokens", "metadata", "conversation", "instructions", "audio",
               "tools", "tool_choice", "input", "prompt", "moss"}, "response")
@@ -373,9 +374,9 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
     _off(r, "tool_choice", "response", ("auto", "none", None))
     _off(r, "prompt", "response", (None,))
     _off(r, "input", "response", (None,))
-    if r.get("instructions") not in (None, cur.instructions):
-        raise ProtocolError(errors.UNSUPPORTED_PARAMETER, "per-response instructions are not supported; "
-                            "set session.instructions with session.update", "response.instructions")
+    instructions = r.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ProtocolError(errors.INVALID_VALUE, "response.instructions must be a string", "response.instructions")
     out_format = cur.output_format
     if "audio" in r:
         a = _obj(r["audio"], "response.audio")
@@ -403,4 +404,4 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
         raise ProtocolError(errors.INVALID_VALUE, "moss.sampling.min_output_tokens exceeds max_output_tokens",
                             "max_output_tokens")
     return {"modality": modality, "sampling": sampling, "max_output_tokens": max_tokens, "metadata": metadata,
-            "format": out_format}
+            "format": out_format, "instructions": None if instructions in ("", cur.instructions) else instructions}

@@ -60,6 +60,7 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
         # Only what changed: a voice prompt sent again would be made again, and the next answer wait for it.
         await s.engine_inputs.send(m.UpdateSession(
             session_id=s.id, instructions=new.instructions,
+            default_instructions=new.output_modalities[0] if new.instructions is None else None,
             voice_wav=new.voice_prompt_wav if voice_changed else None,
             default_voice=voice_changed and new.voice_prompt_wav is None))
     await items.settings_changed(s, old)
@@ -206,6 +207,8 @@ def _seen_last(s: Session) -> Response | None:
 async def _on_response_create(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "response"})
     opts = parse_response_create(event.get("response"), s.config)
+    if opts["instructions"] is not None and len(opts["instructions"]) > s.limits.max_text_chars:
+        raise _text_too_long("response.instructions", opts["instructions"], s.limits.max_text_chars)
     active = _seen_active(s)
     if active is not None:
         raise ProtocolError(errors.CONVERSATION_ALREADY_HAS_ACTIVE_RESPONSE,

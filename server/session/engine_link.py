@@ -96,17 +96,21 @@ class EngineInputs:
             self._unsent_16k = []
             await self._send_or_hold(m.AppendUserAudio(session_id=self.id, pcm16k=float32_to_pcm16(pcm)))
 
-    def unsend_create(self, response_id: str) -> bool:
-        """Take back a CreateResponse still held; False if the engine has it."""
-        for msg in self._held:
+    def unsend_create(self, response_id: str, instead: Any = None) -> bool:
+        """Take back a CreateResponse still held (`instead` goes in its place); False if the engine has it."""
+        for i, msg in enumerate(self._held):
             if isinstance(msg, m.CreateResponse) and msg.response_id == response_id:
-                self._held.remove(msg)
+                del self._held[i]
+                if instead is not None:
+                    self._held.insert(i, instead)
                 return True
         return False
 
-    def answer_ended(self) -> None:
-        """The engine's answer ended (its ResponseDone, or a failure): what was held goes now."""
+    def answer_ended(self, first: Any = None) -> None:
+        """The engine's answer ended (its ResponseDone, or a failure): `first`, then what was held, go now."""
         self._engine_busy = False
+        if first is not None:
+            self._held.appendleft(first)
         if self._held:
             self._tasks.spawn(self._flush_held(), "flush-held")
 

@@ -41,6 +41,9 @@ class Response:
     moved: bool = False
     # Its audio in the format of its response.output_audio.delta events (what the engine makes is 24 kHz PCM16)
     encoder: AnswerEncoder = field(default_factory=lambda: AnswerEncoder(PCM, ANSWER_RATE))
+    # It has instructions of its own: the engine has them as a system turn before it, and is given the session's
+    # again as another after it.
+    instructed: bool = False
 
     @property
     def kept_samples(self) -> int:
@@ -83,6 +86,10 @@ class Responses:
         s.idle.disarm()
         sampling = opts["sampling"]
         s.emit(ev.event("response.created", response=ev.response_obj(r, s.id, "in_progress")))
+        if opts.get("instructions") is not None:
+            r.instructed = True
+            await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=opts["instructions"],
+                                                       pinned=False))
         await s.engine_inputs.send(m.CreateResponse(session_id=s.id, response_id=r.id, modality=r.modality,
                                                     sampling=sampling, item_id=r.item_id))
         s.log.info("response created id=%s modality=%s", r.id, r.modality)
@@ -137,7 +144,9 @@ class Responses:
             return
         r.cancel_sent = True
         r.cancel_reason = reason
-        if s.engine_inputs.unsend_create(r.id):  # the engine never saw it: end it here
+        # The engine never saw it: it ends here (the session's instructions going in where it would have been)
+        if s.engine_inputs.unsend_create(r.id, instead=self._instructions_back(r)):
+            r.instructed = False
             self.finish(r, "cancelled", reason)
             return
         await s.engine.send(m.CancelResponse(session_id=s.id, response_id=r.id))
@@ -219,6 +228,15 @@ class Responses:
                 status, reason, r.stopped_by_server_limit = "completed", None, True
             self.finish(r, status, reason, done=msg)
 
+    def _instructions_back(self, r: Response) -> m.UpdateSession | None:
+        """After an answer with instructions of its own: the session's instructions again (none: the default prompt
+        of the answer's modality)."""
+        if not r.instructed:
+            return None
+        c = self.s.config
+        return m.UpdateSession(session_id=self.s.id, instructions=c.instructions, pinned=False,
+                               default_instructions=r.modality if c.instructions is None else None)
+
     @staticmethod
     def _delta(r: Response, audio: bytes) -> dict[str, Any]:
         return ev.event("response.output_audio.delta", response_id=r.id, item_id=r.item_id, output_index=0,
@@ -285,7 +303,10 @@ class Responses:
         s.emit(ev.event("response.done", response=resp), on_taken=sent)
         self.last = r
         self.active = None
-        s.engine_inputs.answer_ended()
+        if r.instructed:  # before anything the client sent meanwhile
+            s.engine_inputs.answer_ended(first=self._instructions_back(r))
+        else:
+            s.engine_inputs.answer_ended()
         first = r.playback.first_audio_at
         heard_at = (first if first is not None else time.monotonic()) + r.audio_samples_queued / ANSWER_RATE
         s.idle.arm(heard_at - time.monotonic())

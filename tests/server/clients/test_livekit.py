@@ -1,6 +1,7 @@
 """LiveKit Agents' openai.realtime.RealtimeModel on its defaults (only the base URL and key changed; semantic_vad,
 input transcription asked for, max_response_output_tokens "inf"), its session driven without a room: two spoken
-turns answered with audio and completed, a barge-in as AgentSession does it (interrupt, truncate), no error."""
+turns answered with audio and completed, a barge-in as AgentSession does it (interrupt, truncate), no error; and a
+greeting asked for with `generate_reply(instructions=...)`."""
 
 from __future__ import annotations
 
@@ -99,3 +100,24 @@ async def test_two_spoken_turns_and_a_barge_in(srv, speech24k):
     statuses = [d["response"]["status"] for d in server(seen.items, "response.done")]
     assert statuses[3] == "completed" and statuses[2] in ("completed", "cancelled"), statuses
     assert server(seen.items[barge:], "conversation.item.truncated") or statuses[2] == "completed"
+
+
+async def test_generate_reply_with_instructions_of_its_own(srv):
+    """`generate_reply(instructions=...)`, how LiveKit's agents greet a user: a response.create with instructions of
+    its own (the session's and the new ones together) is answered, and resolves the client's generation."""
+    seen = Seen()
+    async with aiohttp.ClientSession() as http:
+        model = lk_openai.realtime.RealtimeModel(api_key=KEY, base_url=srv.http + "/v1", http_session=http)
+        session = model.session()
+        session.on("openai_server_event_received", seen.add)
+        session.on("error", lambda e: seen.add(("error", e)))
+        try:
+            await session.update_instructions("You are a helpful voice assistant.")
+            generation = await asyncio.wait_for(session.generate_reply(instructions="Greet the user."), 60)
+            await seen.until(lambda items: server(items, "response.done"), "the greeting", failed=bad)
+        finally:
+            await session.aclose()
+    assert not [x for x in seen.items if bad(x)]
+    done = server(seen.items, "response.done")
+    assert [d["response"]["status"] for d in done] == ["completed"]
+    assert generation.response_id == done[0]["response"]["id"]
