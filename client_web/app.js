@@ -209,6 +209,7 @@ function sessionConfig() {
   return {
     type: "realtime",
     output_modalities: [modality],
+    instructions: $("instructions").value.trim() || null,
     audio: { input: { turn_detection: td } },
     // Sampling is not part of the Realtime GA session; the server takes it under its own extension key.
     moss: { sampling: { temperature: Number($("temperature").value), top_p: Number($("top-p").value) } },

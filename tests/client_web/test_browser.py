@@ -143,12 +143,14 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             # audio of the call's track when the answer is asked for; a clear from the page raced frames in flight).
             updates = stats["events"].get("session.updated", 0)
             page.select_option("#turn-detection", "none")
+            page.fill("#instructions", "  Answer in one sentence.  ")
             page.click("#apply")
             _wait(page, f"() => window.__mossStats.events['session.updated'] > {updates}", 30, "push to talk applied")
+            (session,) = server.app.state.sessions.sessions.values()
+            assert session.config.instructions == "Answer in one sentence."
             # No answer in flight (the looping mic may have made a second VAD turn before the switch).
             _wait(page, "() => (window.__mossStats.events['response.done'] || 0) === "
                         "(window.__mossStats.events['response.created'] || 0)", 20, "no answer in flight")
-            (session,) = server.app.state.sessions.sessions.values()
             deadline = time.monotonic() + 30  # (a bound on a hang: the live mic keeps feeding)
             while not session.input_buffer.uncommitted_samples():  # mic audio reaches the input buffer
                 assert time.monotonic() < deadline, "no mic audio in the input buffer"
