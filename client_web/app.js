@@ -210,7 +210,7 @@ function sessionConfig() {
     type: "realtime",
     output_modalities: [modality],
     instructions: $("instructions").value.trim() || null,
-    audio: { input: { turn_detection: td } },
+    audio: { input: { turn_detection: td }, output: { speed: Number($("speed").value) } },
     // Sampling is not part of the Realtime GA session; the server takes it under its own extension key.
     moss: { sampling: { temperature: Number($("temperature").value), top_p: Number($("top-p").value) } },
   };

@@ -25,6 +25,7 @@ from engines.audio.wav import AudioFormatError
 from engines.protocol import errors
 from engines.protocol.messages import Sampling, number_in
 from server.audio.formats import PCM, AudioFormat, FormatError, parse_format
+from server.audio.stretch import MAX_SPEED, MIN_SPEED
 from server.session.client_json import ProtocolError
 
 TurnType = Literal["server_vad", "semantic_vad"]
@@ -69,6 +70,7 @@ class SessionConfig:
     truncation: str | dict[str, Any] = "auto"
     input_format: AudioFormat = PCM  # of input_audio_buffer.append and input_audio items
     output_format: AudioFormat = PCM  # of response.output_audio.delta (a WebRTC track is Opus either way)
+    speed: float = 1.0  # answers played this many times as fast, at the same pitch (server/audio/stretch.py)
 
     def sampling_dict(self) -> dict[str, Any]:
         s = self.sampling
@@ -273,8 +275,10 @@ def _audio_output(o: dict[str, Any], cfg: dict[str, Any], refused: Refused) -> N
     if "format" in o:
         with refused:
             cfg["output_format"] = _format(o["format"], f"{param}.format")
-    with refused:
-        _off(o, "speed", param, (1, 1.0, None))
+    if "speed" in o:
+        with refused:
+            speed = o["speed"]
+            cfg["speed"] = 1.0 if speed is None else float(_num(speed, f"{param}.speed", MIN_SPEED, MAX_SPEED))
     if "voice" in o:
         # No named voices: the name is echoed; a voice prompt (session.moss.voice_prompt) sets the voice.
         if o["voice"] is not None and not isinstance(o["voice"], str):

@@ -184,7 +184,7 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
             raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "a later answer has begun: this item can no "
                                 "longer be cut short (only at its end)", "item_id")
         await s.engine_inputs.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
-                                                      audio_samples_played=samples))
+                                                      audio_samples_played=r.model_samples(samples)))
         r.kept_samples = samples
     s.emit(ev.event("conversation.item.truncated", item_id=item_id,
                     content_index=event.get("content_index", 0), audio_end_ms=audio_end_ms), keep=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from engines.protocol import errors
 from engines.protocol import messages as m
 from server.audio.formats import PCM, AnswerEncoder
+from server.audio.stretch import Stretch
 from server.session import server_events as ev
 from server.session.client_events import parse_response_create
 from server.session.pacing import ANSWER_RATE, AudioOut, Playback
@@ -44,6 +45,13 @@ class Response:
     # It has instructions of its own: the engine has them as a system turn before it, and is given the session's
     # again as another after it.
     instructed: bool = False
+    # Played at a speed other than 1: the samples this server counts (queued, played, kept) are the listener's, the
+    # engine's are `model_samples` of them.
+    stretch: Stretch | None = None
+
+    def model_samples(self, heard: int) -> int:
+        """The model's samples under `heard` samples of the answer as played (to the stretch's ~20 ms)."""
+        return heard if self.stretch is None else round(heard * self.stretch.speed)
 
     @property
     def kept_samples(self) -> int:
@@ -80,7 +88,8 @@ class Responses:
         now = time.monotonic()
         r = Response(id=ev.new_id("resp"), item_id=ev.new_id("item"), modality=opts["modality"], created_at=now,
                      playback=Playback(turn_start=self.turn_committed_at or now), metadata=opts.get("metadata"),
-                     max_output_tokens=opts["max_output_tokens"], encoder=AnswerEncoder(opts["format"], ANSWER_RATE))
+                     max_output_tokens=opts["max_output_tokens"], encoder=AnswerEncoder(opts["format"], ANSWER_RATE),
+                     stretch=Stretch(s.config.speed, ANSWER_RATE) if s.config.speed != 1 else None)
         self.turn_committed_at = None
         self.active = r
         s.idle.disarm()
@@ -133,7 +142,8 @@ class Responses:
         r.audio_samples_queued -= s.outbound.drop_audio(r.id)
         if r.moved:
             return False
-        await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id, audio_samples_played=played))
+        await s.engine.send(m.TruncateResponse(session_id=s.id, response_id=r.id,
+                                               audio_samples_played=r.model_samples(played)))
         r.kept_samples = played
         return True
 
@@ -211,12 +221,7 @@ class Responses:
         elif isinstance(msg, m.AudioChunk):
             if r.cancel_sent or r.modality != "audio" or not msg.pcm24k:
                 return
-            samples = len(msg.pcm24k) // 2
-            r.audio_samples_queued += samples
-            if s.audio_out == "track":
-                self._queue_audio(r, AudioOut(r.id, r.item_id, msg.pcm24k, msg.index), samples)
-            else:
-                self._queue_audio(r, self._delta(r, r.encoder.encode(msg.pcm24k)), samples)
+            self._audio(r, msg.pcm24k if r.stretch is None else r.stretch.process(msg.pcm24k), msg.index)
         elif isinstance(msg, m.ResponseDone):
             status = msg.status
             reason = msg.reason
@@ -242,6 +247,17 @@ class Responses:
         return ev.event("response.output_audio.delta", response_id=r.id, item_id=r.item_id, output_index=0,
                         content_index=0, delta=base64.b64encode(audio).decode("ascii"))
 
+    def _audio(self, r: Response, pcm: bytes, index: int) -> None:
+        """Answer audio as its listener will hear it (24 kHz PCM16, at the response's speed), to the client."""
+        if not pcm:
+            return
+        samples = len(pcm) // 2
+        r.audio_samples_queued += samples
+        if self.s.audio_out == "track":
+            self._queue_audio(r, AudioOut(r.id, r.item_id, pcm, index), samples)
+        else:
+            self._queue_audio(r, self._delta(r, r.encoder.encode(pcm)), samples)
+
     def _queue_audio(self, r: Response, item: Any, samples: int) -> None:
         """`samples`: 24 kHz samples of the answer the item carries (what pacing and truncation count)."""
         s = self.s
@@ -261,6 +277,8 @@ class Responses:
             base = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
             if r.modality == "audio":
                 part = {"type": "output_audio", "transcript": text}
+                if r.stretch is not None and not r.cancel_sent:
+                    self._audio(r, r.stretch.flush(), -1)  # what the stretch held back
                 tail = b"" if r.cancel_sent or s.audio_out == "track" else r.encoder.flush()
                 if tail:  # the resampler's last samples (its delay), in the answer's last delta
                     self._queue_audio(r, self._delta(r, tail), 0)
@@ -289,7 +307,8 @@ class Responses:
             if error is not None:
                 details["error"] = error
         resp = ev.response_obj(r, s.id, status, output=output, done=done, status_details=details)
-        audio_samples = done.audio_samples if done is not None else 0
+        audio_samples = 0 if done is None else done.audio_samples if r.stretch is None else round(
+            done.audio_samples / r.stretch.speed)  # the answer's length as played
 
         def sent() -> None:
             # Queued behind the answer's audio: by now the first audio has left, so TTFA is known.

@@ -65,7 +65,7 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
                 "noise_reduction": None,
                 "turn_detection": _turn_detection(c.turn_detection),
             },
-            "output": {"format": c.output_format.to_event(), "voice": c.voice, "speed": 1.0},
+            "output": {"format": c.output_format.to_event(), "voice": c.voice, "speed": c.speed},
         },
         # Our extension (docs/api.md, "Extension fields: `moss`").
         "moss": moss,

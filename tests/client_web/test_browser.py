@@ -144,10 +144,11 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             updates = stats["events"].get("session.updated", 0)
             page.select_option("#turn-detection", "none")
             page.fill("#instructions", "  Answer in one sentence.  ")
+            page.fill("#speed", "1.25")
             page.click("#apply")
             _wait(page, f"() => window.__mossStats.events['session.updated'] > {updates}", 30, "push to talk applied")
             (session,) = server.app.state.sessions.sessions.values()
-            assert session.config.instructions == "Answer in one sentence."
+            assert (session.config.instructions, session.config.speed) == ("Answer in one sentence.", 1.25)
             # No answer in flight (the looping mic may have made a second VAD turn before the switch).
             _wait(page, "() => (window.__mossStats.events['response.done'] || 0) === "
                         "(window.__mossStats.events['response.created'] || 0)", 20, "no answer in flight")

@@ -99,7 +99,7 @@ async def test_session_update_applies_every_field_it_can_and_names_each_refused_
         "type": "realtime", "model": "gpt-realtime", "instructions": "Be brief.", "frobnicate": 1,
         "audio": {"input": {"transcription": {"model": "gpt-4o-mini-transcribe"},
                             "turn_detection": {"type": "server_vad", "silence_duration_ms": 700, "threshold": 7}},
-                  "output": {"voice": "marin", "speed": 1.5}}}})
+                  "output": {"voice": "marin", "speed": 2.0}}}})  # (past 1.5)
     evs = drain(s)
     errs = [e["error"] for e in evs if e["type"] == "error"]
     assert sorted(e["param"] for e in errs) == ["session.audio.input.turn_detection.threshold",
