@@ -117,7 +117,8 @@ class Responses:
         before, s.answer = s.answer, None
         r = ResponseState(msg.response_id, msg.modality, time.monotonic(), prompt_rows=t.rows_added + t.rerun_rows,
                           cached_rows=t.base_rows - t.rerun_rows, prefix_last_row=prefix[-1],
-                          detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream)
+                          detok=IncrementalDetokenizer(self.tokenizer), decoder_stream=stream,
+                          out_of_band_prefix=len(prefix) if msg.out_of_band else None)
         if stream is not None:
             r.first_audio_codes = stream.first_audio_codes
         t.response = r
@@ -171,7 +172,8 @@ class Responses:
             s.active = t
             self._requests[rid] = (s, t)
             s.close_rows, s.pending_rows, s.system_sent = [], [], True
-        self._add_item(s, msg.item_id or msg.response_id)
+        if not msg.out_of_band:
+            self._add_item(s, msg.item_id or msg.response_id)
         return t
 
     def _on_CancelResponse(self, client: bytes, msg: m.CancelResponse) -> None:
@@ -352,13 +354,17 @@ class Responses:
             r.new_codes = []
         self._text(s, r, r.detok.flush())
         gen_start = self.engine.conversation_rows(s.conversation_id) - len(r.rows)
-        a = Answer(r.response_id, gen_start, r.rows, r.code_idx, r.prefix_last_row)
-        keep = a.cut(r.truncate_samples) if r.truncate_samples is not None else None
-        if keep is not None:
-            self.engine.truncate_conversation(s.conversation_id, gen_start + keep)
-            a.rows, a.code_idx = a.rows[:keep], [i for i in a.code_idx if i < keep]
-        s.close_rows = self.prompts.assistant_close_rows(a.last_row(len(a.rows)))
-        s.answer = a
+        if r.out_of_band_prefix is not None:  # its prompt's own rows and its answer leave; what came before stays
+            self.engine.truncate_conversation(s.conversation_id, gen_start - r.out_of_band_prefix)
+            s.close_rows = []
+        else:
+            a = Answer(r.response_id, gen_start, r.rows, r.code_idx, r.prefix_last_row)
+            keep = a.cut(r.truncate_samples) if r.truncate_samples is not None else None
+            if keep is not None:
+                self.engine.truncate_conversation(s.conversation_id, gen_start + keep)
+                a.rows, a.code_idx = a.rows[:keep], [i for i in a.code_idx if i < keep]
+            s.close_rows = self.prompts.assistant_close_rows(a.last_row(len(a.rows)))
+            s.answer = a
         self._finished_ids.append(r.response_id)
         reason = o.finish_reason
         status, why = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),

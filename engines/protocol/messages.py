@@ -134,6 +134,9 @@ class CreateResponse:
     modality: Modality = "audio"
     sampling: Sampling = field(default_factory=Sampling)
     item_id: str | None = None  # the answer's conversation item (DeleteItem); None: the response id
+    # Outside the conversation (GA `conversation: "none"`): it answers the history as it stands, then its rows leave
+    # it; it is no item and cannot be truncated.
+    out_of_band: bool = False
 
 
 @dataclass(frozen=True)

@@ -369,11 +369,13 @@ def _transcription(v: Any, param: str) -> dict[str, Any] | None:
 
 def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
     """Options of one response: {modality, sampling (engine Sampling), max_output_tokens, metadata, format,
-    instructions (this answer's own: None when they are the session's)}."""
+    instructions (this answer's own: None when they are the session's), out_of_band (`conversation: "none"`)}."""
     r = {} if v is None else _obj(v, "response")
     _keys(r, {"output_modalities", "max_output_tokens", "metadata", "conversation", "instructions", "audio",
               "tools", "tool_choice", "input", "prompt", "moss"}, "response")
-    _off(r, "conversation", "response", ("auto", None))
+    if r.get("conversation") not in ("auto", "none", None):
+        raise ProtocolError(errors.INVALID_VALUE, "response.conversation must be 'auto' or 'none'",
+                            "response.conversation")
     _off(r, "tools", "response", ([], None))
     _off(r, "tool_choice", "response", ("auto", "none", None))
     _off(r, "prompt", "response", (None,))
@@ -408,4 +410,5 @@ def parse_response_create(v: Any, cur: SessionConfig) -> dict[str, Any]:
         raise ProtocolError(errors.INVALID_VALUE, "moss.sampling.min_output_tokens exceeds max_output_tokens",
                             "max_output_tokens")
     return {"modality": modality, "sampling": sampling, "max_output_tokens": max_tokens, "metadata": metadata,
-            "format": out_format, "instructions": None if instructions in ("", cur.instructions) else instructions}
+            "format": out_format, "instructions": None if instructions in ("", cur.instructions) else instructions,
+            "out_of_band": r.get("conversation") == "none"}

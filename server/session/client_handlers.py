@@ -168,6 +168,9 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
                         content_index=event.get("content_index", 0), audio_end_ms=heard * 1000 // ANSWER_RATE),
                keep=True)
         return
+    if r.out_of_band:
+        raise ProtocolError(errors.ITEM_TRUNCATE_INVALID_ITEM_ID, "an out-of-band response is in no conversation",
+                            "item_id")
     if samples > r.audio_samples_queued:
         raise ProtocolError(errors.INVALID_VALUE, f"audio_end_ms {audio_end_ms} is beyond the item's audio "
                             f"({r.audio_samples_queued * 1000 // ANSWER_RATE} ms)", "audio_end_ms")

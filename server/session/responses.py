@@ -40,6 +40,7 @@ class Response:
     # An item at or before it left the conversation (deleted, or dropped to fit the context): the engine prefills
     # its rows again and it can no longer be cut short.
     moved: bool = False
+    out_of_band: bool = False  # `conversation: "none"`: no conversation item; the engine's history drops it (moved)
     # Its audio in the format of its response.output_audio.delta events (what the engine makes is 24 kHz PCM16)
     encoder: AnswerEncoder = field(default_factory=lambda: AnswerEncoder(PCM, ANSWER_RATE))
     # It has instructions of its own: the engine has them as a system turn before it, and is given the session's
@@ -89,7 +90,8 @@ class Responses:
         r = Response(id=ev.new_id("resp"), item_id=ev.new_id("item"), modality=opts["modality"], created_at=now,
                      playback=Playback(turn_start=self.turn_committed_at or now), metadata=opts.get("metadata"),
                      max_output_tokens=opts["max_output_tokens"], encoder=AnswerEncoder(opts["format"], ANSWER_RATE),
-                     stretch=Stretch(s.config.speed, ANSWER_RATE) if s.config.speed != 1 else None)
+                     stretch=Stretch(s.config.speed, ANSWER_RATE) if s.config.speed != 1 else None,
+                     out_of_band=opts.get("out_of_band", False), moved=opts.get("out_of_band", False))
         self.turn_committed_at = None
         self.active = r
         s.idle.disarm()
@@ -100,7 +102,7 @@ class Responses:
             await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=opts["instructions"],
                                                        pinned=False))
         await s.engine_inputs.send(m.CreateResponse(session_id=s.id, response_id=r.id, modality=r.modality,
-                                                    sampling=sampling, item_id=r.item_id))
+                                                    sampling=sampling, item_id=r.item_id, out_of_band=r.out_of_band))
         s.log.info("response created id=%s modality=%s", r.id, r.modality)
 
     async def turn_ended(self) -> None:
@@ -130,7 +132,7 @@ class Responses:
             played = r.playback.played()
             if played >= r.kept_samples or not await self.stop_heard(r, played):
                 return  # heard to the end (or cut there already), or it stays whole in the history
-        if s.audio_out == "track" and r.started:
+        if s.audio_out == "track" and r.started and not r.out_of_band:
             s.emit(ev.event("conversation.item.truncated", item_id=r.item_id, content_index=0,
                             audio_end_ms=played * 1000 // ANSWER_RATE))
 
@@ -205,10 +207,11 @@ class Responses:
             part = {"type": r.modality, **({"transcript": ""} if r.modality == "audio" else {"text": ""})}
             s.emit(ev.event("response.output_item.added", response_id=r.id, output_index=0,
                             item=ev.item(r.item_id, "assistant", [], status="in_progress")))
-            prev = s.items[-1] if s.items else None
-            s.items.append(r.item_id)
-            s.emit(ev.event("conversation.item.added", previous_item_id=prev,
-                            item=ev.item(r.item_id, "assistant", [], status="in_progress")))
+            if not r.out_of_band:
+                prev = s.items[-1] if s.items else None
+                s.items.append(r.item_id)
+                s.emit(ev.event("conversation.item.added", previous_item_id=prev,
+                                item=ev.item(r.item_id, "assistant", [], status="in_progress")))
             s.emit(ev.event("response.content_part.added", response_id=r.id, item_id=r.item_id,
                             output_index=0, content_index=0, part=part))
         elif isinstance(msg, m.TextDelta):
@@ -291,9 +294,10 @@ class Responses:
             item_status = "completed" if status == "completed" else "incomplete"
             item = ev.item(r.item_id, "assistant", [part], status=item_status)
             s.emit(ev.event("response.output_item.done", response_id=r.id, output_index=0, item=item))
-            s.emit(ev.event("conversation.item.done", previous_item_id=s.prev_of(r.item_id), item=item))
-            s.item_objs[r.item_id] = item
-            s.item_audio_samples[r.item_id] = r.audio_samples_queued
+            if not r.out_of_band:
+                s.emit(ev.event("conversation.item.done", previous_item_id=s.prev_of(r.item_id), item=item))
+                s.item_objs[r.item_id] = item
+                s.item_audio_samples[r.item_id] = r.audio_samples_queued
             output = [item]
         else:
             output = []

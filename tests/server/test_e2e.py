@@ -93,6 +93,35 @@ async def test_text_turns_second_reuses_cached_history(srv):
         assert 0 < m2["prefilled_rows"] < m1["prefilled_rows"]
 
 
+async def test_an_out_of_band_answer_leaves_the_next_answers_prompt_as_it_was(srv):
+    """Two sessions say the same; one also asks an out-of-band answer between its turns. The next answer's prompt
+    (history and new rows) is as long in both: the out-of-band rows left the engine's history."""
+    inputs = []
+    for out_of_band in (False, True):
+        async with websockets.connect(srv.ws, max_size=None) as ws:
+            await recv_event(ws)
+            await send(ws, "session.update", session={"type": "realtime", "output_modalities": ["text"],
+                                                      "max_output_tokens": ROWS,
+                                                      "audio": {"input": {"turn_detection": None}}})
+            await recv_event(ws)
+            await user_text(ws, "Hello, who are you?")
+            await send(ws, "response.create")
+            await recv_until(ws, "response.done", timeout=180)
+            if out_of_band:
+                await send(ws, "response.create", response={"conversation": "none", "output_modalities": ["audio"],
+                                                            "max_output_tokens": ROWS})
+                evs = await recv_until(ws, "response.done", timeout=180)
+                assert evs[-1]["response"]["conversation_id"] is None and evs[-1]["response"]["status"] in (
+                    "completed", "incomplete")
+                assert not by_type(evs, "conversation.item.added") and by_type(evs, "response.output_audio.delta")
+            await user_text(ws, "Tell me more.")
+            await send(ws, "response.create")
+            evs = await recv_until(ws, "response.done", timeout=180)
+            assert not by_type(evs, "error"), by_type(evs, "error")
+            inputs.append(evs[-1]["response"]["usage"]["input_tokens"])
+    assert inputs[0] == inputs[1]
+
+
 async def test_openai_sdk_realtime_client(srv):
     from openai import AsyncOpenAI
 
