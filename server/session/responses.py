@@ -38,9 +38,9 @@ class Response:
     stopped_by_server_limit: bool = False  # the client set no limit ("inf"); the server's max_answer_rows ended it
     cut_at: int | None = None  # 24 kHz samples the engine's history keeps after a truncation (None: all of it)
     # An item at or before it left the conversation (deleted, or dropped to fit the context): the engine prefills
-    # its rows again and it can no longer be cut short.
+    # its rows again and it can no longer be cut short. So too an out-of-band answer, whose rows leave the history.
     moved: bool = False
-    out_of_band: bool = False  # `conversation: "none"`: no conversation item; the engine's history drops it (moved)
+    out_of_band: bool = False  # `conversation: "none"`: no conversation item
     # Its audio in the format of its response.output_audio.delta events (what the engine makes is 24 kHz PCM16)
     encoder: AnswerEncoder = field(default_factory=lambda: AnswerEncoder(PCM, ANSWER_RATE))
     # It has instructions of its own: the engine has them as a system turn before it, and is given the session's
@@ -326,10 +326,7 @@ class Responses:
         s.emit(ev.event("response.done", response=resp), on_taken=sent)
         self.last = r
         self.active = None
-        if r.instructed:  # before anything the client sent meanwhile
-            s.engine_inputs.answer_ended(first=self._instructions_back(r))
-        else:
-            s.engine_inputs.answer_ended()
+        s.engine_inputs.answer_ended(first=self._instructions_back(r))  # (before what the client sent meanwhile)
         first = r.playback.first_audio_at
         heard_at = (first if first is not None else time.monotonic()) + r.audio_samples_queued / ANSWER_RATE
         s.idle.arm(heard_at - time.monotonic())

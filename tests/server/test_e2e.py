@@ -39,6 +39,14 @@ def by_type(evs: list[dict], t: str) -> list[dict]:
     return [e for e in evs if e["type"] == t]
 
 
+async def _text_session(ws) -> None:
+    """Past session.created: text answers of at most ROWS rows, turns ended by the client."""
+    await recv_event(ws)
+    await send(ws, "session.update", session={"type": "realtime", "output_modalities": ["text"],
+                                              "max_output_tokens": ROWS, "audio": {"input": {"turn_detection": None}}})
+    await recv_event(ws)
+
+
 async def test_spoken_turn_with_server_vad(srv):
     async with websockets.connect(srv.ws, max_size=None) as ws:
         assert (await recv_event(ws))["type"] == "session.created"
@@ -66,11 +74,7 @@ async def test_spoken_turn_with_server_vad(srv):
 
 async def test_text_turns_second_reuses_cached_history(srv):
     async with websockets.connect(srv.ws, max_size=None) as ws:
-        await recv_event(ws)
-        await send(ws, "session.update", session={"type": "realtime", "output_modalities": ["text"],
-                                                  "max_output_tokens": ROWS,
-                                                  "audio": {"input": {"turn_detection": None}}})
-        await recv_event(ws)
+        await _text_session(ws)
         results = []
         for text in ("Hello, who are you?", "Tell me more."):
             await user_text(ws, text)
@@ -99,11 +103,7 @@ async def test_an_out_of_band_answer_leaves_the_next_answers_prompt_as_it_was(sr
     inputs = []
     for out_of_band in (False, True):
         async with websockets.connect(srv.ws, max_size=None) as ws:
-            await recv_event(ws)
-            await send(ws, "session.update", session={"type": "realtime", "output_modalities": ["text"],
-                                                      "max_output_tokens": ROWS,
-                                                      "audio": {"input": {"turn_detection": None}}})
-            await recv_event(ws)
+            await _text_session(ws)
             await user_text(ws, "Hello, who are you?")
             await send(ws, "response.create")
             await recv_until(ws, "response.done", timeout=180)

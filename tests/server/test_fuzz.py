@@ -78,6 +78,10 @@ TEMPLATES: list[dict[str, Any]] = [
     {"type": "session.update", "session": {"type": "realtime", "moss": {"voice_prompt": {"wav": _PROMPT}}}},
     {"type": "conversation.item.retrieve", "item_id": "item_x"},
     {"type": "output_audio_buffer.clear"},
+    {"type": "session.update", "session": {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma"}, "speed": 1.25}}}},
+    {"type": "response.create", "response": {"conversation": "none", "instructions": "classify", "max_output_tokens": 4,
+                                             "output_modalities": ["text"], "metadata": {"k": "v"}}},
 ]
 ODD_VALUES: list[Any] = [None, True, -1, 0, 2 ** 63, 1e308, float("nan"), float("inf"), "", "x" * 5000, [], [1, 2], {},
                          {"a": {"b": []}}, "\ud800", "\x00", -0.0, 3.5, "audio/pcmu", "server_vad"]
@@ -201,10 +205,10 @@ SEMANTIC_VAD = [{"type": "semantic_vad", "eagerness": e} for e in ("low", "mediu
 
 async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, seconds: float, detectors: list[Any]
                              ) -> tuple[list[dict[str, Any]], int | None]:
-    """Speech at about real time in odd chunk sizes, with commits, clears, cancels, answers, truncations (of the
-    latest answer's item or of none), deletions of items, voice prompts (the default, one of 1 s, one too short to
-    use), instructions and turn-detection changes among `detectors` thrown in at random (the first one, or the first
-    that is not None, to begin with)."""
+    """Speech at about real time in odd chunk sizes, with commits, clears, cancels, answers (some out of band, some
+    with instructions of their own), truncations (of the latest answer's item or of none), deletions of items, voice
+    prompts (the default, one of 1 s, one too short to use), instructions and turn-detection changes among
+    `detectors` thrown in at random (the first one, or the first that is not None, to begin with)."""
     rng = random.Random(seed)
     voices = [None, {"wav": _wav(signal[:24000], 24000)}, {"wav": _wav(signal[:240], 24000)}]
     async with websockets.connect(srv.ws, max_size=None) as ws:
@@ -231,8 +235,9 @@ async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, 
                 await send(ws, "input_audio_buffer.commit")
             elif r < 0.88:
                 await send(ws, "response.cancel")
-            elif r < 0.91:
-                await send(ws, "response.create")
+            elif r < 0.91:  # in the conversation or out of band, with the session's instructions or its own
+                await send(ws, "response.create", **rng.choice([{}, {}, {"response": {"instructions": "be brief"}}, {
+                    "response": {"conversation": "none", "instructions": "classify", "output_modalities": ["text"]}}]))
             elif r < 0.93:
                 answers = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
                 item = answers[-1] if answers and rng.random() < 0.7 else "item_x"

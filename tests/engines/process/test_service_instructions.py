@@ -12,12 +12,18 @@ def _find(history: list, rows: list) -> list[int]:
     return [i for i in range(len(history) - len(rows) + 1) if history[i:i + len(rows)] == rows]
 
 
-def test_an_answers_own_instructions_sit_between_its_question_and_it_and_the_sessions_follow_it():
+def _after_an_answer():
+    """A session with instructions "Be kind." after one exchange (q0 -> r0): its system turn is in."""
     svc = make_service()
     send(svc, m.OpenSession("s", instructions="Be kind."))
     send(svc, m.AddUserText("s", "q0", "hello"))
     send(svc, m.CreateResponse("s", "r0", "text", greedy(2)))
     run(svc)
+    return svc
+
+
+def test_an_answers_own_instructions_sit_between_its_question_and_it_and_the_sessions_follow_it():
+    svc = _after_an_answer()
     send(svc, m.AddUserText("s", "q", "hi"))
     send(svc, m.UpdateSession("s", instructions="Be kind. Greet.", pinned=False))
     send(svc, m.CreateResponse("s", "r1", "text", greedy(3)))
@@ -42,11 +48,7 @@ def test_an_answers_own_instructions_sit_between_its_question_and_it_and_the_ses
 
 
 def test_default_instructions_bring_back_the_default_prompt_of_the_modality_asked():
-    svc = make_service()
-    send(svc, m.OpenSession("s", instructions="Be kind."))
-    send(svc, m.AddUserText("s", "q", "hi"))
-    send(svc, m.CreateResponse("s", "r1", "text", greedy(2)))
-    run(svc)
+    svc = _after_an_answer()
     send(svc, m.UpdateSession("s", default_instructions="audio"))
     send(svc, m.UpdateSession("s", default_instructions="text"))  # none already: nothing more
     send(svc, m.AddUserText("s", "q2", "and?"))
