@@ -95,7 +95,8 @@ async def _on_clear(s: Session, event: dict[str, Any]) -> None:
 async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
     _check_keys(event, {"type", "event_id", "previous_item_id", "item"})
     prev = event.get("previous_item_id")
-    if prev is not None and prev != (s.items[-1] if s.items else None):
+    # ("root" is the conversation's start: the end too while it is empty)
+    if prev is not None and prev != (s.items[-1] if s.items else "root"):
         raise ProtocolError(errors.UNSUPPORTED_PREVIOUS_ITEM_ID,
                             "items can only be appended at the end of the conversation", "previous_item_id")
     item = event.get("item")

@@ -1,7 +1,7 @@
 """LiveKit Agents' openai.realtime.RealtimeModel on its defaults (only the base URL and key changed; semantic_vad,
 input transcription asked for, max_response_output_tokens "inf"), its session driven without a room: two spoken
-turns answered with audio and completed, a barge-in as AgentSession does it (interrupt, truncate), no error; and a
-greeting asked for with `generate_reply(instructions=...)`."""
+turns answered with audio and completed, a barge-in as AgentSession does it (interrupt, truncate), no error; a
+greeting asked for with `generate_reply(instructions=...)`; an earlier conversation given with `update_chat_ctx`."""
 
 from __future__ import annotations
 
@@ -121,3 +121,31 @@ async def test_generate_reply_with_instructions_of_its_own(srv):
     done = server(seen.items, "response.done")
     assert [d["response"]["status"] for d in done] == ["completed"]
     assert generation.response_id == done[0]["response"]["id"]
+
+
+async def test_an_agents_earlier_conversation_is_given_to_the_session(srv):
+    """An agent that starts with a conversation (a chat context restored from elsewhere) has LiveKit create its items
+    one after the other, the first at `previous_item_id: "root"`: all are taken, in order, and answered from."""
+    from livekit.agents import llm
+
+    seen = Seen()
+    ctx = llm.ChatContext()
+    ctx.add_message(role="user", content="My name is Ada.")
+    ctx.add_message(role="assistant", content="Nice to meet you, Ada.")
+    ctx.add_message(role="user", content="What is my name?")
+    async with aiohttp.ClientSession() as http:
+        model = lk_openai.realtime.RealtimeModel(api_key=KEY, base_url=srv.http + "/v1", http_session=http)
+        session = model.session()
+        session.on("openai_server_event_received", seen.add)
+        session.on("error", lambda e: seen.add(("error", e)))
+        try:
+            await asyncio.wait_for(session.update_chat_ctx(ctx), 30)
+            await asyncio.wait_for(session.generate_reply(), 60)
+            await seen.until(lambda items: server(items, "response.done"), "the answer", failed=bad)
+        finally:
+            await session.aclose()
+    assert not [x for x in seen.items if bad(x)]
+    added = [e["item"] for e in server(seen.items, "conversation.item.added")]
+    assert [(i["role"], i["content"][0].get("text")) for i in added[:3]] == [
+        ("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada."), ("user", "What is my name?")]
+    assert [d["response"]["status"] for d in server(seen.items, "response.done")] == ["completed"]

@@ -205,3 +205,18 @@ async def test_audio_item_create(srv):
         await send(ws, "response.create")
         done = (await recv_until(ws, "response.done"))[-1]["response"]
         assert done["moss"]["prefilled_rows"] == 12 + 1 + 4  # same rows as 1 s appended and committed
+
+
+async def test_an_item_goes_at_the_root_only_while_the_conversation_is_empty(srv):
+    """`previous_item_id: "root"` is the conversation's start (LiveKit creates the first item of an agent's context
+    so): taken while that is also its end; later, inserting there is refused by name."""
+    async with connect(srv.ws) as ws:
+        await open_session(ws)
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+        await send(ws, "conversation.item.create", previous_item_id="root", item=item)
+        added = (await recv_until(ws, "conversation.item.added"))[-1]
+        assert added["previous_item_id"] is None
+        await recv_until(ws, "conversation.item.done")
+        await send(ws, "conversation.item.create", previous_item_id="root", item=item)
+        err = await recv_event(ws)
+        assert (err["error"]["code"], err["error"]["param"]) == ("unsupported_previous_item_id", "previous_item_id")
