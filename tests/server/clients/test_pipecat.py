@@ -1,5 +1,5 @@
 """Pipecat's OpenAIRealtimeLLMService on its defaults (only the base URL and key changed) in a headless pipeline fed
-from a WAV: two spoken turns answered with audio, a barge-in, no error."""
+from a WAV: two spoken turns answered with audio, a barge-in, no error; and a greeting asked for by the context."""
 
 from __future__ import annotations
 
@@ -91,6 +91,30 @@ async def test_two_spoken_turns_and_a_barge_in(srv, speech24k):
                          failed=is_error)
         end3 = [i for i, x in enumerate(seen.items) if isinstance(x, LLMFullResponseEndFrame)][2]
         assert count(seen.items[end3:], TTSAudioRawFrame) > 0  # the barge-in turn was answered with audio
+    finally:
+        await worker.cancel()
+        await runner
+    assert not count(seen.items, ErrorFrame), [x for x in seen.items if isinstance(x, ErrorFrame)]
+
+
+async def test_a_context_that_asks_for_a_greeting(srv):
+    """Pipecat's way to have the bot speak first: a context with a user message, then LLMRunFrame. The service creates
+    the context's items and asks for the answer: it comes, with audio, and no error."""
+    from pipecat.frames.frames import LLMRunFrame
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+
+    seen = Seen()
+    llm = ReadyService(seen, api_key=KEY, base_url=srv.ws)
+    context = LLMContext([{"role": "user", "content": "Say hello to the user."}])
+    aggregators = LLMContextAggregatorPair(context)
+    worker = PipelineWorker(Pipeline([Watch(seen), aggregators.user(), llm, Watch(seen), aggregators.assistant()]),
+                            idle_timeout_secs=None)
+    runner = asyncio.create_task(WorkerRunner(handle_sigint=False).run(worker))
+    try:
+        await worker.queue_frame(LLMRunFrame())
+        await seen.until(lambda items: count(items, LLMFullResponseEndFrame) == 1, "the greeting", failed=is_error)
+        assert count(seen.items, TTSAudioRawFrame) > 0
     finally:
         await worker.cancel()
         await runner
