@@ -102,9 +102,9 @@ async def test_two_spoken_turns_and_a_barge_in(srv, speech24k):
     assert server(seen.items[barge:], "conversation.item.truncated") or statuses[2] == "completed"
 
 
-async def test_generate_reply_with_instructions_of_its_own(srv):
-    """`generate_reply(instructions=...)`, how LiveKit's agents greet a user: a response.create with instructions of
-    its own (the session's and the new ones together) is answered, and resolves the client's generation."""
+async def _answered(srv, ask) -> tuple[Seen, object]:
+    """A LiveKit session (no room) in which `ask(session)` leads to one answer: its events and what `ask` returned,
+    no error among them."""
     seen = Seen()
     async with aiohttp.ClientSession() as http:
         model = lk_openai.realtime.RealtimeModel(api_key=KEY, base_url=srv.http + "/v1", http_session=http)
@@ -112,12 +112,22 @@ async def test_generate_reply_with_instructions_of_its_own(srv):
         session.on("openai_server_event_received", seen.add)
         session.on("error", lambda e: seen.add(("error", e)))
         try:
-            await session.update_instructions("You are a helpful voice assistant.")
-            generation = await asyncio.wait_for(session.generate_reply(instructions="Greet the user."), 60)
-            await seen.until(lambda items: server(items, "response.done"), "the greeting", failed=bad)
+            result = await ask(session)
+            await seen.until(lambda items: server(items, "response.done"), "the answer", failed=bad)
         finally:
             await session.aclose()
     assert not [x for x in seen.items if bad(x)]
+    return seen, result
+
+
+async def test_generate_reply_with_instructions_of_its_own(srv):
+    """`generate_reply(instructions=...)`, how LiveKit's agents greet a user: a response.create with instructions of
+    its own (the session's and the new ones together) is answered, and resolves the client's generation."""
+    async def greet(session):
+        await session.update_instructions("You are a helpful voice assistant.")
+        return await asyncio.wait_for(session.generate_reply(instructions="Greet the user."), 60)
+
+    seen, generation = await _answered(srv, greet)
     done = server(seen.items, "response.done")
     assert [d["response"]["status"] for d in done] == ["completed"]
     assert generation.response_id == done[0]["response"]["id"]
@@ -128,23 +138,16 @@ async def test_an_agents_earlier_conversation_is_given_to_the_session(srv):
     one after the other, the first at `previous_item_id: "root"`: all are taken, in order, and answered from."""
     from livekit.agents import llm
 
-    seen = Seen()
     ctx = llm.ChatContext()
     ctx.add_message(role="user", content="My name is Ada.")
     ctx.add_message(role="assistant", content="Nice to meet you, Ada.")
     ctx.add_message(role="user", content="What is my name?")
-    async with aiohttp.ClientSession() as http:
-        model = lk_openai.realtime.RealtimeModel(api_key=KEY, base_url=srv.http + "/v1", http_session=http)
-        session = model.session()
-        session.on("openai_server_event_received", seen.add)
-        session.on("error", lambda e: seen.add(("error", e)))
-        try:
-            await asyncio.wait_for(session.update_chat_ctx(ctx), 30)
-            await asyncio.wait_for(session.generate_reply(), 60)
-            await seen.until(lambda items: server(items, "response.done"), "the answer", failed=bad)
-        finally:
-            await session.aclose()
-    assert not [x for x in seen.items if bad(x)]
+
+    async def resume(session):
+        await asyncio.wait_for(session.update_chat_ctx(ctx), 30)
+        return await asyncio.wait_for(session.generate_reply(), 60)
+
+    seen, _ = await _answered(srv, resume)
     added = [e["item"] for e in server(seen.items, "conversation.item.added")]
     assert [(i["role"], i["content"][0].get("text")) for i in added[:3]] == [
         ("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada."), ("user", "What is my name?")]
