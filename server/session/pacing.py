@@ -34,7 +34,7 @@ class AudioOut:
     response_id: str
     item_id: str
     pcm24k: bytes
-    index: int  # chunk number within the response
+    index: int  # chunk number within the response (-1: what the speed filter held back, at its end)
 
     @property
     def samples(self) -> int:
