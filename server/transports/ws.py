@@ -35,7 +35,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.responses import PlainTextResponse
 
 from engines.protocol import errors
-from server import auth
+from server import auth, client_secrets
 from server.session import server_events as ev
 from server.session.manager import SessionRefused
 from server.transports.connections import SEND_METER, SendMeter
@@ -94,6 +94,9 @@ async def _serve(ws: WebSocket) -> None:
         await _send_and_close(ws, ev.error_event(errors.SERVER_ERROR, f"session could not start: {type(e).__name__}"),
                               errors.close_code(errors.SERVER_ERROR))
         return
+    carried = client_secrets.session_settings(settings.api_keys, auth.presented_key(ws.headers, ws.query_params))
+    if carried is not None:  # the settings its client secret was issued with: its first session.update
+        await session.handle_client_event({"type": "session.update", "session": carried})
     meter = ws.scope.get("extensions", {}).get(SEND_METER)
     await _pump(ws, session, settings.max_message_bytes, meter, settings.slow_consumer_timeout_s)
 

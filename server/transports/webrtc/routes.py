@@ -31,7 +31,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from engines.protocol import errors
-from server import auth
+from server import auth, client_secrets
 from server.session.client_events import parse_session_update
 from server.session.client_json import ProtocolError
 from server.session.manager import SessionManager, SessionRefused
@@ -102,12 +102,15 @@ class WebRTCService:
         if not self.calls.try_reserve():
             return _error(errors.SERVER_BUSY, f"the server is at its limit of {self.calls.max_calls} WebRTC calls; "
                           "retry later", headers={"Retry-After": "5"})
+        carried = client_secrets.session_settings(getattr(self.settings, "api_keys", []),
+                                                  auth.presented_key(request.headers, request.query_params))
         try:
-            return await self._negotiate(offer)
+            return await self._negotiate(offer, carried)
         finally:
             self.calls.release()
 
-    async def _negotiate(self, offer: str) -> Response:
+    async def _negotiate(self, offer: str, carried: dict[str, Any] | None = None) -> Response:
+        """`carried`: the session settings of the client secret the call was made with (its first session.update)."""
         pc = RTCPeerConnection(self.config.rtc_configuration())
         try:
             session = self.sessions.create(audio_out="track")
@@ -131,6 +134,8 @@ class WebRTCService:
             log.warning("call %s: session start failed: %s", call_id, e)
             await call.close(f"session start failed: {e}")
             return _error(errors.ENGINE_UNAVAILABLE, f"could not open a session: {e}", headers={"Retry-After": "5"})
+        if carried is not None:
+            await session.handle_client_event({"type": "session.update", "session": carried})
         self.calls.add(call)
         call.start()
         log.info("call %s: answered (session %s)", call_id, session.id)
