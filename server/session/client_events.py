@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -52,6 +53,7 @@ class TurnDetection:
 
 MAX_OUTPUT_TOKENS_DEFAULT = Sampling().max_new_tokens
 MAX_VOICE_PROMPT_BYTES = 4 << 20
+MAX_TRACING_METADATA = 2048  # characters of JSON
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class SessionConfig:
     input_format: AudioFormat = PCM  # of input_audio_buffer.append and input_audio items
     output_format: AudioFormat = PCM  # of response.output_audio.delta (a WebRTC track is Opus either way)
     speed: float = 1.0  # answers played this many times as fast, at the same pitch (server/audio/stretch.py)
+    tracing: str | dict[str, Any] | None = None  # GA `tracing`, named in the session's log
 
     def sampling_dict(self) -> dict[str, Any]:
         s = self.sampling
@@ -300,8 +303,8 @@ def parse_session_update(v: Any, cur: SessionConfig) -> tuple[SessionConfig, lis
         _keys(s, {"type", "object", "id", "model", "instructions", "output_modalities", "audio", "max_output_tokens",
                   "tools", "tool_choice", "tracing", "truncation", "prompt", "include", "expires_at", "moss"},
               "session")
-    for name, off in (("tools", ([], None)), ("tool_choice", ("auto", "none", None)), ("tracing", (None,)),
-                      ("prompt", (None,)), ("include", (None, []))):
+    for name, off in (("tools", ([], None)), ("tool_choice", ("auto", "none", None)), ("prompt", (None,)),
+                      ("include", (None, []))):
         with refused:
             _off(s, name, "session", off)
     cfg: dict[str, Any] = {}
@@ -331,6 +334,9 @@ def parse_session_update(v: Any, cur: SessionConfig) -> tuple[SessionConfig, lis
     if "moss" in s:
         with refused:
             _moss(s["moss"], cfg, cur, "session.moss", refused)
+    if "tracing" in s:
+        with refused:
+            cfg["tracing"] = _tracing(s["tracing"], cur.tracing)
     if s.get("truncation") is not None:
         with refused:
             cfg["truncation"] = _truncation(s["truncation"], "session.truncation")
@@ -352,6 +358,26 @@ def _truncation(v: Any, param: str) -> str | dict[str, Any]:
         raise ProtocolError(errors.INVALID_VALUE, f"{param}.retention_ratio must be a number in (0, 1]",
                             f"{param}.retention_ratio")
     return {"type": "retention_ratio", "retention_ratio": float(ratio)}
+
+
+def _tracing(v: Any, cur: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """GA `tracing`: null, "auto" or {workflow_name, group_id, metadata}; as OpenAI's, fixed once set. There is no
+    trace dashboard here: the session's log names them (client_handlers)."""
+    param = "session.tracing"
+    if v is not None and v != "auto":
+        t = _obj(v, param)
+        _keys(t, {"workflow_name", "group_id", "metadata"}, param)
+        for k in ("workflow_name", "group_id"):
+            if t.get(k) is not None and not (isinstance(t[k], str) and len(t[k]) <= 256):
+                raise ProtocolError(errors.INVALID_VALUE, f"{param}.{k} must be a string of at most 256 characters",
+                                    f"{param}.{k}")
+        if t.get("metadata") is not None and not (isinstance(t["metadata"], dict)
+                                                  and len(json.dumps(t["metadata"])) <= MAX_TRACING_METADATA):
+            raise ProtocolError(errors.INVALID_VALUE, f"{param}.metadata must be an object of at most "
+                                f"{MAX_TRACING_METADATA} characters of JSON", f"{param}.metadata")
+    if cur is not None and v != cur:
+        raise ProtocolError(errors.INVALID_VALUE, "session.tracing cannot be changed once set", param)
+    return v
 
 
 def _transcription(v: Any, param: str) -> dict[str, Any] | None:

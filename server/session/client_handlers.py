@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
     if isinstance(asked, str) and asked != s.config.model and not s.model_asked_logged:
         s.model_asked_logged = True
         s.log.info("the client asked for model %r; this server serves %r", asked[:64], s.config.model)
+    if new.tracing is not None and s.config.tracing is None:  # (no trace dashboard: the log is where to find it)
+        s.log.info("tracing %s", json.dumps(new.tracing))
     if new.instructions is not None and len(new.instructions) > s.limits.max_text_chars:
         refused.append(_text_too_long("session.instructions", new.instructions, s.limits.max_text_chars))
         new = dataclasses.replace(new, instructions=s.config.instructions)

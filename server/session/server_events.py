@@ -54,7 +54,7 @@ def session_obj(session_id: str, c: SessionConfig) -> dict[str, Any]:
         "tools": [],
         "tool_choice": "auto",
         "max_output_tokens": c.max_output_tokens,
-        "tracing": None,
+        "tracing": c.tracing,
         "truncation": c.truncation,
         "prompt": None,
         "include": None,
