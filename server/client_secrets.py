@@ -107,21 +107,21 @@ def _ttl(body: dict[str, Any]) -> int | str:
     return seconds
 
 
-def _unusable(session: dict[str, Any]) -> JSONResponse | None:
-    """Settings a secret cannot carry: any that a session.update would refuse (the first, as its error), and voice
-    prompts (recordings: too large for a key)."""
+def _with_settings(session: dict[str, Any], config: SessionConfig) -> SessionConfig | JSONResponse:
+    """`config` with the settings a secret is to carry; or the refusal of settings it cannot carry: any that a
+    session.update would refuse (the first, as its error), and voice prompts (recordings: too large for a key)."""
     moss = session.get("moss")
     if isinstance(moss, dict) and moss.get("voice_prompt") is not None:
         return _error(errors.INVALID_VALUE, "a voice prompt cannot travel in a client secret: send it in "
                       "session.update once connected")
     try:
-        _, refused = parse_session_update(session, SessionConfig())
+        config, refused = parse_session_update(session, config)
     except ProtocolError as e:
         refused = [e]
     if refused:
         e = refused[0]
         return _error(e.code, f"{e.message} ({e.param})" if e.param else e.message)
-    return None
+    return config
 
 
 def install(app: FastAPI, settings: Any) -> None:
@@ -146,10 +146,9 @@ def install(app: FastAPI, settings: Any) -> None:
         config = SessionConfig(model=getattr(settings, "model_name", "moss-speech"))
         carried = ""
         if isinstance(session, dict) and set(session) - {"type", "model"}:
-            refusal = _unusable(session)
-            if refusal is not None:
-                return refusal
-            config, _ = parse_session_update(session, config)
+            config = _with_settings(session, config)
+            if isinstance(config, JSONResponse):
+                return config
             carried = encode_settings(session)
             if len(carried) > MAX_SETTINGS:
                 return _error(errors.INVALID_VALUE, f"the session settings are too large to travel in a client secret "
