@@ -33,7 +33,6 @@ class AudioFormat:
     type: str  # "audio/pcm" | "audio/pcmu" | "audio/pcma"
     rate: int
     codec: str | None  # FFmpeg's G.711 codec; None for PCM16
-    bytes_per_sample: int
 
     def to_event(self) -> dict[str, Any]:
         """As session and response events show it (the GA shape: G.711 formats carry no rate)."""
@@ -64,9 +63,9 @@ class AudioFormat:
         return b"".join(bytes(p) for p in [*ctx.encode(frame), *ctx.encode(None)])
 
 
-PCM = AudioFormat("audio/pcm", 24000, None, 2)
-PCMU = AudioFormat("audio/pcmu", G711_RATE, "pcm_mulaw", 1)
-PCMA = AudioFormat("audio/pcma", G711_RATE, "pcm_alaw", 1)
+PCM = AudioFormat("audio/pcm", 24000, None)
+PCMU = AudioFormat("audio/pcmu", G711_RATE, "pcm_mulaw")
+PCMA = AudioFormat("audio/pcma", G711_RATE, "pcm_alaw")
 _BY_TYPE = {f.type: f for f in (PCM, PCMU, PCMA)}
 
 
