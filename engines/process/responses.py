@@ -75,6 +75,12 @@ class Responses:
 
     def _create(self, s: Session, msg: m.CreateResponse) -> None:
         self.limits.check_output(msg.sampling.max_new_tokens, msg.response_id)
+        if msg.instructions is not None:
+            if not msg.out_of_band:
+                raise ServiceError(errors.INVALID_REQUEST, "a response's own instructions go with an out-of-band "
+                                   "response only (before one in the conversation, send UpdateSession)",
+                                   msg.response_id)
+            self.limits.check_text("instructions", msg.instructions)
         params = sampling_params(msg.sampling)
         t = s.active
         if s.voice_waiting or s.completing is not None or (
@@ -88,6 +94,8 @@ class Responses:
             raise ServiceError(errors.INVALID_REQUEST,
                                "commit or clear the input audio buffer before creating a response")
         prefix = self.prompts.assistant_prefix_rows(msg.modality)
+        if msg.instructions is not None:  # its own system turn, leaving the history with it
+            prefix = self.prompts.system_rows(msg.instructions, msg.modality) + prefix
         if t is not None and s.retention is not None and s.tentative is None and self._over(
                 s, t.rows_added + len(s.pending_rows) + len(prefix) + params.max_new_tokens):
             # The answer would not fit after the open user turn: that turn is undone, and prefilled again in a new

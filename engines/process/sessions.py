@@ -60,7 +60,8 @@ class ResponseState:
     withdrawn: bool = False  # WithdrawResponse: its ResponseDone says so
     failed: str | None = None  # a server-side fault stopped it (ResponseDone status "failed")
     truncate_samples: int | None = None  # TruncateResponse received while still running
-    # Out of band: the rows of the assistant's header before its answer (they leave the history with it)
+    # Out of band: the rows of its own prompt (its instructions, the assistant's header) before its answer; they leave
+    # the history with it
     out_of_band_prefix: int | None = None
     done: Any = None  # ResponseDone, built once its last audio is out (Service._complete)
     marks: dict[str, float] = field(default_factory=dict)  # ms since t0 when each stage first happened

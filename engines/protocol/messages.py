@@ -137,6 +137,9 @@ class CreateResponse:
     # Outside the conversation (GA `conversation: "none"`): it answers the history as it stands, then its rows leave
     # it; it is no item and cannot be truncated.
     out_of_band: bool = False
+    # An out-of-band answer's own instructions: a system turn right before it that leaves the history with it (those
+    # of an answer in the conversation go in with UpdateSession). None: the session's.
+    instructions: str | None = None
 
 
 @dataclass(frozen=True)

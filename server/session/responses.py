@@ -97,12 +97,13 @@ class Responses:
         s.idle.disarm()
         sampling = opts["sampling"]
         s.emit(ev.event("response.created", response=ev.response_obj(r, s.id, "in_progress")))
-        if opts.get("instructions") is not None:
+        own = opts.get("instructions")
+        if own is not None and not r.out_of_band:  # they stay in the conversation, and the session's follow them
             r.instructed = True
-            await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=opts["instructions"],
-                                                       pinned=False))
-        await s.engine_inputs.send(m.CreateResponse(session_id=s.id, response_id=r.id, modality=r.modality,
-                                                    sampling=sampling, item_id=r.item_id, out_of_band=r.out_of_band))
+            await s.engine_inputs.send(m.UpdateSession(session_id=s.id, instructions=own, pinned=False))
+        await s.engine_inputs.send(m.CreateResponse(
+            session_id=s.id, response_id=r.id, modality=r.modality, sampling=sampling, item_id=r.item_id,
+            out_of_band=r.out_of_band, instructions=own if r.out_of_band else None))
         s.log.info("response created id=%s modality=%s", r.id, r.modality)
 
     async def turn_ended(self) -> None:

@@ -98,8 +98,9 @@ async def test_text_turns_second_reuses_cached_history(srv):
 
 
 async def test_an_out_of_band_answer_leaves_the_next_answers_prompt_as_it_was(srv):
-    """Two sessions say the same; one also asks an out-of-band answer between its turns. The next answer's prompt
-    (history and new rows) is as long in both: the out-of-band rows left the engine's history."""
+    """Two sessions say the same; one also asks an out-of-band answer (with instructions of its own) between its
+    turns. The next answer's prompt (history and new rows) is as long in both: the out-of-band rows, its instructions'
+    included, left the engine's history."""
     inputs = []
     for out_of_band in (False, True):
         async with websockets.connect(srv.ws, max_size=None) as ws:
@@ -109,7 +110,8 @@ async def test_an_out_of_band_answer_leaves_the_next_answers_prompt_as_it_was(sr
             await recv_until(ws, "response.done", timeout=180)
             if out_of_band:
                 await send(ws, "response.create", response={"conversation": "none", "output_modalities": ["audio"],
-                                                            "max_output_tokens": ROWS})
+                                                            "max_output_tokens": ROWS,
+                                                            "instructions": "Say only yes or no."})
                 evs = await recv_until(ws, "response.done", timeout=180)
                 assert evs[-1]["response"]["conversation_id"] is None and evs[-1]["response"]["status"] in (
                     "completed", "incomplete")

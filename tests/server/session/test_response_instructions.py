@@ -1,6 +1,7 @@
 """A response's own instructions (`response.instructions`, what LiveKit Agents' `generate_reply(instructions=...)`
 sends): the engine is given them as a system turn just before the answer and the session's instructions again just
-after it, before anything the client sent while it ran; instructions back to null mean the default prompt again.
+after it, before anything the client sent while it ran; an out-of-band answer's go with it alone (they leave the
+engine's history with it); instructions back to null mean the default prompt again.
 
 An in-memory engine link records what the session sends (tests/server/session/session_support.py)."""
 
@@ -24,7 +25,8 @@ def _inputs(link) -> list:
         if isinstance(x, m.UpdateSession):
             out.append(("instructions", x.instructions, x.default_instructions, x.pinned))
         elif isinstance(x, m.CreateResponse):
-            out.append(("create", x.response_id))
+            out.append(("create", x.response_id) if x.instructions is None else
+                       ("create", x.response_id, x.instructions))
         elif isinstance(x, m.AddUserText):
             out.append(("text", x.text))
     return out
@@ -64,6 +66,17 @@ async def test_without_session_instructions_the_default_prompt_of_the_answers_mo
     await settled(s)
     assert _inputs(link) == [("instructions", "Say hello.", None, False), ("create", rid),
                              ("instructions", None, "audio", False)]
+
+
+async def test_an_out_of_band_answers_instructions_go_with_it_alone():
+    s, link = await _session("You are kind.")
+    await s.handle_client_event({"type": "response.create", "response": {
+        "conversation": "none", "output_modalities": ["text"], "instructions": "Classify the user's mood."}})
+    rid = link.of(m.CreateResponse)[-1].response_id
+    s.on_engine_message(m.ResponseDone(s.id, rid, "completed", output_rows=3))
+    await settled(s)
+    assert _inputs(link) == [("create", rid, "Classify the user's mood.")]
+    assert not [e for e in drain(s) if e["type"] == "error"]
 
 
 @pytest.mark.parametrize("same", [None, "", "You are kind."])
