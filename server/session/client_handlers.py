@@ -114,27 +114,27 @@ async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
         raise ProtocolError(errors.INVALID_ITEM, f"item.role must be user, system or assistant, got {role!r}",
                             "item.role")
     content = item.get("content")
-    if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], dict):
-        raise ProtocolError(errors.INVALID_ITEM, "item.content must be a list with one content part",
+    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
+        raise ProtocolError(errors.INVALID_ITEM, "item.content must be a non-empty list of content parts",
                             "item.content")
-    part = content[0]
     item_id = item.get("id") or ev.new_id("item")
     if not isinstance(item_id, str) or len(item_id) > 64 or item_id in s.items:
         raise ProtocolError(errors.INVALID_ITEM, "item.id must be a new string of at most 64 characters",
                             "item.id")
-    ptype = part.get("type")
-    text_types = {"user": "input_text", "system": "input_text", "assistant": "output_text"}
-    if ptype in (text_types[role], "text"):
-        _check_keys(part, {"type", "text"}, "item.content[0].")
-        text = part.get("text")
-        if not isinstance(text, str) or not text:
-            raise ProtocolError(errors.INVALID_ITEM, "text content needs a non-empty string 'text'",
-                                "item.content[0].text")
+    text_type = {"user": "input_text", "system": "input_text", "assistant": "output_text"}[role]
+    if any(p.get("type") in (text_type, "text") for p in content):
+        # Text parts (LiveKit sends a message's strings as parts of one item) are one text, a line each.
+        text = "\n".join(_text_part(p, i, text_type, role) for i, p in enumerate(content))
         if len(text) > s.limits.max_text_chars:
-            raise _text_too_long("item.content[0].text", text, s.limits.max_text_chars)
+            raise _text_too_long("item.content[0].text" if len(content) == 1 else "item.content", text,
+                                 s.limits.max_text_chars)
         msg = m.AddUserText(session_id=s.id, item_id=item_id, text=text, role=role)
-        out_part = {"type": text_types[role], "text": text}
-    elif ptype == "input_audio" and role == "user":
+        out_parts = [{"type": text_type, "text": p["text"]} for p in content]
+    elif content[0].get("type") == "input_audio" and role == "user":
+        if len(content) > 1:
+            raise ProtocolError(errors.UNSUPPORTED_CONTENT_TYPE, "an input_audio part must be its item's only "
+                                "content part", "item.content")
+        part = content[0]
         _check_keys(part, {"type", "audio", "transcript"}, "item.content[0].")
         try:
             fmt = s.config.input_format
@@ -144,12 +144,25 @@ async def _on_item_create(s: Session, event: dict[str, Any]) -> None:
         await s.input_buffer.settle("adding an audio item")  # after the checks: a bad item clears nothing
         await s.engine_inputs.send(m.AppendUserAudio(session_id=s.id, pcm16k=float32_to_pcm16(pcm)))
         msg = m.CommitUserAudio(session_id=s.id, item_id=item_id, transcribe=s.config.transcription is not None)
-        out_part = {"type": "input_audio", "transcript": part.get("transcript")}
+        out_parts = [{"type": "input_audio", "transcript": part.get("transcript")}]
     else:
-        raise ProtocolError(errors.UNSUPPORTED_CONTENT_TYPE, f"content type {ptype!r} is not supported for "
-                            f"role {role!r}", "item.content[0].type")
+        raise ProtocolError(errors.UNSUPPORTED_CONTENT_TYPE, f"content type {content[0].get('type')!r} is not "
+                            f"supported for role {role!r}", "item.content[0].type")
     await s.engine_inputs.send(msg)
-    s.add_item(item_id, role, [out_part])
+    s.add_item(item_id, role, out_parts)
+
+
+def _text_part(part: dict[str, Any], i: int, text_type: str, role: str) -> str:
+    """The text of part i of a message item whose parts are text."""
+    param = f"item.content[{i}]"
+    if part.get("type") not in (text_type, "text"):
+        raise ProtocolError(errors.UNSUPPORTED_CONTENT_TYPE, f"content type {part.get('type')!r} cannot go with "
+                            f"text in a {role} item", f"{param}.type")
+    _check_keys(part, {"type", "text"}, f"{param}.")
+    text = part.get("text")
+    if not isinstance(text, str) or not text:
+        raise ProtocolError(errors.INVALID_ITEM, "text content needs a non-empty string 'text'", f"{param}.text")
+    return text
 
 
 async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:

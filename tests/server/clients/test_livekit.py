@@ -135,13 +135,14 @@ async def test_generate_reply_with_instructions_of_its_own(srv):
 
 async def test_an_agents_earlier_conversation_is_given_to_the_session(srv):
     """An agent that starts with a conversation (a chat context restored from elsewhere) has LiveKit create its items
-    one after the other, the first at `previous_item_id: "root"`: all are taken, in order, and answered from."""
+    one after the other, the first at `previous_item_id: "root"`: all are taken, in order, and answered from (a
+    message of several strings is an item of several text parts)."""
     from livekit.agents import llm
 
     ctx = llm.ChatContext()
     ctx.add_message(role="user", content="My name is Ada.")
     ctx.add_message(role="assistant", content="Nice to meet you, Ada.")
-    ctx.add_message(role="user", content="What is my name?")
+    ctx.add_message(role="user", content=["Tell me.", "What is my name?"])
 
     async def resume(session):
         await asyncio.wait_for(session.update_chat_ctx(ctx), 30)
@@ -149,6 +150,7 @@ async def test_an_agents_earlier_conversation_is_given_to_the_session(srv):
 
     seen, _ = await _answered(srv, resume)
     added = [e["item"] for e in server(seen.items, "conversation.item.added")]
-    assert [(i["role"], i["content"][0].get("text")) for i in added[:3]] == [
-        ("user", "My name is Ada."), ("assistant", "Nice to meet you, Ada."), ("user", "What is my name?")]
+    assert [(i["role"], [p.get("text") for p in i["content"]]) for i in added[:3]] == [
+        ("user", ["My name is Ada."]), ("assistant", ["Nice to meet you, Ada."]),
+        ("user", ["Tell me.", "What is my name?"])]
     assert [d["response"]["status"] for d in server(seen.items, "response.done")] == ["completed"]

@@ -1,5 +1,5 @@
-"""A Session's item deletion, truncation setting and input transcription events, against a recording engine link
-(engine replies injected with on_engine_message)."""
+"""A Session's message items of several text parts, item deletion, truncation setting and input transcription events,
+against a recording engine link (engine replies injected with on_engine_message)."""
 
 from __future__ import annotations
 
@@ -155,6 +155,41 @@ async def test_texts_over_the_bound_are_refused_on_arrival_and_the_session_goes_
     await s.handle_client_event({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 20}]}})
     assert [a.text for a in link.of(m.AddUserText)] == ["x" * 20] and s.items
+
+
+async def test_a_message_of_several_text_parts_is_one_text_a_line_each():
+    """LiveKit sends a chat message's strings as the text parts of one item; the engine gets them as one text and the
+    client sees the parts it sent."""
+    s, link = await ptt_session()
+    for role, ptype in (("system", "input_text"), ("user", "input_text"), ("assistant", "output_text"),
+                        ("user", "text")):
+        await s.handle_client_event({"type": "conversation.item.create", "item": {
+            "type": "message", "role": role, "content": [{"type": ptype, "text": "Hello."},
+                                                         {"type": ptype, "text": "How are you?"}]}})
+        added = [e for e in drain(s) if e["type"] == "conversation.item.added"]
+        assert [p["text"] for p in added[0]["item"]["content"]] == ["Hello.", "How are you?"]
+    assert [(a.role, a.text) for a in link.of(m.AddUserText)] == [
+        (role, "Hello.\nHow are you?") for role in ("system", "user", "assistant", "user")]
+    assert len(s.items) == 4
+
+
+async def test_parts_that_cannot_make_one_item_are_refused_by_name():
+    s, link = await ptt_session()
+    part = {"type": "input_text", "text": "hi"}
+    audio = {"type": "input_audio", "audio": SPEECH}
+    for content, code, param in (
+            ([], "invalid_item", "item.content"),
+            ([part, audio], "unsupported_content_type", "item.content[1].type"),
+            ([audio, part], "unsupported_content_type", "item.content[0].type"),
+            ([audio, audio], "unsupported_content_type", "item.content"),
+            ([part, {"type": "input_text", "text": ""}], "invalid_item", "item.content[1].text"),
+            ([part, {"type": "input_text", "text": "x" * 20}], "input_too_large", "item.content")):
+        s.limits = replace(s.limits, max_text_chars=21)
+        await s.handle_client_event({"type": "conversation.item.create", "event_id": "e", "item": {
+            "type": "message", "role": "user", "content": content}})
+        (err,) = drain(s)
+        assert (err["error"]["code"], err["error"]["param"]) == (code, param), content
+    assert not s.items and not link.of(m.AddUserText) and not link.of(m.AppendUserAudio)
 
 
 async def text_item(s: Session) -> str:
