@@ -35,6 +35,11 @@ async def on_item_delete(s: Session, event: dict[str, Any]) -> None:
     if s.input_buffer.uncommitted_samples():
         raise ProtocolError(errors.INPUT_AUDIO_BUFFER_NOT_EMPTY, "an item cannot be deleted while the input audio "
                             "buffer holds uncommitted audio; commit or clear it first")
+    last = s.responses.last
+    if last is not None and last.item_id in s.items and s.items.index(item_id) <= s.items.index(last.item_id):
+        # The engine prefills the answer's rows again after the cut: from now on (not once it says so) a cut of it
+        # would reach rows that moved.
+        last.moved = True
     await s.engine_inputs.send(m.DeleteItem(session_id=s.id, item_id=item_id))
 
 

@@ -229,6 +229,22 @@ async def test_an_answer_after_an_item_that_left_is_cut_only_at_its_end():
     assert not link.of(m.TruncateResponse)
 
 
+async def test_an_answer_is_cut_only_at_its_end_as_soon_as_an_item_before_it_is_deleted():
+    """The engine takes the deletion first, so a cut sent before it says the items left would reach an answer whose
+    rows have moved (the engine refuses it: not the latest answer)."""
+    s, link = await ptt_session()
+    user = await spoken_turn(s)
+    await respond(s, link)
+    bot = link.of(m.CreateResponse)[-1].item_id
+    drain(s)
+    await s.handle_client_event({"type": "conversation.item.delete", "item_id": user})
+    await s.handle_client_event(truncate(bot, 100))
+    assert [e["error"]["code"] for e in drain(s)] == ["item_truncate_invalid_item_id"]
+    await s.handle_client_event({"type": "output_audio_buffer.clear"})
+    assert types(drain(s)) == ["output_audio_buffer.cleared"]
+    assert link.of(m.DeleteItem) and not link.of(m.TruncateResponse)
+
+
 async def test_an_answer_with_only_later_items_deleted_is_cut_as_usual():
     s, link = await ptt_session()
     await spoken_turn(s)
