@@ -122,7 +122,8 @@ class History:
             return
         self.engine.truncate_conversation(s.conversation_id, first)
         s.close_rows, s.pending_rows, s.refill_rows = [], kept, refill
-        s.answer = None  # its rows moved: it can no longer be truncated
+        if s.answer is not None:  # its rows moved: it can no longer be truncated
+            s.moved_answer, s.answer = s.answer.response_id, None
 
     # ---- fitting the context ---------------------------------------------------------------------------------
 

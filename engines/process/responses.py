@@ -263,6 +263,8 @@ class Responses:
                 and w.answer_before.response_id == msg.response_id:
             w.truncate = msg  # the withdrawn answer stops at the next step; then the cut (_reopen)
             return
+        if a is None and msg.response_id == s.moved_answer:
+            return  # the cut crossed the move of its rows (the server had not heard of it): the answer stays whole
         if a is None or a.response_id != msg.response_id:
             raise ServiceError(errors.INVALID_REQUEST, f"response {msg.response_id!r} is not the latest answer of this "
                                "session (only that one can be truncated)", msg.response_id)

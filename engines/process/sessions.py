@@ -183,6 +183,7 @@ class Session:
     turn_codes: int = 0  # speech codes of the current user turn (progress reports)
     active: Turn | None = None
     answer: Answer | None = None  # the latest finished response, if nothing followed it yet
+    moved_answer: str | None = None  # the latest answer's response id once its rows moved (a cut before it)
     deferred: list[CreateResponse] = field(default_factory=list)  # waiting for an undo or a completion
     # A finished answer whose last audio is still being decoded on the codec worker: its ResponseDone
     # (and any response asked for meanwhile) waits for it.

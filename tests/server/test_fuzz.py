@@ -74,6 +74,8 @@ TEMPLATES: list[dict[str, Any]] = [
         {"type": "input_audio", "audio": _tone_b64()}]}},
     {"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": [
         {"type": "output_text", "text": "ok"}]}},
+    {"type": "conversation.item.create", "item": {"type": "message", "role": "system", "content": [
+        {"type": "input_text", "text": "be"}, {"type": "input_text", "text": "brief"}]}},
     {"type": "conversation.item.truncate", "item_id": "item_x", "content_index": 0, "audio_end_ms": 100},
     {"type": "session.update", "session": {"type": "realtime", "moss": {"voice_prompt": {"wav": _PROMPT}}}},
     {"type": "conversation.item.retrieve", "item_id": "item_x"},

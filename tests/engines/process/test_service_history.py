@@ -136,6 +136,23 @@ def test_deleting_an_item_cuts_the_history_there_and_prefills_the_rest_again() -
     eng.check_integrity()
 
 
+def test_a_cut_that_crosses_the_move_of_its_answer_s_rows_keeps_the_answer_whole() -> None:
+    """A client's cut of the latest answer can cross a deletion (or a cut to fit) that moved the answer's rows (the
+    server sent it before it heard of the move): the answer stays whole, as after a cut at its end, and no error."""
+    svc = make_service()
+    send(svc, m.OpenSession("s"))
+    send(svc, m.AddUserText("s", "i0", "hello"))
+    send(svc, m.CreateResponse("s", "r0", "audio", greedy(12, min_new=12), item_id="a0"))
+    run(svc)
+    assert send(svc, m.DeleteItem("s", "i0")) == [m.ItemsDropped("s", ["i0"], deleted=True)]
+    s = svc.sessions["s"]
+    due = list(s.pending_rows)
+    assert not of(send(svc, m.TruncateResponse("s", "r0", 2400)), m.Error)
+    assert s.pending_rows == due and [it.item_id for it in s.items] == ["a0"]
+    assert [e.code for e in of(send(svc, m.TruncateResponse("s", "r9", 2400)), m.Error)] == ["invalid_request"]
+    svc.engine.check_integrity()
+
+
 def test_an_answer_that_sampled_im_start_itself_is_still_one_item_to_cut(monkeypatch) -> None:
     """The reference stops an answer only at <|endoftext|> or <|im_end|>: a model may sample <|im_start|> inside one.
     Its items are still cut where their turns begin (it was engine_error: more turn starts than items)."""
