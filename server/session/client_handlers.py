@@ -191,7 +191,9 @@ async def _on_item_truncate(s: Session, event: dict[str, Any]) -> None:
     if samples > r.audio_samples_queued:
         raise ProtocolError(errors.INVALID_VALUE, f"audio_end_ms {audio_end_ms} is beyond the item's audio "
                             f"({r.audio_samples_queued * 1000 // ANSWER_RATE} ms)", "audio_end_ms")
-    if r is active:
+    if r is active and r.cancel_sent:  # (a barge-in's cancel, cut where the server guessed the listener was)
+        await s.responses.stop_heard(r, samples)
+    elif r is active:
         await s.responses.cancel("client_cancelled", samples)
     elif r.kept_samples - samples >= ANSWER_RATE // 1000:  # cuts something the engine's history holds
         if r.moved:

@@ -224,9 +224,16 @@ async def test_barge_in_cancels_truncates_flushes_and_holds_new_speech(speech24k
     evs = drain(s)
     assert "response.output_audio.delta" not in types(evs)  # queued answer audio was dropped
     assert "input_audio_buffer.speech_started" in types(evs)
+    # The client says where its listener was (a WebSocket client knows, the server only estimated): the engine's cut
+    # follows it, though the answer is still ending.
+    heard_ms = 200 if new[1].audio_samples_played != 4800 else 100
+    await s.handle_client_event({"type": "conversation.item.truncate", "content_index": 0, "audio_end_ms": heard_ms,
+                                 "item_id": link.of(m.CreateResponse)[0].item_id})
+    assert link.sent[-1] == m.TruncateResponse("sess_test", rid, heard_ms * 24)
+    assert [(e["type"], e.get("audio_end_ms")) for e in drain(s)] == [("conversation.item.truncated", heard_ms)]
     s.on_engine_message(m.ResponseDone("sess_test", rid, "cancelled", reason="client_cancelled", output_rows=25))
     await settled(s)  # held inputs go out on the loop
-    assert any(isinstance(x, m.AppendUserAudio) for x in link.sent[n_before + 2:])
+    assert any(isinstance(x, m.AppendUserAudio) for x in link.sent[n_before + 3:])
     done = [e for e in drain(s) if e["type"] == "response.done"][0]["response"]
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected"
 
