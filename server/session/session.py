@@ -124,6 +124,9 @@ class Session:
         self.close_code = errors.CLOSE_NORMAL
         self.close_reason = ""  # the close frame's reason, where the code alone does not say why
         self._last_heard = time.monotonic()  # when the client last sent an event or audio
+        # One client event at a time, in arrival order: a call's data channel, control socket and voice upload hand
+        # events over at once, and a handler may wait half-way (a model's load, the engine's sync).
+        self._event_turn = asyncio.Lock()
         self._idle_timer: asyncio.TimerHandle | None = None
         self._closed_event = asyncio.Event()
         self._started = False
@@ -233,6 +236,11 @@ class Session:
         if self.closed:
             return
         self._last_heard = time.monotonic()
+        async with self._event_turn:
+            if not self.closed:
+                await self._handle(event)
+
+    async def _handle(self, event: dict[str, Any]) -> None:
         etype = event.get("type")
         client_event_id = event.get("event_id")
         handler = HANDLERS.get(etype) if isinstance(etype, str) else None
