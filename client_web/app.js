@@ -106,7 +106,19 @@ async function loadInfo() {
   stats.randomWeights = !!info.random_weights;
   $("model").textContent = `model: ${info.model}`;
   $("random-notice").hidden = !info.random_weights;
+  offerTurnDetection(info.turn_detection);
   return true;
+}
+
+// Turn detection the server does not serve is greyed out; the choice falls to the next one it does (the
+// end-of-turn model ends turns soonest, then the VAD's silence, then push to talk).
+function offerTurnDetection(served) {
+  if (!Array.isArray(served)) return;
+  const select = $("turn-detection");
+  for (const option of select.options) option.disabled = option.value !== "none" && !served.includes(option.value);
+  if (select.selectedOptions[0].disabled) {
+    select.value = ["semantic_vad", "server_vad"].find((t) => served.includes(t)) || "none";
+  }
 }
 
 // ---- microphone --------------------------------------------------------------------------------

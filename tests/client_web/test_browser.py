@@ -12,6 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -106,6 +107,9 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
         calls = server.app.state.calls
         assert len(calls) == 1
         _wait(page, "() => window.__mossStats.ttfaMs.length >= 1", 40, "a turn with a measured TTFA")
+        (session,) = server.app.state.sessions.sessions.values()
+        td = session.config.turn_detection  # the page's default: the end-of-turn model, the soonest to answer
+        assert (td.type, td.eagerness) == ("semantic_vad", "auto"), td
         if server.engine_kind == "fake-engine":
             _wait(page, "() => window.__mossStats.events['response.done'] >= 1", 20, "response.done")
         # (random weights rarely sample end-of-speech: that answer runs to max_output_tokens, so we do not wait)
@@ -120,7 +124,7 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
         assert stats["maxOutLevel"] > LEVEL_THRESHOLD, "the page never heard the answer"
         assert stats["ttfaMs"][0] > 0
         assert ttfa_text.endswith(" ms") and ttfa_text[:-3].isdigit(), ttfa_text
-        # From the mic's level falling to silence: the VAD's wait (500 ms of silence) comes on top.
+        # From the mic's level falling to silence: the silence that confirms the turn (300 ms) comes on top.
         felt, felt_text = stats["feltMs"][0], page.inner_text("#felt-last")
         assert felt is not None and felt > stats["ttfaMs"][0] + 300, (felt, stats["ttfaMs"][0])
         assert felt_text.endswith(" ms") and felt_text[:-3].isdigit(), felt_text
@@ -195,5 +199,14 @@ def test_page_explains_denied_mic_and_unreachable_server(playwright, fake_server
         page2.goto(server.http + "/")
         _wait(page2, "() => window.__mossStats && window.__mossStats.errors.length > 0", 10, "an error message")
         assert "cannot reach the server" in page2.inner_text("#error").lower()
+
+        # A server without the end-of-turn model: its semantic VAD is greyed out and the page picks server VAD.
+        page3 = browser.new_page()
+        info = httpx.get(server.http + "/v1/info", timeout=10).json() | {"turn_detection": ["server_vad"]}
+        page3.route("**/v1/info", lambda route: route.fulfill(json=info))
+        page3.goto(server.http + "/")
+        _wait(page3, "() => window.__mossStats && window.__mossStats.infoLoaded", 10, "server info loaded")
+        assert page3.input_value("#turn-detection") == "server_vad"
+        assert page3.is_disabled("#turn-detection option[value=semantic_vad]")
     finally:
         browser.close()

@@ -70,7 +70,14 @@ class WebRTCService:
             "ice_servers": [s.to_json() for s in self.config.ice_servers_now()] if authorized else [],
             "max_calls": self.config.max_calls,
             "api_key_required": bool(getattr(self.settings, "api_keys", [])),
+            "turn_detection": self.turn_detection(),
         }
+
+    def turn_detection(self) -> list[str]:
+        """The turn detection types this server serves (the page picks its default from them)."""
+        vad = bool(getattr(self.settings, "vad", True))
+        semantic = vad and bool(getattr(self.settings, "end_of_turn_model", True))
+        return ["server_vad"] * vad + ["semantic_vad"] * semantic
 
     def authorized(self, request: Request) -> bool:
         return auth.request_authorized(getattr(self.settings, "api_keys", []), request.app.state, request.headers,

@@ -139,6 +139,7 @@ async def test_info_reports_random_weights_and_ice_servers(engine):
         named = re.findall(r'(?:src|href)="(web/[^"]+)"', page.text)  # the page's scripts and stylesheet
         files = {name: await http.get("/" + name) for name in named}
     assert info["random_weights"] is True and info["model"] == "moss-speech"
+    assert info["turn_detection"] == ["server_vad", "semantic_vad"]
     assert info["ice_servers"] == [{"urls": ["stun:stun.example.org:3478"]},
                                    {"urls": ["turn:turn.example.org:3478"], "username": "u", "credential": "p"}]
     assert page.status_code == 200 and "MOSS-Speech" in page.text and "web/app.js" in named
@@ -198,3 +199,10 @@ def test_ice_server_config_is_validated():
         WebRTCConfig(ice_timeout_s=0)
     # An empty list stays empty: aiortc would otherwise use a public STUN server.
     assert WebRTCConfig().rtc_configuration().iceServers == []
+
+
+@pytest.mark.parametrize("vad, end_of_turn_model, served", [(True, False, ["server_vad"]), (False, True, [])])
+async def test_info_names_only_the_turn_detection_served(engine, vad, end_of_turn_model, served):
+    app = build_app(engine, FakeSettings(vad=vad, end_of_turn_model=end_of_turn_model))
+    async with asgi_client(app) as http:
+        assert (await http.get("/v1/info")).json()["turn_detection"] == served

@@ -104,6 +104,8 @@ class FakeSettings:
     webrtc_prebuffer_ms: int = 60
     turn_secret: str | None = None
     turn_ttl_s: int = 86400
+    vad: bool = True
+    end_of_turn_model: bool = True
 
 
 @functools.cache
