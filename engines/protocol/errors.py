@@ -58,6 +58,7 @@ RESPONSE_CANCEL_NOT_ACTIVE = "response_cancel_not_active"
 # ---- the server's side -----------------------------------------------------------------------------------------
 SERVER_ERROR = "server_error"
 SLOW_CONSUMER = "slow_consumer"
+TOO_MANY_EVENTS = "too_many_events"
 SERVER_BUSY = "server_busy"
 ENGINE_UNAVAILABLE = "engine_unavailable"
 SERVER_SHUTTING_DOWN = "server_shutting_down"
@@ -120,6 +121,8 @@ ERRORS: dict[str, ErrorCode] = {
     SERVER_ERROR: ErrorCode(_SERVER, "an internal error: on one event the session goes on, else it ends",
                             close=CLOSE_INTERNAL_ERROR),
     SLOW_CONSUMER: ErrorCode(_SERVER, "the client does not read its events", close=CLOSE_POLICY_VIOLATION),
+    TOO_MANY_EVENTS: ErrorCode(_CLIENT, "a call's client sent events on its data channel faster than they could be "
+                               "handled (more than 512 waiting): the call ends"),
     SERVER_BUSY: ErrorCode(_SERVER, "the session or call limit is reached, or the engine has no room for the "
                            "answer now", http=503),
     ENGINE_UNAVAILABLE: ErrorCode(_SERVER, "the engine is (re)starting, or its process stopped",

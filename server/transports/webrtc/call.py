@@ -21,6 +21,7 @@ from typing import Any
 from aiortc import RTCPeerConnection
 from aiortc.mediastreams import MediaStreamTrack
 
+from engines.protocol import errors
 from server.session.client_json import ProtocolError, decode_client_event
 from server.session.pacing import AudioOut
 from server.session.server_events import error_event
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 EVENT_CHANNEL = "oai-events"
 _MAX_PENDING_EVENTS = 256  # events queued before the data channel opens (session.created and friends)
+# Client events waiting to be handled: a client past it sends faster than any answer needs, and the call ends (the
+# data channel cannot be read more slowly, as a WebSocket is).
+MAX_INBOX = 512
 _FEED_ERROR_EVERY_S = 5.0
 
 
@@ -53,6 +57,8 @@ class Call:
                                         on_stopped=self._audio_stopped, on_played=session.audio_played)
         self._channel = None
         self._pending: deque[str] = deque(maxlen=_MAX_PENDING_EVENTS)
+        self._inbox: deque[dict[str, Any]] = deque()  # the client's events, handled one at a time in order
+        self._inbox_task: asyncio.Task | None = None
         self._sinks: set[EventSink] = set()  # bound control WebSockets
         self._tasks = Background(f"call-{call_id}", log, lambda name: self.close_soon(f"internal error in {name}"))
         self._closing: asyncio.Task | None = None
@@ -91,7 +97,7 @@ class Call:
 
         @channel.on("message")
         def _on_message(message: str | bytes) -> None:
-            self._tasks.spawn(self._client_message(message), "client-event")
+            self._take(message)
 
         @channel.on("open")
         def _on_open() -> None:
@@ -100,16 +106,30 @@ class Call:
         if channel.readyState == "open":
             self._flush_pending()
 
-    async def _client_message(self, message: str | bytes) -> None:
+    def _take(self, message: str | bytes) -> None:
+        """A data channel message: handled after the ones before it, by one task."""
+        if self.closed or self._closing is not None:
+            return
         try:
             event = decode_client_event(message)
         except ProtocolError as e:
-            await self._emit(error_event(e.code, f"data channel message refused: {e.message}"))
+            self._emit_nowait(error_event(e.code, f"data channel message refused: {e.message}"))
+            return
+        if len(self._inbox) >= MAX_INBOX:
+            self._emit_nowait(error_event(errors.TOO_MANY_EVENTS, f"more than {MAX_INBOX} events were waiting to be "
+                                          "handled: the call ends"))
+            self.close_soon("the client sent events faster than they could be handled")
             return
         if event.get("type") == "output_audio_buffer.clear":
             # Stop the answer audio now; the session then cuts the answer where the track left off and says so.
             self._clear_audio()
-        await self.session.handle_client_event(event)
+        self._inbox.append(event)
+        if self._inbox_task is None or self._inbox_task.done():
+            self._inbox_task = self._tasks.spawn(self._handle_inbox(), "client-events")
+
+    async def _handle_inbox(self) -> None:
+        while self._inbox:
+            await self.session.handle_client_event(self._inbox.popleft())
 
     def _on_connection_state(self) -> None:
         state = self.pc.connectionState
