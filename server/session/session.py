@@ -346,9 +346,9 @@ class Session:
         if self.outbound.overflowed:
             self._close_slow(f"outbound queue full ({self.outbound.maxsize})")
 
-    def consumer_stalled(self, waiting: int, seconds: float) -> None:
-        """The transport saw the client take none of the `waiting` bytes for `seconds`."""
-        self._close_slow(f"the client took none of {waiting} bytes in {seconds:.1f} s")
+    def consumer_stalled(self, why: str) -> None:
+        """The transport saw the client stop taking what is sent to it (`why` says how)."""
+        self._close_slow(why)
 
     @property
     def closed_as_slow(self) -> bool:

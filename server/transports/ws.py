@@ -222,7 +222,7 @@ async def _watch_taken(meter: SendMeter, session: Any, timeout_s: float) -> None
         if waiting == 0 or taken > was:
             progress_at = now
         elif now - progress_at >= timeout_s:
-            session.consumer_stalled(waiting, now - progress_at)
+            session.consumer_stalled(f"the client took none of {waiting} bytes in {now - progress_at:.1f} s")
             return
 
 

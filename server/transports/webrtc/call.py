@@ -36,6 +36,9 @@ _MAX_PENDING_EVENTS = 256  # events queued before the data channel opens (sessio
 # Client events waiting to be handled: a client past it sends faster than any answer needs, and the call ends (the
 # data channel cannot be read more slowly, as a WebSocket is).
 MAX_INBOX = 512
+# Bytes of events the data channel holds unsent: past it the client has stopped reading them (the peer's SCTP window
+# stays full), and the call ends as a slow consumer, as a WebSocket's would.
+MAX_CHANNEL_BUFFERED = 4 * 1024 * 1024
 _FEED_ERROR_EVERY_S = 5.0
 
 
@@ -190,6 +193,9 @@ class Call:
         text = json.dumps(event)
         ch = self._channel
         if ch is not None and ch.readyState == "open":
+            if ch.bufferedAmount > MAX_CHANNEL_BUFFERED:
+                self.session.consumer_stalled(f"the data channel holds {ch.bufferedAmount} bytes unsent")
+                return
             ch.send(text)
         else:
             self._pending.append(text)
