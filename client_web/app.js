@@ -119,6 +119,14 @@ function offerTurnDetection(served) {
   if (select.selectedOptions[0].disabled) {
     select.value = ["semantic_vad", "server_vad"].find((t) => served.includes(t)) || "none";
   }
+  showTurnSettings();
+}
+
+// Only the chosen turn detection's own setting can be changed: eagerness, or the VAD's silence.
+function showTurnSettings() {
+  const kind = $("turn-detection").value;
+  $("eagerness").disabled = kind !== "semantic_vad";
+  $("vad-silence").disabled = kind !== "server_vad";
 }
 
 // ---- microphone --------------------------------------------------------------------------------
@@ -425,7 +433,9 @@ async function uploadVoice(buf) {
 
 window.addEventListener("DOMContentLoaded", () => {
   setConnectedUi(false);
+  showTurnSettings();
   loadInfo();
+  $("turn-detection").addEventListener("change", showTurnSettings);
   $("connect").addEventListener("click", connect);
   $("hangup").addEventListener("click", () => hangup(true));
   $("apply").addEventListener("click", () => send({ type: "session.update", session: sessionConfig() }));

@@ -101,6 +101,7 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
         page.goto(server.http + "/")
         _wait(page, "() => window.__mossStats && window.__mossStats.infoLoaded", 10, "server info loaded")
         assert page.is_visible("#random-notice"), "the random-weights notice must show for tiny-random"
+        assert page.is_enabled("#eagerness") and page.is_disabled("#vad-silence")  # semantic VAD's own setting
 
         page.click("#connect")
         _wait(page, "() => window.__mossStats.connected", 20, "call connected")
@@ -147,6 +148,7 @@ def test_page_talks_over_webrtc_and_shows_ttfa(playwright, server, fake_mic):
             # audio of the call's track when the answer is asked for; a clear from the page raced frames in flight).
             updates = stats["events"].get("session.updated", 0)
             page.select_option("#turn-detection", "none")
+            assert page.is_disabled("#eagerness") and page.is_disabled("#vad-silence")
             page.fill("#instructions", "  Answer in one sentence.  ")
             page.fill("#speed", "1.25")
             page.click("#apply")
@@ -208,5 +210,6 @@ def test_page_explains_denied_mic_and_unreachable_server(playwright, fake_server
         _wait(page3, "() => window.__mossStats && window.__mossStats.infoLoaded", 10, "server info loaded")
         assert page3.input_value("#turn-detection") == "server_vad"
         assert page3.is_disabled("#turn-detection option[value=semantic_vad]")
+        assert page3.is_enabled("#vad-silence") and page3.is_disabled("#eagerness")
     finally:
         browser.close()
