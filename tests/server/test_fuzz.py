@@ -24,22 +24,16 @@ from engines.audio.wav import write_wav
 from server.audio.pcm import float32_to_pcm16, read_wav
 from tests.fakes.harness import RunningServer, fake_settings, recv_event, recv_until, send, tiny_settings, user_text
 from tests.paths import DATA
+from tests.server.fuzz_support import (
+    SEMANTIC_VAD,
+    SERVER_VAD,
+    assert_engine_idle,
+    assert_only_client_errors,
+)
 from tests.server.transports.webrtc_support import SPEECH_WAV
 
 SESSIONS = 6
 EVENTS = 250
-
-# What a malformed event may be refused with (client mistakes; README "Errors").
-CLIENT_CODES = {
-    "invalid_json", "unknown_event", "unknown_parameter", "unsupported_parameter", "invalid_value", "invalid_audio",
-    "invalid_item", "unsupported_item_type", "unsupported_content_type", "unsupported_session_type",
-    "unsupported_audio_format", "unsupported_turn_detection", "input_audio_buffer_commit_empty",
-    "input_audio_buffer_too_large", "input_audio_buffer_not_empty", "conversation_already_has_active_response",
-    "response_cancel_not_active",
-    "item_truncate_invalid_item_id", "item_truncate_invalid_content_index", "item_truncate_invalid_audio_end_ms",
-    "item_delete_invalid_item_id", "item_delete_mid_turn", "item_retrieve_invalid_item_id",
-}
-
 
 def _tone_b64(samples: int = 2400) -> str:
     return base64.b64encode((np.sin(np.arange(samples) / 5.0) * 8000).astype("<i2").tobytes()).decode()
@@ -197,14 +191,6 @@ async def _fuzz_one(srv: RunningServer, seed: int) -> tuple[list[dict[str, Any]]
         return events, ws.close_code
 
 
-SERVER_VAD = [None, {"type": "server_vad"}, {"type": "server_vad", "create_response": False},
-              {"type": "server_vad", "interrupt_response": False}]
-# semantic_vad: answers held through a pause and withdrawn when the user goes on, among the other detectors
-SEMANTIC_VAD = [{"type": "semantic_vad", "eagerness": e} for e in ("low", "medium", "high", "auto")] + [
-    {"type": "semantic_vad", "eagerness": "auto", "interrupt_response": False},
-    {"type": "semantic_vad", "eagerness": "high", "create_response": False}, {"type": "server_vad"}, None]
-
-
 async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, seconds: float, detectors: list[Any]
                              ) -> tuple[list[dict[str, Any]], int | None]:
     """Speech at about real time in odd chunk sizes, with commits, clears, cancels, answers (some out of band, some
@@ -260,30 +246,14 @@ async def _speak_chaotically(srv: RunningServer, seed: int, signal: np.ndarray, 
         return events, ws.close_code
 
 
-def _assert_only_client_errors(results: list[tuple[list[dict[str, Any]], int | None]]) -> None:
-    for events, close_code in results:
-        assert close_code in (None, 1000)  # closed by this client at the end, never by the server
-        codes = [e["error"]["code"] for e in events if e["type"] == "error"]
-        assert codes, "the session drew no error at all"
-        assert set(codes) <= CLIENT_CODES, sorted(set(codes) - CLIENT_CODES)
-
-
-async def _assert_engine_idle(srv: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
-    st = await srv.wait_engine_idle(60)
-    assert st["sessions"] == 0 and st["running"] == 0 and st["kv_free"] == st["kv_total"], st
-    assert srv.health().json()["sessions"] == 0
-    raised = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
-    assert not raised, [r.getMessage() for r in raised]
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("engine", ["fake", "tiny-random"])
 async def test_malformed_events_get_client_errors_and_leave_nothing_behind(caplog, engine):
     caplog.set_level(logging.ERROR)  # the real engine on a CPU logs slow steps as warnings
     limits = {"max_sessions": SESSIONS + 1, "max_message_bytes": 256 * 1024}
     with RunningServer(fake_settings(**limits) if engine == "fake" else tiny_settings(**limits)) as srv:
-        _assert_only_client_errors(await asyncio.gather(*(_fuzz_one(srv, seed) for seed in range(SESSIONS))))
-        await _assert_engine_idle(srv, caplog)
+        assert_only_client_errors(await asyncio.gather(*(_fuzz_one(srv, seed) for seed in range(SESSIONS))))
+        await assert_engine_idle(srv, caplog)
 
 
 @pytest.mark.timeout(300)
@@ -304,9 +274,9 @@ async def test_speech_with_random_turn_events_on_the_real_engine(caplog, detecto
     with RunningServer(tiny_settings(max_sessions=4)) as srv:
         seconds = 8.0 if detectors == "server_vad" else 10.0
         results = await asyncio.gather(*(_speak_chaotically(srv, seed, signal, seconds, choices) for seed in range(3)))
-        _assert_only_client_errors(results)
+        assert_only_client_errors(results)
         assert any(e["type"] == "input_audio_buffer.speech_started" for events, _ in results for e in events)
         if detectors == "semantic_vad":  # answers were held, and some withdrawn
             metrics = httpx.get(srv.http + "/metrics", timeout=10).text
             assert re.search(r'^moss_speculative_answers_total\{outcome="withdrawn"\} [1-9]', metrics, re.M), metrics
-        await _assert_engine_idle(srv, caplog)
+        await assert_engine_idle(srv, caplog)
