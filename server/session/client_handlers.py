@@ -56,7 +56,7 @@ async def _on_session_update(s: Session, event: dict[str, Any]) -> None:
             # nothing is left for a commit to hold, so a response.create next is not refused for it.
             s.input_buffer.samples_client = 0
             s.input_buffer.appended = False
-        s.turns.reset()
+        await s.turns.reset()
         s.idle.disarm()
     voice_changed = new.voice_prompt_wav != old.voice_prompt_wav
     if new.instructions != old.instructions or voice_changed:

@@ -105,7 +105,7 @@ class InputBuffer:
         self.samples_client = 0
         self.appended = False
         s.turns.item_id = None
-        s.turns.reset()
+        await s.turns.reset()
         s.emit(ev.event("input_audio_buffer.cleared"))
 
     def uncommitted_samples(self) -> int:

@@ -117,7 +117,13 @@ class TurnDetector:
         """The id of the answer started on a tentative end of turn and not yet heard (None: none is held)."""
         return None if self.spec is None else self.spec.response_id
 
-    def reset(self) -> None:
+    async def reset(self) -> None:
+        """New settings or a cleared buffer: the turn starts over. Between two feeds and after a model answer's turn
+        end, never inside one (an answer starting on a guess holds the client's events until its turn is settled)."""
+        async with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
         self._end_pause()
         if self.spec is not None:  # new settings or a cleared buffer: the answer under way stands
             self.spec = None

@@ -4,6 +4,7 @@ the in-memory link of session_support (its replies injected), the end-of-turn mo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 
@@ -341,3 +342,45 @@ async def test_truncating_the_heard_item_while_the_next_answer_is_held(speech24k
     assert types(evs)[:len(NON_SPECULATIVE_ORDER)] == NON_SPECULATIVE_ORDER and evs[4]["response"]["id"] == held
     (truncated,) = [e for e in evs if e["type"] == "conversation.item.truncated"]
     assert truncated["item_id"] == heard_item and truncated["audio_end_ms"] == at_end
+
+
+class GatedLink(Link):
+    """A link whose tentative commit waits until the test opens the gate (the engine slow to take it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.waiting = asyncio.Event(), asyncio.Event()
+
+    async def send(self, msg) -> None:
+        if isinstance(msg, m.CommitUserAudio) and msg.tentative and not self.gate.is_set():
+            self.waiting.set()
+            await self.gate.wait()
+        await super().send(msg)
+
+
+@pytest.mark.parametrize("event", [
+    {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}},
+    {"type": "input_audio_buffer.clear"}])
+async def test_new_settings_while_an_answer_is_being_held_still_settle_the_turn(speech24k, event):
+    """A turn detection change or a cleared buffer that comes while the speculative answer is still starting (its
+    tentative commit on its way to the engine) waits for it, then settles it as it would a held answer: nothing stays
+    held for a turn that nobody will confirm any more."""
+    link = GatedLink()
+    s = Session("sess_test", link, vad_factory=VadBatcher(speculative_server_vad=True).stream)
+    await s.start()
+    await s.handle_client_event({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "silence_duration_ms": 500}}}}})
+    drain(s)
+    speaking = asyncio.create_task(feed(s, np.concatenate([silence(0.5), speech24k, silence(0.3)])))
+    await asyncio.wait_for(link.waiting.wait(), 30)  # the answer is starting: held, its commit on the way
+    changing = asyncio.create_task(s.handle_client_event(event))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    link.gate.set()
+    await asyncio.gather(speaking, changing)
+    await settled(s)
+    assert not s.outbound.holding and s.turns.spec is None
+    await s.handle_client_event({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+    await settled(s)
+    assert "conversation.item.added" in types(drain(s))  # the client sees what it does again
