@@ -3,6 +3,7 @@ and the checks that a server came through (only client errors, the engine idle w
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -43,3 +44,12 @@ async def assert_engine_idle(srv: RunningServer, caplog: pytest.LogCaptureFixtur
     assert srv.health().json()["sessions"] == 0
     raised = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not raised, [r.getMessage() for r in raised]
+
+
+async def until(pred, what: str, got, timeout: float = 120.0) -> None:
+    """Poll `pred` (the server's state, or the events a reader task collects) until it holds; the timeout only
+    bounds a hang (then `got()` says what there was)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {got()}"
+        await asyncio.sleep(0.05)

@@ -29,6 +29,7 @@ from tests.server.fuzz_support import (
     SERVER_VAD,
     assert_engine_idle,
     assert_only_client_errors,
+    until,
 )
 from tests.server.transports.webrtc_support import SPEECH_WAV
 
@@ -133,7 +134,7 @@ async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dic
     async def taken(mark: str) -> None:
         await send(ws, "conversation.item.create", item={"id": mark, "type": "message", "role": "user", "content": [
             {"type": "input_text", "text": "are you still there"}]})
-        await _until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == mark for e in events),
+        await until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == mark for e in events),
                      f"{mark} taken", last)
 
     def quiet() -> bool:
@@ -143,7 +144,7 @@ async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dic
         return s is not None and not s.response_active and not s.tasks.tasks
 
     await taken("item_still_answers")
-    await _until(quiet, "the session to settle", last)
+    await until(quiet, "the session to settle", last)
     await taken("item_settled")  # (every event the server sent before has reached the reader)
     kinds = [e["type"] for e in events]
     assert kinds.count("response.created") == kinds.count("response.done"), kinds[-5:]
@@ -159,15 +160,6 @@ async def _still_answers(srv: RunningServer, sid: str, ws: Any, events: list[dic
     assert created == [done[-1]["response"]["id"]], [e["type"] for e in done]  # this answer's end, nothing else's
     # An answer: whole, or cut at max_output_tokens (the real engine's random weights rarely end by themselves).
     assert done[-1]["response"]["status"] in ("completed", "incomplete"), done[-3:]
-
-
-async def _until(pred, what: str, got, timeout: float = 120.0) -> None:
-    """Poll `pred` (the server's state, or the events a reader task collects) until it holds; the timeout only
-    bounds a hang (then `got()` says what there was)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {got()}"
-        await asyncio.sleep(0.05)
 
 
 async def _opened(ws: Any) -> str:

@@ -13,6 +13,7 @@ from engines.protocol import errors
 from engines.protocol import messages as m
 from server.transports.webrtc.call import EVENT_CHANNEL, MAX_CHANNEL_BUFFERED, MAX_INBOX, Call
 from tests.server.session.session_support import new_session, settled
+from tests.server.transports.webrtc_client import wait_until
 
 
 class Channel:
@@ -48,14 +49,6 @@ async def _call():
     return call, channel, s, link
 
 
-async def _until(pred, what: str, timeout_s: float = 10.0) -> None:
-    """Poll `pred`; the timeout only bounds a hang."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 def _user_text(text: str) -> dict:
     return {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": text}]}}
@@ -70,9 +63,9 @@ async def test_events_reach_the_session_in_the_order_they_came():
             channel.receive(_user_text(f"turn {i}"))
         channel.receive({"type": "response.create"})
         await asyncio.sleep(0)  # nothing has run yet: every event waits its turn
-        await _until(lambda: not call._inbox and link.of(m.CreateResponse), "the response")
+        await wait_until(lambda: not call._inbox and link.of(m.CreateResponse), 10, "the response")
         await settled(s)
-        await _until(lambda: any(e["type"] == "response.created" for e in channel.sent), "response.created")
+        await wait_until(lambda: any(e["type"] == "response.created" for e in channel.sent), 10, "response.created")
         sent = [x for x in link.sent if not isinstance(x, m.OpenSession)]
         assert [type(x).__name__ for x in sent] == ["UpdateSession"] + ["AddUserText"] * 5 + ["CreateResponse"]
         assert [x.text for x in sent[1:6]] == [f"turn {i}" for i in range(5)]
@@ -87,7 +80,7 @@ async def test_a_flooded_channel_ends_the_call_with_too_many_events():
     call, channel, s, link = await _call()
     for i in range(MAX_INBOX + 50):  # all at once: the session has handled none of them yet
         channel.receive(_user_text(f"{i}"))
-    await _until(lambda: call.closed, "the call's end")
+    await wait_until(lambda: call.closed, 10, "the call's end")
     errors = [e["error"] for e in channel.sent if e["type"] == "error"]
     assert [e["code"] for e in errors] == ["too_many_events"], errors
     assert "512" in errors[0]["message"]
@@ -102,7 +95,7 @@ async def test_malformed_messages_are_refused_in_place_and_the_call_goes_on():
         channel.handlers["message"]("{not json")
         channel.handlers["message"]("[1]")
         channel.receive(_user_text("after"))
-        await _until(lambda: link.of(m.AddUserText), "the item")
+        await wait_until(lambda: link.of(m.AddUserText), 10, "the item")
         codes = [e["error"]["code"] for e in channel.sent if e["type"] == "error"]
         assert codes == ["invalid_json", "invalid_event"], codes
         assert not call.closed
@@ -113,10 +106,10 @@ async def test_malformed_messages_are_refused_in_place_and_the_call_goes_on():
 async def test_a_client_that_stops_reading_loses_the_call_as_a_slow_consumer():
     call, channel, s, link = await _call()
     channel.receive(_user_text("read"))
-    await _until(lambda: any(e["type"] == "conversation.item.added" for e in channel.sent), "the item")
+    await wait_until(lambda: any(e["type"] == "conversation.item.added" for e in channel.sent), 10, "the item")
     channel.bufferedAmount = MAX_CHANNEL_BUFFERED + 1  # the peer's window stays full: nothing more leaves
     sent = len(channel.sent)
     channel.receive(_user_text("unread"))
-    await _until(lambda: call.closed, "the call's end")
+    await wait_until(lambda: call.closed, 10, "the call's end")
     assert s.closed and s.close_code == errors.close_code(errors.SLOW_CONSUMER)
     assert len(channel.sent) == sent  # nothing more was queued on the jammed channel

@@ -16,7 +16,13 @@ import pytest
 
 from tests.fakes.harness import RunningServer, tiny_settings
 from tests.paths import DATA
-from tests.server.fuzz_support import SEMANTIC_VAD, SERVER_VAD, assert_engine_idle, assert_only_client_errors
+from tests.server.fuzz_support import (
+    SEMANTIC_VAD,
+    SERVER_VAD,
+    assert_engine_idle,
+    assert_only_client_errors,
+    until,
+)
 from tests.server.transports.webrtc_client import Client, WavMicTrack
 
 WAV = DATA / "speech_paused_en_16k.wav"
@@ -60,14 +66,6 @@ def _random_event(rng: random.Random, c: Client) -> dict[str, Any]:
     return {"type": "conversation.item.retrieve", "item_id": "item_x"}
 
 
-async def _until(pred, what: str, c: Client, timeout_s: float = 120.0) -> None:
-    """Poll `pred`; the timeout only bounds a hang (then the call's last events say where it stood)."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {c.types()[-8:]}"
-        await asyncio.sleep(0.05)
-
-
 async def _call(srv: RunningServer, seed: int, seconds: float) -> tuple[list[dict[str, Any]], int | None]:
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=30) as http:
@@ -93,22 +91,22 @@ async def _call(srv: RunningServer, seed: int, seconds: float) -> tuple[list[dic
                                                           "audio": {"input": {"turn_detection": None}}}})
             c.send({"type": "response.cancel"})
             c.send(_user_text("still there", "item_mark"))
-            await _until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == "item_mark"
-                                     for _, e in c.events), "every event before the mark taken", c)
+            await until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == "item_mark"
+                                    for _, e in c.events), "every event before the mark taken", c.types)
 
             def quiet() -> bool:
                 s = srv.app.state.sessions.sessions.get(sid)
                 return s is not None and not s.response_active and not s.tasks.tasks
 
-            await _until(quiet, "the session to settle", c)
+            await until(quiet, "the session to settle", c.types)
             # (every event the server sent before has reached the client: the channel keeps their order)
             c.send(_user_text("settled", "item_settled"))
-            await _until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == "item_settled"
-                                     for _, e in c.events), "the events sent before the session settled", c)
+            await until(lambda: any(e["type"] == "conversation.item.added" and e["item"]["id"] == "item_settled"
+                                    for _, e in c.events), "the events sent before the session settled", c.types)
             c.send({"type": "input_audio_buffer.clear"})  # (the live mic keeps filling it under push to talk)
             n = len(c.events)
             c.send({"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 8}})
-            await _until(lambda: any(e["type"] == "response.done" for _, e in c.events[n:]), "the last answer", c)
+            await until(lambda: any(e["type"] == "response.done" for _, e in c.events[n:]), "the last answer", c.types)
             done = next(e for _, e in c.events[n:] if e["type"] == "response.done")
             assert done["response"]["status"] in ("completed", "incomplete"), done
             assert srv.app.state.sessions.sessions.get(sid) is not None  # the call is still up
