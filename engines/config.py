@@ -28,6 +28,14 @@ KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4
 FP8_MAX = 448.0  # the largest finite e4m3 value: K/V beyond it are stored saturated
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values in a cache's element type: an fp8 cache stores them saturated at +-FP8_MAX (the GPU write
+    kernels do the same: engines/kernels/cache_value.py), rounded to nearest even."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name

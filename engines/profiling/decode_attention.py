@@ -15,9 +15,8 @@ import json
 import torch
 
 from engines.bench.hardware import device_name, graphed_us, measure_bandwidth
-from engines.config import ModelConfig
+from engines.config import ModelConfig, to_cache
 from engines.kernels.lm.paged_decode import num_splits, paged_decode_attention
-from engines.lm.model.attention import to_cache
 
 PAGE = 16
 L2_MULTIPLE_BYTES = 256 << 20  # caches of all layers together at least this large: no layer's K/V left in the L2

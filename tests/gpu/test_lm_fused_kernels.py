@@ -57,9 +57,9 @@ def test_fused_qk_norm_rope_kv_write_matches_torch(block_size):
 
 def test_fused_write_into_an_fp8_cache_stores_the_torch_paths_values():
     """Keys (normed and rotated, rounded to bf16 first) and values into an fp8 cache: the bf16 cache's values cast
-    as engines.lm.model.attention.to_cache casts them, saturated beyond +-448, bit for bit."""
+    as engines.config.to_cache casts them, saturated beyond +-448, bit for bit."""
+    from engines.config import to_cache
     from engines.kernels.lm.fused import qk_norm_rope_write_kv
-    from engines.lm.model.attention import to_cache
     from engines.lm.model.rope import rope_cos_sin, rope_inv_freq
 
     g = torch.Generator(device="cuda").manual_seed(2)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engines.config import FP8_MAX
+from engines.kernels.cache_value import cache_value
 from engines.kernels.pdl import launch_kwargs, trigger_then_wait
 
 
@@ -49,17 +49,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out, res_out
 
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def _cache_value(x, ty: tl.constexpr):
-    """x in the KV cache's element type: an fp8 cache saturates at +-FP8_MAX (engines.lm.model.attention.to_cache)."""
-    if ty == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
-    return x.to(ty)
-
-
 @triton.jit
 def _qk_norm_rope_kv_kernel(QKV, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOTS, T, stride_qkv, stride_cos,
                             stride_slot_page, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
@@ -77,8 +66,8 @@ def _qk_norm_rope_kv_kernel(QKV, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOT
     cache_row = ((slot // PAGE) * stride_slot_page + (slot % PAGE) * (KVH * D))[:, None] + half[None, :]
     if h >= H + KVH:  # v: straight into the cache
         v_dst = V_CACHE + cache_row + (h - H - KVH) * D
-        tl.store(v_dst, _cache_value(x1, V_CACHE.dtype.element_ty), mask=m)
-        tl.store(v_dst + D // 2, _cache_value(x2, V_CACHE.dtype.element_ty), mask=m)
+        tl.store(v_dst, cache_value(x1, V_CACHE.dtype.element_ty), mask=m)
+        tl.store(v_dst + D // 2, cache_value(x2, V_CACHE.dtype.element_ty), mask=m)
     else:
         if h < H:
             w1 = tl.load(QW + half).to(tl.float32)
@@ -105,8 +94,8 @@ def _qk_norm_rope_kv_kernel(QKV, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOT
         else:
             k_dst = K_CACHE + cache_row + (h - H) * D
             # rounded to the model dtype first, as the torch path's key is before it is cached
-            tl.store(k_dst, _cache_value(o1.to(dt), K_CACHE.dtype.element_ty), mask=m)
-            tl.store(k_dst + D // 2, _cache_value(o2.to(dt), K_CACHE.dtype.element_ty), mask=m)
+            tl.store(k_dst, cache_value(o1.to(dt), K_CACHE.dtype.element_ty), mask=m)
+            tl.store(k_dst + D // 2, cache_value(o2.to(dt), K_CACHE.dtype.element_ty), mask=m)
 
 
 def qk_norm_rope_write_kv(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,

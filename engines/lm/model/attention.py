@@ -12,16 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engines.config import FP8_MAX
+from engines.config import to_cache
 from engines.lm.model.batch import ForwardBatch
-
-
-def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K or V rows in the cache's element type: an fp8 cache stores them saturated at +-FP8_MAX (the GPU write
-    kernel does the same), rounded to nearest even."""
-    if dtype == torch.float8_e4m3fn:
-        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
-    return x.to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

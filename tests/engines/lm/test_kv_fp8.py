@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.config import FP8_MAX, KV_DTYPES, ConfigError, EngineConfig, ModelConfig
+from engines.config import FP8_MAX, KV_DTYPES, ConfigError, EngineConfig, ModelConfig, to_cache
 from engines.lm.engine import Engine
 from engines.lm.kv.sizing import fit_kv_cache_bytes
 from engines.lm.loader.checkpoint import load_model
-from engines.lm.model.attention import to_cache, write_kv
+from engines.lm.model.attention import write_kv
 from engines.process.config import ProcessConfig
 from engines.process.loading import build_service
 from engines.process.options import parser
