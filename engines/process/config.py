@@ -51,6 +51,7 @@ class ProcessConfig:
     encoder_tf32: bool
     decoder_context: str
     decoder_cache_gib: float | None  # None: the decoder's default for the device
+    decoder_cache_dtype: str  # "auto" (the estimator's) or "fp8"
     warm_up: bool
     first_lane: bool
     first_lanes: int
@@ -84,6 +85,7 @@ class ProcessConfig:
             encoder_thread=on_gpu if args.encoder_thread is None else args.encoder_thread,
             encoder_graphs=args.encoder_graphs, encoder_tf32=args.encoder_tf32,
             decoder_context=args.decoder_context, decoder_cache_gib=args.decoder_cache_gib,
+            decoder_cache_dtype=args.decoder_cache_dtype,
             warm_up=on_gpu if args.warm_up is None else args.warm_up,
             first_lane=on_gpu if args.first_lane is None else args.first_lane, first_lanes=args.first_lanes,
             codec_round_max=args.codec_round_max, codec_round_period_ms=args.codec_round_period_ms,
@@ -130,6 +132,9 @@ class ProcessConfig:
                 raise ConfigError(f"--voice {self.voice}: {e}") from None
         if self.decoder_cache_gib is not None and self.decoder_context != "full":
             raise ConfigError("--decoder-cache-gib sizes the full-context decoder's cache; --decoder-context "
+                              f"{self.decoder_context} has none")
+        if self.decoder_cache_dtype != "auto" and self.decoder_context != "full":
+            raise ConfigError("--decoder-cache-dtype is the full-context decoder's cache's; --decoder-context "
                               f"{self.decoder_context} has none")
         if self.encoder_tf32 and not self.on_gpu:
             raise ConfigError(f"--encoder-tf32 needs a CUDA device (got --device {self.device})")

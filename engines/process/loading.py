@@ -71,7 +71,8 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
         decoder = CodecDecoder.load(config.codec, device=config.device, vocoder=vocoder, seed=config.seed,
                                     cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
                                     estimator_dtype="bfloat16" if on_gpu else "float32",
-                                    context=config.decoder_context, cache_gib=config.decoder_cache_gib)
+                                    context=config.decoder_context, cache_gib=config.decoder_cache_gib,
+                                    cache_dtype=config.decoder_cache_dtype)
     # First: the graphs captured below are those of the default voice's prompt length.
     with memory.part("the default voice"):
         decoder.default_voice = default_voice(encoder, config)

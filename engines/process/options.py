@@ -127,8 +127,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bounded memory, an approximation of the model (docs/fidelity.md, Streaming decode context)")
     p.add_argument("--decoder-cache-gib", type=_positive_gib, default=None, metavar="GIB",
                    help="with --decoder-context full: memory for the flow's cached keys and values, 109 MiB per second "
-                        "of answer audio in progress (bf16, the real model); when it runs short, answers longer than "
-                        "~11 s forget their oldest chunks (default: 40 on a GPU, 0.5 on a CPU)")
+                        "of answer audio in progress (bf16, the real model; 55 in fp8); when it runs short, answers "
+                        "longer than ~11 s forget their oldest chunks (default: 40 on a GPU, 0.5 on a CPU)")
+    p.add_argument("--decoder-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="with --decoder-context full: the element type of the flow's cached keys and values: auto "
+                        "(the estimator's) or fp8 (e4m3, saturated at +-448): half the memory a second of answer "
+                        "takes and half the bytes the flow's attention reads; other numerics than the published model "
+                        "(docs/fidelity.md)")
     p.add_argument("--encode-every-ms", type=_non_negative_ms, default=80.0,
                    help="encode every session's held user audio together, in one batch, at most this often "
                         "(0: as it arrives)")

@@ -4,10 +4,11 @@ On random weights (a preset), for answers of given lengths: the chunk model stre
 served default; equal to the chunk model over the whole sequence, tests/engines/speech_out/flow/), the offline model's
 semantics over the same noise (`flow.pt`: full attention, what `moss-speech codec decode` without --stream runs), and
 the opt-in windowed stream (`--decoder-context window`) over the same noise of the answer's frames (no voice prompt,
-so that every frame's noise lines up), and the full-context stream in a cache that is always short, where an answer
+so that every frame's noise lines up), the full-context stream in a cache that is always short, where an answer
 keeps only its last `--kept` chunks (what a long answer does when the served cache runs short; compared from its
-first forgotten chunk on). Prints per answer length the mean absolute log-mel difference and the relative RMS of each
-pair. Random weights say how much the algorithms differ, not what a listener hears with the trained ones.
+first forgotten chunk on), and the full-context stream with its cache in fp8 (`--decoder-cache-dtype fp8`). Prints
+per answer length the mean absolute log-mel difference and the relative RMS of each pair. Random weights say how much
+the algorithms differ, not what a listener hears with the trained ones.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def _windowed_mel(dec: CodecDecoder, codes: np.ndarray, seed: int) -> torch.Tens
     return torch.cat(mels, 1)
 
 
-def _forgetting_mel(dec: CodecDecoder, codes: np.ndarray, seed: int, kept: int) -> torch.Tensor:
-    """The full-context stream's mel of an answer (no voice prompt) in a cache always short: past `kept` chunks it
-    forgets its oldest as it goes. Its noise is the windowed stream's of the same seed (`_answer_noise`)."""
+def _cached_mel(dec: CodecDecoder, codes: np.ndarray, seed: int, kept: int | None = None,
+                cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full-context stream's mel of an answer (no voice prompt), its cache's pages in `cache_dtype` (default the
+    estimator's); with `kept`, in a cache always short: past `kept` chunks it forgets its oldest as it goes. Its noise
+    is the windowed stream's of the same seed (`_answer_noise`)."""
     f, st = dec.flow, dec.cfg.stream
     pages = -(-len(codes) // st.chunk_codes) + 1
-    fc = FullContextFlow(f, pages, kept_pages=kept, low_water=pages)
+    fc = FullContextFlow(f, pages, kept_pages=kept or pages, low_water=pages if kept else 0, cache_dtype=cache_dtype)
     state = fc.new_state(fc.prepare_voice(torch.zeros(0, dtype=torch.long), torch.zeros(f.cfg.output_size, 0),
                                           torch.zeros(f.cfg.spk_embed_dim)))
     gen = torch.Generator(device=f.device).manual_seed(seed)
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seconds in a.seconds:
         n = int(round(seconds * 12.5))
-        acc: dict[str, list[dict[str, float]]] = {"windowed_vs_full": [], "offline_vs_full": []}
+        acc: dict[str, list[dict[str, float]]] = {"windowed_vs_full": [], "offline_vs_full": [],
+                                                  "fp8_cache_vs_full": []}
         after = a.kept * dec.cfg.stream.chunk_codes * f.cfg.token_mel_ratio  # the first forgetting chunk's frame
         if after < n * f.cfg.token_mel_ratio:
             acc["forgetting_vs_full"] = []
@@ -106,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             full = reference_mel(f, none, empty_mel, spks, t, z, chunk=True)
             acc["offline_vs_full"].append(_diff(reference_mel(f, none, empty_mel, spks, t, z, chunk=False), full))
             acc["windowed_vs_full"].append(_diff(_windowed_mel(dec, codes, seed), full))
+            acc["fp8_cache_vs_full"].append(_diff(_cached_mel(dec, codes, seed, cache_dtype=torch.float8_e4m3fn),
+                                                  full))
             if "forgetting_vs_full" in acc:
-                acc["forgetting_vs_full"].append(_diff(_forgetting_mel(dec, codes, seed, a.kept)[:, after:],
+                acc["forgetting_vs_full"].append(_diff(_cached_mel(dec, codes, seed, a.kept)[:, after:],
                                                        full[:, after:]))
         row = {"codec": a.codec, "seconds": seconds, **{k: {m: round(float(np.mean([x[m] for x in v])), 4)
                                                           for m in v[0]} for k, v in acc.items()}}

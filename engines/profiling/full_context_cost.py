@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", nargs="+", default=["window", "full"])
     p.add_argument("--cache-gib", type=float, default=None, help="the full-context decoder's key/value cache "
                    "(default: as served, 40 GiB on a GPU); answers that outgrow it forget their oldest chunks")
+    p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the full-context decoder's key/value element type (--decoder-cache-dtype)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="also print the CUDA ops of the last round at the largest "
                    "batch (torch.profiler)")
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         cuda = a.device.startswith("cuda")
         dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", cuda_graphs=cuda, encoder_graphs=cuda,
                                 encoder_tf32=cuda, estimator_dtype="bfloat16" if cuda else "float32", context=context,
-                                cache_gib=a.cache_gib if context == "full" else None)
+                                cache_gib=a.cache_gib if context == "full" else None,
+                                cache_dtype=a.cache_dtype if context == "full" else "auto")
         dec.capture_graphs(max(a.batches))
         for batch in a.batches:
             _rounds(dec, batch, 3, voice)  # warm: first uses, allocator
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else float("nan")
             at = {f"{t:g}s": round(float(np.median(ms[max(0, int(t * 2.5) - 1):int(t * 2.5) + 2])), 1)
                   for t in (0.4, 2, 10, a.seconds) if t * 2.5 <= len(ms)}
-            row = {"context": context, "batch": batch, "round_ms_at": at,
+            row = {"context": context, "cache_dtype": a.cache_dtype, "batch": batch, "round_ms_at": at,
                    "first_job_ms": round(_first_job(dec, batch, voice), 1), "peak_extra_gib": round(peak, 2)}
             print(json.dumps(row), flush=True)
             results.append(row)

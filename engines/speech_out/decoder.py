@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.config import ConfigError, parse_dtype
+from engines.config import KV_DTYPES, ConfigError, kv_torch_dtype, parse_dtype
 from engines.cuda.streams import wait_releasing_gil
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
@@ -119,14 +119,16 @@ class CodecDecoder:
     def load(cls, codec: str | Path, device: str | torch.device = "cpu", vocoder: str = "bigvgan",
              seed: int = 0, cuda_graphs: bool = False, estimator_dtype: str = "float32",
              encoder_graphs: bool = True, encoder_tf32: bool = False, context: str = "full",
-             cache_gib: float | None = None, offline: bool = False) -> CodecDecoder:
+             cache_gib: float | None = None, cache_dtype: str = "auto", offline: bool = False) -> CodecDecoder:
         """codec: a preset name ("tiny-random", "full-random") or a codec directory (its layout: random_codec.py).
         cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only);
         encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs; False: eager).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32.
         context: how streams see earlier chunks (CONTEXTS); with "full", cache_gib sizes the estimator's key/value
-        pages (default 40 GiB on a GPU, 0.5 on a CPU; `EstimatorPages`).
+        pages (default 40 GiB on a GPU, 0.5 on a CPU; `EstimatorPages`), cache_dtype their element type: "auto" (the
+        estimator's) or "fp8" (e4m3 saturated at +-448: half the bytes, so twice the pages in cache_gib and half the
+        attention's reads; other numerics than the estimator's dtype: docs/fidelity.md).
         offline: the offline flow's weights (`flow/flow.pt`, for `decode`) instead of the chunk model's
         (`flow/flow-chunk-5.pt`, for streams).
         encoder_tf32: the flow encoder's float32 matmuls on TF32 tensor cores (CUDA; its convs already are, by
@@ -135,15 +137,17 @@ class CodecDecoder:
             raise ConfigError(f"decoder context {context!r} not one of {CONTEXTS}")
         if cache_gib is not None and not cache_gib > 0:
             raise ConfigError(f"the decoder's cache must be > 0 GiB, got {cache_gib}")
+        if cache_dtype not in KV_DTYPES:
+            raise ConfigError(f"decoder cache dtype {cache_dtype!r} not one of {sorted(KV_DTYPES)}")
         dec = cls._load(codec, device, vocoder, seed, offline)
         dec.flow.encoder_tf32 = encoder_tf32
         dec.flow.decoder.estimator.to(parse_dtype(estimator_dtype))
         dec.flow.decoder.estimator.fuse()  # fused q/k/v weight in the final dtype (the checkpoint keeps q/k/v)
         dec.flow.encoder.fuse()
         if context == "full":
-            dt = parse_dtype(estimator_dtype)
+            dt = kv_torch_dtype(cache_dtype, estimator_dtype)
             gib = cache_gib if cache_gib is not None else (40.0 if dec.device.type == "cuda" else 0.5)
-            dec.full = FullContextFlow(dec.flow, int(gib * 2**30 // cache_page_bytes(dec.cfg, dt)))
+            dec.full = FullContextFlow(dec.flow, int(gib * 2**30 // cache_page_bytes(dec.cfg, dt)), cache_dtype=dt)
             dec.voices = dec._voice_cache()
         if cuda_graphs and dec.device.type == "cuda":
             dec._attach_graphs(encoder_graphs)

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimator-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--context", default="full", choices=["full", "window"],
                    help="the flow's view of earlier chunks, as the engine's --decoder-context (default full)")
+    p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="with --context full: the element type of the flow's cached keys and values, as the engine's "
+                        "--decoder-cache-dtype (default auto: the estimator's)")
     p.add_argument("--encoder-tf32", action="store_true",
                    help="the flow encoder's float32 matmuls on TF32 tensor cores (the server's setting on a GPU)")
 
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
                             estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs,
-                            encoder_tf32=args.encoder_tf32, context=args.context)
+                            encoder_tf32=args.encoder_tf32, context=args.context,
+                            cache_dtype=args.cache_dtype if args.context == "full" else "auto")
     chunk = dec.cfg.stream.chunk_codes
     hw = hardware(device)
     print(f"hardware: {hw}")
@@ -108,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
           f"{dec.flow.graphs is not None or dec.full_graphs is not None} "
           f"(encoder {dec.flow.enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}{' (matmuls TF32)' if args.encoder_tf32 else ''}, estimator "
-          f"{args.estimator_dtype}, chunk {chunk} codes = "
+          f"{args.estimator_dtype}{', its cache fp8' if dec.full and args.cache_dtype == 'fp8' else ''}, "
+          f"chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
     results = []
@@ -135,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder,
                        "cuda_graphs": dec.flow.graphs is not None, "encoder_graphs": dec.flow.enc_graphs is not None,
                        "estimator_dtype": args.estimator_dtype, "encoder_tf32": args.encoder_tf32,
+                       "context": args.context, "cache_dtype": args.cache_dtype,
                        "warmup_steps": warmup, "results": results}, f,
                       indent=1)
     return 0

@@ -1,5 +1,6 @@
 """CUDA-only checks of the full-context flow: on the GPU, streamed chunk by chunk it equals the chunk model over the
-whole sequence (float32: attention over gathered pages; bf16, as served: fused blocks reading the pages in place),
+whole sequence (float32: attention over gathered pages; bf16, as served: fused blocks reading the pages in place,
+in bf16 or fp8),
 and the decoder's streams on it give the PCM of one stream fed at once with every page back. Run on a GPU machine:
 `pytest tests/gpu/test_full_context_gpu.py`. Decoders here hold a small cache (`cache_gib`): the served 40 GiB each,
 held until pytest lets go of them, ran the GPU out of memory by the fourth.
@@ -24,12 +25,13 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).float().pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
 
 
-@pytest.mark.parametrize(("codec", "dtype", "tol"), [("tiny-random", "float32", 1e-3),
-                                                     ("tiny-random", "bfloat16", 3e-2),
-                                                     ("full-random", "bfloat16", 3e-2)])
-def test_streamed_equals_the_whole_sequence_on_the_gpu(codec, dtype, tol):
+@pytest.mark.parametrize(("codec", "dtype", "cache", "tol"), [("tiny-random", "float32", None, 1e-3),
+                                                              ("tiny-random", "bfloat16", None, 3e-2),
+                                                              ("full-random", "bfloat16", None, 3e-2),
+                                                              ("full-random", "bfloat16", torch.float8_e4m3fn, 3e-2)])
+def test_streamed_equals_the_whole_sequence_on_the_gpu(codec, dtype, cache, tol):
     dec = CodecDecoder.load(codec, device="cuda", vocoder="hift", estimator_dtype=dtype, context="window")
-    fc = FullContextFlow(dec.flow, 64)
+    fc = FullContextFlow(dec.flow, 64, cache_dtype=cache)
     a, voice, pcodes, pmel, codes = alone(fc, dec.flow, 23, 33, seed=5)  # 7 chunks after a prompt with a tail of 3
     got, want = torch.cat(a.mel, 1), a.reference(dec.flow, pcodes, pmel, codes)
     assert got.shape == want.shape and torch.isfinite(got).all()
@@ -60,11 +62,12 @@ def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back():
     dec.full.pages.check()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: attention reads the pages in place
-def test_graphed_solve_equals_eager_and_captures_per_table_width(dtype):
-    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype=dtype, cache_gib=0.5)
+@pytest.mark.parametrize(("dtype", "cache"), [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
+def test_graphed_solve_equals_eager_and_captures_per_table_width(dtype, cache):  # bf16: reading the pages in place
+    eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype=dtype, cache_gib=0.5,
+                              cache_dtype=cache)
     graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, estimator_dtype=dtype,
-                                cache_gib=0.5)
+                                cache_gib=0.5, cache_dtype=cache)
     codes = np.random.default_rng(4).integers(0, 16384, 93)  # past 16 pages: a second pages bucket
     want, got = eager.stream_all(codes, seed=2), graphed.stream_all(codes, seed=2)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

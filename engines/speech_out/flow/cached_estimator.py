@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.config import to_cache
 from engines.speech_out.flow.estimator import (
     CausalConditionalDecoder,
     CausalConv1d,
@@ -50,12 +51,14 @@ def n_blocks(est: CausalConditionalDecoder) -> int:
 
 
 def paged_kernel(pool: torch.Tensor, est: CausalConditionalDecoder) -> bool:
-    """Whether a pass runs the fused transformer blocks with attention reading the pages in place: CUDA, half
-    precision, widths the kernels take (powers of two >= 16), the fused weights built (`est.fuse`)."""
+    """Whether a pass runs the fused transformer blocks with attention reading the pages in place: CUDA, the
+    estimator in half precision and its pages in that dtype or fp8, widths the kernels take (powers of two >= 16),
+    the fused weights built (`est.fuse`)."""
     blk = est.down_blocks[0][1][0]
     d, dh = blk.norm1.normalized_shape[0], blk.attn1.dh
-    return (pool.is_cuda and pool.dtype in (torch.bfloat16, torch.float16) and blk.qkv_t is not None
-            and all(n >= 16 and n & (n - 1) == 0 for n in (d, dh)))
+    dt = est.final_proj.weight.dtype
+    return (pool.is_cuda and dt in (torch.bfloat16, torch.float16) and pool.dtype in (dt, torch.float8_e4m3fn)
+            and blk.qkv_t is not None and all(n >= 16 and n & (n - 1) == 0 for n in (d, dh)))
 
 
 class _Pass:
@@ -150,8 +153,11 @@ class _Pass:
             return self.paged_attention(q, pages, self.table, self.n_keys, self.n_new, heads, self.frames)
         # [2 kv, 2 branch, B, c, frames, D]: views of qkv, written in one indexed copy
         kv = qkv.unflatten(2, (3, D))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, Fr // c))
-        pages[:, :, self.new_page] = kv.to(pages.dtype)
-        got = pages[:, :, self.table]  # [2 kv, 2 branch, B, maxp + c, frames, D]: one gather
+        kv, store = to_cache(kv, pages.dtype), pages
+        if pages.element_size() == 1:  # indexing has no fp8 kernels on every device: move the bytes
+            kv, store = kv.view(torch.uint8), pages.view(torch.uint8)
+        store[:, :, self.new_page] = kv
+        got = store[:, :, self.table].view(pages.dtype)  # [2 kv, 2 branch, B, maxp + c, frames, D]: one gather
         got = got.view(2, R, -1, got.shape[-1])  # [2 kv, R, L, D]: rows branch-major, as the chunk's
         keys, vals = got[0].to(q.dtype), got[1].to(q.dtype)
 

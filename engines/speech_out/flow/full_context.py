@@ -118,9 +118,12 @@ class FullState:
 
 
 class FullContextFlow:
-    """The chunk model streamed with its full left context, for many answers at once (one chunk each per call)."""
+    """The chunk model streamed with its full left context, for many answers at once (one chunk each per call).
+    n_pages: the estimator's cache, in pages of one chunk; cache_dtype: their element type (default the estimator's;
+    fp8 holds twice the chunks in the same memory, at fp8 rounding of every cached key and value)."""
 
-    def __init__(self, flow, n_pages: int, kept_pages: int = KEPT_PAGES, low_water: int = LOW_WATER) -> None:
+    def __init__(self, flow, n_pages: int, kept_pages: int = KEPT_PAGES, low_water: int = LOW_WATER,
+                 cache_dtype: torch.dtype | None = None) -> None:
         self.flow = flow
         self.kept_pages, self.low_water = kept_pages, low_water
         self.forgotten = 0  # pages answers have forgotten so far (the cache ran short)
@@ -130,8 +133,9 @@ class FullContextFlow:
         self.chunk = flow.stream.chunk_codes
         self.page_frames = self.chunk * cfg.token_mel_ratio
         self.left_channels = left_channels(est)
+        self.est_dtype = est.final_proj.weight.dtype  # (the left states' too)
         self.pages = EstimatorPages(n_pages, cfg.n_timesteps, n_blocks(est), self.page_frames,
-                                    cfg.est_heads * cfg.est_head_dim, flow.device, est.final_proj.weight.dtype)
+                                    cfg.est_heads * cfg.est_head_dim, flow.device, cache_dtype or self.est_dtype)
         # Called with the pages wanted when there are too few (the decoder drops voices no answer speaks in).
         self.reclaim: Callable[[int], None] | None = None
 
@@ -159,7 +163,7 @@ class FullContextFlow:
         empty = f.encoder.empty_cache(1, dev, dt)
         pre, up = empty.pre[0], empty.up[0]
         kv, up_kv = self._empty_kv(False), self._empty_kv(True)
-        left = torch.zeros(cfg.n_timesteps, 2, self.left_channels, 2, device=dev, dtype=self.pages.pool.dtype)
+        left = torch.zeros(cfg.n_timesteps, 2, self.left_channels, 2, device=dev, dtype=self.est_dtype)
         voice = FullVoice(n, kv, up_kv, pre, up, tail, mel.to(dev, dt), spks, [], left)
         if n == 0:
             return voice
@@ -414,7 +418,7 @@ class FullSolveGraphs(BucketGraphs):
         def z(*shape, dtype=dt):
             return torch.zeros(*shape, device=dev, dtype=dtype)
         return [z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr),
-                z(B, cfg.output_size), z(B, cfg.n_timesteps, 2, Lc, 2, dtype=full.pages.pool.dtype),
+                z(B, cfg.output_size), z(B, cfg.n_timesteps, 2, Lc, 2, dtype=full.est_dtype),
                 z(B, maxp, dtype=torch.long), z(B, dtype=torch.long),
                 torch.full((B, c), page, device=dev, dtype=torch.long),
                 torch.full((B,), Fr, device=dev, dtype=torch.long)]

@@ -1,5 +1,6 @@
 """Runs the full-context estimator's paged attention and page writes in the Triton interpreter on the CPU, in
-float32 (the interpreter's bfloat16 is not faithful), printing one JSON line per case: its largest difference from
+float32 (the interpreter's bfloat16 is not faithful; nor is its rounding to fp8, so fp8 pages are only read here,
+their writes checked on a GPU), printing one JSON line per case: its largest difference from
 what it must give (estimator_pages.py). Run by tests/engines/kernels/test_paged_attention_interpreted.py as
 `TRITON_INTERPRET=1 python -m tests.engines.kernels.interpreted_paged CASES_JSON` (the variable must be set before
 the kernels are defined: a process of its own)."""
@@ -11,6 +12,7 @@ import sys
 
 import torch
 
+from engines.config import to_cache
 from tests.engines.kernels.estimator_pages import max_error, paged_case, write_case
 
 
@@ -25,7 +27,10 @@ def main(cases: list[dict]) -> None:
             pa.write_pages(qkv, pages, new_page)
             err = (pages - want).abs().max().item()
         else:
+            fp8 = case.pop("fp8", False)
             c = paged_case(**case, dtype=torch.float32, device="cpu")
+            if fp8:  # pages in fp8, read back into the queries' float32
+                c = c._replace(pages=to_cache(c.pages, torch.float8_e4m3fn))
             err = max_error(pa.paged_attention(*c.args()), c)
         print(json.dumps(err), flush=True)
 

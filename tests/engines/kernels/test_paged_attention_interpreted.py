@@ -15,14 +15,18 @@ CASES = [
     {"B": 1, "c": 1, "hist": [14], "maxp": 16, "last": 20, "splits": 3},  # one row, its keys split and merged
     {"B": 3, "c": 2, "hist": [0, 5, 40], "maxp": 60, "last": 11, "splits": 1},  # first jobs, a partial last chunk
     {"B": 4, "c": 1, "hist": [3, 20, 0, 14], "maxp": 250, "last": 20, "splits": 2},  # a graph's wide table
+    # an fp8 cache: the products run in fp16 (the queries rounded to it)
+    {"B": 3, "c": 2, "hist": [0, 5, 40], "maxp": 60, "last": 11, "splits": 2, "fp8": True, "tol": 2e-3},
     {"B": 3, "c": 2, "write": True, "splits": 1},  # the new chunks' keys and values to their pages
 ]
 
 
 def test_the_paged_attention_kernels_in_the_interpreter_give_the_gathered_pages_reference():
-    run = subprocess.run([sys.executable, "-m", "tests.engines.kernels.interpreted_paged", json.dumps(CASES)],
+    cases = [{k: v for k, v in c.items() if k != "tol"} for c in CASES]
+    run = subprocess.run([sys.executable, "-m", "tests.engines.kernels.interpreted_paged", json.dumps(cases)],
                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     errors = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(errors) == len(CASES) and max(errors) < 1e-4, errors
+    assert len(errors) == len(CASES), errors
+    assert all(e < c.get("tol", 1e-4) for e, c in zip(errors, CASES, strict=True)), errors

@@ -52,6 +52,7 @@ def test_options_that_do_not_go_together_are_refused():
             (NO_CODEC + ["--step-rows", str(EngineConfig.max_running)], "--step-rows"),
             (TINY + ["--encoder-tf32"], "--encoder-tf32 needs a CUDA device"),
             (TINY + ["--decoder-context", "window", "--decoder-cache-gib", "4"], "--decoder-context window has none"),
+            (TINY + ["--decoder-context", "window", "--decoder-cache-dtype", "fp8"], "window has none"),
             # A round size means nothing to rounds started once a period (they take every answer due).
             (TINY + ["--first-lane", "--codec-round-max", "24"], "--codec-round-period-ms 0"),
             (["--client-timeout-s", "0"], "--client-timeout-s must be > 0"),

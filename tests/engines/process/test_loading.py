@@ -66,6 +66,13 @@ def test_codec_round_options_reach_the_worker():
     svc._codec.close()
 
 
+def test_the_decoder_cache_dtype_reaches_the_codec_decoder():
+    for extra, want in (([], torch.float32), (["--decoder-cache-dtype", "fp8"], torch.float8_e4m3fn)):
+        svc = _service(TINY + extra)
+        assert svc.decoder.full.pages.pool.dtype == want  # (on the CPU the estimator is float32)
+        svc._codec.close()
+
+
 def test_ramp_step_rows_reach_the_engine():
     for extra, want in (([], EngineConfig.ramp_step_rows), (["--ramp-step-rows", "0"], 0),
                         (["--ramp-step-rows", "96"], 96)):

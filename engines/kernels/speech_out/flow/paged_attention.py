@@ -12,6 +12,9 @@ work, so one CUDA graph of a batch serves answers and voices of any length.
 `write_pages` puts the new chunks' keys and values into their pages first (one program per frame: a row of keys
 and one of values copied whole), which the attention then reads as it reads earlier frames.
 
+Pages are in the estimator's dtype or in fp8 (e4m3, saturated at +-448: `--decoder-cache-dtype fp8`), read back into
+the queries' dtype as they are loaded: half the bytes a key costs, which is what the attention's time follows.
+
 Keys, in the order a row reads them: its earlier pages' frames (`n_keys`, whole pages), then the new chunks' real
 frames (`n_new`), a query seeing a new frame only in its own chunk or an earlier one (the chunk mask).
 """
@@ -23,6 +26,7 @@ import triton
 import triton.language as tl
 
 from engines.kernels.attention_splits import merge_splits, store_split
+from engines.kernels.cache_value import cache_value
 
 BLOCK_Q = 32  # queries per program (a chunk is 20 frames)
 BLOCK_T = 128  # keys per inner iteration
@@ -43,7 +47,7 @@ def num_splits(programs: int, device: torch.device) -> int:
 @triton.jit(do_not_specialize=["F", "B", "MAXP"])
 def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, s_br, s_pg, s_pf, s_tb, s_or, B, MAXP,
                   scale, F, FR: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr):
+                  BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr):
     pid = tl.program_id(0)  # (row, head)
     split = tl.program_id(1)
     qblk = tl.program_id(2)
@@ -56,7 +60,7 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
     rq = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qm = rq < F
     rd = tl.arange(0, D)
-    q = tl.load(Q + r * s_qr + rq[:, None] * s_qf + h * D + rd[None, :], mask=qm[:, None], other=0.0)
+    q = tl.load(Q + r * s_qr + rq[:, None] * s_qf + h * D + rd[None, :], mask=qm[:, None], other=0.0).to(CDT)
     q_chunk = rq // FR
     m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
@@ -73,7 +77,7 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
         lt = tl.where(old, u, MAXP * FR + j)  # the frame's place in the row's table of pages
         page = tl.load(TABLE + b * s_tb + lt // FR, mask=um, other=0)
         off = page.to(tl.int64) * s_pg + (lt % FR) * s_pf
-        k = tl.load(base + off[:, None] + rd[None, :], mask=um[:, None], other=0.0)
+        k = tl.load(base + off[:, None] + rd[None, :], mask=um[:, None], other=0.0).to(CDT)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_Q, BLOCK_T] float32
         vis = um[None, :] & (old[None, :] | ((j // FR)[None, :] <= q_chunk[:, None]))
         s = tl.where(vis, s, float("-inf"))
@@ -82,18 +86,27 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(base + s_kv + off[:, None] + rd[None, :], mask=um[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = tl.load(base + s_kv + off[:, None] + rd[None, :], mask=um[:, None], other=0.0).to(CDT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v)
         m_i = m_new
     store_split(acc, m_i, l_i, r * F + rq, qm, h, split, tl.num_programs(0) // H * F, OUT, PO, PML, s_or, H, D, SPLIT)
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _compute_dtype(q: torch.Tensor, pages: torch.Tensor):
+    """What the products run in: q's dtype, or fp16 over fp8 pages (e4m3 -> fp16 is one conversion an element pair,
+    -> bf16 several: the loop would convert slower than it reads)."""
+    return tl.float16 if pages.dtype == torch.float8_e4m3fn else _TL[q.dtype]
 
 
 def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n_keys: torch.Tensor,
                     n_new: torch.Tensor, heads: int, frames: int) -> torch.Tensor:
     """q [2B, F, heads * D] (a view is fine: the last dim dense), pages [2 kv, 2 branch, pages, frames, heads * D]
-    (one block's), table [B, maxp + c] long (a row's earlier pages, padded, then its c new chunks' pages), n_keys [B]
-    long (real frames of the earlier pages: whole pages), n_new [B] long (real frames of the new chunks) ->
-    [2B, F, heads * D] in q's dtype. F = c chunks of `frames`."""
+    (one block's; q's dtype or fp8), table [B, maxp + c] long (a row's earlier pages, padded, then its c new chunks'
+    pages), n_keys [B] long (real frames of the earlier pages: whole pages), n_new [B] long (real frames of the new
+    chunks) -> [2B, F, heads * D] in q's dtype. F = c chunks of `frames`."""
     R, Fq, HD = q.shape
     B, slots = table.shape
     D = HD // heads
@@ -113,7 +126,8 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
     _paged_kernel[(R * heads, splits, qblocks)](
         q, pages, table, n_keys, n_new, out, po, pml, q.stride(0), q.stride(1), pages.stride(0), pages.stride(1),
         pages.stride(2), pages.stride(3), table.stride(0), HD, B, maxp, D ** -0.5, F=Fq, FR=frames,
-        H=heads, D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        H=heads, D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, CDT=_compute_dtype(q, pages),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         merge_splits(po, pml, out.view(R * Fq, HD), splits, MAX_SPLITS)
     return out
@@ -131,8 +145,8 @@ def _write_kernel(QKV, PAGES, NEW_PAGE, s_qr, s_qf, s_kv, s_br, s_pg, s_pf, s_np
     m = rd < HD
     src = QKV + r.to(tl.int64) * s_qr + f * s_qf + HD + rd  # q/k/v: the keys after the queries, then the values
     dst = PAGES + branch * s_br + page * s_pg + (f % FR) * s_pf + rd
-    tl.store(dst, tl.load(src, mask=m).to(PAGES.dtype.element_ty), mask=m)
-    tl.store(dst + s_kv, tl.load(src + HD, mask=m).to(PAGES.dtype.element_ty), mask=m)
+    tl.store(dst, cache_value(tl.load(src, mask=m), PAGES.dtype.element_ty), mask=m)
+    tl.store(dst + s_kv, cache_value(tl.load(src + HD, mask=m), PAGES.dtype.element_ty), mask=m)
 
 
 def write_pages(qkv: torch.Tensor, pages: torch.Tensor, new_page: torch.Tensor) -> None:
