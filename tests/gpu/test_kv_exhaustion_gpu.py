@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU: tests/gpu runs on the GPU box")
 
 LIVE = 32  # spoken answers playing through the flood
-# 20 s of speech each: 640 s of answer audio in progress, more than the speech decoder's own cache holds as served
-# (40 GiB: 374 s), so the answers also forget their oldest chunks as they go (engines/speech_out/flow/full_context.py)
+# 20 s of speech each: 640 s of answer audio in progress, more than the speech decoder's own cache holds here (21 GiB
+# of fp8 pages: 393 s, and every answer's last 28 chunks; the served 40 GiB of bf16 pages leave an 80 GB card no room
+# for the pool), so the answers also forget their oldest chunks as they go (engines/speech_out/flow/full_context.py)
 # and must still play to their end.
 ANSWER_ROWS = 250
 # The answers begin one every 50 ms (20 a second, as sessions arrive), and the flood once each has played its start:
@@ -42,7 +43,8 @@ def _send(svc, msg) -> list:
 def test_histories_filling_the_pool_refuse_new_work_while_answers_keep_real_time() -> None:
     # Warmed up as served: a first-use compile in the middle of the answers would be the test's own stall.
     svc = build_service(ProcessConfig.parse(["--device", "cuda", "--model", "full-random", "--codec", "full-random",
-                                             "--kv-cache-gib", "3", "--max-model-len", "8192"]))
+                                             "--kv-cache-gib", "3", "--max-model-len", "8192",
+                                             "--decoder-cache-dtype", "fp8", "--decoder-cache-gib", "21"]))
     eng = svc.engine
     total = eng.stats().total_blocks
     text = m.Sampling(greedy=True, max_new_tokens=4, min_new_tokens=4)
