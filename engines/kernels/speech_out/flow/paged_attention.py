@@ -12,8 +12,9 @@ work, so one CUDA graph of a batch serves answers and voices of any length.
 `write_pages` puts the new chunks' keys and values into their pages first (one program per frame: a row of keys
 and one of values copied whole), which the attention then reads as it reads earlier frames.
 
-Pages are in the estimator's dtype or in fp8 (e4m3, saturated at +-448: `--decoder-cache-dtype fp8`), read back into
-the queries' dtype as they are loaded: half the bytes a key costs, which is what the attention's time follows.
+Pages are in the estimator's dtype or in fp8 (e4m3, saturated at +-448: `--decoder-cache-dtype fp8`); fp8 keys and
+values are converted to fp16 as they are loaded and the products run in it (`_compute_dtype`). Half the bytes, but no
+faster a launch: the conversion costs what the bytes save (docs/performance.md, The full-context flow).
 
 Keys, in the order a row reads them: its earlier pages' frames (`n_keys`, whole pages), then the new chunks' real
 frames (`n_new`), a query seeing a new frame only in its own chunk or an earlier one (the chunk mask).
