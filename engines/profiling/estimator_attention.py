@@ -19,7 +19,7 @@ import json
 import torch
 
 from engines.bench.hardware import device_name, graphed_us, measure_bandwidth
-from engines.config import KV_DTYPES, to_cache
+from engines.config import kv_torch_dtype, to_cache
 from engines.kernels.speech_out.flow import paged_attention as pa
 
 FRAMES, HEADS, HEAD_DIM, VOICE_PAGES, MAX_BLOCKS = 20, 8, 64, 14, 56
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     for pages, batch, kind in ((int(p), int(b), k) for p in args.pages.split(",") for b in args.batches.split(",")
                                for k in args.cache_dtype.split(",")):
         q, table, n_keys, n_new, n_pages = _case(batch, pages, dev, g)
-        dtype = KV_DTYPES[kind] or torch.bfloat16
+        dtype = kv_torch_dtype(kind, torch.bfloat16)
         nbytes = 2 * batch * (pages + 1) * FRAMES * HEADS * HEAD_DIM * 2 * dtype.itemsize  # rows x keys x (k, v)
         blocks = max(2, min(MAX_BLOCKS, -(-L2_MULTIPLE_BYTES // nbytes)))
         pools = [to_cache(torch.randn(2, 2, n_pages, FRAMES, HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16,

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", cuda_graphs=cuda, encoder_graphs=cuda,
                                 encoder_tf32=cuda, estimator_dtype="bfloat16" if cuda else "float32", context=context,
                                 cache_gib=a.cache_gib if context == "full" else None,
-                                cache_dtype=a.cache_dtype if context == "full" else "auto")
+                                cache_dtype=a.cache_dtype)
         dec.capture_graphs(max(a.batches))
         for batch in a.batches:
             _rounds(dec, batch, 3, voice)  # warm: first uses, allocator

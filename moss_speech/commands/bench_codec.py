@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
                             estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs,
                             encoder_tf32=args.encoder_tf32, context=args.context,
-                            cache_dtype=args.cache_dtype if args.context == "full" else "auto")
+                            cache_dtype=args.cache_dtype)
     chunk = dec.cfg.stream.chunk_codes
     hw = hardware(device)
     print(f"hardware: {hw}")

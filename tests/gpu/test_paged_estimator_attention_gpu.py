@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engines.config import to_cache
-from tests.engines.kernels.estimator_pages import max_error, paged_case, write_case
+from tests.engines.kernels.estimator_pages import max_error, page_layout, paged_case, write_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a Triton kernel); the CPU "
                                 "path is covered by tests/engines/speech_out/flow/test_full_context.py")
@@ -67,8 +67,7 @@ def test_write_pages_rounds_to_fp8_pages_as_to_cache_does(B, c):
     qkv = qkv * 200  # some keys and values past +-448: saturated
     pages = to_cache(pages, torch.float8_e4m3fn)
     want = pages.clone()
-    kv = qkv.unflatten(2, (3, -1))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, -1))
-    want.view(torch.uint8)[:, :, new_page] = to_cache(kv, torch.float8_e4m3fn).view(torch.uint8)
+    want.view(torch.uint8)[:, :, new_page] = to_cache(page_layout(qkv, B, c), torch.float8_e4m3fn).view(torch.uint8)
     write_pages(qkv, pages, new_page)
     assert torch.equal(pages.view(torch.uint8), want.view(torch.uint8))
     assert pages.float().abs().max() == 448

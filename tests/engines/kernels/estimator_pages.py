@@ -85,6 +85,11 @@ def write_case(B: int, c: int, dtype: torch.dtype = torch.bfloat16, device: str 
     new_page = (torch.randperm(63, generator=g)[:B * c].view(B, c) + 1).to(device)
     qkv = torch.randn(2 * B, c * FR, 3 * H * D, generator=g).to(device, dtype)
     want = pages.clone()
-    kv = qkv.unflatten(2, (3, H * D))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, FR))
-    want[:, :, new_page] = kv
+    want[:, :, new_page] = page_layout(qkv, B, c)
     return qkv, pages, new_page, want
+
+
+def page_layout(qkv: torch.Tensor, B: int, c: int) -> torch.Tensor:
+    """The keys and values of qkv [2B, c * FR, 3 * H * D] as their pages hold them: [2 kv, 2 branch, B, c, FR,
+    H * D]."""
+    return qkv.unflatten(2, (3, H * D))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, FR))
