@@ -67,7 +67,8 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
                 encoder.capture_graphs()
     # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
     # in bf16, the encoder's float32 matmuls on TF32.
-    with memory.part("the codec decoder"):
+    cache = " and its cache of earlier chunks (--decoder-cache-gib)" if config.decoder_context == "full" else ""
+    with memory.part(f"the codec decoder{cache}"):
         decoder = CodecDecoder.load(config.codec, device=config.device, vocoder=vocoder, seed=config.seed,
                                     cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
                                     estimator_dtype="bfloat16" if on_gpu else "float32",

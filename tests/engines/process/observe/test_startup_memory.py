@@ -33,7 +33,7 @@ def test_an_out_of_memory_error_names_the_part_what_came_before_and_the_options(
                           "of up to 128 (CUDA out of memory. Tried to allocate 384.00 MiB)")
     assert ("loaded before: the language model and its KV pool 41.0 GiB, the speech encoder's KV slots for 128 streams "
             "(234 MiB each) 29.5 GiB") in msg
-    assert "--kv-cache-gib" in msg and "--max-running" in msg
+    assert "--kv-cache-gib" in msg and "--decoder-cache-gib" in msg and "--max-running" in msg
     assert [name for name, _ in mem.parts] == ["the language model and its KV pool",
                                                 "the speech encoder's KV slots for 128 streams (234 MiB each)"]
 
@@ -78,7 +78,8 @@ def test_the_engine_process_exits_with_the_message_when_a_part_runs_out(monkeypa
                            "--endpoint", "ipc:///tmp/moss-test-startup-memory.sock"])
     assert rc == 2
     msg = "\n".join(r.getMessage() for r in caplog.records)
-    assert "cannot start the engine: out of GPU memory on cpu while loading the codec decoder" in msg
+    assert ("cannot start the engine: out of GPU memory on cpu while loading the codec decoder and its cache of "
+            "earlier chunks (--decoder-cache-gib)") in msg
     assert "loaded before: the language model's weights 0.0 GiB, the speech encoder 0.0 GiB;" in msg
 
 
