@@ -18,36 +18,29 @@ class PagedCase(NamedTuple):
     table: torch.Tensor  # [B, maxp + c]
     n_keys: torch.Tensor  # [B]
     n_new: torch.Tensor  # [B]
-    n_shared: torch.Tensor | None  # [B]: frames of the voice pages a row shares with the batch
     real: torch.Tensor  # [F] bool: the query frames that are not padding
 
     def args(self) -> tuple:
         """paged_attention's arguments."""
-        shared = () if self.n_shared is None else (self.n_shared,)
-        return self.q, self.pages, self.table, self.n_keys, self.n_new, H, FR, *shared
+        return self.q, self.pages, self.table, self.n_keys, self.n_new, H, FR
 
 
-def paged_case(B: int, c: int, hist: list[int], maxp: int, last: int, voice: list[int] | None = None,
-               dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0) -> PagedCase:
+def paged_case(B: int, c: int, hist: list[int], maxp: int, last: int, dtype: torch.dtype = torch.bfloat16,
+               device: str = "cuda", seed: int = 0) -> PagedCase:
     """B rows of c new chunks (the last with `last` real frames), row b after hist[b] earlier pages anywhere in the
-    pool, its table padded to maxp with page 0; with `voice`, row b's first voice[b] pages are the batch's shared
-    ones (n_shared), else nobody shares."""
+    pool, its table padded to maxp with page 0."""
     g = torch.Generator().manual_seed(seed)
     n_pages = max(300, maxp + 1)
-    shared = torch.randint(1, n_pages, (max(voice or [0]),), generator=g).tolist()
     rows = []
-    for b, h in enumerate(hist):
+    for h in hist:
         got = torch.randint(1, n_pages, (h + c,), generator=g).tolist()
-        v = voice[b] if voice else 0
-        got[:v] = shared[:v]
         rows.append(got[:h] + [0] * (maxp - h) + got[h:])
     pages = torch.randn(2, 2, n_pages, FR, H * D, generator=g).to(device, dtype)
     q = torch.randn(2 * B, c * FR, 3, H * D, generator=g).to(device, dtype).unbind(2)[0]
-    n_shared = None if voice is None else torch.tensor(voice, device=device) * FR
     return PagedCase(q, pages, torch.tensor(rows, device=device, dtype=torch.long),
                      torch.tensor([h * FR for h in hist], device=device), torch.full((B,), (c - 1) * FR + last,
                                                                                     device=device),
-                     n_shared, torch.arange(c * FR, device=device) < (c - 1) * FR + last)
+                     torch.arange(c * FR, device=device) < (c - 1) * FR + last)
 
 
 def reference(case: PagedCase) -> torch.Tensor:

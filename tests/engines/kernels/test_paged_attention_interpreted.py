@@ -15,6 +15,8 @@ CASES = [
     {"B": 1, "c": 1, "hist": [14], "maxp": 16, "last": 20, "splits": 3},  # one row, its keys split and merged
     {"B": 3, "c": 2, "hist": [0, 5, 40], "maxp": 60, "last": 11, "splits": 1},  # first jobs, a partial last chunk
     {"B": 4, "c": 1, "hist": [3, 20, 0, 14], "maxp": 250, "last": 20, "splits": 2},  # a graph's wide table
+    # a voice's prompt in one pass: new frames in several blocks, a split starting among them, an empty split
+    {"B": 2, "c": 4, "hist": [5, 0], "maxp": 8, "last": 20, "splits": 2},
     # an fp8 cache: the products run in fp16 (the queries rounded to it)
     {"B": 3, "c": 2, "hist": [0, 5, 40], "maxp": 60, "last": 11, "splits": 2, "fp8": True, "tol": 2e-3},
     {"B": 3, "c": 2, "write": True, "splits": 1},  # the new chunks' keys and values to their pages
