@@ -39,15 +39,14 @@ def compile_kernel(block_t: int, warps: int, stages: int, cache_dtype: str, arch
     fn = pa._paged_kernel
     pages = "*fp8e4nv" if cache_dtype == "fp8" else "*bf16"
     cdt = tl.float16 if cache_dtype == "fp8" else tl.bfloat16
-    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_Q": pa.BLOCK_Q, "BLOCK_T": block_t, "SPLIT": False,
-             "CDT": cdt, "BLOCK_NEW": getattr(pa, "BLOCK_NEW", None)}
+    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_T": block_t, "SPLIT": False, "CDT": cdt}
     sig, constexprs, aligned = {}, {}, []
     for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name], constexprs[(i,)] = "constexpr", const[name]
-        elif name in POINTERS:
+        if name in POINTERS:
             sig[name] = {"q": "*bf16", "pages": pages}.get(POINTERS[name], POINTERS[name])
             aligned.append(i)
+        elif name in const or name.isupper() and hasattr(pa, name):  # other block sizes: the module's, as launched
+            sig[name], constexprs[(i,)] = "constexpr", const.get(name, getattr(pa, name, None))
         elif "scale" in name:
             sig[name] = "fp32"
         else:
