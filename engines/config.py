@@ -221,7 +221,7 @@ class EngineConfig:
     # saturated at +-448), half the bytes of bf16: the pool holds twice the rows and the decode attention, which
     # reads every cached row of every running sequence each step, reads half as much. A numerics change (keys
     # keep 3 mantissa bits), so off unless asked for. The attention kernels convert each tile (to fp16 under bf16
-    # queries: engines/kernels/paged_decode.fp16_dots).
+    # queries: engines/kernels/cache_value.fp16_dots).
     kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:

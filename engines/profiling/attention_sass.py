@@ -18,11 +18,13 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from engines.config import kv_torch_dtype
+from engines.kernels.cache_value import fp16_dots
 from engines.kernels.speech_out.flow import paged_attention as pa
 
 FRAMES, HEADS, HEAD_DIM = 20, 8, 64
@@ -38,8 +40,9 @@ def compile_kernel(block_t: int, warps: int, stages: int, cache_dtype: str, arch
     """The compiled _paged_kernel of one config (no key splits: the batch-64 launch), as Triton builds it."""
     fn = pa._paged_kernel
     pages = "*fp8e4nv" if cache_dtype == "fp8" else "*bf16"
-    cdt = tl.float16 if cache_dtype == "fp8" else tl.bfloat16
-    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_T": block_t, "SPLIT": False, "CDT": cdt}
+    # the served estimator's bf16 queries over its pages: the dots' dtype as the launch chooses it
+    f16 = fp16_dots(torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=kv_torch_dtype(cache_dtype, "bfloat16")))
+    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_T": block_t, "SPLIT": False, "F16": f16}
     sig, constexprs, aligned = {}, {}, []
     for i, name in enumerate(fn.arg_names):
         if name in POINTERS:

@@ -116,10 +116,10 @@ def test_decode_and_varlen_kernels_gqa_group_of_tiny_model():
 @PRELOAD_LIMITS
 def test_attention_over_an_fp8_cache_is_attention_over_its_values(dtype, preload):
     """The decode and varlen kernels over an fp8 cache: the float64 attention over the cache's values within the
-    tolerance of the query's dtype (bf16 queries: dots in fp16, paged_decode.fp16_dots), and no further from it than
+    tolerance of the query's dtype (bf16 queries: dots in fp16, cache_value.fp16_dots), and no further from it than
     the kernels over a cache holding the same values in the query's dtype (their tilings differ)."""
     from engines.config import to_cache
-    from engines.kernels.lm.paged_decode import fp16_dots
+    from engines.kernels.cache_value import fp16_dots
 
     # 1-6 sequences run FP8_TILING_MANY_SPLITS, 24 sequences FP8_TILING
     cases = [([1], [1]), ([1] * 4, [5, 1000, 17, 64]), ([1] * 6, [1, 3, 4095, 300, 65, 129]),

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engines.kernels.cache_value import fp16_dots, kv_tile
 from engines.kernels.pdl import launch_kwargs, trigger_then_wait, wait_then_trigger
 
 MAX_SPLITS = 16
@@ -52,14 +53,6 @@ FP8_TILING_MANY_SPLITS = (32, 4, 2)
 # splits); None: the device's SM count, so every program has an SM of its own (batch 1 on an H200: 128 programs on
 # 132 SMs, 0.05 ms per step faster). With more programs, batches 4 to 64 measured 4-30% slower (2026-11-23).
 PRELOAD_MAX_PROGRAMS: int | None = None
-
-
-def fp16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether attention over this cache runs its dots in fp16: an fp8 (e4m3) cache under a 16-bit query. Every
-    e4m3 value is exact in fp16, and so is a bf16 query's element from 2**-14 to 65504 (a query after its RMSNorm
-    stays far below the top; smaller elements keep fewer bits, and add next to nothing to a dot of 128); the
-    probabilities round to fp16's 11 bits instead of bf16's 8."""
-    return k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
 
 
 def num_splits(batch: int, kv_heads: int, device: torch.device, fp8: bool = False) -> int:
@@ -110,16 +103,6 @@ def _tile_rows(BT, b, kvh, t0, end, stride_bt, stride_kb, stride_ks, stride_kh, 
     blk = tl.load(BT + b * stride_bt + offs // PAGE, mask=ok, other=0)
     rows = (blk.to(tl.int64) * stride_kb + (offs % PAGE) * stride_ks + kvh * stride_kh)[:, None]
     return offs, ok, rows + tl.arange(0, D)[None, :]
-
-
-@triton.jit
-def kv_tile(x, Q, F16: tl.constexpr):
-    """A K or V tile in the dtype of the dots: fp16 over an fp8 cache (one conversion instruction per two values,
-    where e4m3 -> bf16 takes several: 5-10% faster at 64-128 sequences, H100), else the query's."""
-    if F16:
-        return x.to(tl.float16)
-    else:
-        return x.to(Q.dtype.element_ty)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engines.kernels.lm.paged_decode import fp16_dots, kv_tile
+from engines.kernels.cache_value import fp16_dots, kv_tile
 from engines.kernels.tiles import BLOCK_M, BLOCK_N
 
 
@@ -38,7 +38,7 @@ def _varlen_kernel(Q, K, V, OUT, TILES, QSTART, POS, CTX, BT, scale, stride_tile
         rows = (q0 + offs_m).to(tl.int64)
         q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None], other=0.0)
         if F16:
-            q = q.to(tl.float16)  # dots in fp16 over an fp8 cache (paged_decode.fp16_dots)
+            q = q.to(tl.float16)  # dots in fp16 over an fp8 cache (cache_value.fp16_dots)
         pos = tl.load(POS + rows, mask=m_mask, other=-1)  # [BM]; padding rows see no key
         last = tl.minimum(r0 + BM, n) - 1
         hi = tl.minimum(ctx, tl.load(POS + q0 + last) + 1)

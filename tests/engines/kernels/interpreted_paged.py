@@ -1,7 +1,7 @@
-"""Runs the full-context estimator's paged attention and page writes in the Triton interpreter on the CPU, in
-float32 (the interpreter's bfloat16 is not faithful; nor is its rounding to fp8, so fp8 pages are only read here,
-their writes checked on a GPU), printing one JSON line per case: its largest difference from
-what it must give (estimator_pages.py). Run by tests/engines/kernels/test_paged_attention_interpreted.py as
+"""Runs the full-context estimator's paged attention and page writes in the Triton interpreter on the CPU, in float32
+(fp16 queries over fp8 pages in one case; the interpreter's bfloat16 is not faithful; nor is its rounding to fp8, so
+fp8 pages are only read here, their writes checked on a GPU), printing one JSON line per case: its largest difference
+from what it must give (estimator_pages.py). Run by tests/engines/kernels/test_paged_attention_interpreted.py as
 `TRITON_INTERPRET=1 python -m tests.engines.kernels.interpreted_paged CASES_JSON` (the variable must be set before
 the kernels are defined: a process of its own)."""
 
@@ -27,10 +27,10 @@ def main(cases: list[dict]) -> None:
             pa.write_pages(qkv, pages, new_page)
             err = (pages - want).abs().max().item()
         else:
-            fp8 = case.pop("fp8", False)
+            fp8 = case.pop("fp8", None)  # None, or the queries' dtype over fp8 pages
             c = paged_case(**case, dtype=torch.float32, device="cpu")
-            if fp8:  # pages in fp8, read back into the queries' float32
-                c = c._replace(pages=to_cache(c.pages, torch.float8_e4m3fn))
+            if fp8:  # pages in fp8, read back into the products' dtype (cache_value.fp16_dots)
+                c = c._replace(pages=to_cache(c.pages, torch.float8_e4m3fn), q=c.q.to(getattr(torch, fp8)))
             err = max_error(pa.paged_attention(*c.args()), c)
         print(json.dumps(err), flush=True)
 

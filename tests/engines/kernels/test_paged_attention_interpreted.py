@@ -17,8 +17,9 @@ CASES = [
     {"B": 4, "c": 1, "hist": [3, 20, 0, 14], "maxp": 250, "last": 20, "splits": 2},  # a graph's wide table
     # a voice's prompt in one pass: new frames in several blocks, a split starting among them, an empty split
     {"B": 2, "c": 4, "hist": [5, 0], "maxp": 8, "last": 20, "splits": 2},
-    # an fp8 cache: the products run in fp16 (the queries rounded to it)
-    {"B": 3, "c": 2, "hist": [0, 5, 40], "maxp": 60, "last": 11, "splits": 2, "fp8": True, "tol": 2e-3},
+    # an fp8 cache under fp16 queries: the products run in fp16; under float32 ones, in float32
+    {"B": 3, "c": 2, "hist": [0, 5, 40], "maxp": 60, "last": 11, "splits": 2, "fp8": "float16", "tol": 2e-3},
+    {"B": 3, "c": 2, "hist": [0, 5, 40], "maxp": 60, "last": 11, "splits": 2, "fp8": "float32"},
     {"B": 3, "c": 2, "write": True, "splits": 1},  # the new chunks' keys and values to their pages
 ]
 

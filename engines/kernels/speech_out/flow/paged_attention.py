@@ -13,7 +13,8 @@ work, so one CUDA graph of a batch serves answers and voices of any length.
 and one of values copied whole), which the attention then reads as it reads earlier frames.
 
 Pages are in the estimator's dtype or in fp8 (e4m3, saturated at +-448: `--decoder-cache-dtype fp8`); fp8 keys and
-values are converted to fp16 as they are loaded and the products run in it (`_compute_dtype`). Half the bytes, but no
+values are converted to fp16 as they are loaded and the products run in it (`cache_value.fp16_dots`, as the language
+model's paged attention). Half the bytes, but no
 faster a launch, and fp8 products measured no faster either (docs/performance.md, The full-context flow).
 
 Keys, in the order a row reads them: its earlier pages' frames (`n_keys`, whole pages), then the new chunks' real
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from engines.kernels.attention_splits import merge_splits, store_split
-from engines.kernels.cache_value import cache_value
+from engines.kernels.cache_value import cache_value, fp16_dots, kv_tile
 
 BLOCK_Q = 32  # queries per program (a chunk is 20 frames)
 BLOCK_T = 128  # keys per inner iteration
@@ -48,7 +49,7 @@ def num_splits(programs: int, device: torch.device) -> int:
 @triton.jit(do_not_specialize=["F", "B", "MAXP"])
 def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, s_br, s_pg, s_pf, s_tb, s_or, B, MAXP,
                   scale, F, FR: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, CDT: tl.constexpr):
+                  BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr):
     pid = tl.program_id(0)  # (row, head)
     split = tl.program_id(1)
     qblk = tl.program_id(2)
@@ -61,7 +62,9 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
     rq = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qm = rq < F
     rd = tl.arange(0, D)
-    q = tl.load(Q + r * s_qr + rq[:, None] * s_qf + h * D + rd[None, :], mask=qm[:, None], other=0.0).to(CDT)
+    q = tl.load(Q + r * s_qr + rq[:, None] * s_qf + h * D + rd[None, :], mask=qm[:, None], other=0.0)
+    if F16:
+        q = q.to(tl.float16)  # dots in fp16 over fp8 pages
     q_chunk = rq // FR
     m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
@@ -78,7 +81,7 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
         lt = tl.where(old, u, MAXP * FR + j)  # the frame's place in the row's table of pages
         page = tl.load(TABLE + b * s_tb + lt // FR, mask=um, other=0)
         off = page.to(tl.int64) * s_pg + (lt % FR) * s_pf
-        k = tl.load(base + off[:, None] + rd[None, :], mask=um[:, None], other=0.0).to(CDT)
+        k = kv_tile(tl.load(base + off[:, None] + rd[None, :], mask=um[:, None], other=0.0), Q, F16)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_Q, BLOCK_T] float32
         vis = um[None, :] & (old[None, :] | ((j // FR)[None, :] <= q_chunk[:, None]))
         s = tl.where(vis, s, float("-inf"))
@@ -87,19 +90,10 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(base + s_kv + off[:, None] + rd[None, :], mask=um[:, None], other=0.0).to(CDT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v)
+        v = kv_tile(tl.load(base + s_kv + off[:, None] + rd[None, :], mask=um[:, None], other=0.0), Q, F16)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     store_split(acc, m_i, l_i, r * F + rq, qm, h, split, tl.num_programs(0) // H * F, OUT, PO, PML, s_or, H, D, SPLIT)
-
-
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-def _compute_dtype(q: torch.Tensor, pages: torch.Tensor):
-    """What the products run in: q's dtype, or fp16 over fp8 pages (e4m3 -> fp16 is one conversion an element pair,
-    -> bf16 several: the loop would convert slower than it reads)."""
-    return tl.float16 if pages.dtype == torch.float8_e4m3fn else _TL[q.dtype]
 
 
 def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n_keys: torch.Tensor,
@@ -127,7 +121,7 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
     _paged_kernel[(R * heads, splits, qblocks)](
         q, pages, table, n_keys, n_new, out, po, pml, q.stride(0), q.stride(1), pages.stride(0), pages.stride(1),
         pages.stride(2), pages.stride(3), table.stride(0), HD, B, maxp, D ** -0.5, F=Fq, FR=frames,
-        H=heads, D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, CDT=_compute_dtype(q, pages),
+        H=heads, D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, SPLIT=splits > 1, F16=fp16_dots(q, pages),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         merge_splits(po, pml, out.view(R * Fq, HD), splits, MAX_SPLITS)
