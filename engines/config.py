@@ -36,6 +36,15 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def cache_views(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in the cache's element type, the cache) as an indexed copy writes them: an fp8 cache's as bytes (indexing
+    has no fp8 kernels on every device). Read an fp8 cache's gathered bytes back with `.view(cache.dtype)`."""
+    x = to_cache(x, cache.dtype)
+    if cache.element_size() == 1:
+        return x.view(torch.uint8), cache.view(torch.uint8)
+    return x, cache
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name

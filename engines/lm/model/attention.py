@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.config import to_cache
+from engines.config import cache_views
 from engines.lm.model.batch import ForwardBatch
 
 
@@ -21,9 +21,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store the new rows' K/V ([T, kv_heads, head_dim]) at their slots."""
     kvh, d = k_cache.shape[-2:]
     for x, cache in ((k, k_cache), (v, v_cache)):
-        x = to_cache(x, cache.dtype)
-        if cache.element_size() == 1:  # index_copy_ has no fp8 kernel: copy the bytes
-            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        x, cache = cache_views(x, cache)  # (index_copy_ has no fp8 kernel)
         cache.view(-1, kvh, d).index_copy_(0, slot_mapping, x)
 
 

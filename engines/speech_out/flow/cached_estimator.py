@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.config import to_cache
+from engines.config import cache_views
 from engines.speech_out.flow.estimator import (
     CausalConditionalDecoder,
     CausalConv1d,
@@ -153,9 +153,7 @@ class _Pass:
             return self.paged_attention(q, pages, self.table, self.n_keys, self.n_new, heads, self.frames)
         # [2 kv, 2 branch, B, c, frames, D]: views of qkv, written in one indexed copy
         kv = qkv.unflatten(2, (3, D))[:, :, 1:].permute(2, 0, 1, 3).unflatten(1, (2, B)).unflatten(3, (c, Fr // c))
-        kv, store = to_cache(kv, pages.dtype), pages
-        if pages.element_size() == 1:  # indexing has no fp8 kernels on every device: move the bytes
-            kv, store = kv.view(torch.uint8), pages.view(torch.uint8)
+        kv, store = cache_views(kv, pages)
         store[:, :, self.new_page] = kv
         got = store[:, :, self.table].view(pages.dtype)  # [2 kv, 2 branch, B, maxp + c, frames, D]: one gather
         got = got.view(2, R, -1, got.shape[-1])  # [2 kv, R, L, D]: rows branch-major, as the chunk's
