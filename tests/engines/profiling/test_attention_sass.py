@@ -1,5 +1,5 @@
 """The estimator's paged attention read as SASS on the CPU (engines/profiling/attention_sass.py): the kernel compiles
-for Hopper without a GPU, and the loop the tool finds is the one over blocks of keys."""
+for Hopper without a GPU, and the loops the tool finds are the kernel's over blocks of keys."""
 
 from __future__ import annotations
 
@@ -7,14 +7,25 @@ from engines.kernels.speech_out.flow import paged_attention as pa
 from engines.profiling import attention_sass
 
 
-def test_the_loop_found_does_one_block_of_keys_products_per_iteration():
+def _products(block_t: int) -> int:
+    """Tensor-core steps of q @ k^T and p @ v over one block of keys: BLOCK_Q x block_t x D multiply-adds each, in
+    16x8x16 steps, shared by the program's warps."""
+    return 2 * pa.BLOCK_Q * block_t * attention_sass.HEAD_DIM // (16 * 8 * 16) // pa.NUM_WARPS
+
+
+def test_the_loops_found_are_the_kernels_three_over_their_blocks_of_keys():
     r = attention_sass.report(pa.BLOCK_T, pa.NUM_WARPS, pa.NUM_STAGES, "auto", 90)
-    # q @ k^T and p @ v of one block: BLOCK_Q x BLOCK_T x D multiply-adds each, in 16x8x16 tensor-core steps,
-    # shared by the program's warps
-    steps = 2 * pa.BLOCK_Q * pa.BLOCK_T * attention_sass.HEAD_DIM // (16 * 8 * 16) // pa.NUM_WARPS
-    assert r["loops"][0]["ops"]["HMMA"] == steps
+    # earlier pages' whole blocks, their partial block, the new chunks' frames
+    assert [loop["ops"]["HMMA"] for loop in r["loops"]] == [_products(pa.BLOCK_T), _products(pa.BLOCK_T),
+                                                            _products(pa.BLOCK_NEW)]
     assert r["registers"] > 0 and r["shared_bytes"] > 0
     assert 1 <= r["programs_per_sm"] <= attention_sass.WARPS_PER_SM // pa.NUM_WARPS
+
+
+def test_only_the_masked_loops_select_their_scores():
+    whole, partial, new = (loop["ops"] for loop in attention_sass.report(pa.BLOCK_T, pa.NUM_WARPS, pa.NUM_STAGES,
+                                                                         "auto", 90)["loops"])
+    assert "FSEL" not in whole and partial["FSEL"] > 0 and new["FSEL"] > 0
 
 
 def test_fp8_pages_add_their_conversion_to_the_loop():
