@@ -14,8 +14,8 @@ and one of values copied whole), which the attention then reads as it reads earl
 
 Pages are in the estimator's dtype or in fp8 (e4m3, saturated at +-448: `--decoder-cache-dtype fp8`); fp8 keys and
 values are converted to fp16 as they are loaded and the products run in it (`cache_value.fp16_dots`, as the language
-model's paged attention). Half the bytes, but no
-faster a launch, and fp8 products measured no faster either (docs/performance.md, The full-context flow).
+model's paged attention). Half the bytes, but no faster a launch, and fp8 products measured no faster either
+(docs/performance.md, The full-context flow).
 
 Keys, in the order a row reads them: its earlier pages' frames (`n_keys`, whole pages), then the new chunks' real
 frames (`n_new`), a query seeing a new frame only in its own chunk or an earlier one (the chunk mask). Three loops
