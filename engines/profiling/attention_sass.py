@@ -1,7 +1,9 @@
 """The full-context estimator's paged attention kernel as the GPU would run it, read on any CPU: compiled by Triton
 for a Hopper target (no GPU needed: Triton ships ptxas, cuobjdump and nvdisasm), it reports per launch configuration
-the registers and shared memory a program takes, so how many programs an SM holds at once, and each loop's machine
-instructions (SASS) by opcode, a loop iteration being one block of keys.
+the registers and shared memory a program takes, so how many programs an SM holds at once, how many blocks of keys
+its loads keep in flight (the shared-memory buffers Triton's pipeliner gives a block of keys: with one, a block's
+loads are issued after the previous block's products and waited for at once, so the memory latency is not hidden),
+and each loop's machine instructions (SASS) by opcode, a loop iteration being one block of keys.
 
     python3 -m engines.profiling.attention_sass [--configs 128,4,3 64,4,3] [--cache-dtype auto,fp8] [--arch 90]
 
@@ -33,6 +35,8 @@ POINTERS = {"Q": "q", "PAGES": "pages", "TABLE": "*i64", "NKEYS": "*i64", "NNEW"
 REGISTERS_PER_SM, SHARED_PER_SM, SHARED_RESERVED, WARPS_PER_SM = 65536, 233472, 1024, 64  # Hopper
 _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
+# A pipelined load's shared-memory buffers in Triton's GPU IR: `ttg.local_alloc : () -> !ttg.memdesc<NxROWSxCOLSx...`
+_BUFFERS = re.compile(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(\d+)x(\d+)x")
 _BACK = re.compile(r"BRA\s+`?\((\.L_x_\d+)\)")
 
 
@@ -83,6 +87,13 @@ def loops(sass: str) -> list[collections.Counter]:
     return found
 
 
+def key_buffers(ttgir: str, block_t: int) -> int:
+    """The shared-memory buffers of a block of block_t keys (the whole-block loop's, [block_t, HEAD_DIM]) in the
+    kernel's GPU IR: how many blocks' loads the pipeliner keeps in flight (0: loaded to registers, not pipelined)."""
+    return max((int(n) for n, rows, cols in _BUFFERS.findall(ttgir) if (int(rows), int(cols)) == (block_t, HEAD_DIM)),
+               default=0)
+
+
 def report(block_t: int, warps: int, stages: int, cache_dtype: str, arch: int) -> dict:
     k = compile_kernel(block_t, warps, stages, cache_dtype, arch)
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,7 +108,8 @@ def report(block_t: int, warps: int, stages: int, cache_dtype: str, arch: int) -
     by_regs = REGISTERS_PER_SM // (-(-regs // 8) * 8 * 32 * warps)
     by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED)
     return {"config": f"{block_t},{warps},{stages}", "cache_dtype": cache_dtype, "registers": regs,
-            "shared_bytes": shared, "programs_per_sm": min(by_regs, by_shared, WARPS_PER_SM // warps),
+            "shared_bytes": shared, "key_buffers": key_buffers(k.asm["ttgir"], block_t),
+            "programs_per_sm": min(by_regs, by_shared, WARPS_PER_SM // warps),
             "loops": [{"instructions": sum(c.values()), "ops": dict(c.most_common())} for c in loops(sass)]}
 
 
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         for kind in args.cache_dtype.split(","):
             r = report(bt, w, s, kind, args.arch)
             print(f"config {r['config']} {kind:4}: {r['registers']} registers, {r['shared_bytes']} B shared, "
-                  f"{r['programs_per_sm']} programs per SM")
+                  f"{r['programs_per_sm']} programs per SM, {r['key_buffers']} buffer(s) a block of keys")
             for i, loop in enumerate(r["loops"]):
                 top = " ".join(f"{op} {n}" for op, n in list(loop["ops"].items())[:12])
                 print(f"  loop {i}: {loop['instructions']} instructions an iteration: {top}")

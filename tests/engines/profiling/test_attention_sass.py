@@ -34,3 +34,17 @@ def test_fp8_pages_add_their_conversion_to_the_loop():
     # e4m3 pairs converted to fp16 as keys and values are read, beside the probabilities' conversion both have
     assert fp8["F2FP"] > bf16["F2FP"] > 0
     assert fp8["HMMA"] == bf16["HMMA"]
+
+
+def test_key_buffers_are_read_from_the_shared_memory_a_block_of_keys_takes():
+    ir = ("%k = ttg.local_alloc : () -> !ttg.memdesc<2x128x64xbf16, #shared, #smem, mutable>\n"
+          "%p = ttg.local_alloc : () -> !ttg.memdesc<2x128xi64, #shared1, #smem, mutable>\n"
+          "%n = ttg.local_alloc : () -> !ttg.memdesc<3x32x64xbf16, #shared, #smem, mutable>\n")
+    assert attention_sass.key_buffers(ir, 128) == 2  # the whole blocks' tile, not the page indices or new frames'
+    assert attention_sass.key_buffers(ir, 256) == 0
+
+
+def test_more_stages_keep_more_blocks_of_keys_in_flight():
+    # the pipeliner's buffers follow the stages; the served launch's count is what the tool reports for it
+    few, more = (attention_sass.report(pa.BLOCK_T, pa.NUM_WARPS, s, "auto", 90)["key_buffers"] for s in (3, 7))
+    assert more > few
