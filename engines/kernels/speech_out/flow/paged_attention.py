@@ -40,6 +40,8 @@ BLOCK_NEW = 32  # keys per iteration over the new chunks' frames (a chunk is 20)
 MAX_SPLITS = 16
 PROGRAMS_PER_SM = 2
 NUM_WARPS = 4
+# The pipeliner gives 3 stages one shared-memory buffer a block of keys (the loads wait out their latency); 5 or 7
+# give 2 or 3 at 2 programs an SM, measured no faster on an H100 (docs/performance.md, Tried and rejected).
 NUM_STAGES = 3
 
 
