@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from engines.bench.codec_rounds import SteadyRounds
+from engines.profiling.profile_loop import gpu_busy
 from engines.speech_out import CodecDecoder, Voice
 
 
@@ -69,16 +70,6 @@ def _first_job(dec: CodecDecoder, batch: int, voice: Voice, repeats: int = 5) ->
     return float(np.median(ms))
 
 
-def _kernel_span(prof) -> tuple[float, float]:
-    """(ms the GPU's kernels and copies took, summed; ms from the first one's start to the last one's end): where
-    the span is longer, the GPU waited on the host."""
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not spans:
-        return 0.0, 0.0
-    return sum(b - a for a, b in spans) / 1e3, (max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3
-
-
 def _profile(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, top: int = 25) -> None:
     """The CUDA ops of the last of `rounds` rounds of `batch` answers (torch.profiler), most time first; then the
     operators by input shapes (which call launches a kernel named only by its template)."""
@@ -93,9 +84,9 @@ def _profile(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, top: int 
                                                 torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
             steady.decode()
             torch.cuda.synchronize()
-        busy, span = _kernel_span(prof)
-        print(f"profile: batch {batch}, round {rounds}: GPU busy {busy:.1f} ms over a span of {span:.1f} ms "
-              "(under the profiler)", flush=True)
+        busy, span, gaps = gpu_busy(prof)
+        print(f"profile: batch {batch}, round {rounds}: GPU busy {busy:.1f} ms over a span of {span:.1f} ms, {gaps} "
+              "gaps over 20 us (under the profiler)", flush=True)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top), flush=True)
         print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=top,
                                                                   max_name_column_width=40), flush=True)
