@@ -37,7 +37,7 @@ from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks, paged_kernel
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_masks, encode_masked
-from engines.speech_out.flow.state import GrowingKeys
+from engines.speech_out.flow.state import GrowingKeys, append_keys, gather_keys
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +254,12 @@ class FullContextFlow:
         # The job's pages stay reserved until its solve has run: a solve that fails leaves them to `close`.
         new_pages = [[s.reserved[i] for i in range(c)] for s in states]
         x = self._solve(states, mu, cond, z, [s.shared + s.pages for s in states], new_pages, graphs)
+        append_keys([s.kv for s in states], new_kv)
+        append_keys([s.up_kv for s in states], new_up_kv)
         for b, s in enumerate(states):
             for _ in range(c):
                 s.reserved.popleft()
             s.pages.extend(new_pages[b])
-            s.kv.append(new_kv[b])
-            s.up_kv.append(new_up_kv[b])
             s.pre, s.up = pre[b], up[b]
             s.codes_done += n
         return x
@@ -289,17 +289,9 @@ class FullContextFlow:
         f, cfg = self.flow, self.flow.cfg
         dev, r, la = f.device, cfg.token_mel_ratio, cfg.pre_lookahead
         B, L = len(states), max(done)
-        # The most common voice's keys go to every row in one copy (rows in another voice write theirs over them;
-        # past a row's own keys they are masked, as the zeros are).
-        v0 = max({id(s.voice): s.voice for s in states}.values(), key=lambda v: sum(s.voice is v for s in states))
-        X = torch.zeros(B, *v0.kv.shape[:2], L, *v0.kv.shape[3:], device=dev, dtype=f.dtype)
-        upX = torch.zeros(B, *v0.up_kv.shape[:2], L * r, *v0.up_kv.shape[3:], device=dev, dtype=f.dtype)
-        X[:, :, :, :v0.n_codes], upX[:, :, :, :v0.n_codes * r] = v0.kv, v0.up_kv
-        for b, s in enumerate(states):
-            p = s.voice.n_codes
-            if s.voice is not v0:
-                X[b, :, :, :p], upX[b, :, :, :p * r] = s.voice.kv, s.voice.up_kv
-            X[b, :, :, p:done[b]], upX[b, :, :, p * r:done[b] * r] = s.kv.value, s.up_kv.value
+        voices = [s.voice for s in states]
+        X = gather_keys([v.kv for v in voices], [s.kv for s in states], L)  # [B, layers, 2, L, H, dk]
+        upX = gather_keys([v.up_kv for v in voices], [s.up_kv for s in states], L * r)
         d, look = upload([np.asarray(done)[:, None], np.asarray(n_look)[:, None]], dev)  # (pinned: no stream sync)
         kpos, up_kpos = torch.arange(L, device=dev).expand(B, L), torch.arange(L * r, device=dev).expand(B, L * r)
         valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),

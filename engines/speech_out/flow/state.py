@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
+
+from engines.cuda.host_copy import upload
 
 # Prefix keys (prompt + window) are padded to a multiple of this: few distinct shapes, hence few CUDA graphs.
 PREFIX_ALIGN = 32
@@ -60,26 +63,85 @@ class GrowingKeys:
     by a quarter (at least GROW_MIN keys) when full: an append copies the chunk, not every key before it."""
 
     def __init__(self, empty: torch.Tensor) -> None:
-        self.buf = empty  # [layers, 2, capacity, H, dk]
+        self.buf = empty  # [layers, 2, capacity, H, dk] dense
         self.n = empty.shape[2]
 
     @property
     def value(self) -> torch.Tensor:
         return self.buf[:, :, :self.n]
 
-    def append(self, new: torch.Tensor) -> None:
-        """new [layers, 2, m, H, dk] after the keys held."""
-        m = new.shape[2]
+    def reserve(self, m: int) -> None:
+        """Room for m more keys after those held."""
         if self.n + m > self.buf.shape[2]:
             cap = max(self.n + m, self.buf.shape[2] * 5 // 4, self.buf.shape[2] + GROW_MIN)
             buf = self.buf.new_empty(*self.buf.shape[:2], cap, *self.buf.shape[3:])
             buf[:, :, :self.n] = self.value
+            if buf.is_cuda:  # the old buffer may come from another stream's pool (an answer's first job ran on a
+                self.buf.record_stream(torch.cuda.current_stream())  # lane): not reused before this copy has run
             self.buf = buf
+
+    def append(self, new: torch.Tensor) -> None:
+        """new [layers, 2, m, H, dk] after the keys held."""
+        m = new.shape[2]
+        self.reserve(m)
         self.buf[:, :, self.n:self.n + m] = new
         self.n += m
 
     def nbytes(self) -> int:
         return self.buf.numel() * self.buf.element_size()
+
+
+def _rows(kv: torch.Tensor) -> tuple[int, int]:
+    """A dense [layers, 2, rows, H, dk] buffer's address and (layer, k/v) stride, in elements."""
+    if not kv.is_contiguous():
+        raise ValueError(f"keys {tuple(kv.shape)} must be dense")
+    return kv.data_ptr(), kv.stride(1)
+
+
+def gather_table(voices: list[torch.Tensor], own: list[GrowingKeys]) -> np.ndarray:
+    """[6, B] int64, what the gathering launch reads of each answer: its voice's keys' address, (layer, k/v) stride
+    and rows, then its own buffer's."""
+    return np.asarray([[*_rows(v), v.shape[2], *_rows(o.buf), o.n] for v, o in zip(voices, own, strict=True)],
+                      np.int64).reshape(-1, 6).T.copy()
+
+
+def append_table(own: list[GrowingKeys]) -> np.ndarray:
+    """[3, B] int64, what the appending launch reads of each answer: its buffer's address, stride and rows held."""
+    return np.asarray([[*_rows(o.buf), o.n] for o in own], np.int64).reshape(-1, 3).T.copy()
+
+
+def gather_keys(voices: list[torch.Tensor], own: list[GrowingKeys], length: int) -> torch.Tensor:
+    """The earlier keys of a batch of answers in one tensor [B, layers, 2, length, H, dk]: row b holds voices[b]
+    ([layers, 2, P_b, H, dk] dense) then own[b]'s keys, then zeros. On CUDA one launch (key_rows.py)."""
+    v0 = voices[0]
+    out_shape = (len(voices), *v0.shape[:2], length, *v0.shape[3:])
+    if not v0.is_cuda:
+        out = v0.new_zeros(out_shape)
+        for b, (v, o) in enumerate(zip(voices, own, strict=True)):
+            out[b, :, :, :v.shape[2]] = v
+            out[b, :, :, v.shape[2]:v.shape[2] + o.n] = o.value
+        return out
+    from engines.kernels.speech_out.flow.key_rows import gather_rows
+
+    out = v0.new_empty(out_shape)
+    gather_rows(out.flatten(4), upload([gather_table(voices, own)], out.device)[0])
+    return out
+
+
+def append_keys(own: list[GrowingKeys], new: torch.Tensor) -> None:
+    """new [B, layers, 2, m, H, dk] after each answer's keys (own[b] takes new[b]). On CUDA one launch."""
+    if not new.is_cuda:
+        for b, o in enumerate(own):
+            o.append(new[b])
+        return
+    from engines.kernels.speech_out.flow.key_rows import append_rows
+
+    m = new.shape[3]
+    for o in own:
+        o.reserve(m)
+    append_rows(new.contiguous().flatten(4), upload([append_table(own)], new.device)[0])
+    for o in own:
+        o.n += m
 
 
 class EncodeInputs(NamedTuple):
