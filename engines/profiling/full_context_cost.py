@@ -3,7 +3,8 @@
 For each decoder context and batch size, `B` answers in one voice are decoded as the codec worker's rounds decode them
 (engines/bench/codec_rounds.py), one 5-code chunk each per round, for `--seconds` of audio; prints the round times
 at points of the answers (a round must stay under 400 ms, the audio it makes, for answers to play at real time), the
-estimator's cache per second of audio and the device memory the rounds took. A development tool, not the server.
+estimator's cache per second of audio and the device memory the rounds took; `--profile` and `--phases` take a round
+apart (under torch.profiler; unprofiled, by phase). A development tool, not the server.
 """
 
 from __future__ import annotations
@@ -94,6 +95,59 @@ def _profile(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, top: int 
         steady.close()
 
 
+# What `--phases` times in a round: (owner on the decoder, method, label).
+PHASES = (("full", "_encode", "encoder"), ("full", "_solve", "solve"), ("windowed", "render", "vocoder"))
+
+
+def _phases(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, last: int = 10) -> dict[str, float]:
+    """Medians over the last `last` of `rounds` rounds, unprofiled (ms): the round, the host's wait for the GPU at its
+    end, and per phase the host's time in it and (CUDA) the GPU's timeline between events around it: a phase whose
+    timeline is as long as its host time kept the GPU waiting for its launches."""
+    cuda = dec.device.type == "cuda"
+    sync = _sync(dec)
+    host: dict[str, float] = {}
+    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(fn, label):
+        def run(*args, **kw):
+            if cuda:
+                e0 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                host[label] = host.get(label, 0.0) + time.perf_counter() - t0
+                if cuda:
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e1.record()
+                    events.append((label, e0, e1))
+        return run
+
+    owners = [(getattr(dec, o), m, label) for o, m, label in PHASES]
+    for owner, m, label in owners:
+        setattr(owner, m, timed(getattr(owner, m), label))  # (an instance attribute: the class's method stays)
+    steady = SteadyRounds(dec, batch, voices=[voice])
+    rows = []
+    try:
+        for _ in range(rounds):
+            host.clear()
+            events.clear()
+            dec.last_gpu_wait_s = 0.0
+            ms, _pcm = _timed_round(steady, sync)
+            row = {"round": ms, "host_wait": dec.last_gpu_wait_s * 1e3}
+            row.update({f"host_{k}": v * 1e3 for k, v in host.items()})
+            for label, e0, e1 in events:
+                row[f"gpu_{label}"] = row.get(f"gpu_{label}", 0.0) + e0.elapsed_time(e1)
+            rows.append(row)
+    finally:
+        steady.close()
+        for owner, m, _ in owners:
+            delattr(owner, m)
+    tail = rows[-last:]
+    return {k: round(float(np.median([r.get(k, 0.0) for r in tail])), 2) for k in tail[-1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--codec", default="full-random")
@@ -109,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="also print the CUDA ops of the last round at the largest "
                    "batch (torch.profiler)")
+    p.add_argument("--phases", action="store_true", help="also time the phases of the rounds at the largest batch, "
+                   "unprofiled: host and GPU time of the flow's encoder, its solve and the vocoder")
     a = p.parse_args(argv)
     voice = Voice.random(seed=3, n_codes=a.prompt_codes)
     n_rounds = int(a.seconds * 12.5 / 5) + 1
@@ -135,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
         if a.profile and cuda:
             _profile(dec, max(a.batches), n_rounds, voice)
+        if a.phases and context == "full":
+            row = {"context": context, "batch": max(a.batches), "phases_ms": _phases(dec, max(a.batches), n_rounds,
+                                                                                    voice)}
+            print(json.dumps(row), flush=True)
+            results.append(row)
         if dec.full is not None:
             pages = dec.full.pages
             page = pages.pool.numel() // pages.n_pages * pages.pool.element_size()
