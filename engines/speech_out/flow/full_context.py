@@ -37,7 +37,7 @@ from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks, paged_kernel
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_masks, encode_masked
-from engines.speech_out.flow.state import GrowingKeys, append_keys, gather_keys
+from engines.speech_out.flow.state import GrowingKeys, append_keys, gather_keys, key_groups
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ KEPT_PAGES = 28
 # Below this many free pages, answers longer than KEPT_PAGES forget their oldest chunks: room for a round of first
 # jobs (FIRST_JOB_BATCH answers of 2 pages) taken between two rounds.
 LOW_WATER = 2 * FIRST_JOB_BATCH
+# A round's encoder keys, every row padded to the longest of its group (`key_groups`), at most this many bytes a
+# group: 64 answers 24 s in are one group (2.2 GB); 32 answers padded to one of the output bound's 164 s would take
+# 6.1 GB, past the engine's headroom for per-round tensors (engines/lm/kv/sizing.py).
+ENCODER_BATCH_BYTES = 3 * 2**30
 # At most one log line this often while answers forget chunks.
 FORGET_LOG_S = 60.0
 
@@ -123,9 +127,10 @@ class FullContextFlow:
     fp8 holds twice the chunks in the same memory, at fp8 rounding of every cached key and value)."""
 
     def __init__(self, flow, n_pages: int, kept_pages: int = KEPT_PAGES, low_water: int = LOW_WATER,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, encoder_batch_bytes: int = ENCODER_BATCH_BYTES) -> None:
         self.flow = flow
         self.kept_pages, self.low_water = kept_pages, low_water
+        self.encoder_batch_bytes = encoder_batch_bytes
         self.forgotten = 0  # pages answers have forgotten so far (the cache ran short)
         self._logged_at = -FORGET_LOG_S
         self._counting = threading.Lock()  # (answers are decoded on two codec threads)
@@ -134,6 +139,10 @@ class FullContextFlow:
         self.page_frames = self.chunk * cfg.token_mel_ratio
         self.left_channels = left_channels(est)
         self.est_dtype = est.final_proj.weight.dtype  # (the left states' too)
+        # One code's encoder keys and values in a round's batch tensors: both stacks, the up stack's `ratio` frames.
+        enc = flow.encoder
+        self.code_key_bytes = (2 * cfg.d_model * (len(enc.encoders) + len(enc.up_encoders) * cfg.token_mel_ratio)
+                               * torch.finfo(flow.dtype).bits // 8)
         self.pages = EstimatorPages(n_pages, cfg.n_timesteps, n_blocks(est), self.page_frames,
                                     cfg.est_heads * cfg.est_head_dim, flow.device, cache_dtype or self.est_dtype)
         # Called with the pages wanted when there are too few (the decoder drops voices no answer speaks in).
@@ -238,7 +247,7 @@ class FullContextFlow:
         done = [s.voice.n_codes + s.codes_done for s in states]  # codes before the job, prompt included
         if c > 1 and any(d % C for d in done):
             raise ValueError("a job of several chunks must start at a chunk boundary")
-        mu, new_kv, new_up_kv, pre, up = self._encode(states, codes, n, n_look, done)
+        mu, new_kv, new_up_kv, pre, up = self._encode_groups(states, codes, n, n_look, done)
         cond = torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)
         for b, s in enumerate(states):
             g0 = done[b] * r
@@ -282,6 +291,18 @@ class FullContextFlow:
                 log.warning("the speech decoder's cache is short (%d of %d pages free): answers longer than %d chunks "
                             "forget their oldest (%d pages forgotten so far; --decoder-cache-gib sizes the cache)",
                             self.pages.n_free, self.pages.n_pages, self.kept_pages, self.forgotten)
+
+    def _encode_groups(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
+                       done: list[int]):
+        """`_encode` of the batch, in groups of rows whose padded keys stay within `encoder_batch_bytes` (one call when
+        the batch fits); its outputs in the batch's order."""
+        groups = key_groups(done, self.code_key_bytes, self.encoder_batch_bytes)
+        if len(groups) == 1:
+            return self._encode(states, codes, n, n_look, done)
+        outs = [self._encode([states[i] for i in g], codes[g], n, [n_look[i] for i in g], [done[i] for i in g])
+                for g in groups]
+        order = upload([np.argsort(np.concatenate(groups))], self.flow.device)[0]  # rows back in the batch order
+        return tuple(torch.cat(parts)[order] for parts in zip(*outs, strict=True))
 
     def _encode(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int], done: list[int]):
         """The job's codes through the encoder, each row after all its earlier codes' keys (the voice's, then its own);

@@ -98,6 +98,20 @@ def _rows(kv: torch.Tensor) -> tuple[int, int]:
     return kv.data_ptr(), kv.stride(1)
 
 
+def key_groups(lengths: list[int], row_bytes: int, budget: int) -> list[list[int]]:
+    """Rows (indices into `lengths`, each row's earlier keys) in groups whose batch tensor of keys, every row padded
+    to its group's longest, stays within `budget` bytes (`row_bytes` a key of one row): shortest first, a group
+    taking the next row while it fits. One group when the whole batch fits; a row over the budget alone is a group
+    of its own. Padding every row of a round to its longest answer would make one long answer cost each row as much."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and (len(groups[-1]) + 1) * lengths[i] * row_bytes <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def gather_table(voices: list[torch.Tensor], own: list[GrowingKeys]) -> np.ndarray:
     """[6, B] int64, what the gathering launch reads of each answer: its voice's keys' address, (layer, k/v) stride
     and rows, then its own buffer's."""

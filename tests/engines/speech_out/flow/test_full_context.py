@@ -66,8 +66,17 @@ def test_every_earlier_chunk_matters_and_no_later_one_does(flow):
     torch.testing.assert_close(m_last[:, :4 * 50], m[:, :4 * 50], atol=0, rtol=0)  # chunks before the 11th: unchanged
 
 
-def test_a_batch_of_answers_at_other_points_and_voices_equals_each_alone(flow):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_batch_of_answers_at_other_points_and_voices_equals_each_alone(flow, grouped, monkeypatch):
+    """grouped: the encoder's keys budgeted to two rows of 40 codes, so that longer rows go through it in groups of
+    their own (as one long answer among many does with the served budget)."""
     fc = FullContextFlow(flow, 400)
+    if grouped:
+        fc.encoder_batch_bytes = 2 * 40 * fc.code_key_bytes
+        calls, rounds = [], []
+        encode, decode = fc._encode, fc.decode_chunk
+        monkeypatch.setattr(fc, "_encode", lambda states, *a: calls.append(len(states)) or encode(states, *a))
+        monkeypatch.setattr(fc, "decode_chunk", lambda states, *a: rounds.append(len(states)) or decode(states, *a))
     specs = [(0, 23, 1), (23, 31, 2), (17, 9, 3), (23, 40, 4)]  # (prompt codes, answer codes, seed)
     each = []
     for P, N, seed in specs:
@@ -97,6 +106,8 @@ def test_a_batch_of_answers_at_other_points_and_voices_equals_each_alone(flow):
         fc.close(a.state)
         fc.forget_voice(a.voice)
     assert fc.pages.n_free == fc.pages.n_pages
+    if grouped:  # some rounds went through the encoder in several calls, some of them of several answers
+        assert len(calls) > len(rounds) and sum(calls) == sum(rounds) and max(calls) > 1
 
 
 def test_a_voice_pages_are_shared_and_held_until_its_last_answer_ends(flow):
