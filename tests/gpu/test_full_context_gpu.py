@@ -42,8 +42,19 @@ def test_streamed_equals_the_whole_sequence_on_the_gpu(codec, dtype, cache, tol)
     assert fc.pages.n_free == fc.pages.n_pages
 
 
-def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back(grouped, monkeypatch):
+    """grouped: the encoder's keys budgeted so that rounds go through it in groups of rows (FullContextFlow's
+    encoder_batch_bytes)."""
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, cache_gib=0.05)
+    calls: list[int] = []
+    jobs: list[int] = []
+    if grouped:
+        dec.full.encoder_batch_bytes = 2 * 20 * dec.full.code_key_bytes  # two rows of the tiny voice's 20 codes
+        encode, groups = dec.full._encode, dec.full._encode_groups
+        monkeypatch.setattr(dec.full, "_encode", lambda states, *a: calls.append(len(states)) or encode(states, *a))
+        monkeypatch.setattr(dec.full, "_encode_groups", lambda states, *a: jobs.append(len(states)) or groups(states,
+                                                                                                             *a))
     lengths = [13, 27, 9]
     codes = [np.random.default_rng(i).integers(0, 16384, n) for i, n in enumerate(lengths)]
     each = [dec.stream_all(c, seed=i) for i, c in enumerate(codes)]
@@ -52,6 +63,7 @@ def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back():
         s.add(c)
     got, sizes = in_rounds(dec, streams)
     assert max(sizes) == len(codes)
+    assert not grouped or len(calls) > len(jobs) and max(calls) > 1  # some batch in several encoder calls
     for g, w, n in zip(got, each, lengths, strict=True):
         assert g.shape == (n * 1920,)
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=0)
