@@ -2,10 +2,10 @@
 way (engines/speech_out/flow/state.py dispatches; its loops are the CPU path and the reference).
 
 Every round, each answer's earlier keys (its voice's, then its own) go into one zero-padded batch tensor the encoder
-reads, and after it the chunk's new keys go back to each answer's buffer. As tensor copies that is a few launches an
-answer (at 64 answers ~380 a round, with a zero fill of the whole batch tensor first), each answer's buffer at an
-address of its own. Here one program copies a block of rows of one (answer, layer and k/v) pair, the answer's
-buffers found through a table of their addresses: one launch gathers a stack, one appends to it.
+reads, and after it the chunk's new keys go back to each answer's buffer. As tensor copies that is about four
+launches an answer and a zero fill of the whole batch tensor, each answer's buffer at an address of its own. Here
+one program copies a block of rows of one (answer, layer and k/v) pair, the answer's buffers found through a table
+of their addresses: one launch gathers a stack, one appends to it.
 
 A buffer is [layers, 2, rows, width] dense (rows: codes or frames; width = heads * head_dim); its address, its
 (layer, k/v) stride and its rows in use are given per answer. Pointers are read as int64 from the device: the
@@ -55,23 +55,23 @@ def _append_kernel(NEW, OPTR, OSTRIDE, OROWS, T, LK: tl.constexpr, W: tl.constex
     tl.store(dst, tl.load(src, mask=m), mask=m)
 
 
+def _launch(kernel, keys: torch.Tensor, table: torch.Tensor, fields: int) -> None:
+    """A program per (answer, layer and k/v, block of rows) of keys [B, layers, 2, rows, width] dense."""
+    B, layers, two, R, W = keys.shape
+    if not keys.is_contiguous() or table.shape != (fields, B):
+        raise ValueError(f"keys {tuple(keys.shape)} (dense) / table {tuple(table.shape)} disagree")
+    if B and R:
+        kernel[(B, layers * two, triton.cdiv(R, BLOCK_ROWS))](
+            keys, *table, R, LK=layers * two, W=W, WP=triton.next_power_of_2(W), BLOCK_R=BLOCK_ROWS)
+
+
 def gather_rows(out: torch.Tensor, table: torch.Tensor) -> None:
     """out [B, layers, 2, L, width] dense; table [6, B] int64 on out's device: per answer its voice buffer's address,
     (layer, k/v) stride and rows, then its own buffer's -> out[b] holds the voice's rows, then its own, then zeros."""
-    B, layers, two, L, W = out.shape
-    if not out.is_contiguous() or table.shape != (6, B):
-        raise ValueError(f"out {tuple(out.shape)} (dense) / table {tuple(table.shape)} disagree")
-    if B and L:
-        _gather_kernel[(B, layers * two, triton.cdiv(L, BLOCK_ROWS))](
-            out, *table, L, LK=layers * two, W=W, WP=triton.next_power_of_2(W), BLOCK_R=BLOCK_ROWS)
+    _launch(_gather_kernel, out, table, 6)
 
 
 def append_rows(new: torch.Tensor, table: torch.Tensor) -> None:
     """new [B, layers, 2, T, width] dense; table [3, B] int64: per answer its own buffer's address, (layer, k/v)
     stride and rows in use -> new[b] written after those rows (the buffers have room)."""
-    B, layers, two, T, W = new.shape
-    if not new.is_contiguous() or table.shape != (3, B):
-        raise ValueError(f"new {tuple(new.shape)} (dense) / table {tuple(table.shape)} disagree")
-    if B and T:
-        _append_kernel[(B, layers * two, triton.cdiv(T, BLOCK_ROWS))](
-            new, *table, T, LK=layers * two, W=W, WP=triton.next_power_of_2(W), BLOCK_R=BLOCK_ROWS)
+    _launch(_append_kernel, new, table, 3)
