@@ -21,7 +21,7 @@ import triton.language as tl
 BLOCK_ROWS = 16
 
 
-@triton.jit(do_not_specialize=["L", "T"])
+@triton.jit(do_not_specialize=["L"])
 def _gather_kernel(OUT, VPTR, VSTRIDE, VROWS, OPTR, OSTRIDE, OROWS, L, LK: tl.constexpr, W: tl.constexpr,
                    WP: tl.constexpr, BLOCK_R: tl.constexpr):
     b = tl.program_id(0)
