@@ -161,14 +161,8 @@ class RelPosSelfAttention(nn.Module):
 
 
 def _heads_first(prefix: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """Keys or values [B, L, H, dk] (or None) and [B, T, H, dk] -> [B, H, L + T, dk] in one buffer."""
-    B, T, H, dk = new.shape
-    L = 0 if prefix is None else prefix.shape[1]
-    out = torch.empty(B, H, L + T, dk, device=new.device, dtype=new.dtype)
-    if L:
-        out[:, :, :L].copy_(prefix.transpose(1, 2))
-    out[:, :, L:].copy_(new.transpose(1, 2))
-    return out
+    """Keys or values [B, L, H, dk] (or None) and [B, T, H, dk] -> [B, H, L + T, dk] dense, in one op."""
+    return torch.cat([t.transpose(1, 2) for t in ([new] if prefix is None else [prefix, new])], 2)
 
 
 class FeedForward(nn.Module):

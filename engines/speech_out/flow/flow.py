@@ -63,8 +63,8 @@ class _PrefixLayout(NamedTuple):
 
 
 def _stack_kv(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """per layer (k, v) [B, T, H, dk] -> [B, layers, 2, T, H, dk]."""
-    return torch.stack([torch.stack([k, v], dim=1) for k, v in kvs], dim=1)
+    """per layer (k, v) [B, T, H, dk] -> [B, layers, 2, T, H, dk], in one op."""
+    return torch.stack([t for kv in kvs for t in kv], dim=1).unflatten(1, (len(kvs), 2))
 
 
 class FlowModel(nn.Module):
