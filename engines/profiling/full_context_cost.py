@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engines.bench.codec_rounds import SteadyRounds
+from engines.profiling.codec_timeline import Timeline
 from engines.profiling.profile_loop import gpu_busy
 from engines.speech_out import CodecDecoder, Voice
 
@@ -103,47 +104,27 @@ def _phases(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, last: int 
     """Medians over the last `last` of `rounds` rounds, unprofiled (ms): the round, the host's wait for the GPU at its
     end, and per phase the host's time in it and (CUDA) the GPU's timeline between events around it: a phase whose
     timeline is as long as its host time kept the GPU waiting for its launches."""
-    cuda = dec.device.type == "cuda"
-    sync = _sync(dec)
-    host: dict[str, float] = {}
-    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-    def timed(fn, label):
-        def run(*args, **kw):
-            if cuda:
-                e0 = torch.cuda.Event(enable_timing=True)
-                e0.record()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                host[label] = host.get(label, 0.0) + time.perf_counter() - t0
-                if cuda:
-                    e1 = torch.cuda.Event(enable_timing=True)
-                    e1.record()
-                    events.append((label, e0, e1))
-        return run
-
-    owners = [(getattr(dec, o), m, label) for o, m, label in PHASES]
-    for owner, m, label in owners:
-        setattr(owner, m, timed(getattr(owner, m), label))  # (an instance attribute: the class's method stays)
+    tl = Timeline(dec.device.type == "cuda")
+    for owner, method, label in PHASES:
+        tl.around(getattr(dec, owner), method, label, gpu=True)
     steady = SteadyRounds(dec, batch, voices=[voice])
     rows = []
     try:
         for _ in range(rounds):
-            host.clear()
-            events.clear()
+            tl.marks.clear()
             dec.last_gpu_wait_s = 0.0
-            ms, _pcm = _timed_round(steady, sync)
+            ms, _pcm = _timed_round(steady, _sync(dec))
             row = {"round": ms, "host_wait": dec.last_gpu_wait_s * 1e3}
-            row.update({f"host_{k}": v * 1e3 for k, v in host.items()})
-            for label, e0, e1 in events:
-                row[f"gpu_{label}"] = row.get(f"gpu_{label}", 0.0) + e0.elapsed_time(e1)
+            # a phase's calls are not nested: each "label>" mark is followed by its "label<"
+            for (name, h0, e0), (_, h1, e1) in zip(tl.marks[::2], tl.marks[1::2], strict=True):
+                label = name[:-1]
+                row[f"host_{label}"] = row.get(f"host_{label}", 0.0) + (h1 - h0) * 1e3
+                if e0 is not None:
+                    row[f"gpu_{label}"] = row.get(f"gpu_{label}", 0.0) + e0.elapsed_time(e1)
             rows.append(row)
     finally:
         steady.close()
-        for owner, m, _ in owners:
-            delattr(owner, m)
+        tl.restore()
     tail = rows[-last:]
     return {k: round(float(np.median([r.get(k, 0.0) for r in tail])), 2) for k in tail[-1]}
 
