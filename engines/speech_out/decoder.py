@@ -20,13 +20,8 @@ from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderG
 from engines.speech_out.codes import validate_codes
 from engines.speech_out.config import CodecDecoderConfig
 from engines.speech_out.flow.flow import FlowModel
-from engines.speech_out.flow.full_context import (
-    FullContextFlow,
-    FullSolveGraphs,
-    FullVoice,
-    first_job_codes,
-    prompt_tails,
-)
+from engines.speech_out.flow.full_context import FullContextFlow, FullVoice, first_job_codes, prompt_tails
+from engines.speech_out.flow.full_graphs import FullEncoderGraphs, FullSolveGraphs
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
@@ -97,6 +92,7 @@ class CodecDecoder:
         self.full: FullContextFlow | None = None  # set by `load` for the full-context streaming decode
         self.voices = self._voice_cache()  # (made again by `load` once `full` is set)
         self.full_graphs: FullSolveGraphs | None = None  # its solve's CUDA graphs (this decoder's or lane's own)
+        self.full_enc_graphs: FullEncoderGraphs | None = None  # its encoder's
 
     def _voice_cache(self) -> VoiceCache:
         return VoiceCache(self.full.prepare_voice if self.full is not None else self.flow.prepare_voice, self.full,
@@ -122,7 +118,7 @@ class CodecDecoder:
              cache_gib: float | None = None, cache_dtype: str = "auto", offline: bool = False) -> CodecDecoder:
         """codec: a preset name ("tiny-random", "full-random") or a codec directory (its layout: random_codec.py).
         cuda_graphs: replay the flow's Euler solve and the HiFT vocoder as CUDA graphs (CUDA devices only);
-        encoder_graphs: with cuda_graphs, also the flow's encoder for full chunks (EncoderGraphs; False: eager).
+        encoder_graphs: with cuda_graphs, also the flow's encoder (EncoderGraphs, FullEncoderGraphs; False: eager).
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32.
         context: how streams see earlier chunks (CONTEXTS); with "full", cache_gib sizes the estimator's key/value
@@ -155,10 +151,11 @@ class CodecDecoder:
 
     def _attach_graphs(self, encoder_graphs: bool, urgent: bool = False) -> None:
         """Empty graph sets (captured on first use or by `capture_graphs`) for the Euler solve, the flow's encoder
-        when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority. (The full-context
-        flow's encoder runs eagerly: its keys grow with every chunk.)"""
+        when `encoder_graphs`, and HiFT; `urgent`: captured (so replayed) at the most urgent priority."""
         if self.full is not None:
             self.full_graphs = FullSolveGraphs(self.full, urgent)
+            if encoder_graphs:
+                self.full_enc_graphs = FullEncoderGraphs(self.full, urgent)
         else:
             self.flow.graphs = EulerGraphs(self.flow, urgent)
         if encoder_graphs and self.full is None:
@@ -186,7 +183,7 @@ class CodecDecoder:
             twin.vocoder.generator._branch_streams = SideStreams()
         twin.windowed = WindowedVocoder(twin.vocoder, self.cfg.stream)
         if self.flow.graphs is not None or self.full_graphs is not None:
-            twin._attach_graphs(self.flow.enc_graphs is not None, urgent=True)
+            twin._attach_graphs(self.flow.enc_graphs is not None or self.full_enc_graphs is not None, urgent=True)
         return twin
 
     def take_counts(self) -> SolveCounts:
@@ -200,11 +197,11 @@ class CodecDecoder:
         eagerly), for every batch bucket up to `max_batch` sessions now (seconds), instead of on first use inside an
         answer (a capture of the full-size solve stalls the codec worker 0.8-1.6 s on an H200). With full context
         and `first_jobs`, also every voice's first job (its solve, and the vocoder over its answer codes: both depend
-        only on the prompt's tail). In half precision the solve's graphs serve answers of any length; a float32
-        estimator's are captured for the default voice's and 24 s of answer (`FullContextFlow.graph_pages`).
-        The windowed flow's encoder graphs depend on the prompt's length: those of the default voice are captured
-        (other voices capture theirs on first use). `first_jobs` False: a decoder whose first jobs run on lanes of
-        their own.
+        only on the prompt's tail) and its encoder. In half precision the solve's graphs serve answers of any length; a
+        float32 estimator's are captured for the default voice's and 24 s of answer (`FullContextFlow.graph_pages`).
+        The full-context encoder's serve any voice and length. The windowed flow's encoder graphs depend on the prompt's
+        length: those of the default voice are captured (other voices capture theirs on first use). `first_jobs` False:
+        a decoder whose first jobs run on lanes of their own.
         Returns graphs captured (0 without CUDA graphs)."""
         st, r = self.cfg.stream, self.cfg.flow.token_mel_ratio
         codes = list(range(1, st.chunk_codes + 1) if partial_chunks else (st.chunk_codes,))
@@ -219,6 +216,9 @@ class CodecDecoder:
             n += self.full_graphs.capture_steady_state(
                 max_batch, len(voice.pages) + answer,
                 sorted({(j // st.chunk_codes, len(voice.pages)) for j, _ in firsts}) if first_jobs else ())
+            if self.full_enc_graphs is not None:
+                n += self.full_enc_graphs.capture_steady_state(
+                    max_batch, sorted({j for j, _ in firsts}) if first_jobs else ())
             if first_jobs:
                 codes = sorted(set(codes) | {j - t for j, t in firsts})
         if self.flow.enc_graphs is not None:
@@ -395,7 +395,8 @@ class CodecDecoder:
             gens = [j.stream.gen for j in js]
             states = [j.stream.flow_state for j in js]
             if self.full is not None:
-                mel = self.full.decode_chunk(states, codes, n, [len(j.look) for j in js], gens, self.full_graphs)
+                mel = self.full.decode_chunk(states, codes, n, [len(j.look) for j in js], gens, self.full_graphs,
+                                             self.full_enc_graphs)
             else:
                 mel = self.flow.decode_chunk(states, codes, n, [len(j.look) for j in js], gens, between)
             c = self.counts

@@ -42,19 +42,25 @@ def test_streamed_equals_the_whole_sequence_on_the_gpu(codec, dtype, cache, tol)
     assert fc.pages.n_free == fc.pages.n_pages
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back(grouped, monkeypatch):
-    """grouped: the encoder's keys budgeted so that rounds go through it in groups of rows (FullContextFlow's
-    encoder_batch_bytes)."""
+@pytest.mark.parametrize("way", ["in_place", "grouped"])
+def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back(way, monkeypatch):
+    """in_place: the encoder's attention reads each answer's keys where they are (as served on CUDA); grouped: the
+    keys gathered into batch tensors instead, budgeted so that rounds go through the encoder in groups of rows
+    (FullContextFlow's encoder_batch_bytes)."""
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, cache_gib=0.05)
     calls: list[int] = []
     jobs: list[int] = []
-    if grouped:
+    if way == "grouped":
+        dec.full.factors = None
         dec.full.encoder_batch_bytes = 2 * 20 * dec.full.code_key_bytes  # two rows of the tiny voice's 20 codes
         encode, groups = dec.full._encode, dec.full._encode_groups
         monkeypatch.setattr(dec.full, "_encode", lambda states, *a: calls.append(len(states)) or encode(states, *a))
         monkeypatch.setattr(dec.full, "_encode_groups", lambda states, *a: jobs.append(len(states)) or groups(states,
                                                                                                              *a))
+    else:
+        encode = dec.full._encode_rows
+        monkeypatch.setattr(dec.full, "_encode_rows", lambda states, *a: calls.append(len(states)) or encode(states,
+                                                                                                           *a))
     lengths = [13, 27, 9]
     codes = [np.random.default_rng(i).integers(0, 16384, n) for i, n in enumerate(lengths)]
     each = [dec.stream_all(c, seed=i) for i, c in enumerate(codes)]
@@ -63,7 +69,10 @@ def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back(grouped, m
         s.add(c)
     got, sizes = in_rounds(dec, streams)
     assert max(sizes) == len(codes)
-    assert not grouped or len(calls) > len(jobs) and max(calls) > 1  # some batch in several encoder calls
+    if way == "grouped":
+        assert len(calls) > len(jobs) and max(calls) > 1  # some batch in several encoder calls
+    else:
+        assert max(calls) > 1  # batches read in place
     for g, w, n in zip(got, each, lengths, strict=True):
         assert g.shape == (n * 1920,)
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=0)
@@ -75,7 +84,7 @@ def test_streams_in_rounds_equal_each_alone_and_give_their_pages_back(grouped, m
 
 
 @pytest.mark.parametrize(("dtype", "cache"), [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
-def test_graphed_solve_equals_eager_and_captures_per_table_width(dtype, cache):  # bf16: reading the pages in place
+def test_graphed_solve_and_encoder_equal_eager_and_capture_per_table_width(dtype, cache):  # bf16: pages in place
     eager = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", estimator_dtype=dtype, cache_gib=0.5,
                               cache_dtype=cache)
     graphed = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, estimator_dtype=dtype,
@@ -87,8 +96,11 @@ def test_graphed_solve_equals_eager_and_captures_per_table_width(dtype, cache): 
     # Reading pages in place, one width (the pool's) serves every length; a gathering pass reads buckets of 16.
     assert pages == ({graphed.full.pages.n_pages} if dtype == "bfloat16" else {16, 32}), pages
     assert {k[1][1] for k in graphed.full_graphs.graphs} == {20, 40}  # chunks, and the first job's two in one pass
+    # The encoder's graphs: one per job size (codes and lookahead), whatever the answer's length.
+    assert {k[1] for k in graphed.full_enc_graphs.graphs} >= {(5 + 3,), (10 + 3,)}
     lane = graphed.lane()
     assert lane.full_graphs is not graphed.full_graphs and lane.full is graphed.full  # own graphs, shared pages
+    assert lane.full_enc_graphs not in (None, graphed.full_enc_graphs)
 
 
 def test_a_voice_made_on_another_thread_serves_a_stream_on_this_one():
@@ -114,13 +126,14 @@ def test_a_voice_made_on_another_thread_serves_a_stream_on_this_one():
 def test_an_answer_in_the_default_voice_replays_only_graphs_captured_at_load():
     """A capture while serving stalls the codec for 0.8-1.6 s: every graph an answer in the default voice needs (its
     first job's solve and the vocoder over that job's answer codes, its chunks, its last partial chunk) is captured
-    by `capture_graphs`. A prompt of 43 codes leaves a tail of 3: the first job renders 7 answer codes, not a chunk."""
+    by `capture_graphs` (the encoder's last partial chunk runs eagerly). A prompt of 43 codes leaves a tail of 3: the
+    first job renders 7 answer codes, not a chunk."""
     from engines.speech_out import Voice
 
     dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, cache_gib=0.5)
     dec.default_voice = Voice.random(seed=3, n_codes=43)
     dec.capture_graphs(2)
-    captured = {g: set(g.graphs) for g in (dec.full_graphs, dec.vocoder.graphs)}
+    captured = {g: set(g.graphs) for g in (dec.full_graphs, dec.full_enc_graphs, dec.vocoder.graphs)}
     codes = np.random.default_rng(6).integers(0, 16384, 24)  # the first job's 7, three chunks and a last 2
     assert dec.stream_all(codes, seed=1).shape == (24 * 1920,)
     for g, keys in captured.items():
@@ -137,7 +150,7 @@ def test_a_long_answer_in_a_voice_of_another_tail_replays_only_graphs_captured_a
                             cache_gib=0.5)
     dec.default_voice = Voice.random(seed=3, n_codes=43)
     dec.capture_graphs(2)
-    captured = {g: set(g.graphs) for g in (dec.full_graphs, dec.vocoder.graphs)}
+    captured = {g: set(g.graphs) for g in (dec.full_graphs, dec.full_enc_graphs, dec.vocoder.graphs)}
     voice = Voice.random(seed=4, n_codes=46)
     assert len(dec.prepared(voice).tail) == 6
     codes = np.random.default_rng(7).integers(0, 16384, 400)  # 32 s at 12.5 codes a second: 88 pages with the voice

@@ -30,6 +30,13 @@ def frequencies(dim: int, device) -> torch.Tensor:
     return torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
 
 
+def key_factors(positions: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """positions [R] (long) -> [R, dim]: a key's factor of the relative term (`AttnContext`), cos(pos * w_i) and
+    sin(pos * w_i) interleaved. The angles in float32: positions reach ~1e4, too far for half-precision angles."""
+    ang = positions.to(torch.float32)[:, None] * frequencies(dim, positions.device)  # [R, dim / 2]
+    return torch.stack([torch.cos(ang), torch.sin(ang)], -1).flatten(1).to(dtype)
+
+
 def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """positions [R] (signed) -> [R, dim], sin on even and cos on odd channels (ESPnet rel-pos table)."""
     ang = positions.to(torch.float32)[:, None] * frequencies(dim, positions.device)[None]
@@ -50,6 +57,18 @@ class KV:
 
 
 @dataclass
+class KeyRows:
+    """A layer's earlier keys where each answer holds them (CUDA: the full-context flow), read by the attention
+    launch in place (engines/kernels/speech_out/flow/encoder_attention.py) instead of from a batch tensor."""
+
+    table: torch.Tensor  # [6, B] int64: each answer's voice buffer and its own (flow.state.gather_table)
+    factors: torch.Tensor  # [positions, D] the key factor of every position (`key_factors`)
+    chunk: int  # the new keys' chunk width: a query sees its own chunk's new keys and earlier chunks'
+    tf32: bool  # float32 products on TF32
+    layer: int = 0  # which of the stack's layers
+
+
+@dataclass
 class AttnContext:
     """What every layer of one stack shares for a chunk, computed once per stack (not per layer).
 
@@ -60,25 +79,29 @@ class AttnContext:
     depend only on the number of queries and keys."""
 
     q_rot: torch.Tensor  # [B, 1, T, D/2] complex64: sin(query pos * w) - i cos(query pos * w)
-    k_cs: torch.Tensor  # [B, D, L + T] rows cos(key pos * w_i), sin(key pos * w_i) interleaved (activation dtype)
+    # [B, D, L + T] rows cos(key pos * w_i), sin(key pos * w_i) interleaved (activation dtype); None where the keys
+    # are `KeyRows` (their launch reads the factors by position)
+    k_cs: torch.Tensor | None
     masked: torch.Tensor | None  # [B, 1, 1, L + T] bool, True for padding among the prefix keys
 
     @classmethod
-    def build(cls, pos: torch.Tensor, prefix: KV | None, d: int, dtype: torch.dtype,
+    def build(cls, pos: torch.Tensor, prefix: KV | KeyRows | None, d: int, dtype: torch.dtype,
               blocked: torch.Tensor | None = None) -> AttnContext:
         """pos [B, T] query positions; prefix: the keys every layer attends to besides the chunk (their positions and
         validity are the same in every layer of a stack); blocked [T, T] bool: pairs of the chunk's own (query, key)
         that may not attend (a whole sequence under a chunk mask, `flow/reference.py`)."""
-        w = frequencies(d, pos.device)  # [D/2] float32: positions reach ~1e4, too far for bf16 angles
+        qa = pos.to(torch.float32)[..., None] * frequencies(d, pos.device)  # [B, T, D/2]
+        q_rot = torch.complex(torch.sin(qa), -torch.cos(qa))[:, None]
+        if isinstance(prefix, KeyRows):
+            return cls(q_rot, None, None)
         kpos = pos if prefix is None else torch.cat([prefix.pos, pos], 1)  # [B, L + T]
-        qa = pos.to(torch.float32)[..., None] * w  # [B, T, D/2]
-        ka = kpos.to(torch.float32)[..., None] * w  # [B, L + T, D/2]
-        k_cs = torch.stack([torch.cos(ka), torch.sin(ka)], -1).flatten(2).transpose(1, 2).to(dtype).contiguous()
+        B, LT = kpos.shape
+        k_cs = key_factors(kpos.flatten(), d, dtype).view(B, LT, d).transpose(1, 2).contiguous()
         masked = None if prefix is None else F.pad(~prefix.valid, (0, pos.shape[1]))[:, None, None]
         if blocked is not None:
             own = F.pad(blocked, (kpos.shape[1] - pos.shape[1], 0))[None, None]  # [1, 1, T, L + T]
             masked = own if masked is None else masked | own
-        return cls(torch.complex(torch.sin(qa), -torch.cos(qa))[:, None], k_cs, masked)
+        return cls(q_rot, k_cs, masked)
 
 
 class LinearEmbed(nn.Module):
@@ -118,13 +141,20 @@ class RelPosSelfAttention(nn.Module):
                 self._fused = (key, w, b, self.pos_bias_v - self.pos_bias_u)
         return self._fused[1:]
 
-    def forward(self, x: torch.Tensor, ctx: AttnContext, prefix: KV | None
+    def forward(self, x: torch.Tensor, ctx: AttnContext, prefix: KV | KeyRows | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D]; returns output [B, T, D] and this chunk's k, v [B, T, H, dk]."""
         B, T, D = x.shape
         H, dk = self.h, self.dk
         w, b, v_minus_u = self._qkv()
         qu, k_new, v_new = F.linear(x, w, b).view(B, T, 3, H, dk).unbind(2)  # each [B, T, H, dk]; qu = q + u
+        if isinstance(prefix, KeyRows):
+            from engines.kernels.speech_out.flow.encoder_attention import row_attention
+
+            rows = self._relative_rows(qu, v_minus_u, ctx).view(B, H, T, D)
+            out = row_attention(qu, k_new, v_new, rows, prefix.factors, prefix.table, prefix.layer, prefix.chunk,
+                                prefix.tf32)  # [B, T, H, dk]
+            return self.linear_out(out.view(B, T, D)), k_new, v_new
         k, v = _heads_first(prefix.k if prefix is not None else None, k_new), \
             _heads_first(prefix.v if prefix is not None else None, v_new)  # [B, H, L + T, dk]
         L = k.shape[2]
@@ -147,6 +177,11 @@ class RelPosSelfAttention(nn.Module):
         """The relative term of queries q + bias (q [B, T, H, dk], bias [H, dk]), in four kernels: the biased
         queries head-first, their projection per head, the per-query rotation (one complex product), and one GEMM
         against the per-key factors."""
+        B, T, H, _ = q.shape
+        return torch.bmm(self._relative_rows(q, bias, ctx), ctx.k_cs).view(B, H, T, -1)
+
+    def _relative_rows(self, q: torch.Tensor, bias: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """`_relative` up to its GEMM: [B, H * T, D] in q's dtype, the rows that multiply the per-key factors."""
         B, T, H, dk = q.shape
         D = H * dk
         qb = torch.empty(H, B, T, dk, device=q.device, dtype=q.dtype)
@@ -156,8 +191,7 @@ class RelPosSelfAttention(nn.Module):
         g_c = torch.view_as_complex(g.float().view(H, B, T, D // 2, 2)).transpose(0, 1)  # [B, H, T, D/2]
         rot = torch.empty(B, H, T, D // 2, device=q.device, dtype=ctx.q_rot.dtype)
         torch.mul(g_c, ctx.q_rot, out=rot)  # (re, im) = what multiplies (cos, sin) of the key angle
-        rows = torch.view_as_real(rot).view(B, H * T, D).to(ctx.k_cs.dtype)
-        return torch.bmm(rows, ctx.k_cs).view(B, H, T, -1)
+        return torch.view_as_real(rot).view(B, H * T, D).to(q.dtype)
 
 
 def _heads_first(prefix: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

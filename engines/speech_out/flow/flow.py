@@ -30,7 +30,7 @@ from engines.cuda.precision import float32_matmuls
 from engines.cuda.streams import side_by_side
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.config import FlowConfig, StreamConfig
-from engines.speech_out.flow.conformer import KV, EncoderCache, UpsampleConformerEncoder
+from engines.speech_out.flow.conformer import KV, EncoderCache, KeyRows, UpsampleConformerEncoder
 from engines.speech_out.flow.estimator import CausalConditionalDecoder, window_mask
 from engines.speech_out.flow.state import EncodeInputs, FlowState, PreparedVoice, padded_prefix
 from engines.speech_out.mel_spec import SILENCE_LOG_MEL
@@ -226,6 +226,22 @@ class FlowModel(nn.Module):
         kvalid, up_kvalid = kvalid.bool(), up_kvalid.bool()
         prefixes = [KV(X[:, i, 0], X[:, i, 1], kpos, kvalid) for i in range(X.shape[1])]
         up_prefixes = [KV(upX[:, i, 0], upX[:, i, 1], up_kpos, up_kvalid) for i in range(upX.shape[1])]
+        return self._encode(codes, valid, pre, up, pos, up_pos, prefixes, up_prefixes, blocked, up_blocked)
+
+    def encode_rows(self, codes: torch.Tensor, valid: torch.Tensor, pre: torch.Tensor, up: torch.Tensor,
+                    pos: torch.Tensor, up_pos: torch.Tensor, table: torch.Tensor, up_table: torch.Tensor,
+                    factors: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+        """`encode` (CUDA) with each row's earlier keys read where its answer holds them: table, up_table [B, 6] int64
+        (flow.state.gather_table) of the two stacks; factors [positions, D] the key factors by position
+        (conformer.key_factors); `chunk` codes a chunk (the new codes' chunk mask). A row's earlier keys are the
+        positions before its first query's. Its shapes do not depend on how many keys the rows hold."""
+        enc, r, tf32 = self.encoder, self.cfg.token_mel_ratio, self.encoder_tf32
+        t, up_t = table.T.contiguous(), up_table.T.contiguous()  # [6, B]: the launch reads a field's row
+        prefixes = [KeyRows(t, factors, chunk, tf32, i) for i in range(len(enc.encoders))]
+        up_prefixes = [KeyRows(up_t, factors, chunk * r, tf32, i) for i in range(len(enc.up_encoders))]
+        return self._encode(codes, valid, pre, up, pos, up_pos, prefixes, up_prefixes)
+
+    def _encode(self, codes, valid, pre, up, pos, up_pos, prefixes, up_prefixes, blocked=None, up_blocked=None):
         with float32_matmuls(self.encoder_tf32):
             hid, cache, kvs, up_kvs = self.encoder.forward_chunk(
                 self.input_embedding(codes), valid.bool(), EncoderCache(pre, up), pos, up_pos, prefixes, up_prefixes,

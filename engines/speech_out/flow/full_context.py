@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from engines.cuda.host_copy import upload
-from engines.speech_out.chunk_graphs import BucketGraphs, buckets_up_to
+from engines.speech_out.chunk_graphs import BucketGraphs
 from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channels, n_blocks, paged_kernel
+from engines.speech_out.flow.conformer import key_factors
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_masks, encode_masked
-from engines.speech_out.flow.state import GrowingKeys, append_keys, gather_keys, key_groups
+from engines.speech_out.flow.state import GrowingKeys, append_keys, gather_keys, gather_table, key_groups
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,14 @@ KEPT_PAGES = 28
 # Below this many free pages, answers longer than KEPT_PAGES forget their oldest chunks: room for a round of first
 # jobs (FIRST_JOB_BATCH answers of 2 pages) taken between two rounds.
 LOW_WATER = 2 * FIRST_JOB_BATCH
-# A round's encoder keys, every row padded to the longest of its group (`key_groups`), at most this many bytes a
-# group: 64 answers 24 s in are one group (2.2 GB); 32 answers padded to one of the output bound's 164 s would take
-# 6.1 GB, past the engine's headroom for per-round tensors (engines/lm/kv/sizing.py).
+# Where the encoder gathers a round's keys (not on CUDA: there it reads them in place), every row padded to the longest
+# of its group (`key_groups`), at most this many bytes a group: 32 answers padded to one of the output bound's 164 s
+# would take 6.1 GB, past the engine's headroom for per-round tensors (engines/lm/kv/sizing.py).
 ENCODER_BATCH_BYTES = 3 * 2**30
+# Key positions (the up stack's frames: 50 a second) whose factors the encoder's attention reads from one table on
+# CUDA: 327 s of voice prompt and answer, past the longest voice (30 s) and answer (164 s) together; a longer round
+# gathers its keys instead. 32 MiB at full size.
+KEY_POSITIONS = 16384
 # At most one log line this often while answers forget chunks.
 FORGET_LOG_S = 60.0
 
@@ -143,6 +148,9 @@ class FullContextFlow:
         enc = flow.encoder
         self.code_key_bytes = (2 * cfg.d_model * (len(enc.encoders) + len(enc.up_encoders) * cfg.token_mel_ratio)
                                * torch.finfo(flow.dtype).bits // 8)
+        # [KEY_POSITIONS, D] the key factor of every position (CUDA), read by every layer of both stacks
+        self.factors = (key_factors(torch.arange(KEY_POSITIONS, device=flow.device), cfg.d_model, flow.dtype)
+                        if flow.device.type == "cuda" else None)
         self.pages = EstimatorPages(n_pages, cfg.n_timesteps, n_blocks(est), self.page_frames,
                                     cfg.est_heads * cfg.est_head_dim, flow.device, cache_dtype or self.est_dtype)
         # Called with the pages wanted when there are too few (the decoder drops voices no answer speaks in).
@@ -234,20 +242,21 @@ class FullContextFlow:
 
     @torch.inference_mode()
     def decode_chunk(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
-                     gens: list[torch.Generator], graphs: BucketGraphs | None = None) -> torch.Tensor:
+                     gens: list[torch.Generator], graphs: BucketGraphs | None = None,
+                     enc_graphs: BucketGraphs | None = None) -> torch.Tensor:
         """codes [B, n + pre_lookahead] long (lookahead slots beyond n_look[b] are ignored), every state with its
         pages reserved -> mel [B, 80, n * ratio] (its first `state.skip` frames are the prompt's). n may exceed a chunk
         only where every state is at a chunk boundary (an answer's first job: the prompt's tail and its first codes):
         its chunks then go through the encoder and the solve together, under the chunk mask between them, one pass
         each instead of one per chunk (the same result: each chunk's own pass would see exactly the earlier ones).
-        `graphs`: the caller's `FullSolveGraphs` (CUDA)."""
+        `graphs`, `enc_graphs`: the caller's `FullSolveGraphs` and `FullEncoderGraphs` (CUDA; full_graphs.py)."""
         f, cfg, C = self.flow, self.flow.cfg, self.chunk
         dev, dt, r = f.device, f.dtype, cfg.token_mel_ratio
         B, Fr, c = len(states), n * r, self.pages_for(n, C)
         done = [s.voice.n_codes + s.codes_done for s in states]  # codes before the job, prompt included
         if c > 1 and any(d % C for d in done):
             raise ValueError("a job of several chunks must start at a chunk boundary")
-        mu, new_kv, new_up_kv, pre, up = self._encode_groups(states, codes, n, n_look, done)
+        mu, new_kv, new_up_kv, pre, up = self._encode_groups(states, codes, n, n_look, done, enc_graphs)
         cond = torch.zeros(B, cfg.output_size, Fr, device=dev, dtype=dt)
         for b, s in enumerate(states):
             g0 = done[b] * r
@@ -293,9 +302,13 @@ class FullContextFlow:
                             self.pages.n_free, self.pages.n_pages, self.kept_pages, self.forgotten)
 
     def _encode_groups(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
-                       done: list[int]):
-        """`_encode` of the batch, in groups of rows whose padded keys stay within `encoder_batch_bytes` (one call when
-        the batch fits); its outputs in the batch's order."""
+                       done: list[int], graphs: BucketGraphs | None = None):
+        """`_encode` of the batch: where the encoder reads the answers' keys in place (`_encode_rows`), one call; else
+        in groups of rows whose padded keys stay within `encoder_batch_bytes` (one call when the batch fits), its
+        outputs in the batch's order."""
+        r = self.flow.cfg.token_mel_ratio
+        if self.factors is not None and (max(done) + n) * r <= self.factors.shape[0]:
+            return self._encode_rows(states, codes, n, n_look, done, graphs)
         groups = key_groups(done, self.code_key_bytes, self.encoder_batch_bytes)
         if len(groups) == 1:
             return self._encode(states, codes, n, n_look, done)
@@ -304,24 +317,51 @@ class FullContextFlow:
         order = upload([np.argsort(np.concatenate(groups))], self.flow.device)[0]  # rows back in the batch order
         return tuple(torch.cat(parts)[order] for parts in zip(*outs, strict=True))
 
-    def _encode(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int], done: list[int]):
-        """The job's codes through the encoder, each row after all its earlier codes' keys (the voice's, then its own);
-        a job of several chunks under the chunk mask between its own codes."""
+    def _encode_inputs(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
+                       done: list[int]) -> tuple[torch.Tensor, ...]:
+        """What every way of encoding a job takes: codes, their validity (absent lookahead zeroed), the conv caches
+        and the new codes' positions in both stacks (a row's first is after all its earlier codes)."""
         f, cfg = self.flow, self.flow.cfg
         dev, r, la = f.device, cfg.token_mel_ratio, cfg.pre_lookahead
+        B = len(states)
+        d, look = upload([np.asarray(done)[:, None], np.asarray(n_look)[:, None]], dev)  # (pinned: no stream sync)
+        valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),
+                           torch.arange(la, device=dev)[None] < look], 1)
+        pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
+        return (codes.to(dev), valid, pre, up, d + torch.arange(n, device=dev),
+                d * r + torch.arange(n * r, device=dev))
+
+    def _encode_rows(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
+                     done: list[int], graphs: BucketGraphs | None = None):
+        """`_encode` with the encoder's attention reading each answer's earlier keys where they are (CUDA:
+        `encode_rows`), replayed from `graphs` when given."""
+        voices = [s.voice for s in states]
+        inputs = [*self._encode_inputs(states, codes, n, n_look, done),
+                  *upload([gather_table([v.kv for v in voices], [s.kv for s in states]),
+                           gather_table([v.up_kv for v in voices], [s.up_kv for s in states])], self.flow.device)]
+        mu, pre, up, new_kv, new_up_kv = graphs.run(inputs) if graphs is not None else self.encode_rows(*inputs)
+        return mu, new_kv, new_up_kv, pre, up
+
+    def encode_rows(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`FlowModel.encode_rows` of `_encode_rows`' inputs (codes, valid, pre, up, pos, up_pos, table, up_table): the
+        function its graphs replay."""
+        return self.flow.encode_rows(*inputs, self.factors, self.chunk)
+
+    def _encode(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int], done: list[int]):
+        """The job's codes through the encoder, each row after all its earlier codes' keys (the voice's, then its own)
+        gathered into one batch tensor; a job of several chunks under the chunk mask between its own codes."""
+        f, r = self.flow, self.flow.cfg.token_mel_ratio
+        dev = f.device
         B, L = len(states), max(done)
         voices = [s.voice for s in states]
         X = gather_keys([v.kv for v in voices], [s.kv for s in states], L)  # [B, layers, 2, L, H, dk]
         upX = gather_keys([v.up_kv for v in voices], [s.up_kv for s in states], L * r)
-        d, look = upload([np.asarray(done)[:, None], np.asarray(n_look)[:, None]], dev)  # (pinned: no stream sync)
+        codes, valid, pre, up, pos, up_pos = self._encode_inputs(states, codes, n, n_look, done)
+        d = pos[:, :1]
         kpos, up_kpos = torch.arange(L, device=dev).expand(B, L), torch.arange(L * r, device=dev).expand(B, L * r)
-        valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),
-                           torch.arange(la, device=dev)[None] < look], 1)
-        pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
         blocked = chunk_masks(n, self.chunk, r, dev) if n > self.chunk else (None, None)
         mu, pre, up, new_kv, new_up_kv = f.encode(
-            codes.to(dev), valid, pre, up, d + torch.arange(n, device=dev), d * r + torch.arange(n * r, device=dev),
-            X, kpos, kpos < d, upX, up_kpos, up_kpos < d * r, *blocked)
+            codes, valid, pre, up, pos, up_pos, X, kpos, kpos < d, upX, up_kpos, up_kpos < d * r, *blocked)
         return mu, new_kv, new_up_kv, pre, up
 
     def _solve(self, states: list[FullState], mu: torch.Tensor, cond: torch.Tensor, z: torch.Tensor,
@@ -389,49 +429,3 @@ class FullContextFlow:
             x = torch.add(x, v[:B], alpha=(t1 - t0) * (1.0 + cfg.cfg_rate))
             x = torch.add(x, v[B:], alpha=-(t1 - t0) * cfg.cfg_rate)
         return x, left
-
-
-class FullSolveGraphs(BucketGraphs):
-    """`FullContextFlow.euler` of whole chunks as CUDA graphs, one per (batch bucket, chunks, table width: `graph_
-    pages`). Rows padded by repeating the last one write that row's pages again with the same values."""
-
-    def __init__(self, full: FullContextFlow, urgent: bool = False) -> None:
-        super().__init__(full.euler, urgent)
-        self.full = full
-
-    @torch.inference_mode()  # as run_jobs: no autograd state in the captured solve
-    def capture_steady_state(self, max_batch: int, max_pages: int, first_jobs: Sequence[tuple[int, int]] = ()
-                             ) -> int:
-        """Capture now the graphs of one chunk for every batch bucket up to `max_batch` and table width up to
-        `max_pages` earlier pages, and for each (chunks, pages read) of `first_jobs`, those of answers' first jobs of
-        that many chunks (batch buckets up to FIRST_JOB_BATCH: first jobs come a few at a time). Returns how many
-        were newly captured."""
-        full = self.full
-        page = full.pages.alloc(1)  # the captures' warm-up runs write one page
-        n = 0
-        try:
-            widths = sorted({full.graph_pages(p) for p in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET)})
-            for B in buckets_up_to(max_batch):
-                for maxp in widths:
-                    n += self.ensure(self._inputs(B, 1, maxp, page[0]))
-            for c, pages in first_jobs:
-                for B in buckets_up_to(min(max_batch, FIRST_JOB_BATCH)):
-                    n += self.ensure(self._inputs(B, c, full.graph_pages(pages), page[0]))
-        finally:
-            self.full.pages.release(page)
-        return n
-
-    def _inputs(self, B: int, c: int, maxp: int, page: int) -> list[torch.Tensor]:
-        """`FullContextFlow.euler`'s inputs for B rows of c chunks reading maxp pages, writing `page` (values are
-        replaced at every replay)."""
-        full, f = self.full, self.full.flow
-        cfg, dev, dt = f.cfg, f.device, f.dtype
-        Fr, Lc = c * full.page_frames, full.left_channels
-
-        def z(*shape, dtype=dt):
-            return torch.zeros(*shape, device=dev, dtype=dtype)
-        return [z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr), z(B, cfg.output_size, Fr),
-                z(B, cfg.output_size), z(B, cfg.n_timesteps, 2, Lc, 2, dtype=full.est_dtype),
-                z(B, maxp, dtype=torch.long), z(B, dtype=torch.long),
-                torch.full((B, c), page, device=dev, dtype=torch.long),
-                torch.full((B,), Fr, device=dev, dtype=torch.long)]

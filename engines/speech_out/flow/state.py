@@ -113,10 +113,10 @@ def key_groups(lengths: list[int], row_bytes: int, budget: int) -> list[list[int
 
 
 def gather_table(voices: list[torch.Tensor], own: list[GrowingKeys]) -> np.ndarray:
-    """[6, B] int64, what the gathering launch reads of each answer: its voice's keys' address, (layer, k/v) stride
-    and rows, then its own buffer's."""
+    """[B, 6] int64, where the encoder's attention launch finds each answer's earlier keys: its voice's keys' address,
+    (layer, k/v) stride and rows, then its own buffer's."""
     return np.asarray([[*_rows(v), v.shape[2], *_rows(o.buf), o.n] for v, o in zip(voices, own, strict=True)],
-                      np.int64).reshape(-1, 6).T.copy()
+                      np.int64).reshape(-1, 6)
 
 
 def append_table(own: list[GrowingKeys]) -> np.ndarray:
@@ -125,20 +125,14 @@ def append_table(own: list[GrowingKeys]) -> np.ndarray:
 
 
 def gather_keys(voices: list[torch.Tensor], own: list[GrowingKeys], length: int) -> torch.Tensor:
-    """The earlier keys of a batch of answers in one tensor [B, layers, 2, length, H, dk]: row b holds voices[b]
-    ([layers, 2, P_b, H, dk] dense) then own[b]'s keys, then zeros. On CUDA one launch (key_rows.py)."""
+    """The earlier keys of a batch of answers in one tensor [B, layers, 2, length, H, dk] (the CPU's encoder reads
+    them so; CUDA's reads them in place: `gather_table`): row b holds voices[b] ([layers, 2, P_b, H, dk] dense) then
+    own[b]'s keys, then zeros."""
     v0 = voices[0]
-    out_shape = (len(voices), *v0.shape[:2], length, *v0.shape[3:])
-    if not v0.is_cuda:
-        out = v0.new_zeros(out_shape)
-        for b, (v, o) in enumerate(zip(voices, own, strict=True)):
-            out[b, :, :, :v.shape[2]] = v
-            out[b, :, :, v.shape[2]:v.shape[2] + o.n] = o.value
-        return out
-    from engines.kernels.speech_out.flow.key_rows import gather_rows
-
-    out = v0.new_empty(out_shape)
-    gather_rows(out.flatten(4), upload([gather_table(voices, own)], out.device)[0])
+    out = v0.new_zeros(len(voices), *v0.shape[:2], length, *v0.shape[3:])
+    for b, (v, o) in enumerate(zip(voices, own, strict=True)):
+        out[b, :, :, :v.shape[2]] = v
+        out[b, :, :, v.shape[2]:v.shape[2] + o.n] = o.value
     return out
 
 

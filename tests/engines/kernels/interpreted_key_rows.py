@@ -1,4 +1,4 @@
-"""Runs the encoder keys' gathering and appending launches (engines/kernels/speech_out/flow/key_rows.py) in the Triton
+"""Runs the encoder keys' appending launch (engines/kernels/speech_out/flow/key_rows.py) in the Triton
 interpreter on the CPU, printing one JSON line per case: its largest difference from what it must give (the keys
 concatenated by torch). Run by tests/engines/kernels/test_key_rows_interpreted.py as `TRITON_INTERPRET=1 python -m
 tests.engines.kernels.interpreted_key_rows CASES_JSON` (a process of its own: the variable must be set before the
@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from engines.speech_out.flow.state import GrowingKeys, append_table, gather_table
+from engines.speech_out.flow.state import GrowingKeys, append_table
 
 LAYERS, HEADS, DK = 3, 3, 4  # a row of 12 values: not a power of two, so the column mask is exercised
 
@@ -23,18 +23,6 @@ def _own(n: int, spare: int, g: torch.Generator) -> GrowingKeys:
     keys.buf.normal_(generator=g)
     keys.n = n
     return keys
-
-
-def gather_case(voices: list[int], own: list[int], length: int, g: torch.Generator) -> float:
-    from engines.kernels.speech_out.flow.key_rows import gather_rows
-
-    vs = [torch.randn(LAYERS, 2, p, HEADS, DK, generator=g) for p in voices]
-    os_ = [_own(n, 5, g) for n in own]
-    want = torch.stack([torch.cat([v, o.value, torch.zeros(LAYERS, 2, length - v.shape[2] - o.n, HEADS, DK)], 2)
-                        for v, o in zip(vs, os_, strict=True)])
-    got = torch.full_like(want, float("nan"))  # every value must be written, the padding's zeros too
-    gather_rows(got.flatten(4), torch.from_numpy(gather_table(vs, os_)))
-    return float((got - want).abs().max())
 
 
 def append_case(own: list[int], m: int, g: torch.Generator) -> float:
@@ -55,8 +43,7 @@ def append_case(own: list[int], m: int, g: torch.Generator) -> float:
 def main(cases: list[dict]) -> None:
     g = torch.Generator().manual_seed(0)
     for case in cases:
-        kind = case.pop("kind")
-        print(json.dumps(gather_case(**case, g=g) if kind == "gather" else append_case(**case, g=g)), flush=True)
+        print(json.dumps(append_case(**case, g=g)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
-"""The full-context flow's encoder-key launches (engines/kernels/speech_out/flow/key_rows.py) run in the Triton
-interpreter on the CPU: gathered rows are each answer's voice keys, then its own, then zeros; appended rows land after
-each answer's own and nowhere else (float32; on a GPU the full-context tests run them: tests/gpu/
-test_full_context_gpu.py)."""
+"""The full-context flow's encoder-key append (engines/kernels/speech_out/flow/key_rows.py) run in the Triton
+interpreter on the CPU: appended rows land after each answer's own and nowhere else (float32; on a GPU the
+full-context tests run it: tests/gpu/test_full_context_gpu.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +12,13 @@ import sys
 from tests.paths import REPO
 
 CASES = [
-    # voices of different lengths (one none), answers of different lengths (one none yet), blocks of rows crossed
-    {"kind": "gather", "voices": [5, 0, 7], "own": [3, 30, 0], "length": 40},
-    {"kind": "gather", "voices": [0], "own": [0], "length": 3},  # nothing held: zeros only
     # a first job's several chunks (more rows than a block), and one chunk
-    {"kind": "append", "own": [0, 12, 40], "m": 20},
-    {"kind": "append", "own": [7, 0], "m": 5},
+    {"own": [0, 12, 40], "m": 20},
+    {"own": [7, 0], "m": 5},
 ]
 
 
-def test_the_key_row_launches_in_the_interpreter_give_the_concatenated_keys():
+def test_the_key_append_launch_in_the_interpreter_gives_the_concatenated_keys():
     run = subprocess.run([sys.executable, "-m", "tests.engines.kernels.interpreted_key_rows", json.dumps(CASES)],
                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO, capture_output=True, text=True,
                          timeout=300)

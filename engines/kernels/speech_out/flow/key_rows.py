@@ -1,11 +1,9 @@
-"""The full-context flow's encoder keys between each answer's own buffer and a round's batch tensor, one launch each
-way (engines/speech_out/flow/state.py dispatches; its loops are the CPU path and the reference).
+"""The full-context flow's new encoder keys appended to each answer's own buffer, one launch a stack
+(engines/speech_out/flow/state.py dispatches; its loop is the CPU path and the reference).
 
-Every round, each answer's earlier keys (its voice's, then its own) go into one zero-padded batch tensor the encoder
-reads, and after it the chunk's new keys go back to each answer's buffer. As tensor copies that is about four
-launches an answer and a zero fill of the whole batch tensor, each answer's buffer at an address of its own. Here
-one program copies a block of rows of one (answer, layer and k/v) pair, the answer's buffers found through a table
-of their addresses: one launch gathers a stack, one appends to it.
+After each round the chunk's new keys and values [B, layers, 2, T, width] go to the end of each answer's buffer, each
+at an address of its own: as tensor copies two launches an answer. Here one program copies a block of rows of one
+(answer, layer and k/v) pair, the buffers found through a table of their addresses.
 
 A buffer is [layers, 2, rows, width] dense (rows: codes or frames; width = heads * head_dim); its address, its
 (layer, k/v) stride and its rows in use are given per answer. Pointers are read as int64 from the device: the
@@ -19,26 +17,6 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS = 16
-
-
-@triton.jit(do_not_specialize=["L"])
-def _gather_kernel(OUT, VPTR, VSTRIDE, VROWS, OPTR, OSTRIDE, OROWS, L, LK: tl.constexpr, W: tl.constexpr,
-                   WP: tl.constexpr, BLOCK_R: tl.constexpr):
-    b = tl.program_id(0)
-    lk = tl.program_id(1)
-    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, WP)
-    cm = cols < W
-    p = tl.load(VROWS + b)
-    n = tl.load(OROWS + b)
-    vbase = tl.load(VPTR + b).to(tl.pointer_type(OUT.dtype.element_ty)) + lk * tl.load(VSTRIDE + b)
-    obase = tl.load(OPTR + b).to(tl.pointer_type(OUT.dtype.element_ty)) + lk * tl.load(OSTRIDE + b)
-    in_v = rows < p
-    in_o = (rows >= p) & (rows < p + n)
-    v = tl.load(vbase + rows[:, None] * W + cols[None, :], mask=in_v[:, None] & cm[None, :], other=0.0)
-    o = tl.load(obase + (rows - p)[:, None] * W + cols[None, :], mask=in_o[:, None] & cm[None, :], other=0.0)
-    out = OUT + (b * LK + lk).to(tl.int64) * L * W + rows[:, None] * W + cols[None, :]
-    tl.store(out, tl.where(in_v[:, None], v, o), mask=(rows < L)[:, None] & cm[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -55,23 +33,12 @@ def _append_kernel(NEW, OPTR, OSTRIDE, OROWS, T, LK: tl.constexpr, W: tl.constex
     tl.store(dst, tl.load(src, mask=m), mask=m)
 
 
-def _launch(kernel, keys: torch.Tensor, table: torch.Tensor, fields: int) -> None:
-    """A program per (answer, layer and k/v, block of rows) of keys [B, layers, 2, rows, width] dense."""
-    B, layers, two, R, W = keys.shape
-    if not keys.is_contiguous() or table.shape != (fields, B):
-        raise ValueError(f"keys {tuple(keys.shape)} (dense) / table {tuple(table.shape)} disagree")
-    if B and R:
-        kernel[(B, layers * two, triton.cdiv(R, BLOCK_ROWS))](
-            keys, *table, R, LK=layers * two, W=W, WP=triton.next_power_of_2(W), BLOCK_R=BLOCK_ROWS)
-
-
-def gather_rows(out: torch.Tensor, table: torch.Tensor) -> None:
-    """out [B, layers, 2, L, width] dense; table [6, B] int64 on out's device: per answer its voice buffer's address,
-    (layer, k/v) stride and rows, then its own buffer's -> out[b] holds the voice's rows, then its own, then zeros."""
-    _launch(_gather_kernel, out, table, 6)
-
-
 def append_rows(new: torch.Tensor, table: torch.Tensor) -> None:
     """new [B, layers, 2, T, width] dense; table [3, B] int64: per answer its own buffer's address, (layer, k/v)
     stride and rows in use -> new[b] written after those rows (the buffers have room)."""
-    _launch(_append_kernel, new, table, 3)
+    B, layers, two, T, W = new.shape
+    if not new.is_contiguous() or table.shape != (3, B):
+        raise ValueError(f"keys {tuple(new.shape)} (dense) / table {tuple(table.shape)} disagree")
+    if B and T:  # a program per (answer, layer and k/v, block of rows)
+        _append_kernel[(B, layers * two, triton.cdiv(T, BLOCK_ROWS))](
+            new, *table, T, LK=layers * two, W=W, WP=triton.next_power_of_2(W), BLOCK_R=BLOCK_ROWS)
