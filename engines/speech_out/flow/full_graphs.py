@@ -2,9 +2,9 @@
 
 Neither's shapes depend on how long the answers of a round are (the solve's attention reads each row's pages in place
 up to its own length, the encoder's each answer's keys in place), so one graph of a batch serves answers anywhere in
-them. The encoder's graphs of a round of playing answers are captured at load for every batch up to the largest, in
-quarter steps from 16 (`FINE_BUCKETS`: a round is padded by at most a quarter of its rows, and padded rows do a real
-row's work); answers' first jobs, a few at a time, in powers of two up to FIRST_JOB_BATCH.
+them. A round of playing answers replays graphs captured at load for every batch up to the largest, in quarter steps
+from 16 (`FINE_BUCKETS`: a round is padded by at most a quarter of its rows, and padded rows do a real row's work);
+answers' first jobs, a few at a time, in powers of two up to FIRST_JOB_BATCH.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class FullSolveGraphs(BucketGraphs):
         n = 0
         try:
             widths = sorted({full.graph_pages(p) for p in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET)})
-            for B in buckets_up_to(max_batch):
+            for B in buckets_up_to(max_batch, FINE_BUCKETS):
                 for maxp in widths:
                     n += self.ensure(self._inputs(B, 1, maxp, page[0]))
             for c, pages in first_jobs:

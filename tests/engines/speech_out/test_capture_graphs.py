@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from engines.speech_out import CodecDecoder, Voice
+from engines.speech_out.chunk_graphs import FINE_BUCKETS
+from tests.engines.speech_out.decoder_rounds import in_rounds
 from tests.engines.speech_out.graph_stand_in import replay_stand_in
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -18,14 +20,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT_CODES = 43
 
 
-def _graphed(monkeypatch, **capture) -> tuple[CodecDecoder, dict[str, set]]:
-    """A CPU decoder with graph stand-ins, the default voice's prompt PROMPT_CODES, after capture_graphs(2): it and the
-    keys captured, by graph set ("solve", "vocoder")."""
+def _graphed(monkeypatch, max_batch: int = 2, **capture) -> tuple[CodecDecoder, dict[str, set]]:
+    """A CPU decoder with graph stand-ins, the default voice's prompt PROMPT_CODES, after capture_graphs(max_batch): it
+    and the keys captured, by graph set ("solve", "vocoder"). (The encoder's graphs run its CUDA launch: GPU tests.)"""
     replay_stand_in(monkeypatch)
     dec = CodecDecoder.load("tiny-random", vocoder="hift", cache_gib=0.05)
     dec._attach_graphs(encoder_graphs=False)
     dec.default_voice = Voice.random(seed=3, n_codes=PROMPT_CODES)
-    dec.capture_graphs(2, **capture)
+    dec.capture_graphs(max_batch, **capture)
     return dec, {"solve": set(dec.full_graphs.graphs), "vocoder": set(dec.vocoder.graphs.graphs)}
 
 
@@ -56,3 +58,26 @@ def test_a_decoder_whose_first_jobs_run_on_lanes_captures_the_same_less_theirs(m
     _, elsewhere = _graphed(monkeypatch, first_jobs=False)
     assert elsewhere == {n: served[n] - first[n] for n in served}
     assert all(first.values())
+
+
+def test_a_round_of_playing_answers_replays_a_solve_at_most_a_quarter_larger(monkeypatch):
+    """Padded rows of a graphed solve do a real row's work: a round of 20 answers replays the graph of 20 (captured at
+    load in quarter steps from 16), not of 32."""
+    dec, keys = _graphed(monkeypatch, max_batch=40, first_jobs=False)
+    one_chunk = {k[0] for k in keys["solve"] if k[1][1] == dec.full.page_frames}
+    assert sorted(one_chunk) == [b for b in FINE_BUCKETS if b <= 40]
+    streams = [dec.open_stream(f"s{i}", seed=i) for i in range(20)]
+    for i, s in enumerate(streams):
+        s.add(np.random.default_rng(i).integers(0, 16384, 18))  # a first job, then a chunk each
+    replayed = []  # a round of one chunk each: (rows, the batch of the graph it replayed)
+    g = dec.full_graphs
+    run = g.run
+
+    def counted(args):
+        out = run(args)
+        if args[0].shape[2] == dec.full.page_frames:
+            replayed.append((args[0].shape[0], g.last_batch))
+        return out
+    monkeypatch.setattr(g, "run", counted)
+    in_rounds(dec, streams)
+    assert replayed and set(replayed) == {(20, 20)}, replayed
