@@ -97,7 +97,7 @@ def _profile(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, top: int 
 
 
 # What `--phases` times in a round: (owner on the decoder, method, label).
-PHASES = (("full", "_encode", "encoder"), ("full", "_solve", "solve"), ("windowed", "render", "vocoder"))
+PHASES = (("full", "_encode_groups", "encoder"), ("full", "_solve", "solve"), ("windowed", "render", "vocoder"))
 
 
 def _phases(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, last: int = 10) -> dict[str, float]:
