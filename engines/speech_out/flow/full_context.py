@@ -62,7 +62,7 @@ LOW_WATER = 2 * FIRST_JOB_BATCH
 ENCODER_BATCH_BYTES = 3 * 2**30
 # Key positions (the up stack's frames: 50 a second) whose factors the encoder's attention reads from one table on
 # CUDA: 327 s of voice prompt and answer, past the longest voice (30 s) and answer (164 s) together; a longer round
-# gathers its keys instead. 32 MiB at full size.
+# gathers its keys instead. 32 MiB at full size (16 in float16).
 KEY_POSITIONS = 16384
 # At most one log line this often while answers forget chunks.
 FORGET_LOG_S = 60.0
@@ -148,8 +148,10 @@ class FullContextFlow:
         enc = flow.encoder
         self.code_key_bytes = (2 * cfg.d_model * (len(enc.encoders) + len(enc.up_encoders) * cfg.token_mel_ratio)
                                * torch.finfo(flow.dtype).bits // 8)
-        # [KEY_POSITIONS, D] the key factor of every position (CUDA), read by every layer of both stacks
-        self.factors = (key_factors(torch.arange(KEY_POSITIONS, device=flow.device), cfg.d_model, flow.dtype)
+        # [KEY_POSITIONS, D] the key factor of every position (CUDA), read by every layer of both stacks; in float16
+        # where the encoder's float32 products round to TF32 (the same 10-bit mantissa: half the reads, same products)
+        fdt = torch.float16 if flow.encoder_tf32 and flow.dtype == torch.float32 else flow.dtype
+        self.factors = (key_factors(torch.arange(KEY_POSITIONS, device=flow.device), cfg.d_model, fdt)
                         if flow.device.type == "cuda" else None)
         self.pages = EstimatorPages(n_pages, cfg.n_timesteps, n_blocks(est), self.page_frames,
                                     cfg.est_heads * cfg.est_head_dim, flow.device, cache_dtype or self.est_dtype)

@@ -21,9 +21,12 @@ import triton
 import triton.language as tl
 
 BLOCK_KEYS = 32
-BLOCK_QUERIES = 16  # (tl.dot's smallest M)
-# Not pipelined: a block's loads multi-buffered would take 154 KB of shared memory at 2 stages (full size, float32),
-# 269 KB at 3, past an SM's 227 KB; at 1, 47 KB.
+# Queries a program takes: all of a steady chunk's (5 codes, 20 frames), so that the key factors, what a program reads
+# most of, are read once per (answer, head); 16 at least (tl.dot's smallest M).
+MAX_BLOCK_QUERIES = 32
+# The relative term's channels in a loop (not unrolled), whose loads the compiler pipelines: unrolled, the loop over
+# keys holds every channel block's tiles at once (full size, 16 queries: 47 KB of shared memory unpipelined, 269 KB
+# at 3 stages, past an SM's 227 KB); as a loop, 29 KB at 3 stages with 32 queries.
 
 
 @triton.jit(do_not_specialize=["T", "CW", "LAYER"])
@@ -62,9 +65,10 @@ def _attention_kernel(Q, KN, VN, S_B, S_T, ROWS, FACTORS, TABLE, B, LAYER, T, CW
              + tl.load(ok + (j - P)[:, None] * DK * H + c[None, :], mask=in_o[:, None], other=0.0)
              + tl.load(nk + (j - n_old)[:, None] * S_T + c[None, :], mask=in_n[:, None], other=0.0))  # [BK, DK]
         s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BQ, BK]
-        for d0 in tl.static_range(0, D, BD):
+        for d0 in range(0, D, BD):  # the relative term
             r = tl.load(rows + d0 + dcol[None, :], mask=tm[:, None], other=0.0)  # [BQ, BD]
             f = tl.load(FACTORS + j[:, None] * D + d0 + dcol[None, :], mask=(j < n_old + T)[:, None], other=0.0)
+            f = f.to(r.dtype)
             s += tl.dot(r, tl.trans(f), input_precision=PREC)
         seen = (j < n_old)[None, :] | (in_n[None, :] & ((j - n_old)[None, :] // CW <= t[:, None] // CW))
         s = tl.where(seen, s * scale, float("-inf"))
@@ -85,7 +89,8 @@ def row_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, row
                   factors: torch.Tensor, table: torch.Tensor, layer: int, chunk: int, tf32: bool) -> torch.Tensor:
     """q (with pos_bias_u added), k_new, v_new [B, T, H, dk] (views of one projection: the same strides, dk
     contiguous); rows [B, H, T, D] dense, each query's relative row; factors [positions, D] dense, the key factor of
-    each position; table [6, B] int64 (state.gather_table: each answer's voice buffer and its own, [layers, 2, rows,
+    each position (in float16 where the products round to TF32: the same 10-bit mantissa, half the reads); table [6, B]
+    int64 (state.gather_table: each answer's voice buffer and its own, [layers, 2, rows,
     H, dk] dense); `layer` the stack's layer these keys are of; `chunk` the new keys' chunk width (a query sees the
     new keys of its own chunk and earlier ones). Returns the attention's output [B, T, H, dk]."""
     B, T, H, dk = q.shape
@@ -95,9 +100,10 @@ def row_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, row
         raise ValueError(f"row_attention: q {tuple(q.shape)} / rows {tuple(rows.shape)} / table "
                          f"{tuple(table.shape)} layouts disagree")
     out = q.new_empty(B, T, H, dk)
+    bq = min(MAX_BLOCK_QUERIES, max(16, triton.next_power_of_2(T)))
     if B and T:
-        _attention_kernel[(B, H, triton.cdiv(T, BLOCK_QUERIES))](
+        _attention_kernel[(B, H, triton.cdiv(T, bq))](
             q, k_new, v_new, q.stride(0), q.stride(1), rows, factors, table, B, layer, T, chunk, dk ** -0.5, out,
-            H=H, DK=dk, D=D, BQ=BLOCK_QUERIES, BK=BLOCK_KEYS, BD=min(D, 64),
-            PREC="tf32" if tf32 and q.dtype == torch.float32 else "ieee", num_warps=4, num_stages=1)
+            H=H, DK=dk, D=D, BQ=bq, BK=BLOCK_KEYS, BD=min(D, 64),
+            PREC="tf32" if tf32 and q.dtype == torch.float32 else "ieee", num_warps=4, num_stages=3)
     return out
