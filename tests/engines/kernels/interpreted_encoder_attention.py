@@ -16,7 +16,7 @@ from engines.speech_out import CodecDecoder
 from engines.speech_out.flow.conformer import key_factors
 from engines.speech_out.flow.full_context import FullContextFlow
 from tests.engines.speech_out.decoder_rounds import random_position_biases
-from tests.engines.speech_out.flow.full_answers import Answer, voice_inputs
+from tests.engines.speech_out.flow.full_answers import Answer, decode_in_rounds, voice_inputs
 
 
 def answers_case(fc: FullContextFlow, specs: list[list[int]], first: bool) -> float:
@@ -27,17 +27,7 @@ def answers_case(fc: FullContextFlow, specs: list[list[int]], first: bool) -> fl
         pcodes, pmel, xv = voice_inputs(P, seed)
         codes = torch.randint(0, 16384, (N,), generator=torch.Generator().manual_seed(seed + 1))
         answers.append((Answer(fc, fc.prepare_voice(pcodes, pmel, xv), codes.tolist(), seed), pcodes, pmel, codes))
-    rnd = 0
-    while not all(a.done for a, *_ in answers):
-        live = [a for k, (a, *_) in enumerate(answers) if not a.done and k <= rnd]
-        jobs = [(a, *a.job(-(-(len(a.voice.tail) + 5) // 5) * 5 if first and a.i == 0 else None)) for a in live]
-        for n in {j[2] for j in jobs}:
-            group = [j for j in jobs if j[2] == n]
-            mel = fc.decode_chunk([j[0].state for j in group], torch.tensor([j[1] for j in group]), n,
-                                  [j[3] for j in group], [j[0].gen for j in group])
-            for b, j in enumerate(group):
-                j[0].took(mel[b], n)
-        rnd += 1
+    decode_in_rounds(fc, [a for a, *_ in answers], first)
     err = 0.0
     for a, pcodes, pmel, codes in answers:
         err = max(err, float((torch.cat(a.mel, 1) - a.reference(flow, pcodes, pmel, codes)).abs().max()))

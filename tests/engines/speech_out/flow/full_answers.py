@@ -51,6 +51,23 @@ class Answer:
         return reference_mel(flow, pcodes, pmel, self.voice.spks, codes, torch.cat([vz, *self.z], 1), chunk)
 
 
+def decode_in_rounds(fc: FullContextFlow, answers: list[Answer], first: bool = False) -> None:
+    """Every answer decoded to its end as the codec worker's rounds decode them: answers join a round apart (other
+    page counts side by side), one batch per job length; `first`: each answer's first job is its voice's tail and its
+    first codes up to a chunk boundary (several chunks in one call)."""
+    rnd = 0
+    while not all(a.done for a in answers):
+        live = [a for k, a in enumerate(answers) if not a.done and k <= rnd]
+        jobs = [(a, *a.job(-(-(len(a.voice.tail) + 5) // 5) * 5 if first and a.i == 0 else None)) for a in live]
+        for n in {j[2] for j in jobs}:
+            group = [j for j in jobs if j[2] == n]
+            mel = fc.decode_chunk([j[0].state for j in group], torch.tensor([j[1] for j in group]), n,
+                                  [j[3] for j in group], [j[0].gen for j in group])
+            for b, j in enumerate(group):
+                j[0].took(mel[b], n)
+        rnd += 1
+
+
 def alone(fc: FullContextFlow, flow, P: int, N: int, seed: int):
     """An answer of N codes after a prompt of P, decoded alone; returns it, its voice, the prompt and the codes."""
     pcodes, pmel, xv = voice_inputs(P, seed)

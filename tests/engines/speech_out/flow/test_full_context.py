@@ -11,7 +11,7 @@ from engines.speech_out import CodecDecoder
 from engines.speech_out.flow.full_context import FullContextFlow
 from engines.speech_out.flow.pages import DecoderCacheFull
 from tests.engines.speech_out.decoder_rounds import random_position_biases
-from tests.engines.speech_out.flow.full_answers import Answer, alone, voice_inputs
+from tests.engines.speech_out.flow.full_answers import Answer, alone, decode_in_rounds, voice_inputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # Cached and whole-sequence decodes add the same terms in other orders: float32 rounding only.
@@ -89,18 +89,7 @@ def test_a_batch_of_answers_at_other_points_and_voices_equals_each_alone(flow, g
         pcodes, pmel, xv = voice_inputs(P, seed)
         codes = torch.randint(0, 16384, (N,), generator=torch.Generator().manual_seed(seed + 1))
         answers.append(Answer(fc, fc.prepare_voice(pcodes, pmel, xv), codes.tolist(), seed))
-    rnd = 0
-    while not all(a.done for a in answers):
-        # answers join a round apart (other page counts side by side); one batch per chunk length
-        live = [a for k, a in enumerate(answers) if not a.done and k <= rnd]
-        jobs = [(a, *a.job()) for a in live]
-        for n in {j[2] for j in jobs}:
-            group = [j for j in jobs if j[2] == n]
-            mel = fc.decode_chunk([j[0].state for j in group], torch.tensor([j[1] for j in group]), n,
-                                  [j[3] for j in group], [j[0].gen for j in group])
-            for b, j in enumerate(group):
-                j[0].took(mel[b], n)
-        rnd += 1
+    decode_in_rounds(fc, answers)
     for a, want in zip(answers, each, strict=True):
         torch.testing.assert_close(torch.cat(a.mel, 1), want, atol=TOL, rtol=0)
         fc.close(a.state)
