@@ -1,7 +1,9 @@
 """Runs the full-context flow with its encoder's attention reading each answer's keys in place
 (engines/kernels/speech_out/flow/encoder_attention.py, the CUDA path) in the Triton interpreter on the CPU, printing
 one JSON line per case: the largest difference of its answers' mel from the chunk model over the whole sequence
-(`reference.py`). Run by tests/engines/kernels/test_encoder_attention_interpreted.py as `TRITON_INTERPRET=1 python -m
+(`reference.py`); or (kind "graphs") of a decoder whose encoder replays graphs (a stand-in that re-runs the captured
+function, graph_stand_in.py) from the eager decoder's PCM, with the graphs captured while decoding. Run by
+tests/engines/kernels/test_encoder_attention_interpreted.py as `TRITON_INTERPRET=1 python -m
 tests.engines.kernels.interpreted_encoder_attention CASES_JSON` (a process of its own: the variable must be set before
 the kernels are defined)."""
 
@@ -37,6 +39,32 @@ def answers_case(fc: FullContextFlow, specs: list[list[int]], first: bool) -> fl
     return err
 
 
+def graphs_case(prompt_codes: int, n_codes: int) -> dict:
+    """An answer of n_codes in a voice of prompt_codes, by a decoder whose graphs were captured at load for the default
+    voice (a tail of 3) at batches up to 2, against the eager CPU decoder (its keys gathered)."""
+    import pytest
+
+    from engines.speech_out import CodecDecoder, Voice
+    from tests.engines.speech_out.graph_stand_in import replay_stand_in
+
+    with pytest.MonkeyPatch.context() as mp:
+        replay_stand_in(mp)
+        dec = CodecDecoder.load("tiny-random", vocoder="hift", cache_gib=0.05)
+        dec.full.factors = key_factors(torch.arange(1024), dec.cfg.flow.d_model, dec.flow.dtype)
+        dec._attach_graphs(encoder_graphs=True)
+        dec.default_voice = Voice.random(seed=3, n_codes=43)
+        dec.capture_graphs(2)
+        captured = set(dec.full_enc_graphs.graphs)
+        voice = Voice.random(seed=4, n_codes=prompt_codes)
+        codes = torch.randint(0, 16384, (n_codes,), generator=torch.Generator().manual_seed(6)).numpy()
+        got = dec.stream_all(codes, voice=voice, seed=1)
+        replays = sum(g.replays for g, _, _ in dec.full_enc_graphs.graphs.values())
+        new = len(set(dec.full_enc_graphs.graphs) - captured)
+    want = CodecDecoder.load("tiny-random", vocoder="hift", cache_gib=0.05).stream_all(codes, voice=voice, seed=1)
+    return {"error": float(abs(got - want).max()), "captured": len(captured), "replays": replays,
+            "captured_while_decoding": new}
+
+
 def _counted(fn, calls: list):
     def counted(*a):
         calls.append(1)
@@ -49,6 +77,9 @@ def main(cases: list[dict]) -> None:
     flow = CodecDecoder.load("tiny-random", vocoder="hift", context="window").flow
     random_position_biases(flow)
     for case in cases:
+        if case.pop("kind", None) == "graphs":
+            print(json.dumps(graphs_case(**case)), flush=True)
+            continue
         fc = FullContextFlow(flow, 400)
         fc.factors = key_factors(torch.arange(1024), flow.cfg.d_model, flow.dtype)  # the CUDA path's table
         calls = []
