@@ -1,9 +1,10 @@
 """The full-context flow encoder's attention, reading each answer's earlier keys where they are (its voice's buffer,
-then its own: the tables of key_rows.py) instead of from a round's gathered batch tensor.
+then its own, found through a table of their addresses: flow/state.py `gather_table`) instead of from a round's
+gathered batch tensor.
 
 A layer's score of query t and key j is (q_t + u) . k_j + (q_t + v) W_pos . sinusoid(t - j), scaled by 1/sqrt(dk)
 (conformer.py). The relative part is computed as conformer.AttnContext writes it: a per-query row of D values
-(`RelPosSelfAttention.relative_rows`) against a per-key factor that depends only on the key's position, and a key's
+(`RelPosSelfAttention._relative_rows`) against a per-key factor that depends only on the key's position, and a key's
 position is its index among the answer's keys (the voice's, then the answer's own, then the chunk's new ones). So one
 table of those factors by position, shared by every answer, layer and stack, stands in for the batch tensor of them.
 
