@@ -61,7 +61,7 @@ class KeyRows:
     """A layer's earlier keys where each answer holds them (CUDA: the full-context flow), read by the attention
     launch in place (engines/kernels/speech_out/flow/encoder_attention.py) instead of from a batch tensor."""
 
-    table: torch.Tensor  # [6, B] int64: each answer's voice buffer and its own (flow.state.gather_table)
+    table: torch.Tensor  # [B, 6] int64: each answer's voice buffer and its own (flow.state.key_table)
     factors: torch.Tensor  # [positions, D] the key factor of every position (`key_factors`)
     chunk: int  # the new keys' chunk width: a query sees its own chunk's new keys and earlier chunks'
     tf32: bool  # float32 products on TF32

@@ -232,13 +232,12 @@ class FlowModel(nn.Module):
                     pos: torch.Tensor, up_pos: torch.Tensor, table: torch.Tensor, up_table: torch.Tensor,
                     factors: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
         """`encode` (CUDA) with each row's earlier keys read where its answer holds them: table, up_table [B, 6] int64
-        (flow.state.gather_table) of the two stacks; factors [positions, D] the key factors by position
+        (flow.state.key_table) of the two stacks; factors [positions, D] the key factors by position
         (conformer.key_factors); `chunk` codes a chunk (the new codes' chunk mask). A row's earlier keys are the
         positions before its first query's. Its shapes do not depend on how many keys the rows hold."""
         enc, r, tf32 = self.encoder, self.cfg.token_mel_ratio, self.encoder_tf32
-        t, up_t = table.T.contiguous(), up_table.T.contiguous()  # [6, B]: the launch reads a field's row
-        prefixes = [KeyRows(t, factors, chunk, tf32, i) for i in range(len(enc.encoders))]
-        up_prefixes = [KeyRows(up_t, factors, chunk * r, tf32, i) for i in range(len(enc.up_encoders))]
+        prefixes = [KeyRows(table, factors, chunk, tf32, i) for i in range(len(enc.encoders))]
+        up_prefixes = [KeyRows(up_table, factors, chunk * r, tf32, i) for i in range(len(enc.up_encoders))]
         return self._encode(codes, valid, pre, up, pos, up_pos, prefixes, up_prefixes)
 
     def _encode(self, codes, valid, pre, up, pos, up_pos, prefixes, up_prefixes, blocked=None, up_blocked=None):

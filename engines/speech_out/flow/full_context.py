@@ -38,7 +38,7 @@ from engines.speech_out.flow.cached_estimator import estimate_chunk, left_channe
 from engines.speech_out.flow.conformer import key_factors
 from engines.speech_out.flow.pages import DecoderCacheFull, EstimatorPages
 from engines.speech_out.flow.reference import chunk_masks, encode_masked
-from engines.speech_out.flow.state import GrowingKeys, append_keys, gather_keys, gather_table, key_groups
+from engines.speech_out.flow.state import GrowingKeys, append_keys, gather_keys, key_groups, key_table
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +339,8 @@ class FullContextFlow:
         `encode_rows`), replayed from `graphs` when given."""
         voices = [s.voice for s in states]
         inputs = [*self._encode_inputs(states, codes, n, n_look, done),
-                  *upload([gather_table([v.kv for v in voices], [s.kv for s in states]),
-                           gather_table([v.up_kv for v in voices], [s.up_kv for s in states])], self.flow.device)]
+                  *upload([key_table([v.kv for v in voices], [s.kv for s in states]),
+                           key_table([v.up_kv for v in voices], [s.up_kv for s in states])], self.flow.device)]
         mu, pre, up, new_kv, new_up_kv = graphs.run(inputs) if graphs is not None else self.encode_rows(*inputs)
         return mu, new_kv, new_up_kv, pre, up
 

@@ -112,7 +112,7 @@ def key_groups(lengths: list[int], row_bytes: int, budget: int) -> list[list[int
     return groups
 
 
-def gather_table(voices: list[torch.Tensor], own: list[GrowingKeys]) -> np.ndarray:
+def key_table(voices: list[torch.Tensor], own: list[GrowingKeys]) -> np.ndarray:
     """[B, 6] int64, where the encoder's attention launch finds each answer's earlier keys: its voice's keys' address,
     (layer, k/v) stride and rows, then its own buffer's."""
     return np.asarray([[*_rows(v), v.shape[2], *_rows(o.buf), o.n] for v, o in zip(voices, own, strict=True)],
@@ -126,7 +126,7 @@ def append_table(own: list[GrowingKeys]) -> np.ndarray:
 
 def gather_keys(voices: list[torch.Tensor], own: list[GrowingKeys], length: int) -> torch.Tensor:
     """The earlier keys of a batch of answers in one tensor [B, layers, 2, length, H, dk] (the CPU's encoder reads
-    them so; CUDA's reads them in place: `gather_table`): row b holds voices[b] ([layers, 2, P_b, H, dk] dense) then
+    them so; CUDA's reads them in place: `key_table`): row b holds voices[b] ([layers, 2, P_b, H, dk] dense) then
     own[b]'s keys, then zeros."""
     v0 = voices[0]
     out = v0.new_zeros(len(voices), *v0.shape[:2], length, *v0.shape[3:])

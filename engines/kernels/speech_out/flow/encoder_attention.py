@@ -1,5 +1,5 @@
 """The full-context flow encoder's attention, reading each answer's earlier keys where they are (its voice's buffer,
-then its own, found through a table of their addresses: flow/state.py `gather_table`) instead of from a round's
+then its own, found through a table of their addresses: flow/state.py `key_table`) instead of from a round's
 gathered batch tensor.
 
 A layer's score of query t and key j is (q_t + u) . k_j + (q_t + v) W_pos . sinusoid(t - j), scaled by 1/sqrt(dk)
@@ -31,7 +31,7 @@ MAX_BLOCK_QUERIES = 32
 
 
 @triton.jit(do_not_specialize=["T", "CW", "LAYER"])
-def _attention_kernel(Q, KN, VN, S_B, S_T, ROWS, FACTORS, TABLE, B, LAYER, T, CW, scale, OUT,
+def _attention_kernel(Q, KN, VN, S_B, S_T, ROWS, FACTORS, TABLE, LAYER, T, CW, scale, OUT,
                       H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                       BD: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
@@ -43,13 +43,14 @@ def _attention_kernel(Q, KN, VN, S_B, S_T, ROWS, FACTORS, TABLE, B, LAYER, T, CW
     ty = OUT.dtype.element_ty
     q = tl.load(Q + b * S_B + t[:, None] * S_T + h * DK + c[None, :], mask=tm[:, None], other=0.0)  # [BQ, DK]
     # The answer's keys: its voice's P rows, then its own N; a layer's keys at (2 LAYER) x stride, values one more.
-    P = tl.load(TABLE + 2 * B + b)
-    N = tl.load(TABLE + 5 * B + b)
+    row = TABLE + b * 6
+    P = tl.load(row + 2)
+    N = tl.load(row + 5)
     n_old = P + N
-    vstride = tl.load(TABLE + B + b)
-    ostride = tl.load(TABLE + 4 * B + b)
-    vk = tl.load(TABLE + b).to(tl.pointer_type(ty)) + 2 * LAYER * vstride + h * DK
-    ok = tl.load(TABLE + 3 * B + b).to(tl.pointer_type(ty)) + 2 * LAYER * ostride + h * DK
+    vstride = tl.load(row + 1)
+    ostride = tl.load(row + 4)
+    vk = tl.load(row).to(tl.pointer_type(ty)) + 2 * LAYER * vstride + h * DK
+    ok = tl.load(row + 3).to(tl.pointer_type(ty)) + 2 * LAYER * ostride + h * DK
     nk = KN + b * S_B + h * DK
     nv = VN + b * S_B + h * DK
     rows = ROWS + ((b * H + h) * T + t)[:, None] * D  # [BQ, 1] each query's relative row
@@ -90,21 +91,21 @@ def row_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, row
                   factors: torch.Tensor, table: torch.Tensor, layer: int, chunk: int, tf32: bool) -> torch.Tensor:
     """q (with pos_bias_u added), k_new, v_new [B, T, H, dk] (views of one projection: the same strides, dk
     contiguous); rows [B, H, T, D] dense, each query's relative row; factors [positions, D] dense, the key factor of
-    each position (in float16 where the products round to TF32: the same 10-bit mantissa, half the reads); table [6, B]
-    int64 (state.gather_table: each answer's voice buffer and its own, [layers, 2, rows,
-    H, dk] dense); `layer` the stack's layer these keys are of; `chunk` the new keys' chunk width (a query sees the
-    new keys of its own chunk and earlier ones). Returns the attention's output [B, T, H, dk]."""
+    each position (in float16 where the products round to TF32: the same 10-bit mantissa, half the reads); table
+    [B, 6] int64 (state.key_table: each answer's voice buffer and its own, [layers, 2, rows, H, dk] dense); `layer`
+    the stack's layer these keys are of; `chunk` the new keys' chunk width (a query sees the new keys of its own chunk
+    and earlier ones). Returns the attention's output [B, T, H, dk]."""
     B, T, H, dk = q.shape
     D = rows.shape[-1]
     if (k_new.stride() != q.stride() or v_new.stride() != q.stride() or q.stride(3) != 1 or q.stride(2) != dk
-            or not rows.is_contiguous() or not factors.is_contiguous() or table.shape != (6, B)):
+            or not rows.is_contiguous() or not factors.is_contiguous() or table.shape != (B, 6)):
         raise ValueError(f"row_attention: q {tuple(q.shape)} / rows {tuple(rows.shape)} / table "
                          f"{tuple(table.shape)} layouts disagree")
     out = q.new_empty(B, T, H, dk)
     bq = min(MAX_BLOCK_QUERIES, max(16, triton.next_power_of_2(T)))
     if B and T:
         _attention_kernel[(B, H, triton.cdiv(T, bq))](
-            q, k_new, v_new, q.stride(0), q.stride(1), rows, factors, table, B, layer, T, chunk, dk ** -0.5, out,
+            q, k_new, v_new, q.stride(0), q.stride(1), rows, factors, table, layer, T, chunk, dk ** -0.5, out,
             H=H, DK=dk, D=D, BQ=bq, BK=BLOCK_KEYS, BD=min(D, 64),
             PREC="tf32" if tf32 and q.dtype == torch.float32 else "ieee", num_warps=4, num_stages=3)
     return out
