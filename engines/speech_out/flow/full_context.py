@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -320,27 +320,29 @@ class FullContextFlow:
         return tuple(torch.cat(parts)[order] for parts in zip(*outs, strict=True))
 
     def _encode_inputs(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
-                       done: list[int]) -> tuple[torch.Tensor, ...]:
+                       done: list[int], tables: Sequence[np.ndarray] = ()) -> tuple[torch.Tensor, ...]:
         """What every way of encoding a job takes: codes, their validity (absent lookahead zeroed), the conv caches
-        and the new codes' positions in both stacks (a row's first is after all its earlier codes)."""
+        and the new codes' positions in both stacks (a row's first is after all its earlier codes); then `tables`,
+        on the device, uploaded in the same copy."""
         f, cfg = self.flow, self.flow.cfg
         dev, r, la = f.device, cfg.token_mel_ratio, cfg.pre_lookahead
         B = len(states)
-        d, look = upload([np.asarray(done)[:, None], np.asarray(n_look)[:, None]], dev)  # (pinned: no stream sync)
+        # (one pinned copy: no stream sync)
+        d, look, *tables = upload([np.asarray(done)[:, None], np.asarray(n_look)[:, None], *tables], dev)
         valid = torch.cat([torch.ones(B, n, dtype=torch.bool, device=dev),
                            torch.arange(la, device=dev)[None] < look], 1)
         pre, up = torch.stack([s.pre for s in states]), torch.stack([s.up for s in states])
         return (codes.to(dev), valid, pre, up, d + torch.arange(n, device=dev),
-                d * r + torch.arange(n * r, device=dev))
+                d * r + torch.arange(n * r, device=dev), *tables)
 
     def _encode_rows(self, states: list[FullState], codes: torch.Tensor, n: int, n_look: list[int],
                      done: list[int], graphs: BucketGraphs | None = None):
         """`_encode` with the encoder's attention reading each answer's earlier keys where they are (CUDA:
         `encode_rows`), replayed from `graphs` when given."""
         voices = [s.voice for s in states]
-        inputs = [*self._encode_inputs(states, codes, n, n_look, done),
-                  *upload([key_table([v.kv for v in voices], [s.kv for s in states]),
-                           key_table([v.up_kv for v in voices], [s.up_kv for s in states])], self.flow.device)]
+        inputs = list(self._encode_inputs(states, codes, n, n_look, done, [
+            key_table([v.kv for v in voices], [s.kv for s in states]),
+            key_table([v.up_kv for v in voices], [s.up_kv for s in states])]))
         mu, pre, up, new_kv, new_up_kv = graphs.run(inputs) if graphs is not None else self.encode_rows(*inputs)
         return mu, new_kv, new_up_kv, pre, up
 
