@@ -22,7 +22,8 @@ PROMPT_CODES = 43
 
 def _graphed(monkeypatch, max_batch: int = 2, **capture) -> tuple[CodecDecoder, dict[str, set]]:
     """A CPU decoder with graph stand-ins, the default voice's prompt PROMPT_CODES, after capture_graphs(max_batch): it
-    and the keys captured, by graph set ("solve", "vocoder"). (The encoder's graphs run its CUDA launch: GPU tests.)"""
+    and the keys captured, by graph set ("solve", "vocoder"). (The encoder's graphs run its CUDA launch: they are
+    tested in the Triton interpreter, tests/engines/kernels/test_encoder_attention_interpreted.py, and on a GPU.)"""
     replay_stand_in(monkeypatch)
     dec = CodecDecoder.load("tiny-random", vocoder="hift", cache_gib=0.05)
     dec._attach_graphs(encoder_graphs=False)
