@@ -3,8 +3,9 @@
 For each decoder context and batch size, `B` answers in one voice are decoded as the codec worker's rounds decode them
 (engines/bench/codec_rounds.py), one 5-code chunk each per round, for `--seconds` of audio; prints the round times
 at points of the answers (a round must stay under 400 ms, the audio it makes, for answers to play at real time), the
-estimator's cache per second of audio and the device memory the rounds took; `--profile` and `--phases` take a round
-apart (under torch.profiler; unprofiled, by phase). A development tool, not the server.
+estimator's cache per second of audio, the device memory the rounds took, and the seconds the decoder's loading and
+its graphs' capture took (a server's start waits for both); `--profile` and `--phases` take a round apart (under
+torch.profiler; unprofiled, by phase). A development tool, not the server.
 """
 
 from __future__ import annotations
@@ -152,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for context in a.contexts:
         cuda = a.device.startswith("cuda")
+        t0 = time.perf_counter()
         dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", cuda_graphs=cuda, encoder_graphs=cuda,
                                 encoder_tf32=cuda, estimator_dtype="bfloat16" if cuda else "float32", context=context,
                                 cache_gib=a.cache_gib if context == "full" else None,
                                 cache_dtype=a.cache_dtype)
+        t1 = time.perf_counter()
         dec.capture_graphs(max(a.batches))
+        row = {"context": context, "load_s": round(t1 - t0, 1), "capture_graphs_s": round(time.perf_counter() - t1, 1)}
+        print(json.dumps(row), flush=True)
+        results.append(row)
         for batch in a.batches:
             _rounds(dec, batch, 3, voice)  # warm: first uses, allocator
             if cuda:
