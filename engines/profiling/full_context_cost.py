@@ -104,15 +104,20 @@ PHASES = (("full", "_encode_groups", "encoder"), ("full", "_solve", "solve"), ("
 def _phases(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, last: int = 10) -> dict[str, float]:
     """Medians over the last `last` of `rounds` rounds, unprofiled (ms): the round, the host's wait for the GPU at its
     end, and per phase the host's time in it and (CUDA) the GPU's timeline between events around it: a phase whose
-    timeline is as long as its host time kept the GPU waiting for its launches."""
+    timeline is as long as its host time kept the GPU waiting for its launches. On CUDA also the timeline from the
+    round's start to its first phase (`gpu_before_phases`: the host preparing the round while the device, idle
+    between timed rounds, waits) and from its last phase to the round's end (`gpu_after_phases`)."""
     tl = Timeline(dec.device.type == "cuda")
     for owner, method, label in PHASES:
         tl.around(getattr(dec, owner), method, label, gpu=True)
     steady = SteadyRounds(dec, batch, voices=[voice])
+    outer = Timeline(tl.cuda)
+    outer.around(steady, "decode", "round", gpu=True)
     rows = []
     try:
         for _ in range(rounds):
             tl.marks.clear()
+            outer.marks.clear()
             dec.last_gpu_wait_s = 0.0
             ms, _pcm = _timed_round(steady, _sync(dec))
             row = {"round": ms, "host_wait": dec.last_gpu_wait_s * 1e3}
@@ -122,9 +127,14 @@ def _phases(dec: CodecDecoder, batch: int, rounds: int, voice: Voice, last: int 
                 row[f"host_{label}"] = row.get(f"host_{label}", 0.0) + (h1 - h0) * 1e3
                 if e0 is not None:
                     row[f"gpu_{label}"] = row.get(f"gpu_{label}", 0.0) + e0.elapsed_time(e1)
+            (_, _, r0), (_, _, r1) = outer.marks
+            if r0 is not None and tl.marks:
+                row["gpu_before_phases"] = r0.elapsed_time(tl.marks[0][2])
+                row["gpu_after_phases"] = tl.marks[-1][2].elapsed_time(r1)
             rows.append(row)
     finally:
         steady.close()
+        outer.restore()
         tl.restore()
     tail = rows[-last:]
     return {k: round(float(np.median([r.get(k, 0.0) for r in tail])), 2) for k in tail[-1]}
