@@ -1,7 +1,13 @@
-"""full_context_cost's phase timing (`--phases`): each phase of a round timed, and the decoder left as it was."""
+"""full_context_cost's phase timing (`--phases`): each phase of a round timed, with timing events the round around
+its phases too, and the decoder left as it was."""
 
 from __future__ import annotations
 
+import time
+
+import torch
+
+from engines.profiling.codec_timeline import Timeline
 from engines.profiling.full_context_cost import PHASES, _phases
 from engines.speech_out import CodecDecoder, Voice
 
@@ -15,3 +21,27 @@ def test_phases_time_every_phase_of_the_rounds_and_leave_the_decoder_unwrapped()
     assert got["host_encoder"] + got["host_solve"] + got["host_vocoder"] <= got["round"]
     for owner, method, _ in PHASES:
         assert method not in vars(getattr(dec, owner))  # the class's own method again
+
+
+class _Event:
+    """A CUDA timing event's stand-in on the host clock."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_phases_on_a_device_with_timing_events_also_time_the_round_around_its_phases(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    timeline_init = Timeline.__init__
+    monkeypatch.setattr(Timeline, "__init__", lambda self, cuda: timeline_init(self, True))
+    dec = CodecDecoder.load("tiny-random", device="cpu", vocoder="hift", context="full", cache_gib=0.05)
+    got = _phases(dec, 2, 6, Voice.random(seed=3, n_codes=12), last=3)
+    assert {"gpu_encoder", "gpu_solve", "gpu_vocoder", "gpu_before_phases", "gpu_after_phases"} <= set(got)
+    assert 0 <= got["gpu_before_phases"] and 0 <= got["gpu_after_phases"]
+    assert got["gpu_before_phases"] + got["gpu_encoder"] + got["gpu_solve"] + got["gpu_vocoder"] <= got["round"]
