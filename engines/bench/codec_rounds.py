@@ -17,6 +17,7 @@ import torch
 
 from engines.cuda.streams import driver_stream
 from engines.speech_out import CodecDecoder, DecodeStream, Voice
+from engines.speech_out.queued import QueuedRound
 
 
 class SteadyRounds:
@@ -46,6 +47,12 @@ class SteadyRounds:
         jobs = [job for s in self.streams for job in s.take_jobs()]
         with torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext():
             return self.dec.run_jobs_or_raise(jobs)
+
+    def queue(self) -> QueuedRound:
+        """`decode`'s round queued on the device, collected later (`QueuedRound.collect`, in the order queued)."""
+        jobs = [job for s in self.streams for job in s.take_jobs()]
+        with torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext():
+            return self.dec.queue_jobs(jobs)
 
     def close(self) -> None:
         for s in self.streams:

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-import engines.speech_out.decoder as codec_decoder_mod
 from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import device_name
 from engines.speech_out import CodecDecoder
+from engines.speech_out.queued import QueuedRound
 
 # The host steps marked: (what owns the function, as an attribute path from the decoder; the function).
 HOST_STEPS = (("", "run_jobs"), ("flow", "decode_chunk"), ("flow", "_prefix_layouts"), ("flow", "_encode_in_place"),
@@ -102,7 +102,7 @@ def timeline(dec: CodecDecoder, batch: int, steps: int, seed: int = 0) -> list[t
     try:
         for path, attr in HOST_STEPS:
             tl.around(_owner(dec, path), attr, attr)
-        tl.around(codec_decoder_mod, "wait_releasing_gil", "pcm_wait", gpu=True)
+        tl.around(QueuedRound, "wait", "pcm_wait", gpu=True)
         if cuda:
             tl.around(torch.cuda.CUDAGraph, "replay", "replay", gpu=True)
         rows = [step() for _ in range(steps)]

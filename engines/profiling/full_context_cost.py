@@ -55,6 +55,39 @@ def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[fl
     return ms
 
 
+def _rounds_ahead(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[float]:
+    """Each round's ms with the next one queued before it is collected (`QueuedRound`), as a codec worker that keeps
+    one round queued ahead would run them: from one round's PCM on the host to the next's. The host prepares a round
+    while the device still runs the one before it."""
+    steady = SteadyRounds(dec, batch, voices=[voice])
+    ms = []
+    try:
+        steady.feed()
+        pending = steady.queue()
+        t = time.perf_counter()
+        for _ in range(rounds):
+            steady.feed()
+            ahead = steady.queue()
+            pcm = pending.collect()
+            now = time.perf_counter()
+            if any(isinstance(p, Exception) for p in pcm):
+                raise next(p for p in pcm if isinstance(p, Exception))
+            if any(not np.isfinite(p).all() for p in pcm):
+                raise RuntimeError("non-finite PCM")
+            ms.append((now - t) * 1e3)
+            t, pending = now, ahead
+        pending.collect()
+    finally:
+        steady.close()
+    return ms
+
+
+def _at(ms: list[float], seconds: float) -> dict[str, float]:
+    """Median round ms around 0.4 / 2 / 10 s and `seconds` into the answers (2.5 rounds a second)."""
+    return {f"{t:g}s": round(float(np.median(ms[max(0, int(t * 2.5) - 1):int(t * 2.5) + 2])), 1)
+            for t in (0.4, 2, 10, seconds) if t * 2.5 <= len(ms)}
+
+
 def _first_job(dec: CodecDecoder, batch: int, voice: Voice, repeats: int = 5) -> float:
     """Median ms of the round that decodes `batch` answers' first jobs together (the prompt's tail and their first
     codes: what an answer's first audio waits for), over `repeats` starts."""
@@ -155,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="also print the CUDA ops of the last round at the largest "
                    "batch (torch.profiler)")
+    p.add_argument("--ahead", action="store_true", help="also time rounds back to back with the next one queued "
+                   "before each is collected (the host preparing a round while the device runs the last)")
     p.add_argument("--phases", action="store_true", help="also time the phases of the rounds at the largest batch, "
                    "unprofiled: host and GPU time of the flow's encoder, its solve and the vocoder")
     a = p.parse_args(argv)
@@ -180,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             before = torch.cuda.memory_allocated() if cuda else 0
             ms = _rounds(dec, batch, n_rounds, voice)
             peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else float("nan")
-            at = {f"{t:g}s": round(float(np.median(ms[max(0, int(t * 2.5) - 1):int(t * 2.5) + 2])), 1)
-                  for t in (0.4, 2, 10, a.seconds) if t * 2.5 <= len(ms)}
-            row = {"context": context, "cache_dtype": a.cache_dtype, "batch": batch, "round_ms_at": at,
+            row = {"context": context, "cache_dtype": a.cache_dtype, "batch": batch, "round_ms_at": _at(ms, a.seconds),
                    "first_job_ms": round(_first_job(dec, batch, voice), 1), "peak_extra_gib": round(peak, 2)}
+            if a.ahead:
+                row["round_ms_queued_ahead_at"] = _at(_rounds_ahead(dec, batch, n_rounds, voice), a.seconds)
             print(json.dumps(row), flush=True)
             results.append(row)
         if a.profile and cuda:

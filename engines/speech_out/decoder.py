@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,6 @@ import numpy as np
 import torch
 
 from engines.config import KV_DTYPES, ConfigError, kv_torch_dtype, parse_dtype
-from engines.cuda.streams import wait_releasing_gil
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
 from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
@@ -27,6 +25,7 @@ from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
 from engines.speech_out.mel_spec import MelSpec, check_same_mel
 from engines.speech_out.presets import DECODER_PRESETS
+from engines.speech_out.queued import QueuedRound
 from engines.speech_out.stream import DecodeStream, Job
 from engines.speech_out.vocoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
 from engines.speech_out.voice import Voice
@@ -343,22 +342,32 @@ class CodecDecoder:
         others are decoded). `between` is called each time a piece of the GPU work is queued (the flow's encoder, each
         piece of its solve: FlowModel.solve_parts), on this thread: the caller may wait there, e.g. to give the GPU to
         more urgent work before queueing the rest (the vocoder follows the last piece)."""
+        queued = self.queue_jobs(jobs, between)
+        pcm = queued.collect()
+        self.last_gpu_wait_s = queued.gpu_wait_s  # (load logs: how much of a call was the GPU's)
+        return pcm
+
+    @torch.inference_mode()
+    def queue_jobs(self, jobs: list[Job], between: Callable[[], None] | None = None) -> QueuedRound:
+        """`run_jobs`' work queued on the current stream; its results from the round's `collect()` (queued.py)."""
         if len({id(j.stream) for j in jobs}) != len(jobs):
             raise ValueError("run_jobs takes at most one chunk per session (chunks of a session are sequential)")
-        if self.full is None:
-            return self._run_jobs(jobs, between)
-        # Each job's pages are taken here, as its round starts, not when its codes came: the language model runs
-        # seconds ahead of the audio, and pages held that far ahead would be pages nobody reads yet.
-        out: list[np.ndarray | DecoderCacheFull | None] = [None] * len(jobs)
-        for i, j in enumerate(jobs):
-            try:
-                self.full.reserve(j.stream.flow_state, self.full.pages_for(len(j.codes), self.cfg.stream.chunk_codes))
-            except DecoderCacheFull as e:
-                out[i] = e
-        live = [i for i, o in enumerate(out) if o is None]
-        for i, pcm in zip(live, self._run_jobs([jobs[i] for i in live], between) if live else [], strict=True):
-            out[i] = pcm
-        return out  # type: ignore[return-value]
+        queued = QueuedRound(list(jobs), [None] * len(jobs), self.windowed)
+        live = list(range(len(jobs)))
+        if self.full is not None:
+            # Each job's pages are taken here, as its round starts, not when its codes came: the language model runs
+            # seconds ahead of the audio, and pages held that far ahead would be pages nobody reads yet.
+            for i, j in enumerate(jobs):
+                try:
+                    self.full.reserve(j.stream.flow_state,
+                                      self.full.pages_for(len(j.codes), self.cfg.stream.chunk_codes))
+                except DecoderCacheFull as e:
+                    queued.results[i] = e
+            live = [i for i, o in enumerate(queued.results) if o is None]
+        if live:
+            self._queue_jobs(queued, live, between)
+        queued.mark_queued(self.device)
+        return queued
 
     def run_jobs_or_raise(self, jobs: list[Job]) -> list[np.ndarray]:
         """`run_jobs` for callers that stop at any failure (a stream decoded on its own, a bench's rounds): a job's
@@ -369,26 +378,23 @@ class CodecDecoder:
                 raise p
         return pcm  # type: ignore[return-value]
 
-    def _run_jobs(self, jobs: list[Job], between: Callable[[], None] | None) -> list[np.ndarray]:
+    def _queue_jobs(self, queued: QueuedRound, live: list[int], between: Callable[[], None] | None) -> None:
+        """The flow and the vocoder of queued.jobs[i] for i in `live`, queued; their windows in `queued.rendered`."""
+        jobs = [queued.jobs[i] for i in live]
         for j in jobs:
             j.stream.adopt()
-        results: list[np.ndarray | None] = [None] * len(jobs)
         groups: dict[int, list[int]] = {}
-        for i, j in enumerate(jobs):
+        for i, j in zip(live, jobs, strict=True):
             groups.setdefault(len(j.codes), []).append(i)
         # Sessions of one voice and window length side by side: the flow copies their keys as one run (FlowModel._runs).
         # Rows are independent, so the order changes no result.
         for idx in groups.values():
-            idx.sort(key=lambda i: jobs[i].stream.flow_state.run_key())
+            idx.sort(key=lambda i: queued.jobs[i].stream.flow_state.run_key())
         la = self.cfg.flow.pre_lookahead
-        rendered = []  # (indices, jobs, the vocoder's windows on their way to the host) per chunk length
         for n, idx in groups.items():
-            js = [jobs[i] for i in idx]
-            if n == 0:  # tail flush only
-                for i, j in zip(idx, js, strict=True):
-                    t = j.stream.voc_state.tail
-                    results[i] = t if t is not None else np.zeros(0, np.float32)
-                    j.stream.voc_state.tail = None
+            js = [queued.jobs[i] for i in idx]
+            if n == 0:  # tail flush only: the tail an earlier round leaves, taken when this round is collected
+                queued.flushes.extend(idx)
                 continue
             rows = [j.codes + j.look + [0] * (la - len(j.look)) for j in js]
             codes = torch.from_numpy(np.array(rows, dtype=np.int64))  # (numpy: ~3x faster than torch.tensor here)
@@ -413,19 +419,8 @@ class CodecDecoder:
                 sub = [idx[k] for k in ks]
                 if skip == mel.shape[2]:  # the prompt's alone (an answer without codes): no audio
                     for i in sub:
-                        results[i] = np.zeros(0, np.float32)
+                        queued.results[i] = np.zeros(0, np.float32)
                     continue
                 sel = mel if len(ks) == len(js) else mel[ks]
-                rendered.append((sub, [js[k] for k in ks], self.windowed.render(
+                queued.rendered.append((sub, [js[k] for k in ks], self.windowed.render(
                     sel[:, :, skip:], [js[k].stream.voc_state for k in ks], [gens[k] for k in ks])))
-        t0 = time.perf_counter()
-        wait_releasing_gil(self.device)  # every group's windows on the host
-        self.last_gpu_wait_s = time.perf_counter() - t0  # (load logs: how much of a call was the GPU's)
-        for idx, js, wav in rendered:
-            outs = self.windowed.finish(wav, [j.stream.voc_state for j in js], [j.final for j in js])
-            for i, o in zip(idx, outs, strict=True):
-                results[i] = o
-        pcm = [np.asarray(r, dtype=np.float32) for r in results]
-        for j, p in zip(jobs, pcm, strict=True):
-            j.stream.samples_out += p.shape[0]
-        return pcm

@@ -7,6 +7,7 @@ import pytest
 from engines.profiling import codec_timeline as ct
 from engines.speech_out import CodecDecoder
 from engines.speech_out.decoder import CodecDecoder as DecoderClass
+from engines.speech_out.queued import QueuedRound
 
 
 @pytest.fixture(scope="module")
@@ -15,9 +16,7 @@ def tiny():
 
 
 def test_a_step_is_marked_in_order_and_everything_patched_is_restored(tiny):
-    import engines.speech_out.decoder as mod
-
-    wait = mod.wait_releasing_gil
+    wait = QueuedRound.wait
     rows = ct.timeline(tiny, batch=2, steps=3)
     names = [k for k, _, _ in rows]
     for want in ("start#0", "run_jobs>#0", "decode_chunk>#0", "_prefix_layouts>#0", "_index_arrays>#0", "_solve<#0",
@@ -27,9 +26,9 @@ def test_a_step_is_marked_in_order_and_everything_patched_is_restored(tiny):
     order = ["start#0", "run_jobs>#0", "decode_chunk>#0", "_solve<#0", "render>#0", "finish<#0", "end#0"]
     assert [host[k] for k in order] == sorted(host[k] for k in order)  # medians of marks in one order each step
     assert all(math.isnan(g) for _, _, g in rows)  # no GPU time off CUDA
-    # Nothing stays patched: the instances' methods are their classes' again, the module's function its own.
+    # Nothing stays patched: the instances' methods are their classes' again, the class's its own.
     assert "run_jobs" not in vars(tiny) and "decode_chunk" not in vars(tiny.flow)
-    assert "render" not in vars(tiny.windowed) and mod.wait_releasing_gil is wait
+    assert "render" not in vars(tiny.windowed) and QueuedRound.wait is wait
     assert tiny.run_jobs.__func__ is DecoderClass.run_jobs
 
 

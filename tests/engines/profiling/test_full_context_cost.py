@@ -8,7 +8,7 @@ import time
 import torch
 
 from engines.profiling.codec_timeline import Timeline
-from engines.profiling.full_context_cost import PHASES, _phases
+from engines.profiling.full_context_cost import PHASES, _phases, _rounds_ahead
 from engines.speech_out import CodecDecoder, Voice
 
 
@@ -45,3 +45,9 @@ def test_phases_on_a_device_with_timing_events_also_time_the_round_around_its_ph
     assert {"gpu_encoder", "gpu_solve", "gpu_vocoder", "gpu_before_phases", "gpu_after_phases"} <= set(got)
     assert 0 <= got["gpu_before_phases"] and 0 <= got["gpu_after_phases"]
     assert got["gpu_before_phases"] + got["gpu_encoder"] + got["gpu_solve"] + got["gpu_vocoder"] <= got["round"]
+
+
+def test_rounds_queued_ahead_are_timed_from_one_rounds_pcm_to_the_next():
+    dec = CodecDecoder.load("tiny-random", device="cpu", vocoder="hift", context="full", cache_gib=0.05)
+    ms = _rounds_ahead(dec, 2, 4, Voice.random(seed=3, n_codes=12))
+    assert len(ms) == 4 and all(t > 0 for t in ms)
