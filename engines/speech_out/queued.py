@@ -32,6 +32,7 @@ class QueuedRound:
     gpu_wait_s: float = 0.0  # how long `collect` waited for the device
 
     def mark_queued(self, device: torch.device) -> None:
+        """The event after everything queued so far on the current stream: the round's work."""
         if device.type == "cuda":
             self.done = torch.cuda.Event()
             self.done.record()

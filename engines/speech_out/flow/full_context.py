@@ -287,7 +287,8 @@ class FullContextFlow:
     def _forget_oldest(self, state: FullState, wanted: int) -> None:
         """The answer's oldest pages back to the pool, until it holds `kept_pages` with the `wanted` ones. Only this
         answer's earlier jobs read them, and each of those has finished (its audio came back to the host before this
-        job was handed to a round: an answer's jobs run one after another), so they may be written again at once."""
+        job was handed to a round: an answer's jobs run one after another) or, in a round queued ahead on the same
+        stream (queued.py), runs before anything queued after it, so they may be written again at once."""
         n = min(len(state.pages), len(state.pages) + len(state.reserved) + wanted - self.kept_pages)
         if n > 0:
             self.pages.release(state.pages[:n])
