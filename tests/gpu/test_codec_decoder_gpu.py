@@ -10,7 +10,7 @@ import torch
 
 from engines.cuda.streams import driver_stream
 from engines.speech_out import CodecDecoder
-from tests.engines.speech_out.decoder_rounds import in_rounds
+from tests.engines.speech_out.decoder_rounds import in_rounds, rounds_pcm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CPU paths are covered by "
                                 "tests/engines/speech_out/test_decoder_*.py")
@@ -328,3 +328,16 @@ def test_two_first_lanes_on_their_threads_give_the_offline_pcm():
     for sid in codes:
         np.testing.assert_allclose(np.concatenate(out[sid]), want[sid], atol=3e-4, rtol=0)
     assert all(n >= 1 for n in calls.values()), calls
+
+
+@pytest.mark.parametrize("context", ["full", "window"])
+def test_rounds_queued_ahead_on_cuda_equal_rounds_one_after_another(context):
+    """Each round queued on a driver stream before the one before it is collected (its work still in flight when
+    the next is queued), with CUDA graphs: the PCM of rounds run one after another, held tails included."""
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift", cuda_graphs=True, context=context)
+    with torch.cuda.stream(driver_stream(dec.device)):
+        ahead = rounds_pcm(dec, (23, 17, 9), True)
+        serial = rounds_pcm(dec, (23, 17, 9), False)
+    for a, s in zip(ahead, serial, strict=True):
+        assert a.shape == s.shape and a.size > 0
+        np.testing.assert_allclose(a, s, atol=TOL, rtol=0)

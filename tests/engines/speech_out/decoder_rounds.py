@@ -1,6 +1,6 @@
 """Codec decoder test inputs and drivers: random codes, a stream pushed in given sizes, the tolerances of the
-streaming and batching checks, and decoding finished streams' chunks in rounds as the engine's codec worker batches
-them."""
+streaming and batching checks, decoding finished streams' chunks in rounds as the engine's codec worker batches
+them, and rounds queued ahead of their collection."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from engines.speech_out import CodecDecoder
 from engines.speech_out.decoder import cache_page_bytes
+from engines.speech_out.stream import Job
 
 SPC = 1920  # samples per code
 # Streamed vs offline run the same ops on the same shapes: equal up to float noise.
@@ -66,3 +67,46 @@ def random_position_biases(flow, seed: int = 0) -> None:
         for p in flow.encoder.parameters():
             if p.dim() == 2 and p.shape[0] == flow.cfg.heads:
                 p.copy_(torch.randn(p.shape, generator=g))
+
+
+def tail_rounds(dec: CodecDecoder, lengths: tuple[int, ...]) -> tuple[list, list[list[Job]]]:
+    """Streams holding `lengths` random codes, and the rounds decoding them: round r holds each answer's r-th chunk,
+    and an answer releases its held tail (a job of no codes) in the round right after its last chunk."""
+    streams = [dec.open_stream(f"s{i}", seed=i) for i in range(len(lengths))]
+    per_stream = []
+    for i, (s, n) in enumerate(zip(streams, lengths, strict=True)):
+        s.add(_codes(n, seed=i))
+        per_stream.append(s.take_jobs() + [Job(s, [], [], True)])
+    return streams, [[js[r] for js in per_stream if r < len(js)] for r in range(max(map(len, per_stream)))]
+
+
+def rounds_pcm(dec: CodecDecoder, lengths: tuple[int, ...], ahead: bool) -> list[np.ndarray]:
+    """tail_rounds' PCM per stream: each round run alone (`run_jobs`), or with `ahead` each queued before the round
+    before it is collected (`queue_jobs`, then `collect` in order)."""
+    streams, rounds = tail_rounds(dec, lengths)
+    out: dict[int, list[np.ndarray]] = {id(s): [] for s in streams}
+
+    def take(jobs: list[Job], pcm: list) -> None:
+        for j, p in zip(jobs, pcm, strict=True):
+            out[id(j.stream)].append(p)
+
+    if ahead:
+        queued = deque()
+        for jobs in rounds:
+            queued.append((jobs, dec.queue_jobs(jobs)))
+            if len(queued) == 2:  # the next round queued: now the one before it is collected
+                take(*_collected(queued.popleft()))
+        while queued:
+            take(*_collected(queued.popleft()))
+    else:
+        for jobs in rounds:
+            take(jobs, dec.run_jobs(jobs))
+    pcm = [np.concatenate(out[id(s)]) for s in streams]
+    for s in streams:
+        s.close()
+    return pcm
+
+
+def _collected(item: tuple) -> tuple[list[Job], list]:
+    jobs, queued = item
+    return jobs, queued.collect()
