@@ -5,7 +5,8 @@ For each decoder context and batch size, `B` answers in one voice are decoded as
 at points of the answers (a round must stay under 400 ms, the audio it makes, for answers to play at real time), the
 estimator's cache per second of audio, the device memory the rounds took, and the seconds the decoder's loading and
 its graphs' capture took (a server's start waits for both); `--profile` and `--phases` take a round apart (under
-torch.profiler; unprofiled, by phase). A development tool, not the server.
+torch.profiler; unprofiled, by phase); `--ahead` also times the rounds with each one queued before the one before it
+is collected. A development tool, not the server.
 """
 
 from __future__ import annotations
