@@ -17,7 +17,7 @@ import torch
 
 from engines.cuda.streams import driver_stream
 from engines.speech_out import CodecDecoder, DecodeStream, Voice
-from engines.speech_out.queued import QueuedRound
+from engines.speech_out.queued import QueuedRound, raise_full
 
 
 class SteadyRounds:
@@ -53,6 +53,11 @@ class SteadyRounds:
         jobs = [job for s in self.streams for job in s.take_jobs()]
         with torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext():
             return self.dec.queue_jobs(jobs)
+
+    @staticmethod
+    def collect(queued: QueuedRound) -> list[np.ndarray]:
+        """A queued round's PCM per session, as `decode` returns it (a full decoder cache raised)."""
+        return raise_full(queued.collect())
 
     def close(self) -> None:
         for s in self.streams:

@@ -39,6 +39,11 @@ def _timed_round(steady: SteadyRounds, sync) -> tuple[float, list[np.ndarray]]:
     return (time.perf_counter() - t0) * 1e3, pcm
 
 
+def _check_finite(pcm: list[np.ndarray]) -> None:
+    if any(not np.isfinite(p).all() for p in pcm):
+        raise RuntimeError("non-finite PCM")
+
+
 def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[float]:
     """Each round's ms (a round without a ready chunk, an answer's start in a voice whose prompt tail waits for more
     codes, is timed too)."""
@@ -49,8 +54,7 @@ def _rounds(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> list[fl
         for _ in range(rounds):
             t, pcm = _timed_round(steady, sync)
             ms.append(t)
-            if any(not np.isfinite(p).all() for p in pcm):
-                raise RuntimeError("non-finite PCM")
+            _check_finite(pcm)
     finally:
         steady.close()
     return ms
@@ -69,15 +73,12 @@ def _rounds_ahead(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> l
         for _ in range(rounds):
             steady.feed()
             ahead = steady.queue()
-            pcm = pending.collect()
+            pcm = steady.collect(pending)
             now = time.perf_counter()
-            if any(isinstance(p, Exception) for p in pcm):
-                raise next(p for p in pcm if isinstance(p, Exception))
-            if any(not np.isfinite(p).all() for p in pcm):
-                raise RuntimeError("non-finite PCM")
+            _check_finite(pcm)
             ms.append((now - t) * 1e3)
             t, pending = now, ahead
-        pending.collect()
+        steady.collect(pending)
     finally:
         steady.close()
     return ms

@@ -25,7 +25,7 @@ from engines.speech_out.flow.reference import reference_mel
 from engines.speech_out.flow.state import PreparedVoice
 from engines.speech_out.mel_spec import MelSpec, check_same_mel
 from engines.speech_out.presets import DECODER_PRESETS
-from engines.speech_out.queued import QueuedRound
+from engines.speech_out.queued import QueuedRound, raise_full
 from engines.speech_out.stream import DecodeStream, Job
 from engines.speech_out.vocoder.vocoder import BigVGANVocoder, HiFTVocoder, Vocoder, WindowedVocoder
 from engines.speech_out.voice import Voice
@@ -372,11 +372,7 @@ class CodecDecoder:
     def run_jobs_or_raise(self, jobs: list[Job]) -> list[np.ndarray]:
         """`run_jobs` for callers that stop at any failure (a stream decoded on its own, a bench's rounds): a job's
         DecoderCacheFull is raised."""
-        pcm = self.run_jobs(jobs)
-        for p in pcm:
-            if isinstance(p, DecoderCacheFull):
-                raise p
-        return pcm  # type: ignore[return-value]
+        return raise_full(self.run_jobs(jobs))
 
     def _queue_jobs(self, queued: QueuedRound, live: list[int], between: Callable[[], None] | None) -> None:
         """The flow and the vocoder of queued.jobs[i] for i in `live`, queued; their windows in `queued.rendered`."""

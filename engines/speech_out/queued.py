@@ -65,3 +65,12 @@ class QueuedRound:
             j.stream.samples_out += p.shape[0]
             out.append(p)
         return out
+
+
+def raise_full(pcm: list[np.ndarray | DecoderCacheFull]) -> list[np.ndarray]:
+    """A round's results for callers that stop at any failure (a stream decoded on its own, a bench's rounds): a
+    job's DecoderCacheFull is raised."""
+    for p in pcm:
+        if isinstance(p, DecoderCacheFull):
+            raise p
+    return pcm  # type: ignore[return-value]

@@ -91,13 +91,13 @@ def rounds_pcm(dec: CodecDecoder, lengths: tuple[int, ...], ahead: bool) -> list
             out[id(j.stream)].append(p)
 
     if ahead:
-        queued = deque()
+        pending = None  # (jobs, their queued round)
         for jobs in rounds:
-            queued.append((jobs, dec.queue_jobs(jobs)))
-            if len(queued) == 2:  # the next round queued: now the one before it is collected
-                take(*_collected(queued.popleft()))
-        while queued:
-            take(*_collected(queued.popleft()))
+            queued = dec.queue_jobs(jobs)
+            if pending is not None:  # the next round queued: now the one before it is collected
+                take(pending[0], pending[1].collect())
+            pending = jobs, queued
+        take(pending[0], pending[1].collect())
     else:
         for jobs in rounds:
             take(jobs, dec.run_jobs(jobs))
@@ -105,8 +105,3 @@ def rounds_pcm(dec: CodecDecoder, lengths: tuple[int, ...], ahead: bool) -> list
     for s in streams:
         s.close()
     return pcm
-
-
-def _collected(item: tuple) -> tuple[list[Job], list]:
-    jobs, queued = item
-    return jobs, queued.collect()
