@@ -27,10 +27,10 @@ SESSIONS_PER_RUNNING = 2
 # p95 TTFA 193 ms at 24, 257 at 32 (2026-12-04, docs/performance.md, Capacity and Soak).
 FULL_CONTEXT_SESSIONS = 32
 # With that decoder, a session is counted as holding the pages of an answer in progress that its cache always keeps
-# (decoder_pages_kept: 28 chunks, ~11.2 s): the default cache (40 GiB, 936 pages) holds more than
-# FULL_CONTEXT_SESSIONS such sessions; a smaller one (--decoder-cache-gib) holds fewer. Past that, a long answer
-# forgets its oldest chunks when the cache runs short, and an answer that cannot keep even those stops with
-# server_busy.
+# (decoder_pages_kept: 28 chunks, ~11.2 s): the default cache on a card with room for 40 GiB (936 pages) holds more
+# than FULL_CONTEXT_SESSIONS such sessions; a smaller one (an 80 GB card's default, --decoder-cache-gib) holds fewer.
+# Past that, a long answer forgets its oldest chunks when the cache runs short, and an answer that cannot keep even
+# those stops with server_busy.
 _REPORTED = ("device", "max_running", "max_model_len", "kv_total", "kv_block_rows")
 
 # Real-time WebSocket sessions one server process's event loop carries (decoding appends, resampling, VAD, outbound

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engines.config import PRESETS, ConfigError, EngineConfig
+from engines.cuda.memory import free_bytes
 from engines.cuda.streams import model_stream
 from engines.lm.engine import Engine
 from engines.lm.kv.sizing import GIB, thin_pool_warning
@@ -35,13 +36,6 @@ log = logging.getLogger("engines.process")
 # Speech-encoder slots only segment-floor re-encodes take (engines/speech_in/slot_pool.py): a re-encode holds one per
 # 30 s segment for one encoder call, and turns that do not fit at once go one after another (encoder_worker.py).
 REENCODE_SLOTS = 2
-
-
-def _free_bytes(device: str) -> int:
-    """Device memory free for the KV pool: the driver's, once torch's allocator has returned its unused blocks. (What
-    it keeps inside CUDA graphs' private pools is not free for other tensors: counting it, an H100 ran out.)"""
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
 
 
 def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: StartupMemory) -> tuple[Any, Any, Any]:
@@ -121,7 +115,7 @@ def build_service(config: ProcessConfig) -> Service:
                                         else (None, None, []))
     with memory.part("the language model's KV pool and CUDA graphs"):
         engine = Engine.build(model, model_config, engine_config, seed=config.seed,
-                              kv_free_bytes=_free_bytes(config.device) if config.kv_auto else None)
+                              kv_free_bytes=free_bytes(config.device) if config.kv_auto else None)
     del model
     if config.kv_auto:
         log.info("KV pool: %.1f GiB (auto: the GPU's free memory less a headroom)",

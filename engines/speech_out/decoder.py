@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engines.config import KV_DTYPES, ConfigError, kv_torch_dtype, parse_dtype
+from engines.cuda.memory import free_bytes
 from engines.lm.step_graphs import SideStreams
 from engines.speech_out.checkpoint import CheckpointError, load_checked, read_state_dict
 from engines.speech_out.chunk_graphs import EncoderGraphs, EulerGraphs, VocoderGraphs
@@ -37,6 +38,17 @@ VOCODERS = ("bigvgan", "hift")
 CONTEXTS = ("full", "window")
 # The full-context solve's graphs captured at load reach the default voice's pages and this much answer.
 CAPTURE_ANSWER_S = 24
+# The full-context decoder's cache when none is asked for, on a GPU: 936 pages, 32 answers' last 28 chunks and a
+# voice's, but never more than half of what the device has free as the decoder loads. An 80 GB card holding the
+# language model's weights and the speech encoder's slots has ~44 GiB left there, and the language model's KV pool
+# and the codec's CUDA graphs come after (40 GiB left an H100 at the default --max-running no room for them).
+GPU_CACHE_GIB = 40.0
+CPU_CACHE_GIB = 0.5
+
+
+def default_cache_gib(on_gpu: bool, free_bytes: int = 0) -> float:
+    """The cache size CodecDecoder.load takes where none is given (free_bytes: the device's, on a GPU)."""
+    return min(GPU_CACHE_GIB, free_bytes / 2 / 2**30) if on_gpu else CPU_CACHE_GIB
 
 
 def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
@@ -121,7 +133,8 @@ class CodecDecoder:
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32.
         context: how streams see earlier chunks (CONTEXTS); with "full", cache_gib sizes the estimator's key/value
-        pages (default 40 GiB on a GPU, 0.5 on a CPU; `EstimatorPages`), cache_dtype their element type: "auto" (the
+        pages (default `default_cache_gib`: 40 GiB on a GPU or half its free memory if less, 0.5 on a CPU;
+        `EstimatorPages`), cache_dtype their element type: "auto" (the
         estimator's) or "fp8" (e4m3 saturated at +-448: half the bytes, so twice the pages in cache_gib and half the
         attention's reads; other numerics than the estimator's dtype: docs/fidelity.md).
         offline: the offline flow's weights (`flow/flow.pt`, for `decode`) instead of the chunk model's
@@ -141,8 +154,11 @@ class CodecDecoder:
         dec.flow.encoder.fuse()
         if context == "full":
             dt = kv_torch_dtype(cache_dtype, estimator_dtype)
-            gib = cache_gib if cache_gib is not None else (40.0 if dec.device.type == "cuda" else 0.5)
-            dec.full = FullContextFlow(dec.flow, int(gib * 2**30 // cache_page_bytes(dec.cfg, dt)), cache_dtype=dt)
+            if cache_gib is None:
+                on_gpu = dec.device.type == "cuda"
+                cache_gib = default_cache_gib(on_gpu, free_bytes(dec.device) if on_gpu else 0)
+            dec.full = FullContextFlow(dec.flow, int(cache_gib * 2**30 // cache_page_bytes(dec.cfg, dt)),
+                                       cache_dtype=dt)
             dec.voices = dec._voice_cache()
         if cuda_graphs and dec.device.type == "cuda":
             dec._attach_graphs(encoder_graphs)

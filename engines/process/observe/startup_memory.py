@@ -4,8 +4,8 @@ logged (a full-size engine starts in minutes: the log says where they go).
 
 Why: the parts sized by options add up past an 80 GB card easily. With `--max-running 128` the speech encoder
 reserves float32 KV slots for 128 streams (~31 GiB at full size) next to the model (~17 GiB) and its KV pool
-(`--kv-cache-gib`) and the speech decoder's cache (`--decoder-cache-gib`, 40 GiB by default: a 48 GB card has no room
-for it beside the model); on an H100 with `--kv-cache-gib 24` the codec's graph capture ran out of memory last.
+(`--kv-cache-gib`) and the speech decoder's cache (`--decoder-cache-gib`: 40 GiB, or half the memory free as it
+loads where that is less); on an H100 with `--kv-cache-gib 24` the codec's graph capture ran out of memory last.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from engines.lm.kv.sizing import GIB
 log = logging.getLogger("engines.process")
 
 ADVICE = ("lower --kv-cache-gib (the language model's KV pool), --decoder-cache-gib (the speech decoder's cache of "
-          "earlier chunks, 40 GiB by default on a GPU; --decoder-cache-dtype fp8 holds the same audio in half) or "
-          "--max-running (sequences decoded together; also the speech encoder's KV slots and the codec's largest "
-          "batch)")
+          "earlier chunks, by default 40 GiB or half the GPU's free memory; --decoder-cache-dtype fp8 holds the same "
+          "audio in half) or --max-running (sequences decoded together; also the speech encoder's KV slots and "
+          "the codec's largest batch)")
 
 
 class StartupMemory:

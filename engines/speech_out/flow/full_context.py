@@ -51,7 +51,7 @@ PAGES_BUCKET = 16
 FIRST_JOB_BATCH = 16
 # Chunks an answer keeps whatever the cache's pressure, the one it decodes now included: ~11.2 s of audio. The
 # server's session limit counts each session as holding this many (server/limits.py): 32 of them and a voice of 14
-# pages fit the default 40 GiB (936 pages).
+# pages fit the 40 GiB default of a card with room for it (936 pages).
 KEPT_PAGES = 28
 # Below this many free pages, answers longer than KEPT_PAGES forget their oldest chunks: room for a round of first
 # jobs (FIRST_JOB_BATCH answers of 2 pages) taken between two rounds.

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engines.speech_out import CodecDecoder, Voice
+from engines.speech_out.decoder import cache_page_bytes, default_cache_gib
 from engines.speech_out.flow.pages import DecoderCacheFull
 from tests.engines.speech_out.decoder_rounds import small_cache_decoder
 
@@ -18,6 +19,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _run(dec: CodecDecoder, s) -> list:
     """The stream's jobs decoded one by one as the codec worker's rounds would: PCM, or the error that ended it."""
     return [dec.run_jobs([j])[0] for j in s.take_jobs()]
+
+
+def test_the_default_cache_is_40_gib_on_a_gpu_or_half_its_free_memory_if_less():
+    gib = 2**30
+    assert default_cache_gib(True, 104 * gib) == 40.0  # an H200 after the model's weights and the encoder's slots
+    assert default_cache_gib(True, 44 * gib) == 22.0  # an 80 GB card there: room left for the KV pool and graphs
+    assert default_cache_gib(False) == 0.5
+
+
+def test_a_decoder_loaded_without_a_cache_size_takes_the_default():
+    dec = CodecDecoder.load("tiny-random")
+    page = cache_page_bytes(dec.cfg, dec.full.est_dtype)
+    assert dec.full.pages.n_pages == int(default_cache_gib(False) * 2**30 // page)
 
 
 def test_answers_take_the_room_of_voices_no_answer_speaks_in():
