@@ -21,7 +21,7 @@ OOM = "CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 has a total capac
 
 def test_an_out_of_memory_error_names_the_part_what_came_before_and_the_options():
     held = [0]
-    mem = StartupMemory("cuda:0", allocated=lambda: held[0], capacity=lambda: 80 * GIB)
+    mem = StartupMemory("cuda:0", used=lambda: held[0], capacity=lambda: 80 * GIB)
     with mem.part("the language model and its KV pool"):
         held[0] += 41 * GIB
     with mem.part("the speech encoder's KV slots for 128 streams (234 MiB each)"):
@@ -40,7 +40,7 @@ def test_an_out_of_memory_error_names_the_part_what_came_before_and_the_options(
 
 def test_each_part_is_logged_with_its_time_and_memory(caplog):
     now, held = [0.0], [0]
-    mem = StartupMemory("cuda:0", allocated=lambda: held[0], capacity=lambda: 80 * GIB, clock=lambda: now[0])
+    mem = StartupMemory("cuda:0", used=lambda: held[0], capacity=lambda: 80 * GIB, clock=lambda: now[0])
     with caplog.at_level(logging.INFO, logger="engines.process"), mem.part("the codec decoder"):
         now[0] += 42.5
         held[0] += 3 * GIB
