@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-codes", type=int, default=73, help="the voice prompt's codes (73: the bundled voice)")
     p.add_argument("--contexts", nargs="+", default=["window", "full"])
     p.add_argument("--cache-gib", type=float, default=None, help="the full-context decoder's key/value cache "
-                   "(default: as served, 40 GiB or half the GPU's free memory); answers that outgrow it forget their "
+                   "(default: as served, 40 GiB or 45% of the GPU's free memory); answers that outgrow it forget their "
                    "oldest chunks")
     p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the full-context decoder's key/value element type (--decoder-cache-dtype)")

@@ -39,16 +39,19 @@ CONTEXTS = ("full", "window")
 # The full-context solve's graphs captured at load reach the default voice's pages and this much answer.
 CAPTURE_ANSWER_S = 24
 # The full-context decoder's cache when none is asked for, on a GPU: 936 pages, 32 answers' last 28 chunks and a
-# voice's, but never more than half of what the device has free as the decoder loads. An 80 GB card holding the
-# language model's weights and the speech encoder's slots has ~44 GiB left there, and the language model's KV pool
-# and the codec's CUDA graphs come after (40 GiB left an H100 at the default --max-running no room for them).
+# voice's, but at most GPU_CACHE_SHARE of what the device has free as the decoder loads: the codec's CUDA graphs, the
+# engine's headroom and the language model's KV pool come after. An H100 at the default --max-running (bf16 weights,
+# 66 encoder slots) has ~43.6 GiB free there; 40 GiB left the engine no room to start; half (509 pages) left a KV
+# pool of 3.1 GiB, the codec's graphs holding ~12.7 GiB: 9 sessions of SESSION_ROWS (server/limits.py) against 18 by
+# the cache (docs/bench/startup-h100-2026-12-06-defaults.txt); this share gives each about 16.
 GPU_CACHE_GIB = 40.0
+GPU_CACHE_SHARE = 0.45
 CPU_CACHE_GIB = 0.5
 
 
 def default_cache_gib(on_gpu: bool, free_bytes: int = 0) -> float:
     """The cache size CodecDecoder.load takes where none is given (free_bytes: the device's, on a GPU)."""
-    return min(GPU_CACHE_GIB, free_bytes / 2 / 2**30) if on_gpu else CPU_CACHE_GIB
+    return min(GPU_CACHE_GIB, GPU_CACHE_SHARE * free_bytes / 2**30) if on_gpu else CPU_CACHE_GIB
 
 
 def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
@@ -133,7 +136,7 @@ class CodecDecoder:
         estimator_dtype: "bfloat16" runs the CFM estimator (the bulk of the FLOPs) in bf16; the ODE state,
         encoder and vocoder stay float32.
         context: how streams see earlier chunks (CONTEXTS); with "full", cache_gib sizes the estimator's key/value
-        pages (default `default_cache_gib`: 40 GiB on a GPU or half its free memory if less, 0.5 on a CPU;
+        pages (default `default_cache_gib`: 40 GiB on a GPU or 45% of its free memory if less, 0.5 on a CPU;
         `EstimatorPages`), cache_dtype their element type: "auto" (the
         estimator's) or "fp8" (e4m3 saturated at +-448: half the bytes, so twice the pages in cache_gib and half the
         attention's reads; other numerics than the estimator's dtype: docs/fidelity.md).
