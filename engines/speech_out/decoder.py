@@ -49,9 +49,9 @@ GPU_CACHE_SHARE = 0.45
 CPU_CACHE_GIB = 0.5
 
 
-def default_cache_gib(on_gpu: bool, free_bytes: int = 0) -> float:
-    """The cache size CodecDecoder.load takes where none is given (free_bytes: the device's, on a GPU)."""
-    return min(GPU_CACHE_GIB, GPU_CACHE_SHARE * free_bytes / 2**30) if on_gpu else CPU_CACHE_GIB
+def default_cache_gib(on_gpu: bool, free: int = 0) -> float:
+    """The cache size CodecDecoder.load takes where none is given (free: the device's free bytes, on a GPU)."""
+    return min(GPU_CACHE_GIB, GPU_CACHE_SHARE * free / 2**30) if on_gpu else CPU_CACHE_GIB
 
 
 def build_modules(cfg: CodecDecoderConfig, with_bigvgan: bool) -> tuple[FlowModel, HiFTVocoder, Vocoder | None]:
@@ -137,9 +137,9 @@ class CodecDecoder:
         encoder and vocoder stay float32.
         context: how streams see earlier chunks (CONTEXTS); with "full", cache_gib sizes the estimator's key/value
         pages (default `default_cache_gib`: 40 GiB on a GPU or 45% of its free memory if less, 0.5 on a CPU;
-        `EstimatorPages`), cache_dtype their element type: "auto" (the
-        estimator's) or "fp8" (e4m3 saturated at +-448: half the bytes, so twice the pages in cache_gib and half the
-        attention's reads; other numerics than the estimator's dtype: docs/fidelity.md).
+        `EstimatorPages`), cache_dtype their element type: "auto" (the estimator's) or "fp8" (e4m3 saturated at
+        +-448: half the bytes, so twice the pages in cache_gib and half the attention's reads; other numerics than the
+        estimator's dtype: docs/fidelity.md).
         offline: the offline flow's weights (`flow/flow.pt`, for `decode`) instead of the chunk model's
         (`flow/flow-chunk-5.pt`, for streams).
         encoder_tf32: the flow encoder's float32 matmuls on TF32 tensor cores (CUDA; its convs already are, by
