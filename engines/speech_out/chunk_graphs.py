@@ -42,11 +42,14 @@ def bucket(b: int, sizes: tuple[int, ...] = BUCKETS) -> int:
 
 
 def buckets_up_to(max_batch: int, sizes: tuple[int, ...] = BUCKETS) -> list[int]:
-    """Every size of `sizes` up to and including the one holding `max_batch` rows."""
+    """Every size of `sizes` up to and including the one holding `max_batch` rows, largest first: the order to capture
+    them in. A graph set's captures share one memory pool, and a smaller capture reuses what a larger one freed;
+    captured smallest first, each larger one needs blocks that the earlier ones' (split around their outputs, which
+    stay allocated) cannot give."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     top = bucket(max_batch, sizes)
-    return [b for b in sizes if b < top] + [top]
+    return [top] + [b for b in reversed(sizes) if b < top]
 
 
 class BucketGraphs:
@@ -150,7 +153,7 @@ class EulerGraphs(BucketGraphs):
         flow, n = self.flow, 0
         kw = {"device": flow.device, "dtype": flow.dtype}
         full = flow.stream.chunk_codes * flow.cfg.token_mel_ratio
-        for F in frames or (full,):
+        for F in sorted(frames or (full,), reverse=True):  # largest first, as buckets_up_to
             for Bp in buckets_up_to(max_batch, FINE_BUCKETS if F == full else BUCKETS):
                 for steps in flow.step_ranges(F):
                     # Values are replaced at every replay.
@@ -245,7 +248,7 @@ class EncoderGraphs(BucketGraphs):
         """Capture every full-chunk graph of a voice with `prompt_codes` prompt codes for every bucket up to the one
         holding `max_batch` sessions. Returns how many were newly captured."""
         dev, got = self.flow.device, 0
-        for L, U in self.prefix_lengths(prompt_codes):
+        for L, U in reversed(self.prefix_lengths(prompt_codes)):  # largest first, as buckets_up_to
             for Bp in buckets_up_to(max_batch):
                 # Values are replaced at every replay.
                 got += self.ensure([torch.full((Bp, *shape), fill, device=dev, dtype=dt)
@@ -285,7 +288,7 @@ class VocoderGraphs(BucketGraphs):
         cfg, H = gen.cfg, gen.n_harmonics
         hop = cfg.mel.hop
         n, kw = 0, {"device": w.device, "dtype": w.dtype}
-        for F in frames or (self.chunk_frames,):
+        for F in sorted(frames or (self.chunk_frames,), reverse=True):  # largest first, as buckets_up_to
             T = self.ctx_frames + F
             for Bp in buckets_up_to(max_batch, FINE_BUCKETS if F == self.chunk_frames else BUCKETS):
                 inputs = [torch.zeros(Bp, cfg.mel.n_mels, T, **kw), torch.zeros(Bp, H, **kw),

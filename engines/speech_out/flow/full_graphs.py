@@ -36,7 +36,8 @@ class FullSolveGraphs(BucketGraphs):
         page = full.pages.alloc(1)  # the captures' warm-up runs write one page
         n = 0
         try:
-            widths = sorted({full.graph_pages(p) for p in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET)})
+            widths = sorted({full.graph_pages(p) for p in range(PAGES_BUCKET, max_pages + PAGES_BUCKET, PAGES_BUCKET)},
+                            reverse=True)  # largest first, as buckets_up_to
             for B in buckets_up_to(max_batch, FINE_BUCKETS):
                 for maxp in widths:
                     n += self.ensure(self._inputs(B, 1, maxp, page[0]))

@@ -61,6 +61,18 @@ def test_a_decoder_whose_first_jobs_run_on_lanes_captures_the_same_less_theirs(m
     assert all(first.values())
 
 
+def test_each_graph_set_captures_its_batches_largest_first(monkeypatch):
+    """A set's captures share one memory pool: a smaller capture reuses what a larger one freed, not the reverse."""
+    dec, _ = _graphed(monkeypatch, max_batch=40)
+    for graphs in (dec.full_graphs.graphs, dec.vocoder.graphs.graphs):
+        by_shape: dict[tuple, list[int]] = {}
+        for key in graphs:  # in capture order
+            by_shape.setdefault(key[1:], []).append(key[0])
+        assert len(by_shape) > 1 and all(b == sorted(b, reverse=True) and len(b) > 1 for b in by_shape.values())
+        firsts = [b[0] for b in by_shape.values()]
+        assert next(iter(graphs))[0] == max(firsts)
+
+
 def test_a_round_of_playing_answers_replays_a_solve_at_most_a_quarter_larger(monkeypatch):
     """Padded rows of a graphed solve do a real row's work: a round of 20 answers replays the graph of 20 (captured at
     load in quarter steps from 16), not of 32."""

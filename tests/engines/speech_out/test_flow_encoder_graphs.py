@@ -155,9 +155,9 @@ def test_bucket_graphs_pad_to_the_smallest_captured_batch_up_to_the_power_of_two
     """A call replays the smallest captured batch that holds it (FINE_BUCKETS' 6 for 5 rows), never more than its
     power-of-two bucket (captured on first use, as before); outputs are its own rows; the counts say what ran."""
     graphs_mod = replay_stand_in(monkeypatch)
-    assert graphs_mod.buckets_up_to(3, graphs_mod.FINE_BUCKETS) == [1, 2, 3]
-    assert graphs_mod.buckets_up_to(33, graphs_mod.FINE_BUCKETS)[-3:] == [28, 32, 40]
-    assert graphs_mod.buckets_up_to(33) == [1, 2, 4, 8, 16, 32, 64]
+    assert graphs_mod.buckets_up_to(3, graphs_mod.FINE_BUCKETS) == [3, 2, 1]  # largest first: the capture order
+    assert graphs_mod.buckets_up_to(33, graphs_mod.FINE_BUCKETS)[:3] == [40, 32, 28]
+    assert graphs_mod.buckets_up_to(33) == [64, 32, 16, 8, 4, 2, 1]
     g = graphs_mod.BucketGraphs(lambda x, k: (x * k + 1,))
     for b in graphs_mod.buckets_up_to(12, graphs_mod.FINE_BUCKETS):
         g.ensure([torch.zeros(b, 3)], (2,))
