@@ -44,7 +44,7 @@ def bucket(b: int, sizes: tuple[int, ...] = BUCKETS) -> int:
 def buckets_up_to(max_batch: int, sizes: tuple[int, ...] = BUCKETS) -> list[int]:
     """Every size of `sizes` up to and including the one holding `max_batch` rows, largest first: the order to capture
     them in. A graph set's captures share one memory pool, and a smaller capture reuses what a larger one freed;
-    captured smallest first, each larger one needs blocks that the earlier ones' (split around their outputs, which
+    captured smallest first, a larger one may need blocks that the earlier ones' (split around their outputs, which
     stay allocated) cannot give."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
