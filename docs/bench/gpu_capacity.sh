@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU capacity run: server with full-size random weights + capacity sweep against it (run from repo root).
 # The engine runs with --max-running 128 --max-model-len 4096, set as MOSS_MAX_RUNNING / MOSS_MAX_MODEL_LEN (give
-# those variables to change them).
+# those variables to change them; on an 80 GB card with the full-context decoder 128 leaves no room: the speech
+# encoder's slots alone take 30 GiB, so give MOSS_MAX_RUNNING=64, the engine's default).
 # The vocoder is HiFT (CUDA graphs) unless CAP_VOCODER=bigvgan (the bigvgan package's generator, eager).
 # CAP_WORKERS: server processes (default 4: one process's loop fell behind real time from ~140 sessions on an H200
 # host, VAD commits 1.6 s late at 172; docs/operations.md, Workers).
