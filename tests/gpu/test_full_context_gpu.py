@@ -183,3 +183,14 @@ def test_answers_that_forget_their_oldest_chunks_replay_the_graphs_as_they_run_e
     assert f0 == f1
     for e, g in zip(eager, graphed, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-4, rtol=0)
+
+
+def test_a_decoder_loaded_without_a_cache_size_takes_its_share_of_the_free_memory(monkeypatch):
+    """On a GPU the default cache is default_cache_gib of the device's free memory as the decoder loads (here a free
+    figure given, so that the test holds a small cache: 45% of 0.1 GiB)."""
+    import engines.speech_out.decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "free_bytes", lambda device: 2**30 // 10)
+    dec = CodecDecoder.load("tiny-random", device="cuda", vocoder="hift")
+    page = decoder_mod.cache_page_bytes(dec.cfg, dec.full.est_dtype)
+    assert dec.full.pages.n_pages == int(decoder_mod.default_cache_gib(True, 2**30 // 10) * 2**30 // page) > 0
