@@ -105,9 +105,9 @@ def model_stream(device: torch.device | str) -> torch.cuda.Stream:
 
 
 def wait_releasing_gil(device: torch.device) -> None:
-    """Wait for the current stream's work before a device-to-host read. Codec and speech encoder calls run on worker
-    threads beside the engine loop: an event wait lets other Python threads run, where the read's own wait may hold
-    the GIL for the whole call."""
+    """Wait for the current stream's work before a device-to-host read. Speech encoder calls run on a worker thread
+    beside the engine loop: an event wait lets other Python threads run, where the read's own wait may hold the GIL
+    for the whole call. (The codec decoder's rounds wait on their own event the same way: queued.py.)"""
     if device.type == "cuda":
         ev = torch.cuda.Event()
         ev.record()
