@@ -41,9 +41,10 @@ CAPTURE_ANSWER_S = 24
 # The full-context decoder's cache when none is asked for, on a GPU: 936 pages, 32 answers' last 28 chunks and a
 # voice's, but at most GPU_CACHE_SHARE of what the device has free as the decoder loads: the codec's CUDA graphs, the
 # engine's headroom and the language model's KV pool come after. An H100 at the default --max-running (bf16 weights,
-# 66 encoder slots) has ~43.6 GiB free there; 40 GiB left the engine no room to start; half (509 pages) left a KV
-# pool of 3.1 GiB, the codec's graphs holding ~12.7 GiB: 9 sessions of SESSION_ROWS (server/limits.py) against 18 by
-# the cache (docs/bench/startup-h100-2026-12-06-defaults.txt); this share gives each about 16.
+# 66 encoder slots) has ~43.6 GiB free there; 40 GiB left the engine no room to start; this share (458 pages) holds
+# 16 sessions' answers and leaves a KV pool of 8.9 GiB, 28 sessions of SESSION_ROWS (server/limits.py), the codec's
+# graphs holding 9.1 GiB (docs/bench/startup-h100-2026-12-06-defaults-largest-first.txt). The cache's sessions are
+# the fewer, but at 16 the codec's rounds already hold p95 TTFA over 200 ms there (docs/performance.md, Capacity).
 GPU_CACHE_GIB = 40.0
 GPU_CACHE_SHARE = 0.45
 CPU_CACHE_GIB = 0.5
