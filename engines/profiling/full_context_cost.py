@@ -85,9 +85,9 @@ def _rounds_ahead(dec: CodecDecoder, batch: int, rounds: int, voice: Voice) -> l
 
 
 def _at(ms: list[float], seconds: float) -> dict[str, float]:
-    """Median round ms around 0.4 / 2 / 10 s and `seconds` into the answers (2.5 rounds a second)."""
+    """Median round ms around 0.4 / 2 / 10 / 20 s and `seconds` into the answers (2.5 rounds a second)."""
     return {f"{t:g}s": round(float(np.median(ms[max(0, int(t * 2.5) - 1):int(t * 2.5) + 2])), 1)
-            for t in (0.4, 2, 10, seconds) if t * 2.5 <= len(ms)}
+            for t in sorted({0.4, 2, 10, 20, seconds}) if t * 2.5 <= len(ms)}
 
 
 def _first_job(dec: CodecDecoder, batch: int, voice: Voice, repeats: int = 5) -> float:
