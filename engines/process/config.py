@@ -30,7 +30,7 @@ class ProcessConfig:
     device: str  # cpu | cuda[:N]
     dtype: str | None  # None: the model's (float32 on a CPU)
     endpoint: str
-    vocoder: str | None  # None: decided from the codec directory (loading.py)
+    vocoder: str | None  # None: decided from the codec directory (engines/speech_out/presets.py served_options)
     ready_file: str | None
     client_timeout_s: float
     kv_cache_gib: float | Literal["auto"] | None  # None: EngineConfig's default

@@ -29,6 +29,7 @@ from engines.process.warm_up import warm_up
 from engines.speech_in import SpeechEncoder
 from engines.speech_out.chunk_graphs import BucketGraphs
 from engines.speech_out.decoder import CodecDecoder
+from engines.speech_out.presets import served_options
 from engines.speech_out.voice import DEFAULT_VOICE_WAV, Voice
 from engines.weights_check import model_notes, require_weights
 
@@ -43,9 +44,7 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
     with their KV slots and CUDA graphs on a GPU."""
     on_gpu = config.on_gpu
     first_decoders = []
-    vocoder = config.vocoder
-    if vocoder is None:
-        vocoder = "hift" if Path(config.codec).is_dir() and not (Path(config.codec) / "bigvgan").is_dir() else "bigvgan"
+    served = served_options(config.codec, on_gpu, config.vocoder)
     with memory.part("the speech encoder"):
         encoder = SpeechEncoder.load(config.codec, device=config.device, tf32=config.encoder_tf32)
     if on_gpu:
@@ -59,15 +58,11 @@ def _load_codec(config: ProcessConfig, engine_config: EngineConfig, memory: Star
         if config.encoder_graphs:  # after the reserve: a growth of the KV pool retires them
             with memory.part("the speech encoder's CUDA graphs"):
                 encoder.capture_graphs()
-    # On the GPU the flow's encoder and Euler solve are launch-bound: replay them as CUDA graphs, estimator
-    # in bf16, the encoder's float32 matmuls on TF32.
     cache = " and its cache of earlier chunks (--decoder-cache-gib)" if config.decoder_context == "full" else ""
     with memory.part(f"the codec decoder{cache}"):
-        decoder = CodecDecoder.load(config.codec, device=config.device, vocoder=vocoder, seed=config.seed,
-                                    cuda_graphs=on_gpu, encoder_graphs=on_gpu, encoder_tf32=on_gpu,
-                                    estimator_dtype="bfloat16" if on_gpu else "float32",
+        decoder = CodecDecoder.load(config.codec, device=config.device, seed=config.seed,
                                     context=config.decoder_context, cache_gib=config.decoder_cache_gib,
-                                    cache_dtype=config.decoder_cache_dtype)
+                                    cache_dtype=config.decoder_cache_dtype, **served)
     # First: the graphs captured below are those of the default voice's prompt length.
     with memory.part("the default voice"):
         decoder.default_voice = default_voice(encoder, config)

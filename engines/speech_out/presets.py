@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from engines.config import ConfigError
 from engines.speech_out.config import BigVGANConfig, CodecDecoderConfig, FlowConfig, HiFTConfig, StreamConfig
 
@@ -26,3 +29,14 @@ def preset_config(name: str) -> CodecDecoderConfig:
     if name not in DECODER_PRESETS:
         raise ConfigError(f"unknown codec preset {name!r}; known: {sorted(DECODER_PRESETS)}")
     return DECODER_PRESETS[name]
+
+
+def served_options(codec: str, on_gpu: bool, vocoder: str | None = None) -> dict[str, Any]:
+    """`CodecDecoder.load`'s settings as the engine serves `codec`: on a GPU the flow's encoder and Euler solve are
+    launch-bound, so they and the vocoder replay CUDA graphs, the estimator runs in bf16 and the encoder's float32
+    matmuls on TF32. The vocoder, unless given: HiFT for a codec directory without `bigvgan/` (the published codec's
+    layout), else BigVGAN."""
+    if vocoder is None:
+        vocoder = "hift" if Path(codec).is_dir() and not (Path(codec) / "bigvgan").is_dir() else "bigvgan"
+    return {"vocoder": vocoder, "cuda_graphs": on_gpu, "encoder_graphs": on_gpu, "encoder_tf32": on_gpu,
+            "estimator_dtype": "bfloat16" if on_gpu else "float32"}

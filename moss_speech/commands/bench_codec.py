@@ -1,4 +1,6 @@
 """`moss-speech bench codec`: time per 5-code chunk at several batch sizes, and real-time streams it supports.
+By default the decoder is loaded as the engine serves it on the device (engines/speech_out/presets.py
+`served_options`): on a GPU CUDA graphs, the estimator in bf16, the flow encoder's matmuls on TF32.
 
 A stream needs one chunk per 0.4 s (5 codes at 12.5 Hz), so streams supported = 0.4 s / (step time / batch).
 Timing uses CUDA events on GPU and perf_counter on CPU; a step is a round of the server's codec worker decoding one
@@ -18,35 +20,46 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
 from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import measure_bandwidth, measure_matmul
+from engines.config import ConfigError
+from engines.speech_out.flow.pages import DecoderCacheFull
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", default="tiny-random", help="tiny-random | full-random | codec directory")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--vocoder", default="bigvgan", choices=["bigvgan", "hift"])
+    p.add_argument("--vocoder", default=None, choices=["bigvgan", "hift"],
+                   help="default: the engine's (hift for a codec directory without bigvgan/, else bigvgan)")
     p.add_argument("--batches", default="1,16,64", help="comma separated batch sizes")
     p.add_argument("--iters", type=int, default=10, help="timed steps per batch size")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps per batch size (default: until the flow encoder's window is full, "
-                        "StreamConfig.steady_chunks: earlier steps see new key lengths, each a graph capture)")
+                        "StreamConfig.steady_chunks: earlier steps see new key lengths, each a graph capture); "
+                        "the answers are this many chunks plus one in when the timed steps start (50: 20 s)")
     p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay the flow's Euler solve as CUDA graphs")
-    p.add_argument("--no-encoder-graphs", dest="encoder_graphs", action="store_false",
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the flow and the vocoder as CUDA graphs (default: on a GPU, as served)")
+    p.add_argument("--no-encoder-graphs", dest="encoder_graphs", action="store_false", default=None,
                    help="with --cuda-graphs, run the flow's encoder eagerly (the server replays it as CUDA graphs)")
-    p.add_argument("--estimator-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--estimator-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: the engine's (bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--context", default="full", choices=["full", "window"],
                    help="the flow's view of earlier chunks, as the engine's --decoder-context (default full)")
     p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="with --context full: the element type of the flow's cached keys and values, as the engine's "
                         "--decoder-cache-dtype (default auto: the estimator's)")
-    p.add_argument("--encoder-tf32", action="store_true",
-                   help="the flow encoder's float32 matmuls on TF32 tensor cores (the server's setting on a GPU)")
+    p.add_argument("--cache-gib", type=float, default=None,
+                   help="with --context full: the flow's cache of earlier chunks, as the engine's --decoder-cache-gib "
+                        "(default the engine's: 40 GiB or 45%% of the GPU's free memory; answers that outgrow it "
+                        "forget their oldest chunks, counted in the report)")
+    p.add_argument("--encoder-tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="the flow encoder's float32 matmuls on TF32 tensor cores (default: on a GPU, as served)")
 
 
 def hardware(device: torch.device) -> dict:
@@ -95,24 +108,40 @@ def _time_step(rounds: SteadyRounds, device: torch.device) -> float:
     return ms
 
 
+def load_options(args: argparse.Namespace, on_gpu: bool) -> dict:
+    """CodecDecoder.load's settings: the engine's on this device (served_options), each one given overriding it."""
+    from engines.speech_out.presets import served_options
+
+    opts = served_options(args.codec, on_gpu, args.vocoder)
+    for key in ("cuda_graphs", "encoder_graphs", "encoder_tf32", "estimator_dtype"):
+        if getattr(args, key) is not None:
+            opts[key] = getattr(args, key)
+    return opts
+
+
 def run(args: argparse.Namespace) -> int:
     from engines.speech_out import CodecDecoder
 
     device = torch.device(args.device)
-    dec = CodecDecoder.load(args.codec, device=device, vocoder=args.vocoder, cuda_graphs=args.cuda_graphs,
-                            estimator_dtype=args.estimator_dtype, encoder_graphs=args.encoder_graphs,
-                            encoder_tf32=args.encoder_tf32, context=args.context,
-                            cache_dtype=args.cache_dtype)
+    opts = load_options(args, device.type == "cuda")
+    try:
+        dec = CodecDecoder.load(args.codec, device=device, context=args.context, cache_gib=args.cache_gib,
+                                cache_dtype=args.cache_dtype, **opts)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     chunk = dec.cfg.stream.chunk_codes
     hw = hardware(device)
     print(f"hardware: {hw}")
     print(f"measured: copy {hw['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
           f"{hw['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s ({hw['matmul_dtype']})")
-    print(f"codec {dec.source}, context {args.context}, vocoder {args.vocoder}, cuda graphs "
+    cache = (f", its cache {dec.full.pages.n_pages} pages{' in fp8' if args.cache_dtype == 'fp8' else ''}"
+             if dec.full is not None else "")
+    print(f"codec {dec.source}, context {args.context}, vocoder {opts['vocoder']}, cuda graphs "
           f"{dec.flow.graphs is not None or dec.full_graphs is not None} "
-          f"(encoder {dec.flow.enc_graphs is not None}), "
-          f"dtype {dec.flow.dtype}{' (matmuls TF32)' if args.encoder_tf32 else ''}, estimator "
-          f"{args.estimator_dtype}{', its cache fp8' if dec.full and args.cache_dtype == 'fp8' else ''}, "
+          f"(encoder {dec.flow.enc_graphs is not None or dec.full_enc_graphs is not None}), "
+          f"dtype {dec.flow.dtype}{' (matmuls TF32)' if opts['encoder_tf32'] else ''}, estimator "
+          f"{opts['estimator_dtype']}{cache}, "
           f"chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
@@ -121,9 +150,15 @@ def run(args: argparse.Namespace) -> int:
     floors = solve_floors_ms(dec, batches, hw)
     for b in batches:
         rounds = SteadyRounds(dec, b)
-        for _ in range(warmup):
-            _time_step(rounds, device)
-        times = [_time_step(rounds, device) for _ in range(args.iters)]
+        try:
+            for _ in range(warmup):
+                _time_step(rounds, device)
+            forgotten = dec.full.forgotten if dec.full is not None else 0
+            times = [_time_step(rounds, device) for _ in range(args.iters)]
+        except DecoderCacheFull as e:  # every answer keeps at least its last chunks (FullContextFlow.kept_pages)
+            print(f"error: batch {b}: {e}: the cache is too small for {b} answers this long (--cache-gib)",
+                  file=sys.stderr)
+            return 1
         ms = statistics.median(times)
         per_chunk = ms / b
         streams = 0.4 / (per_chunk / 1e3)
@@ -131,16 +166,19 @@ def run(args: argparse.Namespace) -> int:
                "ms_per_chunk": round(per_chunk, 3), "streams_supported": int(streams),
                "state_bytes_per_session": rounds.streams[0].state_bytes(),
                "solve_floor_ms": round(floors[b], 4)}
+        if dec.full is not None:  # pages the timed steps' answers forgot: their context was cut short
+            row["chunks_forgotten_timed"] = dec.full.forgotten - forgotten
         results.append(row)
+        cut = (f"; {row['chunks_forgotten_timed']} earlier chunks forgotten in the timed steps (the cache ran short)"
+               if row.get("chunks_forgotten_timed") else "")
         print(f"batch {b:3d}: step {ms:8.2f} ms (min {min(times):.2f}), {per_chunk:7.3f} ms per chunk, "
-              f"real-time streams supported: {int(streams)}; the solve's floor {row['solve_floor_ms']:.3f} ms")
+              f"real-time streams supported: {int(streams)}; the solve's floor {row['solve_floor_ms']:.3f} ms{cut}")
         rounds.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hardware": hw, "codec": dec.source, "vocoder": args.vocoder,
-                       "cuda_graphs": dec.flow.graphs is not None, "encoder_graphs": dec.flow.enc_graphs is not None,
-                       "estimator_dtype": args.estimator_dtype, "encoder_tf32": args.encoder_tf32,
-                       "context": args.context, "cache_dtype": args.cache_dtype,
+            json.dump({"hardware": hw, "codec": dec.source, **opts, "context": args.context,
+                       "cache_pages": dec.full.pages.n_pages if dec.full is not None else None,
+                       "cache_dtype": args.cache_dtype,
                        "warmup_steps": warmup, "results": results}, f,
                       indent=1)
     return 0

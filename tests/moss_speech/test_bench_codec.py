@@ -25,3 +25,63 @@ def test_bench_codec_reports_every_batch_after_the_window_fills(tmp_path, capsys
     floors = [r["solve_floor_ms"] for r in rep["results"]]
     assert 0 < floors[0] <= floors[1]  # three sessions' rows cost at least one's
     assert "batch   3:" in capsys.readouterr().out
+
+
+def _args(*flags: str):
+    import argparse
+
+    from moss_speech.commands import bench_codec
+
+    p = argparse.ArgumentParser()
+    bench_codec.add_arguments(p)
+    return p.parse_args(list(flags))
+
+
+def test_bench_codec_loads_the_decoder_as_the_engine_serves_it_on_the_device(tmp_path):
+    from moss_speech.commands.bench_codec import load_options
+
+    gpu = load_options(_args("--codec", "full-random"), on_gpu=True)
+    assert gpu == {"vocoder": "bigvgan", "cuda_graphs": True, "encoder_graphs": True, "encoder_tf32": True,
+                   "estimator_dtype": "bfloat16"}
+    cpu = load_options(_args(), on_gpu=False)
+    assert cpu == {"vocoder": "bigvgan", "cuda_graphs": False, "encoder_graphs": False, "encoder_tf32": False,
+                   "estimator_dtype": "float32"}
+    # A codec directory without bigvgan/ (the published layout) is served with its own HiFT.
+    codec = tmp_path / "codec"
+    codec.mkdir()
+    assert load_options(_args("--codec", str(codec)), on_gpu=True)["vocoder"] == "hift"
+    (codec / "bigvgan").mkdir()
+    assert load_options(_args("--codec", str(codec)), on_gpu=True)["vocoder"] == "bigvgan"
+
+
+def test_bench_codec_flags_override_the_served_settings():
+    from moss_speech.commands.bench_codec import load_options
+
+    opts = load_options(_args("--no-cuda-graphs", "--estimator-dtype", "float32", "--no-encoder-tf32",
+                              "--vocoder", "hift"), on_gpu=True)
+    assert opts == {"vocoder": "hift", "cuda_graphs": False, "encoder_graphs": True, "encoder_tf32": False,
+                    "estimator_dtype": "float32"}
+    assert load_options(_args("--no-encoder-graphs"), on_gpu=True)["encoder_graphs"] is False
+    assert load_options(_args("--cuda-graphs"), on_gpu=False)["cuda_graphs"] is True
+
+
+def test_bench_codec_counts_the_chunks_answers_forgot_while_timed(tmp_path):
+    """Answers longer than the cache holds forget their oldest chunks: a step timed then has less context than the
+    chunk model was trained with, and the report says how much was cut."""
+    short, roomy = tmp_path / "short.json", tmp_path / "roomy.json"
+    base = ["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--batches", "3", "--iters", "3",
+            "--warmup", "36"]
+    assert main(base + ["--cache-gib", "0.0086", "--json", str(short)]) == 0  # 100 pages of 90 KiB
+    assert main(base + ["--json", str(roomy)]) == 0
+    cut = json.loads(short.read_text())
+    assert cut["cache_pages"] == 100
+    assert cut["results"][0]["chunks_forgotten_timed"] > 0
+    assert json.loads(roomy.read_text())["results"][0]["chunks_forgotten_timed"] == 0
+
+
+def test_bench_codec_names_a_cache_too_small_for_its_answers(capsys):
+    rc = main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--batches", "3", "--iters", "2",
+               "--warmup", "20", "--cache-gib", "0.003"])
+    assert rc == 1
+    assert "error: batch 3:" in capsys.readouterr().err
+    assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--cache-gib", "0"]) == 2
