@@ -22,6 +22,7 @@ from engines.bench.codec_rounds import SteadyRounds
 from engines.profiling.codec_timeline import Timeline
 from engines.profiling.profile_loop import gpu_busy
 from engines.speech_out import CodecDecoder, Voice
+from engines.speech_out.presets import served_options
 
 
 def _sync(dec: CodecDecoder):
@@ -202,10 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     for context in a.contexts:
         cuda = a.device.startswith("cuda")
         t0 = time.perf_counter()
-        dec = CodecDecoder.load(a.codec, device=a.device, vocoder="hift", cuda_graphs=cuda, encoder_graphs=cuda,
-                                encoder_tf32=cuda, estimator_dtype="bfloat16" if cuda else "float32", context=context,
-                                cache_gib=a.cache_gib if context == "full" else None,
-                                cache_dtype=a.cache_dtype)
+        dec = CodecDecoder.load(a.codec, device=a.device, context=context,
+                                cache_gib=a.cache_gib if context == "full" else None, cache_dtype=a.cache_dtype,
+                                **served_options(a.codec, cuda, vocoder="hift"))
         t1 = time.perf_counter()
         dec.capture_graphs(max(a.batches))
         row = {"context": context, "load_s": round(t1 - t0, 1), "capture_graphs_s": round(time.perf_counter() - t1, 1)}
