@@ -4,8 +4,8 @@ By default the decoder is loaded as the engine serves it on the device (engines/
 
 A stream needs one chunk per 0.4 s (5 codes at 12.5 Hz), so streams supported = 0.4 s / (step time / batch).
 Timing uses CUDA events on GPU and perf_counter on CPU; a step is a round of the server's codec worker decoding one
-steady-state chunk for every session of the batch in one batch (engines/bench/codec_rounds.py: flow + vocoder +
-crossfade, PCM copied to the host).
+steady-state chunk for every session of the batch (each in a voice prompt of `--prompt-codes`) in one batch
+(engines/bench/codec_rounds.py: flow + vocoder + crossfade, PCM copied to the host).
 
 Beside each step, the Euler solve's floor on this machine, from its memory bandwidth and matmul rate measured in the
 same run: every Euler step reads all the estimator's weights once and multiplies each by every row of the CFG
@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="with --context full: the element type of the flow's cached keys and values, as the engine's "
                         "--decoder-cache-dtype (default auto: the estimator's)")
+    p.add_argument("--prompt-codes", type=int, default=73,
+                   help="the sessions' voice prompt, in codes (default 73: the bundled voice's length; its keys are "
+                        "read with every chunk); 0: no prompt")
     p.add_argument("--cache-gib", type=float, default=None,
                    help="with --context full: the flow's cache of earlier chunks, as the engine's --decoder-cache-gib "
                         "(default the engine's: 40 GiB or 45%% of the GPU's free memory; answers that outgrow it "
@@ -90,7 +93,8 @@ def solve_floors_ms(dec, batches: list[int], hw: dict) -> dict[int, float]:
             for b in batches}
 
 
-def _time_step(rounds: SteadyRounds, device: torch.device) -> float:
+def _time_step(rounds: SteadyRounds, device: torch.device) -> tuple[float, int]:
+    """One round's ms and the chunks it decoded (none for an answer whose first job still waits for codes)."""
     rounds.feed()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -104,8 +108,7 @@ def _time_step(rounds: SteadyRounds, device: torch.device) -> float:
         t0 = time.perf_counter()
         out = rounds.decode()
         ms = (time.perf_counter() - t0) * 1e3
-    assert len(out) == len(rounds.streams)
-    return ms
+    return ms, sum(p.size > 0 for p in out)
 
 
 def load_options(args: argparse.Namespace, on_gpu: bool) -> dict:
@@ -120,8 +123,11 @@ def load_options(args: argparse.Namespace, on_gpu: bool) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engines.speech_out import CodecDecoder
+    from engines.speech_out import CodecDecoder, Voice
 
+    if args.prompt_codes < 0:
+        print(f"error: --prompt-codes must be >= 0, got {args.prompt_codes}", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
     opts = load_options(args, device.type == "cuda")
     try:
@@ -141,24 +147,32 @@ def run(args: argparse.Namespace) -> int:
           f"{dec.flow.graphs is not None or dec.full_graphs is not None} "
           f"(encoder {dec.flow.enc_graphs is not None or dec.full_enc_graphs is not None}), "
           f"dtype {dec.flow.dtype}{' (matmuls TF32)' if opts['encoder_tf32'] else ''}, estimator "
-          f"{opts['estimator_dtype']}{cache}, "
+          f"{opts['estimator_dtype']}{cache}, voice prompt {args.prompt_codes} codes, "
           f"chunk {chunk} codes = "
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
     results = []
     batches = [int(x) for x in args.batches.split(",")]
     floors = solve_floors_ms(dec, batches, hw)
+    fc = dec.cfg.flow
+    voice = (Voice.random(seed=3, n_codes=args.prompt_codes, n_mels=fc.output_size, spk_dim=fc.spk_embed_dim)
+             if args.prompt_codes else None)
     for b in batches:
-        rounds = SteadyRounds(dec, b)
+        rounds = SteadyRounds(dec, b, voices=[voice])
         try:
             for _ in range(warmup):
                 _time_step(rounds, device)
             forgotten = dec.full.forgotten if dec.full is not None else 0
-            times = [_time_step(rounds, device) for _ in range(args.iters)]
+            timed = [_time_step(rounds, device) for _ in range(args.iters)]
         except DecoderCacheFull as e:  # every answer keeps at least its last chunks (FullContextFlow.kept_pages)
             print(f"error: batch {b}: {e}: the cache is too small for {b} answers this long (--cache-gib)",
                   file=sys.stderr)
             return 1
+        if any(n < b for _, n in timed):  # an answer's first job waits for its prompt's tail and more codes
+            print(f"error: batch {b}: a timed step decoded fewer than {b} chunks: give --warmup 2 or more",
+                  file=sys.stderr)
+            return 2
+        times = [ms for ms, _ in timed]
         ms = statistics.median(times)
         per_chunk = ms / b
         streams = 0.4 / (per_chunk / 1e3)
@@ -178,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"hardware": hw, "codec": dec.source, **opts, "context": args.context,
                        "cache_pages": dec.full.pages.n_pages if dec.full is not None else None,
-                       "cache_dtype": args.cache_dtype,
+                       "cache_dtype": args.cache_dtype, "prompt_codes": args.prompt_codes,
                        "warmup_steps": warmup, "results": results}, f,
                       indent=1)
     return 0

@@ -85,3 +85,15 @@ def test_bench_codec_names_a_cache_too_small_for_its_answers(capsys):
     assert rc == 1
     assert "error: batch 3:" in capsys.readouterr().err
     assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--cache-gib", "0"]) == 2
+
+
+def test_bench_codec_times_only_rounds_where_every_answer_decodes_a_chunk(tmp_path, capsys):
+    """In a voice, an answer's first job waits for the prompt's tail and more codes: a round timed before then would
+    decode fewer chunks than the batch and overstate the streams."""
+    assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--batches", "2", "--iters", "2",
+                 "--warmup", "0"]) == 2
+    assert "a timed step decoded fewer than 2 chunks" in capsys.readouterr().err
+    out = tmp_path / "none.json"
+    assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--batches", "2", "--iters", "2",
+                 "--warmup", "0", "--prompt-codes", "0", "--json", str(out)]) == 0  # no prompt: every round decodes
+    assert json.loads(out.read_text())["prompt_codes"] == 0
