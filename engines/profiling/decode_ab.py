@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     dev = torch.device("cuda")
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = a.batches
     rounds_steps = a.rounds * len(a.variants) * (a.steps + 24) + 64
     engine = Engine.from_name(a.model, decode_batch_config(a.model, max(batches), a.context, rounds_steps,
                                                              fp8_weights=a.fp8_weights, fp8_only=a.fp8_only))

@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--timeline", type=int, default=60, help="list the device work of this many last launches")
     p.add_argument("--trace", default=None, help="write a chrome trace per batch size into this folder")
     a = p.parse_args()
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = a.batches
     n = 4 * a.steps + 64
     engine = Engine.from_name(a.model, decode_batch_config(a.model, max(batches), a.context, n, a.device))
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)

@@ -29,6 +29,7 @@ from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import measure_bandwidth, measure_matmul
 from engines.config import ConfigError
 from engines.speech_out.flow.pages import DecoderCacheFull
+from moss_speech.commands.arguments import counts, non_negative_int, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,9 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--vocoder", default=None, choices=["bigvgan", "hift"],
                    help="default: the engine's (hift for a codec directory without bigvgan/, else bigvgan)")
-    p.add_argument("--batches", default="1,16,64", help="comma separated batch sizes")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per batch size")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--batches", type=counts, default="1,16,64", help="comma separated batch sizes")
+    p.add_argument("--iters", type=positive_int, default=10, help="timed steps per batch size")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
                    help="untimed steps per batch size (default: until the flow encoder's window is full, "
                         "StreamConfig.steady_chunks: earlier steps see new key lengths, each a graph capture); "
                         "the answers are this many chunks plus one in when the timed steps start (50: 20 s)")
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
           f"{chunk * dec.samples_per_code} samples ({chunk * dec.samples_per_code / dec.sample_rate:.2f} s)")
     warmup = args.warmup if args.warmup is not None else dec.cfg.stream.steady_chunks
     results = []
-    batches = [int(x) for x in args.batches.split(",")]
+    batches = args.batches
     floors = solve_floors_ms(dec, batches, hw)
     fc = dec.cfg.flow
     voice = (Voice.random(seed=3, n_codes=args.prompt_codes, n_mels=fc.output_size, spk_dim=fc.spk_embed_dim)

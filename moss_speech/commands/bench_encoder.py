@@ -27,15 +27,16 @@ import torch
 
 from engines.bench.hardware import device_name, median, sync
 from engines.speech_in import SpeechEncoder
+from moss_speech.commands.arguments import counts, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", default="tiny-random")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--batches", default="1,64")
+    p.add_argument("--batches", type=counts, default="1,64")
     p.add_argument("--context-s", type=float, default=4.0, help="audio pushed before timing")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--piece-ms", type=int, default=80, help="audio per stream per timed step")
     p.add_argument("--graphs", action="store_true", help="CUDA graphs for steps of up to 8 streams")
     p.add_argument("--tf32", action="store_true", help="float32 products on TF32 (the engine's --encoder-tf32)")
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # --tf32 without float32 on CUDA
         raise SystemExit(str(e)) from None
     rng = np.random.default_rng(0)
-    batches = [int(x) for x in args.batches.split(",")]
+    batches = args.batches
     enc.reserve(max(batches))  # before the graphs: a growth of the KV pool retires them
     res = {"device": device_name(device), "codec": args.codec, "dtype": args.dtype, "tf32": args.tf32,
            "piece_ms": args.piece_ms, "held": args.held, "gil_busy": args.gil_busy, "graphs": 0,

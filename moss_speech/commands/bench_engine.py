@@ -17,6 +17,7 @@ from engines.bench.hf_baseline import HFStyleModel
 from engines.config import KV_DTYPES, EngineConfig, kv_torch_dtype, model_config_for
 from engines.lm.engine import Engine
 from engines.tokens import AUDIO_PAD, EOSP, SOSP
+from moss_speech.commands.arguments import counts
 
 TTFA_CODES = 64  # audio codes the engine TTFA's request asks for (its first audio waits for fewer)
 
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--batches", type=counts, default="1,8,32,64")
     p.add_argument("--context", type=int, default=1024, help="rows of context per sequence for decode timing")
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--first-audio-codes", type=int, default=10,
@@ -58,7 +59,7 @@ def _audio_forever(n: int, seed: int = 0) -> SamplingParams:
 def add_decode_batch_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     """The options of a tool timing decode batches (`decode_batch_config`, `start_decode_batch`)."""
     p.add_argument("--model", default="full-random")
-    p.add_argument("--batches", default="1,64", help="comma separated batch sizes")
+    p.add_argument("--batches", type=counts, default="1,64", help="comma separated batch sizes")
     p.add_argument("--context", type=int, default=1024, help="rows of context per sequence")
     p.add_argument("--steps", type=int, default=steps, help="decode steps per timed loop")
 
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"bench engine: --first-audio-codes must be 1-{TTFA_CODES}, got {args.first_audio_codes}")
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     max_b = max(batches)
     ctx = args.context
     steps = args.steps

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from engines.bench.hardware import cpu_model
+from moss_speech.commands.arguments import counts
 from moss_speech.loadtest.audio import DEFAULT_WAV, load_utterance, silence_frame_b64
 from moss_speech.loadtest.user import append_message
 from server.session.session import Session
@@ -50,7 +51,7 @@ class _NullEngine:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sessions", default="32,128,256", help="comma-separated session counts, one run each")
+    p.add_argument("--sessions", type=counts, default="32,128,256", help="comma-separated session counts, one run each")
     p.add_argument("--seconds", type=float, default=10.0, help="timed real-time seconds per run")
     p.add_argument("--audio", default=str(DEFAULT_WAV), help="what each user says (WAV, any rate)")
     p.add_argument("--json", default=None)
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     cpu = f"{cpu_model()}, {os.cpu_count()} CPUs"
     print(f"{cpu}; {FRAME_MS} ms append events at real time, server_vad, null engine")
-    for n in [int(x) for x in args.sessions.split(",")]:
+    for n in args.sessions:
         r = asyncio.run(one_run(n, args.seconds, turn))
         results.append(r)
         lt = r["late_ms"]

@@ -20,6 +20,7 @@ from engines.bench.hardware import device_name, median
 from engines.process.config import ProcessConfig
 from engines.process.loading import build_service
 from engines.protocol import messages as m
+from moss_speech.commands.arguments import counts
 
 PIECE = 320  # 20 ms at 16 kHz
 
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocoder", default="hift", choices=["bigvgan", "hift"])
     p.add_argument("--turn-seconds", default="2,10")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--sessions", default="1", help="comma separated: sessions speaking at once")
+    p.add_argument("--sessions", type=counts, default="1", help="comma separated: sessions speaking at once")
     p.add_argument("--transcribe", action="store_true",
                    help="every committed turn is also transcribed (CommitUserAudio.transcribe): TTFA beside that")
     p.add_argument("--json", default=None)
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     res = {"device": device_name(__import__("torch").device(args.device)), "model": args.model,
            "codec": args.codec, "vocoder": args.vocoder, "ttfa_ms": {}}
     _turns(svc, ["warm"], _speechlike(1.0, rng), True)
-    for n in [int(x) for x in args.sessions.split(",")]:
+    for n in args.sessions:
         for secs in [float(s) for s in args.turn_seconds.split(",")]:
             pcm = _speechlike(secs, rng)
             for mode, inc in (("incremental", True), ("at_end_of_turn", False)):
