@@ -48,7 +48,9 @@ def _non_negative_ms(text: str) -> float:
     return v
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= low, else argparse's usage error naming the value."""
+
     def parse(text: str) -> int:
         try:
             n = int(text)
@@ -60,7 +62,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-_positive_int = _int_at_least(1)
+_positive_int = int_at_least(1)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -92,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "EngineConfig.prefill_token_budget, or twice --max-running when that is more). Under load "
                         "the user audio of every speaking session is prefilled in a few big steps, which a commit's "
                         "codes wait out before its answer can start")
-    p.add_argument("--ramp-step-rows", type=_int_at_least(0), default=None, metavar="N",
+    p.add_argument("--ramp-step-rows", type=int_at_least(0), default=None, metavar="N",
                    help="while a new answer makes its first rows, steps carry at most N rows (decodes + prefill "
                         "of users still speaking; committed turns are outside the cap; 0: no cap; default: "
                         "EngineConfig.ramp_step_rows in engines/config.py)")

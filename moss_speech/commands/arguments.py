@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
+from engines.process.options import int_at_least
 
-
-def _int(text: str, least: int) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < least:
-        raise argparse.ArgumentTypeError(f"must be >= {least}, got {v}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    return _int(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    return _int(text, 0)
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def counts(text: str) -> list[int]:
     """Comma-separated counts, each >= 1 (batch sizes, sessions): "1,16,64" -> [1, 16, 64]."""
-    return [_int(x.strip(), 1) for x in text.split(",")]
+    return [positive_int(x.strip()) for x in text.split(",")]

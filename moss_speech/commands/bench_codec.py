@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="with --context full: the element type of the flow's cached keys and values, as the engine's "
                         "--decoder-cache-dtype (default auto: the estimator's)")
-    p.add_argument("--prompt-codes", type=int, default=73,
+    p.add_argument("--prompt-codes", type=non_negative_int, default=73,
                    help="the sessions' voice prompt, in codes (default 73: the bundled voice's length; its keys are "
                         "read with every chunk); 0: no prompt")
     p.add_argument("--cache-gib", type=float, default=None,
@@ -126,9 +126,6 @@ def load_options(args: argparse.Namespace, on_gpu: bool) -> dict:
 def run(args: argparse.Namespace) -> int:
     from engines.speech_out import CodecDecoder, Voice
 
-    if args.prompt_codes < 0:
-        print(f"error: --prompt-codes must be >= 0, got {args.prompt_codes}", file=sys.stderr)
-        return 2
     device = torch.device(args.device)
     opts = load_options(args, device.type == "cuda")
     try:
@@ -136,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
                                 cache_dtype=args.cache_dtype, **opts)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.prompt_codes > dec.cfg.stream.max_prompt_codes:
+        print(f"error: --prompt-codes {args.prompt_codes} exceeds a voice prompt's {dec.cfg.stream.max_prompt_codes} "
+              "codes", file=sys.stderr)
         return 2
     chunk = dec.cfg.stream.chunk_codes
     hw = hardware(device)

@@ -85,6 +85,8 @@ def test_bench_codec_names_a_cache_too_small_for_its_answers(capsys):
     assert rc == 1
     assert "error: batch 3:" in capsys.readouterr().err
     assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--cache-gib", "0"]) == 2
+    assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--prompt-codes", "5000"]) == 2
+    assert "exceeds a voice prompt's" in capsys.readouterr().err
 
 
 def test_bench_codec_times_only_rounds_where_every_answer_decodes_a_chunk(tmp_path, capsys):
