@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=non_negative_int, default=None,
                    help="untimed steps per batch size (default: until the flow encoder's window is full, "
                         "StreamConfig.steady_chunks: earlier steps see new key lengths, each a graph capture); "
-                        "the answers are this many chunks plus one in when the timed steps start (50: 20 s)")
+                        "the timed steps begin about this many 0.4 s chunks into the answers (50: 20 s)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the flow and the vocoder as CUDA graphs (default: on a GPU, as served)")
