@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-codes", type=int, default=73, help="the voice prompt's codes (73: the bundled voice)")
     p.add_argument("--contexts", nargs="+", default=["window", "full"])
     p.add_argument("--cache-gib", type=float, default=None, help="the full-context decoder's key/value cache "
-                   "(default: as served, 40 GiB or 45% of the GPU's free memory); answers that outgrow it forget their "
-                   "oldest chunks")
+                   "(default: as served, 40 GiB or 45%% of the GPU's free memory); answers that outgrow it forget "
+                   "their oldest chunks")
     p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the full-context decoder's key/value element type (--decoder-cache-dtype)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
