@@ -23,6 +23,7 @@ from engines.profiling.codec_timeline import Timeline
 from engines.profiling.profile_loop import gpu_busy
 from engines.speech_out import CodecDecoder, Voice
 from engines.speech_out.presets import served_options
+from engines.speech_out.voice import BUNDLED_VOICE_CODES
 
 
 def _sync(dec: CodecDecoder):
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--seconds", type=float, default=20.0, help="audio per answer")
-    p.add_argument("--prompt-codes", type=int, default=73, help="the voice prompt's codes (73: the bundled voice)")
+    p.add_argument("--prompt-codes", type=int, default=BUNDLED_VOICE_CODES,
+                   help=f"the voice prompt's codes ({BUNDLED_VOICE_CODES}: the bundled voice)")
     p.add_argument("--contexts", nargs="+", default=["window", "full"])
     p.add_argument("--cache-gib", type=float, default=None, help="the full-context decoder's key/value cache "
                    "(default: as served, 40 GiB or 45%% of the GPU's free memory); answers that outgrow it forget "

@@ -26,6 +26,9 @@ from engines.speech_out.mel_spec import CODEC_MEL, log_mel
 # The voice answers speak in when a session sets none (the engine's --voice chooses another): eSpeak NG speech,
 # dedicated to the public domain (CC0); docs/operations.md, Voice.
 DEFAULT_VOICE_WAV = Path(__file__).resolve().parent / "voices" / "default.wav"
+# Its prompt codes (5.86 s at 12.5 a second): what benches give their sessions' random voices, so that every chunk
+# reads as many prompt keys as a served answer in the default voice.
+BUNDLED_VOICE_CODES = 73
 
 
 @dataclass(frozen=True, eq=False)

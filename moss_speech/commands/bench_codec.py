@@ -29,6 +29,8 @@ from engines.bench.codec_rounds import SteadyRounds
 from engines.bench.hardware import measure_bandwidth, measure_matmul
 from engines.config import ConfigError
 from engines.speech_out.flow.pages import DecoderCacheFull
+from engines.speech_out.presets import served_options
+from engines.speech_out.voice import BUNDLED_VOICE_CODES
 from moss_speech.commands.arguments import counts, non_negative_int, positive_int
 
 
@@ -55,9 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="with --context full: the element type of the flow's cached keys and values, as the engine's "
                         "--decoder-cache-dtype (default auto: the estimator's)")
-    p.add_argument("--prompt-codes", type=non_negative_int, default=73,
-                   help="the sessions' voice prompt, in codes (default 73: the bundled voice's length; its keys are "
-                        "read with every chunk); 0: no prompt")
+    p.add_argument("--prompt-codes", type=non_negative_int, default=BUNDLED_VOICE_CODES,
+                   help=f"the sessions' voice prompt, in codes (default {BUNDLED_VOICE_CODES}: the bundled voice's "
+                        "length; its keys are read with every chunk); 0: no prompt")
     p.add_argument("--cache-gib", type=float, default=None,
                    help="with --context full: the flow's cache of earlier chunks, as the engine's --decoder-cache-gib "
                         "(default the engine's: 40 GiB or 45%% of the GPU's free memory; answers that outgrow it "
@@ -114,8 +116,6 @@ def _time_step(rounds: SteadyRounds, device: torch.device) -> tuple[float, int]:
 
 def load_options(args: argparse.Namespace, on_gpu: bool) -> dict:
     """CodecDecoder.load's settings: the engine's on this device (served_options), each one given overriding it."""
-    from engines.speech_out.presets import served_options
-
     opts = served_options(args.codec, on_gpu, args.vocoder)
     for key in ("cuda_graphs", "encoder_graphs", "encoder_tf32", "estimator_dtype"):
         if getattr(args, key) is not None:

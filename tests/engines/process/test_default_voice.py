@@ -15,7 +15,7 @@ from engines.protocol import messages as m
 from engines.speech_out import voice as voice_module
 from engines.speech_out.mel_spec import CODEC_MEL, log_mel
 from engines.speech_out.random_codec import write_random_codec
-from engines.speech_out.voice import DEFAULT_VOICE_WAV, resample
+from engines.speech_out.voice import BUNDLED_VOICE_CODES, DEFAULT_VOICE_WAV, resample
 from tests.engines.process import service_loop
 from tests.engines.speech_out.campplus_stand_in import write_campplus_stand_in
 
@@ -46,7 +46,7 @@ def test_a_session_without_a_voice_speaks_in_the_bundled_voice(codec_dir, monkey
     mel = log_mel(resample(w, rate, CODEC_MEL.sample_rate)[None], CODEC_MEL)[0]
     codes = svc.encoder.encode(resample(w, rate, 16000).numpy())
     n = min(len(codes), mel.shape[1] // 4)
-    assert n > 50  # ~5.9 s of speech
+    assert n == BUNDLED_VOICE_CODES  # ~5.9 s of speech
     assert v.codes.tolist() == codes[:n]
     torch.testing.assert_close(v.mel, mel[:, :4 * n].float())
     torch.testing.assert_close(v.xvector, stand_in_xvector(resample(w, rate, 16000), None))
