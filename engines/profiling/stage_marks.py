@@ -17,6 +17,7 @@ way in (server loop, socket, the engine's pickup) and the first audio's way out.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import gzip
 import re
@@ -24,6 +25,8 @@ import sys
 from typing import TextIO
 
 import numpy as np
+
+from engines.process.options import int_at_least
 
 LINE = re.compile(r"response (\S+): first audio at ([\d.]+) ms; stages (\{.*\})")
 SERVER_LINE = re.compile(r"response done id=(\S+) status=\S+ reason=\S+ ttfa_ms=([\d.]+)")
@@ -130,11 +133,16 @@ def cut(part: list[tuple[float, dict[str, float]]]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    answers = read(argv[0])
-    sizes = [2 * int(x) for x in argv[1:]] or [len(answers)]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("log", help="the engine's log (plain or .gz)")
+    p.add_argument("sessions", nargs="*", type=int_at_least(1),
+                   help="each load level's sessions, in the log's order (2 answers a session); none: one level")
+    args = p.parse_args(argv)
+    answers = read(args.log)
+    sizes = [2 * n for n in args.sessions] or [len(answers)]
     print(f"{len(answers)} answers; stage p50 / p95 ms")
     start = 0
-    for sessions, size in zip(argv[1:] or ["all"], sizes, strict=True):
+    for sessions, size in zip(args.sessions or ["all"], sizes, strict=True):
         part, start = answers[start:start + size], start + size
         cols = [f"engine TTFA {pct([t for t, _ in part])}"]
         if any("server_ttfa" in d for _, d in part):

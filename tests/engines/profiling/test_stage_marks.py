@@ -81,3 +81,12 @@ def test_a_gzipped_log_reads_as_the_plain_one(tmp_path):
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     answers = stage_marks.read(str(packed))
     assert len(answers) == 20 and answers == stage_marks.read(str(plain))
+
+
+def test_its_help_and_a_level_of_no_sessions_are_usage_not_a_log_read(capsys):
+    with pytest.raises(SystemExit) as out:
+        stage_marks.main(["--help"])
+    assert out.value.code == 0 and "each load level's sessions" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as out:
+        stage_marks.main(["server.log", "0"])
+    assert out.value.code == 2 and "must be >= 1" in capsys.readouterr().err
