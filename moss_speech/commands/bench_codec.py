@@ -171,10 +171,13 @@ def run(args: argparse.Namespace) -> int:
                 _time_step(rounds, device)
             forgotten = dec.full.forgotten if dec.full is not None else 0
             timed = [_time_step(rounds, device) for _ in range(args.iters)]
+            state_bytes = rounds.streams[0].state_bytes()
         except DecoderCacheFull as e:  # every answer keeps at least its last chunks (FullContextFlow.kept_pages)
             print(f"error: batch {b}: {e}: the cache is too small for {b} answers this long (--cache-gib)",
                   file=sys.stderr)
             return 1
+        finally:  # the batch's answers give their pages back, an error or not
+            rounds.close()
         if any(n < b for _, n in timed):  # an answer's first job waits for its prompt's tail and more codes
             print(f"error: batch {b}: a timed step decoded fewer than {b} chunks: give --warmup 2 or more",
                   file=sys.stderr)
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         streams = 0.4 / (per_chunk / 1e3)
         row = {"batch": b, "step_ms_median": round(ms, 3), "step_ms_min": round(min(times), 3),
                "ms_per_chunk": round(per_chunk, 3), "streams_supported": int(streams),
-               "state_bytes_per_session": rounds.streams[0].state_bytes(),
+               "state_bytes_per_session": state_bytes,
                "solve_floor_ms": round(floors[b], 4)}
         if dec.full is not None:  # pages the timed steps' answers forgot: their context was cut short
             row["chunks_forgotten_timed"] = dec.full.forgotten - forgotten
@@ -194,7 +197,6 @@ def run(args: argparse.Namespace) -> int:
                if row.get("chunks_forgotten_timed") else "")
         print(f"batch {b:3d}: step {ms:8.2f} ms (min {min(times):.2f}), {per_chunk:7.3f} ms per chunk, "
               f"real-time streams supported: {int(streams)}; the solve's floor {row['solve_floor_ms']:.3f} ms{cut}")
-        rounds.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hw, "codec": dec.source, **opts, "context": args.context,

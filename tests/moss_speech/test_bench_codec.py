@@ -79,11 +79,17 @@ def test_bench_codec_counts_the_chunks_answers_forgot_while_timed(tmp_path):
     assert json.loads(roomy.read_text())["results"][0]["chunks_forgotten_timed"] == 0
 
 
-def test_bench_codec_names_a_cache_too_small_for_its_answers(capsys):
+def test_bench_codec_names_a_cache_too_small_for_its_answers(capsys, monkeypatch):
+    from engines.bench.codec_rounds import SteadyRounds
+
+    closed = []
+    close = SteadyRounds.close
+    monkeypatch.setattr(SteadyRounds, "close", lambda self: (closed.append(len(self.streams)), close(self)))
     rc = main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--batches", "3", "--iters", "2",
                "--warmup", "20", "--cache-gib", "0.003"])
     assert rc == 1
     assert "error: batch 3:" in capsys.readouterr().err
+    assert closed == [3]  # the batch's answers closed all the same
     assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--cache-gib", "0"]) == 2
     assert main(["bench", "codec", "--codec", "tiny-random", "--device", "cpu", "--prompt-codes", "5000"]) == 2
     assert "exceeds a voice prompt's" in capsys.readouterr().err
