@@ -134,7 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoder-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="with --decoder-context full: the element type of the flow's cached keys and values: auto "
                         "(the estimator's) or fp8 (e4m3, saturated at +-448): half the memory a second of answer "
-                        "takes, so answers forget their oldest chunks later or never, for rounds ~8%% longer at the "
+                        "takes, so answers forget their oldest chunks later or never, for rounds ~5%% longer at the "
                         "same chunks; other numerics than the published model (docs/fidelity.md)")
     p.add_argument("--encode-every-ms", type=_non_negative_ms, default=80.0,
                    help="encode every session's held user audio together, in one batch, at most this often "

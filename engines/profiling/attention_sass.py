@@ -46,7 +46,7 @@ def compile_kernel(block_t: int, warps: int, stages: int, cache_dtype: str, arch
     pages = "*fp8e4nv" if cache_dtype == "fp8" else "*bf16"
     # the served estimator's bf16 queries over its pages: the dots' dtype as the launch chooses it
     f16 = fp16_dots(torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=kv_torch_dtype(cache_dtype, "bfloat16")))
-    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_T": block_t, "SPLIT": False, "F16": f16}
+    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_T": block_t, "SPLIT": False, "F16": f16, "ASM": True}
     sig, constexprs, aligned = {}, {}, []
     for i, name in enumerate(fn.arg_names):
         if name in POINTERS:
@@ -88,10 +88,11 @@ def loops(sass: str) -> list[collections.Counter]:
 
 
 def key_buffers(ttgir: str, block_t: int) -> int:
-    """The shared-memory buffers of a block of block_t keys (the whole-block loop's, [block_t, HEAD_DIM]) in the
-    kernel's GPU IR: how many blocks' loads the pipeliner keeps in flight (0: loaded to registers, not pipelined)."""
-    return max((int(n) for n, rows, cols in _BUFFERS.findall(ttgir) if (int(rows), int(cols)) == (block_t, HEAD_DIM)),
-               default=0)
+    """The shared-memory buffers of a block of block_t keys (the whole-block loop's, [block_t, HEAD_DIM] values or,
+    fp8 pages read as words of 4, [block_t, HEAD_DIM // 4]) in the kernel's GPU IR: how many blocks' loads the
+    pipeliner keeps in flight (0: loaded to registers, not pipelined)."""
+    tiles = {(block_t, HEAD_DIM), (block_t, HEAD_DIM // 4)}
+    return max((int(n) for n, rows, cols in _BUFFERS.findall(ttgir) if (int(rows), int(cols)) in tiles), default=0)
 
 
 def report(block_t: int, warps: int, stages: int, cache_dtype: str, arch: int) -> dict:

@@ -36,12 +36,24 @@ def test_fp8_pages_add_their_conversion_to_the_loop():
     assert fp8["HMMA"] == bf16["HMMA"]
 
 
+def test_fp8_pages_reach_the_products_through_ldmatrix_as_bf16_pages_do():
+    bf16, fp8 = (attention_sass.report(pa.BLOCK_T, pa.NUM_WARPS, pa.NUM_STAGES, kind, 90)
+                 for kind in ("auto", "fp8"))
+    # converted as read, keys and values go to the products' layout in fp16 as bf16 pages go, not assembled a byte
+    # at a time from an fp8 tile in shared memory (which took 132 shared loads and 235 IMAD a block of keys)
+    assert fp8["loops"][0]["ops"]["LDSM"] == bf16["loops"][0]["ops"]["LDSM"]
+    assert fp8["loops"][0]["ops"].get("LDS", 0) <= bf16["loops"][0]["ops"].get("LDS", 0)
+    assert fp8["key_buffers"] >= 1  # still pipelined: the words' tile in shared memory
+
+
 def test_key_buffers_are_read_from_the_shared_memory_a_block_of_keys_takes():
     ir = ("%k = ttg.local_alloc : () -> !ttg.memdesc<2x128x64xbf16, #shared, #smem, mutable>\n"
           "%p = ttg.local_alloc : () -> !ttg.memdesc<2x128xi64, #shared1, #smem, mutable>\n"
           "%n = ttg.local_alloc : () -> !ttg.memdesc<3x32x64xbf16, #shared, #smem, mutable>\n")
     assert attention_sass.key_buffers(ir, 128) == 2  # the whole blocks' tile, not the page indices or new frames'
     assert attention_sass.key_buffers(ir, 256) == 0
+    words = "%w = ttg.local_alloc : () -> !ttg.memdesc<3x128x16xi32, #shared2, #smem, mutable>\n"
+    assert attention_sass.key_buffers(words, 128) == 3  # fp8 pages' tile, read as words of 4 values
 
 
 def test_more_stages_keep_more_blocks_of_keys_in_flight():
