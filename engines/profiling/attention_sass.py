@@ -46,7 +46,7 @@ def compile_kernel(block_t: int, warps: int, stages: int, cache_dtype: str, arch
     pages = "*fp8e4nv" if cache_dtype == "fp8" else "*bf16"
     # the served estimator's bf16 queries over its pages: the dots' dtype as the launch chooses it
     f16 = fp16_dots(torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=kv_torch_dtype(cache_dtype, "bfloat16")))
-    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_T": block_t, "SPLIT": False, "F16": f16, "ASM": True}
+    const = {"FR": FRAMES, "H": HEADS, "D": HEAD_DIM, "BLOCK_T": block_t, "SPLIT": False, "F16": f16}
     sig, constexprs, aligned = {}, {}, []
     for i, name in enumerate(fn.arg_names):
         if name in POINTERS:

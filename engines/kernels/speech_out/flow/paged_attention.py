@@ -13,9 +13,10 @@ work, so one CUDA graph of a batch serves answers and voices of any length.
 and one of values copied whole), which the attention then reads as it reads earlier frames.
 
 Pages are in the estimator's dtype or in fp8 (e4m3, saturated at +-448: `--decoder-cache-dtype fp8`); fp8 keys and
-values are read as 32-bit words, converted to fp16 in registers as they are loaded (`_fp8_rows`), and the products
-run in fp16 (`cache_value.fp16_dots`, as the language model's paged attention). Half the bytes, but not a faster
-launch than bf16 pages: the loop's instructions, not its bytes, hold both (docs/performance.md, The full-context flow).
+values are read as 32-bit words and converted to fp16 in registers as they are loaded (`cache_value.kv_rows`), and
+the products run in fp16 (`cache_value.fp16_dots`, as the language model's paged attention). Half the bytes, but
+not a faster launch than bf16 pages: the loop's instructions, not its bytes, hold both (docs/performance.md, The
+full-context flow).
 
 Keys, in the order a row reads them: its earlier pages' frames (`n_keys`, whole pages), then the new chunks' real
 frames (`n_new`), a query seeing a new frame only in its own chunk or an earlier one (the chunk mask). Three loops
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from engines.kernels.attention_splits import merge_splits, store_split
-from engines.kernels.cache_value import cache_value, fp16_dots, kv_tile
+from engines.kernels.cache_value import cache_value, check_word_aligned, fp16_dots, kv_rows
 
 BLOCK_Q = 32  # queries per program (a chunk is 20 frames)
 BLOCK_T = 128  # keys per inner iteration over the earlier pages
@@ -55,42 +56,12 @@ LOG2E = 1.4426950408889634  # the softmax runs in base 2: exp2 is one instructio
 
 
 @triton.jit
-def _fp8_rows(base, off, um, D: tl.constexpr, WHOLE: tl.constexpr, ASM: tl.constexpr):
-    """Rows `off` [BLOCK] of D fp8 values at `base`, in fp16 [BLOCK, D]. They are read as 32-bit words of 4 values,
-    each word converted in registers as it is loaded (two cvt.rn.f16x2.e4m3x2), so that the tile reaches the dots'
-    operand layout in fp16, through shared memory by ldmatrix as bf16 pages do. Loaded as fp8 values, a tile went to
-    that layout in fp8, a values tile assembled from shared memory a byte at a time (its pairs lie along the keys, a
-    row apart): 872 instructions a block of 128 keys where this takes 589, and 10-11% longer a launch at 64 answers
-    (`engines.profiling.attention_sass`, `estimator_attention`). The conversion is inline PTX because Triton moves a
-    plain conversion after the layout change; ASM false (the Triton interpreter, which runs no PTX) splits the same
-    words by shifts."""
-    ptrs = base.to(tl.pointer_type(tl.int32)) + (off // 4)[:, None] + tl.arange(0, D // 4)[None, :]
-    if WHOLE:
-        w = tl.load(ptrs)  # [BLOCK, D // 4]
-    else:
-        w = tl.load(ptrs, mask=um[:, None], other=0)
-    if ASM:
-        a, b, c, d = tl.inline_asm_elementwise(
-            "{ .reg .b16 p0, p1; .reg .b32 r0, r1; mov.b32 {p0, p1}, $4; cvt.rn.f16x2.e4m3x2 r0, p0; "
-            "cvt.rn.f16x2.e4m3x2 r1, p1; mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; }",
-            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        a = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        b = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        c = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        d = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    # join adds a last dim: [w, i, j] of join(join(a, c), join(b, d)) is (a, b, c, d)[2i + j]
-    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (w.shape[0], D))
-
-
-@triton.jit
 def _keys(q, m_i, l_i, acc, Q, base, table, s_kv, s_pg, s_pf, t, t_end, n_keys, MAXP, q_chunk, qk_scale,
           FR: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, NEW: tl.constexpr, F16: tl.constexpr,
-          ASM: tl.constexpr, WHOLE: tl.constexpr = False):
+          WHOLE: tl.constexpr = False):
     """Keys t .. t + BLOCK of a row (those before t_end) into the online softmax (base 2). Earlier pages' keys (NEW
     false) are seen by every query; a new chunk's frame only by queries of its chunk or a later one. WHOLE: every key
     of the block is before t_end, so no load is masked."""
-    rd = tl.arange(0, D)
     u = t + tl.arange(0, BLOCK)
     um = u < t_end
     if NEW:
@@ -103,12 +74,7 @@ def _keys(q, m_i, l_i, acc, Q, base, table, s_kv, s_pg, s_pf, t, t_end, n_keys, 
     else:
         page = tl.load(table + lt // FR, mask=um, other=0)
     off = page.to(tl.int64) * s_pg + (lt % FR) * s_pf
-    if F16:
-        k = _fp8_rows(base, off, um, D, WHOLE, ASM)
-    elif WHOLE:
-        k = kv_tile(tl.load(base + off[:, None] + rd[None, :]), Q, F16)
-    else:
-        k = kv_tile(tl.load(base + off[:, None] + rd[None, :], mask=um[:, None], other=0.0), Q, F16)
+    k = kv_rows(base, off, um, Q, D, F16, WHOLE)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK] float32, base 2
     if NEW:
         s = tl.where(um[None, :] & ((j // FR)[None, :] <= q_chunk[:, None]), s, float("-inf"))
@@ -123,12 +89,7 @@ def _keys(q, m_i, l_i, acc, Q, base, table, s_kv, s_pg, s_pf, t, t_end, n_keys, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if F16:
-        v = _fp8_rows(base + s_kv, off, um, D, WHOLE, ASM)
-    elif WHOLE:
-        v = kv_tile(tl.load(base + s_kv + off[:, None] + rd[None, :]), Q, F16)
-    else:
-        v = kv_tile(tl.load(base + s_kv + off[:, None] + rd[None, :], mask=um[:, None], other=0.0), Q, F16)
+    v = kv_rows(base + s_kv, off, um, Q, D, F16, WHOLE)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
@@ -138,8 +99,7 @@ def _keys(q, m_i, l_i, acc, Q, base, table, s_kv, s_pg, s_pf, t, t_end, n_keys, 
 @triton.jit(do_not_specialize=["F", "B", "MAXP"])
 def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, s_br, s_pg, s_pf, s_tb, s_or, B, MAXP,
                   qk_scale, F, FR: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_NEW: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr,
-                  ASM: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_NEW: tl.constexpr, SPLIT: tl.constexpr, F16: tl.constexpr):
     pid = tl.program_id(0)  # (row, head)
     split = tl.program_id(1)
     qblk = tl.program_id(2)
@@ -170,13 +130,13 @@ def _paged_kernel(Q, PAGES, TABLE, NKEYS, NNEW, OUT, PO, PML, s_qr, s_qf, s_kv, 
     whole_end = t0 + tl.maximum(old_end - t0, 0) // BLOCK_T * BLOCK_T
     for t in range(t0, whole_end, BLOCK_T):
         m_i, l_i, acc = _keys(q, m_i, l_i, acc, Q, base, table, s_kv, s_pg, s_pf, t, old_end, n_keys, MAXP, q_chunk,
-                              qk_scale, FR, D, BLOCK_T, False, F16, ASM, True)
+                              qk_scale, FR, D, BLOCK_T, False, F16, True)
     for t in range(whole_end, old_end, BLOCK_T):
         m_i, l_i, acc = _keys(q, m_i, l_i, acc, Q, base, table, s_kv, s_pg, s_pf, t, old_end, n_keys, MAXP, q_chunk,
-                              qk_scale, FR, D, BLOCK_T, False, F16, ASM)
+                              qk_scale, FR, D, BLOCK_T, False, F16)
     for t in range(tl.maximum(t0, n_keys), t_end, BLOCK_NEW):
         m_i, l_i, acc = _keys(q, m_i, l_i, acc, Q, base, table, s_kv, s_pg, s_pf, t, t_end, n_keys, MAXP, q_chunk,
-                              qk_scale, FR, D, BLOCK_NEW, True, F16, ASM)
+                              qk_scale, FR, D, BLOCK_NEW, True, F16)
     m_i = m_i * 0.6931471805599453  # (ln 2) merge_splits reads the max in base e
     store_split(acc, m_i, l_i, r * F + rq, qm, h, split, tl.num_programs(0) // H * F, OUT, PO, PML, s_or, H, D, SPLIT)
 
@@ -193,9 +153,7 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
     if R != 2 * B or pages.shape[-1] != HD or q.stride(2) != 1 or pages.stride(4) != 1:
         raise ValueError(f"q {tuple(q.shape)} / pages {tuple(pages.shape)} / table {tuple(table.shape)} disagree")
     f16 = fp16_dots(q, pages)
-    if f16 and (D % 4 or pages.data_ptr() % 4 or any(st % 4 for st in pages.stride()[:4])):
-        raise ValueError(f"fp8 pages are read as 32-bit words: head size {D} and strides {pages.stride()} must be "
-                         "multiples of 4")
+    check_word_aligned(pages, pages.stride()[:4], D)
     c = -(-Fq // frames)
     maxp = slots - c
     out = torch.empty(R, Fq, HD, device=q.device, dtype=q.dtype)
@@ -211,7 +169,7 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
         q, pages, table, n_keys, n_new, out, po, pml, q.stride(0), q.stride(1), pages.stride(0), pages.stride(1),
         pages.stride(2), pages.stride(3), table.stride(0), HD, B, maxp, D ** -0.5 * LOG2E, F=Fq, FR=frames, H=heads,
         D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, BLOCK_NEW=BLOCK_NEW, SPLIT=splits > 1, F16=f16,
-        ASM=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         merge_splits(po, pml, out.view(R * Fq, HD), splits, MAX_SPLITS)
     return out
