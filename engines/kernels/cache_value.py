@@ -55,10 +55,10 @@ def kv_rows(base, rows, mask, Q, D: tl.constexpr, F16: tl.constexpr, ALL: tl.con
     as it is loaded (two cvt.rn.f16x2.e4m3x2), so that the tile reaches the dots' operand layout in fp16, through
     shared memory by ldmatrix as 16-bit caches do. Loaded as fp8 values, a tile went to that layout in fp8, a
     values tile assembled from shared memory a byte at a time (its pairs for the products lie along the rows, a row
-    apart): the flow's attention took 872 instructions a block of 128 keys where this takes 589, and 10-11% longer a
-    launch (`engines.profiling.attention_sass`). The conversion is inline PTX because Triton moves a plain one past
-    the layout change; in the interpreter the same words are split by shifts. Rows and `base` must be 4-byte
-    aligned (callers check the strides)."""
+    apart): the flow's attention took 872 instructions a block of 128 keys where this takes 589, and its launch at
+    64 answers 10-11% longer on an H100 (`engines.profiling.attention_sass`, `estimator_attention`). The conversion
+    is inline PTX because Triton moves a plain one past the layout change; in the interpreter the same words are
+    split by shifts. Rows and `base` must be 4-byte aligned (callers check: `check_word_aligned`)."""
     if F16:
         ptrs = base.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + tl.arange(0, D // 4)[None, :]
         if ALL:

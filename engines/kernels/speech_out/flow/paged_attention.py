@@ -152,7 +152,6 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
     D = HD // heads
     if R != 2 * B or pages.shape[-1] != HD or q.stride(2) != 1 or pages.stride(4) != 1:
         raise ValueError(f"q {tuple(q.shape)} / pages {tuple(pages.shape)} / table {tuple(table.shape)} disagree")
-    f16 = fp16_dots(q, pages)
     check_word_aligned(pages, pages.stride()[:4], D)
     c = -(-Fq // frames)
     maxp = slots - c
@@ -168,7 +167,7 @@ def paged_attention(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, n
     _paged_kernel[(R * heads, splits, qblocks)](
         q, pages, table, n_keys, n_new, out, po, pml, q.stride(0), q.stride(1), pages.stride(0), pages.stride(1),
         pages.stride(2), pages.stride(3), table.stride(0), HD, B, maxp, D ** -0.5 * LOG2E, F=Fq, FR=frames, H=heads,
-        D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, BLOCK_NEW=BLOCK_NEW, SPLIT=splits > 1, F16=f16,
+        D=D, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T, BLOCK_NEW=BLOCK_NEW, SPLIT=splits > 1, F16=fp16_dots(q, pages),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         merge_splits(po, pml, out.view(R * Fq, HD), splits, MAX_SPLITS)
