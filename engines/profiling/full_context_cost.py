@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engines.bench.codec_rounds import SteadyRounds
+from engines.process.options import int_at_least
 from engines.profiling.codec_timeline import Timeline
 from engines.profiling.profile_loop import gpu_busy
 from engines.speech_out import CodecDecoder, Voice
@@ -181,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--codec", default="full-random")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--batches", type=int_at_least(1), nargs="+", default=[1, 8, 32])
     p.add_argument("--seconds", type=float, default=20.0, help="audio per answer")
-    p.add_argument("--prompt-codes", type=int, default=BUNDLED_VOICE_CODES,
+    p.add_argument("--prompt-codes", type=int_at_least(0), default=BUNDLED_VOICE_CODES,
                    help=f"the voice prompt's codes ({BUNDLED_VOICE_CODES}: the bundled voice)")
     p.add_argument("--contexts", nargs="+", default=["window", "full"])
     p.add_argument("--cache-gib", type=float, default=None, help="the full-context decoder's key/value cache "

@@ -1,12 +1,14 @@
 """full_context_cost's phase timing (`--phases`): each phase of a round timed, with timing events the round around
-its phases too, and the decoder left as it was."""
+its phases too, and the decoder left as it was; and its counts checked as they are parsed."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
+from engines.profiling import full_context_cost
 from engines.profiling.codec_timeline import Timeline
 from engines.profiling.full_context_cost import PHASES, _phases, _rounds_ahead
 from engines.speech_out import CodecDecoder, Voice
@@ -51,3 +53,10 @@ def test_rounds_queued_ahead_are_timed_from_one_rounds_pcm_to_the_next():
     dec = CodecDecoder.load("tiny-random", device="cpu", vocoder="hift", context="full", cache_gib=0.05)
     ms = _rounds_ahead(dec, 2, 4, Voice.random(seed=3, n_codes=12))
     assert len(ms) == 4 and all(t > 0 for t in ms)
+
+
+@pytest.mark.parametrize("argv", [["--batches", "0"], ["--batches", "8", "x"], ["--prompt-codes", "-1"]])
+def test_a_bad_count_is_a_usage_error_as_in_bench_codec(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        full_context_cost.main(argv)
+    assert e.value.code == 2 and "error: argument" in capsys.readouterr().err
