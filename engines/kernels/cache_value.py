@@ -46,6 +46,12 @@ def kv_tile(x, Q, F16: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_byte(w, SHIFT: tl.constexpr):
+    """The e4m3 value in bits SHIFT .. SHIFT + 8 of each 32-bit word of `w`, as fp16 (the interpreter's conversion)."""
+    return ((w >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
 def kv_rows(base, rows, mask, Q, D: tl.constexpr, F16: tl.constexpr, ALL: tl.constexpr = False):
     """Cached rows at `base` + rows [BLOCK] (each row's first element; a row is D contiguous values), those under
     `mask` [BLOCK] (every one with ALL: no load masked) -> [BLOCK, D] in the dtype of the dots (`kv_tile`), 0 where
@@ -71,10 +77,7 @@ def kv_rows(base, rows, mask, Q, D: tl.constexpr, F16: tl.constexpr, ALL: tl.con
                 "cvt.rn.f16x2.e4m3x2 r1, p1; mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; }",
                 "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
         else:
-            a = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            b = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            c = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            d = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            a, b, c, d = _e4m3_byte(w, 0), _e4m3_byte(w, 8), _e4m3_byte(w, 16), _e4m3_byte(w, 24)
         # join adds a last dim: [w, i, j] of join(join(a, c), join(b, d)) is (a, b, c, d)[2i + j]
         return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (w.shape[0], D))
     cols = tl.arange(0, D)
